@@ -1,0 +1,26 @@
+"""nn_data: Megatron THD packing, context-parallel sharding and unpacking as
+stateless ``nn.Module`` ops that ``torch.compile`` captures whole.
+
+Importing ``nn_data`` does not import megatron-core; only
+:mod:`nn_data.megatron_data` (the NeMo-RL-compatible layer) does.
+"""
+
+from nn_data.context_parallel import ShardForContextParallel, UnshardFromContextParallel
+from nn_data.errors import PackingError
+from nn_data.pack import PackLayout, PackResult, PackSequences, pack_with_layout
+from nn_data.rows import RowPadded, pad_rows, pad_to_row_capacity
+from nn_data.unpack import UnpackSequences
+
+__all__ = [
+    "PackLayout",
+    "PackResult",
+    "PackSequences",
+    "PackingError",
+    "RowPadded",
+    "ShardForContextParallel",
+    "UnpackSequences",
+    "UnshardFromContextParallel",
+    "pack_with_layout",
+    "pad_rows",
+    "pad_to_row_capacity",
+]

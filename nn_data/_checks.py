@@ -1,0 +1,110 @@
+"""Argument checks shared by the ops.
+
+Two kinds live here:
+
+* configuration and metadata checks (Python ints, shapes, dtypes, devices):
+  free, they run in ``__init__`` or at trace time and never touch tensor data;
+* the host side of the data validation step: given numbers that the op already
+  brought to the host in its single sync, build the error message.
+
+Device-side asserts for the compiled path are issued by the ops themselves with
+:func:`device_assert`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from nn_data.errors import PackingError
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def positive_int(name: str, value, *, allow_none: bool = False) -> Optional[int]:
+    """Return ``value`` if it is an int >= 1 (or None when allowed), else raise."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        valid = "an int >= 1" + (" or None" if allow_none else "")
+        raise PackingError(f"{name}={value!r} is invalid; expected {valid}")
+    return value
+
+
+def check_cp(cp_size, cp_rank=None) -> None:
+    """Validate a context-parallel size and, when given, a rank in ``[0, cp_size)``."""
+    positive_int("cp_size", cp_size)
+    if cp_rank is None:
+        return
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise PackingError(
+            f"cp_rank={cp_rank!r} is invalid; expected an int in [0, {cp_size}) for cp_size={cp_size}"
+        )
+
+
+def check_int_vector(name: str, t, length: Optional[int] = None) -> None:
+    """``t`` must be a 1-D integer tensor (of ``length`` entries when given)."""
+    if not isinstance(t, torch.Tensor):
+        raise PackingError(f"{name} must be a 1-D integer torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.dtype not in _INT_DTYPES:
+        raise PackingError(
+            f"{name} must be a 1-D integer tensor, got shape {tuple(t.shape)} and dtype {t.dtype}"
+        )
+    if length is not None and t.shape[0] != length:
+        raise PackingError(f"{name} has {t.shape[0]} entries; expected {length}")
+
+
+def check_min_dims(name: str, t, ndim: int, layout: str) -> None:
+    """``t`` must be a tensor with at least ``ndim`` dims (``layout`` names them)."""
+    if not isinstance(t, torch.Tensor):
+        raise PackingError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() < ndim:
+        raise PackingError(
+            f"{name} must have at least {ndim} dims {layout}, got shape {tuple(t.shape)}"
+        )
+
+
+def check_packed(name: str, t) -> None:
+    """A packed tensor is ``[1, T, *]``."""
+    check_min_dims(name, t, 2, "[1, T, *]")
+    if t.shape[0] != 1:
+        raise PackingError(f"{name} must be [1, T, *] (a leading dim of 1), got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    """Every given tensor must live on one device."""
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {v.device for v in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on {v.device}" for k, v in present.items())
+        raise PackingError(f"tensors must be on one device, got {where}")
+
+
+def check_num_rows(num_rows, capacity: int) -> None:
+    """``num_rows`` is None or a 0-d integer tensor (data, so compile does not specialise on it)."""
+    if num_rows is None:
+        return
+    if not isinstance(num_rows, torch.Tensor) or num_rows.dim() != 0 or num_rows.dtype not in _INT_DTYPES:
+        raise PackingError(
+            f"num_rows={num_rows!r} is invalid; expected None or a 0-d integer tensor in [0, {capacity}] "
+            "(a tensor, not a Python int, so a compiled op does not recompile for each row count)"
+        )
+
+
+def device_assert(cond: torch.Tensor, message: str) -> None:
+    """Assert on the device without a host sync (compiled path)."""
+    torch._assert_async(cond, message)
+
+
+def first_index(mask: torch.Tensor) -> int:
+    """Index of the first True in a 1-D bool tensor (error path only: syncs)."""
+    return int(torch.argmax(mask.to(torch.int8)).item())  # sync: error path only
+
+
+def raise_first(mask: torch.Tensor, values: Sequence[int] | torch.Tensor, fmt: str) -> None:
+    """Raise ``PackingError(fmt.format(i=..., v=...))`` for the first True entry of ``mask``."""
+    i = first_index(mask)
+    v = values[i]
+    v = int(v.item()) if isinstance(v, torch.Tensor) else v  # sync: error path only
+    raise PackingError(fmt.format(i=i, v=v))

@@ -1,0 +1,107 @@
+"""Integer index maps shared by the ops: boundaries, segment ids, zigzag maps.
+
+Shape legend
+    B   sequences (rows); the boundary tensors have B+1 entries
+    T   packed tokens (positions of the packed tensor)
+    C   context-parallel size; a rank holds T/C positions
+    n   a segment's padded length, cu_seqlens_padded[b+1] - cu_seqlens_padded[b]
+    k   a zigzag chunk's length, n / (2C)
+
+Everything here is pure tensor arithmetic on the device: no ``.item()``, no
+boolean-mask indexing, no data-dependent Python branches. Every shape comes
+from a Python int the caller passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def round_up(x, multiple: int):
+    """Round an int or an integer tensor up to a multiple of ``multiple`` (>= 1).
+
+    Example: ``round_up(tensor([3, 0, 5]), 4) -> tensor([4, 0, 8])``.
+    """
+    return (x + (multiple - 1)) // multiple * multiple
+
+
+def exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
+    """``[0, cumsum(lengths)]`` as int64, ``[B] -> [B+1]``.
+
+    Example: ``[3, 0, 5] -> [0, 3, 3, 8]``.
+
+    The cumsum is written into ``zeros[1:]`` rather than built with
+    ``F.pad(cumsum, (1, 0))``: inductor has mis-compiled the padded form in some
+    fused graphs (PyTorch issue 189895).
+    """
+    out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+    out[1:] = torch.cumsum(lengths.to(torch.int64), dim=0)
+    return out
+
+
+def segment_ids(bounds: torch.Tensor, total: int) -> torch.Tensor:
+    """Segment id of every position ``t`` in ``[0, total)``: ``[B+1] -> [total]`` int64.
+
+    Segment ``b`` covers ``[bounds[b], bounds[b+1])``; the id of ``t`` is the number
+    of interior boundaries ``bounds[1:B]`` that are ``<= t``. Zero-length segments
+    put several boundaries on one position, so the count skips over them.
+
+    Example: ``bounds [0, 4, 4, 12], total 12``: interior boundaries ``4, 4``
+    mark position 4 twice -> ``marks [0,0,0,0,2,0,...]`` -> cumsum ->
+    ids ``[0,0,0,0,2,2,2,2,2,2,2,2]`` (segment 1 is empty).
+
+    Built as a scatter-add of ones at the boundaries followed by one cumsum,
+    which on CPU inductor ran about 2.5x faster than ``searchsorted``.
+    Boundaries outside ``[0, total]`` are clamped, so the ids stay in ``[0, B-1]``
+    even for invalid input (validation reports that input separately).
+    """
+    num_segments = bounds.shape[0] - 1
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=bounds.device)
+    interior = bounds[1:num_segments].to(torch.int64).clamp(0, total)  # [B-1]
+    marks.scatter_add_(0, interior, torch.ones_like(interior))
+    return torch.cumsum(marks[:total], dim=0)
+
+
+def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """For each of rank ``r``'s local positions, the packed position it holds.
+
+    ``[B+1] -> [T/C]`` int64. Each segment (``n`` a multiple of ``2C``) is cut into
+    ``2C`` chunks of ``k = n/(2C)``; rank ``r`` keeps chunks ``r`` and ``2C-1-r``.
+
+    Example: C=2, bounds ``[0, 16, 40]`` (n = 16, 24; k = 4, 6), rank 0 holds
+    packed positions ``0..3, 12..15, 16..21, 34..39`` (20 = 40/2 positions).
+    """
+    two_c = 2 * cp_size
+    local_bounds = bounds.to(torch.int64) // cp_size  # [B+1] segment starts on the rank
+    seg = segment_ids(local_bounds, local_total)  # [T/C]
+    start = bounds.to(torch.int64)[seg]  # [T/C] the segment's packed start
+    k = (bounds.to(torch.int64)[seg + 1] - start) // two_c  # [T/C]
+    w = torch.arange(local_total, device=bounds.device) - local_bounds[seg]  # offset on the rank
+    first = w < k
+    offset = torch.where(first, cp_rank * k + w, (two_c - 1 - cp_rank) * k + (w - k))
+    return start + offset
+
+
+def zigzag_inverse(bounds: torch.Tensor, total: int, cp_size: int) -> torch.Tensor:
+    """For each packed position, its place in the rank-major stack of shards.
+
+    ``[B+1] -> [T]`` int64 indices into ``shards.reshape(C * T/C, *)``: the exact
+    inverse of :func:`zigzag_source` over all ranks.
+
+    Example: C=2, bounds ``[0, 8]`` (k = 2): packed positions ``0..7`` sit in
+    chunks ``0,0,1,1,2,2,3,3`` -> ranks ``0,0,1,1,1,1,0,0`` at local places
+    ``0,1,0,1,2,3,2,3`` -> stack indices ``0,1,4,5,6,7,2,3``.
+    """
+    two_c = 2 * cp_size
+    local_total = total // cp_size
+    b64 = bounds.to(torch.int64)
+    seg = segment_ids(b64, total)  # [T]
+    start = b64[seg]
+    k = ((b64[seg + 1] - start) // two_c).clamp_min(1)  # [T]; clamp only guards invalid input
+    w = torch.arange(total, device=bounds.device) - start
+    chunk = (w // k).clamp(0, two_c - 1)
+    within = w - chunk * k
+    second_half = chunk >= cp_size
+    rank = torch.where(second_half, two_c - 1 - chunk, chunk)
+    local = start // cp_size + torch.where(second_half, k + within, within)
+    return (rank * local_total + local).clamp(0, max(cp_size * local_total - 1, 0))

@@ -1,0 +1,291 @@
+"""Pack a padded batch ``[B, S, *]`` into Megatron's THD layout ``[1, T, *]``.
+
+Shape legend
+    B   sequences (rows) of the input batch; R >= B rows after row padding
+    S   padded row length of the input batch
+    T   packed tokens: ``pad_full_seq_to`` when set (a Python int), else
+        ``round_up(sum(round_up(L, m)), p)`` learned with one host sync
+    *   trailing feature dims (none for ids and masks, ``[layers, topk]`` for
+        routed experts)
+
+The layout (index maps) is computed once per batch from ``seq_lengths`` and then
+reused for every tensor of that batch (:meth:`PackLayout.pack`), one gather each.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from nn_data import _checks
+from nn_data._index import exclusive_cumsum, round_up, segment_ids
+
+Fill = Union[int, float, bool, torch.Tensor]
+
+
+class PackLayout(NamedTuple):
+    """Where every packed position reads from. All tensors are ``[T]`` on the input's device.
+
+    ``source``: index into ``x.reshape(B*S, *)`` (clamped into range; meaningful where ``valid``);
+    ``valid``: the position holds a real token (else it is padding);
+    ``segment``: the sequence (row) the position belongs to;
+    ``position``: offset of the position inside its padded segment (0 at each sequence start).
+    ``rows``/``row_len``: the ``B`` and ``S`` the layout was built for.
+    """
+
+    source: torch.Tensor
+    valid: torch.Tensor
+    segment: torch.Tensor
+    position: torch.Tensor
+    rows: int
+    row_len: int
+
+    def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
+        """Pack another ``[B, S, *]`` tensor of the same batch: see :func:`pack_with_layout`."""
+        return pack_with_layout(self, x, fill)
+
+
+class PackResult(NamedTuple):
+    """What :class:`PackSequences` returns.
+
+    ``packed [1, T, *]``, ``cu_seqlens [B+1]`` int32, ``cu_seqlens_padded [B+1]`` int32,
+    ``max_seqlen`` (0-d int32: the longest padded segment, the extended last one
+    included) and the reusable ``layout``.
+    """
+
+    packed: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: torch.Tensor
+    layout: PackLayout
+
+
+def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
+    """Gather ``x [B, S, *]`` into ``[1, T, *]`` along ``layout``; padding gets ``fill``.
+
+    ``fill`` is a scalar, or a tensor broadcastable to ``x.shape[2:]``: for routed
+    experts ``[B, S, layers, topk]`` pass ``torch.arange(topk)`` so that every pad
+    row is a valid top-k route.
+
+    Raises :class:`~nn_data.errors.PackingError` if ``x`` is not ``[B, S, *]`` for the
+    layout's ``B`` and ``S``, or lives on another device.
+    """
+    _checks.check_min_dims("x", x, 2, "[B, S, *]")
+    if tuple(x.shape[:2]) != (layout.rows, layout.row_len):
+        raise _checks.PackingError(
+            f"x has shape {tuple(x.shape)}; the layout was built for [B, S] = "
+            f"[{layout.rows}, {layout.row_len}], so x must be [{layout.rows}, {layout.row_len}, *]"
+        )
+    _checks.check_same_device(x=x, layout=layout.source)
+    total = layout.source.shape[0]
+    trailing = x.shape[2:]
+    if layout.rows * layout.row_len == 0:  # nothing to read: every position is padding
+        return _fill_tensor(fill, (1, total, *trailing), x)
+    flat = rearrange(x, "b s ... -> (b s) ...")  # [B*S, *]
+    gathered = flat.index_select(0, layout.source)  # [T, *]
+    keep = layout.valid.view(total, *([1] * len(trailing)))  # [T, 1...] broadcast over *
+    if isinstance(fill, torch.Tensor):
+        gathered = torch.where(keep, gathered, fill.to(device=x.device, dtype=x.dtype))
+    else:
+        gathered = gathered.masked_fill(~keep, fill)
+    return gathered.unsqueeze(0)  # [1, T, *]
+
+
+def _fill_tensor(fill: Fill, shape, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(fill, torch.Tensor):
+        return fill.to(device=like.device, dtype=like.dtype).expand(shape).clone()
+    return torch.full(shape, fill, dtype=like.dtype, device=like.device)
+
+
+class PackSequences(nn.Module):
+    """Pack ``x [B, S, *]`` with per-row lengths into ``[1, T, *]`` (NeMo-RL semantics).
+
+    Configuration (Python ints, fixed per module):
+        ``pad_individual_seqs_to_multiple_of`` (``m``): each segment is ``round_up(L[b], m)``;
+        ``pad_packed_seq_to_multiple_of`` (``p``): without ``pad_full_seq_to`` the total is
+        rounded up to a multiple of ``p``;
+        ``pad_full_seq_to``: the constant packed length ``T`` (PP > 1); the last real
+        sequence's segment absorbs the slack ("extend last");
+        ``validate``: run the data checks (eager: one host sync with a precise message;
+        compiled: device-side asserts ``torch._assert_async`` whose message names the
+        argument and the valid range but cannot show the value). ``False`` skips them.
+
+    ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``.
+    ``num_rows`` (0-d int tensor, optional) is the number of real rows when the batch
+    was padded with empty rows to a fixed capacity (:func:`nn_data.pad_to_row_capacity`);
+    boundaries of the padding rows collapse onto ``T`` so the last *real* row absorbs
+    the slack, exactly as NeMo-RL does without padding rows.
+
+    With ``pad_full_seq_to`` set every output shape depends only on ``(B, S, T, *)`` and
+    the op never syncs the host (in eager mode with ``validate=True`` it syncs once to
+    check the data). Without it, ``T`` is learned with one sync per call.
+
+    Example::
+
+        >>> pack = PackSequences(pad_individual_seqs_to_multiple_of=4)
+        >>> r = pack(torch.tensor([[1, 2, 3, 0, 0], [0] * 5, [4, 5, 6, 7, 8]]), torch.tensor([3, 0, 5]))
+        >>> r.cu_seqlens_padded.tolist(), r.packed.tolist()
+        ([0, 4, 4, 12], [[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]])
+
+    Raises :class:`~nn_data.errors.PackingError` for a multiple or ``pad_full_seq_to``
+    below 1, ``pad_full_seq_to`` not a multiple of ``p`` (in ``__init__``); ``x`` with
+    fewer than 2 dims, ``seq_lengths`` not a 1-D integer tensor of ``B`` entries, tensors
+    on different devices (at call time); lengths outside ``[0, S]``, a natural packed
+    total above ``pad_full_seq_to`` (NeMo-RL silently truncates there), tokens in rows
+    past ``num_rows`` (validation step).
+    """
+
+    def __init__(
+        self,
+        pad_individual_seqs_to_multiple_of: int = 1,
+        pad_packed_seq_to_multiple_of: int = 1,
+        pad_full_seq_to: Optional[int] = None,
+        *,
+        validate: bool = True,
+    ):
+        super().__init__()
+        self.m = _checks.positive_int("pad_individual_seqs_to_multiple_of", pad_individual_seqs_to_multiple_of)
+        self.p = _checks.positive_int("pad_packed_seq_to_multiple_of", pad_packed_seq_to_multiple_of)
+        self.pad_full_seq_to = _checks.positive_int("pad_full_seq_to", pad_full_seq_to, allow_none=True)
+        if self.pad_full_seq_to is not None and self.pad_full_seq_to % self.p:
+            raise _checks.PackingError(
+                f"pad_full_seq_to={self.pad_full_seq_to} is not a multiple of "
+                f"pad_packed_seq_to_multiple_of={self.p}; choose a multiple of {self.p}"
+            )
+        self.validate = bool(validate)
+
+    def extra_repr(self) -> str:
+        return f"m={self.m}, p={self.p}, pad_full_seq_to={self.pad_full_seq_to}, validate={self.validate}"
+
+    def forward(
+        self, x: torch.Tensor, seq_lengths: torch.Tensor, num_rows: Optional[torch.Tensor] = None
+    ) -> PackResult:
+        _checks.check_min_dims("x", x, 2, "[B, S, *]")
+        rows, row_len = x.shape[0], x.shape[1]
+        _checks.check_int_vector("seq_lengths", seq_lengths, rows)
+        _checks.check_num_rows(num_rows, rows)
+        _checks.check_same_device(x=x, seq_lengths=seq_lengths, num_rows=num_rows)
+        lengths = seq_lengths.to(torch.int64)  # [B]
+        cu = exclusive_cumsum(lengths)  # [B+1]
+        cu_pad = exclusive_cumsum(round_up(lengths, self.m))  # [B+1] before the slack
+        total = self._packed_total(lengths, cu_pad[-1], row_len, num_rows)
+        # Entries from the last real row on become the packed total ("extend last").
+        # lengths [3,0,5], m 4, T 16 -> [0,4,4,12] -> [0,4,4,16]; with a padding row
+        # (num_rows 3 of 4) -> [0,4,4,12,12] -> [0,4,4,16,16].
+        first_final = rows if num_rows is None else num_rows.to(torch.int64).clamp(min(1, rows), rows)
+        idx = torch.arange(rows + 1, device=x.device)
+        cu_pad = torch.where(idx >= first_final, total, cu_pad)  # [B+1]
+        layout = build_layout(lengths, cu_pad, row_len, total)
+        if rows > 0:
+            max_seqlen = (cu_pad[1:] - cu_pad[:-1]).max()
+        else:
+            max_seqlen = torch.zeros((), dtype=torch.int64, device=x.device)
+        return PackResult(
+            packed=pack_with_layout(layout, x, 0),
+            cu_seqlens=cu.to(torch.int32),
+            cu_seqlens_padded=cu_pad.to(torch.int32),
+            max_seqlen=max_seqlen.to(torch.int32),
+            layout=layout,
+        )
+
+    def _packed_total(self, lengths, natural_total, row_len: int, num_rows):
+        """``T`` as a Python int (static, or learned with the call's one sync), after the checks."""
+        static = self.pad_full_seq_to
+        if torch.compiler.is_compiling():
+            if self.validate:
+                _device_checks(lengths, natural_total, row_len, num_rows, static)
+            if static is not None:
+                return static
+            total = int(round_up(natural_total, self.p).item())  # sync: T is data-dependent without pad_full_seq_to
+            torch._check(total >= 0)
+            return total
+        if self.validate:
+            return _host_checks(lengths, natural_total, row_len, num_rows, static, self.m, self.p)
+        if static is not None:
+            return static
+        return int(round_up(natural_total, self.p).item())  # sync: T is data-dependent without pad_full_seq_to
+
+
+def build_layout(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len: int, total: int) -> PackLayout:
+    """Index maps of one batch: ``lengths [B]``, final ``cu_pad [B+1]`` -> :class:`PackLayout` of ``[T]``.
+
+    Example: lengths ``[3, 0, 5]``, S 5, cu_pad ``[0, 4, 4, 12]`` -> segment
+    ``[0,0,0,0,2,...,2]``, position ``[0,1,2,3,0,1,...,7]``, valid where position < L[segment]
+    -> ``[T,T,T,F,T,T,T,T,T,F,F,F]``, source = segment*S + position ``[0,1,2,.,10,...,14,...]``.
+    """
+    rows = lengths.shape[0]
+    device = lengths.device
+    if rows == 0:  # no sequence: every position is padding
+        zeros = torch.zeros(total, dtype=torch.int64, device=device)
+        return PackLayout(zeros, zeros.bool(), zeros, torch.arange(total, device=device), rows, row_len)
+    seg = segment_ids(cu_pad, total)  # [T]
+    position = torch.arange(total, device=device) - cu_pad[seg]  # [T]
+    valid = position < lengths[seg]  # [T]
+    last = max(rows * row_len - 1, 0)
+    source = (seg * row_len + position).clamp(0, last)  # [T] into [B*S]
+    return PackLayout(source, valid, seg, position, rows, row_len)
+
+
+def _stats(lengths, natural_total, num_rows):
+    """One small tensor with everything the host check needs: ``[min, max, total, tail, n]``."""
+    rows = lengths.shape[0]
+    if rows == 0:
+        zero = natural_total.new_zeros(())
+        lo = hi = zero
+    else:
+        lo, hi = lengths.min(), lengths.max()
+    if num_rows is None:
+        n = natural_total.new_full((), rows)
+        tail = natural_total.new_zeros(())
+    else:
+        n = num_rows.to(torch.int64)
+        tail = (lengths * (torch.arange(rows, device=lengths.device) >= n)).sum()
+    return torch.stack([lo, hi, natural_total, tail, n])
+
+
+def _host_checks(lengths, natural_total, row_len, num_rows, static, m, p) -> int:
+    """The eager validation step: one sync, then a precise message. Returns ``T``."""
+    lo, hi, nat, tail, n = _stats(lengths, natural_total, num_rows).tolist()  # sync: the one validation step
+    rows = lengths.shape[0]
+    if lo < 0:
+        _checks.raise_first(lengths < 0, lengths, "seq_lengths[{i}] = {v} is negative; "
+                            f"valid lengths are integers in [0, S={row_len}]")
+    if hi > row_len:
+        _checks.raise_first(lengths > row_len, lengths, "seq_lengths[{i}] = {v} exceeds the row length "
+                            f"S={row_len} of x; valid lengths are integers in [0, {row_len}]")
+    if not 0 <= n <= rows:
+        raise _checks.PackingError(f"num_rows={n} is invalid; expected a value in [0, {rows}] (the rows of x)")
+    if tail:
+        mask = (lengths != 0) & (torch.arange(rows, device=lengths.device) >= n)
+        _checks.raise_first(mask, lengths, "seq_lengths[{i}] = {v} but row {i} is a padding row "
+                            f"(num_rows={n}); rows at or past num_rows must have length 0")
+    if static is not None and nat > static:
+        raise _checks.PackingError(
+            f"the packed total sum(round_up(seq_lengths, {m})) = {nat} exceeds pad_full_seq_to={static}; "
+            f"pad_full_seq_to must be at least {nat} (NeMo-RL would silently truncate here)"
+        )
+    return static if static is not None else round_up(nat, p)
+
+
+def _device_checks(lengths, natural_total, row_len, num_rows, static) -> None:
+    """The compiled validation: device-side asserts, no host sync."""
+    rows = lengths.shape[0]
+    if rows:
+        _checks.device_assert(
+            ((lengths >= 0) & (lengths <= row_len)).all(),
+            f"nn_data.PackSequences: every seq_lengths value must be in [0, S={row_len}]",
+        )
+    if num_rows is not None:
+        n = num_rows.to(torch.int64)
+        _checks.device_assert((n >= 0) & (n <= rows), f"nn_data.PackSequences: num_rows must be in [0, {rows}]")
+        if rows:
+            tail = (lengths * (torch.arange(rows, device=lengths.device) >= n)).sum()
+            _checks.device_assert(tail == 0, "nn_data.PackSequences: rows at or past num_rows must have length 0")
+    if static is not None:
+        _checks.device_assert(
+            natural_total <= static,
+            f"nn_data.PackSequences: the packed total sum(round_up(seq_lengths, m)) exceeds pad_full_seq_to={static}",
+        )

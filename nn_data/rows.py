@@ -1,0 +1,73 @@
+"""Row capacity: run microbatches with ``B <= R`` rows through ops compiled for ``R`` rows.
+
+Shape legend
+    B   real rows of a microbatch
+    R   the fixed row capacity the compiled ops see
+    S   padded row length
+    *   trailing feature dims
+
+A pipeline-parallel stream has a different number of sequences in every
+microbatch. Shapes that change make ``torch.compile`` recompile, so the batch is
+padded *outside* the compiled region with empty rows (length 0) up to ``R``,
+and the real row count travels as a 0-d tensor (data, not a Python int):
+
+    >>> padded = pad_to_row_capacity(input_ids, seq_lengths, capacity=64)
+    >>> out = compiled_pack(padded.x, padded.seq_lengths, padded.num_rows)
+
+Empty rows change nothing in the real rows' results: their segments have length
+0 and sit at the end, and ``PackSequences`` collapses their boundaries onto ``T``
+so the last *real* row absorbs the slack, exactly as NeMo-RL does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from nn_data import _checks
+from nn_data.errors import PackingError
+
+
+class RowPadded(NamedTuple):
+    """``x [R, S, *]``, ``seq_lengths [R]`` (zeros past the real rows), ``num_rows`` (0-d int64)."""
+
+    x: torch.Tensor
+    seq_lengths: torch.Tensor
+    num_rows: torch.Tensor
+
+
+def pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
+    """Append rows of ``fill`` to ``t [B, *]`` until it has ``capacity`` rows: ``[R, *]``.
+
+    Raises :class:`PackingError` if ``t`` already has more than ``capacity`` rows.
+    """
+    _checks.positive_int("capacity", capacity)
+    _checks.check_min_dims("t", t, 1, "[B, *]")
+    rows = t.shape[0]
+    if rows > capacity:
+        raise PackingError(
+            f"the batch has {rows} rows, more than capacity={capacity}; raise capacity to at least {rows}"
+        )
+    out = torch.full((capacity, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    out[:rows] = t
+    return out
+
+
+def pad_to_row_capacity(x: torch.Tensor, seq_lengths: torch.Tensor, capacity: int) -> RowPadded:
+    """Pad ``x [B, S, *]`` and ``seq_lengths [B]`` with empty rows to ``capacity`` rows.
+
+    Returns :class:`RowPadded` with ``num_rows = B`` as a 0-d int64 tensor on ``x``'s
+    device, to pass as ``num_rows`` to :class:`~nn_data.PackSequences`. Pad other
+    tensors of the same batch (routed experts, masks) with :func:`pad_rows`.
+
+    Example: ``x [3, 8]``, lengths ``[5, 0, 8]``, capacity 4 -> ``x [4, 8]`` (last row
+    zeros), lengths ``[5, 0, 8, 0]``, num_rows ``tensor(3)``.
+
+    Raises :class:`PackingError` if ``B > capacity``, or ``seq_lengths`` is not a 1-D
+    integer tensor of ``B`` entries.
+    """
+    _checks.check_min_dims("x", x, 2, "[B, S, *]")
+    _checks.check_int_vector("seq_lengths", seq_lengths, x.shape[0])
+    num_rows = torch.tensor(x.shape[0], dtype=torch.int64, device=x.device)
+    return RowPadded(pad_rows(x, capacity), pad_rows(seq_lengths, capacity), num_rows)
