@@ -62,46 +62,62 @@ def segment_ids(bounds: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cumsum(marks[:total], dim=0)
 
 
+def piece_source(out_starts: torch.Tensor, src_starts: torch.Tensor, total: int) -> torch.Tensor:
+    """Source index of every output position when the output is a run of contiguous pieces.
+
+    Piece ``g`` covers output positions ``[out_starts[g], out_starts[g+1])`` (the last one
+    ends at ``total``) and reads source positions ``src_starts[g], src_starts[g]+1, ...``.
+    ``[G], [G] -> [total]`` int64: one scan for the piece ids, two gathers from ``[G]``
+    tables, no per-position division.
+
+    Example: out_starts ``[0, 2, 2, 5]``, src_starts ``[10, 0, 7, 3]``, total 6 ->
+    piece ids ``[0,0,2,2,2,3]`` -> ``[10, 11, 7, 8, 9, 3]`` (piece 1 is empty).
+    """
+    out_starts = out_starts.to(torch.int64)
+    bounds = torch.cat([out_starts, out_starts.new_full((1,), total)])  # [G+1]
+    piece = segment_ids(bounds, total)  # [total]
+    return src_starts.to(torch.int64)[piece] + (torch.arange(total, device=out_starts.device) - out_starts[piece])
+
+
 def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """For each of rank ``r``'s local positions, the packed position it holds.
 
     ``[B+1] -> [T/C]`` int64. Each segment (``n`` a multiple of ``2C``) is cut into
-    ``2C`` chunks of ``k = n/(2C)``; rank ``r`` keeps chunks ``r`` and ``2C-1-r``.
+    ``2C`` chunks of ``k = n/(2C)``; rank ``r`` keeps chunks ``r`` and ``2C-1-r``: two
+    pieces per segment on the rank, each ``k`` long.
 
-    Example: C=2, bounds ``[0, 16, 40]`` (n = 16, 24; k = 4, 6), rank 0 holds
-    packed positions ``0..3, 12..15, 16..21, 34..39`` (20 = 40/2 positions).
+    Example: C=2, bounds ``[0, 16, 40]`` (n = 16, 24; k = 4, 6), rank 0: pieces start
+    on the rank at ``[0, 4, 8, 14]`` and read from ``[0, 12, 16, 34]`` -> packed positions
+    ``0..3, 12..15, 16..21, 34..39`` (20 = 40/2 positions).
     """
     two_c = 2 * cp_size
-    local_bounds = bounds.to(torch.int64) // cp_size  # [B+1] segment starts on the rank
-    seg = segment_ids(local_bounds, local_total)  # [T/C]
-    start = bounds.to(torch.int64)[seg]  # [T/C] the segment's packed start
-    k = (bounds.to(torch.int64)[seg + 1] - start) // two_c  # [T/C]
-    w = torch.arange(local_total, device=bounds.device) - local_bounds[seg]  # offset on the rank
-    first = w < k
-    offset = torch.where(first, cp_rank * k + w, (two_c - 1 - cp_rank) * k + (w - k))
-    return start + offset
+    b64 = bounds.to(torch.int64)
+    start, k = b64[:-1], (b64[1:] - b64[:-1]) // two_c  # [B], [B]
+    local_start = start // cp_size  # [B]
+    out_starts = torch.stack([local_start, local_start + k], dim=1)  # [B, 2]
+    src_starts = torch.stack([start + cp_rank * k, start + (two_c - 1 - cp_rank) * k], dim=1)  # [B, 2]
+    return piece_source(out_starts.flatten(), src_starts.flatten(), local_total)  # [T/C]
 
 
 def zigzag_inverse(bounds: torch.Tensor, total: int, cp_size: int) -> torch.Tensor:
     """For each packed position, its place in the rank-major stack of shards.
 
     ``[B+1] -> [T]`` int64 indices into ``shards.reshape(C * T/C, *)``: the exact
-    inverse of :func:`zigzag_source` over all ranks.
+    inverse of :func:`zigzag_source` over all ranks. Each segment is ``2C`` pieces
+    (its chunks); chunk ``c`` lives on rank ``c`` (``c < C``) or ``2C-1-c`` (second
+    half), at the rank's segment start plus ``0`` or ``k``.
 
-    Example: C=2, bounds ``[0, 8]`` (k = 2): packed positions ``0..7`` sit in
-    chunks ``0,0,1,1,2,2,3,3`` -> ranks ``0,0,1,1,1,1,0,0`` at local places
-    ``0,1,0,1,2,3,2,3`` -> stack indices ``0,1,4,5,6,7,2,3``.
+    Example: C=2, bounds ``[0, 8]`` (k = 2): chunks start at ``0, 2, 4, 6`` and live
+    on ranks ``0, 1, 1, 0`` at local offsets ``0, 0, 2, 2`` -> stack indices
+    ``0,1, 4,5, 6,7, 2,3``.
     """
     two_c = 2 * cp_size
     local_total = total // cp_size
     b64 = bounds.to(torch.int64)
-    seg = segment_ids(b64, total)  # [T]
-    start = b64[seg]
-    k = ((b64[seg + 1] - start) // two_c).clamp_min(1)  # [T]; clamp only guards invalid input
-    w = torch.arange(total, device=bounds.device) - start
-    chunk = (w // k).clamp(0, two_c - 1)
-    within = w - chunk * k
+    start, k = b64[:-1, None], (b64[1:] - b64[:-1])[:, None] // two_c  # [B, 1]
+    chunk = torch.arange(two_c, device=bounds.device)  # [2C]
     second_half = chunk >= cp_size
-    rank = torch.where(second_half, two_c - 1 - chunk, chunk)
-    local = start // cp_size + torch.where(second_half, k + within, within)
-    return (rank * local_total + local).clamp(0, max(cp_size * local_total - 1, 0))
+    rank = torch.where(second_half, two_c - 1 - chunk, chunk)  # [2C]
+    out_starts = start + chunk * k  # [B, 2C]
+    src_starts = rank * local_total + start // cp_size + second_half * k  # [B, 2C]
+    return piece_source(out_starts.flatten(), src_starts.flatten(), total)  # [T]

@@ -139,7 +139,7 @@ class UnshardFromContextParallel(nn.Module):
         if self.cp_size == 1:
             return shards
         bounds = _bounds(cu_seqlens_padded, total)
-        index = zigzag_inverse(bounds, total, self.cp_size)  # [T] into the stack
+        index = zigzag_inverse(bounds, total, self.cp_size).clamp(0, max(total - 1, 0))  # [T] into the stack
         stacked = rearrange(shards, "c t ... -> (c t) ...")  # [C*T/C, *]
         return stacked.index_select(0, index).unsqueeze(0)  # [1, T, *]
 

@@ -62,6 +62,8 @@ def reference_pack(
 
 def reference_shard(packed: torch.Tensor, cu_seqlens_padded, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Rank ``cp_rank``'s zigzag shard ``[1, T/C, *]``: per segment, chunks ``r`` and ``2C-1-r``."""
+    if cp_size == 1:
+        return packed
     bounds = [int(v) for v in cu_seqlens_padded]
     if len(bounds) == 1:  # no sequence: the whole tensor is one padding segment
         bounds = [0, packed.shape[1]]
@@ -76,6 +78,8 @@ def reference_shard(packed: torch.Tensor, cu_seqlens_padded, cp_size: int, cp_ra
 
 def reference_unshard(shards: torch.Tensor, cu_seqlens_padded, cp_size: int) -> torch.Tensor:
     """Inverse of :func:`reference_shard` over all ranks: ``[C, T/C, *] -> [1, T, *]``."""
+    if cp_size == 1:
+        return shards
     bounds = [int(v) for v in cu_seqlens_padded]
     total = shards.shape[1] * cp_size
     if len(bounds) == 1:

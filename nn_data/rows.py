@@ -42,7 +42,8 @@ def pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
 
     Raises :class:`PackingError` if ``t`` already has more than ``capacity`` rows.
     """
-    _checks.positive_int("capacity", capacity)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise PackingError(f"capacity={capacity!r} is invalid; expected an int >= 0")
     _checks.check_min_dims("t", t, 1, "[B, *]")
     rows = t.shape[0]
     if rows > capacity:

@@ -1,0 +1,1 @@
+"""Benchmarks and the eager-vs-compiled profiling suite (not part of the installed package)."""
