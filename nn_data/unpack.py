@@ -50,45 +50,58 @@ class UnpackSequences(nn.Module):
     def forward(
         self, packed: torch.Tensor, seq_lengths: torch.Tensor, cu_seqlens_padded: torch.Tensor
     ) -> torch.Tensor:
-        _checks.check_packed("packed", packed)
-        _checks.check_int_vector("seq_lengths", seq_lengths)
-        rows, total, trailing = seq_lengths.shape[0], packed.shape[1], packed.shape[2:]
-        _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded, rows + 1)
-        _checks.check_same_device(packed=packed, seq_lengths=seq_lengths, cu_seqlens_padded=cu_seqlens_padded)
-        lengths = seq_lengths.to(torch.int64)  # [B]
-        starts = cu_seqlens_padded[:-1].to(torch.int64)  # [B]
-        if self.validate and rows:
-            self._check(lengths, cu_seqlens_padded.to(torch.int64), total)
-        if rows * self.seq_len == 0 or total == 0:
-            return packed.new_full((rows, self.seq_len, *trailing), self.fill_value)
-        # lengths [3,0,5], starts [0,4,4], S 5 -> index rows [0..4], [4..8], [4..8];
-        # valid [T,T,T,F,F], [F]*5, [T]*5.
-        s = torch.arange(self.seq_len, device=packed.device)  # [S]
-        index = (starts[:, None] + s).clamp(0, total - 1)  # [B, S]
-        valid = s < lengths[:, None]  # [B, S]
-        out = packed[0].index_select(0, index.reshape(-1))  # [B*S, *]
-        out = out.view(rows, self.seq_len, *trailing)  # [B, S, *]
-        keep = valid.view(rows, self.seq_len, *([1] * len(trailing)))  # [B, S, 1...]
-        return out.masked_fill_(~keep, self.fill_value)
+        return unpack_sequences(packed, seq_lengths, cu_seqlens_padded, self.seq_len, self.fill_value, self.validate)
 
-    def _check(self, lengths: torch.Tensor, cu_pad: torch.Tensor, total: int) -> None:
-        seg_len = cu_pad[1:] - cu_pad[:-1]  # [B]
-        ok_len = (lengths >= 0) & (lengths <= self.seq_len)
-        ok_fit = (lengths <= seg_len) & (cu_pad[:-1] >= 0) & (cu_pad[:-1] + lengths <= total)
-        if torch.compiler.is_compiling():
-            _checks.device_assert(ok_len.all(), f"nn_data.UnpackSequences: seq_lengths must be in [0, {self.seq_len}]")
-            _checks.device_assert(
-                ok_fit.all(), "nn_data.UnpackSequences: each sequence must fit its padded segment inside [0, T]"
-            )
-            return
-        all_len, all_fit = torch.stack([ok_len.all(), ok_fit.all()]).tolist()  # sync: the one validation step
-        if not all_len:
-            _checks.raise_first(~ok_len, lengths, "seq_lengths[{i}] = {v} is outside [0, seq_len="
-                                f"{self.seq_len}]; valid lengths are integers in [0, {self.seq_len}]")
-        if not all_fit:
-            _checks.raise_first(
-                ~ok_fit, lengths,
-                "seq_lengths[{i}] = {v} does not fit its segment of cu_seqlens_padded (start "
-                f"and length must satisfy L[b] <= cu_seqlens_padded[b+1] - cu_seqlens_padded[b] "
-                f"and cu_seqlens_padded[b] + L[b] <= T={total})",
-            )
+
+def unpack_sequences(
+    packed: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    seq_len: int,
+    fill_value=0,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Functional form of :class:`UnpackSequences` (``seq_len`` is a Python int): ``[1, T, *] -> [B, S, *]``."""
+    _checks.check_packed("packed", packed)
+    _checks.check_int_vector("seq_lengths", seq_lengths)
+    rows, total, trailing = seq_lengths.shape[0], packed.shape[1], packed.shape[2:]
+    _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded, rows + 1)
+    _checks.check_same_device(packed=packed, seq_lengths=seq_lengths, cu_seqlens_padded=cu_seqlens_padded)
+    lengths = seq_lengths.to(torch.int64)  # [B]
+    starts = cu_seqlens_padded[:-1].to(torch.int64)  # [B]
+    if validate and rows:
+        _check(lengths, cu_seqlens_padded.to(torch.int64), total, seq_len)
+    if rows * seq_len == 0 or total == 0:
+        return packed.new_full((rows, seq_len, *trailing), fill_value)
+    # lengths [3,0,5], starts [0,4,4], S 5 -> index rows [0..4], [4..8], [4..8];
+    # valid [T,T,T,F,F], [F]*5, [T]*5.
+    s = torch.arange(seq_len, device=packed.device)  # [S]
+    index = (starts[:, None] + s).clamp(0, total - 1)  # [B, S]
+    valid = s < lengths[:, None]  # [B, S]
+    out = packed[0].index_select(0, index.reshape(-1))  # [B*S, *]
+    out = out.view(rows, seq_len, *trailing)  # [B, S, *]
+    keep = valid.view(rows, seq_len, *([1] * len(trailing)))  # [B, S, 1...]
+    return out.masked_fill_(~keep, fill_value)
+
+
+def _check(lengths: torch.Tensor, cu_pad: torch.Tensor, total: int, seq_len: int) -> None:
+    seg_len = cu_pad[1:] - cu_pad[:-1]  # [B]
+    ok_len = (lengths >= 0) & (lengths <= seq_len)
+    ok_fit = (lengths <= seg_len) & (cu_pad[:-1] >= 0) & (cu_pad[:-1] + lengths <= total)
+    if torch.compiler.is_compiling():
+        _checks.device_assert(ok_len.all(), f"nn_data.UnpackSequences: seq_lengths must be in [0, {seq_len}]")
+        _checks.device_assert(
+            ok_fit.all(), "nn_data.UnpackSequences: each sequence must fit its padded segment inside [0, T]"
+        )
+        return
+    all_len, all_fit = torch.stack([ok_len.all(), ok_fit.all()]).tolist()  # sync: the one validation step
+    if not all_len:
+        _checks.raise_first(~ok_len, lengths, "seq_lengths[{i}] = {v} is outside [0, seq_len="
+                            f"{seq_len}]; valid lengths are integers in [0, {seq_len}]")
+    if not all_fit:
+        _checks.raise_first(
+            ~ok_fit, lengths,
+            "seq_lengths[{i}] = {v} does not fit its segment of cu_seqlens_padded (start "
+            f"and length must satisfy L[b] <= cu_seqlens_padded[b+1] - cu_seqlens_padded[b] "
+            f"and cu_seqlens_padded[b] + L[b] <= T={total})",
+        )
