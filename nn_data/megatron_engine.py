@@ -9,7 +9,7 @@ Shape legend
 
 A microbatch goes through two steps:
 
-1. :func:`plan_pack` brings five numbers about ``seq_lengths`` to the host in **one**
+1. :func:`plan_pack` brings six numbers about ``seq_lengths`` to the host in **one**
    sync. They validate the batch (lengths in ``[0, S]``, a packed total that fits
    ``pad_full_seq_to``, segments divisible by ``2C``) and give the two Python ints
    that must be Python ints: ``T`` (an output shape when ``pad_full_seq_to`` is unset)
@@ -39,7 +39,10 @@ from nn_data.errors import PackingError
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_rows
 
-_RECOMPILE_LIMIT = 64  # distinct (T, R, C, rank, ...) graphs per process before dynamo gives up
+# Every PackShardGraph shares one forward code object, and dynamo caps the graphs per code
+# object (recompile_limit, 8 by default); each (T, R, C, rank, ...) key needs its own graph,
+# so the compiled calls lift the cap to this (never lowering a higher user setting).
+_RECOMPILE_LIMIT = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +267,8 @@ def run_graph(key: tuple, options: PackOptions, input_ids, lengths, extras: dict
     num_rows = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
     padded = {k: _row_pad(v, capacity) for k, v in extras.items() if v is not None}
     fn = _compiled_graph(key, options)
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+    limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit):
         out = fn(_row_pad(input_ids, capacity), pad_rows(lengths, capacity), num_rows, **padded)
     return out._replace(cu_seqlens=out.cu_seqlens[: rows + 1], cu_seqlens_padded=out.cu_seqlens_padded[: rows + 1])
 

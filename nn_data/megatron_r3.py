@@ -102,7 +102,8 @@ def _verify_r3_trace_cp_token_alignment(
     bad_tok = valid & (~in_range | (tokens != exp_tok.to(tokens.dtype)))
     src_routed = source_routed_experts.reshape(rows * cols, *source_routed_experts.shape[2:]).to(routed.device)
     bad_route = valid & (~in_range | (routed != src_routed[src].to(routed.dtype)).flatten(1).any(1))
-    checked, n_tok, n_route = torch.stack([valid.sum(), bad_tok.sum(), bad_route.sum()]).tolist()  # sync: debug verifier
+    counts = torch.stack([valid.sum(), bad_tok.sum(), bad_route.sum()])
+    checked, n_tok, n_route = counts.tolist()  # sync: debug verifier, one per microbatch
     for count, mask, what in ((n_tok, bad_tok, "input_ids"), (n_route, bad_route, "routed_experts")):
         if count:
             i = _checks.first_index(mask)

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from nn_data._index import exclusive_cumsum, round_up
+from nn_data import _checks
 from nn_data.megatron_common import make_packed_seq_params, require
 from nn_data.megatron_engine import as_lengths
-from nn_data import _checks
 from nn_data.pack import PackSequences
 
 
@@ -52,30 +52,13 @@ def _prepare_vlm_batch_for_megatron(
     rows, cols = input_ids.shape[:2]
     align = max(1, int(pad_individual_seqs_to_multiple_of))
     lengths = as_lengths(seq_lengths, rows, input_ids.device)
-    padded = round_up(lengths, align)  # [B]
-    deficit, padded_max = 0, 0
-    if rows:
-        lo, hi, natural, pmax, plast = torch.stack(
-            [lengths.min(), lengths.max(), padded.sum(), padded.max(), padded[-1]]).tolist()  # sync: P and T are shapes
-        if lo < 0 or hi > cols:
-            _checks.raise_first((lengths < 0) | (lengths > cols), lengths,
-                                "seq_lengths[{i}] = {v} is outside [0, S=" f"{cols}]")
-        if pad_full_seq_to is not None:
-            deficit = pad_full_seq_to - natural
-            require(deficit >= 0, f"pad_full_seq_to ({pad_full_seq_to}) < natural padded sum ({natural}); "
-                                  f"increase pad_full_seq_to to at least {natural}")
-            require(deficit % align == 0, f"pad_full_seq_to deficit ({deficit}) must be a multiple of "
-                                          f"pad_individual_seqs_to_multiple_of ({align})")
-        padded_max = max(pmax, plast + deficit)
-        if deficit:
-            padded = torch.cat([padded[:-1], padded[-1:] + deficit])  # the last sequence absorbs it
+    padded, padded_max, total = _padded_lengths(lengths, cols, align, pad_full_seq_to)
     if cols < padded_max:
         ids_2d = F.pad(input_ids, (0, padded_max - cols), value=0)  # [B, P]
     else:
         ids_2d = input_ids[:, :padded_max].contiguous()  # [B, P]; cut columns hold padding only
     attention_mask = torch.arange(padded_max, device=input_ids.device)[None, :] < padded[:, None]  # [B, P]
     cu_seqlens_padded = exclusive_cumsum(padded).to(torch.int32)  # [B+1]
-    total = (natural + deficit) if rows else 0
     if total:
         # Lengths = padded lengths: the packed view holds exactly what the model packs.
         packed = PackSequences(pad_full_seq_to=total, validate=False)(ids_2d, padded).packed  # [1, T]
@@ -83,3 +66,29 @@ def _prepare_vlm_batch_for_megatron(
         packed = ids_2d.new_zeros((1, 0))
     params = make_packed_seq_params(cu_seqlens_padded, padded_max, None)
     return packed, ids_2d, attention_mask, params, None, cu_seqlens_padded
+
+
+def _padded_lengths(lengths, cols: int, align: int, pad_full_seq_to):
+    """``(padded [B], P, T)`` after the deficit rule; one host sync.
+
+    Example: lengths ``[3, 5]``, align 4, target 16 -> natural ``[4, 8]`` (12), deficit 4 ->
+    ``([4, 12], 12, 16)``.
+    """
+    padded = round_up(lengths, align)  # [B]
+    if lengths.shape[0] == 0:
+        return padded, 0, 0
+    lo, hi, natural, pmax, plast = torch.stack(
+        [lengths.min(), lengths.max(), padded.sum(), padded.max(), padded[-1]]).tolist()  # sync: P and T are shapes
+    if lo < 0 or hi > cols:
+        _checks.raise_first((lengths < 0) | (lengths > cols), lengths, "seq_lengths[{i}] = {v} is outside [0, S="
+                            f"{cols}]")
+    deficit = 0
+    if pad_full_seq_to is not None:
+        deficit = pad_full_seq_to - natural
+        require(deficit >= 0, f"pad_full_seq_to ({pad_full_seq_to}) < natural padded sum ({natural}); "
+                              f"increase pad_full_seq_to to at least {natural}")
+        require(deficit % align == 0, f"pad_full_seq_to deficit ({deficit}) must be a multiple of "
+                                      f"pad_individual_seqs_to_multiple_of ({align})")
+    if deficit:
+        padded = torch.cat([padded[:-1], padded[-1:] + deficit])  # the last sequence absorbs it
+    return padded, max(pmax, plast + deficit), natural + deficit

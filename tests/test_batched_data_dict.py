@@ -94,10 +94,13 @@ def test_packing_plan_per_global_batch_and_get_batch():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda d: d.plan_sequence_packing(8), r"sequence 1 is 9 tokens long \(after padding\), outside \[0, max_tokens_per_microbatch=8\]"),
-    (lambda d: d.plan_sequence_packing(16, sequence_length_pad_multiple=0), "sequence_length_pad_multiple=0 is invalid"),
+    (lambda d: d.plan_sequence_packing(8),
+     r"sequence 1 is 9 tokens long \(after padding\), outside \[0, max_tokens_per_microbatch=8\]"),
+    (lambda d: d.plan_sequence_packing(16, sequence_length_pad_multiple=0),
+     "sequence_length_pad_multiple=0 is invalid"),
     (lambda d: d.plan_sequence_packing(0), "max_tokens_per_microbatch=0 is invalid"),
-    (lambda d: d.plan_sequence_packing(16, batch_size=2), r"batch_size=2 must be >= 1 and divide the data dict size \(5\)"),
+    (lambda d: d.plan_sequence_packing(16, batch_size=2),
+     r"batch_size=2 must be >= 1 and divide the data dict size \(5\)"),
     (lambda d: d.plan_sequence_packing(16, input_lengths_key="lens"), r"'lens' not found in the data dict"),
     (lambda d: list(d.make_microbatch_iterator_for_packable_sequences()), r"no sequence_packing plan"),
     (lambda d: d.get_microbatch_iterator_dynamic_shapes_len(), r"no dynamic_batching plan"),
@@ -152,5 +155,6 @@ def test_dynamic_batching_plan_and_iterator():
     mbs = list(planned.make_microbatch_iterator_with_dynamic_shapes())
     assert [mb["input_ids"].shape for mb in mbs] == [(3, 4), (2, 8), (1, 12)]
     assert [mb["names"] for mb in mbs] == [["s5", "s2", "s3"], ["s0", "s4"], ["s1"]]
-    with pytest.raises(PackingError, match=r"row 1 needs 12 tokens \(rounded\), more than max_tokens_per_microbatch=10"):
+    with pytest.raises(PackingError, match=r"row 1 needs 12 tokens \(rounded\), more than "
+                                           r"max_tokens_per_microbatch=10"):
         data.plan_dynamic_batching(10, sequence_length_round=4)

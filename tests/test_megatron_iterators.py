@@ -67,7 +67,8 @@ def test_dynamic_iterator_yields_cut_rows_with_masks():
     it, n, mbs, seq_dim, padded = get_microbatch_iterator(planned, _cfg(dynamic=True), 2, None)
     assert (n, mbs, seq_dim, padded) == (3, 2, 12, 12)
     shapes = [(mb.input_ids.shape, mb.attention_mask.shape, mb.position_ids.shape) for mb in it]
-    assert shapes == [((3, 4), (1, 1, 4, 4), (3, 4)), ((2, 8), (1, 1, 8, 8), (2, 8)), ((1, 12), (1, 1, 12, 12), (1, 12))]
+    assert shapes == [((3, 4), (1, 1, 4, 4), (3, 4)), ((2, 8), (1, 1, 8, 8), (2, 8)),
+                      ((1, 12), (1, 1, 12, 12), (1, 12))]
 
 
 def test_fixed_size_iterator():

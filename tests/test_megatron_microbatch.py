@@ -24,7 +24,7 @@ from nn_data.megatron_data import (
     process_microbatch,
 )
 from nn_data.reference import reference_pack, reference_shard
-from tests._megatron_helpers import PAD, SyncCounter, coded_ids, coded_routes
+from tests._megatron_helpers import SyncCounter, coded_ids, coded_routes
 
 LENGTHS, S = [12, 3, 8, 1], 12
 
@@ -85,7 +85,8 @@ def test_shard_routed_experts_for_cp_matches_the_microbatch_path(cp2):
     assert torch.equal(routed, out.routed_experts) and torch.equal(routed_cp, out.routed_experts_cp_sharded)
     assert ident.shape == (1, 40, 3) and ident_cp.shape == (1, 20, 3)
     ref_ident = reference_pack(identity, LENGTHS, 4, 1, 40).packed
-    assert torch.equal(ident, ref_ident) and torch.equal(ident_cp, reference_shard(ref_ident, out.cu_seqlens_padded, 2, 0))
+    assert torch.equal(ident, ref_ident)
+    assert torch.equal(ident_cp, reference_shard(ref_ident, out.cu_seqlens_padded, 2, 0))
     assert _shard_routed_experts_for_cp(None, None, data["input_lengths"], cu, None, 0, 1) == (None,) * 4
 
 
@@ -130,7 +131,8 @@ def _identity_inputs():
                 input_ids_cp_sharded=local, routed_experts_cp_sharded=routed_cp, token_identity_cp_sharded=ident_cp)
 
 
-@pytest.mark.parametrize("env", [{"NN_DATA_R3_VERIFY": "1"}, {"NRL_R3_TRACE": "1", "NRL_R3_TRACE_VERIFY_FORWARD": "true"}])
+@pytest.mark.parametrize("env", [{"NN_DATA_R3_VERIFY": "1"},
+                                 {"NRL_R3_TRACE": "1", "NRL_R3_TRACE_VERIFY_FORWARD": "true"}])
 def test_r3_verifier_checks_every_valid_token_when_switched_on(monkeypatch, env):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -152,8 +154,9 @@ def test_r3_verifier_finds_misaligned_tokens(monkeypatch, corrupt, what):
     swapped = inputs[corrupt].clone()
     swapped[0, [13, 14]] = swapped[0, [14, 13]]  # two valid tokens of sequence 1 trade places
     inputs[corrupt] = swapped
-    with pytest.raises(RuntimeError, match=rf"verifier: 2 CP-local {what} do not match their source "
-                                           r"\[batch_idx, token_pos\]; first at local position 13, identity \[1, 1, 1\]"):
+    match = (rf"verifier: 2 CP-local {what} do not match their source \[batch_idx, token_pos\]; "
+             r"first at local position 13, identity \[1, 1, 1\]")
+    with pytest.raises(RuntimeError, match=match):
         _verify_r3_trace_cp_token_alignment(**inputs)
 
 
@@ -163,9 +166,11 @@ def test_r3_verifier_shape_errors(monkeypatch):
     with pytest.raises(RuntimeError, match="routed_experts and token identities together"):
         _verify_r3_trace_cp_token_alignment(**{**inputs, "routed_experts_cp_sharded": None})
     with pytest.raises(RuntimeError, match=r"dim of 3; got shape \(1, 28, 2\)"):
-        _verify_r3_trace_cp_token_alignment(**{**inputs, "token_identity_cp_sharded": inputs["token_identity_cp_sharded"][..., :2]})
+        _verify_r3_trace_cp_token_alignment(
+            **{**inputs, "token_identity_cp_sharded": inputs["token_identity_cp_sharded"][..., :2]})
     with pytest.raises(RuntimeError, match="different token counts: identity=28 tokens=27"):
-        _verify_r3_trace_cp_token_alignment(**{**inputs, "input_ids_cp_sharded": inputs["input_ids_cp_sharded"][:, :-1]})
+        _verify_r3_trace_cp_token_alignment(
+            **{**inputs, "input_ids_cp_sharded": inputs["input_ids_cp_sharded"][:, :-1]})
 
 
 @pytest.mark.parametrize("pack", [True, False])
@@ -261,7 +266,8 @@ def test_vlm_without_target_and_with_wide_rows():
 
 
 @pytest.mark.parametrize("target, match", [(8, r"pad_full_seq_to \(8\) < natural padded sum \(12\)"),
-                                           (14, r"deficit \(2\) must be a multiple of pad_individual_seqs_to_multiple_of \(4\)")])
+                                           (14, r"deficit \(2\) must be a multiple of "
+                                                r"pad_individual_seqs_to_multiple_of \(4\)")])
 def test_vlm_deficit_errors(target, match):
     with pytest.raises(AssertionError, match=match):
         _prepare_vlm_batch_for_megatron(coded_ids([3, 5], 6), torch.tensor([3, 5]), 4, target)
@@ -276,7 +282,8 @@ def test_process_microbatch_delegates_packing_to_the_model():
     data = _batch(routed=False)
     out = process_microbatch(data, "input_lengths", 4, 1, 40, pack_sequences=True, delegate_pack_to_model=True)
     assert out.input_ids.shape == (1, 40) and out.input_ids_cp_sharded.shape == (4, 16)
-    assert out.cu_seqlens_padded.tolist() == [0, 12, 16, 24, 40] and out.attention_mask.sum(1).tolist() == [12, 4, 8, 16]
+    assert out.cu_seqlens_padded.tolist() == [0, 12, 16, 24, 40]
+    assert out.attention_mask.sum(1).tolist() == [12, 4, 8, 16]
     expected = torch.zeros(4, 16)
     expected[:, :12] = data["mtp_loss_mask"]
     assert torch.equal(out.mtp_loss_mask, expected * out.attention_mask)
@@ -286,7 +293,8 @@ def test_process_microbatch_delegates_packing_to_the_model():
 
 # ---- arguments and the host-sync budget -------------------------------------------------------
 
-@pytest.mark.parametrize("key, match", [(None, "seq_length_key must be provided"), ("lens", "lens not found in data_dict")])
+@pytest.mark.parametrize("key, match", [(None, "seq_length_key must be provided"),
+                                        ("lens", "lens not found in data_dict")])
 def test_packed_path_argument_errors(key, match):
     with pytest.raises(AssertionError, match=match):
         process_microbatch(_batch(), key, 4, pack_sequences=True)
