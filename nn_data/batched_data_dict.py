@@ -81,7 +81,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             elif isinstance(value, np.ndarray):
                 out[key] = value[idx.numpy()]
             else:
-                out[key] = [value[i] for i in idx.tolist()]
+                out[key] = [value[i] for i in idx.tolist()]  # sync: none, idx is a host tensor
         return out
 
     def get_batch(self, batch_idx: int, batch_size: Optional[int] = None) -> "SlicedDataDict":
@@ -198,7 +198,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         order, all_indices, all_lengths, counts = [], [], [], []
         for chunk in self._chunks(batch_size):
             plan = first_fit_decreasing(padded[chunk.start:chunk.stop], max_tokens_per_microbatch)
-            starts = np.cumsum([0] + [len(b) for b in plan.bins]).tolist()
+            starts = np.cumsum([0] + [len(b) for b in plan.bins]).tolist()  # sync: none, numpy
             all_indices.append([[starts[i], starts[i + 1]] for i in range(len(plan.bins))])
             all_lengths.append(plan.loads)
             order += [chunk.start + i for b in plan.bins for i in b]
@@ -226,7 +226,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         rounded = np.minimum(round_up_lengths(lengths, sequence_length_round), row_len)
         order, all_indices, all_lengths, counts = [], [], [], []
         for chunk in self._chunks(batch_size):
-            sub = np.argsort(lengths[chunk.start:chunk.stop], kind="stable").tolist()  # shortest first
+            sub = np.argsort(lengths[chunk.start:chunk.stop], kind="stable").tolist()  # sync: none, numpy
             groups, group_lens = _greedy_groups(rounded[chunk.start:chunk.stop][sub], max_tokens_per_microbatch,
                                                 [chunk.start + i for i in sub])
             all_indices.append(groups)
@@ -242,7 +242,7 @@ def _greedy_groups(needs: np.ndarray, budget: int, rows: list) -> tuple[list, li
     Example: needs ``[4, 4, 4, 8, 8, 12]``, budget 16 -> ``[[0, 3], [3, 5], [5, 6]]``, lengths ``[4, 8, 12]``.
     """
     groups, lengths, start, longest = [], [], 0, 0
-    for pos, need in enumerate(needs.tolist()):
+    for pos, need in enumerate(needs.tolist()):  # sync: none, numpy
         if need > budget:
             raise PackingError(f"row {rows[pos]} needs {need} tokens (rounded), more than "
                                f"max_tokens_per_microbatch={budget}")

@@ -60,8 +60,8 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDPlan:
     n = int(arr.size)
     if n == 0:
         return FFDPlan([], [], 0)
-    order = np.argsort(-arr, kind="stable").tolist()
-    need_of = arr.tolist()
+    order = np.argsort(-arr, kind="stable").tolist()  # sync: none, numpy on the host
+    need_of = arr.tolist()  # sync: none, numpy on the host
     leaves = 1 << (n - 1).bit_length()  # a leaf per possible bin (at most n bins)
     tree = [capacity] * (2 * leaves)  # tree[i] = max remaining capacity below node i
     bins: list = []

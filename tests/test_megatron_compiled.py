@@ -12,15 +12,15 @@ import dataclasses
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
-from nn_data import megatron_microbatch
+from nn_data import megatron_data_microbatch
 from nn_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
-from nn_data.megatron_engine import reset_compiled
+from nn_data.megatron_data_engine import reset_compiled
 from nn_data.reference import reference_pack
-from tests._megatron_helpers import coded_ids, coded_routes, megatron_cfg
+from tests._megatron_helpers import SyncCounter, coded_ids, coded_routes, megatron_cfg
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def _assert_same(a, b):
 
 
 def test_stream_of_20_compiles_once_and_matches_eager(fresh_dynamo, monkeypatch):
-    monkeypatch.setattr(megatron_microbatch, "cp_rank_and_size", lambda: (1, 2))
+    monkeypatch.setattr(megatron_data_microbatch, "cp_rank_and_size", lambda: (1, 2))
     counter = CompileCounterWithBackend("inductor")
     compiled = PackOptions(compile=True, row_capacity=8, backend=counter)
     rows_seen, lengths_seen = set(), set()
@@ -71,10 +71,16 @@ def test_stream_of_20_compiles_once_and_matches_eager(fresh_dynamo, monkeypatch)
         lengths_seen.add(data["input_ids"].shape[1])
     assert len(rows_seen) > 3 and len(lengths_seen) > 3  # the stream really varies B and S
     assert counter.frame_count == 1
+    syncs = SyncCounter()
+    with syncs.watch():  # the compiled path keeps the one planning sync per microbatch, no more
+        for data in _stream(3, seed=5, max_rows=8, max_len=24):
+            process_microbatch(data, "input_lengths", 4, 1, 192, True, options=compiled)
+    assert syncs.count <= 3, syncs.calls
+    assert counter.frame_count == 1
 
 
 def test_buckets_bound_compiles_without_pad_full_seq_to(fresh_dynamo):
-    counter = CompileCounterWithBackend("inductor")
+    counter = CompileCounterWithBackend("aot_eager")  # graph capture + functionalisation; inductor is test 1
     compiled = PackOptions(compile=True, row_capacity=8, buckets=(64, 128), backend=counter)
     eager = PackOptions(buckets=(64, 128))
     totals = set()
@@ -91,7 +97,7 @@ def test_buckets_bound_compiles_without_pad_full_seq_to(fresh_dynamo):
 
 
 def test_compiled_switch_from_the_config_and_row_capacity_errors(fresh_dynamo):
-    counter = CompileCounterWithBackend("inductor")
+    counter = CompileCounter()  # dynamo capture only: this test is about the wiring
     data = next(_stream(1, seed=2, max_rows=3, max_len=12))
     planned, _ = data.plan_sequence_packing(64, sequence_length_pad_multiple=4)
     cfg = {"sequence_packing": {"enabled": True}, "dynamic_batching": {"enabled": False},

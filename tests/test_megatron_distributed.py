@@ -38,7 +38,7 @@ def _check_cp_from_parallel_state(rank: int) -> None:
 
     from nn_data import UnshardFromContextParallel
     from nn_data.batched_data_dict import BatchedDataDict
-    from nn_data.megatron_common import cp_rank_and_size
+    from nn_data.megatron_data_common import cp_rank_and_size
     from nn_data.megatron_data import process_microbatch
     from nn_data.reference import reference_pack, reference_shard
     from tests._megatron_helpers import coded_ids, coded_routes

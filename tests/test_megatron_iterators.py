@@ -20,7 +20,7 @@ from nn_data.megatron_data import (
     make_processed_microbatch_iterator,
     process_global_batch,
 )
-from nn_data.megatron_iterators import resolve_device
+from nn_data.megatron_data_iterators import resolve_device
 from nn_data.reference import reference_pack
 from tests._megatron_helpers import coded_ids, megatron_cfg
 
@@ -91,11 +91,11 @@ def test_iterator_moves_each_microbatch_to_the_chosen_device():
 
 
 def test_cfg_nn_data_section_becomes_pack_options(monkeypatch):
-    from nn_data import megatron_iterators
+    from nn_data import megatron_data_iterators
 
     captured = []
-    real = megatron_iterators.process_microbatch
-    monkeypatch.setattr(megatron_iterators, "process_microbatch",
+    real = megatron_data_iterators.process_microbatch
+    monkeypatch.setattr(megatron_data_iterators, "process_microbatch",
                         lambda **kw: captured.append(kw["options"]) or real(**kw))
     planned, _ = _data().plan_sequence_packing(16, sequence_length_pad_multiple=4)
     cfg = _cfg(packing=True, nn_data={"buckets": [32, 64], "device": "cpu"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nn_data import megatron_microbatch
+from nn_data import megatron_data_microbatch
 from nn_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.megatron_data import (
@@ -42,7 +42,7 @@ def _batch(lengths=LENGTHS, seq_len=S, routed=True, mtp=True):
 def cp2(monkeypatch):
     """Simulate CP rank ``r`` of 2 for process_microbatch."""
     def set_rank(rank):
-        monkeypatch.setattr(megatron_microbatch, "cp_rank_and_size", lambda: (rank, 2))
+        monkeypatch.setattr(megatron_data_microbatch, "cp_rank_and_size", lambda: (rank, 2))
     return set_rank
 
 
@@ -178,8 +178,8 @@ def test_process_microbatch_runs_the_verifier_on_both_paths(monkeypatch, cp2, pa
     monkeypatch.setenv("NN_DATA_R3_VERIFY", "1")
     cp2(1)
     seen = []
-    real = megatron_microbatch._verify_r3_trace_cp_token_alignment
-    monkeypatch.setattr(megatron_microbatch, "_verify_r3_trace_cp_token_alignment",
+    real = megatron_data_microbatch._verify_r3_trace_cp_token_alignment
+    monkeypatch.setattr(megatron_data_microbatch, "_verify_r3_trace_cp_token_alignment",
                         lambda **kw: seen.append(real(**kw)))
     process_microbatch(_batch(), "input_lengths", 4, 1, 40, pack_sequences=pack)
     assert seen == ([12] if pack else [sum(LENGTHS)])  # CP rank 1 holds 6 + 2 + 4 + 0 of the 24 valid tokens

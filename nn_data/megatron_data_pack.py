@@ -17,8 +17,8 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.megatron_common import _round_up_to_multiple, make_packed_seq_params, require
-from nn_data.megatron_engine import PackOptions, pack_microbatch
+from nn_data.megatron_data_common import _round_up_to_multiple, make_packed_seq_params, require
+from nn_data.megatron_data_engine import PackOptions, pack_microbatch
 from nn_data.unpack import UnpackSequences
 
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
 
-from nn_data.megatron_common import require
-from nn_data.megatron_engine import PackOptions
-from nn_data.megatron_microbatch import ProcessedMicrobatch, process_microbatch
-from nn_data.megatron_pack import _get_pack_sequence_parameters_for_megatron, get_and_validate_seqlen
+from nn_data.megatron_data_common import require
+from nn_data.megatron_data_engine import PackOptions
+from nn_data.megatron_data_microbatch import ProcessedMicrobatch, process_microbatch
+from nn_data.megatron_data_pack import _get_pack_sequence_parameters_for_megatron, get_and_validate_seqlen
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.utils import StragglerDetector
