@@ -71,9 +71,9 @@ def test_stream_of_20_compiles_once_and_matches_eager(fresh_dynamo, monkeypatch)
         lengths_seen.add(data["input_ids"].shape[1])
     assert len(rows_seen) > 3 and len(lengths_seen) > 3  # the stream really varies B and S
     assert counter.frame_count == 1
-    syncs = SyncCounter()
+    syncs, more = SyncCounter(), list(_stream(3, seed=5, max_rows=8, max_len=24))
     with syncs.watch():  # the compiled path keeps the one planning sync per microbatch, no more
-        for data in _stream(3, seed=5, max_rows=8, max_len=24):
+        for data in more:
             process_microbatch(data, "input_lengths", 4, 1, 192, True, options=compiled)
     assert syncs.count <= 3, syncs.calls
     assert counter.frame_count == 1
