@@ -13,6 +13,7 @@ Only the functions here touch it, at call time:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -86,8 +87,6 @@ def cp_rank_and_size() -> tuple[int, int]:
 
 def straggler_context(straggler_timer):
     """``straggler_timer(bdata=True)`` when a StragglerDetector is given, else a no-op context."""
-    import contextlib
-
     return straggler_timer(bdata=True) if straggler_timer is not None else contextlib.nullcontext()
 
 
