@@ -181,8 +181,8 @@ class PackSequences(nn.Module):
         layout = build_layout(lengths, cu_pad, row_len, total)
         if rows > 0:
             max_seqlen = (cu_pad[1:] - cu_pad[:-1]).max()
-        else:
-            max_seqlen = torch.zeros((), dtype=torch.int64, device=x.device)
+        else:  # no sequence: the packed tensor is one padding pseudo-segment [0, T]
+            max_seqlen = torch.full((), total, dtype=torch.int64, device=x.device)
         return PackResult(
             packed=pack_with_layout(layout, x, 0),
             cu_seqlens=cu.to(torch.int32),

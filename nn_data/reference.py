@@ -56,7 +56,7 @@ def reference_pack(
         packed.unsqueeze(0),
         torch.tensor(cu, dtype=torch.int32),
         torch.tensor(cu_pad, dtype=torch.int32),
-        max(seg, default=0),
+        max(seg, default=total),  # B = 0: one padding pseudo-segment [0, T]
     )
 
 

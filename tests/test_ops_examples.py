@@ -148,6 +148,10 @@ def test_empty_batch_is_valid():
     r = PackSequences(4, pad_full_seq_to=8)(x, torch.zeros(0, dtype=torch.int64))
     assert r.packed.tolist() == [[0] * 8]
     assert r.cu_seqlens.tolist() == [0] and r.cu_seqlens_padded.tolist() == [8]
+    assert r.max_seqlen.item() == 8  # one padding pseudo-segment [0, T], as a padding row would give
+    padded = pad_to_row_capacity(x, torch.zeros(0, dtype=torch.int64), capacity=2)
+    rp = PackSequences(4, pad_full_seq_to=8)(padded.x, padded.seq_lengths, padded.num_rows)
+    assert rp.cu_seqlens_padded.tolist() == [0, 8, 8] and rp.max_seqlen.item() == 8
     shard = ShardForContextParallel(2, 1)(r.packed, r.cu_seqlens_padded)
     assert shard.shape == (1, 4)
     out = UnpackSequences(4)(r.packed, torch.zeros(0, dtype=torch.int64), r.cu_seqlens_padded)
