@@ -14,6 +14,8 @@ from a Python int the caller passes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -62,14 +64,23 @@ def segment_ids(bounds: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cumsum(marks[:total], dim=0)
 
 
-def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """For each of rank ``r``'s local positions, the packed position it holds.
+class ZigzagLocal(NamedTuple):
+    """Rank ``r``'s local positions: ``source [T/C]`` (the packed position each holds)
+    and ``segment [T/C]`` (the sequence it belongs to), both int64."""
 
-    ``[B+1] -> [T/C]`` int64. Each segment (``n`` a multiple of ``2C``) is cut into
+    source: torch.Tensor
+    segment: torch.Tensor
+
+
+def zigzag_local(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> ZigzagLocal:
+    """For each of rank ``r``'s local positions, the packed position it holds and its segment.
+
+    ``[B+1] -> 2 x [T/C]`` int64. Each segment (``n`` a multiple of ``2C``) is cut into
     ``2C`` chunks of ``k = n/(2C)``; rank ``r`` keeps chunks ``r`` and ``2C-1-r``.
 
     Example: C=2, bounds ``[0, 16, 40]`` (n = 16, 24; k = 4, 6), rank 0 holds
-    packed positions ``0..3, 12..15, 16..21, 34..39`` (20 = 40/2 positions).
+    packed positions ``0..3, 12..15, 16..21, 34..39`` (20 = 40/2 positions) of
+    segments ``0 x8, 1 x12``.
     """
     two_c = 2 * cp_size
     local_bounds = bounds.to(torch.int64) // cp_size  # [B+1] segment starts on the rank
@@ -79,7 +90,15 @@ def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank:
     w = torch.arange(local_total, device=bounds.device) - local_bounds[seg]  # offset on the rank
     first = w < k
     offset = torch.where(first, cp_rank * k + w, (two_c - 1 - cp_rank) * k + (w - k))
-    return start + offset
+    return ZigzagLocal(start + offset, seg)
+
+
+def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """For each of rank ``r``'s local positions, the packed position it holds: ``[B+1] -> [T/C]``.
+
+    The ``source`` of :func:`zigzag_local` (see there for the example).
+    """
+    return zigzag_local(bounds, local_total, cp_size, cp_rank).source
 
 
 def zigzag_inverse(bounds: torch.Tensor, total: int, cp_size: int) -> torch.Tensor:
