@@ -193,21 +193,22 @@ class TokenLogProbs(nn.Module):
             tp_size=self.tp_size, chunk_tokens=self.chunk_tokens,
         )  # [T/C]
         packed = local if self.gather is None else self.gather(local[None], cu_seqlens_padded)[0]  # [T]
-        return _unpack_shifted(packed, segments.lengths, cu_seqlens_padded, self.seq_len)
+        return _unpack_shifted(packed, cu_seqlens, cu_seqlens_padded, self.seq_len)
 
 
-def _unpack_shifted(packed: torch.Tensor, lengths: torch.Tensor, cu_seqlens_padded: torch.Tensor, seq_len: int):
+def _unpack_shifted(packed: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, seq_len: int):
     """``out[b, s] = packed[cu_seqlens_padded[b] + s - 1]`` for ``1 <= s < L[b]``, else 0: ``[T] -> [B, S]``.
 
     Example: packed log-probs of ``[a0, a1, a2, pad]`` (``a2`` has no target: 0) with L 3,
     start 0, S 4 -> ``[0, lp(a0->a1), lp(a1->a2), 0]``.
     """
-    rows = cu_seqlens_padded.shape[0] - 1
-    if rows == 0:
-        return packed.new_zeros((0, seq_len))
-    total = packed.shape[0]
+    rows, total = cu_seqlens_padded.shape[0] - 1, packed.shape[0]
+    if total == 0:  # nothing was packed (every row empty, no pad_full_seq_to): all zeros, still in the graph
+        return packed.sum().expand(rows, seq_len).clone()
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]  # [B]
     s = torch.arange(seq_len, device=packed.device)  # [S]
-    index = (cu_seqlens_padded[:-1].to(torch.int64)[:, None] + s - 1).clamp(0, max(total - 1, 0))  # [B, S]
+    index = (cu_seqlens_padded[:-1].to(torch.int64)[:, None] + s - 1).clamp(0, total - 1)  # [B, S]
     keep = (s >= 1) & (s < lengths[:, None])  # [B, S]
     out = packed.index_select(0, index.reshape(-1)).view(rows, seq_len)  # [B, S]
     return torch.where(keep, out, 0.0)

@@ -147,4 +147,5 @@ def reference_token_logprobs(logits: torch.Tensor, packed_ids: torch.Tensor, cu_
             picked = lp.gather(1, packed_ids[0, start + 1 : start + n, None].long()).squeeze(1)
             row = torch.cat([row[:1], picked, row[n:]])
         rows.append(row)
-    return torch.stack(rows) if rows else logits.new_zeros((0, seq_len), dtype=dtype)
+    out = torch.stack(rows) if rows else logits.new_zeros((0, seq_len), dtype=dtype)
+    return out + 0 * logits.sum()  # keeps the output in the autograd graph when no row has a target
