@@ -137,6 +137,6 @@ class GatherFromContextParallel(nn.Module):
     def forward(self, local: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
         _checks.check_packed("local", local)
         rows, trailing = local.shape[1], local.shape[2:]
-        stacked = all_gather_rows(local[0], self.group, self.cp_rank, self.cp_size, self.grad_mode)  # [C*T/C, *]
+        stacked = all_gather_rows(local.squeeze(0), self.group, self.cp_rank, self.cp_size, self.grad_mode)  # [C*T/C, *]
         shards = stacked.view(self.cp_size, rows, *trailing)  # [C, T/C, *]
         return self.unshard(shards, cu_seqlens_padded)  # [1, T, *]

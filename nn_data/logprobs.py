@@ -189,10 +189,10 @@ class TokenLogProbs(nn.Module):
         places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
         target, keep = next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
         local = token_logprobs_local(
-            logits[0], target, keep, vocab_start=self.tp_rank * cols, tp_group=self.tp_group,
+            logits.squeeze(0), target, keep, vocab_start=self.tp_rank * cols, tp_group=self.tp_group,
             tp_size=self.tp_size, chunk_tokens=self.chunk_tokens,
         )  # [T/C]
-        packed = local if self.gather is None else self.gather(local[None], cu_seqlens_padded)[0]  # [T]
+        packed = local if self.gather is None else self.gather(local[None], cu_seqlens_padded).squeeze(0)  # [T]
         return _unpack_shifted(packed, cu_seqlens, cu_seqlens_padded, self.seq_len)
 
 

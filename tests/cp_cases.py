@@ -277,6 +277,36 @@ def case_logprobs_vocab_parallel():
     return (cp.rank, tp.rank)
 
 
+def case_compiled_logprobs():
+    """TokenLogProbs with its CP all-gather under torch.compile(fullgraph=True): one frame for a
+    stream of microbatches of one static shape, forward and backward equal to eager."""
+    import torch._dynamo.testing
+
+    cp = context_parallel_info()
+    op = TokenLogProbs(SEQ_LEN, cp_group=cp.group, chunk_tokens=16)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(op, fullgraph=True, backend=counter)
+    shard = ShardForContextParallel(cp.size, cp.rank)
+    stream = [make_microbatch(n, cp.size, pad_full_seq_to=80, capacity=4)
+              for n in ([5, 0, 16, 3], [0, 0, 0, 0], [16, 16, 16, 16], [1, 7], [])]
+    for i, mb in enumerate(stream):
+        r, ids, full, weight = _logprob_inputs(mb, 60 + i)
+        full, weight = full.float(), weight.float()
+        args = (ids, r.cu_seqlens, r.cu_seqlens_padded)
+        results = []
+        for fn in (compiled, op):
+            local = shard(full, r.cu_seqlens_padded).clone().requires_grad_()
+            out = fn(local, *args)
+            (out * weight).sum().backward()
+            results.append((out.detach(), local.grad))
+        (out_c, grad_c), (out_e, grad_e) = results
+        torch.testing.assert_close(out_c, out_e, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad_c, grad_e, rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1, f"{counter.frame_count} frames compiled"
+    return counter.frame_count
+
+
 CASES: dict[str, Callable] = {
     "shard_gather_roundtrip": case_shard_gather_roundtrip,
     "resolver": case_resolver,
@@ -284,4 +314,5 @@ CASES: dict[str, Callable] = {
     "positions_targets": case_positions_targets,
     "logprobs": case_logprobs,
     "logprobs_vocab_parallel": case_logprobs_vocab_parallel,
+    "compiled_logprobs": case_compiled_logprobs,
 }
