@@ -106,8 +106,8 @@ def rank_main(rank, args, port, out_queue):
             with torch.no_grad():
                 paths[path](local)
             return
-        x = local.clone().requires_grad_()
-        (paths[path](x) * weight).sum().backward()
+        x = local.detach().requires_grad_()  # a leaf sharing local's storage: nothing copied
+        (paths[path](x) * weight).sum().backward()  # allocates x.grad [1, T/C, V], counted
 
     results = {}
     for mode in ("inference", "training"):
