@@ -14,6 +14,8 @@ from a Python int the caller passes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -62,33 +64,49 @@ def segment_ids(bounds: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cumsum(marks[:total], dim=0)
 
 
-def piece_source(out_starts: torch.Tensor, src_starts: torch.Tensor, total: int) -> torch.Tensor:
+class PieceMap(NamedTuple):
+    """``source [total]``: where each output position reads; ``piece [total]``: its piece id."""
+
+    source: torch.Tensor
+    piece: torch.Tensor
+
+
+def piece_map(out_starts: torch.Tensor, src_starts: torch.Tensor, total: int) -> PieceMap:
     """Source index of every output position when the output is a run of contiguous pieces.
 
     Piece ``g`` covers output positions ``[out_starts[g], out_starts[g+1])`` (the last one
     ends at ``total``) and reads source positions ``src_starts[g], src_starts[g]+1, ...``.
-    ``[G], [G] -> [total]`` int64: one scan for the piece ids, two gathers from ``[G]``
+    ``[G], [G] -> 2 x [total]`` int64: one scan for the piece ids, two gathers from ``[G]``
     tables, no per-position division.
 
     Example: out_starts ``[0, 2, 2, 5]``, src_starts ``[10, 0, 7, 3]``, total 6 ->
-    piece ids ``[0,0,2,2,2,3]`` -> ``[10, 11, 7, 8, 9, 3]`` (piece 1 is empty).
+    piece ids ``[0,0,2,2,2,3]`` -> source ``[10, 11, 7, 8, 9, 3]`` (piece 1 is empty).
     """
     out_starts = out_starts.to(torch.int64)
     bounds = torch.cat([out_starts, out_starts.new_full((1,), total)])  # [G+1]
     piece = segment_ids(bounds, total)  # [total]
-    return src_starts.to(torch.int64)[piece] + (torch.arange(total, device=out_starts.device) - out_starts[piece])
+    offset = torch.arange(total, device=out_starts.device) - out_starts[piece]  # [total]
+    return PieceMap(src_starts.to(torch.int64)[piece] + offset, piece)
 
 
-def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """For each of rank ``r``'s local positions, the packed position it holds.
+class ZigzagLocal(NamedTuple):
+    """Rank ``r``'s local positions: ``source [T/C]`` (the packed position each holds)
+    and ``segment [T/C]`` (the sequence it belongs to), both int64."""
 
-    ``[B+1] -> [T/C]`` int64. Each segment (``n`` a multiple of ``2C``) is cut into
+    source: torch.Tensor
+    segment: torch.Tensor
+
+
+def zigzag_local(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> ZigzagLocal:
+    """For each of rank ``r``'s local positions, the packed position it holds and its segment.
+
+    ``[B+1] -> 2 x [T/C]`` int64. Each segment (``n`` a multiple of ``2C``) is cut into
     ``2C`` chunks of ``k = n/(2C)``; rank ``r`` keeps chunks ``r`` and ``2C-1-r``: two
-    pieces per segment on the rank, each ``k`` long.
+    pieces per segment on the rank, each ``k`` long (piece ``g`` is in segment ``g // 2``).
 
     Example: C=2, bounds ``[0, 16, 40]`` (n = 16, 24; k = 4, 6), rank 0: pieces start
     on the rank at ``[0, 4, 8, 14]`` and read from ``[0, 12, 16, 34]`` -> packed positions
-    ``0..3, 12..15, 16..21, 34..39`` (20 = 40/2 positions).
+    ``0..3, 12..15, 16..21, 34..39`` (20 = 40/2 positions) of segments ``0 x8, 1 x12``.
     """
     two_c = 2 * cp_size
     b64 = bounds.to(torch.int64)
@@ -96,7 +114,16 @@ def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank:
     local_start = start // cp_size  # [B]
     out_starts = torch.stack([local_start, local_start + k], dim=1)  # [B, 2]
     src_starts = torch.stack([start + cp_rank * k, start + (two_c - 1 - cp_rank) * k], dim=1)  # [B, 2]
-    return piece_source(out_starts.flatten(), src_starts.flatten(), local_total)  # [T/C]
+    pieces = piece_map(out_starts.flatten(), src_starts.flatten(), local_total)  # [T/C]
+    return ZigzagLocal(pieces.source, pieces.piece // 2)
+
+
+def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """For each of rank ``r``'s local positions, the packed position it holds: ``[B+1] -> [T/C]``.
+
+    The ``source`` of :func:`zigzag_local` (see there for the example).
+    """
+    return zigzag_local(bounds, local_total, cp_size, cp_rank).source
 
 
 def zigzag_inverse(bounds: torch.Tensor, total: int, cp_size: int) -> torch.Tensor:
@@ -120,4 +147,4 @@ def zigzag_inverse(bounds: torch.Tensor, total: int, cp_size: int) -> torch.Tens
     rank = torch.where(second_half, two_c - 1 - chunk, chunk)  # [2C]
     out_starts = start + chunk * k  # [B, 2C]
     src_starts = rank * local_total + start // cp_size + second_half * k  # [B, 2C]
-    return piece_source(out_starts.flatten(), src_starts.flatten(), total)  # [T]
+    return piece_map(out_starts.flatten(), src_starts.flatten(), total).source  # [T]

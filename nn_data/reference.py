@@ -105,3 +105,51 @@ def reference_unpack(packed: torch.Tensor, seq_lengths, cu_seqlens_padded, seq_l
     for b, n in enumerate(lengths):
         out[b, :n] = packed[0, starts[b] : starts[b] + n]
     return out
+
+
+def reference_position_ids(cu_seqlens_padded, total: int) -> torch.Tensor:
+    """``[1, T]``: ``0, 1, ...`` inside every padded segment (``0..T-1`` with no sequence)."""
+    bounds = [int(v) for v in cu_seqlens_padded]
+    if len(bounds) == 1:
+        bounds = [0, total]
+    out = torch.zeros(total, dtype=torch.int64)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        out[start:end] = torch.arange(end - start)
+    return out.unsqueeze(0)
+
+
+def reference_next_token_targets(packed_ids: torch.Tensor, cu_seqlens, cu_seqlens_padded, ignore_index: int = -100):
+    """``(targets [1, T], loss_mask [1, T])``: sequence by sequence, token ``s`` targets token ``s+1``
+    for ``s < L-1``; everything else is ``ignore_index`` with mask 0."""
+    total = packed_ids.shape[1]
+    cu = [int(v) for v in cu_seqlens]
+    starts = [int(v) for v in cu_seqlens_padded]
+    targets = torch.full((total,), ignore_index, dtype=torch.int64)
+    mask = torch.zeros(total, dtype=torch.float32)
+    for b in range(len(cu) - 1):
+        n, start = cu[b + 1] - cu[b], starts[b]
+        if n > 1:
+            targets[start : start + n - 1] = packed_ids[0, start + 1 : start + n]
+            mask[start : start + n - 1] = 1.0
+    return targets.unsqueeze(0), mask.unsqueeze(0)
+
+
+def reference_token_logprobs(logits: torch.Tensor, packed_ids: torch.Tensor, cu_seqlens, cu_seqlens_padded,
+                             seq_len: int) -> torch.Tensor:
+    """``[B, S]`` from the *full* packed logits ``[1, T, V]``, one sequence at a time:
+    ``out[b, s] = log_softmax(logits[start + s - 1])[x[start + s]]`` for ``1 <= s < L[b]``, 0 elsewhere.
+    Differentiable w.r.t. ``logits`` (the tests' gradient oracle)."""
+    cu = [int(v) for v in cu_seqlens]
+    starts = [int(v) for v in cu_seqlens_padded]
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    rows = []
+    for b in range(len(cu) - 1):
+        n, start = cu[b + 1] - cu[b], starts[b]
+        row = logits.new_zeros(seq_len, dtype=dtype)
+        if n > 1:
+            lp = torch.log_softmax(logits[0, start : start + n - 1].to(dtype), dim=-1)  # [n-1, V]
+            picked = lp.gather(1, packed_ids[0, start + 1 : start + n, None].long()).squeeze(1)
+            row = torch.cat([row[:1], picked, row[n:]])
+        rows.append(row)
+    out = torch.stack(rows) if rows else logits.new_zeros((0, seq_len), dtype=dtype)
+    return out + 0 * logits.sum()  # keeps the output in the autograd graph when no row has a target

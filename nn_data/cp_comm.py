@@ -1,0 +1,142 @@
+"""Gather context-parallel shards across processes: ``[1, T/C, *]`` on each rank -> ``[1, T, *]``.
+
+Shape legend
+    B   sequences; ``cu_seqlens_padded`` has B+1 entries
+    T   packed tokens
+    C   context-parallel size (ranks in the group); each rank holds ``T/C`` tokens
+    N   rows one rank contributes to the all-gather (``T/C``)
+    *   trailing feature dims
+
+One all-gather of the whole local shard (not one per sequence), then the zigzag
+permutation is undone by :class:`~nn_data.UnshardFromContextParallel` (one
+gather over an index map built on the device). The collective is a
+``torch.distributed`` functional collective, so it runs eagerly on gloo (CPU) and
+NCCL (GPU) and ``torch.compile(fullgraph=True)`` captures it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from nn_data import _checks
+from nn_data.context_parallel import UnshardFromContextParallel
+
+# torch >= 2.12 names these *_single; older releases only have the *_tensor spelling.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+GRAD_MODES = ("own", "sum")
+
+
+def group_rank_size(group: Optional["dist.ProcessGroup"]) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group``; ``None`` is the default group,
+    or a single rank ``(0, 1)`` when ``torch.distributed`` is not initialised.
+
+    Raises :class:`~nn_data.errors.PackingError` if this process is not in ``group``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise _checks.PackingError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise _checks.PackingError(f"this process (global rank {dist.get_rank()}) is not a member of the group given")
+    return rank, dist.get_world_size(group)
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """``x [N, *]`` on each of ``C`` ranks -> ``[C*N, *]``, rank-major (rank 0's rows first).
+
+    Backward, ``grad_mode="own"``: this rank's rows of its own incoming gradient
+    (no communication). ``grad_mode="sum"``: reduce-scatter, the sum over ranks of
+    the gradient each computed for this rank's rows.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, rank: int, grad_mode: str):
+        ctx.group, ctx.rank, ctx.rows, ctx.grad_mode = group, rank, x.shape[0], grad_mode
+        return funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))  # [C*N, *]
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_mode == "sum":
+            out = funcol.wait_tensor(_reduce_scatter(grad.contiguous(), "sum", 0, ctx.group))  # [N, *]
+        else:
+            out = grad.narrow(0, ctx.rank * ctx.rows, ctx.rows)  # [N, *]
+        return out, None, None, None
+
+
+def all_gather_rows(x: torch.Tensor, group, rank: int, size: int, grad_mode: str = "own") -> torch.Tensor:
+    """Autograd-aware all-gather along dim 0: ``[N, *] -> [C*N, *]`` (identity for ``size == 1``)."""
+    if size == 1:
+        return x
+    return _AllGatherRows.apply(x, group, rank, grad_mode)
+
+
+class GatherFromContextParallel(nn.Module):
+    """Reassemble the packed tensor from every rank's zigzag shard: ``[1, T/C, *] -> [1, T, *]``.
+
+    ``GatherFromContextParallel(group=None, *, grad_mode="own", validate=True)``;
+    ``forward(local [1, T/C, *], cu_seqlens_padded [B+1] int) -> [1, T, *]``, the same
+    on every rank of ``group``. ``local`` is what :class:`~nn_data.ShardForContextParallel`
+    (or a CP model) produced on this rank; every rank must pass the same ``T/C`` and
+    the same ``cu_seqlens_padded``. One all-gather of the whole shard, then
+    :class:`~nn_data.UnshardFromContextParallel`.
+
+    ``group``: the context-parallel ``ProcessGroup``. ``None`` means torch.distributed's
+    default (world) group, or a single rank (the op is the identity) when
+    torch.distributed is not initialised. With megatron-core, pass
+    ``nn_data.megatron_parallel.context_parallel_info().group``.
+
+    Gradients (``grad_mode``). The backward hands each rank the gradient of its own
+    shard. How the ranks' gradients are combined depends on what they computed from
+    the gathered tensor:
+
+    * ``"own"`` (default): every rank is assumed to compute the *same* loss from the
+      gathered tensor (the usual case: after the gather, the loss is replicated over
+      the CP group). Then every rank holds the same gradient for ``[1, T]`` and the
+      correct gradient of its shard is simply its own rows of it: no communication,
+      and the local gradient equals the single-process gradient of the same loss.
+      Summing (reduce-scatter) instead would count the replicated loss ``C`` times.
+      The parameter gradients are then combined across the CP group by megatron-core's
+      usual data-and-context-parallel gradient all-reduce, where each rank contributes
+      the part that flowed through its own tokens.
+    * ``"sum"``: ranks compute *different* losses from the gathered tensor (the
+      objective is their sum); the backward is a reduce-scatter that adds, for this
+      rank's shard, the gradients every rank computed for it. This is the exact adjoint
+      of the all-gather.
+
+    Example (2 ranks, ``cu_seqlens_padded [0, 8]``): rank 0 holds ``[[0, 1, 6, 7]]``,
+    rank 1 ``[[2, 3, 4, 5]]``; both get ``[[0, 1, 2, 3, 4, 5, 6, 7]]``.
+
+    Raises :class:`~nn_data.errors.PackingError`: an unknown ``grad_mode``, a group this
+    process is not in (``__init__``); ``local`` not ``[1, T/C, *]``, ``T`` not a multiple
+    of ``2C``, ``cu_seqlens_padded`` not 1-D integer or on another device (call); a
+    segment not divisible by ``2C`` or boundaries not rising from 0 to ``T`` (validation
+    step, as :class:`~nn_data.UnshardFromContextParallel`).
+    """
+
+    def __init__(self, group: Optional["dist.ProcessGroup"] = None, *, grad_mode: str = "own", validate: bool = True):
+        super().__init__()
+        if grad_mode not in GRAD_MODES:
+            raise _checks.PackingError(f"grad_mode={grad_mode!r} is invalid; expected one of {GRAD_MODES}")
+        self.cp_rank, self.cp_size = group_rank_size(group)
+        if group is None and self.cp_size > 1:
+            group = dist.group.WORLD
+        self.group, self.grad_mode, self.validate = group, grad_mode, bool(validate)
+        self.unshard = UnshardFromContextParallel(self.cp_size, validate=validate)
+
+    def extra_repr(self) -> str:
+        return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, grad_mode={self.grad_mode!r}"
+
+    def forward(self, local: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+        _checks.check_packed("local", local)
+        rows, trailing = local.shape[1], local.shape[2:]
+        stacked = all_gather_rows(local.squeeze(0), self.group, self.cp_rank, self.cp_size, self.grad_mode)  # [C*T/C, *]
+        shards = stacked.view(self.cp_size, rows, *trailing)  # [C, T/C, *]
+        return self.unshard(shards, cu_seqlens_padded)  # [1, T, *]

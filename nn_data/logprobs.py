@@ -1,0 +1,214 @@
+"""Per-token log-probs from CP-local packed logits, gathered as ``[1, T/C]`` values and unpacked to ``[B, S]``.
+
+Shape legend
+    B   sequences; ``cu_seqlens`` and ``cu_seqlens_padded`` have B+1 entries
+    S   row length of the output (``seq_len``, a Python int)
+    T   packed tokens; C context-parallel size; N = T/C positions on a rank
+    V   vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank (vocab-parallel logits)
+    c   tokens per chunk of the log-sum-exp (``chunk_tokens``)
+
+Memory: the logits are read in chunks of ``c`` tokens, so beyond the logits (and,
+in backward, their gradient) the op holds ``O(T)`` values plus one ``[c, Vt]``
+float32 chunk. Only ``[1, T/C]`` log-probs cross the CP group (one all-gather); the
+gathered ``[1, T, V]`` logits and the unpacked ``[B, S, V]`` never exist.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nn_data import _checks
+from nn_data.cp_comm import GatherFromContextParallel, _all_gather, funcol, group_rank_size
+from nn_data.targets import (
+    _check_boundary_args,
+    check_layout,
+    check_packed_ids,
+    local_places,
+    next_token_at,
+    packed_segments,
+)
+
+
+class _TargetLogProb(torch.autograd.Function):
+    """``log softmax(logits[i])[target[i]]`` where ``keep[i]``, else 0: ``[N, Vt] -> [N]`` (float32 or wider).
+
+    Vocab-parallel (``tp_size > 1``): each TP rank holds columns ``[vocab_start,
+    vocab_start + Vt)``; the per-rank log-sum-exp and the target's logit (0 on ranks that
+    do not own it) are all-gathered as ``[2, N]`` and combined. Backward needs no
+    communication: ``d/dz_v = [v = target] - softmax_v``, with the global log-sum-exp saved.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, keep, vocab_start: int, tp_group, tp_size: int, chunk: int):
+        n, cols = logits.shape
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        local = target - vocab_start  # [N] column on this rank
+        owned = (local >= 0) & (local < cols)  # [N]
+        local = local.clamp(0, max(cols - 1, 0))
+        lse = logits.new_empty(n, dtype=dtype)
+        picked = logits.new_empty(n, dtype=dtype)
+        for i in range(0, n, chunk):  # static: n and chunk are Python ints
+            x = logits[i : i + chunk].to(dtype)  # [c, Vt]
+            lse[i : i + chunk] = torch.logsumexp(x, dim=-1)
+            picked[i : i + chunk] = x.gather(1, local[i : i + chunk, None]).squeeze(1)
+        picked = torch.where(owned, picked, 0.0)
+        if tp_size > 1:
+            both = torch.stack([lse, picked])  # [2, N]
+            every = funcol.wait_tensor(_all_gather(both, 0, tp_group)).view(tp_size, 2, n)  # [TP, 2, N]
+            lse, picked = torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)  # [N] each
+        ctx.save_for_backward(logits, local, owned, keep, lse)
+        ctx.chunk = chunk
+        return torch.where(keep, picked - lse, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, local, owned, keep, lse = ctx.saved_tensors
+        g = torch.where(keep, grad, 0.0).to(lse.dtype)  # [N]
+        g_owned = torch.where(owned, g, 0.0)  # [N] the one-hot term, on the owning TP rank only
+        out = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], ctx.chunk):
+            j = i + ctx.chunk
+            d = logits[i:j].to(lse.dtype).sub(lse[i:j, None]).exp_()  # [c, Vt] softmax
+            d.mul_(-g[i:j, None]).scatter_add_(1, local[i:j, None], g_owned[i:j, None])
+            out[i:j] = d
+        return out, None, None, None, None, None, None
+
+
+def token_logprobs_local(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    tp_group: Optional["dist.ProcessGroup"] = None,
+    tp_size: int = 1,
+    chunk_tokens: int = 256,
+) -> torch.Tensor:
+    """Log-prob of ``target`` at each row of ``logits [N, Vt]`` where ``keep [N]``, else 0: ``[N]``.
+
+    Differentiable w.r.t. ``logits``; memory beyond the logits is ``O(N)`` plus one
+    ``[chunk_tokens, Vt]`` chunk. ``target`` holds vocabulary ids in ``[0, V)`` where ``keep``.
+    """
+    return _TargetLogProb.apply(logits, target, keep, vocab_start, tp_group, tp_size, chunk_tokens)
+
+
+class TokenLogProbs(nn.Module):
+    """Per-token log-probs ``[B, S]`` from CP-local packed logits ``[1, T/C, V]``, NeMo-RL's layout.
+
+    ``TokenLogProbs(seq_len, *, cp_group=None, tp_group=None, chunk_tokens=256, validate=True)``;
+    ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, cu_seqlens [B+1] int,
+    cu_seqlens_padded [B+1] int) -> [B, S]`` (float32, float64 for float64 logits).
+
+    ``logits`` is this rank's zigzag shard of the packed logits (what a CP model returns
+    for ``ShardForContextParallel`` inputs); ``packed_ids`` the full packed token ids.
+    Steps: each local position's next-token target *within its sequence*
+    (:class:`~nn_data.NextTokenTargets`); the log-prob of that target on the local shard,
+    chunked; one all-gather of the ``[1, T/C]`` values over ``cp_group`` and the zigzag
+    inverse; then a gather to ``[B, S]``.
+
+    Layout of the result (what NeMo-RL stores as ``"logprobs"``): ``out[b, s] =
+    log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``; ``out[b, 0] = 0`` (the first token
+    has no prediction) and ``out[b, s] = 0`` for ``s >= L[b]``. NeMo-RL builds the same
+    alignment by rolling the targets of each padded segment by one, keeping ``S - 1``
+    values per row and prepending a zero column; its padding positions (``s >= L[b]``)
+    hold whatever the pad token's log-prob was, and are masked later by the loss. nn_data
+    zeroes them, so every real token ``1 <= s < L[b]`` gets exactly one log-prob and
+    nothing else is non-zero.
+
+    Groups: ``cp_group`` is the context-parallel ``ProcessGroup`` and ``tp_group`` the
+    tensor-parallel one for vocab-parallel logits (rank ``k`` holds vocabulary columns
+    ``[k*Vt, (k+1)*Vt)``). ``None`` means *not split* along that axis (size 1), even with
+    torch.distributed running. With megatron-core, pass the groups of
+    :mod:`nn_data.megatron_parallel`.
+
+    Gradients flow to the local logits. The gathered log-probs are assumed to feed the
+    same loss on every CP (and TP) rank, so each rank keeps its own positions' gradient
+    (``GatherFromContextParallel(grad_mode="own")``): the local logits' gradient equals the
+    single-process gradient at this rank's positions (and vocabulary columns).
+
+    Example (C 1, V 3, uniform logits): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``,
+    seq_len 4 -> ``[[0, log(1/3), log(1/3), 0]]``.
+
+    Raises :class:`~nn_data.errors.PackingError`: ``seq_len < 1`` or ``chunk_tokens < 1``, a
+    group this process is not in (``__init__``); ``logits`` not ``[1, T/C, Vt]``,
+    ``packed_ids`` not ``[1, T]``, ``T`` not a multiple of ``2C``, bad boundary tensors
+    (call); bad boundaries, a length over ``seq_len`` or its segment, a target id outside
+    ``[0, V)`` (validation step: eager one sync, compiled device asserts).
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        cp_group: Optional["dist.ProcessGroup"] = None,
+        tp_group: Optional["dist.ProcessGroup"] = None,
+        chunk_tokens: int = 256,
+        validate: bool = True,
+    ):
+        super().__init__()
+        self.seq_len = _checks.positive_int("seq_len", seq_len)
+        self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
+        self.cp_rank, self.cp_size = group_rank_size(cp_group) if cp_group is not None else (0, 1)
+        self.tp_rank, self.tp_size = group_rank_size(tp_group) if tp_group is not None else (0, 1)
+        self.tp_group, self.validate = tp_group, bool(validate)
+        self.gather = GatherFromContextParallel(cp_group, validate=False) if self.cp_size > 1 else None
+
+    def extra_repr(self) -> str:
+        return (f"seq_len={self.seq_len}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
+                f"tp_size={self.tp_size}, tp_rank={self.tp_rank}, chunk_tokens={self.chunk_tokens}")
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        packed_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        cu_seqlens_padded: torch.Tensor,
+    ) -> torch.Tensor:
+        _checks.check_packed("logits", logits)
+        if logits.dim() != 3 or not logits.dtype.is_floating_point:
+            raise _checks.PackingError(f"logits must be floating point [1, T/C, V], got shape "
+                                       f"{tuple(logits.shape)} and dtype {logits.dtype}")
+        check_packed_ids("packed_ids", packed_ids)
+        local_total, cols = logits.shape[1], logits.shape[2]
+        total = local_total * self.cp_size
+        if packed_ids.shape[1] != total:
+            raise _checks.PackingError(
+                f"packed_ids has shape {tuple(packed_ids.shape)} but logits {tuple(logits.shape)} on "
+                f"cp_size={self.cp_size} ranks cover T={total} positions; pass the full packed ids [1, {total}]"
+            )
+        _check_boundary_args(cu_seqlens_padded, packed_ids, self.cp_size, cu_seqlens)
+        _checks.check_same_device(logits=logits, packed_ids=packed_ids)
+        if self.validate:
+            check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "TokenLogProbs",
+                         seq_len=self.seq_len, ids=packed_ids[0], vocab=cols * self.tp_size)
+        segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
+        places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
+        target, keep = next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
+        local = token_logprobs_local(
+            logits.squeeze(0), target, keep, vocab_start=self.tp_rank * cols, tp_group=self.tp_group,
+            tp_size=self.tp_size, chunk_tokens=self.chunk_tokens,
+        )  # [T/C]
+        packed = local if self.gather is None else self.gather(local[None], cu_seqlens_padded).squeeze(0)  # [T]
+        return _unpack_shifted(packed, cu_seqlens, cu_seqlens_padded, self.seq_len)
+
+
+def _unpack_shifted(packed: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, seq_len: int):
+    """``out[b, s] = packed[cu_seqlens_padded[b] + s - 1]`` for ``1 <= s < L[b]``, else 0: ``[T] -> [B, S]``.
+
+    Example: packed log-probs of ``[a0, a1, a2, pad]`` (``a2`` has no target: 0) with L 3,
+    start 0, S 4 -> ``[0, lp(a0->a1), lp(a1->a2), 0]``.
+    """
+    rows, total = cu_seqlens_padded.shape[0] - 1, packed.shape[0]
+    if total == 0:  # nothing was packed (every row empty, no pad_full_seq_to): all zeros, still in the graph
+        return packed.sum().expand(rows, seq_len).clone()
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]  # [B]
+    s = torch.arange(seq_len, device=packed.device)  # [S]
+    index = (cu_seqlens_padded[:-1].to(torch.int64)[:, None] + s - 1).clamp(0, total - 1)  # [B, S]
+    keep = (s >= 1) & (s < lengths[:, None])  # [B, S]
+    out = packed.index_select(0, index.reshape(-1)).view(rows, seq_len)  # [B, S]
+    return torch.where(keep, out, 0.0)
