@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.context_parallel import ShardForContextParallel
+from nn_data.cp_comm import GatherFromContextParallel, group_rank_size
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_to_row_capacity
+from nn_data.targets import local_places, packed_segments
 from nn_data.unpack import unpack_sequences
 
 
@@ -63,31 +64,37 @@ class PackedForward(nn.Module):
 
     ``PackedForward(model, *, pad_individual_seqs_to_multiple_of=1, pad_full_seq_to=None,
     pad_packed_seq_to_multiple_of=1, cp_group=None, row_capacity=None, compile_packing=False,
-    make_packed_seq_params=False)``;
-    ``forward(input_ids [B, S] int, seq_lengths [B] int, **model_kwargs) -> [B, S, *]`` with
-    ``fill 0`` past each row's length.
+    compile_kwargs=None, make_packed_seq_params=False)``;
+    ``forward(input_ids [B, S] int, seq_lengths [B] int, **model_kwargs) -> [B, S, *]``, 0 past
+    each row's length.
 
-    The model contract: ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
+    **The model contract.** ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
     **model_kwargs)`` returns a tensor ``[1, T/C, *]`` for the same local tokens in the same
     order. Position ids restart at 0 at each sequence start and keep counting through a
     segment's padding. Attention must stay inside a segment (``packed.segment_ids``) and be
     causal in packed positions (``packed.query_index``); under CP gather keys and values with
-    ``packed.gather``. Outputs at padding positions are ignored.
+    ``packed.gather`` (their gradients are summed back to the rank that owns them). Outputs at
+    padding positions are ignored. :class:`nn_data.models.TinyCausalLM` follows this contract.
 
-    With ``cp_group`` (a ``torch.distributed`` process group of size ``C > 1``) each rank
-    runs the model on its zigzag shard and the output is gathered to every rank, so every
-    rank returns the full ``[B, S, *]``. Segments must then split into ``2C`` chunks:
-    choose ``pad_individual_seqs_to_multiple_of`` and ``pad_full_seq_to`` as multiples of
-    ``2C``.
+    **Context parallelism.** ``cp_group`` is the CP ``ProcessGroup`` (with megatron-core:
+    ``nn_data.megatron_parallel.context_parallel_info().group``); None means no CP. Each rank
+    runs the model on its zigzag shard and the output is all-gathered, so every rank returns
+    the full ``[B, S, *]``. The output gather hands each rank its own rows of the gradient
+    (``grad_mode="own"``): every rank computes the same loss from the gathered output, and the
+    parameter gradients are then summed over the CP group, as megatron-core's data-and-context
+    parallel gradient all-reduce does. Every segment must split into ``2C`` chunks, which is
+    checked on the configuration: ``pad_individual_seqs_to_multiple_of`` and ``pad_full_seq_to``
+    (or ``pad_packed_seq_to_multiple_of`` without it) must be multiples of ``2C``.
 
-    ``compile_packing=True`` compiles the packing side (pack, shard, position ids) and the
-    unpacking side with ``fullgraph=True``; with ``pad_full_seq_to`` and ``row_capacity``
-    set they compile once for a stream of microbatches of any lengths and row counts
-    (rows are padded outside the compiled region). The model is called eagerly; compile it
-    yourself if you want (``torch.compile(model)``).
+    **Compilation.** ``compile_packing=True`` compiles the packing side (pack, shard, position
+    ids) and the unpacking side with ``fullgraph=True`` (``compile_kwargs`` go to
+    ``torch.compile``, e.g. a backend); with ``pad_full_seq_to`` and ``row_capacity`` set they
+    compile once for a stream of microbatches of any lengths and row counts (rows are padded
+    outside the compiled region). The model and the CP collectives run eagerly; compile the
+    model yourself if you want (``torch.compile(model)``).
 
-    Raises :class:`~nn_data.errors.PackingError` for bad configuration (as the ops do) and
-    when ``input_ids`` is not ``[B, S]``.
+    Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops do, plus
+    the CP multiples above) and when ``input_ids`` is not ``[B, S]``.
     """
 
     def __init__(
@@ -100,32 +107,37 @@ class PackedForward(nn.Module):
         cp_group=None,
         row_capacity: Optional[int] = None,
         compile_packing: bool = False,
+        compile_kwargs: Optional[dict] = None,
         make_packed_seq_params: bool = False,
     ):
         super().__init__()
         self.model = model
-        self.cp_size, self.cp_rank = _cp_of(cp_group)
-        self.cp_group = cp_group
         self.pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
-        self.shard = ShardForContextParallel(self.cp_size, self.cp_rank)
+        self.cp_rank, self.cp_size = group_rank_size(cp_group) if cp_group is not None else (0, 1)
+        _check_cp_config(self.cp_size, self.pack)
         self.row_capacity = None if row_capacity is None else _checks.positive_int("row_capacity", row_capacity)
         self.make_packed_seq_params = bool(make_packed_seq_params)
-        self._gather = _make_gather(cp_group, self.cp_size)
+        if self.cp_size > 1:  # outputs: the loss is replicated over the group ("own"); keys/values: "sum"
+            self.gather_output = GatherFromContextParallel(cp_group, grad_mode="own", validate=False)
+            self.gather_kv = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False)
         self.compile_packing = bool(compile_packing)
         if self.compile_packing:
-            self._prepare_fn = torch.compile(self._prepare, fullgraph=True)
-            self._finish_fn = torch.compile(unpack_sequences, fullgraph=True)
+            kwargs = {"fullgraph": True, **(compile_kwargs or {})}
+            self._prepare_fn = torch.compile(self._prepare, **kwargs)
+            self._finish_fn = torch.compile(unpack_sequences, **kwargs)
         else:
             self._prepare_fn, self._finish_fn = self._prepare, unpack_sequences
 
     def _prepare(self, input_ids, seq_lengths, num_rows) -> _Prepared:
         r = self.pack(input_ids, seq_lengths, num_rows)
         total = r.packed.shape[1]
-        cu_pad = r.cu_seqlens_padded
-        local_ids = self.shard(r.packed, cu_pad)  # [1, T/C]
-        position_ids = self.shard(r.layout.position[None], cu_pad)  # [1, T/C]
-        query_index = self.shard(torch.arange(total, device=input_ids.device)[None], cu_pad)[0]  # [T/C]
-        return _Prepared(local_ids, position_ids, cu_pad, r.max_seqlen, r.layout.segment, query_index)
+        bounds = packed_segments(r.cu_seqlens, r.cu_seqlens_padded, total).bounds  # [B+1] ([0, T] if B = 0)
+        # Zigzag places of this rank's tokens (segments are multiples of 2C by configuration):
+        # bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39.
+        places = local_places(bounds, total, self.cp_size, self.cp_rank)  # [T/C] each
+        local_ids = r.packed.index_select(1, places.source)  # [1, T/C]
+        position_ids = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C], 0 at each start
+        return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment, places.source)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -137,41 +149,39 @@ class PackedForward(nn.Module):
             padded = pad_to_row_capacity(input_ids, seq_lengths, self.row_capacity)
             input_ids, seq_lengths, num_rows = padded
         prep = self._prepare_fn(input_ids, seq_lengths, num_rows)
-        gather = None
-        if self._gather is not None:
-            def gather(local: torch.Tensor, _cu=prep.cu_seqlens_padded) -> torch.Tensor:
-                return self._gather(local, _cu)  # [1, T/C, *] -> [1, T, *]
+        cu_pad = prep.cu_seqlens_padded
+        gather_kv = None
+        if self.cp_size > 1:
+            def gather_kv(local: torch.Tensor) -> torch.Tensor:
+                return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
         info = PackedInfo(
-            prep.cu_seqlens_padded, prep.max_seqlen, prep.segment_ids, prep.query_index,
-            self.cp_size, self.cp_rank, gather, self._packed_seq_params(prep),
+            cu_pad, prep.max_seqlen, prep.segment_ids, prep.query_index,
+            self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep),
         )
         local_out = self.model(prep.local_ids, prep.position_ids, info, **model_kwargs)  # [1, T/C, *]
-        full = local_out if gather is None else gather(local_out)  # [1, T, *]
-        out = self._finish_fn(full, seq_lengths, prep.cu_seqlens_padded, seq_len)  # [R, S, *]
+        full = local_out if self.cp_size == 1 else self.gather_output(local_out, cu_pad)  # [1, T, *]
+        out = self._finish_fn(full, seq_lengths, cu_pad, seq_len)  # [R, S, *]
         return out[:rows]
 
     def _packed_seq_params(self, prep: _Prepared):
         if not self.make_packed_seq_params:
             return None
-        from nn_data.megatron_pack import make_packed_seq_params
+        from nn_data.megatron_data_common import make_packed_seq_params
 
-        total = prep.segment_ids.shape[0]
-        return make_packed_seq_params(prep.cu_seqlens_padded, max_seqlen=total, local_total=total // self.cp_size)
-
-
-def _cp_of(cp_group) -> tuple[int, int]:
-    """``(size, rank)`` of a process group; ``(1, 0)`` without one."""
-    if cp_group is None:
-        return 1, 0
-    import torch.distributed as dist
-
-    return dist.get_world_size(cp_group), dist.get_rank(cp_group)
+        total = prep.segment_ids.shape[0]  # max_seqlen = T: the only bound known without a host sync
+        return make_packed_seq_params(prep.cu_seqlens_padded, total, total // self.cp_size)
 
 
-def _make_gather(cp_group, cp_size: int):
-    """``[1, T/C, *] -> [1, T, *]`` across the CP group (None without CP)."""
+def _check_cp_config(cp_size: int, pack: PackSequences) -> None:
+    """Under CP every segment, the extended last one too, must split into ``2C`` chunks:
+    guaranteed by configuration so that no data check (and no sync) is needed per call."""
     if cp_size == 1:
-        return None
-    from nn_data.cp_comm import GatherFromContextParallel
-
-    return GatherFromContextParallel(cp_group)
+        return
+    two_c = 2 * cp_size
+    total_unit = pack.pad_full_seq_to if pack.pad_full_seq_to is not None else pack.p
+    if pack.m % two_c or total_unit % two_c:
+        what = "pad_full_seq_to" if pack.pad_full_seq_to is not None else "pad_packed_seq_to_multiple_of"
+        raise _checks.PackingError(
+            f"with cp_size={cp_size}, pad_individual_seqs_to_multiple_of={pack.m} and {what}={total_unit} "
+            f"must be multiples of 2*cp_size={two_c} so that every segment splits into {two_c} chunks"
+        )

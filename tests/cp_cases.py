@@ -119,7 +119,28 @@ def _real(mb: Microbatch) -> int:
     return mb.ids.shape[0] if mb.num_rows is None else int(mb.num_rows)
 
 
-SHARD_PRODUCERS: dict[str, Callable] = {"core_ops": core_ops_shards}
+def process_microbatch_shards(mb: Microbatch, cp_size: int, cp_rank: int):
+    """NeMo-RL's entry point: ``nn_data.megatron_data.process_microbatch`` with CP rank and size
+    taken from megatron-core's ``parallel_state`` (checked against the harness's layout)."""
+    from nn_data.batched_data_dict import BatchedDataDict
+    from nn_data.megatron_data import process_microbatch
+
+    real = _real(mb)
+    data = BatchedDataDict(input_ids=mb.ids[:real], input_lengths=mb.lengths[:real], routed_experts=mb.experts[:real])
+    out = process_microbatch(data, "input_lengths", mb.m, mb.p, mb.pad_full_seq_to, pack_sequences=True)
+    truth_ids = reference_pack(mb.ids[:real], mb.lengths[:real], mb.m, mb.p, mb.pad_full_seq_to).packed
+    truth_exp = reference_pack(mb.experts[:real], mb.lengths[:real], mb.m, mb.p, mb.pad_full_seq_to,
+                               fill=torch.arange(TOPK)).packed
+    assert torch.equal(out.input_ids, truth_ids), "process_microbatch's full packed ids disagree with the reference"
+    assert torch.equal(out.routed_experts, truth_exp), "process_microbatch's packed experts disagree"
+    assert out.input_ids_cp_sharded.shape[1] * cp_size == truth_ids.shape[1]
+    return {
+        "input_ids": (out.input_ids_cp_sharded, truth_ids),
+        "routed_experts": (out.routed_experts_cp_sharded, truth_exp),
+    }, out.cu_seqlens_padded
+
+
+SHARD_PRODUCERS: dict[str, Callable] = {"core_ops": core_ops_shards, "process_microbatch": process_microbatch_shards}
 
 
 # --- cases ---------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
         case, args, cp, tp = item
         try:
             _set_layout(parallel_state, cp, tp)
-            results.put((rank, True, cp_cases.CASES[case](*args)))
+            results.put((rank, True, _case_function(cp_cases, case)(*args)))
         except Exception:
             results.put((rank, False, traceback.format_exc()))
     parallel_state.destroy_model_parallel()
@@ -131,6 +131,16 @@ def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
     results.close()
     results.join_thread()
     os._exit(0)
+
+
+def _case_function(cp_cases, case: str):
+    """``"name"`` is ``cp_cases.CASES[name]``; ``"module:function"`` names a case in another module of tests/."""
+    if ":" not in case:
+        return cp_cases.CASES[case]
+    import importlib
+
+    module, name = case.split(":", 1)
+    return getattr(importlib.import_module(module), name)
 
 
 def _set_layout(parallel_state, cp: int, tp: int) -> None:

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import pytest
 
-from cp_cases import SHARD_PRODUCERS
-from cp_harness import RankPool
+from tests.cp_cases import SHARD_PRODUCERS
 
 WORLD = 4
 CP_SIZES = pytest.mark.parametrize("cp", [2, 4], ids=lambda c: f"C{c}")
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    pool = RankPool(WORLD)
-    yield pool
-    pool.close()
+def ranks(rank_pool):
+    assert rank_pool.world == WORLD
+    return rank_pool
 
 
 def _per_cp_rank(cp: int) -> list[int]:

@@ -17,7 +17,7 @@ import torch
 import torch._dynamo.testing
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cp_cases import make_microbatch, pack_single
+from tests.cp_cases import make_microbatch, pack_single
 from nn_data import GatherFromContextParallel, PackingError, TokenLogProbs, UnpackSequences
 from nn_data.reference import reference_token_logprobs
 
