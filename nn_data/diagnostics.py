@@ -30,13 +30,15 @@ class HostSyncCounter:
 
     def __init__(self):
         self.count = 0
+        self.calls: list[str] = []  # the name of each counted call, in order
         self._saved: dict[str, object] = {}
         self._depth = 0
 
-    def _wrap(self, original):
+    def _wrap(self, name: str, original):
         def counted(*args, **kwargs):
             if self._depth == 0:
                 self.count += 1
+                self.calls.append(name)
             self._depth += 1
             try:
                 return original(*args, **kwargs)
@@ -49,9 +51,9 @@ class HostSyncCounter:
         for name in _SYNCING_METHODS:
             original = getattr(torch.Tensor, name)
             self._saved[name] = original
-            setattr(torch.Tensor, name, self._wrap(original))
+            setattr(torch.Tensor, name, self._wrap(name, original))
         self._saved["torch.nonzero"] = torch.nonzero
-        torch.nonzero = self._wrap(torch.nonzero)
+        torch.nonzero = self._wrap("torch.nonzero", torch.nonzero)
         return self
 
     def __exit__(self, *exc) -> None:

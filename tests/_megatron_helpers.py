@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -41,34 +40,3 @@ def megatron_cfg(tp=1, sp=False, pp=1, cp=1, fp8=None, dispatcher=None, backend=
     return cfg
 
 
-class SyncCounter:
-    """Counts calls that make the host wait for the device: ``Tensor.item``/``tolist``/
-    ``__bool__``/``__int__``/``__float__``/``__index__``/``nonzero`` and ``torch.nonzero``."""
-
-    _METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
-
-    def __init__(self):
-        self.count = 0
-        self.calls: list = []
-
-    @contextlib.contextmanager
-    def watch(self):
-        saved = {name: getattr(torch.Tensor, name) for name in self._METHODS}
-        saved_nonzero = torch.nonzero
-
-        def wrap(name, fn):
-            def counted(*args, **kwargs):
-                self.count += 1
-                self.calls.append(name)
-                return fn(*args, **kwargs)
-            return counted
-
-        try:
-            for name, fn in saved.items():
-                setattr(torch.Tensor, name, wrap(name, fn))
-            torch.nonzero = wrap("torch.nonzero", saved_nonzero)
-            yield self
-        finally:
-            for name, fn in saved.items():
-                setattr(torch.Tensor, name, fn)
-            torch.nonzero = saved_nonzero

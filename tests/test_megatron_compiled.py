@@ -20,7 +20,8 @@ from nn_data.errors import PackingError
 from nn_data.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
 from nn_data.megatron_data_engine import reset_compiled
 from nn_data.reference import reference_pack
-from tests._megatron_helpers import SyncCounter, coded_ids, coded_routes, megatron_cfg
+from nn_data.diagnostics import HostSyncCounter
+from tests._megatron_helpers import coded_ids, coded_routes, megatron_cfg
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,8 @@ def test_stream_of_20_compiles_once_and_matches_eager(fresh_dynamo, monkeypatch)
         lengths_seen.add(data["input_ids"].shape[1])
     assert len(rows_seen) > 3 and len(lengths_seen) > 3  # the stream really varies B and S
     assert counter.frame_count == 1
-    syncs, more = SyncCounter(), list(_stream(3, seed=5, max_rows=8, max_len=24))
-    with syncs.watch():  # the compiled path keeps the one planning sync per microbatch, no more
+    syncs, more = HostSyncCounter(), list(_stream(3, seed=5, max_rows=8, max_len=24))
+    with syncs:  # the compiled path keeps the one planning sync per microbatch, no more
         for data in more:
             process_microbatch(data, "input_lengths", 4, 1, 192, True, options=compiled)
     assert syncs.count <= 3, syncs.calls

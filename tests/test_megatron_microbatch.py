@@ -24,7 +24,8 @@ from nn_data.megatron_data import (
     process_microbatch,
 )
 from nn_data.reference import reference_pack, reference_shard
-from tests._megatron_helpers import SyncCounter, coded_ids, coded_routes
+from nn_data.diagnostics import HostSyncCounter
+from tests._megatron_helpers import coded_ids, coded_routes
 
 LENGTHS, S = [12, 3, 8, 1], 12
 
@@ -331,17 +332,17 @@ def test_pack_path_syncs_the_host_at_most_once_per_microbatch(cp2, monkeypatch, 
     cp2(1)
     data = _batch()
     process_microbatch(data, "input_lengths", 4, 1, pad_full, pack_sequences=True)  # warm caches
-    counter = SyncCounter()
-    with counter.watch():
+    counter = HostSyncCounter()
+    with counter:
         for _ in range(3):
             process_microbatch(data, "input_lengths", 4, 1, pad_full, pack_sequences=True)
     assert counter.count <= 3, counter.calls
 
 
 def test_the_sync_counter_sees_a_loop_packer():
-    counter = SyncCounter()
+    counter = HostSyncCounter()
     lengths = torch.tensor(LENGTHS)
-    with counter.watch():
+    with counter:
         for b in range(4):  # NeMo-RL's loop reads each length with .item()
             lengths[b].item()
         bool(lengths.sum() > 0)
