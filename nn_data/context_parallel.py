@@ -64,7 +64,19 @@ def check_cp_boundaries(cu_seqlens_padded: torch.Tensor, total: int, cp_size: in
         )
 
 
-class ShardForContextParallel(nn.Module):
+class RankOp(nn.Module):
+    """Base of the stateless ops configured with a CP size and rank (checked) and ``validate``."""
+
+    def __init__(self, cp_size: int, cp_rank: int, *, validate: bool = True):
+        super().__init__()
+        _checks.check_cp(cp_size, cp_rank)
+        self.cp_size, self.cp_rank, self.validate = cp_size, cp_rank, bool(validate)
+
+    def extra_repr(self) -> str:
+        return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, validate={self.validate}"
+
+
+class ShardForContextParallel(RankOp):
     """This rank's zigzag shard of a packed tensor: ``[1, T, *] -> [1, T/C, *]``.
 
     ``ShardForContextParallel(cp_size, cp_rank, *, validate=True)``;
@@ -80,14 +92,6 @@ class ShardForContextParallel(nn.Module):
     (call); a segment not divisible by ``2 * cp_size`` or boundaries that do not rise
     from 0 to ``T`` (validation step; eager one sync, compiled device asserts).
     """
-
-    def __init__(self, cp_size: int, cp_rank: int, *, validate: bool = True):
-        super().__init__()
-        _checks.check_cp(cp_size, cp_rank)
-        self.cp_size, self.cp_rank, self.validate = cp_size, cp_rank, bool(validate)
-
-    def extra_repr(self) -> str:
-        return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, validate={self.validate}"
 
     def forward(self, packed: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
         _checks.check_packed("packed", packed)

@@ -17,11 +17,10 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-from torch import nn
 
 from nn_data import _checks
 from nn_data._index import ZigzagLocal, segment_ids, zigzag_local
-from nn_data.context_parallel import check_cp_boundaries
+from nn_data.context_parallel import RankOp, check_cp_boundaries
 
 
 class Segments(NamedTuple):
@@ -120,7 +119,7 @@ def _check_boundary_args(cu_seqlens_padded, data: torch.Tensor, cp_size: int, cu
         )
 
 
-class PositionIds(nn.Module):
+class PositionIds(RankOp):
     """Position ids of the packed layout, restarting at 0 at every sequence start: ``[1, T/C]`` int64.
 
     ``PositionIds(cp_size=1, cp_rank=0, *, validate=True)``;
@@ -146,12 +145,7 @@ class PositionIds(nn.Module):
     """
 
     def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, validate: bool = True):
-        super().__init__()
-        _checks.check_cp(cp_size, cp_rank)
-        self.cp_size, self.cp_rank, self.validate = cp_size, cp_rank, bool(validate)
-
-    def extra_repr(self) -> str:
-        return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, validate={self.validate}"
+        super().__init__(cp_size, cp_rank, validate=validate)
 
     def forward(self, packed: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
         _checks.check_packed("packed", packed)
@@ -189,7 +183,7 @@ def next_token_at(packed_ids: torch.Tensor, segments: Segments, places: ZigzagLo
     return packed_ids.index_select(0, nxt).to(torch.int64), has_target
 
 
-class NextTokenTargets(nn.Module):
+class NextTokenTargets(RankOp):
     """Next-token targets shifted *within* each sequence: ``[1, T] -> Targets([1, T/C] x 2)``.
 
     ``NextTokenTargets(cp_size=1, cp_rank=0, *, ignore_index=-100, validate=True)``;
@@ -216,13 +210,11 @@ class NextTokenTargets(nn.Module):
     """
 
     def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, ignore_index: int = -100, validate: bool = True):
-        super().__init__()
-        _checks.check_cp(cp_size, cp_rank)
-        self.cp_size, self.cp_rank = cp_size, cp_rank
-        self.ignore_index, self.validate = int(ignore_index), bool(validate)
+        super().__init__(cp_size, cp_rank, validate=validate)
+        self.ignore_index = int(ignore_index)
 
     def extra_repr(self) -> str:
-        return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, ignore_index={self.ignore_index}"
+        return f"{super().extra_repr()}, ignore_index={self.ignore_index}"
 
     def forward(
         self, packed_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor
