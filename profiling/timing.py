@@ -21,27 +21,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10, device="cpu") -> Timing:
-    """Time ``fn()``: first call separately, then ``warmup`` untimed calls, then ``reps`` timed ones."""
+def timed_call(fn: Callable[[], object], device="cpu") -> float:
+    """Seconds one call of ``fn()`` takes, the device synchronised before and after."""
     device = torch.device(device)
     _sync(device)
     start = time.perf_counter()
     fn()
     _sync(device)
-    first = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def spread(samples) -> tuple[float, float, float]:
+    """``(median, p10, p90)`` of a non-empty sequence of samples."""
+    ordered = sorted(samples)
+    p10 = ordered[max(0, int(0.1 * (len(ordered) - 1)))]
+    p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+    return statistics.median(ordered), p10, p90
+
+
+def time_calls(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10, device="cpu") -> Timing:
+    """Time ``fn()``: first call separately, then ``warmup`` untimed calls, then ``reps`` timed ones."""
+    first = timed_call(fn, device)
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    samples.sort()
-    p10 = samples[max(0, int(0.1 * (len(samples) - 1)))]
-    p90 = samples[min(len(samples) - 1, int(round(0.9 * (len(samples) - 1))))]
-    return Timing(statistics.median(samples), p10, p90, first)
+    samples = [timed_call(fn, device) for _ in range(reps)]
+    return Timing(*spread(samples), first)
 
 
 def machine_description() -> str:

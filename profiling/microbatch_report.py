@@ -1,0 +1,124 @@
+"""What ``profile_microbatches`` shows: one table, the speed-up ratios, the targets, summary.json
+and a PNG chart (per-microbatch latency by mode; medians with p10-p90 bars)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+from profiling.microbatch_measure import ModeResult
+
+_MIB = 1024 * 1024
+
+
+def _opt(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_table(results: list[ModeResult]) -> str:
+    """The table, one row per mode (times in ms, except the first call in s)."""
+    head = (f"{'mode':<16} {'first call s':>12} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'mean ms':>8} "
+            f"{'tokens/s':>10} {'ops/mb':>7} {'graphs':>6} {'recompiles':>10} {'breaks':>6} "
+            f"{'syncs/mb':>8} {'peak MiB':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        syncs = f"{r.syncs_per_microbatch:.1f}"
+        if r.cuda_syncs_per_microbatch is not None:
+            syncs += f"/{r.cuda_syncs_per_microbatch:.1f}"
+        lines.append(
+            f"{r.name:<16} {r.first_s:>12.2f} {r.median_s * 1e3:>10.2f} {r.p10_s * 1e3:>8.2f} "
+            f"{r.p90_s * 1e3:>8.2f} {r.mean_s * 1e3:>8.2f} {r.tokens_per_s:>10.3g} {r.ops_per_microbatch:>7.0f} "
+            f"{_opt(r.graphs, 'd'):>6} "
+            f"{_opt(r.recompiles, 'd'):>10} {_opt(r.graph_breaks, 'd'):>6} {syncs:>8} "
+            f"{_opt(None if r.peak_bytes is None else r.peak_bytes / _MIB, '.1f'):>8}"
+        )
+    return "\n".join(lines)
+
+
+def speedups(results: list[ModeResult]) -> dict[str, float]:
+    """``"<fast> vs <slow> (median|mean)"``: the latency of ``slow`` over that of ``fast`` per
+    microbatch (> 1: fast is faster), for every compiled mode against eager and loop. The
+    median is the typical microbatch; the mean is the whole stream's time per microbatch."""
+    by_name = {r.name: r for r in results}
+    out = {}
+    for fast in ("compiled", "reduce-overhead"):
+        for slow in ("eager", "loop"):
+            if fast in by_name and slow in by_name:
+                for stat in ("median", "mean"):
+                    out[f"{fast} vs {slow} ({stat})"] = (getattr(by_name[slow], f"{stat}_s")
+                                                         / getattr(by_name[fast], f"{stat}_s"))
+    return out
+
+
+def targets(results: list[ModeResult], ratios: dict[str, float]) -> list[tuple[str, Optional[bool]]]:
+    """The issue's targets for the ``compiled`` mode, each met (True), missed (False) or not run (None)."""
+    by_name = {r.name: r for r in results}
+    c = by_name.get("compiled")
+    if c is None:
+        return [("compiled mode run", False)]
+    checks = [
+        ("compiled: 0 recompiles after the first microbatch", c.recompiles == 0),
+        ("compiled: 0 host syncs per microbatch", c.syncs_per_microbatch == 0
+         and not c.cuda_syncs_per_microbatch),
+    ]
+    for slow in ("eager", "loop"):
+        for stat in ("median", "mean"):
+            key = f"compiled vs {slow} ({stat})"
+            checks.append((f"compiled faster than {slow} per microbatch ({stat})",
+                           None if key not in ratios else ratios[key] > 1))
+    return checks
+
+
+def format_report(results: list[ModeResult], ratios: dict[str, float], checks) -> str:
+    lines = [format_table(results), ""]
+    lines += [f"speed-up {name}: {value:.2f}x" for name, value in ratios.items()]
+    lines += [f"target  {'met' if ok else ('not run' if ok is None else 'MISSED')}: {text}" for text, ok in checks]
+    return "\n".join(lines)
+
+
+def write_summary(path: str, *, header: dict, results: list[ModeResult], ratios, checks) -> dict:
+    """Write and return the summary: the run's header, each mode's figures, ratios and targets."""
+    summary = dict(header)
+    summary["modes"] = [dataclasses.asdict(r) for r in results]
+    summary["speedups"] = ratios
+    summary["targets"] = [{"target": text, "met": ok} for text, ok in checks]
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def write_chart(path: str, results: list[ModeResult], title: str, rows: Optional[list] = None) -> None:
+    """PNG: left, latency of every timed microbatch by mode (log scale; ``rows``, the sequences of
+    each timed microbatch, on a second axis); right, medians with p10-p90 bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    for r in results:
+        left.plot([s * 1e3 for s in r.samples_s], label=r.name, linewidth=1)
+    left.set_yscale("log")
+    left.set_xlabel("microbatch (steady state, all passes)")
+    left.set_ylabel("latency per microbatch (ms)")
+    handles, labels = left.get_legend_handles_labels()
+    if rows:
+        twin = left.twinx()
+        (line,) = twin.plot(rows, color="grey", linestyle=":", linewidth=1, label="sequences (right axis)")
+        twin.set_ylabel("sequences in the microbatch")
+        handles, labels = handles + [line], labels + [line.get_label()]
+    left.legend(handles, labels, fontsize=8)
+    left.grid(True, which="both", alpha=0.3)
+    names = [r.name for r in results]
+    medians = [r.median_s * 1e3 for r in results]
+    errors = [[(r.median_s - r.p10_s) * 1e3 for r in results], [(r.p90_s - r.median_s) * 1e3 for r in results]]
+    right.bar(names, medians, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(results))])
+    right.set_ylabel("median ms per microbatch (p10-p90)")
+    for i, value in enumerate(medians):
+        right.annotate(f"{value:.2f}", (i, value), xytext=(14, 2), textcoords="offset points", ha="left",
+                       va="bottom", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

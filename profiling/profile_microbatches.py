@@ -1,0 +1,180 @@
+"""Profile nn_data on a stream of constant-length (PP > 1) packed microbatches: eager vs
+torch.compile (and reduce-overhead / CUDA graphs on CUDA) vs NeMo-RL-style loops.
+
+A seeded RL global batch (lognormal lengths clipped to --max-len) is planned into packed
+microbatches with BatchedDataDict.plan_sequence_packing; every microbatch is packed to one
+constant pad_full_seq_to = --max-tokens (rounded up to the multiple), as NeMo-RL does for
+PP > 1, and its rows padded to one row capacity R outside any compiled region. Each mode runs
+pack -> CP shard (one process, --cp-rank of --cp-size) -> model stand-in -> simulated
+all-gather -> unshard -> unpack over the stream. Prints one table (first call, steady
+median/p10/p90 per microbatch, tokens/s, profiler ops per microbatch, graphs, recompiles,
+graph breaks, host syncs, peak memory), the compiled speed-ups measured in this run, and
+the targets; writes TensorBoard traces per mode, summary.json and chart.png into the run
+folder (profiling/runs/<timestamp>/). profiling/README.md explains every column.
+
+    bash scripts/profile.sh                                  # set up .venv, run with the defaults
+    python -m profiling.profile_microbatches --cp-size 4 --max-tokens 32768
+    python -m profiling.profile_microbatches --device cuda   # adds reduce-overhead (CUDA graphs)
+    bash scripts/tensorboard.sh                              # open the newest run's traces
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from profiling.microbatch_measure import measure_mode
+from profiling.microbatch_report import format_report, speedups, targets, write_chart, write_summary
+from profiling.microbatch_stream import ModelStandIn, Stream, make_modes, plan_stream
+from profiling.timing import machine_description
+
+RUNS = Path(__file__).resolve().parent / "runs"
+ALL_MODES = ("eager", "compiled", "reduce-overhead", "loop")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-size", type=int, default=512, help="sequences per global batch (default 512)")
+    ap.add_argument("--max-len", type=int, default=2048, help="row length S: longest sequence (default 2048)")
+    ap.add_argument("--median-len", type=int, default=256, help="median sequence length (default 256)")
+    ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths (default 1.0)")
+    ap.add_argument("--max-tokens", type=int, default=8192,
+                    help="max tokens per microbatch; T = pad_full_seq_to = this rounded up (default 8192)")
+    ap.add_argument("--microbatches", type=int, default=32, help="microbatches in the stream (default 32)")
+    ap.add_argument("--passes", type=int, default=3, help="timed passes over the stream (default 3)")
+    ap.add_argument("--cp-size", type=int, default=2, help="context-parallel size C (default 2)")
+    ap.add_argument("--cp-rank", type=int, default=0, help="the simulated CP rank (default 0)")
+    ap.add_argument("--multiple", type=int, default=None,
+                    help="pad_individual_seqs_to_multiple_of (default 2*cp-size)")
+    ap.add_argument("--row-capacity", type=int, default=None, help="rows R every graph sees (default: most rows)")
+    ap.add_argument("--model", choices=("linear", "identity"), default="linear",
+                    help="model stand-in: embedding + linear, or identity (default linear)")
+    ap.add_argument("--vocab", type=int, default=4096, help="vocabulary of the ids (default 4096)")
+    ap.add_argument("--hidden", type=int, default=32, help="embedding width H (default 32)")
+    ap.add_argument("--out-features", type=int, default=1, help="features per token unpacked, O (default 1)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    ap.add_argument("--modes", nargs="+", choices=ALL_MODES, default=None,
+                    help="default: eager compiled loop, plus reduce-overhead on CUDA")
+    ap.add_argument("--compile-scope", choices=("data", "whole"), default="data",
+                    help="compile the data path around an eager model (data), or one graph (whole)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--sync-steps", type=int, default=4, help="microbatches the sync count runs (default 4)")
+    ap.add_argument("--trace-steps", type=int, default=3, help="microbatches traced per mode (default 3)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=None, help="run folder (default profiling/runs/<timestamp>)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    if args.modes is None:
+        args.modes = ["eager", "compiled"] + (["reduce-overhead"] if args.device.startswith("cuda") else []) + ["loop"]
+    if args.multiple is None:
+        args.multiple = 2 * args.cp_size
+    for name in ("batch_size", "max_len", "median_len", "max_tokens", "microbatches", "passes", "cp_size",
+                 "multiple", "vocab", "hidden", "out_features", "sync_steps", "trace_steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; expected an int >= 1")
+    if not 0 <= args.cp_rank < args.cp_size:
+        ap.error(f"--cp-rank={args.cp_rank} is invalid; expected 0 <= rank < --cp-size={args.cp_size}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device={args.device} but CUDA is not available (torch {torch.__version__})")
+    return args
+
+
+def describe_stream(stream: Stream) -> dict:
+    rows = sorted(mb.lengths.shape[0] for mb in stream.microbatches)
+    tokens = [mb.tokens for mb in stream.microbatches]
+    return dict(
+        microbatches=len(stream.microbatches), global_batches=stream.global_batches, S=stream.seq_len,
+        T=stream.total, R=stream.row_capacity, multiple=stream.multiple,
+        rows_min=rows[0], rows_median=rows[len(rows) // 2], rows_max=rows[-1],
+        mean_real_tokens=sum(tokens) / len(tokens), fill_of_T=sum(tokens) / (len(tokens) * stream.total),
+    )
+
+
+def check_outputs(modes, stream: Stream, count: int = 2) -> float:
+    """Largest |difference| between each mode's output and the first mode's, on ``count`` microbatches.
+    Raises ``RuntimeError`` when a mode disagrees (shape, or beyond float tolerance)."""
+    worst = 0.0
+    with torch.no_grad():
+        for mb in stream.microbatches[:count]:
+            outs = [(m.name, m.step(mb).clone()) for m in modes]
+            ref_name, ref = outs[0]
+            for name, out in outs[1:]:
+                if out.shape != ref.shape or not torch.allclose(out.float(), ref.float(), rtol=1e-4, atol=1e-5):
+                    raise RuntimeError(f"mode {name!r} disagrees with {ref_name!r} on a microbatch "
+                                       f"(shapes {tuple(out.shape)} vs {tuple(ref.shape)})")
+                worst = max(worst, float((out.float() - ref.float()).abs().max()))  # sync: check, untimed
+    return worst
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch._dynamo.reset()
+    load = os.getloadavg()
+    machine = machine_description()
+    print(f"machine: {machine}")
+    print(f"load average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if load[0] > 0.5 * (os.cpu_count() or 1):
+        print("note: the load average is high for this machine: other processes may be loading the CPU, so "
+              "timings are noisy; with more than one thread, inductor's OpenMP kernels stall while other "
+              "processes hold the cores (--threads 1 gives steadier figures then)")
+    stream = plan_stream(
+        microbatches=args.microbatches, batch_size=args.batch_size, max_len=args.max_len, median=args.median_len,
+        sigma=args.sigma, vocab=args.vocab, max_tokens=args.max_tokens, cp_size=args.cp_size,
+        multiple=args.multiple, seed=args.seed, device=device, row_capacity=args.row_capacity,
+    )
+    info = describe_stream(stream)
+    print(f"stream: {info['microbatches']} microbatches from {info['global_batches']} global batch(es) of "
+          f"{args.batch_size}; S={info['S']} T={info['T']} R={info['R']} m={info['multiple']} "
+          f"C={args.cp_size} rank={args.cp_rank}; rows per microbatch {info['rows_min']}-{info['rows_max']} "
+          f"(median {info['rows_median']}); real tokens {info['fill_of_T']:.0%} of T; device {device}")
+    torch.manual_seed(args.seed)
+    model = ModelStandIn(args.model, args.vocab, args.hidden, args.out_features, args.seed).to(device).eval()
+    modes = make_modes(args.modes, stream, model, cp_size=args.cp_size, cp_rank=args.cp_rank,
+                       compile_scope=args.compile_scope)
+    run_dir = Path(args.out_dir) if args.out_dir else RUNS / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results = [_measure(mode, stream, args, device, run_dir) for mode in modes]
+    max_diff = check_outputs(modes, stream)
+    ratios = speedups(results)
+    checks = targets(results, ratios)
+    print()
+    print(format_report(results, ratios, checks))
+    print(f"outputs agree across modes (max |difference| {max_diff:.2e})")
+    header = dict(machine=machine, load_average=list(load), device=str(device), threads=torch.get_num_threads(),
+                  torch=torch.__version__, args=vars(args), stream=info, run_dir=str(run_dir),
+                  outputs_max_abs_difference=max_diff, time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    summary = write_summary(str(run_dir / "summary.json"), header=header, results=results, ratios=ratios, checks=checks)
+    title = (f"{machine}\nS={info['S']} T={info['T']} R={info['R']} C={args.cp_size}, {info['microbatches']} "
+             f"microbatches, load {load[0]:.1f}")
+    counts = [mb.lengths.shape[0] for mb in stream.microbatches]
+    write_chart(str(run_dir / "chart.png"), results, title, rows=(counts * args.passes)[1:])  # as timed
+    print(f"run folder: {run_dir} (summary.json, chart.png, one trace folder per mode)")
+    print(f"traces: bash scripts/tensorboard.sh {run_dir}")
+    return summary
+
+
+def _measure(mode, stream: Stream, args, device, run_dir: Path):
+    total = args.passes * len(stream.microbatches)
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=total, desc=f"{mode.name:<16}", unit="mb", file=sys.stderr, leave=True)
+    try:
+        return measure_mode(mode, stream, passes=args.passes, sync_steps=args.sync_steps,
+                            trace_steps=args.trace_steps, device=device, run_dir=str(run_dir), progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+if __name__ == "__main__":
+    main()
