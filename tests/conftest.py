@@ -39,14 +39,3 @@ def valid_mask(lengths, seq_len: int) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture(scope="session")
-def rank_pool():
-    """Four spawned gloo ranks (tests/cp_harness.py) shared by every multi-process test module:
-    spawning and importing megatron-core costs seconds per process on the 2-core CI machine."""
-    from tests.cp_harness import RankPool
-
-    pool = RankPool(4)
-    yield pool
-    pool.close()

@@ -149,5 +149,27 @@ def _set_layout(parallel_state, cp: int, tp: int) -> None:
         now = (parallel_state.get_context_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size())
         if now == (cp, tp):
             return
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        _destroy_layout(parallel_state)
+    # No extra gloo groups: the world backend is gloo already, and each gloo group keeps
+    # transport threads alive for as long as the process lives.
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False
+    )
+
+
+def _destroy_layout(parallel_state) -> None:
+    """``destroy_model_parallel`` forgets megatron-core's groups but does not destroy them; every
+    re-initialisation would then leave a few dozen gloo groups (and their polling threads)
+    behind, so destroy each group parallel_state holds first."""
+    import torch.distributed as dist
+
+    seen = set()
+    for value in list(vars(parallel_state).values()):
+        for group in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(group, dist.ProcessGroup) and id(group) not in seen and group is not dist.group.WORLD:
+                seen.add(id(group))
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):  # not a group this rank belongs to, or gone already
+                    pass
+    parallel_state.destroy_model_parallel()

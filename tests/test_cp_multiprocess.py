@@ -14,15 +14,23 @@ from __future__ import annotations
 import pytest
 
 from tests.cp_cases import SHARD_PRODUCERS
+from tests.cp_harness import RankPool
 
 WORLD = 4
-CP_SIZES = pytest.mark.parametrize("cp", [2, 4], ids=lambda c: f"C{c}")
 
 
 @pytest.fixture(scope="module")
-def ranks(rank_pool):
-    assert rank_pool.world == WORLD
-    return rank_pool
+def ranks():
+    pool = RankPool(WORLD)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda c: f"C{c}")
+def cp(request):
+    """Module-scoped so pytest runs every C=2 test, then every C=4 test: parallel_state is
+    re-initialised once per layout rather than once per test."""
+    return request.param
 
 
 def _per_cp_rank(cp: int) -> list[int]:
@@ -30,7 +38,6 @@ def _per_cp_rank(cp: int) -> list[int]:
     return [r % cp for r in range(WORLD)]
 
 
-@CP_SIZES
 @pytest.mark.parametrize("producer", sorted(SHARD_PRODUCERS))
 def test_each_rank_shard_gathers_back_to_the_packed_tensor(ranks, cp, producer):
     # zero-length rows, pad_full_seq_to tails, row capacity, no rows; input ids and routed experts
@@ -38,24 +45,20 @@ def test_each_rank_shard_gathers_back_to_the_packed_tensor(ranks, cp, producer):
     assert all(c == checked[0] for c in checked) and len(checked[0]) == 12
 
 
-@CP_SIZES
 def test_cp_info_from_parallel_state_or_explicit_group(ranks, cp):
     assert ranks.run("resolver", cp=cp) == _per_cp_rank(cp)
 
 
-@CP_SIZES
 @pytest.mark.parametrize("grad_mode", ["own", "sum"])
 def test_gather_backward_hands_each_rank_its_shard_gradient(ranks, cp, grad_mode):
     ranks.run("gather_backward", grad_mode, cp=cp)
 
 
-@CP_SIZES
 def test_sharded_positions_and_targets_match_single_process(ranks, cp):
     counts = ranks.run("positions_targets", cp=cp)
     assert len(set(counts)) == 1 and counts[0] > 0
 
 
-@CP_SIZES
 def test_cp_logprobs_and_gradients_match_single_process(ranks, cp):
     assert ranks.run("logprobs", cp=cp) == _per_cp_rank(cp)
 
