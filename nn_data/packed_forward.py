@@ -137,7 +137,7 @@ class PackedForward(nn.Module):
         places = local_places(bounds, total, self.cp_size, self.cp_rank)  # [T/C] each
         local_ids = r.packed.index_select(1, places.source)  # [1, T/C]
         position_ids = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C], 0 at each start
-        return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment, places.source)
+        return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(), places.source)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:

@@ -31,8 +31,9 @@ def test_zero_length_row_and_multiple_4():
     assert r.packed.tolist() == [[11, 12, 13, 0, 31, 32, 33, 34, 35, 0, 0, 0]]
     assert r.max_seqlen.item() == 8
     assert r.cu_seqlens.dtype == r.cu_seqlens_padded.dtype == torch.int32
-    assert r.layout.position.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
-    assert r.layout.segment.tolist() == [0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2]
+    assert r.layout.dest.tolist() == [[0, 1, 2, 12, 12], [12] * 5, [4, 5, 6, 7, 8]]
+    assert r.layout.positions().tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert r.layout.segment_ids().tolist() == [0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2]
 
 
 def test_multiple_8_and_packed_multiple():

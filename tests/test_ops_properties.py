@@ -65,6 +65,10 @@ def test_pack_shard_unshard_unpack_match_reference(case):
     assert torch.equal(r.cu_seqlens, ref.cu_seqlens)
     assert torch.equal(r.cu_seqlens_padded, ref.cu_seqlens_padded)
     assert r.max_seqlen.item() == ref.max_seqlen
+    bounds = ref.cu_seqlens_padded.tolist() if len(case["lengths"]) else [0, ref.packed.shape[1]]
+    want_seg = [b for b in range(len(bounds) - 1) for _ in range(bounds[b + 1] - bounds[b])]
+    want_pos = [t for b in range(len(bounds) - 1) for t in range(bounds[b + 1] - bounds[b])]
+    assert r.layout.segment_ids().tolist() == want_seg and r.layout.positions().tolist() == want_pos
 
     shards = []
     for rank in range(cp):
