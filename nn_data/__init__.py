@@ -11,7 +11,8 @@ from nn_data.context_parallel import ShardForContextParallel, UnshardFromContext
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.errors import PackingError
 from nn_data.logprobs import TokenLogProbs
-from nn_data.pack import PackLayout, PackResult, PackSequences, pack_with_layout
+from nn_data.layout import PackLayout, pack_with_layout
+from nn_data.pack import PackResult, PackSequences
 from nn_data.rows import RowPadded, pad_rows, pad_to_row_capacity
 from nn_data.targets import NextTokenTargets, PositionIds, Targets
 from nn_data.unpack import UnpackSequences

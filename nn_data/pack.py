@@ -8,64 +8,20 @@ Shape legend
     *   trailing feature dims (none for ids and masks, ``[layers, topk]`` for
         routed experts)
 
-The layout is one integer map computed once per batch from ``seq_lengths``: the packed
-position of every input token (``dest [B, S]``). Packing a tensor of that batch is one
-scatter into a buffer pre-filled with the pad value (:meth:`PackLayout.pack`). The
-scatter form reads per-row tables only (``cu_seqlens_padded[b]``, ``L[b]``), which
-inductor hoists out of the inner loop; a per-position gather needs a segment lookup for
-every position and ran about 4x slower compiled on the CPU (measured here).
+The layout (:class:`~nn_data.layout.PackLayout`) is computed once per batch from
+``seq_lengths`` and reused for every tensor of that batch: one scatter or gather each.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import torch
-from einops import rearrange
 from torch import nn
 
 from nn_data import _checks
-from nn_data._index import exclusive_cumsum, round_up, segment_ids
-
-Fill = Union[int, float, bool, torch.Tensor]
-
-
-class PackLayout(NamedTuple):
-    """Where every token of a ``[B, S, *]`` batch goes in the packed ``[1, T, *]`` tensor.
-
-    ``dest [B, S]`` int64: the packed position of token ``(b, s)``, or ``T`` (one past the
-    end: a discarded slot) for ``s >= L[b]``; ``cu_seqlens_padded [B+1]`` int64: the final
-    segment boundaries; ``total``: ``T``.
-
-    Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``,
-    dest ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``.
-    """
-
-    dest: torch.Tensor
-    cu_seqlens_padded: torch.Tensor
-    total: int
-
-    def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
-        """Pack another ``[B, S, *]`` tensor of the same batch: see :func:`pack_with_layout`."""
-        return pack_with_layout(self, x, fill)
-
-    def segment_ids(self) -> torch.Tensor:
-        """``[T]`` int64: the sequence (row) every packed position belongs to (padding included).
-
-        Example: cu_seqlens_padded ``[0, 4, 4, 12]`` -> ``[0,0,0,0,2,2,2,2,2,2,2,2]``.
-        With no row (``B = 0``) every position is in segment 0 of ``[0, T]``.
-        """
-        if self.dest.shape[0] == 0:
-            return torch.zeros(self.total, dtype=torch.int64, device=self.dest.device)
-        return segment_ids(self.cu_seqlens_padded, self.total)
-
-    def positions(self) -> torch.Tensor:
-        """``[T]`` int64: offset of every packed position inside its padded segment (0 at each
-        sequence start; padding keeps counting). Example: ``[0, 4, 4, 12]`` -> ``[0,1,2,3,0,1,...,7]``."""
-        t = torch.arange(self.total, device=self.dest.device)
-        if self.dest.shape[0] == 0:
-            return t
-        return t - self.cu_seqlens_padded[self.segment_ids()]
+from nn_data._index import exclusive_cumsum, round_up
+from nn_data.layout import PackLayout, build_layout, pack_with_layout
 
 
 class PackResult(NamedTuple):
@@ -81,38 +37,6 @@ class PackResult(NamedTuple):
     cu_seqlens_padded: torch.Tensor
     max_seqlen: torch.Tensor
     layout: PackLayout
-
-
-def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
-    """Scatter ``x [B, S, *]`` into ``[1, T, *]`` along ``layout``; padding gets ``fill``.
-
-    ``fill`` is a scalar, or a tensor broadcastable to ``x.shape[2:]``: for routed
-    experts ``[B, S, layers, topk]`` pass ``torch.arange(topk)`` so that every pad
-    row is a valid top-k route.
-
-    Raises :class:`~nn_data.errors.PackingError` if ``x`` is not ``[B, S, *]`` for the
-    layout's ``B`` and ``S``, or lives on another device.
-    """
-    _checks.check_min_dims("x", x, 2, "[B, S, *]")
-    rows, row_len = layout.dest.shape
-    if tuple(x.shape[:2]) != (rows, row_len):
-        raise _checks.PackingError(
-            f"x has shape {tuple(x.shape)}; the layout was built for [B, S] = "
-            f"[{rows}, {row_len}], so x must be [{rows}, {row_len}, *]"
-        )
-    _checks.check_same_device(x=x, layout=layout.dest)
-    trailing = x.shape[2:]
-    out = _fill_tensor(fill, (layout.total + 1, *trailing), x)  # [T+1, *]; row T is the discard slot
-    if rows * row_len:
-        flat = rearrange(x, "b s ... -> (b s) ...")  # [B*S, *]
-        out.index_put_((layout.dest.reshape(-1),), flat)
-    return out[: layout.total].unsqueeze(0)  # [1, T, *]
-
-
-def _fill_tensor(fill: Fill, shape, like: torch.Tensor) -> torch.Tensor:
-    if isinstance(fill, torch.Tensor):
-        return fill.to(device=like.device, dtype=like.dtype).expand(shape).clone()
-    return torch.full(shape, fill, dtype=like.dtype, device=like.device)
 
 
 class PackSequences(nn.Module):
@@ -222,18 +146,6 @@ class PackSequences(nn.Module):
         if static is not None:
             return static
         return int(round_up(natural_total, self.p).item())  # sync: T is data-dependent without pad_full_seq_to
-
-
-def build_layout(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len: int, total: int) -> PackLayout:
-    """The layout of one batch: ``lengths [B]``, final ``cu_pad [B+1]`` -> ``dest [B, S]``.
-
-    Example: lengths ``[3, 0, 5]``, S 5, cu_pad ``[0, 4, 4, 12]``, T 12: row ``b`` goes to
-    ``cu_pad[b] + s`` while ``s < L[b]``, else to the discard slot 12 ->
-    ``[[0, 1, 2, 12, 12], [12, 12, 12, 12, 12], [4, 5, 6, 7, 8]]``.
-    """
-    s = torch.arange(row_len, device=lengths.device)  # [S]
-    dest = torch.where(s < lengths[:, None], cu_pad[:-1, None] + s, total)  # [B, S]
-    return PackLayout(dest, cu_pad, total)
 
 
 def _stats(lengths, natural_total, num_rows):

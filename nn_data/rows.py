@@ -50,8 +50,9 @@ def pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
         raise PackingError(
             f"the batch has {rows} rows, more than capacity={capacity}; raise capacity to at least {rows}"
         )
-    out = torch.full((capacity, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    out = t.new_empty((capacity, *t.shape[1:]))
     out[:rows] = t
+    out[rows:] = fill  # only the padding rows are filled: one pass over the batch, not two
     return out
 
 

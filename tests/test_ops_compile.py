@@ -68,7 +68,10 @@ def _assert_same(a, b):
     rb, eb, lb, ub = b
     for name in ("packed", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"):
         assert torch.equal(getattr(ra, name), getattr(rb, name)), name
-    assert torch.equal(ra.layout.dest, rb.layout.dest) and ra.layout.total == rb.layout.total
+    for name in ("dest", "source", "valid"):
+        a, b = getattr(ra.layout, name), getattr(rb.layout, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert ra.layout.total == rb.layout.total
     assert torch.equal(ea, eb) and torch.equal(la, lb) and torch.equal(ua, ub)
 
 

@@ -1,0 +1,151 @@
+"""The packed layout of one batch, and packing any tensor of that batch along it.
+
+Shape legend
+    B   sequences (rows) of the input batch
+    S   padded row length of the input batch
+    T   packed tokens
+    *   trailing feature dims (none for ids and masks, ``[layers, topk]`` for routed experts)
+
+A layout is computed once per batch from ``seq_lengths`` (by :class:`~nn_data.PackSequences`)
+and reused for every tensor of the batch: one scatter or one gather each. Which of the two is
+decided from the static shapes when the layout is built:
+
+* **scatter** (``B*S <= 4*T`` on static sizes): ``dest [B, S]``, the packed position of every input token.
+  It reads per-row tables only (``cu_seqlens_padded[b]``, ``L[b]``), which inductor hoists
+  out of the inner loop, but it touches all ``B*S`` input positions;
+* **gather** (otherwise: ``B*S > 4*T``, a padded batch that is mostly padding, the usual RL case with
+  long-tailed lengths): ``source [T]`` and ``valid [T]``, touching only the ``T`` packed
+  positions but looking up each position's segment. Symbolic sizes (a data-dependent ``T``
+  under compile, a dynamic ``S``) also take the gather form: no guard on the comparison.
+
+Measured compiled on this project's 2-core CPU: the scatter ran at about 2-3 ns per input
+position, the gather at about 12 ns per packed position, hence the factor 4.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+from einops import rearrange
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from nn_data import _checks
+from nn_data._index import segment_ids
+
+Fill = Union[int, float, bool, torch.Tensor]
+
+#: ``B*S / T`` up to which a layout uses the scatter form (see the module docstring).
+SCATTER_MAX_RATIO = 4
+
+
+class PackLayout(NamedTuple):
+    """Where every token of a ``[B, S, *]`` batch goes in the packed ``[1, T, *]`` tensor.
+
+    Scatter form: ``dest [B, S]`` int64, the packed position of token ``(b, s)``, or ``T``
+    (one past the end, a discarded slot) for ``s >= L[b]``; ``source``/``valid`` are None.
+    Gather form: ``source [T]`` int64, the flat input position ``b*S + s`` each packed
+    position reads (clamped into range), and ``valid [T]`` bool (False on padding); ``dest``
+    is None. Both: ``cu_seqlens_padded [B+1]`` int64 (the final boundaries), ``total`` (T),
+    ``rows`` (B), ``row_len`` (S).
+
+    Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter
+    form dest ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``; gather form source
+    ``[0, 1, 2, 3, 10, 11, 12, 13, 14, 14, 14, 14]``, valid ``[T,T,T,F,T,T,T,T,T,F,F,F]``.
+    """
+
+    dest: Optional[torch.Tensor]
+    source: Optional[torch.Tensor]
+    valid: Optional[torch.Tensor]
+    cu_seqlens_padded: torch.Tensor
+    total: int
+    rows: int
+    row_len: int
+
+    def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
+        """Pack another ``[B, S, *]`` tensor of the same batch: see :func:`pack_with_layout`."""
+        return pack_with_layout(self, x, fill)
+
+    def segment_ids(self) -> torch.Tensor:
+        """``[T]`` int64: the sequence (row) every packed position belongs to (padding included).
+
+        Example: cu_seqlens_padded ``[0, 4, 4, 12]`` -> ``[0,0,0,0,2,2,2,2,2,2,2,2]``.
+        With no row (``B = 0``) every position is in segment 0 of ``[0, T]``.
+        """
+        return segment_ids(self.cu_seqlens_padded, self.total)
+
+    def positions(self) -> torch.Tensor:
+        """``[T]`` int64: offset of every packed position inside its padded segment (0 at each
+        sequence start; padding keeps counting). Example: ``[0, 4, 4, 12]`` -> ``[0,1,2,3,0,1,...,7]``."""
+        t = torch.arange(self.total, device=self.cu_seqlens_padded.device)
+        if self.rows == 0:
+            return t
+        return t - self.cu_seqlens_padded[self.segment_ids()]
+
+
+def build_layout(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len: int, total: int) -> PackLayout:
+    """The layout of one batch from ``lengths [B]`` and the final ``cu_pad [B+1]`` (int64).
+
+    Scatter form, example: lengths ``[3, 0, 5]``, S 5, cu_pad ``[0, 4, 4, 12]``: row ``b`` goes
+    to ``cu_pad[b] + s`` while ``s < L[b]``, else to the discard slot 12.
+    Gather form, same example: segment of each position ``[0,0,0,0,2,...,2]``, offset in it
+    ``[0,1,2,3,0,...,7]``, valid where offset < L[segment], source = segment*S + offset.
+    """
+    rows = lengths.shape[0]
+    if _use_scatter(rows, row_len, total):
+        s = torch.arange(row_len, device=lengths.device)  # [S]
+        dest = torch.where(s < lengths[:, None], cu_pad[:-1, None] + s, total)  # [B, S]
+        return PackLayout(dest, None, None, cu_pad, total, rows, row_len)
+    seg = segment_ids(cu_pad, total)  # [T]
+    offset = torch.arange(total, device=lengths.device) - cu_pad[seg]  # [T]
+    valid = offset < lengths[seg]  # [T]
+    source = (seg * row_len + offset).clamp(0, max(rows * row_len - 1, 0))  # [T] into [B*S]
+    return PackLayout(None, source, valid, cu_pad, total, rows, row_len)
+
+
+def _use_scatter(rows, row_len, total) -> bool:
+    """Scatter when ``B*S <= 4*T`` on static sizes. With a symbolic size (a data-dependent ``T``
+    under compile, or a dynamic ``S``) the comparison would need a guard: take the gather form,
+    which only touches ``T`` positions."""
+    return statically_known_true(rows * row_len <= SCATTER_MAX_RATIO * total)
+
+
+def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
+    """Pack ``x [B, S, *]`` into ``[1, T, *]`` along ``layout`` (one scatter or one gather);
+    padding gets ``fill``.
+
+    ``fill`` is a scalar, or a tensor broadcastable to ``x.shape[2:]``: for routed
+    experts ``[B, S, layers, topk]`` pass ``torch.arange(topk)`` so that every pad
+    row is a valid top-k route.
+
+    Raises :class:`~nn_data.errors.PackingError` if ``x`` is not ``[B, S, *]`` for the
+    layout's ``B`` and ``S``, or lives on another device.
+    """
+    _checks.check_min_dims("x", x, 2, "[B, S, *]")
+    rows, row_len, total = layout.rows, layout.row_len, layout.total
+    if tuple(x.shape[:2]) != (rows, row_len):
+        raise _checks.PackingError(
+            f"x has shape {tuple(x.shape)}; the layout was built for [B, S] = "
+            f"[{rows}, {row_len}], so x must be [{rows}, {row_len}, *]"
+        )
+    _checks.check_same_device(x=x, layout=layout.cu_seqlens_padded)
+    trailing = x.shape[2:]
+    flat = rearrange(x, "b s ... -> (b s) ...")  # [B*S, *]
+    if layout.dest is not None:
+        out = _fill_tensor(fill, (total + 1, *trailing), x)  # [T+1, *]; row T is the discard slot
+        if rows * row_len:
+            out.index_put_((layout.dest.reshape(-1),), flat)
+        return out[:total].unsqueeze(0)  # [1, T, *]
+    keep = layout.valid.view(total, *([1] * len(trailing)))  # [T, 1...] broadcast over *
+    gathered = flat.index_select(0, layout.source)  # [T, *]
+    if isinstance(fill, torch.Tensor):
+        gathered = torch.where(keep, gathered, fill.to(device=x.device, dtype=x.dtype))
+    else:
+        gathered = gathered.masked_fill(~keep, fill)
+    return gathered.unsqueeze(0)  # [1, T, *]
+
+
+def _fill_tensor(fill: Fill, shape, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(fill, torch.Tensor):
+        return fill.to(device=like.device, dtype=like.dtype).expand(shape).clone()
+    return torch.full(shape, fill, dtype=like.dtype, device=like.device)
