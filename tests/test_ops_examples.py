@@ -37,12 +37,12 @@ def test_zero_length_row_and_multiple_4():
 
 
 def test_gather_form_layout_when_the_batch_is_mostly_padding():
-    """B*S > 4T: the layout reads the T packed positions (source, valid) instead of all B*S."""
-    x = torch.zeros(3, 20, dtype=torch.int64)
+    """B*S > 16T: the layout reads the T packed positions (source, valid) instead of all B*S."""
+    x = torch.zeros(3, 80, dtype=torch.int64)
     x[0, :3], x[2, :5] = torch.tensor([11, 12, 13]), torch.tensor([31, 32, 33, 34, 35])
     r = PackSequences(pad_individual_seqs_to_multiple_of=4)(x, torch.tensor([3, 0, 5]))
     assert r.layout.dest is None
-    assert r.layout.source.tolist() == [0, 1, 2, 3, 40, 41, 42, 43, 44, 45, 46, 47]
+    assert r.layout.source.tolist() == [0, 1, 2, 3, 160, 161, 162, 163, 164, 165, 166, 167]
     assert r.layout.valid.tolist() == [True] * 3 + [False] + [True] * 5 + [False] * 3
     assert r.packed.tolist() == [[11, 12, 13, 0, 31, 32, 33, 34, 35, 0, 0, 0]]
     assert torch.equal(r.layout.pack(x.bool()), r.packed.bool())

@@ -8,12 +8,14 @@ Tier: pure CPU, single process, eager mode (hypothesis).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import nn_data.layout
 from nn_data import (
     PackSequences,
     ShardForContextParallel,
@@ -52,14 +54,28 @@ def cases(draw):
     return dict(cp=cp, lengths=lengths, seq_len=seq_len, m=m, p=p, full=full, trailing=trailing, dtype=dtype)
 
 
+@contextlib.contextmanager
+def layout_form(form: str):
+    """Force the scatter or the gather layout (``auto``: the shape rule decides)."""
+    saved = nn_data.layout.SCATTER_MAX_RATIO
+    nn_data.layout.SCATTER_MAX_RATIO = {"auto": saved, "scatter": 10**9, "gather": 0}[form]
+    try:
+        yield
+    finally:
+        nn_data.layout.SCATTER_MAX_RATIO = saved
+
+
 @SETTINGS
-@given(cases())
-def test_pack_shard_unshard_unpack_match_reference(case):
+@given(cases(), st.sampled_from(["auto", "scatter", "gather"]))
+def test_pack_shard_unshard_unpack_match_reference(case, form):
     lengths = torch.tensor(case["lengths"], dtype=torch.int64)
     x = coded_batch(case["lengths"], case["seq_len"], case["trailing"], case["dtype"])
     cp, m, p, full = case["cp"], case["m"], case["p"], case["full"]
 
-    r = PackSequences(m, p, full)(x, lengths)
+    with layout_form(form):
+        r = PackSequences(m, p, full)(x, lengths)
+    if form != "auto" and x.shape[0] * x.shape[1] and r.packed.shape[1]:
+        assert (r.layout.dest is not None) == (form == "scatter")
     ref = reference_pack(x, case["lengths"], m, p, full)
     assert torch.equal(r.packed, ref.packed)
     assert torch.equal(r.cu_seqlens, ref.cu_seqlens)
