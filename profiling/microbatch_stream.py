@@ -193,12 +193,10 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     shard) | model | ``gather`` (all-gather, unshard) | ``unpack``.
     ``scope="whole"``: one graph, model included.
 
-    Why not one graph (measured on this CPU with the defaults, R=78, S=2048, T=8192, C=2, one
-    thread): inductor fuses chained gathers and recomputes the producer's index maps for every
-    element the consumer writes. Fused into the ``[R, S]`` unpack, the unshard index chain made
-    gather + unpack take 3.2 ms against 0.8 ms with ``[1, T, O]`` materialised in between;
-    fused into the embedding lookup, the pack and shard chain is recomputed for every vector of
-    hidden features. ``whole`` ran 2.7 ms per microbatch against 1.5 ms for ``data``.
+    Why not one graph: inductor fuses chained gathers and recomputes the producer's index
+    maps for every element the consumer writes (the unshard chain per element of the
+    ``[R, S]`` unpack, the pack and shard chain per hidden feature of the embedding);
+    ``whole`` was slower than ``data`` in every run here (profiling/README.md has the figures).
     """
     from torch._inductor import list_mode_options
 

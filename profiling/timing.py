@@ -62,7 +62,7 @@ def machine_description() -> str:
                     break
     except OSError:
         pass
-    desc = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    desc = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''})"
     if torch.cuda.is_available():
         desc += f", GPU {torch.cuda.get_device_name()}"
     return desc
