@@ -10,9 +10,10 @@ when the caller has already imported and initialised it.
 from nn_data.context_parallel import ShardForContextParallel, UnshardFromContextParallel
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.errors import PackingError
-from nn_data.logprobs import TokenLogProbs
 from nn_data.layout import PackLayout, pack_with_layout
+from nn_data.logprobs import TokenLogProbs
 from nn_data.pack import PackResult, PackSequences
+from nn_data.packed_forward import PackedForward, PackedInfo
 from nn_data.rows import RowPadded, pad_rows, pad_to_row_capacity
 from nn_data.targets import NextTokenTargets, PositionIds, Targets
 from nn_data.unpack import UnpackSequences
@@ -23,6 +24,8 @@ __all__ = [
     "PackLayout",
     "PackResult",
     "PackSequences",
+    "PackedForward",
+    "PackedInfo",
     "PackingError",
     "PositionIds",
     "RowPadded",
