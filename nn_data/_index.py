@@ -7,8 +7,8 @@ Shape legend
     n   a segment's padded length, cu_seqlens_padded[b+1] - cu_seqlens_padded[b]
     k   a zigzag chunk's length, n / (2C)
 
-Everything here is pure tensor arithmetic on the device: no ``.item()``, no
-boolean-mask indexing, no data-dependent Python branches. Every shape comes
+Everything here is pure tensor arithmetic on the device: no host reads of tensor
+values, no boolean-mask indexing, no data-dependent Python branches. Every shape comes
 from a Python int the caller passes.
 """
 

@@ -13,13 +13,14 @@ _SYNCING_METHODS = ("item", "tolist", "__bool__", "nonzero", "__int__", "__float
 
 
 class HostSyncCounter:
-    """Context manager counting ``Tensor.item/tolist/__bool__/nonzero/__int__/__float__/__index__``
-    and ``torch.nonzero`` calls made while it is active.
+    """Context manager counting the Python-level calls that read tensor values on the host
+    (the ``Tensor`` methods in ``_SYNCING_METHODS`` and the function form of ``nonzero``)
+    made while it is active.
 
     Example::
 
         >>> with HostSyncCounter() as syncs:
-        ...     _ = torch.tensor([1, 2]).tolist()
+        ...     _ = int(torch.tensor(2))
         >>> syncs.count
         1
 
@@ -52,12 +53,12 @@ class HostSyncCounter:
             original = getattr(torch.Tensor, name)
             self._saved[name] = original
             setattr(torch.Tensor, name, self._wrap(name, original))
-        self._saved["torch.nonzero"] = torch.nonzero
-        torch.nonzero = self._wrap("torch.nonzero", torch.nonzero)
+        self._saved["torch.nonzero"] = torch.nonzero  # sync: none, the counter wraps this function
+        torch.nonzero = self._wrap("torch.nonzero", torch.nonzero)  # sync: none, the counter wraps it
         return self
 
     def __exit__(self, *exc) -> None:
-        torch.nonzero = self._saved.pop("torch.nonzero")
+        torch.nonzero = self._saved.pop("torch.nonzero")  # sync: none, restores the wrapped function
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
         self._saved.clear()

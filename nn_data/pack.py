@@ -66,8 +66,10 @@ class PackSequences(nn.Module):
 
         >>> pack = PackSequences(pad_individual_seqs_to_multiple_of=4)
         >>> r = pack(torch.tensor([[1, 2, 3, 0, 0], [0] * 5, [4, 5, 6, 7, 8]]), torch.tensor([3, 0, 5]))
-        >>> r.cu_seqlens_padded.tolist(), r.packed.tolist()
-        ([0, 4, 4, 12], [[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]])
+        >>> r.cu_seqlens_padded
+        tensor([ 0,  4,  4, 12], dtype=torch.int32)
+        >>> r.packed
+        tensor([[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]])
 
     Raises :class:`~nn_data.errors.PackingError` for a multiple or ``pad_full_seq_to``
     below 1, ``pad_full_seq_to`` not a multiple of ``p`` (in ``__init__``); ``x`` with
