@@ -184,3 +184,23 @@ def test_eager_sync_count(validate, expected):
     with HostSyncCounter() as syncs:  # without pad_full_seq_to: T and the checks share one sync
         PackSequences(M, validate=validate)(x, lengths)
     assert syncs.count == 1
+
+
+def test_shard_and_unshard_compile_alone_once_per_stream():
+    """Each CP op compiled on its own (as constructed, ``fullgraph=True``): one graph for a stream."""
+    torch._dynamo.reset()
+    counters = [CompileCounterWithBackend("aot_eager") for _ in range(3)]
+    shard = torch.compile(ShardForContextParallel(C, 1), fullgraph=True, backend=counters[0])
+    unshard = torch.compile(UnshardFromContextParallel(C), fullgraph=True, backend=counters[1])
+    unpack = torch.compile(UnpackSequences(S), fullgraph=True, backend=counters[2])
+    gen = torch.Generator().manual_seed(7)
+    for rows in (8, 2, 5, 0, 8, 1):
+        x, lengths, padded, _ = _microbatch(gen, rows)
+        r = PackSequences(M, pad_full_seq_to=T)(padded.x, padded.seq_lengths, padded.num_rows)
+        local = [ShardForContextParallel(C, k)(r.packed, r.cu_seqlens_padded) for k in range(C)]
+        assert torch.equal(shard(r.packed, r.cu_seqlens_padded), local[1])
+        assert torch.equal(unshard(torch.cat(local), r.cu_seqlens_padded), r.packed)
+        out = unpack(r.packed, padded.seq_lengths, r.cu_seqlens_padded)
+        assert torch.equal(out[:rows], torch.where(torch.arange(S) < lengths[:, None], x, 0))
+    assert [c.frame_count for c in counters] == [1, 1, 1]
+    torch._dynamo.reset()
