@@ -176,3 +176,17 @@ def test_bad_stream_configuration_raises():
         plan_stream(max_len=128, max_tokens=64, cp_size=1, multiple=1, **common)
     with pytest.raises(PackingError, match="--row-capacity=1 is below"):
         plan_stream(max_len=32, max_tokens=64, cp_size=1, multiple=1, row_capacity=1, **common)
+
+
+def test_bad_model_mode_and_compile_scope_raise():
+    from profiling.microbatch_stream import ModelStandIn, make_modes
+
+    with pytest.raises(PackingError, match=r"--model='mlp' is invalid; expected 'linear' or 'identity'"):
+        ModelStandIn("mlp", 16, 4, 1, 0)
+    common = dict(microbatches=2, batch_size=8, median=8, sigma=1.0, vocab=16, seed=0, device=torch.device("cpu"))
+    stream = plan_stream(max_len=32, max_tokens=64, cp_size=1, multiple=1, **common)
+    model = ModelStandIn("identity", 16, 4, 1, 0)
+    with pytest.raises(PackingError, match=r"mode 'fast' is unknown; expected eager, compiled, reduce-overhead or loop"):
+        make_modes(["fast"], stream, model, cp_size=1, cp_rank=0)
+    with pytest.raises(PackingError, match=r"--compile-scope='all' is invalid; expected 'data' or 'whole'"):
+        make_modes(["compiled"], stream, model, cp_size=1, cp_rank=0, compile_scope="all")
