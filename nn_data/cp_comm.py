@@ -25,6 +25,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.context_parallel import UnshardFromContextParallel
+from nn_data.megatron_parallel import group_info
 
 # torch >= 2.12 names these *_single; older releases only have the *_tensor spelling.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -33,20 +34,10 @@ _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduc
 GRAD_MODES = ("own", "sum")
 
 
-def group_rank_size(group: Optional["dist.ProcessGroup"]) -> tuple[int, int]:
-    """``(rank, size)`` of this process in ``group``; ``None`` is the default group,
-    or a single rank ``(0, 1)`` when ``torch.distributed`` is not initialised.
-
-    Raises :class:`~nn_data.errors.PackingError` if this process is not in ``group``.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise _checks.PackingError("a process group was given but torch.distributed is not initialised")
-        return 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise _checks.PackingError(f"this process (global rank {dist.get_rank()}) is not a member of the group given")
-    return rank, dist.get_world_size(group)
+def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather ``x [N, *]`` from every rank of ``group`` along dim 0: ``[size*N, *]``, rank-major.
+    Not autograd-aware (see :func:`all_gather_rows`)."""
+    return funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -60,7 +51,7 @@ class _AllGatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, rank: int, grad_mode: str):
         ctx.group, ctx.rank, ctx.rows, ctx.grad_mode = group, rank, x.shape[0], grad_mode
-        return funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))  # [C*N, *]
+        return all_gather_dim0(x, group)  # [C*N, *]
 
     @staticmethod
     def backward(ctx, grad):
@@ -88,10 +79,9 @@ class GatherFromContextParallel(nn.Module):
     the same ``cu_seqlens_padded``. One all-gather of the whole shard, then
     :class:`~nn_data.UnshardFromContextParallel`.
 
-    ``group``: the context-parallel ``ProcessGroup``. ``None`` means torch.distributed's
-    default (world) group, or a single rank (the op is the identity) when
-    torch.distributed is not initialised. With megatron-core, pass
-    ``nn_data.megatron_parallel.context_parallel_info().group``.
+    ``group``: the context-parallel ``ProcessGroup``; ``None`` means no CP (a single rank:
+    the op is the identity), as for every nn_data op that takes a group. With megatron-core,
+    pass ``nn_data.megatron_parallel.context_parallel_info().group``.
 
     Gradients (``grad_mode``). The backward hands each rank the gradient of its own
     shard. How the ranks' gradients are combined depends on what they computed from
@@ -125,9 +115,7 @@ class GatherFromContextParallel(nn.Module):
         super().__init__()
         if grad_mode not in GRAD_MODES:
             raise _checks.PackingError(f"grad_mode={grad_mode!r} is invalid; expected one of {GRAD_MODES}")
-        self.cp_rank, self.cp_size = group_rank_size(group)
-        if group is None and self.cp_size > 1:
-            group = dist.group.WORLD
+        self.cp_rank, self.cp_size, group = group_info(group, "context-parallel group")
         self.group, self.grad_mode, self.validate = group, grad_mode, bool(validate)
         self.unshard = UnshardFromContextParallel(self.cp_size, validate=validate)
 

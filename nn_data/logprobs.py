@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nn_data import _checks
-from nn_data.cp_comm import GatherFromContextParallel, _all_gather, funcol, group_rank_size
+from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
+from nn_data.megatron_parallel import group_info
 from nn_data.targets import (
     _check_boundary_args,
     check_layout,
@@ -58,7 +59,7 @@ class _TargetLogProb(torch.autograd.Function):
         picked = torch.where(owned, picked, 0.0)
         if tp_size > 1:
             both = torch.stack([lse, picked])  # [2, N]
-            every = funcol.wait_tensor(_all_gather(both, 0, tp_group)).view(tp_size, 2, n)  # [TP, 2, N]
+            every = all_gather_dim0(both, tp_group).view(tp_size, 2, n)  # [TP, 2, N]
             lse, picked = torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)  # [N] each
         ctx.save_for_backward(logits, local, owned, keep, lse)
         ctx.chunk = chunk
@@ -152,8 +153,8 @@ class TokenLogProbs(nn.Module):
         super().__init__()
         self.seq_len = _checks.positive_int("seq_len", seq_len)
         self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
-        self.cp_rank, self.cp_size = group_rank_size(cp_group) if cp_group is not None else (0, 1)
-        self.tp_rank, self.tp_size = group_rank_size(tp_group) if tp_group is not None else (0, 1)
+        self.cp_rank, self.cp_size, _ = group_info(cp_group, "context-parallel group")
+        self.tp_rank, self.tp_size, _ = group_info(tp_group, "tensor-parallel group")
         self.tp_group, self.validate = tp_group, bool(validate)
         self.gather = GatherFromContextParallel(cp_group, validate=False) if self.cp_size > 1 else None
 

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.cp_comm import GatherFromContextParallel, group_rank_size
+from nn_data.cp_comm import GatherFromContextParallel
+from nn_data.megatron_parallel import group_info
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_to_row_capacity
 from nn_data.targets import local_places, packed_segments
@@ -113,7 +114,7 @@ class PackedForward(nn.Module):
         super().__init__()
         self.model = model
         self.pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
-        self.cp_rank, self.cp_size = group_rank_size(cp_group) if cp_group is not None else (0, 1)
+        self.cp_rank, self.cp_size, _ = group_info(cp_group, "context-parallel group")
         _check_cp_config(self.cp_size, self.pack)
         self.row_capacity = None if row_capacity is None else _checks.positive_int("row_capacity", row_capacity)
         self.make_packed_seq_params = bool(make_packed_seq_params)
@@ -166,7 +167,7 @@ class PackedForward(nn.Module):
     def _packed_seq_params(self, prep: _Prepared):
         if not self.make_packed_seq_params:
             return None
-        from nn_data.megatron_data_common import make_packed_seq_params
+        from nn_data.megatron_parallel import make_packed_seq_params
 
         total = prep.segment_ids.shape[0]  # max_seqlen = T: the only bound known without a host sync
         return make_packed_seq_params(prep.cu_seqlens_padded, total, total // self.cp_size)

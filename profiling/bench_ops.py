@@ -21,7 +21,7 @@ import torch
 
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data.diagnostics import HostSyncCounter
-from nn_data.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
+from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
 from profiling.timing import machine_description, time_calls
 
 

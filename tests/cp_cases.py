@@ -25,7 +25,7 @@ from nn_data import (
 )
 from nn_data.errors import PackingError
 from nn_data.megatron_parallel import context_parallel_info, tensor_parallel_info
-from nn_data.reference import (
+from nn_data.testing.reference import (
     reference_next_token_targets,
     reference_pack,
     reference_position_ids,
@@ -122,7 +122,7 @@ def _real(mb: Microbatch) -> int:
 def process_microbatch_shards(mb: Microbatch, cp_size: int, cp_rank: int):
     """NeMo-RL's entry point: ``nn_data.megatron_data.process_microbatch`` with CP rank and size
     taken from megatron-core's ``parallel_state`` (checked against the harness's layout)."""
-    from nn_data.batched_data_dict import BatchedDataDict
+    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
     from nn_data.megatron_data import process_microbatch
 
     real = _real(mb)

@@ -6,7 +6,7 @@ Context parallelism as users run it: 4 processes, megatron-core's
 plus tensor-parallel layouts for vocab-parallel logits. One pool of ranks serves
 every test of this module (spawning and importing megatron-core costs seconds per
 process); the cases live in ``cp_cases.py`` and compare each rank's result with the
-single-process one and the loop references in ``nn_data.reference``.
+single-process one and the loop references in ``nn_data.testing.reference``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.cp_cases import make_microbatch, pack_single
 from nn_data import GatherFromContextParallel, PackingError, TokenLogProbs, UnpackSequences
-from nn_data.reference import reference_token_logprobs
+from nn_data.testing.reference import reference_token_logprobs
 
 V = 23
 S = 16

@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
-from nn_data import megatron_data_microbatch
-from nn_data.batched_data_dict import BatchedDataDict
+from nn_data.megatron_data import microbatch as megatron_data_microbatch
+from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
-from nn_data.megatron_data_engine import reset_compiled
-from nn_data.reference import reference_pack
+from nn_data.megatron_data.engine import reset_compiled
+from nn_data.testing.reference import reference_pack
 from nn_data.diagnostics import HostSyncCounter
 from tests._megatron_helpers import coded_ids, coded_routes, megatron_cfg
 

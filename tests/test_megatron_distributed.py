@@ -37,10 +37,10 @@ def _check_cp_from_parallel_state(rank: int) -> None:
     from megatron.core import parallel_state
 
     from nn_data import UnshardFromContextParallel
-    from nn_data.batched_data_dict import BatchedDataDict
-    from nn_data.megatron_data_common import cp_rank_and_size
+    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+    from nn_data.megatron_parallel import megatron_cp_rank_and_size as cp_rank_and_size
     from nn_data.megatron_data import process_microbatch
-    from nn_data.reference import reference_pack, reference_shard
+    from nn_data.testing.reference import reference_pack, reference_shard
     from tests._megatron_helpers import coded_ids, coded_routes
 
     assert cp_rank_and_size() == (0, 1)  # distributed, but no CP group yet: a single CP rank
@@ -66,7 +66,7 @@ def _check_cp_from_parallel_state(rank: int) -> None:
 
 
 def _check_global_batch_all_reduce(rank: int) -> None:
-    from nn_data.batched_data_dict import BatchedDataDict
+    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
     from nn_data.megatron_data import process_global_batch
 
     sample_mask = torch.tensor([1.0, 0.0, 1.0, 1.0]) if rank == 0 else torch.tensor([1.0, 1.0, 1.0, 0.0])

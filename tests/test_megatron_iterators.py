@@ -11,7 +11,7 @@ import enum
 import pytest
 import torch
 
-from nn_data.batched_data_dict import BatchedDataDict
+from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.megatron_data import (
     PackOptions,
@@ -20,8 +20,8 @@ from nn_data.megatron_data import (
     make_processed_microbatch_iterator,
     process_global_batch,
 )
-from nn_data.megatron_data_iterators import resolve_device
-from nn_data.reference import reference_pack
+from nn_data.megatron_data.iterators import resolve_device
+from nn_data.testing.reference import reference_pack
 from tests._megatron_helpers import coded_ids, megatron_cfg
 
 LENGTHS, S = [5, 9, 3, 4, 6, 1], 12
@@ -91,7 +91,7 @@ def test_iterator_moves_each_microbatch_to_the_chosen_device():
 
 
 def test_cfg_nn_data_section_becomes_pack_options(monkeypatch):
-    from nn_data import megatron_data_iterators
+    from nn_data.megatron_data import iterators as megatron_data_iterators
 
     captured = []
     real = megatron_data_iterators.process_microbatch

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nn_data import megatron_data_microbatch
-from nn_data.batched_data_dict import BatchedDataDict
+from nn_data.megatron_data import microbatch as megatron_data_microbatch
+from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.megatron_data import (
     _fill_routed_experts_padding,
@@ -23,7 +23,7 @@ from nn_data.megatron_data import (
     get_ltor_masks_and_position_ids,
     process_microbatch,
 )
-from nn_data.reference import reference_pack, reference_shard
+from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.diagnostics import HostSyncCounter
 from tests._megatron_helpers import coded_ids, coded_routes
 

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from nn_data import megatron_data_common
+from nn_data import megatron_parallel
 from nn_data.errors import PackingError
 from nn_data.megatron_data import (
     _get_pack_sequence_parameters_for_megatron,
@@ -93,7 +93,7 @@ def test_packed_seq_params_fields_on_installed_megatron_core():
         assert getattr(params, name) is cu_pad
     assert isinstance(params.max_seqlen_q, int) and isinstance(params.max_seqlen_kv, int)
     has_total = "total_tokens" in {f.name for f in dataclasses.fields(type(params))}
-    assert has_total == ("total_tokens" in megatron_data_common.packed_seq_params_fields())
+    assert has_total == ("total_tokens" in megatron_parallel.packed_seq_params_fields())
     if not has_total:  # megatron-core 0.16.1: no such field, nothing set
         assert not hasattr(params, "total_tokens")
 
@@ -110,12 +110,8 @@ def test_total_tokens_is_set_to_the_local_length_where_the_field_exists(monkeypa
         max_seqlen_kv: int = None
         total_tokens: int = None
 
-    monkeypatch.setattr(megatron_data_common, "_packed_seq_params_class", lambda: NewerPackedSeqParams)
-    megatron_data_common.packed_seq_params_fields.cache_clear()
-    try:
-        _, (_, local, params, _, _) = _pack([16, 16], 16, 4, 4, 40, cp_rank=0, cp_size=2)
-    finally:
-        megatron_data_common.packed_seq_params_fields.cache_clear()
+    monkeypatch.setattr(megatron_parallel, "packed_seq_params_class", lambda: NewerPackedSeqParams)
+    _, (_, local, params, _, _) = _pack([16, 16], 16, 4, 4, 40, cp_rank=0, cp_size=2)
     assert isinstance(params, NewerPackedSeqParams)
     assert params.total_tokens == local.shape[1] == 20
 

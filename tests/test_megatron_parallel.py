@@ -29,7 +29,7 @@ def test_without_torch_distributed_a_single_rank():
 def test_a_group_without_torch_distributed_is_an_error():
     with pytest.raises(PackingError, match="a context-parallel group was given but torch.distributed is not"):
         context_parallel_info(object())
-    with pytest.raises(PackingError, match="a process group was given but torch.distributed is not initialised"):
+    with pytest.raises(PackingError, match="a context-parallel group was given but torch.distributed is not initialised"):
         TokenLogProbs(8, cp_group=object())
 
 

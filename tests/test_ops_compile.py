@@ -22,7 +22,7 @@ from nn_data import (
     pad_to_row_capacity,
 )
 from nn_data.diagnostics import HostSyncCounter
-from nn_data.reference import reference_pack, reference_shard
+from nn_data.testing.reference import reference_pack, reference_shard
 from tests.conftest import coded_batch
 
 R, S, M, C, T = 8, 24, 4, 2, 200  # capacity, row length, multiple, cp size, pad_full_seq_to

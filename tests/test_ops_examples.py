@@ -14,7 +14,7 @@ from nn_data import (
     UnshardFromContextParallel,
     pad_to_row_capacity,
 )
-from nn_data.reference import reference_pack
+from nn_data.testing.reference import reference_pack
 
 
 def _ids(rows):
@@ -176,7 +176,7 @@ def test_empty_batch_is_valid():
 def test_host_sync_counter_counts_reference_loop_syncs():
     """The NeMo-RL-style loop syncs 2B+1 times (B lengths, B+1 boundaries); the counter sees them."""
     from nn_data.diagnostics import HostSyncCounter
-    from nn_data.reference import reference_shard
+    from nn_data.testing.reference import reference_shard
 
     x = torch.ones(5, 8, dtype=torch.int64)
     lengths = torch.tensor([8, 4, 0, 4, 8])

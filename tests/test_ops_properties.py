@@ -23,7 +23,7 @@ from nn_data import (
     UnshardFromContextParallel,
     pad_to_row_capacity,
 )
-from nn_data.reference import reference_pack, reference_shard, reference_unpack
+from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack
 from tests.conftest import coded_batch, valid_mask
 
 SETTINGS = settings(max_examples=150, deadline=None)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.cp_cases import make_microbatch, pack_single
 from nn_data import NextTokenTargets, PackingError, PackSequences, PositionIds, pad_to_row_capacity
-from nn_data.reference import reference_next_token_targets, reference_position_ids, reference_shard
+from nn_data.testing.reference import reference_next_token_targets, reference_position_ids, reference_shard
 
 IDS = torch.tensor([[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]])
 CU = torch.tensor([0, 3, 3, 8], dtype=torch.int32)

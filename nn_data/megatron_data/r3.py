@@ -27,7 +27,7 @@ import torch
 from nn_data import _checks
 from nn_data.context_parallel import ShardForContextParallel
 from nn_data.errors import PackingError
-from nn_data.megatron_data_engine import as_lengths
+from nn_data.megatron_data.engine import as_lengths
 from nn_data.layout import build_layout
 
 R3_VERIFY_ENV = "NN_DATA_R3_VERIFY"

@@ -17,8 +17,9 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.megatron_data_common import _round_up_to_multiple, make_packed_seq_params, require
-from nn_data.megatron_data_engine import PackOptions, pack_microbatch
+from nn_data.megatron_data.common import _round_up_to_multiple, require
+from nn_data.megatron_parallel import make_packed_seq_params
+from nn_data.megatron_data.engine import PackOptions, pack_microbatch
 from nn_data.unpack import UnpackSequences
 
 

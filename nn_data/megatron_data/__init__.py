@@ -26,31 +26,31 @@ values (tuples where NeMo-RL returns tuples, the same dataclasses). Differences:
 
 from __future__ import annotations
 
-from nn_data.megatron_data_engine import PackOptions
-from nn_data.megatron_data_iterators import (
+from nn_data.megatron_data.engine import PackOptions
+from nn_data.megatron_data.iterators import (
     get_microbatch_iterator,
     make_processed_microbatch_iterator,
     process_global_batch,
 )
-from nn_data.megatron_data_microbatch import (
+from nn_data.megatron_data.microbatch import (
     ProcessedInputs,
     ProcessedMicrobatch,
     get_ltor_masks_and_position_ids,
     process_microbatch,
 )
-from nn_data.megatron_data_pack import (
+from nn_data.megatron_data.pack import (
     _get_pack_sequence_parameters_for_megatron,
     _pack_sequences_for_megatron,
     _unpack_sequences_from_megatron,
     get_and_validate_seqlen,
 )
-from nn_data.megatron_data_r3 import (
+from nn_data.megatron_data.r3 import (
     _fill_routed_experts_padding,
     _make_r3_trace_token_identity,
     _shard_routed_experts_for_cp,
     _verify_r3_trace_cp_token_alignment,
 )
-from nn_data.megatron_data_vlm import _prepare_vlm_batch_for_megatron
+from nn_data.megatron_data.vlm import _prepare_vlm_batch_for_megatron
 
 __all__ = [
     "PackOptions",

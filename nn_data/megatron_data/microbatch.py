@@ -13,21 +13,22 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from nn_data.errors import PackingError
-from nn_data.megatron_data_common import cp_rank_and_size, make_packed_seq_params, require, straggler_context
-from nn_data.megatron_data_engine import PackOptions, pack_microbatch
-from nn_data.megatron_data_r3 import (
+from nn_data.megatron_data.common import require, straggler_context
+from nn_data.megatron_parallel import make_packed_seq_params, megatron_cp_rank_and_size as cp_rank_and_size
+from nn_data.megatron_data.engine import PackOptions, pack_microbatch
+from nn_data.megatron_data.r3 import (
     _fill_routed_experts_padding,
     _make_r3_trace_token_identity,
     _verify_r3_trace_cp_token_alignment,
     r3_verify_forward_enabled,
 )
-from nn_data.megatron_data_vlm import _prepare_vlm_batch_for_megatron
+from nn_data.megatron_data.vlm import _prepare_vlm_batch_for_megatron
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is imported lazily
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.utils import StragglerDetector
 
-    from nn_data.batched_data_dict import BatchedDataDict
+    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 
 
 @dataclass
@@ -142,7 +143,7 @@ def process_microbatch(
     ids are None. CP rank and size come from megatron-core's ``parallel_state`` when it is
     initialised, else rank 0 of 1. One host sync per microbatch (NeMo-RL: ``2B + 1`` and
     more per extra tensor). ``options`` (keyword-only, nn_data only) selects the compiled
-    graph and ``T`` buckets (:class:`~nn_data.megatron_data_engine.PackOptions`).
+    graph and ``T`` buckets (:class:`~nn_data.megatron_data.engine.PackOptions`).
 
     Self-packing model (``delegate_pack_to_model``): :func:`_prepare_vlm_batch_for_megatron`;
     ``mtp_loss_mask`` is cut/zero-padded to the model's columns and multiplied by the
@@ -153,7 +154,7 @@ def process_microbatch(
     from :func:`get_ltor_masks_and_position_ids`; routed experts get ``arange(K)`` on
     their padding (needs ``input_lengths``).
 
-    The R3 forward verifier runs when enabled (see :mod:`nn_data.megatron_data_r3`).
+    The R3 forward verifier runs when enabled (see :mod:`nn_data.megatron_data.r3`).
     Raises :class:`~nn_data.errors.PackingError` (``ValueError`` and ``AssertionError``)
     for a missing ``seq_length_key``, routed experts that are not 4-D, and every bad
     input the pack path rejects.

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
 
-from nn_data.megatron_data_common import require
-from nn_data.megatron_data_engine import PackOptions
-from nn_data.megatron_data_microbatch import ProcessedMicrobatch, process_microbatch
-from nn_data.megatron_data_pack import _get_pack_sequence_parameters_for_megatron, get_and_validate_seqlen
+from nn_data.megatron_data.common import require
+from nn_data.megatron_data.engine import PackOptions
+from nn_data.megatron_data.microbatch import ProcessedMicrobatch, process_microbatch
+from nn_data.megatron_data.pack import _get_pack_sequence_parameters_for_megatron, get_and_validate_seqlen
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.utils import StragglerDetector
 
-    from nn_data.batched_data_dict import BatchedDataDict
+    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 
 
 def resolve_device(device=None, cfg: Optional[dict] = None) -> torch.device:

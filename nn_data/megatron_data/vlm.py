@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from nn_data._index import exclusive_cumsum, round_up
 from nn_data import _checks
-from nn_data.megatron_data_common import make_packed_seq_params, require
-from nn_data.megatron_data_engine import as_lengths
+from nn_data.megatron_data.common import require
+from nn_data.megatron_parallel import make_packed_seq_params
+from nn_data.megatron_data.engine import as_lengths
 from nn_data.pack import PackSequences
 
 
