@@ -24,14 +24,8 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.megatron_parallel import group_info
-from nn_data.targets import (
-    _check_boundary_args,
-    check_layout,
-    check_packed_ids,
-    local_places,
-    next_token_at,
-    packed_segments,
-)
+from nn_data._index import local_places, packed_segments
+from nn_data.targets import next_token_at
 
 
 class _TargetLogProb(torch.autograd.Function):
@@ -173,7 +167,7 @@ class TokenLogProbs(nn.Module):
         if logits.dim() != 3 or not logits.dtype.is_floating_point:
             raise _checks.PackingError(f"logits must be floating point [1, T/C, V], got shape "
                                        f"{tuple(logits.shape)} and dtype {logits.dtype}")
-        check_packed_ids("packed_ids", packed_ids)
+        _checks.check_packed_ids("packed_ids", packed_ids)
         local_total, cols = logits.shape[1], logits.shape[2]
         total = local_total * self.cp_size
         if packed_ids.shape[1] != total:
@@ -181,10 +175,10 @@ class TokenLogProbs(nn.Module):
                 f"packed_ids has shape {tuple(packed_ids.shape)} but logits {tuple(logits.shape)} on "
                 f"cp_size={self.cp_size} ranks cover T={total} positions; pass the full packed ids [1, {total}]"
             )
-        _check_boundary_args(cu_seqlens_padded, packed_ids, self.cp_size, cu_seqlens)
+        _checks.check_boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, self.cp_size, cu_seqlens)
         _checks.check_same_device(logits=logits, packed_ids=packed_ids)
         if self.validate:
-            check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "TokenLogProbs",
+            _checks.check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "TokenLogProbs",
                          seq_len=self.seq_len, ids=packed_ids[0], vocab=cols * self.tp_size)
         segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
         places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)

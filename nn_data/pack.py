@@ -134,19 +134,19 @@ class PackSequences(nn.Module):
 
     def _packed_total(self, lengths, natural_total, row_len: int, num_rows):
         """``T`` as a Python int (static, or learned with the call's one sync), after the checks."""
-        static = self.pad_full_seq_to
+        pad_full_seq_to = self.pad_full_seq_to
         if torch.compiler.is_compiling():
             if self.validate:
-                _device_checks(lengths, natural_total, row_len, num_rows, static)
-            if static is not None:
-                return static
+                _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to)
+            if pad_full_seq_to is not None:
+                return pad_full_seq_to
             total = int(round_up(natural_total, self.p).item())  # sync: T is data-dependent without pad_full_seq_to
             torch._check(total >= 0)
             return total
         if self.validate:
-            return _host_checks(lengths, natural_total, row_len, num_rows, static, self.m, self.p)
-        if static is not None:
-            return static
+            return _host_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to, self.m, self.p)
+        if pad_full_seq_to is not None:
+            return pad_full_seq_to
         return int(round_up(natural_total, self.p).item())  # sync: T is data-dependent without pad_full_seq_to
 
 
@@ -167,31 +167,27 @@ def _stats(lengths, natural_total, num_rows):
     return torch.stack([lo, hi, natural_total, tail, n])
 
 
-def _host_checks(lengths, natural_total, row_len, num_rows, static, m, p) -> int:
+def _host_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to, m, p) -> int:
     """The eager validation step: one sync, then a precise message. Returns ``T``."""
     lo, hi, nat, tail, n = _stats(lengths, natural_total, num_rows).tolist()  # sync: the one validation step
     rows = lengths.shape[0]
-    if lo < 0:
-        _checks.raise_first(lengths < 0, lengths, "seq_lengths[{i}] = {v} is negative; "
-                            f"valid lengths are integers in [0, S={row_len}]")
-    if hi > row_len:
-        _checks.raise_first(lengths > row_len, lengths, "seq_lengths[{i}] = {v} exceeds the row length "
-                            f"S={row_len} of x; valid lengths are integers in [0, {row_len}]")
+    if lo < 0 or hi > row_len:
+        _checks.raise_length_outside((lengths < 0) | (lengths > row_len), lengths, row_len)
     if not 0 <= n <= rows:
         raise _checks.PackingError(f"num_rows={n} is invalid; expected a value in [0, {rows}] (the rows of x)")
     if tail:
         mask = (lengths != 0) & (torch.arange(rows, device=lengths.device) >= n)
         _checks.raise_first(mask, lengths, "seq_lengths[{i}] = {v} but row {i} is a padding row "
                             f"(num_rows={n}); rows at or past num_rows must have length 0")
-    if static is not None and nat > static:
+    if pad_full_seq_to is not None and nat > pad_full_seq_to:
         raise _checks.PackingError(
-            f"the packed total sum(round_up(seq_lengths, {m})) = {nat} exceeds pad_full_seq_to={static}; "
+            f"the packed total sum(round_up(seq_lengths, {m})) = {nat} exceeds pad_full_seq_to={pad_full_seq_to}; "
             f"pad_full_seq_to must be at least {nat} (NeMo-RL would silently truncate here)"
         )
-    return static if static is not None else round_up(nat, p)
+    return pad_full_seq_to if pad_full_seq_to is not None else round_up(nat, p)
 
 
-def _device_checks(lengths, natural_total, row_len, num_rows, static) -> None:
+def _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to) -> None:
     """The compiled validation: device-side asserts, no host sync."""
     rows = lengths.shape[0]
     if rows:
@@ -205,8 +201,8 @@ def _device_checks(lengths, natural_total, row_len, num_rows, static) -> None:
         if rows:
             tail = (lengths * (torch.arange(rows, device=lengths.device) >= n)).sum()
             _checks.device_assert(tail == 0, "nn_data.PackSequences: rows at or past num_rows must have length 0")
-    if static is not None:
+    if pad_full_seq_to is not None:
         _checks.device_assert(
-            natural_total <= static,
-            f"nn_data.PackSequences: the packed total sum(round_up(seq_lengths, m)) exceeds pad_full_seq_to={static}",
+            natural_total <= pad_full_seq_to,
+            f"nn_data.PackSequences: the packed total sum(round_up(seq_lengths, m)) exceeds pad_full_seq_to={pad_full_seq_to}",
         )

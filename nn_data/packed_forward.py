@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from nn_data import _checks
+from nn_data._index import local_places, packed_segments
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.megatron_parallel import group_info
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_to_row_capacity
-from nn_data.targets import local_places, packed_segments
 from nn_data.unpack import unpack_sequences
 
 

@@ -92,7 +92,7 @@ def test_shard_routed_experts_for_cp_matches_the_microbatch_path(cp2):
 
 
 @pytest.mark.parametrize("bounds, cp, match", [
-    ([0, 12, 16, 24, 30], 2, r"segment 3 is 6 tokens long, not a multiple of 2\*cp_size=4.*silently drop"),
+    ([0, 12, 16, 24, 30], 2, r"segment 3 of cu_seqlens_padded is 6 tokens long, not a multiple of 2\*cp_size=4.*silently drop"),
     ([0, 12, 14, 24, 28], 1, r"seq_lengths\[1\] = 3 is negative, exceeds S=12 or exceeds its segment"),
     ([1, 12, 16, 24, 28], 1, r"must start at 0 and never decrease"),
 ])

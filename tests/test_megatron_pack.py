@@ -135,9 +135,9 @@ def test_no_sequences_and_all_empty_sequences():
 
 @pytest.mark.parametrize("args, kwargs, match", [
     ((4, 1, 16), {}, r"packed total .* = 24 exceeds pad_packed_seq_to=16.*silently truncates"),
-    ((1, 1, None), {"cp_rank": 0, "cp_size": 2}, r"segment 1 is 5 tokens long, not a multiple of 2\*cp_size=4"),
-    ((4, 1, 26), {"cp_rank": 0, "cp_size": 2}, r"segment 2 is 10 tokens long.*silently drops"),
-    ((4, 16, 40), {}, r"pad_packed_seq_to \(40\) is not a multiple of pad_packed_seq_to_multiple_of \(16\)"),
+    ((1, 1, None), {"cp_rank": 0, "cp_size": 2}, r"segment 1 of cu_seqlens_padded is 5 tokens long, not a multiple of 2\*cp_size=4"),
+    ((4, 1, 26), {"cp_rank": 0, "cp_size": 2}, r"segment 2 of cu_seqlens_padded is 10 tokens long.*silently drops"),
+    ((4, 16, 40), {}, r"pad_packed_seq_to=40 is not a multiple of pad_packed_seq_to_multiple_of=16"),
     ((0,), {}, r"pad_individual_seqs_to_multiple_of=0 is invalid"),
     ((4,), {"cp_rank": 2, "cp_size": 2}, r"cp_rank=2 is invalid; expected an int in \[0, 2\)"),
 ])

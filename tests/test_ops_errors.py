@@ -72,8 +72,8 @@ def test_unshard_and_unpack_configuration_errors():
         (torch.tensor([1.0, 2.0, 3.0]), r"seq_lengths must be a 1-D integer tensor, got shape \(3,\) and dtype torch.float32"),
         (torch.tensor([1, 2]), r"seq_lengths has 2 entries; expected 3"),
         ([1, 2, 3], r"seq_lengths must be a 1-D integer torch.Tensor, got list"),
-        (torch.tensor([1, -2, 3]), r"seq_lengths\[1\] = -2 is negative; valid lengths are integers in \[0, S=4\]"),
-        (torch.tensor([1, 2, 5]), r"seq_lengths\[2\] = 5 exceeds the row length S=4 of x; valid lengths are integers in \[0, 4\]"),
+        (torch.tensor([1, -2, 3]), r"seq_lengths\[1\] = -2 is outside \[0, S=4\]; valid lengths are integers in \[0, 4\]"),
+        (torch.tensor([1, 2, 5]), r"seq_lengths\[2\] = 5 is outside \[0, S=4\]; valid lengths are integers in \[0, 4\]"),
     ],
 )
 def test_seq_lengths_errors(lengths, pattern):
@@ -92,7 +92,7 @@ def test_tensors_on_different_devices():
         PackSequences()(X, meta_lengths)
     with pytest.raises(PackingError, match=r"packed on cpu, seq_lengths on meta"):
         UnpackSequences(4)(X[:1], meta_lengths, torch.tensor([0, 1, 2, 4]))
-    with pytest.raises(PackingError, match=r"data on cpu, cu_seqlens_padded on meta"):
+    with pytest.raises(PackingError, match=r"packed on cpu, cu_seqlens_padded on meta"):
         ShardForContextParallel(2, 0)(X[:1], torch.tensor([0, 4], device="meta"))
 
 

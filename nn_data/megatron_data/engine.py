@@ -33,8 +33,7 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data._index import exclusive_cumsum, round_up
-from nn_data.context_parallel import ShardForContextParallel
+from nn_data._index import exclusive_cumsum, local_places, round_up, segment_bounds
 from nn_data.errors import PackingError
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_rows
@@ -120,30 +119,60 @@ class PackedBatch(NamedTuple):
     identity_local: Optional[torch.Tensor] = None
 
 
-def check_pack_config(m, p, pad_full_seq_to, cp_rank, cp_size) -> None:
-    """Configuration checks (no data): multiples >= 1, ``pad_full_seq_to % p == 0``, CP rank in range."""
-    _checks.positive_int("pad_individual_seqs_to_multiple_of", m)
-    _checks.positive_int("pad_packed_seq_to_multiple_of", p)
-    _checks.positive_int("pad_packed_seq_to", pad_full_seq_to, allow_none=True)
-    _checks.check_cp(cp_size, cp_rank)
-    if pad_full_seq_to is not None and pad_full_seq_to % p:
-        raise PackingError(
-            f"pad_packed_seq_to ({pad_full_seq_to}) is not a multiple of pad_packed_seq_to_multiple_of ({p}); "
-            f"choose a multiple of {p}"
-        )
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+    """The packing configuration of one call, checked once (no data read).
+
+    ``m`` / ``p``: ``pad_individual_seqs_to_multiple_of`` / ``pad_packed_seq_to_multiple_of``;
+    ``pad_full_seq_to``: the constant ``T`` or None; ``cp_size``, ``cp_rank``: the CP split.
+    ``total_name`` is how the caller spelled the constant-``T`` argument (NeMo-RL's
+    ``_pack_sequences_for_megatron`` calls it ``pad_packed_seq_to``, ``process_microbatch``
+    ``pad_full_seq_to``), so every message names the argument the caller passed.
+    """
+
+    m: int
+    p: int
+    pad_full_seq_to: Optional[int]
+    cp_size: int
+    cp_rank: int
+    total_name: str = "pad_full_seq_to"
+
+    def __post_init__(self):
+        _checks.positive_int("pad_individual_seqs_to_multiple_of", self.m)
+        _checks.positive_int("pad_packed_seq_to_multiple_of", self.p)
+        _checks.positive_int(self.total_name, self.pad_full_seq_to, allow_none=True)
+        _checks.check_cp(self.cp_size, self.cp_rank)
+        if self.pad_full_seq_to is not None and self.pad_full_seq_to % self.p:
+            raise PackingError(
+                f"{self.total_name}={self.pad_full_seq_to} is not a multiple of "
+                f"pad_packed_seq_to_multiple_of={self.p}; choose a multiple of {self.p}"
+            )
+
+    def graph_key(self, total: int) -> "GraphKey":
+        return GraphKey(self.m, self.p, total, self.cp_size, self.cp_rank)
 
 
-def plan_pack(lengths, row_len: int, m: int, p: int, pad_full_seq_to, cp_size: int, buckets=None) -> PackPlan:
+class GraphKey(NamedTuple):
+    """What one pack graph is built for: the multiples, the packed length ``T`` and the CP split."""
+
+    m: int
+    p: int
+    total: int
+    cp_size: int
+    cp_rank: int
+
+
+def plan_pack(lengths, row_len: int, config: PackConfig, buckets=None) -> PackPlan:
     """Validate ``lengths [B]`` (int64) and choose ``T`` and ``max_seqlen``: one host sync.
 
     Example: lengths ``[8, 5, 7]``, m 4, p 1, no ``pad_full_seq_to`` -> padded ``[8, 8, 8]``,
     T 24, max_seqlen 8. With ``pad_full_seq_to=40`` the last segment is ``40 - 16 = 24`` long
     and max_seqlen is 24.
     """
+    m, p, fixed, cp_size = config.m, config.p, config.pad_full_seq_to, config.cp_size
     rows, two_c = lengths.shape[0], 2 * cp_size
     if rows == 0:
-        total = pad_full_seq_to if pad_full_seq_to is not None else _bucket(0, p, cp_size, buckets)
-        return PackPlan(total, 0)
+        return PackPlan(fixed if fixed is not None else _bucket(0, p, cp_size, buckets), 0)
     padded = round_up(lengths, m)  # [B]
     zero = padded.new_zeros(())
     nonlast = padded[:-1]  # [B-1]
@@ -152,26 +181,21 @@ def plan_pack(lengths, row_len: int, m: int, p: int, pad_full_seq_to, cp_size: i
                          nonlast.max() if rows > 1 else zero, nonlast.sum(), bad_nonlast])
     lo, hi, natural, max_nonlast, last_start, bad = stats.tolist()  # sync: the one per microbatch
     if lo < 0 or hi > row_len:
-        _checks.raise_first((lengths < 0) | (lengths > row_len), lengths,
-                            "seq_lengths[{i}] = {v} is outside [0, S=" f"{row_len}]; S is input_ids.shape[1]")
-    if pad_full_seq_to is not None:
-        if natural > pad_full_seq_to:
+        _checks.raise_length_outside((lengths < 0) | (lengths > row_len), lengths, row_len)
+    if fixed is not None:
+        if natural > fixed:
             raise PackingError(
-                f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds pad_packed_seq_to="
-                f"{pad_full_seq_to}; raise it to at least {natural} (NeMo-RL silently truncates the "
+                f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds {config.total_name}="
+                f"{fixed}; raise it to at least {natural} (NeMo-RL silently truncates the "
                 "packed tensor here and drops the tail tokens)"
             )
-        total = pad_full_seq_to
+        total = fixed
     else:
         total = _bucket(round_up(natural, p), p, cp_size, buckets)
     last = total - last_start
     if cp_size > 1 and (bad or last % two_c):
         padded_all = torch.cat([nonlast, nonlast.new_tensor([last])])
-        _checks.raise_first(padded_all % two_c != 0, padded_all,
-                            "segment {i} is {v} tokens long, not a multiple of 2*cp_size=" f"{two_c}; set "
-                            f"pad_individual_seqs_to_multiple_of to a multiple of {two_c} and pad_packed_seq_to"
-                            " (or the packed multiple) so the last segment is one too (NeMo-RL silently drops"
-                            " the remainder tokens of such a segment)")
+        _checks.raise_first(padded_all % two_c != 0, padded_all, _checks.segment_not_divisible(two_c))
     return PackPlan(total, max(max_nonlast, last))
 
 
@@ -197,53 +221,57 @@ def _bucket(natural: int, p: int, cp_size: int, buckets) -> int:
 
 
 class PackShardGraph(nn.Module):
-    """Pack ``input_ids`` and its companions with one layout and zigzag-shard them for CP.
+    """Pack ``input_ids`` and its companions with one layout and take this rank's zigzag places.
 
     ``forward(input_ids [B, S], seq_lengths [B] int64, num_rows=None, mtp_loss_mask [B, S]=None,
     routed_experts [B, S, layers, topk]=None, token_identity [B, S, 3]=None) -> PackedBatch``.
-    Pad positions hold 0, except routed experts, whose pad rows are ``arange(topk)`` (a
-    valid top-k route). No host sync: ``T`` is a constructor argument, data checks are
-    :func:`plan_pack`'s.
+    The layout and this rank's places are computed once and applied to every tensor (one
+    scatter/gather to pack, one ``index_select`` to shard). Pad positions hold 0, except routed
+    experts, whose pad rows are ``arange(topk)`` (a valid top-k route). No host sync: ``T`` is in
+    the key, data checks are :func:`plan_pack`'s.
     """
 
-    def __init__(self, m: int, p: int, total: int, cp_size: int, cp_rank: int):
+    def __init__(self, key: GraphKey):
         super().__init__()
-        self.pack = PackSequences(m, p, total, validate=False)
-        self.shard = ShardForContextParallel(cp_size, cp_rank, validate=False)
+        self.key = key
+        self.pack = PackSequences(key.m, key.p, key.total, validate=False)
 
     def forward(self, input_ids, seq_lengths, num_rows=None, mtp_loss_mask=None, routed_experts=None,
                 token_identity=None) -> PackedBatch:
         res = self.pack(input_ids, seq_lengths, num_rows)
-        bounds = res.cu_seqlens_padded
+        total, cp_size = self.key.total, self.key.cp_size
+        source = None
+        if cp_size > 1:  # [T/C]: the packed position of each of this rank's tokens, for every tensor
+            source = local_places(segment_bounds(res.cu_seqlens_padded, total), total, cp_size, self.key.cp_rank).source
 
         def both(x, fill=0):
             if x is None:
                 return None, None
-            packed = res.layout.pack(x, fill=fill)  # [1, T, *]
-            return packed, self.shard(packed, bounds)  # [1, T/C, *]
+            packed = x if fill is None else res.layout.pack(x, fill=fill)  # [1, T, *]
+            return packed, packed if source is None else packed.index_select(1, source)  # [1, T/C, *]
 
         topk_route = None
         if routed_experts is not None:
             topk_route = torch.arange(routed_experts.shape[-1], device=routed_experts.device,
                                       dtype=routed_experts.dtype)  # [topk], broadcast over layers
-        return PackedBatch(res.packed, self.shard(res.packed, bounds), res.cu_seqlens, bounds,
+        return PackedBatch(*both(res.packed, None), res.cu_seqlens, res.cu_seqlens_padded,
                            *both(mtp_loss_mask), *both(routed_experts, topk_route), *both(token_identity))
 
 
 @functools.lru_cache(maxsize=256)
-def _eager_graph(m, p, total, cp_size, cp_rank) -> PackShardGraph:
-    return PackShardGraph(m, p, total, cp_size, cp_rank)
+def _eager_graph(key: GraphKey) -> PackShardGraph:
+    return PackShardGraph(key)
 
 
 _COMPILED: dict = {}
 
 
-def _compiled_graph(key: tuple, options: PackOptions):
-    cache_key = (*key, id(options.backend), options.mode)
+def _compiled_graph(key: GraphKey, options: PackOptions):
+    cache_key = (key, id(options.backend), options.mode)
     fn = _COMPILED.get(cache_key)
     if fn is None:
         kwargs = {"mode": options.mode} if options.mode else {}
-        fn = torch.compile(PackShardGraph(*key), backend=options.backend, fullgraph=True, **kwargs)
+        fn = torch.compile(PackShardGraph(key), backend=options.backend, fullgraph=True, **kwargs)
         _COMPILED[cache_key] = fn
     return fn
 
@@ -253,12 +281,12 @@ def reset_compiled() -> None:
     _COMPILED.clear()
 
 
-def run_graph(key: tuple, options: PackOptions, input_ids, lengths, extras: dict) -> PackedBatch:
-    """Run the eager or the compiled graph for ``key = (m, p, T, C, rank)``; slice row padding off."""
-    if key[2] == 0:
+def run_graph(key: GraphKey, options: PackOptions, input_ids, lengths, extras: dict) -> PackedBatch:
+    """Run the eager or the compiled graph for ``key``; slice row padding off."""
+    if key.total == 0:
         return _empty_batch(input_ids, lengths, extras)
     if not options.compile:
-        return _eager_graph(*key)(input_ids, lengths, None, **extras)
+        return _eager_graph(key)(input_ids, lengths, None, **extras)
     rows = input_ids.shape[0]
     capacity = options.row_capacity or (1 << max(0, (rows - 1).bit_length()))
     if rows > capacity:
@@ -301,14 +329,13 @@ def as_lengths(seq_lengths, rows: int, device) -> torch.Tensor:
     return seq_lengths.to(device=device, dtype=torch.int64)
 
 
-def pack_microbatch(input_ids, seq_lengths, m: int, p: int, pad_full_seq_to, cp_rank: int, cp_size: int, *,
-                    options: Optional[PackOptions] = None, **extras) -> tuple[PackedBatch, PackPlan]:
+def pack_microbatch(input_ids, seq_lengths, config: PackConfig, *, options: Optional[PackOptions] = None,
+                    **extras) -> tuple[PackedBatch, PackPlan]:
     """Plan (one sync) and pack ``input_ids [B, S]`` plus ``extras`` (``mtp_loss_mask``,
-    ``routed_experts``, ``token_identity``: ``[B, S, *]`` or None) for rank ``cp_rank``."""
+    ``routed_experts``, ``token_identity``: ``[B, S, *]`` or None) for ``config``'s CP rank."""
     options = options or PackOptions()
-    check_pack_config(m, p, pad_full_seq_to, cp_rank, cp_size)
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
-    plan = plan_pack(lengths, input_ids.shape[1], m, p, pad_full_seq_to, cp_size, options.buckets)
-    out = run_graph((m, p, plan.total, cp_size, cp_rank), options, input_ids, lengths, extras)
+    plan = plan_pack(lengths, input_ids.shape[1], config, options.buckets)
+    out = run_graph(config.graph_key(plan.total), options, input_ids, lengths, extras)
     return out, plan

@@ -15,7 +15,7 @@ import torch
 from nn_data.errors import PackingError
 from nn_data.megatron_data.common import require, straggler_context
 from nn_data.megatron_parallel import make_packed_seq_params, megatron_cp_rank_and_size as cp_rank_and_size
-from nn_data.megatron_data.engine import PackOptions, pack_microbatch
+from nn_data.megatron_data.engine import PackConfig, PackOptions, pack_microbatch
 from nn_data.megatron_data.r3 import (
     _fill_routed_experts_padding,
     _make_r3_trace_token_identity,
@@ -183,8 +183,9 @@ def _packed_inputs(data_dict, input_ids, seq_lengths, routed, m, p, pad_full_seq
     if routed is not None and r3_verify_forward_enabled():
         identity = _make_r3_trace_token_identity(input_ids, seq_lengths)
     mtp = data_dict["mtp_loss_mask"] if "mtp_loss_mask" in data_dict else None
-    out, plan = pack_microbatch(input_ids, seq_lengths, m, p, pad_full_seq_to, cp_rank, cp_size, options=options,
-                                mtp_loss_mask=mtp, routed_experts=routed, token_identity=identity)
+    config = PackConfig(m, p, pad_full_seq_to, cp_size=cp_size, cp_rank=cp_rank)
+    out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options, mtp_loss_mask=mtp,
+                                routed_experts=routed, token_identity=identity)
     params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1])
     _verify_r3_trace_cp_token_alignment(
         source_input_ids=input_ids, source_routed_experts=routed, input_ids_cp_sharded=out.local,

@@ -19,7 +19,7 @@ from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.megatron_data.common import _round_up_to_multiple, require
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.megatron_data.engine import PackOptions, pack_microbatch
+from nn_data.megatron_data.engine import PackConfig, PackOptions, pack_microbatch
 from nn_data.unpack import UnpackSequences
 
 
@@ -63,10 +63,9 @@ def _pack_sequences_for_megatron(
     asserts) for those cases, a multiple below 1, ``pad_packed_seq_to`` not a multiple of
     ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``.
     """
-    out, plan = pack_microbatch(
-        input_ids, seq_lengths, pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
-        pad_packed_seq_to, cp_rank, cp_size, options=options,
-    )
+    config = PackConfig(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to,
+                        cp_size=cp_size, cp_rank=cp_rank, total_name="pad_packed_seq_to")
+    out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options)
     params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1])
     return out.packed, out.local, params, out.cu_seqlens, out.cu_seqlens_padded
 

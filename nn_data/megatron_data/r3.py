@@ -199,6 +199,5 @@ def _check_layout(lengths, bounds, row_len: int, cp_size: int) -> int:
         _checks.raise_first(bad_len, lengths, "seq_lengths[{i}] = {v} is negative, exceeds S=" f"{row_len}"
                             " or exceeds its segment of cu_seqlens_padded")
     if n_div:
-        _checks.raise_first(bad_div, seg, "segment {i} is {v} tokens long, not a multiple of 2*cp_size="
-                            f"{two_c} (NeMo-RL would silently drop its remainder routes)")
+        _checks.raise_first(bad_div, seg, _checks.segment_not_divisible(two_c))
     return total

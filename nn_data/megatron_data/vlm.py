@@ -81,8 +81,7 @@ def _padded_lengths(lengths, cols: int, align: int, pad_full_seq_to):
     lo, hi, natural, pmax, plast = torch.stack(
         [lengths.min(), lengths.max(), padded.sum(), padded.max(), padded[-1]]).tolist()  # sync: P and T are shapes
     if lo < 0 or hi > cols:
-        _checks.raise_first((lengths < 0) | (lengths > cols), lengths, "seq_lengths[{i}] = {v} is outside [0, S="
-                            f"{cols}]")
+        _checks.raise_length_outside((lengths < 0) | (lengths > cols), lengths, cols)
     deficit = 0
     if pad_full_seq_to is not None:
         deficit = pad_full_seq_to - natural
