@@ -24,7 +24,7 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.megatron_parallel import group_info
-from nn_data._index import local_places, packed_segments
+from nn_data._index import ZigzagLocal, local_places, packed_segments
 from nn_data.targets import next_token_at
 
 
@@ -162,6 +162,7 @@ class TokenLogProbs(nn.Module):
         packed_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         cu_seqlens_padded: torch.Tensor,
+        places: Optional[ZigzagLocal] = None,
     ) -> torch.Tensor:
         _checks.check_packed("logits", logits)
         if logits.dim() != 3 or not logits.dtype.is_floating_point:
@@ -181,7 +182,8 @@ class TokenLogProbs(nn.Module):
             _checks.check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "TokenLogProbs",
                          seq_len=self.seq_len, ids=packed_ids[0], vocab=cols * self.tp_size)
         segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
-        places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
+        if places is None:
+            places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
         target, keep = next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
         local = token_logprobs_local(
             logits.squeeze(0), target, keep, vocab_start=self.tp_rank * cols, tp_group=self.tp_group,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data._index import local_places, packed_segments
+from nn_data._index import segment_bounds
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.megatron_parallel import group_info
 from nn_data.pack import PackSequences
@@ -131,11 +131,10 @@ class PackedForward(nn.Module):
 
     def _prepare(self, input_ids, seq_lengths, num_rows) -> _Prepared:
         r = self.pack(input_ids, seq_lengths, num_rows)
-        total = r.packed.shape[1]
-        bounds = packed_segments(r.cu_seqlens, r.cu_seqlens_padded, total).bounds  # [B+1] ([0, T] if B = 0)
-        # Zigzag places of this rank's tokens (segments are multiples of 2C by configuration):
-        # bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39.
-        places = local_places(bounds, total, self.cp_size, self.cp_rank)  # [T/C] each
+        bounds = segment_bounds(r.cu_seqlens_padded, r.packed.shape[1])  # [B+1] ([0, T] if B = 0)
+        # Zigzag places of this rank's tokens, computed once (segments are multiples of 2C by
+        # configuration): bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39.
+        places = r.layout.local_places(self.cp_size, self.cp_rank)  # [T/C] each
         local_ids = r.packed.index_select(1, places.source)  # [1, T/C]
         position_ids = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C], 0 at each start
         return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(), places.source)

@@ -14,7 +14,7 @@ once: no host sync, every shape from ``T``, ``C`` and ``B``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -51,14 +51,15 @@ class PositionIds(RankOp):
     def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, validate: bool = True):
         super().__init__(cp_size, cp_rank, validate=validate)
 
-    def forward(self, packed: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    def forward(self, packed: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+                places: Optional[ZigzagLocal] = None) -> torch.Tensor:
         _checks.check_packed("packed", packed)
         total = packed.shape[1]
         _checks.check_boundary_args("packed", packed, total, cu_seqlens_padded, self.cp_size)
         if self.validate:
             _checks.check_boundaries(cu_seqlens_padded, total, self.cp_size, "PositionIds")
         bounds = packed_segments(cu_seqlens_padded, cu_seqlens_padded, total).bounds
-        source, seg = local_places(bounds, total, self.cp_size, self.cp_rank)  # [T/C] each
+        source, seg = places if places is not None else local_places(bounds, total, self.cp_size, self.cp_rank)
         return (source - bounds[seg]).unsqueeze(0)  # [1, T/C]
 
 
@@ -121,7 +122,8 @@ class NextTokenTargets(RankOp):
         return f"{super().extra_repr()}, ignore_index={self.ignore_index}"
 
     def forward(
-        self, packed_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor
+        self, packed_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+        places: Optional[ZigzagLocal] = None,
     ) -> Targets:
         _checks.check_packed_ids("packed_ids", packed_ids)
         total = packed_ids.shape[1]
@@ -129,7 +131,8 @@ class NextTokenTargets(RankOp):
         if self.validate:
             _checks.check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "NextTokenTargets")
         segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
-        places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
+        if places is None:
+            places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
         token, has_target = next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
         targets = torch.where(has_target, token, self.ignore_index)
         return Targets(targets.unsqueeze(0), has_target.to(torch.float32).unsqueeze(0))

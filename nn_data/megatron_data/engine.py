@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data._index import exclusive_cumsum, local_places, round_up, segment_bounds
+from nn_data._index import exclusive_cumsum, round_up
 from nn_data.errors import PackingError
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_rows
@@ -239,10 +239,10 @@ class PackShardGraph(nn.Module):
     def forward(self, input_ids, seq_lengths, num_rows=None, mtp_loss_mask=None, routed_experts=None,
                 token_identity=None) -> PackedBatch:
         res = self.pack(input_ids, seq_lengths, num_rows)
-        total, cp_size = self.key.total, self.key.cp_size
+        cp_size = self.key.cp_size
         source = None
         if cp_size > 1:  # [T/C]: the packed position of each of this rank's tokens, for every tensor
-            source = local_places(segment_bounds(res.cu_seqlens_padded, total), total, cp_size, self.key.cp_rank).source
+            source = res.layout.local_places(cp_size, self.key.cp_rank).source
 
         def both(x, fill=0):
             if x is None:

@@ -139,7 +139,7 @@ def process_global_batch(
     works); without an initialised ``torch.distributed`` the local sums are returned.
     No host sync.
 
-    Raises :class:`~nn_data.errors.PackingError` (an ``AssertionError`` too) when the batch
+    Raises :class:`~nn_data.errors.PackingError` when the batch
     has no ``sample_mask``, or the loss is token-level and the batch has no ``token_mask``.
     """
     batch = data.get_batch(batch_idx=batch_idx, batch_size=batch_size)

@@ -155,8 +155,7 @@ def process_microbatch(
     their padding (needs ``input_lengths``).
 
     The R3 forward verifier runs when enabled (see :mod:`nn_data.megatron_data.r3`).
-    Raises :class:`~nn_data.errors.PackingError` (``ValueError`` and ``AssertionError``)
-    for a missing ``seq_length_key``, routed experts that are not 4-D, and every bad
+    Raises :class:`~nn_data.errors.PackingError` for a missing ``seq_length_key``, routed experts that are not 4-D, and every bad
     input the pack path rejects.
     """
     with straggler_context(straggler_timer):

@@ -59,8 +59,7 @@ def _pack_sequences_for_megatron(
     ``2 * cp_size`` raises (NeMo-RL drops its remainder tokens, or with a multiple of 1
     returns unsharded ids); a length outside ``[0, S]`` raises.
 
-    Raises :class:`~nn_data.errors.PackingError` (also an ``AssertionError``, as NeMo-RL's
-    asserts) for those cases, a multiple below 1, ``pad_packed_seq_to`` not a multiple of
+    Raises :class:`~nn_data.errors.PackingError` for those cases, a multiple below 1, ``pad_packed_seq_to`` not a multiple of
     ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``.
     """
     config = PackConfig(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to,
@@ -128,7 +127,7 @@ def _get_pack_sequence_parameters_for_megatron(
     Example: TP 2 + SP, CP 2, FP8 blockwise, PP 2, multiple 8, max 1000 ->
     ``(8, 1024, 1024)``.
 
-    Raises :class:`~nn_data.errors.PackingError` (an ``AssertionError`` too) when the
+    Raises :class:`~nn_data.errors.PackingError` when the
     per-sequence multiple is not a multiple of the minimum pad factor.
     """
     tp_size = megatron_cfg["tensor_model_parallel_size"]
@@ -160,7 +159,7 @@ def _get_pack_sequence_parameters_for_megatron(
 def get_and_validate_seqlen(data):
     """``(1, S)``: dim 1 is the sequence dim; every tensor of ``data`` with 2+ dims must share ``S``.
 
-    Raises :class:`~nn_data.errors.PackingError` (an ``AssertionError`` too) naming the key
+    Raises :class:`~nn_data.errors.PackingError` naming the key
     whose dim 1 differs from ``input_ids.shape[1]``.
     """
     sequence_dim = 1

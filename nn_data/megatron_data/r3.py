@@ -25,7 +25,6 @@ from typing import Optional
 import torch
 
 from nn_data import _checks
-from nn_data.context_parallel import ShardForContextParallel
 from nn_data.errors import PackingError
 from nn_data.megatron_data.engine import as_lengths
 from nn_data.layout import build_layout
@@ -172,7 +171,7 @@ def _shard_routed_experts_for_cp(
     bounds = bounds.to(device=ref.device, dtype=torch.int64)
     total = _check_layout(lengths, bounds, cols, cp_size)
     layout = build_layout(lengths, bounds, cols, total)
-    shard = ShardForContextParallel(cp_size, cp_rank, validate=False)
+    source = layout.local_places(cp_size, cp_rank).source  # [T/C], once for both tensors
     out = []
     for x, fill in ((routed_experts, "route"), (token_identity, 0)):
         if x is None:
@@ -181,7 +180,7 @@ def _shard_routed_experts_for_cp(
         if fill == "route":
             fill = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)  # [K]
         packed = layout.pack(x, fill=fill)  # [1, T, *]
-        out += [packed, shard(packed, bounds)]  # [1, T/C, *]
+        out += [packed, packed.index_select(1, source)]  # [1, T/C, *]
     return tuple(out)
 
 

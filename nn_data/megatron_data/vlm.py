@@ -44,8 +44,7 @@ def _prepare_vlm_batch_for_megatron(
     Example: lengths ``[3, 5]``, multiple 4, ``pad_full_seq_to=16`` -> padded ``[4, 8]``,
     deficit 4 -> ``[4, 12]``, ``P = 12``, ``cu_seqlens_padded [0, 4, 16]``.
 
-    One host sync (NeMo-RL: one too). Raises :class:`~nn_data.errors.PackingError` (also an
-    ``AssertionError``, as NeMo-RL's asserts) when the padded total exceeds
+    One host sync (NeMo-RL: one too). Raises :class:`~nn_data.errors.PackingError` when the padded total exceeds
     ``pad_full_seq_to``, the deficit is not a multiple of the per-sequence multiple, or a
     length is outside ``[0, S]`` (NeMo-RL reads zeros past the row there).
     """

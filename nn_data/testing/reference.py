@@ -1,7 +1,7 @@
 """Obviously-correct loop implementations of the ops: the tests' oracle and the benchmarks' baseline.
 
 One Python iteration per sequence, plain slicing, host syncs allowed (this is
-how NeMo-RL packs: ``2B+1`` syncs per microbatch). Semantics are SPEC sections 2-4.
+how NeMo-RL packs: ``2B+1`` syncs per microbatch). Semantics: ``docs/design.md``.
 
 Shape legend: ``B`` sequences, ``S`` row length, ``T`` packed tokens, ``C`` cp
 size, ``*`` trailing dims.
