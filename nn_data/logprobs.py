@@ -92,47 +92,25 @@ def token_logprobs_local(
 
 
 class TokenLogProbs(nn.Module):
-    """Per-token log-probs ``[B, S]`` from CP-local packed logits ``[1, T/C, V]``, NeMo-RL's layout.
+    """Per-token log-probs ``[B, S]`` from CP-local packed logits ``[1, T/C, Vt]``, NeMo-RL's layout.
 
-    ``TokenLogProbs(seq_len, *, cp_group=None, tp_group=None, chunk_tokens=256, validate=True)``;
     ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, cu_seqlens [B+1] int,
-    cu_seqlens_padded [B+1] int) -> [B, S]`` (float32, float64 for float64 logits).
-
-    ``logits`` is this rank's zigzag shard of the packed logits (what a CP model returns
-    for ``ShardForContextParallel`` inputs); ``packed_ids`` the full packed token ids.
-    Steps: each local position's next-token target *within its sequence*
-    (:class:`~nn_data.NextTokenTargets`); the log-prob of that target on the local shard,
-    chunked; one all-gather of the ``[1, T/C]`` values over ``cp_group`` and the zigzag
-    inverse; then a gather to ``[B, S]``.
-
-    Layout of the result (what NeMo-RL stores as ``"logprobs"``): ``out[b, s] =
-    log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``; ``out[b, 0] = 0`` (the first token
-    has no prediction) and ``out[b, s] = 0`` for ``s >= L[b]``. NeMo-RL builds the same
-    alignment by rolling the targets of each padded segment by one, keeping ``S - 1``
-    values per row and prepending a zero column; its padding positions (``s >= L[b]``)
-    hold whatever the pad token's log-prob was, and are masked later by the loss. nn_data
-    zeroes them, so every real token ``1 <= s < L[b]`` gets exactly one log-prob and
-    nothing else is non-zero.
-
-    Groups: ``cp_group`` is the context-parallel ``ProcessGroup`` and ``tp_group`` the
-    tensor-parallel one for vocab-parallel logits (rank ``k`` holds vocabulary columns
-    ``[k*Vt, (k+1)*Vt)``). ``None`` means *not split* along that axis (size 1), even with
-    torch.distributed running. With megatron-core, pass the groups of
-    :mod:`nn_data.megatron_parallel`.
-
-    Gradients flow to the local logits. The gathered log-probs are assumed to feed the
-    same loss on every CP (and TP) rank, so each rank keeps its own positions' gradient
-    (``GatherFromContextParallel(grad_mode="own")``): the local logits' gradient equals the
-    single-process gradient at this rank's positions (and vocabulary columns).
+    cu_seqlens_padded [B+1] int, places=None) -> [B, S]`` (float32; float64 for float64 logits).
+    ``logits`` is this rank's zigzag shard (vocab-parallel over ``tp_group``: rank ``k`` holds
+    columns ``[k*Vt, (k+1)*Vt)``), ``packed_ids`` the full packed ids. Each local position's
+    next token *within its sequence* is scored on the shard in chunks of ``chunk_tokens``, the
+    ``[1, T/C]`` values are all-gathered over ``cp_group`` and unpacked. ``None`` groups mean
+    not split. Result: ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0
+    (``docs/design.md``, "Differences from NeMo-RL"). Gradients reach the local logits; every CP
+    rank is assumed to compute the same loss (``grad_mode="own"``).
 
     Example (C 1, V 3, uniform logits): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``,
     seq_len 4 -> ``[[0, log(1/3), log(1/3), 0]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``seq_len < 1`` or ``chunk_tokens < 1``, a
-    group this process is not in (``__init__``); ``logits`` not ``[1, T/C, Vt]``,
-    ``packed_ids`` not ``[1, T]``, ``T`` not a multiple of ``2C``, bad boundary tensors
-    (call); bad boundaries, a length over ``seq_len`` or its segment, a target id outside
-    ``[0, V)`` (validation step: eager one sync, compiled device asserts).
+    Raises :class:`~nn_data.errors.PackingError`: ``seq_len`` or ``chunk_tokens`` below 1, a group
+    this process is not in (``__init__``); ``logits`` not ``[1, T/C, Vt]`` floating point,
+    ``packed_ids`` not ``[1, T]``, ``T`` not a multiple of ``2C``, bad boundary tensors (call); bad
+    boundaries, a length over ``seq_len`` or its segment, a target id outside ``[0, V)`` (validation).
     """
 
     def __init__(

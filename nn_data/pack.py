@@ -40,27 +40,17 @@ class PackResult(NamedTuple):
 
 
 class PackSequences(nn.Module):
-    """Pack ``x [B, S, *]`` with per-row lengths into ``[1, T, *]`` (NeMo-RL semantics).
+    """Pack ``x [B, S, *]`` with per-row lengths into ``[1, T, *]`` (``docs/design.md``, "Packed layout").
 
-    Configuration (Python ints, fixed per module):
-        ``pad_individual_seqs_to_multiple_of`` (``m``): each segment is ``round_up(L[b], m)``;
-        ``pad_packed_seq_to_multiple_of`` (``p``): without ``pad_full_seq_to`` the total is
-        rounded up to a multiple of ``p``;
-        ``pad_full_seq_to``: the constant packed length ``T`` (PP > 1); the last real
-        sequence's segment absorbs the slack ("extend last");
-        ``validate``: run the data checks (eager: one host sync with a precise message;
-        compiled: device-side asserts ``torch._assert_async`` whose message names the
-        argument and the valid range but cannot show the value). ``False`` skips them.
+    Configuration: ``m`` (``pad_individual_seqs_to_multiple_of``), ``p``
+    (``pad_packed_seq_to_multiple_of``), ``pad_full_seq_to`` (the constant ``T``; the last real
+    segment absorbs the slack), ``validate`` (the data checks: eager one host sync, compiled
+    device asserts; ``False`` skips them).
 
-    ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``.
-    ``num_rows`` (0-d int tensor, optional) is the number of real rows when the batch
-    was padded with empty rows to a fixed capacity (:func:`nn_data.pad_to_row_capacity`);
-    boundaries of the padding rows collapse onto ``T`` so the last *real* row absorbs
-    the slack, exactly as NeMo-RL does without padding rows.
-
-    With ``pad_full_seq_to`` set every output shape depends only on ``(B, S, T, *)`` and
-    the op never syncs the host (in eager mode with ``validate=True`` it syncs once to
-    check the data). Without it, ``T`` is learned with one sync per call.
+    ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``; ``num_rows`` (0-d
+    int tensor) counts the real rows of a batch padded to a row capacity
+    (:func:`nn_data.pad_to_row_capacity`). With ``pad_full_seq_to`` set, output shapes depend
+    only on ``(B, S, T, *)``; without it ``T`` is learned with one host sync.
 
     Example::
 
@@ -71,12 +61,11 @@ class PackSequences(nn.Module):
         >>> r.packed
         tensor([[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]])
 
-    Raises :class:`~nn_data.errors.PackingError` for a multiple or ``pad_full_seq_to``
-    below 1, ``pad_full_seq_to`` not a multiple of ``p`` (in ``__init__``); ``x`` with
-    fewer than 2 dims, ``seq_lengths`` not a 1-D integer tensor of ``B`` entries, tensors
-    on different devices (at call time); lengths outside ``[0, S]``, a natural packed
-    total above ``pad_full_seq_to`` (NeMo-RL silently truncates there), tokens in rows
-    past ``num_rows`` (validation step).
+    Raises :class:`~nn_data.errors.PackingError`: a multiple or ``pad_full_seq_to`` below 1, or
+    ``pad_full_seq_to`` not a multiple of ``p`` (``__init__``); ``x`` with fewer than 2 dims,
+    ``seq_lengths`` not ``[B]`` integer, tensors on different devices (call); lengths outside
+    ``[0, S]``, a packed total above ``pad_full_seq_to``, tokens in rows past ``num_rows``
+    (validation step).
     """
 
     def __init__(

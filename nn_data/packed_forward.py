@@ -63,39 +63,25 @@ class _Prepared(NamedTuple):
 class PackedForward(nn.Module):
     """Run ``model`` on packed, context-parallel-sharded tokens; return ``[B, S, *]`` rows.
 
-    ``PackedForward(model, *, pad_individual_seqs_to_multiple_of=1, pad_full_seq_to=None,
-    pad_packed_seq_to_multiple_of=1, cp_group=None, row_capacity=None, compile_packing=False,
-    compile_kwargs=None, make_packed_seq_params=False)``;
     ``forward(input_ids [B, S] int, seq_lengths [B] int, **model_kwargs) -> [B, S, *]``, 0 past
-    each row's length.
+    each row's length: pack, take this rank's places, position ids, ``model`` on the local tokens,
+    gather across ``cp_group`` (None: no CP), unpack.
 
-    **The model contract.** ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
-    **model_kwargs)`` returns a tensor ``[1, T/C, *]`` for the same local tokens in the same
-    order. Position ids restart at 0 at each sequence start and keep counting through a
-    segment's padding. Attention must stay inside a segment (``packed.segment_ids``) and be
-    causal in packed positions (``packed.query_index``); under CP gather keys and values with
-    ``packed.gather`` (their gradients are summed back to the rank that owns them). Outputs at
-    padding positions are ignored. :class:`nn_data.models.TinyCausalLM` follows this contract.
+    The model contract: ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
+    **model_kwargs) -> [1, T/C, *]`` for the same local tokens in the same order. Position ids
+    restart at 0 at each sequence start; attention must stay inside a segment
+    (``packed.segment_ids``) and be causal in packed positions (``packed.query_index``); under CP
+    gather keys and values with ``packed.gather``. :class:`nn_data.models.TinyCausalLM` follows it.
 
-    **Context parallelism.** ``cp_group`` is the CP ``ProcessGroup`` (with megatron-core:
-    ``nn_data.megatron_parallel.context_parallel_info().group``); None means no CP. Each rank
-    runs the model on its zigzag shard and the output is all-gathered, so every rank returns
-    the full ``[B, S, *]``. The output gather hands each rank its own rows of the gradient
-    (``grad_mode="own"``): every rank computes the same loss from the gathered output, and the
-    parameter gradients are then summed over the CP group, as megatron-core's data-and-context
-    parallel gradient all-reduce does. Every segment must split into ``2C`` chunks, which is
-    checked on the configuration: ``pad_individual_seqs_to_multiple_of`` and ``pad_full_seq_to``
-    (or ``pad_packed_seq_to_multiple_of`` without it) must be multiples of ``2C``.
+    Under CP, ``pad_individual_seqs_to_multiple_of`` and ``pad_full_seq_to`` (or
+    ``pad_packed_seq_to_multiple_of`` without it) must be multiples of ``2C`` (checked here, so no
+    data check is needed per call). ``compile_packing=True`` compiles the packing and unpacking
+    sides with ``fullgraph=True`` (``compile_kwargs`` go to ``torch.compile``); with
+    ``pad_full_seq_to`` and ``row_capacity`` set they compile once for a stream. The model and the
+    collectives run eagerly unless you compile the model yourself.
 
-    **Compilation.** ``compile_packing=True`` compiles the packing side (pack, shard, position
-    ids) and the unpacking side with ``fullgraph=True`` (``compile_kwargs`` go to
-    ``torch.compile``, e.g. a backend); with ``pad_full_seq_to`` and ``row_capacity`` set they
-    compile once for a stream of microbatches of any lengths and row counts (rows are padded
-    outside the compiled region). The model and the CP collectives run eagerly; compile the
-    model yourself if you want (``torch.compile(model)``).
-
-    Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops do, plus
-    the CP multiples above) and when ``input_ids`` is not ``[B, S]``.
+    Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops, plus the CP
+    multiples above) and when ``input_ids`` is not ``[B, S]``.
     """
 
     def __init__(
