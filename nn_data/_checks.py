@@ -64,6 +64,14 @@ def check_min_dims(name: str, t, ndim: int, layout: str) -> None:
         )
 
 
+def check_batch_shape(name: str, t, rows: int, row_len: int) -> None:
+    """A companion of ``input_ids [B, S]`` must be ``[B, S, *]`` with the same ``B`` and ``S``."""
+    check_min_dims(name, t, 2, "[B, S, *]")
+    if tuple(t.shape[:2]) != (rows, row_len):
+        raise PackingError(f"{name} has shape {tuple(t.shape)}; it must be [B, S, *] = [{rows}, {row_len}, *] "
+                           "like input_ids")
+
+
 def check_packed(name: str, t) -> None:
     """A packed tensor is ``[1, T, *]``."""
     check_min_dims(name, t, 2, "[1, T, *]")

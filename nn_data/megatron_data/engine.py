@@ -35,6 +35,7 @@ from torch import nn
 from nn_data import _checks
 from nn_data._index import exclusive_cumsum, round_up
 from nn_data.errors import PackingError
+from nn_data.megatron_data import host_pack
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_rows
 
@@ -336,6 +337,25 @@ def pack_microbatch(input_ids, seq_lengths, config: PackConfig, *, options: Opti
     options = options or PackOptions()
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
+    if not options.compile:  # eager: the host plans every boundary, a few ops move the data
+        return _pack_on_host(input_ids, lengths, config, options.buckets, extras)
     plan = plan_pack(lengths, input_ids.shape[1], config, options.buckets)
     out = run_graph(config.graph_key(plan.total), options, input_ids, lengths, extras)
     return out, plan
+
+
+def _pack_on_host(input_ids, lengths, config: PackConfig, buckets, extras: dict) -> tuple[PackedBatch, PackPlan]:
+    """The eager path (:mod:`nn_data.megatron_data.host_pack`): the lengths come to the host in the
+    microbatch's one sync, then a constant number of ops per tensor, whatever B is."""
+    host = lengths.tolist()  # sync: the one per microbatch (the lengths themselves)
+
+    def total_of(natural: int) -> int:
+        return _bucket(round_up(natural, config.p), config.p, config.cp_size, buckets)
+
+    plan = host_pack.plan_on_host(host, input_ids.shape[1], config.m, config.pad_full_seq_to, config.cp_size,
+                                  total_of)
+    if plan is None:  # invalid lengths: plan_pack raises the precise error (error path only)
+        plan_pack(lengths, input_ids.shape[1], config, buckets)
+        raise PackingError(f"seq_lengths={host} cannot be packed with {config}")
+    out = host_pack.pack_batch(plan, input_ids, config.cp_size, config.cp_rank, **extras)
+    return PackedBatch(*out), PackPlan(plan.total, plan.max_seqlen)
