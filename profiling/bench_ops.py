@@ -1,28 +1,49 @@
-"""Benchmark each core op: eager vs compiled vs the reference loop, side by side in one run.
+"""Benchmark the ops side by side in one run: the loop, eager ops, the compat layer, compiled ops, the floor.
 
-For B in {8, 64, 256} rows with B*S = 262,144 tokens (so S = 32768, 4096, 1024), C = 4,
-m = 8 and a fixed pad_full_seq_to = B*S, random lengths uniform in [1, S]. Prints one
-table: microseconds per call (median), GB/s of output written, host syncs per call
-(counted with nn_data.diagnostics.HostSyncCounter; the compiled graph is sync-free by
-construction and checked by tests/test_ops_compile.py), and the ratio to the memory
-floor (a clone() of as many bytes as the op writes).
+For B in {8, 64, 256} rows with B*S = 262,144 tokens (S = 32768, 4096, 1024), C = 4, m = 8,
+pad_full_seq_to = B * round_up(S, m), lengths uniform in [1, S], int64 ids. For every op and B,
+each mode's calls are interleaved round by round (so a load change on a shared machine hits
+them all alike) and the median is reported:
 
-    python -m profiling.bench_ops                 # the README table
-    python -m profiling.bench_ops --rows 256 --reps 5 --hidden 256   # quicker
+    loop       nn_data.testing.reference: one Python iteration per sequence (NeMo-RL's way)
+    nemo-rl    NeMo-RL's own _pack_sequences_for_megatron, when a caller passes it (pack+shard)
+    compat     nn_data.megatron_data._pack_sequences_for_megatron, eager: the NeMo-RL drop-in
+               default (host-planned: one sync, a few ops; pack+shard)
+    eager      the core ops (PackSequences, ShardForContextParallel, ...) eagerly, validation on
+    compiled   the core ops under torch.compile(fullgraph=True, dynamic=False)
+    floor      a clone() of as many bytes as the op writes
+
+Columns: microseconds per call, x floor (time / the floor's), vs loop (the loop's time / this
+mode's: > 1 is faster), ops per call (eager modes: aten ops dispatched, views included, counted
+with a TorchDispatchMode; compiled: fused kernels plus aten calls in a profiler trace of one
+call) and host syncs per call (nn_data.diagnostics.HostSyncCounter). The targets of the compat
+and compiled paths are checked at the end ("target met / MISSED").
+
+    python -m profiling.bench_ops                          # the README table (1 thread)
+    python -m profiling.bench_ops --rows 8 --ops pack+shard --reps 20
+    python -m profiling.bench_ops --threads 2 --json out.json
+
+NeMo-RL's function needs megatron-bridge and NeMo-RL's own modules; a script outside the
+repository that can import it calls ``main(argv, baselines={"nemo-rl": fn})``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Callable, NamedTuple
+import os
+from typing import Callable, NamedTuple, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data.diagnostics import HostSyncCounter
+from nn_data.megatron_data import _pack_sequences_for_megatron
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
-from profiling.timing import machine_description, time_calls
+from profiling.timing import machine_description, time_side_by_side
+
+OPS = ("pack+shard", "pack", "shard", "unshard", "unpack fp32")
 
 
 class Case(NamedTuple):
@@ -44,14 +65,17 @@ def make_case(rows: int, tokens: int, m: int, hidden: int, seed: int) -> Case:
     return Case(rows, seq_len, total, x, lengths, out)
 
 
-def op_callables(case: Case, m: int, cp: int) -> dict[str, dict[str, Callable[[], object]]]:
-    """For each op: ``{"reference": f, "eager": f, "compiled": f}`` closures over one case."""
-    T, S = case.total, case.seq_len
-    pack = PackSequences(m, pad_full_seq_to=T)
-    shard = ShardForContextParallel(cp, 1)
-    unshard = UnshardFromContextParallel(cp)
-    unpack = UnpackSequences(S)
-    r = pack(case.x, case.lengths)
+def _compiled(fn):
+    options = {"cpp.enable_kernel_profile": True}  # names each fused kernel in a profiler trace
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+
+
+def op_callables(case: Case, m: int, cp: int, rank: int, ops, baselines: dict) -> dict:
+    """``{op: {mode: (fn, compiled)}}``: closures over one case, for the ops asked for."""
+    T, S, x, lengths = case.total, case.seq_len, case.x, case.lengths
+    pack, shard = PackSequences(m, pad_full_seq_to=T), ShardForContextParallel(cp, rank)
+    unshard, unpack = UnshardFromContextParallel(cp), UnpackSequences(S)
+    r = pack(x, lengths)
     cu_pad = r.cu_seqlens_padded
     shards = torch.cat([ShardForContextParallel(cp, k)(r.packed, cu_pad) for k in range(cp)])
 
@@ -59,42 +83,28 @@ def op_callables(case: Case, m: int, cp: int) -> dict[str, dict[str, Callable[[]
         p = pack(x, lengths)
         return p.packed, shard(p.packed, p.cu_seqlens_padded), p.cu_seqlens_padded
 
-    def ref_pack_shard():
-        ref = reference_pack(case.x, case.lengths, m, 1, T)
-        return ref.packed, reference_shard(ref.packed, ref.cu_seqlens_padded, cp, 1), ref.cu_seqlens_padded
+    def loop_pack_shard():
+        ref = reference_pack(x, lengths, m, 1, T)
+        return ref.packed, reference_shard(ref.packed, ref.cu_seqlens_padded, cp, rank), ref.cu_seqlens_padded
 
-    def compiled(fn):
-        return torch.compile(fn, fullgraph=True, dynamic=False)
-
-    c_pack_shard, c_shard, c_unshard, c_unpack = (compiled(f) for f in (pack_shard, shard, unshard, unpack))
-    c_pack = compiled(lambda x, lengths: pack(x, lengths).packed)
-    return {
-        "pack": {
-            "reference": lambda: reference_pack(case.x, case.lengths, m, 1, T),
-            "eager": lambda: pack(case.x, case.lengths),
-            "compiled": lambda: c_pack(case.x, case.lengths),
-        },
-        "shard": {
-            "reference": lambda: reference_shard(r.packed, cu_pad, cp, 1),
-            "eager": lambda: shard(r.packed, cu_pad),
-            "compiled": lambda: c_shard(r.packed, cu_pad),
-        },
-        "pack+shard": {
-            "reference": ref_pack_shard,
-            "eager": lambda: pack_shard(case.x, case.lengths),
-            "compiled": lambda: c_pack_shard(case.x, case.lengths),
-        },
-        "unshard": {
-            "reference": lambda: reference_unshard(shards, cu_pad, cp),
-            "eager": lambda: unshard(shards, cu_pad),
-            "compiled": lambda: c_unshard(shards, cu_pad),
-        },
-        "unpack fp32": {
-            "reference": lambda: reference_unpack(case.hidden, case.lengths, cu_pad, S),
-            "eager": lambda: unpack(case.hidden, case.lengths, cu_pad),
-            "compiled": lambda: c_unpack(case.hidden, case.lengths, cu_pad),
-        },
+    c_pack_shard, c_shard, c_unshard, c_unpack = (_compiled(f) for f in (pack_shard, shard, unshard, unpack))
+    c_pack = _compiled(lambda x, lengths: pack(x, lengths).packed)
+    table = {
+        "pack+shard": {"loop": loop_pack_shard, **{k: (lambda f=f: f(x, lengths, m, 1, T, rank, cp))
+                                                   for k, f in baselines.items()},
+                       "compat": lambda: _pack_sequences_for_megatron(x, lengths, m, 1, T, rank, cp),
+                       "eager": lambda: pack_shard(x, lengths), "compiled": lambda: c_pack_shard(x, lengths)},
+        "pack": {"loop": lambda: reference_pack(x, lengths, m, 1, T), "eager": lambda: pack(x, lengths),
+                 "compiled": lambda: c_pack(x, lengths)},
+        "shard": {"loop": lambda: reference_shard(r.packed, cu_pad, cp, rank), "eager": lambda: shard(r.packed, cu_pad),
+                  "compiled": lambda: c_shard(r.packed, cu_pad)},
+        "unshard": {"loop": lambda: reference_unshard(shards, cu_pad, cp), "eager": lambda: unshard(shards, cu_pad),
+                    "compiled": lambda: c_unshard(shards, cu_pad)},
+        "unpack fp32": {"loop": lambda: reference_unpack(case.hidden, lengths, cu_pad, S),
+                        "eager": lambda: unpack(case.hidden, lengths, cu_pad),
+                        "compiled": lambda: c_unpack(case.hidden, lengths, cu_pad)},
     }
+    return {op: table[op] for op in ops}
 
 
 def bytes_written(op: str, case: Case, cp: int) -> int:
@@ -108,55 +118,116 @@ def bytes_written(op: str, case: Case, cp: int) -> int:
     }[op]
 
 
+class _AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], object], compiled: bool) -> int:
+    """Aten ops of one eager call (views included), or kernels + aten calls of one compiled call."""
+    if not compiled:
+        with _AtenOps() as ops:
+            fn()
+        return ops.count
+    with torch.profiler.profile() as prof:
+        fn()
+    skip = ("Torch-Compiled Region", "TorchDynamo", "## Call", "AOTDispatcher", "Pregraph", "aten::to")
+    return sum(1 for e in prof.events() if not e.name.startswith(skip))
+
+
 def count_syncs(fn: Callable[[], object]) -> int:
     with HostSyncCounter() as syncs:
         fn()
     return syncs.count
 
 
-def run(rows_list, tokens: int, m: int, cp: int, hidden: int, reps: int, seed: int) -> list[dict]:
+def run(rows_list, tokens: int, m: int, cp: int, rank: int, hidden: int, reps: int, seed: int, ops=OPS,
+        baselines: Optional[dict] = None) -> list[dict]:
     results = []
     for rows in rows_list:
         case = make_case(rows, tokens, m, hidden, seed)
-        for op, modes in op_callables(case, m, cp).items():
+        for op, modes in op_callables(case, m, cp, rank, ops, baselines or {}).items():
             nbytes = bytes_written(op, case, cp)
             floor_src = torch.empty(nbytes, dtype=torch.uint8)
-            floor = time_calls(floor_src.clone, reps=reps)
-            for mode, fn in modes.items():
-                t = time_calls(fn, reps=reps)
+            timings = time_side_by_side({**modes, "floor": floor_src.clone}, reps=reps)
+            for mode, t in timings.items():
+                fn = modes.get(mode, floor_src.clone)
                 results.append(dict(
                     op=op, B=rows, S=case.seq_len, mode=mode, us=t.median_s * 1e6, first_s=t.first_s,
-                    gbps=nbytes / t.median_s / 1e9, syncs=count_syncs(fn), floor_ratio=t.median_s / floor.median_s,
+                    floor_ratio=t.median_s / timings["floor"].median_s,
+                    vs_loop=timings["loop"].median_s / t.median_s,
+                    ops=count_ops(fn, mode == "compiled"), syncs=count_syncs(fn),
                 ))
     return results
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'op':<12} {'B':>4} {'S':>6} {'mode':<10} {'us/call':>10} {'GB/s':>7} {'syncs':>6} {'x floor':>8} {'vs ref':>7}")
-    ref = {(r["op"], r["B"]): r["us"] for r in results if r["mode"] == "reference"}
+    print(f"{'op':<12} {'B':>4} {'S':>6} {'mode':<9} {'us/call':>9} {'x floor':>8} {'vs loop':>8} {'ops':>5} {'syncs':>5}")
     for r in results:
-        speedup = ref[(r["op"], r["B"])] / r["us"]
-        print(f"{r['op']:<12} {r['B']:>4} {r['S']:>6} {r['mode']:<10} {r['us']:>10.0f} {r['gbps']:>7.2f} "
-              f"{r['syncs']:>6} {r['floor_ratio']:>8.2f} {speedup:>6.2f}x")
+        print(f"{r['op']:<12} {r['B']:>4} {r['S']:>6} {r['mode']:<9} {r['us']:>9.0f} {r['floor_ratio']:>8.2f} "
+              f"{r['vs_loop']:>7.2f}x {r['ops']:>5} {r['syncs']:>5}")
 
 
-def main(argv=None) -> None:
+def targets(results: list[dict]) -> list[str]:
+    """The issue's targets, one line each: compat eager pack+shard <= 30 ops, one sync and not slower
+    than the loop (nor than NeMo-RL's own where measured); compiled pack+shard within 3x the floor,
+    and not slower than the loop at B = 8."""
+    lines = []
+    by = {(r["op"], r["B"], r["mode"]): r for r in results}
+    for (op, rows, mode), r in sorted(by.items()):
+        if op != "pack+shard":
+            continue
+        checks = []
+        if mode == "compat":
+            checks = [("<= 30 aten ops", r["ops"] <= 30), ("1 host sync", r["syncs"] == 1),
+                      ("not slower than the loop", r["vs_loop"] >= 1.0)]
+            if (op, rows, "nemo-rl") in by:
+                checks.append(("not slower than NeMo-RL", r["us"] <= by[(op, rows, "nemo-rl")]["us"]))
+        elif mode == "compiled":
+            checks = [("within 3x the floor", r["floor_ratio"] <= 3.0), ("0 host syncs", r["syncs"] == 0)]
+            if rows == 8:
+                checks.append(("not slower than the loop", r["vs_loop"] >= 1.0))
+        for what, ok in checks:
+            lines.append(f"target {'met' if ok else 'MISSED'}: {mode} pack+shard B={rows}: {what} "
+                         f"({r['us']:.0f} us, {r['floor_ratio']:.2f}x floor, {r['vs_loop']:.2f}x vs loop, "
+                         f"{r['ops']} ops, {r['syncs']} syncs)")
+    return lines
+
+
+def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
+    """Run the benchmark; ``baselines`` adds pack+shard modes with NeMo-RL's signature
+    ``f(input_ids, seq_lengths, m, p, pad_packed_seq_to, cp_rank, cp_size)``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256], help="B values (default 8 64 256)")
     ap.add_argument("--tokens", type=int, default=262_144, help="B*S per case (default 262144)")
     ap.add_argument("--multiple", type=int, default=8, help="pad_individual_seqs_to_multiple_of (default 8)")
     ap.add_argument("--cp", type=int, default=4, help="context-parallel size (default 4)")
+    ap.add_argument("--rank", type=int, default=1, help="the CP rank that shards (default 1)")
     ap.add_argument("--hidden", type=int, default=1024, help="feature dim of the unpacked fp32 output (default 1024)")
-    ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement (default 10)")
+    ap.add_argument("--reps", type=int, default=30, help="timed rounds per measurement (default 30)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a shared 2-core VM)")
+    ap.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="ops to measure (default all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
-    print(f"machine: {machine_description()}")
-    results = run(args.rows, args.tokens, args.multiple, args.cp, args.hidden, args.reps, args.seed)
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()
+    print(f"machine: {machine_description()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    results = run(args.rows, args.tokens, args.multiple, args.cp, args.rank, args.hidden, args.reps, args.seed,
+                  args.ops, baselines)
     print_table(results)
+    lines = targets(results)
+    print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_description(), "results": results}, f, indent=1)
+            json.dump({"machine": machine_description(), "load": load, "results": results, "targets": lines}, f,
+                      indent=1)
+    return results
 
 
 if __name__ == "__main__":

@@ -66,3 +66,21 @@ def machine_description() -> str:
     if torch.cuda.is_available():
         desc += f", GPU {torch.cuda.get_device_name()}"
     return desc
+
+
+def time_side_by_side(fns: dict, *, warmup: int = 2, reps: int = 30, device="cpu") -> dict:
+    """Time several callables against each other: ``{name: Timing}``.
+
+    Each is called once on its own first (compiles), then ``warmup`` untimed rounds, then ``reps``
+    rounds in each of which every callable runs once, in turn. A load change on a shared machine
+    then slows every callable alike, and the ratios of the medians stay meaningful.
+    """
+    first = {name: timed_call(fn, device) for name, fn in fns.items()}
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            samples[name].append(timed_call(fn, device))
+    return {name: Timing(*spread(s), first[name]) for name, s in samples.items()}

@@ -56,13 +56,15 @@ def cases(draw):
 
 @contextlib.contextmanager
 def layout_form(form: str):
-    """Force the scatter or the gather layout (``auto``: the shape rule decides)."""
-    saved = nn_data.layout.SCATTER_MAX_RATIO
+    """Force the scatter or the gather form of the layout and of the unpack (``auto``: the shape
+    rules decide)."""
+    saved, saved_unpack = nn_data.layout.SCATTER_MAX_RATIO, nn_data.unpack.UNPACK_SCATTER_MIN_RATIO
     nn_data.layout.SCATTER_MAX_RATIO = {"auto": saved, "scatter": 10**9, "gather": 0}[form]
+    nn_data.unpack.UNPACK_SCATTER_MIN_RATIO = {"auto": saved_unpack, "scatter": 0, "gather": 10**9}[form]
     try:
         yield
     finally:
-        nn_data.layout.SCATTER_MAX_RATIO = saved
+        nn_data.layout.SCATTER_MAX_RATIO, nn_data.unpack.UNPACK_SCATTER_MIN_RATIO = saved, saved_unpack
 
 
 @SETTINGS
@@ -94,7 +96,8 @@ def test_pack_shard_unshard_unpack_match_reference(case, form):
     stacked = torch.cat(shards)  # [C, T/C, *]
     assert torch.equal(UnshardFromContextParallel(cp)(stacked, r.cu_seqlens_padded), r.packed)
 
-    out = UnpackSequences(case["seq_len"])(r.packed, lengths, r.cu_seqlens_padded)
+    with layout_form(form):
+        out = UnpackSequences(case["seq_len"])(r.packed, lengths, r.cu_seqlens_padded)
     assert torch.equal(out, reference_unpack(ref.packed, case["lengths"], ref.cu_seqlens_padded, case["seq_len"]))
     keep = valid_mask(case["lengths"], case["seq_len"]).view(*out.shape[:2], *([1] * len(case["trailing"])))
     assert torch.equal(out, torch.where(keep, x, torch.zeros_like(x)))
