@@ -1,21 +1,34 @@
-"""Measure one mode over the planned stream: latency per microbatch, compiles, host syncs,
+"""Measure the modes over the planned stream: latency per microbatch, compiles, host syncs,
 profiler trace (ops per microbatch, peak memory).
 
-Each mode runs three passes, in this order, all counted for recompiles:
-1. timed: ``passes`` times over the stream, one wall-clock sample per microbatch (the device
-   synchronised around each), the very first call timed apart (it compiles);
-2. host syncs: ``sync_steps`` microbatches under :class:`nn_data.diagnostics.HostSyncCounter`
-   (and ``torch.cuda.set_sync_debug_mode("warn")`` on CUDA, its warnings counted);
+Three passes, all counted for recompiles:
+1. timed: each mode's first call (it compiles) is timed on its own; then ``passes`` times over
+   the stream with the modes **taking turns pass by pass** (mode after mode over the whole
+   stream, then again), one wall-clock sample per microbatch and mode (the device synchronised
+   around each), so a load change on a shared machine hits every mode alike while each mode
+   still runs microbatch after microbatch, as a training loop does (interleaving microbatch by
+   microbatch made every mode pay for the others' cache traffic). With ``guard_eval="skip-unsafe"`` the
+   compiled modes' steady calls run under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``:
+   Dynamo then checks only the guards that tell a code object's cache entries apart (none here:
+   one graph per region), instead of every guard on every call;
+2. host syncs: ``sync_steps`` microbatches per mode under :class:`nn_data.diagnostics.HostSyncCounter`
+   (and ``torch.cuda.set_sync_debug_mode("warn")`` on CUDA, its warnings counted), full guards;
 3. traced: ``trace_steps`` microbatches (after one warm-up step) under ``torch.profiler``
-   with ``tensorboard_trace_handler`` into ``<run>/<mode>/``. Ops per microbatch are the
+   with ``tensorboard_trace_handler`` into ``<run>/<mode>/``, full guards (so the trace shows
+   what guard evaluation costs: ``TorchDynamo Cache Lookup``). Ops per microbatch are the
    trace's ``cpu_op`` events per step; on CPU the peak memory is the highest "Total Allocated"
    of the trace's memory events within a step, above its value when the step began (tensors
    the torch CPU allocator hands out while profiling; Python objects are not counted). On
    CUDA it is ``torch.cuda.max_memory_allocated`` above the allocation at the step's start.
+
+Passes 2 and 3 run with every guard evaluated, so a recompile would show there; with
+``skip-unsafe`` a call whose shapes do not match its graph fails the compiled wrapper's size
+asserts instead of recompiling.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -54,26 +67,41 @@ class ModeResult:
     trace_dir: str
 
 
-def _graph_count() -> int:
+def graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _timed_passes(mode: Mode, stream: Stream, passes: int, device, progress) -> tuple[float, list, int]:
-    """``(first call s, steady samples s, graphs after the first call)``."""
-    mbs = stream.microbatches
-    first = timed_call(lambda: mode.step(mbs[0]), device)
-    graphs = _graph_count()
-    samples = []
-    if progress is not None:
-        progress.update(1)
-    for p in range(passes):
-        for i, mb in enumerate(mbs):
-            if p == 0 and i == 0:
-                continue
-            samples.append(timed_call(lambda: mode.step(mb), device))
-            if progress is not None:
-                progress.update(1)
-    return first, samples, graphs
+GUARD_EVAL = ("skip-unsafe", "full")
+
+
+def first_call(mode: Mode, stream: Stream, device) -> tuple[float, int]:
+    """Time ``mode``'s first microbatch (it compiles): ``(seconds, graphs it compiled)``."""
+    before = graph_count()
+    with torch.no_grad():
+        first = timed_call(lambda: mode.step(stream.microbatches[0]), device)
+    return first, graph_count() - before
+
+
+def steady_samples(modes: list, stream: Stream, passes: int, device, guard_eval: str = "skip-unsafe",
+                   progress=None) -> dict:
+    """``{mode name: [seconds per microbatch]}`` over ``passes`` passes, the modes taking turns
+    pass by pass (the stream's first microbatch of the first pass is skipped: each mode's first
+    call was timed apart)."""
+    if guard_eval not in GUARD_EVAL:
+        raise ValueError(f"--guard-eval={guard_eval!r} is invalid; expected one of {GUARD_EVAL}")
+    samples: dict = {m.name: [] for m in modes}
+    with torch.no_grad():
+        for p in range(passes):
+            for mode in modes:
+                skip = mode.compiled and guard_eval == "skip-unsafe"
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext():
+                    for i, mb in enumerate(stream.microbatches):
+                        if p == 0 and i == 0:
+                            continue
+                        samples[mode.name].append(timed_call(lambda: mode.step(mb), device))
+                        if progress is not None:
+                            progress.update(1)
+    return samples
 
 
 def _count_syncs(mode: Mode, stream: Stream, steps: int, device) -> tuple[float, Optional[float]]:
@@ -146,13 +174,14 @@ def read_trace(out_dir: str) -> tuple[float, int, int]:
     return n_ops / max(len(steps), 1), peak, len(steps)
 
 
-def measure_mode(mode: Mode, stream: Stream, *, passes: int, sync_steps: int, trace_steps: int,
-                 device, run_dir: str, progress=None) -> ModeResult:
-    """Run the three passes for one mode (module docstring) and collect a :class:`ModeResult`."""
-    counters.clear()
-    graphs_before = _graph_count()
+def measure_mode(mode: Mode, stream: Stream, *, first: tuple, samples: list, steady_graphs: int, sync_steps: int,
+                 trace_steps: int, device, run_dir: str) -> ModeResult:
+    """Passes 2 and 3 for one mode (module docstring), with its first call ``(s, graphs)``, its
+    steady ``samples`` from pass 1 and the graphs compiled during pass 1 (``steady_graphs``,
+    counted against every compiled mode), as a :class:`ModeResult`."""
+    first_s, graphs = first
+    graphs_before = graph_count()
     with torch.no_grad():
-        first, samples, graphs_after_first = _timed_passes(mode, stream, passes, device, progress)
         syncs, cuda_syncs = _count_syncs(mode, stream, sync_steps, device)
         out_dir = os.path.join(run_dir, mode.name)
         cuda_peak = _trace(mode, stream, trace_steps, device, out_dir)
@@ -162,10 +191,10 @@ def measure_mode(mode: Mode, stream: Stream, *, passes: int, sync_steps: int, tr
     mean_tokens = sum(tokens) / len(tokens)
     compiled = mode.compiled
     return ModeResult(
-        name=mode.name, first_s=first, samples_s=samples, median_s=median, mean_s=sum(samples) / len(samples),
+        name=mode.name, first_s=first_s, samples_s=samples, median_s=median, mean_s=sum(samples) / len(samples),
         p10_s=p10, p90_s=p90, tokens_per_s=mean_tokens / (sum(samples) / len(samples)), ops_per_microbatch=ops,
-        graphs=graphs_after_first - graphs_before if compiled else None,
-        recompiles=_graph_count() - graphs_after_first if compiled else None,
+        graphs=graphs if compiled else None,
+        recompiles=steady_graphs + graph_count() - graphs_before if compiled else None,
         graph_breaks=sum(counters["graph_break"].values()) if compiled else None,
         syncs_per_microbatch=syncs, cuda_syncs_per_microbatch=cuda_syncs,
         peak_bytes=cuda_peak if cuda_peak is not None else cpu_peak,

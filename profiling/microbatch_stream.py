@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
-from nn_data import pad_to_row_capacity
+from nn_data import RowPadded
 from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
@@ -183,30 +183,30 @@ class MicrobatchPipeline(nn.Module):
         return self.finish(self.model(local), lengths, cu_pad)
 
 
-def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | None):
+def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | None, wrapper: str = "cpp"):
     """``(x, lengths, num_rows) -> [R, S, O]`` through ``torch.compile(fullgraph=True, dynamic=False)``.
 
-    ``scope="data"`` (default): the data path is compiled as three graphs with the model
-    stand-in running eagerly between them, exactly as in the eager and loop modes, so every
-    difference between modes is the data path's. The graphs are where a CP training step
-    has boundaries anyway, and where ``nn_data.PackedForward`` puts them: ``prepare`` (pack,
-    shard) | model | ``gather`` (all-gather, unshard) | ``unpack``.
-    ``scope="whole"``: one graph, model included.
-
-    Why not one graph: inductor fuses chained gathers and recomputes the producer's index
-    maps for every element the consumer writes (the unshard chain per element of the
-    ``[R, S]`` unpack, the pack and shard chain per hidden feature of the embedding);
-    ``whole`` was slower than ``data`` in every run here (profiling/README.md has the figures).
+    ``scope="whole"`` (default): one compiled region per microbatch, model included: pack ->
+    shard -> model -> all-gather -> unshard -> unpack. ``scope="data"``: three regions around the
+    eagerly run model, ``prepare`` (pack, shard) | model | ``gather`` (all-gather, unshard) |
+    ``unpack``, where a CP step has boundaries anyway and where ``nn_data.PackedForward`` puts them.
+    Every compiled region costs a fixed amount per call (Dynamo's guard evaluation and the
+    wrappers around the kernels), which at these sizes is a large part of a microbatch: one
+    region pays it once. ``wrapper="cpp"`` (default) has inductor emit the code that calls the
+    kernels in C++ (``cpp_wrapper``) instead of Python. profiling/README.md has the figures.
     """
     from torch._inductor import list_mode_options
 
+    if wrapper not in ("cpp", "python"):
+        raise PackingError(f"--wrapper={wrapper!r} is invalid; expected 'cpp' or 'python'")
     options = dict(list_mode_options(mode, False)) if mode else {}
     options["cpp.enable_kernel_profile"] = True  # name inductor's CPU kernels in the profiler traces
+    options["cpp_wrapper"] = wrapper == "cpp"
     options = dict(fullgraph=True, dynamic=False, options=options)
     if scope == "whole":
         return torch.compile(pipeline, **options)
     if scope != "data":
-        raise PackingError(f"--compile-scope={scope!r} is invalid; expected 'data' or 'whole'")
+        raise PackingError(f"--compile-scope={scope!r} is invalid; expected 'whole' or 'data'")
     prepare = torch.compile(pipeline.prepare, **options)
     gather = torch.compile(pipeline.gather, **options)
     unpack = torch.compile(pipeline.unpack, **options)
@@ -237,8 +237,29 @@ class Mode(NamedTuple):
     compiled: bool
 
 
+class RowBuffers:
+    """The static-shape modes' inputs: one ``[R, S]`` ids buffer and one ``[R]`` lengths buffer,
+    refilled for every microbatch (as CUDA graphs' static inputs are), instead of a fresh padded
+    batch per microbatch. Only the ``B`` real rows are copied: rows past them keep older ids,
+    which nothing reads (their length is 0; every op masks or discards tokens past a length).
+    """
+
+    def __init__(self, capacity: int, seq_len: int, device):
+        self.x = torch.zeros(capacity, seq_len, dtype=torch.int64, device=device)  # [R, S]
+        self.lengths = torch.zeros(capacity, dtype=torch.int64, device=device)  # [R]
+
+    def fill(self, mb: Microbatch) -> RowPadded:
+        rows = mb.lengths.shape[0]
+        if rows > self.x.shape[0]:
+            raise PackingError(f"a microbatch has {rows} rows, more than the row capacity {self.x.shape[0]}")
+        self.x[:rows].copy_(mb.input_ids)
+        self.lengths[:rows].copy_(mb.lengths)
+        self.lengths[rows:].zero_()
+        return RowPadded(self.x, self.lengths, torch.tensor(rows, dtype=torch.int64, device=self.x.device))
+
+
 def make_modes(names, stream: Stream, model: nn.Module, *, cp_size: int, cp_rank: int,
-               compile_scope: str = "data") -> list[Mode]:
+               compile_scope: str = "whole", wrapper: str = "cpp") -> list[Mode]:
     """Build the requested modes: ``eager``, ``compiled`` (inductor, default mode),
     ``reduce-overhead`` (inductor with CUDA graphs on CUDA) and ``loop``. Compiled modes
     use ``fullgraph=True, dynamic=False`` (:func:`compile_pipeline`): static graphs compiled
@@ -248,8 +269,10 @@ def make_modes(names, stream: Stream, model: nn.Module, *, cp_size: int, cp_rank
     capacity = stream.row_capacity
 
     def with_rows(fn, mark_step=False):
+        buffers = RowBuffers(capacity, stream.seq_len, stream.microbatches[0].input_ids.device)
+
         def step(mb: Microbatch) -> torch.Tensor:
-            padded = pad_to_row_capacity(mb.input_ids, mb.lengths, capacity)  # [R, S], outside the graph
+            padded = buffers.fill(mb)  # [R, S], outside the graph
             if mark_step:  # a new CUDA-graph step: the previous outputs may be overwritten
                 torch.compiler.cudagraph_mark_step_begin()
             return fn(padded.x, padded.seq_lengths, padded.num_rows)[: mb.lengths.shape[0]]
@@ -261,7 +284,7 @@ def make_modes(names, stream: Stream, model: nn.Module, *, cp_size: int, cp_rank
             modes.append(Mode(name, with_rows(pipeline), False))
         elif name in ("compiled", "reduce-overhead"):
             mode = None if name == "compiled" else "reduce-overhead"
-            fn = compile_pipeline(pipeline, scope=compile_scope, mode=mode)
+            fn = compile_pipeline(pipeline, scope=compile_scope, mode=mode, wrapper=wrapper)
             modes.append(Mode(name, with_rows(fn, mark_step=mode is not None), True))
         elif name == "loop":
             modes.append(Mode(name, lambda mb: loop_pipeline(model, mb, cp_rank=cp_rank, **dims), False))

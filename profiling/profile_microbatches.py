@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
-from profiling.microbatch_measure import measure_mode
+from nn_data import compile_cache
+from profiling.microbatch_measure import GUARD_EVAL, first_call, graph_count, measure_mode, steady_samples
 from profiling.microbatch_report import format_report, speedups, targets, write_chart, write_summary
 from profiling.microbatch_stream import ModelStandIn, Stream, make_modes, plan_stream
 from profiling.timing import machine_description
@@ -60,8 +62,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--modes", nargs="+", choices=ALL_MODES, default=None,
                     help="default: eager compiled loop, plus reduce-overhead on CUDA")
-    ap.add_argument("--compile-scope", choices=("data", "whole"), default="data",
-                    help="compile the data path around an eager model (data), or one graph (whole)")
+    ap.add_argument("--compile-scope", choices=("whole", "data"), default="whole",
+                    help="one compiled region per microbatch, model included (whole, default), or three "
+                         "regions around the eager model (data)")
+    ap.add_argument("--wrapper", choices=("cpp", "python"), default="cpp",
+                    help="inductor's code around the kernels: C++ (cpp_wrapper, default) or Python")
+    ap.add_argument("--guard-eval", choices=GUARD_EVAL, default="skip-unsafe",
+                    help="compiled modes' steady calls: evaluate only the guards that tell graphs apart "
+                         "(skip-unsafe, default; the sync and trace passes keep every guard) or all (full)")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR",
+                    help="reuse compiled artifacts across runs: inductor's cache folder and "
+                         "nn_data.compile_cache artifacts in DIR (loaded if present, saved after the run)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--sync-steps", type=int, default=4, help="microbatches the sync count runs (default 4)")
     ap.add_argument("--trace-steps", type=int, default=3, help="microbatches traced per mode (default 3)")
@@ -117,6 +128,10 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch._dynamo.reset()
+    counters.clear()
+    if args.compile_cache:  # before anything compiles: inductor reads its cache folder lazily
+        compile_cache.use_dir(args.compile_cache)
+        compile_cache.load(compile_cache.artifacts_path(args.compile_cache))
     load = os.getloadavg()
     machine = machine_description()
     print(f"machine: {machine}")
@@ -138,10 +153,13 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     model = ModelStandIn(args.model, args.vocab, args.hidden, args.out_features, args.seed).to(device).eval()
     modes = make_modes(args.modes, stream, model, cp_size=args.cp_size, cp_rank=args.cp_rank,
-                       compile_scope=args.compile_scope)
+                       compile_scope=args.compile_scope, wrapper=args.wrapper)
     run_dir = Path(args.out_dir) if args.out_dir else RUNS / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    results = [_measure(mode, stream, args, device, run_dir) for mode in modes]
+    results = _measure_all(modes, stream, args, device, run_dir)
+    if args.compile_cache:
+        saved = compile_cache.save(compile_cache.artifacts_path(args.compile_cache))
+        print(f"compile cache: {args.compile_cache} ({'saved' if saved else 'nothing new to save'})")
     max_diff = check_outputs(modes, stream)
     ratios = speedups(results)
     checks = targets(results, ratios)
@@ -161,19 +179,25 @@ def main(argv=None) -> dict:
     return summary
 
 
-def _measure(mode, stream: Stream, args, device, run_dir: Path):
-    total = args.passes * len(stream.microbatches)
+def _measure_all(modes, stream: Stream, args, device, run_dir: Path) -> list:
+    """Each mode's first call, the interleaved steady passes, then each mode's sync and trace passes."""
+    firsts = {mode.name: first_call(mode, stream, device) for mode in modes}
     progress = None
     if not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=total, desc=f"{mode.name:<16}", unit="mb", file=sys.stderr, leave=True)
+        progress = tqdm(total=args.passes * len(stream.microbatches) - 1, desc="timed passes", unit="mb",
+                        file=sys.stderr, leave=True)
+    before = graph_count()
     try:
-        return measure_mode(mode, stream, passes=args.passes, sync_steps=args.sync_steps,
-                            trace_steps=args.trace_steps, device=device, run_dir=str(run_dir), progress=progress)
+        samples = steady_samples(modes, stream, args.passes, device, args.guard_eval, progress)
     finally:
         if progress is not None:
             progress.close()
+    steady_graphs = graph_count() - before
+    return [measure_mode(mode, stream, first=firsts[mode.name], samples=samples[mode.name],
+                         steady_graphs=steady_graphs, sync_steps=args.sync_steps, trace_steps=args.trace_steps,
+                         device=device, run_dir=str(run_dir)) for mode in modes]
 
 
 if __name__ == "__main__":

@@ -188,5 +188,5 @@ def test_bad_model_mode_and_compile_scope_raise():
     model = ModelStandIn("identity", 16, 4, 1, 0)
     with pytest.raises(PackingError, match=r"mode 'fast' is unknown; expected eager, compiled, reduce-overhead or loop"):
         make_modes(["fast"], stream, model, cp_size=1, cp_rank=0)
-    with pytest.raises(PackingError, match=r"--compile-scope='all' is invalid; expected 'data' or 'whole'"):
+    with pytest.raises(PackingError, match=r"--compile-scope='all' is invalid; expected 'whole' or 'data'"):
         make_modes(["compiled"], stream, model, cp_size=1, cp_rank=0, compile_scope="all")
