@@ -11,12 +11,14 @@ them all alike) and the median is reported:
                default (host-planned: one sync, a few ops; pack+shard)
     eager      the core ops (PackSequences, ShardForContextParallel, ...) eagerly, validation on
     compiled   the core ops under torch.compile(fullgraph=True, dynamic=False)
+    compiled+  the same with a C++ wrapper (cpp_wrapper) and skip_guard_eval_unsafe (pack+shard)
     floor      a clone() of as many bytes as the op writes
 
 Columns: microseconds per call, x floor (time / the floor's), vs loop (the loop's time / this
 mode's: > 1 is faster), ops per call (eager modes: aten ops dispatched, views included, counted
-with a TorchDispatchMode; compiled: fused kernels plus aten calls in a profiler trace of one
-call) and host syncs per call (nn_data.diagnostics.HostSyncCounter). The targets of the compat
+with a TorchDispatchMode; compiled pack+shard: fused kernels plus aten calls in a profiler trace
+of one call of an untimed twin compiled with named kernels; "-" for the other compiled ops) and
+host syncs per call (nn_data.diagnostics.HostSyncCounter). The targets of the compat
 and compiled paths are checked at the end ("target met / MISSED").
 
     python -m profiling.bench_ops                          # the README table (1 thread)
@@ -37,11 +39,13 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import nn_data.layout
+
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.megatron_data import _pack_sequences_for_megatron
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
-from profiling.timing import machine_description, time_side_by_side
+from profiling.timing import machine_description, reuse_freed_memory, time_side_by_side
 
 OPS = ("pack+shard", "pack", "shard", "unshard", "unpack fp32")
 
@@ -65,13 +69,40 @@ def make_case(rows: int, tokens: int, m: int, hidden: int, seed: int) -> Case:
     return Case(rows, seq_len, total, x, lengths, out)
 
 
-def _compiled(fn):
-    options = {"cpp.enable_kernel_profile": True}  # names each fused kernel in a profiler trace
+def _compiled(fn, **options):
     return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
-def op_callables(case: Case, m: int, cp: int, rank: int, ops, baselines: dict) -> dict:
-    """``{op: {mode: (fn, compiled)}}``: closures over one case, for the ops asked for."""
+def _instrumented(fn):
+    """A twin of ``_compiled(fn)`` whose fused kernels each record a profiler event (inductor's
+    ``cpp.enable_kernel_profile``), to count them; it is not timed (recording costs time per kernel)."""
+    def region(*args):  # its own code object, so its own Dynamo cache entry
+        return fn(*args)
+
+    return _compiled(region, **{"cpp.enable_kernel_profile": True})
+
+
+def _tuned(fn):
+    """``compiled+``: a C++ wrapper around the kernels, and only the guards that tell graphs apart
+    (``skip_guard_eval_unsafe``; safe here: every call has the shapes of the first, which compiles
+    under full guards)."""
+    def region(*args):  # its own code object, so its own Dynamo cache entry
+        return fn(*args)
+
+    compiled, warm = _compiled(region, cpp_wrapper=True), []
+
+    def call(*args):
+        if not warm:
+            warm.append(compiled(*args))
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return compiled(*args)
+
+    return call
+
+
+def op_callables(case: Case, m: int, cp: int, rank: int, ops, baselines: dict) -> tuple[dict, dict]:
+    """``({op: {mode: fn}}, {op: instrumented compiled fn})``: closures over one case, for the ops asked
+    for; the second maps pack+shard to its kernel-counting twin."""
     T, S, x, lengths = case.total, case.seq_len, case.x, case.lengths
     pack, shard = PackSequences(m, pad_full_seq_to=T), ShardForContextParallel(cp, rank)
     unshard, unpack = UnshardFromContextParallel(cp), UnpackSequences(S)
@@ -89,11 +120,13 @@ def op_callables(case: Case, m: int, cp: int, rank: int, ops, baselines: dict) -
 
     c_pack_shard, c_shard, c_unshard, c_unpack = (_compiled(f) for f in (pack_shard, shard, unshard, unpack))
     c_pack = _compiled(lambda x, lengths: pack(x, lengths).packed)
+    t_pack_shard, i_pack_shard = _tuned(pack_shard), _instrumented(pack_shard)
     table = {
         "pack+shard": {"loop": loop_pack_shard, **{k: (lambda f=f: f(x, lengths, m, 1, T, rank, cp))
                                                    for k, f in baselines.items()},
                        "compat": lambda: _pack_sequences_for_megatron(x, lengths, m, 1, T, rank, cp),
-                       "eager": lambda: pack_shard(x, lengths), "compiled": lambda: c_pack_shard(x, lengths)},
+                       "eager": lambda: pack_shard(x, lengths), "compiled": lambda: c_pack_shard(x, lengths),
+                       "compiled+": lambda: t_pack_shard(x, lengths)},
         "pack": {"loop": lambda: reference_pack(x, lengths, m, 1, T), "eager": lambda: pack(x, lengths),
                  "compiled": lambda: c_pack(x, lengths)},
         "shard": {"loop": lambda: reference_shard(r.packed, cu_pad, cp, rank), "eager": lambda: shard(r.packed, cu_pad),
@@ -104,7 +137,8 @@ def op_callables(case: Case, m: int, cp: int, rank: int, ops, baselines: dict) -
                         "eager": lambda: unpack(case.hidden, lengths, cu_pad),
                         "compiled": lambda: c_unpack(case.hidden, lengths, cu_pad)},
     }
-    return {op: table[op] for op in ops}
+    counted = {"pack+shard": lambda: i_pack_shard(x, lengths)}
+    return {op: table[op] for op in ops}, counted
 
 
 def bytes_written(op: str, case: Case, cp: int) -> int:
@@ -128,12 +162,16 @@ class _AtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_ops(fn: Callable[[], object], compiled: bool) -> int:
-    """Aten ops of one eager call (views included), or kernels + aten calls of one compiled call."""
+def count_ops(fn: Optional[Callable[[], object]], compiled: bool) -> Optional[int]:
+    """Aten ops of one eager call (views included), or kernels + aten calls of one call of a compiled
+    twin with named kernels (None: no twin)."""
+    if fn is None:
+        return None
     if not compiled:
         with _AtenOps() as ops:
             fn()
         return ops.count
+    fn()  # compiles
     with torch.profiler.profile() as prof:
         fn()
     skip = ("Torch-Compiled Region", "TorchDynamo", "## Call", "AOTDispatcher", "Pregraph", "aten::to")
@@ -151,7 +189,8 @@ def run(rows_list, tokens: int, m: int, cp: int, rank: int, hidden: int, reps: i
     results = []
     for rows in rows_list:
         case = make_case(rows, tokens, m, hidden, seed)
-        for op, modes in op_callables(case, m, cp, rank, ops, baselines or {}).items():
+        table, counted = op_callables(case, m, cp, rank, ops, baselines or {})
+        for op, modes in table.items():
             nbytes = bytes_written(op, case, cp)
             floor_src = torch.empty(nbytes, dtype=torch.uint8)
             timings = time_side_by_side({**modes, "floor": floor_src.clone}, reps=reps)
@@ -161,7 +200,8 @@ def run(rows_list, tokens: int, m: int, cp: int, rank: int, hidden: int, reps: i
                     op=op, B=rows, S=case.seq_len, mode=mode, us=t.median_s * 1e6, first_s=t.first_s,
                     floor_ratio=t.median_s / timings["floor"].median_s,
                     vs_loop=timings["loop"].median_s / t.median_s,
-                    ops=count_ops(fn, mode == "compiled"), syncs=count_syncs(fn),
+                    ops=count_ops(counted.get(op) if mode.startswith("compiled") else fn, mode.startswith("compiled")),
+                    syncs=count_syncs(fn),
                 ))
     return results
 
@@ -170,7 +210,7 @@ def print_table(results: list[dict]) -> None:
     print(f"{'op':<12} {'B':>4} {'S':>6} {'mode':<9} {'us/call':>9} {'x floor':>8} {'vs loop':>8} {'ops':>5} {'syncs':>5}")
     for r in results:
         print(f"{r['op']:<12} {r['B']:>4} {r['S']:>6} {r['mode']:<9} {r['us']:>9.0f} {r['floor_ratio']:>8.2f} "
-              f"{r['vs_loop']:>7.2f}x {r['ops']:>5} {r['syncs']:>5}")
+              f"{r['vs_loop']:>7.2f}x {'-' if r['ops'] is None else r['ops']:>5} {r['syncs']:>5}")
 
 
 def targets(results: list[dict]) -> list[str]:
@@ -212,12 +252,21 @@ def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=30, help="timed rounds per measurement (default 30)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a shared 2-core VM)")
     ap.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="ops to measure (default all)")
+    ap.add_argument("--allocator", choices=("reuse", "default"), default="reuse",
+                    help="reuse: glibc keeps freed memory (no page faults on new outputs, as torch's "
+                         "CUDA caching allocator; default); default: glibc's own behaviour")
+    ap.add_argument("--layout", choices=("auto", "scatter", "gather"), default="auto",
+                    help="force the pack layout form for the whole run (default auto: the shape rule)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    reuse = args.allocator == "reuse" and reuse_freed_memory()
+    if args.layout != "auto":  # before anything compiles: the form is chosen while tracing
+        nn_data.layout.SCATTER_MAX_RATIO = {"scatter": 10**9, "gather": 0}[args.layout]
     load = os.getloadavg()
-    print(f"machine: {machine_description()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"machine: {machine_description()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"layout {args.layout}; allocator {'reuse (mallopt)' if reuse else 'default'}")
     results = run(args.rows, args.tokens, args.multiple, args.cp, args.rank, args.hidden, args.reps, args.seed,
                   args.ops, baselines)
     print_table(results)
@@ -225,8 +274,8 @@ def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_description(), "load": load, "results": results, "targets": lines}, f,
-                      indent=1)
+            json.dump({"machine": machine_description(), "load": load, "args": vars(args), "results": results,
+                       "targets": lines}, f, indent=1)
     return results
 
 

@@ -21,9 +21,9 @@ Three passes, all counted for recompiles:
    the torch CPU allocator hands out while profiling; Python objects are not counted). On
    CUDA it is ``torch.cuda.max_memory_allocated`` above the allocation at the step's start.
 
-Passes 2 and 3 run with every guard evaluated, so a recompile would show there; with
-``skip-unsafe`` a call whose shapes do not match its graph fails the compiled wrapper's size
-asserts instead of recompiling.
+``skip-unsafe`` is safe only when nothing a guard checks changes after the first microbatch,
+which holds for this stream (the same shapes, dtypes and modules throughout); passes 2 and 3
+evaluate every guard, so a recompile would still be counted there.
 """
 
 from __future__ import annotations

@@ -67,6 +67,9 @@ def targets(results: list[ModeResult], ratios: dict[str, float]) -> list[tuple[s
             key = f"compiled vs {slow} ({stat})"
             checks.append((f"compiled faster than {slow} per microbatch ({stat})",
                            None if key not in ratios else ratios[key] > 1))
+    key = "compiled vs loop (median)"
+    checks.append(("compiled at least 2x the loop per microbatch (median)", None if key not in ratios
+                   else ratios[key] >= 2))
     return checks
 
 

@@ -183,7 +183,8 @@ class MicrobatchPipeline(nn.Module):
         return self.finish(self.model(local), lengths, cu_pad)
 
 
-def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | None, wrapper: str = "cpp"):
+def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | None, wrapper: str = "cpp",
+                     kernel_names: bool = False):
     """``(x, lengths, num_rows) -> [R, S, O]`` through ``torch.compile(fullgraph=True, dynamic=False)``.
 
     ``scope="whole"`` (default): one compiled region per microbatch, model included: pack ->
@@ -193,18 +194,24 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     Every compiled region costs a fixed amount per call (Dynamo's guard evaluation and the
     wrappers around the kernels), which at these sizes is a large part of a microbatch: one
     region pays it once. ``wrapper="cpp"`` (default) has inductor emit the code that calls the
-    kernels in C++ (``cpp_wrapper``) instead of Python. profiling/README.md has the figures.
+    kernels in C++ (``cpp_wrapper``) instead of Python; the default mode also plans the graph's
+    temporaries into one allocation (``memory_planning``). ``kernel_names`` has every fused kernel
+    record a profiler event under its name (inductor's ``cpp.enable_kernel_profile``): the traces
+    then show them, at a cost on every call (about a fifth of a compiled microbatch here).
+    profiling/README.md has the figures.
     """
     from torch._inductor import list_mode_options
 
     if wrapper not in ("cpp", "python"):
         raise PackingError(f"--wrapper={wrapper!r} is invalid; expected 'cpp' or 'python'")
     options = dict(list_mode_options(mode, False)) if mode else {}
-    options["cpp.enable_kernel_profile"] = True  # name inductor's CPU kernels in the profiler traces
+    options["cpp.enable_kernel_profile"] = kernel_names
     options["cpp_wrapper"] = wrapper == "cpp"
+    if mode is None:  # one allocation per call for the graph's temporaries (a static memory plan)
+        options["memory_planning"] = True
     options = dict(fullgraph=True, dynamic=False, options=options)
-    if scope == "whole":
-        return torch.compile(pipeline, **options)
+    if scope == "whole":  # the bound forward, not the module: no nn.Module call machinery per call
+        return torch.compile(pipeline.forward, **options)
     if scope != "data":
         raise PackingError(f"--compile-scope={scope!r} is invalid; expected 'whole' or 'data'")
     prepare = torch.compile(pipeline.prepare, **options)
@@ -259,7 +266,7 @@ class RowBuffers:
 
 
 def make_modes(names, stream: Stream, model: nn.Module, *, cp_size: int, cp_rank: int,
-               compile_scope: str = "whole", wrapper: str = "cpp") -> list[Mode]:
+               compile_scope: str = "whole", wrapper: str = "cpp", kernel_names: bool = False) -> list[Mode]:
     """Build the requested modes: ``eager``, ``compiled`` (inductor, default mode),
     ``reduce-overhead`` (inductor with CUDA graphs on CUDA) and ``loop``. Compiled modes
     use ``fullgraph=True, dynamic=False`` (:func:`compile_pipeline`): static graphs compiled
@@ -284,7 +291,7 @@ def make_modes(names, stream: Stream, model: nn.Module, *, cp_size: int, cp_rank
             modes.append(Mode(name, with_rows(pipeline), False))
         elif name in ("compiled", "reduce-overhead"):
             mode = None if name == "compiled" else "reduce-overhead"
-            fn = compile_pipeline(pipeline, scope=compile_scope, mode=mode, wrapper=wrapper)
+            fn = compile_pipeline(pipeline, scope=compile_scope, mode=mode, wrapper=wrapper, kernel_names=kernel_names)
             modes.append(Mode(name, with_rows(fn, mark_step=mode is not None), True))
         elif name == "loop":
             modes.append(Mode(name, lambda mb: loop_pipeline(model, mb, cp_rank=cp_rank, **dims), False))

@@ -33,7 +33,7 @@ from nn_data import compile_cache
 from profiling.microbatch_measure import GUARD_EVAL, first_call, graph_count, measure_mode, steady_samples
 from profiling.microbatch_report import format_report, speedups, targets, write_chart, write_summary
 from profiling.microbatch_stream import ModelStandIn, Stream, make_modes, plan_stream
-from profiling.timing import machine_description
+from profiling.timing import machine_description, reuse_freed_memory
 
 RUNS = Path(__file__).resolve().parent / "runs"
 ALL_MODES = ("eager", "compiled", "reduce-overhead", "loop")
@@ -67,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "regions around the eager model (data)")
     ap.add_argument("--wrapper", choices=("cpp", "python"), default="cpp",
                     help="inductor's code around the kernels: C++ (cpp_wrapper, default) or Python")
+    ap.add_argument("--kernel-names", action="store_true",
+                    help="name every fused kernel in the traces (inductor's cpp.enable_kernel_profile; "
+                         "costs time on every compiled call, so off by default)")
     ap.add_argument("--guard-eval", choices=GUARD_EVAL, default="skip-unsafe",
                     help="compiled modes' steady calls: evaluate only the guards that tell graphs apart "
                          "(skip-unsafe, default; the sync and trace passes keep every guard) or all (full)")
@@ -74,6 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="reuse compiled artifacts across runs: inductor's cache folder and "
                          "nn_data.compile_cache artifacts in DIR (loaded if present, saved after the run)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--allocator", choices=("reuse", "default"), default="reuse",
+                    help="reuse: glibc keeps freed memory for reuse, as torch's CUDA caching allocator "
+                         "does (no page faults on each new output; every mode alike; default); "
+                         "default: glibc's own behaviour")
     ap.add_argument("--sync-steps", type=int, default=4, help="microbatches the sync count runs (default 4)")
     ap.add_argument("--trace-steps", type=int, default=3, help="microbatches traced per mode (default 3)")
     ap.add_argument("--seed", type=int, default=0)
@@ -127,6 +134,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    reuse = args.allocator == "reuse" and reuse_freed_memory()
     torch._dynamo.reset()
     counters.clear()
     if args.compile_cache:  # before anything compiles: inductor reads its cache folder lazily
@@ -135,7 +143,9 @@ def main(argv=None) -> dict:
     load = os.getloadavg()
     machine = machine_description()
     print(f"machine: {machine}")
-    print(f"load average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"load average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; compiled: --compile-scope "
+          f"{args.compile_scope}, --wrapper {args.wrapper}, --guard-eval {args.guard_eval}; allocator "
+          f"{'reuse (mallopt)' if reuse else 'default'}")
     if load[0] > 0.5 * (os.cpu_count() or 1):
         print("note: the load average is high for this machine: other processes may be loading the CPU, so "
               "timings are noisy; with more than one thread, inductor's OpenMP kernels stall while other "
@@ -153,7 +163,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     model = ModelStandIn(args.model, args.vocab, args.hidden, args.out_features, args.seed).to(device).eval()
     modes = make_modes(args.modes, stream, model, cp_size=args.cp_size, cp_rank=args.cp_rank,
-                       compile_scope=args.compile_scope, wrapper=args.wrapper)
+                       compile_scope=args.compile_scope, wrapper=args.wrapper, kernel_names=args.kernel_names)
     run_dir = Path(args.out_dir) if args.out_dir else RUNS / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     results = _measure_all(modes, stream, args, device, run_dir)
@@ -167,6 +177,7 @@ def main(argv=None) -> dict:
     print(format_report(results, ratios, checks))
     print(f"outputs agree across modes (max |difference| {max_diff:.2e})")
     header = dict(machine=machine, load_average=list(load), device=str(device), threads=torch.get_num_threads(),
+                  allocator_reuse=reuse,
                   torch=torch.__version__, args=vars(args), stream=info, run_dir=str(run_dir),
                   outputs_max_abs_difference=max_diff, time=time.strftime("%Y-%m-%d %H:%M:%S"))
     summary = write_summary(str(run_dir / "summary.json"), header=header, results=results, ratios=ratios, checks=checks)

@@ -84,3 +84,21 @@ def time_side_by_side(fns: dict, *, warmup: int = 2, reps: int = 30, device="cpu
         for name, fn in fns.items():
             samples[name].append(timed_call(fn, device))
     return {name: Timing(*spread(s), first[name]) for name, s in samples.items()}
+
+
+def reuse_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse (``mallopt``: the largest mmap threshold
+    and no trimming), so a benchmark's steady state is not dominated by page faults on freshly
+    mapped output buffers: what torch's caching allocator does on CUDA. Applies to every mode
+    of a run alike. Returns False where it cannot be set (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # glibc's maximum on 64-bit
+        return bool(ok) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False

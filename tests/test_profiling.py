@@ -67,7 +67,7 @@ def test_every_mode_ran_over_the_stream(profiled):
 def test_compiled_mode_compiles_once_without_syncs(profiled):
     _, summary = profiled
     compiled = _mode(summary, "compiled")
-    assert compiled["graphs"] == 3  # prepare | gather | unpack, compiled on the first microbatch
+    assert compiled["graphs"] == 1  # one region: pack -> shard -> model -> unshard -> unpack
     assert compiled["recompiles"] == 0  # over the timed, sync-counting and traced passes
     assert compiled["graph_breaks"] == 0
     assert compiled["syncs_per_microbatch"] == 0
