@@ -7,7 +7,10 @@ Shape legend
     C   context-parallel size; the local shard is ``T/C`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identity ``[3]``)
 
-A microbatch goes through two steps:
+Eagerly (the default), :mod:`~nn_data.megatron_data.host_pack` brings the lengths themselves
+to the host in the microbatch's **one** sync, plans every boundary in Python ints and moves
+the data with a constant number of ops (split and cat of views; no index map). Compiled, a
+microbatch goes through two steps:
 
 1. :func:`plan_pack` brings six numbers about ``seq_lengths`` to the host in **one**
    sync. They validate the batch (lengths in ``[0, S]``, a packed total that fits
@@ -16,7 +19,7 @@ A microbatch goes through two steps:
    and ``max_seqlen`` (``PackedSeqParams`` wants an int).
 2. :class:`PackShardGraph` packs ``input_ids`` and every tensor that rides the same
    layout (``mtp_loss_mask``, ``routed_experts``, R3 token identities), and zigzag-shards
-   them for CP, with the core ops and no further sync. It runs eagerly, or compiled
+   them for CP, with the core ops and no further sync, compiled
    (:class:`PackOptions` ``compile=True``): the batch is padded with empty rows to a fixed
    row capacity and ``S`` is marked dynamic, so a stream of microbatches with other
    lengths, row counts and ``S`` reuses one compiled graph per ``(T, R)``.
