@@ -190,3 +190,20 @@ def test_bad_model_mode_and_compile_scope_raise():
         make_modes(["fast"], stream, model, cp_size=1, cp_rank=0)
     with pytest.raises(PackingError, match=r"--compile-scope='all' is invalid; expected 'whole' or 'data'"):
         make_modes(["compiled"], stream, model, cp_size=1, cp_rank=0, compile_scope="all")
+
+
+def test_bench_ops_reports_every_mode_side_by_side(capsys):
+    from profiling import bench_ops
+
+    results = bench_ops.main(["--rows", "4", "--tokens", "64", "--multiple", "4", "--cp", "2", "--rank", "1",
+                              "--ops", "pack+shard", "--reps", "2"],  # a stand-in for NeMo-RL's function: the plumbing
+                             baselines={"nemo-rl": bench_ops._pack_sequences_for_megatron})
+    by_mode = {r["mode"]: r for r in results}
+    assert set(by_mode) == {"loop", "nemo-rl", "compat", "eager", "compiled", "compiled+", "floor"}
+    assert by_mode["compat"]["ops"] <= 30 and by_mode["compat"]["syncs"] == 1
+    assert by_mode["compiled"]["syncs"] == 0 and by_mode["compiled"]["ops"] > 0
+    assert by_mode["loop"]["syncs"] == 2 * 4 + 1
+    printed = capsys.readouterr().out
+    assert "target met: compat pack+shard B=4: <= 30 aten ops" in printed
+    assert "compat pack+shard B=4: not slower than NeMo-RL" in printed
+    torch._dynamo.reset()
