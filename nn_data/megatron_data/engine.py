@@ -263,11 +263,17 @@ def _eager_graph(key: GraphKey) -> PackShardGraph:
     return PackShardGraph(key)
 
 
+class _CompiledKey(NamedTuple):
+    graph: GraphKey
+    backend_id: int  # id() of the backend object: a compile counter and "inductor" compile apart
+    mode: Optional[str]
+
+
 _COMPILED: dict = {}
 
 
 def _compiled_graph(key: GraphKey, options: PackOptions):
-    cache_key = (key, id(options.backend), options.mode)
+    cache_key = _CompiledKey(key, id(options.backend), options.mode)
     fn = _COMPILED.get(cache_key)
     if fn is None:
         kwargs = {"mode": options.mode} if options.mode else {}
