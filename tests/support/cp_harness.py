@@ -8,6 +8,8 @@ rank makes megatron-core's ``parallel_state`` match the layout
 the rest of the world being data parallel), runs ``cp_cases.CASES[name]`` and reports
 ``(rank, ok, result or traceback)``. With ``cp=2`` on 4 ranks there are two CP groups
 side by side, so a case that used the world group instead of its CP group fails.
+Spawned ranks start with the parent's ``sys.path`` (multiprocessing hands it over), so they
+import ``tests.support`` and ``nn_data`` from the same checkout as the parent pytest process.
 """
 
 from __future__ import annotations
@@ -15,15 +17,11 @@ from __future__ import annotations
 import os
 import queue
 import socket
-import sys
 import traceback
 import warnings
 from datetime import timedelta
 
 import torch.multiprocessing as mp
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def free_port() -> int:
@@ -94,9 +92,6 @@ class RankPool:
 
 
 def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
-    for path in (_REPO_ROOT, _TESTS_DIR):
-        if path not in sys.path:
-            sys.path.insert(0, path)
     warnings.filterwarnings("ignore")
     try:
         import torch
@@ -109,7 +104,7 @@ def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
         )
         from megatron.core import parallel_state
 
-        import cp_cases
+        from tests.support import cp_cases
     except Exception:  # report start-up failures instead of hanging the parent
         results.put((rank, False, traceback.format_exc()))
         return
@@ -134,7 +129,8 @@ def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
 
 
 def _case_function(cp_cases, case: str):
-    """``"name"`` is ``cp_cases.CASES[name]``; ``"module:function"`` names a case in another module of tests/."""
+    """``"name"`` is ``cp_cases.CASES[name]``; ``"module:function"`` names a case in another module
+    (a dotted name such as ``tests.support.packed_forward_cases``)."""
     if ":" not in case:
         return cp_cases.CASES[case]
     import importlib

@@ -2,7 +2,8 @@
 get_ltor_masks_and_position_ids, the host-sync budget of the pack path.
 
 Tier: pure CPU, single process (CP ranks other than 0 are simulated by patching the
-parallel_state lookup; the real parallel_state is exercised in test_megatron_distributed.py).
+parallel_state lookup; the real parallel_state is exercised in
+tests/multiprocess/test_megatron_distributed.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from nn_data.megatron_data import (
 )
 from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.diagnostics import HostSyncCounter
-from tests._megatron_helpers import coded_ids, coded_routes
+from tests.support.megatron_config import coded_ids, coded_routes
 
 LENGTHS, S = [12, 3, 8, 1], 12
 

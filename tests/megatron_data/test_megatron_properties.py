@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from nn_data.megatron_data import PackOptions, _pack_sequences_for_megatron, _unpack_sequences_from_megatron
 from nn_data.testing.reference import reference_pack, reference_shard
-from tests._megatron_helpers import PAD, coded_ids
+from tests.support.megatron_config import PAD, coded_ids
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

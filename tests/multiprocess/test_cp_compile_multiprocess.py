@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cp_harness import RankPool
+from tests.support.cp_harness import RankPool
 
 
 @pytest.fixture(scope="module")

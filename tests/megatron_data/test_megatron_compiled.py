@@ -21,7 +21,7 @@ from nn_data.megatron_data import PackOptions, get_microbatch_iterator, process_
 from nn_data.megatron_data.engine import reset_compiled
 from nn_data.testing.reference import reference_pack
 from nn_data.diagnostics import HostSyncCounter
-from tests._megatron_helpers import coded_ids, coded_routes, megatron_cfg
+from tests.support.megatron_config import coded_ids, coded_routes, megatron_cfg
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from nn_data.errors import PackingError
 from profiling import profile_microbatches
 from profiling.microbatch_stream import plan_stream
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256",
         "--microbatches", "5", "--passes", "2", "--sync-steps", "2", "--trace-steps", "2",
         "--vocab", "64", "--hidden", "8", "--modes", "eager", "compiled", "loop", "--no-progress"]

@@ -1,7 +1,8 @@
 """get_microbatch_iterator / make_processed_microbatch_iterator (packing, dynamic, fixed; the
 device choice; cfg["nn_data"] options) and process_global_batch in a single process.
 
-Tier: pure CPU, single process (the gloo all-reduce runs in test_megatron_distributed.py).
+Tier: pure CPU, single process (the gloo all-reduce runs in
+tests/multiprocess/test_megatron_distributed.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from nn_data.megatron_data import (
 )
 from nn_data.megatron_data.iterators import resolve_device
 from nn_data.testing.reference import reference_pack
-from tests._megatron_helpers import coded_ids, megatron_cfg
+from tests.support.megatron_config import coded_ids, megatron_cfg
 
 LENGTHS, S = [5, 9, 3, 4, 6, 1], 12
 

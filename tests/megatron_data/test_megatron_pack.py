@@ -19,7 +19,7 @@ from nn_data.megatron_data import (
     _unpack_sequences_from_megatron,
     get_and_validate_seqlen,
 )
-from tests._megatron_helpers import PAD, coded_ids, megatron_cfg
+from tests.support.megatron_config import PAD, coded_ids, megatron_cfg
 
 
 def _pack(lengths, seq_len, *args, **kwargs):

@@ -41,7 +41,7 @@ def _check_cp_from_parallel_state(rank: int) -> None:
     from nn_data.megatron_parallel import megatron_cp_rank_and_size as cp_rank_and_size
     from nn_data.megatron_data import process_microbatch
     from nn_data.testing.reference import reference_pack, reference_shard
-    from tests._megatron_helpers import coded_ids, coded_routes
+    from tests.support.megatron_config import coded_ids, coded_routes
 
     assert cp_rank_and_size() == (0, 1)  # distributed, but no CP group yet: a single CP rank
     parallel_state.initialize_model_parallel(context_parallel_size=WORLD, create_gloo_process_groups=False)

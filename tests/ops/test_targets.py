@@ -14,7 +14,7 @@ import torch._dynamo.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.cp_cases import make_microbatch, pack_single
+from tests.support.cp_cases import make_microbatch, pack_single
 from nn_data import NextTokenTargets, PackingError, PackSequences, PositionIds, pad_to_row_capacity
 from nn_data.testing.reference import reference_next_token_targets, reference_position_ids, reference_shard
 
