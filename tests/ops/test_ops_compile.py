@@ -23,7 +23,7 @@ from nn_data import (
 )
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.testing.reference import reference_pack, reference_shard
-from tests.conftest import coded_batch
+from nn_data.testing.coded import coded_batch
 
 R, S, M, C, T = 8, 24, 4, 2, 200  # capacity, row length, multiple, cp size, pad_full_seq_to
 

@@ -14,7 +14,6 @@ import glob
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from nn_data.errors import PackingError
+from nn_data.testing.dist import free_port
 from profiling import profile_microbatches
 from profiling.microbatch_stream import plan_stream
 
@@ -102,12 +102,6 @@ def test_chart_is_a_png(profiled):
         assert image.size[0] > 400 and image.size[1] > 200
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str):
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
@@ -117,7 +111,7 @@ def test_traces_open_in_tensorboard_with_the_profiler_plugin(profiled, tmp_path)
     run_dir, _ = profiled
     for mode in MODES:
         assert glob.glob(str(run_dir / mode / f"{mode}.*.pt.trace.json")), mode
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "tensorboard.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir), "--host", "127.0.0.1",

@@ -16,19 +16,12 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 import warnings
-from datetime import timedelta
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from nn_data.testing.dist import free_port, init_gloo
 
 
 class RankPool:
@@ -98,10 +91,7 @@ def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=120),
-        )
+        init_gloo(rank, world, port, timeout_s=120)
         from megatron.core import parallel_state
 
         from tests.support import cp_cases
