@@ -24,6 +24,8 @@ from nn_data.testing.reference import reference_pack
 from nn_data.diagnostics import HostSyncCounter
 from tests.support.megatron_config import megatron_cfg
 
+pytestmark = pytest.mark.compile
+
 
 @pytest.fixture(scope="module")
 def fresh_dynamo():

@@ -13,6 +13,8 @@ import pytest
 
 from tests.support.cp_harness import RankPool
 
+pytestmark = pytest.mark.compile
+
 
 @pytest.fixture(scope="module")
 def ranks():

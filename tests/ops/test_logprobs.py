@@ -149,6 +149,7 @@ def test_gather_without_torch_distributed_is_the_identity():
         GatherFromContextParallel(grad_mode="mean")
 
 
+@pytest.mark.compile
 def test_compiled_forward_and_backward_match_eager_with_one_frame():
     op = TokenLogProbs(S, chunk_tokens=16)
     torch._dynamo.reset()

@@ -131,6 +131,7 @@ def _stream(cp_size: int):
     return out
 
 
+@pytest.mark.compile
 def test_compiled_positions_and_targets_match_eager_with_one_frame():
     ops = [PositionIds(), NextTokenTargets(), PositionIds(2, 1), NextTokenTargets(2, 1)]
 

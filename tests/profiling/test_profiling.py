@@ -50,6 +50,7 @@ def _mode(summary, name):
     return next(m for m in summary["modes"] if m["name"] == name)
 
 
+@pytest.mark.compile
 def test_every_mode_ran_over_the_stream(profiled):
     run_dir, summary = profiled
     assert [m["name"] for m in summary["modes"]] == MODES
@@ -64,6 +65,7 @@ def test_every_mode_ran_over_the_stream(profiled):
     assert json.loads((run_dir / "summary.json").read_text())["modes"][1]["name"] == "compiled"
 
 
+@pytest.mark.compile
 def test_compiled_mode_compiles_once_without_syncs(profiled):
     _, summary = profiled
     compiled = _mode(summary, "compiled")
@@ -75,6 +77,7 @@ def test_compiled_mode_compiles_once_without_syncs(profiled):
     assert summary["outputs_max_abs_difference"] <= 1e-5
 
 
+@pytest.mark.compile
 def test_table_ratios_and_targets_are_printed(profiled):
     _, summary = profiled
     lines = summary["printed"].splitlines()
@@ -91,6 +94,7 @@ def test_table_ratios_and_targets_are_printed(profiled):
     assert "target  met: compiled: 0 host syncs per microbatch" in lines
 
 
+@pytest.mark.compile
 def test_chart_is_a_png(profiled):
     run_dir, _ = profiled
     from PIL import Image
@@ -107,6 +111,7 @@ def _get(url: str):
         return json.loads(response.read())
 
 
+@pytest.mark.compile
 def test_traces_open_in_tensorboard_with_the_profiler_plugin(profiled, tmp_path):
     run_dir, _ = profiled
     for mode in MODES:
