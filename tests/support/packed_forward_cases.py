@@ -1,4 +1,4 @@
-"""Cases run on every spawned rank (tests/cp_harness.py) for tests/test_packed_forward_cp.py.
+"""Cases run on every spawned rank (cp_harness.py) for tests/multiprocess/test_packed_forward_cp.py.
 
 Each rank builds the same model and microbatches from fixed seeds, runs ``PackedForward``
 with its CP group, and compares with the single-process run (outputs, and parameter

@@ -25,6 +25,7 @@ from nn_data import (
 )
 from nn_data.errors import PackingError
 from nn_data.megatron_parallel import context_parallel_info, tensor_parallel_info
+from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import (
     reference_next_token_targets,
     reference_pack,
@@ -54,15 +55,11 @@ SENTINEL = 999_999
 
 
 def make_microbatch(lengths, cp_size: int, pad_full_seq_to=None, num_rows=None, capacity=None, name="") -> Microbatch:
-    """Codes ``1000*b + s + 1`` for ``s < L[b]``; experts ``100*code + 10*l + k``; optional row capacity."""
+    """Codes ``1000*b + s + 1`` for ``s < L[b]``; experts ``100*code + TOPK*l + k``; optional row capacity."""
+    ids = coded_batch(lengths, SEQ_LEN, pad=SENTINEL)  # [B, S]
+    experts = coded_batch(lengths, SEQ_LEN, (LAYERS, TOPK), pad=SENTINEL)  # [B, S, layers, topk]
     lengths = torch.tensor(lengths, dtype=torch.int64)
     rows = lengths.shape[0]
-    s = torch.arange(SEQ_LEN)
-    code = 1000 * torch.arange(rows)[:, None] + s + 1  # [B, S]
-    valid = s < lengths[:, None]
-    ids = torch.where(valid, code, SENTINEL)
-    experts = 100 * code[:, :, None, None] + 10 * torch.arange(LAYERS)[:, None] + torch.arange(TOPK)
-    experts = torch.where(valid[:, :, None, None], experts, SENTINEL)
     nr = None
     if capacity is not None:
         nr = torch.tensor(rows, dtype=torch.int64)

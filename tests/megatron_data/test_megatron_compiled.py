@@ -19,9 +19,12 @@ from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
 from nn_data.megatron_data.engine import reset_compiled
+from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack
 from nn_data.diagnostics import HostSyncCounter
-from tests._megatron_helpers import coded_ids, coded_routes, megatron_cfg
+from tests.support.megatron_config import megatron_cfg
+
+pytestmark = pytest.mark.compile
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +42,9 @@ def _stream(n, seed, max_rows, max_len):
         rows = int(torch.randint(1, max_rows + 1, (1,), generator=gen))
         seq_len = int(torch.randint(8, max_len + 1, (1,), generator=gen))
         lengths = torch.randint(0, seq_len + 1, (rows,), generator=gen).tolist()
-        data = BatchedDataDict(input_ids=coded_ids(lengths, seq_len), input_lengths=torch.tensor(lengths),
-                               routed_experts=coded_routes(lengths, seq_len),
-                               mtp_loss_mask=(coded_ids(lengths, seq_len) % 5 != 0).float())
+        data = BatchedDataDict(input_ids=coded_batch(lengths, seq_len), input_lengths=torch.tensor(lengths),
+                               routed_experts=coded_batch(lengths, seq_len, (2, 3)),
+                               mtp_loss_mask=(coded_batch(lengths, seq_len) % 5 != 0).float())
         yield data
 
 

@@ -14,7 +14,7 @@ import torch._dynamo.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.cp_cases import make_microbatch, pack_single
+from tests.support.cp_cases import make_microbatch, pack_single
 from nn_data import NextTokenTargets, PackingError, PackSequences, PositionIds, pad_to_row_capacity
 from nn_data.testing.reference import reference_next_token_targets, reference_position_ids, reference_shard
 
@@ -131,6 +131,7 @@ def _stream(cp_size: int):
     return out
 
 
+@pytest.mark.compile
 def test_compiled_positions_and_targets_match_eager_with_one_frame():
     ops = [PositionIds(), NextTokenTargets(), PositionIds(2, 1), NextTokenTargets(2, 1)]
 

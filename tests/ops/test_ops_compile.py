@@ -23,7 +23,7 @@ from nn_data import (
 )
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.testing.reference import reference_pack, reference_shard
-from tests.conftest import coded_batch
+from nn_data.testing.coded import coded_batch
 
 R, S, M, C, T = 8, 24, 4, 2, 200  # capacity, row length, multiple, cp size, pad_full_seq_to
 
@@ -75,6 +75,7 @@ def _assert_same(a, b):
     assert torch.equal(ea, eb) and torch.equal(la, lb) and torch.equal(ua, ub)
 
 
+@pytest.mark.compile
 def test_stream_of_microbatches_compiles_once(compiled_chain):
     chain, compiled, counter = compiled_chain
     gen = torch.Generator().manual_seed(1)
@@ -93,6 +94,7 @@ def test_stream_of_microbatches_compiles_once(compiled_chain):
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames for {len(row_counts)} microbatches"
 
 
+@pytest.mark.compile
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(0, R), seed=st.integers(0, 2**31 - 1))
 def test_compiled_equals_eager_on_random_microbatches(compiled_chain, rows, seed):
@@ -103,6 +105,7 @@ def test_compiled_equals_eager_on_random_microbatches(compiled_chain, rows, seed
     assert counter.frame_count == 1
 
 
+@pytest.mark.compile
 def test_compiled_device_asserts_refuse_bad_data(compiled_chain):
     _, compiled, counter = compiled_chain
     x = torch.ones(R, S, dtype=torch.int64)
@@ -119,6 +122,7 @@ def test_compiled_device_asserts_refuse_bad_data(compiled_chain):
         compiled_big(x, too_long)
 
 
+@pytest.mark.compile
 def test_default_constructed_ops_compile_without_breaks():
     """``torch.compile(op, fullgraph=True)`` on ops as constructed with default arguments."""
     torch._dynamo.reset()
@@ -138,6 +142,7 @@ def test_default_constructed_ops_compile_without_breaks():
     torch._dynamo.reset()
 
 
+@pytest.mark.compile
 def test_captured_graph_has_no_host_sync():
     """``fullgraph=True`` alone does not prove an op sync-free (scalar capture is on): read the graph."""
     torch._dynamo.reset()
@@ -186,6 +191,7 @@ def test_eager_sync_count(validate, expected):
     assert syncs.count == 1
 
 
+@pytest.mark.compile
 def test_shard_and_unshard_compile_alone_once_per_stream():
     """Each CP op compiled on its own (as constructed, ``fullgraph=True``): one graph for a stream."""
     torch._dynamo.reset()

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nn_data.megatron_data import PackOptions, _pack_sequences_for_megatron, _unpack_sequences_from_megatron
+from nn_data.testing.coded import PAD, coded_batch
 from nn_data.testing.reference import reference_pack, reference_shard
-from tests._megatron_helpers import PAD, coded_ids
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -37,7 +37,7 @@ def pack_cases(draw):
 @given(pack_cases())
 def test_pack_matches_the_reference_on_every_rank(case):
     lengths, seq_len, m, p, pad_full, cp_size = case
-    ids = coded_ids(lengths, seq_len)
+    ids = coded_batch(lengths, seq_len)
     ref = reference_pack(ids, lengths, m, p, pad_full)
     for rank in range(cp_size):
         packed, local, params, cu, cu_pad = _pack_sequences_for_megatron(
@@ -56,7 +56,7 @@ def test_pack_matches_the_reference_on_every_rank(case):
 @given(pack_cases(), st.integers(1, 3))
 def test_unpack_of_pack_is_identity_on_valid_tokens(case, features):
     lengths, seq_len, m, p, pad_full, _ = case
-    ids = coded_ids(lengths, seq_len)
+    ids = coded_batch(lengths, seq_len)
     x = torch.stack([ids * (f + 1) for f in range(features)], dim=-1).float()  # [B, S, F] model "outputs"
     packed, _, _, cu, cu_pad = _pack_sequences_for_megatron(x, torch.tensor(lengths), m, p, pad_full)
     out = _unpack_sequences_from_megatron(packed, torch.tensor(lengths), cu, cu_pad, len(lengths), seq_len)
@@ -68,7 +68,7 @@ def test_unpack_of_pack_is_identity_on_valid_tokens(case, features):
 @given(pack_cases(), st.sampled_from([(32, 64), (16, 48, 96, 192), "pow2"]))
 def test_buckets_only_lengthen_the_last_segment(case, buckets):
     lengths, seq_len, m, p, _, cp_size = case
-    ids = coded_ids(lengths, seq_len)
+    ids = coded_batch(lengths, seq_len)
     unit = 2 * cp_size if cp_size > 1 else 1
     if buckets != "pow2":  # make the buckets legal for this case: multiples of lcm(p, 2C)
         import math

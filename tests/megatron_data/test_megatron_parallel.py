@@ -1,5 +1,6 @@
 """Tier: pure CPU, single process (no torch.distributed; the multi-process resolution under
-megatron-core's parallel_state is tested in test_cp_multiprocess.py).
+megatron-core's parallel_state is tested in
+tests/multiprocess/test_cp_multiprocess.py).
 
 Resolution of the CP/TP rank, size and group without torch.distributed, and that
 importing nn_data (and nn_data.megatron_parallel) does not import megatron-core.
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from nn_data import PackingError, TokenLogProbs
 from nn_data.megatron_parallel import ParallelInfo, context_parallel_info, tensor_parallel_info
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_without_torch_distributed_a_single_rank():

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cp_harness import RankPool
+from tests.support.cp_harness import RankPool
+
+pytestmark = pytest.mark.compile
 
 
 @pytest.fixture(scope="module")

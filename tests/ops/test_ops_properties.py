@@ -24,7 +24,7 @@ from nn_data import (
     pad_to_row_capacity,
 )
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack
-from tests.conftest import coded_batch, valid_mask
+from nn_data.testing.coded import coded_batch, valid_mask
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

@@ -19,11 +19,12 @@ from nn_data.megatron_data import (
     _unpack_sequences_from_megatron,
     get_and_validate_seqlen,
 )
-from tests._megatron_helpers import PAD, coded_ids, megatron_cfg
+from nn_data.testing.coded import PAD, coded_batch
+from tests.support.megatron_config import megatron_cfg
 
 
 def _pack(lengths, seq_len, *args, **kwargs):
-    ids = coded_ids(lengths, seq_len)
+    ids = coded_batch(lengths, seq_len)
     return ids, _pack_sequences_for_megatron(ids, torch.tensor(lengths), *args, **kwargs)
 
 
@@ -117,7 +118,7 @@ def test_total_tokens_is_set_to_the_local_length_where_the_field_exists(monkeypa
 
 
 def test_seq_lengths_may_be_a_list_and_int32():
-    ids = coded_ids([8, 5, 7], 8)
+    ids = coded_batch([8, 5, 7], 8)
     a = _pack_sequences_for_megatron(ids, [8, 5, 7], 4)
     b = _pack_sequences_for_megatron(ids, torch.tensor([8, 5, 7], dtype=torch.int32), 4)
     assert torch.equal(a[0], b[0]) and torch.equal(a[4], b[4])
@@ -142,7 +143,7 @@ def test_no_sequences_and_all_empty_sequences():
     ((4,), {"cp_rank": 2, "cp_size": 2}, r"cp_rank=2 is invalid; expected an int in \[0, 2\)"),
 ])
 def test_pack_errors(args, kwargs, match):
-    ids = coded_ids([8, 5, 7], 8)
+    ids = coded_batch([8, 5, 7], 8)
     with pytest.raises(PackingError, match=match) as info:
         _pack_sequences_for_megatron(ids, torch.tensor([8, 5, 7]), *args, **kwargs)
     assert isinstance(info.value, AssertionError) and isinstance(info.value, ValueError)
@@ -152,12 +153,12 @@ def test_pack_errors(args, kwargs, match):
                                             ([8, -1, 7], r"seq_lengths\[1\] = -1 is outside")])
 def test_pack_rejects_lengths_outside_the_row(lengths, match):
     with pytest.raises(PackingError, match=match):
-        _pack_sequences_for_megatron(coded_ids([8, 5, 7], 8), torch.tensor(lengths), 4)
+        _pack_sequences_for_megatron(coded_batch([8, 5, 7], 8), torch.tensor(lengths), 4)
 
 
 def test_pack_rejects_a_lengths_vector_of_the_wrong_size():
     with pytest.raises(PackingError, match=r"seq_lengths has 2 entries; expected 3"):
-        _pack_sequences_for_megatron(coded_ids([8, 5, 7], 8), torch.tensor([8, 5]), 4)
+        _pack_sequences_for_megatron(coded_batch([8, 5, 7], 8), torch.tensor([8, 5]), 4)
 
 
 # ---- the parameter table ----------------------------------------------------------------------

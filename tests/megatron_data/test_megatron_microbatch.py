@@ -2,7 +2,8 @@
 get_ltor_masks_and_position_ids, the host-sync budget of the pack path.
 
 Tier: pure CPU, single process (CP ranks other than 0 are simulated by patching the
-parallel_state lookup; the real parallel_state is exercised in test_megatron_distributed.py).
+parallel_state lookup; the real parallel_state is exercised in
+tests/multiprocess/test_megatron_distributed.py).
 """
 
 from __future__ import annotations
@@ -23,19 +24,19 @@ from nn_data.megatron_data import (
     get_ltor_masks_and_position_ids,
     process_microbatch,
 )
+from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.diagnostics import HostSyncCounter
-from tests._megatron_helpers import coded_ids, coded_routes
 
 LENGTHS, S = [12, 3, 8, 1], 12
 
 
 def _batch(lengths=LENGTHS, seq_len=S, routed=True, mtp=True):
-    data = BatchedDataDict(input_ids=coded_ids(lengths, seq_len), input_lengths=torch.tensor(lengths))
+    data = BatchedDataDict(input_ids=coded_batch(lengths, seq_len), input_lengths=torch.tensor(lengths))
     if routed:
-        data["routed_experts"] = coded_routes(lengths, seq_len)
+        data["routed_experts"] = coded_batch(lengths, seq_len, (2, 3))
     if mtp:
-        data["mtp_loss_mask"] = (coded_ids(lengths, seq_len) % 3 != 0).float()
+        data["mtp_loss_mask"] = (coded_batch(lengths, seq_len) % 3 != 0).float()
     return data
 
 
@@ -98,12 +99,12 @@ def test_shard_routed_experts_for_cp_matches_the_microbatch_path(cp2):
 ])
 def test_shard_routed_experts_errors(bounds, cp, match):
     with pytest.raises(PackingError, match=match):
-        _shard_routed_experts_for_cp(coded_routes(LENGTHS, S), None, torch.tensor(LENGTHS), torch.tensor(bounds),
+        _shard_routed_experts_for_cp(coded_batch(LENGTHS, S, (2, 3)), None, torch.tensor(LENGTHS), torch.tensor(bounds),
                                      torch.tensor(bounds), 0, cp)
 
 
 def test_fill_routed_experts_padding():
-    routes = coded_routes([2, 0], 3, layers=2, topk=3)
+    routes = coded_batch([2, 0], 3, (2, 3))
     out = _fill_routed_experts_padding(routes, torch.tensor([2, 0]))
     assert torch.equal(out[0, :2], routes[0, :2])
     assert torch.equal(out[0, 2], torch.arange(3).expand(2, 3)) and torch.equal(out[1], torch.arange(3).expand(3, 2, 3))
@@ -249,7 +250,7 @@ def test_ltor_rejects_bad_data():
 # ---- self-packing (VLM) path -------------------------------------------------------------------
 
 def test_vlm_deficit_goes_to_the_last_sequence():
-    ids = coded_ids([3, 5], 6)
+    ids = coded_batch([3, 5], 6)
     packed, ids_2d, mask, params, cu, cu_pad = _prepare_vlm_batch_for_megatron(ids, torch.tensor([3, 5]), 4, 16)
     assert cu is None and cu_pad.tolist() == [0, 4, 16] and cu_pad.dtype == torch.int32
     assert ids_2d.shape == (2, 12) and torch.equal(ids_2d[:, :6], ids) and ids_2d[:, 6:].eq(0).all()
@@ -259,7 +260,7 @@ def test_vlm_deficit_goes_to_the_last_sequence():
 
 
 def test_vlm_without_target_and_with_wide_rows():
-    ids = coded_ids([3, 5], 16)
+    ids = coded_batch([3, 5], 16)
     packed, ids_2d, mask, params, _, cu_pad = _prepare_vlm_batch_for_megatron(ids, torch.tensor([3, 5]), 4)
     assert ids_2d.shape == (2, 8) and torch.equal(ids_2d, ids[:, :8])  # columns past max(padded) are cut
     assert cu_pad.tolist() == [0, 4, 12] and packed.shape == (1, 12) and params.max_seqlen_q == 8
@@ -271,12 +272,12 @@ def test_vlm_without_target_and_with_wide_rows():
                                                 r"pad_individual_seqs_to_multiple_of \(4\)")])
 def test_vlm_deficit_errors(target, match):
     with pytest.raises(AssertionError, match=match):
-        _prepare_vlm_batch_for_megatron(coded_ids([3, 5], 6), torch.tensor([3, 5]), 4, target)
+        _prepare_vlm_batch_for_megatron(coded_batch([3, 5], 6), torch.tensor([3, 5]), 4, target)
 
 
 def test_vlm_rejects_lengths_past_the_row():
     with pytest.raises(PackingError, match=r"seq_lengths\[1\] = 7 is outside \[0, S=6\]"):
-        _prepare_vlm_batch_for_megatron(coded_ids([3, 5], 6), torch.tensor([3, 7]), 4)
+        _prepare_vlm_batch_for_megatron(coded_batch([3, 5], 6), torch.tensor([3, 7]), 4)
 
 
 def test_process_microbatch_delegates_packing_to_the_model():

@@ -7,25 +7,20 @@ Tier: CPU multi-process (torch.multiprocessing spawn, gloo backend, 127.0.0.1, a
 
 from __future__ import annotations
 
-import socket
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nn_data.testing.dist import free_port, init_gloo
+
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int) -> None:
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, port)
     try:
         _check_cp_from_parallel_state(rank)
         _check_global_batch_all_reduce(rank)
@@ -40,16 +35,16 @@ def _check_cp_from_parallel_state(rank: int) -> None:
     from nn_data.megatron_data.batched_data_dict import BatchedDataDict
     from nn_data.megatron_parallel import megatron_cp_rank_and_size as cp_rank_and_size
     from nn_data.megatron_data import process_microbatch
+    from nn_data.testing.coded import coded_batch
     from nn_data.testing.reference import reference_pack, reference_shard
-    from tests._megatron_helpers import coded_ids, coded_routes
 
     assert cp_rank_and_size() == (0, 1)  # distributed, but no CP group yet: a single CP rank
     parallel_state.initialize_model_parallel(context_parallel_size=WORLD, create_gloo_process_groups=False)
     try:
         assert cp_rank_and_size() == (rank, WORLD)
         lengths = [16, 16]
-        data = BatchedDataDict(input_ids=coded_ids(lengths, 16), input_lengths=torch.tensor(lengths),
-                               routed_experts=coded_routes(lengths, 16))
+        data = BatchedDataDict(input_ids=coded_batch(lengths, 16), input_lengths=torch.tensor(lengths),
+                               routed_experts=coded_batch(lengths, 16, (2, 3)))
         out = process_microbatch(data, "input_lengths", 4, 1, 40, pack_sequences=True)
         ref = reference_pack(data["input_ids"], lengths, 4, 1, 40)
         assert torch.equal(out.input_ids_cp_sharded, reference_shard(ref.packed, ref.cu_seqlens_padded, WORLD, rank))
@@ -80,4 +75,4 @@ def _check_global_batch_all_reduce(rank: int) -> None:
 
 
 def test_cp_from_parallel_state_and_global_batch_over_gloo():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -58,6 +58,7 @@ def test_gradients_flow_to_the_model(model):
     model.zero_grad()
 
 
+@pytest.mark.compile
 def test_compiled_packing_compiles_once_over_a_stream(model):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")

@@ -8,29 +8,20 @@ rank makes megatron-core's ``parallel_state`` match the layout
 the rest of the world being data parallel), runs ``cp_cases.CASES[name]`` and reports
 ``(rank, ok, result or traceback)``. With ``cp=2`` on 4 ranks there are two CP groups
 side by side, so a case that used the world group instead of its CP group fails.
+Spawned ranks start with the parent's ``sys.path`` (multiprocessing hands it over), so they
+import ``tests.support`` and ``nn_data`` from the same checkout as the parent pytest process.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import socket
-import sys
 import traceback
 import warnings
-from datetime import timedelta
 
 import torch.multiprocessing as mp
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from nn_data.testing.dist import free_port, init_gloo
 
 
 class RankPool:
@@ -94,22 +85,16 @@ class RankPool:
 
 
 def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
-    for path in (_REPO_ROOT, _TESTS_DIR):
-        if path not in sys.path:
-            sys.path.insert(0, path)
     warnings.filterwarnings("ignore")
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=120),
-        )
+        init_gloo(rank, world, port, timeout_s=120)
         from megatron.core import parallel_state
 
-        import cp_cases
+        from tests.support import cp_cases
     except Exception:  # report start-up failures instead of hanging the parent
         results.put((rank, False, traceback.format_exc()))
         return
@@ -134,7 +119,8 @@ def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
 
 
 def _case_function(cp_cases, case: str):
-    """``"name"`` is ``cp_cases.CASES[name]``; ``"module:function"`` names a case in another module of tests/."""
+    """``"name"`` is ``cp_cases.CASES[name]``; ``"module:function"`` names a case in another module
+    (a dotted name such as ``tests.support.packed_forward_cases``)."""
     if ":" not in case:
         return cp_cases.CASES[case]
     import importlib

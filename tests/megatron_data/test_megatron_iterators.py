@@ -1,7 +1,8 @@
 """get_microbatch_iterator / make_processed_microbatch_iterator (packing, dynamic, fixed; the
 device choice; cfg["nn_data"] options) and process_global_batch in a single process.
 
-Tier: pure CPU, single process (the gloo all-reduce runs in test_megatron_distributed.py).
+Tier: pure CPU, single process (the gloo all-reduce runs in
+tests/multiprocess/test_megatron_distributed.py).
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ from nn_data.megatron_data import (
     process_global_batch,
 )
 from nn_data.megatron_data.iterators import resolve_device
+from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack
-from tests._megatron_helpers import coded_ids, megatron_cfg
+from tests.support.megatron_config import megatron_cfg
 
 LENGTHS, S = [5, 9, 3, 4, 6, 1], 12
 
 
 def _data():
-    return BatchedDataDict(input_ids=coded_ids(LENGTHS, S), input_lengths=torch.tensor(LENGTHS),
+    return BatchedDataDict(input_ids=coded_batch(LENGTHS, S), input_lengths=torch.tensor(LENGTHS),
                            sample_mask=torch.tensor([1.0, 1, 0, 1, 1, 1]),
-                           token_mask=(coded_ids(LENGTHS, S) > 0).float())
+                           token_mask=(coded_batch(LENGTHS, S) > 0).float())
 
 
 def _cfg(packing=False, dynamic=False, pp=1, nn_data=None):

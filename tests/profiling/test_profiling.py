@@ -14,7 +14,6 @@ import glob
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,10 +24,11 @@ import pytest
 import torch
 
 from nn_data.errors import PackingError
+from nn_data.testing.dist import free_port
 from profiling import profile_microbatches
 from profiling.microbatch_stream import plan_stream
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256",
         "--microbatches", "5", "--passes", "2", "--sync-steps", "2", "--trace-steps", "2",
         "--vocab", "64", "--hidden", "8", "--modes", "eager", "compiled", "loop", "--no-progress"]
@@ -50,6 +50,7 @@ def _mode(summary, name):
     return next(m for m in summary["modes"] if m["name"] == name)
 
 
+@pytest.mark.compile
 def test_every_mode_ran_over_the_stream(profiled):
     run_dir, summary = profiled
     assert [m["name"] for m in summary["modes"]] == MODES
@@ -64,6 +65,7 @@ def test_every_mode_ran_over_the_stream(profiled):
     assert json.loads((run_dir / "summary.json").read_text())["modes"][1]["name"] == "compiled"
 
 
+@pytest.mark.compile
 def test_compiled_mode_compiles_once_without_syncs(profiled):
     _, summary = profiled
     compiled = _mode(summary, "compiled")
@@ -75,6 +77,7 @@ def test_compiled_mode_compiles_once_without_syncs(profiled):
     assert summary["outputs_max_abs_difference"] <= 1e-5
 
 
+@pytest.mark.compile
 def test_table_ratios_and_targets_are_printed(profiled):
     _, summary = profiled
     lines = summary["printed"].splitlines()
@@ -91,6 +94,7 @@ def test_table_ratios_and_targets_are_printed(profiled):
     assert "target  met: compiled: 0 host syncs per microbatch" in lines
 
 
+@pytest.mark.compile
 def test_chart_is_a_png(profiled):
     run_dir, _ = profiled
     from PIL import Image
@@ -102,22 +106,17 @@ def test_chart_is_a_png(profiled):
         assert image.size[0] > 400 and image.size[1] > 200
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str):
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
 
 
+@pytest.mark.compile
 def test_traces_open_in_tensorboard_with_the_profiler_plugin(profiled, tmp_path):
     run_dir, _ = profiled
     for mode in MODES:
         assert glob.glob(str(run_dir / mode / f"{mode}.*.pt.trace.json")), mode
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "tensorboard.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir), "--host", "127.0.0.1",

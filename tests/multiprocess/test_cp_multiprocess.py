@@ -5,7 +5,7 @@ Context parallelism as users run it: 4 processes, megatron-core's
 (with C = 2 the other two ranks form a second CP group, data parallel to the first),
 plus tensor-parallel layouts for vocab-parallel logits. One pool of ranks serves
 every test of this module (spawning and importing megatron-core costs seconds per
-process); the cases live in ``cp_cases.py`` and compare each rank's result with the
+process); the cases live in ``tests/support/cp_cases.py`` and compare each rank's result with the
 single-process one and the loop references in ``nn_data.testing.reference``.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cp_cases import SHARD_PRODUCERS
-from tests.cp_harness import RankPool
+from tests.support.cp_cases import SHARD_PRODUCERS
+from tests.support.cp_harness import RankPool
 
 WORLD = 4
 

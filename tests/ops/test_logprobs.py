@@ -1,5 +1,5 @@
 """Tier: pure CPU, single process (C=1, no tensor parallelism; the CP and TP variants run in
-test_cp_multiprocess.py).
+tests/multiprocess/test_cp_multiprocess.py).
 
 TokenLogProbs against the loop reference and against NeMo-RL's layout built from the
 padded batch, values and gradients, in float64/float32/bfloat16 and several chunk
@@ -17,7 +17,7 @@ import torch
 import torch._dynamo.testing
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.cp_cases import make_microbatch, pack_single
+from tests.support.cp_cases import make_microbatch, pack_single
 from nn_data import GatherFromContextParallel, PackingError, TokenLogProbs, UnpackSequences
 from nn_data.testing.reference import reference_token_logprobs
 
@@ -149,6 +149,7 @@ def test_gather_without_torch_distributed_is_the_identity():
         GatherFromContextParallel(grad_mode="mean")
 
 
+@pytest.mark.compile
 def test_compiled_forward_and_backward_match_eager_with_one_frame():
     op = TokenLogProbs(S, chunk_tokens=16)
     torch._dynamo.reset()
