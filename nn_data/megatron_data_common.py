@@ -9,6 +9,11 @@ Only the functions here touch it, at call time:
   ``total_tokens``; newer releases do);
 * :func:`cp_rank_and_size` reads ``parallel_state`` only when some code already
   imported and initialised it, else answers rank 0 of 1 without importing anything.
+
+:func:`public` is how the compat layer's functions call each other: through the names
+``nn_data.megatron_data`` binds *at call time*, so ``mock.patch("nn_data.megatron_data.X")``
+(what code written against NeMo-RL patches as ``nemo_rl.models.megatron.data.X``) reaches
+the call even though ``X`` is defined in a submodule and re-exported.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import sys
 from typing import Any, Optional
 
@@ -48,26 +54,64 @@ def packed_seq_params_fields() -> frozenset:
     return frozenset(f.name for f in dataclasses.fields(_packed_seq_params_class()))
 
 
-def make_packed_seq_params(cu_seqlens_padded: torch.Tensor, max_seqlen: int, local_tokens: Optional[int]) -> Any:
-    """A THD ``PackedSeqParams`` whose four ``cu_seqlens_*`` fields are ``cu_seqlens_padded``.
+def make_packed_seq_params(
+    cu_seqlens_padded: torch.Tensor,
+    max_seqlen: int,
+    total_tokens: Optional[int],
+    *,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    pad_between_seqs: Optional[bool] = None,
+) -> Any:
+    """A THD ``PackedSeqParams`` over ``cu_seqlens_padded`` ``[B+1]``.
 
-    ``max_seqlen`` (a Python int) fills ``max_seqlen_q``/``max_seqlen_kv``; ``local_tokens``
-    (this rank's packed length) fills ``total_tokens`` where the installed release has that
-    field (None leaves it unset). No host sync.
+    ``cu_seqlens_q``/``_kv`` are ``cu_seqlens`` when given (the valid-token boundaries, what
+    a model that slices CP itself needs), else ``cu_seqlens_padded``; the ``*_padded``
+    fields are always ``cu_seqlens_padded``. ``max_seqlen`` (a Python int) fills
+    ``max_seqlen_q``/``_kv``. ``total_tokens`` and ``pad_between_seqs`` are set only where
+    the installed release has those fields (megatron-core 0.16.1 has neither; None leaves a
+    field unset). No host sync.
     """
     cls = _packed_seq_params_class()
+    valid = cu_seqlens if cu_seqlens is not None else cu_seqlens_padded
     kwargs = dict(
         qkv_format="thd",
-        cu_seqlens_q=cu_seqlens_padded,
-        cu_seqlens_kv=cu_seqlens_padded,
+        cu_seqlens_q=valid,
+        cu_seqlens_kv=valid,
         cu_seqlens_q_padded=cu_seqlens_padded,
         cu_seqlens_kv_padded=cu_seqlens_padded,
         max_seqlen_q=int(max_seqlen),
         max_seqlen_kv=int(max_seqlen),
     )
-    if local_tokens is not None and "total_tokens" in packed_seq_params_fields():
-        kwargs["total_tokens"] = int(local_tokens)
+    fields = packed_seq_params_fields()
+    if total_tokens is not None and "total_tokens" in fields:
+        kwargs["total_tokens"] = int(total_tokens)
+    if pad_between_seqs is not None and "pad_between_seqs" in fields:
+        kwargs["pad_between_seqs"] = bool(pad_between_seqs)
     return cls(**kwargs)
+
+
+PUBLIC_MODULE = "nn_data.megatron_data"
+
+
+def public(name: str) -> Any:
+    """What ``nn_data.megatron_data`` binds to ``name`` now (a mock while it is patched).
+
+    Example: inside ``mock.patch("nn_data.megatron_data._pack_sequences_for_megatron")``,
+    ``public("_pack_sequences_for_megatron")`` is the mock, so :func:`process_microbatch`
+    calls the mock, as NeMo-RL's module-level calls would.
+    """
+    return getattr(importlib.import_module(PUBLIC_MODULE), name)
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's context-parallel rank (NeMo-RL imports megatron-core's; 0 when CP is not set up)."""
+    return cp_rank_and_size()[0]
+
+
+def get_context_parallel_world_size() -> int:
+    """The context-parallel size (NeMo-RL imports megatron-core's; 1 when CP is not set up,
+    where megatron-core's answers 0 without torch.distributed)."""
+    return cp_rank_and_size()[1]
 
 
 def cp_rank_and_size() -> tuple[int, int]:

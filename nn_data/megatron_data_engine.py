@@ -36,6 +36,7 @@ from nn_data import _checks
 from nn_data._index import exclusive_cumsum, round_up
 from nn_data.context_parallel import ShardForContextParallel
 from nn_data.errors import PackingError
+from nn_data.megatron_data_scope import current_scope
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_rows
 
@@ -98,10 +99,13 @@ class PackOptions:
 
 
 class PackPlan(NamedTuple):
-    """Host-side facts of one microbatch: packed length ``total`` (T) and ``max_seqlen``."""
+    """Host-side facts of one microbatch: packed length ``total`` (T), ``max_seqlen`` and
+    ``valid_total = sum(seq_lengths)`` (``valid_total != T`` means padding sits between or
+    after the sequences)."""
 
     total: int
     max_seqlen: int
+    valid_total: int = 0
 
 
 class PackedBatch(NamedTuple):
@@ -118,6 +122,8 @@ class PackedBatch(NamedTuple):
     routed_local: Optional[torch.Tensor] = None
     identity_packed: Optional[torch.Tensor] = None
     identity_local: Optional[torch.Tensor] = None
+    media_packed: Optional[torch.Tensor] = None
+    media_local: Optional[torch.Tensor] = None
 
 
 def check_pack_config(m, p, pad_full_seq_to, cp_rank, cp_size) -> None:
@@ -143,14 +149,14 @@ def plan_pack(lengths, row_len: int, m: int, p: int, pad_full_seq_to, cp_size: i
     rows, two_c = lengths.shape[0], 2 * cp_size
     if rows == 0:
         total = pad_full_seq_to if pad_full_seq_to is not None else _bucket(0, p, cp_size, buckets)
-        return PackPlan(total, 0)
+        return PackPlan(total, 0, 0)
     padded = round_up(lengths, m)  # [B]
     zero = padded.new_zeros(())
     nonlast = padded[:-1]  # [B-1]
     bad_nonlast = (nonlast % two_c != 0).sum() if cp_size > 1 and rows > 1 else zero
     stats = torch.stack([lengths.min(), lengths.max(), padded.sum(),
-                         nonlast.max() if rows > 1 else zero, nonlast.sum(), bad_nonlast])
-    lo, hi, natural, max_nonlast, last_start, bad = stats.tolist()  # sync: the one per microbatch
+                         nonlast.max() if rows > 1 else zero, nonlast.sum(), bad_nonlast, lengths.sum()])
+    lo, hi, natural, max_nonlast, last_start, bad, valid = stats.tolist()  # sync: the one per microbatch
     if lo < 0 or hi > row_len:
         _checks.raise_first((lengths < 0) | (lengths > row_len), lengths,
                             "seq_lengths[{i}] = {v} is outside [0, S=" f"{row_len}]; S is input_ids.shape[1]")
@@ -172,7 +178,7 @@ def plan_pack(lengths, row_len: int, m: int, p: int, pad_full_seq_to, cp_size: i
                             f"pad_individual_seqs_to_multiple_of to a multiple of {two_c} and pad_packed_seq_to"
                             " (or the packed multiple) so the last segment is one too (NeMo-RL silently drops"
                             " the remainder tokens of such a segment)")
-    return PackPlan(total, max(max_nonlast, last))
+    return PackPlan(total, max(max_nonlast, last), valid)
 
 
 def _bucket(natural: int, p: int, cp_size: int, buckets) -> int:
@@ -200,7 +206,8 @@ class PackShardGraph(nn.Module):
     """Pack ``input_ids`` and its companions with one layout and zigzag-shard them for CP.
 
     ``forward(input_ids [B, S], seq_lengths [B] int64, num_rows=None, mtp_loss_mask [B, S]=None,
-    routed_experts [B, S, layers, topk]=None, token_identity [B, S, 3]=None) -> PackedBatch``.
+    routed_experts [B, S, layers, topk]=None, token_identity [B, S, 3]=None,
+    media_token_validity_mask [B, S]=None) -> PackedBatch``.
     Pad positions hold 0, except routed experts, whose pad rows are ``arange(topk)`` (a
     valid top-k route). No host sync: ``T`` is a constructor argument, data checks are
     :func:`plan_pack`'s.
@@ -212,7 +219,7 @@ class PackShardGraph(nn.Module):
         self.shard = ShardForContextParallel(cp_size, cp_rank, validate=False)
 
     def forward(self, input_ids, seq_lengths, num_rows=None, mtp_loss_mask=None, routed_experts=None,
-                token_identity=None) -> PackedBatch:
+                token_identity=None, media_token_validity_mask=None) -> PackedBatch:
         res = self.pack(input_ids, seq_lengths, num_rows)
         bounds = res.cu_seqlens_padded
 
@@ -227,7 +234,8 @@ class PackShardGraph(nn.Module):
             topk_route = torch.arange(routed_experts.shape[-1], device=routed_experts.device,
                                       dtype=routed_experts.dtype)  # [topk], broadcast over layers
         return PackedBatch(res.packed, self.shard(res.packed, bounds), res.cu_seqlens, bounds,
-                           *both(mtp_loss_mask), *both(routed_experts, topk_route), *both(token_identity))
+                           *both(mtp_loss_mask), *both(routed_experts, topk_route), *both(token_identity),
+                           *both(media_token_validity_mask))
 
 
 @functools.lru_cache(maxsize=256)
@@ -283,7 +291,8 @@ def _empty_batch(input_ids, lengths, extras: dict) -> PackedBatch:
     ids = empty(input_ids)
     return PackedBatch(ids, ids, cu, cu.clone(), e.get("mtp_loss_mask"), e.get("mtp_loss_mask"),
                        e.get("routed_experts"), e.get("routed_experts"), e.get("token_identity"),
-                       e.get("token_identity"))
+                       e.get("token_identity"), e.get("media_token_validity_mask"),
+                       e.get("media_token_validity_mask"))
 
 
 def _row_pad(x: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -304,11 +313,20 @@ def as_lengths(seq_lengths, rows: int, device) -> torch.Tensor:
 def pack_microbatch(input_ids, seq_lengths, m: int, p: int, pad_full_seq_to, cp_rank: int, cp_size: int, *,
                     options: Optional[PackOptions] = None, **extras) -> tuple[PackedBatch, PackPlan]:
     """Plan (one sync) and pack ``input_ids [B, S]`` plus ``extras`` (``mtp_loss_mask``,
-    ``routed_experts``, ``token_identity``: ``[B, S, *]`` or None) for rank ``cp_rank``."""
+    ``routed_experts``, ``token_identity``, ``media_token_validity_mask``: ``[B, S, *]`` or
+    None) for rank ``cp_rank``. Inside a microbatch scope (:mod:`nn_data.megatron_data_scope`)
+    a plan made for the same ``seq_lengths`` object and configuration is reused: no sync."""
     options = options or PackOptions()
     check_pack_config(m, p, pad_full_seq_to, cp_rank, cp_size)
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
-    plan = plan_pack(lengths, input_ids.shape[1], m, p, pad_full_seq_to, cp_size, options.buckets)
+    rows, row_len = input_ids.shape[:2]
+
+    def make_plan():
+        return plan_pack(lengths, row_len, m, p, pad_full_seq_to, cp_size, options.buckets)
+
+    scope = current_scope()
+    key = ("plan", id(seq_lengths), rows, row_len, m, p, pad_full_seq_to, cp_size, options.buckets)
+    plan = scope.plan(key, seq_lengths, make_plan) if scope is not None else make_plan()
     out = run_graph((m, p, plan.total, cp_size, cp_rank), options, input_ids, lengths, extras)
     return out, plan
