@@ -225,13 +225,18 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
     if args.get("algorithm") not in PACKING_ALGORITHMS:
         raise PackingError(f"sequence_packing_args['algorithm']={args.get('algorithm')!r} is not one of NeMo-RL's "
                            f"packers {list(PACKING_ALGORITHMS)}")
-    padded = round_up_lengths(_host_lengths(data, args["input_lengths_key"]), args["sequence_length_pad_multiple"])
+    multiple, budget = args["sequence_length_pad_multiple"], args["max_tokens_per_microbatch"]
+    padded = round_up_lengths(_host_lengths(data, args["input_lengths_key"]), multiple)
+    over = [r for r, n in enumerate(padded.tolist()) if n > budget]  # sync: none, numpy
+    if over:
+        raise PackingError(f"Sequence length {int(padded[over[0]])} exceeds bin capacity {budget} (row {over[0]}, "
+                           f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
     rows = [[] for _ in range(shards)]
     indices = [[] for _ in range(shards)]
     loads = [[] for _ in range(shards)]
     for start in range(0, len(padded), batch_size):
         chunk = padded[start:start + batch_size].tolist()  # sync: none, numpy
-        bins = _adjust_bin_count(_ffd_ties_last(chunk, args["max_tokens_per_microbatch"]), shards)
+        bins = _adjust_bin_count(_ffd_ties_last(chunk, budget), shards)
         for i in range(shards):
             mine = bins[i::shards]
             if order_mode == "largest_first":
