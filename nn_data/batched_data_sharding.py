@@ -114,7 +114,10 @@ def reorder_rows(data, reordered_indices: Sequence[int]) -> None:
     order = np.argsort(keys, kind="stable").tolist()  # sync: none, numpy on the host
     index = torch.tensor(order, dtype=torch.int64)
     for key, value in list(data.items()):
-        data[key] = value.index_select(0, index.to(value.device)) if torch.is_tensor(value) else [value[i] for i in order]
+        if torch.is_tensor(value):
+            data[key] = value.index_select(0, index.to(value.device))
+        else:
+            data[key] = [value[i] for i in order]
 
 
 def shard_by_batch_size(data, make, shards: int, batch_size: Optional[int] = None, allow_uneven_shards: bool = False,

@@ -134,9 +134,8 @@ def process_microbatch(
 ) -> ProcessedInputs:
     """Process a microbatch for the Megatron forward pass (NeMo-RL HEAD's arguments and results).
 
-    ``data_dict`` is any mapping read as NeMo-RL reads it (``in``, ``[]``): nn_data's or
-    NeMo-RL's ``BatchedDataDict``, a dict. The helpers are called through
-    ``nn_data.megatron_data`` (patching ``nn_data.megatron_data.X`` reaches the call).
+    ``data_dict``: any mapping read as NeMo-RL reads it (``in``, ``[]``). Helpers are called
+    through ``nn_data.megatron_data`` (patching ``nn_data.megatron_data.X`` reaches the call).
 
     Packed (``pack_sequences``, :mod:`nn_data.megatron_data_packed`): ``input_ids`` ``[1, T]``,
     ``input_ids_cp_sharded`` the CP-local ``[1, T/C]``; ``mtp_loss_mask`` and

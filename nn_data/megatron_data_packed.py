@@ -161,5 +161,6 @@ def _full_row_params(cu: torch.Tensor, cu_pad: torch.Tensor, total: int):
     else:
         seg = cu_pad[1:].to(torch.int64) - cu_pad[:-1].to(torch.int64)  # [B]
         differs = (cu.to(torch.int64) != cu_pad.to(torch.int64)).any()
-        max_seqlen, pad_between = torch.stack([seg.max(), differs.to(torch.int64)]).tolist()  # sync: boundaries of unknown origin
+        stats = torch.stack([seg.max(), differs.to(torch.int64)])
+        max_seqlen, pad_between = stats.tolist()  # sync: boundaries this microbatch's pack did not produce
     return make_packed_seq_params(cu_pad, max_seqlen, total, cu_seqlens=cu, pad_between_seqs=bool(pad_between))

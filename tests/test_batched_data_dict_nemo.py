@@ -153,7 +153,8 @@ def test_packing_plan_invariants_and_round_trip(lengths, shards, chunks, budget,
         return
     data = _data(lengths[:rows])
     try:
-        out, order = data.shard_by_batch_size(shards, rows // chunks, sequence_packing_args=_pack_args(budget, multiple))
+        args = _pack_args(budget, multiple)
+        out, order = data.shard_by_batch_size(shards, rows // chunks, sequence_packing_args=args)
     except PackingError as err:  # only when a chunk has fewer sequences than ranks need bins
         assert "Cannot create" in str(err)
         return

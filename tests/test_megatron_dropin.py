@@ -44,7 +44,8 @@ def test_packed_path_calls_the_patched_helpers():
                                 wraps=md._shard_routed_experts_for_cp) as shard:
         out = md.process_microbatch(data, "input_lengths", 2, pack_sequences=True)
     assert pack.call_count == 2  # input_ids, then the mtp mask: NeMo-RL's calls
-    assert pack.call_args_list[0].args[0] is data["input_ids"] and pack.call_args_list[1].args[0] is data["mtp_loss_mask"]
+    first, second = pack.call_args_list
+    assert first.args[0] is data["input_ids"] and second.args[0] is data["mtp_loss_mask"]
     assert pack.call_args_list[0].kwargs == {"cp_rank": 0, "cp_size": 1}  # exactly NeMo-RL's call
     assert shard.call_count == 1 and shard.call_args.args[0] is data["routed_experts"]
     assert torch.equal(out.input_ids, reference_pack(data["input_ids"], [3, 2], 2).packed)
@@ -163,7 +164,8 @@ def test_iterators_walk_a_nemo_rl_style_dict(packing):
         assert isinstance(a.data_dict, NemoStyleDict) and torch.equal(a.input_ids, b.input_ids)
         assert torch.equal(a.input_ids_cp_sharded, b.input_ids_cp_sharded)
     result = md.process_global_batch(theirs, None, None, batch_idx=0, batch_size=6)
-    assert result["global_valid_seqs"].item() == 5 and result["global_valid_toks"].item() == 4 + 8 + 3 + 5  # (L - 1) per kept row
+    assert result["global_valid_seqs"].item() == 5
+    assert result["global_valid_toks"].item() == 4 + 8 + 3 + 5  # L - 1 per kept row
 
 
 def test_get_and_validate_seqlen_reads_items_only():

@@ -235,3 +235,15 @@ def test_every_tensor_of_a_microbatch_costs_one_sync(cp, monkeypatch, model_slic
         for _ in range(3):
             _process(data, model_slices_context_parallel_inputs=model_slices)
     assert counter.count == 3, counter.calls
+
+
+@pytest.mark.parametrize("model_slices", [False, True])
+def test_every_tensor_of_a_microbatch_rides_one_graph_run(cp, monkeypatch, model_slices):
+    from nn_data import megatron_data_engine
+
+    cp(0)
+    runs = []
+    real = megatron_data_engine.run_graph
+    monkeypatch.setattr(megatron_data_engine, "run_graph", lambda *a, **k: runs.append(sorted(a[4])) or real(*a, **k))
+    _process(_batch(), model_slices_context_parallel_inputs=model_slices)
+    assert runs == [["media_token_validity_mask", "mtp_loss_mask", "routed_experts"]]  # ids + all companions, once
