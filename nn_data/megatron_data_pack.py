@@ -69,7 +69,7 @@ def _pack_sequences_for_megatron(
     """
     m, p = pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of
     scope = current_scope()
-    key = ("pack", id(seq_lengths), m, p, pad_packed_seq_to, cp_rank, cp_size, options)
+    key = ("pack", id(seq_lengths), m, p, pad_packed_seq_to, cp_rank, cp_size, id(options))  # both held by the caller
     if scope is not None:
         done = scope.recall(input_ids, key)
         if done is not None:
