@@ -35,6 +35,7 @@ from torch import nn
 from nn_data import _checks
 from nn_data._index import exclusive_cumsum, round_up
 from nn_data.errors import PackingError
+from nn_data.megatron_data.scope import current_scope
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_rows
 
@@ -97,10 +98,13 @@ class PackOptions:
 
 
 class PackPlan(NamedTuple):
-    """Host-side facts of one microbatch: packed length ``total`` (T) and ``max_seqlen``."""
+    """Host-side facts of one microbatch: packed length ``total`` (T), ``max_seqlen`` and
+    ``valid_total = sum(seq_lengths)`` (``valid_total != T`` means padding sits between or
+    after the sequences)."""
 
     total: int
     max_seqlen: int
+    valid_total: int = 0
 
 
 class PackedBatch(NamedTuple):
@@ -117,6 +121,8 @@ class PackedBatch(NamedTuple):
     routed_local: Optional[torch.Tensor] = None
     identity_packed: Optional[torch.Tensor] = None
     identity_local: Optional[torch.Tensor] = None
+    media_packed: Optional[torch.Tensor] = None
+    media_local: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,14 +178,14 @@ def plan_pack(lengths, row_len: int, config: PackConfig, buckets=None) -> PackPl
     m, p, fixed, cp_size = config.m, config.p, config.pad_full_seq_to, config.cp_size
     rows, two_c = lengths.shape[0], 2 * cp_size
     if rows == 0:
-        return PackPlan(fixed if fixed is not None else _bucket(0, p, cp_size, buckets), 0)
+        return PackPlan(fixed if fixed is not None else _bucket(0, p, cp_size, buckets), 0, 0)
     padded = round_up(lengths, m)  # [B]
     zero = padded.new_zeros(())
     nonlast = padded[:-1]  # [B-1]
     bad_nonlast = (nonlast % two_c != 0).sum() if cp_size > 1 and rows > 1 else zero
     stats = torch.stack([lengths.min(), lengths.max(), padded.sum(),
-                         nonlast.max() if rows > 1 else zero, nonlast.sum(), bad_nonlast])
-    lo, hi, natural, max_nonlast, last_start, bad = stats.tolist()  # sync: the one per microbatch
+                         nonlast.max() if rows > 1 else zero, nonlast.sum(), bad_nonlast, lengths.sum()])
+    lo, hi, natural, max_nonlast, last_start, bad, valid = stats.tolist()  # sync: the one per microbatch
     if lo < 0 or hi > row_len:
         _checks.raise_length_outside((lengths < 0) | (lengths > row_len), lengths, row_len)
     if fixed is not None:
@@ -196,7 +202,7 @@ def plan_pack(lengths, row_len: int, config: PackConfig, buckets=None) -> PackPl
     if cp_size > 1 and (bad or last % two_c):
         padded_all = torch.cat([nonlast, nonlast.new_tensor([last])])
         _checks.raise_first(padded_all % two_c != 0, padded_all, _checks.segment_not_divisible(two_c))
-    return PackPlan(total, max(max_nonlast, last))
+    return PackPlan(total, max(max_nonlast, last), valid)
 
 
 def _bucket(natural: int, p: int, cp_size: int, buckets) -> int:
@@ -224,7 +230,8 @@ class PackShardGraph(nn.Module):
     """Pack ``input_ids`` and its companions with one layout and take this rank's zigzag places.
 
     ``forward(input_ids [B, S], seq_lengths [B] int64, num_rows=None, mtp_loss_mask [B, S]=None,
-    routed_experts [B, S, layers, topk]=None, token_identity [B, S, 3]=None) -> PackedBatch``.
+    routed_experts [B, S, layers, topk]=None, token_identity [B, S, 3]=None,
+    media_token_validity_mask [B, S]=None) -> PackedBatch``.
     The layout and this rank's places are computed once and applied to every tensor (one
     scatter/gather to pack, one ``index_select`` to shard). Pad positions hold 0, except routed
     experts, whose pad rows are ``arange(topk)`` (a valid top-k route). No host sync: ``T`` is in
@@ -237,7 +244,7 @@ class PackShardGraph(nn.Module):
         self.pack = PackSequences(key.m, key.p, key.total, validate=False)
 
     def forward(self, input_ids, seq_lengths, num_rows=None, mtp_loss_mask=None, routed_experts=None,
-                token_identity=None) -> PackedBatch:
+                token_identity=None, media_token_validity_mask=None) -> PackedBatch:
         res = self.pack(input_ids, seq_lengths, num_rows)
         cp_size = self.key.cp_size
         source = None
@@ -255,7 +262,8 @@ class PackShardGraph(nn.Module):
             topk_route = torch.arange(routed_experts.shape[-1], device=routed_experts.device,
                                       dtype=routed_experts.dtype)  # [topk], broadcast over layers
         return PackedBatch(*both(res.packed, None), res.cu_seqlens, res.cu_seqlens_padded,
-                           *both(mtp_loss_mask), *both(routed_experts, topk_route), *both(token_identity))
+                           *both(mtp_loss_mask), *both(routed_experts, topk_route), *both(token_identity),
+                           *both(media_token_validity_mask))
 
 
 @functools.lru_cache(maxsize=256)
@@ -317,7 +325,8 @@ def _empty_batch(input_ids, lengths, extras: dict) -> PackedBatch:
     ids = empty(input_ids)
     return PackedBatch(ids, ids, cu, cu.clone(), e.get("mtp_loss_mask"), e.get("mtp_loss_mask"),
                        e.get("routed_experts"), e.get("routed_experts"), e.get("token_identity"),
-                       e.get("token_identity"))
+                       e.get("token_identity"), e.get("media_token_validity_mask"),
+                       e.get("media_token_validity_mask"))
 
 
 def _row_pad(x: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -338,10 +347,19 @@ def as_lengths(seq_lengths, rows: int, device) -> torch.Tensor:
 def pack_microbatch(input_ids, seq_lengths, config: PackConfig, *, options: Optional[PackOptions] = None,
                     **extras) -> tuple[PackedBatch, PackPlan]:
     """Plan (one sync) and pack ``input_ids [B, S]`` plus ``extras`` (``mtp_loss_mask``,
-    ``routed_experts``, ``token_identity``: ``[B, S, *]`` or None) for ``config``'s CP rank."""
+    ``routed_experts``, ``token_identity``, ``media_token_validity_mask``: ``[B, S, *]`` or
+    None) for ``config``'s CP rank. Inside a microbatch scope (:mod:`nn_data.megatron_data.scope`)
+    a plan made for the same ``seq_lengths`` object and configuration is reused: no sync."""
     options = options or PackOptions()
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
-    plan = plan_pack(lengths, input_ids.shape[1], config, options.buckets)
+    rows, row_len = input_ids.shape[:2]
+
+    def make_plan():
+        return plan_pack(lengths, row_len, config, options.buckets)
+
+    scope = current_scope()
+    key = ("plan", id(seq_lengths), rows, row_len, config, options.buckets)
+    plan = scope.plan(key, seq_lengths, make_plan) if scope is not None else make_plan()
     out = run_graph(config.graph_key(plan.total), options, input_ids, lengths, extras)
     return out, plan

@@ -17,19 +17,21 @@ import pytest
 import nn_data.megatron_data as md
 
 E = inspect.Parameter.empty
+# Arguments NeMo-RL's HEAD added after the API page was taken, in HEAD's order.
+HEAD_ARGS = [("delegate_mtp_loss_mask_to_model", False), ("model_slices_context_parallel_inputs", False)]
 # (name, default) of every positional-or-keyword / keyword-only parameter on NeMo-RL's API page.
 API = {
     "make_processed_microbatch_iterator": [
         ("raw_iterator", E), ("cfg", E), ("seq_length_key", E), ("pad_individual_seqs_to_multiple_of", E),
         ("pad_packed_seq_to_multiple_of", E), ("straggler_timer", E), ("pad_full_seq_to", E),
-        ("delegate_pack_to_model", False)],
+        ("delegate_pack_to_model", False), *HEAD_ARGS],
     "get_microbatch_iterator": [("data", E), ("cfg", E), ("mbs", E), ("straggler_timer", E),
-                                ("seq_length_key", None), ("delegate_pack_to_model", False)],
+                                ("seq_length_key", None), ("delegate_pack_to_model", False), *HEAD_ARGS],
     "get_ltor_masks_and_position_ids": [("args", E), ("kwargs", E)],
     "process_microbatch": [
         ("data_dict", E), ("seq_length_key", None), ("pad_individual_seqs_to_multiple_of", 1),
         ("pad_packed_seq_to_multiple_of", 1), ("pad_full_seq_to", None), ("pack_sequences", False),
-        ("delegate_pack_to_model", False), ("straggler_timer", None)],
+        ("delegate_pack_to_model", False), *HEAD_ARGS, ("straggler_timer", None)],
     "_make_r3_trace_token_identity": [("input_ids", E), ("seq_lengths", None)],
     "_verify_r3_trace_cp_token_alignment": [
         ("source_input_ids", E), ("source_routed_experts", E), ("input_ids_cp_sharded", E),
@@ -52,7 +54,8 @@ API = {
 }
 KEYWORD_ONLY = {"_verify_r3_trace_cp_token_alignment": 5, "process_global_batch": 2}  # NeMo-RL's own '*'
 FIELDS = ["input_ids", "input_ids_cp_sharded", "attention_mask", "position_ids", "packed_seq_params",
-          "cu_seqlens_padded", "mtp_loss_mask", "routed_experts", "routed_experts_cp_sharded"]
+          "cu_seqlens_padded", "mtp_loss_mask", "routed_experts", "routed_experts_cp_sharded",
+          "media_token_validity_mask"]
 
 
 @pytest.mark.parametrize("name", sorted(API))
@@ -71,7 +74,8 @@ def test_dataclass_fields_and_defaults():
     assert [f.name for f in inputs] == FIELDS
     assert [f.name for f in inputs if f.default is None] == FIELDS[6:]
     assert [f.name for f in dataclasses.fields(md.ProcessedMicrobatch)] == ["data_dict", *FIELDS]
-    assert set(md.__all__) >= set(API) | {"ProcessedInputs", "ProcessedMicrobatch"}
+    assert set(md.__all__) >= set(API) | {"ProcessedInputs", "ProcessedMicrobatch", "get_context_parallel_rank",
+                                          "get_context_parallel_world_size", "get_packed_seq_cp_partition_indices"}
 
 
 def test_importing_the_layer_does_not_import_megatron_core():

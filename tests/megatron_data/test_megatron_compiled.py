@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
-from nn_data.megatron_data import microbatch as megatron_data_microbatch
-from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+from nn_data import megatron_data
+from nn_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
 from nn_data.megatron_data.engine import reset_compiled
@@ -61,7 +61,8 @@ def _assert_same(a, b):
 
 
 def test_stream_of_20_compiles_once_and_matches_eager(fresh_dynamo, monkeypatch):
-    monkeypatch.setattr(megatron_data_microbatch, "cp_rank_and_size", lambda: (1, 2))
+    monkeypatch.setattr(megatron_data, "get_context_parallel_rank", lambda: 1)
+    monkeypatch.setattr(megatron_data, "get_context_parallel_world_size", lambda: 2)
     counter = CompileCounterWithBackend("inductor")
     compiled = PackOptions(compile=True, row_capacity=8, backend=counter)
     rows_seen, lengths_seen = set(), set()

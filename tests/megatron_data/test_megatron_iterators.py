@@ -84,7 +84,7 @@ def test_fixed_size_iterator():
 
 def test_iterator_moves_each_microbatch_to_the_chosen_device():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert resolve_device().type == expected  # default: CUDA when available
+    assert torch.device(resolve_device()).type == expected  # default: "cuda" (NeMo-RL's string) when available
     assert resolve_device(None, {"nn_data": {"device": "meta"}}).type == "meta"
     assert resolve_device("cpu", {"nn_data": {"device": "meta"}}).type == "cpu"  # the argument wins
     it = make_processed_microbatch_iterator(iter([_data()]), _cfg(), None, 1, 1, None, None, device="cpu")
@@ -93,11 +93,11 @@ def test_iterator_moves_each_microbatch_to_the_chosen_device():
 
 
 def test_cfg_nn_data_section_becomes_pack_options(monkeypatch):
-    from nn_data.megatron_data import iterators as megatron_data_iterators
+    from nn_data import megatron_data
 
     captured = []
-    real = megatron_data_iterators.process_microbatch
-    monkeypatch.setattr(megatron_data_iterators, "process_microbatch",
+    real = megatron_data.process_microbatch
+    monkeypatch.setattr(megatron_data, "process_microbatch",
                         lambda **kw: captured.append(kw["options"]) or real(**kw))
     planned, _ = _data().plan_sequence_packing(16, sequence_length_pad_multiple=4)
     cfg = _cfg(packing=True, nn_data={"buckets": [32, 64], "device": "cpu"})
@@ -134,7 +134,7 @@ def test_process_global_batch_without_distributed():
 def test_process_global_batch_errors():
     data = _data()
     del data["token_mask"]
-    with pytest.raises(AssertionError, match="token_mask must be present in the data when using a token-level loss"):
+    with pytest.raises(AssertionError, match="token_mask must be present in the data when using token-level loss"):
         process_global_batch(data, Loss(LossType.TOKEN_LEVEL), None, batch_idx=0, batch_size=3)
     del data["sample_mask"]
     with pytest.raises(AssertionError, match="sample_mask must be present in the data"):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nn_data.megatron_data import microbatch as megatron_data_microbatch
-from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+from nn_data import megatron_data
+from nn_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.megatron_data import (
     _fill_routed_experts_padding,
@@ -43,8 +43,9 @@ def _batch(lengths=LENGTHS, seq_len=S, routed=True, mtp=True):
 @pytest.fixture
 def cp2(monkeypatch):
     """Simulate CP rank ``r`` of 2 for process_microbatch."""
-    def set_rank(rank):
-        monkeypatch.setattr(megatron_data_microbatch, "cp_rank_and_size", lambda: (rank, 2))
+    def set_rank(rank):  # NeMo-RL's patch points: the module-level CP getters
+        monkeypatch.setattr(megatron_data, "get_context_parallel_rank", lambda: rank)
+        monkeypatch.setattr(megatron_data, "get_context_parallel_world_size", lambda: 2)
     return set_rank
 
 
@@ -156,8 +157,8 @@ def test_r3_verifier_finds_misaligned_tokens(monkeypatch, corrupt, what):
     swapped = inputs[corrupt].clone()
     swapped[0, [13, 14]] = swapped[0, [14, 13]]  # two valid tokens of sequence 1 trade places
     inputs[corrupt] = swapped
-    match = (rf"verifier: 2 CP-local {what} do not match their source \[batch_idx, token_pos\]; "
-             r"first at local position 13, identity \[1, 1, 1\]")
+    match = (rf"verifier found {what} that do not match their source \[batch_idx, token_pos\] identities\. "
+             r"\(2 CP-local tokens; the first at local position 13, identity \[1, 1, 1\]\)")
     with pytest.raises(RuntimeError, match=match):
         _verify_r3_trace_cp_token_alignment(**inputs)
 
@@ -165,9 +166,9 @@ def test_r3_verifier_finds_misaligned_tokens(monkeypatch, corrupt, what):
 def test_r3_verifier_shape_errors(monkeypatch):
     monkeypatch.setenv("NN_DATA_R3_VERIFY", "1")
     inputs = _identity_inputs()
-    with pytest.raises(RuntimeError, match="routed_experts and token identities together"):
+    with pytest.raises(RuntimeError, match="routed_experts and token identity tensors to be present together"):
         _verify_r3_trace_cp_token_alignment(**{**inputs, "routed_experts_cp_sharded": None})
-    with pytest.raises(RuntimeError, match=r"dim of 3; got shape \(1, 28, 2\)"):
+    with pytest.raises(RuntimeError, match=r"trailing \[batch_idx, token_pos, valid\] dimension; got \(1, 28, 2\)"):
         _verify_r3_trace_cp_token_alignment(
             **{**inputs, "token_identity_cp_sharded": inputs["token_identity_cp_sharded"][..., :2]})
     with pytest.raises(RuntimeError, match="different token counts: identity=28 tokens=27"):
@@ -180,8 +181,8 @@ def test_process_microbatch_runs_the_verifier_on_both_paths(monkeypatch, cp2, pa
     monkeypatch.setenv("NN_DATA_R3_VERIFY", "1")
     cp2(1)
     seen = []
-    real = megatron_data_microbatch._verify_r3_trace_cp_token_alignment
-    monkeypatch.setattr(megatron_data_microbatch, "_verify_r3_trace_cp_token_alignment",
+    real = megatron_data._verify_r3_trace_cp_token_alignment
+    monkeypatch.setattr(megatron_data, "_verify_r3_trace_cp_token_alignment",
                         lambda **kw: seen.append(real(**kw)))
     process_microbatch(_batch(), "input_lengths", 4, 1, 40, pack_sequences=pack)
     assert seen == ([12] if pack else [sum(LENGTHS)])  # CP rank 1 holds 6 + 2 + 4 + 0 of the 24 valid tokens
@@ -282,7 +283,8 @@ def test_vlm_rejects_lengths_past_the_row():
 
 def test_process_microbatch_delegates_packing_to_the_model():
     data = _batch(routed=False)
-    out = process_microbatch(data, "input_lengths", 4, 1, 40, pack_sequences=True, delegate_pack_to_model=True)
+    out = process_microbatch(data, "input_lengths", 4, 1, 40, pack_sequences=True, delegate_pack_to_model=True,
+                             delegate_mtp_loss_mask_to_model=True)
     assert out.input_ids.shape == (1, 40) and out.input_ids_cp_sharded.shape == (4, 16)
     assert out.cu_seqlens_padded.tolist() == [0, 12, 16, 24, 40]
     assert out.attention_mask.sum(1).tolist() == [12, 4, 8, 16]
@@ -290,7 +292,8 @@ def test_process_microbatch_delegates_packing_to_the_model():
     expected[:, :12] = data["mtp_loss_mask"]
     assert torch.equal(out.mtp_loss_mask, expected * out.attention_mask)
     with pytest.raises(NotImplementedError, match="Router replay"):
-        process_microbatch(_batch(), "input_lengths", 4, 1, 40, pack_sequences=True, delegate_pack_to_model=True)
+        process_microbatch(_batch(), "input_lengths", 4, 1, 40, pack_sequences=True, delegate_pack_to_model=True,
+                           delegate_mtp_loss_mask_to_model=True)
 
 
 # ---- arguments and the host-sync budget -------------------------------------------------------

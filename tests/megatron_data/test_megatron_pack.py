@@ -193,7 +193,7 @@ def test_fp8_disabled_needs_no_packed_multiple():
 @pytest.mark.parametrize("cfg, m, factor", [(megatron_cfg(cp=2), 6, 4), (megatron_cfg(tp=2, sp=True), 3, 2),
                                             (megatron_cfg(tp=2, sp=True, cp=2), 4, 8)])
 def test_pack_parameter_minimum_pad_factor(cfg, m, factor):
-    with pytest.raises(AssertionError, match=rf"\({m}\) is not a multiple of the minimum pad factor {factor}"):
+    with pytest.raises(AssertionError, match=rf"\({m}\) is not a multiple of minimum_pad_factor \({factor}\)\.\nPlease set"):
         _get_pack_sequence_parameters_for_megatron(cfg, m, 100)
 
 
@@ -235,5 +235,5 @@ def test_get_and_validate_seqlen():
             "names": ["a", "b"]}
     assert get_and_validate_seqlen(data) == (1, 7)
     data["logprobs"] = torch.zeros(2, 6)
-    with pytest.raises(AssertionError, match=r"expected 7 \(input_ids.shape\[1\]\) but 'logprobs' has shape \(2, 6\)"):
+    with pytest.raises(AssertionError, match=r"Dim 1 must be the sequence dim, expected dim 1=7 but got shape torch.Size\(\[2, 6\]\) for key logprobs"):
         get_and_validate_seqlen(data)
