@@ -27,6 +27,9 @@ from nn_data.unpack import unpack_sequences
 DRY_RUN = os.environ.get("NN_DATA_CUDA_DRY_RUN") == "1"
 ON_CUDA = torch.cuda.is_available() and not DRY_RUN
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+# Every GPU-tier module: ``pytestmark = TIER``.
+TIER = [pytest.mark.cuda, pytest.mark.skipif(
+    not (torch.cuda.is_available() or DRY_RUN), reason="needs CUDA (GPU-only tier; NN_DATA_CUDA_DRY_RUN=1: on the CPU)")]
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]  # dry run: fewer compiles
 
 

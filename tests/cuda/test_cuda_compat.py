@@ -22,10 +22,9 @@ from nn_data.batched_data_dict import BatchedDataDict
 from nn_data.megatron_data import PackOptions, process_microbatch
 from nn_data.megatron_data_engine import reset_compiled
 from profiling.cuda_counters import SyncCounter
-from tests.cuda.stream import DEVICE, DRY_RUN, DTYPES, SIZES, make_stream, until_issue_10
+from tests.cuda.stream import TIER, DEVICE, DTYPES, SIZES, make_stream, until_issue_10
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
-    not (torch.cuda.is_available() or DRY_RUN), reason="needs CUDA (GPU-only tier; NN_DATA_CUDA_DRY_RUN=1 runs it on the CPU)")]
+pytestmark = TIER
 
 ARGS = ("input_lengths", SIZES.multiple, 1, SIZES.total, True)  # key, m, p, pad_full_seq_to, pack
 

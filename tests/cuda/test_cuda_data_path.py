@@ -22,11 +22,10 @@ from nn_data import pad_to_row_capacity
 from nn_data.reference import reference_pack, reference_shard
 from profiling.cuda_counters import CudaGraphCounter, SyncCounter, forbid_syncs
 from tests.cuda.stream import (
-    DEVICE, DRY_RUN, DTYPES, SIZES, VARYING_S, DataPath, Scale, cuda_only, expected_rows, make_stream, until_issue_10,
+    TIER, DEVICE, DTYPES, SIZES, VARYING_S, DataPath, Scale, cuda_only, expected_rows, make_stream, until_issue_10,
 )
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
-    not (torch.cuda.is_available() or DRY_RUN), reason="needs CUDA (GPU-only tier; NN_DATA_CUDA_DRY_RUN=1 runs it on the CPU)")]
+pytestmark = TIER
 
 
 def step(prepare, finish, model, mb, *, mark_step=False, dynamic_s=False):

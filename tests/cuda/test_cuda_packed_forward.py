@@ -21,11 +21,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from nn_data import PackedForward
 from profiling.cuda_counters import SyncCounter, forbid_syncs
 from tests.cuda.stream import (
-    DEVICE, DRY_RUN, DTYPES, SIZES, VARYING_S, Scale, expected_rows, make_stream, until_issue_10,
+    TIER, DEVICE, DTYPES, SIZES, VARYING_S, Scale, expected_rows, make_stream, until_issue_10,
 )
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
-    not (torch.cuda.is_available() or DRY_RUN), reason="needs CUDA (GPU-only tier; NN_DATA_CUDA_DRY_RUN=1 runs it on the CPU)")]
+pytestmark = TIER
 
 
 class ContractModel(nn.Module):
