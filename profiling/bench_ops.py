@@ -151,7 +151,9 @@ def count_syncs(fn: Callable[[], object], device="cpu") -> tuple[int, Optional[i
 
 
 def run(rows_list, tokens: int, m: int, cp: int, hidden: int, reps: int, seed: int, device="cpu",
-        ops=OPS) -> list[dict]:
+        ops=OPS, on_op: Optional[Callable[[list], None]] = None) -> list[dict]:
+    """One row per op, B and mode (``floor`` included). A mode that raises (a capture that
+    syncs, say) gives a row with ``error`` instead of figures. ``on_op(results)`` after each op."""
     cuda = torch.device(device).type == "cuda"
     timer = (lambda fn: time_calls_cuda(fn, reps=reps)) if cuda else (lambda fn: time_calls(fn, reps=reps))
     results = []
@@ -164,21 +166,30 @@ def run(rows_list, tokens: int, m: int, cp: int, hidden: int, reps: int, seed: i
             modes["floor"] = torch.empty(nbytes, dtype=torch.uint8, device=device).clone
             floor = timer(modes["floor"])
             for mode, fn in modes.items():
-                t = floor if mode == "floor" else timer(fn)
-                syncs, cuda_syncs = count_syncs(fn, device)
+                row = dict(op=op, B=rows, S=case.seq_len, mode=mode, device=str(device), reps=reps)
+                try:
+                    t = floor if mode == "floor" else timer(fn)
+                    syncs, cuda_syncs = count_syncs(fn, device)
+                except Exception as error:  # noqa: BLE001 - reported in the row, the other modes still run
+                    results.append(dict(row, error=f"{type(error).__name__}: {error}"[:500]))
+                    continue
                 results.append(dict(
-                    op=op, B=rows, S=case.seq_len, mode=mode, us=t.median_s * 1e6, p10_us=t.p10_s * 1e6,
-                    p90_us=t.p90_s * 1e6, first_s=t.first_s, gbps=nbytes / t.median_s / 1e9, syncs=syncs,
-                    cuda_syncs=cuda_syncs, floor_ratio=t.median_s / floor.median_s,
-                    captures=getattr(fn, "captures", None), device=str(device), reps=reps,
+                    row, us=t.median_s * 1e6, p10_us=t.p10_s * 1e6, p90_us=t.p90_s * 1e6, first_s=t.first_s,
+                    gbps=nbytes / t.median_s / 1e9, syncs=syncs, cuda_syncs=cuda_syncs,
+                    floor_ratio=t.median_s / floor.median_s, captures=getattr(fn, "captures", None),
                 ))
+            if on_op is not None:
+                on_op(results)
     return results
 
 
 def print_table(results: list[dict]) -> None:
     print(f"{'op':<12} {'B':>4} {'S':>6} {'mode':<10} {'us/call':>10} {'GB/s':>7} {'syncs':>6} {'x floor':>8} {'vs ref':>7}")
-    ref = {(r["op"], r["B"]): r["us"] for r in results if r["mode"] == "reference"}
+    ref = {(r["op"], r["B"]): r.get("us", float("nan")) for r in results if r["mode"] == "reference"}
     for r in results:
+        if "error" in r:
+            print(f"{r['op']:<12} {r['B']:>4} {r['S']:>6} {r['mode']:<10} error: {r['error']}")
+            continue
         speedup = ref[(r["op"], r["B"])] / r["us"]
         syncs = f"{r['syncs']}" + ("" if r.get("cuda_syncs") is None else f"/{r['cuda_syncs']}")
         print(f"{r['op']:<12} {r['B']:>4} {r['S']:>6} {r['mode']:<10} {r['us']:>10.1f} {r['gbps']:>7.2f} "
@@ -203,11 +214,15 @@ def main(argv=None) -> None:
         ap.error(f"--device={args.device} but CUDA is not available (torch {torch.__version__})")
     reps = args.reps or (50 if cuda else 10)
     print(f"machine: {machine_description()}")
-    results = run(args.rows, args.tokens, args.multiple, args.cp, args.hidden, reps, args.seed, args.device, args.ops)
+    def write_json(results):  # after every op: a run cut short keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine_description(), "results": results}, f, indent=1)
+
+    results = run(args.rows, args.tokens, args.multiple, args.cp, args.hidden, reps, args.seed, args.device,
+                  args.ops, on_op=write_json)
     print_table(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_description(), "results": results}, f, indent=1)
+    write_json(results)
 
 
 if __name__ == "__main__":

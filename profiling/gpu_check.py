@@ -174,11 +174,12 @@ def figures_text(bench: list | None, profiler: dict | None) -> list[str]:
         lines.append(f"bench: median us per call ({bench[0]['device']}, {bench[0]['reps']} timed calls each)")
         lines.append(f"  {'op':<12} {'B':>4} {'S':>6} " + " ".join(f"{m:>10}" for m in modes) + f" {'ref/best':>9}")
         keys = dict.fromkeys((r["op"], r["B"], r["S"]) for r in bench)
+        nan = float("nan")
         for op, rows, seq in keys:
-            us = {r["mode"]: r["us"] for r in bench if (r["op"], r["B"]) == (op, rows)}
-            best = min(v for m, v in us.items() if m not in ("reference", "floor"))
-            lines.append(f"  {op:<12} {rows:>4} {seq:>6} " + " ".join(f"{us.get(m, float('nan')):>10.1f}" for m in modes)
-                         + f" {us['reference'] / best:>8.1f}x")
+            us = {r["mode"]: r.get("us", nan) for r in bench if (r["op"], r["B"]) == (op, rows)}
+            best = min((v for m, v in us.items() if m not in ("reference", "floor")), default=nan)
+            lines.append(f"  {op:<12} {rows:>4} {seq:>6} " + " ".join(f"{us.get(m, nan):>10.1f}" for m in modes)
+                         + f" {us.get('reference', nan) / best:>8.1f}x")
     if profiler:
         lines.append(f"profiler: ms per microbatch over {profiler['stream']['microbatches']} microbatches "
                      f"(S={profiler['stream']['S']} T={profiler['stream']['T']} R={profiler['stream']['R']})")

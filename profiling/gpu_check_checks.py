@@ -72,7 +72,10 @@ def bench_checks(results: Optional[list], *, cuda: bool) -> list[Check]:
     on CUDA every op was captured once and replayed."""
     if not results:
         return [Check("bench: the op benchmark ran", FAIL, "no results (see bench.log)")]
-    checks = [Check("bench: the op benchmark ran", PASS, f"{len(results)} rows")]
+    errors = [f"{r['op']} B={r['B']} {r['mode']}: {r['error']}" for r in results if "error" in r]
+    checks = [Check("bench: the op benchmark ran", FAIL if errors else PASS,
+                    _short("; ".join(errors)) if errors else f"{len(results)} rows")]
+    results = [r for r in results if "error" not in r]
     for mode in ("compiled", "cudagraph"):
         rows = [r for r in results if r["mode"] == mode]
         if mode == "cudagraph" and not cuda:

@@ -76,6 +76,9 @@ def test_bench_checks():
     syncing = [_bench_row("compiled", cuda_syncs=1), _bench_row("cudagraph", captures=2)]
     assert [c.status for c in bench_checks(syncing, cuda=True)].count(FAIL) == 2
     assert [c.status for c in bench_checks(None, cuda=True)] == [FAIL]
+    failed_capture = dict(op="pack", B=8, S=64, mode="cudagraph", error="RuntimeError: operation not permitted")
+    ran = bench_checks(rows + [failed_capture], cuda=True)[0]
+    assert ran.status == FAIL and "operation not permitted" in ran.detail
 
 
 def test_profiler_checks_judge_speed_only_on_cuda():
