@@ -100,6 +100,52 @@ class ZigzagLocal(NamedTuple):
     segment: torch.Tensor
 
 
+class Segments(NamedTuple):
+    """``bounds [B'+1]`` (padded boundaries, int64) and ``lengths [B']`` (valid tokens, int64).
+
+    ``B' = B``, except for a microbatch with no sequence (``B = 0``, ``cu_seqlens_padded = [T]``):
+    then the whole packed tensor is one padding segment, ``bounds [0, T]``, ``lengths [0]``.
+    """
+
+    bounds: torch.Tensor
+    lengths: torch.Tensor
+
+
+def segment_bounds(cu_seqlens_padded: torch.Tensor, total: int) -> torch.Tensor:
+    """``cu_seqlens_padded`` as int64 boundaries to index by: ``[B+1] -> [B'+1]``.
+
+    With no sequence (``B = 0``: ``[T]``) the packed tensor is one padding segment ``[0, T]``
+    (built on the device, no host data).
+    """
+    if cu_seqlens_padded.shape[0] == 1:
+        return torch.arange(2, dtype=torch.int64, device=cu_seqlens_padded.device) * total  # [0, T]
+    return cu_seqlens_padded.to(torch.int64)
+
+
+def packed_segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, total: int) -> Segments:
+    """The :class:`Segments` of a packed microbatch of ``total`` tokens.
+
+    Example: cu_seqlens ``[0, 3, 3, 8]``, cu_seqlens_padded ``[0, 4, 4, 12]`` -> bounds
+    ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``; ``B = 0`` (``[T]``, ``[0]``) -> ``[0, T]``, ``[0]``.
+    """
+    bounds = segment_bounds(cu_seqlens_padded, total)
+    if cu_seqlens_padded.shape[0] == 1:
+        return Segments(bounds, torch.zeros(1, dtype=torch.int64, device=bounds.device))
+    cu = cu_seqlens.to(torch.int64)
+    return Segments(bounds, cu[1:] - cu[:-1])
+
+
+def local_places(bounds: torch.Tensor, total: int, cp_size: int, cp_rank: int) -> ZigzagLocal:
+    """Packed position and segment of each position rank ``cp_rank`` holds: ``[B+1] -> 2 x [T/C]``.
+
+    ``cp_size == 1``: every position, in order. Example: bounds ``[0, 4, 4, 12]``, C 1 ->
+    source ``0..11``, segment ``[0,0,0,0,2,...,2]`` (segment 1 is empty).
+    """
+    if cp_size == 1:
+        return ZigzagLocal(torch.arange(total, device=bounds.device), segment_ids(bounds, total))
+    return zigzag_local(bounds, total // cp_size, cp_size, cp_rank)
+
+
 def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """For each of rank ``r``'s local positions, the packed position it holds: ``[B+1] -> [T/C]``.
 

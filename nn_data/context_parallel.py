@@ -8,7 +8,7 @@ Shape legend
 
 Each padded segment (a multiple of ``2C`` long) is cut into ``2C`` equal chunks;
 rank ``r`` keeps chunks ``r`` and ``2C-1-r`` in that order, segment after segment
-(SPEC section 3; the same split as NeMo-RL's ``_get_tokens_on_this_cp_rank`` per
+(``docs/design.md``, "Zigzag"; the same split as NeMo-RL's ``_get_tokens_on_this_cp_rank`` per
 sequence and TransformerEngine's ``thd_get_partitioned_indices``). Both ops are one
 gather over an index map built on the device from ``cu_seqlens_padded``.
 """
@@ -20,48 +20,7 @@ from einops import rearrange
 from torch import nn
 
 from nn_data import _checks
-from nn_data._index import zigzag_inverse, zigzag_source
-
-
-def _bounds(cu_seqlens_padded: torch.Tensor, total: int) -> torch.Tensor:
-    """Segment boundaries to shard by. With no sequence (``B = 0``, ``cu_seqlens_padded = [T]``)
-    the whole packed tensor is one padding segment ``[0, T]``."""
-    if cu_seqlens_padded.shape[0] == 1:
-        return torch.tensor([0, total], dtype=torch.int64, device=cu_seqlens_padded.device)
-    return cu_seqlens_padded.to(torch.int64)
-
-
-def check_cp_boundaries(cu_seqlens_padded: torch.Tensor, total: int, cp_size: int, op: str) -> None:
-    """Validate ``cu_seqlens_padded`` for a zigzag split over ``cp_size`` ranks.
-
-    Must start at 0, never decrease, end at ``total`` and (for ``cp_size > 1``) give
-    every segment a length divisible by ``2 * cp_size`` (the extended last one too).
-    Eager: one host sync and a message naming the first bad segment. Compiled:
-    device-side asserts (no sync).
-    """
-    bounds = _bounds(cu_seqlens_padded, total)
-    seg_len = bounds[1:] - bounds[:-1]  # [B]
-    two_c = 2 * cp_size
-    ok_edges = (bounds[0] == 0) & (bounds[-1] == total)
-    ok_order = (seg_len >= 0).all()
-    ok_div = (seg_len % two_c == 0).all() if cp_size > 1 else ok_order
-    if torch.compiler.is_compiling():
-        _checks.device_assert(ok_edges & ok_order, f"nn_data.{op}: cu_seqlens_padded must rise from 0 to T={total}")
-        _checks.device_assert(ok_div, f"nn_data.{op}: every segment must be a multiple of 2*cp_size={two_c} long")
-        return
-    edges, order, div = torch.stack([ok_edges, ok_order, ok_div]).tolist()  # sync: the one validation step
-    if not (edges and order):
-        raise _checks.PackingError(
-            f"cu_seqlens_padded={cu_seqlens_padded.tolist()} is invalid for a packed length T={total}; "  # sync: error path
-            f"it must start at 0, never decrease and end at {total}"
-        )
-    if not div:
-        _checks.raise_first(
-            seg_len % two_c != 0, seg_len,
-            "segment {i} of cu_seqlens_padded is {v} tokens long, not a multiple of "
-            f"2*cp_size={two_c}; pad sequences to a multiple of {two_c} (pad_individual_seqs_to_multiple_of) "
-            f"and choose pad_full_seq_to so the extended last segment is one too",
-        )
+from nn_data._index import segment_bounds, zigzag_inverse, zigzag_source
 
 
 class RankOp(nn.Module):
@@ -96,13 +55,13 @@ class ShardForContextParallel(RankOp):
     def forward(self, packed: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
         _checks.check_packed("packed", packed)
         total = packed.shape[1]
-        _check_common(cu_seqlens_padded, total, self.cp_size, packed)
+        _checks.check_boundary_args("packed", packed, total, cu_seqlens_padded, self.cp_size)
         if self.validate:
-            check_cp_boundaries(cu_seqlens_padded, total, self.cp_size, "ShardForContextParallel")
+            _checks.check_boundaries(cu_seqlens_padded, total, self.cp_size, "ShardForContextParallel")
         if self.cp_size == 1:
             return packed
         local_total = total // self.cp_size
-        bounds = _bounds(cu_seqlens_padded, total)
+        bounds = segment_bounds(cu_seqlens_padded, total)
         source = zigzag_source(bounds, local_total, self.cp_size, self.cp_rank).clamp(0, max(total - 1, 0))
         return packed.index_select(1, source)  # [1, T/C, *]
 
@@ -137,23 +96,12 @@ class UnshardFromContextParallel(nn.Module):
                 f"shards has shape {tuple(shards.shape)}; expected [C, T/C, *] with C = cp_size = {self.cp_size}"
             )
         total = self.cp_size * shards.shape[1]
-        _check_common(cu_seqlens_padded, total, self.cp_size, shards)
+        _checks.check_boundary_args("shards", shards, total, cu_seqlens_padded, self.cp_size)
         if self.validate:
-            check_cp_boundaries(cu_seqlens_padded, total, self.cp_size, "UnshardFromContextParallel")
+            _checks.check_boundaries(cu_seqlens_padded, total, self.cp_size, "UnshardFromContextParallel")
         if self.cp_size == 1:
             return shards
-        bounds = _bounds(cu_seqlens_padded, total)
+        bounds = segment_bounds(cu_seqlens_padded, total)
         index = zigzag_inverse(bounds, total, self.cp_size).clamp(0, max(total - 1, 0))  # [T] into the stack
         stacked = rearrange(shards, "c t ... -> (c t) ...")  # [C*T/C, *]
         return stacked.index_select(0, index).unsqueeze(0)  # [1, T, *]
-
-
-def _check_common(cu_seqlens_padded, total: int, cp_size: int, data: torch.Tensor) -> None:
-    _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded)
-    _checks.check_same_device(data=data, cu_seqlens_padded=cu_seqlens_padded)
-    if cp_size > 1 and total % (2 * cp_size):
-        raise _checks.PackingError(
-            f"the packed length T={total} is not a multiple of 2*cp_size={2 * cp_size}; "
-            f"choose pad_full_seq_to (or the padding multiples) so that T is one"
-        )
-

@@ -25,6 +25,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.context_parallel import UnshardFromContextParallel
+from nn_data.megatron_parallel import group_info
 
 # torch >= 2.12 names these *_single; older releases only have the *_tensor spelling.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -33,20 +34,10 @@ _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduc
 GRAD_MODES = ("own", "sum")
 
 
-def group_rank_size(group: Optional["dist.ProcessGroup"]) -> tuple[int, int]:
-    """``(rank, size)`` of this process in ``group``; ``None`` is the default group,
-    or a single rank ``(0, 1)`` when ``torch.distributed`` is not initialised.
-
-    Raises :class:`~nn_data.errors.PackingError` if this process is not in ``group``.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise _checks.PackingError("a process group was given but torch.distributed is not initialised")
-        return 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise _checks.PackingError(f"this process (global rank {dist.get_rank()}) is not a member of the group given")
-    return rank, dist.get_world_size(group)
+def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather ``x [N, *]`` from every rank of ``group`` along dim 0: ``[size*N, *]``, rank-major.
+    Not autograd-aware (see :func:`all_gather_rows`)."""
+    return funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -60,7 +51,7 @@ class _AllGatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, rank: int, grad_mode: str):
         ctx.group, ctx.rank, ctx.rows, ctx.grad_mode = group, rank, x.shape[0], grad_mode
-        return funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))  # [C*N, *]
+        return all_gather_dim0(x, group)  # [C*N, *]
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,53 +72,27 @@ def all_gather_rows(x: torch.Tensor, group, rank: int, size: int, grad_mode: str
 class GatherFromContextParallel(nn.Module):
     """Reassemble the packed tensor from every rank's zigzag shard: ``[1, T/C, *] -> [1, T, *]``.
 
-    ``GatherFromContextParallel(group=None, *, grad_mode="own", validate=True)``;
-    ``forward(local [1, T/C, *], cu_seqlens_padded [B+1] int) -> [1, T, *]``, the same
-    on every rank of ``group``. ``local`` is what :class:`~nn_data.ShardForContextParallel`
-    (or a CP model) produced on this rank; every rank must pass the same ``T/C`` and
-    the same ``cu_seqlens_padded``. One all-gather of the whole shard, then
-    :class:`~nn_data.UnshardFromContextParallel`.
+    ``forward(local [1, T/C, *], cu_seqlens_padded [B+1] int) -> [1, T, *]``, the same on every
+    rank of ``group``. One all-gather of the whole shard, then :class:`~nn_data.UnshardFromContextParallel`.
+    ``group`` is the CP ``ProcessGroup``; ``None`` means no CP (the op is the identity).
 
-    ``group``: the context-parallel ``ProcessGroup``. ``None`` means torch.distributed's
-    default (world) group, or a single rank (the op is the identity) when
-    torch.distributed is not initialised. With megatron-core, pass
-    ``nn_data.megatron_parallel.context_parallel_info().group``.
+    ``grad_mode``: ``"own"`` (default) when every rank computes the same loss from the gathered
+    tensor: each rank keeps its own rows of its own gradient, no communication. ``"sum"`` when
+    ranks compute different losses: a reduce-scatter, the exact adjoint of the all-gather
+    (``docs/design.md``, "Gradients across ranks").
 
-    Gradients (``grad_mode``). The backward hands each rank the gradient of its own
-    shard. How the ranks' gradients are combined depends on what they computed from
-    the gathered tensor:
+    Example (2 ranks, ``cu_seqlens_padded [0, 8]``): rank 0 holds ``[[0, 1, 6, 7]]``, rank 1
+    ``[[2, 3, 4, 5]]``; both get ``[[0, 1, 2, 3, 4, 5, 6, 7]]``.
 
-    * ``"own"`` (default): every rank is assumed to compute the *same* loss from the
-      gathered tensor (the usual case: after the gather, the loss is replicated over
-      the CP group). Then every rank holds the same gradient for ``[1, T]`` and the
-      correct gradient of its shard is simply its own rows of it: no communication,
-      and the local gradient equals the single-process gradient of the same loss.
-      Summing (reduce-scatter) instead would count the replicated loss ``C`` times.
-      The parameter gradients are then combined across the CP group by megatron-core's
-      usual data-and-context-parallel gradient all-reduce, where each rank contributes
-      the part that flowed through its own tokens.
-    * ``"sum"``: ranks compute *different* losses from the gathered tensor (the
-      objective is their sum); the backward is a reduce-scatter that adds, for this
-      rank's shard, the gradients every rank computed for it. This is the exact adjoint
-      of the all-gather.
-
-    Example (2 ranks, ``cu_seqlens_padded [0, 8]``): rank 0 holds ``[[0, 1, 6, 7]]``,
-    rank 1 ``[[2, 3, 4, 5]]``; both get ``[[0, 1, 2, 3, 4, 5, 6, 7]]``.
-
-    Raises :class:`~nn_data.errors.PackingError`: an unknown ``grad_mode``, a group this
-    process is not in (``__init__``); ``local`` not ``[1, T/C, *]``, ``T`` not a multiple
-    of ``2C``, ``cu_seqlens_padded`` not 1-D integer or on another device (call); a
-    segment not divisible by ``2C`` or boundaries not rising from 0 to ``T`` (validation
-    step, as :class:`~nn_data.UnshardFromContextParallel`).
+    Raises :class:`~nn_data.errors.PackingError`: an unknown ``grad_mode`` or a group this process
+    is not in (``__init__``); as :class:`~nn_data.UnshardFromContextParallel` at call time.
     """
 
     def __init__(self, group: Optional["dist.ProcessGroup"] = None, *, grad_mode: str = "own", validate: bool = True):
         super().__init__()
         if grad_mode not in GRAD_MODES:
             raise _checks.PackingError(f"grad_mode={grad_mode!r} is invalid; expected one of {GRAD_MODES}")
-        self.cp_rank, self.cp_size = group_rank_size(group)
-        if group is None and self.cp_size > 1:
-            group = dist.group.WORLD
+        self.cp_rank, self.cp_size, group = group_info(group, "context-parallel group")
         self.group, self.grad_mode, self.validate = group, grad_mode, bool(validate)
         self.unshard = UnshardFromContextParallel(self.cp_size, validate=validate)
 

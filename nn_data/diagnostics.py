@@ -26,7 +26,7 @@ class HostSyncCounter:
 
     Calls made from inside another counted call (``tolist`` calling ``__index__``,
     say) count once. Compiled (inductor) code does not call these methods from Python;
-    read its graph instead (see ``tests/test_ops_compile.py``).
+    read its graph instead (see ``tests/ops/test_ops_compile.py``).
     """
 
     def __init__(self):

@@ -32,7 +32,7 @@ from einops import rearrange
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from nn_data import _checks
-from nn_data._index import segment_ids
+from nn_data._index import ZigzagLocal, local_places, segment_bounds, segment_ids
 
 Fill = Union[int, float, bool, torch.Tensor]
 
@@ -74,6 +74,14 @@ class PackLayout(NamedTuple):
         With no row (``B = 0``) every position is in segment 0 of ``[0, T]``.
         """
         return segment_ids(self.cu_seqlens_padded, self.total)
+
+    def local_places(self, cp_size: int = 1, cp_rank: int = 0) -> ZigzagLocal:
+        """This CP rank's places, computed once and applied to every tensor of the batch:
+        ``source [T/C]`` (packed position of each local token) and ``segment [T/C]``.
+        ``packed.index_select(1, places.source)`` is ``ShardForContextParallel`` without its
+        checks. Example: cu_seqlens_padded ``[0, 16, 40]``, C 2, rank 0 -> source
+        ``0..3, 12..15, 16..21, 34..39``."""
+        return local_places(segment_bounds(self.cu_seqlens_padded, self.total), self.total, cp_size, cp_rank)
 
     def positions(self) -> torch.Tensor:
         """``[T]`` int64: offset of every packed position inside its padded segment (0 at each

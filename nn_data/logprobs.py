@@ -22,15 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from nn_data import _checks
-from nn_data.cp_comm import GatherFromContextParallel, _all_gather, funcol, group_rank_size
-from nn_data.targets import (
-    _check_boundary_args,
-    check_layout,
-    check_packed_ids,
-    local_places,
-    next_token_at,
-    packed_segments,
-)
+from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
+from nn_data.megatron_parallel import group_info
+from nn_data._index import ZigzagLocal, local_places, packed_segments
+from nn_data.targets import next_token_at
 
 
 class _TargetLogProb(torch.autograd.Function):
@@ -58,7 +53,7 @@ class _TargetLogProb(torch.autograd.Function):
         picked = torch.where(owned, picked, 0.0)
         if tp_size > 1:
             both = torch.stack([lse, picked])  # [2, N]
-            every = funcol.wait_tensor(_all_gather(both, 0, tp_group)).view(tp_size, 2, n)  # [TP, 2, N]
+            every = all_gather_dim0(both, tp_group).view(tp_size, 2, n)  # [TP, 2, N]
             lse, picked = torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)  # [N] each
         ctx.save_for_backward(logits, local, owned, keep, lse)
         ctx.chunk = chunk
@@ -97,47 +92,25 @@ def token_logprobs_local(
 
 
 class TokenLogProbs(nn.Module):
-    """Per-token log-probs ``[B, S]`` from CP-local packed logits ``[1, T/C, V]``, NeMo-RL's layout.
+    """Per-token log-probs ``[B, S]`` from CP-local packed logits ``[1, T/C, Vt]``, NeMo-RL's layout.
 
-    ``TokenLogProbs(seq_len, *, cp_group=None, tp_group=None, chunk_tokens=256, validate=True)``;
     ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, cu_seqlens [B+1] int,
-    cu_seqlens_padded [B+1] int) -> [B, S]`` (float32, float64 for float64 logits).
-
-    ``logits`` is this rank's zigzag shard of the packed logits (what a CP model returns
-    for ``ShardForContextParallel`` inputs); ``packed_ids`` the full packed token ids.
-    Steps: each local position's next-token target *within its sequence*
-    (:class:`~nn_data.NextTokenTargets`); the log-prob of that target on the local shard,
-    chunked; one all-gather of the ``[1, T/C]`` values over ``cp_group`` and the zigzag
-    inverse; then a gather to ``[B, S]``.
-
-    Layout of the result (what NeMo-RL stores as ``"logprobs"``): ``out[b, s] =
-    log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``; ``out[b, 0] = 0`` (the first token
-    has no prediction) and ``out[b, s] = 0`` for ``s >= L[b]``. NeMo-RL builds the same
-    alignment by rolling the targets of each padded segment by one, keeping ``S - 1``
-    values per row and prepending a zero column; its padding positions (``s >= L[b]``)
-    hold whatever the pad token's log-prob was, and are masked later by the loss. nn_data
-    zeroes them, so every real token ``1 <= s < L[b]`` gets exactly one log-prob and
-    nothing else is non-zero.
-
-    Groups: ``cp_group`` is the context-parallel ``ProcessGroup`` and ``tp_group`` the
-    tensor-parallel one for vocab-parallel logits (rank ``k`` holds vocabulary columns
-    ``[k*Vt, (k+1)*Vt)``). ``None`` means *not split* along that axis (size 1), even with
-    torch.distributed running. With megatron-core, pass the groups of
-    :mod:`nn_data.megatron_parallel`.
-
-    Gradients flow to the local logits. The gathered log-probs are assumed to feed the
-    same loss on every CP (and TP) rank, so each rank keeps its own positions' gradient
-    (``GatherFromContextParallel(grad_mode="own")``): the local logits' gradient equals the
-    single-process gradient at this rank's positions (and vocabulary columns).
+    cu_seqlens_padded [B+1] int, places=None) -> [B, S]`` (float32; float64 for float64 logits).
+    ``logits`` is this rank's zigzag shard (vocab-parallel over ``tp_group``: rank ``k`` holds
+    columns ``[k*Vt, (k+1)*Vt)``), ``packed_ids`` the full packed ids. Each local position's
+    next token *within its sequence* is scored on the shard in chunks of ``chunk_tokens``, the
+    ``[1, T/C]`` values are all-gathered over ``cp_group`` and unpacked. ``None`` groups mean
+    not split. Result: ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0
+    (``docs/design.md``, "Differences from NeMo-RL"). Gradients reach the local logits; every CP
+    rank is assumed to compute the same loss (``grad_mode="own"``).
 
     Example (C 1, V 3, uniform logits): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``,
     seq_len 4 -> ``[[0, log(1/3), log(1/3), 0]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``seq_len < 1`` or ``chunk_tokens < 1``, a
-    group this process is not in (``__init__``); ``logits`` not ``[1, T/C, Vt]``,
-    ``packed_ids`` not ``[1, T]``, ``T`` not a multiple of ``2C``, bad boundary tensors
-    (call); bad boundaries, a length over ``seq_len`` or its segment, a target id outside
-    ``[0, V)`` (validation step: eager one sync, compiled device asserts).
+    Raises :class:`~nn_data.errors.PackingError`: ``seq_len`` or ``chunk_tokens`` below 1, a group
+    this process is not in (``__init__``); ``logits`` not ``[1, T/C, Vt]`` floating point,
+    ``packed_ids`` not ``[1, T]``, ``T`` not a multiple of ``2C``, bad boundary tensors (call); bad
+    boundaries, a length over ``seq_len`` or its segment, a target id outside ``[0, V)`` (validation).
     """
 
     def __init__(
@@ -152,8 +125,8 @@ class TokenLogProbs(nn.Module):
         super().__init__()
         self.seq_len = _checks.positive_int("seq_len", seq_len)
         self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
-        self.cp_rank, self.cp_size = group_rank_size(cp_group) if cp_group is not None else (0, 1)
-        self.tp_rank, self.tp_size = group_rank_size(tp_group) if tp_group is not None else (0, 1)
+        self.cp_rank, self.cp_size, _ = group_info(cp_group, "context-parallel group")
+        self.tp_rank, self.tp_size, _ = group_info(tp_group, "tensor-parallel group")
         self.tp_group, self.validate = tp_group, bool(validate)
         self.gather = GatherFromContextParallel(cp_group, validate=False) if self.cp_size > 1 else None
 
@@ -167,12 +140,13 @@ class TokenLogProbs(nn.Module):
         packed_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         cu_seqlens_padded: torch.Tensor,
+        places: Optional[ZigzagLocal] = None,
     ) -> torch.Tensor:
         _checks.check_packed("logits", logits)
         if logits.dim() != 3 or not logits.dtype.is_floating_point:
             raise _checks.PackingError(f"logits must be floating point [1, T/C, V], got shape "
                                        f"{tuple(logits.shape)} and dtype {logits.dtype}")
-        check_packed_ids("packed_ids", packed_ids)
+        _checks.check_packed_ids("packed_ids", packed_ids)
         local_total, cols = logits.shape[1], logits.shape[2]
         total = local_total * self.cp_size
         if packed_ids.shape[1] != total:
@@ -180,13 +154,14 @@ class TokenLogProbs(nn.Module):
                 f"packed_ids has shape {tuple(packed_ids.shape)} but logits {tuple(logits.shape)} on "
                 f"cp_size={self.cp_size} ranks cover T={total} positions; pass the full packed ids [1, {total}]"
             )
-        _check_boundary_args(cu_seqlens_padded, packed_ids, self.cp_size, cu_seqlens)
+        _checks.check_boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, self.cp_size, cu_seqlens)
         _checks.check_same_device(logits=logits, packed_ids=packed_ids)
         if self.validate:
-            check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "TokenLogProbs",
+            _checks.check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "TokenLogProbs",
                          seq_len=self.seq_len, ids=packed_ids[0], vocab=cols * self.tp_size)
         segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
-        places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
+        if places is None:
+            places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
         target, keep = next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
         local = token_logprobs_local(
             logits.squeeze(0), target, keep, vocab_start=self.tp_rank * cols, tp_group=self.tp_group,

@@ -1,21 +1,18 @@
-"""Where the context-parallel (and tensor-parallel) rank, size and group come from.
+"""megatron-core glue: the one module that imports megatron-core, always lazily.
 
-The ops never look this up themselves (SPEC section 6): they take a
-``ProcessGroup`` (or ``cp_size``/``cp_rank`` ints) as arguments. This module is
-the one place outside the NeMo-RL compatibility layer that reads megatron-core's
-``parallel_state``, and it does so lazily: if ``megatron.core.parallel_state`` has
-never been imported, it cannot have been initialised, so it is not imported here
-either (``import megatron.core`` costs seconds).
+Two jobs (``docs/design.md``, "Process groups" and "megatron-core"):
 
-Resolution order, for :func:`context_parallel_info` (and the same for
-:func:`tensor_parallel_info`):
+* **Process groups.** The ops take a ``ProcessGroup`` (or ``cp_size``/``cp_rank`` ints);
+  :func:`group_info` turns a group into ``(rank, size, group)`` and is the only resolver
+  every op uses. ``None`` always means *not split along that axis* (rank 0 of 1), never
+  "the world group". :func:`context_parallel_info` / :func:`tensor_parallel_info` add
+  megatron-core's ``parallel_state`` as a source, for callers that use megatron.
+* **PackedSeqParams.** :func:`make_packed_seq_params` builds megatron-core's THD
+  ``PackedSeqParams``, filling only the fields the installed release has.
 
-1. an explicit ``group`` argument: its rank and size;
-2. megatron-core's ``parallel_state`` when it is initialised: its CP group;
-3. ``torch.distributed`` not initialised: a single rank (``rank 0, size 1, group None``);
-4. otherwise :class:`~nn_data.errors.PackingError`: with ``torch.distributed`` running
-   but no megatron state, guessing (the world group) would silently mix data-parallel
-   ranks into the CP split, so the group must be passed.
+``import megatron.core`` costs seconds and warns about TransformerEngine/Apex, so nothing
+here imports it at module import: ``parallel_state`` is read only if some code already
+imported (and initialised) it, and ``PackedSeqParams`` is imported on its first use.
 
 Example::
 
@@ -28,48 +25,71 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
+import torch
 import torch.distributed as dist
 
 from nn_data.errors import PackingError
 
 
 class ParallelInfo(NamedTuple):
-    """``rank`` and ``size`` in ``group`` (``None`` for a single, non-distributed rank)."""
+    """``rank`` and ``size`` in ``group`` (``None``: a single rank, not split)."""
 
     rank: int
     size: int
     group: Optional["dist.ProcessGroup"]
 
 
-def context_parallel_info(group: Optional["dist.ProcessGroup"] = None) -> ParallelInfo:
-    """This process's context-parallel rank, size and group (resolution order: module docstring).
+SINGLE = ParallelInfo(0, 1, None)
 
-    Raises :class:`PackingError` for a group this process is not part of, a group
-    without ``torch.distributed`` initialised, or ``torch.distributed`` running with
-    neither a group nor an initialised megatron-core ``parallel_state``.
+
+def group_info(group: Optional["dist.ProcessGroup"], what: str = "group") -> ParallelInfo:
+    """This process's rank and size in ``group``; ``None`` is a single rank ``(0, 1, None)``.
+
+    Raises :class:`PackingError` when a group is given but ``torch.distributed`` is not
+    initialised, or this process is not a member of it.
+    """
+    if group is None:
+        return SINGLE
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PackingError(f"a {what} was given but torch.distributed is not initialised")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise PackingError(f"this process (global rank {dist.get_rank()}) is not a member of the {what} it was given")
+    return ParallelInfo(rank, dist.get_world_size(group), group)
+
+
+def context_parallel_info(group: Optional["dist.ProcessGroup"] = None) -> ParallelInfo:
+    """This process's context-parallel rank, size and group.
+
+    Resolution: an explicit ``group``; else megatron-core's ``parallel_state`` when it is
+    initialised; else a single rank when ``torch.distributed`` is not initialised.
+
+    Raises :class:`PackingError` when ``torch.distributed`` runs with neither a group nor an
+    initialised ``parallel_state`` (the world group may hold data-parallel ranks: never
+    assumed), and as :func:`group_info`.
     """
     return _resolve(group, "context", "get_context_parallel_group")
 
 
 def tensor_parallel_info(group: Optional["dist.ProcessGroup"] = None) -> ParallelInfo:
-    """This process's tensor-parallel rank, size and group (for vocab-parallel logits).
-
-    Same resolution order and errors as :func:`context_parallel_info`.
-    """
+    """This process's tensor-parallel rank, size and group (vocab-parallel logits); as
+    :func:`context_parallel_info`."""
     return _resolve(group, "tensor", "get_tensor_model_parallel_group")
 
 
 def _resolve(group, kind: str, getter: str) -> ParallelInfo:
     if group is not None:
-        return _from_group(group, f"{kind}-parallel group")
-    state = _megatron_state()
+        return group_info(group, f"{kind}-parallel group")
+    state = megatron_state()
     if state is not None:
-        return _from_group(getattr(state, getter)(), f"megatron-core's {kind}-parallel group")
+        return group_info(getattr(state, getter)(), f"megatron-core's {kind}-parallel group")
     if not (dist.is_available() and dist.is_initialized()):
-        return ParallelInfo(0, 1, None)
+        return SINGLE
     raise PackingError(
         f"torch.distributed is initialised but megatron-core's parallel_state is not, and no {kind}-parallel "
         f"group was given; pass the {kind}-parallel ProcessGroup explicitly or call "
@@ -78,18 +98,58 @@ def _resolve(group, kind: str, getter: str) -> ParallelInfo:
     )
 
 
-def _megatron_state():
-    """megatron-core's ``parallel_state`` if it was imported and initialised, else None."""
+def megatron_state():
+    """megatron-core's ``parallel_state`` if some code imported and initialised it, else None
+    (never imports it: if it was never imported, it cannot have been initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
     state = sys.modules.get("megatron.core.parallel_state")
     if state is None or not state.model_parallel_is_initialized():
         return None
     return state
 
 
-def _from_group(group, what: str) -> ParallelInfo:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise PackingError(f"a {what} was given but torch.distributed is not initialised")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise PackingError(f"this process (global rank {dist.get_rank()}) is not a member of the {what} it was given")
-    return ParallelInfo(rank, dist.get_world_size(group), group)
+def megatron_cp_rank_and_size() -> tuple[int, int]:
+    """``(cp_rank, cp_size)`` from an initialised ``parallel_state``, else ``(0, 1)``: what the
+    NeMo-RL layer reads (megatron-core itself answers a world size of 0 when uninitialised)."""
+    state = megatron_state()
+    if state is None:
+        return 0, 1
+    return int(state.get_context_parallel_rank()), int(state.get_context_parallel_world_size())
+
+
+@functools.lru_cache(maxsize=1)
+def packed_seq_params_class() -> Any:
+    """megatron-core's ``PackedSeqParams`` class (imported on the first call)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: irrelevant for a dataclass
+        from megatron.core.packed_seq_params import PackedSeqParams
+    return PackedSeqParams
+
+
+def packed_seq_params_fields() -> frozenset:
+    """Field names of the installed megatron-core's ``PackedSeqParams``."""
+    return frozenset(f.name for f in dataclasses.fields(packed_seq_params_class()))
+
+
+def make_packed_seq_params(cu_seqlens_padded: torch.Tensor, max_seqlen: int, local_tokens: Optional[int]) -> Any:
+    """A THD ``PackedSeqParams`` whose four ``cu_seqlens_*`` fields are ``cu_seqlens_padded [B+1]``.
+
+    ``max_seqlen`` (a Python int) fills ``max_seqlen_q``/``max_seqlen_kv``; ``local_tokens``
+    (this rank's packed length) fills ``total_tokens`` where the installed release has that
+    field (megatron-core 0.16.1 has not; None leaves it unset). No host sync.
+    """
+    kwargs = dict(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens_padded,
+        cu_seqlens_kv=cu_seqlens_padded,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=int(max_seqlen),
+        max_seqlen_kv=int(max_seqlen),
+    )
+    if local_tokens is not None and "total_tokens" in packed_seq_params_fields():
+        kwargs["total_tokens"] = int(local_tokens)
+    return packed_seq_params_class()(**kwargs)

@@ -40,27 +40,17 @@ class PackResult(NamedTuple):
 
 
 class PackSequences(nn.Module):
-    """Pack ``x [B, S, *]`` with per-row lengths into ``[1, T, *]`` (NeMo-RL semantics).
+    """Pack ``x [B, S, *]`` with per-row lengths into ``[1, T, *]`` (``docs/design.md``, "Packed layout").
 
-    Configuration (Python ints, fixed per module):
-        ``pad_individual_seqs_to_multiple_of`` (``m``): each segment is ``round_up(L[b], m)``;
-        ``pad_packed_seq_to_multiple_of`` (``p``): without ``pad_full_seq_to`` the total is
-        rounded up to a multiple of ``p``;
-        ``pad_full_seq_to``: the constant packed length ``T`` (PP > 1); the last real
-        sequence's segment absorbs the slack ("extend last");
-        ``validate``: run the data checks (eager: one host sync with a precise message;
-        compiled: device-side asserts ``torch._assert_async`` whose message names the
-        argument and the valid range but cannot show the value). ``False`` skips them.
+    Configuration: ``m`` (``pad_individual_seqs_to_multiple_of``), ``p``
+    (``pad_packed_seq_to_multiple_of``), ``pad_full_seq_to`` (the constant ``T``; the last real
+    segment absorbs the slack), ``validate`` (the data checks: eager one host sync, compiled
+    device asserts; ``False`` skips them).
 
-    ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``.
-    ``num_rows`` (0-d int tensor, optional) is the number of real rows when the batch
-    was padded with empty rows to a fixed capacity (:func:`nn_data.pad_to_row_capacity`);
-    boundaries of the padding rows collapse onto ``T`` so the last *real* row absorbs
-    the slack, exactly as NeMo-RL does without padding rows.
-
-    With ``pad_full_seq_to`` set every output shape depends only on ``(B, S, T, *)`` and
-    the op never syncs the host (in eager mode with ``validate=True`` it syncs once to
-    check the data). Without it, ``T`` is learned with one sync per call.
+    ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``; ``num_rows`` (0-d
+    int tensor) counts the real rows of a batch padded to a row capacity
+    (:func:`nn_data.pad_to_row_capacity`). With ``pad_full_seq_to`` set, output shapes depend
+    only on ``(B, S, T, *)``; without it ``T`` is learned with one host sync.
 
     Example::
 
@@ -71,12 +61,11 @@ class PackSequences(nn.Module):
         >>> r.packed
         tensor([[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]])
 
-    Raises :class:`~nn_data.errors.PackingError` for a multiple or ``pad_full_seq_to``
-    below 1, ``pad_full_seq_to`` not a multiple of ``p`` (in ``__init__``); ``x`` with
-    fewer than 2 dims, ``seq_lengths`` not a 1-D integer tensor of ``B`` entries, tensors
-    on different devices (at call time); lengths outside ``[0, S]``, a natural packed
-    total above ``pad_full_seq_to`` (NeMo-RL silently truncates there), tokens in rows
-    past ``num_rows`` (validation step).
+    Raises :class:`~nn_data.errors.PackingError`: a multiple or ``pad_full_seq_to`` below 1, or
+    ``pad_full_seq_to`` not a multiple of ``p`` (``__init__``); ``x`` with fewer than 2 dims,
+    ``seq_lengths`` not ``[B]`` integer, tensors on different devices (call); lengths outside
+    ``[0, S]``, a packed total above ``pad_full_seq_to``, tokens in rows past ``num_rows``
+    (validation step).
     """
 
     def __init__(
@@ -134,19 +123,19 @@ class PackSequences(nn.Module):
 
     def _packed_total(self, lengths, natural_total, row_len: int, num_rows):
         """``T`` as a Python int (static, or learned with the call's one sync), after the checks."""
-        static = self.pad_full_seq_to
+        pad_full_seq_to = self.pad_full_seq_to
         if torch.compiler.is_compiling():
             if self.validate:
-                _device_checks(lengths, natural_total, row_len, num_rows, static)
-            if static is not None:
-                return static
+                _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to)
+            if pad_full_seq_to is not None:
+                return pad_full_seq_to
             total = int(round_up(natural_total, self.p).item())  # sync: T is data-dependent without pad_full_seq_to
             torch._check(total >= 0)
             return total
         if self.validate:
-            return _host_checks(lengths, natural_total, row_len, num_rows, static, self.m, self.p)
-        if static is not None:
-            return static
+            return _host_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to, self.m, self.p)
+        if pad_full_seq_to is not None:
+            return pad_full_seq_to
         return int(round_up(natural_total, self.p).item())  # sync: T is data-dependent without pad_full_seq_to
 
 
@@ -167,31 +156,27 @@ def _stats(lengths, natural_total, num_rows):
     return torch.stack([lo, hi, natural_total, tail, n])
 
 
-def _host_checks(lengths, natural_total, row_len, num_rows, static, m, p) -> int:
+def _host_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to, m, p) -> int:
     """The eager validation step: one sync, then a precise message. Returns ``T``."""
     lo, hi, nat, tail, n = _stats(lengths, natural_total, num_rows).tolist()  # sync: the one validation step
     rows = lengths.shape[0]
-    if lo < 0:
-        _checks.raise_first(lengths < 0, lengths, "seq_lengths[{i}] = {v} is negative; "
-                            f"valid lengths are integers in [0, S={row_len}]")
-    if hi > row_len:
-        _checks.raise_first(lengths > row_len, lengths, "seq_lengths[{i}] = {v} exceeds the row length "
-                            f"S={row_len} of x; valid lengths are integers in [0, {row_len}]")
+    if lo < 0 or hi > row_len:
+        _checks.raise_length_outside((lengths < 0) | (lengths > row_len), lengths, row_len)
     if not 0 <= n <= rows:
         raise _checks.PackingError(f"num_rows={n} is invalid; expected a value in [0, {rows}] (the rows of x)")
     if tail:
         mask = (lengths != 0) & (torch.arange(rows, device=lengths.device) >= n)
         _checks.raise_first(mask, lengths, "seq_lengths[{i}] = {v} but row {i} is a padding row "
                             f"(num_rows={n}); rows at or past num_rows must have length 0")
-    if static is not None and nat > static:
+    if pad_full_seq_to is not None and nat > pad_full_seq_to:
         raise _checks.PackingError(
-            f"the packed total sum(round_up(seq_lengths, {m})) = {nat} exceeds pad_full_seq_to={static}; "
+            f"the packed total sum(round_up(seq_lengths, {m})) = {nat} exceeds pad_full_seq_to={pad_full_seq_to}; "
             f"pad_full_seq_to must be at least {nat} (NeMo-RL would silently truncate here)"
         )
-    return static if static is not None else round_up(nat, p)
+    return pad_full_seq_to if pad_full_seq_to is not None else round_up(nat, p)
 
 
-def _device_checks(lengths, natural_total, row_len, num_rows, static) -> None:
+def _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to) -> None:
     """The compiled validation: device-side asserts, no host sync."""
     rows = lengths.shape[0]
     if rows:
@@ -205,8 +190,8 @@ def _device_checks(lengths, natural_total, row_len, num_rows, static) -> None:
         if rows:
             tail = (lengths * (torch.arange(rows, device=lengths.device) >= n)).sum()
             _checks.device_assert(tail == 0, "nn_data.PackSequences: rows at or past num_rows must have length 0")
-    if static is not None:
+    if pad_full_seq_to is not None:
         _checks.device_assert(
-            natural_total <= static,
-            f"nn_data.PackSequences: the packed total sum(round_up(seq_lengths, m)) exceeds pad_full_seq_to={static}",
+            natural_total <= pad_full_seq_to,
+            f"nn_data.PackSequences: the packed total sum(round_up(seq_lengths, m)) exceeds pad_full_seq_to={pad_full_seq_to}",
         )

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.cp_comm import GatherFromContextParallel, group_rank_size
+from nn_data._index import segment_bounds
+from nn_data.cp_comm import GatherFromContextParallel
+from nn_data.megatron_parallel import group_info
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_to_row_capacity
-from nn_data.targets import local_places, packed_segments
 from nn_data.unpack import unpack_sequences
 
 
@@ -62,39 +63,25 @@ class _Prepared(NamedTuple):
 class PackedForward(nn.Module):
     """Run ``model`` on packed, context-parallel-sharded tokens; return ``[B, S, *]`` rows.
 
-    ``PackedForward(model, *, pad_individual_seqs_to_multiple_of=1, pad_full_seq_to=None,
-    pad_packed_seq_to_multiple_of=1, cp_group=None, row_capacity=None, compile_packing=False,
-    compile_kwargs=None, make_packed_seq_params=False)``;
     ``forward(input_ids [B, S] int, seq_lengths [B] int, **model_kwargs) -> [B, S, *]``, 0 past
-    each row's length.
+    each row's length: pack, take this rank's places, position ids, ``model`` on the local tokens,
+    gather across ``cp_group`` (None: no CP), unpack.
 
-    **The model contract.** ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
-    **model_kwargs)`` returns a tensor ``[1, T/C, *]`` for the same local tokens in the same
-    order. Position ids restart at 0 at each sequence start and keep counting through a
-    segment's padding. Attention must stay inside a segment (``packed.segment_ids``) and be
-    causal in packed positions (``packed.query_index``); under CP gather keys and values with
-    ``packed.gather`` (their gradients are summed back to the rank that owns them). Outputs at
-    padding positions are ignored. :class:`nn_data.models.TinyCausalLM` follows this contract.
+    The model contract: ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
+    **model_kwargs) -> [1, T/C, *]`` for the same local tokens in the same order. Position ids
+    restart at 0 at each sequence start; attention must stay inside a segment
+    (``packed.segment_ids``) and be causal in packed positions (``packed.query_index``); under CP
+    gather keys and values with ``packed.gather``. :class:`nn_data.models.TinyCausalLM` follows it.
 
-    **Context parallelism.** ``cp_group`` is the CP ``ProcessGroup`` (with megatron-core:
-    ``nn_data.megatron_parallel.context_parallel_info().group``); None means no CP. Each rank
-    runs the model on its zigzag shard and the output is all-gathered, so every rank returns
-    the full ``[B, S, *]``. The output gather hands each rank its own rows of the gradient
-    (``grad_mode="own"``): every rank computes the same loss from the gathered output, and the
-    parameter gradients are then summed over the CP group, as megatron-core's data-and-context
-    parallel gradient all-reduce does. Every segment must split into ``2C`` chunks, which is
-    checked on the configuration: ``pad_individual_seqs_to_multiple_of`` and ``pad_full_seq_to``
-    (or ``pad_packed_seq_to_multiple_of`` without it) must be multiples of ``2C``.
+    Under CP, ``pad_individual_seqs_to_multiple_of`` and ``pad_full_seq_to`` (or
+    ``pad_packed_seq_to_multiple_of`` without it) must be multiples of ``2C`` (checked here, so no
+    data check is needed per call). ``compile_packing=True`` compiles the packing and unpacking
+    sides with ``fullgraph=True`` (``compile_kwargs`` go to ``torch.compile``); with
+    ``pad_full_seq_to`` and ``row_capacity`` set they compile once for a stream. The model and the
+    collectives run eagerly unless you compile the model yourself.
 
-    **Compilation.** ``compile_packing=True`` compiles the packing side (pack, shard, position
-    ids) and the unpacking side with ``fullgraph=True`` (``compile_kwargs`` go to
-    ``torch.compile``, e.g. a backend); with ``pad_full_seq_to`` and ``row_capacity`` set they
-    compile once for a stream of microbatches of any lengths and row counts (rows are padded
-    outside the compiled region). The model and the CP collectives run eagerly; compile the
-    model yourself if you want (``torch.compile(model)``).
-
-    Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops do, plus
-    the CP multiples above) and when ``input_ids`` is not ``[B, S]``.
+    Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops, plus the CP
+    multiples above) and when ``input_ids`` is not ``[B, S]``.
     """
 
     def __init__(
@@ -113,7 +100,7 @@ class PackedForward(nn.Module):
         super().__init__()
         self.model = model
         self.pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
-        self.cp_rank, self.cp_size = group_rank_size(cp_group) if cp_group is not None else (0, 1)
+        self.cp_rank, self.cp_size, _ = group_info(cp_group, "context-parallel group")
         _check_cp_config(self.cp_size, self.pack)
         self.row_capacity = None if row_capacity is None else _checks.positive_int("row_capacity", row_capacity)
         self.make_packed_seq_params = bool(make_packed_seq_params)
@@ -130,11 +117,10 @@ class PackedForward(nn.Module):
 
     def _prepare(self, input_ids, seq_lengths, num_rows) -> _Prepared:
         r = self.pack(input_ids, seq_lengths, num_rows)
-        total = r.packed.shape[1]
-        bounds = packed_segments(r.cu_seqlens, r.cu_seqlens_padded, total).bounds  # [B+1] ([0, T] if B = 0)
-        # Zigzag places of this rank's tokens (segments are multiples of 2C by configuration):
-        # bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39.
-        places = local_places(bounds, total, self.cp_size, self.cp_rank)  # [T/C] each
+        bounds = segment_bounds(r.cu_seqlens_padded, r.packed.shape[1])  # [B+1] ([0, T] if B = 0)
+        # Zigzag places of this rank's tokens, computed once (segments are multiples of 2C by
+        # configuration): bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39.
+        places = r.layout.local_places(self.cp_size, self.cp_rank)  # [T/C] each
         local_ids = r.packed.index_select(1, places.source)  # [1, T/C]
         position_ids = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C], 0 at each start
         return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(), places.source)
@@ -166,7 +152,7 @@ class PackedForward(nn.Module):
     def _packed_seq_params(self, prep: _Prepared):
         if not self.make_packed_seq_params:
             return None
-        from nn_data.megatron_data_common import make_packed_seq_params
+        from nn_data.megatron_parallel import make_packed_seq_params
 
         total = prep.segment_ids.shape[0]  # max_seqlen = T: the only bound known without a host sync
         return make_packed_seq_params(prep.cu_seqlens_padded, total, total // self.cp_size)

@@ -19,104 +19,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from nn_data import _checks
-from nn_data._index import ZigzagLocal, segment_ids, zigzag_local
-from nn_data.context_parallel import RankOp, check_cp_boundaries
-
-
-class Segments(NamedTuple):
-    """``bounds [B'+1]`` (padded boundaries, int64) and ``lengths [B']`` (valid tokens, int64).
-
-    ``B' = B``, except for a microbatch with no sequence (``B = 0``): then the whole
-    packed tensor is one padding segment ``bounds [0, T]`` with ``lengths [0]``.
-    """
-
-    bounds: torch.Tensor
-    lengths: torch.Tensor
-
-
-def packed_segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, total: int) -> Segments:
-    """The :class:`Segments` of a packed microbatch of ``total`` tokens."""
-    if cu_seqlens_padded.shape[0] == 1:
-        device = cu_seqlens_padded.device
-        return Segments(torch.tensor([0, total], dtype=torch.int64, device=device),
-                        torch.zeros(1, dtype=torch.int64, device=device))
-    cu = cu_seqlens.to(torch.int64)
-    return Segments(cu_seqlens_padded.to(torch.int64), cu[1:] - cu[:-1])
-
-
-def local_places(bounds: torch.Tensor, total: int, cp_size: int, cp_rank: int) -> ZigzagLocal:
-    """Packed position and segment of each position rank ``cp_rank`` holds: ``2 x [T/C]``.
-
-    ``cp_size == 1``: every position, in order. Example: bounds ``[0, 4, 4, 12]``, C 1 ->
-    source ``0..11``, segment ``[0,0,0,0,2,...,2]`` (segment 1 is empty).
-    """
-    if cp_size == 1:
-        return ZigzagLocal(torch.arange(total, device=bounds.device), segment_ids(bounds, total))
-    return zigzag_local(bounds, total // cp_size, cp_size, cp_rank)
-
-
-def check_layout(
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    total: int,
-    cp_size: int,
-    op: str,
-    *,
-    seq_len: Optional[int] = None,
-    ids: Optional[torch.Tensor] = None,
-    vocab: Optional[int] = None,
-) -> None:
-    """The validation step of the packed-layout ops: one host sync in eager mode, device asserts compiled.
-
-    Checks: boundaries rise from 0 to ``total`` with segments divisible by ``2*cp_size``;
-    ``0 <= L[b] <=`` its padded segment; with ``seq_len``, ``L[b] <= seq_len``; with ``ids [T]``
-    and ``vocab``, every token that is some position's target is in ``[0, vocab)``.
-    """
-    bounds, lengths = packed_segments(cu_seqlens, cu_seqlens_padded, total)
-    seg_len = bounds[1:] - bounds[:-1]  # [B']
-    ok_edges = (bounds[0] == 0) & (bounds[-1] == total) & (seg_len >= 0).all()
-    ok_div = (seg_len % (2 * cp_size) == 0).all()
-    ok_len = ((lengths >= 0) & (lengths <= seg_len)).all()
-    ok_seq = (lengths <= seq_len).all() if seq_len is not None else ok_len
-    ok_ids = ok_len
-    if ids is not None:
-        places = local_places(bounds, total, 1, 0)
-        is_target = places.source - bounds[places.segment] < lengths[places.segment]  # [T] valid tokens
-        ok_ids = (~is_target | ((ids >= 0) & (ids < vocab))).all()
-    if torch.compiler.is_compiling():
-        _checks.device_assert(ok_edges & ok_div, f"nn_data.{op}: cu_seqlens_padded must rise from 0 to T={total} "
-                              f"in segments divisible by 2*cp_size={2 * cp_size}")
-        _checks.device_assert(ok_len & ok_seq, f"nn_data.{op}: every length must fit its padded segment"
-                              + (f" and seq_len={seq_len}" if seq_len is not None else ""))
-        _checks.device_assert(ok_ids, f"nn_data.{op}: token ids must be in [0, vocab={vocab})")
-        return
-    flags = torch.stack([ok_edges & ok_div, ok_len, ok_seq, ok_ids]).tolist()  # sync: the one validation step
-    if not flags[0]:
-        check_cp_boundaries(cu_seqlens_padded, total, cp_size, op)  # raises with the precise message
-    if not flags[1]:
-        _checks.raise_first(~((lengths >= 0) & (lengths <= seg_len)), lengths,
-                            "sequence {i} has length {v} (from cu_seqlens), which does not fit its padded segment "
-                            "of cu_seqlens_padded; valid lengths are in [0, segment length]")
-    if not flags[2]:
-        _checks.raise_first(lengths > seq_len, lengths,
-                            "sequence {i} has length {v} (from cu_seqlens), more than seq_len=" f"{seq_len}")
-    if not flags[3]:
-        bad = is_target & ((ids < 0) | (ids >= vocab))
-        _checks.raise_first(bad, ids, "packed token id {v} at position {i} is outside the vocabulary "
-                            f"[0, {vocab}) of the logits")
-
-
-def _check_boundary_args(cu_seqlens_padded, data: torch.Tensor, cp_size: int, cu_seqlens=None) -> None:
-    _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded)
-    if cu_seqlens is not None:
-        _checks.check_int_vector("cu_seqlens", cu_seqlens, cu_seqlens_padded.shape[0])
-    _checks.check_same_device(data=data, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
-    total = data.shape[1]
-    if cp_size > 1 and total % (2 * cp_size):
-        raise _checks.PackingError(
-            f"the packed length T={total} is not a multiple of 2*cp_size={2 * cp_size}; "
-            "choose pad_full_seq_to (or the padding multiples) so that T is one"
-        )
+from nn_data._index import Segments, ZigzagLocal, local_places, packed_segments
+from nn_data.context_parallel import RankOp
 
 
 class PositionIds(RankOp):
@@ -147,14 +51,15 @@ class PositionIds(RankOp):
     def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, validate: bool = True):
         super().__init__(cp_size, cp_rank, validate=validate)
 
-    def forward(self, packed: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    def forward(self, packed: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+                places: Optional[ZigzagLocal] = None) -> torch.Tensor:
         _checks.check_packed("packed", packed)
-        _check_boundary_args(cu_seqlens_padded, packed, self.cp_size)
         total = packed.shape[1]
+        _checks.check_boundary_args("packed", packed, total, cu_seqlens_padded, self.cp_size)
         if self.validate:
-            check_cp_boundaries(cu_seqlens_padded, total, self.cp_size, "PositionIds")
+            _checks.check_boundaries(cu_seqlens_padded, total, self.cp_size, "PositionIds")
         bounds = packed_segments(cu_seqlens_padded, cu_seqlens_padded, total).bounds
-        source, seg = local_places(bounds, total, self.cp_size, self.cp_rank)  # [T/C] each
+        source, seg = places if places is not None else local_places(bounds, total, self.cp_size, self.cp_rank)
         return (source - bounds[seg]).unsqueeze(0)  # [1, T/C]
 
 
@@ -217,23 +122,17 @@ class NextTokenTargets(RankOp):
         return f"{super().extra_repr()}, ignore_index={self.ignore_index}"
 
     def forward(
-        self, packed_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor
+        self, packed_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+        places: Optional[ZigzagLocal] = None,
     ) -> Targets:
-        check_packed_ids("packed_ids", packed_ids)
-        _check_boundary_args(cu_seqlens_padded, packed_ids, self.cp_size, cu_seqlens)
+        _checks.check_packed_ids("packed_ids", packed_ids)
         total = packed_ids.shape[1]
+        _checks.check_boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, self.cp_size, cu_seqlens)
         if self.validate:
-            check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "NextTokenTargets")
+            _checks.check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "NextTokenTargets")
         segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
-        places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
+        if places is None:
+            places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
         token, has_target = next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
         targets = torch.where(has_target, token, self.ignore_index)
         return Targets(targets.unsqueeze(0), has_target.to(torch.float32).unsqueeze(0))
-
-
-def check_packed_ids(name: str, t) -> None:
-    """Packed token ids are an integer ``[1, T]`` tensor."""
-    _checks.check_packed(name, t)
-    if t.dim() != 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise _checks.PackingError(f"{name} must be integer token ids [1, T], got shape {tuple(t.shape)} "
-                                   f"and dtype {t.dtype}")

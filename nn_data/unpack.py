@@ -7,7 +7,7 @@ Shape legend
     *   trailing feature dims (e.g. vocab ``V`` for logits)
 
 ``out[b, s] = packed[0, cu_seqlens_padded[b] + s]`` for ``s < L[b]``, ``fill_value``
-elsewhere (SPEC section 4). The offsets are always the *padded* ones: NeMo-RL's
+elsewhere (``docs/design.md``, "Unpacking"). The offsets are always the *padded* ones: NeMo-RL's
 ``_unpack_sequences_from_megatron`` reads ``cu_seqlens`` when CP is 1, which is
 wrong whenever sequences were padded to a multiple ``m > 1``.
 """
@@ -96,8 +96,7 @@ def _check(lengths: torch.Tensor, cu_pad: torch.Tensor, total: int, seq_len: int
         return
     all_len, all_fit = torch.stack([ok_len.all(), ok_fit.all()]).tolist()  # sync: the one validation step
     if not all_len:
-        _checks.raise_first(~ok_len, lengths, "seq_lengths[{i}] = {v} is outside [0, seq_len="
-                            f"{seq_len}]; valid lengths are integers in [0, {seq_len}]")
+        _checks.raise_length_outside(~ok_len, lengths, seq_len, "seq_len")
     if not all_fit:
         _checks.raise_first(
             ~ok_fit, lengths,

@@ -4,7 +4,7 @@ For B in {8, 64, 256} rows with B*S = 262,144 tokens (so S = 32768, 4096, 1024),
 m = 8 and a fixed pad_full_seq_to = B*S, random lengths uniform in [1, S]. Prints one
 table: microseconds per call (median), GB/s of output written, host syncs per call
 (counted with nn_data.diagnostics.HostSyncCounter; the compiled graph is sync-free by
-construction and checked by tests/test_ops_compile.py), and the ratio to the memory
+construction and checked by tests/ops/test_ops_compile.py), and the ratio to the memory
 floor (a clone() of as many bytes as the op writes; its own row, mode ``floor``).
 
 ``--device cuda``: the inputs live on the GPU; each call is timed between two CUDA events
@@ -27,7 +27,7 @@ import torch
 
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data.diagnostics import HostSyncCounter
-from nn_data.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
+from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
 from profiling.cuda_counters import SyncCounter
 from profiling.timing import machine_description, time_calls, time_calls_cuda
 

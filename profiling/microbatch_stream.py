@@ -13,7 +13,7 @@ One microbatch, per mode:
     nn_data (eager / compiled): pad rows to R (outside any compiled region) -> pack [1,T]
         -> CP shard [1,T/C] -> model [1,T/C,O] -> simulated all-gather [C,T/C,O]
         -> unshard [1,T,O] -> unpack [R,S,O]
-    loop (NeMo-RL style, nn_data.reference): the same chain on the B real rows, one Python
+    loop (NeMo-RL style, nn_data.testing.reference): the same chain on the B real rows, one Python
         iteration per sequence and segment, host syncs included.
 
 The all-gather is simulated in one process by stacking this rank's model output ``C`` times
@@ -32,9 +32,9 @@ from torch import nn
 
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data import pad_to_row_capacity
-from nn_data.batched_data_dict import BatchedDataDict
+from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
-from nn_data.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
+from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
 
 
 class Microbatch(NamedTuple):

@@ -1,8 +1,8 @@
 """Run a small causal transformer on packed (and, with --cp, context-parallel) tokens with
 nn_data.PackedForward, and compare every sequence with running it alone.
 
-    python scripts/packed_forward_example.py              # one process, CPU
-    python scripts/packed_forward_example.py --cp 2       # two ranks over gloo on 127.0.0.1
+    python -m scripts.packed_forward_example              # one process, CPU
+    python -m scripts.packed_forward_example --cp 2       # two ranks over gloo on 127.0.0.1
 
 Prints, for each microbatch, the largest difference between the packed outputs and the
 per-sequence outputs, and the time of both paths (wall clock on this machine, after one
@@ -13,18 +13,14 @@ included, with a dense [T/C, T] attention mask: it shows exactness, not speed.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import sys
 import time
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nn_data.models import TinyCausalLM  # noqa: E402
-from nn_data.packed_forward import PackedForward  # noqa: E402
+from nn_data.models import TinyCausalLM
+from nn_data.packed_forward import PackedForward
+from nn_data.testing.dist import free_port, init_gloo
 
 
 def _round_up(x: int, m: int) -> int:
@@ -76,7 +72,7 @@ def _rank_main(rank: int, args, port: int) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.cp)
+    init_gloo(rank, args.cp, port)
     try:
         run(args, rank, dist.group.WORLD)
     finally:
@@ -101,10 +97,7 @@ def main(argv=None) -> None:
         return
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(args, port), nprocs=args.cp, join=True)
+    mp.spawn(_rank_main, args=(args, free_port()), nprocs=args.cp, join=True)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ Shape legend
     H   features per token of the model stand-in's output
 
 Run kinds: on a CUDA GPU the ``FULL`` sizes; with ``NN_DATA_CUDA_DRY_RUN=1`` (set by
-``scripts/gpu_check.sh --dry-run``) the same tests on the CPU with the ``TINY`` sizes, where
-the CUDA-only assertions (sync debug mode, CUDA-graph counts) skip with a reason starting
-"dry run:".
+``scripts/gpu_check.sh --dry-run``; tests/conftest.py then keeps the ``cuda`` tests) the same
+tests on the CPU with the ``TINY`` sizes, where the CUDA-only assertions (CUDA-graph counts)
+skip with a reason starting "dry run:".
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from nn_data.unpack import unpack_sequences
 DRY_RUN = os.environ.get("NN_DATA_CUDA_DRY_RUN") == "1"
 ON_CUDA = torch.cuda.is_available() and not DRY_RUN
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
-# Every GPU-tier module: ``pytestmark = TIER``.
-TIER = [pytest.mark.cuda, pytest.mark.skipif(
-    not (torch.cuda.is_available() or DRY_RUN), reason="needs CUDA (GPU-only tier; NN_DATA_CUDA_DRY_RUN=1: on the CPU)")]
+# Every GPU-tier module: ``pytestmark = TIER`` (tests/conftest.py skips ``cuda`` tests without
+# CUDA, unless NN_DATA_CUDA_DRY_RUN=1).
+TIER = [pytest.mark.cuda, pytest.mark.compile]
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]  # dry run: fewer compiles
 
 

@@ -19,7 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from nn_data import pad_to_row_capacity
-from nn_data.reference import reference_pack, reference_shard
+from nn_data.testing.reference import reference_pack, reference_shard
 from profiling.cuda_counters import CudaGraphCounter, SyncCounter, forbid_syncs
 from tests.cuda.stream import (
     TIER, DEVICE, DTYPES, SIZES, VARYING_S, DataPath, Scale, cuda_only, expected_rows, make_stream, until_issue_10,

@@ -1,0 +1,170 @@
+"""Global batch -> processed microbatch iterators, and the global batch's loss normalisers.
+
+Device-agnostic: nothing here hard-codes CUDA. The iterators move each microbatch to
+a device the caller chooses (``device=`` argument, else ``cfg["nn_data"]["device"]``,
+else CUDA when available, else CPU); :func:`process_global_batch` all-reduces where
+the process group's backend needs it (NCCL: the current CUDA device; gloo: where the
+data is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
+
+import torch
+
+from nn_data.megatron_data.common import require
+from nn_data.megatron_data.engine import PackOptions
+from nn_data.megatron_data.microbatch import ProcessedMicrobatch, process_microbatch
+from nn_data.megatron_data.pack import _get_pack_sequence_parameters_for_megatron, get_and_validate_seqlen
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron.core.utils import StragglerDetector
+
+    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+
+
+def resolve_device(device=None, cfg: Optional[dict] = None) -> torch.device:
+    """``device``, else ``cfg["nn_data"]["device"]``, else ``cuda`` when available, else ``cpu``."""
+    if device is None:
+        device = ((cfg or {}).get("nn_data") or {}).get("device")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def make_processed_microbatch_iterator(
+    raw_iterator: Iterator["BatchedDataDict[Any]"],
+    cfg: dict[str, Any],
+    seq_length_key: Optional[str],
+    pad_individual_seqs_to_multiple_of: int,
+    pad_packed_seq_to_multiple_of: int,
+    straggler_timer: "StragglerDetector",
+    pad_full_seq_to: Optional[int],
+    delegate_pack_to_model: bool = False,
+    *,
+    device=None,
+) -> Iterator[ProcessedMicrobatch]:
+    """Wrap a raw microbatch iterator to yield :class:`ProcessedMicrobatch` objects.
+
+    Each raw ``BatchedDataDict`` is moved to the target device (``device``, else
+    ``cfg["nn_data"]["device"]``, else CUDA when available, else CPU) and processed by
+    :func:`process_microbatch`, packing when ``cfg["sequence_packing"]["enabled"]``. The
+    nn_data pack options (compiled graph, row capacity, ``T`` buckets) are read from
+    ``cfg["nn_data"]`` (:meth:`PackOptions.from_cfg`).
+    """
+    pack_sequences = cfg["sequence_packing"]["enabled"]
+    options = PackOptions.from_cfg(cfg)
+    target = resolve_device(device, cfg)
+    for data_dict in raw_iterator:
+        data_dict = data_dict.to(target)
+        inputs = process_microbatch(
+            data_dict=data_dict,
+            seq_length_key=seq_length_key,
+            pad_individual_seqs_to_multiple_of=pad_individual_seqs_to_multiple_of,
+            pad_packed_seq_to_multiple_of=pad_packed_seq_to_multiple_of,
+            pad_full_seq_to=pad_full_seq_to,
+            pack_sequences=pack_sequences,
+            delegate_pack_to_model=delegate_pack_to_model,
+            straggler_timer=straggler_timer,
+            options=options,
+        )
+        fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+        yield ProcessedMicrobatch(data_dict=data_dict, **fields)
+
+
+def get_microbatch_iterator(
+    data: "BatchedDataDict[Any]",
+    cfg: dict[str, Any],
+    mbs: int,
+    straggler_timer: "StragglerDetector",
+    seq_length_key: Optional[str] = None,
+    delegate_pack_to_model: bool = False,
+    *,
+    device=None,
+) -> Tuple[Iterator[ProcessedMicrobatch], int, int, int, int]:
+    """A processed microbatch iterator over ``data`` and its metadata.
+
+    Returns ``(iterator, data_iterator_len, micro_batch_size, seq_dim_size,
+    padded_seq_length)``. Dynamic batching (``cfg["dynamic_batching"]["enabled"]``) uses
+    ``data``'s dynamic-shape plan; sequence packing uses its packable plan (one packed
+    microbatch per plan entry, ``micro_batch_size`` 1, padding from
+    :func:`_get_pack_sequence_parameters_for_megatron` with
+    ``cfg["make_sequence_length_divisible_by"]`` and the longest planned microbatch);
+    otherwise fixed microbatches of ``mbs`` rows. ``padded_seq_length`` is
+    ``pad_full_seq_to`` when PP > 1 sets one, else ``seq_dim_size``. ``seq_length_key``
+    defaults to ``"input_lengths"`` when packing.
+    """
+    micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
+    _, seq_dim_size = get_and_validate_seqlen(data)
+    packing = cfg["sequence_packing"]["enabled"]
+    if seq_length_key is None and packing:
+        seq_length_key = "input_lengths"
+    if (cfg.get("dynamic_batching") or {}).get("enabled", False):
+        raw_iterator = data.make_microbatch_iterator_with_dynamic_shapes()
+        data_iterator_len = data.get_microbatch_iterator_dynamic_shapes_len()
+    elif packing:
+        raw_iterator = data.make_microbatch_iterator_for_packable_sequences()
+        data_iterator_len, pack_seq_dim_size = data.get_microbatch_iterator_for_packable_sequences_len()
+        pad_factor, pad_packed, pad_full_seq_to = _get_pack_sequence_parameters_for_megatron(
+            cfg["megatron_cfg"], cfg["make_sequence_length_divisible_by"], pack_seq_dim_size)
+        micro_batch_size = 1
+    else:
+        require(isinstance(mbs, int) and mbs >= 1, f"mbs={mbs!r} is invalid; expected an int >= 1")
+        raw_iterator = data.make_microbatch_iterator(mbs)
+        data_iterator_len = data.size // mbs
+    iterator = make_processed_microbatch_iterator(
+        raw_iterator, cfg, seq_length_key, pad_factor, pad_packed, straggler_timer, pad_full_seq_to,
+        delegate_pack_to_model, device=device,
+    )
+    padded_seq_length = pad_full_seq_to if pad_full_seq_to is not None else seq_dim_size
+    return iterator, data_iterator_len, micro_batch_size, seq_dim_size, padded_seq_length
+
+
+def process_global_batch(
+    data: "BatchedDataDict[Any]",
+    loss_fn: Any,
+    dp_group: Optional["torch.distributed.ProcessGroup"],
+    *,
+    batch_idx: int,
+    batch_size: int,
+) -> dict[str, Any]:
+    """Extract global batch ``batch_idx`` and its loss normalisers, summed over the DP group.
+
+    Returns ``{"batch", "global_valid_seqs", "global_valid_toks"}``: the sum of
+    ``sample_mask``, and of ``token_mask[:, 1:] * sample_mask`` (or valid sequences times
+    ``S`` without a token mask), all-reduced over ``dp_group``. The reduction runs on the
+    current CUDA device for an NCCL group and where the data lives otherwise (gloo on CPU
+    works); without an initialised ``torch.distributed`` the local sums are returned.
+    No host sync.
+
+    Raises :class:`~nn_data.errors.PackingError` when the batch
+    has no ``sample_mask``, or the loss is token-level and the batch has no ``token_mask``.
+    """
+    batch = data.get_batch(batch_idx=batch_idx, batch_size=batch_size)
+    require("sample_mask" in batch, "sample_mask must be present in the data")
+    sample_mask = batch["sample_mask"]
+    local_valid_seqs = torch.sum(sample_mask)
+    if "token_mask" not in batch:
+        local_valid_toks = local_valid_seqs * batch["input_ids"].shape[1]
+    else:
+        local_valid_toks = torch.sum(batch["token_mask"][:, 1:] * sample_mask.unsqueeze(-1))
+    dtype = torch.promote_types(local_valid_seqs.dtype, local_valid_toks.dtype)
+    to_reduce = torch.stack([local_valid_seqs.to(dtype), local_valid_toks.to(dtype)])  # [2]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if "nccl" in str(torch.distributed.get_backend(dp_group)):
+            to_reduce = to_reduce.to(torch.device("cuda", torch.cuda.current_device()))
+        torch.distributed.all_reduce(to_reduce, group=dp_group)
+    if _is_token_level(loss_fn):
+        require("token_mask" in batch, "token_mask must be present in the data when using a token-level loss")
+    return {"batch": batch, "global_valid_seqs": to_reduce[0], "global_valid_toks": to_reduce[1]}
+
+
+def _is_token_level(loss_fn) -> bool:
+    """NeMo-RL's ``loss_fn.loss_type == LossType.TOKEN_LEVEL``, without importing NeMo-RL."""
+    loss_type = getattr(loss_fn, "loss_type", None)
+    if loss_type is None:
+        return False
+    name, value = getattr(loss_type, "name", None), getattr(loss_type, "value", loss_type)
+    return name == "TOKEN_LEVEL" or str(value).lower() in ("token_level", "losstype.token_level")

@@ -1,0 +1,240 @@
+"""One microbatch for the Megatron forward: packed (THD, CP-sharded), self-packing VLM, or unpacked.
+
+Shape legend
+    B   sequences; S padded row length; T packed tokens; C context-parallel size
+    Ly, K   MoE layers and top-k of routed experts ``[B, S, Ly, K]``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from nn_data.errors import PackingError
+from nn_data.megatron_data.common import require, straggler_context
+from nn_data.megatron_parallel import make_packed_seq_params, megatron_cp_rank_and_size as cp_rank_and_size
+from nn_data.megatron_data.engine import PackConfig, PackOptions, pack_microbatch
+from nn_data.megatron_data.r3 import (
+    _fill_routed_experts_padding,
+    _make_r3_trace_token_identity,
+    _verify_r3_trace_cp_token_alignment,
+    r3_verify_forward_enabled,
+)
+from nn_data.megatron_data.vlm import _prepare_vlm_batch_for_megatron
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is imported lazily
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.utils import StragglerDetector
+
+    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+
+
+@dataclass
+class ProcessedInputs:
+    """Processed microbatch inputs used for the model forward pass (NeMo-RL's fields)."""
+
+    input_ids: torch.Tensor
+    input_ids_cp_sharded: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+    packed_seq_params: Optional["PackedSeqParams"]
+    cu_seqlens_padded: Optional[torch.Tensor]
+    mtp_loss_mask: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None
+    routed_experts_cp_sharded: Optional[torch.Tensor] = None
+
+
+@dataclass
+class ProcessedMicrobatch:
+    """A processed microbatch ready for the model forward: the raw ``data_dict`` plus the
+    :class:`ProcessedInputs` fields (packed tensors, ``PackedSeqParams`` ... or, unpacked,
+    the causal mask and position ids)."""
+
+    data_dict: "BatchedDataDict[Any]"
+    input_ids: torch.Tensor
+    input_ids_cp_sharded: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+    packed_seq_params: Optional["PackedSeqParams"]
+    cu_seqlens_padded: Optional[torch.Tensor]
+    mtp_loss_mask: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None
+    routed_experts_cp_sharded: Optional[torch.Tensor] = None
+
+
+def get_ltor_masks_and_position_ids(*args: Any, **kwargs: Any) -> Any:
+    """Left-to-right masks and position ids, as ``megatron.training.utils``' function (vectorised).
+
+    Signature: ``(data [B, S], eod_token, pad_token=None, reset_position_ids=False,
+    reset_attention_mask=False, eod_mask_loss=False, pad_mask_loss=False)``. Returns
+    ``(attention_mask, loss_mask [B, S] float32, position_ids [B, S] int64)``:
+    ``attention_mask`` is bool, ``True`` where attention is *masked*, ``[1, 1, S, S]``
+    (causal) or ``[B, 1, S, S]`` with ``reset_attention_mask`` (also no attention across an
+    EOD token: a document ends at its EOD). ``position_ids`` is ``arange(S)`` per row, or
+    restarts at 0 after each EOD with ``reset_position_ids``. ``loss_mask`` is 0 at EOD
+    tokens (``eod_mask_loss``) and pad tokens (``pad_mask_loss``), else 1.
+
+    Example: ``data [[5, 0, 7, 8]]``, eod 0, both resets -> positions ``[[0, 1, 0, 1]]``;
+    position 2 may not attend to positions 0..1.
+
+    megatron.training is not part of the megatron-core wheel, so this is implemented here
+    (no loop over rows or EOD tokens; nothing imported). Megatron-LM finds the reset
+    points as ``eod_positions & pad_positions`` (a bitwise AND of two index lists); here
+    the EOD tokens alone are the document ends, which is what that code means when
+    ``pad_token == eod_token`` (as NeMo-RL calls it).
+    """
+    return _ltor(*args, **kwargs)
+
+
+def _ltor(data, eod_token, pad_token=None, reset_position_ids=False, reset_attention_mask=False,
+          eod_mask_loss=False, pad_mask_loss=False):
+    if not isinstance(data, torch.Tensor) or data.dim() != 2:
+        raise PackingError(f"data must be a [B, S] tensor, got {getattr(data, 'shape', type(data))}")
+    rows, cols = data.shape
+    pos = torch.arange(cols, device=data.device)  # [S]
+    causal = pos[None, :] <= pos[:, None]  # [S(q), S(k)]: k may be seen from q
+    eod = data == eod_token  # [B, S]
+    loss_mask = torch.ones(data.shape, dtype=torch.float, device=data.device)
+    if eod_mask_loss:
+        loss_mask = loss_mask.masked_fill(eod, 0.0)
+    if pad_mask_loss:
+        require(pad_token is not None, "pad_mask_loss=True needs a pad_token")
+        loss_mask = loss_mask.masked_fill(data == pad_token, 0.0)
+    # doc[b, t] = number of EOD tokens before t: data [5, 0, 7, 8], eod 0 -> eod [F, T, F, F]
+    # -> cumsum [0, 1, 1, 1] - eod [0, 1, 0, 0] = doc [0, 0, 1, 1] (an EOD ends its own document).
+    doc = torch.cumsum(eod.to(torch.int64), dim=1) - eod.to(torch.int64)  # [B, S]
+    if reset_attention_mask:
+        allowed = causal[None] & (doc[:, :, None] == doc[:, None, :])  # [B, S, S]
+        attention_mask = ~allowed[:, None]  # [B, 1, S, S]
+    else:
+        attention_mask = ~causal[None, None]  # [1, 1, S, S]
+    if reset_position_ids:
+        # Document start of t: the latest t' <= t that follows an EOD: starts [0, 0, 2, 2] above.
+        after_eod = torch.zeros_like(eod)
+        after_eod[:, 1:] = eod[:, :-1]
+        starts = torch.where(after_eod, pos[None, :], 0).cummax(dim=1).values  # [B, S]
+        position_ids = pos[None, :] - starts  # [B, S]
+    else:
+        position_ids = pos[None, :].expand(rows, cols)  # [B, S]
+    return attention_mask, loss_mask, position_ids
+
+
+def process_microbatch(
+    data_dict: "BatchedDataDict[Any]",
+    seq_length_key: Optional[str] = None,
+    pad_individual_seqs_to_multiple_of: int = 1,
+    pad_packed_seq_to_multiple_of: int = 1,
+    pad_full_seq_to: Optional[int] = None,
+    pack_sequences: bool = False,
+    delegate_pack_to_model: bool = False,
+    straggler_timer: Optional["StragglerDetector"] = None,
+    *,
+    options: Optional[PackOptions] = None,
+) -> ProcessedInputs:
+    """Process a microbatch for the Megatron forward pass.
+
+    Packed (``pack_sequences``): ``input_ids`` and, when present, ``mtp_loss_mask`` and
+    ``routed_experts [B, S, Ly, K]`` are packed with **one** layout (computed once) and
+    zigzag-sharded for this CP rank; ``input_ids`` is ``[1, T]``, ``input_ids_cp_sharded``
+    ``[1, T/C]``, ``mtp_loss_mask`` the CP-local ``[1, T/C]``, ``routed_experts``
+    ``[1, T, Ly, K]`` with ``arange(K)`` pad rows and its CP-local shard; masks and position
+    ids are None. CP rank and size come from megatron-core's ``parallel_state`` when it is
+    initialised, else rank 0 of 1. One host sync per microbatch (NeMo-RL: ``2B + 1`` and
+    more per extra tensor). ``options`` (keyword-only, nn_data only) selects the compiled
+    graph and ``T`` buckets (:class:`~nn_data.megatron_data.engine.PackOptions`).
+
+    Self-packing model (``delegate_pack_to_model``): :func:`_prepare_vlm_batch_for_megatron`;
+    ``mtp_loss_mask`` is cut/zero-padded to the model's columns and multiplied by the
+    attention mask; routed experts raise ``NotImplementedError`` (the model's own CP
+    layout cannot be matched here).
+
+    Unpacked: causal ``attention_mask [1, 1, S, S]`` (True = masked) and ``position_ids``
+    from :func:`get_ltor_masks_and_position_ids`; routed experts get ``arange(K)`` on
+    their padding (needs ``input_lengths``).
+
+    The R3 forward verifier runs when enabled (see :mod:`nn_data.megatron_data.r3`).
+    Raises :class:`~nn_data.errors.PackingError` for a missing ``seq_length_key``, routed experts that are not 4-D, and every bad
+    input the pack path rejects.
+    """
+    with straggler_context(straggler_timer):
+        input_ids = data_dict["input_ids"]
+        routed = data_dict["routed_experts"] if "routed_experts" in data_dict else None
+        if routed is not None and routed.dim() != 4:
+            raise PackingError("routed_experts must have shape [batch, seq, num_moe_layers, topk] before "
+                               f"Megatron packing; got {tuple(routed.shape)}")
+        if not pack_sequences:
+            return _unpacked_inputs(data_dict, input_ids, routed)
+        require(seq_length_key is not None, "seq_length_key must be provided for packed sequences")
+        require(seq_length_key in data_dict, f"{seq_length_key} not found in data_dict (keys: {list(data_dict)})")
+        seq_lengths = data_dict[seq_length_key]
+        if delegate_pack_to_model:
+            return _vlm_inputs(data_dict, input_ids, seq_lengths, routed, pad_individual_seqs_to_multiple_of,
+                               pad_full_seq_to)
+        return _packed_inputs(data_dict, input_ids, seq_lengths, routed, pad_individual_seqs_to_multiple_of,
+                              pad_packed_seq_to_multiple_of, pad_full_seq_to, options)
+
+
+def _packed_inputs(data_dict, input_ids, seq_lengths, routed, m, p, pad_full_seq_to, options) -> ProcessedInputs:
+    cp_rank, cp_size = cp_rank_and_size()
+    identity = None
+    if routed is not None and r3_verify_forward_enabled():
+        identity = _make_r3_trace_token_identity(input_ids, seq_lengths)
+    mtp = data_dict["mtp_loss_mask"] if "mtp_loss_mask" in data_dict else None
+    config = PackConfig(m, p, pad_full_seq_to, cp_size=cp_size, cp_rank=cp_rank)
+    out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options, mtp_loss_mask=mtp,
+                                routed_experts=routed, token_identity=identity)
+    params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1])
+    _verify_r3_trace_cp_token_alignment(
+        source_input_ids=input_ids, source_routed_experts=routed, input_ids_cp_sharded=out.local,
+        routed_experts_cp_sharded=out.routed_local, token_identity_cp_sharded=out.identity_local,
+    )
+    return ProcessedInputs(
+        input_ids=out.packed, input_ids_cp_sharded=out.local, attention_mask=None, position_ids=None,
+        packed_seq_params=params, cu_seqlens_padded=out.cu_seqlens_padded, mtp_loss_mask=out.mtp_local,
+        routed_experts=out.routed_packed, routed_experts_cp_sharded=out.routed_local,
+    )
+
+
+def _vlm_inputs(data_dict, input_ids, seq_lengths, routed, m, pad_full_seq_to) -> ProcessedInputs:
+    if routed is not None:
+        raise NotImplementedError("Router replay (routed_experts) is not supported with models that pack and "
+                                  "context-parallel shard internally (delegate_pack_to_model=True)")
+    packed, ids_2d, attention_mask, params, _, cu_seqlens_padded = _prepare_vlm_batch_for_megatron(
+        input_ids, seq_lengths, m, pad_full_seq_to=pad_full_seq_to)
+    mtp = None
+    if "mtp_loss_mask" in data_dict:
+        source = data_dict["mtp_loss_mask"]
+        require(source.dim() == 2 and source.shape[0] == ids_2d.shape[0],
+                f"mtp_loss_mask must be [B, S] with B={ids_2d.shape[0]}; got {tuple(source.shape)}")
+        width = min(source.shape[1], ids_2d.shape[1])
+        mtp = source.new_zeros(ids_2d.shape)  # [B, P]
+        mtp[:, :width] = source[:, :width]
+        mtp = mtp * attention_mask.to(mtp.dtype)
+    return ProcessedInputs(input_ids=packed, input_ids_cp_sharded=ids_2d, attention_mask=attention_mask,
+                           position_ids=None, packed_seq_params=params, cu_seqlens_padded=cu_seqlens_padded,
+                           mtp_loss_mask=mtp)
+
+
+def _unpacked_inputs(data_dict, input_ids, routed) -> ProcessedInputs:
+    routed_cp, identity = routed, None
+    if routed is not None:
+        if "input_lengths" not in data_dict:
+            raise PackingError("routed_experts requires input_lengths when sequence packing is disabled, so "
+                               "their padding rows can be repaired before router replay")
+        routed = routed_cp = _fill_routed_experts_padding(routed, data_dict["input_lengths"])
+        if r3_verify_forward_enabled():
+            identity = _make_r3_trace_token_identity(input_ids, data_dict["input_lengths"])
+    _verify_r3_trace_cp_token_alignment(
+        source_input_ids=input_ids, source_routed_experts=data_dict["routed_experts"] if routed is not None else None,
+        input_ids_cp_sharded=input_ids, routed_experts_cp_sharded=routed_cp, token_identity_cp_sharded=identity,
+    )
+    attention_mask, _, position_ids = get_ltor_masks_and_position_ids(
+        data=input_ids, eod_token=0, pad_token=0, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, pad_mask_loss=False,
+    )
+    mtp = data_dict["mtp_loss_mask"] if "mtp_loss_mask" in data_dict else None
+    return ProcessedInputs(input_ids=input_ids, input_ids_cp_sharded=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, packed_seq_params=None, cu_seqlens_padded=None,
+                           mtp_loss_mask=mtp, routed_experts=routed, routed_experts_cp_sharded=routed_cp)

@@ -1,0 +1,183 @@
+"""NeMo-RL's packing helpers on nn_data's ops: pack, unpack, pack parameters, seq-dim check.
+
+Shape legend
+    B   sequences; S padded row length; T packed tokens; C context-parallel size
+    V   trailing feature dims of a model output (e.g. vocab)
+
+Same names, signatures, defaults and return values as ``nemo_rl.models.megatron.data``;
+where NeMo-RL silently produces wrong data, these raise or are right instead, and each
+docstring says how.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+from nn_data import _checks
+from nn_data.errors import PackingError
+from nn_data.megatron_data.common import _round_up_to_multiple, require
+from nn_data.megatron_parallel import make_packed_seq_params
+from nn_data.megatron_data.engine import PackConfig, PackOptions, pack_microbatch
+from nn_data.unpack import UnpackSequences
+
+
+def _pack_sequences_for_megatron(
+    input_ids: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    pad_individual_seqs_to_multiple_of: int = 1,
+    pad_packed_seq_to_multiple_of: int = 1,
+    pad_packed_seq_to: Optional[int] = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    *,
+    options: Optional[PackOptions] = None,
+):
+    """Pack ``input_ids [B, S]`` into THD ``[1, T]`` and take this rank's zigzag CP shard.
+
+    Returns the five values NeMo-RL returns: ``(packed_input_ids [1, T],
+    input_ids_cp_sharded [1, T/C], packed_seq_params, cu_seqlens [B+1] int32,
+    cu_seqlens_padded [B+1] int32)``. ``cu_seqlens_padded`` starts each sequence at a
+    multiple of ``pad_individual_seqs_to_multiple_of``; its last entry is
+    ``pad_packed_seq_to`` when set, else rounded up to ``pad_packed_seq_to_multiple_of``
+    (the last sequence absorbs the slack); with nothing to pad it is a copy of
+    ``cu_seqlens``. ``packed_seq_params`` is a THD ``PackedSeqParams`` whose four
+    ``cu_seqlens_*`` fields are ``cu_seqlens_padded`` and whose ``max_seqlen_*`` is the
+    longest padded segment (``total_tokens = T/C`` where megatron-core has that field).
+    With ``cp_size == 1`` the two id tensors are the same tensor.
+
+    Example: lengths ``[8, 5, 7]``, multiple 4 -> ``cu_seqlens [0, 8, 13, 20]``,
+    ``cu_seqlens_padded [0, 8, 16, 24]``, max_seqlen 8.
+
+    One host sync per call (NeMo-RL: ``2B + 1``). ``options`` (keyword-only, nn_data only)
+    selects the compiled graph and ``T`` buckets: see :class:`PackOptions`.
+
+    Differences from NeMo-RL, all on input NeMo-RL mishandles:
+    a packed total above ``pad_packed_seq_to`` raises (NeMo-RL truncates the packed
+    tensor silently); with ``cp_size > 1`` a segment that is not a multiple of
+    ``2 * cp_size`` raises (NeMo-RL drops its remainder tokens, or with a multiple of 1
+    returns unsharded ids); a length outside ``[0, S]`` raises.
+
+    Raises :class:`~nn_data.errors.PackingError` for those cases, a multiple below 1, ``pad_packed_seq_to`` not a multiple of
+    ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``.
+    """
+    config = PackConfig(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to,
+                        cp_size=cp_size, cp_rank=cp_rank, total_name="pad_packed_seq_to")
+    out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options)
+    params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1])
+    return out.packed, out.local, params, out.cu_seqlens, out.cu_seqlens_padded
+
+
+def _unpack_sequences_from_megatron(
+    output_tensor: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: Optional[torch.Tensor],
+    original_batch_size: int,
+    original_seq_length: int,
+) -> torch.Tensor:
+    """Unpack a (CP-gathered) model output ``[1, T, *]`` to ``[B, S, *]``.
+
+    ``out[b, s] = output_tensor[0, cu_seqlens_padded[b] + s]`` for ``s < seq_lengths[b]``,
+    0 elsewhere, with ``B = original_batch_size``, ``S = original_seq_length``. The
+    offsets are ``cu_seqlens_padded`` (``cu_seqlens`` when it is None).
+
+    Example: output ``[[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]]`` (last dim omitted), lengths
+    ``[3, 0, 5]``, ``cu_seqlens_padded [0, 4, 4, 12]``, S 5 ->
+    ``[[1, 2, 3, 0, 0], [0, 0, 0, 0, 0], [4, 5, 6, 7, 8]]``.
+
+    Difference from NeMo-RL: NeMo-RL reads the offsets from ``cu_seqlens`` whenever the
+    CP size is 1, which puts every sequence after the first at the wrong place as soon as
+    sequences were padded to a multiple > 1; nn_data always uses the padded offsets.
+    It also accepts any trailing dims (NeMo-RL assumes exactly one). One gather, one
+    validation sync.
+
+    Raises :class:`~nn_data.errors.PackingError` when ``seq_lengths`` does not have
+    ``original_batch_size`` entries, a length is outside ``[0, original_seq_length]`` or
+    does not fit its padded segment.
+    """
+    bounds = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+    lengths = seq_lengths
+    if not isinstance(lengths, torch.Tensor):
+        lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
+    lengths = lengths.to(output_tensor.device)
+    _checks.check_int_vector("seq_lengths", lengths, original_batch_size)
+    if output_tensor.dim() == 1:
+        output_tensor = output_tensor.unsqueeze(0)  # [T] -> [1, T]
+    unpack = UnpackSequences(original_seq_length)
+    return unpack(output_tensor, lengths, bounds.to(output_tensor.device))
+
+
+def _get_pack_sequence_parameters_for_megatron(
+    megatron_cfg: Mapping[str, Any],
+    pad_individual_seqs_to_multiple_of: int,
+    max_seq_len_in_batch: int,
+):
+    """``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to)``.
+
+    Per-sequence multiple: must be a multiple of ``2 * cp_size`` (CP > 1) times
+    ``tp_size`` (TP > 1 with sequence parallelism). Packed multiple: 1, unless FP8
+    (``fp8_cfg.enabled``: recipe ``"blockwise"`` 128, ``"mxfp8"`` 32, any other 16) or the
+    HybridEP flex dispatcher (``moe_token_dispatcher_type="flex"`` and
+    ``moe_flex_dispatcher_backend="hybridep"``: 128) needs one; then the largest of those
+    times ``2 * cp_size`` (CP > 1) times ``tp_size`` (TP > 1 with SP). ``pad_packed_seq_to``:
+    None unless PP > 1, then ``max_seq_len_in_batch`` rounded up to the packed multiple.
+
+    Example: TP 2 + SP, CP 2, FP8 blockwise, PP 2, multiple 8, max 1000 ->
+    ``(8, 1024, 1024)``.
+
+    Raises :class:`~nn_data.errors.PackingError` when the
+    per-sequence multiple is not a multiple of the minimum pad factor.
+    """
+    tp_size = megatron_cfg["tensor_model_parallel_size"]
+    sp = megatron_cfg["sequence_parallel"]
+    pp_size = megatron_cfg["pipeline_model_parallel_size"]
+    cp_size = megatron_cfg["context_parallel_size"]
+    fp8_cfg = megatron_cfg.get("fp8_cfg", None) or {}
+
+    parallel_factor = (cp_size * 2 if cp_size > 1 else 1) * (tp_size if tp_size > 1 and sp else 1)
+    require(
+        pad_individual_seqs_to_multiple_of % parallel_factor == 0,
+        f"make_sequence_length_divisible_by ({pad_individual_seqs_to_multiple_of}) is not a multiple of the "
+        f"minimum pad factor {parallel_factor}; set policy.make_sequence_length_divisible_by to a multiple "
+        f"of {parallel_factor} (2*cp_size when CP > 1, times tp_size when TP > 1 with sequence parallelism)",
+    )
+    divisor = 1
+    if fp8_cfg.get("enabled", False):
+        divisor = {"blockwise": 128, "mxfp8": 32}.get(fp8_cfg.get("fp8_recipe"), 16)
+    if (megatron_cfg.get("moe_token_dispatcher_type") == "flex"
+            and megatron_cfg.get("moe_flex_dispatcher_backend") == "hybridep"):
+        divisor = max(divisor, 128)
+    pad_packed_seq_to_multiple_of = divisor * parallel_factor if divisor > 1 else 1
+    pad_packed_seq_to = None
+    if pp_size > 1:
+        pad_packed_seq_to = _round_up_to_multiple(max_seq_len_in_batch, pad_packed_seq_to_multiple_of)
+    return pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to
+
+
+def get_and_validate_seqlen(data):
+    """``(1, S)``: dim 1 is the sequence dim; every tensor of ``data`` with 2+ dims must share ``S``.
+
+    Raises :class:`~nn_data.errors.PackingError` naming the key
+    whose dim 1 differs from ``input_ids.shape[1]``.
+    """
+    sequence_dim = 1
+    if "input_ids" not in data:
+        raise PackingError("data has no 'input_ids'; get_and_validate_seqlen needs it to know S")
+    seq_dim_size = data["input_ids"].shape[sequence_dim]
+    for key, value in data.items():
+        if torch.is_tensor(value) and value.dim() > 1 and value.shape[sequence_dim] != seq_dim_size:
+            raise PackingError(
+                f"dim 1 must be the sequence dim: expected {seq_dim_size} (input_ids.shape[1]) but "
+                f"{key!r} has shape {tuple(value.shape)}"
+            )
+    return sequence_dim, seq_dim_size
+
+
+__all__ = [
+    "_get_pack_sequence_parameters_for_megatron",
+    "_pack_sequences_for_megatron",
+    "_unpack_sequences_from_megatron",
+    "get_and_validate_seqlen",
+]

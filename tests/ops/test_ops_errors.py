@@ -1,0 +1,175 @@
+"""Every bad configuration or input is refused with a message naming the argument, the value and
+what would be valid (eager mode; the compiled device-side asserts are in test_ops_compile.py).
+
+Tier: pure CPU, single process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nn_data import (
+    PackingError,
+    PackSequences,
+    ShardForContextParallel,
+    UnpackSequences,
+    UnshardFromContextParallel,
+    pad_rows,
+    pad_to_row_capacity,
+)
+
+X = torch.arange(12).view(3, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"pad_individual_seqs_to_multiple_of": 0}, r"pad_individual_seqs_to_multiple_of=0 is invalid; expected an int >= 1"),
+        ({"pad_packed_seq_to_multiple_of": -2}, r"pad_packed_seq_to_multiple_of=-2 is invalid; expected an int >= 1"),
+        ({"pad_full_seq_to": 0}, r"pad_full_seq_to=0 is invalid; expected an int >= 1 or None"),
+        ({"pad_individual_seqs_to_multiple_of": 2.0}, r"pad_individual_seqs_to_multiple_of=2.0 is invalid"),
+        ({"pad_packed_seq_to_multiple_of": 8, "pad_full_seq_to": 20},
+         r"pad_full_seq_to=20 is not a multiple of pad_packed_seq_to_multiple_of=8; choose a multiple of 8"),
+    ],
+)
+def test_pack_configuration_errors(kwargs, pattern):
+    with pytest.raises(PackingError, match=pattern):
+        PackSequences(**kwargs)
+
+
+def test_errors_are_value_and_assertion_errors():
+    with pytest.raises(ValueError):
+        PackSequences(0)
+    with pytest.raises(AssertionError):
+        PackSequences(0)
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        ((2, 2), r"cp_rank=2 is invalid; expected an int in \[0, 2\) for cp_size=2"),
+        ((2, -1), r"cp_rank=-1 is invalid"),
+        ((0, 0), r"cp_size=0 is invalid; expected an int >= 1"),
+    ],
+)
+def test_cp_configuration_errors(args, pattern):
+    with pytest.raises(PackingError, match=pattern):
+        ShardForContextParallel(*args)
+
+
+def test_unshard_and_unpack_configuration_errors():
+    with pytest.raises(PackingError, match=r"cp_size=0 is invalid"):
+        UnshardFromContextParallel(0)
+    with pytest.raises(PackingError, match=r"seq_len=-1 is invalid; expected an int >= 0"):
+        UnpackSequences(-1)
+
+
+@pytest.mark.parametrize(
+    "lengths, pattern",
+    [
+        (torch.tensor([[1, 2, 3]]), r"seq_lengths must be a 1-D integer tensor, got shape \(1, 3\)"),
+        (torch.tensor([1.0, 2.0, 3.0]), r"seq_lengths must be a 1-D integer tensor, got shape \(3,\) and dtype torch.float32"),
+        (torch.tensor([1, 2]), r"seq_lengths has 2 entries; expected 3"),
+        ([1, 2, 3], r"seq_lengths must be a 1-D integer torch.Tensor, got list"),
+        (torch.tensor([1, -2, 3]), r"seq_lengths\[1\] = -2 is outside \[0, S=4\]; valid lengths are integers in \[0, 4\]"),
+        (torch.tensor([1, 2, 5]), r"seq_lengths\[2\] = 5 is outside \[0, S=4\]; valid lengths are integers in \[0, 4\]"),
+    ],
+)
+def test_seq_lengths_errors(lengths, pattern):
+    with pytest.raises(PackingError, match=pattern):
+        PackSequences()(X, lengths)
+
+
+def test_x_needs_two_dims():
+    with pytest.raises(PackingError, match=r"x must have at least 2 dims \[B, S, \*\], got shape \(4,\)"):
+        PackSequences()(torch.arange(4), torch.tensor([4]))
+
+
+def test_tensors_on_different_devices():
+    meta_lengths = torch.tensor([1, 2, 3], device="meta")
+    with pytest.raises(PackingError, match=r"tensors must be on one device, got x on cpu, seq_lengths on meta"):
+        PackSequences()(X, meta_lengths)
+    with pytest.raises(PackingError, match=r"packed on cpu, seq_lengths on meta"):
+        UnpackSequences(4)(X[:1], meta_lengths, torch.tensor([0, 1, 2, 4]))
+    with pytest.raises(PackingError, match=r"packed on cpu, cu_seqlens_padded on meta"):
+        ShardForContextParallel(2, 0)(X[:1], torch.tensor([0, 4], device="meta"))
+
+
+def test_natural_total_over_pad_full_seq_to_is_refused():
+    with pytest.raises(
+        PackingError,
+        match=r"sum\(round_up\(seq_lengths, 4\)\) = 12 exceeds pad_full_seq_to=8; pad_full_seq_to must be at least 12",
+    ):
+        PackSequences(4, pad_full_seq_to=8)(X, torch.tensor([3, 3, 1]))
+
+
+def test_num_rows_errors():
+    with pytest.raises(PackingError, match=r"num_rows=2 is invalid; expected None or a 0-d integer tensor in \[0, 3\]"):
+        PackSequences()(X, torch.tensor([1, 1, 0]), 2)
+    with pytest.raises(PackingError, match=r"num_rows=4 is invalid; expected a value in \[0, 3\]"):
+        PackSequences()(X, torch.tensor([1, 1, 0]), torch.tensor(4))
+    with pytest.raises(PackingError, match=r"seq_lengths\[2\] = 1 but row 2 is a padding row \(num_rows=2\)"):
+        PackSequences()(X, torch.tensor([1, 1, 1]), torch.tensor(2))
+
+
+def test_row_capacity_errors():
+    with pytest.raises(PackingError, match=r"the batch has 3 rows, more than capacity=2; raise capacity to at least 3"):
+        pad_to_row_capacity(X, torch.tensor([1, 2, 3]), capacity=2)
+    with pytest.raises(PackingError, match=r"capacity=-1 is invalid; expected an int >= 0"):
+        pad_rows(X, -1)
+
+
+def test_segment_not_divisible_by_2c():
+    packed = torch.arange(16).view(1, 16)
+    with pytest.raises(
+        PackingError, match=r"segment 0 of cu_seqlens_padded is 6 tokens long, not a multiple of 2\*cp_size=4"
+    ):
+        ShardForContextParallel(2, 0)(packed, torch.tensor([0, 6, 16]))
+
+
+def test_extended_last_segment_not_divisible_by_2c():
+    x = torch.ones(2, 8, dtype=torch.int64)
+    r = PackSequences(4, pad_full_seq_to=14)(x, torch.tensor([4, 4]))  # last segment 10: not a multiple of 4
+    assert r.cu_seqlens_padded.tolist() == [0, 4, 14]
+    with pytest.raises(PackingError, match=r"the packed length T=14 is not a multiple of 2\*cp_size=4"):
+        ShardForContextParallel(2, 0)(r.packed, r.cu_seqlens_padded)
+    r = PackSequences(2, pad_full_seq_to=16)(x, torch.tensor([3, 3]))  # segments 4 and 12; 4 % 8 != 0
+    with pytest.raises(PackingError, match=r"segment 0 of cu_seqlens_padded is 4 tokens long, not a multiple of 2\*cp_size=8"):
+        ShardForContextParallel(4, 1)(r.packed, r.cu_seqlens_padded)
+    # (With every other segment a multiple of 2C, an extended last segment that is not one
+    # implies that T is not one either: the first case above.)
+
+
+def test_boundaries_must_rise_from_zero_to_t():
+    packed = torch.arange(8).view(1, 8)
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded=\[0, 4, 12\] is invalid for a packed length T=8"):
+        ShardForContextParallel(2, 0)(packed, torch.tensor([0, 4, 12]))
+    with pytest.raises(PackingError, match=r"it must start at 0, never decrease and end at 8"):
+        UnshardFromContextParallel(2)(packed.view(2, 4), torch.tensor([0, 8, 4, 8]))
+
+
+def test_shard_shape_errors():
+    with pytest.raises(PackingError, match=r"packed must be \[1, T, \*\] \(a leading dim of 1\), got shape \(2, 4\)"):
+        ShardForContextParallel(2, 0)(torch.zeros(2, 4), torch.tensor([0, 8]))
+    with pytest.raises(PackingError, match=r"shards has shape \(3, 4\); expected \[C, T/C, \*\] with C = cp_size = 2"):
+        UnshardFromContextParallel(2)(torch.zeros(3, 4), torch.tensor([0, 8]))
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded must be a 1-D integer tensor"):
+        ShardForContextParallel(2, 0)(torch.zeros(1, 8), torch.tensor([0.0, 8.0]))
+
+
+def test_unpack_data_errors():
+    packed = torch.arange(8).view(1, 8)
+    cu = torch.tensor([0, 4, 8])
+    with pytest.raises(PackingError, match=r"seq_lengths\[1\] = 6 is outside \[0, seq_len=5\]"):
+        UnpackSequences(5)(packed, torch.tensor([2, 6]), cu)
+    with pytest.raises(PackingError, match=r"seq_lengths\[0\] = 5 does not fit its segment of cu_seqlens_padded"):
+        UnpackSequences(5)(packed, torch.tensor([5, 1]), cu)
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded has 2 entries; expected 3"):
+        UnpackSequences(5)(packed, torch.tensor([1, 1]), torch.tensor([0, 8]))
+
+
+def test_pack_with_layout_shape_mismatch():
+    r = PackSequences()(X, torch.tensor([1, 2, 3]))
+    with pytest.raises(PackingError, match=r"the layout was built for \[B, S\] = \[3, 4\], so x must be \[3, 4, \*\]"):
+        r.layout.pack(torch.zeros(3, 5))
