@@ -6,7 +6,8 @@ per check. Made to finish in under 8 minutes on one CUDA GPU, compiles included.
     bash scripts/gpu_check.sh --dry-run       # the same steps on the CPU with tiny sizes (CI)
     python -m profiling.gpu_check --help
 
-Steps (each a subprocess with its own time limit, a share of ``--budget-s``; its log is kept):
+Steps (each a subprocess with its own time limit: its share of what is left of ``--budget-s``;
+its log is kept):
 1. ``tests``: ``pytest -m cuda tests/cuda`` (the dry run sets ``NN_DATA_CUDA_DRY_RUN=1``).
 2. ``bench``: ``python -m profiling.bench_ops --device cuda`` (B = 8, 64, 256).
 3. ``profiler``: ``python -m profiling.profile_microbatches --device cuda``, then its traces
@@ -46,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "profiling" / "gpu_runs"
 PACKAGES = ("megatron.core", "torch_tb_profiler", "tensorboard", "matplotlib", "tqdm", "pytest", "hypothesis",
             "einops", "numpy")
-SHARES = {"tests": 0.45, "bench": 0.25, "profiler": 0.30}  # of --budget-s
+SHARES = {"tests": 0.40, "bench": 0.30, "profiler": 0.30}  # of --budget-s
 TINY_BENCH = ["--rows", "8", "--tokens", "512", "--hidden", "8", "--reps", "3"]
 TINY_PROFILE = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256",
                 "--microbatches", "5", "--passes", "2", "--sync-steps", "2", "--trace-steps", "2", "--vocab", "64",
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="run every step on the CPU with tiny sizes")
     ap.add_argument("--budget-s", type=float, default=450.0,
-                    help="wall-time budget of the three steps, shared 45/25/30 %% (default 450)")
+                    help="wall-time budget of the three steps, shared 40/30/30 %% (default 450)")
     ap.add_argument("--steps", nargs="+", choices=tuple(SHARES), default=list(SHARES), help="steps to run (default all)")
     ap.add_argument("--out-dir", default=None, help="run folder (default profiling/gpu_runs/<timestamp>)")
     ap.add_argument("--export", default=None, help="also copy results.json, summary.txt and gpu_run.tar.gz here")
@@ -224,10 +225,14 @@ def main(argv=None) -> int:
     checks = [run_kind_check(args.dry_run, torch.cuda.is_available())]
     steps = {}
     if args.dry_run or cuda:
-        for name in args.steps:
-            info, found = STEPS[name](run_dir, SHARES[name] * args.budget_s, args.dry_run, cuda)
+        left_s, shares_left = args.budget_s, sum(SHARES[n] for n in args.steps)
+        for name in args.steps:  # each step: its share of what the steps before it left
+            step_start = time.monotonic()
+            info, found = STEPS[name](run_dir, left_s * SHARES[name] / shares_left, args.dry_run, cuda)
             steps[name] = info
             checks += found
+            left_s -= time.monotonic() - step_start
+            shares_left -= SHARES[name]
     wall = time.monotonic() - started
     counts = {s: sum(c.status == s for c in checks) for s in (PASS, FAIL, KNOWN, NOT_CHECKED)}
     verdict = "FAIL" if counts[FAIL] else "PASS"
