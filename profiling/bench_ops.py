@@ -184,7 +184,8 @@ def run(rows_list, tokens: int, m: int, cp: int, hidden: int, reps: int, seed: i
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'op':<12} {'B':>4} {'S':>6} {'mode':<10} {'us/call':>10} {'GB/s':>7} {'syncs':>6} {'x floor':>8} {'vs ref':>7}")
+    print(f"{'op':<12} {'B':>4} {'S':>6} {'mode':<10} {'us/call':>10} {'GB/s':>7} {'syncs':>6} {'x floor':>8} "
+          f"{'vs ref':>7}")
     ref = {(r["op"], r["B"]): r.get("us", float("nan")) for r in results if r["mode"] == "reference"}
     for r in results:
         if "error" in r:

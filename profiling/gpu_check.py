@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="run every step on the CPU with tiny sizes")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="wall-time budget of the three steps, shared 40/30/30 %% (default 450)")
-    ap.add_argument("--steps", nargs="+", choices=tuple(SHARES), default=list(SHARES), help="steps to run (default all)")
+    ap.add_argument("--steps", nargs="+", choices=tuple(SHARES), default=list(SHARES),
+                    help="steps to run (default all)")
     ap.add_argument("--out-dir", default=None, help="run folder (default profiling/gpu_runs/<timestamp>)")
     ap.add_argument("--export", default=None, help="also copy results.json, summary.txt and gpu_run.tar.gz here")
     return ap.parse_args(argv)
@@ -157,7 +158,8 @@ STEPS = {"tests": step_tests, "bench": step_bench, "profiler": step_profiler}
 
 def run_kind_check(dry: bool, cuda: bool) -> Check:
     if dry and cuda:
-        return Check("run kind", FAIL, "a GPU is present but --dry-run skips every CUDA-only step: run without --dry-run")
+        return Check("run kind", FAIL,
+                     "a GPU is present but --dry-run skips every CUDA-only step: run without --dry-run")
     if dry:
         return Check("run kind", PASS, "dry run on the CPU, tiny sizes: CUDA-only assertions are not checked")
     if not cuda:
@@ -171,7 +173,8 @@ def figures_text(bench: list | None, profiler: dict | None) -> list[str]:
     mode the latency per microbatch; the compiled speed-ups."""
     lines = []
     if bench:
-        modes = [m for m in ("reference", "eager", "compiled", "cudagraph", "floor") if any(r["mode"] == m for r in bench)]
+        modes = [m for m in ("reference", "eager", "compiled", "cudagraph", "floor")
+                 if any(r["mode"] == m for r in bench)]
         lines.append(f"bench: median us per call ({bench[0]['device']}, {bench[0]['reps']} timed calls each)")
         lines.append(f"  {'op':<12} {'B':>4} {'S':>6} " + " ".join(f"{m:>10}" for m in modes) + f" {'ref/best':>9}")
         keys = dict.fromkeys((r["op"], r["B"], r["S"]) for r in bench)

@@ -38,7 +38,8 @@ def tier_checks(report_path: str, rc: Optional[int], *, cuda: bool, timed_out: b
             records = [json.loads(line) for line in f if line.strip()]
     checks = [_test_check(r, cuda) for r in records]
     if timed_out:
-        checks.append(Check("tests: the CUDA tier finished", FAIL, f"killed at its time limit after {len(records)} tests"))
+        checks.append(Check("tests: the CUDA tier finished", FAIL,
+                            f"killed at its time limit after {len(records)} tests"))
     elif rc not in (0, 1) or not records:
         checks.append(Check("tests: the CUDA tier ran", FAIL, f"pytest exit code {rc}, {len(records)} tests reported"))
     return checks
