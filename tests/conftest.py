@@ -6,6 +6,7 @@ markers registered in pyproject.toml; tests/support holds the helpers they share
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -15,8 +16,9 @@ warnings.filterwarnings("ignore", message=".*(TransformerEngine|[Aa]pex).*")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``cuda``-marked tests when torch sees no CUDA device (the CPU-only machines)."""
-    if torch.cuda.is_available():
+    """Skip ``cuda``-marked tests when torch sees no CUDA device (the CPU-only machines), unless
+    ``NN_DATA_CUDA_DRY_RUN=1`` (``scripts/gpu_check.sh --dry-run``: tests/cuda on the CPU, tiny sizes)."""
+    if torch.cuda.is_available() or os.environ.get("NN_DATA_CUDA_DRY_RUN") == "1":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False")
     for item in items:
