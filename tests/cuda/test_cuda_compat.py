@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data.megatron_data import PackOptions, process_microbatch
-from nn_data.megatron_data import microbatch as megatron_data_microbatch
+from nn_data import megatron_data
 from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.megatron_data.engine import reset_compiled
 from profiling.cuda_counters import SyncCounter
@@ -44,7 +44,8 @@ def compat(request):
     torch._dynamo.reset()
     reset_compiled()
     patch = pytest.MonkeyPatch()
-    patch.setattr(megatron_data_microbatch, "cp_rank_and_size", lambda: (1, SIZES.cp))
+    patch.setattr(megatron_data, "get_context_parallel_rank", lambda: 1)
+    patch.setattr(megatron_data, "get_context_parallel_world_size", lambda: SIZES.cp)
     counter = CompileCounterWithBackend("inductor")
     options = PackOptions(compile=True, row_capacity=SIZES.rows, backend=counter)
     data = [BatchedDataDict(input_ids=mb.x, input_lengths=mb.lengths, mtp_loss_mask=(mb.x % 5 != 0).to(request.param))
