@@ -26,8 +26,8 @@ from nn_data._index import zigzag_inverse, zigzag_source
 def _bounds(cu_seqlens_padded: torch.Tensor, total: int) -> torch.Tensor:
     """Segment boundaries to shard by. With no sequence (``B = 0``, ``cu_seqlens_padded = [T]``)
     the whole packed tensor is one padding segment ``[0, T]``."""
-    if cu_seqlens_padded.shape[0] == 1:
-        return torch.tensor([0, total], dtype=torch.int64, device=cu_seqlens_padded.device)
+    if cu_seqlens_padded.shape[0] == 1:  # built on the device: no host-to-device copy
+        return torch.arange(2, dtype=torch.int64, device=cu_seqlens_padded.device) * total  # [0, T]
     return cu_seqlens_padded.to(torch.int64)
 
 
@@ -46,7 +46,8 @@ def check_cp_boundaries(cu_seqlens_padded: torch.Tensor, total: int, cp_size: in
     ok_order = (seg_len >= 0).all()
     ok_div = (seg_len % two_c == 0).all() if cp_size > 1 else ok_order
     if torch.compiler.is_compiling():
-        _checks.device_assert(ok_edges & ok_order, f"nn_data.{op}: cu_seqlens_padded must rise from 0 to T={total}")
+        _checks.device_assert(ok_edges & ok_order,
+                              f"nn_data.{op}: cu_seqlens_padded must rise from 0 to T (the packed length)")
         _checks.device_assert(ok_div, f"nn_data.{op}: every segment must be a multiple of 2*cp_size={two_c} long")
         return
     edges, order, div = torch.stack([ok_edges, ok_order, ok_div]).tolist()  # sync: the one validation step
@@ -153,7 +154,7 @@ def _check_common(cu_seqlens_padded, total: int, cp_size: int, data: torch.Tenso
     _checks.check_same_device(data=data, cu_seqlens_padded=cu_seqlens_padded)
     if cp_size > 1 and total % (2 * cp_size):
         raise _checks.PackingError(
-            f"the packed length T={total} is not a multiple of 2*cp_size={2 * cp_size}; "
+            f"the packed length T={int(total)} is not a multiple of 2*cp_size={2 * cp_size}; "
             f"choose pad_full_seq_to (or the padding multiples) so that T is one"
         )
 

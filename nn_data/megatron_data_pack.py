@@ -99,11 +99,7 @@ def _unpack_sequences_from_megatron(
     does not fit its padded segment.
     """
     bounds = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-    lengths = seq_lengths
-    if not isinstance(lengths, torch.Tensor):
-        lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
-    lengths = lengths.to(output_tensor.device)
-    _checks.check_int_vector("seq_lengths", lengths, original_batch_size)
+    lengths = _checks.as_int_vector("seq_lengths", seq_lengths, original_batch_size).to(output_tensor.device)
     if output_tensor.dim() == 1:
         output_tensor = output_tensor.unsqueeze(0)  # [T] -> [1, T]
     unpack = UnpackSequences(original_seq_length)

@@ -38,7 +38,7 @@ def packed_segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, t
     """The :class:`Segments` of a packed microbatch of ``total`` tokens."""
     if cu_seqlens_padded.shape[0] == 1:
         device = cu_seqlens_padded.device
-        return Segments(torch.tensor([0, total], dtype=torch.int64, device=device),
+        return Segments(torch.arange(2, dtype=torch.int64, device=device) * total,  # [0, T], built on the device
                         torch.zeros(1, dtype=torch.int64, device=device))
     cu = cu_seqlens.to(torch.int64)
     return Segments(cu_seqlens_padded.to(torch.int64), cu[1:] - cu[:-1])
@@ -84,7 +84,7 @@ def check_layout(
         is_target = places.source - bounds[places.segment] < lengths[places.segment]  # [T] valid tokens
         ok_ids = (~is_target | ((ids >= 0) & (ids < vocab))).all()
     if torch.compiler.is_compiling():
-        _checks.device_assert(ok_edges & ok_div, f"nn_data.{op}: cu_seqlens_padded must rise from 0 to T={total} "
+        _checks.device_assert(ok_edges & ok_div, f"nn_data.{op}: cu_seqlens_padded must rise from 0 to T "
                               f"in segments divisible by 2*cp_size={2 * cp_size}")
         _checks.device_assert(ok_len & ok_seq, f"nn_data.{op}: every length must fit its padded segment"
                               + (f" and seq_len={seq_len}" if seq_len is not None else ""))
