@@ -53,9 +53,9 @@ class PackOptions:
 
     ``compile``: run packing + CP sharding through ``torch.compile(fullgraph=True)``.
         The batch is padded with empty rows to ``row_capacity`` rows (default: the next
-        power of two >= B, so at most log2(B_max) graphs) and the row length ``S`` is a
-        dynamic dimension. With ``pad_full_seq_to`` set (PP > 1) and a fixed
-        ``row_capacity`` a whole stream compiles once.
+        power of two >= B, so at most log2(B_max) graphs) and the row length ``S`` is an
+        unbacked symbolic size (``S = 0`` and ``1`` included). With ``pad_full_seq_to`` set
+        (PP > 1) and a fixed ``row_capacity`` a whole stream compiles once.
     ``row_capacity``: fixed row count ``R`` the compiled graph sees; a microbatch with
         more rows raises :class:`PackingError`.
     ``buckets``: only used when ``pad_full_seq_to`` is None (PP = 1). The packed length

@@ -60,7 +60,9 @@ class PackSequences(nn.Module):
 
     With ``pad_full_seq_to`` set every output shape depends only on ``(B, S, T, *)`` and
     the op never syncs the host (in eager mode with ``validate=True`` it syncs once to
-    check the data). Without it, ``T`` is learned with one sync per call.
+    check the data). Without it, ``T`` is learned with one sync per call. Under
+    ``torch.compile`` ``S`` may be a symbolic size (:func:`nn_data.rows.with_dynamic_row_length`):
+    one graph serves every row length.
 
     Example::
 

@@ -35,8 +35,8 @@ class UnpackSequences(nn.Module):
     Raises :class:`~nn_data.errors.PackingError`: ``seq_len < 0`` (``__init__``);
     ``packed`` not ``[1, T, *]``, ``seq_lengths`` not 1-D integer, ``cu_seqlens_padded``
     without ``B+1`` entries, tensors on different devices (call); a length outside
-    ``[0, seq_len]``, longer than its padded segment, or a segment reaching past ``T``
-    (validation step: eager one sync, compiled device asserts).
+    ``[0, seq_len]``, longer than its padded segment, or a boundary of ``cu_seqlens_padded``
+    outside ``[0, T]`` (validation step: eager one sync, compiled device asserts).
     """
 
     def __init__(self, seq_len: int, *, fill_value=0, validate: bool = True):

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 import torch
+import torch._inductor.config
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data import PackSequences, pad_to_row_capacity
@@ -92,36 +93,44 @@ def main(argv=None) -> None:
     ap.add_argument("--multiple", type=int, default=8)
     ap.add_argument("--out-features", type=int, default=64, help="O")
     ap.add_argument("--microbatches", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=3, help="timed passes over the stream")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64  # static mode needs one graph per S
+    torch._inductor.config.fx_graph_cache = False  # every mode compiles cold: first passes compare
     stream = make_stream(args)
+    modes = ("static", "dynamic", "capacity")
     print(f"# {machine_description()}; R={args.rows}, S_cap={args.max_len}, T={args.total}, O={args.out_features}, "
           f"{len(stream)} microbatches, {len({ids.shape[1] for ids, _ in stream})} distinct S")
-    reference, rows = None, []
-    for mode in ("static", "dynamic", "capacity"):
-        torch._dynamo.reset()
-        step, counters = build(args, mode)
+    steps, first_pass, graphs, reference = {}, {}, {}, None
+    torch._dynamo.reset()
+    for mode in modes:  # first pass: compiles as it goes; every mode must give the same rows
+        steps[mode], counters = build(args, mode)  # its own modules and backends: no graph is shared
         start = time.perf_counter()
-        first = [step(ids, lens) for ids, lens in stream]  # compiles as it goes
-        first_pass = time.perf_counter() - start
-        reference = reference or first
-        assert all(torch.equal(a, b) for a, b in zip(first, reference)), f"{mode} disagrees with static"
-        samples = []
-        for ids, lens in stream:
-            start = time.perf_counter()
-            step(ids, lens)
-            samples.append(time.perf_counter() - start)
-        med, p10, p90 = spread(samples)
-        rows.append((mode, sum(c.frame_count for c in counters), first_pass, med, p10, p90))
-    base = rows[0][3]
-    print("| mode | graphs | first pass (s, compiles included) | median ms / microbatch | p10 | p90 | vs static |")
+        outs = [steps[mode](ids, lens) for ids, lens in stream]
+        first_pass[mode], graphs[mode] = time.perf_counter() - start, sum(c.frame_count for c in counters)
+        reference = reference or outs
+        assert all(torch.equal(a, b) for a, b in zip(outs, reference)), f"{mode} disagrees with static"
+    samples = {mode: [] for mode in modes}
+    for rep in range(args.reps):  # interleaved, so that machine noise hits every mode alike
+        for i, (ids, lens) in enumerate(stream):
+            for k in range(len(modes)):
+                mode = modes[(i + rep + k) % len(modes)]
+                start = time.perf_counter()
+                steps[mode](ids, lens)
+                samples[mode].append(time.perf_counter() - start)
+    base = spread(samples["static"])[0]
+    print("| mode | graphs | first pass, compiles included (s) | median ms / microbatch | p10 | p90 | vs static |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for mode, graphs, first_pass, med, p10, p90 in rows:
-        print(f"| {mode} | {graphs} | {first_pass:.1f} | {med * 1e3:.2f} | {p10 * 1e3:.2f} | {p90 * 1e3:.2f} | "
-              f"{med / base:.2f}x |")
+    for mode in modes:
+        med, p10, p90 = spread(samples[mode])
+        print(f"| {mode} | {graphs[mode]} | {first_pass[mode]:.1f} | {med * 1e3:.2f} | {p10 * 1e3:.2f} | "
+              f"{p90 * 1e3:.2f} | {med / base:.2f}x |")
+    mean_s = sum(ids.shape[1] for ids, _ in stream) / len(stream)
+    print(f"# unpacked output per microbatch: dynamic/static R x S x O (mean S {mean_s:.0f}), capacity "
+          f"R x S_cap x O ({args.max_len}): {args.max_len / mean_s:.2f}x the elements")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,28 @@ def test_data_errors_stay_device_asserts(chain):
     assert counter.frame_count == 1
 
 
+def test_pack_with_validation_does_not_specialise_on_the_row_length():
+    """``PackSequences(validate=True)`` and a tensor packed along its layout, compiled alone: the
+    device-assert messages name ``S`` without formatting its value (which would add an ``Eq(S, n)``
+    guard: one graph per ``S``, and a failure at the 9th), so one graph serves the stream."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    pack = PackSequences(M, pad_full_seq_to=T)
+
+    def fn(x, experts, lengths, num_rows):
+        r = pack(x, lengths, num_rows)
+        return r.packed, r.cu_seqlens, r.cu_seqlens_padded, r.max_seqlen, r.layout.pack(experts)
+
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(3)
+    for seq_len, rows in STREAM:
+        _, _, args = _inputs(gen, seq_len, rows)
+        for a, b in zip(compiled(*args), fn(*args)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def _observed(fn, *args, **kwargs) -> str:
     """What a user sees when the op is compiled with ``fullgraph=True`` and raises while traced:
     torch 2.13 turns the exception into ``Unsupported: Observed exception`` and keeps its text."""
