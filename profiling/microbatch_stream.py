@@ -34,6 +34,7 @@ from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, Uns
 from nn_data import pad_to_row_capacity
 from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
+from nn_data.pack import check_pack_args
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
 
 
@@ -197,6 +198,9 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     maps for every element the consumer writes (the unshard chain per element of the
     ``[R, S]`` unpack, the pack and shard chain per hidden feature of the embedding);
     ``whole`` was slower than ``data`` in every run here (profiling/README.md has the figures).
+
+    The inputs' shapes, dtypes and devices are checked before any compiled region, so a bad
+    input raises :class:`PackingError` as in eager mode (not a dynamo error).
     """
     from torch._inductor import list_mode_options
 
@@ -204,7 +208,13 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     options["cpp.enable_kernel_profile"] = True  # name inductor's CPU kernels in the profiler traces
     options = dict(fullgraph=True, dynamic=False, options=options)
     if scope == "whole":
-        return torch.compile(pipeline, **options)
+        whole = torch.compile(pipeline, **options)
+
+        def run_whole(x, lengths, num_rows):
+            check_pack_args(x, lengths, num_rows)  # before the compiled region
+            return whole(x, lengths, num_rows)
+
+        return run_whole
     if scope != "data":
         raise PackingError(f"--compile-scope={scope!r} is invalid; expected 'data' or 'whole'")
     prepare = torch.compile(pipeline.prepare, **options)
@@ -212,6 +222,7 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     unpack = torch.compile(pipeline.unpack, **options)
 
     def run(x, lengths, num_rows):
+        check_pack_args(x, lengths, num_rows)  # before the compiled region
         local, cu_pad = prepare(x, lengths, num_rows)  # [1, T/C], [R+1]
         full = gather(pipeline.model(local), cu_pad)  # [1, T, O]
         return unpack(full, lengths, cu_pad)  # [R, S, O]

@@ -18,8 +18,10 @@ A microbatch goes through two steps:
    layout (``mtp_loss_mask``, ``routed_experts``, R3 token identities), and zigzag-shards
    them for CP, with the core ops and no further sync. It runs eagerly, or compiled
    (:class:`PackOptions` ``compile=True``): the batch is padded with empty rows to a fixed
-   row capacity and ``S`` is marked dynamic, so a stream of microbatches with other
-   lengths, row counts and ``S`` reuses one compiled graph per ``(T, R)``.
+   row capacity and ``S`` is a symbolic size (unbacked: ``S = 0`` and ``1`` too), so a stream
+   of microbatches with other lengths, row counts and ``S`` reuses one compiled graph per
+   ``(T, R)``. Every shape, dtype and device check runs before the compiled call and raises
+   :class:`PackingError` as in eager mode.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from nn_data._index import exclusive_cumsum, round_up
 from nn_data.errors import PackingError
 from nn_data.megatron_data.scope import current_scope
 from nn_data.pack import PackSequences
-from nn_data.rows import pad_rows
+from nn_data.rows import pad_rows, with_dynamic_row_length
 
 # Every PackShardGraph shares one forward code object, and dynamo caps the graphs per code
 # object (recompile_limit, 8 by default); each (T, R, C, rank, ...) key needs its own graph,
@@ -51,9 +53,9 @@ class PackOptions:
 
     ``compile``: run packing + CP sharding through ``torch.compile(fullgraph=True)``.
         The batch is padded with empty rows to ``row_capacity`` rows (default: the next
-        power of two >= B, so at most log2(B_max) graphs) and the row length ``S`` is a
-        dynamic dimension. With ``pad_full_seq_to`` set (PP > 1) and a fixed
-        ``row_capacity`` a whole stream compiles once.
+        power of two >= B, so at most log2(B_max) graphs) and the row length ``S`` is an
+        unbacked symbolic size (``S = 0`` and ``1`` included). With ``pad_full_seq_to`` set
+        (PP > 1) and a fixed ``row_capacity`` a whole stream compiles once.
     ``row_capacity``: fixed row count ``R`` the compiled graph sees; a microbatch with
         more rows raises :class:`PackingError`.
     ``buckets``: only used when ``pad_full_seq_to`` is None (PP = 1). The packed length
@@ -177,8 +179,9 @@ def plan_pack(lengths, row_len: int, config: PackConfig, buckets=None) -> PackPl
     """
     m, p, fixed, cp_size = config.m, config.p, config.pad_full_seq_to, config.cp_size
     rows, two_c = lengths.shape[0], 2 * cp_size
-    if rows == 0:
-        return PackPlan(fixed if fixed is not None else _bucket(0, p, cp_size, buckets), 0, 0)
+    if rows == 0:  # the packed tensor is one padding pseudo-segment [0, T], as in the core op
+        total = fixed if fixed is not None else _bucket(0, p, cp_size, buckets)
+        return PackPlan(total, total, 0)
     padded = round_up(lengths, m)  # [B]
     zero = padded.new_zeros(())
     nonlast = padded[:-1]  # [B-1]
@@ -200,7 +203,7 @@ def plan_pack(lengths, row_len: int, config: PackConfig, buckets=None) -> PackPl
         total = _bucket(round_up(natural, p), p, cp_size, buckets)
     last = total - last_start
     if cp_size > 1 and (bad or last % two_c):
-        padded_all = torch.cat([nonlast, nonlast.new_tensor([last])])
+        padded_all = torch.cat([nonlast, torch.full((1,), last, dtype=nonlast.dtype, device=nonlast.device)])
         _checks.raise_first(padded_all % two_c != 0, padded_all, _checks.segment_not_divisible(two_c))
     return PackPlan(total, max(max_nonlast, last), valid)
 
@@ -306,13 +309,16 @@ def run_graph(key: GraphKey, options: PackOptions, input_ids, lengths, extras: d
     if rows > capacity:
         raise PackingError(f"the microbatch has {rows} sequences, more than row_capacity={capacity}; "
                            f"raise cfg['nn_data']['row_capacity'] to at least {rows}")
-    num_rows = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
+    num_rows = torch.full((), rows, dtype=torch.int64, device=input_ids.device)  # on the device: no H2D copy
     padded = {k: _row_pad(v, capacity) for k, v in extras.items() if v is not None}
     fn = _compiled_graph(key, options)
     limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit):
         out = fn(_row_pad(input_ids, capacity), pad_rows(lengths, capacity), num_rows, **padded)
-    return out._replace(cu_seqlens=out.cu_seqlens[: rows + 1], cu_seqlens_padded=out.cu_seqlens_padded[: rows + 1])
+    # The real rows' boundaries; the padding rows' collapse onto T. With no row (B = 0) that is
+    # [T], as in eager mode (the last entry, not the first: the first is 0).
+    cu_pad = out.cu_seqlens_padded[: rows + 1] if rows else out.cu_seqlens_padded[-1:]
+    return out._replace(cu_seqlens=out.cu_seqlens[: rows + 1], cu_seqlens_padded=cu_pad)
 
 
 def _empty_batch(input_ids, lengths, extras: dict) -> PackedBatch:
@@ -330,18 +336,29 @@ def _empty_batch(input_ids, lengths, extras: dict) -> PackedBatch:
 
 
 def _row_pad(x: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Empty rows up to ``capacity``; the row length is a dynamic dim so other ``S`` reuse the graph."""
-    out = pad_rows(x.contiguous(), capacity)  # [R, S, *]
-    torch._dynamo.maybe_mark_dynamic(out, 1)
-    return out
+    """Empty rows up to ``capacity``; the row length is a symbolic size so every ``S`` (0 and 1
+    included) reuses the graph."""
+    return with_dynamic_row_length(pad_rows(x.contiguous(), capacity))  # [R, S, *]
 
 
 def as_lengths(seq_lengths, rows: int, device) -> torch.Tensor:
-    """``seq_lengths`` (a tensor, list or tuple) as a ``[B]`` int64 tensor on ``device`` (no sync)."""
-    if not isinstance(seq_lengths, torch.Tensor):
-        seq_lengths = torch.as_tensor(list(seq_lengths), dtype=torch.int64)
-    _checks.check_int_vector("seq_lengths", seq_lengths, rows)
+    """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on
+    ``device`` (no sync). Non-integers (``[1.5, 2, 3]``, a float tensor) raise :class:`PackingError`."""
+    seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, rows)
     return seq_lengths.to(device=device, dtype=torch.int64)
+
+
+def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
+    """Every tensor riding the tokens' layout must be ``[B, S, *]`` like ``input_ids``, on its device
+    (checked before any compiled region, so a mismatch raises :class:`PackingError`)."""
+    for name, value in extras.items():
+        if value is None:
+            continue
+        _checks.check_min_dims(name, value, 2, "[B, S, *]")
+        if tuple(value.shape[:2]) != tuple(input_ids.shape[:2]):
+            raise PackingError(f"{name} has shape {_checks.dims(value)}; it must be [B, S, *] = "
+                               f"[{input_ids.shape[0]}, {input_ids.shape[1]}, *] like input_ids")
+        _checks.check_same_device(input_ids=input_ids, **{name: value})
 
 
 def pack_microbatch(input_ids, seq_lengths, config: PackConfig, *, options: Optional[PackOptions] = None,
@@ -352,6 +369,7 @@ def pack_microbatch(input_ids, seq_lengths, config: PackConfig, *, options: Opti
     a plan made for the same ``seq_lengths`` object and configuration is reused: no sync."""
     options = options or PackOptions()
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    check_extras(input_ids, extras)
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
     rows, row_len = input_ids.shape[:2]
 

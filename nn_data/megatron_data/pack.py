@@ -62,7 +62,8 @@ def _pack_sequences_for_megatron(
     a packed total above ``pad_packed_seq_to`` raises (NeMo-RL truncates the packed
     tensor silently); with ``cp_size > 1`` a segment that is not a multiple of
     ``2 * cp_size`` raises (NeMo-RL drops its remainder tokens, or with a multiple of 1
-    returns unsharded ids); a length outside ``[0, S]`` raises.
+    returns unsharded ids); a length outside ``[0, S]`` raises; so do non-integer lengths (a list
+    like ``[1.5, 2, 3]`` is refused, not truncated).
 
     Raises :class:`~nn_data.errors.PackingError` for those cases, a multiple below 1, ``pad_packed_seq_to`` not a multiple of
     ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``.
@@ -124,16 +125,13 @@ def _unpack_sequences_from_megatron(
     It also accepts any trailing dims (NeMo-RL assumes exactly one). One gather, one
     validation sync.
 
-    Raises :class:`~nn_data.errors.PackingError` when ``seq_lengths`` does not have
-    ``original_batch_size`` entries, a length is outside ``[0, original_seq_length]`` or
-    does not fit its padded segment.
+    Raises :class:`~nn_data.errors.PackingError` when ``seq_lengths`` is not integers (a float
+    tensor, or a list, tuple or numpy array like ``[1.5, 2, 3]``: never truncated), does not have
+    ``original_batch_size`` entries, a length is outside ``[0, original_seq_length]`` or does not
+    fit its padded segment.
     """
     bounds = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-    lengths = seq_lengths
-    if not isinstance(lengths, torch.Tensor):
-        lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
-    lengths = lengths.to(output_tensor.device)
-    _checks.check_int_vector("seq_lengths", lengths, original_batch_size)
+    lengths = _checks.as_int_vector("seq_lengths", seq_lengths, original_batch_size).to(output_tensor.device)
     if output_tensor.dim() == 1:
         output_tensor = output_tensor.unsqueeze(0)  # [T] -> [1, T]
     unpack = UnpackSequences(original_seq_length)

@@ -31,7 +31,7 @@ from nn_data._checks import check_boundaries
 from nn_data.errors import PackingError
 from nn_data.megatron_data.common import public
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.megatron_data.engine import PackOptions
+from nn_data.megatron_data.engine import PackOptions, check_extras
 from nn_data.megatron_data.r3 import r3_verify_forward_enabled
 from nn_data.megatron_data.scope import current_scope, known_facts
 
@@ -99,6 +99,8 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, m: int, p: int, pad
     media = None
     if "media_token_validity_mask" in data_dict:  # packed in the ids' dtype: padding 0 is no bool
         media = data_dict["media_token_validity_mask"].to(input_ids.dtype)
+    # Shapes and devices of everything riding the ids' layout, checked before any compiled region.
+    check_extras(input_ids, {"mtp_loss_mask": mtp, "routed_experts": routed, "media_token_validity_mask": media})
     scope = current_scope()
     if scope is not None:
         scope.register(input_ids, mtp_loss_mask=mtp, routed_experts=routed, token_identity=identity,

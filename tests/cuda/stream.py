@@ -54,18 +54,6 @@ FULL = Sizes(rows=64, seq_len=1024, multiple=8, cp=2, hidden=64, microbatches=32
 TINY = Sizes(rows=6, seq_len=24, multiple=4, cp=2, hidden=4, microbatches=32, seq_lens=(8, 16, 24))
 SIZES = FULL if ON_CUDA else TINY
 
-# Known failures on the main branch this was written against, fixed by issue 10: the ops
-# specialise on S (one graph per S; PackedForward fails on the second S), and B = 0 through the
-# compat layer's compiled switch gives cu_seqlens_padded [0] where eager gives [T]. Marked so
-# that the dry run passes in CI meanwhile; gpu_check prints them as known failures, never as
-# passes (and an unexpected pass as "remove the mark"). Remove the marks once issue 10 lands.
-def until_issue_10(what: str):
-    return pytest.mark.xfail(reason=f"issue 10: {what}", strict=False)
-
-
-VARYING_S = "a row length S that varies still recompiles on this branch"
-
-
 def cuda_only(what: str) -> None:
     """Skip the rest of a test in the CPU dry run: ``what`` needs a CUDA device."""
     if not ON_CUDA:

@@ -22,7 +22,7 @@ from nn_data import megatron_data
 from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.megatron_data.engine import reset_compiled
 from profiling.cuda_counters import SyncCounter
-from tests.cuda.stream import TIER, DEVICE, DTYPES, SIZES, make_stream, until_issue_10
+from tests.cuda.stream import TIER, DEVICE, DTYPES, SIZES, make_stream
 
 pytestmark = TIER
 
@@ -86,7 +86,6 @@ def test_compat_compiled_equals_eager(compat):
         assert_same(i, got, want)
 
 
-@until_issue_10("B = 0 through the compiled switch gives cu_seqlens_padded [0], eager [T]")
 def test_compat_empty_microbatch_equals_eager(compat):
     """B = 0 through the compiled switch (the same graph): eager gives cu_seqlens_padded = [T]."""
     empty = BatchedDataDict({key: value[:0] for key, value in compat.data[0].items()})

@@ -22,7 +22,7 @@ from nn_data import pad_to_row_capacity
 from nn_data.testing.reference import reference_pack, reference_shard
 from profiling.cuda_counters import CudaGraphCounter, SyncCounter, forbid_syncs
 from tests.cuda.stream import (
-    TIER, DEVICE, DTYPES, SIZES, VARYING_S, DataPath, Scale, cuda_only, expected_rows, make_stream, until_issue_10,
+    TIER, DEVICE, DTYPES, SIZES, DataPath, Scale, cuda_only, expected_rows, make_stream,
 )
 
 pytestmark = TIER
@@ -169,7 +169,6 @@ def test_reduce_overhead_replays_make_no_host_syncs(reduce_overhead):
     assert_no_syncs(ro.prepare, ro.finish, ro.model, ro.stream, mark_step=True)
 
 
-@until_issue_10(VARYING_S)
 def test_stream_of_row_lengths_compiles_once_per_function():
     """S varies over the stream (12 values on the GPU): still one graph per compiled function."""
     torch._dynamo.reset()

@@ -21,7 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from nn_data import PackedForward
 from profiling.cuda_counters import SyncCounter, forbid_syncs
 from tests.cuda.stream import (
-    TIER, DEVICE, DTYPES, SIZES, VARYING_S, Scale, expected_rows, make_stream, until_issue_10,
+    TIER, DEVICE, DTYPES, SIZES, Scale, expected_rows, make_stream,
 )
 
 pytestmark = TIER
@@ -94,7 +94,6 @@ def test_packed_forward_makes_no_host_syncs(packed_forward):
     assert packed_forward.counter.frame_count == 2
 
 
-@until_issue_10(VARYING_S)
 def test_packed_forward_stream_of_row_lengths_compiles_once():
     torch._dynamo.reset()
     try:
