@@ -50,6 +50,19 @@ class PackedInfo(NamedTuple):
     packed_seq_params: object = None
 
 
+class PackedInput(NamedTuple):
+    """:meth:`PackedForward.prepare`'s result: the model's arguments ``input_ids [1, T/C]``,
+    ``position_ids [1, T/C]``, ``packed``, and what :meth:`PackedForward.finish` needs
+    (``seq_lengths [R]`` after row padding, the caller's ``rows`` B and row length ``seq_len`` S)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    packed: PackedInfo
+    seq_lengths: torch.Tensor
+    rows: int
+    seq_len: int
+
+
 class _Prepared(NamedTuple):
     local_ids: torch.Tensor  # [1, T/C]
     position_ids: torch.Tensor  # [1, T/C]
@@ -66,7 +79,8 @@ class PackedForward(nn.Module):
     pad_packed_seq_to_multiple_of=1, cp_group=None, row_capacity=None, compile_packing=False,
     compile_kwargs=None, make_packed_seq_params=False)``;
     ``forward(input_ids [B, S] int, seq_lengths [B] int, **model_kwargs) -> [B, S, *]``, 0 past
-    each row's length.
+    each row's length; it is ``finish(model(*prepare(...)[:3]), prepared)`` (:meth:`prepare`,
+    :meth:`finish`: for callers such as pipeline schedules that call the model themselves).
 
     **The model contract.** ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
     **model_kwargs)`` returns a tensor ``[1, T/C, *]`` for the same local tokens in the same
@@ -140,6 +154,15 @@ class PackedForward(nn.Module):
         return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(), places.source)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        inp = self.prepare(input_ids, seq_lengths)
+        local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
+        return self.finish(local_out, inp)
+
+    def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> "PackedInput":
+        """The first half of :meth:`forward`: pack, shard, position ids and :class:`PackedInfo`
+        for ``input_ids [B, S]``, ``seq_lengths [B]``, without calling the model. For a caller
+        that drives the model itself (a pipeline schedule: only the last stage outputs
+        ``[1, T/C, *]``); :meth:`finish` turns that output into rows."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise _checks.PackingError(f"input_ids must be a [B, S] tensor, got {shape}")
@@ -158,10 +181,15 @@ class PackedForward(nn.Module):
             cu_pad, prep.max_seqlen, prep.segment_ids, prep.query_index,
             self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep),
         )
-        local_out = self.model(prep.local_ids, prep.position_ids, info, **model_kwargs)  # [1, T/C, *]
+        return PackedInput(prep.local_ids, prep.position_ids, info, seq_lengths, rows, seq_len)
+
+    def finish(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
+        """The second half of :meth:`forward`: the model's ``[1, T/C, *]`` output for ``inp``
+        (from :meth:`prepare`) -> gathered over the CP group -> rows ``[B, S, *]``."""
+        cu_pad = inp.packed.cu_seqlens_padded
         full = local_out if self.cp_size == 1 else self.gather_output(local_out, cu_pad)  # [1, T, *]
-        out = self._finish_fn(full, seq_lengths, cu_pad, seq_len)  # [R, S, *]
-        return out[:rows]
+        out = self._finish_fn(full, inp.seq_lengths, cu_pad, inp.seq_len)  # [R, S, *]
+        return out[: inp.rows]
 
     def _packed_seq_params(self, prep: _Prepared):
         if not self.make_packed_seq_params:
