@@ -79,8 +79,7 @@ class PackedForward(nn.Module):
     pad_packed_seq_to_multiple_of=1, cp_group=None, row_capacity=None, compile_packing=False,
     compile_kwargs=None, make_packed_seq_params=False)``;
     ``forward(input_ids [B, S] int, seq_lengths [B] int, **model_kwargs) -> [B, S, *]``, 0 past
-    each row's length; it is ``finish(model(*prepare(...)[:3]), prepared)`` (:meth:`prepare`,
-    :meth:`finish`: for callers such as pipeline schedules that call the model themselves).
+    each row's length.
 
     **The model contract.** ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
     **model_kwargs)`` returns a tensor ``[1, T/C, *]`` for the same local tokens in the same

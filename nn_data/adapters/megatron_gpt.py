@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Optional
-
 import torch
 from einops import rearrange
 from torch import nn
@@ -143,6 +141,12 @@ class MegatronGPTAdapter(nn.Module):
                              gather=packed.gather)
         return self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)
 
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model: megatron-core's schedules find ``config``, ``model_type`` and
+        ``set_input_tensor`` through ``.module``, as for its own wrappers (DDP, Float16Module)."""
+        return self.model
+
     def _check_cp(self, cp_size: int) -> None:
         for group in self._cp_groups.values():
             size = group.size() if group is not None else 1
@@ -158,8 +162,3 @@ def _packed_seq_params(packed, local_tokens: int):
 
     total = packed.segment_ids.shape[0]  # max_seqlen = T: the only bound known without a host sync
     return make_packed_seq_params(packed.cu_seqlens_padded, total, local_tokens)
-
-
-def causal_attention_mask(length: int, device: Optional[torch.device] = None) -> torch.Tensor:
-    """megatron-core's mask for one unpacked sequence: ``[1, 1, L, L]`` bool, True = masked out."""
-    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
