@@ -92,9 +92,27 @@ def _alone(model, mbs):
 
 
 def _set_pipeline(parallel_state, pp: int) -> None:
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    _reset_parallel_state(parallel_state)
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, create_gloo_process_groups=False)
+
+
+def _reset_parallel_state(parallel_state) -> None:
+    """Destroy every process group parallel_state holds, then forget them (``destroy_model_parallel``
+    alone leaves the groups, and each gloo group's threads, alive)."""
+    import torch.distributed as dist
+
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    seen = set()
+    for value in list(vars(parallel_state).values()):
+        for group in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(group, dist.ProcessGroup) and id(group) not in seen and group is not dist.group.WORLD:
+                seen.add(id(group))
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):  # not this rank's group, or gone already
+                    pass
+    parallel_state.destroy_model_parallel()
 
 
 def _max_diff(a: dict, b: dict, names) -> float:
@@ -119,7 +137,7 @@ def compare(dtype: torch.dtype = torch.float64, count: int = 6, multiple: int = 
     whole = tiny_gpt_model(tiny_gpt_config(dtype=dtype, layers=2), seed=seed)
     pp1_losses, pp1_grads = _schedule(whole, mbs, total, multiple)
     alone_losses, alone_grads = _alone(whole, mbs)
-    parallel_state.destroy_model_parallel()
+    _reset_parallel_state(parallel_state)
     mine = sorted(pp2_grads)
     out = dict(
         rank=dist.get_rank(), stage_parameters=mine, dtype=str(dtype).replace("torch.", ""), T=total,

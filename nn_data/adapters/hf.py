@@ -13,18 +13,19 @@ flash-attention's variable-length kernels on a GPU). Passing an all-ones ``atten
 would switch that derivation off and let attention leak across sequences.
 
 Under CP the local position ids come in zigzag order, so that derivation would give wrong
-segments. The adapter then switches the model (once, on its first CP call) to the attention
-function this module registers with ``transformers.AttentionInterface`` under
-:data:`ATTENTION_NAME`. nn_data's mask (:mod:`nn_data.models.masks`: dense, or a flex
-``BlockMask`` where that backend runs the call) reaches it as the 4-D ``attention_mask``,
-which transformers passes through untouched, and the mask's ``gather`` all-gathers the
-(already rotary-embedded) keys and values across the CP group before attention. Called
-without nn_data's mask (e.g. the model run alone afterwards), that function is
-transformers' own SDPA attention with the mask transformers built.
+segments. For the duration of each CP call the adapter sets the model's attention
+implementation to the function this module registers with ``transformers.AttentionInterface``
+under :data:`ATTENTION_NAME` (and restores it afterwards). nn_data's mask
+(:mod:`nn_data.models.masks`: dense, or a flex ``BlockMask`` where that backend runs the call)
+reaches it as the 4-D ``attention_mask``, which transformers passes through untouched, and the
+mask's ``gather`` all-gathers the (already rotary-embedded) keys and values across the CP group
+before attention. Called without nn_data's mask, that function is transformers' own SDPA
+attention.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -106,13 +107,23 @@ class HFCausalLMAdapter(nn.Module):
         if packed.gather is None:  # transformers derives the document mask from the restarting position ids
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs)
             return out.logits  # [1, T, V]
-        if self.model.config._attn_implementation != ATTENTION_NAME:
-            self.model.config._attn_implementation = register_packed_attention()
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=self.model.dtype,
                              gather=packed.gather)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=_as_4d(mask),
-                         use_cache=False, **{_MASK_KWARG: mask}, **model_kwargs)
+        with _attention_implementation(self.model.config, register_packed_attention()):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=_as_4d(mask),
+                             use_cache=False, **{_MASK_KWARG: mask}, **model_kwargs)
         return out.logits  # [1, Tq, V]
+
+
+@contextlib.contextmanager
+def _attention_implementation(config, name: str):
+    """The model's attention implementation is ``name`` inside the block (sub-configs too)."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def _as_4d(mask: DocumentMask):

@@ -91,9 +91,35 @@ def causal_attention_mask(length: int, device=None) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
+class _NoContextParallel:
+    """What megatron-core's unpacked rotary embedding asks of its CP group (``size()``): one rank."""
+
+    @staticmethod
+    def size() -> int:
+        return 1
+
+    @staticmethod
+    def rank() -> int:
+        return 0
+
+
 def forward_alone(model: "GPTModel", input_ids: torch.Tensor) -> torch.Tensor:
     """One unpacked sequence ``[1, L]`` through megatron-core's stock path (no packing, the stock
-    ``DotProductAttention`` forward with a causal mask): logits ``[1, L, V]``."""
+    ``DotProductAttention`` forward with a causal mask): logits ``[1, L, V]``.
+
+    The whole sequence runs on this rank even under CP: megatron-core's unpacked path would
+    shard the rotary embedding over ``parallel_state``'s CP group, so for this call the rotary
+    embedding sees a group of one rank (and its cache of embeddings is cleared around the call).
+    """
     length = input_ids.shape[1]
     position_ids = torch.arange(length, device=input_ids.device)[None]
-    return model(input_ids, position_ids, causal_attention_mask(length, input_ids.device))
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None:
+        return model(input_ids, position_ids, causal_attention_mask(length, input_ids.device))
+    group, rope.cp_group = rope.cp_group, _NoContextParallel()
+    type(rope).forward.cache_clear()
+    try:
+        return model(input_ids, position_ids, causal_attention_mask(length, input_ids.device))
+    finally:
+        rope.cp_group = group
+        type(rope).forward.cache_clear()
