@@ -67,7 +67,7 @@ def check_equivalence(make_adapter, model, alone, cp) -> dict:
         for b, n in enumerate(lengths):
             if n:
                 ref = alone(ids[b : b + 1, :n])  # [1, n, V]
-                worst_out = max(worst_out, float((out[b, :n] - ref[0]).abs().max()))
+                worst_out = max(worst_out, float((out[b, :n] - ref[0]).detach().abs().max()))
                 total = total + token_loss(ref, ids[b : b + 1, :n], lens[b : b + 1])
             assert not out[b, n:].any(), "output past a row's length must be 0"
         total.backward()
@@ -149,3 +149,36 @@ def case_pipeline() -> dict:
     from scripts.pipeline_example import compare
 
     return compare(torch.float64)
+
+
+def case_megatron_errors() -> list:
+    """The megatron adapter's clear errors (run with C = 2): a model built with the stock local
+    spec, a PackedForward whose CP size differs from parallel_state's, a pipeline step without a
+    constant T. Returns the messages."""
+    import pytest
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from nn_data.adapters import MegatronGPTAdapter, megatron_gpt_layer_spec, pipeline_forward_step
+    from nn_data.errors import PackingError
+    from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
+
+    messages = []
+    stock = GPTModel(tiny_gpt_config(), get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+                     max_sequence_length=64, position_embedding_type="rope")
+    with pytest.raises(PackingError, match="megatron_gpt_layer_spec") as e:
+        MegatronGPTAdapter(stock)
+    messages.append(str(e.value))
+    adapter = MegatronGPTAdapter(tiny_gpt_model(tiny_gpt_config()))
+    ids, lens = coded_ids([5, 3], torch.Generator().manual_seed(0)), torch.tensor([5, 3])
+    with pytest.raises(PackingError, match=r"cp_size=1 ranks but megatron-core's rotary embedding uses a "
+                                           r"context-parallel group of 2") as e:
+        PackedForward(adapter, pad_full_seq_to=16)(ids, lens)
+    messages.append(str(e.value))
+    with pytest.raises(PackingError, match="pipeline_forward_step needs PackedForward\\(pad_full_seq_to=T\\)") as e:
+        pipeline_forward_step(PackedForward(adapter), lambda *a: None)
+    messages.append(str(e.value))
+    with pytest.raises(PackingError, match="multi_latent_attention=True is not supported") as e:
+        megatron_gpt_layer_spec(multi_latent_attention=True)
+    messages.append(str(e.value))
+    return messages

@@ -60,3 +60,8 @@ def test_pipeline_parallel_1f1b_equals_pp1_and_each_sequence(rank_pool):
         assert r["losses_bitwise"] and len(r["pp2_losses"]) == 6, r
     stages = sorted(len(r["stage_parameters"]) for r in results)
     assert stages[0] > 0 and len({tuple(r["stage_parameters"]) for r in results}) == 2  # two different stages
+
+
+def test_megatron_adapter_errors(rank_pool):
+    results = rank_pool.run("tests.models.adapter_cases:case_megatron_errors", cp=2)
+    assert all(len(r) == 4 for r in results)
