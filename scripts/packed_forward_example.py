@@ -101,7 +101,8 @@ def run(args, rank: int = 0, group=None) -> float:
         overall = max(overall, worst)
         say(f"{i:>3} {len(lengths):>4} {int(lengths.sum()):>6} {full:>5} {worst:>21.2e} "
             f"{t_packed * 1e3:>10.1f} {t_alone * 1e3:>9.1f}")
-    say("the 'alone' column runs each sequence separately" + ("; 'packed' includes the CP collectives" if group else ""))
+    collectives = "; 'packed' includes the CP collectives" if group else ""
+    say("the 'alone' column runs each sequence separately" + collectives)
     return overall
 
 

@@ -13,21 +13,23 @@ and megatron-core's own THD rotary embedding, which reads the CP rank and size f
 ``parallel_state``'s CP group and places each token's rotation by nn_data's zigzag order.
 The adapter passes nn_data's document mask (:mod:`nn_data.models.masks`) where megatron-core
 passes ``attention_mask``; the attention gathers keys and values across the CP group with
-``PackedInfo.gather`` and applies it. This module imports megatron-core. megatron-core's THD RoPE reads ``cu_seqlens`` on the host
-(``.tolist()``), so this model runs eagerly (compile the packing with ``PackedForward``).
+``PackedInfo.gather`` and applies it. megatron-core's THD RoPE reads ``cu_seqlens`` on the
+host (``.tolist()``), so this model runs eagerly (compile the packing with ``PackedForward``).
+This module imports megatron-core.
 
 On a torch without CUDA the adapter applies :mod:`nn_data.adapters._megatron_cpu` (small,
 documented patches of megatron-core 0.16.x internals that allocate on CUDA).
 
 Supported: ``GPTModel`` with RoPE (or no position embedding), tensor-parallel size 1 (the
 tests), no sliding window, ``softmax_type="vanilla"``; ``config.context_parallel_size`` may be 1
-(the CP group comes from ``parallel_state``) or C.
+or C (the CP group always comes from ``parallel_state``; both give the same outputs).
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
+
 import torch
 from einops import rearrange
 from torch import nn

@@ -104,6 +104,24 @@ def case_megatron() -> dict:
     return check_equivalence(MegatronGPTAdapter, model, lambda ids: forward_alone(model, ids), context_parallel_info())
 
 
+def case_megatron_config_cp() -> float:
+    """A GPTModel whose config says ``context_parallel_size = C`` (as megatron-core users set it; the
+    stock DotProductAttention refuses it) gives the same packed outputs as one whose config says 1."""
+    from nn_data.adapters import MegatronGPTAdapter
+    from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
+
+    cp = context_parallel_info()
+    config = tiny_gpt_config(dtype=torch.float64)
+    config.context_parallel_size = cp.size
+    models = [tiny_gpt_model(config), tiny_gpt_model(tiny_gpt_config(dtype=torch.float64))]
+    lengths, full = batches(cp.size)[0]
+    ids, lens = coded_ids(lengths, torch.Generator().manual_seed(1)), torch.tensor(lengths)
+    outs = [PackedForward(MegatronGPTAdapter(m), cp_group=cp.group, pad_individual_seqs_to_multiple_of=2 * cp.size,
+                          pad_full_seq_to=full, make_packed_seq_params=True)(ids, lens) for m in models]
+    assert outs[0].abs().max() > 0
+    return float((outs[0] - outs[1]).abs().max())
+
+
 def case_compiled_stream() -> dict:
     """Rank 0 (the others idle; C = 1): ``PackedForward(compile_packing=True, pad_full_seq_to,
     row_capacity)`` around each adapter over a stream of microbatches of different row counts and

@@ -39,6 +39,10 @@ def test_megatron_adapter_matches_each_sequence_alone(rank_pool, cp):
         assert r["out"] < 1e-12 and r["grad"] < 1e-12, r
 
 
+def test_megatron_config_may_say_context_parallel_size_c(rank_pool):
+    assert rank_pool.run("tests.models.adapter_cases:case_megatron_config_cp", cp=2) == [0.0] * 4
+
+
 def test_compiled_packing_with_both_adapters_never_recompiles(rank_pool):
     result = rank_pool.run("tests.models.adapter_cases:case_compiled_stream", cp=1)[0]
     # Compiled on the first microbatch (a prepare graph per wrapper; the unpack graph may be shared
@@ -60,6 +64,10 @@ def test_pipeline_parallel_1f1b_equals_pp1_and_each_sequence(rank_pool):
         assert r["losses_bitwise"] and len(r["pp2_losses"]) == 6, r
     stages = sorted(len(r["stage_parameters"]) for r in results)
     assert stages[0] > 0 and len({tuple(r["stage_parameters"]) for r in results}) == 2  # two different stages
+    from scripts.pipeline_example import report
+
+    text = report(results)  # what python -m scripts.pipeline_example prints
+    assert "PP=2 vs PP=1: max |diff| 0.0e+00 (bit for bit: True)" in text
 
 
 def test_megatron_adapter_errors(rank_pool):
