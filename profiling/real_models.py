@@ -84,7 +84,10 @@ class AdapterStandIn(nn.Module):
                 stacked = local.expand(self.cp_size, *local.shape[1:]).contiguous()  # [C, T/C, *]
                 return self.unshard(stacked, cu_seqlens_padded)
         if self.kind == "megatron":
-            from nn_data.megatron_data_common import make_packed_seq_params
+            try:
+                from nn_data.megatron_parallel import make_packed_seq_params
+            except ImportError:  # nn_data before make_packed_seq_params moved to megatron_parallel
+                from nn_data.megatron_data_common import make_packed_seq_params
 
             params = make_packed_seq_params(cu_seqlens_padded, total, total)
         info = PackedInfo(cu_seqlens_padded, torch.tensor(total), segment_ids, query_index, self.cp_size,

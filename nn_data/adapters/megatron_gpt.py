@@ -113,13 +113,14 @@ class MegatronGPTAdapter(nn.Module):
     ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs)`` returns the
     model's output for the local tokens: logits ``[1, Tq, V]`` on the last pipeline stage
     (``post_process``), the hidden states ``[Tq, 1, E]`` megatron-core sends to the next stage
-    otherwise. The ``PackedSeqParams`` come from ``packed.packed_seq_params`` when
-    ``PackedForward(make_packed_seq_params=True)`` built them, else are built here (same
-    values). ``mask_kind`` chooses the mask's form (:func:`nn_data.models.masks.document_mask`).
+    otherwise. The THD ``PackedSeqParams`` are ``packed.packed_seq_params``: wrap the adapter in
+    ``PackedForward(..., make_packed_seq_params=True)``. ``mask_kind`` chooses the mask's form
+    (:func:`nn_data.models.masks.document_mask`).
 
     Raises :class:`PackingError` for a model whose attention is not
-    :class:`PackedDotProductAttention`, or when ``packed.cp_size`` differs from the size of the
-    CP group megatron-core's rotary embedding uses (``parallel_state``).
+    :class:`PackedDotProductAttention`, when ``packed.cp_size`` differs from the size of the CP
+    group megatron-core's rotary embedding uses (``parallel_state``), or without
+    ``packed.packed_seq_params``.
     """
 
     def __init__(self, model: nn.Module, *, mask_kind: str = "auto"):
@@ -137,7 +138,10 @@ class MegatronGPTAdapter(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
         self._check_cp(packed.cp_size)
-        params = packed.packed_seq_params or _packed_seq_params(packed, input_ids.shape[1])
+        params = packed.packed_seq_params
+        if params is None:
+            raise PackingError("MegatronGPTAdapter needs THD PackedSeqParams: wrap it in "
+                               "PackedForward(..., make_packed_seq_params=True)")
         dtype = next(self.model.parameters()).dtype
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=dtype,
                              gather=packed.gather)
@@ -157,10 +161,3 @@ class MegatronGPTAdapter(nn.Module):
                     f"PackedForward splits over cp_size={cp_size} ranks but megatron-core's rotary embedding uses a "
                     f"context-parallel group of {size}; pass cp_group=parallel_state.get_context_parallel_group()"
                 )
-
-
-def _packed_seq_params(packed, local_tokens: int):
-    from nn_data.megatron_data_common import make_packed_seq_params
-
-    total = packed.segment_ids.shape[0]  # max_seqlen = T: the only bound known without a host sync
-    return make_packed_seq_params(packed.cu_seqlens_padded, total, local_tokens)

@@ -46,7 +46,7 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def check_equivalence(make_adapter, model, alone, cp) -> dict:
+def check_equivalence(make_adapter, model, alone, cp, **packed_forward_kwargs) -> dict:
     """Packed (CP-sharded) forward of ``make_adapter(model)`` == ``alone(ids [1, n]) -> [1, n, V]`` per
     sequence, and the gradients of :func:`token_loss` equal; returns the largest differences."""
     gen = torch.Generator().manual_seed(1)
@@ -55,7 +55,7 @@ def check_equivalence(make_adapter, model, alone, cp) -> dict:
     for lengths, full in batches(cp.size):
         ids, lens = coded_ids(lengths, gen), torch.tensor(lengths)
         wrapped = PackedForward(make_adapter(model), cp_group=cp.group, pad_individual_seqs_to_multiple_of=2 * cp.size,
-                                pad_full_seq_to=full)
+                                pad_full_seq_to=full, **packed_forward_kwargs)
         model.zero_grad(set_to_none=True)
         out = wrapped(ids, lens)  # [B, S, V]
         token_loss(out, ids, lens).backward()
@@ -101,7 +101,8 @@ def case_megatron() -> dict:
     from nn_data.models.tiny_megatron import forward_alone, tiny_gpt_config, tiny_gpt_model
 
     model = tiny_gpt_model(tiny_gpt_config(dtype=torch.float64))
-    return check_equivalence(MegatronGPTAdapter, model, lambda ids: forward_alone(model, ids), context_parallel_info())
+    return check_equivalence(MegatronGPTAdapter, model, lambda ids: forward_alone(model, ids), context_parallel_info(),
+                             make_packed_seq_params=True)
 
 
 def case_megatron_config_cp() -> float:
@@ -192,6 +193,11 @@ def case_megatron_errors() -> list:
     with pytest.raises(PackingError, match=r"cp_size=1 ranks but megatron-core's rotary embedding uses a "
                                            r"context-parallel group of 2") as e:
         PackedForward(adapter, pad_full_seq_to=16)(ids, lens)
+    messages.append(str(e.value))
+    with pytest.raises(PackingError, match=r"needs THD PackedSeqParams: wrap it in PackedForward\(\.\.\., "
+                                           r"make_packed_seq_params=True\)") as e:
+        PackedForward(adapter, pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=16,
+                      cp_group=context_parallel_info().group)(ids, lens)
     messages.append(str(e.value))
     with pytest.raises(PackingError, match="pipeline_forward_step needs PackedForward\\(pad_full_seq_to=T\\)") as e:
         pipeline_forward_step(PackedForward(adapter), lambda *a: None)

@@ -72,4 +72,4 @@ def test_pipeline_parallel_1f1b_equals_pp1_and_each_sequence(rank_pool):
 
 def test_megatron_adapter_errors(rank_pool):
     results = rank_pool.run("tests.models.adapter_cases:case_megatron_errors", cp=2)
-    assert all(len(r) == 4 for r in results)
+    assert all(len(r) == 5 for r in results)
