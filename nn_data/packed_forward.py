@@ -51,6 +51,20 @@ class PackedInfo(NamedTuple):
     packed_seq_params: object = None
 
 
+class PackedInput(NamedTuple):
+    """:meth:`PackedForward.prepare`'s result: the model's arguments ``input_ids [1, T/C]``,
+    ``position_ids [1, T/C]``, ``packed``, and what :meth:`PackedForward.finish` needs
+    (``seq_lengths [R]`` after row padding, the caller's ``rows`` B, and ``row_ids [R, S]``, the
+    row-padded ids whose dim 1 gives the row length S, a symbolic size under compile)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    packed: PackedInfo
+    seq_lengths: torch.Tensor
+    rows: int
+    row_ids: torch.Tensor
+
+
 class _Prepared(NamedTuple):
     local_ids: torch.Tensor  # [1, T/C]
     position_ids: torch.Tensor  # [1, T/C]
@@ -130,6 +144,15 @@ class PackedForward(nn.Module):
         return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(), places.source)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        inp = self.prepare(input_ids, seq_lengths)
+        local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
+        return self.finish(local_out, inp)
+
+    def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> "PackedInput":
+        """The first half of :meth:`forward`: pack, shard, position ids and :class:`PackedInfo`
+        for ``input_ids [B, S]``, ``seq_lengths [B]``, without calling the model. For a caller
+        that drives the model itself (a pipeline schedule: only the last stage outputs
+        ``[1, T/C, *]``); :meth:`finish` turns that output into rows."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise _checks.PackingError(f"input_ids must be a [B, S] tensor, got {shape}")
@@ -151,13 +174,18 @@ class PackedForward(nn.Module):
             cu_pad, prep.max_seqlen, prep.segment_ids, prep.query_index,
             self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep),
         )
-        local_out = self.model(prep.local_ids, prep.position_ids, info, **model_kwargs)  # [1, T/C, *]
-        _check_model_output(local_out, prep.local_ids)
+        return PackedInput(prep.local_ids, prep.position_ids, info, seq_lengths, rows, input_ids)
+
+    def finish(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
+        """The second half of :meth:`forward`: the model's ``[1, T/C, *]`` output for ``inp``
+        (from :meth:`prepare`) -> gathered over the CP group -> rows ``[B, S, *]``."""
+        _check_model_output(local_out, inp.input_ids)
+        cu_pad = inp.packed.cu_seqlens_padded
         full = local_out if self.cp_size == 1 else self.gather_output(local_out, cu_pad)  # [1, T, *]
-        if self.compile_packing:
-            check_unpack_args(full, seq_lengths, cu_pad)
-        out = self._finish_fn(full, seq_lengths, cu_pad, input_ids)  # [R, S, *]
-        return out[:rows]
+        if self.compile_packing:  # metadata errors before the compiled region
+            check_unpack_args(full, inp.seq_lengths, cu_pad)
+        out = self._finish_fn(full, inp.seq_lengths, cu_pad, inp.row_ids)  # [R, S, *]
+        return out[: inp.rows]
 
     def _packed_seq_params(self, prep: _Prepared):
         if not self.make_packed_seq_params:

@@ -116,7 +116,8 @@ def plan_stream(*, microbatches: int, batch_size: int, max_len: int, median: int
 
 
 class ModelStandIn(nn.Module):
-    """A small model on the local packed tokens: ``ids [1, T/C] -> [1, T/C, O]``.
+    """A small model on the local packed tokens: ``ids [1, T/C] -> [1, T/C, O]`` (the packed
+    boundaries ``cu_seqlens_padded`` are passed too, for real models: profiling/real_models.py).
 
     ``kind="linear"``: embedding ``[vocab, H]`` then a linear layer ``H -> O`` (O = 1 is a
     per-token score, like the log-probs or values an RL step unpacks). ``kind="identity"``:
@@ -136,7 +137,7 @@ class ModelStandIn(nn.Module):
                 for p in self.parameters():
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cu_seqlens_padded: torch.Tensor = None) -> torch.Tensor:
         if self.kind == "identity":
             return ids.unsqueeze(-1)  # [1, T/C, 1]
         return self.proj(self.embed(ids))  # [1, T/C, O]
@@ -181,7 +182,7 @@ class MicrobatchPipeline(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
         local, cu_pad = self.prepare(x, lengths, num_rows)
-        return self.finish(self.model(local), lengths, cu_pad)
+        return self.finish(self.model(local, cu_pad), lengths, cu_pad)
 
 
 def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | None):
@@ -224,7 +225,7 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     def run(x, lengths, num_rows):
         check_pack_args(x, lengths, num_rows)  # before the compiled region
         local, cu_pad = prepare(x, lengths, num_rows)  # [1, T/C], [R+1]
-        full = gather(pipeline.model(local), cu_pad)  # [1, T, O]
+        full = gather(pipeline.model(local, cu_pad), cu_pad)  # [1, T, O]
         return unpack(full, lengths, cu_pad)  # [R, S, O]
 
     return run
@@ -235,7 +236,7 @@ def loop_pipeline(model: nn.Module, mb: Microbatch, *, seq_len: int, total: int,
     """The NeMo-RL-style baseline on the ``B`` real rows: ``[B, S, O]``."""
     ref = reference_pack(mb.input_ids, mb.lengths, multiple, 1, total)  # packed [1, T]
     local = reference_shard(ref.packed, ref.cu_seqlens_padded, cp_size, cp_rank)  # [1, T/C]
-    out = model(local)  # [1, T/C, O]
+    out = model(local, ref.cu_seqlens_padded)  # [1, T/C, O]
     full = reference_unshard(simulate_all_gather(out, cp_size), ref.cu_seqlens_padded, cp_size)  # [1, T, O]
     return reference_unpack(full, mb.lengths, ref.cu_seqlens_padded, seq_len)  # [B, S, O]
 
