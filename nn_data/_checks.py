@@ -21,6 +21,13 @@ from nn_data.errors import PackingError
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+def dims(t: torch.Tensor) -> tuple:
+    """``t.shape`` as plain ints, for error messages. Error paths only: while ``torch.compile``
+    traces, ``int()`` of a symbolic size specialises it, which is fine right before a raise (an
+    f-string of the symbolic size itself is not supported by dynamo)."""
+    return tuple(int(d) for d in t.shape)
+
+
 def positive_int(name: str, value, *, allow_none: bool = False) -> Optional[int]:
     """Return ``value`` if it is an int >= 1 (or None when allowed), else raise."""
     if value is None and allow_none:
@@ -47,11 +54,31 @@ def check_int_vector(name: str, t, length: Optional[int] = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise PackingError(f"{name} must be a 1-D integer torch.Tensor, got {type(t).__name__}")
     if t.dim() != 1 or t.dtype not in _INT_DTYPES:
-        raise PackingError(
-            f"{name} must be a 1-D integer tensor, got shape {tuple(t.shape)} and dtype {t.dtype}"
-        )
+        raise PackingError(f"{name} must be a 1-D integer tensor, got shape {dims(t)} and dtype {t.dtype}")
     if length is not None and t.shape[0] != length:
-        raise PackingError(f"{name} has {t.shape[0]} entries; expected {length}")
+        raise PackingError(f"{name} has {int(t.shape[0])} entries; expected {int(length)}")
+
+
+def as_int_vector(name: str, value, length: Optional[int] = None) -> torch.Tensor:
+    """``value`` (a tensor, list, tuple or numpy array) as a 1-D integer tensor, refusing anything
+    that is not integers (``[1.5, 2, 3]`` is never truncated). A non-tensor becomes a CPU tensor.
+
+    Raises :class:`PackingError` naming ``name`` and the value when it is not integers, not 1-D,
+    or not ``length`` entries long.
+    """
+    if not isinstance(value, torch.Tensor):
+        try:
+            converted = torch.as_tensor(value.tolist() if hasattr(value, "tolist") else list(value))
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise PackingError(f"{name}={value!r} is invalid; expected integer lengths ({err})") from None
+        if converted.dtype not in _INT_DTYPES and converted.numel():
+            raise PackingError(
+                f"{name}={value!r} is invalid: not all integers; expected integer lengths (a 1-D integer "
+                "tensor, or a list, tuple or numpy array of ints); nothing is rounded or truncated"
+            )
+        value = converted.to(torch.int64)
+    check_int_vector(name, value, length)
+    return value
 
 
 def check_min_dims(name: str, t, ndim: int, layout: str) -> None:
@@ -59,24 +86,14 @@ def check_min_dims(name: str, t, ndim: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise PackingError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
     if t.dim() < ndim:
-        raise PackingError(
-            f"{name} must have at least {ndim} dims {layout}, got shape {tuple(t.shape)}"
-        )
-
-
-def check_batch_shape(name: str, t, rows: int, row_len: int) -> None:
-    """A companion of ``input_ids [B, S]`` must be ``[B, S, *]`` with the same ``B`` and ``S``."""
-    check_min_dims(name, t, 2, "[B, S, *]")
-    if tuple(t.shape[:2]) != (rows, row_len):
-        raise PackingError(f"{name} has shape {tuple(t.shape)}; it must be [B, S, *] = [{rows}, {row_len}, *] "
-                           "like input_ids")
+        raise PackingError(f"{name} must have at least {ndim} dims {layout}, got shape {dims(t)}")
 
 
 def check_packed(name: str, t) -> None:
     """A packed tensor is ``[1, T, *]``."""
     check_min_dims(name, t, 2, "[1, T, *]")
     if t.shape[0] != 1:
-        raise PackingError(f"{name} must be [1, T, *] (a leading dim of 1), got shape {tuple(t.shape)}")
+        raise PackingError(f"{name} must be [1, T, *] (a leading dim of 1), got shape {dims(t)}")
 
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
@@ -100,7 +117,13 @@ def check_num_rows(num_rows, capacity: int) -> None:
 
 
 def device_assert(cond: torch.Tensor, message: str) -> None:
-    """Assert on the device without a host sync (compiled path)."""
+    """Assert on the device without a host sync (compiled path).
+
+    ``message`` is built on every call of the compiled op, so it may format configuration ints
+    but never a size taken from a tensor's shape: under ``torch.compile`` that size may be
+    symbolic, and formatting it either guards on its value (one graph per value) or fails to
+    trace. Name such sizes instead (``S = x.shape[1]``).
+    """
     torch._assert_async(cond, message)
 
 

@@ -2,7 +2,9 @@
 
 On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the authoritative check;
 on the CPU build there is none, so :class:`HostSyncCounter` counts the Python-level
-calls that bring tensor values to the host.
+calls that bring tensor values to the host, and those that build a tensor on a device from
+Python data (``torch.tensor(3, device="cuda")`` copies from pageable host memory: on CUDA a
+blocking copy, which the sync debug mode flags).
 """
 
 from __future__ import annotations
@@ -10,23 +12,30 @@ from __future__ import annotations
 import torch
 
 _SYNCING_METHODS = ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "__index__")
+# Builders that copy Python data into a new tensor; counted when the tensor lands off the CPU.
+_DATA_CONSTRUCTORS = ("tensor", "as_tensor", "asarray")
 
 
 class HostSyncCounter:
-    """Context manager counting the Python-level calls that read tensor values on the host
-    (the ``Tensor`` methods in ``_SYNCING_METHODS`` and the function form of ``nonzero``)
-    made while it is active.
+    """Context manager counting, while it is active, the Python-level calls that read tensor
+    values on the host (the ``Tensor`` methods in ``_SYNCING_METHODS`` and the function form of
+    ``nonzero``) and those that build a tensor from Python data (not from a tensor) on a
+    non-CPU device (``torch.tensor``, ``torch.as_tensor``, ``torch.asarray``,
+    ``Tensor.new_tensor``): a host-to-device copy. Build such tensors on the device instead
+    (``torch.full``, ``torch.arange``). The ``meta`` device counts, so the check runs on a
+    machine without a GPU.
 
     Example::
 
         >>> with HostSyncCounter() as syncs:
         ...     _ = int(torch.tensor(2))
-        >>> syncs.count
-        1
+        ...     _ = torch.tensor(3, device="meta")
+        >>> syncs.count, syncs.calls
+        (2, ['__int__', 'torch.tensor'])
 
     Calls made from inside another counted call (``tolist`` calling ``__index__``,
     say) count once. Compiled (inductor) code does not call these methods from Python;
-    read its graph instead (see ``tests/test_ops_compile.py``).
+    read its graph instead (see ``tests/ops/test_ops_compile.py``).
     """
 
     def __init__(self):
@@ -48,17 +57,40 @@ class HostSyncCounter:
 
         return counted
 
+    def _wrap_constructor(self, name: str, original):
+        def counted(*args, **kwargs):
+            self._depth += 1
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            data = args[1] if name == "Tensor.new_tensor" and len(args) > 1 else (args[0] if args else None)
+            if (self._depth == 0 and isinstance(out, torch.Tensor) and out.device.type != "cpu"
+                    and not isinstance(data, torch.Tensor)):
+                self.count += 1
+                self.calls.append(name)
+            return out
+
+        return counted
+
     def __enter__(self) -> "HostSyncCounter":
         for name in _SYNCING_METHODS:
             original = getattr(torch.Tensor, name)
             self._saved[name] = original
             setattr(torch.Tensor, name, self._wrap(name, original))
+        self._saved["Tensor.new_tensor"] = torch.Tensor.new_tensor
+        torch.Tensor.new_tensor = self._wrap_constructor("Tensor.new_tensor", torch.Tensor.new_tensor)
         self._saved["torch.nonzero"] = torch.nonzero  # sync: none, the counter wraps this function
         torch.nonzero = self._wrap("torch.nonzero", torch.nonzero)  # sync: none, the counter wraps it
+        for name in _DATA_CONSTRUCTORS:
+            self._saved[f"torch.{name}"] = getattr(torch, name)
+            setattr(torch, name, self._wrap_constructor(f"torch.{name}", getattr(torch, name)))
         return self
 
     def __exit__(self, *exc) -> None:
-        torch.nonzero = self._saved.pop("torch.nonzero")  # sync: none, restores the wrapped function
         for name, original in self._saved.items():
-            setattr(torch.Tensor, name, original)
+            if name.startswith("torch."):
+                setattr(torch, name[len("torch."):], original)  # sync: none, restores a wrapped function
+            else:
+                setattr(torch.Tensor, name.removeprefix("Tensor."), original)
         self._saved.clear()

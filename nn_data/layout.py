@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 from einops import rearrange
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from nn_data import _checks
 from nn_data._index import ZigzagLocal, local_places, segment_bounds, segment_ids
@@ -113,7 +113,9 @@ def build_layout(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len: int, tota
     seg = segment_ids(cu_pad, total)  # [T]
     offset = torch.arange(total, device=lengths.device) - cu_pad[seg]  # [T]
     valid = offset < lengths[seg]  # [T]
-    source = (seg * row_len + offset).clamp(0, max(rows * row_len - 1, 0))  # [T] into [B*S]
+    # Clamped into [0, B*S-1], and to 0 when B*S = 0: two clamps rather than a Python max(), which
+    # size-oblivious reasoning on a symbolic S would simplify to B*S-1 (assuming S >= 2).
+    source = (seg * row_len + offset).clamp(max=rows * row_len - 1).clamp(min=0)  # [T] into [B*S]
     return PackLayout(None, source, valid, cu_pad, total, rows, row_len)
 
 
@@ -137,12 +139,18 @@ def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> tor
     """
     _checks.check_min_dims("x", x, 2, "[B, S, *]")
     rows, row_len, total = layout.rows, layout.row_len, layout.total
-    if tuple(x.shape[:2]) != (rows, row_len):
+    if x.shape[0] != rows or guard_or_false(x.shape[1] != row_len):
+        rows, row_len = int(rows), int(row_len)  # error path: plain ints for the message
         raise _checks.PackingError(
-            f"x has shape {tuple(x.shape)}; the layout was built for [B, S] = "
+            f"x has shape {_checks.dims(x)}; the layout was built for [B, S] = "
             f"[{rows}, {row_len}], so x must be [{rows}, {row_len}, *]"
         )
     _checks.check_same_device(x=x, layout=layout.cu_seqlens_padded)
+    if not statically_known_true(x.shape[1] == row_len):
+        # Two unbacked row lengths (nn_data.rows.with_dynamic_row_length) cannot be compared while
+        # tracing: compare them on the device. (The gather form below needs no relation between them.)
+        _checks.device_assert(torch.full((), x.shape[1], device=x.device) == row_len,
+                              "nn_data.PackLayout.pack: x must be [B, S, *] with the layout's S")
     trailing = x.shape[2:]
     flat = rearrange(x, "b s ... -> (b s) ...")  # [B*S, *]
     if layout.dest is not None:
@@ -151,6 +159,12 @@ def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> tor
             out.index_put_((layout.dest.reshape(-1),), flat)
         return out[:total].unsqueeze(0)  # [1, T, *]
     keep = layout.valid.view(total, *([1] * len(trailing)))  # [T, 1...] broadcast over *
+    if torch.compiler.is_compiling():
+        # Under compile S (or B) may be a symbolic size that is 0 at run time (size-oblivious
+        # reasoning cannot tell): one more row keeps the gather's source non-empty (the source
+        # index is clamped to 0 there). Inductor folds the pad into the gather's load. Eager
+        # never needs it: the gather form implies B*S > 16*T >= 0.
+        flat = torch.nn.functional.pad(flat, (0, 0) * len(trailing) + (0, 1))  # [B*S+1, *]
     gathered = flat.index_select(0, layout.source)  # [T, *]
     if isinstance(fill, torch.Tensor):
         gathered = torch.where(keep, gathered, fill.to(device=x.device, dtype=x.dtype))

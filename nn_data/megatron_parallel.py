@@ -134,22 +134,35 @@ def packed_seq_params_fields() -> frozenset:
     return frozenset(f.name for f in dataclasses.fields(packed_seq_params_class()))
 
 
-def make_packed_seq_params(cu_seqlens_padded: torch.Tensor, max_seqlen: int, local_tokens: Optional[int]) -> Any:
-    """A THD ``PackedSeqParams`` whose four ``cu_seqlens_*`` fields are ``cu_seqlens_padded [B+1]``.
+def make_packed_seq_params(
+    cu_seqlens_padded: torch.Tensor,
+    max_seqlen: int,
+    total_tokens: Optional[int],
+    *,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    pad_between_seqs: Optional[bool] = None,
+) -> Any:
+    """A THD ``PackedSeqParams`` over ``cu_seqlens_padded [B+1]``.
 
-    ``max_seqlen`` (a Python int) fills ``max_seqlen_q``/``max_seqlen_kv``; ``local_tokens``
-    (this rank's packed length) fills ``total_tokens`` where the installed release has that
-    field (megatron-core 0.16.1 has not; None leaves it unset). No host sync.
+    ``cu_seqlens_q``/``_kv`` are ``cu_seqlens`` when given (the valid-token boundaries, what a
+    model that slices CP itself needs), else ``cu_seqlens_padded``; the ``*_padded`` fields are
+    always ``cu_seqlens_padded``. ``max_seqlen`` (a Python int) fills ``max_seqlen_q``/``_kv``.
+    ``total_tokens`` and ``pad_between_seqs`` are set only where the installed release has those
+    fields (megatron-core 0.16.1 has neither; None leaves a field unset). No host sync.
     """
+    valid = cu_seqlens if cu_seqlens is not None else cu_seqlens_padded
     kwargs = dict(
         qkv_format="thd",
-        cu_seqlens_q=cu_seqlens_padded,
-        cu_seqlens_kv=cu_seqlens_padded,
+        cu_seqlens_q=valid,
+        cu_seqlens_kv=valid,
         cu_seqlens_q_padded=cu_seqlens_padded,
         cu_seqlens_kv_padded=cu_seqlens_padded,
         max_seqlen_q=int(max_seqlen),
         max_seqlen_kv=int(max_seqlen),
     )
-    if local_tokens is not None and "total_tokens" in packed_seq_params_fields():
-        kwargs["total_tokens"] = int(local_tokens)
+    fields = packed_seq_params_fields()
+    if total_tokens is not None and "total_tokens" in fields:
+        kwargs["total_tokens"] = int(total_tokens)
+    if pad_between_seqs is not None and "pad_between_seqs" in fields:
+        kwargs["pad_between_seqs"] = bool(pad_between_seqs)
     return packed_seq_params_class()(**kwargs)

@@ -50,7 +50,9 @@ class PackSequences(nn.Module):
     ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``; ``num_rows`` (0-d
     int tensor) counts the real rows of a batch padded to a row capacity
     (:func:`nn_data.pad_to_row_capacity`). With ``pad_full_seq_to`` set, output shapes depend
-    only on ``(B, S, T, *)``; without it ``T`` is learned with one host sync.
+    only on ``(B, S, T, *)``; without it ``T`` is learned with one host sync. Under
+    ``torch.compile`` ``S`` may be a symbolic size (:func:`nn_data.rows.with_dynamic_row_length`):
+    one graph serves every row length.
 
     Example::
 
@@ -93,11 +95,8 @@ class PackSequences(nn.Module):
     def forward(
         self, x: torch.Tensor, seq_lengths: torch.Tensor, num_rows: Optional[torch.Tensor] = None
     ) -> PackResult:
-        _checks.check_min_dims("x", x, 2, "[B, S, *]")
+        check_pack_args(x, seq_lengths, num_rows)
         rows, row_len = x.shape[0], x.shape[1]
-        _checks.check_int_vector("seq_lengths", seq_lengths, rows)
-        _checks.check_num_rows(num_rows, rows)
-        _checks.check_same_device(x=x, seq_lengths=seq_lengths, num_rows=num_rows)
         lengths = seq_lengths.to(torch.int64)  # [B]
         cu = exclusive_cumsum(lengths)  # [B+1]
         cu_pad = exclusive_cumsum(round_up(lengths, self.m))  # [B+1] before the slack
@@ -139,6 +138,18 @@ class PackSequences(nn.Module):
         return int(round_up(natural_total, self.p).item())  # sync: T is data-dependent without pad_full_seq_to
 
 
+def check_pack_args(x, seq_lengths, num_rows=None) -> None:
+    """The metadata checks of :class:`PackSequences` (shapes, dtypes, devices; no data).
+
+    Entry points that compile the op themselves call this *before* their compiled region, so a
+    bad argument raises :class:`~nn_data.errors.PackingError` there, as in eager mode.
+    """
+    _checks.check_min_dims("x", x, 2, "[B, S, *]")
+    _checks.check_int_vector("seq_lengths", seq_lengths, x.shape[0])
+    _checks.check_num_rows(num_rows, x.shape[0])
+    _checks.check_same_device(x=x, seq_lengths=seq_lengths, num_rows=num_rows)
+
+
 def _stats(lengths, natural_total, num_rows):
     """One small tensor with everything the host check needs: ``[min, max, total, tail, n]``."""
     rows = lengths.shape[0]
@@ -177,16 +188,18 @@ def _host_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to, m, 
 
 
 def _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to) -> None:
-    """The compiled validation: device-side asserts, no host sync."""
+    """The compiled validation: device-side asserts, no host sync. The messages name ``S`` and ``B``
+    without their values (they may be symbolic sizes: one graph serves every row length)."""
     rows = lengths.shape[0]
     if rows:
         _checks.device_assert(
             ((lengths >= 0) & (lengths <= row_len)).all(),
-            f"nn_data.PackSequences: every seq_lengths value must be in [0, S={row_len}]",
+            "nn_data.PackSequences: every seq_lengths value must be in [0, S] (S = x.shape[1], the row length)",
         )
     if num_rows is not None:
         n = num_rows.to(torch.int64)
-        _checks.device_assert((n >= 0) & (n <= rows), f"nn_data.PackSequences: num_rows must be in [0, {rows}]")
+        _checks.device_assert((n >= 0) & (n <= rows),
+                              "nn_data.PackSequences: num_rows must be in [0, B] (B = x.shape[0], the rows)")
         if rows:
             tail = (lengths * (torch.arange(rows, device=lengths.device) >= n)).sum()
             _checks.device_assert(tail == 0, "nn_data.PackSequences: rows at or past num_rows must have length 0")

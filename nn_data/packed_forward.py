@@ -23,9 +23,9 @@ from nn_data import _checks
 from nn_data._index import segment_bounds
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.megatron_parallel import group_info
-from nn_data.pack import PackSequences
-from nn_data.rows import pad_to_row_capacity
-from nn_data.unpack import unpack_sequences
+from nn_data.pack import PackSequences, check_pack_args
+from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
+from nn_data.unpack import check_unpack_args, unpack_sequences
 
 
 class PackedInfo(NamedTuple):
@@ -49,6 +49,20 @@ class PackedInfo(NamedTuple):
     cp_rank: int
     gather: Optional[Callable[[torch.Tensor], torch.Tensor]]
     packed_seq_params: object = None
+
+
+class PackedInput(NamedTuple):
+    """:meth:`PackedForward.prepare`'s result: the model's arguments ``input_ids [1, T/C]``,
+    ``position_ids [1, T/C]``, ``packed``, and what :meth:`PackedForward.finish` needs
+    (``seq_lengths [R]`` after row padding, the caller's ``rows`` B, and ``row_ids [R, S]``, the
+    row-padded ids whose dim 1 gives the row length S, a symbolic size under compile)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    packed: PackedInfo
+    seq_lengths: torch.Tensor
+    rows: int
+    row_ids: torch.Tensor
 
 
 class _Prepared(NamedTuple):
@@ -77,11 +91,15 @@ class PackedForward(nn.Module):
     ``pad_packed_seq_to_multiple_of`` without it) must be multiples of ``2C`` (checked here, so no
     data check is needed per call). ``compile_packing=True`` compiles the packing and unpacking
     sides with ``fullgraph=True`` (``compile_kwargs`` go to ``torch.compile``); with
-    ``pad_full_seq_to`` and ``row_capacity`` set they compile once for a stream. The model and the
+    ``pad_full_seq_to`` and ``row_capacity`` set they compile once (two graphs) for a stream of any
+    lengths, row counts and row lengths ``S`` (``S`` is a symbolic size:
+    :func:`nn_data.rows.with_dynamic_row_length`). The model and the
     collectives run eagerly unless you compile the model yourself.
 
     Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops, plus the CP
-    multiples above) and when ``input_ids`` is not ``[B, S]``.
+    multiples above), when ``input_ids`` is not ``[B, S]`` or ``seq_lengths`` not a ``[B]`` integer
+    tensor on its device (before any compiled region), and when the model does not return
+    ``[1, T/C, *]``. Data errors are device-side asserts in the compiled region.
     """
 
     def __init__(
@@ -111,9 +129,9 @@ class PackedForward(nn.Module):
         if self.compile_packing:
             kwargs = {"fullgraph": True, **(compile_kwargs or {})}
             self._prepare_fn = torch.compile(self._prepare, **kwargs)
-            self._finish_fn = torch.compile(unpack_sequences, **kwargs)
+            self._finish_fn = torch.compile(_finish, **kwargs)
         else:
-            self._prepare_fn, self._finish_fn = self._prepare, unpack_sequences
+            self._prepare_fn, self._finish_fn = self._prepare, _finish
 
     def _prepare(self, input_ids, seq_lengths, num_rows) -> _Prepared:
         r = self.pack(input_ids, seq_lengths, num_rows)
@@ -126,14 +144,26 @@ class PackedForward(nn.Module):
         return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(), places.source)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        inp = self.prepare(input_ids, seq_lengths)
+        local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
+        return self.finish(local_out, inp)
+
+    def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> "PackedInput":
+        """The first half of :meth:`forward`: pack, shard, position ids and :class:`PackedInfo`
+        for ``input_ids [B, S]``, ``seq_lengths [B]``, without calling the model. For a caller
+        that drives the model itself (a pipeline schedule: only the last stage outputs
+        ``[1, T/C, *]``); :meth:`finish` turns that output into rows."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise _checks.PackingError(f"input_ids must be a [B, S] tensor, got {shape}")
-        rows, seq_len = input_ids.shape
+        rows = input_ids.shape[0]
         num_rows = None
         if self.row_capacity is not None:
             padded = pad_to_row_capacity(input_ids, seq_lengths, self.row_capacity)
             input_ids, seq_lengths, num_rows = padded
+        if self.compile_packing:  # metadata errors raise PackingError here, before the compiled region
+            check_pack_args(input_ids, seq_lengths, num_rows)
+            input_ids = with_dynamic_row_length(input_ids)  # one graph for every S, 0 and 1 included
         prep = self._prepare_fn(input_ids, seq_lengths, num_rows)
         cu_pad = prep.cu_seqlens_padded
         gather_kv = None
@@ -144,10 +174,18 @@ class PackedForward(nn.Module):
             cu_pad, prep.max_seqlen, prep.segment_ids, prep.query_index,
             self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep),
         )
-        local_out = self.model(prep.local_ids, prep.position_ids, info, **model_kwargs)  # [1, T/C, *]
+        return PackedInput(prep.local_ids, prep.position_ids, info, seq_lengths, rows, input_ids)
+
+    def finish(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
+        """The second half of :meth:`forward`: the model's ``[1, T/C, *]`` output for ``inp``
+        (from :meth:`prepare`) -> gathered over the CP group -> rows ``[B, S, *]``."""
+        _check_model_output(local_out, inp.input_ids)
+        cu_pad = inp.packed.cu_seqlens_padded
         full = local_out if self.cp_size == 1 else self.gather_output(local_out, cu_pad)  # [1, T, *]
-        out = self._finish_fn(full, seq_lengths, cu_pad, seq_len)  # [R, S, *]
-        return out[:rows]
+        if self.compile_packing:  # metadata errors before the compiled region
+            check_unpack_args(full, inp.seq_lengths, cu_pad)
+        out = self._finish_fn(full, inp.seq_lengths, cu_pad, inp.row_ids)  # [R, S, *]
+        return out[: inp.rows]
 
     def _packed_seq_params(self, prep: _Prepared):
         if not self.make_packed_seq_params:
@@ -156,6 +194,23 @@ class PackedForward(nn.Module):
 
         total = prep.segment_ids.shape[0]  # max_seqlen = T: the only bound known without a host sync
         return make_packed_seq_params(prep.cu_seqlens_padded, total, total // self.cp_size)
+
+
+def _finish(full: torch.Tensor, seq_lengths: torch.Tensor, cu_pad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Unpack ``full [1, T, *]`` to ``[R, S, *]`` with ``S = like.shape[1]`` (the packed batch's
+    ``[R, S]`` ids): ``S`` arrives as a tensor size, symbolic under compile, not as an int argument
+    (which the compiler would specialise, 0 and 1 always)."""
+    return unpack_sequences(full, seq_lengths, cu_pad, like.shape[1])
+
+
+def _check_model_output(out, local_ids: torch.Tensor) -> None:
+    """The model must return ``[1, T/C, *]`` for the ``[1, T/C]`` local tokens it was given."""
+    if not isinstance(out, torch.Tensor) or out.dim() < 2 or tuple(out.shape[:2]) != tuple(local_ids.shape):
+        shape = _checks.dims(out) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise _checks.PackingError(
+            f"the model returned {shape}; it must return [1, T/C, *] = [1, {local_ids.shape[1]}, *] for the "
+            f"local tokens it was given (see PackedForward's model contract)"
+        )
 
 
 def _check_cp_config(cp_size: int, pack: PackSequences) -> None:

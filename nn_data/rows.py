@@ -53,7 +53,24 @@ def pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
     out = t.new_empty((capacity, *t.shape[1:]))
     out[:rows] = t
     out[rows:] = fill  # only the padding rows are filled: one pass over the batch, not two
-    return out
+    return row_major(out)
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides ``stride[i] = prod(shape[i+1:])``, also when a dim is 0.
+
+    torch gives an empty tensor the strides of a size-1 dim (``[8, 0]`` -> ``(1, 1)``); a graph
+    compiled with a symbolic row length ``S`` guards ``stride(0) == S`` and would recompile for
+    ``S = 0``. An empty tensor holds no data, so only its strides change; others come back as is.
+    Example: ``[8, 0, 4, 2]`` -> strides ``(0, 8, 2, 1)``.
+    """
+    if t.numel() or t.dim() == 0:
+        return t
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    return t.as_strided(t.shape, tuple(reversed(strides)))
 
 
 def pad_to_row_capacity(x: torch.Tensor, seq_lengths: torch.Tensor, capacity: int) -> RowPadded:
@@ -71,5 +88,29 @@ def pad_to_row_capacity(x: torch.Tensor, seq_lengths: torch.Tensor, capacity: in
     """
     _checks.check_min_dims("x", x, 2, "[B, S, *]")
     _checks.check_int_vector("seq_lengths", seq_lengths, x.shape[0])
-    num_rows = torch.tensor(x.shape[0], dtype=torch.int64, device=x.device)
+    # torch.full writes the count on the device; torch.tensor(int, device=...) would copy it from
+    # host memory (on CUDA a blocking copy from pageable memory: a sync).
+    num_rows = torch.full((), x.shape[0], dtype=torch.int64, device=x.device)
     return RowPadded(pad_rows(x, capacity), pad_rows(seq_lengths, capacity), num_rows)
+
+
+def with_dynamic_row_length(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, S, *]`` with its row length ``S`` (dim 1) marked as a symbolic size for
+    ``torch.compile``: a graph compiled from it serves every ``S``, ``0`` and ``1`` included.
+
+    Call it outside the compiled region on every tensor of the batch with an ``S`` dim (ids,
+    masks, routed experts), each call. ``S`` is marked *unbacked*
+    (``torch._dynamo.decorators.mark_unbacked``), so the compiler never specialises on it, not
+    even on 0 or 1 as it does for other dynamic sizes; an empty tensor comes back as a view with
+    row-major strides (:func:`row_major`), else ``t`` itself. No effect outside ``torch.compile``.
+
+    Example::
+
+        >>> compiled = torch.compile(PackSequences(8, pad_full_seq_to=4096), fullgraph=True)
+        >>> p = pad_to_row_capacity(input_ids, seq_lengths, capacity=64)
+        >>> r = compiled(with_dynamic_row_length(p.x), p.seq_lengths, p.num_rows)  # one graph, any S
+    """
+    _checks.check_min_dims("t", t, 2, "[B, S, *]")
+    t = row_major(t)
+    torch._dynamo.decorators.mark_unbacked(t, 1)
+    return t

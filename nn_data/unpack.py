@@ -11,7 +11,7 @@ elsewhere (``docs/design.md``, "Unpacking"). The offsets are always the *padded*
 ``_unpack_sequences_from_megatron`` reads ``cu_seqlens`` when CP is 1, which is
 wrong whenever sequences were padded to a multiple ``m > 1``.
 
-Two forms, chosen from the static shapes (never from data):
+Two forms, chosen from the static shapes (never from data; a symbolic size takes the gather form):
 
 * **gather** (default): every output position ``(b, s)`` reads ``packed[cu_seqlens_padded[b] + s]``
   (clamped) and is masked: ``B*S`` indexed loads.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from nn_data import _checks
 from nn_data._index import segment_ids
@@ -54,8 +54,8 @@ class UnpackSequences(nn.Module):
     Raises :class:`~nn_data.errors.PackingError`: ``seq_len < 0`` (``__init__``);
     ``packed`` not ``[1, T, *]``, ``seq_lengths`` not 1-D integer, ``cu_seqlens_padded``
     without ``B+1`` entries, tensors on different devices (call); a length outside
-    ``[0, seq_len]``, longer than its padded segment, or a segment reaching past ``T``
-    (validation step: eager one sync, compiled device asserts).
+    ``[0, seq_len]``, longer than its padded segment, or a boundary of ``cu_seqlens_padded``
+    outside ``[0, T]`` (validation step: eager one sync, compiled device asserts).
     """
 
     def __init__(self, seq_len: int, *, fill_value=0, validate: bool = True):
@@ -68,9 +68,13 @@ class UnpackSequences(nn.Module):
         return f"seq_len={self.seq_len}, fill_value={self.fill_value}, validate={self.validate}"
 
     def forward(
-        self, packed: torch.Tensor, seq_lengths: torch.Tensor, cu_seqlens_padded: torch.Tensor
+        self, packed: torch.Tensor, seq_lengths: torch.Tensor, cu_seqlens_padded: torch.Tensor, seq_len=None
     ) -> torch.Tensor:
-        return unpack_sequences(packed, seq_lengths, cu_seqlens_padded, self.seq_len, self.fill_value, self.validate)
+        """``seq_len`` (optional) overrides the configured row length for this call: inside a
+        compiled region pass ``x.shape[1]`` of the packed batch, so one graph serves every ``S``
+        (a changed int attribute of the module would recompile)."""
+        seq_len = self.seq_len if seq_len is None else seq_len
+        return unpack_sequences(packed, seq_lengths, cu_seqlens_padded, seq_len, self.fill_value, self.validate)
 
 
 def unpack_sequences(
@@ -81,17 +85,15 @@ def unpack_sequences(
     fill_value=0,
     validate: bool = True,
 ) -> torch.Tensor:
-    """Functional form of :class:`UnpackSequences` (``seq_len`` is a Python int): ``[1, T, *] -> [B, S, *]``."""
-    _checks.check_packed("packed", packed)
-    _checks.check_int_vector("seq_lengths", seq_lengths)
+    """Functional form of :class:`UnpackSequences`: ``[1, T, *] -> [B, S, *]``. ``seq_len`` is a
+    Python int, or a symbolic size (``x.shape[1]``) inside a compiled region."""
+    check_unpack_args(packed, seq_lengths, cu_seqlens_padded)
     rows, total, trailing = seq_lengths.shape[0], packed.shape[1], packed.shape[2:]
-    _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded, rows + 1)
-    _checks.check_same_device(packed=packed, seq_lengths=seq_lengths, cu_seqlens_padded=cu_seqlens_padded)
     lengths = seq_lengths.to(torch.int64)  # [B]
     starts = cu_seqlens_padded[:-1].to(torch.int64)  # [B]
     if validate and rows:
         _check(lengths, cu_seqlens_padded.to(torch.int64), total, seq_len)
-    if rows * seq_len == 0 or total == 0:
+    if guard_or_false(total == 0):  # nothing to read; with B*S == 0 the gather below is empty
         return packed.new_full((rows, seq_len, *trailing), fill_value)
     if statically_known_true(rows * seq_len >= UNPACK_SCATTER_MIN_RATIO * total):
         return _unpack_scatter(packed, lengths, cu_seqlens_padded.to(torch.int64), seq_len, fill_value)
@@ -123,17 +125,34 @@ def _unpack_scatter(packed, lengths, bounds, seq_len: int, fill_value) -> torch.
     return out[: rows * seq_len].view(rows, seq_len, *trailing)  # [B, S, *]
 
 
+def check_unpack_args(packed, seq_lengths, cu_seqlens_padded) -> None:
+    """The metadata checks of :class:`UnpackSequences` (shapes, dtypes, devices; no data), for
+    entry points to call before their compiled region."""
+    _checks.check_packed("packed", packed)
+    _checks.check_int_vector("seq_lengths", seq_lengths)
+    _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded, seq_lengths.shape[0] + 1)
+    _checks.check_same_device(packed=packed, seq_lengths=seq_lengths, cu_seqlens_padded=cu_seqlens_padded)
+
+
 def _check(lengths: torch.Tensor, cu_pad: torch.Tensor, total: int, seq_len: int) -> None:
     seg_len = cu_pad[1:] - cu_pad[:-1]  # [B]
     ok_len = (lengths >= 0) & (lengths <= seq_len)
     ok_fit = (lengths <= seg_len) & (cu_pad[:-1] >= 0) & (cu_pad[:-1] + lengths <= total)
+    ok_end = (cu_pad >= 0) & (cu_pad <= total)  # [B+1]: every boundary inside [0, T]
     if torch.compiler.is_compiling():
-        _checks.device_assert(ok_len.all(), f"nn_data.UnpackSequences: seq_lengths must be in [0, {seq_len}]")
         _checks.device_assert(
-            ok_fit.all(), "nn_data.UnpackSequences: each sequence must fit its padded segment inside [0, T]"
+            ok_len.all(), "nn_data.UnpackSequences: seq_lengths must be in [0, seq_len] (the row length of the output)"
+        )
+        _checks.device_assert(
+            (ok_fit.all() & ok_end.all()),
+            "nn_data.UnpackSequences: each sequence must fit its padded segment and every boundary of "
+            "cu_seqlens_padded must lie in [0, T]",
         )
         return
-    all_len, all_fit = torch.stack([ok_len.all(), ok_fit.all()]).tolist()  # sync: the one validation step
+    all_len, all_fit, all_end = torch.stack([ok_len.all(), ok_fit.all(), ok_end.all()]).tolist()  # sync: the one validation step
+    if not all_end:
+        _checks.raise_first(~ok_end, cu_pad, "cu_seqlens_padded[{i}] = {v} is outside [0, T="
+                            f"{total}] (T = packed.shape[1]); every boundary must lie in [0, {total}]")
     if not all_len:
         _checks.raise_length_outside(~ok_len, lengths, seq_len, "seq_len")
     if not all_fit:

@@ -1,6 +1,6 @@
 """Token log-probs from CP-sharded packed logits: nn_data vs the naive path, side by side in one run.
 
-    python profiling/cp_logprobs_bench.py [--cp 2] [--vocab 32000] [--rows 8] [--seq-len 512]
+    python -m profiling.cp_logprobs_bench [--cp 2] [--vocab 32000] [--rows 8] [--seq-len 512]
 
 Spawns ``--cp`` ranks over gloo on 127.0.0.1 (one thread each). Every rank holds its
 zigzag shard of the packed logits ``[1, T/C, V]`` (float32) and the full packed ids.
@@ -25,9 +25,7 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import sys
 import time
 
 import torch
@@ -36,14 +34,13 @@ import torch.multiprocessing as mp
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nn_data import (  # noqa: E402
+from nn_data import (
     GatherFromContextParallel,
     PackSequences,
     TokenLogProbs,
     UnpackSequences,
 )
+from nn_data.testing.dist import free_port, init_gloo
 
 MiB = 2**20
 
@@ -88,7 +85,7 @@ def make_inputs(args, rank):
 
 def rank_main(rank, args, port, out_queue):
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.cp)
+    init_gloo(rank, args.cp, port)
     group = dist.group.WORLD
     r, lengths, local, weight = make_inputs(args, rank)
     ids, cu, cu_pad = r.packed, r.cu_seqlens, r.cu_seqlens_padded
@@ -173,9 +170,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", help="also write the raw figures here")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, args, port, q)) for r in range(args.cp)]

@@ -34,6 +34,7 @@ from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, Uns
 from nn_data import RowPadded
 from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
+from nn_data.pack import check_pack_args
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
 
 
@@ -115,7 +116,8 @@ def plan_stream(*, microbatches: int, batch_size: int, max_len: int, median: int
 
 
 class ModelStandIn(nn.Module):
-    """A small model on the local packed tokens: ``ids [1, T/C] -> [1, T/C, O]``.
+    """A small model on the local packed tokens: ``ids [1, T/C] -> [1, T/C, O]`` (the packed
+    boundaries ``cu_seqlens_padded`` are passed too, for real models: profiling/real_models.py).
 
     ``kind="linear"``: embedding ``[vocab, H]`` then a linear layer ``H -> O`` (O = 1 is a
     per-token score, like the log-probs or values an RL step unpacks). ``kind="identity"``:
@@ -135,7 +137,7 @@ class ModelStandIn(nn.Module):
                 for p in self.parameters():
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cu_seqlens_padded: torch.Tensor = None) -> torch.Tensor:
         if self.kind == "identity":
             return ids.unsqueeze(-1)  # [1, T/C, 1]
         return self.proj(self.embed(ids))  # [1, T/C, O]
@@ -180,7 +182,7 @@ class MicrobatchPipeline(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
         local, cu_pad = self.prepare(x, lengths, num_rows)
-        return self.finish(self.model(local), lengths, cu_pad)
+        return self.finish(self.model(local, cu_pad), lengths, cu_pad)
 
 
 def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | None, wrapper: str = "cpp",
@@ -193,12 +195,17 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     ``unpack``, where a CP step has boundaries anyway and where ``nn_data.PackedForward`` puts them.
     Every compiled region costs a fixed amount per call (Dynamo's guard evaluation and the
     wrappers around the kernels), which at these sizes is a large part of a microbatch: one
-    region pays it once. ``wrapper="cpp"`` (default) has inductor emit the code that calls the
-    kernels in C++ (``cpp_wrapper``) instead of Python; the default mode also plans the graph's
-    temporaries into one allocation (``memory_planning``). ``kernel_names`` has every fused kernel
+    region pays it once. ``wrapper="cpp"`` (the profiler's default on the CPU) has inductor emit
+    the code that calls the kernels in C++ (``cpp_wrapper``) instead of Python, and plans the
+    graph's temporaries into one allocation (``memory_planning``); on CUDA the profiler keeps the
+    Python wrapper (CUDA graphs replay the kernels there; the C++ wrapper was measured on the CPU
+    only). ``kernel_names`` has every fused kernel
     record a profiler event under its name (inductor's ``cpp.enable_kernel_profile``): the traces
     then show them, at a cost on every call (about a fifth of a compiled microbatch here).
     profiling/README.md has the figures.
+
+    The inputs' shapes, dtypes and devices are checked before any compiled region, so a bad
+    input raises :class:`PackingError` as in eager mode (not a dynamo error).
     """
     from torch._inductor import list_mode_options
 
@@ -207,11 +214,17 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     options = dict(list_mode_options(mode, False)) if mode else {}
     options["cpp.enable_kernel_profile"] = kernel_names
     options["cpp_wrapper"] = wrapper == "cpp"
-    if mode is None:  # one allocation per call for the graph's temporaries (a static memory plan)
+    if mode is None and wrapper == "cpp":  # one allocation per call for the temporaries (a static plan)
         options["memory_planning"] = True
     options = dict(fullgraph=True, dynamic=False, options=options)
     if scope == "whole":  # the bound forward, not the module: no nn.Module call machinery per call
-        return torch.compile(pipeline.forward, **options)
+        whole = torch.compile(pipeline.forward, **options)
+
+        def run_whole(x, lengths, num_rows):
+            check_pack_args(x, lengths, num_rows)  # before the compiled region
+            return whole(x, lengths, num_rows)
+
+        return run_whole
     if scope != "data":
         raise PackingError(f"--compile-scope={scope!r} is invalid; expected 'whole' or 'data'")
     prepare = torch.compile(pipeline.prepare, **options)
@@ -219,8 +232,9 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     unpack = torch.compile(pipeline.unpack, **options)
 
     def run(x, lengths, num_rows):
+        check_pack_args(x, lengths, num_rows)  # before the compiled region
         local, cu_pad = prepare(x, lengths, num_rows)  # [1, T/C], [R+1]
-        full = gather(pipeline.model(local), cu_pad)  # [1, T, O]
+        full = gather(pipeline.model(local, cu_pad), cu_pad)  # [1, T, O]
         return unpack(full, lengths, cu_pad)  # [R, S, O]
 
     return run
@@ -231,7 +245,7 @@ def loop_pipeline(model: nn.Module, mb: Microbatch, *, seq_len: int, total: int,
     """The NeMo-RL-style baseline on the ``B`` real rows: ``[B, S, O]``."""
     ref = reference_pack(mb.input_ids, mb.lengths, multiple, 1, total)  # packed [1, T]
     local = reference_shard(ref.packed, ref.cu_seqlens_padded, cp_size, cp_rank)  # [1, T/C]
-    out = model(local)  # [1, T/C, O]
+    out = model(local, ref.cu_seqlens_padded)  # [1, T/C, O]
     full = reference_unshard(simulate_all_gather(out, cp_size), ref.cu_seqlens_padded, cp_size)  # [1, T, O]
     return reference_unpack(full, mb.lengths, ref.cu_seqlens_padded, seq_len)  # [B, S, O]
 

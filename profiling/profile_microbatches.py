@@ -33,6 +33,7 @@ from nn_data import compile_cache
 from profiling.microbatch_measure import GUARD_EVAL, first_call, graph_count, measure_mode, steady_samples
 from profiling.microbatch_report import format_report, speedups, targets, write_chart, write_summary
 from profiling.microbatch_stream import ModelStandIn, Stream, make_modes, plan_stream
+from profiling.real_models import REAL_MODELS, AdapterStandIn, data_path_share, measure_model_alone
 from profiling.timing import machine_description, reuse_freed_memory
 
 RUNS = Path(__file__).resolve().parent / "runs"
@@ -54,19 +55,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--multiple", type=int, default=None,
                     help="pad_individual_seqs_to_multiple_of (default 2*cp-size)")
     ap.add_argument("--row-capacity", type=int, default=None, help="rows R every graph sees (default: most rows)")
-    ap.add_argument("--model", choices=("linear", "identity"), default="linear",
-                    help="model stand-in: embedding + linear, or identity (default linear)")
+    ap.add_argument("--model", choices=("linear", "identity") + REAL_MODELS, default="linear",
+                    help="model stand-in: embedding + linear, identity, or a real tiny transformer through its nn_data "
+                         "adapter: hf (transformers Llama) or megatron (megatron-core GPTModel, --cp-size 1) "
+                         "(default linear)")
     ap.add_argument("--vocab", type=int, default=4096, help="vocabulary of the ids (default 4096)")
     ap.add_argument("--hidden", type=int, default=32, help="embedding width H (default 32)")
     ap.add_argument("--out-features", type=int, default=1, help="features per token unpacked, O (default 1)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--modes", nargs="+", choices=ALL_MODES, default=None,
                     help="default: eager compiled loop, plus reduce-overhead on CUDA")
-    ap.add_argument("--compile-scope", choices=("whole", "data"), default="whole",
-                    help="one compiled region per microbatch, model included (whole, default), or three "
-                         "regions around the eager model (data)")
-    ap.add_argument("--wrapper", choices=("cpp", "python"), default="cpp",
-                    help="inductor's code around the kernels: C++ (cpp_wrapper, default) or Python")
+    ap.add_argument("--compile-scope", choices=("whole", "data"), default=None,
+                    help="one compiled region per microbatch, model included (whole; the default with the "
+                         "stand-in models), or three regions around the eager model (data; the default with "
+                         "--model hf|megatron)")
+    ap.add_argument("--wrapper", choices=("cpp", "python"), default=None,
+                    help="inductor's code around the kernels: C++ (cpp_wrapper; default on the CPU) or Python "
+                         "(default on CUDA)")
     ap.add_argument("--kernel-names", action="store_true",
                     help="name every fused kernel in the traces (inductor's cpp.enable_kernel_profile; "
                          "costs time on every compiled call, so off by default)")
@@ -97,6 +102,16 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; expected an int >= 1")
     if not 0 <= args.cp_rank < args.cp_size:
         ap.error(f"--cp-rank={args.cp_rank} is invalid; expected 0 <= rank < --cp-size={args.cp_size}")
+    if args.wrapper is None:
+        args.wrapper = "python" if args.device.startswith("cuda") else "cpp"
+    if args.compile_scope is None:
+        args.compile_scope = "data" if args.model in REAL_MODELS else "whole"
+    if args.model in REAL_MODELS and args.compile_scope != "data":
+        ap.error(f"--compile-scope={args.compile_scope} with --model={args.model}: a real model runs eagerly between "
+                 "the compiled data-path graphs; use --compile-scope data")
+    if args.model == "megatron" and args.cp_size != 1:
+        ap.error(f"--model=megatron needs --cp-size 1 (got {args.cp_size}): megatron-core's rotary embedding reads "
+                 "the CP size from parallel_state, which one process cannot simulate")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device={args.device} but CUDA is not available (torch {torch.__version__})")
     return args
@@ -161,7 +176,11 @@ def main(argv=None) -> dict:
           f"C={args.cp_size} rank={args.cp_rank}; rows per microbatch {info['rows_min']}-{info['rows_max']} "
           f"(median {info['rows_median']}); real tokens {info['fill_of_T']:.0%} of T; device {device}")
     torch.manual_seed(args.seed)
-    model = ModelStandIn(args.model, args.vocab, args.hidden, args.out_features, args.seed).to(device).eval()
+    if args.model in REAL_MODELS:
+        model = AdapterStandIn(args.model, args.vocab, args.hidden, args.out_features, args.seed,
+                               cp_size=args.cp_size, cp_rank=args.cp_rank).to(device).eval()
+    else:
+        model = ModelStandIn(args.model, args.vocab, args.hidden, args.out_features, args.seed).to(device).eval()
     modes = make_modes(args.modes, stream, model, cp_size=args.cp_size, cp_rank=args.cp_rank,
                        compile_scope=args.compile_scope, wrapper=args.wrapper, kernel_names=args.kernel_names)
     run_dir = Path(args.out_dir) if args.out_dir else RUNS / time.strftime("%Y%m%d-%H%M%S")
@@ -172,14 +191,24 @@ def main(argv=None) -> dict:
         print(f"compile cache: {args.compile_cache} ({'saved' if saved else 'nothing new to save'})")
     max_diff = check_outputs(modes, stream)
     ratios = speedups(results)
-    checks = targets(results, ratios)
+    alone = share = None
+    if args.model in REAL_MODELS:  # the model's own time, to read off the data path's share of a step
+        alone = measure_model_alone(model, stream, cp_size=args.cp_size, cp_rank=args.cp_rank, passes=args.passes)
+        share = data_path_share(results, alone)
+    checks = targets(results, ratios, model_syncs=alone["syncs_per_microbatch"] if alone else 0.0)
     print()
     print(format_report(results, ratios, checks))
     print(f"outputs agree across modes (max |difference| {max_diff:.2e})")
+    if alone:
+        print(f"model {args.model} alone (inputs prepared beforehand): mean {alone['mean_s'] * 1e3:.2f} ms, median "
+              f"{alone['median_s'] * 1e3:.2f} ms, {alone['syncs_per_microbatch']:.1f} host syncs per microbatch")
+        print("data path's share of the mean time per microbatch: "
+              + ", ".join(f"{name} {value:.1%}" for name, value in share.items()))
     header = dict(machine=machine, load_average=list(load), device=str(device), threads=torch.get_num_threads(),
                   allocator_reuse=reuse,
                   torch=torch.__version__, args=vars(args), stream=info, run_dir=str(run_dir),
-                  outputs_max_abs_difference=max_diff, time=time.strftime("%Y-%m-%d %H:%M:%S"))
+                  outputs_max_abs_difference=max_diff, time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  model_alone=alone, data_path_share=share)
     summary = write_summary(str(run_dir / "summary.json"), header=header, results=results, ratios=ratios, checks=checks)
     title = (f"{machine}\nS={info['S']} T={info['T']} R={info['R']} C={args.cp_size}, {info['microbatches']} "
              f"microbatches, load {load[0]:.1f}")
@@ -187,6 +216,8 @@ def main(argv=None) -> dict:
     write_chart(str(run_dir / "chart.png"), results, title, rows=(counts * args.passes)[1:])  # as timed
     print(f"run folder: {run_dir} (summary.json, chart.png, one trace folder per mode)")
     print(f"traces: bash scripts/tensorboard.sh {run_dir}")
+    if hasattr(model, "close"):
+        model.close()
     return summary
 
 

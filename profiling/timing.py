@@ -48,6 +48,23 @@ def time_calls(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10, dev
     return Timing(*spread(samples), first)
 
 
+def time_calls_cuda(fn: Callable[[], object], *, warmup: int = 3, reps: int = 50) -> Timing:
+    """Time ``fn()`` on the current CUDA stream with CUDA events: the first call separately (wall
+    clock, it compiles or captures), ``warmup`` untimed calls, then ``reps`` calls, each between
+    two events; one synchronisation at the end. Host work inside ``fn`` (a loop's syncs, kernel
+    launches) shows as the GPU waiting between the events, so it is counted."""
+    first = timed_call(fn, "cuda")
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return Timing(*spread([start.elapsed_time(end) / 1e3 for start, end in events]), first)
+
+
 def machine_description() -> str:
     """One line naming the machine a figure was taken on."""
     import os

@@ -1,30 +1,36 @@
-"""Run a small causal transformer on packed (and, with --cp, context-parallel) tokens with
+"""Run a small causal LM on packed (and, with --cp, context-parallel) tokens with
 nn_data.PackedForward, and compare every sequence with running it alone.
 
-    python scripts/packed_forward_example.py              # one process, CPU
-    python scripts/packed_forward_example.py --cp 2       # two ranks over gloo on 127.0.0.1
+    python -m scripts.packed_forward_example                      # nn_data's TinyCausalLM, one process
+    python -m scripts.packed_forward_example --cp 2               # two ranks over gloo on 127.0.0.1
+    python -m scripts.packed_forward_example --model hf           # a tiny transformers Llama (--hf-kind qwen2)
+    python -m scripts.packed_forward_example --model megatron --cp 2   # a tiny megatron-core GPTModel
+
+(Run from the repository root.) ``--model hf`` wraps a transformers causal LM built from a config
+(nothing is downloaded) in ``nn_data.adapters.HFCausalLMAdapter``; ``--model megatron`` a
+megatron-core ``GPTModel`` built with ``nn_data.adapters.megatron_gpt_layer_spec`` in
+``MegatronGPTAdapter`` (it always runs under megatron-core's ``parallel_state``, so it spawns
+``--cp`` processes, one included). "Alone" is each model's own unpacked path: TinyCausalLM's
+``forward_single``, the transformers model on one sequence, megatron-core's stock attention
+with a causal mask.
 
 Prints, for each microbatch, the largest difference between the packed outputs and the
 per-sequence outputs, and the time of both paths (wall clock on this machine, after one
 untimed warm-up call). The packed path runs all T = pad_full_seq_to positions, padding
-included, with a dense [T/C, T] attention mask: it shows exactness, not speed.
+included: it shows exactness, not speed.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import sys
 import time
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nn_data.testing.dist import free_port, init_gloo
 
-from nn_data.models import TinyCausalLM  # noqa: E402
-from nn_data.packed_forward import PackedForward  # noqa: E402
+MODELS = ("tiny", "hf", "megatron")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -42,19 +48,48 @@ def make_batches(args, gen: torch.Generator):
         yield torch.where(torch.arange(args.seq_len) < lengths[:, None], ids, 0), lengths, multiple, full
 
 
-def run(args, rank: int = 0, group=None) -> None:
-    torch.manual_seed(args.seed)
-    model = TinyCausalLM(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers).eval()
+def build(args):
+    """``(PackedForward model, alone(ids [1, L]) -> [1, L, V], make_packed_seq_params)`` for ``--model``."""
+    dtype = getattr(torch, args.dtype)
+    if args.model == "tiny":
+        from nn_data.models import TinyCausalLM
+
+        torch.manual_seed(args.seed)
+        model = TinyCausalLM(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers).to(dtype).eval()
+        return model, model.forward_single, False
+    if args.model == "hf":
+        from nn_data.adapters import HFCausalLMAdapter
+        from nn_data.models.tiny_hf import tiny_hf_model
+
+        model = tiny_hf_model(args.hf_kind, vocab=args.vocab, hidden=args.dim, layers=args.layers, heads=args.heads,
+                              kv_heads=max(1, args.heads // 2), ffn=2 * args.dim, dtype=dtype, seed=args.seed)
+        return HFCausalLMAdapter(model), lambda ids: model(input_ids=ids, use_cache=False).logits, False
+    from nn_data.adapters import MegatronGPTAdapter
+    from nn_data.models.tiny_megatron import forward_alone, tiny_gpt_config, tiny_gpt_model
+
+    config = tiny_gpt_config(layers=args.layers, hidden=args.dim, heads=args.heads, groups=max(1, args.heads // 2),
+                             ffn=2 * args.dim, dtype=dtype)
+    model = tiny_gpt_model(config, vocab=args.vocab, seed=args.seed).eval()
+    return MegatronGPTAdapter(model), lambda ids: forward_alone(model, ids), True
+
+
+def run(args, rank: int = 0, group=None) -> float:
+    """Print the table (rank 0); returns the largest difference seen."""
+    from nn_data.packed_forward import PackedForward
+
+    model, alone, packed_seq_params = build(args)
     gen = torch.Generator().manual_seed(args.seed + 1)
     say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"model {args.model} ({args.dtype}), C = {args.cp}")
     say(f"{'mb':>3} {'rows':>4} {'tokens':>6} {'T':>5} {'max |packed - alone|':>21} {'packed ms':>10} {'alone ms':>9}")
+    overall = 0.0
     for i, (ids, lengths, multiple, full) in enumerate(make_batches(args, gen)):
         packed = PackedForward(model, pad_individual_seqs_to_multiple_of=multiple, pad_full_seq_to=full,
-                               cp_group=group)
+                               cp_group=group, make_packed_seq_params=packed_seq_params)
         with torch.no_grad():
             if i == 0:  # warm-up (first-call allocations, gloo connection set-up), not timed
                 packed(ids, lengths)
-                model.forward_single(ids[:1, :1])
+                alone(ids[:1, :1])
             start = time.perf_counter()
             out = packed(ids, lengths)
             t_packed = time.perf_counter() - start
@@ -62,13 +97,14 @@ def run(args, rank: int = 0, group=None) -> None:
             worst = 0.0
             for b, n in enumerate(lengths.tolist()):
                 if n:
-                    alone = model.forward_single(ids[b : b + 1, :n])[0]
-                    worst = max(worst, (out[b, :n] - alone).abs().max().item())
+                    worst = max(worst, (out[b, :n] - alone(ids[b : b + 1, :n])[0]).abs().max().item())
             t_alone = time.perf_counter() - start
+        overall = max(overall, worst)
         say(f"{i:>3} {len(lengths):>4} {int(lengths.sum()):>6} {full:>5} {worst:>21.2e} "
             f"{t_packed * 1e3:>10.1f} {t_alone * 1e3:>9.1f}")
-    say("the 'alone' column runs each sequence separately; 'packed' includes the CP collectives" if group else
-        "the 'alone' column runs each sequence separately")
+    collectives = "; 'packed' includes the CP collectives" if group else ""
+    say("the 'alone' column runs each sequence separately" + collectives)
+    return overall
 
 
 def _rank_main(rank: int, args, port: int) -> None:
@@ -76,16 +112,28 @@ def _rank_main(rank: int, args, port: int) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.cp)
+    init_gloo(rank, args.cp, port)
+    parallel_state = None
     try:
-        run(args, rank, dist.group.WORLD)
+        group = dist.group.WORLD
+        if args.model == "megatron":  # megatron-core's rotary embedding reads the CP group from parallel_state
+            from megatron.core import parallel_state
+
+            parallel_state.initialize_model_parallel(context_parallel_size=args.cp, create_gloo_process_groups=False)
+            group = parallel_state.get_context_parallel_group()
+        run(args, rank, group if args.cp > 1 else None)
     finally:
+        if parallel_state is not None:
+            parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=MODELS, default="tiny", help="tiny (TinyCausalLM), hf or megatron")
+    ap.add_argument("--hf-kind", choices=("llama", "qwen2"), default="llama", help="with --model hf")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks to spawn (gloo, CPU); default 1")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--rows", type=int, default=8, help="most sequences per microbatch")
     ap.add_argument("--seq-len", type=int, default=64, help="row length S")
@@ -96,15 +144,19 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.cp == 1:
+    if args.cp < 1:
+        ap.error(f"--cp={args.cp} is invalid; expected an int >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.cp == 1 and args.model != "megatron":
         run(args)
         return
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(args, port), nprocs=args.cp, join=True)
+    mp.spawn(_rank_main, args=(args, free_port()), nprocs=args.cp, join=True)
 
 
 if __name__ == "__main__":

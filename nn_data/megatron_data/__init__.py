@@ -4,7 +4,14 @@
     from nn_data.megatron_data import process_microbatch, get_microbatch_iterator
 
 Every name of NeMo-RL's API page is here with the same signature, defaults and return
-values (tuples where NeMo-RL returns tuples, the same dataclasses). Differences:
+values (tuples where NeMo-RL returns tuples, the same dataclasses), including HEAD's
+``delegate_mtp_loss_mask_to_model`` / ``model_slices_context_parallel_inputs`` arguments and
+``media_token_validity_mask``, plus the names NeMo-RL's module binds and code patches:
+``get_context_parallel_rank``, ``get_context_parallel_world_size`` (megatron-core's, 0 of 1
+when CP is not set up) and ``get_packed_seq_cp_partition_indices`` (megatron-bridge's, here
+without megatron-bridge). The functions call each other through this module's names at call
+time, so ``mock.patch("nn_data.megatron_data.X")`` reaches the call as it does in NeMo-RL.
+Differences (the README's "Differences from NeMo-RL" table lists all of them):
 
 * packing and CP sharding are one gather each over index maps built on the device from
   ``cu_seqlens_padded``, not a Python loop per sequence: one host sync per microbatch
@@ -26,6 +33,7 @@ values (tuples where NeMo-RL returns tuples, the same dataclasses). Differences:
 
 from __future__ import annotations
 
+from nn_data.megatron_data.common import get_context_parallel_rank, get_context_parallel_world_size
 from nn_data.megatron_data.engine import PackOptions
 from nn_data.megatron_data.iterators import (
     get_microbatch_iterator,
@@ -44,6 +52,7 @@ from nn_data.megatron_data.pack import (
     _unpack_sequences_from_megatron,
     get_and_validate_seqlen,
 )
+from nn_data.megatron_data.packed import get_packed_seq_cp_partition_indices
 from nn_data.megatron_data.r3 import (
     _fill_routed_experts_padding,
     _make_r3_trace_token_identity,
@@ -65,8 +74,11 @@ __all__ = [
     "_unpack_sequences_from_megatron",
     "_verify_r3_trace_cp_token_alignment",
     "get_and_validate_seqlen",
+    "get_context_parallel_rank",
+    "get_context_parallel_world_size",
     "get_ltor_masks_and_position_ids",
     "get_microbatch_iterator",
+    "get_packed_seq_cp_partition_indices",
     "make_processed_microbatch_iterator",
     "process_global_batch",
     "process_microbatch",

@@ -25,6 +25,7 @@ from typing import Any, Generic, Iterator, Mapping, Optional, Sequence, TypeVar,
 import numpy as np
 import torch
 
+from nn_data.megatron_data import batched_data_sharding as sharding
 from nn_data.errors import PackingError
 from nn_data.megatron_data.packing_planner import first_fit_decreasing, round_up_lengths
 
@@ -67,7 +68,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         out = SlicedDataDict()
         for key, value in self.data.items():
             if torch.is_tensor(value) and end > value.shape[0]:
-                raise PackingError(f"slice end {end} is past the {value.shape[0]} rows of {key!r}")
+                raise PackingError(f"end: {end} is greater than the shape of the tensor: {value.shape[0]} for key: "
+                                   f"{key} (slice rows [start, end) within the batch)")
             out[key] = value[start:end]
         return out
 
@@ -108,6 +110,30 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             if torch.is_tensor(value) and value.dim() > dim:
                 self.data[key] = value.narrow(dim, 0, min(truncated_len, value.shape[dim]))
 
+    # ---- NeMo-RL's training-loop methods (nn_data.megatron_data.batched_data_sharding) -------------
+    @classmethod
+    def from_batches(cls, batches: Sequence[Mapping[str, Any]],
+                     pad_value_dict: Optional[dict] = None) -> "BatchedDataDict":
+        """Stack ``batches`` into one dict: lists concatenated, tensors concatenated along dim 0
+        (2+ dims right-padded along dim 1 with ``pad_value_dict.get(key, 0)``)."""
+        return sharding.stack_batches(cls(), batches, pad_value_dict)
+
+    def chunk(self, rank: int, chunks: int) -> "SlicedDataDict":
+        """Split ``rank`` of ``chunks`` equal consecutive splits (copies)."""
+        return sharding.chunk_rows(self.data, SlicedDataDict(), rank, chunks)
+
+    def reorder_data(self, reorded_indices: Sequence[int]) -> None:
+        """In place: undo a reordering; ``reorded_indices[i]`` is the original position of row ``i``."""
+        sharding.reorder_rows(self.data, reorded_indices)
+
+    def shard_by_batch_size(self, shards: int, batch_size: Optional[int] = None, allow_uneven_shards: bool = False,
+                            dynamic_batching_args: Optional[dict] = None, sequence_packing_args: Optional[dict] = None):
+        """Shard over ``shards`` data-parallel ranks, chunk by chunk of ``batch_size`` rows; with
+        dynamic-batching or sequence-packing args also plan each shard's microbatches and return
+        ``(shards, sorted_indices)`` (see :func:`nn_data.megatron_data.batched_data_sharding.shard_by_batch_size`)."""
+        return sharding.shard_by_batch_size(self.data, SlicedDataDict, shards, batch_size, allow_uneven_shards,
+                                            dynamic_batching_args, sequence_packing_args)
+
     # ---- iterators ------------------------------------------------------------------
     def make_microbatch_iterator(self, microbatch_size: int) -> Iterator["SlicedDataDict"]:
         """Consecutive microbatches of ``microbatch_size`` rows. Raises :class:`PackingError`
@@ -115,8 +141,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
             raise PackingError(f"microbatch_size={microbatch_size!r} is invalid; expected an int >= 1")
         if self.size % microbatch_size:
-            raise PackingError(f"data dict size ({self.size}) is not a multiple of the microbatch size "
-                               f"({microbatch_size})")
+            raise PackingError(f"Data dict size ({self.size}) is not a multiple of the provided microbatch size "
+                               f"({microbatch_size}) (choose a microbatch size that divides it)")
         for start in range(0, self.size, microbatch_size):
             yield self.slice(start, start + microbatch_size)
 

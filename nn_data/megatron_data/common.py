@@ -1,11 +1,20 @@
-"""Small helpers of the NeMo-RL-compatible layer: rounding, the straggler timer, ``require``.
+"""Small helpers of the NeMo-RL-compatible layer: rounding, the straggler timer, ``require``,
+the CP getters NeMo-RL's module exposes, and :func:`public`.
 
-megatron-core itself is reached only through :mod:`nn_data.megatron_parallel`.
+:func:`public` is how the compat layer's functions call each other: through the names
+``nn_data.megatron_data`` binds *at call time*, so ``mock.patch("nn_data.megatron_data.X")``
+(what code written against NeMo-RL patches as ``nemo_rl.models.megatron.data.X``) reaches the
+call even though ``X`` is defined in a submodule and re-exported. megatron-core itself is
+reached only through :mod:`nn_data.megatron_parallel`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+from typing import Any
+
+from nn_data.megatron_parallel import megatron_cp_rank_and_size
 
 from nn_data.errors import PackingError
 
@@ -27,3 +36,27 @@ def require(condition: bool, message: str) -> None:
     """Raise :class:`PackingError` (a ``ValueError`` and an ``AssertionError``) unless ``condition``."""
     if not condition:
         raise PackingError(message)
+
+
+PUBLIC_MODULE = "nn_data.megatron_data"
+
+
+def public(name: str) -> Any:
+    """What ``nn_data.megatron_data`` binds to ``name`` now (a mock while it is patched).
+
+    Example: inside ``mock.patch("nn_data.megatron_data._pack_sequences_for_megatron")``,
+    ``public("_pack_sequences_for_megatron")`` is the mock, so :func:`process_microbatch`
+    calls the mock, as NeMo-RL's module-level calls would.
+    """
+    return getattr(importlib.import_module(PUBLIC_MODULE), name)
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's context-parallel rank (NeMo-RL imports megatron-core's; 0 when CP is not set up)."""
+    return megatron_cp_rank_and_size()[0]
+
+
+def get_context_parallel_world_size() -> int:
+    """The context-parallel size (NeMo-RL imports megatron-core's; 1 when CP is not set up,
+    where megatron-core's answers 0 without torch.distributed)."""
+    return megatron_cp_rank_and_size()[1]

@@ -21,8 +21,10 @@ microbatch goes through two steps:
    layout (``mtp_loss_mask``, ``routed_experts``, R3 token identities), and zigzag-shards
    them for CP, with the core ops and no further sync, compiled
    (:class:`PackOptions` ``compile=True``): the batch is padded with empty rows to a fixed
-   row capacity and ``S`` is marked dynamic, so a stream of microbatches with other
-   lengths, row counts and ``S`` reuses one compiled graph per ``(T, R)``.
+   row capacity and ``S`` is a symbolic size (unbacked: ``S = 0`` and ``1`` too), so a stream
+   of microbatches with other lengths, row counts and ``S`` reuses one compiled graph per
+   ``(T, R)``. Every shape, dtype and device check runs before the compiled call and raises
+   :class:`PackingError` as in eager mode.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from nn_data import _checks
 from nn_data._index import exclusive_cumsum, round_up
 from nn_data.errors import PackingError
 from nn_data.megatron_data import host_pack
+from nn_data.megatron_data.scope import current_scope
 from nn_data.pack import PackSequences
-from nn_data.rows import pad_rows
+from nn_data.rows import pad_rows, with_dynamic_row_length
 
 # Every PackShardGraph shares one forward code object, and dynamo caps the graphs per code
 # object (recompile_limit, 8 by default); each (T, R, C, rank, ...) key needs its own graph,
@@ -54,9 +57,9 @@ class PackOptions:
 
     ``compile``: run packing + CP sharding through ``torch.compile(fullgraph=True)``.
         The batch is padded with empty rows to ``row_capacity`` rows (default: the next
-        power of two >= B, so at most log2(B_max) graphs) and the row length ``S`` is a
-        dynamic dimension. With ``pad_full_seq_to`` set (PP > 1) and a fixed
-        ``row_capacity`` a whole stream compiles once.
+        power of two >= B, so at most log2(B_max) graphs) and the row length ``S`` is an
+        unbacked symbolic size (``S = 0`` and ``1`` included). With ``pad_full_seq_to`` set
+        (PP > 1) and a fixed ``row_capacity`` a whole stream compiles once.
     ``row_capacity``: fixed row count ``R`` the compiled graph sees; a microbatch with
         more rows raises :class:`PackingError`.
     ``buckets``: only used when ``pad_full_seq_to`` is None (PP = 1). The packed length
@@ -101,10 +104,13 @@ class PackOptions:
 
 
 class PackPlan(NamedTuple):
-    """Host-side facts of one microbatch: packed length ``total`` (T) and ``max_seqlen``."""
+    """Host-side facts of one microbatch: packed length ``total`` (T), ``max_seqlen`` and
+    ``valid_total = sum(seq_lengths)`` (``valid_total != T`` means padding sits between or
+    after the sequences)."""
 
     total: int
     max_seqlen: int
+    valid_total: int = 0
 
 
 class PackedBatch(NamedTuple):
@@ -121,6 +127,8 @@ class PackedBatch(NamedTuple):
     routed_local: Optional[torch.Tensor] = None
     identity_packed: Optional[torch.Tensor] = None
     identity_local: Optional[torch.Tensor] = None
+    media_packed: Optional[torch.Tensor] = None
+    media_local: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,15 +183,16 @@ def plan_pack(lengths, row_len: int, config: PackConfig, buckets=None) -> PackPl
     """
     m, p, fixed, cp_size = config.m, config.p, config.pad_full_seq_to, config.cp_size
     rows, two_c = lengths.shape[0], 2 * cp_size
-    if rows == 0:
-        return PackPlan(fixed if fixed is not None else _bucket(0, p, cp_size, buckets), 0)
+    if rows == 0:  # the packed tensor is one padding pseudo-segment [0, T], as in the core op
+        total = fixed if fixed is not None else _bucket(0, p, cp_size, buckets)
+        return PackPlan(total, total, 0)
     padded = round_up(lengths, m)  # [B]
     zero = padded.new_zeros(())
     nonlast = padded[:-1]  # [B-1]
     bad_nonlast = (nonlast % two_c != 0).sum() if cp_size > 1 and rows > 1 else zero
     stats = torch.stack([lengths.min(), lengths.max(), padded.sum(),
-                         nonlast.max() if rows > 1 else zero, nonlast.sum(), bad_nonlast])
-    lo, hi, natural, max_nonlast, last_start, bad = stats.tolist()  # sync: the one per microbatch
+                         nonlast.max() if rows > 1 else zero, nonlast.sum(), bad_nonlast, lengths.sum()])
+    lo, hi, natural, max_nonlast, last_start, bad, valid = stats.tolist()  # sync: the one per microbatch
     if lo < 0 or hi > row_len:
         _checks.raise_length_outside((lengths < 0) | (lengths > row_len), lengths, row_len)
     if fixed is not None:
@@ -198,9 +207,9 @@ def plan_pack(lengths, row_len: int, config: PackConfig, buckets=None) -> PackPl
         total = _bucket(round_up(natural, p), p, cp_size, buckets)
     last = total - last_start
     if cp_size > 1 and (bad or last % two_c):
-        padded_all = torch.cat([nonlast, nonlast.new_tensor([last])])
+        padded_all = torch.cat([nonlast, torch.full((1,), last, dtype=nonlast.dtype, device=nonlast.device)])
         _checks.raise_first(padded_all % two_c != 0, padded_all, _checks.segment_not_divisible(two_c))
-    return PackPlan(total, max(max_nonlast, last))
+    return PackPlan(total, max(max_nonlast, last), valid)
 
 
 def _bucket(natural: int, p: int, cp_size: int, buckets) -> int:
@@ -228,7 +237,8 @@ class PackShardGraph(nn.Module):
     """Pack ``input_ids`` and its companions with one layout and take this rank's zigzag places.
 
     ``forward(input_ids [B, S], seq_lengths [B] int64, num_rows=None, mtp_loss_mask [B, S]=None,
-    routed_experts [B, S, layers, topk]=None, token_identity [B, S, 3]=None) -> PackedBatch``.
+    routed_experts [B, S, layers, topk]=None, token_identity [B, S, 3]=None,
+    media_token_validity_mask [B, S]=None) -> PackedBatch``.
     The layout and this rank's places are computed once and applied to every tensor (one
     scatter/gather to pack, one ``index_select`` to shard). Pad positions hold 0, except routed
     experts, whose pad rows are ``arange(topk)`` (a valid top-k route). No host sync: ``T`` is in
@@ -241,7 +251,7 @@ class PackShardGraph(nn.Module):
         self.pack = PackSequences(key.m, key.p, key.total, validate=False)
 
     def forward(self, input_ids, seq_lengths, num_rows=None, mtp_loss_mask=None, routed_experts=None,
-                token_identity=None) -> PackedBatch:
+                token_identity=None, media_token_validity_mask=None) -> PackedBatch:
         res = self.pack(input_ids, seq_lengths, num_rows)
         cp_size = self.key.cp_size
         source = None
@@ -259,7 +269,8 @@ class PackShardGraph(nn.Module):
             topk_route = torch.arange(routed_experts.shape[-1], device=routed_experts.device,
                                       dtype=routed_experts.dtype)  # [topk], broadcast over layers
         return PackedBatch(*both(res.packed, None), res.cu_seqlens, res.cu_seqlens_padded,
-                           *both(mtp_loss_mask), *both(routed_experts, topk_route), *both(token_identity))
+                           *both(mtp_loss_mask), *both(routed_experts, topk_route), *both(token_identity),
+                           *both(media_token_validity_mask))
 
 
 @functools.lru_cache(maxsize=256)
@@ -267,11 +278,17 @@ def _eager_graph(key: GraphKey) -> PackShardGraph:
     return PackShardGraph(key)
 
 
+class _CompiledKey(NamedTuple):
+    graph: GraphKey
+    backend_id: int  # id() of the backend object: a compile counter and "inductor" compile apart
+    mode: Optional[str]
+
+
 _COMPILED: dict = {}
 
 
 def _compiled_graph(key: GraphKey, options: PackOptions):
-    cache_key = (key, id(options.backend), options.mode)
+    cache_key = _CompiledKey(key, id(options.backend), options.mode)
     fn = _COMPILED.get(cache_key)
     if fn is None:
         kwargs = {"mode": options.mode} if options.mode else {}
@@ -296,13 +313,16 @@ def run_graph(key: GraphKey, options: PackOptions, input_ids, lengths, extras: d
     if rows > capacity:
         raise PackingError(f"the microbatch has {rows} sequences, more than row_capacity={capacity}; "
                            f"raise cfg['nn_data']['row_capacity'] to at least {rows}")
-    num_rows = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
+    num_rows = torch.full((), rows, dtype=torch.int64, device=input_ids.device)  # on the device: no H2D copy
     padded = {k: _row_pad(v, capacity) for k, v in extras.items() if v is not None}
     fn = _compiled_graph(key, options)
     limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit):
         out = fn(_row_pad(input_ids, capacity), pad_rows(lengths, capacity), num_rows, **padded)
-    return out._replace(cu_seqlens=out.cu_seqlens[: rows + 1], cu_seqlens_padded=out.cu_seqlens_padded[: rows + 1])
+    # The real rows' boundaries; the padding rows' collapse onto T. With no row (B = 0) that is
+    # [T], as in eager mode (the last entry, not the first: the first is 0).
+    cu_pad = out.cu_seqlens_padded[: rows + 1] if rows else out.cu_seqlens_padded[-1:]
+    return out._replace(cu_seqlens=out.cu_seqlens[: rows + 1], cu_seqlens_padded=cu_pad)
 
 
 def _empty_batch(input_ids, lengths, extras: dict) -> PackedBatch:
@@ -315,50 +335,77 @@ def _empty_batch(input_ids, lengths, extras: dict) -> PackedBatch:
     ids = empty(input_ids)
     return PackedBatch(ids, ids, cu, cu.clone(), e.get("mtp_loss_mask"), e.get("mtp_loss_mask"),
                        e.get("routed_experts"), e.get("routed_experts"), e.get("token_identity"),
-                       e.get("token_identity"))
+                       e.get("token_identity"), e.get("media_token_validity_mask"),
+                       e.get("media_token_validity_mask"))
 
 
 def _row_pad(x: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Empty rows up to ``capacity``; the row length is a dynamic dim so other ``S`` reuse the graph."""
-    out = pad_rows(x.contiguous(), capacity)  # [R, S, *]
-    torch._dynamo.maybe_mark_dynamic(out, 1)
-    return out
+    """Empty rows up to ``capacity``; the row length is a symbolic size so every ``S`` (0 and 1
+    included) reuses the graph."""
+    return with_dynamic_row_length(pad_rows(x.contiguous(), capacity))  # [R, S, *]
 
 
 def as_lengths(seq_lengths, rows: int, device) -> torch.Tensor:
-    """``seq_lengths`` (a tensor, list or tuple) as a ``[B]`` int64 tensor on ``device`` (no sync)."""
-    if not isinstance(seq_lengths, torch.Tensor):
-        seq_lengths = torch.as_tensor(list(seq_lengths), dtype=torch.int64)
-    _checks.check_int_vector("seq_lengths", seq_lengths, rows)
+    """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on
+    ``device`` (no sync). Non-integers (``[1.5, 2, 3]``, a float tensor) raise :class:`PackingError`."""
+    seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, rows)
     return seq_lengths.to(device=device, dtype=torch.int64)
+
+
+def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
+    """Every tensor riding the tokens' layout must be ``[B, S, *]`` like ``input_ids``, on its device
+    (checked before any compiled region, so a mismatch raises :class:`PackingError`)."""
+    for name, value in extras.items():
+        if value is None:
+            continue
+        _checks.check_min_dims(name, value, 2, "[B, S, *]")
+        if tuple(value.shape[:2]) != tuple(input_ids.shape[:2]):
+            raise PackingError(f"{name} has shape {_checks.dims(value)}; it must be [B, S, *] = "
+                               f"[{input_ids.shape[0]}, {input_ids.shape[1]}, *] like input_ids")
+        _checks.check_same_device(input_ids=input_ids, **{name: value})
 
 
 def pack_microbatch(input_ids, seq_lengths, config: PackConfig, *, options: Optional[PackOptions] = None,
                     **extras) -> tuple[PackedBatch, PackPlan]:
     """Plan (one sync) and pack ``input_ids [B, S]`` plus ``extras`` (``mtp_loss_mask``,
-    ``routed_experts``, ``token_identity``: ``[B, S, *]`` or None) for ``config``'s CP rank."""
+    ``routed_experts``, ``token_identity``, ``media_token_validity_mask``: ``[B, S, *]`` or
+    None) for ``config``'s CP rank. Inside a microbatch scope (:mod:`nn_data.megatron_data.scope`)
+    a plan made for the same ``seq_lengths`` object and configuration is reused: no sync."""
     options = options or PackOptions()
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    check_extras(input_ids, extras)
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
+    rows, row_len = input_ids.shape[:2]
+    scope = current_scope()
     if not options.compile:  # eager: the host plans every boundary, a few ops move the data
-        return _pack_on_host(input_ids, lengths, config, options.buckets, extras)
-    plan = plan_pack(lengths, input_ids.shape[1], config, options.buckets)
+
+        def make_host_plan():
+            return _plan_on_host(lengths, row_len, config, options.buckets)
+
+        key = ("host plan", id(seq_lengths), rows, row_len, config, options.buckets)
+        host = scope.plan(key, seq_lengths, make_host_plan) if scope is not None else make_host_plan()
+        out = host_pack.pack_batch(host, input_ids, config.cp_size, config.cp_rank, **extras)
+        return PackedBatch(*out), PackPlan(host.total, host.max_seqlen, host.cu[-1])
+
+    def make_plan():
+        return plan_pack(lengths, row_len, config, options.buckets)
+
+    key = ("plan", id(seq_lengths), rows, row_len, config, options.buckets)
+    plan = scope.plan(key, seq_lengths, make_plan) if scope is not None else make_plan()
     out = run_graph(config.graph_key(plan.total), options, input_ids, lengths, extras)
     return out, plan
 
 
-def _pack_on_host(input_ids, lengths, config: PackConfig, buckets, extras: dict) -> tuple[PackedBatch, PackPlan]:
-    """The eager path (:mod:`nn_data.megatron_data.host_pack`): the lengths come to the host in the
-    microbatch's one sync, then a constant number of ops per tensor, whatever B is."""
+def _plan_on_host(lengths, row_len: int, config: PackConfig, buckets) -> host_pack.HostPlan:
+    """The eager path's plan (:mod:`nn_data.megatron_data.host_pack`): the lengths come to the host
+    in the microbatch's one sync; invalid ones raise :func:`plan_pack`'s precise errors."""
     host = lengths.tolist()  # sync: the one per microbatch (the lengths themselves)
 
     def total_of(natural: int) -> int:
         return _bucket(round_up(natural, config.p), config.p, config.cp_size, buckets)
 
-    plan = host_pack.plan_on_host(host, input_ids.shape[1], config.m, config.pad_full_seq_to, config.cp_size,
-                                  total_of)
+    plan = host_pack.plan_on_host(host, row_len, config.m, config.pad_full_seq_to, config.cp_size, total_of)
     if plan is None:  # invalid lengths: plan_pack raises the precise error (error path only)
-        plan_pack(lengths, input_ids.shape[1], config, buckets)
+        plan_pack(lengths, row_len, config, buckets)
         raise PackingError(f"seq_lengths={host} cannot be packed with {config}")
-    out = host_pack.pack_batch(plan, input_ids, config.cp_size, config.cp_rank, **extras)
-    return PackedBatch(*out), PackPlan(plan.total, plan.max_seqlen)
+    return plan

@@ -34,8 +34,6 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from nn_data import _checks
-
 Fill = Union[int, torch.Tensor]
 
 #: Segments up to which the CP shard is a split + cat of views; above, an index_select along a
@@ -48,7 +46,8 @@ class HostPlan(NamedTuple):
     """One microbatch's boundaries as Python ints.
 
     ``cu [B+1]`` and ``cu_pad [B+1]`` (the final boundaries, extend last; ``[T]`` when B = 0),
-    ``total`` (T), ``max_seqlen`` (the longest padded segment, 0 when B = 0), and the split
+    ``total`` (T), ``max_seqlen`` (the longest padded segment; T when B = 0, the padding
+    pseudo-segment), and the split
     sizes: ``rows`` (``[L0, S-L0, ...]``, splits the flat input), ``pads`` (each segment's
     padding after its valid tokens; ``[T]`` when B = 0) and ``chunks`` (each segment's zigzag
     chunk ``k``; ``[T / 2C]`` for the padding pseudo-segment when B = 0).
@@ -85,7 +84,7 @@ def plan_on_host(lengths: list, row_len: int, m: int, fixed: Optional[int], cp_s
     total = fixed if fixed is not None else total_of(natural)
     two_c = 2 * cp_size
     if not lengths:  # no sequence: cu_seqlens_padded = [T], one padding pseudo-segment [0, T]
-        return HostPlan(cu, [total], total, 0, [], [total], [total // two_c])
+        return HostPlan(cu, [total], total, total, [], [total], [total // two_c])
     cu_pad[-1] = total  # extend last: the last segment absorbs the slack
     segments = [b - a for a, b in zip(cu_pad, cu_pad[1:])]  # [B]
     if cp_size > 1 and any(n % two_c for n in segments):
@@ -183,22 +182,17 @@ class HostPacked(NamedTuple):
     routed_local: Optional[torch.Tensor] = None
     identity_packed: Optional[torch.Tensor] = None
     identity_local: Optional[torch.Tensor] = None
+    media_packed: Optional[torch.Tensor] = None
+    media_local: Optional[torch.Tensor] = None
 
 
 def pack_batch(plan: HostPlan, input_ids: torch.Tensor, cp_size: int, cp_rank: int, mtp_loss_mask=None,
-               routed_experts=None, token_identity=None) -> HostPacked:
-    """Pack and shard ``input_ids [B, S]`` and each extra ``[B, S, *]`` along ``plan``.
+               routed_experts=None, token_identity=None, media_token_validity_mask=None) -> HostPacked:
+    """Pack and shard ``input_ids [B, S]`` and each extra ``[B, S, *]`` along ``plan`` (the extras'
+    shapes and devices are the caller's checks: ``engine.check_extras``).
 
-    Padding is 0, except routed experts, whose padding rows are ``arange(topk)``. Raises
-    :class:`~nn_data.errors.PackingError` for an extra that is not ``[B, S, *]`` or lives on
-    another device.
+    Padding is 0, except routed experts, whose padding rows are ``arange(topk)``.
     """
-    rows, row_len = input_ids.shape[0], input_ids.shape[1]
-    extras = dict(mtp_loss_mask=mtp_loss_mask, routed_experts=routed_experts, token_identity=token_identity)
-    _checks.check_same_device(input_ids=input_ids, **extras)
-    for name, x in extras.items():
-        if x is not None:
-            _checks.check_batch_shape(name, x, rows, row_len)
 
     def both(x, fill=0):
         if x is None:
@@ -211,7 +205,7 @@ def pack_batch(plan: HostPlan, input_ids: torch.Tensor, cp_size: int, cp_rank: i
         route = torch.arange(routed_experts.shape[-1], device=routed_experts.device, dtype=routed_experts.dtype)
     cu, cu_pad = boundaries(plan, input_ids.device)
     return HostPacked(*both(input_ids), cu, cu_pad, *both(mtp_loss_mask), *both(routed_experts, route),
-                      *both(token_identity))
+                      *both(token_identity), *both(media_token_validity_mask))
 
 
 def boundaries(plan: HostPlan, device) -> tuple[torch.Tensor, torch.Tensor]:

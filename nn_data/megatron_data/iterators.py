@@ -2,9 +2,13 @@
 
 Device-agnostic: nothing here hard-codes CUDA. The iterators move each microbatch to
 a device the caller chooses (``device=`` argument, else ``cfg["nn_data"]["device"]``,
-else CUDA when available, else CPU); :func:`process_global_batch` all-reduces where
-the process group's backend needs it (NCCL: the current CUDA device; gloo: where the
-data is).
+else ``"cuda"`` when available, as NeMo-RL, else CPU); :func:`process_global_batch`
+all-reduces where the process group's backend needs it (NCCL: the current CUDA device;
+gloo: where the data is).
+
+As in NeMo-RL, the functions call each other (and ``process_microbatch``,
+``get_and_validate_seqlen``, ``_get_pack_sequence_parameters_for_megatron``) through the
+names ``nn_data.megatron_data`` binds at call time, so patching those names takes effect.
 """
 
 from __future__ import annotations
@@ -14,10 +18,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
 
-from nn_data.megatron_data.common import require
+from nn_data.megatron_data.common import public, require
 from nn_data.megatron_data.engine import PackOptions
-from nn_data.megatron_data.microbatch import ProcessedMicrobatch, process_microbatch
-from nn_data.megatron_data.pack import _get_pack_sequence_parameters_for_megatron, get_and_validate_seqlen
+from nn_data.megatron_data.microbatch import ProcessedMicrobatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.utils import StragglerDetector
@@ -25,12 +28,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 
 
-def resolve_device(device=None, cfg: Optional[dict] = None) -> torch.device:
-    """``device``, else ``cfg["nn_data"]["device"]``, else ``cuda`` when available, else ``cpu``."""
+def resolve_device(device=None, cfg: Optional[dict] = None):
+    """``device``, else ``cfg["nn_data"]["device"]``, else the string ``"cuda"`` (what NeMo-RL
+    passes to ``.to``) when CUDA is available, else ``torch.device("cpu")``."""
     if device is None:
         device = ((cfg or {}).get("nn_data") or {}).get("device")
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else torch.device("cpu")
     return torch.device(device)
 
 
@@ -43,23 +47,27 @@ def make_processed_microbatch_iterator(
     straggler_timer: "StragglerDetector",
     pad_full_seq_to: Optional[int],
     delegate_pack_to_model: bool = False,
+    delegate_mtp_loss_mask_to_model: bool = False,
+    model_slices_context_parallel_inputs: bool = False,
     *,
     device=None,
 ) -> Iterator[ProcessedMicrobatch]:
     """Wrap a raw microbatch iterator to yield :class:`ProcessedMicrobatch` objects.
 
     Each raw ``BatchedDataDict`` is moved to the target device (``device``, else
-    ``cfg["nn_data"]["device"]``, else CUDA when available, else CPU) and processed by
-    :func:`process_microbatch`, packing when ``cfg["sequence_packing"]["enabled"]``. The
-    nn_data pack options (compiled graph, row capacity, ``T`` buckets) are read from
-    ``cfg["nn_data"]`` (:meth:`PackOptions.from_cfg`).
+    ``cfg["nn_data"]["device"]``, else ``"cuda"`` when available, else CPU) and processed by
+    :func:`process_microbatch` with the same arguments NeMo-RL passes, packing when
+    ``cfg["sequence_packing"]["enabled"]``. The nn_data pack options (compiled graph, row
+    capacity, ``T`` buckets) are read from ``cfg["nn_data"]`` (:meth:`PackOptions.from_cfg`)
+    and passed as ``options=`` only when that section sets one.
     """
     pack_sequences = cfg["sequence_packing"]["enabled"]
     options = PackOptions.from_cfg(cfg)
+    extra = {} if options == PackOptions() else {"options": options}
     target = resolve_device(device, cfg)
     for data_dict in raw_iterator:
         data_dict = data_dict.to(target)
-        inputs = process_microbatch(
+        inputs = public("process_microbatch")(
             data_dict=data_dict,
             seq_length_key=seq_length_key,
             pad_individual_seqs_to_multiple_of=pad_individual_seqs_to_multiple_of,
@@ -67,8 +75,10 @@ def make_processed_microbatch_iterator(
             pad_full_seq_to=pad_full_seq_to,
             pack_sequences=pack_sequences,
             delegate_pack_to_model=delegate_pack_to_model,
+            delegate_mtp_loss_mask_to_model=delegate_mtp_loss_mask_to_model,
+            model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
             straggler_timer=straggler_timer,
-            options=options,
+            **extra,
         )
         fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
         yield ProcessedMicrobatch(data_dict=data_dict, **fields)
@@ -81,6 +91,8 @@ def get_microbatch_iterator(
     straggler_timer: "StragglerDetector",
     seq_length_key: Optional[str] = None,
     delegate_pack_to_model: bool = False,
+    delegate_mtp_loss_mask_to_model: bool = False,
+    model_slices_context_parallel_inputs: bool = False,
     *,
     device=None,
 ) -> Tuple[Iterator[ProcessedMicrobatch], int, int, int, int]:
@@ -94,10 +106,12 @@ def get_microbatch_iterator(
     ``cfg["make_sequence_length_divisible_by"]`` and the longest planned microbatch);
     otherwise fixed microbatches of ``mbs`` rows. ``padded_seq_length`` is
     ``pad_full_seq_to`` when PP > 1 sets one, else ``seq_dim_size``. ``seq_length_key``
-    defaults to ``"input_lengths"`` when packing.
+    defaults to ``"input_lengths"`` when packing. ``delegate_pack_to_model``,
+    ``delegate_mtp_loss_mask_to_model`` and ``model_slices_context_parallel_inputs`` go to
+    :func:`process_microbatch` unchanged.
     """
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
-    _, seq_dim_size = get_and_validate_seqlen(data)
+    _, seq_dim_size = public("get_and_validate_seqlen")(data)
     packing = cfg["sequence_packing"]["enabled"]
     if seq_length_key is None and packing:
         seq_length_key = "input_lengths"
@@ -107,16 +121,26 @@ def get_microbatch_iterator(
     elif packing:
         raw_iterator = data.make_microbatch_iterator_for_packable_sequences()
         data_iterator_len, pack_seq_dim_size = data.get_microbatch_iterator_for_packable_sequences_len()
-        pad_factor, pad_packed, pad_full_seq_to = _get_pack_sequence_parameters_for_megatron(
+        pad_factor, pad_packed, pad_full_seq_to = public("_get_pack_sequence_parameters_for_megatron")(
             cfg["megatron_cfg"], cfg["make_sequence_length_divisible_by"], pack_seq_dim_size)
         micro_batch_size = 1
     else:
         require(isinstance(mbs, int) and mbs >= 1, f"mbs={mbs!r} is invalid; expected an int >= 1")
         raw_iterator = data.make_microbatch_iterator(mbs)
         data_iterator_len = data.size // mbs
-    iterator = make_processed_microbatch_iterator(
-        raw_iterator, cfg, seq_length_key, pad_factor, pad_packed, straggler_timer, pad_full_seq_to,
-        delegate_pack_to_model, device=device,
+    extra = {"device": device} if device is not None else {}  # nn_data's keyword, only when given
+    iterator = public("make_processed_microbatch_iterator")(
+        raw_iterator=raw_iterator,
+        cfg=cfg,
+        seq_length_key=seq_length_key,
+        pad_individual_seqs_to_multiple_of=pad_factor,
+        pad_packed_seq_to_multiple_of=pad_packed,
+        pad_full_seq_to=pad_full_seq_to,
+        straggler_timer=straggler_timer,
+        delegate_pack_to_model=delegate_pack_to_model,
+        delegate_mtp_loss_mask_to_model=delegate_mtp_loss_mask_to_model,
+        model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
+        **extra,
     )
     padded_seq_length = pad_full_seq_to if pad_full_seq_to is not None else seq_dim_size
     return iterator, data_iterator_len, micro_batch_size, seq_dim_size, padded_seq_length
@@ -136,14 +160,16 @@ def process_global_batch(
     ``sample_mask``, and of ``token_mask[:, 1:] * sample_mask`` (or valid sequences times
     ``S`` without a token mask), all-reduced over ``dp_group``. The reduction runs on the
     current CUDA device for an NCCL group and where the data lives otherwise (gloo on CPU
-    works); without an initialised ``torch.distributed`` the local sums are returned.
-    No host sync.
+    works). With neither ``torch.distributed`` initialised nor a ``dp_group`` given there is
+    nothing to reduce over and the local sums are returned (NeMo-RL fails there). No host sync.
 
-    Raises :class:`~nn_data.errors.PackingError` when the batch
-    has no ``sample_mask``, or the loss is token-level and the batch has no ``token_mask``.
+    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's
+    messages first) when the batch has no ``sample_mask``, or the loss is token-level and the
+    batch has no ``token_mask``.
     """
     batch = data.get_batch(batch_idx=batch_idx, batch_size=batch_size)
-    require("sample_mask" in batch, "sample_mask must be present in the data")
+    require("sample_mask" in batch, "sample_mask must be present in the data! (the global batch needs a "
+                                    "sample_mask [B] to count its valid sequences)")
     sample_mask = batch["sample_mask"]
     local_valid_seqs = torch.sum(sample_mask)
     if "token_mask" not in batch:
@@ -152,12 +178,14 @@ def process_global_batch(
         local_valid_toks = torch.sum(batch["token_mask"][:, 1:] * sample_mask.unsqueeze(-1))
     dtype = torch.promote_types(local_valid_seqs.dtype, local_valid_toks.dtype)
     to_reduce = torch.stack([local_valid_seqs.to(dtype), local_valid_toks.to(dtype)])  # [2]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if "nccl" in str(torch.distributed.get_backend(dp_group)):
+    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if initialised or dp_group is not None:
+        if initialised and "nccl" in str(torch.distributed.get_backend(dp_group)):
             to_reduce = to_reduce.to(torch.device("cuda", torch.cuda.current_device()))
         torch.distributed.all_reduce(to_reduce, group=dp_group)
     if _is_token_level(loss_fn):
-        require("token_mask" in batch, "token_mask must be present in the data when using a token-level loss")
+        require("token_mask" in batch, "token_mask must be present in the data when using token-level loss "
+                                       "(a token_mask [B, S] marks the tokens the loss counts)")
     return {"batch": batch, "global_valid_seqs": to_reduce[0], "global_valid_toks": to_reduce[1]}
 
 

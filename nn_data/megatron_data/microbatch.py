@@ -13,16 +13,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from nn_data.errors import PackingError
-from nn_data.megatron_data.common import require, straggler_context
-from nn_data.megatron_parallel import make_packed_seq_params, megatron_cp_rank_and_size as cp_rank_and_size
-from nn_data.megatron_data.engine import PackConfig, PackOptions, pack_microbatch
-from nn_data.megatron_data.r3 import (
-    _fill_routed_experts_padding,
-    _make_r3_trace_token_identity,
-    _verify_r3_trace_cp_token_alignment,
-    r3_verify_forward_enabled,
-)
-from nn_data.megatron_data.vlm import _prepare_vlm_batch_for_megatron
+from nn_data.megatron_data.common import public, require, straggler_context
+from nn_data.megatron_data.engine import PackOptions
+from nn_data.megatron_data.packed import packed_inputs
+from nn_data.megatron_data.r3 import r3_verify_forward_enabled
+from nn_data.megatron_data.scope import microbatch_scope
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is imported lazily
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -44,6 +39,7 @@ class ProcessedInputs:
     mtp_loss_mask: Optional[torch.Tensor] = None
     routed_experts: Optional[torch.Tensor] = None
     routed_experts_cp_sharded: Optional[torch.Tensor] = None
+    media_token_validity_mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -62,6 +58,7 @@ class ProcessedMicrobatch:
     mtp_loss_mask: Optional[torch.Tensor] = None
     routed_experts: Optional[torch.Tensor] = None
     routed_experts_cp_sharded: Optional[torch.Tensor] = None
+    media_token_validity_mask: Optional[torch.Tensor] = None
 
 
 def get_ltor_masks_and_position_ids(*args: Any, **kwargs: Any) -> Any:
@@ -129,82 +126,85 @@ def process_microbatch(
     pad_full_seq_to: Optional[int] = None,
     pack_sequences: bool = False,
     delegate_pack_to_model: bool = False,
+    delegate_mtp_loss_mask_to_model: bool = False,
+    model_slices_context_parallel_inputs: bool = False,
     straggler_timer: Optional["StragglerDetector"] = None,
     *,
     options: Optional[PackOptions] = None,
 ) -> ProcessedInputs:
-    """Process a microbatch for the Megatron forward pass.
+    """Process a microbatch for the Megatron forward pass (NeMo-RL HEAD's arguments and results).
 
-    Packed (``pack_sequences``): ``input_ids`` and, when present, ``mtp_loss_mask`` and
-    ``routed_experts [B, S, Ly, K]`` are packed with **one** layout (computed once) and
-    zigzag-sharded for this CP rank; ``input_ids`` is ``[1, T]``, ``input_ids_cp_sharded``
-    ``[1, T/C]``, ``mtp_loss_mask`` the CP-local ``[1, T/C]``, ``routed_experts``
-    ``[1, T, Ly, K]`` with ``arange(K)`` pad rows and its CP-local shard; masks and position
-    ids are None. CP rank and size come from megatron-core's ``parallel_state`` when it is
-    initialised, else rank 0 of 1. One host sync per microbatch (NeMo-RL: ``2B + 1`` and
-    more per extra tensor). ``options`` (keyword-only, nn_data only) selects the compiled
-    graph and ``T`` buckets (:class:`~nn_data.megatron_data.engine.PackOptions`).
+    ``data_dict``: any mapping read as NeMo-RL reads it (``in``, ``[]``). Helpers are called
+    through ``nn_data.megatron_data`` (patching ``nn_data.megatron_data.X`` reaches the call).
+
+    Packed (``pack_sequences``, :mod:`nn_data.megatron_data.packed`): ``input_ids`` ``[1, T]``,
+    ``input_ids_cp_sharded`` the CP-local ``[1, T/C]``; ``mtp_loss_mask`` and
+    ``media_token_validity_mask`` (bool) packed the same way, ``routed_experts [1, T, Ly, K]``
+    with ``arange(K)`` pad rows and its CP shard; masks and position ids None. With
+    ``model_slices_context_parallel_inputs`` the model gets the full row ``[1, T]`` (ids and
+    masks) and a ``PackedSeqParams`` with separate valid/padded boundaries. CP rank and size
+    from :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One host
+    sync and one graph run per microbatch (NeMo-RL: ``2B + 1`` syncs per packed tensor).
+    ``options`` (keyword-only, nn_data only): compiled graph and ``T`` buckets
+    (:class:`~nn_data.megatron_data.engine.PackOptions`).
 
     Self-packing model (``delegate_pack_to_model``): :func:`_prepare_vlm_batch_for_megatron`;
-    ``mtp_loss_mask`` is cut/zero-padded to the model's columns and multiplied by the
-    attention mask; routed experts raise ``NotImplementedError`` (the model's own CP
-    layout cannot be matched here).
+    an ``mtp_loss_mask`` is refused unless ``delegate_mtp_loss_mask_to_model`` (the model packs
+    it), then it is cut/zero-padded to the model's columns and multiplied by the attention
+    mask; routed experts and a media-token mask raise ``NotImplementedError``.
 
-    Unpacked: causal ``attention_mask [1, 1, S, S]`` (True = masked) and ``position_ids``
-    from :func:`get_ltor_masks_and_position_ids`; routed experts get ``arange(K)`` on
-    their padding (needs ``input_lengths``).
+    Unpacked: causal ``attention_mask [1, 1, S, S]`` (True = masked) and ``position_ids`` from
+    :func:`get_ltor_masks_and_position_ids`; routed experts get ``arange(K)`` on their padding
+    (needs ``input_lengths``).
 
-    The R3 forward verifier runs when enabled (see :mod:`nn_data.megatron_data.r3`).
-    Raises :class:`~nn_data.errors.PackingError` for a missing ``seq_length_key``, routed experts that are not 4-D, and every bad
-    input the pack path rejects.
+    Raises (NeMo-RL's messages first) :class:`~nn_data.errors.PackingError` for a missing ``seq_length_key``, routed experts that are not 4-D, an
+    ``mtp_loss_mask`` a self-packing model did not claim, and every bad input of the pack path.
     """
-    with straggler_context(straggler_timer):
+    with straggler_context(straggler_timer), microbatch_scope():
         input_ids = data_dict["input_ids"]
         routed = data_dict["routed_experts"] if "routed_experts" in data_dict else None
         if routed is not None and routed.dim() != 4:
             raise PackingError("routed_experts must have shape [batch, seq, num_moe_layers, topk] before "
                                f"Megatron packing; got {tuple(routed.shape)}")
         if not pack_sequences:
-            return _unpacked_inputs(data_dict, input_ids, routed)
+            return ProcessedInputs(**_unpacked_inputs(data_dict, input_ids, routed))
         require(seq_length_key is not None, "seq_length_key must be provided for packed sequences")
-        require(seq_length_key in data_dict, f"{seq_length_key} not found in data_dict (keys: {list(data_dict)})")
+        require(seq_length_key in data_dict, f"{seq_length_key} not found in data_dict{_keys_hint(data_dict)}")
         seq_lengths = data_dict[seq_length_key]
         if delegate_pack_to_model:
-            return _vlm_inputs(data_dict, input_ids, seq_lengths, routed, pad_individual_seqs_to_multiple_of,
-                               pad_full_seq_to)
-        return _packed_inputs(data_dict, input_ids, seq_lengths, routed, pad_individual_seqs_to_multiple_of,
-                              pad_packed_seq_to_multiple_of, pad_full_seq_to, options)
+            return ProcessedInputs(**_vlm_inputs(data_dict, input_ids, seq_lengths, routed,
+                                                 pad_individual_seqs_to_multiple_of, pad_full_seq_to,
+                                                 delegate_mtp_loss_mask_to_model))
+        return ProcessedInputs(**packed_inputs(
+            data_dict, input_ids, seq_lengths, routed, pad_individual_seqs_to_multiple_of,
+            pad_packed_seq_to_multiple_of, pad_full_seq_to, model_slices_context_parallel_inputs, options))
 
 
-def _packed_inputs(data_dict, input_ids, seq_lengths, routed, m, p, pad_full_seq_to, options) -> ProcessedInputs:
-    cp_rank, cp_size = cp_rank_and_size()
-    identity = None
-    if routed is not None and r3_verify_forward_enabled():
-        identity = _make_r3_trace_token_identity(input_ids, seq_lengths)
-    mtp = data_dict["mtp_loss_mask"] if "mtp_loss_mask" in data_dict else None
-    config = PackConfig(m, p, pad_full_seq_to, cp_size=cp_size, cp_rank=cp_rank)
-    out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options, mtp_loss_mask=mtp,
-                                routed_experts=routed, token_identity=identity)
-    params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1])
-    _verify_r3_trace_cp_token_alignment(
-        source_input_ids=input_ids, source_routed_experts=routed, input_ids_cp_sharded=out.local,
-        routed_experts_cp_sharded=out.routed_local, token_identity_cp_sharded=out.identity_local,
-    )
-    return ProcessedInputs(
-        input_ids=out.packed, input_ids_cp_sharded=out.local, attention_mask=None, position_ids=None,
-        packed_seq_params=params, cu_seqlens_padded=out.cu_seqlens_padded, mtp_loss_mask=out.mtp_local,
-        routed_experts=out.routed_packed, routed_experts_cp_sharded=out.routed_local,
-    )
+def _keys_hint(data_dict) -> str:
+    """`` (keys: [...])`` when the mapping can list its keys, else nothing."""
+    try:
+        return f" (keys: {list(data_dict.keys())})"
+    except Exception:  # a mapping stand-in without keys(): the message stays NeMo-RL's
+        return ""
 
 
-def _vlm_inputs(data_dict, input_ids, seq_lengths, routed, m, pad_full_seq_to) -> ProcessedInputs:
+def _vlm_inputs(data_dict, input_ids, seq_lengths, routed, m, pad_full_seq_to, delegate_mtp: bool) -> dict:
+    has_mtp = "mtp_loss_mask" in data_dict
+    require(not has_mtp or delegate_mtp,
+            "MTP training requires a self-packing VLM that advertises model_owns_mtp_loss_mask_packing "
+            "(the batch has an mtp_loss_mask and delegate_pack_to_model=True: pass "
+            "delegate_mtp_loss_mask_to_model=True for a model that packs the mask itself, or drop the mask)")
+    if "media_token_validity_mask" in data_dict:
+        raise NotImplementedError("media_token_validity_mask is not supported for models that pack sequences "
+                                  "internally (delegate_pack_to_model); the mask would need to be packed inside "
+                                  "the model.")
     if routed is not None:
         raise NotImplementedError("Router replay (routed_experts) is not supported with models that pack and "
-                                  "context-parallel shard internally (delegate_pack_to_model=True)")
-    packed, ids_2d, attention_mask, params, _, cu_seqlens_padded = _prepare_vlm_batch_for_megatron(
-        input_ids, seq_lengths, m, pad_full_seq_to=pad_full_seq_to)
+                                  "context-parallel shard internally (delegate_pack_to_model=True).")
+    packed, ids_2d, attention_mask, params, cu_seqlens, cu_seqlens_padded = public(
+        "_prepare_vlm_batch_for_megatron")(input_ids, seq_lengths, m, pad_full_seq_to=pad_full_seq_to)
     mtp = None
-    if "mtp_loss_mask" in data_dict:
+    if has_mtp:
         source = data_dict["mtp_loss_mask"]
         require(source.dim() == 2 and source.shape[0] == ids_2d.shape[0],
                 f"mtp_loss_mask must be [B, S] with B={ids_2d.shape[0]}; got {tuple(source.shape)}")
@@ -212,29 +212,31 @@ def _vlm_inputs(data_dict, input_ids, seq_lengths, routed, m, pad_full_seq_to) -
         mtp = source.new_zeros(ids_2d.shape)  # [B, P]
         mtp[:, :width] = source[:, :width]
         mtp = mtp * attention_mask.to(mtp.dtype)
-    return ProcessedInputs(input_ids=packed, input_ids_cp_sharded=ids_2d, attention_mask=attention_mask,
-                           position_ids=None, packed_seq_params=params, cu_seqlens_padded=cu_seqlens_padded,
-                           mtp_loss_mask=mtp)
+    return dict(input_ids=packed, input_ids_cp_sharded=ids_2d, attention_mask=attention_mask, position_ids=None,
+                packed_seq_params=params, cu_seqlens_padded=cu_seqlens_padded, mtp_loss_mask=mtp)
 
 
-def _unpacked_inputs(data_dict, input_ids, routed) -> ProcessedInputs:
+def _unpacked_inputs(data_dict, input_ids, routed) -> dict:
     routed_cp, identity = routed, None
     if routed is not None:
         if "input_lengths" not in data_dict:
-            raise PackingError("routed_experts requires input_lengths when sequence packing is disabled, so "
-                               "their padding rows can be repaired before router replay")
-        routed = routed_cp = _fill_routed_experts_padding(routed, data_dict["input_lengths"])
+            raise PackingError("routed_experts requires input_lengths when sequence packing is disabled so padding "
+                               "rows can be repaired before router replay. (add input_lengths [B] to the batch)")
+        routed = routed_cp = public("_fill_routed_experts_padding")(routed, data_dict["input_lengths"])
         if r3_verify_forward_enabled():
-            identity = _make_r3_trace_token_identity(input_ids, data_dict["input_lengths"])
-    _verify_r3_trace_cp_token_alignment(
+            identity = public("_make_r3_trace_token_identity")(input_ids, data_dict["input_lengths"])
+    public("_verify_r3_trace_cp_token_alignment")(
         source_input_ids=input_ids, source_routed_experts=data_dict["routed_experts"] if routed is not None else None,
         input_ids_cp_sharded=input_ids, routed_experts_cp_sharded=routed_cp, token_identity_cp_sharded=identity,
     )
-    attention_mask, _, position_ids = get_ltor_masks_and_position_ids(
+    attention_mask, _, position_ids = public("get_ltor_masks_and_position_ids")(
         data=input_ids, eod_token=0, pad_token=0, reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=False, pad_mask_loss=False,
     )
     mtp = data_dict["mtp_loss_mask"] if "mtp_loss_mask" in data_dict else None
-    return ProcessedInputs(input_ids=input_ids, input_ids_cp_sharded=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, packed_seq_params=None, cu_seqlens_padded=None,
-                           mtp_loss_mask=mtp, routed_experts=routed, routed_experts_cp_sharded=routed_cp)
+    media = None
+    if "media_token_validity_mask" in data_dict:  # rows are still samples: already the model's layout
+        media = data_dict["media_token_validity_mask"].bool()
+    return dict(input_ids=input_ids, input_ids_cp_sharded=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids, packed_seq_params=None, cu_seqlens_padded=None, mtp_loss_mask=mtp,
+                routed_experts=routed, routed_experts_cp_sharded=routed_cp, media_token_validity_mask=media)

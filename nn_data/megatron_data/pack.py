@@ -20,6 +20,7 @@ from nn_data.errors import PackingError
 from nn_data.megatron_data.common import _round_up_to_multiple, require
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.megatron_data.engine import PackConfig, PackOptions, pack_microbatch
+from nn_data.megatron_data.scope import BoundsFacts, current_scope
 from nn_data.unpack import UnpackSequences
 
 
@@ -51,22 +52,53 @@ def _pack_sequences_for_megatron(
     ``cu_seqlens_padded [0, 8, 16, 24]``, max_seqlen 8.
 
     One host sync per call (NeMo-RL: ``2B + 1``). ``options`` (keyword-only, nn_data only)
-    selects the compiled graph and ``T`` buckets: see :class:`PackOptions`.
+    selects the compiled graph and ``T`` buckets: see :class:`PackOptions`. Inside
+    :func:`process_microbatch` (a microbatch scope, :mod:`nn_data.megatron_data.scope`) the
+    call for ``input_ids`` also packs the microbatch's ``mtp_loss_mask``, media-token mask,
+    routed experts and R3 identities in the same graph run, and the later calls for those
+    return that result: one sync and one graph per microbatch.
 
     Differences from NeMo-RL, all on input NeMo-RL mishandles:
     a packed total above ``pad_packed_seq_to`` raises (NeMo-RL truncates the packed
     tensor silently); with ``cp_size > 1`` a segment that is not a multiple of
     ``2 * cp_size`` raises (NeMo-RL drops its remainder tokens, or with a multiple of 1
-    returns unsharded ids); a length outside ``[0, S]`` raises.
+    returns unsharded ids); a length outside ``[0, S]`` raises; so do non-integer lengths (a list
+    like ``[1.5, 2, 3]`` is refused, not truncated).
 
     Raises :class:`~nn_data.errors.PackingError` for those cases, a multiple below 1, ``pad_packed_seq_to`` not a multiple of
     ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``.
     """
-    config = PackConfig(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to,
-                        cp_size=cp_size, cp_rank=cp_rank, total_name="pad_packed_seq_to")
-    out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options)
+    m, p = pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of
+    scope = current_scope()
+    key = ("pack", id(seq_lengths), m, p, pad_packed_seq_to, cp_rank, cp_size, id(options))  # both held by the caller
+    if scope is not None:
+        done = scope.recall(input_ids, key)
+        if done is not None:
+            return done
+    companions = scope.companions_of(input_ids) if scope is not None else {}
+    config = PackConfig(m, p, pad_packed_seq_to, cp_size=cp_size, cp_rank=cp_rank, total_name="pad_packed_seq_to")
+    out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options, **companions)
     params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1])
-    return out.packed, out.local, params, out.cu_seqlens, out.cu_seqlens_padded
+    result = (out.packed, out.local, params, out.cu_seqlens, out.cu_seqlens_padded)
+    if scope is not None:
+        _keep(scope, key, companions, out, plan, params, seq_lengths, input_ids.shape[1], cp_rank, cp_size)
+    return result
+
+
+def _keep(scope, key, companions, out, plan, params, seq_lengths, row_len, cp_rank, cp_size) -> None:
+    """Record this pack's host facts and its companions' results on the microbatch scope."""
+    scope.keep_facts(BoundsFacts(out.cu_seqlens_padded, seq_lengths, row_len, plan.total, plan.max_seqlen,
+                                 plan.valid_total, cp_size))
+    rest = (params, out.cu_seqlens, out.cu_seqlens_padded)
+    for name, packed, local in (("mtp_loss_mask", out.mtp_packed, out.mtp_local),
+                                ("media_token_validity_mask", out.media_packed, out.media_local)):
+        if name in companions:
+            scope.store(companions[name], key, (packed, local, *rest))
+    routed, identity = companions.get("routed_experts"), companions.get("token_identity")
+    if routed is not None or identity is not None:
+        shard_key = ("shard", id(identity), id(out.cu_seqlens_padded), cp_rank, cp_size)
+        scope.store(routed, shard_key, (out.routed_packed, out.routed_local, out.identity_packed,
+                                        out.identity_local))
 
 
 def _unpack_sequences_from_megatron(
@@ -93,16 +125,13 @@ def _unpack_sequences_from_megatron(
     It also accepts any trailing dims (NeMo-RL assumes exactly one). One gather, one
     validation sync.
 
-    Raises :class:`~nn_data.errors.PackingError` when ``seq_lengths`` does not have
-    ``original_batch_size`` entries, a length is outside ``[0, original_seq_length]`` or
-    does not fit its padded segment.
+    Raises :class:`~nn_data.errors.PackingError` when ``seq_lengths`` is not integers (a float
+    tensor, or a list, tuple or numpy array like ``[1.5, 2, 3]``: never truncated), does not have
+    ``original_batch_size`` entries, a length is outside ``[0, original_seq_length]`` or does not
+    fit its padded segment.
     """
     bounds = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-    lengths = seq_lengths
-    if not isinstance(lengths, torch.Tensor):
-        lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
-    lengths = lengths.to(output_tensor.device)
-    _checks.check_int_vector("seq_lengths", lengths, original_batch_size)
+    lengths = _checks.as_int_vector("seq_lengths", seq_lengths, original_batch_size).to(output_tensor.device)
     if output_tensor.dim() == 1:
         output_tensor = output_tensor.unsqueeze(0)  # [T] -> [1, T]
     unpack = UnpackSequences(original_seq_length)
@@ -139,9 +168,10 @@ def _get_pack_sequence_parameters_for_megatron(
     parallel_factor = (cp_size * 2 if cp_size > 1 else 1) * (tp_size if tp_size > 1 and sp else 1)
     require(
         pad_individual_seqs_to_multiple_of % parallel_factor == 0,
-        f"make_sequence_length_divisible_by ({pad_individual_seqs_to_multiple_of}) is not a multiple of the "
-        f"minimum pad factor {parallel_factor}; set policy.make_sequence_length_divisible_by to a multiple "
-        f"of {parallel_factor} (2*cp_size when CP > 1, times tp_size when TP > 1 with sequence parallelism)",
+        f"make_sequence_length_divisible_by ({pad_individual_seqs_to_multiple_of}) is not a multiple of "
+        f"minimum_pad_factor ({parallel_factor}).\nPlease set policy.make_sequence_length_divisible_by to a "
+        f"multiple of {parallel_factor} (2*cp_size={2 * cp_size} when CP > 1, times tp_size={tp_size} when "
+        "TP > 1 with sequence parallelism)",
     )
     divisor = 1
     if fp8_cfg.get("enabled", False):
@@ -159,18 +189,26 @@ def _get_pack_sequence_parameters_for_megatron(
 def get_and_validate_seqlen(data):
     """``(1, S)``: dim 1 is the sequence dim; every tensor of ``data`` with 2+ dims must share ``S``.
 
-    Raises :class:`~nn_data.errors.PackingError` naming the key
-    whose dim 1 differs from ``input_ids.shape[1]``.
+    ``data`` is any mapping read as NeMo-RL reads it: ``data["input_ids"]`` and
+    ``data.items()`` only (nn_data's or NeMo-RL's ``BatchedDataDict``, a dict, a mock).
+
+    Raises :class:`~nn_data.errors.PackingError` with NeMo-RL's
+    message (``Dim 1 must be the sequence dim, ...``) naming the key whose dim 1 differs from
+    ``input_ids.shape[1]``; ``KeyError`` when there is no ``input_ids`` (as NeMo-RL).
     """
     sequence_dim = 1
-    if "input_ids" not in data:
-        raise PackingError("data has no 'input_ids'; get_and_validate_seqlen needs it to know S")
-    seq_dim_size = data["input_ids"].shape[sequence_dim]
+    try:
+        input_ids = data["input_ids"]
+    except KeyError:
+        raise KeyError("'input_ids': get_and_validate_seqlen reads the sequence length from data['input_ids']") \
+            from None
+    seq_dim_size = input_ids.shape[sequence_dim]
     for key, value in data.items():
         if torch.is_tensor(value) and value.dim() > 1 and value.shape[sequence_dim] != seq_dim_size:
             raise PackingError(
-                f"dim 1 must be the sequence dim: expected {seq_dim_size} (input_ids.shape[1]) but "
-                f"{key!r} has shape {tuple(value.shape)}"
+                f"Dim 1 must be the sequence dim, expected dim 1={seq_dim_size} but got shape {value.shape} "
+                f"for key {key} (input_ids.shape[1] = {seq_dim_size}; every tensor with 2+ dims must have "
+                "the sequence along dim 1)"
             )
     return sequence_dim, seq_dim_size
 

@@ -27,6 +27,7 @@ import torch
 from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.megatron_data.engine import as_lengths
+from nn_data.megatron_data.scope import current_scope, known_facts
 from nn_data.layout import build_layout
 
 R3_VERIFY_ENV = "NN_DATA_R3_VERIFY"
@@ -81,17 +82,17 @@ def _verify_r3_trace_cp_token_alignment(
     if not r3_verify_forward_enabled() or token_identity_cp_sharded is None:
         return None
     if source_routed_experts is None or routed_experts_cp_sharded is None:
-        raise RuntimeError("R3 forward verifier expected routed_experts and token identities together; "
-                           f"source_routed_experts is {type(source_routed_experts).__name__}, "
-                           f"routed_experts_cp_sharded is {type(routed_experts_cp_sharded).__name__}")
+        raise RuntimeError("R3 forward verifier expected routed_experts and token identity tensors to be present "
+                           f"together. (source_routed_experts is {type(source_routed_experts).__name__}, "
+                           f"routed_experts_cp_sharded is {type(routed_experts_cp_sharded).__name__})")
     if token_identity_cp_sharded.shape[-1] != 3:
-        raise RuntimeError("R3 token identity must end in a [batch_idx, token_pos, valid] dim of 3; got "
-                           f"shape {tuple(token_identity_cp_sharded.shape)}")
+        raise RuntimeError("R3 token identity must have trailing [batch_idx, token_pos, valid] dimension; got "
+                           f"{tuple(token_identity_cp_sharded.shape)} (the last dim must be 3)")
     ident = token_identity_cp_sharded.reshape(-1, 3).to(torch.int64)  # [N, 3]
     tokens = input_ids_cp_sharded.reshape(-1)  # [N]
     routed = routed_experts_cp_sharded.reshape(-1, *routed_experts_cp_sharded.shape[2:])  # [N, Ly, K]
     if not ident.shape[0] == tokens.shape[0] == routed.shape[0]:
-        raise RuntimeError(f"R3 identity, input_ids and routed_experts CP slices hold different token counts: "
+        raise RuntimeError("R3 token identity, input_ids, and routed_experts CP slices have different token counts: "
                            f"identity={ident.shape[0]} tokens={tokens.shape[0]} routed={routed.shape[0]}")
     rows, cols = source_input_ids.shape[:2]
     r, c, valid = ident[:, 0], ident[:, 1], ident[:, 2] == 1  # [N] each
@@ -106,9 +107,9 @@ def _verify_r3_trace_cp_token_alignment(
     for count, mask, what in ((n_tok, bad_tok, "input_ids"), (n_route, bad_route, "routed_experts")):
         if count:
             i = _checks.first_index(mask)
-            raise RuntimeError(f"R3 CP token identity verifier: {count} CP-local {what} do not match their source "
-                               f"[batch_idx, token_pos]; first at local position {i}, identity "
-                               f"{ident[i].tolist()}")  # sync: error path
+            raise RuntimeError(f"R3 CP token identity verifier found {what} that do not match their source "
+                               f"[batch_idx, token_pos] identities. ({count} CP-local tokens; the first at local "
+                               f"position {i}, identity {ident[i].tolist()})")  # sync: error path
     return checked
 
 
@@ -151,7 +152,8 @@ def _shard_routed_experts_for_cp(
     None. Segments are those of ``cu_seqlens_padded`` (``cu_seqlens`` when None), so the
     boundaries are identical to the ids'. Routed pad rows are ``arange(K)``, identity pad
     rows 0 (``valid = 0``: the verifier skips them). One host sync (``T`` and the checks);
-    inside :func:`process_microbatch` the tokens' layout is reused and no sync is spent.
+    inside :func:`process_microbatch` (a microbatch scope) the routes were packed with the
+    tokens and are returned as they are: no sync, no second gather.
 
     Difference from NeMo-RL: a segment not divisible by ``2 * cp_size`` raises instead of
     losing its remainder routes.
@@ -165,11 +167,20 @@ def _shard_routed_experts_for_cp(
         return None, None, None, None
     _checks.check_cp(cp_size, cp_rank)
     rows, cols = ref.shape[:2]
+    given = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+    scope = current_scope()
+    if scope is not None:
+        done = scope.recall(routed_experts, ("shard", id(token_identity), id(given), cp_rank, cp_size))
+        if done is not None:  # packed with the tokens, in the same graph run
+            return done
     lengths = as_lengths(seq_lengths, rows, ref.device)
-    bounds = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-    _checks.check_int_vector("cu_seqlens_padded", bounds, rows + 1)
-    bounds = bounds.to(device=ref.device, dtype=torch.int64)
-    total = _check_layout(lengths, bounds, cols, cp_size)
+    _checks.check_int_vector("cu_seqlens_padded", given, rows + 1)
+    bounds = given.to(device=ref.device, dtype=torch.int64)
+    facts = known_facts(given, seq_lengths)
+    if facts is not None and facts.row_len == cols and facts.cp_size == cp_size:
+        total = facts.total  # validated by this microbatch's pack: no second sync
+    else:
+        total = _check_layout(lengths, bounds, cols, cp_size)
     layout = build_layout(lengths, bounds, cols, total)
     source = layout.local_places(cp_size, cp_rank).source  # [T/C], once for both tensors
     out = []

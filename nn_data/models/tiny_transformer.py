@@ -13,11 +13,12 @@ Attention is document-causal: a query at packed position ``i`` sees key ``j`` if
 both lie in the same segment and ``j <= i``. Padding tokens sit at the end of their
 segment, so no real token ever sees one. The mask is built from the segment id of
 every packed position and the packed position of every query
-(:class:`~nn_data.packed_forward.PackedInfo` carries both); SDPA takes it as an
-explicit boolean ``[Tq, T]`` mask (simple and exact; fine at test sizes). Under
-context parallelism each rank all-gathers keys and values across the CP group
-(``PackedInfo.gather``) and applies the mask with global positions: exact, not ring
-attention.
+(:class:`~nn_data.packed_forward.PackedInfo` carries both) by
+:func:`nn_data.models.masks.document_mask`: an explicit boolean ``[Tq, T]`` mask for SDPA,
+or a flex-attention ``BlockMask`` (``O(T)`` memory) where that backend runs the call
+(``mask_kind``). Under context parallelism each rank all-gathers keys and values across
+the CP group (``PackedInfo.gather``) and applies the mask with global positions: exact,
+not ring attention.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+
+from nn_data.models.masks import DocumentMask, causal_mask, document_attention, document_causal_mask, document_mask
+
+__all__ = ["TinyCausalLM", "document_causal_mask", "rope"]
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -40,16 +44,6 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, base: float = 10000.0) -> 
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def document_causal_mask(query_index: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-    """``[Tq, T]`` bool: query ``q`` (at packed position ``query_index[q]``) may see key ``j``.
-
-    Example: segment_ids ``[0,0,1,1]``, query_index ``[1, 2]`` -> ``[[T,T,F,F], [F,F,T,F]]``.
-    """
-    keys = torch.arange(segment_ids.shape[0], device=segment_ids.device)  # [T]
-    same = segment_ids[query_index][:, None] == segment_ids[None, :]  # [Tq, T]
-    return same & (keys[None, :] <= query_index[:, None])
-
-
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, mlp_mult: int):
         super().__init__()
@@ -59,14 +53,14 @@ class Block(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=False)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_mult * dim), nn.GELU(), nn.Linear(mlp_mult * dim, dim))
 
-    def forward(self, h, position_ids, mask, gather) -> torch.Tensor:
+    def forward(self, h, position_ids, mask: DocumentMask) -> torch.Tensor:
         qkv = rearrange(self.qkv(self.norm1(h)), "1 t (three h d) -> three 1 h t d", three=3, h=self.heads)
         q, k, v = rope(qkv[0], position_ids), rope(qkv[1], position_ids), qkv[2]  # [1, H, Tq, D]
-        if gather is not None:  # context parallel: every rank's keys and values, in packed order
+        if mask.gather is not None:  # context parallel: every rank's keys and values, in packed order
             kv = rearrange(torch.stack([k, v]), "two 1 h t d -> 1 t (two h d)")  # [1, Tq, 2E]
-            kv = gather(kv)  # [1, T, 2E]
+            kv = mask.gather(kv)  # [1, T, 2E]
             k, v = rearrange(kv, "1 t (two h d) -> two 1 h t d", two=2, h=self.heads)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [1, H, Tq, D]
+        attn = document_attention(q, k, v, mask)  # [1, H, Tq, D]
         h = h + self.proj(rearrange(attn, "1 h t d -> 1 t (h d)"))
         return h + self.mlp(self.norm2(h))
 
@@ -78,29 +72,34 @@ class TinyCausalLM(nn.Module):
     ``packed`` is a :class:`~nn_data.packed_forward.PackedInfo` (its ``query_index``,
     ``segment_ids`` and ``gather`` are used). :meth:`forward_single` runs one unpacked
     sequence ``[1, L]`` with a plain causal mask, the oracle for equivalence tests.
+    ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the packed mask's form
+    (:func:`nn_data.models.masks.document_mask`).
     """
 
-    def __init__(self, vocab: int = 97, dim: int = 32, heads: int = 4, layers: int = 2, mlp_mult: int = 2):
+    def __init__(self, vocab: int = 97, dim: int = 32, heads: int = 4, layers: int = 2, mlp_mult: int = 2,
+                 mask_kind: str = "auto"):
         super().__init__()
+        self.mask_kind = mask_kind
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, mlp_mult) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-    def _run(self, input_ids, position_ids, mask, gather=None) -> torch.Tensor:
+    def _run(self, input_ids, position_ids, mask: DocumentMask) -> torch.Tensor:
         h = self.embed(input_ids)  # [1, Tq, E]
         for block in self.blocks:
-            h = block(h, position_ids, mask, gather)
+            h = block(h, position_ids, mask)
         return self.head(self.norm(h))  # [1, Tq, V]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed) -> torch.Tensor:
-        mask = document_causal_mask(packed.query_index, packed.segment_ids)  # [Tq, T]
-        return self._run(input_ids, position_ids, mask, packed.gather)
+        dtype = self.head.weight.dtype
+        mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=dtype,
+                             gather=packed.gather)  # dense [Tq, T] or a flex BlockMask
+        return self._run(input_ids, position_ids, mask)
 
     def forward_single(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One sequence ``[1, L]`` alone, causal mask, positions ``0..L-1``: ``[1, L, V]``."""
         length = input_ids.shape[1]
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device)[None]
-        mask = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-        return self._run(input_ids, position_ids, mask)
+        return self._run(input_ids, position_ids, causal_mask(length, input_ids.device))

@@ -1,0 +1,136 @@
+"""The ONLY place nn_data patches megatron-core: what a CPU-only torch needs to run a ``GPTModel``
+and the pipeline schedules. Applied only where torch cannot use CUDA, checked against
+megatron-core 0.16.x, and nowhere else.
+
+megatron-core assumes a GPU in a few spots that have nothing to do with the arithmetic. On a
+torch without CUDA each of them raises; here is each spot and what replaces it:
+
+* ``models/common/embeddings/rotary_pos_embedding.py``: ``RotaryEmbedding.get_emb`` moves its
+  ``inv_freq`` to ``torch.cuda.current_device()`` on the first forward;
+* ``utils.py``: ``GlobalMemoryBuffer.get_tensor`` (the stock ``DotProductAttention``'s score
+  buffer) allocates on ``torch.cuda.current_device()``;
+* ``pipeline_parallel/schedules.py``: every schedule, even PP = 1, creates
+  ``torch.zeros([], device="cuda")`` for its token count;
+* ``pipeline_parallel/p2p_communication.py``: receive buffers are allocated on
+  ``torch.cuda.current_device()`` and batched sends call ``torch.cuda.synchronize()``.
+
+Each of those four modules gets its own ``torch`` name bound to :class:`_TorchOnCpu`, a
+stand-in that forwards every attribute to the real torch except that ``cuda.current_device()``
+answers the CPU, ``cuda.synchronize()`` does nothing (CPU work is synchronous) and
+``device="cuda"`` in a tensor factory means the CPU. Nothing global changes: other modules,
+and torch itself, are untouched.
+
+* ``tensor_parallel.random``: the model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``
+  around attention dropout; ``model_parallel_cuda_manual_seed`` asserts CUDA) is replaced by
+  megatron-core's own inference tracker (``initialize_rng_tracker(inference_rng_tracker=True,
+  force_reset=True)``), whose ``fork()`` does nothing: dropout then draws from torch's CPU
+  generator (seed it with ``torch.manual_seed``).
+
+Other megatron-core releases may allocate elsewhere: :func:`apply_cpu_patches` raises for a
+release other than 0.16.x instead of patching blindly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import torch
+
+#: The megatron-core releases the patches were written and tested against.
+SUPPORTED_MINOR = "0.16."
+
+_PATCHED_MODULES = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+)
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand")
+
+
+def needs_cpu_patches() -> bool:
+    """True when this torch cannot use CUDA (a CPU-only build, or no GPU): megatron-core then
+    needs :func:`apply_cpu_patches`."""
+    return not torch.cuda.is_available()
+
+
+class _CudaOnCpu:
+    """``torch.cuda`` as the patched modules see it: the current device is the CPU."""
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(*_args, **_kwargs) -> None:
+        return None  # CPU work is synchronous
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+def _cpu_factory(fn):
+    def factory(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+class _TorchOnCpu(types.ModuleType):
+    """The real ``torch`` with CUDA placement mapped to the CPU (module docstring)."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_SHIM = _TorchOnCpu()
+
+
+def megatron_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def apply_cpu_patches() -> bool:
+    """Patch megatron-core for a CPU-only torch (module docstring); idempotent.
+
+    Returns True if the patches are (now) in place, False when torch can use CUDA (nothing is
+    patched then). Raises ``RuntimeError`` on a CPU-only torch with a megatron-core release
+    other than 0.16.x, naming the installed version.
+    """
+    if not needs_cpu_patches():
+        return False
+    version = megatron_version()
+    if not version.startswith(SUPPORTED_MINOR):
+        raise RuntimeError(
+            f"megatron-core {version} on a CPU-only torch: nn_data's CPU patches (nn_data/adapters/_megatron_cpu.py) "
+            f"were written for megatron-core {SUPPORTED_MINOR}x; run on a GPU or install megatron-core==0.16.1"
+        )
+    for name in _PATCHED_MODULES:
+        module = importlib.import_module(name)
+        if module.torch is not _SHIM:
+            module.torch = _SHIM
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    if tracker is None or not getattr(tracker, "is_inference_rng_tracker", False):
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return True
+
+
+def cpu_patches_applied() -> bool:
+    """True when every patched module of :func:`apply_cpu_patches` sees the CPU stand-in."""
+    import sys
+
+    return all(getattr(sys.modules.get(name), "torch", None) is _SHIM for name in _PATCHED_MODULES)

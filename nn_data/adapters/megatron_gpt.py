@@ -1,0 +1,163 @@
+"""megatron-core ``GPTModel`` as a :class:`~nn_data.packed_forward.PackedForward` model.
+
+Shape legend
+    Tq  local tokens (``T/C`` under context parallelism, else ``T``)
+    T   packed tokens (keys, after the CP gather)
+    Hq  query heads (per TP partition), Hk key/value groups, D head dim, E hidden size, V vocab
+
+Build the model with :func:`megatron_gpt_layer_spec` (megatron-core's local layer spec whose
+core attention is :class:`PackedDotProductAttention`), wrap it in :class:`MegatronGPTAdapter`,
+and the adapter drives it the way megatron-core drives packed sequences: THD
+``PackedSeqParams`` (``cu_seqlens_*`` = nn_data's ``cu_seqlens_padded``, ``max_seqlen = T``)
+and megatron-core's own THD rotary embedding, which reads the CP rank and size from
+``parallel_state``'s CP group and places each token's rotation by nn_data's zigzag order.
+The adapter passes nn_data's document mask (:mod:`nn_data.models.masks`) where megatron-core
+passes ``attention_mask``; the attention gathers keys and values across the CP group with
+``PackedInfo.gather`` and applies it. megatron-core's THD RoPE reads ``cu_seqlens`` on the
+host (``.tolist()``), so this model runs eagerly (compile the packing with ``PackedForward``).
+This module imports megatron-core.
+
+On a torch without CUDA the adapter applies :mod:`nn_data.adapters._megatron_cpu` (small,
+documented patches of megatron-core 0.16.x internals that allocate on CUDA).
+
+Supported: ``GPTModel`` with RoPE (or no position embedding), tensor-parallel size 1 (the
+tests), no sliding window, ``softmax_type="vanilla"``; ``config.context_parallel_size`` may be 1
+or C (the CP group always comes from ``parallel_state``; both give the same outputs).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from nn_data.adapters import _megatron_cpu
+from nn_data.errors import PackingError
+from nn_data.models.masks import DocumentMask, document_attention, document_mask
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: the local spec needs neither
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """megatron-core's local ``DotProductAttention`` that also takes packed THD input under CP.
+
+    With ``attention_mask`` an nn_data :class:`~nn_data.models.masks.DocumentMask` (what
+    :class:`MegatronGPTAdapter` passes): ``query [Tq, Hq, D]``, ``key/value [Tq, Hk, D]`` (THD,
+    already rotary-embedded) -> ``[Tq, Hq*D]``; keys and values are all-gathered across the CP
+    group (``mask.gather``) and attention runs under the document-causal mask. Anything else
+    (a megatron-core mask tensor with ``packed_seq_params=None``): the stock forward.
+    """
+
+    def __init__(self, config, *args, **kwargs):
+        if config.context_parallel_size > 1:  # the stock __init__ refuses CP; this class handles it
+            stock = copy.copy(config)
+            stock.context_parallel_size = 1
+            super().__init__(stock, *args, **kwargs)
+            self.config = config
+        else:
+            super().__init__(config, *args, **kwargs)
+        if config.softmax_type != "vanilla" or self.scale_mask_softmax.window_size is not None:
+            raise PackingError(
+                f"softmax_type={config.softmax_type!r} / window_size={config.window_size}: nn_data's packed "
+                "attention supports vanilla softmax over full causal attention only"
+            )
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if not isinstance(attention_mask, DocumentMask):
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        if attention_bias is not None:
+            raise PackingError("attention_bias is not supported by nn_data's packed attention")
+        mask = attention_mask
+        if mask.gather is not None:  # context parallel: every rank's keys and values, in packed order
+            groups = key.shape[1]
+            kv = rearrange(torch.stack([key, value]), "two t g d -> 1 t (two g d)")  # [1, Tq, 2*Hk*D]
+            kv = mask.gather(kv)  # [1, T, 2*Hk*D]
+            key, value = rearrange(kv, "1 t (two g d) -> two t g d", two=2, g=groups)  # [T, Hk, D] each
+        q, k, v = (rearrange(x, "t h d -> 1 h t d") for x in (query, key, value))
+        # apply_query_key_layer_scaling divides softmax_scale by the layer number and has the
+        # softmax multiply it back: the scale the scores see is softmax_scale * layer number.
+        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        dropout = self.attention_dropout.p if self.training else 0.0
+        out = document_attention(q, k, v, mask, scale=scale, dropout_p=dropout)  # [1, Hq, Tq, D]
+        return rearrange(out, "1 h t d -> t (h d)")  # [Tq, Hq*D]
+
+
+def megatron_gpt_layer_spec(**local_spec_kwargs):
+    """megatron-core's ``get_gpt_layer_local_spec(**local_spec_kwargs)`` with nn_data's
+    :class:`PackedDotProductAttention` as the core attention (a ``ModuleSpec`` for ``GPTModel``).
+
+    Raises :class:`PackingError` for ``multi_latent_attention=True`` (not supported).
+    Example: ``GPTModel(config, megatron_gpt_layer_spec(normalization="RMSNorm"), vocab_size=97,
+    max_sequence_length=4096, position_embedding_type="rope")``.
+    """
+    if local_spec_kwargs.get("multi_latent_attention"):
+        raise PackingError("multi_latent_attention=True is not supported by nn_data's packed attention")
+    _megatron_cpu.apply_cpu_patches()
+    spec = get_gpt_layer_local_spec(**local_spec_kwargs)
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
+
+
+class MegatronGPTAdapter(nn.Module):
+    """A megatron-core ``GPTModel`` built with :func:`megatron_gpt_layer_spec`, as a
+    :class:`~nn_data.packed_forward.PackedForward` model.
+
+    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs)`` returns the
+    model's output for the local tokens: logits ``[1, Tq, V]`` on the last pipeline stage
+    (``post_process``), the hidden states ``[Tq, 1, E]`` megatron-core sends to the next stage
+    otherwise. The THD ``PackedSeqParams`` are ``packed.packed_seq_params``: wrap the adapter in
+    ``PackedForward(..., make_packed_seq_params=True)``. ``mask_kind`` chooses the mask's form
+    (:func:`nn_data.models.masks.document_mask`).
+
+    Raises :class:`PackingError` for a model whose attention is not
+    :class:`PackedDotProductAttention`, when ``packed.cp_size`` differs from the size of the CP
+    group megatron-core's rotary embedding uses (``parallel_state``), or without
+    ``packed.packed_seq_params``.
+    """
+
+    def __init__(self, model: nn.Module, *, mask_kind: str = "auto"):
+        super().__init__()
+        _megatron_cpu.apply_cpu_patches()
+        attention = [m for m in model.modules() if hasattr(m, "core_attention")]
+        if attention and not all(isinstance(m.core_attention, PackedDotProductAttention) for m in attention):
+            raise PackingError(
+                f"model={type(model).__name__} has core attention {type(attention[0].core_attention).__name__}; "
+                "build it with nn_data.adapters.megatron_gpt_layer_spec(...) so that it takes packed input"
+            )
+        self.model = model
+        self.mask_kind = mask_kind
+        self._cp_groups = {id(m.pg_collection.cp): m.pg_collection.cp for m in attention}
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
+        self._check_cp(packed.cp_size)
+        params = packed.packed_seq_params
+        if params is None:
+            raise PackingError("MegatronGPTAdapter needs THD PackedSeqParams: wrap it in "
+                               "PackedForward(..., make_packed_seq_params=True)")
+        dtype = next(self.model.parameters()).dtype
+        mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=dtype,
+                             gather=packed.gather)
+        return self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model: megatron-core's schedules find ``config``, ``model_type`` and
+        ``set_input_tensor`` through ``.module``, as for its own wrappers (DDP, Float16Module)."""
+        return self.model
+
+    def _check_cp(self, cp_size: int) -> None:
+        for group in self._cp_groups.values():
+            size = group.size() if group is not None else 1
+            if size != cp_size:
+                raise PackingError(
+                    f"PackedForward splits over cp_size={cp_size} ranks but megatron-core's rotary embedding uses a "
+                    f"context-parallel group of {size}; pass cp_group=parallel_state.get_context_parallel_group()"
+                )

@@ -1,0 +1,295 @@
+"""What NeMo-RL's training loop does to a ``BatchedDataDict`` around the microbatch iterators.
+
+NeMo-RL's policy shards a global batch over the data-parallel ranks
+(:func:`shard_by_batch_size`, optionally planning packed or dynamic microbatches on the way),
+gathers per-rank results back into one batch (:func:`stack_batches`, its ``from_batches``)
+and undoes the planner's reordering (:func:`reorder_rows`, its ``reorder_data``);
+:func:`chunk_rows` is its ``chunk``. Same arguments, results and plan attributes
+(``micro_batch_indices``, ``micro_batch_lengths``, ``elem_counts_per_gb``); the differences
+are listed in the README's "Differences from NeMo-RL" table. Host-side planning code: it
+reads the lengths to the host once per call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nn_data.errors import PackingError
+from nn_data.megatron_data.packing_planner import first_fit_decreasing, round_up_lengths
+
+# NeMo-RL's packer names; nn_data packs with its first-fit-decreasing whichever is named.
+PACKING_ALGORITHMS = ("concatenative", "first_fit_decreasing", "first_fit_shuffle", "modified_first_fit_decreasing")
+
+
+def rows_of(value) -> int:
+    """Leading (sample) dim of a tensor, length of anything else."""
+    return int(value.shape[0]) if torch.is_tensor(value) else len(value)
+
+
+def batch_rows(data: Mapping[str, Any], what: str = "Batch sizes are not the same across the rollout batch") -> int:
+    """The common sample count of every value; :class:`PackingError` (NeMo-RL's message first) if they differ."""
+    sizes = {k: rows_of(v) for k, v in data.items()}
+    if len(set(sizes.values())) > 1:
+        raise PackingError(f"{what}, found sizes: [{','.join(str(s) for s in sorted(set(sizes.values())))}] "
+                           f"({sizes})")
+    return next(iter(sizes.values()), 0)
+
+
+def stack_batches(out, batches: Sequence[Mapping[str, Any]], pad_value_dict: Optional[dict] = None):
+    """Fill ``out`` (an empty dict of the caller's class) with ``batches`` stacked along dim 0.
+
+    Lists are concatenated; 1-D tensors concatenated; tensors with 2+ dims right-padded along
+    dim 1 to the longest (with ``pad_value_dict.get(key, 0)``) and concatenated. A key missing
+    from a non-empty batch raises ``KeyError`` (as NeMo-RL).
+
+    Example: ``[{"x": [[1, 2]]}, {"x": [[3, 4, 5]]}]`` (tensors) -> ``x = [[1, 2, 0], [3, 4, 5]]``.
+    """
+    pad_value_dict = pad_value_dict or {}
+    keys = sorted({k for b in batches for k in b})
+    for key in keys:
+        missing = [i for i, b in enumerate(batches) if key not in b and _size(b)]
+        if missing:
+            raise KeyError(f"Key {key!r} is missing from non-empty batches {missing}.")
+        values = [b[key] for b in batches if key in b]
+        out[key] = _stack(key, values, pad_value_dict.get(key, 0))
+    return out
+
+
+def _size(batch: Mapping[str, Any]) -> int:
+    return rows_of(next(iter(batch.values()))) if batch else 0
+
+
+def _stack(key: str, values: list, pad_value):
+    first = values[0]
+    if isinstance(first, list):
+        return [item for v in values for item in v]
+    if not all(torch.is_tensor(v) for v in values):
+        raise NotImplementedError(f"Attempted to stack for unsupported type {type(first)} with key {key}."
+                                  "Please provide either a tensor or a list of picklable objects.")
+    dims = {v.dim() for v in values}
+    if dims == {1}:
+        return torch.cat(values)
+    if 1 in dims or 0 in dims:
+        raise PackingError(f"cannot stack {key!r}: its tensors have dims {sorted(dims)}; expected all 1-D or all "
+                           "[B, S, *]")
+    width = max(v.shape[1] for v in values)
+    padded = [F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=pad_value) for v in values]
+    return torch.cat(padded, dim=0)  # [sum B, max S, *]
+
+
+def chunk_rows(data, out, rank: int, chunks: int):
+    """Fill ``out`` with split ``rank`` of ``chunks`` equal splits (copies), as NeMo-RL's ``chunk``.
+
+    Example: rows ``[A A A B B B D D E]``, rank 2, chunks 3 -> ``[D D E]``.
+    """
+    total = batch_rows(data, "batch sizes are not the same across the rollout batch")
+    if chunks < 1 or total % chunks:
+        raise PackingError(f"batch size ({total}) is not a multiple of chunks ({chunks})")
+    if not 0 <= rank < chunks:
+        raise PackingError(f"index OOB: not enough splits for this rank. rollout_batch_size: {total}, chunks "
+                           f"({chunks}), rank_idx ({rank}) (rank must be in [0, {chunks}))")
+    step = total // chunks
+    for key, value in data.items():
+        part = value[rank * step:(rank + 1) * step]
+        out[key] = part.clone() if torch.is_tensor(part) else list(part)
+    return out
+
+
+def reorder_rows(data, reordered_indices: Sequence[int]) -> None:
+    """In place: row ``j`` becomes the row whose entry in ``reordered_indices`` is the ``j``-th smallest.
+
+    With ``reordered_indices`` the original position of each current row (what
+    :func:`shard_by_batch_size` returns), this restores the original order.
+    Example: indices ``[2, 0, 1]``, rows ``[c, a, b]`` -> ``[a, b, c]``.
+    """
+    total = batch_rows(data)
+    keys = np.asarray(list(reordered_indices))
+    if keys.shape != (total,):
+        raise PackingError(f"reorder_data got {keys.size} indices for a batch of {total} rows; it needs one per row "
+                           "(NeMo-RL silently drops the rows past the shorter of the two)")
+    order = np.argsort(keys, kind="stable").tolist()  # sync: none, numpy on the host
+    index = torch.tensor(order, dtype=torch.int64)
+    for key, value in list(data.items()):
+        if torch.is_tensor(value):
+            data[key] = value.index_select(0, index.to(value.device))
+        else:
+            data[key] = [value[i] for i in order]
+
+
+def shard_by_batch_size(data, make, shards: int, batch_size: Optional[int] = None, allow_uneven_shards: bool = False,
+                        dynamic_batching_args: Optional[dict] = None, sequence_packing_args: Optional[dict] = None):
+    """NeMo-RL's ``shard_by_batch_size``; ``make()`` builds an empty shard (a ``SlicedDataDict``).
+
+    The batch is cut into chunks of ``batch_size`` rows (default: all); shard ``i`` gets the
+    ``i``-th of ``shards`` equal parts of every chunk, chunk after chunk. Returns the shards;
+    with ``dynamic_batching_args`` or ``sequence_packing_args`` ``(shards, sorted_indices)``,
+    the shards carrying the microbatch plan the iterators read.
+
+    Example: ``problem_id [0 0 1 1 2 2 3 3]``, shards 2, batch_size 4 -> ``[0 0 2 2]``, ``[1 1 3 3]``.
+    """
+    if allow_uneven_shards and batch_size is not None:
+        raise PackingError("batch_size must be None if allow_uneven_shards is True")
+    if dynamic_batching_args is not None and sequence_packing_args is not None:
+        raise PackingError("dynamic_batching_args and sequence_packing_args cannot be passed together")
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise PackingError(f"shards={shards!r} is invalid; expected an int >= 1")
+    total = batch_rows(data)
+    batch_size = total if batch_size is None else batch_size
+    if batch_size < 1 or total % batch_size:
+        raise PackingError(f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})")
+    if not allow_uneven_shards and batch_size % shards:
+        raise PackingError(f"Batch size ({batch_size}) is not a multiple of shards ({shards})")
+    if sequence_packing_args is not None:
+        return _pack_shards(data, make, shards, batch_size, sequence_packing_args)
+    order = None
+    if dynamic_batching_args is not None:
+        if batch_size % shards:
+            raise PackingError(f"dynamic batching needs equal shards: batch size ({batch_size}) is not a multiple of "
+                               f"shards ({shards}) (allow_uneven_shards cannot be used with it)")
+        order = _length_sorted_order(data, shards, batch_size, dynamic_batching_args["input_lengths_key"])
+        data = {k: _take(v, order) for k, v in data.items()}
+    size = -(-batch_size // shards) if allow_uneven_shards else batch_size // shards
+    out = [make() for _ in range(shards)]
+    for i, shard in enumerate(out):
+        ranges = [(min(c + i * size, total), min(c + (i + 1) * size, total)) for c in range(0, total, batch_size)]
+        rows = [r for a, b in ranges if a < b for r in range(a, b)]
+        for key, value in data.items():
+            shard[key] = _take(value, rows)
+    if dynamic_batching_args is None:
+        return out
+    _plan_dynamic(out, data, shards, batch_size, dynamic_batching_args)
+    return out, order
+
+
+def _take(value, rows: list):
+    if torch.is_tensor(value):
+        return value.index_select(0, torch.tensor(rows, dtype=torch.int64, device=value.device))
+    return [value[r] for r in rows]
+
+
+def _host_lengths(data, key: str) -> list:
+    value = data[key]
+    return value.tolist() if torch.is_tensor(value) else list(value)  # sync: the planner runs on the host
+
+
+def _length_sorted_order(data, shards: int, batch_size: int, lengths_key: str) -> list:
+    """Each chunk sorted by length (stable), then strided over the shards: shard ``i`` gets
+    sorted positions ``i, i + shards, ...``. Example: lengths ``[5, 1, 3, 2]``, 2 shards ->
+    sorted ``[1, 3, 2, 0]`` -> ``[1, 2] + [3, 0]``."""
+    lengths = _host_lengths(data, lengths_key)
+    order = []
+    for start in range(0, len(lengths), batch_size):
+        chunk = sorted(range(start, start + batch_size), key=lambda r: lengths[r])
+        order += [r for i in range(shards) for r in chunk[i::shards]]
+    return order
+
+
+def _plan_dynamic(out: list, data, shards: int, batch_size: int, args: dict) -> None:
+    """Microbatches over the shards' rows: every shard gets the same boundaries, each the
+    longest rounded length over the shards at that position times the rows within budget."""
+    budget, multiple = args["max_tokens_per_microbatch"], args["sequence_length_round"]
+    row_len = data[args["input_key"]].shape[1]
+    per_shard = [_host_lengths(shard, args["input_lengths_key"]) for shard in out]
+    size = batch_size // shards
+    all_indices, all_lengths = [], []
+    for start in range(0, len(per_shard[0]), size):
+        need = [min(-(-max(s[start + j] for s in per_shard) // multiple) * multiple, row_len) for j in range(size)]
+        over = [n for n in need if n > budget]
+        if over:
+            raise PackingError(f"got an input of padded ({multiple}) sequence length of {over[0]}, however max "
+                               f"microbatch size is {budget} tokens (raise max_tokens_per_microbatch)")
+        indices, lengths, longest = [[0, 0]], [0], 0
+        for j, n in enumerate(need):
+            longest = max(longest, n)
+            if (indices[-1][1] - indices[-1][0] + 1) * longest <= budget:
+                indices[-1][1] += 1
+                lengths[-1] = longest
+            else:
+                indices.append([j, j + 1])
+                longest = n
+                lengths.append(n)
+        all_indices.append(indices)
+        all_lengths.append(lengths)
+    for shard in out:
+        shard.micro_batch_indices = [[list(r) for r in c] for c in all_indices]
+        shard.micro_batch_lengths = [list(c) for c in all_lengths]
+
+
+def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
+    """Sequence packing: per chunk, first-fit-decreasing bins of padded lengths, the bin count
+    raised to at least ``shards`` and a multiple of it, bins dealt round-robin to the shards."""
+    order_mode = args.get("microbatch_order")
+    if order_mode not in (None, "packer", "largest_first"):
+        raise PackingError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', got {order_mode!r}")
+    if args.get("algorithm") not in PACKING_ALGORITHMS:
+        raise PackingError(f"sequence_packing_args['algorithm']={args.get('algorithm')!r} is not one of NeMo-RL's "
+                           f"packers {list(PACKING_ALGORITHMS)}")
+    multiple, budget = args["sequence_length_pad_multiple"], args["max_tokens_per_microbatch"]
+    padded = round_up_lengths(_host_lengths(data, args["input_lengths_key"]), multiple)
+    over = [r for r, n in enumerate(padded.tolist()) if n > budget]  # sync: none, numpy
+    if over:
+        raise PackingError(f"Sequence length {int(padded[over[0]])} exceeds bin capacity {budget} (row {over[0]}, "
+                           f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
+    rows = [[] for _ in range(shards)]
+    indices = [[] for _ in range(shards)]
+    loads = [[] for _ in range(shards)]
+    for start in range(0, len(padded), batch_size):
+        chunk = padded[start:start + batch_size].tolist()  # sync: none, numpy
+        bins = _adjust_bin_count(_ffd_ties_last(chunk, budget), shards)
+        for i in range(shards):
+            mine = bins[i::shards]
+            if order_mode == "largest_first":
+                mine = sorted(mine, key=lambda b: sum(chunk[j] for j in b), reverse=True)
+            bounds, first = [], len(rows[i])
+            for b in mine:
+                at = len(rows[i]) - first
+                bounds.append([at, at + len(b)])
+                rows[i] += [start + j for j in b]
+            indices[i].append(bounds)
+            loads[i].append([sum(chunk[j] for j in b) for b in mine])
+    out = []
+    for i in range(shards):
+        shard = make()
+        for key, value in data.items():
+            shard[key] = _take(value, rows[i])
+        shard.micro_batch_indices, shard.micro_batch_lengths = indices[i], loads[i]
+        shard.elem_counts_per_gb = [c[-1][1] if c else 0 for c in indices[i]]
+        out.append(shard)
+    return out, [r for shard_rows in rows for r in shard_rows]
+
+
+def _ffd_ties_last(lengths: list, capacity: int) -> list:
+    """First-fit-decreasing bins with equal lengths taken last index first (NeMo-RL's order:
+    it sorts ``(length, index)`` pairs descending). nn_data's planner keeps ties in input
+    order, so it runs on the reversed list. Example: ``[4, 4]``, capacity 4 -> ``[[1], [0]]``."""
+    n = len(lengths)
+    bins = first_fit_decreasing(lengths[::-1], capacity).bins
+    return [[n - 1 - i for i in b] for b in bins]
+
+
+def _adjust_bin_count(bins: list, shards: int) -> list:
+    """At least ``shards`` bins and a multiple of ``shards`` (every rank runs as many microbatches):
+    new bins each take the last sequence of the bin with most sequences (NeMo-RL's rule).
+
+    Example: bins ``[[0, 1, 2], [3]]``, 4 shards -> ``[[0], [3], [2], [1]]``.
+    """
+    target = max(len(bins), shards)
+    target += (-target) % shards
+    if target == len(bins):
+        return bins
+    count = sum(len(b) for b in bins)
+    if count < target:
+        raise PackingError(f"Cannot create {target} bins with only {count} sequences. Each bin must contain at "
+                           f"least one sequence. Either reduce min_bin_count/bin_count_multiple or provide more "
+                           f"sequences. (each of the {shards} data-parallel shards needs the same number of "
+                           "microbatches)")
+    bins = [list(b) for b in bins]
+    donors = sorted(range(len(bins)), key=lambda i: (len(bins[i]), i), reverse=True)  # NeMo-RL's tie order
+    for _ in range(target - len(bins)):
+        donor = next(i for i in donors if len(bins[i]) > 1)
+        bins.append([bins[donor].pop()])
+    return bins

@@ -1,0 +1,226 @@
+"""A real pipeline-parallel (PP = 2) run of a tiny megatron-core GPTModel on packed microbatches,
+compared with the PP = 1 run and with every sequence run alone.
+
+    python -m scripts.pipeline_example                 # from the repository root
+    python -m scripts.pipeline_example --dtype float32
+
+Two processes over gloo on 127.0.0.1 run megatron-core's own 1F1B schedule
+(``get_forward_backward_func()`` with ``pipeline_model_parallel_size=2``): stage 0 holds the
+embedding and the first half of the layers, stage 1 the rest and the output layer.
+Microbatches with different numbers of sequences and lengths are packed by nn_data
+(``PackedForward.prepare``, ``nn_data.adapters.pipeline_forward_step``) to one constant
+``T = pad_full_seq_to``, the shape every stage's receive buffer is allocated with. The same
+processes then run the PP = 1 schedule on the whole model (same parameters, set from their
+global names), and each sequence alone through megatron-core's stock unpacked path. The loss is
+the sum of next-token cross-entropies over every valid token (``calculate_per_token_loss``).
+
+Printed: per-microbatch losses of PP = 2 and PP = 1, and the largest differences of losses and
+parameter gradients between PP = 2, PP = 1 and the per-sequence runs (float64 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, SEQ_LEN = 97, 24
+
+
+def microbatches(count: int, multiple: int, seed: int = 1):
+    """``count`` microbatches ``(input_ids [B, S], seq_lengths [B])`` of 1-4 rows, zero-length rows included."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        rows = 1 + i % 4
+        lengths = torch.randint(0, SEQ_LEN + 1, (rows,), generator=gen)
+        lengths[0] = max(int(lengths[0]), 2)  # at least one token pair per microbatch
+        ids = torch.randint(1, VOCAB, (rows, SEQ_LEN), generator=gen)
+        out.append((torch.where(torch.arange(SEQ_LEN) < lengths[:, None], ids, 0), lengths))
+    return out
+
+
+def token_loss(logits: torch.Tensor, input_ids: torch.Tensor, seq_lengths: torch.Tensor):
+    """Sum of next-token cross-entropies over every valid pair of ``logits [B, S, V]``; ``(loss, pairs)``."""
+    s = torch.arange(input_ids.shape[1] - 1)
+    valid = s < (seq_lengths[:, None] - 1)  # [B, S-1]
+    ce = F.cross_entropy(logits[:, :-1].transpose(1, 2), input_ids[:, 1:], reduction="none")  # [B, S-1]
+    return (ce * valid.to(ce.dtype)).sum(), valid.sum()
+
+
+def _schedule(model, mbs, total: int, multiple: int):
+    """megatron-core's schedule for the current parallel_state over ``mbs``: per-microbatch losses
+    (last stage; [] elsewhere) and ``{global name: grad}``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from nn_data.adapters import MegatronGPTAdapter, pipeline_forward_step
+    from nn_data.models.tiny_megatron import global_parameter_names
+    from nn_data.packed_forward import PackedForward
+
+    adapter = MegatronGPTAdapter(model)
+    packing = PackedForward(adapter, pad_individual_seqs_to_multiple_of=multiple, pad_full_seq_to=total,
+                            make_packed_seq_params=True)
+    model.zero_grad(set_to_none=True)
+    reduced = get_forward_backward_func()(
+        forward_step_func=pipeline_forward_step(packing, token_loss), data_iterator=iter(mbs), model=[adapter],
+        num_microbatches=len(mbs), seq_length=total, micro_batch_size=1, forward_only=False,
+    )
+    names = global_parameter_names(model)
+    grads = {names[n]: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return [r["loss"] for r in reduced], grads
+
+
+def _alone(model, mbs):
+    """Each sequence alone (stock megatron-core path): per-microbatch loss sums and ``{name: grad}``."""
+    from nn_data.models.tiny_megatron import forward_alone
+
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for ids, lengths in mbs:
+        loss = 0.0
+        for b, n in enumerate(lengths.tolist()):
+            if n:
+                logits = forward_alone(model, ids[b : b + 1, :n])  # [1, n, V]
+                loss = loss + token_loss(logits, ids[b : b + 1, :n], lengths[b : b + 1])[0]
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _set_pipeline(parallel_state, pp: int) -> None:
+    _reset_parallel_state(parallel_state)
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, create_gloo_process_groups=False)
+
+
+def _reset_parallel_state(parallel_state) -> None:
+    """Destroy every process group parallel_state holds, then forget them (``destroy_model_parallel``
+    alone leaves the groups, and each gloo group's threads, alive)."""
+    import torch.distributed as dist
+
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    seen = set()
+    for value in list(vars(parallel_state).values()):
+        for group in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(group, dist.ProcessGroup) and id(group) not in seen and group is not dist.group.WORLD:
+                seen.add(id(group))
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):  # not this rank's group, or gone already
+                    pass
+    parallel_state.destroy_model_parallel()
+
+
+def _max_diff(a: dict, b: dict, names) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in names)
+
+
+def compare(dtype: torch.dtype = torch.float64, count: int = 6, multiple: int = 4, total: int = 112, seed: int = 0):
+    """Run on every rank of a 2-process group: PP = 2, PP = 1 and per-sequence; returns this rank's
+    figures (``pp2_losses``/``pp1_losses`` on the last stage, max differences, ``bitwise``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
+
+    mbs = microbatches(count, multiple)
+    _set_pipeline(parallel_state, 2)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    stage = tiny_gpt_model(tiny_gpt_config(dtype=dtype, pipeline=2, layers=2), pre_process=first, post_process=last,
+                           seed=seed)
+    pp2_losses, pp2_grads = _schedule(stage, mbs, total, multiple)
+    _set_pipeline(parallel_state, 1)
+    whole = tiny_gpt_model(tiny_gpt_config(dtype=dtype, layers=2), seed=seed)
+    pp1_losses, pp1_grads = _schedule(whole, mbs, total, multiple)
+    alone_losses, alone_grads = _alone(whole, mbs)
+    _reset_parallel_state(parallel_state)
+    mine = sorted(pp2_grads)
+    out = dict(
+        rank=dist.get_rank(), stage_parameters=mine, dtype=str(dtype).replace("torch.", ""), T=total,
+        rows=[int(l.shape[0]) for _, l in mbs], tokens=[int(l.sum()) for _, l in mbs],
+        grads_pp2_vs_pp1=_max_diff(pp2_grads, pp1_grads, mine),
+        grads_bitwise=all(torch.equal(pp2_grads[n], pp1_grads[n]) for n in mine),
+        grads_pp1_vs_alone=_max_diff(pp1_grads, alone_grads, pp1_grads),
+        pp1_losses=[float(x) for x in pp1_losses], alone_losses=[float(x) for x in alone_losses],
+        losses_pp1_vs_alone=max(abs(float(a) - float(b)) for a, b in zip(pp1_losses, alone_losses)),
+    )
+    if last:
+        out.update(pp2_losses=[float(x) for x in pp2_losses],
+                   losses_pp2_vs_pp1=max(abs(float(a) - float(b)) for a, b in zip(pp2_losses, pp1_losses)),
+                   losses_bitwise=all(torch.equal(a, b) for a, b in zip(pp2_losses, pp1_losses)))
+    return out
+
+
+def _rank_main(rank: int, port: int, dtype_name: str, results) -> None:
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    try:
+        results.put(compare(getattr(torch, dtype_name)))
+    finally:
+        dist.destroy_process_group()
+
+
+def report(per_rank: list) -> str:
+    """The comparison as printed text."""
+    last = next(r for r in per_rank if "pp2_losses" in r)
+    lines = [f"{len(last['rows'])} microbatches packed to T = {last['T']} ({last['dtype']}); "
+             f"rows {last['rows']}, real tokens {last['tokens']}",
+             f"{'mb':>3} {'loss PP=2':>22} {'loss PP=1':>22} {'loss alone':>22}"]
+    for i, (a, b, c) in enumerate(zip(last["pp2_losses"], last["pp1_losses"], last["alone_losses"])):
+        lines.append(f"{i:>3} {a:>22.15f} {b:>22.15f} {c:>22.15f}")
+    lines.append(f"losses   PP=2 vs PP=1: max |diff| {last['losses_pp2_vs_pp1']:.1e} "
+                 f"(bit for bit: {last['losses_bitwise']}); PP=1 vs alone: {last['losses_pp1_vs_alone']:.1e}")
+    for r in sorted(per_rank, key=lambda r: r["rank"]):
+        lines.append(f"stage {r['rank']} ({len(r['stage_parameters'])} parameters) gradients PP=2 vs PP=1: max |diff| "
+                     f"{r['grads_pp2_vs_pp1']:.1e} (bit for bit: {r['grads_bitwise']})")
+    lines.append(f"all gradients PP=1 vs each sequence alone: max |diff| {last['grads_pp1_vs_alone']:.1e}")
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> list:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    args = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, args.dtype, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    per_rank = []
+    try:
+        while len(per_rank) < len(procs):
+            try:
+                per_rank.append(results.get(timeout=2))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("a rank failed (its traceback is above)") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    print(report(per_rank))
+    return per_rank
+
+
+if __name__ == "__main__":
+    main()

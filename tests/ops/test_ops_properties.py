@@ -1,0 +1,137 @@
+"""Property tests: the gather-index ops equal the loop reference on random batches.
+
+Random B (0..16), S, lengths (0 and S included), multiples m and p, pad_full_seq_to,
+C in {1, 2, 3, 4, 8} and every rank, trailing dims [B,S] and [B,S,3,2], int and float.
+
+Tier: pure CPU, single process, eager mode (hypothesis).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nn_data.layout
+from nn_data import (
+    PackSequences,
+    ShardForContextParallel,
+    UnpackSequences,
+    UnshardFromContextParallel,
+    pad_to_row_capacity,
+)
+from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack
+from nn_data.testing.coded import coded_batch, valid_mask
+
+SETTINGS = settings(max_examples=150, deadline=None)
+
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+@st.composite
+def cases(draw):
+    """A batch plus a configuration whose segments split evenly over C ranks."""
+    cp = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    rows = draw(st.integers(0, 16))
+    seq_len = draw(st.integers(0, 24))
+    lengths = draw(st.lists(st.integers(0, seq_len), min_size=rows, max_size=rows))
+    if cp == 1:
+        m, p = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    else:  # zigzag needs every segment, the extended last one too, to be a multiple of 2C
+        m, p = 2 * cp * draw(st.integers(1, 3)), 2 * cp * draw(st.integers(1, 2))
+    natural = sum(_round_up(n, m) for n in lengths)
+    full = None
+    if draw(st.booleans()):
+        step = p * 2 * cp // math.gcd(p, 2 * cp)
+        full = _round_up(natural + draw(st.integers(0, 40)), step) or step
+    trailing = draw(st.sampled_from([(), (3, 2)]))
+    dtype = draw(st.sampled_from([torch.int64, torch.int32, torch.float32]))
+    return dict(cp=cp, lengths=lengths, seq_len=seq_len, m=m, p=p, full=full, trailing=trailing, dtype=dtype)
+
+
+@contextlib.contextmanager
+def layout_form(form: str):
+    """Force the scatter or the gather form of the layout and of the unpack (``auto``: the shape
+    rules decide)."""
+    saved, saved_unpack = nn_data.layout.SCATTER_MAX_RATIO, nn_data.unpack.UNPACK_SCATTER_MIN_RATIO
+    nn_data.layout.SCATTER_MAX_RATIO = {"auto": saved, "scatter": 10**9, "gather": 0}[form]
+    nn_data.unpack.UNPACK_SCATTER_MIN_RATIO = {"auto": saved_unpack, "scatter": 0, "gather": 10**9}[form]
+    try:
+        yield
+    finally:
+        nn_data.layout.SCATTER_MAX_RATIO, nn_data.unpack.UNPACK_SCATTER_MIN_RATIO = saved, saved_unpack
+
+
+@SETTINGS
+@given(cases(), st.sampled_from(["auto", "scatter", "gather"]))
+def test_pack_shard_unshard_unpack_match_reference(case, form):
+    lengths = torch.tensor(case["lengths"], dtype=torch.int64)
+    x = coded_batch(case["lengths"], case["seq_len"], case["trailing"], case["dtype"])
+    cp, m, p, full = case["cp"], case["m"], case["p"], case["full"]
+
+    with layout_form(form):
+        r = PackSequences(m, p, full)(x, lengths)
+    if form != "auto" and x.shape[0] * x.shape[1] and r.packed.shape[1]:
+        assert (r.layout.dest is not None) == (form == "scatter")
+    ref = reference_pack(x, case["lengths"], m, p, full)
+    assert torch.equal(r.packed, ref.packed)
+    assert torch.equal(r.cu_seqlens, ref.cu_seqlens)
+    assert torch.equal(r.cu_seqlens_padded, ref.cu_seqlens_padded)
+    assert r.max_seqlen.item() == ref.max_seqlen
+    bounds = ref.cu_seqlens_padded.tolist() if len(case["lengths"]) else [0, ref.packed.shape[1]]
+    want_seg = [b for b in range(len(bounds) - 1) for _ in range(bounds[b + 1] - bounds[b])]
+    want_pos = [t for b in range(len(bounds) - 1) for t in range(bounds[b + 1] - bounds[b])]
+    assert r.layout.segment_ids().tolist() == want_seg and r.layout.positions().tolist() == want_pos
+
+    shards = []
+    for rank in range(cp):
+        shard = ShardForContextParallel(cp, rank)(r.packed, r.cu_seqlens_padded)
+        assert torch.equal(shard, reference_shard(ref.packed, ref.cu_seqlens_padded, cp, rank))
+        shards.append(shard)
+    stacked = torch.cat(shards)  # [C, T/C, *]
+    assert torch.equal(UnshardFromContextParallel(cp)(stacked, r.cu_seqlens_padded), r.packed)
+
+    with layout_form(form):
+        out = UnpackSequences(case["seq_len"])(r.packed, lengths, r.cu_seqlens_padded)
+    assert torch.equal(out, reference_unpack(ref.packed, case["lengths"], ref.cu_seqlens_padded, case["seq_len"]))
+    keep = valid_mask(case["lengths"], case["seq_len"]).view(*out.shape[:2], *([1] * len(case["trailing"])))
+    assert torch.equal(out, torch.where(keep, x, torch.zeros_like(x)))
+
+
+@SETTINGS
+@given(cases())
+def test_every_valid_token_on_exactly_one_rank_once(case):
+    lengths = torch.tensor(case["lengths"], dtype=torch.int64)
+    x = coded_batch(case["lengths"], case["seq_len"], case["trailing"], torch.int64)
+    cp = case["cp"]
+    r = PackSequences(case["m"], case["p"], case["full"])(x, lengths)
+    on_ranks = torch.cat([ShardForContextParallel(cp, k)(r.packed, r.cu_seqlens_padded).flatten() for k in range(cp)])
+    expected = x[valid_mask(case["lengths"], case["seq_len"])].flatten()  # codes of the valid tokens
+    assert torch.equal(torch.sort(on_ranks[on_ranks != 0]).values, torch.sort(expected).values)
+    assert (on_ranks >= 0).all(), "an input padding value leaked into a shard"
+
+
+@SETTINGS
+@given(cases(), st.integers(0, 5))
+def test_row_capacity_padding_changes_nothing_in_real_rows(case, extra_rows):
+    lengths = torch.tensor(case["lengths"], dtype=torch.int64)
+    x = coded_batch(case["lengths"], case["seq_len"], case["trailing"], case["dtype"])
+    pack = PackSequences(case["m"], case["p"], case["full"])
+    plain = pack(x, lengths)
+    rows = x.shape[0]
+    padded = pad_to_row_capacity(x, lengths, rows + extra_rows)
+    r = pack(padded.x, padded.seq_lengths, padded.num_rows)
+    assert torch.equal(r.packed, plain.packed)
+    assert torch.equal(r.cu_seqlens[: rows + 1], plain.cu_seqlens)
+    if rows:
+        assert torch.equal(r.cu_seqlens_padded[: rows + 1], plain.cu_seqlens_padded)
+        assert (r.cu_seqlens_padded[rows:] == plain.cu_seqlens_padded[-1]).all()
+    assert r.max_seqlen.item() == plain.max_seqlen.item()
+    out = UnpackSequences(case["seq_len"])(r.packed, padded.seq_lengths, r.cu_seqlens_padded)
+    assert torch.equal(out[:rows], UnpackSequences(case["seq_len"])(plain.packed, lengths, plain.cu_seqlens_padded))
+    assert not out[rows:].any()

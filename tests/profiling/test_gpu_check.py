@@ -1,0 +1,106 @@
+"""How profiling.gpu_check judges what its steps report: every check is PASS or FAIL, or not
+checked with its reason; a skip that hides a CUDA step on a GPU fails; a missing package is
+never a pass. The steps themselves run in CI as ``bash scripts/gpu_check.sh --dry-run``.
+
+Tier: pure CPU, single process, no compile (the judging functions on hand-made step outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from profiling import gpu_check
+from profiling.gpu_check_checks import (
+    FAIL, KNOWN, NOT_CHECKED, PASS, bench_checks, profiler_checks, tier_checks, trace_checks,
+)
+
+
+def _report(tmp_path, *records):
+    path = tmp_path / "tests.jsonl"
+    path.write_text("".join(json.dumps({**dict(phase="call", seconds=0.1, reason="", message=""), **r}) + "\n"
+                            for r in records))
+    return str(path)
+
+
+def _status(checks):
+    return {c.name.removeprefix("test "): c.status for c in checks}
+
+
+def test_test_outcomes_map_to_checks(tmp_path):
+    path = _report(
+        tmp_path,
+        dict(test="t.py::test_ok", outcome="passed"),
+        dict(test="t.py::test_bad", outcome="failed", message="AssertionError: 2 graphs"),
+        dict(test="t.py::test_known", outcome="xfailed", reason="issue 10: S", message="RuntimeError: recompile"),
+        dict(test="t.py::test_fixed", outcome="xpassed", reason="issue 10: S"),
+        dict(test="t.py::test_pkg", outcome="skipped", message="megatron-core not installed"),
+        dict(test="t.py::test_graphs", outcome="skipped", message="dry run: CUDA-graph recording needs CUDA"),
+        dict(test="t.py::test_tier", outcome="skipped", message="needs CUDA (GPU-only tier)"),
+        dict(test="t.py::test_setup", outcome="error", message="RuntimeError: CUDA error"),
+    )
+    dry = _status(tier_checks(path, 1, cuda=False, timed_out=False))
+    assert dry == {"test_ok": PASS, "test_bad": FAIL, "test_known": KNOWN, "test_fixed": PASS, "test_pkg": NOT_CHECKED,
+                   "test_graphs": NOT_CHECKED, "test_tier": FAIL, "test_setup": FAIL}
+    gpu = tier_checks(path, 1, cuda=True, timed_out=False)
+    assert _status(gpu)["test_graphs"] == FAIL  # a CUDA-only assertion skipped while a GPU is present
+    pkg = next(c for c in gpu if c.name.endswith("test_pkg"))
+    assert pkg.detail == "skipped: megatron-core not installed" and pkg.line().startswith("SKIPPED (not checked)")
+    assert next(c for c in gpu if c.name.endswith("test_known")).line().startswith("FAIL (known)")
+    assert "remove the mark" in next(c for c in gpu if c.name.endswith("test_fixed")).detail
+
+
+def test_a_step_that_did_not_finish_or_reported_nothing_fails(tmp_path):
+    path = _report(tmp_path, dict(test="t.py::test_ok", outcome="passed"))
+    assert tier_checks(path, None, cuda=True, timed_out=True)[-1].status == FAIL
+    assert [c.status for c in tier_checks(str(tmp_path / "none.jsonl"), 4, cuda=True, timed_out=False)] == [FAIL]
+
+
+def test_run_kind_fails_loudly_where_cuda_steps_would_be_skipped():
+    assert gpu_check.run_kind_check(dry=True, cuda=True).status == FAIL
+    assert gpu_check.run_kind_check(dry=False, cuda=False).status == FAIL
+    assert gpu_check.run_kind_check(dry=True, cuda=False).status == PASS
+
+
+def _bench_row(mode, **kw):
+    return {**dict(op="pack", B=8, S=64, mode=mode, us=1.0, syncs=0, cuda_syncs=0, captures=None), **kw}
+
+
+def test_bench_checks():
+    rows = [_bench_row("reference", syncs=9), _bench_row("compiled"), _bench_row("floor")]
+    assert {c.status for c in bench_checks(rows, cuda=False)} == {PASS, NOT_CHECKED}
+    on_gpu = _status(bench_checks(rows, cuda=True))
+    assert on_gpu["bench: cudagraph mode ran"] == FAIL  # the GPU run must have the captured mode
+    syncing = [_bench_row("compiled", cuda_syncs=1), _bench_row("cudagraph", captures=2)]
+    assert [c.status for c in bench_checks(syncing, cuda=True)].count(FAIL) == 2
+    assert [c.status for c in bench_checks(None, cuda=True)] == [FAIL]
+    failed_capture = dict(op="pack", B=8, S=64, mode="cudagraph", error="RuntimeError: operation not permitted")
+    ran = bench_checks(rows + [failed_capture], cuda=True)[0]
+    assert ran.status == FAIL and "operation not permitted" in ran.detail
+
+
+def test_profiler_checks_judge_speed_only_on_cuda():
+    summary = dict(outputs_max_abs_difference=0.0, speedups={}, modes=[dict(name="compiled")],
+                   targets=[dict(target="compiled: 0 recompiles after the first microbatch", met=True),
+                            dict(target="compiled faster than loop per microbatch (mean)", met=False)])
+    dry = _status(profiler_checks(summary, cuda=False))
+    assert dry["profiler target: compiled faster than loop per microbatch (mean)"] == NOT_CHECKED
+    gpu = _status(profiler_checks(summary, cuda=True))
+    assert gpu["profiler target: compiled faster than loop per microbatch (mean)"] == FAIL
+    assert gpu["profiler: reduce-overhead replays CUDA graphs without syncs"] == FAIL  # the mode did not run
+    assert [c.status for c in profiler_checks(None, cuda=True)] == [FAIL]
+
+
+def test_traces_without_the_profiler_plugin_are_not_checked(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_tb_profiler", None)  # import fails as if not installed
+    (check,) = trace_checks(str(tmp_path), ["compiled"], cuda=True)
+    assert check.status == NOT_CHECKED and check.detail.startswith("skipped: torch-tb-profiler not installed")
+
+
+@pytest.mark.parametrize("argv", [["--steps", "fast"], ["--budget-s", "x"]])
+def test_bad_flags_exit_2(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.parse_args(argv)
+    assert exit_info.value.code == 2

@@ -1,0 +1,209 @@
+"""The profiling suite (profiling/profile_microbatches.py) end to end, with tiny sizes.
+
+Tier: pure CPU, single process for the profile (torch.compile with inductor, torch.profiler),
+plus two subprocesses: ``--help`` and a TensorBoard server with the torch-tb-profiler plugin on
+127.0.0.1 (a free port; stopped by its own PID). The profile runs once per module (its three
+compiled graphs are the cold-compile cost). No timing is asserted: figures live in
+profiling/README.md, not in tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from nn_data.errors import PackingError
+from nn_data.testing.dist import free_port
+from profiling import profile_microbatches
+from profiling.microbatch_stream import plan_stream
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256",
+        "--microbatches", "5", "--passes", "2", "--sync-steps", "2", "--trace-steps", "2",
+        "--vocab", "64", "--hidden", "8", "--modes", "eager", "compiled", "loop", "--no-progress"]
+MODES = ["eager", "compiled", "loop"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = profile_microbatches.main(TINY + ["--out-dir", str(run_dir)])
+    summary["printed"] = printed.getvalue()
+    yield run_dir, summary
+    torch._dynamo.reset()
+
+
+def _mode(summary, name):
+    return next(m for m in summary["modes"] if m["name"] == name)
+
+
+@pytest.mark.compile
+def test_every_mode_ran_over_the_stream(profiled):
+    run_dir, summary = profiled
+    assert [m["name"] for m in summary["modes"]] == MODES
+    assert summary["stream"]["microbatches"] == 5
+    for m in summary["modes"]:
+        assert len(m["samples_s"]) == 2 * 5 - 1  # two passes, the first call timed apart
+        assert 0 < m["p10_s"] <= m["median_s"] <= m["p90_s"]
+        assert m["ops_per_microbatch"] > 0
+    assert _mode(summary, "eager")["peak_bytes"] > 0
+    assert set(summary["speedups"]) == {f"compiled vs {slow} ({stat})" for slow in ("eager", "loop")
+                                        for stat in ("median", "mean")}
+    assert json.loads((run_dir / "summary.json").read_text())["modes"][1]["name"] == "compiled"
+
+
+@pytest.mark.compile
+def test_compiled_mode_compiles_once_without_syncs(profiled):
+    _, summary = profiled
+    compiled = _mode(summary, "compiled")
+    assert compiled["graphs"] == 1  # one region: pack -> shard -> model -> unshard -> unpack
+    assert compiled["recompiles"] == 0  # over the timed, sync-counting and traced passes
+    assert compiled["graph_breaks"] == 0
+    assert compiled["syncs_per_microbatch"] == 0
+    assert _mode(summary, "loop")["syncs_per_microbatch"] > 0  # the baseline reads lengths on the host
+    assert summary["outputs_max_abs_difference"] <= 1e-5
+
+
+@pytest.mark.compile
+def test_table_ratios_and_targets_are_printed(profiled):
+    _, summary = profiled
+    lines = summary["printed"].splitlines()
+    assert any(line.startswith("machine: ") for line in lines)
+    assert any(line.startswith("load average (1/5/15 min): ") for line in lines)
+    header = next(line for line in lines if line.startswith("mode "))
+    for column in ("first call s", "median ms", "p10 ms", "p90 ms", "mean ms", "tokens/s", "ops/mb", "graphs",
+                   "recompiles", "breaks", "syncs/mb", "peak MiB"):
+        assert column in header
+    rows = [line.split()[0] for line in lines[lines.index(header) + 2:] if line.strip()][:3]
+    assert rows == MODES
+    assert any(line.startswith("speed-up compiled vs loop (median): ") for line in lines)
+    assert "target  met: compiled: 0 recompiles after the first microbatch" in lines
+    assert "target  met: compiled: 0 host syncs per microbatch" in lines
+
+
+@pytest.mark.compile
+def test_chart_is_a_png(profiled):
+    run_dir, _ = profiled
+    from PIL import Image
+
+    with Image.open(run_dir / "chart.png") as image:
+        assert image.format == "PNG"
+        image.verify()
+    with Image.open(run_dir / "chart.png") as image:
+        assert image.size[0] > 400 and image.size[1] > 200
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.compile
+def test_traces_open_in_tensorboard_with_the_profiler_plugin(profiled, tmp_path):
+    run_dir, _ = profiled
+    for mode in MODES:
+        assert glob.glob(str(run_dir / mode / f"{mode}.*.pt.trace.json")), mode
+    port = free_port()
+    log = open(tmp_path / "tensorboard.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir), "--host", "127.0.0.1",
+         "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
+    try:
+        runs, deadline = None, time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                runs = _get(f"{base}/runs")
+                if not runs["loading"] and runs["runs"]:
+                    break
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        log_text = (tmp_path / "tensorboard.log").read_text()
+        assert runs is not None and sorted(runs["runs"]) == sorted(MODES), (runs, log_text)
+        for mode in MODES:
+            assert "Overview" in _get(f"{base}/views?run={mode}")
+            (worker,) = _get(f"{base}/workers?run={mode}&view=Overview")
+            (span,) = _get(f"{base}/spans?run={mode}&worker={worker}")
+            overview = _get(f"{base}/overview?run={mode}&worker={worker}&span={span}")
+            assert len(overview["steps"]["rows"]) == 2  # --trace-steps 2
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def test_help_runs_in_a_fresh_process():
+    out = subprocess.run([sys.executable, "-m", "profiling.profile_microbatches", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    for flag in ("--batch-size", "--max-tokens", "--cp-size", "--cp-rank", "--device", "--modes",
+                 "--microbatches", "--seed"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cp-rank", "2"], "--cp-rank=2 is invalid"),
+    (["--microbatches", "0"], "--microbatches=0 is invalid"),
+    (["--modes", "fast"], "invalid choice: 'fast'"),
+])
+def test_bad_flags_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        profile_microbatches.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_stream_configuration_raises():
+    common = dict(microbatches=2, batch_size=8, median=8, sigma=1.0, vocab=16, seed=0, device=torch.device("cpu"))
+    with pytest.raises(PackingError, match=r"--multiple=6 is not a multiple of 2\*cp_size=4"):
+        plan_stream(max_len=32, max_tokens=64, cp_size=2, multiple=6, **common)
+    with pytest.raises(PackingError, match="--max-len=128 exceeds --max-tokens=64"):
+        plan_stream(max_len=128, max_tokens=64, cp_size=1, multiple=1, **common)
+    with pytest.raises(PackingError, match="--row-capacity=1 is below"):
+        plan_stream(max_len=32, max_tokens=64, cp_size=1, multiple=1, row_capacity=1, **common)
+
+
+def test_bad_model_mode_and_compile_scope_raise():
+    from profiling.microbatch_stream import ModelStandIn, make_modes
+
+    with pytest.raises(PackingError, match=r"--model='mlp' is invalid; expected 'linear' or 'identity'"):
+        ModelStandIn("mlp", 16, 4, 1, 0)
+    common = dict(microbatches=2, batch_size=8, median=8, sigma=1.0, vocab=16, seed=0, device=torch.device("cpu"))
+    stream = plan_stream(max_len=32, max_tokens=64, cp_size=1, multiple=1, **common)
+    model = ModelStandIn("identity", 16, 4, 1, 0)
+    with pytest.raises(PackingError, match=r"mode 'fast' is unknown; expected eager, compiled, reduce-overhead or loop"):
+        make_modes(["fast"], stream, model, cp_size=1, cp_rank=0)
+    with pytest.raises(PackingError, match=r"--compile-scope='all' is invalid; expected 'whole' or 'data'"):
+        make_modes(["compiled"], stream, model, cp_size=1, cp_rank=0, compile_scope="all")
+
+
+@pytest.mark.compile
+def test_bench_ops_reports_every_mode_side_by_side(capsys):
+    from profiling import bench_ops
+
+    results = bench_ops.main(["--rows", "4", "--tokens", "64", "--multiple", "4", "--cp", "2", "--rank", "1",
+                              "--ops", "pack+shard", "--reps", "2"],  # a stand-in for NeMo-RL's function: the plumbing
+                             baselines={"nemo-rl": bench_ops._pack_sequences_for_megatron})
+    by_mode = {r["mode"]: r for r in results}
+    assert set(by_mode) == {"reference", "nemo-rl", "compat", "eager", "compiled", "compiled+", "floor"}
+    assert by_mode["compat"]["ops"] <= 30 and by_mode["compat"]["syncs"] == 1
+    assert by_mode["compiled"]["syncs"] == 0 and by_mode["compiled"]["ops"] > 0
+    assert by_mode["reference"]["syncs"] == 2 * 4 + 1
+    printed = capsys.readouterr().out
+    assert "target met: compat pack+shard B=4: <= 30 aten ops" in printed
+    assert "compat pack+shard B=4: not slower than NeMo-RL" in printed
+    torch._dynamo.reset()
