@@ -237,11 +237,16 @@ def test_every_tensor_of_a_microbatch_costs_one_sync(cp, monkeypatch, model_slic
 
 @pytest.mark.parametrize("model_slices", [False, True])
 def test_every_tensor_of_a_microbatch_rides_one_graph_run(cp, monkeypatch, model_slices):
-    from nn_data.megatron_data import engine as megatron_data_engine
+    from nn_data.megatron_data import host_pack
 
     cp(0)
     runs = []
-    real = megatron_data_engine.run_graph
-    monkeypatch.setattr(megatron_data_engine, "run_graph", lambda *a, **k: runs.append(sorted(a[4])) or real(*a, **k))
+    real = host_pack.pack_batch  # the eager path's one packing pass (the compiled path's: engine.run_graph)
+
+    def recorded(*args, **extras):
+        runs.append(sorted(k for k, v in extras.items() if v is not None))
+        return real(*args, **extras)
+
+    monkeypatch.setattr(host_pack, "pack_batch", recorded)
     _process(_batch(), model_slices_context_parallel_inputs=model_slices)
     assert runs == [["media_token_validity_mask", "mtp_loss_mask", "routed_experts"]]  # ids + all companions, once
