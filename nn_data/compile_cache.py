@@ -25,7 +25,8 @@ Example (the profiler's ``--compile-cache DIR`` does exactly this)::
     compile_cache.save(compile_cache.artifacts_path("~/.cache/nn_data"))
 
 Measured on this project's 2-core CPU (profiling/README.md): the profiler's first compiled
-microbatch took 17 s with an empty cache folder and 3.1 s in a second run with ``--compile-cache``.
+microbatch took 17-24 s with an empty cache folder and 3.1-3.4 s in a second run with
+``--compile-cache``.
 """
 
 from __future__ import annotations
