@@ -161,7 +161,7 @@ def _shard_source(plan: HostPlan, device, cp_size: int, cp_rank: int) -> torch.T
         prev = k
     jumps[0] -= 1  # cumsum of ones counts from 1
     keep = bisect_left(starts, local)  # trailing empty segments start at T/C: nothing left to jump
-    table = torch.tensor([starts[:keep], jumps[:keep]], dtype=torch.int64, device=device)  # [2, 2B]
+    table = host_tensor([starts[:keep], jumps[:keep]], torch.int64, device)  # [2, 2B]
     delta = torch.ones(local, dtype=torch.int64, device=device)  # [T/C]
     delta.index_add_(0, table[0], table[1])
     return delta.cumsum(0)  # [T/C]
@@ -211,10 +211,21 @@ def pack_batch(plan: HostPlan, input_ids: torch.Tensor, cp_size: int, cp_rank: i
 def boundaries(plan: HostPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_seqlens, cu_seqlens_padded)``, int32 ``[B+1]`` on ``device``, from one host tensor."""
     if len(plan.cu) != len(plan.cu_pad):  # B = 0: [0] and [T]
-        both = torch.tensor(plan.cu + plan.cu_pad, dtype=torch.int32, device=device)
+        both = host_tensor(plan.cu + plan.cu_pad, torch.int32, device)
         return both[:1], both[1:]
-    both = torch.tensor([plan.cu, plan.cu_pad], dtype=torch.int32, device=device)  # [2, B+1]
+    both = host_tensor([plan.cu, plan.cu_pad], torch.int32, device)  # [2, B+1]
     return both[0], both[1]
+
+
+def host_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of host ints on ``device``. On an accelerator it is staged in pinned memory and
+    copied asynchronously: a copy from pageable memory would block the host (a sync, which
+    ``torch.cuda.set_sync_debug_mode`` reports), while the microbatch's one sync is the read of
+    the lengths."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _cat(pieces: list, sizes: list, like: torch.Tensor) -> torch.Tensor:
