@@ -12,7 +12,7 @@ to the host in the microbatch's **one** sync, plans every boundary in Python int
 the data with a constant number of ops (split and cat of views; no index map). Compiled, a
 microbatch goes through two steps:
 
-1. :func:`plan_pack` brings six numbers about ``seq_lengths`` to the host in **one**
+1. :func:`plan_pack` brings a few statistics of ``seq_lengths`` to the host in **one**
    sync. They validate the batch (lengths in ``[0, S]``, a packed total that fits
    ``pad_full_seq_to``, segments divisible by ``2C``) and give the two Python ints
    that must be Python ints: ``T`` (an output shape when ``pad_full_seq_to`` is unset)
