@@ -81,7 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compile-cache", default=None, metavar="DIR",
                     help="reuse compiled artifacts across runs: inductor's cache folder and "
                          "nn_data.compile_cache artifacts in DIR (loaded if present, saved after the run)")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (default: 1 on the CPU, where small per-microbatch timings swing "
+                         "with a second thread on a 2-core machine; torch's default on CUDA)")
     ap.add_argument("--allocator", choices=("reuse", "default"), default="reuse",
                     help="reuse: glibc keeps freed memory for reuse, as torch's CUDA caching allocator "
                          "does (no page faults on each new output; every mode alike; default); "
@@ -146,9 +148,10 @@ def check_outputs(modes, stream: Stream, count: int = 2) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    threads = args.threads if args.threads else (1 if device.type == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
     reuse = args.allocator == "reuse" and reuse_freed_memory()
     torch._dynamo.reset()
     counters.clear()

@@ -3,7 +3,7 @@
 # (PP > 1) packed microbatches: eager vs torch.compile vs the NeMo-RL-style loop, with the default
 # sizes (about a minute on a 2-core CPU). Prints the table; traces, summary.json and chart.png go
 # to profiling/runs/<timestamp>/. Extra arguments go to the profiler, e.g.
-#   bash scripts/profile.sh --threads 1 --cp-size 4
+#   bash scripts/profile.sh --threads 2 --cp-size 4
 #   bash scripts/profile.sh --help
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
