@@ -28,6 +28,9 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
+from nn_data.testing.dist import destroy_model_parallel_groups
+
+
 VOCAB, SEQ_LEN = 97, 24
 
 
@@ -97,22 +100,7 @@ def _set_pipeline(parallel_state, pp: int) -> None:
 
 
 def _reset_parallel_state(parallel_state) -> None:
-    """Destroy every process group parallel_state holds, then forget them (``destroy_model_parallel``
-    alone leaves the groups, and each gloo group's threads, alive)."""
-    import torch.distributed as dist
-
-    if not parallel_state.model_parallel_is_initialized():
-        return
-    seen = set()
-    for value in list(vars(parallel_state).values()):
-        for group in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(group, dist.ProcessGroup) and id(group) not in seen and group is not dist.group.WORLD:
-                seen.add(id(group))
-                try:
-                    dist.destroy_process_group(group)
-                except (ValueError, RuntimeError):  # not this rank's group, or gone already
-                    pass
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel_groups(parallel_state)
 
 
 def _max_diff(a: dict, b: dict, names) -> float:

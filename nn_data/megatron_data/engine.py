@@ -41,6 +41,7 @@ from nn_data import _checks
 from nn_data._index import exclusive_cumsum, round_up
 from nn_data.errors import PackingError
 from nn_data.megatron_data import host_pack
+from nn_data.megatron_data.host_pack import PackedBatch
 from nn_data.megatron_data.scope import current_scope
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_rows, with_dynamic_row_length
@@ -111,24 +112,6 @@ class PackPlan(NamedTuple):
     total: int
     max_seqlen: int
     valid_total: int = 0
-
-
-class PackedBatch(NamedTuple):
-    """Everything one microbatch packs to. ``*_packed`` are ``[1, T, *]``, ``*_local`` are
-    ``[1, T/C, *]`` (the same tensor when C = 1); extras are None when not given."""
-
-    packed: torch.Tensor
-    local: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_padded: torch.Tensor
-    mtp_packed: Optional[torch.Tensor] = None
-    mtp_local: Optional[torch.Tensor] = None
-    routed_packed: Optional[torch.Tensor] = None
-    routed_local: Optional[torch.Tensor] = None
-    identity_packed: Optional[torch.Tensor] = None
-    identity_local: Optional[torch.Tensor] = None
-    media_packed: Optional[torch.Tensor] = None
-    media_local: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True)

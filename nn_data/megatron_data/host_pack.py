@@ -167,10 +167,10 @@ def _shard_source(plan: HostPlan, device, cp_size: int, cp_rank: int) -> torch.T
     return delta.cumsum(0)  # [T/C]
 
 
-class HostPacked(NamedTuple):
-    """:func:`pack_batch`'s tensors, in the order of ``engine.PackedBatch``: ``*_packed [1, T, *]``,
-    ``*_local [1, T/C, *]`` (the same tensor when C = 1), the two boundary tensors, None for an
-    absent extra."""
+class PackedBatch(NamedTuple):
+    """Everything one microbatch packs to (this path and the engine's graph alike). ``*_packed`` are
+    ``[1, T, *]``, ``*_local`` are ``[1, T/C, *]`` (the same tensor when C = 1); extras are None when
+    not given."""
 
     packed: torch.Tensor
     local: torch.Tensor
@@ -187,7 +187,7 @@ class HostPacked(NamedTuple):
 
 
 def pack_batch(plan: HostPlan, input_ids: torch.Tensor, cp_size: int, cp_rank: int, mtp_loss_mask=None,
-               routed_experts=None, token_identity=None, media_token_validity_mask=None) -> HostPacked:
+               routed_experts=None, token_identity=None, media_token_validity_mask=None) -> PackedBatch:
     """Pack and shard ``input_ids [B, S]`` and each extra ``[B, S, *]`` along ``plan`` (the extras'
     shapes and devices are the caller's checks: ``engine.check_extras``).
 
@@ -204,7 +204,7 @@ def pack_batch(plan: HostPlan, input_ids: torch.Tensor, cp_size: int, cp_rank: i
     if routed_experts is not None:  # [topk], broadcast over layers
         route = torch.arange(routed_experts.shape[-1], device=routed_experts.device, dtype=routed_experts.dtype)
     cu, cu_pad = boundaries(plan, input_ids.device)
-    return HostPacked(*both(input_ids), cu, cu_pad, *both(mtp_loss_mask), *both(routed_experts, route),
+    return PackedBatch(*both(input_ids), cu, cu_pad, *both(mtp_loss_mask), *both(routed_experts, route),
                       *both(token_identity), *both(media_token_validity_mask))
 
 

@@ -34,3 +34,24 @@ def init_gloo(rank: int, world_size: int, port: int, *, timeout_s: Optional[floa
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world_size,
                             timeout=timeout)
+
+
+def destroy_model_parallel_groups(parallel_state) -> None:
+    """Destroy every process group megatron-core's ``parallel_state`` holds, then forget them.
+
+    ``parallel_state.destroy_model_parallel()`` alone forgets the groups without destroying them,
+    so every re-initialisation would leave a few dozen gloo groups (and their polling threads)
+    alive for as long as the process lives. No-op when ``parallel_state`` is not initialised.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    seen = set()
+    for value in list(vars(parallel_state).values()):
+        for group in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(group, dist.ProcessGroup) and id(group) not in seen and group is not dist.group.WORLD:
+                seen.add(id(group))
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):  # not a group this rank belongs to, or gone already
+                    pass
+    parallel_state.destroy_model_parallel()

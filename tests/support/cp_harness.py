@@ -21,7 +21,7 @@ import warnings
 
 import torch.multiprocessing as mp
 
-from nn_data.testing.dist import free_port, init_gloo
+from nn_data.testing.dist import destroy_model_parallel_groups, free_port, init_gloo
 
 
 class RankPool:
@@ -144,18 +144,4 @@ def _set_layout(parallel_state, cp: int, tp: int) -> None:
 
 
 def _destroy_layout(parallel_state) -> None:
-    """``destroy_model_parallel`` forgets megatron-core's groups but does not destroy them; every
-    re-initialisation would then leave a few dozen gloo groups (and their polling threads)
-    behind, so destroy each group parallel_state holds first."""
-    import torch.distributed as dist
-
-    seen = set()
-    for value in list(vars(parallel_state).values()):
-        for group in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(group, dist.ProcessGroup) and id(group) not in seen and group is not dist.group.WORLD:
-                seen.add(id(group))
-                try:
-                    dist.destroy_process_group(group)
-                except (ValueError, RuntimeError):  # not a group this rank belongs to, or gone already
-                    pass
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel_groups(parallel_state)
