@@ -160,6 +160,7 @@ def _full_row_params(cu: torch.Tensor, cu_pad: torch.Tensor, total: int):
     if facts is not None and facts.total == total:
         max_seqlen, pad_between = facts.max_seqlen, facts.valid_total != facts.total
     elif cu_pad.shape[0] < 2 or cu.shape != cu_pad.shape:
+        # sync: only for boundaries this microbatch's pack did not produce (B = 0: a 1-entry compare)
         max_seqlen, pad_between = total, cu.shape != cu_pad.shape or not torch.equal(cu, cu_pad)
     else:
         seg = cu_pad[1:].to(torch.int64) - cu_pad[:-1].to(torch.int64)  # [B]
