@@ -18,6 +18,7 @@ Host-side planning: numpy and Python ints, no tensor op, no megatron-core.
 """
 
 from nn_data.planning.alignment import INT32_MAX, ParallelLayout
-from nn_data.planning.step import BALANCE_MODES, StepPlan, plan_step, sequence_work
+from nn_data.planning.step import BALANCE_MODES, StepPlan, evaluate_plan, plan_step, sequence_work
 
-__all__ = ["BALANCE_MODES", "INT32_MAX", "ParallelLayout", "StepPlan", "plan_step", "sequence_work"]
+__all__ = ["BALANCE_MODES", "INT32_MAX", "ParallelLayout", "StepPlan", "evaluate_plan", "plan_step",
+           "sequence_work"]

@@ -34,10 +34,18 @@ import torch
 from nn_data._index import round_up
 from nn_data.errors import PackingError
 from nn_data.planning.alignment import ParallelLayout
-from nn_data.planning.balance import bins_to_ranks, greedy_assignment
+from nn_data.planning.balance import bins_to_ranks, greedy_assignment, refine
 from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last, first_fit_decreasing
 
 BALANCE_MODES = ("work", "tokens", "nemo-rl")
+# A plan whose ranks' loads differ by more than this is refined (balance.refine), at most
+# REFINE_ROUNDS moves or swaps per rank; below it the greedy is already as even as the weights allow.
+REFINE_ABOVE = 1.005
+REFINE_ROUNDS = 4
+# A greedy plan that leaves a sequence without room is retried with it first, up to RETRIES times
+# and while the retries' sequences stay under RETRY_ITEMS (one try at 65,536 sequences).
+RETRIES = 8
+RETRY_ITEMS = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +56,8 @@ class StepPlan:
     ``r``; ``microbatch_tokens[r][j]``: its padded total (``<= pad_full_seq_to``);
     ``microbatch_work[r][j]``: its work (module docstring); ``real_tokens``: the step's unpadded
     tokens; ``balance``: the mode that planned it; ``steps``: heap pops and tree nodes the planner
-    visited (for the complexity test).
+    visited (for the complexity test); ``imbalance_bound``: the least work imbalance any plan of
+    these lengths on these ranks can have (:func:`imbalance_bound`).
     """
 
     pad_full_seq_to: int
@@ -58,6 +67,7 @@ class StepPlan:
     real_tokens: int
     balance: str
     steps: int = 0
+    imbalance_bound: float = 1.0
 
     @property
     def microbatches_per_rank(self) -> int:
@@ -94,6 +104,27 @@ def sequence_work(lengths, hidden_size: int = 4096) -> np.ndarray:
     """``L * (L + 6 * hidden_size)`` per sequence, as float64. Example: ``[1000], 4096 -> [2.5576e7]``."""
     arr = np.asarray(lengths, dtype=np.float64)
     return arr * (arr + 6.0 * hidden_size)
+
+
+def imbalance_bound(work, ranks: int) -> float:
+    """A lower bound of the work imbalance of every plan of sequences with these ``work`` values on
+    ``ranks`` ranks (capacity aside): the mean, and for each ``j >= 0``, the ``j*D + 1`` heaviest
+    sequences put at least ``j + 1`` on one rank, which holds at least the lightest ``j + 1`` of
+    them; over the mean. ``j = 0`` is the heaviest sequence alone.
+
+    Example: work ``[9, 8, 5, 4, 2]`` on 2 ranks, mean 14: ``j = 0``: 9; ``j = 1``: the 3 heaviest
+    put 2 on a rank, >= 8 + 5 = 13; ``j = 2``: the 5 put 3 on a rank, >= 5 + 4 + 2 = 11 -> 1.0.
+    On 4 ranks (mean 7): 9, then 4 + 2 = 6 -> 9 / 7.
+    """
+    w = np.sort(np.asarray(work, dtype=np.float64))[::-1]
+    if w.size == 0 or w.sum() <= 0:
+        return 1.0
+    mean = w.sum() / ranks
+    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    j = np.arange((w.size - 1) // ranks + 1)
+    last = j * ranks  # index of the (j*D + 1)-th heaviest; the window is its j + 1 lightest
+    windows = prefix[last + 1] - prefix[last - j]
+    return max(1.0, float(windows.max()) / mean)
 
 
 def host_lengths(lengths) -> np.ndarray:
@@ -164,13 +195,43 @@ def plan_step(lengths, layout: ParallelLayout, *, pad_full_seq_to: int, microbat
     else:
         ranks, steps = _balanced(need, work if balance == "work" else need.astype(np.float64), total, layout.dp,
                                  microbatches_per_rank)
+    return _plan_of(ranks, arr, need, work, total, balance, steps)
+
+
+def _plan_of(ranks: list, arr: np.ndarray, need: np.ndarray, work: np.ndarray, total: int, balance: str,
+             steps: int) -> StepPlan:
     need_of, work_of = need.tolist(), work.tolist()  # sync: none, numpy on the host
     return StepPlan(
         pad_full_seq_to=total, ranks=ranks,
         microbatch_tokens=[[sum(need_of[i] for i in mb) for mb in rank] for rank in ranks],
         microbatch_work=[[math.fsum(work_of[i] for i in mb) for mb in rank] for rank in ranks],
-        real_tokens=int(arr.sum()), balance=balance, steps=steps,
+        real_tokens=int(arr.sum()), balance=balance, steps=steps, imbalance_bound=imbalance_bound(work, len(ranks)),
     )
+
+
+def evaluate_plan(ranks: list, lengths, layout: ParallelLayout, *, pad_full_seq_to: int, hidden_size: int = 4096,
+                  balance: str = "given") -> StepPlan:
+    """The :class:`StepPlan` of ``ranks`` made by another planner (a benchmark's NeMo-RL packer), after
+    checking :func:`plan_step`'s guarantees on it: every sequence exactly once, every microbatch's
+    padded total ``<= pad_full_seq_to``, as many microbatches on every rank, ``layout.dp`` ranks.
+    Raises :class:`PackingError` naming the first broken guarantee."""
+    total = layout.check_packed_length(pad_full_seq_to)
+    arr = host_lengths(lengths)
+    need = round_up(arr, layout.pad_multiple)
+    counts = sorted({len(rank) for rank in ranks})
+    if len(ranks) != layout.dp or len(counts) > 1:
+        raise PackingError(f"the plan has {len(ranks)} ranks with {counts} microbatches; expected dp={layout.dp} "
+                           "ranks with one count")
+    seen = sorted(i for rank in ranks for mb in rank for i in mb)
+    if seen != list(range(arr.size)):
+        raise PackingError(f"the plan holds {len(seen)} sequence slots for {arr.size} sequences; each must be in "
+                           "exactly one microbatch")
+    plan = _plan_of([[list(mb) for mb in rank] for rank in ranks], arr, need, sequence_work(arr, hidden_size),
+                    total, balance, 0)
+    over = [t for rank in plan.microbatch_tokens for t in rank if t > total]
+    if over:
+        raise PackingError(f"a microbatch holds {over[0]} padded tokens, more than pad_full_seq_to={total}")
+    return plan
 
 
 def _too_small(k: int, needed: int, need_total: int, dp: int, total: int) -> PackingError:
@@ -190,21 +251,44 @@ def _balanced(need: np.ndarray, weight: np.ndarray, total: int, dp: int, given: 
         raise _too_small(given, lower, need_total, dp, total)
     order = np.argsort(-need, kind="stable").tolist()  # sync: none, numpy on the host
     need_of, weight_of = need.tolist(), weight.tolist()  # sync: none, numpy on the host
+    ranks, steps = _assign(order, need, need_of, weight_of, total, dp, given, lower)
+    if dp > 1 and _imbalance([math.fsum(weight_of[i] for mb in rank for i in mb) for rank in ranks]) > REFINE_ABOVE:
+        steps += refine(ranks, need_of, weight_of, total, rounds=REFINE_ROUNDS * dp)
+    return ranks, steps
+
+
+def _greedy(order: list, need_of, weight_of, total: int, dp: int, k: int):
+    """The greedy, retried with each sequence that found no room moved to the front (at most
+    ``RETRIES`` plans, fewer for large steps: the work stays O(n log n)); ``(ranks or None, steps)``."""
+    order, steps = list(order), 0
+    for _ in range(max(1, min(RETRIES, RETRY_ITEMS // len(order)))):
+        found = greedy_assignment(order, need_of, weight_of, total, dp, k)
+        steps += found.steps
+        if found.ranks is not None:
+            return found.ranks, steps
+        order.remove(found.failed)
+        order.insert(0, found.failed)
+    return None, steps
+
+
+def _assign(order, need, need_of, weight_of, total, dp, given, lower):
+    """The greedy at the fewest microbatches that could hold the step (or the given count), then at
+    first-fit-decreasing's count, then FFD's bins dealt by weight; ``(ranks, steps)``."""
     first = given if given is not None else lower
-    found = greedy_assignment(order, need_of, weight_of, total, dp, first)
-    if found is not None:
-        return found.ranks, found.steps
+    ranks, steps = _greedy(order, need_of, weight_of, total, dp, first)
+    if ranks is not None:
+        return ranks, steps
     ffd = first_fit_decreasing(need, total)
     ffd_k = -(-len(ffd.bins) // dp)
-    steps = ffd.steps
+    steps += ffd.steps
     if given is None and ffd_k > first:
-        found = greedy_assignment(order, need_of, weight_of, total, dp, ffd_k)
-        if found is not None:
-            return found.ranks, steps + found.steps
+        ranks, more = _greedy(order, need_of, weight_of, total, dp, ffd_k)
+        if ranks is not None:
+            return ranks, steps + more
     k = ffd_k if given is None else given
     if k < ffd_k:
-        needed = len(_balanced(need, weight, total, dp, None)[0][0])  # error path: plan without a count
-        raise _too_small(given, needed, need_total, dp, total)
+        needed = len(_assign(order, need, need_of, weight_of, total, dp, None, lower)[0][0])  # error path only
+        raise _too_small(given, needed, int(need.sum()), dp, total)
     bin_weight = [math.fsum(weight_of[i] for i in b) for b in ffd.bins]
     return bins_to_ranks(ffd.bins, bin_weight, dp, k), steps
 

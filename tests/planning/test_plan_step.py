@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nn_data.errors import PackingError
-from nn_data.planning import BALANCE_MODES, ParallelLayout, StepPlan, plan_step, sequence_work
+from nn_data.planning import BALANCE_MODES, ParallelLayout, StepPlan, evaluate_plan, plan_step, sequence_work
 from nn_data.planning.balance import bins_to_ranks, greedy_assignment, spread
 from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last, first_fit_decreasing
+from nn_data.planning.step import imbalance_bound
 
 PROPERTIES = settings(max_examples=120, deadline=None, derandomize=True)
 
@@ -37,7 +38,7 @@ def test_worked_example_of_the_module():
 
 
 def test_balance_worked_example():
-    assert greedy_assignment([0, 1, 2, 3, 4], [6, 5, 4, 3, 2], [6, 5, 4, 3, 2], 8, 2, 1) is None
+    assert greedy_assignment([0, 1, 2, 3, 4], [6, 5, 4, 3, 2], [6, 5, 4, 3, 2], 8, 2, 1)[::2] == (None, 2)
     found = greedy_assignment([0, 1, 2, 3, 4], [6, 5, 4, 3, 2], [6, 5, 4, 3, 2], 8, 2, 2)
     assert found.ranks == [[[0, 4], [3]], [[1], [2]]]
     assert spread([[0, 1, 2], []], 3) == [[0], [2], [1]] and spread([[0]], 3) == [[0], [], []]
@@ -130,9 +131,14 @@ def test_work_is_balanced_across_ranks_on_rl_like_lengths(seed, n, dp, total):
     layout = ParallelLayout(dp=dp, cp=2)
     plan = plan_step(lengths, layout, pad_full_seq_to=total)
     nemo = plan_step(lengths, layout, pad_full_seq_to=total, balance="nemo-rl")
-    bound = max(1.0, float(sequence_work(lengths).max()) / (sum(plan.rank_work) / dp))
-    assert plan.work_imbalance <= max(1.02, bound * 1.02)
+    assert plan.imbalance_bound == imbalance_bound(sequence_work(lengths), dp)
+    assert plan.work_imbalance <= max(1.02, plan.imbalance_bound * 1.02)
     assert plan.work_imbalance <= nemo.work_imbalance and plan.padding_fraction <= nemo.padding_fraction
+
+
+def test_imbalance_bound_worked_example():
+    assert imbalance_bound([9, 8, 5, 4, 2], 2) == 1.0 and imbalance_bound([9, 8, 5, 4, 2], 4) == pytest.approx(9 / 7)
+    assert imbalance_bound([5, 5, 5], 2) == pytest.approx(10 / 7.5) and imbalance_bound([], 3) == 1.0
 
 
 def test_fewer_sequences_than_ranks_and_an_empty_step():
@@ -203,3 +209,16 @@ def test_planning_work_grows_as_n_log_n(balance):
         per_item[n] = plan.steps / n
         assert plan.steps <= 4 * n * math.log2(n)
     assert per_item[1 << 14] <= per_item[1 << 10] * 14 / 10 * 1.5  # ~log n per sequence, not ~n
+
+
+def test_evaluate_plan_measures_another_planners_ranks_and_checks_the_guarantees():
+    layout = ParallelLayout(dp=2)
+    plan = evaluate_plan([[[0, 2]], [[1]]], [6, 5, 4], layout, pad_full_seq_to=10, hidden_size=1)
+    assert plan.microbatch_tokens == [[10], [5]] and plan.rank_work == [6 * 12 + 4 * 10, 5 * 11]
+    assert plan.padding_fraction == pytest.approx(1 - 15 / 20) and plan.balance == "given"
+    with pytest.raises(PackingError, match=r"^a microbatch holds 11 padded tokens, more than pad_full_seq_to=10$"):
+        evaluate_plan([[[0, 1]], [[2]]], [6, 5, 4], layout, pad_full_seq_to=10)
+    with pytest.raises(PackingError, match=r"^the plan holds 2 sequence slots for 3 sequences; each must be in"):
+        evaluate_plan([[[0]], [[1]]], [6, 5, 4], layout, pad_full_seq_to=10)
+    with pytest.raises(PackingError, match=r"^the plan has 2 ranks with \[1, 2\] microbatches; expected dp=2 ranks"):
+        evaluate_plan([[[0]], [[1], [2]]], [6, 5, 4], layout, pad_full_seq_to=10)
