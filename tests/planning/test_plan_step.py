@@ -222,3 +222,16 @@ def test_evaluate_plan_measures_another_planners_ranks_and_checks_the_guarantees
         evaluate_plan([[[0]], [[1]]], [6, 5, 4], layout, pad_full_seq_to=10)
     with pytest.raises(PackingError, match=r"^the plan has 2 ranks with \[1, 2\] microbatches; expected dp=2 ranks"):
         evaluate_plan([[[0]], [[1], [2]]], [6, 5, 4], layout, pad_full_seq_to=10)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/planning.md"])
+def test_the_documented_example_runs_as_written_and_prints_what_the_page_says(page, capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / page).read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "plan_step(lengths, layout" in b)
+    exec(compile(block, page, "exec"), {})
+    printed = capsys.readouterr().out
+    assert "[[[2, 4, 3]], [[12, 7, 13]], [[0, 14, 15, 1, 6, 9]], [[5, 8, 10, 11]]]" in printed
+    assert "11.5% padding, work imbalance 1.003" in printed

@@ -267,3 +267,32 @@ def test_step_times_sum_each_steps_microbatches_pass_by_pass():
     stream = Stream(mbs, 8, 16, 4, 1, 2, steps=2)
     assert step_times([2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0], stream, 2) == [7.0, 30.0, 70.0]
     assert step_times([2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0], stream._replace(steps=1), 2) == [30.0]
+
+
+def test_bench_planner_reports_every_planner_and_checks_its_plans(capsys, tmp_path):
+    from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last
+    from profiling import bench_planner
+
+    def stand_in(padded, capacity, dp):  # a stand-in for NeMo-RL's packer: its plan as nn_data reproduces it
+        return adjust_bin_count(ffd_ties_last(padded, capacity).bins, dp)
+
+    def overfull(padded, capacity, dp):  # a packer that breaks the capacity: its row says so
+        return [list(range(len(padded)))] + [[] for _ in range(dp - 1)]
+
+    rows = bench_planner.main(["--sizes", "small", "--counts", "64", "--distributions", "lognormal", "bimodal",
+                               "--reps", "1", "--json", str(tmp_path / "p.json"), "--markdown", str(tmp_path / "p.md")],
+                              packers={"NeMo-RL mffd": stand_in, "broken": overfull})
+    by_mode = {(r["distribution"], r["mode"]): r for r in rows}
+    assert {m for _, m in by_mode} == {"work", "tokens", "nemo-rl", "NeMo-RL mffd", "broken"}
+    for dist in ("lognormal", "bimodal"):
+        nemo, mine = by_mode[(dist, "NeMo-RL mffd")], by_mode[(dist, "nemo-rl")]
+        assert {k: nemo[k] for k in ("padding_fraction", "work_imbalance")} == \
+            {k: mine[k] for k in ("padding_fraction", "work_imbalance")}
+        assert by_mode[(dist, "work")]["work_imbalance"] < mine["work_imbalance"]
+        assert "more than pad_full_seq_to=16384" in by_mode[(dist, "broken")]["error"]
+    printed = capsys.readouterr().out
+    assert "target met: lognormal n=64: padding" in printed and "NeMo-RL mffd's" in printed
+    assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["mode"] == "work"
+    assert (tmp_path / "p.md").read_text().startswith("| distribution | n | dp | mode |")
+    with pytest.raises(FileNotFoundError, match=r"--nemo-rl /nowhere: .*algorithms.py does not exist"):
+        bench_planner.load_nemo_rl_packers("/nowhere")
