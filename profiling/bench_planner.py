@@ -107,6 +107,14 @@ def _planners(lengths: np.ndarray, layout: ParallelLayout, total: int, packers: 
     return out
 
 
+def _reps(reps: int, n: int, mode: str) -> int:
+    """Timed plans: ``reps`` up to 4096 sequences; above, a fifth (at least 3) for nn_data's modes and
+    one for the external packers (NeMo-RL's first-fit-decreasing takes O(n x bins): ~20 s at 65,536)."""
+    if n <= 4096:
+        return reps
+    return max(3, reps // 5) if mode in NN_DATA_MODES else 1
+
+
 def measure_case(distribution: str, n: int, size: dict, packers: dict, seed: int, reps: int) -> list[dict]:
     """One row per planner for one (distribution, n): the plan's figures and its median plan time."""
     lengths = sample(distribution, n, size["row_len"], seed)
@@ -116,7 +124,7 @@ def measure_case(distribution: str, n: int, size: dict, packers: dict, seed: int
         row = dict(distribution=distribution, n=n, dp=layout.dp, T=size["total"], mode=mode)
         try:
             plan = planner()
-            timing = time_calls(planner, warmup=1 if n <= 4096 else 0, reps=reps if n <= 4096 else max(1, reps // 10))
+            timing = time_calls(planner, warmup=1 if n <= 4096 else 0, reps=_reps(reps, n, mode))
         except Exception as err:  # a planner that refuses the case: its row says why
             rows.append({**row, "error": f"{type(err).__name__}: {err}"})
             continue
@@ -182,7 +190,8 @@ def main(argv=None, packers: Optional[dict] = None) -> list[dict]:
     ap.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     ap.add_argument("--counts", nargs="+", type=int, default=None, help="batch sizes (default: each size's own)")
     ap.add_argument("--nemo-rl", default=None, metavar="PATH", help="a NeMo-RL checkout: add its FFD and MFFD packers")
-    ap.add_argument("--reps", type=int, default=20, help="timed plans per small case (large: a tenth, at least 1)")
+    ap.add_argument("--reps", type=int, default=20,
+                    help="timed plans per case up to 4096 sequences (above: a fifth, at least 3; NeMo-RL's packers 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--markdown", default=None, help="also write the table as markdown to this file")

@@ -108,7 +108,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=None, help="run folder (default profiling/runs/<timestamp>)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
+    return _checked(ap, ap.parse_args(argv))
+
+
+def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The parsed flags with their defaults filled in; ``ap.error`` (exit 2) naming a bad flag."""
     if args.modes is None:
         args.modes = ["eager", "compiled"] + (["reduce-overhead"] if args.device.startswith("cuda") else []) + ["loop"]
     if args.multiple is None:

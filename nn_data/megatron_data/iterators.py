@@ -104,14 +104,11 @@ def get_microbatch_iterator(
     ``data``'s dynamic-shape plan; sequence packing uses its packable plan (one packed
     microbatch per plan entry, ``micro_batch_size`` 1, padding from
     :func:`_get_pack_sequence_parameters_for_megatron` with
-    ``cfg["make_sequence_length_divisible_by"]`` and the longest planned microbatch, whose
-    ``pad_full_seq_to`` under PP > 1 is that microbatch's length rounded up; a run-level
-    ``cfg["nn_data"]["pad_full_seq_to"]`` replaces it, at any PP: :func:`run_packed_length`);
-    otherwise fixed microbatches of ``mbs`` rows. ``padded_seq_length`` is
-    ``pad_full_seq_to`` when one is set, else ``seq_dim_size``. ``seq_length_key``
-    defaults to ``"input_lengths"`` when packing. ``delegate_pack_to_model``,
-    ``delegate_mtp_loss_mask_to_model`` and ``model_slices_context_parallel_inputs`` go to
-    :func:`process_microbatch` unchanged.
+    ``cfg["make_sequence_length_divisible_by"]`` and the longest planned microbatch, or a run-level
+    ``cfg["nn_data"]["pad_full_seq_to"]``: :func:`run_packed_length`); otherwise fixed microbatches
+    of ``mbs`` rows. ``padded_seq_length``: ``pad_full_seq_to`` when set, else ``seq_dim_size``.
+    ``seq_length_key`` defaults to ``"input_lengths"`` when packing; the ``delegate_*`` and
+    ``model_slices_context_parallel_inputs`` flags go to :func:`process_microbatch` unchanged.
     """
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
     _, seq_dim_size = public("get_and_validate_seqlen")(data)
