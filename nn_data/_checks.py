@@ -14,11 +14,30 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data._index import local_places, packed_segments, segment_bounds
 from nn_data.errors import PackingError
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+#: The largest packed length (and so the largest boundary) an int32 ``cu_seqlens`` can hold: the
+#: boundaries are int32, as megatron-core and TransformerEngine read them.
+INT32_MAX = 2**31 - 1
+
+
+def int32_limit(what: str) -> str:
+    """The one wording of "``what`` does not fit int32 ``cu_seqlens``" (``what`` names the argument
+    and its value, e.g. ``"pad_full_seq_to=2147483648"``)."""
+    return (f"{what} exceeds {INT32_MAX} (2**31 - 1), the largest packed length or boundary that int32 "
+            f"cu_seqlens can hold; the packed length must be at most {INT32_MAX}")
+
+
+def check_int32(name: str, value: Optional[int]) -> Optional[int]:
+    """Refuse a configured packed length (or bound of one) that int32 boundaries cannot hold."""
+    if value is not None and value > INT32_MAX:
+        raise PackingError(int32_limit(f"{name}={value}"))
+    return value
 
 
 def dims(t: torch.Tensor) -> tuple:
@@ -34,6 +53,17 @@ def positive_int(name: str, value, *, allow_none: bool = False) -> Optional[int]
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         valid = "an int >= 1" + (" or None" if allow_none else "")
+        raise PackingError(f"{name}={value!r} is invalid; expected {valid}")
+    return value
+
+
+def row_length(name: str, value, *, allow_none: bool = False) -> Optional[int]:
+    """Return ``value`` if it is an int >= 0 (a row length ``S``; 0 is an empty row), or None when
+    allowed, else raise."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        valid = "an int >= 0" + (" or None" if allow_none else "")
         raise PackingError(f"{name}={value!r} is invalid; expected {valid}")
     return value
 
@@ -156,6 +186,13 @@ def segment_not_divisible(two_c: int) -> str:
             "(NeMo-RL silently drops the remainder tokens of such a segment)")
 
 
+def check_packed_length(name: str, total) -> None:
+    """A packed tensor's length ``T`` must fit int32 boundaries (a static shape check: no data read;
+    an unbacked ``T`` under compile is not decided here)."""
+    if guard_or_false(total > INT32_MAX):
+        raise PackingError(int32_limit(f"the packed length T={int(total)} of {name}"))
+
+
 def check_total_divisible(total: int, cp_size: int) -> None:
     """The packed length ``T`` must split into ``2*cp_size`` chunks (static: no data read)."""
     if cp_size > 1 and total % (2 * cp_size):
@@ -174,6 +211,7 @@ def check_boundary_args(name: str, data: torch.Tensor, total: int, cu_seqlens_pa
     if cu_seqlens is not None:
         check_int_vector("cu_seqlens", cu_seqlens, cu_seqlens_padded.shape[0])
     check_same_device(**{name: data, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens_padded})
+    check_packed_length(name, total)
     check_total_divisible(total, cp_size)
 
 
@@ -240,8 +278,9 @@ def check_layout(
     if torch.compiler.is_compiling():
         device_assert(ok_edges & ok_div, f"nn_data.{op}: cu_seqlens_padded must rise from 0 to T={total} "
                               f"in segments divisible by 2*cp_size={2 * cp_size}")
+        # seq_len may be a symbolic size under compile: named, never formatted (device_assert)
         device_assert(ok_len & ok_seq, f"nn_data.{op}: every length must fit its padded segment"
-                              + (f" and seq_len={seq_len}" if seq_len is not None else ""))
+                              + (" and seq_len (the row length S)" if seq_len is not None else ""))
         device_assert(ok_ids, f"nn_data.{op}: token ids must be in [0, vocab={vocab})")
         return
     flags = torch.stack([ok_edges & ok_div, ok_len, ok_seq, ok_ids]).tolist()  # sync: the one validation step

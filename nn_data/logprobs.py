@@ -2,7 +2,7 @@
 
 Shape legend
     B   sequences; ``cu_seqlens`` and ``cu_seqlens_padded`` have B+1 entries
-    S   row length of the output (``seq_len``, a Python int)
+    S   row length of the output (``seq_len``: a Python int, or a symbolic size under compile)
     T   packed tokens; C context-parallel size; N = T/C positions on a rank
     V   vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank (vocab-parallel logits)
     c   tokens per chunk of the log-sum-exp (``chunk_tokens``)
@@ -95,7 +95,11 @@ class TokenLogProbs(nn.Module):
     """Per-token log-probs ``[B, S]`` from CP-local packed logits ``[1, T/C, Vt]``, NeMo-RL's layout.
 
     ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, cu_seqlens [B+1] int,
-    cu_seqlens_padded [B+1] int, places=None) -> [B, S]`` (float32; float64 for float64 logits).
+    cu_seqlens_padded [B+1] int, places=None, *, seq_len=None) -> [B, S]`` (float32; float64 for
+    float64 logits). ``S`` is ``seq_len`` when given, else the configured one: a stream whose row
+    length varies passes it per call; inside a compiled region pass ``x.shape[1]`` of a ``[B, S]``
+    tensor marked with :func:`nn_data.rows.with_dynamic_row_length`, so one graph serves every
+    ``S`` (0 and 1 included; a changed int attribute would recompile).
     ``logits`` is this rank's zigzag shard (vocab-parallel over ``tp_group``: rank ``k`` holds
     columns ``[k*Vt, (k+1)*Vt)``), ``packed_ids`` the full packed ids. Each local position's
     next token *within its sequence* is scored on the shard in chunks of ``chunk_tokens``, the
@@ -107,15 +111,15 @@ class TokenLogProbs(nn.Module):
     Example (C 1, V 3, uniform logits): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``,
     seq_len 4 -> ``[[0, log(1/3), log(1/3), 0]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``seq_len`` or ``chunk_tokens`` below 1, a group
-    this process is not in (``__init__``); ``logits`` not ``[1, T/C, Vt]`` floating point,
+    Raises :class:`~nn_data.errors.PackingError`: ``seq_len`` below 0, ``chunk_tokens`` below 1, a
+    group this process is not in (``__init__``); no ``seq_len`` at all, ``logits`` not ``[1, T/C, Vt]`` floating point,
     ``packed_ids`` not ``[1, T]``, ``T`` not a multiple of ``2C``, bad boundary tensors (call); bad
     boundaries, a length over ``seq_len`` or its segment, a target id outside ``[0, V)`` (validation).
     """
 
     def __init__(
         self,
-        seq_len: int,
+        seq_len: Optional[int] = None,
         *,
         cp_group: Optional["dist.ProcessGroup"] = None,
         tp_group: Optional["dist.ProcessGroup"] = None,
@@ -123,7 +127,7 @@ class TokenLogProbs(nn.Module):
         validate: bool = True,
     ):
         super().__init__()
-        self.seq_len = _checks.positive_int("seq_len", seq_len)
+        self.seq_len = _checks.row_length("seq_len", seq_len, allow_none=True)
         self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
         self.cp_rank, self.cp_size, _ = group_info(cp_group, "context-parallel group")
         self.tp_rank, self.tp_size, _ = group_info(tp_group, "tensor-parallel group")
@@ -141,7 +145,16 @@ class TokenLogProbs(nn.Module):
         cu_seqlens: torch.Tensor,
         cu_seqlens_padded: torch.Tensor,
         places: Optional[ZigzagLocal] = None,
+        *,
+        seq_len=None,
     ) -> torch.Tensor:
+        if seq_len is None:
+            seq_len = self.seq_len
+            if seq_len is None:
+                raise _checks.PackingError("TokenLogProbs needs the row length S: pass seq_len= to forward "
+                                           "(or to the constructor)")
+        elif isinstance(seq_len, int):
+            _checks.row_length("seq_len", seq_len)
         _checks.check_packed("logits", logits)
         if logits.dim() != 3 or not logits.dtype.is_floating_point:
             raise _checks.PackingError(f"logits must be floating point [1, T/C, V], got shape "
@@ -158,7 +171,7 @@ class TokenLogProbs(nn.Module):
         _checks.check_same_device(logits=logits, packed_ids=packed_ids)
         if self.validate:
             _checks.check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "TokenLogProbs",
-                         seq_len=self.seq_len, ids=packed_ids[0], vocab=cols * self.tp_size)
+                         seq_len=seq_len, ids=packed_ids[0], vocab=cols * self.tp_size)
         segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
         if places is None:
             places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
@@ -168,7 +181,7 @@ class TokenLogProbs(nn.Module):
             tp_size=self.tp_size, chunk_tokens=self.chunk_tokens,
         )  # [T/C]
         packed = local if self.gather is None else self.gather(local[None], cu_seqlens_padded).squeeze(0)  # [T]
-        return _unpack_shifted(packed, cu_seqlens, cu_seqlens_padded, self.seq_len)
+        return _unpack_shifted(packed, cu_seqlens, cu_seqlens_padded, seq_len)
 
 
 def _unpack_shifted(packed: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, seq_len: int):

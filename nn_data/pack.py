@@ -81,7 +81,8 @@ class PackSequences(nn.Module):
         super().__init__()
         self.m = _checks.positive_int("pad_individual_seqs_to_multiple_of", pad_individual_seqs_to_multiple_of)
         self.p = _checks.positive_int("pad_packed_seq_to_multiple_of", pad_packed_seq_to_multiple_of)
-        self.pad_full_seq_to = _checks.positive_int("pad_full_seq_to", pad_full_seq_to, allow_none=True)
+        self.pad_full_seq_to = _checks.check_int32(
+            "pad_full_seq_to", _checks.positive_int("pad_full_seq_to", pad_full_seq_to, allow_none=True))
         if self.pad_full_seq_to is not None and self.pad_full_seq_to % self.p:
             raise _checks.PackingError(
                 f"pad_full_seq_to={self.pad_full_seq_to} is not a multiple of "
@@ -125,7 +126,7 @@ class PackSequences(nn.Module):
         pad_full_seq_to = self.pad_full_seq_to
         if torch.compiler.is_compiling():
             if self.validate:
-                _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to)
+                _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to, self.p)
             if pad_full_seq_to is not None:
                 return pad_full_seq_to
             total = int(round_up(natural_total, self.p).item())  # sync: T is data-dependent without pad_full_seq_to
@@ -184,10 +185,16 @@ def _host_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to, m, 
             f"the packed total sum(round_up(seq_lengths, {m})) = {nat} exceeds pad_full_seq_to={pad_full_seq_to}; "
             f"pad_full_seq_to must be at least {nat} (NeMo-RL would silently truncate here)"
         )
-    return pad_full_seq_to if pad_full_seq_to is not None else round_up(nat, p)
+    if pad_full_seq_to is not None:
+        return pad_full_seq_to
+    total = round_up(nat, p)
+    if total > _checks.INT32_MAX:
+        raise _checks.PackingError(_checks.int32_limit(
+            f"the packed total round_up(sum(round_up(seq_lengths, {m})), {p}) = {total} of seq_lengths"))
+    return total
 
 
-def _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to) -> None:
+def _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to, p: int) -> None:
     """The compiled validation: device-side asserts, no host sync. The messages name ``S`` and ``B``
     without their values (they may be symbolic sizes: one graph serves every row length)."""
     rows = lengths.shape[0]
@@ -208,3 +215,6 @@ def _device_checks(lengths, natural_total, row_len, num_rows, pad_full_seq_to) -
             natural_total <= pad_full_seq_to,
             f"nn_data.PackSequences: the packed total sum(round_up(seq_lengths, m)) exceeds pad_full_seq_to={pad_full_seq_to}",
         )
+    else:
+        _checks.device_assert(round_up(natural_total, p) <= _checks.INT32_MAX, "nn_data.PackSequences: "
+                              + _checks.int32_limit("the packed total of seq_lengths"))

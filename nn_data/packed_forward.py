@@ -160,7 +160,7 @@ class PackedForward(nn.Module):
         rows = input_ids.shape[0]
         num_rows = None
         if self.row_capacity is not None:
-            padded = pad_to_row_capacity(input_ids, seq_lengths, self.row_capacity)
+            padded = pad_to_row_capacity(input_ids, seq_lengths, self.row_capacity, name="row_capacity")
             input_ids, seq_lengths, num_rows = padded
         if self.compile_packing:  # metadata errors raise PackingError here, before the compiled region
             check_pack_args(input_ids, seq_lengths, num_rows)

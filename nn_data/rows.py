@@ -37,18 +37,19 @@ class RowPadded(NamedTuple):
     num_rows: torch.Tensor
 
 
-def pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, capacity: int, fill=0, *, name: str = "capacity") -> torch.Tensor:
     """Append rows of ``fill`` to ``t [B, *]`` until it has ``capacity`` rows: ``[R, *]``.
 
-    Raises :class:`PackingError` if ``t`` already has more than ``capacity`` rows.
+    Raises :class:`PackingError` if ``t`` already has more than ``capacity`` rows; the message names
+    the capacity as ``name`` (the argument the caller set, e.g. ``row_capacity``).
     """
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-        raise PackingError(f"capacity={capacity!r} is invalid; expected an int >= 0")
+        raise PackingError(f"{name}={capacity!r} is invalid; expected an int >= 0")
     _checks.check_min_dims("t", t, 1, "[B, *]")
     rows = t.shape[0]
     if rows > capacity:
         raise PackingError(
-            f"the batch has {rows} rows, more than capacity={capacity}; raise capacity to at least {rows}"
+            f"the batch has {rows} rows, more than {name}={capacity}; raise {name} to at least {rows}"
         )
     out = t.new_empty((capacity, *t.shape[1:]))
     out[:rows] = t
@@ -73,7 +74,8 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, tuple(reversed(strides)))
 
 
-def pad_to_row_capacity(x: torch.Tensor, seq_lengths: torch.Tensor, capacity: int) -> RowPadded:
+def pad_to_row_capacity(x: torch.Tensor, seq_lengths: torch.Tensor, capacity: int, *,
+                        name: str = "capacity") -> RowPadded:
     """Pad ``x [B, S, *]`` and ``seq_lengths [B]`` with empty rows to ``capacity`` rows.
 
     Returns :class:`RowPadded` with ``num_rows = B`` as a 0-d int64 tensor on ``x``'s
@@ -83,15 +85,15 @@ def pad_to_row_capacity(x: torch.Tensor, seq_lengths: torch.Tensor, capacity: in
     Example: ``x [3, 8]``, lengths ``[5, 0, 8]``, capacity 4 -> ``x [4, 8]`` (last row
     zeros), lengths ``[5, 0, 8, 0]``, num_rows ``tensor(3)``.
 
-    Raises :class:`PackingError` if ``B > capacity``, or ``seq_lengths`` is not a 1-D
-    integer tensor of ``B`` entries.
+    Raises :class:`PackingError` if ``B > capacity`` (naming the capacity as ``name``), or
+    ``seq_lengths`` is not a 1-D integer tensor of ``B`` entries.
     """
     _checks.check_min_dims("x", x, 2, "[B, S, *]")
     _checks.check_int_vector("seq_lengths", seq_lengths, x.shape[0])
     # torch.full writes the count on the device; torch.tensor(int, device=...) would copy it from
     # host memory (on CUDA a blocking copy from pageable memory: a sync).
     num_rows = torch.full((), x.shape[0], dtype=torch.int64, device=x.device)
-    return RowPadded(pad_rows(x, capacity), pad_rows(seq_lengths, capacity), num_rows)
+    return RowPadded(pad_rows(x, capacity, name=name), pad_rows(seq_lengths, capacity, name=name), num_rows)
 
 
 def with_dynamic_row_length(t: torch.Tensor) -> torch.Tensor:

@@ -60,8 +60,7 @@ class UnpackSequences(nn.Module):
 
     def __init__(self, seq_len: int, *, fill_value=0, validate: bool = True):
         super().__init__()
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-            raise _checks.PackingError(f"seq_len={seq_len!r} is invalid; expected an int >= 0")
+        _checks.row_length("seq_len", seq_len)
         self.seq_len, self.fill_value, self.validate = seq_len, fill_value, bool(validate)
 
     def extra_repr(self) -> str:
@@ -84,16 +83,24 @@ def unpack_sequences(
     seq_len: int,
     fill_value=0,
     validate: bool = True,
+    *,
+    offsets: str = "padded",
 ) -> torch.Tensor:
     """Functional form of :class:`UnpackSequences`: ``[1, T, *] -> [B, S, *]``. ``seq_len`` is a
-    Python int, or a symbolic size (``x.shape[1]``) inside a compiled region."""
+    Python int, or a symbolic size (``x.shape[1]``) inside a compiled region.
+
+    ``offsets="unpadded"`` (the NeMo-RL layer only, where NeMo-RL's contract lets
+    ``_unpack_sequences_from_megatron`` read ``cu_seqlens`` without padded boundaries): the
+    boundaries may end before ``T``; everything else is checked the same."""
+    if offsets not in ("padded", "unpadded"):
+        raise _checks.PackingError(f"offsets={offsets!r} is invalid; expected 'padded' or 'unpadded'")
     check_unpack_args(packed, seq_lengths, cu_seqlens_padded)
     rows, total, trailing = seq_lengths.shape[0], packed.shape[1], packed.shape[2:]
     lengths = seq_lengths.to(torch.int64)  # [B]
     starts = cu_seqlens_padded[:-1].to(torch.int64)  # [B]
-    if validate and rows:
-        _check(lengths, cu_seqlens_padded.to(torch.int64), total, seq_len)
-    if guard_or_false(total == 0):  # nothing to read; with B*S == 0 the gather below is empty
+    if validate:
+        _check(lengths, cu_seqlens_padded.to(torch.int64), total, seq_len, offsets)
+    if guard_or_false(total == 0) or guard_or_false(rows == 0):  # nothing to read, or no row to write
         return packed.new_full((rows, seq_len, *trailing), fill_value)
     if statically_known_true(rows * seq_len >= UNPACK_SCATTER_MIN_RATIO * total):
         return _unpack_scatter(packed, lengths, cu_seqlens_padded.to(torch.int64), seq_len, fill_value)
@@ -132,33 +139,54 @@ def check_unpack_args(packed, seq_lengths, cu_seqlens_padded) -> None:
     _checks.check_int_vector("seq_lengths", seq_lengths)
     _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded, seq_lengths.shape[0] + 1)
     _checks.check_same_device(packed=packed, seq_lengths=seq_lengths, cu_seqlens_padded=cu_seqlens_padded)
+    _checks.check_packed_length("packed", packed.shape[1])
 
 
-def _check(lengths: torch.Tensor, cu_pad: torch.Tensor, total: int, seq_len: int) -> None:
-    seg_len = cu_pad[1:] - cu_pad[:-1]  # [B]
-    ok_len = (lengths >= 0) & (lengths <= seq_len)
-    ok_fit = (lengths <= seg_len) & (cu_pad[:-1] >= 0) & (cu_pad[:-1] + lengths <= total)
-    ok_end = (cu_pad >= 0) & (cu_pad <= total)  # [B+1]: every boundary inside [0, T]
+def _check(lengths: torch.Tensor, cu_pad: torch.Tensor, total: int, seq_len: int, offsets: str) -> None:
+    """The validation step: ``0 <= L[b] <= seq_len``; every boundary in ``[0, T]``; the boundaries
+    start at 0, never decrease and end at ``T`` (``offsets="unpadded"``: at most ``T``); each
+    sequence fits its segment. ``[T]`` (no sequence) is the padding pseudo-segment ``[0, T]``.
+
+    Example: lengths ``[25, 94]`` with ``cu_seqlens [0, 25, 119]`` passed where ``T = 128`` wants
+    ``cu_seqlens_padded [0, 32, 128]``: the end 119 is not ``T``, refused.
+    """
+    name = "cu_seqlens_padded" if offsets == "padded" else "cu_seqlens"
+    bounds = cu_pad if cu_pad.shape[0] > 1 else torch.cat([cu_pad.new_zeros(1), cu_pad])  # [B'+1]
+    seg_len = bounds[1:] - bounds[:-1]  # [B']
+    ok_len = (lengths >= 0) & (lengths <= seq_len)  # [B]
+    ok_fit = lengths <= seg_len[: lengths.shape[0]]  # [B]
+    ok_in = (cu_pad >= 0) & (cu_pad <= total)  # [B+1]: every boundary inside [0, T]
+    ends = bounds[-1] == total if offsets == "padded" else bounds[-1] <= total
+    ok_rise = (bounds[0] == 0) & (seg_len >= 0).all() & ends
     if torch.compiler.is_compiling():
         _checks.device_assert(
             ok_len.all(), "nn_data.UnpackSequences: seq_lengths must be in [0, seq_len] (the row length of the output)"
         )
         _checks.device_assert(
-            (ok_fit.all() & ok_end.all()),
-            "nn_data.UnpackSequences: each sequence must fit its padded segment and every boundary of "
-            "cu_seqlens_padded must lie in [0, T]",
+            (ok_fit.all() & ok_in.all() & ok_rise),
+            f"nn_data.UnpackSequences: each sequence must fit its padded segment and every boundary of {name} "
+            f"must lie in [0, T]; {name} must start at 0, never decrease and end at "
+            + ("T" if offsets == "padded" else "most T"),
         )
         return
-    all_len, all_fit, all_end = torch.stack([ok_len.all(), ok_fit.all(), ok_end.all()]).tolist()  # sync: the one validation step
-    if not all_end:
-        _checks.raise_first(~ok_end, cu_pad, "cu_seqlens_padded[{i}] = {v} is outside [0, T="
+    flags = torch.stack([ok_len.all(), ok_fit.all(), ok_in.all(), ok_rise]).tolist()  # sync: the one validation step
+    all_len, all_fit, all_in, rise = flags
+    if not all_in:
+        _checks.raise_first(~ok_in, cu_pad, name + "[{i}] = {v} is outside [0, T="
                             f"{total}] (T = packed.shape[1]); every boundary must lie in [0, {total}]")
+    if not rise:
+        end = f"end at {total}" if offsets == "padded" else f"end at most at {total}"
+        raise _checks.PackingError(
+            f"{name}={cu_pad.tolist()} is invalid for a packed length T={total} (T = packed.shape[1]); "  # sync: error path
+            f"it must start at 0, never decrease and {end}"
+            + (" (cu_seqlens, the unpadded boundaries, passed where cu_seqlens_padded belongs?)"
+               if offsets == "padded" else "")
+        )
     if not all_len:
         _checks.raise_length_outside(~ok_len, lengths, seq_len, "seq_len")
     if not all_fit:
         _checks.raise_first(
             ~ok_fit, lengths,
-            "seq_lengths[{i}] = {v} does not fit its segment of cu_seqlens_padded (start "
-            f"and length must satisfy L[b] <= cu_seqlens_padded[b+1] - cu_seqlens_padded[b] "
-            f"and cu_seqlens_padded[b] + L[b] <= T={total})",
+            "seq_lengths[{i}] = {v} does not fit its segment of " + name + " (the length must satisfy "
+            f"L[b] <= {name}[b+1] - {name}[b])",
         )

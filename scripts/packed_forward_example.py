@@ -37,10 +37,18 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def padding(args) -> tuple[int, int]:
+    """``(pad_individual_seqs_to_multiple_of, pad_full_seq_to)``: ``--multiple`` rounded up to a multiple
+    of ``2 * cp`` (every segment must split into ``2C`` chunks), and a constant packed length that
+    holds ``--rows`` full rows and is a multiple of it. Example: ``--multiple 8 --cp 3`` -> 12;
+    ``--rows 8 --seq-len 64`` -> ``pad_full_seq_to = 8 * 72 = 576``."""
+    multiple = _round_up(args.multiple, 2 * args.cp)
+    return multiple, _round_up(args.rows * _round_up(args.seq_len, multiple), multiple)
+
+
 def make_batches(args, gen: torch.Generator):
     """Microbatches of random lengths (zero-length rows included) and a constant pad_full_seq_to."""
-    multiple = max(args.multiple, 2 * args.cp)
-    full = _round_up(args.rows * _round_up(args.seq_len, multiple), multiple)
+    multiple, full = padding(args)
     for _ in range(args.microbatches):
         rows = int(torch.randint(1, args.rows + 1, (), generator=gen))
         lengths = torch.randint(0, args.seq_len + 1, (rows,), generator=gen)
@@ -137,15 +145,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--rows", type=int, default=8, help="most sequences per microbatch")
     ap.add_argument("--seq-len", type=int, default=64, help="row length S")
-    ap.add_argument("--multiple", type=int, default=8, help="pad_individual_seqs_to_multiple_of (raised to 2*cp)")
+    ap.add_argument("--multiple", type=int, default=8, help="pad_individual_seqs_to_multiple_of (rounded up to a multiple of 2*cp)")
     ap.add_argument("--vocab", type=int, default=128)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.cp < 1:
-        ap.error(f"--cp={args.cp} is invalid; expected an int >= 1")
+    for flag in ("cp", "multiple", "rows", "microbatches"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag}={getattr(args, flag)} is invalid; expected an int >= 1")
     return args
 
 

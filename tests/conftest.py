@@ -1,7 +1,10 @@
-"""Fixtures and hooks for every test tier: a fixed seed per test, and ``cuda`` tests skipped without a GPU.
+"""Fixtures and hooks for every test tier: a fixed seed per test, deterministic hypothesis, and
+``cuda`` tests skipped without a GPU.
 
 Tiers are folders (tests/ops, tests/megatron_data, tests/multiprocess, tests/profiling) and the
-markers registered in pyproject.toml; tests/support holds the helpers they share.
+markers registered in pyproject.toml; tests/support holds the helpers they share. Hypothesis runs
+the derandomized ``ci`` profile unless ``NN_DATA_HYPOTHESIS_PROFILE=explore`` asks for a long random
+exploration (tests/support/hypothesis_profiles.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import warnings
 
 import pytest
 import torch
+
+from tests.support import hypothesis_profiles
+
+hypothesis_profiles.load()  # before any test module builds its settings objects
 
 warnings.filterwarnings("ignore", message=".*(TransformerEngine|[Aa]pex).*")
 

@@ -98,7 +98,7 @@ class PackOptions:
         if isinstance(b, str) or not isinstance(b, Sequence) or not b:
             raise PackingError(f"buckets={b!r} is invalid; expected None, 'pow2' or a non-empty list of ints")
         for v in b:
-            _checks.positive_int("buckets entry", v)
+            _checks.check_int32("buckets entry", _checks.positive_int("buckets entry", v))
         object.__setattr__(self, "buckets", tuple(sorted(set(b))))
 
     def packed_length(self, given: Optional[int], name: str = "pad_full_seq_to") -> Optional[int]:
@@ -155,7 +155,7 @@ class PackConfig:
     def __post_init__(self):
         _checks.positive_int("pad_individual_seqs_to_multiple_of", self.m)
         _checks.positive_int("pad_packed_seq_to_multiple_of", self.p)
-        _checks.positive_int(self.total_name, self.pad_full_seq_to, allow_none=True)
+        _checks.check_int32(self.total_name, _checks.positive_int(self.total_name, self.pad_full_seq_to, allow_none=True))
         _checks.check_cp(self.cp_size, self.cp_rank)
         if self.pad_full_seq_to is not None and self.pad_full_seq_to % self.p:
             raise PackingError(
@@ -208,6 +208,9 @@ def plan_pack(lengths, row_len: int, config: PackConfig, buckets=None) -> PackPl
         total = fixed
     else:
         total = _bucket(round_up(natural, p), p, cp_size, buckets)
+        if total > _checks.INT32_MAX:
+            raise PackingError(_checks.int32_limit(f"the packed total {total} of seq_lengths (sum(round_up("
+                                                   f"seq_lengths, {m})) = {natural}, rounded up to {p})"))
     last = total - last_start
     if cp_size > 1 and (bad or last % two_c):
         padded_all = torch.cat([nonlast, torch.full((1,), last, dtype=nonlast.dtype, device=nonlast.device)])
@@ -348,11 +351,25 @@ def _row_pad(x: torch.Tensor, capacity: int) -> torch.Tensor:
     return with_dynamic_row_length(pad_rows(x.contiguous(), capacity))  # [R, S, *]
 
 
-def as_lengths(seq_lengths, rows: int, device) -> torch.Tensor:
+def as_lengths(seq_lengths, rows: int, device, like: str = "input_ids") -> torch.Tensor:
     """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on
-    ``device`` (no sync). Non-integers (``[1.5, 2, 3]``, a float tensor) raise :class:`PackingError`."""
+    ``device`` (no sync). Non-integers (``[1.5, 2, 3]``, a float tensor) raise :class:`PackingError`,
+    so do lengths on a device they cannot be copied from (:func:`on_device`)."""
     seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, rows)
-    return seq_lengths.to(device=device, dtype=torch.int64)
+    return on_device("seq_lengths", seq_lengths, like, device).to(dtype=torch.int64)
+
+
+def on_device(name: str, t: torch.Tensor, like: str, device) -> torch.Tensor:
+    """``t`` on ``device`` (the device of the tensor ``like`` names). As NeMo-RL, which reads them on
+    the host, the layer takes boundaries and lengths from any device whose values can be copied; a
+    ``meta`` tensor on one side only has no values to copy and raises :class:`PackingError` naming
+    both devices. Example: lengths on ``meta``, ids on ``cpu`` -> "seq_lengths is on meta but
+    input_ids is on cpu"."""
+    device = torch.device(device)
+    if t.device != device and "meta" in (t.device.type, device.type):
+        raise PackingError(f"{name} is on {t.device} but {like} is on {device}; a meta tensor has no values "
+                           f"to copy: pass {name} with its values (on {device} or any device but meta)")
+    return t.to(device)
 
 
 def check_extras(input_ids: torch.Tensor, extras: dict) -> None:

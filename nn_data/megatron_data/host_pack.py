@@ -34,6 +34,8 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from nn_data._checks import INT32_MAX
+
 Fill = Union[int, torch.Tensor]
 
 #: Segments up to which the CP shard is a split + cat of views; above, an index_select along a
@@ -82,6 +84,8 @@ def plan_on_host(lengths: list, row_len: int, m: int, fixed: Optional[int], cp_s
     if fixed is not None and natural > fixed:
         return None
     total = fixed if fixed is not None else total_of(natural)
+    if total > INT32_MAX:
+        return None
     two_c = 2 * cp_size
     if not lengths:  # no sequence: cu_seqlens_padded = [T], one padding pseudo-segment [0, T]
         return HostPlan(cu, [total], total, total, [], [total], [total // two_c])

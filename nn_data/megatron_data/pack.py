@@ -19,10 +19,10 @@ from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.megatron_data.common import _round_up_to_multiple
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.megatron_data.engine import PackConfig, PackOptions, pack_microbatch
+from nn_data.megatron_data.engine import PackConfig, PackOptions, as_lengths, on_device, pack_microbatch
 from nn_data.megatron_data.scope import BoundsFacts, current_scope
 from nn_data.planning import ParallelLayout
-from nn_data.unpack import UnpackSequences
+from nn_data.unpack import unpack_sequences
 
 
 def _pack_sequences_for_megatron(
@@ -124,20 +124,29 @@ def _unpack_sequences_from_megatron(
     Difference from NeMo-RL: NeMo-RL reads the offsets from ``cu_seqlens`` whenever the
     CP size is 1, which puts every sequence after the first at the wrong place as soon as
     sequences were padded to a multiple > 1; nn_data always uses the padded offsets.
-    It also accepts any trailing dims (NeMo-RL assumes exactly one). One gather, one
-    validation sync.
+    It also accepts any trailing dims (NeMo-RL assumes exactly one), and checks the
+    boundaries NeMo-RL reads unchecked: they start at 0, never decrease, end at ``T``
+    (``T = output_tensor.shape[1]``) and give every sequence at least its length. Without
+    ``cu_seqlens_padded`` NeMo-RL's contract allows the unpadded offsets ``cu_seqlens``, which
+    may end before ``T`` (padding after the last sequence): then only "at most ``T``" is checked
+    for the end. One gather, one validation sync.
 
     Raises :class:`~nn_data.errors.PackingError` when ``seq_lengths`` is not integers (a float
     tensor, or a list, tuple or numpy array like ``[1.5, 2, 3]``: never truncated), does not have
-    ``original_batch_size`` entries, a length is outside ``[0, original_seq_length]`` or does not
-    fit its padded segment.
+    ``original_batch_size`` entries, is on a device its values cannot be copied from (``meta``), a
+    length is outside ``[0, original_seq_length]`` or does not fit its segment, or the boundaries
+    do not rise from 0 to ``T`` as above.
     """
+    offsets = "padded" if cu_seqlens_padded is not None else "unpadded"
     bounds = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-    lengths = _checks.as_int_vector("seq_lengths", seq_lengths, original_batch_size).to(output_tensor.device)
     if output_tensor.dim() == 1:
         output_tensor = output_tensor.unsqueeze(0)  # [T] -> [1, T]
-    unpack = UnpackSequences(original_seq_length)
-    return unpack(output_tensor, lengths, bounds.to(output_tensor.device))
+    lengths = as_lengths(seq_lengths, original_batch_size, output_tensor.device, "output_tensor")
+    _checks.check_int_vector("cu_seqlens_padded" if offsets == "padded" else "cu_seqlens", bounds)
+    bounds = on_device("cu_seqlens_padded" if offsets == "padded" else "cu_seqlens", bounds,
+                       "output_tensor", output_tensor.device)
+    _checks.row_length("original_seq_length", original_seq_length)
+    return unpack_sequences(output_tensor, lengths, bounds, original_seq_length, offsets=offsets)
 
 
 def _get_pack_sequence_parameters_for_megatron(

@@ -64,6 +64,7 @@ def get_packed_seq_cp_partition_indices(
     _checks.check_cp(cp_size, cp_rank)
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
         raise PackingError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
+    _checks.check_int32("total_tokens", total_tokens)
     if cp_group is not None and (cp_group.size() != cp_size or cp_group.rank() != cp_rank):
         raise PackingError(f"Context-parallel group has rank {cp_group.rank()} and size {cp_group.size()}, but "
                            f"rank {cp_rank} and size {cp_size} were requested.")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from nn_data._index import exclusive_cumsum, round_up
 from nn_data import _checks
+from nn_data.errors import PackingError
 from nn_data.megatron_data.common import require
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.megatron_data.engine import as_lengths
@@ -49,6 +50,7 @@ def _prepare_vlm_batch_for_megatron(
     length is outside ``[0, S]`` (NeMo-RL reads zeros past the row there).
     """
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    _checks.check_int32("pad_full_seq_to", pad_full_seq_to)
     rows, cols = input_ids.shape[:2]
     align = max(1, int(pad_individual_seqs_to_multiple_of))
     lengths = as_lengths(seq_lengths, rows, input_ids.device)
@@ -88,6 +90,8 @@ def _padded_lengths(lengths, cols: int, align: int, pad_full_seq_to):
                               f"increase pad_full_seq_to to at least {natural}")
         require(deficit % align == 0, f"pad_full_seq_to deficit ({deficit}) must be a multiple of "
                                       f"pad_individual_seqs_to_multiple_of ({align})")
+    elif natural > _checks.INT32_MAX:
+        raise PackingError(_checks.int32_limit(f"the padded total sum(round_up(seq_lengths, {align})) = {natural}"))
     if deficit:
         padded = torch.cat([padded[:-1], padded[-1:] + deficit])  # the last sequence absorbs it
     return padded, max(pmax, plast + deficit), natural + deficit

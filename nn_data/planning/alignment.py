@@ -26,11 +26,9 @@ import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
+from nn_data._checks import INT32_MAX, check_int32  # noqa: F401  (INT32_MAX re-exported)
 from nn_data._index import round_up
 from nn_data.errors import PackingError
-
-# cu_seqlens are int32 (THD, megatron-core): a packed length above this cannot be described.
-INT32_MAX = 2**31 - 1
 
 _RECIPE_DIVISORS = {"blockwise": 128, "mxfp8": 32}  # any other FP8 recipe: 16 (NeMo-RL's rule)
 
@@ -132,9 +130,7 @@ class ParallelLayout:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PackingError(f"{name}={value!r} is invalid; expected an int >= 1, a multiple of "
                                f"{self.total_multiple}")
-        if value > INT32_MAX:
-            raise PackingError(f"{name}={value} overflows the int32 cu_seqlens that describe a packed microbatch; "
-                               f"it must be at most {INT32_MAX}")
+        check_int32(name, value)  # cu_seqlens are int32
         unit = self.total_multiple
         if value % unit:
             raise PackingError(

@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from nn_data._checks import check_int32
 from nn_data.errors import PackingError
 
 
@@ -50,11 +51,13 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDPlan:
     Example: lengths ``[5, 9, 3, 4, 6]``, capacity 10 -> order 9, 6, 5, 4, 3 ->
     bins ``[[1], [4, 3], [0, 2]]`` with loads ``[9, 10, 8]``.
 
-    Raises :class:`~nn_data.errors.PackingError` for ``capacity < 1``, a negative length
+    Raises :class:`~nn_data.errors.PackingError` for ``capacity < 1`` or above the int32 limit of
+    packed boundaries (``2**31 - 1``), a negative length
     or a length above ``capacity`` (naming the index).
     """
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise PackingError(f"max_tokens_per_microbatch={capacity!r} is invalid; expected an int >= 1")
+    check_int32("max_tokens_per_microbatch", capacity)  # a bin is one packed microbatch
     arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
     bad = np.flatnonzero((arr < 0) | (arr > capacity))
     if bad.size:

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.hypothesis_profiles import examples
 from nn_data.megatron_data.batched_data_dict import BatchedDataDict, SlicedDataDict
 from nn_data.errors import PackingError
 from nn_data.planning.ffd import first_fit_decreasing
@@ -125,7 +126,7 @@ def _naive_ffd(lengths, capacity):
     return bins
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(st.lists(st.integers(0, 40), max_size=60), st.integers(40, 100))
 def test_ffd_places_every_sequence_once_within_budget_as_the_textbook_loop(lengths, capacity):
     plan = first_fit_decreasing(lengths, capacity)

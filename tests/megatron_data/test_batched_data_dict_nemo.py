@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.hypothesis_profiles import examples
 from nn_data.batched_data_dict import BatchedDataDict, SlicedDataDict
 from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last
 from nn_data.errors import PackingError
@@ -145,7 +146,7 @@ def test_packing_errors(args, match):
         _data([9, 1, 5, 2]).shard_by_batch_size(2, sequence_packing_args=args)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=24), shards=st.integers(1, 4),
        chunks=st.integers(1, 3), budget=st.sampled_from([12, 16, 24]), multiple=st.sampled_from([1, 4]))
 def test_packing_plan_invariants_and_round_trip(lengths, shards, chunks, budget, multiple):

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.support.hypothesis_profiles import examples
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.megatron_data import _pack_sequences_for_megatron, host_pack
@@ -21,7 +22,7 @@ from nn_data.megatron_data.engine import GraphKey, PackConfig, PackShardGraph, p
 from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.testing.coded import PAD, coded_batch
 
-SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 class AtenOps(TorchDispatchMode):

@@ -237,3 +237,69 @@ def test_get_and_validate_seqlen():
     data["logprobs"] = torch.zeros(2, 6)
     with pytest.raises(AssertionError, match=r"Dim 1 must be the sequence dim, expected dim 1=7 but got shape torch.Size\(\[2, 6\]\) for key logprobs"):
         get_and_validate_seqlen(data)
+
+
+# ---- round-3 refusals: int32 boundaries, devices, unpack boundaries ---------------------------
+
+INT32_LIMIT = r"exceeds 2147483647 \(2\*\*31 - 1\), the largest packed length or boundary that int32 cu_seqlens can hold"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-switch"])
+def test_packed_lengths_int32_boundaries_cannot_hold_are_refused(compiled):
+    from nn_data.megatron_data import PackOptions
+
+    ids, lengths = coded_batch([8, 5, 7], 8), torch.tensor([8, 5, 7])
+    kw = {"options": PackOptions(compile=True, backend="aot_eager")} if compiled else {}
+    with pytest.raises(PackingError, match=r"pad_packed_seq_to=2147483648 " + INT32_LIMIT):  # NeMo-RL: torch's overflow
+        _pack_sequences_for_megatron(ids, lengths, 1, 1, 2**31, **kw)
+    with pytest.raises(PackingError, match=r"the packed total 2147483648 of seq_lengths .* " + INT32_LIMIT):
+        _pack_sequences_for_megatron(ids, lengths, 1, 2**31, **kw)
+
+
+def test_int32_limit_in_the_other_entry_points():
+    from nn_data.megatron_data import PackOptions, _prepare_vlm_batch_for_megatron, get_packed_seq_cp_partition_indices
+    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+
+    with pytest.raises(PackingError, match=r"buckets entry=4294967296 " + INT32_LIMIT):
+        PackOptions(buckets=[4096, 2**32])
+    with pytest.raises(PackingError, match=r"pad_full_seq_to=2147483648 " + INT32_LIMIT):
+        _prepare_vlm_batch_for_megatron(coded_batch([3, 5], 8), torch.tensor([3, 5]), 4, pad_full_seq_to=2**31)
+    params = megatron_parallel.make_packed_seq_params(torch.tensor([0, 8], dtype=torch.int32), 8, None)
+    with pytest.raises(PackingError, match=r"total_tokens=2147483648 " + INT32_LIMIT):
+        get_packed_seq_cp_partition_indices(params, total_tokens=2**31, cp_size=2, cp_rank=0, device="cpu")
+    data = BatchedDataDict(input_ids=coded_batch([3, 5], 8), input_lengths=torch.tensor([3, 5]))
+    args = {"input_key": "input_ids", "input_lengths_key": "input_lengths", "algorithm": "first_fit_decreasing",
+            "sequence_length_pad_multiple": 1, "max_tokens_per_microbatch": 2**31}
+    with pytest.raises(PackingError, match=r"max_tokens_per_microbatch=2147483648 " + INT32_LIMIT):
+        data.shard_by_batch_size(1, sequence_packing_args=args)
+    with pytest.raises(PackingError, match=r"max_tokens_per_microbatch=2147483648 " + INT32_LIMIT):
+        data.plan_sequence_packing(2**31, 1, "input_lengths")
+
+
+def test_lengths_on_a_device_without_values_name_both_devices():
+    ids, lengths = coded_batch([8, 5, 7], 8), torch.tensor([8, 5, 7])
+    with pytest.raises(PackingError, match=r"seq_lengths is on meta but input_ids is on cpu"):
+        _pack_sequences_for_megatron(ids, lengths.to("meta"), 4)
+    packed, _, _, cu, cu_pad = _pack_sequences_for_megatron(ids, lengths, 4)
+    with pytest.raises(PackingError, match=r"seq_lengths is on meta but output_tensor is on cpu"):
+        _unpack_sequences_from_megatron(packed, lengths.to("meta"), cu, cu_pad, 3, 8)
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded is on meta but output_tensor is on cpu"):
+        _unpack_sequences_from_megatron(packed, lengths, cu, cu_pad.to("meta"), 3, 8)
+
+
+def test_unpack_checks_the_boundaries_nemo_rl_reads_unchecked():
+    lengths = [25, 94, 20]
+    ids, (packed, _, _, cu, cu_pad) = _pack(lengths, 100, 8, 1, 160)  # cu_pad [0, 32, 128, 160]
+    out = _unpack_sequences_from_megatron(packed, torch.tensor(lengths), cu, cu_pad, 3, 100)
+    assert torch.equal(out, torch.where(torch.arange(100) < torch.tensor(lengths)[:, None], ids, 0))
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded=\[0, 25, 119, 139\] is invalid for a packed length "
+                                           r"T=160 .*it must start at 0, never decrease and end at 160"):
+        _unpack_sequences_from_megatron(packed, torch.tensor(lengths), cu, cu, 3, 100)  # unpadded where padded belongs
+    with pytest.raises(PackingError, match=r"seq_lengths\[1\] = 94 does not fit its segment of cu_seqlens_padded"):
+        _unpack_sequences_from_megatron(packed, torch.tensor(lengths), cu, torch.tensor([0, 32, 100, 160]), 3, 100)
+    # Without cu_seqlens_padded NeMo-RL's contract reads the unpadded offsets: they may end before T.
+    ids, (packed, _, _, cu, _) = _pack([3, 1, 2], 3, 1, 1, 16)  # T = 16, cu [0, 3, 4, 6]
+    out = _unpack_sequences_from_megatron(packed, torch.tensor([3, 1, 2]), cu, None, 3, 3)
+    assert torch.equal(out, torch.where(ids != PAD, ids, 0))
+    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 4, 3, 6\] is invalid for a packed length T=16"):
+        _unpack_sequences_from_megatron(packed, torch.tensor([3, 0, 2]), torch.tensor([0, 4, 3, 6]), None, 3, 3)

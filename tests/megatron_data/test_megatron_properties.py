@@ -10,11 +10,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.hypothesis_profiles import examples
 from nn_data.megatron_data import PackOptions, _pack_sequences_for_megatron, _unpack_sequences_from_megatron
 from nn_data.testing.coded import PAD, coded_batch
 from nn_data.testing.reference import reference_pack, reference_shard
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

@@ -2,8 +2,9 @@
 
 The CP log-prob path with its all-gather (a functional collective inside an autograd
 Function) compiled with ``torch.compile(fullgraph=True)`` on 2 ranks under megatron-core's
-``parallel_state`` (CP=2): one frame for a stream of microbatches of one static shape
-(zero-length rows, row capacity, no rows), forward and backward equal to eager. Kept apart
+``parallel_state`` (CP=2): one frame for a stream of microbatches whose row length S varies
+(12 distinct S, 0 and 1 included) and whose row count varies under a row capacity (no rows too),
+forward and backward equal to eager. Kept apart
 from test_cp_multiprocess.py because compiling costs ~15-20 s per rank on the 2-core CPU.
 """
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch._dynamo.exc import Unsupported
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from tests.support.hypothesis_profiles import examples
 from nn_data import (
     PackingError,
     PackSequences,
@@ -104,7 +105,7 @@ def test_one_graph_for_a_stream_of_row_lengths_and_row_counts(chain):
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(STREAM)} microbatches"
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(seq_len=st.integers(0, 24), rows=st.integers(0, R), seed=st.integers(0, 2**31 - 1))
 def test_compiled_equals_eager_on_generated_cases(chain, seq_len, rows, seed):
     module, compiled, counter = chain

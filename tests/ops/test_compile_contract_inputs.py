@@ -65,6 +65,8 @@ def test_unpack_refuses_boundaries_past_t():
     compiled = torch.compile(UnpackSequences(5), fullgraph=True, backend="aot_eager")
     with pytest.raises(RuntimeError, match=r"every boundary of cu_seqlens_padded must lie in \[0, T\]"):
         compiled(packed, lengths, bounds)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_padded must start at 0, never decrease and end at T"):
+        compiled(packed, lengths, torch.tensor([0, 4, 9]))  # ends before T (unpadded boundaries, say)
     assert compiled(packed, lengths, torch.tensor([0, 4, 12])).tolist() == [[1, 2, 3, 0, 0], [5, 6, 7, 8, 9]]
     torch._dynamo.reset()
 

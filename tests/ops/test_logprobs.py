@@ -121,8 +121,12 @@ def test_no_logits_sized_temporary_in_forward_and_one_gradient_in_backward():
 def test_bad_arguments_name_the_argument_and_the_valid_values():
     r, ids, logits, _ = _inputs([5, 0, 16, 3])
     args = (r.cu_seqlens, r.cu_seqlens_padded)
-    with pytest.raises(PackingError, match="seq_len=0 is invalid"):
-        TokenLogProbs(0)
+    with pytest.raises(PackingError, match=r"seq_len=-1 is invalid; expected an int >= 0 or None"):
+        TokenLogProbs(-1)
+    with pytest.raises(PackingError, match=r"TokenLogProbs needs the row length S: pass seq_len= to forward"):
+        TokenLogProbs()(logits, ids, *args)
+    with pytest.raises(PackingError, match=r"seq_len=-2 is invalid; expected an int >= 0"):
+        TokenLogProbs(S)(logits, ids, *args, seq_len=-2)
     with pytest.raises(PackingError, match="logits must be floating point"):
         TokenLogProbs(S)(ids, ids, *args)
     with pytest.raises(PackingError, match=r"pass the full packed ids \[1, 48\]"):
@@ -135,6 +139,32 @@ def test_bad_arguments_name_the_argument_and_the_valid_values():
         TokenLogProbs(S)(logits, bad, *args)
     with pytest.raises(PackingError, match="must start at 0, never decrease and end at 48"):
         TokenLogProbs(S)(logits, ids, r.cu_seqlens, r.cu_seqlens_padded.clamp(max=40))
+
+
+def test_row_length_per_call_equals_the_reference_for_every_s():
+    """``seq_len=`` in forward overrides the configured S (0 and 1 included), as UnpackSequences."""
+    op = TokenLogProbs(chunk_tokens=5)
+    for row_len in (0, 1, 3, 16, 20):
+        lengths = [min(n, row_len) for n in (5, 0, 16, 3)]
+        r, ids, logits, weight = _inputs(lengths, seed=row_len)
+        out = op(logits, ids, r.cu_seqlens, r.cu_seqlens_padded, seq_len=row_len)
+        ref = reference_token_logprobs(logits, ids, r.cu_seqlens, r.cu_seqlens_padded, row_len)
+        assert out.shape == (4, row_len)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    configured = TokenLogProbs(16)  # the configured S still applies without seq_len
+    r, ids, logits, _ = _inputs([5, 0, 16, 3])
+    assert configured(logits, ids, r.cu_seqlens, r.cu_seqlens_padded).shape == (4, 16)
+    assert configured(logits, ids, r.cu_seqlens, r.cu_seqlens_padded, seq_len=20).shape == (4, 20)
+
+
+def test_boundaries_are_checked_as_unpack_checks_them():
+    r, ids, logits, _ = _inputs([5, 0, 16, 3])  # T = 48: cu_seqlens ends at 24
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded=\[0, 5, 5, 21, 24\] is invalid for a packed length "
+                                           r"T=48; it must start at 0, never decrease and end at 48"):
+        TokenLogProbs(S)(logits, ids, r.cu_seqlens, r.cu_seqlens)  # cu_seqlens where cu_seqlens_padded belongs
+    with pytest.raises(PackingError, match=r"sequence 2 has length 16 \(from cu_seqlens\), which does not fit its "
+                                           r"padded segment"):
+        TokenLogProbs(S)(logits, ids, r.cu_seqlens, torch.tensor([0, 6, 6, 12, 48]))
 
 
 def test_gather_without_torch_distributed_is_the_identity():
@@ -163,6 +193,45 @@ def test_compiled_forward_and_backward_match_eager_with_one_frame():
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1
+
+
+ROW_LENGTHS = (5, 0, 1, 16, 3, 9, 2, 12, 7, 4, 11, 6, 0, 1)  # 12 distinct S, 0 and 1 among them, again at the end
+
+
+@pytest.mark.compile
+def test_compiled_over_a_stream_of_row_lengths_is_one_graph_and_equals_eager():
+    """A log-prob step whose row length S varies per microbatch: ``seq_len=like.shape[1]`` of a
+    ``[R, S]`` tensor marked with ``with_dynamic_row_length`` keeps one graph for 12 distinct S
+    (0 and 1 included) and any row count under a row capacity; forward and backward equal eager."""
+    from nn_data import PackSequences, pad_to_row_capacity
+    from nn_data.rows import with_dynamic_row_length
+    from nn_data.testing.coded import coded_batch
+
+    op = TokenLogProbs(chunk_tokens=16)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+
+    def step(logits, ids, cu, cu_pad, like):
+        return op(logits, ids, cu, cu_pad, seq_len=like.shape[1])
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(0)
+    for row_len in ROW_LENGTHS:
+        rows = int(torch.randint(0, 5, (), generator=gen))
+        lengths = torch.randint(0, row_len + 1, (rows,), generator=gen)
+        padded = pad_to_row_capacity(coded_batch(lengths.tolist(), row_len), lengths, 4)
+        r = PackSequences(2, pad_full_seq_to=64)(padded.x, padded.seq_lengths, padded.num_rows)
+        ids = (r.packed * 5 + 1) % V
+        logits = torch.randn(1, 64, V, generator=gen)
+        weight = torch.randn(4, row_len, generator=gen)
+        args = (ids, r.cu_seqlens, r.cu_seqlens_padded)
+        out, grad = _grad(lambda x: compiled(x, *args, with_dynamic_row_length(padded.x)), logits, weight)
+        ref, ref_grad = _grad(lambda x: op(x, *args, seq_len=row_len), logits, weight)
+        assert out.shape == (4, row_len)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(set(ROW_LENGTHS))} row lengths"
+    torch._dynamo.reset()
 
 
 def test_runs_on_meta_tensors_so_it_never_reads_values_on_the_host():

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
 
+from tests.support.hypothesis_profiles import examples
 from nn_data import (
     PackSequences,
     ShardForContextParallel,
@@ -95,7 +96,7 @@ def test_stream_of_microbatches_compiles_once(compiled_chain):
 
 
 @pytest.mark.compile
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(rows=st.integers(0, R), seed=st.integers(0, 2**31 - 1))
 def test_compiled_equals_eager_on_random_microbatches(compiled_chain, rows, seed):
     chain, compiled, counter = compiled_chain
@@ -120,6 +121,9 @@ def test_compiled_device_asserts_refuse_bad_data(compiled_chain):
     compiled_big = torch.compile(big, fullgraph=True, backend="aot_eager")
     with pytest.raises(RuntimeError, match=r"exceeds pad_full_seq_to=188"):
         compiled_big(x, too_long)
+    overflow = torch.compile(PackSequences(pad_packed_seq_to_multiple_of=2**31), fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"the packed total of seq_lengths exceeds 2147483647 \(2\*\*31 - 1\)"):
+        overflow(x, too_long)  # T learned from the data: the int32 limit is a device assert
 
 
 @pytest.mark.compile

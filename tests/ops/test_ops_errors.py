@@ -116,6 +116,8 @@ def test_num_rows_errors():
 def test_row_capacity_errors():
     with pytest.raises(PackingError, match=r"the batch has 3 rows, more than capacity=2; raise capacity to at least 3"):
         pad_to_row_capacity(X, torch.tensor([1, 2, 3]), capacity=2)
+    with pytest.raises(PackingError, match=r"more than row_capacity=2; raise row_capacity to at least 3"):
+        pad_to_row_capacity(X, torch.tensor([1, 2, 3]), capacity=2, name="row_capacity")
     with pytest.raises(PackingError, match=r"capacity=-1 is invalid; expected an int >= 0"):
         pad_rows(X, -1)
 
@@ -173,3 +175,66 @@ def test_pack_with_layout_shape_mismatch():
     r = PackSequences()(X, torch.tensor([1, 2, 3]))
     with pytest.raises(PackingError, match=r"the layout was built for \[B, S\] = \[3, 4\], so x must be \[3, 4, \*\]"):
         r.layout.pack(torch.zeros(3, 5))
+
+
+INT32_LIMIT = r"exceeds 2147483647 \(2\*\*31 - 1\), the largest packed length or boundary that int32 cu_seqlens can hold"
+
+
+def test_packed_lengths_int32_boundaries_cannot_hold_are_refused():
+    with pytest.raises(PackingError, match=r"pad_full_seq_to=2147483648 " + INT32_LIMIT):
+        PackSequences(pad_full_seq_to=2**31)
+    assert PackSequences(pad_full_seq_to=2**31 - 1).pad_full_seq_to == 2**31 - 1  # the limit itself is fine
+    with pytest.raises(PackingError, match=r"= 2147483648 of seq_lengths " + INT32_LIMIT):  # a data-dependent T
+        PackSequences(pad_packed_seq_to_multiple_of=2**31)(X, torch.tensor([1, 2, 3]))
+    huge = torch.empty(1, 2**31, device="meta")  # a packed tensor too long for int32 boundaries
+    with pytest.raises(PackingError, match=r"the packed length T=2147483648 of packed " + INT32_LIMIT):
+        ShardForContextParallel(2, 0)(huge, torch.tensor([0, 2**31], device="meta"))
+    with pytest.raises(PackingError, match=r"the packed length T=2147483648 of packed " + INT32_LIMIT):
+        UnpackSequences(4)(huge, torch.tensor([1], device="meta"), torch.tensor([0, 2**31], device="meta"))
+
+
+def test_packed_forward_refuses_a_packed_length_over_int32():
+    from nn_data import PackedForward
+
+    with pytest.raises(PackingError, match=r"pad_full_seq_to=4294967296 " + INT32_LIMIT):
+        PackedForward(torch.nn.Identity(), pad_full_seq_to=2**32)
+
+
+def test_unpack_boundaries_rise_from_zero_to_t():
+    # Packed with m = 4 into T = 40: cu_seqlens [0, 5, 12], cu_seqlens_padded [0, 8, 40].
+    x = torch.arange(1, 17).view(2, 8)
+    lengths = torch.tensor([5, 7])
+    r = PackSequences(4, pad_full_seq_to=40)(x, lengths)
+    unpack = UnpackSequences(8)
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded=\[0, 5, 12\] is invalid for a packed length T=40 "
+                       r"\(T = packed.shape\[1\]\); it must start at 0, never decrease and end at 40 \(cu_seqlens, "
+                       r"the unpadded boundaries, passed where cu_seqlens_padded belongs\?\)"):
+        unpack(r.packed, lengths, r.cu_seqlens)
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded=\[0, 8, 32\] is invalid for a packed length T=40"):
+        unpack(r.packed, lengths, torch.tensor([0, 8, 32]))  # ends before T
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded=\[4, 8, 40\] is invalid"):
+        unpack(r.packed, torch.tensor([4, 7]), torch.tensor([4, 8, 40]))  # does not start at 0
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded=\[0, 20, 12, 40\] is invalid"):
+        UnpackSequences(8)(r.packed, torch.tensor([5, 0, 7]), torch.tensor([0, 20, 12, 40]))  # decreases
+    with pytest.raises(PackingError, match=r"seq_lengths\[1\] = 7 does not fit its segment of cu_seqlens_padded"):
+        unpack(r.packed, lengths, torch.tensor([0, 36, 40]))  # segment 1 is 4 long
+    assert torch.equal(unpack(r.packed, lengths, r.cu_seqlens_padded), torch.where(torch.arange(8) < lengths[:, None], x, 0))
+    # No sequence: [T] is the padding pseudo-segment [0, T]; any other single boundary is refused.
+    assert UnpackSequences(8)(r.packed, torch.zeros(0, dtype=torch.int64), torch.tensor([40])).shape == (0, 8)
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded=\[32\] is invalid for a packed length T=40"):
+        UnpackSequences(8)(r.packed, torch.zeros(0, dtype=torch.int64), torch.tensor([32]))
+
+
+def test_unpack_offsets_mode_allows_unpadded_boundaries_ending_before_t():
+    from nn_data.unpack import unpack_sequences
+
+    packed = torch.arange(1, 11).view(1, 10)  # two sequences of 3 and 4, then 3 padding positions
+    out = unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 7]), 4, offsets="unpadded")
+    assert out.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
+    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 3, 12\] is invalid|cu_seqlens\[2\] = 12 is outside"):
+        unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 12]), 4, offsets="unpadded")
+    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 5, 3\] is invalid for a packed length T=10 .* end at "
+                       r"most at 10"):
+        unpack_sequences(packed, torch.tensor([3, 0]), torch.tensor([0, 5, 3]), 4, offsets="unpadded")
+    with pytest.raises(PackingError, match=r"offsets='cu' is invalid; expected 'padded' or 'unpadded'"):
+        unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 7]), 4, offsets="cu")

@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support import hypothesis_profiles
+from tests.support.hypothesis_profiles import examples
 import nn_data.layout
 from nn_data import (
     PackSequences,
@@ -26,7 +29,7 @@ from nn_data import (
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack
 from nn_data.testing.coded import coded_batch, valid_mask
 
-SETTINGS = settings(max_examples=150, deadline=None)
+SETTINGS = settings(max_examples=examples(150), deadline=None)
 
 
 def _round_up(x, m):
@@ -135,3 +138,25 @@ def test_row_capacity_padding_changes_nothing_in_real_rows(case, extra_rows):
     out = UnpackSequences(case["seq_len"])(r.packed, padded.seq_lengths, r.cu_seqlens_padded)
     assert torch.equal(out[:rows], UnpackSequences(case["seq_len"])(plain.packed, lengths, plain.cu_seqlens_padded))
     assert not out[rows:].any()
+
+
+@pytest.mark.parametrize("form", ["auto", "scatter", "gather"])
+@pytest.mark.parametrize("seq_len", [0, 5])
+def test_unpack_of_a_batch_without_rows_in_every_form(form, seq_len):
+    # The case a random draw found: lengths = [], seq_len = 0, scatter form (an IndexError before).
+    packed = torch.arange(8).view(1, 8)
+    no_lengths = torch.zeros(0, dtype=torch.int64)
+    for total, bounds in ((8, [8]), (0, [0])):
+        with layout_form(form):
+            out = UnpackSequences(seq_len)(packed[:, :total], no_lengths, torch.tensor(bounds))
+        assert out.shape == (0, seq_len) and out.dtype == packed.dtype
+
+
+def test_the_suite_draws_deterministic_examples_without_a_database():
+    """The ``ci`` profile (the default; tests/support/hypothesis_profiles.py): the same examples on every
+    run and machine, nothing read from or written to ``.hypothesis/``."""
+    if hypothesis_profiles.profile_name() != "ci":
+        pytest.skip("NN_DATA_HYPOTHESIS_PROFILE selects the exploration profile")
+    for s in (settings.default, SETTINGS):
+        assert s.derandomize and s.database is None
+    assert examples(150) == 150

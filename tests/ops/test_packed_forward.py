@@ -127,3 +127,26 @@ def test_configuration_errors():
         PackedForward(lambda *a: a[0])(torch.arange(5), torch.tensor([5]))
     with pytest.raises(PackingError, match=r"row_capacity=0 is invalid"):
         PackedForward(lambda *a: a[0], row_capacity=0)
+
+
+def test_more_rows_than_row_capacity_names_row_capacity(model):
+    ids, lens = _batch([3, 5, 1])
+    wrapped = PackedForward(model, pad_full_seq_to=64, row_capacity=2)
+    with pytest.raises(PackingError, match=r"the batch has 3 rows, more than row_capacity=2; raise row_capacity to "
+                                           r"at least 3"):
+        wrapped(ids, lens)
+
+
+def test_example_script_pads_to_a_multiple_of_2cp_for_every_cp():
+    """``python -m scripts.packed_forward_example --cp N``: ``--multiple`` is rounded up to a multiple of
+    ``2N`` and ``pad_full_seq_to`` is a multiple of it, so PackedForward accepts the configuration for
+    every N from 1 to 8 (the spawned runs themselves: tests/multiprocess/test_examples_multiprocess.py)."""
+    from scripts import packed_forward_example
+
+    for cp in range(1, 9):
+        args = packed_forward_example.parse_args(["--cp", str(cp)])
+        multiple, full = packed_forward_example.padding(args)
+        assert multiple % (2 * cp) == 0 and multiple >= args.multiple and full % multiple == 0, (cp, multiple, full)
+        assert full >= args.rows * multiple * -(-args.seq_len // multiple)  # every full row fits
+        _check_cp_config(cp, PackSequences(multiple, 1, full))
+    assert packed_forward_example.padding(packed_forward_example.parse_args(["--cp", "3"])) == (12, 576)

@@ -14,6 +14,7 @@ import torch._dynamo.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.hypothesis_profiles import examples
 from tests.support.cp_cases import make_microbatch, pack_single
 from nn_data import NextTokenTargets, PackingError, PackSequences, PositionIds, pad_to_row_capacity
 from nn_data.testing.reference import reference_next_token_targets, reference_position_ids, reference_shard
@@ -68,7 +69,7 @@ def _pack(lengths, seq_len, m, pad_full, capacity, cp_size):
     return PackSequences(m, p, pad_full)(code, lens, num_rows)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(packed_batches())
 def test_positions_and_targets_match_the_references_on_every_rank(case):
     cp_size, lengths, seq_len, m, pad_full, capacity = case

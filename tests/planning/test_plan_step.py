@@ -177,7 +177,7 @@ def test_a_microbatch_count_that_ffd_needs_more_of_is_refused_naming_what_fits()
      r" to at least 16$"),
     (dict(pad_full_seq_to=18, layout=ParallelLayout(dp=2, cp=2)), r"^pad_full_seq_to=18 is not a multiple of 4, the "
                                                                    r"alignment of this layout .* e\.g\. 20$"),
-    (dict(pad_full_seq_to=2**31), r"^pad_full_seq_to=2147483648 overflows the int32 cu_seqlens"),
+    (dict(pad_full_seq_to=2**31), r"^pad_full_seq_to=2147483648 exceeds 2147483647 \(2\*\*31 - 1\)"),
     (dict(pad_full_seq_to=None), r"^pad_full_seq_to=None is invalid; expected an int >= 1"),
     (dict(microbatches_per_rank=0), r"^microbatches_per_rank=0 is invalid; expected None or an int >= 1"),
     (dict(balance="flops"), r"^balance='flops' is invalid; expected one of \['work', 'tokens', 'nemo-rl'\]"),

@@ -22,6 +22,7 @@ from nn_data import (
     ShardForContextParallel,
     TokenLogProbs,
     pad_rows,
+    pad_to_row_capacity,
 )
 from nn_data.errors import PackingError
 from nn_data.megatron_parallel import context_parallel_info, tensor_parallel_info
@@ -295,30 +296,46 @@ def case_logprobs_vocab_parallel():
     return (cp.rank, tp.rank)
 
 
+ROW_LENGTHS = (5, 0, 1, 16, 3, 9, 2, 12, 7, 4, 11, 6, 0, 1)  # 12 distinct S, 0 and 1 among them, again at the end
+
+
 def case_compiled_logprobs():
     """TokenLogProbs with its CP all-gather under torch.compile(fullgraph=True): one frame for a
-    stream of microbatches of one static shape, forward and backward equal to eager."""
+    stream of microbatches whose row length S varies (0 and 1 included, ``seq_len=x.shape[1]`` of a
+    tensor marked with ``with_dynamic_row_length``) and whose row count varies under a row capacity,
+    forward and backward equal to eager (eager given ``seq_len=S`` as an int)."""
     import torch._dynamo.testing
 
+    from nn_data.rows import with_dynamic_row_length
+
     cp = context_parallel_info()
-    op = TokenLogProbs(SEQ_LEN, cp_group=cp.group, chunk_tokens=16)
+    op = TokenLogProbs(cp_group=cp.group, chunk_tokens=16)
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-    compiled = torch.compile(op, fullgraph=True, backend=counter)
+
+    def step(logits, ids, cu, cu_pad, like):
+        return op(logits, ids, cu, cu_pad, seq_len=like.shape[1])
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
     shard = ShardForContextParallel(cp.size, cp.rank)
-    stream = [make_microbatch(n, cp.size, pad_full_seq_to=80, capacity=4)
-              for n in ([5, 0, 16, 3], [0, 0, 0, 0], [16, 16, 16, 16], [1, 7], [])]
-    for i, mb in enumerate(stream):
-        r, ids, full, weight = _logprob_inputs(mb, 60 + i)
-        full, weight = full.float(), weight.float()
-        args = (ids, r.cu_seqlens, r.cu_seqlens_padded)
+    gen = torch.Generator().manual_seed(60)  # the same draws on every rank
+    for row_len in ROW_LENGTHS:
+        rows = int(torch.randint(0, 5, (), generator=gen))
+        lengths = torch.randint(0, row_len + 1, (rows,), generator=gen)
+        padded = pad_to_row_capacity(coded_batch(lengths.tolist(), row_len), lengths, 4)
+        r = PackSequences(2 * cp.size, pad_full_seq_to=80)(padded.x, padded.seq_lengths, padded.num_rows)
+        ids = (r.packed * 7 + 3) % VOCAB
+        full = torch.randn(1, 80, VOCAB, generator=gen)
+        weight = torch.randn(4, row_len, generator=gen)
         results = []
-        for fn in (compiled, op):
+        for fn in (lambda x: compiled(x, ids, r.cu_seqlens, r.cu_seqlens_padded, with_dynamic_row_length(padded.x)),
+                   lambda x: op(x, ids, r.cu_seqlens, r.cu_seqlens_padded, seq_len=row_len)):
             local = shard(full, r.cu_seqlens_padded).clone().requires_grad_()
-            out = fn(local, *args)
+            out = fn(local)
             (out * weight).sum().backward()
             results.append((out.detach(), local.grad))
         (out_c, grad_c), (out_e, grad_e) = results
+        assert out_c.shape == (4, row_len)
         torch.testing.assert_close(out_c, out_e, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grad_c, grad_e, rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1, f"{counter.frame_count} frames compiled"

@@ -1,0 +1,27 @@
+"""Tier: CPU multi-process over gloo (the example spawns its ranks itself on 127.0.0.1).
+
+``python -m scripts.packed_forward_example --cp N`` runs for a CP size that is not a power of two
+(N = 3: ``--multiple 8`` becomes 12) and prints packed == alone. Every N from 1 to 8 is checked
+without spawning in tests/ops/test_packed_forward.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("cp", [3])
+def test_packed_forward_example_runs_with_cp(cp):
+    run = subprocess.run([sys.executable, "-m", "scripts.packed_forward_example", "--cp", str(cp), "--microbatches", "2",
+                          "--rows", "3", "--seq-len", "16", "--dim", "16", "--layers", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert f"C = {cp}" in run.stdout and len(rows) == 2, run.stdout
+    assert all(float(r[4]) < 1e-5 for r in rows), run.stdout
