@@ -243,7 +243,7 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
         raise PackingError(f"Sequence length {int(padded[over[0]])} exceeds bin capacity {budget} (row {over[0]}, "
                            f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
     layout, options = _packing_layout(args, shards)
-    layout.check_packed_length(budget, "sequence_packing_args['max_tokens_per_microbatch']")
+    layout.check_packed_length(budget, "max_tokens_per_microbatch")
     rows = [[] for _ in range(shards)]
     indices = [[] for _ in range(shards)]
     loads = [[] for _ in range(shards)]

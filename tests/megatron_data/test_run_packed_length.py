@@ -168,7 +168,7 @@ def test_balanced_sharding_takes_a_parallel_layout():
     (dict(parallel_layout=ParallelLayout(dp=2, cp=4)), r"make_sequence_length_divisible_by \(4\) is not a multiple of "
                                                        r"minimum_pad_factor \(8\)"),
     (dict(parallel_layout=ParallelLayout(dp=2, fp8_recipe="tensorwise")),
-     r"^sequence_packing_args\['max_tokens_per_microbatch'\]=32 is not a multiple of 16"),
+     r"^max_tokens_per_microbatch=32 is not a multiple of 16"),
     (dict(balance="rows"), r"^balance='rows' is invalid"),
     (dict(microbatches_per_rank=1), r"^microbatches_per_rank=1 cannot hold the step"),
 ])
