@@ -106,17 +106,25 @@ def greedy_assignment(order: Sequence[int], need: Sequence[int], weight: Sequenc
         bins[chosen][node - leaves].append(i)
         tree[base + node] -= n
         node >>= 1
-        while node:
-            tree[base + node] = max(tree[base + 2 * node], tree[base + 2 * node + 1])
-            node >>= 1
+        while node:  # refresh the maxima upwards, stopping where one does not change
+            a, b = tree[base + 2 * node], tree[base + 2 * node + 1]
+            best = a if a > b else b
             steps += 1
+            if tree[base + node] == best:
+                break
+            tree[base + node] = best
+            node >>= 1
         node = rleaves + chosen
         rtree[node] = tree[base + 1]
         node >>= 1
         while node:
-            rtree[node] = max(rtree[2 * node], rtree[2 * node + 1])
-            node >>= 1
+            a, b = rtree[2 * node], rtree[2 * node + 1]
+            best = a if a > b else b
             steps += 1
+            if rtree[node] == best:
+                break
+            rtree[node] = best
+            node >>= 1
         load[chosen] += weight[i]
         version[chosen] += 1
         heapq.heappush(heap, (load[chosen], chosen, version[chosen]))
