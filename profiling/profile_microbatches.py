@@ -90,9 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kernel-names", action="store_true",
                     help="name every fused kernel in the traces (inductor's cpp.enable_kernel_profile; "
                          "costs time on every compiled call, so off by default)")
-    ap.add_argument("--guard-eval", choices=GUARD_EVAL, default="skip-unsafe",
+    ap.add_argument("--guard-eval", choices=GUARD_EVAL, default=None,
                     help="compiled modes' steady calls: evaluate only the guards that tell graphs apart "
-                         "(skip-unsafe, default; the sync and trace passes keep every guard) or all (full)")
+                         "(skip-unsafe, default; the sync and trace passes keep every guard) or all (full, the "
+                         "default with --packed-length step, whose graphs differ in the pipeline they were built for)")
     ap.add_argument("--compile-cache", default=None, metavar="DIR",
                     help="reuse compiled artifacts across runs: inductor's cache folder and "
                          "nn_data.compile_cache artifacts in DIR (loaded if present, saved after the run)")
@@ -123,6 +124,11 @@ def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.
         args.microbatches = 32
     if args.packed_length == "step" and args.model in REAL_MODELS:
         ap.error(f"--packed-length step needs a stand-in model (--model linear|identity), not {args.model}")
+    if args.packed_length == "step" and args.guard_eval == "skip-unsafe":
+        ap.error("--guard-eval skip-unsafe with --packed-length step: one region has a graph per packed length, and "
+                 "skipping guards would run a microbatch on another length's graph; use --guard-eval full")
+    if args.guard_eval is None:
+        args.guard_eval = "full" if args.packed_length == "step" else "skip-unsafe"
     for name in ("batch_size", "max_len", "median_len", "max_tokens", "microbatches", "steps", "dp", "passes",
                  "cp_size", "multiple", "vocab", "hidden", "out_features", "sync_steps", "trace_steps"):
         if getattr(args, name) is None:

@@ -172,6 +172,7 @@ def test_help_runs_in_a_fresh_process():
     (["--dp", "0"], "--dp=0 is invalid"),
     (["--steps", "2", "--microbatches", "8"], "--steps and --microbatches cannot both be given"),
     (["--packed-length", "step", "--model", "hf"], "--packed-length step needs a stand-in model"),
+    (["--packed-length", "step", "--guard-eval", "skip-unsafe"], "skipping guards would run a microbatch on another"),
     (["--modes", "fast"], "invalid choice: 'fast'"),
 ])
 def test_bad_flags_name_the_flag(argv, message, capsys):
