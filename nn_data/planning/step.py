@@ -34,7 +34,7 @@ import torch
 from nn_data._index import round_up
 from nn_data.errors import PackingError
 from nn_data.planning.alignment import ParallelLayout
-from nn_data.planning.balance import bins_to_ranks, greedy_assignment, refine
+from nn_data.planning.balance import bins_to_ranks, greedy_assignment, refine, spread
 from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last, first_fit_decreasing
 
 BALANCE_MODES = ("work", "tokens", "nemo-rl")
@@ -286,9 +286,11 @@ def _assign(order, need, need_of, weight_of, total, dp, given, lower):
         if ranks is not None:
             return ranks, steps + more
     k = ffd_k if given is None else given
-    if k < ffd_k:
-        needed = len(_assign(order, need, need_of, weight_of, total, dp, None, lower)[0][0])  # error path only
-        raise _too_small(given, needed, int(need.sum()), dp, total)
+    if k < ffd_k:  # the given count: a plan with fewer microbatches spread to it, else refused
+        fewer, more = _assign(order, need, need_of, weight_of, total, dp, None, lower)
+        if len(fewer[0]) > given:
+            raise _too_small(given, len(fewer[0]), int(need.sum()), dp, total)
+        return [spread(rank, given) for rank in fewer], steps + more
     bin_weight = [math.fsum(weight_of[i] for i in b) for b in ffd.bins]
     return bins_to_ranks(ffd.bins, bin_weight, dp, k), steps
 
