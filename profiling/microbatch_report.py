@@ -143,7 +143,10 @@ def write_chart(path: str, results: list[ModeResult], title: str, rows: Optional
             steps.plot([s * 1e3 for s in r.step_s], marker="o", markersize=3, linewidth=1, label=label)
     steps.set_xlabel("training step (steady state, all passes)")
     steps.set_ylabel("time per step (ms)")
-    steps.legend(fontsize=7)
+    if any(r.step_s for r in results):
+        steps.legend(fontsize=7)
+    else:
+        steps.text(0.5, 0.5, "no complete step timed", ha="center", va="center", transform=steps.transAxes)
     steps.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
