@@ -120,7 +120,8 @@ def unsupported_reason() -> "str | None":
     version = megatron_version()
     if version.startswith(SUPPORTED_RELEASES):
         return None
-    tested = " and ".join(f"{r}x" for r in SUPPORTED_RELEASES)
+    series = [f"{r}x" for r in SUPPORTED_RELEASES]
+    tested = " and ".join([", ".join(series[:-1]), series[-1]] if len(series) > 1 else series)
     return (f"megatron-core {version} on a CPU-only torch: nn_data's CPU patches (nn_data/adapters/_megatron_cpu.py) "
             f"are tested on megatron-core {tested} only; run on a GPU or install megatron-core==0.16.1 "
             "(Python 3.11) or 0.19.2 (Python 3.12)")

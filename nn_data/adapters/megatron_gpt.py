@@ -173,7 +173,7 @@ def rotary_from_sequence_start(params, total: int):
     every sequence from position 0, as when it runs alone.
 
     Why: megatron-core sizes its frequency table by ``max(max_seqlen_q, max_seqlen_kv)``, and
-    its unfused THD RoPE (0.16 to 0.19) treats a table of exactly ``cu_seqlens[-1] = T`` rows as
+    its unfused THD RoPE (0.16.x, 0.19.x) treats a table of exactly ``cu_seqlens[-1] = T`` rows as
     "positions of the whole pack" and rotates each token by its absolute packed position: exact in
     real arithmetic, but bf16 and float32 angles lose precision as the position grows. ``T + 1``
     bounds every segment (megatron-core only needs a bound) and is never ``T``; 0.20's vectorised

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The second CI job: the megatron-core-facing tests on megatron-core 0.19.2 and Python 3.12.
+# Creates .venv-mcore019 once (pins: constraints-mcore019.txt; the first run downloads about
+# 1.4 GB, torch's CUDA build, which runs on the CPU), then runs pytest on tests/megatron_data,
+# tests/models and tests/multiprocess. Arguments go to pytest; a test path among them replaces those three.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+python312() {  # a working Python 3.12: $NN_DATA_PYTHON, python3.12, or pyenv's 3.12
+    local candidate
+    for candidate in "${NN_DATA_PYTHON:-}" python3.12; do
+        if [ -n "$candidate" ] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+            echo "$candidate"; return
+        fi
+    done
+    if command -v pyenv > /dev/null; then  # a pyenv shim answers "not found" while 3.12 is not selected
+        for candidate in "$(pyenv root)"/versions/3.12*/bin/python3.12; do
+            if [ -x "$candidate" ]; then echo "$candidate"; return; fi
+        done
+    fi
+    echo "test_mcore019: no Python 3.12 found (set NN_DATA_PYTHON)" >&2
+    return 1
+}
+
+NN_DATA_PYTHON="$(python312)"
+export NN_DATA_PYTHON NN_DATA_VENV="${NN_DATA_MCORE019_VENV:-$root/.venv-mcore019}"
+export NN_DATA_CONSTRAINTS="$root/constraints-mcore019.txt"
+# shellcheck disable=SC1091
+. "$root/scripts/setup_env.sh"
+paths=1  # the default test paths, unless an argument names one (anything not starting with "-")
+for arg in "$@"; do
+    case "$arg" in -*) ;; *) paths=0 ;; esac
+done
+if [ "$paths" -eq 1 ]; then
+    set -- "$@" tests/megatron_data tests/models tests/multiprocess
+fi
+python -m pytest -q "$@"
