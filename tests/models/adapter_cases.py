@@ -130,7 +130,8 @@ def case_empty_microbatch() -> dict:
 
 def case_megatron_config_cp() -> float:
     """A GPTModel whose config says ``context_parallel_size = C`` (as megatron-core users set it; the
-    stock DotProductAttention refuses it) gives the same packed outputs as one whose config says 1."""
+    stock DotProductAttention refuses it) gives the same packed outputs as one whose config says 1;
+    the PackedSeqParams carry the CP group PackedForward was given."""
     from nn_data.adapters import MegatronGPTAdapter
     from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
 
@@ -140,8 +141,11 @@ def case_megatron_config_cp() -> float:
     models = [tiny_gpt_model(config), tiny_gpt_model(tiny_gpt_config(dtype=torch.float64))]
     lengths, full = batches(cp.size)[0]
     ids, lens = coded_ids(lengths, torch.Generator().manual_seed(1)), torch.tensor(lengths)
-    outs = [PackedForward(MegatronGPTAdapter(m), cp_group=cp.group, pad_individual_seqs_to_multiple_of=2 * cp.size,
-                          pad_full_seq_to=full, make_packed_seq_params=True)(ids, lens) for m in models]
+    wrapped = [PackedForward(MegatronGPTAdapter(m), cp_group=cp.group, pad_individual_seqs_to_multiple_of=2 * cp.size,
+                             pad_full_seq_to=full, make_packed_seq_params=True) for m in models]
+    params = wrapped[0].prepare(ids, lens).packed.packed_seq_params
+    assert params.cp_group is cp.group and params.local_cp_size is None  # the group the tokens were sharded over
+    outs = [w(ids, lens) for w in wrapped]
     assert outs[0].abs().max() > 0
     return float((outs[0] - outs[1]).abs().max())
 
