@@ -192,12 +192,19 @@ def make_packed_seq_params(
         kwargs["cp_group"] = cp_group
     params = packed_seq_params_class()(**kwargs)  # no total_tokens yet: __post_init__ builds nothing
     if total_tokens is not None and "total_tokens" in fields:
-        params.total_tokens = int(total_tokens)
-        if "seq_idx" in fields:
-            if packed_length is None:
-                packed_length = int(padded[-1])  # sync: the caller did not pass the packed length T
-            params.seq_idx = sequence_index(padded, int(total_tokens), int(packed_length))
+        _set_total_tokens(params, padded, int(total_tokens), packed_length, "seq_idx" in fields)
     return params
+
+
+def _set_total_tokens(params, padded: torch.Tensor, total_tokens: int, packed_length: Optional[int],
+                      has_seq_idx: bool) -> None:
+    """``params.total_tokens`` and, where the release has the field, the ``seq_idx`` its
+    ``__post_init__`` would have built (:func:`sequence_index`)."""
+    params.total_tokens = total_tokens
+    if has_seq_idx:
+        if packed_length is None:
+            packed_length = int(padded[-1])  # sync: the caller did not pass the packed length T
+        params.seq_idx = sequence_index(padded, total_tokens, int(packed_length))
 
 
 def _with_start(bounds: torch.Tensor) -> torch.Tensor:
