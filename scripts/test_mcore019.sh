@@ -6,18 +6,14 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-python312() {  # a working Python 3.12: $NN_DATA_PYTHON, python3.12, or pyenv's 3.12
-    local candidate
-    for candidate in "${NN_DATA_PYTHON:-}" python3.12; do
+python312() {  # a working Python 3.12: $NN_DATA_PYTHON, python3.12, or pyenv's 3.12 (whose shim
+    local candidate  # answers "command not found" while another version is pyenv's global one)
+    local pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
+    for candidate in "${NN_DATA_PYTHON:-}" python3.12 "$pyenv_root"/versions/3.12*/bin/python3.12; do
         if [ -n "$candidate" ] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
             echo "$candidate"; return
         fi
     done
-    if command -v pyenv > /dev/null; then  # a pyenv shim answers "not found" while 3.12 is not selected
-        for candidate in "$(pyenv root)"/versions/3.12*/bin/python3.12; do
-            if [ -x "$candidate" ]; then echo "$candidate"; return; fi
-        done
-    fi
     echo "test_mcore019: no Python 3.12 found (set NN_DATA_PYTHON)" >&2
     return 1
 }
