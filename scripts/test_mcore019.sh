@@ -23,9 +23,9 @@ export NN_DATA_PYTHON NN_DATA_VENV="${NN_DATA_MCORE019_VENV:-$root/.venv-mcore01
 export NN_DATA_CONSTRAINTS="$root/constraints-mcore019.txt"
 # shellcheck disable=SC1091
 . "$root/scripts/setup_env.sh"
-paths=1  # the default test paths, unless an argument names one (anything not starting with "-")
+paths=1  # the default test paths, unless an argument names a test path (tests/models, a::node id)
 for arg in "$@"; do
-    case "$arg" in -*) ;; *) paths=0 ;; esac
+    case "$arg" in -*) ;; *) if [ -e "${arg%%::*}" ]; then paths=0; fi ;; esac
 done
 if [ "$paths" -eq 1 ]; then
     set -- "$@" tests/megatron_data tests/models tests/multiprocess
