@@ -8,7 +8,8 @@ Two jobs (``docs/design.md``, "Process groups" and "megatron-core"):
   "the world group". :func:`context_parallel_info` / :func:`tensor_parallel_info` add
   megatron-core's ``parallel_state`` as a source, for callers that use megatron.
 * **PackedSeqParams.** :func:`make_packed_seq_params` builds megatron-core's THD
-  ``PackedSeqParams``, filling only the fields the installed release has.
+  ``PackedSeqParams``, filling only the fields the installed release has, with no host sync
+  (it builds ``seq_idx`` itself, :func:`sequence_index`, where megatron-core 0.17+ would).
 
 ``import megatron.core`` costs seconds and warns about TransformerEngine/Apex, so nothing
 here imports it at module import: ``parallel_state`` is read only if some code already
@@ -141,28 +142,92 @@ def make_packed_seq_params(
     *,
     cu_seqlens: Optional[torch.Tensor] = None,
     pad_between_seqs: Optional[bool] = None,
+    packed_length: Optional[int] = None,
+    cp_group: Optional["dist.ProcessGroup"] = None,
 ) -> Any:
-    """A THD ``PackedSeqParams`` over ``cu_seqlens_padded [B+1]``.
+    """A THD ``PackedSeqParams`` over ``cu_seqlens_padded [B+1]``, with no host sync and no
+    copy of Python data to the device on every supported megatron-core release
+    (``docs/design.md``, "megatron-core").
 
-    ``cu_seqlens_q``/``_kv`` are ``cu_seqlens`` when given (the valid-token boundaries, what a
-    model that slices CP itself needs), else ``cu_seqlens_padded``; the ``*_padded`` fields are
-    always ``cu_seqlens_padded``. ``max_seqlen`` (a Python int) fills ``max_seqlen_q``/``_kv``.
-    ``total_tokens`` and ``pad_between_seqs`` are set only where the installed release has those
-    fields (megatron-core 0.16.1 has neither; None leaves a field unset). No host sync.
+    * ``cu_seqlens_*_padded`` are ``cu_seqlens_padded``; with no sequence (``B = 0``: ``[T]``)
+      megatron-core receives the padding pseudo-segment ``[0, T]`` instead (its THD code splits
+      the tokens by the boundaries' differences, which ``[T]`` does not have).
+    * ``cu_seqlens_q``/``_kv`` are ``cu_seqlens`` (the valid-token boundaries, for a model that
+      slices CP itself) when given as a tensor of its own, else the *same tensor object* as the
+      padded fields: TransformerEngine infers "no padding between sequences" from that identity.
+    * ``pad_between_seqs`` (where the release has it) is the caller's value; when
+      ``cu_seqlens`` is a tensor of its own and no value is given, True (always correct).
+    * ``max_seqlen`` (a Python int) fills ``max_seqlen_q``/``_kv``.
+    * ``total_tokens`` (where the release has it, 0.17 and newer) and ``seq_idx`` are set after
+      construction, so the release's ``__post_init__`` does not build ``seq_idx`` itself (it
+      copies a Python int to the device and calls ``repeat_interleave`` without ``output_size``);
+      :func:`sequence_index` builds the same tensor from ``packed_length``, the packed length
+      ``T`` as a Python int (``cu_seqlens_padded`` rises from 0 to it). Without
+      ``packed_length`` one host read learns it.
+    * ``cp_group`` (where the release has the field, and only when given) is the group the
+      caller sharded the tokens over. ``local_cp_size`` is left unset: megatron-core reads it as
+      hybrid context parallelism's per-sample size (multi-latent attention refuses it).
+
+    On megatron-core 0.16.x ``total_tokens``, ``seq_idx`` and ``pad_between_seqs`` do not
+    exist and stay unset (fields are detected, never assumed).
     """
-    valid = cu_seqlens if cu_seqlens is not None else cu_seqlens_padded
+    padded = _with_start(cu_seqlens_padded)
+    own_valid = cu_seqlens is not None and cu_seqlens is not cu_seqlens_padded
+    valid = _with_start(cu_seqlens) if own_valid else padded
     kwargs = dict(
         qkv_format="thd",
         cu_seqlens_q=valid,
         cu_seqlens_kv=valid,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
         max_seqlen_q=int(max_seqlen),
         max_seqlen_kv=int(max_seqlen),
     )
     fields = packed_seq_params_fields()
-    if total_tokens is not None and "total_tokens" in fields:
-        kwargs["total_tokens"] = int(total_tokens)
+    if own_valid and pad_between_seqs is None:
+        pad_between_seqs = True
     if pad_between_seqs is not None and "pad_between_seqs" in fields:
         kwargs["pad_between_seqs"] = bool(pad_between_seqs)
-    return packed_seq_params_class()(**kwargs)
+    if cp_group is not None and "cp_group" in fields:
+        kwargs["cp_group"] = cp_group
+    params = packed_seq_params_class()(**kwargs)  # no total_tokens yet: __post_init__ builds nothing
+    if total_tokens is not None and "total_tokens" in fields:
+        _set_total_tokens(params, padded, int(total_tokens), packed_length, "seq_idx" in fields)
+    return params
+
+
+def _set_total_tokens(params, padded: torch.Tensor, total_tokens: int, packed_length: Optional[int],
+                      has_seq_idx: bool) -> None:
+    """``params.total_tokens`` and, where the release has the field, the ``seq_idx`` its
+    ``__post_init__`` would have built (:func:`sequence_index`)."""
+    params.total_tokens = total_tokens
+    if has_seq_idx:
+        if packed_length is None:
+            packed_length = int(padded[-1])  # sync: the caller did not pass the packed length T
+        params.seq_idx = sequence_index(padded, total_tokens, int(packed_length))
+
+
+def _with_start(bounds: torch.Tensor) -> torch.Tensor:
+    """Boundaries as megatron-core receives them: ``[T]`` (no sequence) -> ``[0, T]``, on the
+    device and in its dtype; ``[B+1]`` with ``B > 0`` as given (the same object)."""
+    if bounds.shape[0] != 1:
+        return bounds
+    return torch.cat([torch.zeros_like(bounds), bounds])  # [2]
+
+
+def sequence_index(bounds: torch.Tensor, total_tokens: int, packed_length: int) -> torch.Tensor:
+    """megatron-core's ``PackedSeqParams.seq_idx`` (0.17 and newer): ``[1, N]`` int32, the index of
+    the sequence each position belongs to, computed as its ``__post_init__`` computes it (the
+    boundaries followed by ``total_tokens``, each difference clamped at 0, ``repeat_interleave``)
+    but with the size given: ``N = max(packed_length, total_tokens)`` for ``bounds [B+1]`` rising
+    from 0 to ``packed_length``. No host sync; ``total_tokens`` is written on the device.
+
+    Example: bounds ``[0, 16, 40]``, total_tokens 20 (a CP rank's share of T = 40) -> lengths
+    ``[16, 24, 0]`` (the last one clamped from -20) -> ``[[0]*16 + [1]*24]``, N = 40; bounds
+    ``[0, 5, 7, 11]``, total_tokens 16 -> lengths ``[5, 2, 4, 5]`` -> ``[[0]*5 + [1]*2 + [2]*4 + [3]*5]``.
+    """
+    end = torch.full((1,), total_tokens, dtype=bounds.dtype, device=bounds.device)
+    lengths = torch.diff(torch.cat([bounds, end])).clamp(min=0)  # [B+1]
+    index = torch.arange(lengths.shape[0], device=bounds.device)  # [B+1]
+    size = max(packed_length, total_tokens)
+    return torch.repeat_interleave(index, lengths, output_size=size).to(torch.int32).unsqueeze(0)  # [1, N]

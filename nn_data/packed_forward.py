@@ -39,7 +39,8 @@ class PackedInfo(NamedTuple):
     without CP) turns a local ``[1, T/C, *]`` tensor into the packed ``[1, T, *]`` (one
     all-gather, autograd-aware: use it for keys and values); ``packed_seq_params`` a
     megatron-core ``PackedSeqParams`` when requested (``max_seqlen_q = T``: the only
-    value known without a host sync).
+    value known without a host sync; ``total_tokens = T/C``, ``cp_group`` the group given to
+    :class:`PackedForward`; :func:`nn_data.megatron_parallel.make_packed_seq_params`).
     """
 
     cu_seqlens_padded: torch.Tensor
@@ -119,7 +120,7 @@ class PackedForward(nn.Module):
         super().__init__()
         self.model = model
         self.pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
-        self.cp_rank, self.cp_size, _ = group_info(cp_group, "context-parallel group")
+        self.cp_rank, self.cp_size, self._cp_group = group_info(cp_group, "context-parallel group")
         _check_cp_config(self.cp_size, self.pack)
         self.row_capacity = None if row_capacity is None else _checks.positive_int("row_capacity", row_capacity)
         self.make_packed_seq_params = bool(make_packed_seq_params)
@@ -194,7 +195,8 @@ class PackedForward(nn.Module):
         from nn_data.megatron_parallel import make_packed_seq_params
 
         total = prep.segment_ids.shape[0]  # max_seqlen = T: the only bound known without a host sync
-        return make_packed_seq_params(prep.cu_seqlens_padded, total, total // self.cp_size)
+        return make_packed_seq_params(prep.cu_seqlens_padded, total, total // self.cp_size, packed_length=total,
+                                      cp_group=self._cp_group)
 
 
 def _finish(full: torch.Tensor, seq_lengths: torch.Tensor, cu_pad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -100,8 +100,12 @@ def unpack_sequences(
     starts = cu_seqlens_padded[:-1].to(torch.int64)  # [B]
     if validate:
         _check(lengths, cu_seqlens_padded.to(torch.int64), total, seq_len, offsets)
-    if guard_or_false(total == 0) or guard_or_false(rows == 0):  # nothing to read, or no row to write
-        return packed.new_full((rows, seq_len, *trailing), fill_value)
+    if guard_or_false(rows == 0):  # no row to write: [0, S, *] made from packed, so autograd reaches it
+        return packed[0, :0].unsqueeze(1).expand(0, seq_len, *trailing).clone()  # [0, *] -> [0, 1, *] -> [0, S, *]
+    if guard_or_false(total == 0):  # nothing to read: all fill
+        out = packed.new_full((rows, seq_len, *trailing), fill_value)
+        # + the sum of the empty packed tensor (exactly 0) keeps a backward through an empty microbatch
+        return out + packed.sum().to(out.dtype) if packed.requires_grad else out
     if statically_known_true(rows * seq_len >= UNPACK_SCATTER_MIN_RATIO * total):
         return _unpack_scatter(packed, lengths, cu_seqlens_padded.to(torch.int64), seq_len, fill_value)
     # lengths [3,0,5], starts [0,4,4], S 5 -> index rows [0..4], [4..8], [4..8];

@@ -89,7 +89,12 @@ class AdapterStandIn(nn.Module):
             except ImportError:  # nn_data before make_packed_seq_params moved to megatron_parallel
                 from nn_data.megatron_data_common import make_packed_seq_params
 
-            params = make_packed_seq_params(cu_seqlens_padded, total, total)
+            import inspect
+
+            # T as a Python int keeps seq_idx (megatron-core 0.17+) sync-free; older nn_data lacks the argument.
+            takes_length = "packed_length" in inspect.signature(make_packed_seq_params).parameters
+            known = {"packed_length": total} if takes_length else {}
+            params = make_packed_seq_params(cu_seqlens_padded, total, total, **known)
         info = PackedInfo(cu_seqlens_padded, torch.tensor(total), segment_ids, query_index, self.cp_size,
                           self.cp_rank, gather, params)
         return position_ids, info

@@ -7,9 +7,9 @@ compared with the PP = 1 run and with every sequence run alone.
 Two processes over gloo on 127.0.0.1 run megatron-core's own 1F1B schedule
 (``get_forward_backward_func()`` with ``pipeline_model_parallel_size=2``): stage 0 holds the
 embedding and the first half of the layers, stage 1 the rest and the output layer.
-Microbatches with different numbers of sequences and lengths are packed by nn_data
-(``PackedForward.prepare``, ``nn_data.adapters.pipeline_forward_step``) to one constant
-``T = pad_full_seq_to``, the shape every stage's receive buffer is allocated with. The same
+Microbatches with different numbers of sequences and lengths, one of them with no sequence at
+all, are packed by nn_data (``PackedForward.prepare``, ``nn_data.adapters.pipeline_forward_step``)
+to one constant ``T = pad_full_seq_to``, the shape every stage's receive buffer is allocated with. The same
 processes then run the PP = 1 schedule on the whole model (same parameters, set from their
 global names), and each sequence alone through megatron-core's stock unpacked path. The loss is
 the sum of next-token cross-entropies over every valid token (``calculate_per_token_loss``).
@@ -34,11 +34,15 @@ from nn_data.testing.dist import destroy_model_parallel_groups
 VOCAB, SEQ_LEN = 97, 24
 
 
-def microbatches(count: int, multiple: int, seed: int = 1):
-    """``count`` microbatches ``(input_ids [B, S], seq_lengths [B])`` of 1-4 rows, zero-length rows included."""
+def microbatches(count: int, multiple: int, seed: int = 1, empty: tuple = (3,)):
+    """``count`` microbatches ``(input_ids [B, S], seq_lengths [B])`` of 1-4 rows, zero-length rows included;
+    those at the positions in ``empty`` have no row at all (``B = 0``, as a PP stream may hold)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(count):
+        if i in empty:
+            out.append((torch.zeros(0, SEQ_LEN, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
+            continue
         rows = 1 + i % 4
         lengths = torch.randint(0, SEQ_LEN + 1, (rows,), generator=gen)
         lengths[0] = max(int(lengths[0]), 2)  # at least one token pair per microbatch
@@ -84,12 +88,13 @@ def _alone(model, mbs):
     model.zero_grad(set_to_none=True)
     losses = []
     for ids, lengths in mbs:
-        loss = 0.0
+        loss = torch.zeros((), dtype=next(model.parameters()).dtype)
         for b, n in enumerate(lengths.tolist()):
             if n:
                 logits = forward_alone(model, ids[b : b + 1, :n])  # [1, n, V]
                 loss = loss + token_loss(logits, ids[b : b + 1, :n], lengths[b : b + 1])[0]
-        loss.backward()
+        if loss.requires_grad:  # an empty microbatch has nothing to differentiate
+            loss.backward()
         losses.append(loss.detach())
     return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -107,7 +112,7 @@ def _max_diff(a: dict, b: dict, names) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in names)
 
 
-def compare(dtype: torch.dtype = torch.float64, count: int = 6, multiple: int = 4, total: int = 112, seed: int = 0):
+def compare(dtype: torch.dtype = torch.float64, count: int = 7, multiple: int = 4, total: int = 112, seed: int = 0):
     """Run on every rank of a 2-process group: PP = 2, PP = 1 and per-sequence; returns this rank's
     figures (``pp2_losses``/``pp1_losses`` on the last stage, max differences, ``bitwise``)."""
     import torch.distributed as dist

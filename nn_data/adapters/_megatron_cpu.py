@@ -1,6 +1,6 @@
 """The ONLY place nn_data patches megatron-core: what a CPU-only torch needs to run a ``GPTModel``
-and the pipeline schedules. Applied only where torch cannot use CUDA, checked against
-megatron-core 0.16.x, and nowhere else.
+and the pipeline schedules. Applied only where torch cannot use CUDA, for the megatron-core
+releases in :data:`SUPPORTED_RELEASES` (each tested), and nowhere else.
 
 megatron-core assumes a GPU in a few spots that have nothing to do with the arithmetic. On a
 torch without CUDA each of them raises; here is each spot and what replaces it:
@@ -27,7 +27,8 @@ and torch itself, are untouched.
   generator (seed it with ``torch.manual_seed``).
 
 Other megatron-core releases may allocate elsewhere: :func:`apply_cpu_patches` raises for a
-release other than 0.16.x instead of patching blindly.
+release not listed instead of patching blindly (:func:`unsupported_reason` says why, for tests
+to skip with).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ import types
 
 import torch
 
-#: The megatron-core releases the patches were written and tested against.
-SUPPORTED_MINOR = "0.16."
+#: The megatron-core release series the patches are tested on: 0.16.x (Python 3.11, the main
+#: test job) and 0.19.x (Python 3.12, scripts/test_mcore019.sh). The five spots above are the
+#: same in both.
+SUPPORTED_RELEASES = ("0.16.", "0.19.")
 
 _PATCHED_MODULES = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
@@ -97,26 +100,45 @@ _SHIM = _TorchOnCpu()
 
 
 def megatron_version() -> str:
-    from megatron.core import package_info
+    """The installed megatron-core's version, e.g. ``"0.19.2"``: from its distribution metadata
+    (no import of megatron-core), else from ``megatron.core.package_info``."""
+    from importlib import metadata
 
-    return package_info.__version__
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        from megatron.core import package_info
+
+        return package_info.__shortversion__
+
+
+def unsupported_reason() -> "str | None":
+    """None when megatron-core can run here (torch can use CUDA, or the installed release is in
+    :data:`SUPPORTED_RELEASES`), else the message :func:`apply_cpu_patches` raises."""
+    if not needs_cpu_patches():
+        return None
+    version = megatron_version()
+    if version.startswith(SUPPORTED_RELEASES):
+        return None
+    series = [f"{r}x" for r in SUPPORTED_RELEASES]
+    tested = " and ".join([", ".join(series[:-1]), series[-1]] if len(series) > 1 else series)
+    return (f"megatron-core {version} on a CPU-only torch: nn_data's CPU patches (nn_data/adapters/_megatron_cpu.py) "
+            f"are tested on megatron-core {tested} only; run on a GPU or install megatron-core==0.16.1 "
+            "(Python 3.11) or 0.19.2 (Python 3.12)")
 
 
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for a CPU-only torch (module docstring); idempotent.
 
     Returns True if the patches are (now) in place, False when torch can use CUDA (nothing is
-    patched then). Raises ``RuntimeError`` on a CPU-only torch with a megatron-core release
-    other than 0.16.x, naming the installed version.
+    patched then). Raises ``RuntimeError`` on a CPU-only torch with a megatron-core release not
+    in :data:`SUPPORTED_RELEASES`, naming the installed version (:func:`unsupported_reason`).
     """
     if not needs_cpu_patches():
         return False
-    version = megatron_version()
-    if not version.startswith(SUPPORTED_MINOR):
-        raise RuntimeError(
-            f"megatron-core {version} on a CPU-only torch: nn_data's CPU patches (nn_data/adapters/_megatron_cpu.py) "
-            f"were written for megatron-core {SUPPORTED_MINOR}x; run on a GPU or install megatron-core==0.16.1"
-        )
+    reason = unsupported_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
     for name in _PATCHED_MODULES:
         module = importlib.import_module(name)
         if module.torch is not _SHIM:

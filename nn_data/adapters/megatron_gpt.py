@@ -8,9 +8,11 @@ Shape legend
 Build the model with :func:`megatron_gpt_layer_spec` (megatron-core's local layer spec whose
 core attention is :class:`PackedDotProductAttention`), wrap it in :class:`MegatronGPTAdapter`,
 and the adapter drives it the way megatron-core drives packed sequences: THD
-``PackedSeqParams`` (``cu_seqlens_*`` = nn_data's ``cu_seqlens_padded``, ``max_seqlen = T``)
+``PackedSeqParams`` (``cu_seqlens_*`` = nn_data's ``cu_seqlens_padded``, ``[0, T]`` for a
+microbatch of no sequence; ``max_seqlen = T + 1``, see :func:`rotary_from_sequence_start`)
 and megatron-core's own THD rotary embedding, which reads the CP rank and size from
-``parallel_state``'s CP group and places each token's rotation by nn_data's zigzag order.
+``parallel_state``'s CP group, rotates every sequence from position 0 and places each token's
+rotation by nn_data's zigzag order.
 The adapter passes nn_data's document mask (:mod:`nn_data.models.masks`) where megatron-core
 passes ``attention_mask``; the attention gathers keys and values across the CP group with
 ``PackedInfo.gather`` and applies it. megatron-core's THD RoPE reads ``cu_seqlens`` on the
@@ -18,7 +20,8 @@ host (``.tolist()``), so this model runs eagerly (compile the packing with ``Pac
 This module imports megatron-core.
 
 On a torch without CUDA the adapter applies :mod:`nn_data.adapters._megatron_cpu` (small,
-documented patches of megatron-core 0.16.x internals that allocate on CUDA).
+documented patches of megatron-core internals that allocate on CUDA, for the releases listed
+there).
 
 Supported: ``GPTModel`` with RoPE (or no position embedding), tensor-parallel size 1 (the
 tests), no sliding window, ``softmax_type="vanilla"``; ``config.context_parallel_size`` may be 1
@@ -145,6 +148,7 @@ class MegatronGPTAdapter(nn.Module):
         dtype = next(self.model.parameters()).dtype
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=dtype,
                              gather=packed.gather)
+        params = rotary_from_sequence_start(params, packed.segment_ids.shape[0])
         return self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)
 
     @property
@@ -161,3 +165,26 @@ class MegatronGPTAdapter(nn.Module):
                     f"PackedForward splits over cp_size={cp_size} ranks but megatron-core's rotary embedding uses a "
                     f"context-parallel group of {size}; pass cp_group=parallel_state.get_context_parallel_group()"
                 )
+
+
+def rotary_from_sequence_start(params, total: int):
+    """A copy of ``params`` (a THD ``PackedSeqParams`` over ``total`` = T packed tokens) whose
+    ``max_seqlen_q``/``_kv`` are ``T + 1``, so that megatron-core's THD rotary embedding rotates
+    every sequence from position 0, as when it runs alone.
+
+    Why: megatron-core sizes its frequency table by ``max(max_seqlen_q, max_seqlen_kv)``, and
+    its unfused THD RoPE (0.16.x, 0.19.x) treats a table of exactly ``cu_seqlens[-1] = T`` rows as
+    "positions of the whole pack" and rotates each token by its absolute packed position: exact in
+    real arithmetic, but bf16 and float32 angles lose precision as the position grows. ``T + 1``
+    bounds every segment (megatron-core only needs a bound) and is never ``T``; 0.20's vectorised
+    RoPE takes the packed-position branch only for a table longer than ``max_seqlen``, which this
+    never is either. No host sync (the longest real segment, NeMo-RL's choice, would need one).
+    Only the two ints change (a shallow copy: the boundary tensors are the same objects, and
+    ``__post_init__`` does not run again).
+
+    Example: T = 40, boundaries ``[0, 16, 40]``: a table of 41 rows, the second sequence's tokens
+    take rows 0..23 (its own positions), not 16..39.
+    """
+    out = copy.copy(params)
+    out.max_seqlen_q = out.max_seqlen_kv = int(total) + 1
+    return out

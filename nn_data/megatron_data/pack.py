@@ -80,7 +80,8 @@ def _pack_sequences_for_megatron(
     fixed = (options or PackOptions()).packed_length(pad_packed_seq_to, "pad_packed_seq_to")  # a run-level T wins
     config = PackConfig(m, p, fixed, cp_size=cp_size, cp_rank=cp_rank, total_name="pad_packed_seq_to")
     out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options, **companions)
-    params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1])
+    params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1],
+                                    packed_length=out.packed.shape[1])
     result = (out.packed, out.local, params, out.cu_seqlens, out.cu_seqlens_padded)
     if scope is not None:
         _keep(scope, key, companions, out, plan, params, seq_lengths, input_ids.shape[1], cp_rank, cp_size)

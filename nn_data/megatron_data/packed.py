@@ -168,4 +168,6 @@ def _full_row_params(cu: torch.Tensor, cu_pad: torch.Tensor, total: int):
         differs = (cu.to(torch.int64) != cu_pad.to(torch.int64)).any()
         stats = torch.stack([seg.max(), differs.to(torch.int64)])
         max_seqlen, pad_between = stats.tolist()  # sync: boundaries this microbatch's pack did not produce
-    return make_packed_seq_params(cu_pad, max_seqlen, total, cu_seqlens=cu, pad_between_seqs=bool(pad_between))
+    # Valid boundaries of their own only where they differ: the same object tells TransformerEngine "no padding".
+    return make_packed_seq_params(cu_pad, max_seqlen, total, cu_seqlens=cu if pad_between else None,
+                                  pad_between_seqs=bool(pad_between), packed_length=total)

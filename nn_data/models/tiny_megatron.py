@@ -5,9 +5,9 @@ from their *global* names (``decoder.layers.<global index>...``, one seeded gene
 so a pipeline stage (``pre_process`` / ``post_process``, a slice of the layers) holds exactly
 the values the same parameters have in the whole model: PP = 2 and PP = 1 runs start equal.
 
-megatron-core keeps RoPE's ``inv_freq`` in float32 as a plain attribute (``Module.double()``
-does not convert it); :func:`tiny_gpt_model` casts it to the model's dtype, so a float64 model
-computes float64 rotation angles. This module imports megatron-core.
+RoPE's ``inv_freq`` stays as megatron-core keeps it, float32 in a plain attribute that
+``Module.to(dtype)`` does not convert: a float64 or bf16 model computes its rotation angles in
+float32, as megatron-core's own models do. This module imports megatron-core.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ def tiny_gpt_model(config: "TransformerConfig", *, vocab: int = 97, max_len: int
         pre_process=pre_process, post_process=post_process, position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
     ).to(config.params_dtype)
-    if getattr(model, "rotary_pos_emb", None) is not None:
-        model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to(config.params_dtype)
     init_by_global_name(model, seed)
     return model
 

@@ -92,7 +92,10 @@ def test_model_slicing_hands_the_model_the_full_row(cp, rank):
     params = out.packed_seq_params
     assert torch.equal(params.cu_seqlens_q, ref.cu_seqlens) and torch.equal(params.cu_seqlens_kv, ref.cu_seqlens)
     assert torch.equal(params.cu_seqlens_q_padded, ref.cu_seqlens_padded) and params.max_seqlen_q == 16
-    assert not hasattr(params, "total_tokens")  # megatron-core 0.16.1: the field is detected, not assumed
+    if "total_tokens" in megatron_parallel.packed_seq_params_fields():  # megatron-core 0.17 and newer
+        assert params.total_tokens == FULL and params.pad_between_seqs is True  # the full row, padding inside
+    else:  # 0.16.x: the field is detected, not assumed
+        assert not hasattr(params, "total_tokens")
 
 
 def test_without_model_slicing_everything_is_cp_local(cp):

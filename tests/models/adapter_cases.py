@@ -105,9 +105,33 @@ def case_megatron() -> dict:
                              make_packed_seq_params=True)
 
 
+def case_empty_microbatch() -> dict:
+    """A microbatch of no sequence (``B = 0``, no row capacity) through both adapters under this CP
+    layout, forward and backward: ``[0, S, V]`` rows, as the core ops give (megatron-core receives
+    the padding pseudo-segment ``[0, T]``); with a row capacity too. Returns the row shapes."""
+    from nn_data.adapters import HFCausalLMAdapter, MegatronGPTAdapter
+    from nn_data.models.tiny_hf import tiny_hf_model
+    from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
+
+    cp = context_parallel_info()
+    adapters = {"megatron": (MegatronGPTAdapter(tiny_gpt_model(tiny_gpt_config(dtype=torch.float64))), True),
+                "hf": (HFCausalLMAdapter(tiny_hf_model("llama", dtype=torch.float64)), False)}
+    ids, lens = torch.zeros(0, SEQ_LEN, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    shapes = {}
+    for name, (adapter, params) in adapters.items():
+        for capacity in (None, 3):
+            wrapped = PackedForward(adapter, cp_group=cp.group, pad_individual_seqs_to_multiple_of=2 * cp.size,
+                                    pad_full_seq_to=8 * cp.size, row_capacity=capacity, make_packed_seq_params=params)
+            out = wrapped(ids, lens)  # [0, S, V]
+            out.sum().backward()  # nothing flows, nothing fails
+            shapes[f"{name}, row_capacity={capacity}"] = tuple(out.shape)
+    return shapes
+
+
 def case_megatron_config_cp() -> float:
     """A GPTModel whose config says ``context_parallel_size = C`` (as megatron-core users set it; the
-    stock DotProductAttention refuses it) gives the same packed outputs as one whose config says 1."""
+    stock DotProductAttention refuses it) gives the same packed outputs as one whose config says 1;
+    the PackedSeqParams carry the CP group PackedForward was given."""
     from nn_data.adapters import MegatronGPTAdapter
     from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
 
@@ -117,8 +141,11 @@ def case_megatron_config_cp() -> float:
     models = [tiny_gpt_model(config), tiny_gpt_model(tiny_gpt_config(dtype=torch.float64))]
     lengths, full = batches(cp.size)[0]
     ids, lens = coded_ids(lengths, torch.Generator().manual_seed(1)), torch.tensor(lengths)
-    outs = [PackedForward(MegatronGPTAdapter(m), cp_group=cp.group, pad_individual_seqs_to_multiple_of=2 * cp.size,
-                          pad_full_seq_to=full, make_packed_seq_params=True)(ids, lens) for m in models]
+    wrapped = [PackedForward(MegatronGPTAdapter(m), cp_group=cp.group, pad_individual_seqs_to_multiple_of=2 * cp.size,
+                             pad_full_seq_to=full, make_packed_seq_params=True) for m in models]
+    params = wrapped[0].prepare(ids, lens).packed.packed_seq_params
+    assert params.cp_group is cp.group and params.local_cp_size is None  # the group the tokens were sharded over
+    outs = [w(ids, lens) for w in wrapped]
     assert outs[0].abs().max() > 0
     return float((outs[0] - outs[1]).abs().max())
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from profiling import profile_microbatches
+from tests.support.megatron_release import needs_megatron_models
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron-core's own, when it builds a model
 
@@ -22,7 +23,7 @@ TINY = ["--batch-size", "16", "--max-len", "32", "--median-len", "8", "--max-tok
         "--modes", "eager", "compiled", "--no-progress"]
 
 
-@pytest.mark.parametrize("model, cp", [("hf", "2"), ("megatron", "1")])
+@pytest.mark.parametrize("model, cp", [("hf", "2"), pytest.param("megatron", "1", marks=needs_megatron_models)])
 def test_profiler_runs_a_real_model_and_reports_the_data_paths_share(model, cp, tmp_path):
     printed = io.StringIO()
     try:

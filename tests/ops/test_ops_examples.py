@@ -184,3 +184,14 @@ def test_host_sync_counter_counts_reference_loop_syncs():
         ref = reference_pack(x, lengths, 4, 1, 32)
         reference_shard(ref.packed, ref.cu_seqlens_padded, 2, 0)
     assert syncs.count == 2 * 5 + 1
+
+
+def test_unpack_of_an_empty_microbatch_stays_in_the_autograd_graph():
+    # A model's output for a microbatch of no row (B = 0), or a packed tensor of no token (T = 0),
+    # unpacks to rows a loss can still call backward() on (a PP stream's empty microbatch does).
+    for lengths, bounds, total in (([], [8], 8), ([0, 0], [0, 0, 0], 0)):
+        out = torch.randn(1, total, 3, requires_grad=True)
+        rows = UnpackSequences(5)(out, torch.tensor(lengths, dtype=torch.long), torch.tensor(bounds))
+        assert rows.shape == (len(lengths), 5, 3) and not rows.any()
+        rows.sum().backward()
+        assert out.grad is not None and not out.grad.any()
