@@ -24,6 +24,7 @@ from nn_data._index import segment_bounds
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.megatron_parallel import group_info
 from nn_data.pack import PackSequences, check_pack_args
+from nn_data.planning.alignment import ParallelLayout
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 from nn_data.unpack import check_unpack_args, unpack_sequences
 
@@ -220,9 +221,10 @@ def _check_cp_config(cp_size: int, pack: PackSequences) -> None:
     guaranteed by configuration so that no data check (and no sync) is needed per call."""
     if cp_size == 1:
         return
-    two_c = 2 * cp_size
+    layout = ParallelLayout(dp=1, cp=cp_size)  # the one alignment rule: 2C per sequence and per total
+    two_c = layout.sequence_multiple
     total_unit = pack.pad_full_seq_to if pack.pad_full_seq_to is not None else pack.p
-    if pack.m % two_c or total_unit % two_c:
+    if pack.m % two_c or total_unit % layout.total_multiple:
         what = "pad_full_seq_to" if pack.pad_full_seq_to is not None else "pad_packed_seq_to_multiple_of"
         raise _checks.PackingError(
             f"with cp_size={cp_size}, pad_individual_seqs_to_multiple_of={pack.m} and {what}={total_unit} "

@@ -33,6 +33,7 @@ import dataclasses
 import glob
 import json
 import os
+import statistics
 import warnings
 from typing import Optional
 
@@ -65,6 +66,22 @@ class ModeResult:
     peak_bytes: Optional[int]
     cudagraph_skips: Optional[int]
     trace_dir: str
+    step_s: list = dataclasses.field(default_factory=list)  # per training step: its microbatches' time
+    step_mean_s: Optional[float] = None
+    step_std_s: Optional[float] = None
+
+
+def step_times(samples: list, stream: Stream, passes: int) -> list:
+    """Seconds per training step: the sum of its microbatches' samples, pass after pass, for every
+    complete step of the stream (``stream.steps``) but the first step of the first pass (whose first
+    microbatch was timed apart, with its compile). Example: 2 steps of 2 microbatches, 2 passes ->
+    samples ``[b, c, d | a', b', c', d']`` -> ``[c + d, a' + b', c' + d']``."""
+    keys = [(p, mb.step) for p in range(passes) for i, mb in enumerate(stream.microbatches) if p or i]
+    sums: dict = {}
+    for key, value in zip(keys, samples):
+        sums[key] = sums.get(key, 0.0) + value
+    first = stream.microbatches[0].step
+    return [v for (p, step), v in sums.items() if step < stream.steps and (p, step) != (0, first)]
 
 
 def graph_count() -> int:
@@ -187,6 +204,7 @@ def measure_mode(mode: Mode, stream: Stream, *, first: tuple, samples: list, ste
         cuda_peak = _trace(mode, stream, trace_steps, device, out_dir)
     ops, cpu_peak, _ = read_trace(out_dir)
     median, p10, p90 = spread(samples)
+    steps = step_times(samples, stream, (len(samples) + 1) // len(stream.microbatches))  # passes
     tokens = [mb.tokens for mb in stream.microbatches]
     mean_tokens = sum(tokens) / len(tokens)
     compiled = mode.compiled
@@ -199,5 +217,6 @@ def measure_mode(mode: Mode, stream: Stream, *, first: tuple, samples: list, ste
         syncs_per_microbatch=syncs, cuda_syncs_per_microbatch=cuda_syncs,
         peak_bytes=cuda_peak if cuda_peak is not None else cpu_peak,
         cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]) if compiled else None,
-        trace_dir=out_dir,
+        trace_dir=out_dir, step_s=steps, step_mean_s=statistics.fmean(steps) if steps else None,
+        step_std_s=statistics.stdev(steps) if len(steps) > 1 else None,
     )

@@ -16,11 +16,20 @@ def _opt(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else seconds * 1e3
+
+
+def _share(part: Optional[float], whole: Optional[float]) -> Optional[float]:
+    return None if part is None or not whole else part / whole
+
+
 def format_table(results: list[ModeResult]) -> str:
-    """The table, one row per mode (times in ms, except the first call in s)."""
+    """The table, one row per mode (times in ms, except the first call in s; ``step std`` is the
+    standard deviation of the time per training step as a share of its mean)."""
     head = (f"{'mode':<16} {'first call s':>12} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'mean ms':>8} "
-            f"{'tokens/s':>10} {'ops/mb':>7} {'graphs':>6} {'recompiles':>10} {'breaks':>6} "
-            f"{'syncs/mb':>8} {'peak MiB':>8}")
+            f"{'step ms':>8} {'step std':>8} {'tokens/s':>10} {'ops/mb':>7} {'graphs':>6} {'recompiles':>10} "
+            f"{'breaks':>6} {'syncs/mb':>8} {'peak MiB':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         syncs = f"{r.syncs_per_microbatch:.1f}"
@@ -28,7 +37,8 @@ def format_table(results: list[ModeResult]) -> str:
             syncs += f"/{r.cuda_syncs_per_microbatch:.1f}"
         lines.append(
             f"{r.name:<16} {r.first_s:>12.2f} {r.median_s * 1e3:>10.2f} {r.p10_s * 1e3:>8.2f} "
-            f"{r.p90_s * 1e3:>8.2f} {r.mean_s * 1e3:>8.2f} {r.tokens_per_s:>10.3g} {r.ops_per_microbatch:>7.0f} "
+            f"{r.p90_s * 1e3:>8.2f} {r.mean_s * 1e3:>8.2f} {_opt(_ms(r.step_mean_s), '.2f'):>8} "
+            f"{_opt(_share(r.step_std_s, r.step_mean_s), '.1%'):>8} {r.tokens_per_s:>10.3g} {r.ops_per_microbatch:>7.0f} "
             f"{_opt(r.graphs, 'd'):>6} "
             f"{_opt(r.recompiles, 'd'):>10} {_opt(r.graph_breaks, 'd'):>6} {syncs:>8} "
             f"{_opt(None if r.peak_bytes is None else r.peak_bytes / _MIB, '.1f'):>8}"
@@ -52,15 +62,18 @@ def speedups(results: list[ModeResult]) -> dict[str, float]:
 
 
 def targets(results: list[ModeResult], ratios: dict[str, float],
-            model_syncs: float = 0.0) -> list[tuple[str, Optional[bool]]]:
+            model_syncs: float = 0.0, steps: int = 1, packed_lengths: int = 1) -> list[tuple[str, Optional[bool]]]:
     """The issue's targets for the ``compiled`` mode, each met (True), missed (False) or not run (None).
-    ``model_syncs``: host syncs per microbatch of a real model's own eager forward (not the data path's)."""
+    ``model_syncs``: host syncs per microbatch of a real model's own eager forward (not the data path's);
+    ``steps``, ``packed_lengths``: training steps in the stream and distinct packed lengths ``T``."""
     by_name = {r.name: r for r in results}
     c = by_name.get("compiled")
     if c is None:
         return [("compiled mode run", False)]
     checks = [
         ("compiled: 0 recompiles after the first microbatch", c.recompiles == 0),
+        (f"compiled: one packed length and 0 recompiles across {steps} steps", packed_lengths == 1
+         and c.recompiles == 0) if steps > 1 else ("compiled: one packed length across steps (1 step)", None),
         ("compiled: 0 host syncs per microbatch" + (f" beyond the model's own {model_syncs:g}" if model_syncs else ""),
          c.syncs_per_microbatch == model_syncs and (not c.cuda_syncs_per_microbatch or bool(model_syncs))),
     ]
@@ -101,7 +114,7 @@ def write_chart(path: str, results: list[ModeResult], title: str, rows: Optional
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (left, right, steps) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [2, 1, 1]})
     for r in results:
         left.plot([s * 1e3 for s in r.samples_s], label=r.name, linewidth=1)
     left.set_yscale("log")
@@ -123,6 +136,18 @@ def write_chart(path: str, results: list[ModeResult], title: str, rows: Optional
     for i, value in enumerate(medians):
         right.annotate(f"{value:.2f}", (i, value), xytext=(14, 2), textcoords="offset points", ha="left",
                        va="bottom", fontsize=8)
+    for r in results:  # the time of every timed training step, by mode (mean and std in the legend)
+        if r.step_s:
+            label = f"{r.name}: {r.step_mean_s * 1e3:.1f} ms" + (f" +- {r.step_std_s / r.step_mean_s:.1%}"
+                                                             if r.step_std_s is not None else "")
+            steps.plot([s * 1e3 for s in r.step_s], marker="o", markersize=3, linewidth=1, label=label)
+    steps.set_xlabel("training step (steady state, all passes)")
+    steps.set_ylabel("time per step (ms)")
+    if any(r.step_s for r in results):
+        steps.legend(fontsize=7)
+    else:
+        steps.text(0.5, 0.5, "no complete step timed", ha="center", va="center", transform=steps.transAxes)
+    steps.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,11 +1,12 @@
-"""The workload of ``profile_microbatches``: a seeded RL global batch, its packing plan, and the
-per-microbatch pipelines (nn_data ops eager or compiled, and NeMo-RL-style loops).
+"""The per-microbatch pipelines of ``profile_microbatches`` (nn_data ops eager or compiled, and
+NeMo-RL-style loops) over the stream that ``profiling.microbatch_plan`` plans.
 
 Shape legend
     N   sequences in a global batch (``--batch-size``)
     B   sequences in one planned microbatch (varies); R >= B the row capacity every graph sees
     S   padded row length of the global batch (``--max-len``; constant for the stream)
-    T   packed tokens per microbatch: ``pad_full_seq_to``, one constant for the whole stream
+    T   packed tokens per microbatch: ``pad_full_seq_to``, one run-level constant (by default; with
+        ``--packed-length step`` one per step, each with its own pipeline and graph)
     C   context-parallel size; this rank's model sees ``T/C`` tokens
     H   hidden size of the model stand-in; O its output features per token
 
@@ -26,93 +27,15 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-import numpy as np
 import torch
 from torch import nn
 
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data import RowPadded
-from nn_data.megatron_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.pack import check_pack_args
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
-
-
-class Microbatch(NamedTuple):
-    input_ids: torch.Tensor  # [B, S] int64, 0 past each length
-    lengths: torch.Tensor  # [B] int64
-
-    @property
-    def tokens(self) -> int:
-        return int(self.lengths.sum())  # sync: host-side bookkeeping, outside every timed call
-
-
-class Stream(NamedTuple):
-    """The planned stream: microbatches plus the constants every graph is built for."""
-
-    microbatches: list  # of Microbatch, on the target device
-    seq_len: int  # S
-    total: int  # T = pad_full_seq_to
-    row_capacity: int  # R
-    multiple: int  # m = pad_individual_seqs_to_multiple_of
-    global_batches: int  # global batches planned to fill the stream
-
-
-def sample_lengths(rng: np.random.Generator, n: int, max_len: int, median: int, sigma: float) -> np.ndarray:
-    """``n`` lengths from a lognormal with the given median, rounded and clipped to ``[1, max_len]``
-    (RL rollouts: most responses short, a long tail, some cut at the generation limit)."""
-    raw = rng.lognormal(mean=np.log(median), sigma=sigma, size=n)
-    return np.clip(np.rint(raw), 1, max_len).astype(np.int64)
-
-
-def make_global_batch(rng: np.random.Generator, n: int, max_len: int, median: int, sigma: float,
-                      vocab: int) -> BatchedDataDict:
-    """``input_ids [N, S]`` (random ids in ``[1, vocab)``, 0 past each length), ``input_lengths [N]``."""
-    lengths = torch.from_numpy(sample_lengths(rng, n, max_len, median, sigma))
-    ids = torch.from_numpy(rng.integers(1, vocab, size=(n, max_len), dtype=np.int64))
-    ids = torch.where(torch.arange(max_len) < lengths[:, None], ids, 0)  # [N, S]
-    return BatchedDataDict(input_ids=ids, input_lengths=lengths)
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def plan_stream(*, microbatches: int, batch_size: int, max_len: int, median: int, sigma: float, vocab: int,
-                max_tokens: int, cp_size: int, multiple: int, seed: int, device: torch.device,
-                row_capacity: int | None = None) -> Stream:
-    """Plan packed microbatches with ``BatchedDataDict.plan_sequence_packing`` (first-fit-decreasing
-    under ``max_tokens``, each sequence rounded up to ``multiple``) over as many seeded global
-    batches as it takes to fill ``microbatches``.
-
-    ``T = round_up(max_tokens, multiple)`` for every microbatch: NeMo-RL's PP>1 rule
-    (``pad_full_seq_to`` = the largest planned microbatch, rounded) made constant across global
-    batches, since the planner never exceeds ``max_tokens``. ``R`` is the most rows any
-    microbatch has, unless given. Raises :class:`PackingError` for a ``multiple`` that is not a
-    multiple of ``2 * cp_size`` (CP > 1), or a ``row_capacity`` below the rows of a microbatch.
-    """
-    if cp_size > 1 and multiple % (2 * cp_size):
-        raise PackingError(f"--multiple={multiple} is not a multiple of 2*cp_size={2 * cp_size}; "
-                           f"use a multiple of {2 * cp_size}")
-    if max_len > max_tokens:
-        raise PackingError(f"--max-len={max_len} exceeds --max-tokens={max_tokens}: a full-length sequence "
-                           "would not fit any microbatch; raise --max-tokens or lower --max-len")
-    rng = np.random.default_rng(seed)
-    stream, planned_batches = [], 0
-    while len(stream) < microbatches:
-        batch = make_global_batch(rng, batch_size, max_len, median, sigma, vocab)
-        planned, _ = batch.plan_sequence_packing(max_tokens_per_microbatch=max_tokens,
-                                                 sequence_length_pad_multiple=multiple)
-        planned_batches += 1
-        for mb in planned.make_microbatch_iterator_for_packable_sequences():
-            stream.append(Microbatch(mb["input_ids"].contiguous().to(device), mb["input_lengths"].to(device)))
-    stream = stream[:microbatches]
-    most_rows = max(mb.lengths.shape[0] for mb in stream)
-    capacity = most_rows if row_capacity is None else row_capacity
-    if capacity < most_rows:
-        raise PackingError(f"--row-capacity={capacity} is below the {most_rows} rows of the largest "
-                           f"microbatch; use at least {most_rows} (or leave it unset)")
-    return Stream(stream, max_len, round_up(max_tokens, multiple), capacity, multiple, planned_batches)
+from profiling.microbatch_plan import Microbatch, Stream, plan_stream  # noqa: F401  (re-exported)
 
 
 class ModelStandIn(nn.Module):
@@ -284,31 +207,35 @@ def make_modes(names, stream: Stream, model: nn.Module, *, cp_size: int, cp_rank
     """Build the requested modes: ``eager``, ``compiled`` (inductor, default mode),
     ``reduce-overhead`` (inductor with CUDA graphs on CUDA) and ``loop``. Compiled modes
     use ``fullgraph=True, dynamic=False`` (:func:`compile_pipeline`): static graphs compiled
-    on the first microbatch and reused for the stream."""
-    dims = dict(seq_len=stream.seq_len, total=stream.total, multiple=stream.multiple, cp_size=cp_size)
-    pipeline = MicrobatchPipeline(model, cp_rank=cp_rank, **dims)
+    on the first microbatch and reused for the stream; one pipeline (and graph) per packed length
+    ``T`` in the stream (one with a run-level ``T``)."""
+    dims = dict(seq_len=stream.seq_len, multiple=stream.multiple, cp_size=cp_size)
+    pipelines = {t: MicrobatchPipeline(model, cp_rank=cp_rank, total=t, **dims)
+                 for t in sorted({mb.total or stream.total for mb in stream.microbatches})}
     capacity = stream.row_capacity
 
-    def with_rows(fn, mark_step=False):
+    def with_rows(fns: dict, mark_step=False):
         buffers = RowBuffers(capacity, stream.seq_len, stream.microbatches[0].input_ids.device)
 
         def step(mb: Microbatch) -> torch.Tensor:
             padded = buffers.fill(mb)  # [R, S], outside the graph
             if mark_step:  # a new CUDA-graph step: the previous outputs may be overwritten
                 torch.compiler.cudagraph_mark_step_begin()
-            return fn(padded.x, padded.seq_lengths, padded.num_rows)[: mb.lengths.shape[0]]
+            return fns[mb.total or stream.total](padded.x, padded.seq_lengths, padded.num_rows)[: mb.lengths.shape[0]]
         return step
 
     modes = []
     for name in names:
         if name == "eager":
-            modes.append(Mode(name, with_rows(pipeline), False))
+            modes.append(Mode(name, with_rows(pipelines), False))
         elif name in ("compiled", "reduce-overhead"):
             mode = None if name == "compiled" else "reduce-overhead"
-            fn = compile_pipeline(pipeline, scope=compile_scope, mode=mode, wrapper=wrapper, kernel_names=kernel_names)
-            modes.append(Mode(name, with_rows(fn, mark_step=mode is not None), True))
+            fns = {t: compile_pipeline(p, scope=compile_scope, mode=mode, wrapper=wrapper, kernel_names=kernel_names)
+                   for t, p in pipelines.items()}
+            modes.append(Mode(name, with_rows(fns, mark_step=mode is not None), True))
         elif name == "loop":
-            modes.append(Mode(name, lambda mb: loop_pipeline(model, mb, cp_rank=cp_rank, **dims), False))
+            modes.append(Mode(name, lambda mb: loop_pipeline(model, mb, cp_rank=cp_rank, total=mb.total or stream.total,
+                                                             **dims), False))
         else:
             raise PackingError(f"mode {name!r} is unknown; expected eager, compiled, reduce-overhead or loop")
     return modes

@@ -1,10 +1,14 @@
 """Profile nn_data on a stream of constant-length (PP > 1) packed microbatches: eager vs
 torch.compile (and reduce-overhead / CUDA graphs on CUDA) vs NeMo-RL-style loops.
 
-A seeded RL global batch (lognormal lengths clipped to --max-len) is planned into packed
-microbatches with BatchedDataDict.plan_sequence_packing; every microbatch is packed to one
-constant pad_full_seq_to = --max-tokens (rounded up to the multiple), as NeMo-RL does for
-PP > 1, and its rows padded to one row capacity R outside any compiled region. Each mode runs
+Seeded RL global batches (lognormal lengths clipped to --max-len), one per training step, are
+planned across --dp data-parallel ranks with nn_data.planning.plan_step (work-balanced; this
+process runs rank 0's microbatches) under one run-level pad_full_seq_to = --max-tokens rounded up
+to the layout's alignment, the length every microbatch of the run is packed to (PP > 1; with
+--packed-length step, NeMo-RL's rule instead: each step's longest microbatch, a new length and
+graph on most steps); rows are padded to one row capacity R outside any compiled region.
+--steps N runs N global batches and reports the time per step (mean, std) and the recompiles
+across steps; without it the stream is --microbatches long. Each mode runs
 pack -> CP shard (one process, --cp-rank of --cp-size) -> model stand-in -> simulated
 all-gather -> unshard -> unpack over the stream. Prints one table (first call, steady
 median/p10/p90 per microbatch, tokens/s, profiler ops per microbatch, graphs, recompiles,
@@ -48,7 +52,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths (default 1.0)")
     ap.add_argument("--max-tokens", type=int, default=8192,
                     help="max tokens per microbatch; T = pad_full_seq_to = this rounded up (default 8192)")
-    ap.add_argument("--microbatches", type=int, default=32, help="microbatches in the stream (default 32)")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="microbatches in the stream, from as many global batches as that takes (default 32; "
+                         "not with --steps)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps: this many global batches, every microbatch of each (per-step time mean "
+                         "and std, recompiles across steps)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks the step is planned over (default 1)")
+    ap.add_argument("--balance", choices=("work", "tokens", "nemo-rl"), default="work",
+                    help="plan_step's balance across the DP ranks (default work)")
+    ap.add_argument("--packed-length", choices=("run", "step"), default="run",
+                    help="run: one run-level pad_full_seq_to (default); step: NeMo-RL's rule, each step's longest "
+                         "microbatch (one graph per new length)")
     ap.add_argument("--passes", type=int, default=3, help="timed passes over the stream (default 3)")
     ap.add_argument("--cp-size", type=int, default=2, help="context-parallel size C (default 2)")
     ap.add_argument("--cp-rank", type=int, default=0, help="the simulated CP rank (default 0)")
@@ -75,9 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kernel-names", action="store_true",
                     help="name every fused kernel in the traces (inductor's cpp.enable_kernel_profile; "
                          "costs time on every compiled call, so off by default)")
-    ap.add_argument("--guard-eval", choices=GUARD_EVAL, default="skip-unsafe",
+    ap.add_argument("--guard-eval", choices=GUARD_EVAL, default=None,
                     help="compiled modes' steady calls: evaluate only the guards that tell graphs apart "
-                         "(skip-unsafe, default; the sync and trace passes keep every guard) or all (full)")
+                         "(skip-unsafe, default; the sync and trace passes keep every guard) or all (full, the "
+                         "default with --packed-length step, whose graphs differ in the pipeline they were built for)")
     ap.add_argument("--compile-cache", default=None, metavar="DIR",
                     help="reuse compiled artifacts across runs: inductor's cache folder and "
                          "nn_data.compile_cache artifacts in DIR (loaded if present, saved after the run)")
@@ -93,13 +109,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=None, help="run folder (default profiling/runs/<timestamp>)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
+    return _checked(ap, ap.parse_args(argv))
+
+
+def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The parsed flags with their defaults filled in; ``ap.error`` (exit 2) naming a bad flag."""
     if args.modes is None:
         args.modes = ["eager", "compiled"] + (["reduce-overhead"] if args.device.startswith("cuda") else []) + ["loop"]
     if args.multiple is None:
         args.multiple = 2 * args.cp_size
-    for name in ("batch_size", "max_len", "median_len", "max_tokens", "microbatches", "passes", "cp_size",
-                 "multiple", "vocab", "hidden", "out_features", "sync_steps", "trace_steps"):
+    if args.steps is not None and args.microbatches is not None:
+        ap.error("--steps and --microbatches cannot both be given: --steps runs every microbatch of each step")
+    if args.steps is None and args.microbatches is None:
+        args.microbatches = 32
+    if args.packed_length == "step" and args.model in REAL_MODELS:
+        ap.error(f"--packed-length step needs a stand-in model (--model linear|identity), not {args.model}")
+    if args.packed_length == "step" and args.guard_eval == "skip-unsafe":
+        ap.error("--guard-eval skip-unsafe with --packed-length step: one region has a graph per packed length, and "
+                 "skipping guards would run a microbatch on another length's graph; use --guard-eval full")
+    if args.guard_eval is None:
+        args.guard_eval = "full" if args.packed_length == "step" else "skip-unsafe"
+    for name in ("batch_size", "max_len", "median_len", "max_tokens", "microbatches", "steps", "dp", "passes",
+                 "cp_size", "multiple", "vocab", "hidden", "out_features", "sync_steps", "trace_steps"):
+        if getattr(args, name) is None:
+            continue
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; expected an int >= 1")
     if not 0 <= args.cp_rank < args.cp_size:
@@ -122,11 +155,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def describe_stream(stream: Stream) -> dict:
     rows = sorted(mb.lengths.shape[0] for mb in stream.microbatches)
     tokens = [mb.tokens for mb in stream.microbatches]
+    totals = sorted({mb.total for mb in stream.microbatches})
+    plans = stream.plans[:stream.steps]
     return dict(
         microbatches=len(stream.microbatches), global_batches=stream.global_batches, S=stream.seq_len,
         T=stream.total, R=stream.row_capacity, multiple=stream.multiple,
         rows_min=rows[0], rows_median=rows[len(rows) // 2], rows_max=rows[-1],
-        mean_real_tokens=sum(tokens) / len(tokens), fill_of_T=sum(tokens) / (len(tokens) * stream.total),
+        mean_real_tokens=sum(tokens) / len(tokens),
+        fill_of_T=sum(tokens) / sum(mb.total for mb in stream.microbatches),
+        steps=stream.steps, packed_length=stream.packed_length, packed_lengths=totals,
+        step_plans=list(stream.plans),
+        work_imbalance_max=max(p["work_imbalance"] for p in plans) if plans else None,
+        microbatches_per_rank=[p["microbatches_per_rank"] for p in plans],
     )
 
 
@@ -168,16 +208,8 @@ def main(argv=None) -> dict:
         print("note: the load average is high for this machine: other processes may be loading the CPU, so "
               "timings are noisy; with more than one thread, inductor's OpenMP kernels stall while other "
               "processes hold the cores (--threads 1 gives steadier figures then)")
-    stream = plan_stream(
-        microbatches=args.microbatches, batch_size=args.batch_size, max_len=args.max_len, median=args.median_len,
-        sigma=args.sigma, vocab=args.vocab, max_tokens=args.max_tokens, cp_size=args.cp_size,
-        multiple=args.multiple, seed=args.seed, device=device, row_capacity=args.row_capacity,
-    )
-    info = describe_stream(stream)
-    print(f"stream: {info['microbatches']} microbatches from {info['global_batches']} global batch(es) of "
-          f"{args.batch_size}; S={info['S']} T={info['T']} R={info['R']} m={info['multiple']} "
-          f"C={args.cp_size} rank={args.cp_rank}; rows per microbatch {info['rows_min']}-{info['rows_max']} "
-          f"(median {info['rows_median']}); real tokens {info['fill_of_T']:.0%} of T; device {device}")
+    stream, info = _plan(args, device)
+    lengths = "/".join(str(t) for t in info["packed_lengths"])
     torch.manual_seed(args.seed)
     if args.model in REAL_MODELS:
         model = AdapterStandIn(args.model, args.vocab, args.hidden, args.out_features, args.seed,
@@ -188,17 +220,21 @@ def main(argv=None) -> dict:
                        compile_scope=args.compile_scope, wrapper=args.wrapper, kernel_names=args.kernel_names)
     run_dir = Path(args.out_dir) if args.out_dir else RUNS / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    results = _measure_all(modes, stream, args, device, run_dir)
+    limit = max(torch._dynamo.config.recompile_limit, 4 * len(info["packed_lengths"]))  # one graph per T
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        results = _measure_all(modes, stream, args, device, run_dir)
     if args.compile_cache:
         saved = compile_cache.save(compile_cache.artifacts_path(args.compile_cache))
         print(f"compile cache: {args.compile_cache} ({'saved' if saved else 'nothing new to save'})")
-    max_diff = check_outputs(modes, stream)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        max_diff = check_outputs(modes, stream)
     ratios = speedups(results)
     alone = share = None
     if args.model in REAL_MODELS:  # the model's own time, to read off the data path's share of a step
         alone = measure_model_alone(model, stream, cp_size=args.cp_size, cp_rank=args.cp_rank, passes=args.passes)
         share = data_path_share(results, alone)
-    checks = targets(results, ratios, model_syncs=alone["syncs_per_microbatch"] if alone else 0.0)
+    checks = targets(results, ratios, model_syncs=alone["syncs_per_microbatch"] if alone else 0.0,
+                     steps=info["steps"], packed_lengths=len(info["packed_lengths"]))
     print()
     print(format_report(results, ratios, checks))
     print(f"outputs agree across modes (max |difference| {max_diff:.2e})")
@@ -213,8 +249,8 @@ def main(argv=None) -> dict:
                   outputs_max_abs_difference=max_diff, time=time.strftime("%Y-%m-%d %H:%M:%S"),
                   model_alone=alone, data_path_share=share)
     summary = write_summary(str(run_dir / "summary.json"), header=header, results=results, ratios=ratios, checks=checks)
-    title = (f"{machine}\nS={info['S']} T={info['T']} R={info['R']} C={args.cp_size}, {info['microbatches']} "
-             f"microbatches, load {load[0]:.1f}")
+    title = (f"{machine}\nS={info['S']} T={lengths} R={info['R']} C={args.cp_size}, {info['microbatches']} "
+             f"microbatches, {info['steps']} step(s), load {load[0]:.1f}")
     counts = [mb.lengths.shape[0] for mb in stream.microbatches]
     write_chart(str(run_dir / "chart.png"), results, title, rows=(counts * args.passes)[1:])  # as timed
     print(f"run folder: {run_dir} (summary.json, chart.png, one trace folder per mode)")
@@ -222,6 +258,25 @@ def main(argv=None) -> dict:
     if hasattr(model, "close"):
         model.close()
     return summary
+
+
+def _plan(args, device) -> tuple:
+    """The stream (``profiling.microbatch_plan.plan_stream``) and its description, printed."""
+    stream = plan_stream(
+        microbatches=args.microbatches, batch_size=args.batch_size, max_len=args.max_len, median=args.median_len,
+        sigma=args.sigma, vocab=args.vocab, max_tokens=args.max_tokens, cp_size=args.cp_size,
+        multiple=args.multiple, seed=args.seed, device=device, row_capacity=args.row_capacity,
+        steps=args.steps, dp=args.dp, balance=args.balance, packed_length=args.packed_length,
+    )
+    info = describe_stream(stream)
+    print(f"stream: {info['microbatches']} microbatches from {info['global_batches']} global batch(es) of "
+          f"{args.batch_size} ({info['steps']} complete step(s); plan_step over dp={args.dp}, balance "
+          f"{args.balance}, work imbalance <= {info['work_imbalance_max']:.3f}); S={info['S']} "
+          f"T={'/'.join(str(t) for t in info['packed_lengths'])} ({args.packed_length}-level) R={info['R']} "
+          f"m={info['multiple']} C={args.cp_size} rank={args.cp_rank}; rows per microbatch {info['rows_min']}-"
+          f"{info['rows_max']} (median {info['rows_median']}); real tokens {info['fill_of_T']:.0%} of T; device "
+          f"{device}")
+    return stream, info
 
 
 def _measure_all(modes, stream: Stream, args, device, run_dir: Path) -> list:

@@ -12,7 +12,7 @@ batch (chunk):
 
 :meth:`BatchedDataDict.plan_sequence_packing` makes the packing plan (first-fit-decreasing
 bins under ``max_tokens_per_microbatch``, each sequence rounded up to a pad multiple;
-O(n log n), :mod:`nn_data.megatron_data.packing_planner`); :meth:`BatchedDataDict.plan_dynamic_batching`
+O(n log n), :mod:`nn_data.planning.ffd`); :meth:`BatchedDataDict.plan_dynamic_batching`
 makes the dynamic-shape plan. Both return a reordered copy (each microbatch's rows
 contiguous) and the original index of every new row.
 """
@@ -27,7 +27,7 @@ import torch
 
 from nn_data.megatron_data import batched_data_sharding as sharding
 from nn_data.errors import PackingError
-from nn_data.megatron_data.packing_planner import first_fit_decreasing, round_up_lengths
+from nn_data.planning.ffd import first_fit_decreasing, round_up_lengths
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
 

@@ -12,6 +12,7 @@ reads the lengths to the host once per call.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -19,10 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from nn_data.errors import PackingError
-from nn_data.megatron_data.packing_planner import first_fit_decreasing, round_up_lengths
+from nn_data.planning import ParallelLayout, plan_step
+from nn_data.planning.ffd import round_up_lengths
 
-# NeMo-RL's packer names; nn_data packs with its first-fit-decreasing whichever is named.
-PACKING_ALGORITHMS = ("concatenative", "first_fit_decreasing", "first_fit_shuffle", "modified_first_fit_decreasing")
+# NeMo-RL's packer names (nn_data plans every one with NeMo-RL's first-fit-decreasing and deal), and
+# nn_data's work-balanced plan (nn_data.planning.plan_step).
+PACKING_ALGORITHMS = ("concatenative", "first_fit_decreasing", "first_fit_shuffle", "modified_first_fit_decreasing",
+                      "nn_data_balanced")
 
 
 def rows_of(value) -> int:
@@ -220,37 +224,42 @@ def _plan_dynamic(out: list, data, shards: int, batch_size: int, args: dict) -> 
 
 
 def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
-    """Sequence packing: per chunk, first-fit-decreasing bins of padded lengths, the bin count
-    raised to at least ``shards`` and a multiple of it, bins dealt round-robin to the shards."""
+    """Sequence packing: per chunk, :func:`nn_data.planning.plan_step` over the shards. NeMo-RL's
+    packer names plan as NeMo-RL does (``balance="nemo-rl"``: first-fit-decreasing bins of padded
+    lengths, the count raised to at least ``shards`` and a multiple of it, dealt round-robin);
+    ``"nn_data_balanced"`` plans with work balanced across the shards (:func:`_packing_layout`)."""
     order_mode = args.get("microbatch_order")
     if order_mode not in (None, "packer", "largest_first"):
         raise PackingError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', got {order_mode!r}")
-    if args.get("algorithm") not in PACKING_ALGORITHMS:
-        raise PackingError(f"sequence_packing_args['algorithm']={args.get('algorithm')!r} is not one of NeMo-RL's "
-                           f"packers {list(PACKING_ALGORITHMS)}")
+    algorithm = args.get("algorithm")
+    if algorithm not in PACKING_ALGORITHMS:
+        raise PackingError(f"sequence_packing_args['algorithm']={algorithm!r} is not one of NeMo-RL's packers "
+                           f"{list(PACKING_ALGORITHMS[:-1])} or {PACKING_ALGORITHMS[-1]!r}")
     multiple, budget = args["sequence_length_pad_multiple"], args["max_tokens_per_microbatch"]
-    padded = round_up_lengths(_host_lengths(data, args["input_lengths_key"]), multiple)
+    lengths = _host_lengths(data, args["input_lengths_key"])
+    padded = round_up_lengths(lengths, multiple)
     over = [r for r, n in enumerate(padded.tolist()) if n > budget]  # sync: none, numpy
     if over:
         raise PackingError(f"Sequence length {int(padded[over[0]])} exceeds bin capacity {budget} (row {over[0]}, "
                            f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
+    layout, options = _packing_layout(args, shards)
+    layout.check_packed_length(budget, "max_tokens_per_microbatch")
     rows = [[] for _ in range(shards)]
     indices = [[] for _ in range(shards)]
     loads = [[] for _ in range(shards)]
     for start in range(0, len(padded), batch_size):
-        chunk = padded[start:start + batch_size].tolist()  # sync: none, numpy
-        bins = _adjust_bin_count(_ffd_ties_last(chunk, budget), shards)
+        plan = plan_step(lengths[start:start + batch_size], layout, pad_full_seq_to=budget, **options)
         for i in range(shards):
-            mine = bins[i::shards]
+            mine = list(zip(plan.ranks[i], plan.microbatch_tokens[i]))
             if order_mode == "largest_first":
-                mine = sorted(mine, key=lambda b: sum(chunk[j] for j in b), reverse=True)
+                mine = sorted(mine, key=lambda bin_load: bin_load[1], reverse=True)
             bounds, first = [], len(rows[i])
-            for b in mine:
+            for b, _ in mine:
                 at = len(rows[i]) - first
                 bounds.append([at, at + len(b)])
                 rows[i] += [start + j for j in b]
             indices[i].append(bounds)
-            loads[i].append([sum(chunk[j] for j in b) for b in mine])
+            loads[i].append([load for _, load in mine])
     out = []
     for i in range(shards):
         shard = make()
@@ -262,34 +271,28 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
     return out, [r for shard_rows in rows for r in shard_rows]
 
 
-def _ffd_ties_last(lengths: list, capacity: int) -> list:
-    """First-fit-decreasing bins with equal lengths taken last index first (NeMo-RL's order:
-    it sorts ``(length, index)`` pairs descending). nn_data's planner keeps ties in input
-    order, so it runs on the reversed list. Example: ``[4, 4]``, capacity 4 -> ``[[1], [0]]``."""
-    n = len(lengths)
-    bins = first_fit_decreasing(lengths[::-1], capacity).bins
-    return [[n - 1 - i for i in b] for b in bins]
-
-
-def _adjust_bin_count(bins: list, shards: int) -> list:
-    """At least ``shards`` bins and a multiple of ``shards`` (every rank runs as many microbatches):
-    new bins each take the last sequence of the bin with most sequences (NeMo-RL's rule).
-
-    Example: bins ``[[0, 1, 2], [3]]``, 4 shards -> ``[[0], [3], [2], [1]]``.
-    """
-    target = max(len(bins), shards)
-    target += (-target) % shards
-    if target == len(bins):
-        return bins
-    count = sum(len(b) for b in bins)
-    if count < target:
-        raise PackingError(f"Cannot create {target} bins with only {count} sequences. Each bin must contain at "
-                           f"least one sequence. Either reduce min_bin_count/bin_count_multiple or provide more "
-                           f"sequences. (each of the {shards} data-parallel shards needs the same number of "
-                           "microbatches)")
-    bins = [list(b) for b in bins]
-    donors = sorted(range(len(bins)), key=lambda i: (len(bins[i]), i), reverse=True)  # NeMo-RL's tie order
-    for _ in range(target - len(bins)):
-        donor = next(i for i in donors if len(bins[i]) > 1)
-        bins.append([bins[donor].pop()])
-    return bins
+def _packing_layout(args: dict, shards: int):
+    """``(ParallelLayout, plan_step keywords)`` for ``sequence_packing_args``. NeMo-RL's packer names:
+    ``balance="nemo-rl"``. ``"nn_data_balanced"`` reads nn_data's optional keys: ``"balance"``
+    (default ``"work"``), ``"hidden_size"`` (4096), ``"microbatches_per_rank"`` (None: the fewest
+    that fit) and ``"parallel_layout"`` (a :class:`~nn_data.planning.ParallelLayout` with
+    ``dp == shards``, whose alignment ``max_tokens_per_microbatch`` must then keep; its per-sequence
+    multiple becomes ``sequence_length_pad_multiple``)."""
+    multiple = args["sequence_length_pad_multiple"]
+    if args["algorithm"] != "nn_data_balanced":
+        return ParallelLayout(dp=shards, make_sequence_length_divisible_by=multiple), {"balance": "nemo-rl"}
+    layout = args.get("parallel_layout")
+    if layout is None:
+        layout = ParallelLayout(dp=shards, make_sequence_length_divisible_by=multiple)
+    elif not isinstance(layout, ParallelLayout) or layout.dp != shards:
+        raise PackingError(f"sequence_packing_args['parallel_layout']={layout!r} is invalid; expected a "
+                           f"ParallelLayout with dp={shards} (the shards)")
+    elif layout.make_sequence_length_divisible_by not in (None, multiple):
+        raise PackingError(f"sequence_packing_args['parallel_layout'] pads sequences to a multiple of "
+                           f"{layout.make_sequence_length_divisible_by}, but sequence_length_pad_multiple={multiple}; "
+                           "give one value")
+    else:
+        layout = dataclasses.replace(layout, make_sequence_length_divisible_by=multiple)
+    options = {"balance": args.get("balance", "work"), "hidden_size": args.get("hidden_size", 4096),
+               "microbatches_per_rank": args.get("microbatches_per_rank")}
+    return layout, options

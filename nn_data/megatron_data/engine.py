@@ -44,6 +44,7 @@ from nn_data.megatron_data import host_pack
 from nn_data.megatron_data.host_pack import PackedBatch
 from nn_data.megatron_data.scope import current_scope
 from nn_data.pack import PackSequences
+from nn_data.planning.alignment import ParallelLayout
 from nn_data.rows import pad_rows, with_dynamic_row_length
 
 # Every PackShardGraph shares one forward code object, and dynamo caps the graphs per code
@@ -71,6 +72,9 @@ class PackOptions:
         (``unit * 2**k``, ``unit = lcm(p, 2C)``). Note that ``T`` then differs from what
         NeMo-RL would produce (it is larger); the valid tokens and their offsets do not.
     ``backend``/``mode``: passed to ``torch.compile`` (tests pass a compile counter).
+    ``pad_full_seq_to``: a run-level packed length, in place of the call's (:meth:`packed_length`),
+        so every microbatch of the run has one shape (one graph; fixed PP receive buffers). Not
+        with ``buckets``.
 
     Built from a config with :meth:`from_cfg` (``cfg["nn_data"]``, see the README).
     """
@@ -80,9 +84,14 @@ class PackOptions:
     buckets: Optional[Union[tuple, str]] = None
     backend: Any = "inductor"
     mode: Optional[str] = None
+    pad_full_seq_to: Optional[int] = None
 
     def __post_init__(self):
         _checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
+        _checks.positive_int("pad_full_seq_to", self.pad_full_seq_to, allow_none=True)
+        if self.pad_full_seq_to is not None and self.buckets is not None:
+            raise PackingError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
+                               "set: buckets only choose T when there is no fixed packed length; drop one")
         b = self.buckets
         if b is None or b == "pow2":
             return
@@ -91,6 +100,17 @@ class PackOptions:
         for v in b:
             _checks.check_int32("buckets entry", _checks.positive_int("buckets entry", v))
         object.__setattr__(self, "buckets", tuple(sorted(set(b))))
+
+    def packed_length(self, given: Optional[int], name: str = "pad_full_seq_to") -> Optional[int]:
+        """The run-level ``pad_full_seq_to`` when set (a ``given`` above it raises), else ``given``.
+        Example: run-level 8192, given 6144 (a step's longest bin) or None -> 8192."""
+        run = self.pad_full_seq_to
+        if run is None:
+            return given
+        if given is not None and given > run:
+            raise PackingError(f"{name}={given} exceeds the run-level packed length pad_full_seq_to={run} "
+                               f"(cfg['nn_data']['pad_full_seq_to'] or PackOptions); raise it to at least {given}")
+        return run
 
     @classmethod
     def from_cfg(cls, cfg: Optional[dict]) -> "PackOptions":
@@ -205,7 +225,7 @@ def _bucket(natural: int, p: int, cp_size: int, buckets) -> int:
     """
     if buckets is None:
         return natural
-    unit = math.lcm(p, 2 * cp_size) if cp_size > 1 else p
+    unit = math.lcm(p, ParallelLayout(dp=1, cp=cp_size).sequence_multiple)  # 2C under CP: the alignment rule
     if buckets == "pow2":
         return unit * (1 << max(0, math.ceil(math.log2(max(natural, 1) / unit))))
     bad = [b for b in buckets if b % unit]

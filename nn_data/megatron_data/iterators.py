@@ -21,6 +21,7 @@ import torch
 from nn_data.megatron_data.common import public, require
 from nn_data.megatron_data.engine import PackOptions
 from nn_data.megatron_data.microbatch import ProcessedMicrobatch
+from nn_data.planning import ParallelLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.utils import StragglerDetector
@@ -103,12 +104,11 @@ def get_microbatch_iterator(
     ``data``'s dynamic-shape plan; sequence packing uses its packable plan (one packed
     microbatch per plan entry, ``micro_batch_size`` 1, padding from
     :func:`_get_pack_sequence_parameters_for_megatron` with
-    ``cfg["make_sequence_length_divisible_by"]`` and the longest planned microbatch);
-    otherwise fixed microbatches of ``mbs`` rows. ``padded_seq_length`` is
-    ``pad_full_seq_to`` when PP > 1 sets one, else ``seq_dim_size``. ``seq_length_key``
-    defaults to ``"input_lengths"`` when packing. ``delegate_pack_to_model``,
-    ``delegate_mtp_loss_mask_to_model`` and ``model_slices_context_parallel_inputs`` go to
-    :func:`process_microbatch` unchanged.
+    ``cfg["make_sequence_length_divisible_by"]`` and the longest planned microbatch, or a run-level
+    ``cfg["nn_data"]["pad_full_seq_to"]``: :func:`run_packed_length`); otherwise fixed microbatches
+    of ``mbs`` rows. ``padded_seq_length``: ``pad_full_seq_to`` when set, else ``seq_dim_size``.
+    ``seq_length_key`` defaults to ``"input_lengths"`` when packing; the ``delegate_*`` and
+    ``model_slices_context_parallel_inputs`` flags go to :func:`process_microbatch` unchanged.
     """
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
     _, seq_dim_size = public("get_and_validate_seqlen")(data)
@@ -123,6 +123,7 @@ def get_microbatch_iterator(
         data_iterator_len, pack_seq_dim_size = data.get_microbatch_iterator_for_packable_sequences_len()
         pad_factor, pad_packed, pad_full_seq_to = public("_get_pack_sequence_parameters_for_megatron")(
             cfg["megatron_cfg"], cfg["make_sequence_length_divisible_by"], pack_seq_dim_size)
+        pad_full_seq_to = run_packed_length(cfg, pack_seq_dim_size, pad_full_seq_to)
         micro_batch_size = 1
     else:
         require(isinstance(mbs, int) and mbs >= 1, f"mbs={mbs!r} is invalid; expected an int >= 1")
@@ -144,6 +145,28 @@ def get_microbatch_iterator(
     )
     padded_seq_length = pad_full_seq_to if pad_full_seq_to is not None else seq_dim_size
     return iterator, data_iterator_len, micro_batch_size, seq_dim_size, padded_seq_length
+
+
+def run_packed_length(cfg: dict[str, Any], longest: int, step_length: Optional[int]) -> Optional[int]:
+    """The packed length of every microbatch of a step: the run-level ``cfg["nn_data"]["pad_full_seq_to"]``
+    when set (checked against the run's :class:`~nn_data.planning.ParallelLayout` and against the
+    ``longest`` planned microbatch), else NeMo-RL's ``step_length``. One length for the whole run
+    keeps compiled graphs and pipeline receive buffers the same at every step.
+
+    Example: run-level 8192, a step whose longest planned microbatch holds 6100 padded tokens ->
+    8192 (NeMo-RL: 6100 rounded up, a new length almost every step); 8300 -> :class:`PackingError`.
+    """
+    run = PackOptions.from_cfg(cfg).pad_full_seq_to
+    if run is None:
+        return step_length
+    layout = ParallelLayout.from_megatron_cfg(
+        cfg["megatron_cfg"], make_sequence_length_divisible_by=cfg["make_sequence_length_divisible_by"])
+    layout.check_packed_length(run, "cfg['nn_data']['pad_full_seq_to']")
+    require(longest <= run,
+            f"a planned microbatch holds {longest} padded tokens, more than the run-level "
+            f"cfg['nn_data']['pad_full_seq_to']={run}; plan the step with max_tokens_per_microbatch <= {run} or "
+            f"raise pad_full_seq_to to at least {layout.round_packed_length(longest)}")
+    return run
 
 
 def process_global_batch(

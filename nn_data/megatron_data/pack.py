@@ -17,10 +17,11 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.megatron_data.common import _round_up_to_multiple, require
+from nn_data.megatron_data.common import _round_up_to_multiple
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.megatron_data.engine import PackConfig, PackOptions, as_lengths, on_device, pack_microbatch
 from nn_data.megatron_data.scope import BoundsFacts, current_scope
+from nn_data.planning import ParallelLayout
 from nn_data.unpack import unpack_sequences
 
 
@@ -76,7 +77,8 @@ def _pack_sequences_for_megatron(
         if done is not None:
             return done
     companions = scope.companions_of(input_ids) if scope is not None else {}
-    config = PackConfig(m, p, pad_packed_seq_to, cp_size=cp_size, cp_rank=cp_rank, total_name="pad_packed_seq_to")
+    fixed = (options or PackOptions()).packed_length(pad_packed_seq_to, "pad_packed_seq_to")  # a run-level T wins
+    config = PackConfig(m, p, fixed, cp_size=cp_size, cp_rank=cp_rank, total_name="pad_packed_seq_to")
     out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options, **companions)
     params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1],
                                     packed_length=out.packed.shape[1])
@@ -155,13 +157,16 @@ def _get_pack_sequence_parameters_for_megatron(
 ):
     """``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to)``.
 
-    Per-sequence multiple: must be a multiple of ``2 * cp_size`` (CP > 1) times
-    ``tp_size`` (TP > 1 with sequence parallelism). Packed multiple: 1, unless FP8
-    (``fp8_cfg.enabled``: recipe ``"blockwise"`` 128, ``"mxfp8"`` 32, any other 16) or the
-    HybridEP flex dispatcher (``moe_token_dispatcher_type="flex"`` and
-    ``moe_flex_dispatcher_backend="hybridep"``: 128) needs one; then the largest of those
-    times ``2 * cp_size`` (CP > 1) times ``tp_size`` (TP > 1 with SP). ``pad_packed_seq_to``:
-    None unless PP > 1, then ``max_seq_len_in_batch`` rounded up to the packed multiple.
+    The multiples are :class:`nn_data.planning.ParallelLayout`'s, the one alignment rule (the
+    planner and the packer's checks use the same): the per-sequence multiple must be a multiple of
+    ``2 * cp_size`` (CP > 1) times ``tp_size`` (TP > 1 with sequence parallelism), else the layout
+    refuses it (NeMo-RL's message first). Packed multiple: 1, unless FP8 (``fp8_cfg.enabled``:
+    recipe ``"blockwise"`` 128, ``"mxfp8"`` 32, any other 16), FP4 (megatron-core's ``fp4``, 128;
+    nn_data only) or the HybridEP flex dispatcher (``moe_token_dispatcher_type="flex"`` and
+    ``moe_flex_dispatcher_backend="hybridep"``: 128) needs one; then the largest of those times
+    ``2 * cp_size`` (CP > 1) times ``tp_size`` (TP > 1 with SP). ``pad_packed_seq_to``: None unless
+    PP > 1, then ``max_seq_len_in_batch`` rounded up to the packed multiple (the step's longest bin;
+    a run-level ``cfg["nn_data"]["pad_full_seq_to"]`` replaces it in :func:`get_microbatch_iterator`).
 
     Example: TP 2 + SP, CP 2, FP8 blockwise, PP 2, multiple 8, max 1000 ->
     ``(8, 1024, 1024)``.
@@ -169,29 +174,11 @@ def _get_pack_sequence_parameters_for_megatron(
     Raises :class:`~nn_data.errors.PackingError` when the
     per-sequence multiple is not a multiple of the minimum pad factor.
     """
-    tp_size = megatron_cfg["tensor_model_parallel_size"]
-    sp = megatron_cfg["sequence_parallel"]
-    pp_size = megatron_cfg["pipeline_model_parallel_size"]
-    cp_size = megatron_cfg["context_parallel_size"]
-    fp8_cfg = megatron_cfg.get("fp8_cfg", None) or {}
-
-    parallel_factor = (cp_size * 2 if cp_size > 1 else 1) * (tp_size if tp_size > 1 and sp else 1)
-    require(
-        pad_individual_seqs_to_multiple_of % parallel_factor == 0,
-        f"make_sequence_length_divisible_by ({pad_individual_seqs_to_multiple_of}) is not a multiple of "
-        f"minimum_pad_factor ({parallel_factor}).\nPlease set policy.make_sequence_length_divisible_by to a "
-        f"multiple of {parallel_factor} (2*cp_size={2 * cp_size} when CP > 1, times tp_size={tp_size} when "
-        "TP > 1 with sequence parallelism)",
-    )
-    divisor = 1
-    if fp8_cfg.get("enabled", False):
-        divisor = {"blockwise": 128, "mxfp8": 32}.get(fp8_cfg.get("fp8_recipe"), 16)
-    if (megatron_cfg.get("moe_token_dispatcher_type") == "flex"
-            and megatron_cfg.get("moe_flex_dispatcher_backend") == "hybridep"):
-        divisor = max(divisor, 128)
-    pad_packed_seq_to_multiple_of = divisor * parallel_factor if divisor > 1 else 1
+    layout = ParallelLayout.from_megatron_cfg(
+        megatron_cfg, make_sequence_length_divisible_by=pad_individual_seqs_to_multiple_of)
+    pad_packed_seq_to_multiple_of = layout.packed_multiple
     pad_packed_seq_to = None
-    if pp_size > 1:
+    if layout.pp > 1:
         pad_packed_seq_to = _round_up_to_multiple(max_seq_len_in_batch, pad_packed_seq_to_multiple_of)
     return pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tests.support.hypothesis_profiles import examples
 from nn_data.megatron_data.batched_data_dict import BatchedDataDict, SlicedDataDict
 from nn_data.errors import PackingError
-from nn_data.megatron_data.packing_planner import first_fit_decreasing
+from nn_data.planning.ffd import first_fit_decreasing
 
 
 def _data(lengths, seq_len=16):

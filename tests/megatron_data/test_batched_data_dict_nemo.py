@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tests.support.hypothesis_profiles import examples
 from nn_data.batched_data_dict import BatchedDataDict, SlicedDataDict
-from nn_data.megatron_data.batched_data_sharding import _adjust_bin_count, _ffd_ties_last
+from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last
 from nn_data.errors import PackingError
 from nn_data.megatron_data import get_microbatch_iterator
 from nn_data.testing.coded import coded_batch
@@ -130,10 +130,10 @@ def test_largest_first_orders_each_ranks_bins_by_load():
 
 
 def test_bin_count_is_raised_to_a_multiple_of_the_shards():
-    assert _ffd_ties_last([4, 4], 4) == [[1], [0]]
-    assert _adjust_bin_count([[0, 1, 2], [3]], 4) == [[0], [3], [2], [1]]
+    assert ffd_ties_last([4, 4], 4).bins == [[1], [0]]
+    assert adjust_bin_count([[0, 1, 2], [3]], 4) == [[0], [3], [2], [1]]
     with pytest.raises(PackingError, match=r"^Cannot create 4 bins with only 3 sequences"):
-        _adjust_bin_count([[0, 1, 2]], 4)
+        adjust_bin_count([[0, 1, 2]], 4)
 
 
 @pytest.mark.parametrize("args, match", [

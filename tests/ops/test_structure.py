@@ -108,3 +108,26 @@ def test_nothing_edits_sys_path_or_cites_files_outside_the_repository():
     if "SPEC" in readme:
         offenders.append("README.md: cites SPEC")
     assert not offenders, offenders
+
+
+PLANNING = sorted(m for m in MODULES if m == "nn_data.planning" or m.startswith("nn_data.planning."))
+PLANNING_MAY_IMPORT = {"nn_data._checks", "nn_data._index", "nn_data.errors"}
+
+
+@pytest.mark.parametrize("module", PLANNING)
+def test_the_step_planner_is_host_code_on_the_layout_rules_alone(module):
+    """nn_data.planning plans on the host: within nn_data it uses the rounding of _index, the int32
+    limit of _checks and the error class, nothing of the ops, the NeMo-RL layer or megatron-core."""
+    inner = {i for i in MODULES[module] if i.startswith("nn_data") and not i.startswith("nn_data.planning")}
+    names = ("round_up", "PackingError", "INT32_MAX", "check_int32")
+    assert inner <= PLANNING_MAY_IMPORT | {f"{m}.{n}" for m in PLANNING_MAY_IMPORT for n in names}
+    assert not [i for i in MODULES[module] if i == "megatron" or i.startswith("megatron.")]
+
+
+def test_the_alignment_rule_has_one_home():
+    """NeMo-RL's minimum_pad_factor (2*cp times tp with sequence parallelism) is written once:
+    nn_data.planning.alignment; the compat layer, PackedForward and the planner ask ParallelLayout."""
+    homes = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if "minimum_pad_factor" in p.read_text())
+    assert homes == ["nn_data/planning/alignment.py"]
+    for path in ("nn_data/packed_forward.py", "nn_data/megatron_data/pack.py", "nn_data/megatron_data/engine.py"):
+        assert "ParallelLayout" in (ROOT / path).read_text(), path

@@ -20,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,9 +30,9 @@ from profiling import profile_microbatches
 from profiling.microbatch_stream import plan_stream
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256",
-        "--microbatches", "5", "--passes", "2", "--sync-steps", "2", "--trace-steps", "2",
-        "--vocab", "64", "--hidden", "8", "--modes", "eager", "compiled", "loop", "--no-progress"]
+COMMON = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256", "--passes", "2",
+          "--sync-steps", "2", "--trace-steps", "2", "--vocab", "64", "--hidden", "8", "--no-progress"]
+TINY = COMMON + ["--steps", "2", "--dp", "2", "--modes", "eager", "compiled", "loop"]
 MODES = ["eager", "compiled", "loop"]
 
 
@@ -54,9 +55,13 @@ def _mode(summary, name):
 def test_every_mode_ran_over_the_stream(profiled):
     run_dir, summary = profiled
     assert [m["name"] for m in summary["modes"]] == MODES
-    assert summary["stream"]["microbatches"] == 5
+    stream = summary["stream"]
+    n = stream["microbatches"]
+    assert stream["steps"] == 2 and stream["packed_lengths"] == [256] and stream["T"] == 256
+    assert n == sum(p["microbatches_per_rank"] for p in stream["step_plans"])  # every microbatch of rank 0
     for m in summary["modes"]:
-        assert len(m["samples_s"]) == 2 * 5 - 1  # two passes, the first call timed apart
+        assert len(m["samples_s"]) == 2 * n - 1  # two passes, the first call timed apart
+        assert len(m["step_s"]) == 2 * 2 - 1 and m["step_mean_s"] > 0 and m["step_std_s"] >= 0
         assert 0 < m["p10_s"] <= m["median_s"] <= m["p90_s"]
         assert m["ops_per_microbatch"] > 0
     assert _mode(summary, "eager")["peak_bytes"] > 0
@@ -84,13 +89,18 @@ def test_table_ratios_and_targets_are_printed(profiled):
     assert any(line.startswith("machine: ") for line in lines)
     assert any(line.startswith("load average (1/5/15 min): ") for line in lines)
     header = next(line for line in lines if line.startswith("mode "))
-    for column in ("first call s", "median ms", "p10 ms", "p90 ms", "mean ms", "tokens/s", "ops/mb", "graphs",
+    for column in ("first call s", "median ms", "p10 ms", "p90 ms", "mean ms", "step ms", "step std", "tokens/s",
+                   "ops/mb", "graphs",
                    "recompiles", "breaks", "syncs/mb", "peak MiB"):
         assert column in header
     rows = [line.split()[0] for line in lines[lines.index(header) + 2:] if line.strip()][:3]
     assert rows == MODES
     assert any(line.startswith("speed-up compiled vs loop (median): ") for line in lines)
     assert "target  met: compiled: 0 recompiles after the first microbatch" in lines
+    assert "target  met: compiled: one packed length and 0 recompiles across 2 steps" in lines
+    assert "step ms" in header and "step std" in header
+    assert any(line.startswith("stream: ") and "plan_step over dp=2" in line and "T=256 (run-level)" in line
+               for line in lines)
     assert "target  met: compiled: 0 host syncs per microbatch" in lines
 
 
@@ -158,6 +168,11 @@ def test_help_runs_in_a_fresh_process():
 @pytest.mark.parametrize("argv, message", [
     (["--cp-rank", "2"], "--cp-rank=2 is invalid"),
     (["--microbatches", "0"], "--microbatches=0 is invalid"),
+    (["--steps", "0"], "--steps=0 is invalid"),
+    (["--dp", "0"], "--dp=0 is invalid"),
+    (["--steps", "2", "--microbatches", "8"], "--steps and --microbatches cannot both be given"),
+    (["--packed-length", "step", "--model", "hf"], "--packed-length step needs a stand-in model"),
+    (["--packed-length", "step", "--guard-eval", "skip-unsafe"], "skipping guards would run a microbatch on another"),
     (["--modes", "fast"], "invalid choice: 'fast'"),
 ])
 def test_bad_flags_name_the_flag(argv, message, capsys):
@@ -168,6 +183,9 @@ def test_bad_flags_name_the_flag(argv, message, capsys):
 
 
 def test_bad_stream_configuration_raises():
+    with pytest.raises(PackingError, match=r"--packed-length='pp' is invalid; expected 'run' or 'step'"):
+        plan_stream(microbatches=2, batch_size=8, median=8, sigma=1.0, vocab=16, seed=0, device=torch.device("cpu"),
+                    max_len=32, max_tokens=64, cp_size=1, multiple=1, packed_length="pp")
     common = dict(microbatches=2, batch_size=8, median=8, sigma=1.0, vocab=16, seed=0, device=torch.device("cpu"))
     with pytest.raises(PackingError, match=r"--multiple=6 is not a multiple of 2\*cp_size=4"):
         plan_stream(max_len=32, max_tokens=64, cp_size=2, multiple=6, **common)
@@ -207,3 +225,75 @@ def test_bench_ops_reports_every_mode_side_by_side(capsys):
     assert "target met: compat pack+shard B=4: <= 30 aten ops" in printed
     assert "compat pack+shard B=4: not slower than NeMo-RL" in printed
     torch._dynamo.reset()
+
+
+def test_the_default_stream_is_cut_at_its_microbatches_and_runs_without_compiling(tmp_path, capsys):
+    summary = profile_microbatches.main(COMMON + ["--microbatches", "5", "--modes", "eager", "loop",
+                                                  "--out-dir", str(tmp_path)])
+    assert summary["stream"]["microbatches"] == 5 and summary["args"]["steps"] is None
+    planned, complete = [p["microbatches_per_rank"] for p in summary["stream"]["step_plans"]], summary["stream"]["steps"]
+    assert sum(planned[:complete]) <= 5 <= sum(planned)  # whole steps only: a cut last step is not one
+    assert complete == len(planned) if sum(planned) == 5 else complete == len(planned) - 1
+    assert [m["name"] for m in summary["modes"]] == ["eager", "loop"] and "step std" in capsys.readouterr().out
+
+
+def test_plan_stream_plans_each_step_with_plan_step_on_rank_0():
+    from nn_data.planning import ParallelLayout, plan_step
+    from profiling.microbatch_plan import make_global_batch
+
+    common = dict(microbatches=None, batch_size=40, max_len=64, median=24, sigma=1.0, vocab=16, seed=3,
+                  device=torch.device("cpu"), max_tokens=200, cp_size=2, multiple=4, dp=2)
+    stream = plan_stream(steps=3, **common)
+    rng = np.random.default_rng(3)
+    expected = []
+    for step in range(3):
+        _, lengths = make_global_batch(rng, 40, 64, 24, 1.0, 16)
+        plan = plan_step(lengths, ParallelLayout(dp=2, cp=2, make_sequence_length_divisible_by=4),
+                         pad_full_seq_to=200)
+        expected += [(step, sorted(lengths[i].item() for i in mb)) for mb in plan.ranks[0]]
+    assert [(mb.step, sorted(mb.lengths.tolist())) for mb in stream.microbatches] == expected
+    assert {mb.total for mb in stream.microbatches} == {200} and stream.total == 200 and stream.steps == 3
+    step_level = plan_stream(steps=3, packed_length="step", **{**common, "batch_size": 6, "dp": 1})
+    totals = [mb.total for mb in step_level.microbatches]  # NeMo-RL's rule: each step's longest microbatch
+    assert [mb.step for mb in step_level.microbatches] == [0, 1, 2] and len(set(totals)) == 3
+    assert totals == [-(-mb.lengths.add(3).div(4, rounding_mode="floor").mul(4).sum().item() // 4) * 4
+                      for mb in step_level.microbatches]
+
+
+def test_step_times_sum_each_steps_microbatches_pass_by_pass():
+    from profiling.microbatch_measure import step_times
+    from profiling.microbatch_plan import Microbatch, Stream
+
+    mbs = [Microbatch(None, None, step) for step in (0, 0, 1, 1)]
+    stream = Stream(mbs, 8, 16, 4, 1, 2, steps=2)
+    assert step_times([2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0], stream, 2) == [7.0, 30.0, 70.0]
+    assert step_times([2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0], stream._replace(steps=1), 2) == [30.0]
+
+
+def test_bench_planner_reports_every_planner_and_checks_its_plans(capsys, tmp_path):
+    from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last
+    from profiling import bench_planner
+
+    def stand_in(padded, capacity, dp):  # a stand-in for NeMo-RL's packer: its plan as nn_data reproduces it
+        return adjust_bin_count(ffd_ties_last(padded, capacity).bins, dp)
+
+    def overfull(padded, capacity, dp):  # a packer that breaks the capacity: its row says so
+        return [list(range(len(padded)))] + [[] for _ in range(dp - 1)]
+
+    rows = bench_planner.main(["--sizes", "small", "--counts", "64", "--distributions", "lognormal", "bimodal",
+                               "--reps", "1", "--json", str(tmp_path / "p.json"), "--markdown", str(tmp_path / "p.md")],
+                              packers={"NeMo-RL mffd": stand_in, "broken": overfull})
+    by_mode = {(r["distribution"], r["mode"]): r for r in rows}
+    assert {m for _, m in by_mode} == {"work", "tokens", "nemo-rl", "NeMo-RL mffd", "broken"}
+    for dist in ("lognormal", "bimodal"):
+        nemo, mine = by_mode[(dist, "NeMo-RL mffd")], by_mode[(dist, "nemo-rl")]
+        assert {k: nemo[k] for k in ("padding_fraction", "work_imbalance")} == \
+            {k: mine[k] for k in ("padding_fraction", "work_imbalance")}
+        assert by_mode[(dist, "work")]["work_imbalance"] < mine["work_imbalance"]
+        assert "more than pad_full_seq_to=16384" in by_mode[(dist, "broken")]["error"]
+    printed = capsys.readouterr().out
+    assert "target met: lognormal n=64: padding" in printed and "NeMo-RL mffd's" in printed
+    assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["mode"] == "work"
+    assert (tmp_path / "p.md").read_text().startswith("| distribution | n | dp | mode |")
+    with pytest.raises(FileNotFoundError, match=r"--nemo-rl /nowhere: .*algorithms.py does not exist"):
+        bench_planner.load_nemo_rl_packers("/nowhere")

@@ -1,4 +1,4 @@
-"""Bin sequences into packable microbatches: first-fit-decreasing in O(n log n).
+"""Bin sequences into packable microbatches: first-fit-decreasing in O(n log n), and NeMo-RL's bin rules.
 
 First-fit-decreasing (FFD) takes the sequences longest first and puts each into the
 first (lowest-numbered) open bin with room, opening a new bin when none has. The
@@ -8,11 +8,15 @@ segment tree, so "leftmost bin with room >= length" is one root-to-leaf descent:
 O(log n) per sequence, O(n log n) with the sort (numpy). Unopened bins are leaves
 with full capacity to the right of the open ones, so the leftmost fit is the
 first-fit bin, or the next new bin.
+
+:func:`ffd_ties_last` and :func:`adjust_bin_count` are NeMo-RL's packer conventions (its tie
+order, and the bin count raised to a multiple of the data-parallel ranks), used by the step
+planner's ``balance="nemo-rl"`` and by ``BatchedDataDict.shard_by_batch_size``.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -87,3 +91,39 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDPlan:
             steps += 1
     loads = [capacity - tree[leaves + b] for b in range(len(bins))]
     return FFDPlan(bins, loads, steps)
+
+
+def ffd_ties_last(lengths: Sequence[int], capacity: int) -> FFDPlan:
+    """First-fit-decreasing with equal lengths taken last index first (NeMo-RL's order: it sorts
+    ``(length, index)`` pairs descending). :func:`first_fit_decreasing` keeps ties in input order,
+    so it runs on the reversed list. Example: ``[4, 4]``, capacity 4 -> bins ``[[1], [0]]``."""
+    arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    n = int(arr.size)
+    plan = first_fit_decreasing(arr[::-1], capacity)
+    return plan._replace(bins=[[n - 1 - i for i in b] for b in plan.bins])
+
+
+def adjust_bin_count(bins: list, shards: int, target: Optional[int] = None) -> list:
+    """At least ``shards`` bins and a multiple of ``shards`` (every rank runs as many microbatches),
+    or exactly ``target`` bins when given: new bins each take the last sequence of the bin with most
+    sequences (NeMo-RL's rule).
+
+    Example: bins ``[[0, 1, 2], [3]]``, 4 shards -> ``[[0], [3], [2], [1]]``.
+    """
+    if target is None:
+        target = max(len(bins), shards)
+        target += (-target) % shards
+    if target == len(bins):
+        return bins
+    count = sum(len(b) for b in bins)
+    if count < target:
+        raise PackingError(f"Cannot create {target} bins with only {count} sequences. Each bin must contain at "
+                           f"least one sequence. Either reduce min_bin_count/bin_count_multiple or provide more "
+                           f"sequences. (each of the {shards} data-parallel shards needs the same number of "
+                           "microbatches)")
+    bins = [list(b) for b in bins]
+    donors = sorted(range(len(bins)), key=lambda i: (len(bins[i]), i), reverse=True)  # NeMo-RL's tie order
+    for _ in range(target - len(bins)):
+        donor = next(i for i in donors if len(bins[i]) > 1)
+        bins.append([bins[donor].pop()])
+    return bins

@@ -1,0 +1,24 @@
+"""One shape per run: the step plan across data-parallel ranks and the one alignment rule.
+
+    from nn_data.planning import ParallelLayout, plan_step
+
+    layout = ParallelLayout(dp=8, tp=2, sequence_parallel=True, cp=2, pp=2)  # multiples: 8 per sequence
+    plan = plan_step(lengths, layout, pad_full_seq_to=16384)                 # every microbatch <= 16384
+    plan.ranks[r][j]          # sequence indices of microbatch j on data-parallel rank r
+
+* :class:`ParallelLayout` (:mod:`nn_data.planning.alignment`): the per-sequence and packed-length
+  multiples every part of nn_data derives from it (the planner, the packer's checks, NeMo-RL's
+  ``_get_pack_sequence_parameters_for_megatron``).
+* :func:`plan_step` (:mod:`nn_data.planning.step`) -> :class:`StepPlan`: every sequence exactly
+  once, every microbatch at most ``pad_full_seq_to`` padded tokens, the same microbatch count on
+  every rank, work balanced across ranks (:mod:`nn_data.planning.balance`); O(n log n) on the host.
+* :mod:`nn_data.planning.ffd`: first-fit-decreasing in O(n log n) and NeMo-RL's bin rules.
+
+Host-side planning: numpy and Python ints, no tensor op, no megatron-core.
+"""
+
+from nn_data.planning.alignment import INT32_MAX, ParallelLayout
+from nn_data.planning.step import BALANCE_MODES, StepPlan, evaluate_plan, plan_step, sequence_work
+
+__all__ = ["BALANCE_MODES", "INT32_MAX", "ParallelLayout", "StepPlan", "evaluate_plan", "plan_step",
+           "sequence_work"]
