@@ -122,7 +122,8 @@ def from_parallel_logits_to_logprobs_packed_sequences(
         else:  # the token at t + 1 (inside the segment wherever keep holds)
             token = next_token_at(target[0], Segments(bounds, seg_len), places, total)[0]  # [N]
         keep = keep & _in_vocab(token, cols * tp.size)
-        values = _local_logprobs(vocab_parallel_logits[0], token, keep, vocab_start_index, tp, chunk, filt)  # [N]
+        # squeeze, not [0]: its backward is a view, where [0]'s would copy the logits' whole gradient
+        values = _local_logprobs(vocab_parallel_logits.squeeze(0), token, keep, vocab_start_index, tp, chunk, filt)
         packed = _gather_cp(values, cu_seqlens_padded, cp)  # [1, T]
         cu = cu_seqlens_padded.to(torch.int64)
         lengths = (cu[1:] - cu[:-1] - 1).clamp(0, seq_len - 1)  # [B] min(n_b - 1, S - 1)
