@@ -112,15 +112,7 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     if validate:
         _checks.check_boundaries(cu_seqlens_padded, total, cp.size, "from_parallel_logits_to_logprobs_packed_sequences")
     with _grad_mode(inference_only):
-        bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]
-        places = local_places(bounds, total, cp.size, cp.rank)  # 2 x [N]
-        seg_len = bounds[1:] - bounds[:-1]  # [B'] padded segments: every padded position is scored
-        offset = places.source - bounds[places.segment]  # [N]
-        keep = (offset + 1 < seg_len[places.segment]) & (offset + 1 < seq_len)  # [N]: s < min(n-1, S-1)
-        if target_is_pre_rolled:
-            token = target[0].to(torch.int64)  # [N]
-        else:  # the token at t + 1 (inside the segment wherever keep holds)
-            token = next_token_at(target[0], Segments(bounds, seg_len), places, total)[0]  # [N]
+        token, keep = _packed_targets(target, target_is_pre_rolled, cu_seqlens_padded, total, cp, seq_len)
         keep = keep & _in_vocab(token, cols * tp.size)
         # squeeze, not [0]: its backward is a view, where [0]'s would copy the logits' whole gradient
         values = _local_logprobs(vocab_parallel_logits.squeeze(0), token, keep, vocab_start_index, tp, chunk, filt)
@@ -337,6 +329,23 @@ def _chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_
     if filt is not None:
         _checks.check_top_k(filt.top_k, cols * tp.size)
     return chunk, filt
+
+
+def _packed_targets(target, pre_rolled: bool, cu_seqlens_padded, total: int, cp: ParallelInfo, seq_len: int):
+    """``(token [N], keep [N])`` for this rank's packed positions: the token each one scores and
+    whether NeMo-RL's output holds it (offset ``s`` in its padded segment ``n``: ``s < min(n-1, S-1)``).
+
+    Example (C 1): cu_seqlens_padded ``[0, 4, 12]``, S 6 -> keep ``[T,T,T,F, T,T,T,T,T,F,F,F]``
+    (segment 1 is cut at ``S - 1 = 5`` positions); position 3 would score the next segment's token.
+    """
+    bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]
+    places = local_places(bounds, total, cp.size, cp.rank)  # 2 x [N]
+    seg_len = bounds[1:] - bounds[:-1]  # [B'] padded segments: every padded position is scored
+    offset = places.source - bounds[places.segment]  # [N]
+    keep = (offset + 1 < seg_len[places.segment]) & (offset + 1 < seq_len)  # [N]
+    if pre_rolled:
+        return target[0].to(torch.int64), keep  # [N] given on this rank's positions
+    return next_token_at(target[0], Segments(bounds, seg_len), places, total)[0], keep  # [N] the token at t + 1
 
 
 def _in_vocab(token: torch.Tensor, vocab: int) -> torch.Tensor:
