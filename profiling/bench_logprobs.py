@@ -19,7 +19,9 @@ its groups out). Every rank holds its zigzag shard of the packed logits ``[1, T/
 Modes: ``forward`` (``inference_only=True`` under ``torch.no_grad``, as NeMo-RL's log-prob pass) and
 ``forward+backward`` (a weighted sum, backward to the local logits). For each path and mode: the
 median wall time (``profiling.timing.time_side_by_side``: paths interleaved, max over ranks; each
-call starts with a barrier), the peak of bytes allocated during one call (profiler allocator events,
+call starts with a barrier) and the median CPU time of the same calls (the process's own, so time
+spent waiting in a collective for a rank that other jobs delay is not counted: the steadier figure
+on a loaded machine), the peak of bytes allocated during one call (profiler allocator events,
 inputs excluded, the logits' gradient included), host syncs (``HostSyncCounter``: NeMo-RL's ``.item()``
 reads) and collectives (``CollectiveCounter``) of one call. Before timing it checks the drop-in
 against the naive path and NeMo-RL on the same float32 inputs (max |difference|, values on every
@@ -31,10 +33,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.machinery
 import importlib.util
 import json
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -195,11 +200,19 @@ def rank_main(rank, args, port, out_queue):
             with HostSyncCounter() as syncs, CollectiveCounter() as coll:
                 call(fn, local, weight, mode, name)
             results[(mode, name, "syncs")], results[(mode, name, "collectives")] = syncs.count, coll.count
-        timed = time_side_by_side(
-            {name: (lambda fn=fn, name=name: (dist.barrier(), call(fn, local, weight, mode, name)))
-             for name, fn in paths.items()}, warmup=0, reps=args.repeats)
+        cpu = {name: [] for name in paths}
+
+        def timed_call(fn, name):
+            dist.barrier()
+            start = time.process_time()
+            call(fn, local, weight, mode, name)
+            cpu[name].append(time.process_time() - start)
+
+        timed = time_side_by_side({name: functools.partial(timed_call, fn, name) for name, fn in paths.items()},
+                                  warmup=0, reps=args.repeats)
         for name, t in timed.items():
             results[(mode, name, "time")] = t.median_s
+            results[(mode, name, "cpu")] = statistics.median(cpu[name][1:])  # the timed rounds
     keys = sorted(results)
     vec = torch.tensor([float(results[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX)  # the slowest rank, the largest peak and difference
@@ -218,15 +231,17 @@ def report(args, res, machine: str) -> str:
         f"machine: {machine}",
         f"local logits [1, T/C, V/TP] = {args.tokens // args.cp * args.vocab // args.tp * 4 / MiB:.0f} MiB",
         "",
-        "| mode | path | time (ms) | drop-in speed-up | peak allocated (MiB) | host syncs | collectives |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| mode | path | time (ms) | drop-in speed-up | CPU time (ms) | CPU ratio | peak allocated (MiB) "
+        "| host syncs | collectives |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for mode in MODES:
-        base = res[f"{mode}|drop-in|time"]
+        base, cpu_base = res[f"{mode}|drop-in|time"], res[f"{mode}|drop-in|cpu"]
         for n in names:
-            t = res[f"{mode}|{n}|time"]
-            lines.append(f"| {mode} | {n} | {1000 * t:.1f} | {t / base:.2f}x | {res[f'{mode}|{n}|peak'] / MiB:.1f} | "
-                         f"{res[f'{mode}|{n}|syncs']:.0f} | {res[f'{mode}|{n}|collectives']:.0f} |")
+            t, c = res[f"{mode}|{n}|time"], res[f"{mode}|{n}|cpu"]
+            lines.append(f"| {mode} | {n} | {1000 * t:.1f} | {t / base:.2f}x | {1000 * c:.1f} | {c / cpu_base:.2f}x | "
+                         f"{res[f'{mode}|{n}|peak'] / MiB:.1f} | {res[f'{mode}|{n}|syncs']:.0f} | "
+                         f"{res[f'{mode}|{n}|collectives']:.0f} |")
     lines.append("")
     for dtype in ("f64", "f32"):
         for n in names:
@@ -245,9 +260,10 @@ def targets(res) -> list[str]:
         ("forward >= 1.4x NeMo-RL's chunked mode", fwd("nemo-rl chunked") / fwd("drop-in"), 1.4, ">="),
         ("forward peak <= 1/30 of NeMo-RL's default", fwd("nemo-rl", "peak") / max(fwd("drop-in", "peak"), 1), 30, ">="),
         ("host syncs == 0 (forward and backward)", res["forward|drop-in|syncs"] + res["forward+backward|drop-in|syncs"], 0, "=="),
-        ("float64 values and gradients vs naive <= 1e-10",
-         max(res.get("f64|naive|values", 0), res.get("f64|naive|grads", 0)), 1e-10, "<="),
     ]
+    if "f64|naive|values" in res:  # the naive path is the float64 oracle here (NeMo-RL computes in float32)
+        checks.append(("float64 values and gradients vs naive <= 1e-10",
+                       max(res["f64|naive|values"], res["f64|naive|grads"]), 1e-10, "<="))
     out = ["", "targets:"]
     for what, value, bound, op in checks:
         ok = {">=": value >= bound, "==": value == bound, "<=": value <= bound}[op]

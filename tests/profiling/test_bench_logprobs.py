@@ -37,7 +37,7 @@ def test_every_path_runs_and_the_drop_in_matches_the_naive_path(tmp_path):
     res, text = _run(TINY + ["--nemo-rl", str(tmp_path / "checkout")])
     for mode in bench_logprobs.MODES:
         for path in ("drop-in", "TokenLogProbs", "naive", "nemo-rl", "nemo-rl chunked"):
-            assert res[f"{mode}|{path}|time"] > 0 and f"| {mode} | {path} |" in text
+            assert res[f"{mode}|{path}|time"] > 0 and res[f"{mode}|{path}|cpu"] >= 0 and f"| {mode} | {path} |" in text
     assert res["forward|drop-in|syncs"] == 0 and res["forward+backward|drop-in|syncs"] == 0
     assert res["forward|drop-in|collectives"] == 1  # the CP all-gather of [1, T/C] values
     assert res["forward+backward|drop-in|collectives"] == 2  # and the reduce-scatter of its gradient
