@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nn_data import PackingError, TokenLogProbs
 from nn_data import model_utils as mu
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
+from nn_data.megatron_parallel import SINGLE
 from nn_data.sampling import SamplingFilter, TrainingSamplingParams, row_thresholds, sampling_filter
 from nn_data.testing.nemo_reference import reference_filter, reference_row_logprobs
 from nn_data.testing.reference import reference_shard
@@ -32,7 +33,6 @@ from tests.support.model_utils_cases import (
     reference_packed,
     run_packed,
 )
-from nn_data.megatron_parallel import SINGLE
 
 TOL = dict(rtol=0, atol=1e-10)
 PACKED = mu.from_parallel_logits_to_logprobs_packed_sequences
