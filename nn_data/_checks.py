@@ -297,3 +297,62 @@ def check_layout(
         bad = is_target & ((ids < 0) | (ids >= vocab))
         raise_first(bad, ids, "packed token id {v} at position {i} is outside the vocabulary "
                             f"[0, {vocab}) of the logits")
+
+
+def check_float_logits(name: str, t, layout: str, ndim: int) -> None:
+    """``t`` must be a floating-point tensor with exactly ``ndim`` dims (``layout`` names them)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != ndim or not t.dtype.is_floating_point:
+        got = f"shape {dims(t)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise PackingError(f"{name} must be floating-point logits {layout}, got {got}")
+
+
+def check_vocab_range(vocab_start_index, vocab_end_index, columns: int, tp_rank: int) -> None:
+    """The vocabulary slice of a tensor-parallel rank: ``[tp_rank * Vt, (tp_rank + 1) * Vt)`` for
+    ``Vt = columns``, the logits' last dim (megatron-core's vocab-parallel split)."""
+    start, end = tp_rank * columns, (tp_rank + 1) * columns
+    if (vocab_start_index, vocab_end_index) != (start, end):
+        raise PackingError(
+            f"vocab_start_index={vocab_start_index!r}, vocab_end_index={vocab_end_index!r} do not match the "
+            f"logits: with {columns} vocabulary columns on tensor-parallel rank {tp_rank} they must be "
+            f"{start} and {end} (tp_rank * V/TP and (tp_rank + 1) * V/TP)"
+        )
+
+
+def check_top_k(top_k: Optional[int], vocab: int) -> None:
+    """A top-k filter keeps at most the whole vocabulary."""
+    if top_k is not None and top_k > vocab:
+        raise PackingError(f"sampling_params.top_k={top_k} is invalid for a vocabulary of {vocab} tokens; "
+                           f"expected top_k <= {vocab} (or None / -1 for no top-k filtering)")
+
+
+def check_even_shard(name: str, local: int, cp_size: int, what: str) -> None:
+    """A zigzag shard of one sequence is two equal chunks: ``local`` positions must be even under CP."""
+    if cp_size > 1 and local % 2:
+        raise PackingError(
+            f"{name} holds {local} positions per {what} on this rank; a context-parallel shard is two equal "
+            f"chunks (ranks r and 2*cp_size-1-r of 2*cp_size={2 * cp_size}), so it must be even"
+        )
+
+
+def check_logprob_target(target, pre_rolled: bool, local_total: int, total: int) -> None:
+    """The packed log-prob target: the full packed ids ``[1, T]``, or pre-rolled this rank's ``[1, T/C]``."""
+    want, what = (local_total, "this rank's rolled, CP-sharded targets") if pre_rolled else (total, "the packed ids")
+    check_packed_ids("target", target)
+    if target.shape[1] != want:
+        raise PackingError(
+            f"target has shape {dims(target)}; with target_is_pre_rolled={pre_rolled} it must be {what} "
+            f"[1, {want}] (the logits cover T={total} packed positions, {local_total} on this rank)"
+        )
+
+
+def check_row_target(target, rows: int, padded_len: int) -> None:
+    """Unpacked targets ``[B, S]`` (integer ids) for logits of ``B`` rows covering ``padded_len >= S`` positions."""
+    if not isinstance(target, torch.Tensor) or target.dim() != 2 or target.is_floating_point() \
+            or target.is_complex() or target.dtype == torch.bool:
+        got = f"shape {dims(target)} and dtype {target.dtype}" if isinstance(target, torch.Tensor) else type(target).__name__
+        raise PackingError(f"target must be integer token ids [B, S], got {got}")
+    if target.shape[0] != rows or target.shape[1] > padded_len:
+        raise PackingError(
+            f"target has shape {dims(target)}; the logits hold {rows} rows of {padded_len} positions over the "
+            f"context-parallel group (S // CP * cp_size), so target must be [{rows}, S] with S <= {padded_len}"
+        )

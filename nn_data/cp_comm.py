@@ -40,6 +40,16 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))
 
 
+def all_to_all_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all along dim 0 in equal blocks: ``x [size*M, *]`` -> ``[size*M, *]``, where block ``j``
+    of the result is block ``rank`` of rank ``j``'s ``x``. Not autograd-aware.
+
+    Example (2 ranks, M 1): rank 0 ``[a0, a1]``, rank 1 ``[b0, b1]`` -> rank 0 ``[a0, b0]``,
+    rank 1 ``[a1, b1]``.
+    """
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, group))
+
+
 class _AllGatherRows(torch.autograd.Function):
     """``x [N, *]`` on each of ``C`` ranks -> ``[C*N, *]``, rank-major (rank 0's rows first).
 

@@ -1,4 +1,4 @@
-"""Diagnostics for users, tests and benchmarks: count host-device syncs in Python code.
+"""Diagnostics for users, tests and benchmarks: count host-device syncs in Python code, and collectives.
 
 On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the authoritative check;
 on the CPU build there is none, so :class:`HostSyncCounter` counts the Python-level
@@ -10,6 +10,7 @@ blocking copy, which the sync debug mode flags).
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _SYNCING_METHODS = ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "__index__")
 # Builders that copy Python data into a new tensor; counted when the tensor lands off the CPU.
@@ -94,3 +95,38 @@ class HostSyncCounter:
             else:
                 setattr(torch.Tensor, name.removeprefix("Tensor."), original)
         self._saved.clear()
+
+
+# torch.distributed's operator namespaces: c10d (dist.all_reduce, ...) and the functional collectives.
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # bookkeeping of a functional collective
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Context manager counting the ``torch.distributed`` collectives this process issues while it
+    is active, forward and backward alike: ``count`` and ``calls`` (operator names, in order).
+
+    It sees every collective that reaches torch's dispatcher: the functional collectives nn_data
+    uses (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``) and
+    ``torch.distributed.all_reduce`` / ``all_gather`` / ``barrier`` (``allreduce_``, ``allgather_``,
+    ``barrier``), so it counts NeMo-RL's calls and nn_data's alike; waiting on a functional
+    collective is not a second one. Example (in each rank of a group)::
+
+        with CollectiveCounter() as coll:
+            torch.distributed.all_reduce(x)
+        coll.calls  # ['allreduce_']
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.calls)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace in _COLLECTIVE_NAMESPACES and name not in _NOT_COLLECTIVES:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))

@@ -24,6 +24,7 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.megatron_parallel import group_info
+from nn_data.sampling import row_thresholds, vocab_parallel_thresholds
 from nn_data._index import ZigzagLocal, local_places, packed_segments
 from nn_data.targets import next_token_at
 
@@ -35,10 +36,14 @@ class _TargetLogProb(torch.autograd.Function):
     vocab_start + Vt)``; the per-rank log-sum-exp and the target's logit (0 on ranks that
     do not own it) are all-gathered as ``[2, N]`` and combined. Backward needs no
     communication: ``d/dz_v = [v = target] - softmax_v``, with the global log-sum-exp saved.
+
+    ``sampling`` (a :class:`~nn_data.sampling.SamplingFilter`, or None): the softmax runs over the
+    logits the filter keeps (``>= tau``, one threshold per row, ``nn_data.sampling``); a target
+    it drops gets ``-inf`` and no one-hot term in the gradient, filtered logits get no gradient.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, keep, vocab_start: int, tp_group, tp_size: int, chunk: int):
+    def forward(ctx, logits, target, keep, vocab_start: int, tp_group, tp_size: int, chunk: int, sampling=None):
         n, cols = logits.shape
         dtype = torch.promote_types(logits.dtype, torch.float32)
         local = target - vocab_start  # [N] column on this rank
@@ -46,8 +51,12 @@ class _TargetLogProb(torch.autograd.Function):
         local = local.clamp(0, max(cols - 1, 0))
         lse = logits.new_empty(n, dtype=dtype)
         picked = logits.new_empty(n, dtype=dtype)
+        tau = logits.new_empty(n if sampling is not None else 0, dtype=dtype)  # [N] thresholds when filtering
         for i in range(0, n, chunk):  # static: n and chunk are Python ints
             x = logits[i : i + chunk].to(dtype)  # [c, Vt]
+            if sampling is not None:
+                tau[i : i + chunk] = _thresholds(logits[i : i + chunk], sampling, tp_group, tp_size)
+                x = _filtered(x, tau[i : i + chunk])
             lse[i : i + chunk] = torch.logsumexp(x, dim=-1)
             picked[i : i + chunk] = x.gather(1, local[i : i + chunk, None]).squeeze(1)
         picked = torch.where(owned, picked, 0.0)
@@ -55,22 +64,38 @@ class _TargetLogProb(torch.autograd.Function):
             both = torch.stack([lse, picked])  # [2, N]
             every = all_gather_dim0(both, tp_group).view(tp_size, 2, n)  # [TP, 2, N]
             lse, picked = torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)  # [N] each
-        ctx.save_for_backward(logits, local, owned, keep, lse)
-        ctx.chunk = chunk
+        if sampling is not None:
+            owned = owned & (picked > float("-inf"))  # a filtered target: no one-hot term
+        ctx.save_for_backward(logits, local, owned, keep, lse, tau)
+        ctx.chunk, ctx.sampled = chunk, sampling is not None
         return torch.where(keep, picked - lse, 0.0)
 
     @staticmethod
     def backward(ctx, grad):
-        logits, local, owned, keep, lse = ctx.saved_tensors
+        logits, local, owned, keep, lse, tau = ctx.saved_tensors
         g = torch.where(keep, grad, 0.0).to(lse.dtype)  # [N]
         g_owned = torch.where(owned, g, 0.0)  # [N] the one-hot term, on the owning TP rank only
         out = torch.empty_like(logits)
         for i in range(0, logits.shape[0], ctx.chunk):
             j = i + ctx.chunk
-            d = logits[i:j].to(lse.dtype).sub(lse[i:j, None]).exp_()  # [c, Vt] softmax
+            x = logits[i:j].to(lse.dtype)  # [c, Vt]
+            x = _filtered(x, tau[i:j]).sub_(lse[i:j, None]) if ctx.sampled else x.sub(lse[i:j, None])
+            d = x.exp_()  # [c, Vt] softmax (0 where filtered)
             d.mul_(-g[i:j, None]).scatter_add_(1, local[i:j, None], g_owned[i:j, None])
             out[i:j] = d
-        return out, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None
+
+
+def _thresholds(raw: torch.Tensor, sampling, tp_group, tp_size: int) -> torch.Tensor:
+    """The filter's threshold of each row of ``raw [c, Vt]``, in the logits' own dtype (as NeMo-RL filters)."""
+    if tp_size > 1:
+        return vocab_parallel_thresholds(raw, sampling, tp_group, tp_size)
+    return row_thresholds(raw, sampling)
+
+
+def _filtered(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """A new ``[c, Vt]`` tensor: ``x`` with the entries below their row's ``tau [c]`` set to ``-inf``."""
+    return x.masked_fill(x < tau[:, None], float("-inf"))
 
 
 def token_logprobs_local(
@@ -82,13 +107,17 @@ def token_logprobs_local(
     tp_group: Optional["dist.ProcessGroup"] = None,
     tp_size: int = 1,
     chunk_tokens: int = 256,
+    sampling=None,
 ) -> torch.Tensor:
     """Log-prob of ``target`` at each row of ``logits [N, Vt]`` where ``keep [N]``, else 0: ``[N]``.
 
     Differentiable w.r.t. ``logits``; memory beyond the logits is ``O(N)`` plus one
     ``[chunk_tokens, Vt]`` chunk. ``target`` holds vocabulary ids in ``[0, V)`` where ``keep``.
+    ``sampling``: an optional :class:`~nn_data.sampling.SamplingFilter` (top-k / top-p); the
+    log-softmax then runs over the kept logits only (under TP, one all-to-all and one all-gather
+    per chunk find each row's threshold).
     """
-    return _TargetLogProb.apply(logits, target, keep, vocab_start, tp_group, tp_size, chunk_tokens)
+    return _TargetLogProb.apply(logits, target, keep, vocab_start, tp_group, tp_size, chunk_tokens, sampling)
 
 
 class TokenLogProbs(nn.Module):

@@ -131,3 +131,15 @@ def test_the_alignment_rule_has_one_home():
     assert homes == ["nn_data/planning/alignment.py"]
     for path in ("nn_data/packed_forward.py", "nn_data/megatron_data/pack.py", "nn_data/megatron_data/engine.py"):
         assert "ParallelLayout" in (ROOT / path).read_text(), path
+
+
+def test_nothing_in_the_package_imports_nemo_rl():
+    importers = sorted(m for m, imps in MODULES.items() if any(i == "nemo_rl" or i.startswith("nemo_rl.") for i in imps))
+    assert not importers, f"{importers} import NeMo-RL; nn_data re-implements it and never depends on it"
+
+
+def test_model_utils_builds_on_the_log_prob_core_not_on_token_logprobs():
+    # nn_data.model_utils reuses the chunked log-prob kernel, the zigzag places and the CP gather;
+    # TokenLogProbs (nn_data's own convention) is a sibling, not a dependency.
+    from_logprobs = {i for i in MODULES["nn_data.model_utils"] if i.startswith("nn_data.logprobs.")}
+    assert from_logprobs == {"nn_data.logprobs.token_logprobs_local"}
