@@ -2,13 +2,17 @@
 
 The package layout of docs/design.md ("Where things live") as checks: the core imports nothing
 from the NeMo-RL layer, megatron-core is imported by nn_data.megatron_parallel alone, the import
-graph between nn_data's modules has no cycle, and nothing edits sys.path or cites a file outside
-the repository.
+graph between nn_data's modules has no cycle, nothing edits sys.path or cites a file outside
+the repository, the layout rules and the data checks' wordings live in nn_data.plan alone, and
+the compat layer keeps no hidden state.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -48,7 +52,8 @@ CORE = [m for m in MODULES if not m.startswith("nn_data.megatron_data") and m !=
 
 
 def test_layout_is_as_documented():
-    assert "nn_data.megatron_data" in MODULES and "nn_data.megatron_data.engine" in MODULES
+    assert "nn_data.megatron_data" in MODULES and "nn_data.megatron_data.dispatch" in MODULES
+    assert "nn_data.plan" in MODULES and "nn_data.plan.host" in MODULES and "nn_data.plan.device" in MODULES
     assert "nn_data.testing.reference" in MODULES and "nn_data.reference" not in MODULES
     assert not [m for m in MODULES if m.startswith("nn_data.megatron_data_")]
 
@@ -108,3 +113,95 @@ def test_nothing_edits_sys_path_or_cites_files_outside_the_repository():
     if "SPEC" in readme:
         offenders.append("README.md: cites SPEC")
     assert not offenders, offenders
+
+
+# ---- the layout plan's boundary (docs/design.md, "Layout plan and executors") -------------------
+
+PLAN = PKG / "plan"
+# The loop oracle (nn_data/testing/reference.py) re-derives every rule on purpose: a reference that
+# shared the plan's rules could not catch a wrong one.
+ORACLE = PKG / "testing"
+OUTSIDE_PLAN = sorted(p for p in PKG.rglob("*.py") if PLAN not in p.parents and ORACLE not in p.parents)
+
+
+def _code_only(text: str) -> str:
+    """``text`` with comments and string literals blanked (their line breaks kept): rules are code."""
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    chars = list(text)
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING):
+            for k in range(starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1]):
+                chars[k] = chars[k] if chars[k] == "\n" else " "
+    return "".join(chars)
+
+
+def _sources_outside_plan():
+    for path in OUTSIDE_PLAN:
+        yield path.relative_to(ROOT), _code_only(path.read_text())
+
+
+def test_the_compat_layer_has_no_hidden_state():
+    assert not (PKG / "megatron_data" / "scope.py").exists()
+    users = [m for m, imps in MODULES.items() if "contextvars" in imps]
+    assert not users, f"{users} import contextvars"
+    for gone in ("nn_data._index", "nn_data.layout", "nn_data.megatron_data.engine", "nn_data.megatron_data.host_pack"):
+        assert gone not in MODULES, f"{gone} is back: its content lives in nn_data.plan"
+
+
+RULE_PATTERNS = {
+    "the round-up (plan.rules.round_up)": [r"-\s*\(\s*-\s*[\w.\[\]]+\s*//\s*[\w.]+\s*\)\s*\*",
+                                           r"\+\s*\(?\s*[\w.]+\s*-\s*1\s*\)?\s*\)\s*//\s*[\w.]+\s*\)?\s*\*"],
+    "the slack rule (plan.rules.extend_last)": [r"cu\w*\[-1\]\s*=[^=]", r">=\s*first_final", r"\bdeficit\b\s*[+\-]",
+                                                r"\+\s*deficit\b"],
+    "the zigzag chunks (plan.rules.zigzag_chunks)": [r"2\s*\*\s*cp_size\s*-\s*1\s*-", r"two_c\s*-\s*1\s*-"],
+    "the int32 limit (plan.rules.INT32_MAX)": [r"2\s*\*\*\s*31"],
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULE_PATTERNS))
+def test_nothing_outside_the_plan_computes_a_layout_rule(rule):
+    offenders = []
+    for rel, text in _sources_outside_plan():
+        for pattern in RULE_PATTERNS[rule]:
+            for match in re.finditer(pattern, text):
+                line = text[: match.start()].count("\n") + 1
+                offenders.append(f"{rel}:{line}: {match.group(0)!r}")
+    assert not offenders, f"{rule} computed outside nn_data/plan: {offenders}"
+
+
+CHECK_WORDINGS = ["never decrease", "not a multiple of 2*cp_size", "is outside [0, ", "does not fit its segment",
+                  "exceeds pad_full_seq_to", "largest packed length or boundary"]
+
+
+def test_every_data_check_wording_lives_in_plan_checks():
+    offenders = []
+    for path in [*OUTSIDE_PLAN, *sorted(PLAN.glob("*.py"))]:
+        if path == PLAN / "checks.py":
+            continue
+        text = path.read_text()
+        docs = _docstring_lines(text)
+        for line_no, line in enumerate(text.splitlines(), 1):
+            if line_no in docs or line.lstrip().startswith("#") or '"' not in line:
+                continue
+            offenders += [f"{path.relative_to(ROOT)}:{line_no}: {w!r}" for w in CHECK_WORDINGS if w in line]
+    assert not offenders, offenders
+
+
+def _docstring_lines(text: str) -> set:
+    """The line numbers of every docstring (the string statement opening a module, class or function)."""
+    lines = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return lines
+
+
+def test_the_device_executors_building_blocks_import_only_the_rules():
+    assert {i for i in MODULES["nn_data.plan.index"] if i.startswith("nn_data")} <= {"nn_data.plan.rules",
+            "nn_data.plan.rules.chunk_owner", "nn_data.plan.rules.segment_bounds", "nn_data.plan.rules.zigzag_chunks"}
+    assert not [i for i in MODULES["nn_data.plan.rules"] if i.startswith("nn_data") and i != "nn_data.errors"
+                and not i.startswith("nn_data.errors.")]
