@@ -8,7 +8,7 @@ packed-length limits, ``T`` divisible by ``2C``) and every data check is
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

@@ -71,7 +71,7 @@ def pack_microbatch(input_ids, seq_lengths, config: PackConfig, *, options: Opti
     ``routed_experts``, ``token_identity``, ``media_token_validity_mask``: ``[B, S, *]`` or None) for
     ``config``'s CP rank: ``(PackedBatch, the plan)``. Padding is 0, except routed experts, whose
     padding rows are ``arange(topk)`` (a valid top-k route)."""
-    unknown = set(extras) - set(EXTRAS)
+    unknown = [k for k in extras if k not in EXTRAS]
     if unknown:
         raise PackingError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")
     options = options or PackOptions()

@@ -11,6 +11,7 @@ plus this rank, keeping the caller's spelling of the fixed packed length (``pad_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Sequence, Union
 
 from nn_data import _checks
@@ -86,11 +87,20 @@ class PackConfig:
     @classmethod
     def nemo_rl(cls, m: int, p: int, packed_length: Optional[int], cp_rank: int, cp_size: int, *, name: str,
                 options: Optional["PackOptions"] = None) -> "PackConfig":
-        """NeMo-RL's arguments (``name``: how the caller spelled the fixed packed length)."""
+        """NeMo-RL's arguments (``name``: how the caller spelled the fixed packed length), checked once
+        per distinct configuration (a training run repeats a few)."""
         buckets = options.buckets if options is not None and packed_length is None else None
-        return cls(LayoutSpec(m, p, packed_length=packed_length, packed_length_name=name, buckets=buckets,
-                              cp_size=cp_size), cp_rank)
+        try:
+            return _config(cls, m, p, packed_length, cp_rank, cp_size, name, buckets)
+        except TypeError:  # an unhashable argument: checked (and refused) uncached
+            return _config.__wrapped__(cls, m, p, packed_length, cp_rank, cp_size, name, buckets)
 
     @property
     def cp_size(self) -> int:
         return self.spec.cp_size
+
+
+@functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (a bool multiple is refused)
+def _config(cls, m, p, packed_length, cp_rank, cp_size, name, buckets) -> PackConfig:
+    return cls(LayoutSpec(m, p, packed_length=packed_length, packed_length_name=name, buckets=buckets,
+                          cp_size=cp_size), cp_rank)

@@ -40,7 +40,8 @@ def pack(layout, x: torch.Tensor, fill=0) -> torch.Tensor:
             f"x has shape {_checks.dims(x)}; the layout was built for [B, S] = "
             f"[{rows}, {row_len}], so x must be [{rows}, {row_len}, *]"
         )
-    _checks.check_same_device(x=x, layout=layout.cu_seqlens_padded)
+    if x.device != layout.cu_seqlens_padded.device:
+        _checks.check_same_device(x=x, layout=layout.cu_seqlens_padded)  # raises, naming both
     if on_host(layout):
         return host.pack(layout.host, x, fill)
     return device.pack(layout, x, fill)

@@ -52,7 +52,7 @@ def host_tensor(values: list, dtype: torch.dtype, device_) -> torch.Tensor:
     copied asynchronously: a copy from pageable memory would block the host (a sync, which
     ``torch.cuda.set_sync_debug_mode`` reports), while the microbatch's one sync is the host read."""
     t = _from_ints(values, dtype)
-    if torch.device(device_).type == "cpu":
+    if (device_ if isinstance(device_, torch.device) else torch.device(device_)).type == "cpu":
         return t
     return t.pin_memory().to(device_, non_blocking=True)
 
@@ -92,10 +92,9 @@ def pack(bounds, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
         return pad.contiguous().unsqueeze(0)  # (materialised: fill may be a view)
     runs, skips = _runs(lengths, [row_len - n for n in lengths])  # the input: skipped, valid, ..., skipped
     skips[-1] += (x.shape[0] - bounds.active) * row_len  # the empty rows past the active ones
-    valid = x.reshape(x.shape[0] * row_len, *trailing).split(_interleave(skips, runs))[1::2]  # the valid runs
+    valid = _run_views(x.reshape(x.shape[0] * row_len, *trailing), skips, runs)  # the valid runs
     _, gaps = _runs(lengths, pads)  # the output: padding before each valid run, and after the last
-    pieces = _interleave(list(pad.split(gaps)), list(valid))
-    return _cat(pieces, _interleave(gaps, runs), pad).unsqueeze(0)  # [1, T, *]
+    return torch.cat(_between(valid, gaps, pad)).unsqueeze(0)  # [1, T, *]
 
 
 def _runs(lengths: list, others: list) -> tuple[list, list]:
@@ -105,6 +104,8 @@ def _runs(lengths: list, others: list) -> tuple[list, list]:
 
     Example: lengths ``[3, 0, 0, 2]``, others ``[1, 5, 5, 0]`` -> runs ``[3, 2]``, gaps ``[0, 11, 0]``.
     """
+    if all(lengths):  # no empty run (the usual batch): each gap is the previous row's other stretch
+        return list(lengths), [0, *others]
     runs, gaps, gap = [], [], 0
     for n, o in zip(lengths, others):
         if n:
@@ -114,15 +115,6 @@ def _runs(lengths: list, others: list) -> tuple[list, list]:
         gap += o
     gaps.append(gap)
     return runs, gaps
-
-
-def _interleave(a: list, b: list) -> list:
-    """``[a0, b0, a1, b1, ...]`` (the longer list's tail kept)."""
-    out = [None] * (len(a) + len(b))
-    k = min(len(a), len(b))
-    out[: 2 * k : 2], out[1 : 2 * k : 2] = a[:k], b[:k]
-    out[2 * k :] = a[k:] + b[k:]
-    return out
 
 
 def shard(bounds, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -144,21 +136,34 @@ def _chunks(bounds, cp_size: int) -> tuple[list, list]:
     """``(starts, chunks)`` of the non-empty segments: each one's packed start and zigzag chunk
     ``n / 2C`` (empty segments hold nothing on any rank). Example: cu_pad ``[0, 16, 16, 40]``, C 2 ->
     ``([0, 16], [4, 6])``."""
-    starts = segment_bounds(bounds.cu_pad[: bounds.active + 1], bounds.cu_pad[-1])[:-1]
-    kept = [(a, n // (2 * cp_size)) for a, n in zip(starts, bounds.segments) if n]
+    two_c = 2 * cp_size
+    starts = bounds.cu_pad if len(bounds.cu_pad) > 1 else [0]  # B = 0 ([T]): the pseudo-segment starts at 0
+    kept = [(a, n // two_c) for a, n in zip(starts, bounds.segments[: bounds.active]) if n]
     return [a for a, _ in kept], [k for _, k in kept]
 
 
 def _shard_views(chunks: list, flat: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Split ``flat [T, *]`` at ``[r k, k, (2C-2-2r) k, k, r k]`` per segment; pieces 1 and 3 of each
-    five are this rank's. Example: C 2, rank 0, k 4 and 6 -> ``[0, 4, 8, 4, 0, 0, 6, 12, 6, 0]``:
-    positions ``0..3, 12..15, 16..21, 34..39``."""
+    """Cut ``flat [T, *]`` at ``[r k, k, (2C-2-2r) k, k, r k]`` per segment and keep pieces 1 and 3 of each
+    five (this rank's chunks ``r`` and ``2C-1-r``), adjacent kept pieces merged (rank 0's last chunk of a
+    segment and its first of the next are one run): one ``split``, one ``cat``. Example: C 2, rank 0,
+    k 4 and 6 -> runs ``0..3, 12..21, 34..39`` (positions ``0..3, 12..15, 16..21, 34..39``)."""
     first, second = zigzag_chunks(cp_size, cp_rank)
     before, between, after = first, second - first - 1, 2 * cp_size - 1 - second
-    parts = flat.split([size for k in chunks for size in (before * k, k, between * k, k, after * k)])
-    pieces = [None] * (2 * len(chunks))
-    pieces[::2], pieces[1::2] = parts[1::5], parts[3::5]
-    return _cat(pieces, [k for k in chunks for _ in (0, 1)], flat)  # [T/C, *]
+    gaps, runs, pending = [], [], 0  # pending: the stretch skipped since the last kept piece
+    for k in chunks:
+        for skip in (before * k, between * k):
+            pending += skip
+            if pending == 0 and runs:
+                runs[-1] += k
+            else:
+                gaps.append(pending)
+                runs.append(k)
+                pending = 0
+        pending += after * k
+    gaps.append(pending)
+    if not runs:  # no segment (T = 0)
+        return flat[:0].clone()
+    return torch.cat(_run_views(flat, gaps, runs))  # [T/C, *]
 
 
 def _shard_source(starts_: list, chunks: list, total: int, device_, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -220,7 +225,7 @@ def unpack(bounds, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -
     row_runs = [n - a for n, a in zip(lengths, lead)]
     runs, src_gaps = _runs(row_runs, [seg - r for seg, r in zip(bounds.segments, row_runs)])
     src_gaps[-1] += packed.shape[1] - sum(bounds.segments)  # past the last boundary (unpadded offsets only)
-    valid = packed[0].split(_interleave(src_gaps, runs))[1::2]  # the non-empty runs [*]
+    valid = _run_views(packed[0], src_gaps, runs)  # the non-empty runs [*]
     gaps, gap = [], 0
     for a, run, n in zip(lead, row_runs, lengths):  # the fill before each run, and after the last
         gap += a
@@ -229,9 +234,40 @@ def unpack(bounds, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -
             gap = 0
         gap += seq_len - n
     gaps.append(gap + (rows - bounds.active) * seq_len)  # the empty rows past the active ones: fill
-    fills = packed.new_full((1, *trailing), fill).expand(sum(gaps), *trailing).split(gaps)  # views, no copy
-    return _cat(_interleave(list(fills), list(valid)), _interleave(gaps, runs), packed).view(
-        rows, seq_len, *trailing)  # [B*S, *] -> [B, S, *]
+    fills = packed.new_full((1, *trailing), fill).expand(sum(gaps), *trailing)  # one row, no copy
+    pieces = _between(valid, gaps, fills)
+    flat = torch.cat(pieces) if pieces else packed.new_empty((0, *trailing))  # [B*S, *] (empty when S = 0)
+    return flat.view(rows, seq_len, *trailing)  # [B, S, *]
+
+
+def _run_views(t: torch.Tensor, gaps: list, runs: list) -> list:
+    """The views of ``t`` at the (non-empty) ``runs``, ``gaps[i]`` before run ``i`` and ``gaps[-1]`` after
+    the last: one ``split``, no empty view made (each costs about a microsecond). Example: gaps
+    ``[0, 2, 1]``, runs ``[3, 4]`` -> ``t[0:3], t[5:9]``."""
+    sizes, keep = [], []
+    for g, r in zip(gaps, runs):
+        if g:
+            sizes.append(g)
+            keep.append(False)
+        sizes.append(r)
+        keep.append(True)
+    if gaps[-1]:
+        sizes.append(gaps[-1])
+    return list(compress(t.split(sizes), keep))
+
+
+def _between(runs: list, gaps: list, filler: torch.Tensor) -> list:
+    """``[gap 0, run 0, gap 1, ..., gap R]`` with the non-zero gaps cut from ``filler`` by one ``split``
+    (zero gaps dropped). Example: gaps ``[0, 2, 1]`` -> ``run 0, filler[0:2], run 1, filler[2:3]``."""
+    gap_views = iter(filler.split([g for g in gaps if g]))
+    out = []
+    for g, r in zip(gaps, runs):
+        if g:
+            out.append(next(gap_views))
+        out.append(r)
+    if gaps[-1]:
+        out.append(next(gap_views))
+    return out
 
 
 def _cat(pieces: list, sizes: list, like: torch.Tensor) -> torch.Tensor:

@@ -91,8 +91,9 @@ class PackLayout(NamedTuple):
         return segment_bounds(self.cu_seqlens_padded, self.total)
 
     def lengths(self) -> torch.Tensor:
-        """``[B]`` int64 valid tokens per row, on the device (from ``cu_seqlens``)."""
-        if self.cu_seqlens is None:
+        """``[B]`` int64 valid tokens per row, on the device: the lengths the plan was made from, else
+        ``cu_seqlens``' differences (a compiled graph that never reads ``cu_seqlens`` then drops it)."""
+        if self.seq_lengths is not None:
             return self.seq_lengths.to(torch.int64)
         cu = self.cu_seqlens.to(torch.int64)
         return cu[1:] - cu[:-1]

@@ -303,3 +303,17 @@ def test_unpack_checks_the_boundaries_nemo_rl_reads_unchecked():
     assert torch.equal(out, torch.where(ids != PAD, ids, 0))
     with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 4, 3, 6\] is invalid for a packed length T=16"):
         _unpack_sequences_from_megatron(packed, torch.tensor([3, 0, 2]), torch.tensor([0, 4, 3, 6]), None, 3, 3)
+
+
+def test_pack_microbatch_packs_only_the_companions_it_knows_and_configs_are_checked_uncached_too():
+    from nn_data.megatron_data.dispatch import pack_microbatch
+    from nn_data.megatron_data.options import PackConfig
+
+    config = PackConfig.nemo_rl(4, 1, None, 0, 1, name="pad_full_seq_to")
+    assert PackConfig.nemo_rl(4, 1, None, 0, 1, name="pad_full_seq_to") is config  # checked once, then reused
+    with pytest.raises(PackingError, match=r"pack_microbatch packs \('mtp_loss_mask', 'routed_experts', "
+                                           r"'token_identity', 'media_token_validity_mask'\) with the ids; got \['labels'\]"):
+        pack_microbatch(coded_batch([3], 4), torch.tensor([3]), config, labels=torch.zeros(1, 4))
+    for bad in (True, [4]):  # a bool is not 1; an unhashable argument is checked without the cache
+        with pytest.raises(PackingError, match=r"pad_individual_seqs_to_multiple_of=.* is invalid; expected an int >= 1"):
+            PackConfig.nemo_rl(bad, 1, None, 0, 1, name="pad_full_seq_to")
