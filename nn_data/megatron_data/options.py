@@ -85,7 +85,7 @@ class PackConfig:
         _checks.check_cp(self.spec.cp_size, self.cp_rank)
 
     @classmethod
-    def nemo_rl(cls, m: int, p: int, packed_length: Optional[int], cp_rank: int, cp_size: int, *, name: str,
+    def nemo_rl(cls, m: int, p: int, *, packed_length: Optional[int], cp_rank: int, cp_size: int, name: str,
                 options: Optional["PackOptions"] = None) -> "PackConfig":
         """NeMo-RL's arguments (``name``: how the caller spelled the fixed packed length), checked once
         per distinct configuration (a training run repeats a few)."""

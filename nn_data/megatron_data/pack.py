@@ -68,8 +68,9 @@ def _pack_sequences_for_megatron(
     ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``.
     """
     options = options or PackOptions()
-    config = PackConfig.nemo_rl(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to,
-                                cp_rank, cp_size, name="pad_packed_seq_to", options=options)
+    config = PackConfig.nemo_rl(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
+                                packed_length=pad_packed_seq_to, cp_rank=cp_rank, cp_size=cp_size,
+                                name="pad_packed_seq_to", options=options)
     out, layout = pack_microbatch(input_ids, seq_lengths, config, options=options)
     params = make_packed_seq_params(out.cu_seqlens_padded, layout.host.max_seqlen, out.local.shape[1])
     return out.packed, out.local, params, out.cu_seqlens, out.cu_seqlens_padded

@@ -126,7 +126,8 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, m: int, p: int, pad
 def _one_call(input_ids, seq_lengths, routed, identity, mtp, media, m, p, pad_full_seq_to, cp_rank, cp_size,
               model_slices, options) -> dict:
     """Every tensor of the microbatch packed and sharded on one plan, one host sync (nothing patched)."""
-    config = PackConfig.nemo_rl(m, p, pad_full_seq_to, cp_rank, cp_size, name="pad_full_seq_to", options=options)
+    config = PackConfig.nemo_rl(m, p, packed_length=pad_full_seq_to, cp_rank=cp_rank, cp_size=cp_size,
+                                name="pad_full_seq_to", options=options)
     out, layout = pack_microbatch(input_ids, seq_lengths, config, options=options, mtp_loss_mask=mtp,
                                   routed_experts=routed, token_identity=identity, media_token_validity_mask=media)
     host, total = layout.host, layout.total

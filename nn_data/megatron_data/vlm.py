@@ -45,8 +45,9 @@ def _prepare_vlm_batch_for_megatron(
     Example: lengths ``[3, 5]``, multiple 4, ``pad_full_seq_to=16`` -> padded ``[4, 8]``,
     deficit 4 -> ``[4, 12]``, ``P = 12``, ``cu_seqlens_padded [0, 4, 16]``.
 
-    One host sync (NeMo-RL: one too). With no sequence (``B = 0``) the model gets ``[0, 0]`` rows
-    and the packed view is ``T`` padding positions, ``cu_seqlens_padded = [T]`` as everywhere else.
+    One host sync (NeMo-RL: one too). With no sequence (``B = 0``) the model packs nothing, so, as in
+    NeMo-RL, there is no slack to absorb: ``[0, 0]`` rows, an empty packed view and
+    ``cu_seqlens_padded = [0]`` (unlike the packed paths, where ``B = 0`` is ``[T]``: the pseudo-segment).
     Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's wording first) when the padded total exceeds
     ``pad_full_seq_to``, the deficit is not a multiple of the per-sequence multiple, a length is
     outside ``[0, S]`` (NeMo-RL reads zeros past the row there), or ``pad_full_seq_to`` is above
@@ -57,17 +58,21 @@ def _prepare_vlm_batch_for_megatron(
     spec = LayoutSpec(max(1, int(pad_individual_seqs_to_multiple_of)), packed_length=pad_full_seq_to,
                       packed_length_name="pad_full_seq_to", self_packing=True)
     lengths = as_lengths(seq_lengths, rows, input_ids.device)
+    if rows == 0:  # as NeMo-RL: the model packs nothing, so no slack either: [0] boundaries, no column
+        cu_seqlens_padded = torch.zeros(1, dtype=torch.int32, device=input_ids.device)
+        return (input_ids.new_zeros((1, 0)), input_ids[:, :0], torch.zeros(0, 0, dtype=torch.bool,
+                device=input_ids.device), make_packed_seq_params(cu_seqlens_padded, 0, None), None, cu_seqlens_padded)
     layout = plan_from_lengths(lengths, cols, spec, op="_prepare_vlm_batch_for_megatron")  # the one host read
-    padded_max = layout.host.max_seqlen if rows else 0  # P: the model's columns
+    padded_max = layout.host.max_seqlen  # P: the model's columns
     if cols < padded_max:
         ids_2d = F.pad(input_ids, (0, padded_max - cols), value=0)  # [B, P]
     else:
         ids_2d = input_ids[:, :padded_max].contiguous()  # [B, P]; cut columns hold padding only
     cu_seqlens_padded = layout.cu_seqlens_padded  # [B+1]: each row's padded length, the slack on the last
-    padded = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).to(torch.int64) if rows else lengths  # [B]
+    padded = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).to(torch.int64)  # [B]
     attention_mask = torch.arange(padded_max, device=input_ids.device)[None, :] < padded[:, None]  # [B, P]
     # The packed view holds exactly what the model packs: every row's first padded[b] columns, back to
     # back (the rows packed on the same plan with their padded lengths as lengths).
-    packed = padded_rows(layout, padded_max).pack(ids_2d) if rows else input_ids.new_zeros((1, layout.total))  # [1, T]
+    packed = padded_rows(layout, padded_max).pack(ids_2d)  # [1, T]
     params = make_packed_seq_params(cu_seqlens_padded, padded_max, None)
     return packed, ids_2d, attention_mask, params, None, cu_seqlens_padded

@@ -67,7 +67,7 @@ def _extras(lengths, seq_len):
 def test_host_path_equals_the_reference_and_the_device_graph(case, views_max):
     lengths, seq_len, m, p, pad_full, cp_size, rank = case
     ids, extras = _extras(lengths, seq_len)
-    config = PackConfig.nemo_rl(m, p, pad_full, rank, cp_size, name="pad_full_seq_to")
+    config = PackConfig.nemo_rl(m, p, packed_length=pad_full, cp_rank=rank, cp_size=cp_size, name="pad_full_seq_to")
     with mock.patch.object(host, "SHARD_VIEWS_MAX_SEGMENTS", views_max):  # both shard forms
         out, plan = pack_microbatch(ids, torch.tensor(lengths, dtype=torch.int64), config, **extras)
     ref = reference_pack(ids, lengths, m, p, pad_full)
@@ -126,6 +126,7 @@ def test_invalid_input_raises_the_device_planners_messages():
     with pytest.raises(PackingError, match="segment 1 of cu_seqlens_padded is 6 tokens long"):
         _pack_sequences_for_megatron(ids, torch.tensor([3, 5]), 2, 1, 10, cp_rank=0, cp_size=2)
     with pytest.raises(PackingError, match=r"mtp_loss_mask has shape .*; it must be \[B, S, \*\]"):
-        pack_microbatch(ids, torch.tensor([3, 5]), PackConfig.nemo_rl(4, 1, None, 0, 1, name="pad_full_seq_to"),
+        pack_microbatch(ids, torch.tensor([3, 5]), PackConfig.nemo_rl(4, 1, packed_length=None, cp_rank=0, cp_size=1,
+                                                                    name="pad_full_seq_to"),
                         mtp_loss_mask=torch.zeros(2, 4))
     assert PAD not in _pack_sequences_for_megatron(ids, torch.tensor([3, 5]), 4)[0]

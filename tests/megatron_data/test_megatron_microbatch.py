@@ -353,3 +353,10 @@ def test_the_sync_counter_sees_a_loop_packer():
         bool(lengths.sum() > 0)
         torch.nonzero(lengths)
     assert counter.count == 6
+
+
+def test_vlm_with_no_sequence_is_nemo_rls_empty_batch():
+    packed, ids_2d, mask, params, cu, cu_pad = _prepare_vlm_batch_for_megatron(
+        torch.zeros(0, 6, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 4, 16)
+    assert packed.shape == (1, 0) and ids_2d.shape == (0, 0) and mask.shape == (0, 0)
+    assert cu is None and cu_pad.tolist() == [0] and params.max_seqlen_q == 0
