@@ -1,44 +1,20 @@
-"""Every argument and data check of nn_data, each written once, with one wording.
+"""The argument and metadata checks that know nothing of the layout, each written once, with one wording.
 
-Two kinds live here (``docs/design.md``, "Validation"):
-
-* configuration and metadata checks (Python ints, shapes, dtypes, devices): free, they run
-  in ``__init__`` or at trace time and never touch tensor data;
-* data checks (lengths, boundaries): in eager mode one host sync then a precise message
-  naming the argument, the value and what is valid; under ``torch.compile`` device-side
-  asserts (:func:`device_assert`, no sync) with the same words, minus the value.
+Python ints, tensor kinds, shapes, dtypes and devices (``docs/design.md``, "Validation"): free, they
+run in ``__init__`` or at trace time and never touch tensor data. Every check of a layout rule (the
+packed-length limits, ``T`` divisible by ``2C``) and every data check is
+:mod:`nn_data.plan.checks`'.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from nn_data._index import local_places, packed_segments, segment_bounds
 from nn_data.errors import PackingError
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
-#: The largest packed length (and so the largest boundary) an int32 ``cu_seqlens`` can hold: the
-#: boundaries are int32, as megatron-core and TransformerEngine read them.
-INT32_MAX = 2**31 - 1
-
-
-def int32_limit(what: str) -> str:
-    """The one wording of "``what`` does not fit int32 ``cu_seqlens``" (``what`` names the argument
-    and its value, e.g. ``"pad_full_seq_to=2147483648"``)."""
-    return (f"{what} exceeds {INT32_MAX} (2**31 - 1), the largest packed length or boundary that int32 "
-            f"cu_seqlens can hold; the packed length must be at most {INT32_MAX}")
-
-
-def check_int32(name: str, value: Optional[int]) -> Optional[int]:
-    """Refuse a configured packed length (or bound of one) that int32 boundaries cannot hold."""
-    if value is not None and value > INT32_MAX:
-        raise PackingError(int32_limit(f"{name}={value}"))
-    return value
-
 
 def dims(t: torch.Tensor) -> tuple:
     """``t.shape`` as plain ints, for error messages. Error paths only: while ``torch.compile``
@@ -158,87 +134,6 @@ def device_assert(cond: torch.Tensor, message: str) -> None:
     torch._assert_async(cond, message)
 
 
-def first_index(mask: torch.Tensor) -> int:
-    """Index of the first True in a 1-D bool tensor (error path only: syncs)."""
-    return int(torch.argmax(mask.to(torch.int8)).item())  # sync: error path only
-
-
-def raise_first(mask: torch.Tensor, values: Sequence[int] | torch.Tensor, fmt: str) -> None:
-    """Raise ``PackingError(fmt.format(i=..., v=...))`` for the first True entry of ``mask``."""
-    i = first_index(mask)
-    v = values[i]
-    v = int(v.item()) if isinstance(v, torch.Tensor) else v  # sync: error path only
-    raise PackingError(fmt.format(i=i, v=v))
-
-
-def raise_length_outside(bad: torch.Tensor, lengths, limit: int, limit_name: str = "S") -> None:
-    """Raise for the first ``bad`` length: ``seq_lengths[i] = v is outside [0, S=limit]``."""
-    raise_first(bad, lengths, "seq_lengths[{i}] = {v} is outside [0, " f"{limit_name}={limit}]; "
-                f"valid lengths are integers in [0, {limit}]")
-
-
-def segment_not_divisible(two_c: int) -> str:
-    """The one wording of "a padded segment does not split into ``2*cp_size`` chunks" (a
-    :func:`raise_first` format with ``{i}`` and ``{v}``)."""
-    return ("segment {i} of cu_seqlens_padded is {v} tokens long, not a multiple of "
-            f"2*cp_size={two_c}; pad sequences to a multiple of {two_c} (pad_individual_seqs_to_multiple_of) "
-            "and choose the packed length (pad_full_seq_to) so that the extended last segment is one too "
-            "(NeMo-RL silently drops the remainder tokens of such a segment)")
-
-
-def check_packed_length(name: str, total) -> None:
-    """A packed tensor's length ``T`` must fit int32 boundaries (a static shape check: no data read;
-    an unbacked ``T`` under compile is not decided here)."""
-    if guard_or_false(total > INT32_MAX):
-        raise PackingError(int32_limit(f"the packed length T={int(total)} of {name}"))
-
-
-def check_total_divisible(total: int, cp_size: int) -> None:
-    """The packed length ``T`` must split into ``2*cp_size`` chunks (static: no data read)."""
-    if cp_size > 1 and total % (2 * cp_size):
-        raise PackingError(
-            f"the packed length T={total} is not a multiple of 2*cp_size={2 * cp_size}; "
-            "choose pad_full_seq_to (or the padding multiples) so that T is one"
-        )
-
-
-def check_boundary_args(name: str, data: torch.Tensor, total: int, cu_seqlens_padded, cp_size: int,
-                        cu_seqlens=None) -> None:
-    """Metadata of the boundary tensors given with the tensor ``name`` (packed length ``total``):
-    1-D integer, ``cu_seqlens`` as long as ``cu_seqlens_padded``, one device, ``T`` divisible by
-    ``2*cp_size``."""
-    check_int_vector("cu_seqlens_padded", cu_seqlens_padded)
-    if cu_seqlens is not None:
-        check_int_vector("cu_seqlens", cu_seqlens, cu_seqlens_padded.shape[0])
-    check_same_device(**{name: data, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens_padded})
-    check_packed_length(name, total)
-    check_total_divisible(total, cp_size)
-
-
-def check_boundaries(cu_seqlens_padded: torch.Tensor, total: int, cp_size: int, op: str) -> None:
-    """Data check of ``cu_seqlens_padded [B+1]``: it starts at 0, never decreases, ends at
-    ``total`` and (``cp_size > 1``) every segment, the extended last one too, is a multiple of
-    ``2*cp_size``. Eager: one host sync; compiled: device asserts.
-    """
-    bounds = segment_bounds(cu_seqlens_padded, total)
-    seg_len = bounds[1:] - bounds[:-1]  # [B]
-    two_c = 2 * cp_size
-    ok_edges = (bounds[0] == 0) & (bounds[-1] == total) & (seg_len >= 0).all()
-    ok_div = (seg_len % two_c == 0).all() if cp_size > 1 else ok_edges
-    if torch.compiler.is_compiling():
-        device_assert(ok_edges, f"nn_data.{op}: cu_seqlens_padded must start at 0, never decrease and end at T")
-        device_assert(ok_div, f"nn_data.{op}: every segment of cu_seqlens_padded must be a multiple of 2*cp_size={two_c}")
-        return
-    edges, div = torch.stack([ok_edges, ok_div]).tolist()  # sync: the one validation step
-    if not edges:
-        raise PackingError(
-            f"cu_seqlens_padded={cu_seqlens_padded.tolist()} is invalid for a packed length T={total}; "  # sync: error path
-            f"it must start at 0, never decrease and end at {total}"
-        )
-    if not div:
-        raise_first(seg_len % two_c != 0, seg_len, segment_not_divisible(two_c))
-
-
 def check_packed_ids(name: str, t) -> None:
     """Packed token ids are an integer ``[1, T]`` tensor."""
     check_packed(name, t)
@@ -247,56 +142,12 @@ def check_packed_ids(name: str, t) -> None:
                                    f"and dtype {t.dtype}")
 
 
-def check_layout(
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    total: int,
-    cp_size: int,
-    op: str,
-    *,
-    seq_len: Optional[int] = None,
-    ids: Optional[torch.Tensor] = None,
-    vocab: Optional[int] = None,
-) -> None:
-    """The validation step of the packed-layout ops: one host sync in eager mode, device asserts compiled.
-
-    Checks: boundaries rise from 0 to ``total`` with segments divisible by ``2*cp_size``;
-    ``0 <= L[b] <=`` its padded segment; with ``seq_len``, ``L[b] <= seq_len``; with ``ids [T]``
-    and ``vocab``, every token that is some position's target is in ``[0, vocab)``.
-    """
-    bounds, lengths = packed_segments(cu_seqlens, cu_seqlens_padded, total)
-    seg_len = bounds[1:] - bounds[:-1]  # [B']
-    ok_edges = (bounds[0] == 0) & (bounds[-1] == total) & (seg_len >= 0).all()
-    ok_div = (seg_len % (2 * cp_size) == 0).all()
-    ok_len = ((lengths >= 0) & (lengths <= seg_len)).all()
-    ok_seq = (lengths <= seq_len).all() if seq_len is not None else ok_len
-    ok_ids = ok_len
-    if ids is not None:
-        places = local_places(bounds, total, 1, 0)
-        is_target = places.source - bounds[places.segment] < lengths[places.segment]  # [T] valid tokens
-        ok_ids = (~is_target | ((ids >= 0) & (ids < vocab))).all()
-    if torch.compiler.is_compiling():
-        device_assert(ok_edges & ok_div, f"nn_data.{op}: cu_seqlens_padded must rise from 0 to T={total} "
-                              f"in segments divisible by 2*cp_size={2 * cp_size}")
-        # seq_len may be a symbolic size under compile: named, never formatted (device_assert)
-        device_assert(ok_len & ok_seq, f"nn_data.{op}: every length must fit its padded segment"
-                              + (" and seq_len (the row length S)" if seq_len is not None else ""))
-        device_assert(ok_ids, f"nn_data.{op}: token ids must be in [0, vocab={vocab})")
-        return
-    flags = torch.stack([ok_edges & ok_div, ok_len, ok_seq, ok_ids]).tolist()  # sync: the one validation step
-    if not flags[0]:
-        check_boundaries(cu_seqlens_padded, total, cp_size, op)  # raises with the precise message
-    if not flags[1]:
-        raise_first(~((lengths >= 0) & (lengths <= seg_len)), lengths,
-                            "sequence {i} has length {v} (from cu_seqlens), which does not fit its padded segment "
-                            "of cu_seqlens_padded; valid lengths are in [0, segment length]")
-    if not flags[2]:
-        raise_first(lengths > seq_len, lengths,
-                            "sequence {i} has length {v} (from cu_seqlens), more than seq_len=" f"{seq_len}")
-    if not flags[3]:
-        bad = is_target & ((ids < 0) | (ids >= vocab))
-        raise_first(bad, ids, "packed token id {v} at position {i} is outside the vocabulary "
-                            f"[0, {vocab}) of the logits")
+def check_row_capacity(rows: int, capacity: int, name: str = "capacity", where: Optional[str] = None) -> None:
+    """A batch of ``rows`` rows must fit the row capacity the caller set as ``name`` (``where``: how to
+    raise it, when not an argument, e.g. ``cfg['nn_data']['row_capacity']``)."""
+    if rows > capacity:
+        raise PackingError(f"the batch has {rows} rows, more than {name}={capacity}; raise {where or name} to at "
+                           f"least {rows}")
 
 
 def check_float_logits(name: str, t, layout: str, ndim: int) -> None:
@@ -356,3 +207,8 @@ def check_row_target(target, rows: int, padded_len: int) -> None:
             f"target has shape {dims(target)}; the logits hold {rows} rows of {padded_len} positions over the "
             f"context-parallel group (S // CP * cp_size), so target must be [{rows}, S] with S <= {padded_len}"
         )
+
+
+def first_index(mask: torch.Tensor) -> int:
+    """Index of the first True in a 1-D bool tensor (error path only: syncs)."""
+    return int(torch.argmax(mask.to(torch.int8)).item())  # sync: error path only

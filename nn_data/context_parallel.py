@@ -9,37 +9,68 @@ Shape legend
 Each padded segment (a multiple of ``2C`` long) is cut into ``2C`` equal chunks;
 rank ``r`` keeps chunks ``r`` and ``2C-1-r`` in that order, segment after segment
 (``docs/design.md``, "Zigzag"; the same split as NeMo-RL's ``_get_tokens_on_this_cp_rank`` per
-sequence and TransformerEngine's ``thd_get_partitioned_indices``). Both ops are one
-gather over an index map built on the device from ``cu_seqlens_padded``.
+sequence and TransformerEngine's ``thd_get_partitioned_indices``). Both ops run on the layout plan
+(:mod:`nn_data.plan`): given the pack's ``layout=`` they read nothing; given only
+``cu_seqlens_padded`` they read it once eagerly (that read is the validation) and then move the data
+with ``split``/``cat`` views, or under ``torch.compile`` (and ``host_reads=False``) gather along an
+index map built on the device.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-from einops import rearrange
 from torch import nn
 
 from nn_data import _checks
-from nn_data._index import segment_bounds, zigzag_inverse, zigzag_source
+from nn_data.plan import checks, execute
+from nn_data.plan.layout import PackLayout
+from nn_data.plan.planner import plan_from_boundaries, take_layout
 
 
 class RankOp(nn.Module):
-    """Base of the stateless ops configured with a CP size and rank (checked) and ``validate``."""
+    """Base of the stateless ops configured with a CP size and rank (checked), ``validate`` and
+    ``host_reads`` (``False``: never read the device; the checks become device asserts)."""
 
-    def __init__(self, cp_size: int, cp_rank: int, *, validate: bool = True):
+    def __init__(self, cp_size: int, cp_rank: int, *, validate: bool = True, host_reads: bool = True):
         super().__init__()
         _checks.check_cp(cp_size, cp_rank)
-        self.cp_size, self.cp_rank, self.validate = cp_size, cp_rank, bool(validate)
+        self.cp_size, self.cp_rank, self.validate, self.host_reads = cp_size, cp_rank, bool(validate), bool(host_reads)
 
     def extra_repr(self) -> str:
-        return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, validate={self.validate}"
+        return (f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, validate={self.validate}, "
+                f"host_reads={self.host_reads}")
+
+    def layout_for(self, name: str, data: torch.Tensor, total, cu_seqlens_padded, layout, **kw) -> PackLayout:
+        """The layout this call runs on: the one given (checked against this op's ``C``; no read), or
+        one planned from ``cu_seqlens_padded`` (one read eagerly: the validation)."""
+        return op_layout(type(self).__name__, name, data, total, self.cp_size, cu_seqlens_padded, layout,
+                         validate=self.validate, host_reads=self.host_reads, **kw)
+
+
+def op_layout(op: str, name: str, data: torch.Tensor, total, cp_size: int, cu_seqlens_padded, layout, *,
+              validate: bool, host_reads: bool, cu_seqlens=None, **kw) -> PackLayout:
+    """The layout of an op that takes ``cu_seqlens_padded`` or ``layout=`` (see :meth:`RankOp.layout_for`)."""
+    if layout is not None:
+        checks.packed_tensor_length(name, total)
+        checks.total_divisible(total, cp_size)
+        given = {k: v for k, v in (("cu_seqlens_padded", cu_seqlens_padded), ("cu_seqlens", cu_seqlens))}
+        return take_layout(layout, total, op=op, cp_size=cp_size, validate=validate, seq_len=kw.get("seq_len"),
+                           **given)
+    if cu_seqlens_padded is None:
+        raise _checks.PackingError(f"{op} needs cu_seqlens_padded or layout= (the pack's PackResult.layout)")
+    checks.boundary_args(name, data, total, cu_seqlens_padded, cp_size, cu_seqlens)
+    return plan_from_boundaries(cu_seqlens_padded, total, op=op, cp_size=cp_size, cu_seqlens=cu_seqlens,
+                                validate=validate, host_reads=host_reads, **kw)[0]
 
 
 class ShardForContextParallel(RankOp):
     """This rank's zigzag shard of a packed tensor: ``[1, T, *] -> [1, T/C, *]``.
 
-    ``ShardForContextParallel(cp_size, cp_rank, *, validate=True)``;
-    ``forward(packed [1, T, *], cu_seqlens_padded [B+1] int) -> [1, T/C, *]``.
+    ``ShardForContextParallel(cp_size, cp_rank, *, validate=True, host_reads=True)``;
+    ``forward(packed [1, T, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T/C, *]``:
+    pass the pack's ``layout`` (``PackResult.layout``) and the boundaries are not read again.
     With ``cp_size == 1`` it returns ``packed`` itself (no copy).
 
     Example (C=2, rank 0): two sequences padded to 16 and 24 (``cu_seqlens_padded
@@ -49,28 +80,22 @@ class ShardForContextParallel(RankOp):
     outside ``[0, cp_size)`` (``__init__``); ``packed`` not ``[1, T, *]``, ``T`` not a
     multiple of ``2 * cp_size``, ``cu_seqlens_padded`` not 1-D integer, another device
     (call); a segment not divisible by ``2 * cp_size`` or boundaries that do not rise
-    from 0 to ``T`` (validation step; eager one sync, compiled device asserts).
+    from 0 to ``T`` (validation: eager the one read of ``cu_seqlens_padded``, or free on a given
+    layout's host ints; compiled device asserts).
     """
 
-    def forward(self, packed: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    def forward(self, packed: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor] = None, *,
+                layout: Optional[PackLayout] = None) -> torch.Tensor:
         _checks.check_packed("packed", packed)
-        total = packed.shape[1]
-        _checks.check_boundary_args("packed", packed, total, cu_seqlens_padded, self.cp_size)
-        if self.validate:
-            _checks.check_boundaries(cu_seqlens_padded, total, self.cp_size, "ShardForContextParallel")
-        if self.cp_size == 1:
-            return packed
-        local_total = total // self.cp_size
-        bounds = segment_bounds(cu_seqlens_padded, total)
-        source = zigzag_source(bounds, local_total, self.cp_size, self.cp_rank).clamp(0, max(total - 1, 0))
-        return packed.index_select(1, source)  # [1, T/C, *]
+        layout = self.layout_for("packed", packed, packed.shape[1], cu_seqlens_padded, layout)
+        return execute.shard(layout, packed, self.cp_size, self.cp_rank)  # [1, T/C, *]
 
 
 class UnshardFromContextParallel(nn.Module):
     """Reassemble the packed tensor from all ranks' shards: ``[C, T/C, *] -> [1, T, *]``.
 
-    ``UnshardFromContextParallel(cp_size, *, validate=True)``;
-    ``forward(shards [C, T/C, *], cu_seqlens_padded [B+1] int) -> [1, T, *]``, where
+    ``UnshardFromContextParallel(cp_size, *, validate=True, host_reads=True)``;
+    ``forward(shards [C, T/C, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T, *]``, where
     ``shards[r]`` is rank ``r``'s shard (the rank-major stack an all-gather gives).
     The exact inverse of :class:`ShardForContextParallel` over all ranks.
 
@@ -81,27 +106,22 @@ class UnshardFromContextParallel(nn.Module):
     and when ``shards`` does not have ``cp_size`` rows.
     """
 
-    def __init__(self, cp_size: int, *, validate: bool = True):
+    def __init__(self, cp_size: int, *, validate: bool = True, host_reads: bool = True):
         super().__init__()
         _checks.check_cp(cp_size)
-        self.cp_size, self.validate = cp_size, bool(validate)
+        self.cp_size, self.validate, self.host_reads = cp_size, bool(validate), bool(host_reads)
 
     def extra_repr(self) -> str:
-        return f"cp_size={self.cp_size}, validate={self.validate}"
+        return f"cp_size={self.cp_size}, validate={self.validate}, host_reads={self.host_reads}"
 
-    def forward(self, shards: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    def forward(self, shards: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor] = None, *,
+                layout: Optional[PackLayout] = None) -> torch.Tensor:
         _checks.check_min_dims("shards", shards, 2, "[C, T/C, *]")
         if shards.shape[0] != self.cp_size:
             raise _checks.PackingError(
                 f"shards has shape {tuple(shards.shape)}; expected [C, T/C, *] with C = cp_size = {self.cp_size}"
             )
         total = self.cp_size * shards.shape[1]
-        _checks.check_boundary_args("shards", shards, total, cu_seqlens_padded, self.cp_size)
-        if self.validate:
-            _checks.check_boundaries(cu_seqlens_padded, total, self.cp_size, "UnshardFromContextParallel")
-        if self.cp_size == 1:
-            return shards
-        bounds = segment_bounds(cu_seqlens_padded, total)
-        index = zigzag_inverse(bounds, total, self.cp_size).clamp(0, max(total - 1, 0))  # [T] into the stack
-        stacked = rearrange(shards, "c t ... -> (c t) ...")  # [C*T/C, *]
-        return stacked.index_select(0, index).unsqueeze(0)  # [1, T, *]
+        layout = op_layout("UnshardFromContextParallel", "shards", shards, total, self.cp_size, cu_seqlens_padded,
+                           layout, validate=self.validate, host_reads=self.host_reads)
+        return execute.unshard(layout, shards, self.cp_size)  # [1, T, *]

@@ -82,8 +82,9 @@ def all_gather_rows(x: torch.Tensor, group, rank: int, size: int, grad_mode: str
 class GatherFromContextParallel(nn.Module):
     """Reassemble the packed tensor from every rank's zigzag shard: ``[1, T/C, *] -> [1, T, *]``.
 
-    ``forward(local [1, T/C, *], cu_seqlens_padded [B+1] int) -> [1, T, *]``, the same on every
-    rank of ``group``. One all-gather of the whole shard, then :class:`~nn_data.UnshardFromContextParallel`.
+    ``forward(local [1, T/C, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T, *]``, the
+    same on every rank of ``group`` (pass the pack's ``layout`` and the boundaries are not read again).
+    One all-gather of the whole shard, then :class:`~nn_data.UnshardFromContextParallel`.
     ``group`` is the CP ``ProcessGroup``; ``None`` means no CP (the op is the identity).
 
     ``grad_mode``: ``"own"`` (default) when every rank computes the same loss from the gathered
@@ -98,20 +99,22 @@ class GatherFromContextParallel(nn.Module):
     is not in (``__init__``); as :class:`~nn_data.UnshardFromContextParallel` at call time.
     """
 
-    def __init__(self, group: Optional["dist.ProcessGroup"] = None, *, grad_mode: str = "own", validate: bool = True):
+    def __init__(self, group: Optional["dist.ProcessGroup"] = None, *, grad_mode: str = "own", validate: bool = True,
+                 host_reads: bool = True):
         super().__init__()
         if grad_mode not in GRAD_MODES:
             raise _checks.PackingError(f"grad_mode={grad_mode!r} is invalid; expected one of {GRAD_MODES}")
         self.cp_rank, self.cp_size, group = group_info(group, "context-parallel group")
         self.group, self.grad_mode, self.validate = group, grad_mode, bool(validate)
-        self.unshard = UnshardFromContextParallel(self.cp_size, validate=validate)
+        self.unshard = UnshardFromContextParallel(self.cp_size, validate=validate, host_reads=host_reads)
 
     def extra_repr(self) -> str:
         return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, grad_mode={self.grad_mode!r}"
 
-    def forward(self, local: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    def forward(self, local: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor] = None, *,
+                layout=None) -> torch.Tensor:
         _checks.check_packed("local", local)
         rows, trailing = local.shape[1], local.shape[2:]
         stacked = all_gather_rows(local.squeeze(0), self.group, self.cp_rank, self.cp_size, self.grad_mode)  # [C*T/C, *]
         shards = stacked.view(self.cp_size, rows, *trailing)  # [C, T/C, *]
-        return self.unshard(shards, cu_seqlens_padded)  # [1, T, *]
+        return self.unshard(shards, cu_seqlens_padded, layout=layout)  # [1, T, *]

@@ -22,10 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from nn_data import _checks
+from nn_data.context_parallel import op_layout
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.megatron_parallel import group_info
 from nn_data.sampling import row_thresholds, vocab_parallel_thresholds
-from nn_data._index import ZigzagLocal, local_places, packed_segments
+from nn_data.plan import checks, execute
+from nn_data.plan.index import ZigzagLocal, packed_segments
+from nn_data.plan.layout import PackLayout
+from nn_data.plan.planner import plan_from_boundaries, reads_host
 from nn_data.targets import next_token_at
 
 
@@ -124,11 +128,13 @@ class TokenLogProbs(nn.Module):
     """Per-token log-probs ``[B, S]`` from CP-local packed logits ``[1, T/C, Vt]``, NeMo-RL's layout.
 
     ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, cu_seqlens [B+1] int,
-    cu_seqlens_padded [B+1] int, places=None, *, seq_len=None) -> [B, S]`` (float32; float64 for
+    cu_seqlens_padded [B+1] int, places=None, *, seq_len=None, layout=None) -> [B, S]`` (float32; float64 for
     float64 logits). ``S`` is ``seq_len`` when given, else the configured one: a stream whose row
     length varies passes it per call; inside a compiled region pass ``x.shape[1]`` of a ``[B, S]``
     tensor marked with :func:`nn_data.rows.with_dynamic_row_length`, so one graph serves every
-    ``S`` (0 and 1 included; a changed int attribute would recompile).
+    ``S`` (0 and 1 included; a changed int attribute would recompile). Given the pack's ``layout``
+    (instead of, or with, the boundaries) nothing is read on the host; without it the boundaries are
+    read once eagerly (the validation, every target id checked in the same read).
     ``logits`` is this rank's zigzag shard (vocab-parallel over ``tp_group``: rank ``k`` holds
     columns ``[k*Vt, (k+1)*Vt)``), ``packed_ids`` the full packed ids. Each local position's
     next token *within its sequence* is scored on the shard in chunks of ``chunk_tokens``, the
@@ -154,9 +160,11 @@ class TokenLogProbs(nn.Module):
         tp_group: Optional["dist.ProcessGroup"] = None,
         chunk_tokens: int = 256,
         validate: bool = True,
+        host_reads: bool = True,
     ):
         super().__init__()
         self.seq_len = _checks.row_length("seq_len", seq_len, allow_none=True)
+        self.host_reads = bool(host_reads)
         self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
         self.cp_rank, self.cp_size, _ = group_info(cp_group, "context-parallel group")
         self.tp_rank, self.tp_size, _ = group_info(tp_group, "tensor-parallel group")
@@ -171,11 +179,12 @@ class TokenLogProbs(nn.Module):
         self,
         logits: torch.Tensor,
         packed_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        cu_seqlens_padded: torch.Tensor,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        cu_seqlens_padded: Optional[torch.Tensor] = None,
         places: Optional[ZigzagLocal] = None,
         *,
         seq_len=None,
+        layout: Optional[PackLayout] = None,
     ) -> torch.Tensor:
         if seq_len is None:
             seq_len = self.seq_len
@@ -196,36 +205,47 @@ class TokenLogProbs(nn.Module):
                 f"packed_ids has shape {tuple(packed_ids.shape)} but logits {tuple(logits.shape)} on "
                 f"cp_size={self.cp_size} ranks cover T={total} positions; pass the full packed ids [1, {total}]"
             )
-        _checks.check_boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, self.cp_size, cu_seqlens)
         _checks.check_same_device(logits=logits, packed_ids=packed_ids)
-        if self.validate:
-            _checks.check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "TokenLogProbs",
-                         seq_len=seq_len, ids=packed_ids[0], vocab=cols * self.tp_size)
-        segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
+        layout = self._layout(packed_ids, total, cols * self.tp_size, cu_seqlens, cu_seqlens_padded, seq_len, layout)
+        segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, total)
         if places is None:
-            places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
+            places = layout.local_places(self.cp_size, self.cp_rank)
         target, keep = next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
         local = token_logprobs_local(
             logits.squeeze(0), target, keep, vocab_start=self.tp_rank * cols, tp_group=self.tp_group,
             tp_size=self.tp_size, chunk_tokens=self.chunk_tokens,
         )  # [T/C]
-        packed = local if self.gather is None else self.gather(local[None], cu_seqlens_padded).squeeze(0)  # [T]
-        return _unpack_shifted(packed, cu_seqlens, cu_seqlens_padded, seq_len)
+        packed = local if self.gather is None else self.gather(local[None], layout=layout).squeeze(0)  # [T]
+        if total == 0:  # nothing was packed (every row empty, no pad_full_seq_to): all zeros, still in the graph
+            return packed.sum().expand(layout.rows, seq_len).clone()
+        # out[b, s] = packed[cu_seqlens_padded[b] + s - 1] for 1 <= s < L[b], else 0: the log-prob of token s
+        # is scored at position s - 1. Example: [a0, a1, a2, pad], L 3, S 4 -> [0, lp(a0->a1), lp(a1->a2), 0].
+        return execute.unpack(layout, packed[None], seq_len, 0.0, shift=1)  # [B, S]
 
-
-def _unpack_shifted(packed: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, seq_len: int):
-    """``out[b, s] = packed[cu_seqlens_padded[b] + s - 1]`` for ``1 <= s < L[b]``, else 0: ``[T] -> [B, S]``.
-
-    Example: packed log-probs of ``[a0, a1, a2, pad]`` (``a2`` has no target: 0) with L 3,
-    start 0, S 4 -> ``[0, lp(a0->a1), lp(a1->a2), 0]``.
-    """
-    rows, total = cu_seqlens_padded.shape[0] - 1, packed.shape[0]
-    if total == 0:  # nothing was packed (every row empty, no pad_full_seq_to): all zeros, still in the graph
-        return packed.sum().expand(rows, seq_len).clone()
-    cu = cu_seqlens.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]  # [B]
-    s = torch.arange(seq_len, device=packed.device)  # [S]
-    index = (cu_seqlens_padded[:-1].to(torch.int64)[:, None] + s - 1).clamp(0, total - 1)  # [B, S]
-    keep = (s >= 1) & (s < lengths[:, None])  # [B, S]
-    out = packed.index_select(0, index.reshape(-1)).view(rows, seq_len)  # [B, S]
-    return torch.where(keep, out, 0.0)
+    def _layout(self, packed_ids, total, vocab: int, cu_seqlens, cu_seqlens_padded, seq_len, layout) -> PackLayout:
+        """The layout of this call and its validation: the one read of the boundaries, with "every target
+        id is in the vocabulary" folded into it (eager, no layout given), or device asserts."""
+        if layout is None:
+            if cu_seqlens is None or cu_seqlens_padded is None:
+                raise _checks.PackingError("TokenLogProbs needs cu_seqlens and cu_seqlens_padded, or layout=")
+            checks.boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, self.cp_size, cu_seqlens)
+        elif layout.cu_seqlens is None:
+            raise _checks.PackingError("TokenLogProbs needs a layout with cu_seqlens (PackResult.layout)")
+        bad_ids = None
+        if self.validate:
+            bounds, lengths = packed_segments(layout.cu_seqlens if layout is not None else cu_seqlens,
+                                              layout.cu_seqlens_padded if layout is not None else cu_seqlens_padded,
+                                              total)
+            bad_ids = checks.target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
+        if layout is not None or not reads_host(self.validate, self.host_reads):
+            layout = op_layout("TokenLogProbs", "packed_ids", packed_ids, total, self.cp_size, cu_seqlens_padded,
+                               layout, validate=self.validate, host_reads=self.host_reads, cu_seqlens=cu_seqlens,
+                               seq_len=seq_len)
+            if bad_ids is not None:
+                checks.target_ids_device("TokenLogProbs", bad_ids, vocab)
+            return layout
+        layout, ids_ok = plan_from_boundaries(cu_seqlens_padded, total, op="TokenLogProbs", cu_seqlens=cu_seqlens,
+                                              seq_len=seq_len, cp_size=self.cp_size, extra=~bad_ids.any())
+        if not ids_ok:
+            checks.target_ids_host(bad_ids, packed_ids[0], vocab)
+        return layout

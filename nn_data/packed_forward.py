@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data._index import segment_bounds
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.megatron_parallel import group_info
 from nn_data.pack import PackSequences, check_pack_args
+from nn_data.plan.layout import PackLayout
 from nn_data.planning.alignment import ParallelLayout
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 from nn_data.unpack import check_unpack_args, unpack_sequences
@@ -56,8 +56,10 @@ class PackedInfo(NamedTuple):
 class PackedInput(NamedTuple):
     """:meth:`PackedForward.prepare`'s result: the model's arguments ``input_ids [1, T/C]``,
     ``position_ids [1, T/C]``, ``packed``, and what :meth:`PackedForward.finish` needs
-    (``seq_lengths [R]`` after row padding, the caller's ``rows`` B, and ``row_ids [R, S]``, the
-    row-padded ids whose dim 1 gives the row length S, a symbolic size under compile)."""
+    (``seq_lengths [R]`` after row padding, the caller's ``rows`` B, ``row_ids [R, S]``, the
+    row-padded ids whose dim 1 gives the row length S, a symbolic size under compile, and, eagerly,
+    the pack's ``layout``: the plan the output gather and the unpack run on without reading the
+    boundaries again; None from the compiled packing side)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -65,6 +67,7 @@ class PackedInput(NamedTuple):
     seq_lengths: torch.Tensor
     rows: int
     row_ids: torch.Tensor
+    layout: Optional[PackLayout] = None
 
 
 class _Prepared(NamedTuple):
@@ -74,6 +77,7 @@ class _Prepared(NamedTuple):
     max_seqlen: torch.Tensor  # 0-d
     segment_ids: torch.Tensor  # [T]
     query_index: torch.Tensor  # [T/C]
+    layout: Optional[PackLayout]  # the plan (eager); None out of a compiled region
 
 
 class PackedForward(nn.Module):
@@ -137,13 +141,15 @@ class PackedForward(nn.Module):
 
     def _prepare(self, input_ids, seq_lengths, num_rows) -> _Prepared:
         r = self.pack(input_ids, seq_lengths, num_rows)
-        bounds = segment_bounds(r.cu_seqlens_padded, r.packed.shape[1])  # [B+1] ([0, T] if B = 0)
+        bounds = r.layout.bounds()  # [B+1] ([0, T] if B = 0)
         # Zigzag places of this rank's tokens, computed once (segments are multiples of 2C by
         # configuration): bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39.
         places = r.layout.local_places(self.cp_size, self.cp_rank)  # [T/C] each
         local_ids = r.packed.index_select(1, places.source)  # [1, T/C]
         position_ids = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C], 0 at each start
-        return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(), places.source)
+        layout = None if torch.compiler.is_compiling() else r.layout  # the plan stays outside compiled graphs
+        return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(),
+                         places.source, layout)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
         inp = self.prepare(input_ids, seq_lengths)
@@ -167,22 +173,27 @@ class PackedForward(nn.Module):
             check_pack_args(input_ids, seq_lengths, num_rows)
             input_ids = with_dynamic_row_length(input_ids)  # one graph for every S, 0 and 1 included
         prep = self._prepare_fn(input_ids, seq_lengths, num_rows)
-        cu_pad = prep.cu_seqlens_padded
+        cu_pad, layout = prep.cu_seqlens_padded, prep.layout
         gather_kv = None
         if self.cp_size > 1:
             def gather_kv(local: torch.Tensor) -> torch.Tensor:
+                if layout is not None:  # the plan: no read of the boundaries
+                    return self.gather_kv(local, layout=layout)  # [1, T/C, *] -> [1, T, *]
                 return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
         info = PackedInfo(
             cu_pad, prep.max_seqlen, prep.segment_ids, prep.query_index,
             self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep),
         )
-        return PackedInput(prep.local_ids, prep.position_ids, info, seq_lengths, rows, input_ids)
+        return PackedInput(prep.local_ids, prep.position_ids, info, seq_lengths, rows, input_ids, layout)
 
     def finish(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
         """The second half of :meth:`forward`: the model's ``[1, T/C, *]`` output for ``inp``
         (from :meth:`prepare`) -> gathered over the CP group -> rows ``[B, S, *]``."""
         _check_model_output(local_out, inp.input_ids)
         cu_pad = inp.packed.cu_seqlens_padded
+        if inp.layout is not None:  # eager: the pack's plan, no read of the boundaries
+            full = local_out if self.cp_size == 1 else self.gather_output(local_out, layout=inp.layout)  # [1, T, *]
+            return unpack_sequences(full, None, None, inp.row_ids.shape[1], layout=inp.layout)[: inp.rows]
         full = local_out if self.cp_size == 1 else self.gather_output(local_out, cu_pad)  # [1, T, *]
         if self.compile_packing:  # metadata errors before the compiled region
             check_unpack_args(full, inp.seq_lengths, cu_pad)

@@ -47,10 +47,7 @@ def pad_rows(t: torch.Tensor, capacity: int, fill=0, *, name: str = "capacity") 
         raise PackingError(f"{name}={capacity!r} is invalid; expected an int >= 0")
     _checks.check_min_dims("t", t, 1, "[B, *]")
     rows = t.shape[0]
-    if rows > capacity:
-        raise PackingError(
-            f"the batch has {rows} rows, more than {name}={capacity}; raise {name} to at least {rows}"
-        )
+    _checks.check_row_capacity(rows, capacity, name)
     out = t.new_empty((capacity, *t.shape[1:]))
     out[:rows] = t
     out[rows:] = fill  # only the padding rows are filled: one pass over the batch, not two

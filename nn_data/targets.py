@@ -9,7 +9,9 @@ Shape legend
 
 Both ops compute an index map on the device from the boundaries (segment ids via
 scatter-add + cumsum, the zigzag map for ``C > 1``) and read the packed tensor
-once: no host sync, every shape from ``T``, ``C`` and ``B``.
+once, every shape from ``T``, ``C`` and ``B``. They run on the layout plan (:mod:`nn_data.plan`):
+given the pack's ``layout=`` (or this rank's ``places=``) nothing is read on the host; given only
+the boundaries, eagerly, the boundaries are read once (the validation).
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from typing import NamedTuple, Optional
 import torch
 
 from nn_data import _checks
-from nn_data._index import Segments, ZigzagLocal, local_places, packed_segments
 from nn_data.context_parallel import RankOp
+from nn_data.plan.index import Segments, ZigzagLocal, packed_segments
+from nn_data.plan.layout import PackLayout
 
 
 class PositionIds(RankOp):
     """Position ids of the packed layout, restarting at 0 at every sequence start: ``[1, T/C]`` int64.
 
-    ``PositionIds(cp_size=1, cp_rank=0, *, validate=True)``;
-    ``forward(packed [1, T, *], cu_seqlens_padded [B+1] int) -> [1, T/C]``. ``packed`` (any
+    ``PositionIds(cp_size=1, cp_rank=0, *, validate=True, host_reads=True)``;
+    ``forward(packed [1, T, *], cu_seqlens_padded [B+1] int = None, places=None, *, layout=None) ->
+    [1, T/C]``. ``packed`` (any
     tensor of the packed microbatch, e.g. the packed input ids) gives ``T`` and the device.
     With ``cp_size == 1`` the result covers the whole packed tensor; otherwise rank
     ``cp_rank``'s zigzag shard, in the order :class:`~nn_data.ShardForContextParallel`
@@ -48,18 +52,15 @@ class PositionIds(RankOp):
     (validation step).
     """
 
-    def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, validate: bool = True):
-        super().__init__(cp_size, cp_rank, validate=validate)
+    def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, validate: bool = True, host_reads: bool = True):
+        super().__init__(cp_size, cp_rank, validate=validate, host_reads=host_reads)
 
-    def forward(self, packed: torch.Tensor, cu_seqlens_padded: torch.Tensor,
-                places: Optional[ZigzagLocal] = None) -> torch.Tensor:
+    def forward(self, packed: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor] = None,
+                places: Optional[ZigzagLocal] = None, *, layout: Optional[PackLayout] = None) -> torch.Tensor:
         _checks.check_packed("packed", packed)
-        total = packed.shape[1]
-        _checks.check_boundary_args("packed", packed, total, cu_seqlens_padded, self.cp_size)
-        if self.validate:
-            _checks.check_boundaries(cu_seqlens_padded, total, self.cp_size, "PositionIds")
-        bounds = packed_segments(cu_seqlens_padded, cu_seqlens_padded, total).bounds
-        source, seg = places if places is not None else local_places(bounds, total, self.cp_size, self.cp_rank)
+        layout = self.layout_for("packed", packed, packed.shape[1], cu_seqlens_padded, layout)
+        bounds = layout.bounds()
+        source, seg = places if places is not None else layout.local_places(self.cp_size, self.cp_rank)
         return (source - bounds[seg]).unsqueeze(0)  # [1, T/C]
 
 
@@ -91,8 +92,9 @@ def next_token_at(packed_ids: torch.Tensor, segments: Segments, places: ZigzagLo
 class NextTokenTargets(RankOp):
     """Next-token targets shifted *within* each sequence: ``[1, T] -> Targets([1, T/C] x 2)``.
 
-    ``NextTokenTargets(cp_size=1, cp_rank=0, *, ignore_index=-100, validate=True)``;
-    ``forward(packed_ids [1, T] int, cu_seqlens [B+1] int, cu_seqlens_padded [B+1] int)``.
+    ``NextTokenTargets(cp_size=1, cp_rank=0, *, ignore_index=-100, validate=True, host_reads=True)``;
+    ``forward(packed_ids [1, T] int, cu_seqlens [B+1] int = None, cu_seqlens_padded [B+1] int = None,
+    places=None, *, layout=None)``.
     The target of the token at offset ``o`` of sequence ``b`` is the token at ``o + 1`` of the
     same sequence. A sequence's last token has no target: it never gets the next
     sequence's first token (the label leak verl fixed in its PR 6564, from rolling the
@@ -114,25 +116,27 @@ class NextTokenTargets(RankOp):
     fit its padded segment (validation step).
     """
 
-    def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, ignore_index: int = -100, validate: bool = True):
-        super().__init__(cp_size, cp_rank, validate=validate)
+    def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, ignore_index: int = -100, validate: bool = True,
+                 host_reads: bool = True):
+        super().__init__(cp_size, cp_rank, validate=validate, host_reads=host_reads)
         self.ignore_index = int(ignore_index)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, ignore_index={self.ignore_index}"
 
     def forward(
-        self, packed_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
-        places: Optional[ZigzagLocal] = None,
+        self, packed_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+        cu_seqlens_padded: Optional[torch.Tensor] = None, places: Optional[ZigzagLocal] = None, *,
+        layout: Optional[PackLayout] = None,
     ) -> Targets:
         _checks.check_packed_ids("packed_ids", packed_ids)
         total = packed_ids.shape[1]
-        _checks.check_boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, self.cp_size, cu_seqlens)
-        if self.validate:
-            _checks.check_layout(cu_seqlens, cu_seqlens_padded, total, self.cp_size, "NextTokenTargets")
-        segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
+        if layout is None and cu_seqlens is None:
+            raise _checks.PackingError("NextTokenTargets needs cu_seqlens and cu_seqlens_padded, or layout=")
+        layout = self.layout_for("packed_ids", packed_ids, total, cu_seqlens_padded, layout, cu_seqlens=cu_seqlens)
+        segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, total)
         if places is None:
-            places = local_places(segments.bounds, total, self.cp_size, self.cp_rank)
+            places = layout.local_places(self.cp_size, self.cp_rank)
         token, has_target = next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
         targets = torch.where(has_target, token, self.ignore_index)
         return Targets(targets.unsqueeze(0), has_target.to(torch.float32).unsqueeze(0))

@@ -48,29 +48,37 @@ def format_table(results: list[ModeResult]) -> str:
 
 def speedups(results: list[ModeResult]) -> dict[str, float]:
     """``"<fast> vs <slow> (median|mean)"``: the latency of ``slow`` over that of ``fast`` per
-    microbatch (> 1: fast is faster), for every compiled mode against eager and loop. The
-    median is the typical microbatch; the mean is the whole stream's time per microbatch."""
+    microbatch (> 1: fast is faster), for every compiled mode against eager and loop, and eager
+    against the loop. The median is the typical microbatch; the mean is the whole stream's time per
+    microbatch."""
     by_name = {r.name: r for r in results}
     out = {}
-    for fast in ("compiled", "reduce-overhead"):
-        for slow in ("eager", "loop"):
-            if fast in by_name and slow in by_name:
-                for stat in ("median", "mean"):
-                    out[f"{fast} vs {slow} ({stat})"] = (getattr(by_name[slow], f"{stat}_s")
-                                                         / getattr(by_name[fast], f"{stat}_s"))
+    for fast, slow in (("compiled", "eager"), ("compiled", "loop"), ("reduce-overhead", "eager"),
+                       ("reduce-overhead", "loop"), ("eager", "loop")):
+        if fast in by_name and slow in by_name:
+            for stat in ("median", "mean"):
+                out[f"{fast} vs {slow} ({stat})"] = (getattr(by_name[slow], f"{stat}_s")
+                                                     / getattr(by_name[fast], f"{stat}_s"))
     return out
 
 
 def targets(results: list[ModeResult], ratios: dict[str, float],
             model_syncs: float = 0.0, steps: int = 1, packed_lengths: int = 1) -> list[tuple[str, Optional[bool]]]:
-    """The issue's targets for the ``compiled`` mode, each met (True), missed (False) or not run (None).
-    ``model_syncs``: host syncs per microbatch of a real model's own eager forward (not the data path's);
-    ``steps``, ``packed_lengths``: training steps in the stream and distinct packed lengths ``T``."""
+    """The targets for the ``compiled`` and ``eager`` modes, each met (True), missed (False) or not run
+    (None). ``model_syncs``: host syncs per microbatch of a real model's own eager forward (not the
+    data path's); ``steps``, ``packed_lengths``: training steps in the stream and distinct packed lengths ``T``."""
     by_name = {r.name: r for r in results}
     c = by_name.get("compiled")
     if c is None:
         return [("compiled mode run", False)]
-    checks = [
+    e = by_name.get("eager")
+    eager = [] if e is None else [
+        ("eager: at most 1 host sync per microbatch" + (f" beyond the model's own {model_syncs:g}" if model_syncs else ""),
+         e.syncs_per_microbatch <= 1 + model_syncs),
+        ("eager at least as fast as the loop per microbatch (median)",
+         None if "eager vs loop (median)" not in ratios else ratios["eager vs loop (median)"] >= 1),
+    ]
+    checks = eager + [
         ("compiled: 0 recompiles after the first microbatch", c.recompiles == 0),
         (f"compiled: one packed length and 0 recompiles across {steps} steps", packed_lengths == 1
          and c.recompiles == 0) if steps > 1 else ("compiled: one packed length across steps (1 step)", None),

@@ -11,9 +11,11 @@ Shape legend
     H   hidden size of the model stand-in; O its output features per token
 
 One microbatch, per mode:
-    nn_data (eager / compiled): pad rows to R (outside any compiled region) -> pack [1,T]
-        -> CP shard [1,T/C] -> model [1,T/C,O] -> simulated all-gather [C,T/C,O]
-        -> unshard [1,T,O] -> unpack [R,S,O]
+    nn_data eager: the B real rows -> pack [1,T] (one host read of the lengths: the plan) -> CP shard
+        [1,T/C] -> model [1,T/C,O] -> simulated all-gather [C,T/C,O] -> unshard [1,T,O] -> unpack
+        [B,S,O], every op after the pack on the pack's layout (no further read)
+    nn_data compiled: pad rows to R (outside the compiled region; static shapes) -> the same chain on
+        the device executor -> [R,S,O]
     loop (NeMo-RL style, nn_data.testing.reference): the same chain on the B real rows, one Python
         iteration per sequence and segment, host syncs included.
 
@@ -75,8 +77,9 @@ def simulate_all_gather(local: torch.Tensor, cp_size: int) -> torch.Tensor:
 class MicrobatchPipeline(nn.Module):
     """pack -> CP shard -> model -> simulated all-gather -> unshard -> unpack, on nn_data ops.
 
-    ``forward(x [R, S], lengths [R], num_rows 0-d) -> [R, S, O]`` is
-    ``finish(model(*prepare(x, lengths, num_rows)))``. Every shape is fixed by
+    ``forward(x [R, S], lengths [R], num_rows 0-d) -> [R, S, O]``: the pack's layout travels to the
+    shard, the unshard and the unpack (``layout=``), so eagerly the microbatch costs the pack's one
+    host read; compiled, the same code runs on the device executor. Every shape is fixed by
     ``(R, S, T, C)``, so ``torch.compile(fullgraph=True)`` compiles each part once for the stream.
     """
 
@@ -90,22 +93,23 @@ class MicrobatchPipeline(nn.Module):
         self.cp_size = cp_size
 
     def prepare(self, x: torch.Tensor, lengths: torch.Tensor, num_rows: torch.Tensor):
-        """``x [R, S]`` -> this rank's tokens ``[1, T/C]`` and ``cu_seqlens_padded [R+1]``."""
+        """``x [R, S]`` -> this rank's tokens ``[1, T/C]`` and the pack's layout (the plan every later op
+        runs on: eagerly no op reads the boundaries again)."""
         r = self.pack(x, lengths, num_rows)  # packed [1, T]
-        return self.shard(r.packed, r.cu_seqlens_padded), r.cu_seqlens_padded  # [1, T/C], [R+1]
+        return self.shard(r.packed, layout=r.layout), r.layout  # [1, T/C]
 
-    def gather(self, out: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    def gather(self, out: torch.Tensor, layout) -> torch.Tensor:
         """This rank's model output ``[1, T/C, O]`` -> the packed output ``[1, T, O]`` (simulated
         all-gather, then unshard)."""
-        return self.unshard(simulate_all_gather(out, self.cp_size), cu_seqlens_padded)  # [1, T, O]
+        return self.unshard(simulate_all_gather(out, self.cp_size), layout=layout)  # [1, T, O]
 
-    def finish(self, out: torch.Tensor, lengths: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    def finish(self, out: torch.Tensor, layout) -> torch.Tensor:
         """This rank's model output ``[1, T/C, O]`` -> rows ``[R, S, O]``."""
-        return self.unpack(self.gather(out, cu_seqlens_padded), lengths, cu_seqlens_padded)  # [R, S, O]
+        return self.unpack(self.gather(out, layout), layout=layout)  # [R, S, O]
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
-        local, cu_pad = self.prepare(x, lengths, num_rows)
-        return self.finish(self.model(local, cu_pad), lengths, cu_pad)
+        local, layout = self.prepare(x, lengths, num_rows)
+        return self.finish(self.model(local, layout.cu_seqlens_padded), layout)
 
 
 def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | None, wrapper: str = "cpp",
@@ -156,9 +160,9 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
 
     def run(x, lengths, num_rows):
         check_pack_args(x, lengths, num_rows)  # before the compiled region
-        local, cu_pad = prepare(x, lengths, num_rows)  # [1, T/C], [R+1]
-        full = gather(pipeline.model(local, cu_pad), cu_pad)  # [1, T, O]
-        return unpack(full, lengths, cu_pad)  # [R, S, O]
+        local, layout = prepare(x, lengths, num_rows)  # [1, T/C], the plan (device index maps)
+        full = gather(pipeline.model(local, layout.cu_seqlens_padded), layout)  # [1, T, O]
+        return unpack(full, layout=layout)  # [R, S, O]
 
     return run
 
@@ -226,8 +230,9 @@ def make_modes(names, stream: Stream, model: nn.Module, *, cp_size: int, cp_rank
 
     modes = []
     for name in names:
-        if name == "eager":
-            modes.append(Mode(name, with_rows(pipelines), False))
+        if name == "eager":  # the B real rows, as the loop: the row capacity is the compiled graphs' static shape
+            modes.append(Mode(name, lambda mb: pipelines[mb.total or stream.total](mb.input_ids, mb.lengths, None),
+                              False))
         elif name in ("compiled", "reduce-overhead"):
             mode = None if name == "compiled" else "reduce-overhead"
             fns = {t: compile_pipeline(p, scope=compile_scope, mode=mode, wrapper=wrapper, kernel_names=kernel_names)

@@ -145,7 +145,8 @@ def measure_model_alone(model: nn.Module, stream, *, cp_size: int, cp_rank: int,
     with torch.no_grad():
         for mb in stream.microbatches:
             padded = pad_to_row_capacity(mb.input_ids, mb.lengths, stream.row_capacity)
-            prepared.append(pipeline.prepare(padded.x, padded.seq_lengths, padded.num_rows))  # ([1, T/C], [R+1])
+            local, layout = pipeline.prepare(padded.x, padded.seq_lengths, padded.num_rows)  # [1, T/C], the plan
+            prepared.append((local, layout.cu_seqlens_padded))  # the model's arguments: ([1, T/C], [R+1])
         model(*prepared[0])  # warm-up
         samples = [timed_call(lambda p=p: model(*p)) for _ in range(passes) for p in prepared]
         with HostSyncCounter() as syncs:

@@ -13,9 +13,10 @@ without megatron-bridge). The functions call each other through this module's na
 time, so ``mock.patch("nn_data.megatron_data.X")`` reaches the call as it does in NeMo-RL.
 Differences (the README's "Differences from NeMo-RL" table lists all of them):
 
-* packing and CP sharding are one gather each over index maps built on the device from
-  ``cu_seqlens_padded``, not a Python loop per sequence: one host sync per microbatch
-  (NeMo-RL: ``2B + 1``), and ``mtp_loss_mask`` / ``routed_experts`` reuse the tokens' layout;
+* one layout plan per microbatch (:mod:`nn_data.plan`), made after one read of the lengths, packs
+  and CP-shards the ids and every companion (``mtp_loss_mask``, the media mask, ``routed_experts``)
+  with a constant number of ops (eagerly) or one compiled graph, not a Python loop per sequence: one
+  host sync per microbatch (NeMo-RL: ``2B + 1``);
 * where NeMo-RL silently produces wrong data, nn_data raises or is right: a packed total
   above ``pad_full_seq_to`` raises (NeMo-RL truncates); a segment not divisible by
   ``2 * cp_size`` raises (NeMo-RL drops tokens); unpacking always uses the padded
@@ -34,7 +35,7 @@ Differences (the README's "Differences from NeMo-RL" table lists all of them):
 from __future__ import annotations
 
 from nn_data.megatron_data.common import get_context_parallel_rank, get_context_parallel_world_size
-from nn_data.megatron_data.engine import PackOptions
+from nn_data.megatron_data.options import PackOptions
 from nn_data.megatron_data.iterators import (
     get_microbatch_iterator,
     make_processed_microbatch_iterator,
@@ -60,6 +61,14 @@ from nn_data.megatron_data.r3 import (
     _verify_r3_trace_cp_token_alignment,
 )
 from nn_data.megatron_data.vlm import _prepare_vlm_batch_for_megatron
+
+# nn_data's own functions behind the names process_microbatch calls: a name bound to anything else
+# (a test's mock.patch) makes it follow NeMo-RL's call sequence (common.patched).
+_ORIGINALS = {
+    "_pack_sequences_for_megatron": _pack_sequences_for_megatron,
+    "_shard_routed_experts_for_cp": _shard_routed_experts_for_cp,
+    "get_packed_seq_cp_partition_indices": get_packed_seq_cp_partition_indices,
+}
 
 __all__ = [
     "PackOptions",

@@ -1,5 +1,5 @@
-"""Small helpers of the NeMo-RL-compatible layer: rounding, the straggler timer, ``require``,
-the CP getters NeMo-RL's module exposes, and :func:`public`.
+"""Small helpers of the NeMo-RL-compatible layer: NeMo-RL's rounding helper, the straggler timer,
+``require``, the CP getters NeMo-RL's module exposes, and :func:`public` / :func:`patched`.
 
 :func:`public` is how the compat layer's functions call each other: through the names
 ``nn_data.megatron_data`` binds *at call time*, so ``mock.patch("nn_data.megatron_data.X")``
@@ -14,17 +14,18 @@ import contextlib
 import importlib
 from typing import Any
 
-from nn_data.megatron_parallel import megatron_cp_rank_and_size
-
 from nn_data.errors import PackingError
+from nn_data.megatron_parallel import megatron_cp_rank_and_size
+from nn_data.plan.rules import round_up
 
 
 def _round_up_to_multiple(value: int, multiple: int) -> int:
-    """Round a Python int up to a multiple (NeMo-RL's ``_round_up_to_multiple``).
+    """Round a Python int up to a multiple (NeMo-RL's ``_round_up_to_multiple``; the rule is
+    :func:`nn_data.plan.rules.round_up`).
 
     Example: ``_round_up_to_multiple(13, 8) -> 16``; ``_round_up_to_multiple(16, 8) -> 16``.
     """
-    return ((value + multiple - 1) // multiple) * multiple
+    return round_up(value, multiple)
 
 
 def straggler_context(straggler_timer):
@@ -49,6 +50,14 @@ def public(name: str) -> Any:
     calls the mock, as NeMo-RL's module-level calls would.
     """
     return getattr(importlib.import_module(PUBLIC_MODULE), name)
+
+
+def patched(*names: str) -> bool:
+    """Whether any of ``names`` is bound to something other than nn_data's own function right now (a
+    ``mock.patch``, ``wraps=`` included): then :func:`process_microbatch` follows NeMo-RL's call
+    sequence through those names instead of its one packing call."""
+    module = importlib.import_module(PUBLIC_MODULE)
+    return any(getattr(module, name) is not module._ORIGINALS[name] for name in names)
 
 
 def get_context_parallel_rank() -> int:

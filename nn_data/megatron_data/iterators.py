@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 import torch
 
 from nn_data.megatron_data.common import public, require
-from nn_data.megatron_data.engine import PackOptions
+from nn_data.megatron_data.options import PackOptions
 from nn_data.megatron_data.microbatch import ProcessedMicrobatch
 from nn_data.planning import ParallelLayout
 

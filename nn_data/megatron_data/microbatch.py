@@ -14,10 +14,9 @@ import torch
 
 from nn_data.errors import PackingError
 from nn_data.megatron_data.common import public, require, straggler_context
-from nn_data.megatron_data.engine import PackOptions
+from nn_data.megatron_data.options import PackOptions
 from nn_data.megatron_data.packed import packed_inputs
 from nn_data.megatron_data.r3 import r3_verify_forward_enabled
-from nn_data.megatron_data.scope import microbatch_scope
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is imported lazily
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -143,10 +142,10 @@ def process_microbatch(
     with ``arange(K)`` pad rows and its CP shard; masks and position ids None. With
     ``model_slices_context_parallel_inputs`` the model gets the full row ``[1, T]`` (ids and
     masks) and a ``PackedSeqParams`` with separate valid/padded boundaries. CP rank and size
-    from :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One host
-    sync and one graph run per microbatch (NeMo-RL: ``2B + 1`` syncs per packed tensor).
-    ``options`` (keyword-only, nn_data only): compiled graph and ``T`` buckets
-    (:class:`~nn_data.megatron_data.engine.PackOptions`).
+    from :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One packing
+    call, one plan, one host sync (NeMo-RL: ``2B + 1`` per packed tensor); NeMo-RL's call sequence
+    when its packing names are patched (:mod:`nn_data.megatron_data.packed`). ``options``
+    (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.megatron_data.options.PackOptions`).
 
     Self-packing model (``delegate_pack_to_model``): :func:`_prepare_vlm_batch_for_megatron`;
     an ``mtp_loss_mask`` is refused unless ``delegate_mtp_loss_mask_to_model`` (the model packs
@@ -160,7 +159,7 @@ def process_microbatch(
     Raises (NeMo-RL's messages first) :class:`~nn_data.errors.PackingError` for a missing ``seq_length_key``, routed experts that are not 4-D, an
     ``mtp_loss_mask`` a self-packing model did not claim, and every bad input of the pack path.
     """
-    with straggler_context(straggler_timer), microbatch_scope():
+    with straggler_context(straggler_timer):
         input_ids = data_dict["input_ids"]
         routed = data_dict["routed_experts"] if "routed_experts" in data_dict else None
         if routed is not None and routed.dim() != 4:

@@ -18,9 +18,9 @@ import torch
 from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.megatron_data.common import _round_up_to_multiple
+from nn_data.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
+from nn_data.megatron_data.options import PackConfig, PackOptions
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.megatron_data.engine import PackConfig, PackOptions, as_lengths, on_device, pack_microbatch
-from nn_data.megatron_data.scope import BoundsFacts, current_scope
 from nn_data.planning import ParallelLayout
 from nn_data.unpack import unpack_sequences
 
@@ -52,12 +52,11 @@ def _pack_sequences_for_megatron(
     Example: lengths ``[8, 5, 7]``, multiple 4 -> ``cu_seqlens [0, 8, 13, 20]``,
     ``cu_seqlens_padded [0, 8, 16, 24]``, max_seqlen 8.
 
-    One host sync per call (NeMo-RL: ``2B + 1``). ``options`` (keyword-only, nn_data only)
-    selects the compiled graph and ``T`` buckets: see :class:`PackOptions`. Inside
-    :func:`process_microbatch` (a microbatch scope, :mod:`nn_data.megatron_data.scope`) the
-    call for ``input_ids`` also packs the microbatch's ``mtp_loss_mask``, media-token mask,
-    routed experts and R3 identities in the same graph run, and the later calls for those
-    return that result: one sync and one graph per microbatch.
+    One host sync per call (NeMo-RL: ``2B + 1``): the lengths are read once and the layout is
+    planned in Python ints (:mod:`nn_data.plan`). ``options`` (keyword-only, nn_data only)
+    selects the compiled graph and ``T`` buckets: see :class:`PackOptions`. It packs
+    ``input_ids`` and nothing else; :func:`process_microbatch` packs the microbatch's companions
+    (MTP mask, media-token mask, routed experts) with the ids in one call of its own.
 
     Differences from NeMo-RL, all on input NeMo-RL mishandles:
     a packed total above ``pad_packed_seq_to`` raises (NeMo-RL truncates the packed
@@ -69,39 +68,14 @@ def _pack_sequences_for_megatron(
     Raises :class:`~nn_data.errors.PackingError` for those cases, a multiple below 1, ``pad_packed_seq_to`` not a multiple of
     ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``.
     """
-    m, p = pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of
-    scope = current_scope()
-    key = ("pack", id(seq_lengths), m, p, pad_packed_seq_to, cp_rank, cp_size, id(options))  # both held by the caller
-    if scope is not None:
-        done = scope.recall(input_ids, key)
-        if done is not None:
-            return done
-    companions = scope.companions_of(input_ids) if scope is not None else {}
-    fixed = (options or PackOptions()).packed_length(pad_packed_seq_to, "pad_packed_seq_to")  # a run-level T wins
-    config = PackConfig(m, p, fixed, cp_size=cp_size, cp_rank=cp_rank, total_name="pad_packed_seq_to")
-    out, plan = pack_microbatch(input_ids, seq_lengths, config, options=options, **companions)
-    params = make_packed_seq_params(out.cu_seqlens_padded, plan.max_seqlen, out.local.shape[1],
+    options = options or PackOptions()
+    config = PackConfig.nemo_rl(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
+                                packed_length=options.packed_length(pad_packed_seq_to, "pad_packed_seq_to"),
+                                cp_rank=cp_rank, cp_size=cp_size, name="pad_packed_seq_to", options=options)
+    out, layout = pack_microbatch(input_ids, seq_lengths, config, options=options)
+    params = make_packed_seq_params(out.cu_seqlens_padded, layout.host.max_seqlen, out.local.shape[1],
                                     packed_length=out.packed.shape[1])
-    result = (out.packed, out.local, params, out.cu_seqlens, out.cu_seqlens_padded)
-    if scope is not None:
-        _keep(scope, key, companions, out, plan, params, seq_lengths, input_ids.shape[1], cp_rank, cp_size)
-    return result
-
-
-def _keep(scope, key, companions, out, plan, params, seq_lengths, row_len, cp_rank, cp_size) -> None:
-    """Record this pack's host facts and its companions' results on the microbatch scope."""
-    scope.keep_facts(BoundsFacts(out.cu_seqlens_padded, seq_lengths, row_len, plan.total, plan.max_seqlen,
-                                 plan.valid_total, cp_size))
-    rest = (params, out.cu_seqlens, out.cu_seqlens_padded)
-    for name, packed, local in (("mtp_loss_mask", out.mtp_packed, out.mtp_local),
-                                ("media_token_validity_mask", out.media_packed, out.media_local)):
-        if name in companions:
-            scope.store(companions[name], key, (packed, local, *rest))
-    routed, identity = companions.get("routed_experts"), companions.get("token_identity")
-    if routed is not None or identity is not None:
-        shard_key = ("shard", id(identity), id(out.cu_seqlens_padded), cp_rank, cp_size)
-        scope.store(routed, shard_key, (out.routed_packed, out.routed_local, out.identity_packed,
-                                        out.identity_local))
+    return out.packed, out.local, params, out.cu_seqlens, out.cu_seqlens_padded
 
 
 def _unpack_sequences_from_megatron(

@@ -26,9 +26,8 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.megatron_data.engine import as_lengths
-from nn_data.megatron_data.scope import current_scope, known_facts
-from nn_data.layout import build_layout
+from nn_data.megatron_data.dispatch import as_lengths, on_device
+from nn_data.plan import execute, plan_from_boundaries
 
 R3_VERIFY_ENV = "NN_DATA_R3_VERIFY"
 _TRUE = {"1", "true", "yes", "on"}
@@ -151,9 +150,9 @@ def _shard_routed_experts_for_cp(
     identity_packed [1, T, 3], identity_cp_sharded [1, T/C, 3])``, None where the input is
     None. Segments are those of ``cu_seqlens_padded`` (``cu_seqlens`` when None), so the
     boundaries are identical to the ids'. Routed pad rows are ``arange(K)``, identity pad
-    rows 0 (``valid = 0``: the verifier skips them). One host sync (``T`` and the checks);
-    inside :func:`process_microbatch` (a microbatch scope) the routes were packed with the
-    tokens and are returned as they are: no sync, no second gather.
+    rows 0 (``valid = 0``: the verifier skips them). One host sync (the boundaries and lengths:
+    ``T`` and the checks), then the host executor. :func:`process_microbatch` packs the routes with
+    the tokens in its one call and calls this only when NeMo-RL's names are patched.
 
     Difference from NeMo-RL: a segment not divisible by ``2 * cp_size`` raises instead of
     losing its remainder routes.
@@ -168,21 +167,12 @@ def _shard_routed_experts_for_cp(
     _checks.check_cp(cp_size, cp_rank)
     rows, cols = ref.shape[:2]
     given = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-    scope = current_scope()
-    if scope is not None:
-        done = scope.recall(routed_experts, ("shard", id(token_identity), id(given), cp_rank, cp_size))
-        if done is not None:  # packed with the tokens, in the same graph run
-            return done
     lengths = as_lengths(seq_lengths, rows, ref.device)
     _checks.check_int_vector("cu_seqlens_padded", given, rows + 1)
-    bounds = given.to(device=ref.device, dtype=torch.int64)
-    facts = known_facts(given, seq_lengths)
-    if facts is not None and facts.row_len == cols and facts.cp_size == cp_size:
-        total = facts.total  # validated by this microbatch's pack: no second sync
-    else:
-        total = _check_layout(lengths, bounds, cols, cp_size)
-    layout = build_layout(lengths, bounds, cols, total)
-    source = layout.local_places(cp_size, cp_rank).source  # [T/C], once for both tensors
+    bounds = on_device("cu_seqlens_padded", given, "routed_experts", ref.device)
+    # One read of the boundaries and lengths (T is the last boundary): the checks, then the host executor.
+    layout, _ = plan_from_boundaries(bounds, None, op="_shard_routed_experts_for_cp", seq_lengths=lengths,
+                                     row_len=cols, cp_size=cp_size)
     out = []
     for x, fill in ((routed_experts, "route"), (token_identity, 0)):
         if x is None:
@@ -190,24 +180,6 @@ def _shard_routed_experts_for_cp(
             continue
         if fill == "route":
             fill = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)  # [K]
-        packed = layout.pack(x, fill=fill)  # [1, T, *]
-        out += [packed, packed.index_select(1, source)]  # [1, T/C, *]
+        packed = layout.pack(x, fill)  # [1, T, *]
+        out += [packed, execute.shard(layout, packed, cp_size, cp_rank)]  # [1, T/C, *]
     return tuple(out)
-
-
-def _check_layout(lengths, bounds, row_len: int, cp_size: int) -> int:
-    """One sync: ``T = bounds[-1]`` and the data checks of :func:`_shard_routed_experts_for_cp`."""
-    seg = bounds[1:] - bounds[:-1]  # [B]
-    two_c = 2 * cp_size
-    bad_len = (lengths < 0) | (lengths > row_len) | (lengths > seg)
-    bad_div = (seg % two_c != 0) if cp_size > 1 else torch.zeros_like(bad_len)
-    total, first, n_neg, n_len, n_div = torch.stack(
-        [bounds[-1], bounds[0], (seg < 0).sum(), bad_len.sum(), bad_div.sum()]).tolist()  # sync: T and checks
-    if first != 0 or n_neg:
-        raise PackingError(f"cu_seqlens_padded={bounds.tolist()} must start at 0 and never decrease")  # sync: error
-    if n_len:
-        _checks.raise_first(bad_len, lengths, "seq_lengths[{i}] = {v} is negative, exceeds S=" f"{row_len}"
-                            " or exceeds its segment of cu_seqlens_padded")
-    if n_div:
-        _checks.raise_first(bad_div, seg, _checks.segment_not_divisible(two_c))
-    return total

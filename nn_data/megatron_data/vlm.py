@@ -13,13 +13,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nn_data._index import exclusive_cumsum, round_up
 from nn_data import _checks
-from nn_data.errors import PackingError
-from nn_data.megatron_data.common import require
+from nn_data.megatron_data.dispatch import as_lengths
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.megatron_data.engine import as_lengths
-from nn_data.pack import PackSequences
+from nn_data.plan import LayoutSpec, plan_from_lengths
+from nn_data.plan.planner import padded_rows
 
 
 def _prepare_vlm_batch_for_megatron(
@@ -33,7 +31,9 @@ def _prepare_vlm_batch_for_megatron(
     Each length is rounded up to ``pad_individual_seqs_to_multiple_of``; with
     ``pad_full_seq_to`` (PP > 1) the last sequence's length is extended by the deficit
     ``pad_full_seq_to - sum(padded)`` so the model's own packing always gives that total
-    (the extra positions count as valid for the model; mask them at the loss).
+    (the extra positions count as valid for the model; mask them at the loss). That is the layout
+    plan's slack rule ("extend last", :mod:`nn_data.plan`), planned after one read of the lengths;
+    the deficit must be a multiple of the per-sequence multiple (the model pads to it itself).
 
     Returns ``(input_ids [1, T], input_ids_cp_sharded [B, P], attention_mask [B, P] bool,
     packed_seq_params, None, cu_seqlens_padded [B+1] int32)``: the packed view (each
@@ -45,53 +45,34 @@ def _prepare_vlm_batch_for_megatron(
     Example: lengths ``[3, 5]``, multiple 4, ``pad_full_seq_to=16`` -> padded ``[4, 8]``,
     deficit 4 -> ``[4, 12]``, ``P = 12``, ``cu_seqlens_padded [0, 4, 16]``.
 
-    One host sync (NeMo-RL: one too). Raises :class:`~nn_data.errors.PackingError` when the padded total exceeds
-    ``pad_full_seq_to``, the deficit is not a multiple of the per-sequence multiple, or a
-    length is outside ``[0, S]`` (NeMo-RL reads zeros past the row there).
+    One host sync (NeMo-RL: one too). With no sequence (``B = 0``) the model packs nothing, so, as in
+    NeMo-RL, there is no slack to absorb: ``[0, 0]`` rows, an empty packed view and
+    ``cu_seqlens_padded = [0]`` (unlike the packed paths, where ``B = 0`` is ``[T]``: the pseudo-segment).
+    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's wording first) when the padded total exceeds
+    ``pad_full_seq_to``, the deficit is not a multiple of the per-sequence multiple, a length is
+    outside ``[0, S]`` (NeMo-RL reads zeros past the row there), or ``pad_full_seq_to`` is above
+    the int32 limit of the boundaries.
     """
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
-    _checks.check_int32("pad_full_seq_to", pad_full_seq_to)
     rows, cols = input_ids.shape[:2]
-    align = max(1, int(pad_individual_seqs_to_multiple_of))
+    spec = LayoutSpec(max(1, int(pad_individual_seqs_to_multiple_of)), packed_length=pad_full_seq_to,
+                      packed_length_name="pad_full_seq_to", self_packing=True)
     lengths = as_lengths(seq_lengths, rows, input_ids.device)
-    padded, padded_max, total = _padded_lengths(lengths, cols, align, pad_full_seq_to)
+    if rows == 0:  # as NeMo-RL: the model packs nothing, so no slack either: [0] boundaries, no column
+        cu_seqlens_padded = torch.zeros(1, dtype=torch.int32, device=input_ids.device)
+        return (input_ids.new_zeros((1, 0)), input_ids[:, :0], torch.zeros(0, 0, dtype=torch.bool,
+                device=input_ids.device), make_packed_seq_params(cu_seqlens_padded, 0, None), None, cu_seqlens_padded)
+    layout = plan_from_lengths(lengths, cols, spec, op="_prepare_vlm_batch_for_megatron")  # the one host read
+    padded_max = layout.host.max_seqlen  # P: the model's columns
     if cols < padded_max:
         ids_2d = F.pad(input_ids, (0, padded_max - cols), value=0)  # [B, P]
     else:
         ids_2d = input_ids[:, :padded_max].contiguous()  # [B, P]; cut columns hold padding only
+    cu_seqlens_padded = layout.cu_seqlens_padded  # [B+1]: each row's padded length, the slack on the last
+    padded = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).to(torch.int64)  # [B]
     attention_mask = torch.arange(padded_max, device=input_ids.device)[None, :] < padded[:, None]  # [B, P]
-    cu_seqlens_padded = exclusive_cumsum(padded).to(torch.int32)  # [B+1]
-    if total:
-        # Lengths = padded lengths: the packed view holds exactly what the model packs.
-        packed = PackSequences(pad_full_seq_to=total, validate=False)(ids_2d, padded).packed  # [1, T]
-    else:
-        packed = ids_2d.new_zeros((1, 0))
+    # The packed view holds exactly what the model packs: every row's first padded[b] columns, back to
+    # back (the rows packed on the same plan with their padded lengths as lengths).
+    packed = padded_rows(layout, padded_max).pack(ids_2d)  # [1, T]
     params = make_packed_seq_params(cu_seqlens_padded, padded_max, None)
     return packed, ids_2d, attention_mask, params, None, cu_seqlens_padded
-
-
-def _padded_lengths(lengths, cols: int, align: int, pad_full_seq_to):
-    """``(padded [B], P, T)`` after the deficit rule; one host sync.
-
-    Example: lengths ``[3, 5]``, align 4, target 16 -> natural ``[4, 8]`` (12), deficit 4 ->
-    ``([4, 12], 12, 16)``.
-    """
-    padded = round_up(lengths, align)  # [B]
-    if lengths.shape[0] == 0:
-        return padded, 0, 0
-    lo, hi, natural, pmax, plast = torch.stack(
-        [lengths.min(), lengths.max(), padded.sum(), padded.max(), padded[-1]]).tolist()  # sync: P and T are shapes
-    if lo < 0 or hi > cols:
-        _checks.raise_length_outside((lengths < 0) | (lengths > cols), lengths, cols)
-    deficit = 0
-    if pad_full_seq_to is not None:
-        deficit = pad_full_seq_to - natural
-        require(deficit >= 0, f"pad_full_seq_to ({pad_full_seq_to}) < natural padded sum ({natural}); "
-                              f"increase pad_full_seq_to to at least {natural}")
-        require(deficit % align == 0, f"pad_full_seq_to deficit ({deficit}) must be a multiple of "
-                                      f"pad_individual_seqs_to_multiple_of ({align})")
-    elif natural > _checks.INT32_MAX:
-        raise PackingError(_checks.int32_limit(f"the padded total sum(round_up(seq_lengths, {align})) = {natural}"))
-    if deficit:
-        padded = torch.cat([padded[:-1], padded[-1:] + deficit])  # the last sequence absorbs it
-    return padded, max(pmax, plast + deficit), natural + deficit

@@ -26,8 +26,8 @@ import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
-from nn_data._checks import INT32_MAX, check_int32  # noqa: F401  (INT32_MAX re-exported)
-from nn_data._index import round_up
+from nn_data.plan.checks import packed_length_arg
+from nn_data.plan.rules import INT32_MAX, round_up  # noqa: F401  (INT32_MAX re-exported)
 from nn_data.errors import PackingError
 
 _RECIPE_DIVISORS = {"blockwise": 128, "mxfp8": 32}  # any other FP8 recipe: 16 (NeMo-RL's rule)
@@ -130,7 +130,7 @@ class ParallelLayout:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PackingError(f"{name}={value!r} is invalid; expected an int >= 1, a multiple of "
                                f"{self.total_multiple}")
-        check_int32(name, value)  # cu_seqlens are int32
+        packed_length_arg(name, value)  # cu_seqlens are int32
         unit = self.total_multiple
         if value % unit:
             raise PackingError(

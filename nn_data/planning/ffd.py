@@ -20,7 +20,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from nn_data._checks import check_int32
+from nn_data.plan.checks import packed_length_arg
+from nn_data.plan.rules import round_up
 from nn_data.errors import PackingError
 
 
@@ -38,8 +39,7 @@ def round_up_lengths(lengths: Sequence[int], multiple: int) -> np.ndarray:
     """``lengths`` rounded up to ``multiple`` (int64 numpy array). Example: ``[3, 8], 4 -> [4, 8]``."""
     if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
         raise PackingError(f"sequence_length_pad_multiple={multiple!r} is invalid; expected an int >= 1")
-    arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    return (arr + multiple - 1) // multiple * multiple
+    return round_up(np.asarray(lengths, dtype=np.int64).reshape(-1), multiple)
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDPlan:
@@ -57,7 +57,7 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDPlan:
     """
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise PackingError(f"max_tokens_per_microbatch={capacity!r} is invalid; expected an int >= 1")
-    check_int32("max_tokens_per_microbatch", capacity)  # a bin is one packed microbatch
+    packed_length_arg("max_tokens_per_microbatch", capacity)  # a bin is one packed microbatch
     arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
     bad = np.flatnonzero((arr < 0) | (arr > capacity))
     if bad.size:

@@ -18,7 +18,7 @@ from nn_data import megatron_data
 from nn_data.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
-from nn_data.megatron_data.engine import reset_compiled
+from nn_data.megatron_data.graph import reset_compiled
 from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack
 from nn_data.diagnostics import HostSyncCounter
@@ -115,6 +115,7 @@ def test_compiled_switch_from_the_config_and_row_capacity_errors(fresh_dynamo):
     assert counter.frame_count == 1  # the iterator really went through torch.compile, once
     too_many = next(_stream(1, seed=3, max_rows=1, max_len=8))
     too_many = too_many.select_indices([0] * 5)
-    with pytest.raises(PackingError, match=r"5 sequences, more than row_capacity=4; raise cfg\['nn_data'\]"):
+    with pytest.raises(PackingError, match=r"the batch has 5 rows, more than row_capacity=4; raise "
+                                           r"cfg\['nn_data'\]\['row_capacity'\] to at least 5"):
         process_microbatch(too_many, "input_lengths", 4, 1, 64, True,
                            options=PackOptions(compile=True, row_capacity=4, backend=counter))

@@ -1,5 +1,5 @@
-"""The compat layer's host-planned eager pack (nn_data.megatron_data.host_pack) against the loop
-reference and the device-planned graph, its aten-op count and its one host sync.
+"""The compat layer's host-planned eager pack (the plan's host executor, nn_data.plan.host) against
+the loop reference and the device-planned graph, its aten-op count and its one host sync.
 
 Tier: pure CPU, single process, hypothesis.
 """
@@ -17,8 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.support.hypothesis_profiles import examples
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
-from nn_data.megatron_data import _pack_sequences_for_megatron, host_pack
-from nn_data.megatron_data.engine import GraphKey, PackConfig, PackShardGraph, pack_microbatch
+from nn_data.megatron_data import _pack_sequences_for_megatron
+from nn_data.megatron_data.dispatch import pack_microbatch
+from nn_data.megatron_data.graph import PackShardGraph
+from nn_data.megatron_data.keys import GraphKey
+from nn_data.megatron_data.options import PackConfig
+from nn_data.plan import host
 from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.testing.coded import PAD, coded_batch
 
@@ -63,14 +67,14 @@ def _extras(lengths, seq_len):
 def test_host_path_equals_the_reference_and_the_device_graph(case, views_max):
     lengths, seq_len, m, p, pad_full, cp_size, rank = case
     ids, extras = _extras(lengths, seq_len)
-    config = PackConfig(m, p, pad_full, cp_size=cp_size, cp_rank=rank)
-    with mock.patch.object(host_pack, "SHARD_VIEWS_MAX_SEGMENTS", views_max):  # both shard forms
+    config = PackConfig.nemo_rl(m, p, packed_length=pad_full, cp_rank=rank, cp_size=cp_size, name="pad_full_seq_to")
+    with mock.patch.object(host, "SHARD_VIEWS_MAX_SEGMENTS", views_max):  # both shard forms
         out, plan = pack_microbatch(ids, torch.tensor(lengths, dtype=torch.int64), config, **extras)
     ref = reference_pack(ids, lengths, m, p, pad_full)
     assert torch.equal(out.packed, ref.packed)
     assert torch.equal(out.cu_seqlens, ref.cu_seqlens) and torch.equal(out.cu_seqlens_padded, ref.cu_seqlens_padded)
-    assert plan.total == ref.packed.shape[1]
-    assert plan.max_seqlen == ref.max_seqlen and plan.valid_total == sum(lengths)
+    assert plan.total == ref.packed.shape[1] and plan.host.cu_pad == ref.cu_seqlens_padded.tolist()
+    assert plan.host.max_seqlen == ref.max_seqlen and plan.host.cu[-1] == sum(lengths)
     if ref.packed.shape[1] and lengths:
         assert torch.equal(out.local, reference_shard(ref.packed, ref.cu_seqlens_padded, cp_size, rank))
     if plan.total:  # the device-planned graph (the compiled path's, run eagerly) agrees tensor by tensor
@@ -122,5 +126,7 @@ def test_invalid_input_raises_the_device_planners_messages():
     with pytest.raises(PackingError, match="segment 1 of cu_seqlens_padded is 6 tokens long"):
         _pack_sequences_for_megatron(ids, torch.tensor([3, 5]), 2, 1, 10, cp_rank=0, cp_size=2)
     with pytest.raises(PackingError, match=r"mtp_loss_mask has shape .*; it must be \[B, S, \*\]"):
-        pack_microbatch(ids, torch.tensor([3, 5]), PackConfig(4, 1, None, 1, 0), mtp_loss_mask=torch.zeros(2, 4))
+        pack_microbatch(ids, torch.tensor([3, 5]), PackConfig.nemo_rl(4, 1, packed_length=None, cp_rank=0, cp_size=1,
+                                                                    name="pad_full_seq_to"),
+                        mtp_loss_mask=torch.zeros(2, 4))
     assert PAD not in _pack_sequences_for_megatron(ids, torch.tensor([3, 5]), 4)[0]

@@ -95,8 +95,9 @@ def test_shard_routed_experts_for_cp_matches_the_microbatch_path(cp2):
 
 @pytest.mark.parametrize("bounds, cp, match", [
     ([0, 12, 16, 24, 30], 2, r"segment 3 of cu_seqlens_padded is 6 tokens long, not a multiple of 2\*cp_size=4.*silently drop"),
-    ([0, 12, 14, 24, 28], 1, r"seq_lengths\[1\] = 3 is negative, exceeds S=12 or exceeds its segment"),
-    ([1, 12, 16, 24, 28], 1, r"must start at 0 and never decrease"),
+    ([0, 12, 14, 24, 28], 1, r"seq_lengths\[1\] = 3 does not fit its segment of cu_seqlens_padded \(2 long\)"),
+    ([1, 12, 16, 24, 28], 1, r"cu_seqlens_padded=\[1, 12, 16, 24, 28\] is invalid for a packed length T=28; it must "
+                             r"start at 0, never decrease"),
 ])
 def test_shard_routed_experts_errors(bounds, cp, match):
     with pytest.raises(PackingError, match=match):
@@ -352,3 +353,10 @@ def test_the_sync_counter_sees_a_loop_packer():
         bool(lengths.sum() > 0)
         torch.nonzero(lengths)
     assert counter.count == 6
+
+
+def test_vlm_with_no_sequence_is_nemo_rls_empty_batch():
+    packed, ids_2d, mask, params, cu, cu_pad = _prepare_vlm_batch_for_megatron(
+        torch.zeros(0, 6, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 4, 16)
+    assert packed.shape == (1, 0) and ids_2d.shape == (0, 0) and mask.shape == (0, 0)
+    assert cu is None and cu_pad.tolist() == [0] and params.max_seqlen_q == 0

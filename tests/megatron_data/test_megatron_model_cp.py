@@ -186,7 +186,7 @@ class _Group:
 
 @pytest.mark.parametrize("kw, match", [
     (dict(cp_rank=2), r"cp_rank=2 is invalid; expected an int in \[0, 2\)"),
-    (dict(total_tokens=6), r"total_tokens=6 is not a multiple of 2\*cp_size=4"),
+    (dict(total_tokens=6), r"the packed length T=6 is not a multiple of 2\*cp_size=4"),
     (dict(cp_rank=1, cp_group=_Group()), r"group has rank 0 and size 2, but rank 1 and size 2 were requested"),
 ])
 def test_partition_indices_errors(kw, match):
@@ -240,16 +240,16 @@ def test_every_tensor_of_a_microbatch_costs_one_sync(cp, monkeypatch, model_slic
 
 @pytest.mark.parametrize("model_slices", [False, True])
 def test_every_tensor_of_a_microbatch_rides_one_graph_run(cp, monkeypatch, model_slices):
-    from nn_data.megatron_data import host_pack
+    from nn_data.megatron_data import packed
 
     cp(0)
     runs = []
-    real = host_pack.pack_batch  # the eager path's one packing pass (the compiled path's: engine.run_graph)
+    real = packed.pack_microbatch  # process_microbatch's one explicit packing call
 
     def recorded(*args, **extras):
         runs.append(sorted(k for k, v in extras.items() if v is not None))
         return real(*args, **extras)
 
-    monkeypatch.setattr(host_pack, "pack_batch", recorded)
+    monkeypatch.setattr(packed, "pack_microbatch", recorded)
     _process(_batch(), model_slices_context_parallel_inputs=model_slices)
     assert runs == [["media_token_validity_mask", "mtp_loss_mask", "routed_experts"]]  # ids + all companions, once

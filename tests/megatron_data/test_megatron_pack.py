@@ -241,7 +241,8 @@ def test_get_and_validate_seqlen():
 
 # ---- round-3 refusals: int32 boundaries, devices, unpack boundaries ---------------------------
 
-INT32_LIMIT = r"exceeds 2147483647 \(2\*\*31 - 1\), the largest packed length or boundary that int32 cu_seqlens can hold"
+INT32_LIMIT = (r"exceeds 2147483647 \(2\*\*31 - 1\), the largest packed length or boundary that int32 "
+               r"cu_seqlens can hold")
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-switch"])
@@ -303,3 +304,20 @@ def test_unpack_checks_the_boundaries_nemo_rl_reads_unchecked():
     assert torch.equal(out, torch.where(ids != PAD, ids, 0))
     with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 4, 3, 6\] is invalid for a packed length T=16"):
         _unpack_sequences_from_megatron(packed, torch.tensor([3, 0, 2]), torch.tensor([0, 4, 3, 6]), None, 3, 3)
+
+
+def test_pack_microbatch_packs_only_the_companions_it_knows_and_configs_are_checked_uncached_too():
+    from nn_data.megatron_data.dispatch import pack_microbatch
+    from nn_data.megatron_data.options import PackConfig
+
+    kw = dict(packed_length=None, cp_rank=0, cp_size=1, name="pad_full_seq_to")
+    config = PackConfig.nemo_rl(4, 1, **kw)
+    assert PackConfig.nemo_rl(4, 1, **kw) is config  # checked once, then reused
+    with pytest.raises(PackingError, match=r"pack_microbatch packs \('mtp_loss_mask', 'routed_experts', "
+                                           r"'token_identity', 'media_token_validity_mask'\) with the ids; got "
+                                           r"\['labels'\]"):
+        pack_microbatch(coded_batch([3], 4), torch.tensor([3]), config, labels=torch.zeros(1, 4))
+    for bad in (True, [4]):  # a bool is not 1; an unhashable argument is checked without the cache
+        with pytest.raises(PackingError, match=r"pad_individual_seqs_to_multiple_of=.* is invalid; expected an int "
+                                               r">= 1"):
+            PackConfig.nemo_rl(bad, 1, **kw)

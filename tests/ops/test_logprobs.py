@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.support.cp_cases import make_microbatch, pack_single
 from nn_data import GatherFromContextParallel, PackingError, TokenLogProbs, UnpackSequences
+from nn_data.diagnostics import HostSyncCounter
 from nn_data.testing.reference import reference_token_logprobs
 
 V = 23
@@ -131,7 +132,7 @@ def test_bad_arguments_name_the_argument_and_the_valid_values():
         TokenLogProbs(S)(ids, ids, *args)
     with pytest.raises(PackingError, match=r"pass the full packed ids \[1, 48\]"):
         TokenLogProbs(S)(logits, ids[:, :24], *args)
-    with pytest.raises(PackingError, match="more than seq_len=8"):
+    with pytest.raises(PackingError, match=r"the length 16 of sequence 2 \(from cu_seqlens\) is outside \[0, seq_len=8\]"):
         TokenLogProbs(8)(logits, ids, *args)
     bad = ids.clone()
     bad[0, 7] = V  # the second token of sequence 2 (segments 6, 0, 16, 26 long: it starts at 6)
@@ -139,6 +140,24 @@ def test_bad_arguments_name_the_argument_and_the_valid_values():
         TokenLogProbs(S)(logits, bad, *args)
     with pytest.raises(PackingError, match="must start at 0, never decrease and end at 48"):
         TokenLogProbs(S)(logits, ids, r.cu_seqlens, r.cu_seqlens_padded.clamp(max=40))
+
+
+@pytest.mark.parametrize("executor", ["host", "device", "layout"])
+@pytest.mark.parametrize("lengths", [[5, 0, 16, 3], [0, 0], [16, 1, 16], []], ids=str)
+def test_both_executors_and_a_travelling_layout_give_the_same_values_and_gradients(lengths, executor):
+    r, ids, logits, weight = _inputs(lengths, seed=len(lengths))
+    ref, ref_grad = _grad(lambda x: reference_token_logprobs(x, ids, r.cu_seqlens, r.cu_seqlens_padded, S),
+                          logits, weight)
+    if executor == "layout":  # the pack's plan: no read of the boundaries
+        op = TokenLogProbs(S, chunk_tokens=5)
+        with HostSyncCounter() as syncs:
+            out, grad = _grad(lambda x: op(x, ids, places=None, layout=r.layout), logits, weight)
+        assert syncs.count == 0, syncs.calls
+    else:
+        op = TokenLogProbs(S, chunk_tokens=5, host_reads=executor == "host")
+        out, grad = _grad(lambda x: op(x, ids, r.cu_seqlens, r.cu_seqlens_padded), logits, weight)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)
 
 
 def test_row_length_per_call_equals_the_reference_for_every_s():
@@ -162,8 +181,8 @@ def test_boundaries_are_checked_as_unpack_checks_them():
     with pytest.raises(PackingError, match=r"cu_seqlens_padded=\[0, 5, 5, 21, 24\] is invalid for a packed length "
                                            r"T=48; it must start at 0, never decrease and end at 48"):
         TokenLogProbs(S)(logits, ids, r.cu_seqlens, r.cu_seqlens)  # cu_seqlens where cu_seqlens_padded belongs
-    with pytest.raises(PackingError, match=r"sequence 2 has length 16 \(from cu_seqlens\), which does not fit its "
-                                           r"padded segment"):
+    with pytest.raises(PackingError, match=r"the length 16 of sequence 2 \(from cu_seqlens\) does not fit its "
+                                           r"segment of cu_seqlens_padded \(6 long\)"):
         TokenLogProbs(S)(logits, ids, r.cu_seqlens, torch.tensor([0, 6, 6, 12, 48]))
 
 

@@ -15,7 +15,9 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBac
 
 from tests.support.hypothesis_profiles import examples
 from nn_data import (
+    NextTokenTargets,
     PackSequences,
+    PositionIds,
     ShardForContextParallel,
     UnpackSequences,
     UnshardFromContextParallel,
@@ -69,10 +71,12 @@ def _assert_same(a, b):
     rb, eb, lb, ub = b
     for name in ("packed", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"):
         assert torch.equal(getattr(ra, name), getattr(rb, name)), name
-    for name in ("dest", "source", "valid"):
-        a, b = getattr(ra.layout, name), getattr(rb.layout, name)
-        assert (a is None and b is None) or torch.equal(a, b), name
-    assert ra.layout.total == rb.layout.total
+    # The plan's internal form differs (compiled: device index maps; eager: the host's ints): compare
+    # what it packs, its segment ids and positions (docs/design.md, "Eager == compiled").
+    assert ra.layout.host is None and rb.layout.host is not None
+    assert ra.layout.total == rb.layout.total and ra.layout.rows == rb.layout.rows
+    assert torch.equal(ra.layout.segment_ids(), rb.layout.segment_ids())
+    assert torch.equal(ra.layout.positions(), rb.layout.positions())
     assert torch.equal(ea, eb) and torch.equal(la, lb) and torch.equal(ua, ub)
 
 
@@ -193,6 +197,40 @@ def test_eager_sync_count(validate, expected):
     with HostSyncCounter() as syncs:  # without pad_full_seq_to: T and the checks share one sync
         PackSequences(M, validate=validate)(x, lengths)
     assert syncs.count == 1
+
+
+def test_the_eager_chain_on_the_travelling_layout_costs_one_sync():
+    """pack -> shard on every rank -> unshard -> unpack (and positions, targets) with ``layout=``: the
+    pack's read of the lengths is the microbatch's one sync; nothing later reads the device."""
+    x, lengths, padded, _ = _microbatch(torch.Generator().manual_seed(5), 6)
+    with HostSyncCounter() as syncs:
+        r = PackSequences(M, pad_full_seq_to=T)(padded.x, padded.seq_lengths, padded.num_rows)
+        shards = [ShardForContextParallel(C, k)(r.packed, layout=r.layout) for k in range(C)]
+        restored = UnshardFromContextParallel(C)(torch.cat(shards), layout=r.layout)
+        out = UnpackSequences(S)(restored, layout=r.layout)
+        PositionIds(C, 1)(r.packed, layout=r.layout)
+        NextTokenTargets(C, 1)(r.packed, layout=r.layout)
+    assert syncs.count == 1, syncs.calls
+    assert torch.equal(out[:6], torch.where(torch.arange(S) < lengths[:, None], x, 0)) and not out[6:].any()
+
+
+def test_host_reads_false_validates_on_the_device_without_a_sync():
+    x, lengths, padded, _ = _microbatch(torch.Generator().manual_seed(6), 5)
+    ops = dict(pack=PackSequences(M, pad_full_seq_to=T, host_reads=False),
+               shard=ShardForContextParallel(C, 0, host_reads=False),
+               unshard=UnshardFromContextParallel(C, host_reads=False), unpack=UnpackSequences(S, host_reads=False))
+    with HostSyncCounter() as syncs:
+        r = ops["pack"](padded.x, padded.seq_lengths, padded.num_rows)
+        local = ops["shard"](r.packed, r.cu_seqlens_padded)
+        restored = ops["unshard"](local.expand(C, -1), r.cu_seqlens_padded)
+        out = ops["unpack"](r.packed, padded.seq_lengths, r.cu_seqlens_padded)
+    assert syncs.count == 0, syncs.calls
+    assert r.layout.host is None and restored.shape == (1, T)
+    assert torch.equal(out[:5], torch.where(torch.arange(S) < lengths[:, None], x, 0))
+    with pytest.raises(RuntimeError, match=r"every seq_lengths value must be in \[0, S\]"):
+        ops["pack"](padded.x, padded.seq_lengths.clone().fill_(S + 1), padded.num_rows)  # a device assert
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_padded must start at 0, never decrease and end at T"):
+        ops["unpack"](r.packed, padded.seq_lengths, r.cu_seqlens_padded.clamp(max=T - 8))
 
 
 @pytest.mark.compile

@@ -184,7 +184,8 @@ def test_packed_lengths_int32_boundaries_cannot_hold_are_refused():
     with pytest.raises(PackingError, match=r"pad_full_seq_to=2147483648 " + INT32_LIMIT):
         PackSequences(pad_full_seq_to=2**31)
     assert PackSequences(pad_full_seq_to=2**31 - 1).pad_full_seq_to == 2**31 - 1  # the limit itself is fine
-    with pytest.raises(PackingError, match=r"= 2147483648 of seq_lengths " + INT32_LIMIT):  # a data-dependent T
+    with pytest.raises(PackingError, match=r"the packed total 2147483648 of seq_lengths \(sum\(round_up\(seq_lengths, 1\)\) "
+                                           r"= 6, rounded up to 2147483648\) " + INT32_LIMIT):  # a data-dependent T
         PackSequences(pad_packed_seq_to_multiple_of=2**31)(X, torch.tensor([1, 2, 3]))
     huge = torch.empty(1, 2**31, device="meta")  # a packed tensor too long for int32 boundaries
     with pytest.raises(PackingError, match=r"the packed length T=2147483648 of packed " + INT32_LIMIT):
@@ -238,3 +239,61 @@ def test_unpack_offsets_mode_allows_unpadded_boundaries_ending_before_t():
         unpack_sequences(packed, torch.tensor([3, 0]), torch.tensor([0, 5, 3]), 4, offsets="unpadded")
     with pytest.raises(PackingError, match=r"offsets='cu' is invalid; expected 'padded' or 'unpadded'"):
         unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 7]), 4, offsets="cu")
+
+
+def test_a_layout_an_op_is_given_must_be_the_microbatchs_own():
+    r = PackSequences(4, pad_full_seq_to=16)(torch.ones(2, 8, dtype=torch.int64), torch.tensor([4, 4]))
+    other = PackSequences(4, pad_full_seq_to=16)(torch.ones(2, 8, dtype=torch.int64), torch.tensor([4, 4]))
+    with pytest.raises(PackingError, match=r"cu_seqlens_padded is not the tensor the layout holds; pass layout= "
+                                           r"alone, or layout.cu_seqlens_padded"):
+        ShardForContextParallel(2, 0)(r.packed, other.cu_seqlens_padded, layout=r.layout)
+    with pytest.raises(PackingError, match=r"the layout was planned for T=16 packed positions but the tensor given "
+                                           r"with it has T=8"):
+        ShardForContextParallel(2, 0)(r.packed[:, :8], layout=r.layout)
+    with pytest.raises(PackingError, match=r"seq_lengths is not the tensor the layout holds"):
+        UnpackSequences(8)(r.packed, torch.tensor([4, 4]), layout=r.layout)
+    with pytest.raises(PackingError, match=r"layout must be a PackLayout \(PackResult.layout\), got tuple"):
+        UnshardFromContextParallel(2)(r.packed.view(2, 8), layout=tuple(r.layout))
+    with pytest.raises(PackingError, match=r"ShardForContextParallel needs cu_seqlens_padded or layout="):
+        ShardForContextParallel(2, 0)(r.packed)
+    with pytest.raises(PackingError, match=r"UnpackSequences needs seq_lengths and cu_seqlens_padded, or layout="):
+        UnpackSequences(8)(r.packed)
+    with pytest.raises(PackingError, match=r"segment 0 of cu_seqlens_padded is 4 tokens long, not a multiple of "
+                                           r"2\*cp_size=8"):  # the op's own C, checked on the travelling layout
+        ShardForContextParallel(4, 0)(r.packed, layout=r.layout)
+    with pytest.raises(PackingError, match=r"seq_lengths\[0\] = 4 is outside \[0, seq_len=3\]"):
+        UnpackSequences(3)(r.packed, layout=r.layout)
+
+
+def test_a_layout_planned_from_boundaries_cannot_pack():
+    from nn_data.plan import plan_from_boundaries
+
+    layout, _ = plan_from_boundaries(torch.tensor([0, 8]), 8, op="test")
+    with pytest.raises(PackingError, match=r"this layout was planned from boundaries without a row length S"):
+        layout.pack(torch.zeros(1, 8))
+
+
+def test_ops_that_need_both_boundaries_say_so():
+    from nn_data import NextTokenTargets, TokenLogProbs
+    from nn_data.plan import plan_from_boundaries
+
+    ids = torch.ones(1, 8, dtype=torch.int64)
+    with pytest.raises(PackingError, match=r"NextTokenTargets needs cu_seqlens and cu_seqlens_padded, or layout="):
+        NextTokenTargets()(ids)
+    with pytest.raises(PackingError, match=r"TokenLogProbs needs cu_seqlens and cu_seqlens_padded, or layout="):
+        TokenLogProbs(4)(torch.zeros(1, 8, 3), ids)
+    shard_only, _ = plan_from_boundaries(torch.tensor([0, 8]), 8, op="test")  # no cu_seqlens in it
+    with pytest.raises(PackingError, match=r"TokenLogProbs needs a layout with cu_seqlens \(PackResult.layout\)"):
+        TokenLogProbs(4)(torch.zeros(1, 8, 3), ids, layout=shard_only)
+    with pytest.raises(PackingError, match=r"test: T is the last boundary here, which only the host read can learn"):
+        plan_from_boundaries(torch.tensor([0, 8]), None, op="test", host_reads=False)
+
+
+def test_token_ids_outside_the_vocabulary_on_a_travelling_layout_are_a_device_assert():
+    from nn_data import TokenLogProbs
+
+    r = PackSequences(pad_full_seq_to=8)(torch.tensor([[1, 2, 9, 0]]), torch.tensor([3]))
+    with pytest.raises(RuntimeError, match=r"nn_data.TokenLogProbs: token ids must be in \[0, vocab=3\)"):
+        TokenLogProbs(4)(torch.zeros(1, 8, 3), r.packed, layout=r.layout)  # no read: the check is on the device
+    with pytest.raises(PackingError, match=r"packed token id 9 at position 2 is outside the vocabulary \[0, 3\)"):
+        TokenLogProbs(4)(torch.zeros(1, 8, 3), r.packed, r.cu_seqlens, r.cu_seqlens_padded)  # the one read

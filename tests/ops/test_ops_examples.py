@@ -14,6 +14,7 @@ from nn_data import (
     UnshardFromContextParallel,
     pad_to_row_capacity,
 )
+from nn_data.plan import HostBounds
 from nn_data.testing.reference import reference_pack
 
 
@@ -31,16 +32,23 @@ def test_zero_length_row_and_multiple_4():
     assert r.packed.tolist() == [[11, 12, 13, 0, 31, 32, 33, 34, 35, 0, 0, 0]]
     assert r.max_seqlen.item() == 8
     assert r.cu_seqlens.dtype == r.cu_seqlens_padded.dtype == torch.int32
-    assert r.layout.dest.tolist() == [[0, 1, 2, 12, 12], [12] * 5, [4, 5, 6, 7, 8]]  # B*S <= 4T: scatter form
+    # Eagerly the plan is made on the host (one read of the lengths): its Python ints move the data.
+    assert r.layout.host == HostBounds([3, 0, 5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3)
+    assert r.layout.dest is None and r.layout.source is None
     assert r.layout.positions().tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
     assert r.layout.segment_ids().tolist() == [0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2]
+    # On the device (compiled, or host_reads=False) the plan is index maps: B*S <= 16T, the scatter form.
+    d = PackSequences(pad_individual_seqs_to_multiple_of=4, host_reads=False)(x, torch.tensor([3, 0, 5]))
+    assert d.layout.host is None
+    assert d.layout.dest.tolist() == [[0, 1, 2, 12, 12], [12] * 5, [4, 5, 6, 7, 8]]
+    assert torch.equal(d.packed, r.packed) and torch.equal(d.cu_seqlens_padded, r.cu_seqlens_padded)
 
 
 def test_gather_form_layout_when_the_batch_is_mostly_padding():
     """B*S > 16T: the layout reads the T packed positions (source, valid) instead of all B*S."""
     x = torch.zeros(3, 80, dtype=torch.int64)
     x[0, :3], x[2, :5] = torch.tensor([11, 12, 13]), torch.tensor([31, 32, 33, 34, 35])
-    r = PackSequences(pad_individual_seqs_to_multiple_of=4)(x, torch.tensor([3, 0, 5]))
+    r = PackSequences(pad_individual_seqs_to_multiple_of=4, host_reads=False)(x, torch.tensor([3, 0, 5]))
     assert r.layout.dest is None
     assert r.layout.source.tolist() == [0, 1, 2, 3, 160, 161, 162, 163, 164, 165, 166, 167]
     assert r.layout.valid.tolist() == [True] * 3 + [False] + [True] * 5 + [False] * 3

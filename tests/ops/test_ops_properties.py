@@ -1,4 +1,4 @@
-"""Property tests: the gather-index ops equal the loop reference on random batches.
+"""Property tests: the ops on both executors (host and device, every form) equal the loop reference.
 
 Random B (0..16), S, lengths (0 and S included), multiples m and p, pad_full_seq_to,
 C in {1, 2, 3, 4, 8} and every rank, trailing dims [B,S] and [B,S,3,2], int and float.
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tests.support import hypothesis_profiles
 from tests.support.hypothesis_profiles import examples
-import nn_data.layout
+from nn_data.plan import device, host
 from nn_data import (
     PackSequences,
     ShardForContextParallel,
@@ -58,29 +58,44 @@ def cases(draw):
 
 
 @contextlib.contextmanager
-def layout_form(form: str):
-    """Force the scatter or the gather form of the layout and of the unpack (``auto``: the shape
-    rules decide)."""
-    saved, saved_unpack = nn_data.layout.SCATTER_MAX_RATIO, nn_data.unpack.UNPACK_SCATTER_MIN_RATIO
-    nn_data.layout.SCATTER_MAX_RATIO = {"auto": saved, "scatter": 10**9, "gather": 0}[form]
-    nn_data.unpack.UNPACK_SCATTER_MIN_RATIO = {"auto": saved_unpack, "scatter": 0, "gather": 10**9}[form]
+def executor(name: str):
+    """Run the ops on one executor and form (``docs/design.md``, "Layout plan and executors"):
+    ``host`` (eager default: one host read, split/cat views), ``host-index`` (the host executor's
+    index_select form of shard and unshard), ``device-scatter`` / ``device-gather`` (``host_reads=False``:
+    index maps on the device, the scatter or the gather form of pack and unpack forced). Yields the
+    ``host_reads`` switch."""
+    saved = (device.SCATTER_MAX_RATIO, device.UNPACK_SCATTER_MIN_RATIO, host.SHARD_VIEWS_MAX_SEGMENTS)
+    form = name.split("-")[1] if name.startswith("device") else "auto"
+    device.SCATTER_MAX_RATIO = {"auto": saved[0], "scatter": 10**9, "gather": 0}[form]
+    device.UNPACK_SCATTER_MIN_RATIO = {"auto": saved[1], "scatter": 0, "gather": 10**9}[form]
+    host.SHARD_VIEWS_MAX_SEGMENTS = 0 if name == "host-index" else saved[2]
     try:
-        yield
+        yield not name.startswith("device")
     finally:
-        nn_data.layout.SCATTER_MAX_RATIO, nn_data.unpack.UNPACK_SCATTER_MIN_RATIO = saved, saved_unpack
+        device.SCATTER_MAX_RATIO, device.UNPACK_SCATTER_MIN_RATIO, host.SHARD_VIEWS_MAX_SEGMENTS = saved
+
+
+EXECUTORS = ["host", "host-index", "device-scatter", "device-gather"]
 
 
 @SETTINGS
-@given(cases(), st.sampled_from(["auto", "scatter", "gather"]))
-def test_pack_shard_unshard_unpack_match_reference(case, form):
+@given(cases(), st.sampled_from(EXECUTORS), st.booleans())
+def test_pack_shard_unshard_unpack_match_reference_on_both_executors(case, name, travel):
+    """Every op on every executor equals the loop reference; ``travel``: the later ops get the pack's
+    layout (no read), else the boundaries (read once each)."""
     lengths = torch.tensor(case["lengths"], dtype=torch.int64)
     x = coded_batch(case["lengths"], case["seq_len"], case["trailing"], case["dtype"])
-    cp, m, p, full = case["cp"], case["m"], case["p"], case["full"]
-
-    with layout_form(form):
-        r = PackSequences(m, p, full)(x, lengths)
-    if form != "auto" and x.shape[0] * x.shape[1] and r.packed.shape[1]:
-        assert (r.layout.dest is not None) == (form == "scatter")
+    cp, m, p, full, seq_len = case["cp"], case["m"], case["p"], case["full"], case["seq_len"]
+    with executor(name) as host_reads:
+        r = PackSequences(m, p, full, host_reads=host_reads)(x, lengths)
+        on = dict(layout=r.layout) if travel else dict(cu_seqlens_padded=r.cu_seqlens_padded)
+        shards = [ShardForContextParallel(cp, k, host_reads=host_reads)(r.packed, **on) for k in range(cp)]
+        restored = UnshardFromContextParallel(cp, host_reads=host_reads)(torch.cat(shards), **on)
+        unpack_on = dict(layout=r.layout) if travel else dict(seq_lengths=lengths, cu_seqlens_padded=r.cu_seqlens_padded)
+        out = UnpackSequences(seq_len, host_reads=host_reads)(r.packed, **unpack_on)
+    assert (r.layout.host is not None) == host_reads
+    if not host_reads and x.shape[0] * x.shape[1] and r.packed.shape[1]:
+        assert (r.layout.dest is not None) == (name == "device-scatter")
     ref = reference_pack(x, case["lengths"], m, p, full)
     assert torch.equal(r.packed, ref.packed)
     assert torch.equal(r.cu_seqlens, ref.cu_seqlens)
@@ -90,19 +105,11 @@ def test_pack_shard_unshard_unpack_match_reference(case, form):
     want_seg = [b for b in range(len(bounds) - 1) for _ in range(bounds[b + 1] - bounds[b])]
     want_pos = [t for b in range(len(bounds) - 1) for t in range(bounds[b + 1] - bounds[b])]
     assert r.layout.segment_ids().tolist() == want_seg and r.layout.positions().tolist() == want_pos
-
-    shards = []
-    for rank in range(cp):
-        shard = ShardForContextParallel(cp, rank)(r.packed, r.cu_seqlens_padded)
+    for rank, shard in enumerate(shards):
         assert torch.equal(shard, reference_shard(ref.packed, ref.cu_seqlens_padded, cp, rank))
-        shards.append(shard)
-    stacked = torch.cat(shards)  # [C, T/C, *]
-    assert torch.equal(UnshardFromContextParallel(cp)(stacked, r.cu_seqlens_padded), r.packed)
-
-    with layout_form(form):
-        out = UnpackSequences(case["seq_len"])(r.packed, lengths, r.cu_seqlens_padded)
-    assert torch.equal(out, reference_unpack(ref.packed, case["lengths"], ref.cu_seqlens_padded, case["seq_len"]))
-    keep = valid_mask(case["lengths"], case["seq_len"]).view(*out.shape[:2], *([1] * len(case["trailing"])))
+    assert torch.equal(restored, r.packed)
+    assert torch.equal(out, reference_unpack(ref.packed, case["lengths"], ref.cu_seqlens_padded, seq_len))
+    keep = valid_mask(case["lengths"], seq_len).view(*out.shape[:2], *([1] * len(case["trailing"])))
     assert torch.equal(out, torch.where(keep, x, torch.zeros_like(x)))
 
 
@@ -140,15 +147,15 @@ def test_row_capacity_padding_changes_nothing_in_real_rows(case, extra_rows):
     assert not out[rows:].any()
 
 
-@pytest.mark.parametrize("form", ["auto", "scatter", "gather"])
+@pytest.mark.parametrize("form", EXECUTORS)
 @pytest.mark.parametrize("seq_len", [0, 5])
 def test_unpack_of_a_batch_without_rows_in_every_form(form, seq_len):
     # The case a random draw found: lengths = [], seq_len = 0, scatter form (an IndexError before).
     packed = torch.arange(8).view(1, 8)
     no_lengths = torch.zeros(0, dtype=torch.int64)
     for total, bounds in ((8, [8]), (0, [0])):
-        with layout_form(form):
-            out = UnpackSequences(seq_len)(packed[:, :total], no_lengths, torch.tensor(bounds))
+        with executor(form) as host_reads:
+            out = UnpackSequences(seq_len, host_reads=host_reads)(packed[:, :total], no_lengths, torch.tensor(bounds))
         assert out.shape == (0, seq_len) and out.dtype == packed.dtype
 
 

@@ -150,3 +150,18 @@ def test_example_script_pads_to_a_multiple_of_2cp_for_every_cp():
         assert full >= args.rows * multiple * -(-args.seq_len // multiple)  # every full row fits
         _check_cp_config(cp, PackSequences(multiple, 1, full))
     assert packed_forward_example.padding(packed_forward_example.parse_args(["--cp", "3"])) == (12, 576)
+
+
+@pytest.mark.parametrize("row_capacity", [None, 4])
+def test_an_eager_forward_costs_one_host_sync(model, row_capacity):
+    """The pack's read of the lengths; its plan travels to the gather and the unpack."""
+    from nn_data.diagnostics import HostSyncCounter
+
+    ids, lens = _batch([5, 0, 14])
+    wrapped = PackedForward(model, pad_individual_seqs_to_multiple_of=2, pad_full_seq_to=48, row_capacity=row_capacity)
+    with torch.no_grad():
+        wrapped(ids, lens)
+        with HostSyncCounter() as syncs:
+            out = wrapped(ids, lens)
+    assert syncs.count == 1, syncs.calls
+    _assert_matches_alone(model, ids, lens, out)

@@ -2,13 +2,17 @@
 
 The package layout of docs/design.md ("Where things live") as checks: the core imports nothing
 from the NeMo-RL layer, megatron-core is imported by nn_data.megatron_parallel alone, the import
-graph between nn_data's modules has no cycle, and nothing edits sys.path or cites a file outside
-the repository.
+graph between nn_data's modules has no cycle, nothing edits sys.path or cites a file outside
+the repository, the layout rules and the data checks' wordings live in nn_data.plan alone, and
+the compat layer keeps no hidden state.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -48,7 +52,8 @@ CORE = [m for m in MODULES if not m.startswith("nn_data.megatron_data") and m !=
 
 
 def test_layout_is_as_documented():
-    assert "nn_data.megatron_data" in MODULES and "nn_data.megatron_data.engine" in MODULES
+    assert "nn_data.megatron_data" in MODULES and "nn_data.megatron_data.dispatch" in MODULES
+    assert "nn_data.plan" in MODULES and "nn_data.plan.host" in MODULES and "nn_data.plan.device" in MODULES
     assert "nn_data.testing.reference" in MODULES and "nn_data.reference" not in MODULES
     assert not [m for m in MODULES if m.startswith("nn_data.megatron_data_")]
 
@@ -111,15 +116,16 @@ def test_nothing_edits_sys_path_or_cites_files_outside_the_repository():
 
 
 PLANNING = sorted(m for m in MODULES if m == "nn_data.planning" or m.startswith("nn_data.planning."))
-PLANNING_MAY_IMPORT = {"nn_data._checks", "nn_data._index", "nn_data.errors"}
+PLANNING_MAY_IMPORT = {"nn_data.plan.checks", "nn_data.plan.rules", "nn_data.errors"}
 
 
 @pytest.mark.parametrize("module", PLANNING)
 def test_the_step_planner_is_host_code_on_the_layout_rules_alone(module):
-    """nn_data.planning plans on the host: within nn_data it uses the rounding of _index, the int32
-    limit of _checks and the error class, nothing of the ops, the NeMo-RL layer or megatron-core."""
+    """nn_data.planning plans on the host: within nn_data it uses the layout plan's rounding and int32
+    limit (nn_data.plan.rules, .checks) and the error class, nothing of the ops, the NeMo-RL layer or
+    megatron-core."""
     inner = {i for i in MODULES[module] if i.startswith("nn_data") and not i.startswith("nn_data.planning")}
-    names = ("round_up", "PackingError", "INT32_MAX", "check_int32")
+    names = ("round_up", "PackingError", "INT32_MAX", "packed_length_arg")
     assert inner <= PLANNING_MAY_IMPORT | {f"{m}.{n}" for m in PLANNING_MAY_IMPORT for n in names}
     assert not [i for i in MODULES[module] if i == "megatron" or i.startswith("megatron.")]
 
@@ -129,7 +135,7 @@ def test_the_alignment_rule_has_one_home():
     nn_data.planning.alignment; the compat layer, PackedForward and the planner ask ParallelLayout."""
     homes = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if "minimum_pad_factor" in p.read_text())
     assert homes == ["nn_data/planning/alignment.py"]
-    for path in ("nn_data/packed_forward.py", "nn_data/megatron_data/pack.py", "nn_data/megatron_data/engine.py"):
+    for path in ("nn_data/packed_forward.py", "nn_data/megatron_data/pack.py"):
         assert "ParallelLayout" in (ROOT / path).read_text(), path
 
 
@@ -143,3 +149,95 @@ def test_model_utils_builds_on_the_log_prob_core_not_on_token_logprobs():
     # TokenLogProbs (nn_data's own convention) is a sibling, not a dependency.
     from_logprobs = {i for i in MODULES["nn_data.model_utils"] if i.startswith("nn_data.logprobs.")}
     assert from_logprobs == {"nn_data.logprobs.token_logprobs_local"}
+
+
+# ---- the layout plan's boundary (docs/design.md, "Layout plan and executors") -------------------
+
+PLAN = PKG / "plan"
+# The loop oracle (nn_data/testing/reference.py) re-derives every rule on purpose: a reference that
+# shared the plan's rules could not catch a wrong one.
+ORACLE = PKG / "testing"
+OUTSIDE_PLAN = sorted(p for p in PKG.rglob("*.py") if PLAN not in p.parents and ORACLE not in p.parents)
+
+
+def _code_only(text: str) -> str:
+    """``text`` with comments and string literals blanked (their line breaks kept): rules are code."""
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    chars = list(text)
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING):
+            for k in range(starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1]):
+                chars[k] = chars[k] if chars[k] == "\n" else " "
+    return "".join(chars)
+
+
+def _sources_outside_plan():
+    for path in OUTSIDE_PLAN:
+        yield path.relative_to(ROOT), _code_only(path.read_text())
+
+
+def test_the_compat_layer_has_no_hidden_state():
+    assert not (PKG / "megatron_data" / "scope.py").exists()
+    users = [m for m, imps in MODULES.items() if "contextvars" in imps]
+    assert not users, f"{users} import contextvars"
+    for gone in ("nn_data._index", "nn_data.layout", "nn_data.megatron_data.engine", "nn_data.megatron_data.host_pack"):
+        assert gone not in MODULES, f"{gone} is back: its content lives in nn_data.plan"
+
+
+RULE_PATTERNS = {
+    "the round-up (plan.rules.round_up)": [r"-\s*\(\s*-\s*[\w.\[\]]+\s*//\s*[\w.]+\s*\)\s*\*",
+                                           r"\+\s*\(?\s*[\w.]+\s*-\s*1\s*\)?\s*\)\s*//\s*[\w.]+\s*\)?\s*\*"],
+    "the slack rule (plan.rules.extend_last)": [r"cu\w*\[-1\]\s*=[^=]", r">=\s*first_final", r"\bdeficit\b\s*[+\-]",
+                                                r"\+\s*deficit\b"],
+    "the zigzag chunks (plan.rules.zigzag_chunks)": [r"2\s*\*\s*cp_size\s*-\s*1\s*-", r"two_c\s*-\s*1\s*-"],
+    "the int32 limit (plan.rules.INT32_MAX)": [r"2\s*\*\*\s*31"],
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULE_PATTERNS))
+def test_nothing_outside_the_plan_computes_a_layout_rule(rule):
+    offenders = []
+    for rel, text in _sources_outside_plan():
+        for pattern in RULE_PATTERNS[rule]:
+            for match in re.finditer(pattern, text):
+                line = text[: match.start()].count("\n") + 1
+                offenders.append(f"{rel}:{line}: {match.group(0)!r}")
+    assert not offenders, f"{rule} computed outside nn_data/plan: {offenders}"
+
+
+CHECK_WORDINGS = ["never decrease", "not a multiple of 2*cp_size", "is outside [0, ", "does not fit its segment",
+                  "exceeds pad_full_seq_to", "largest packed length or boundary"]
+
+
+def test_every_data_check_wording_lives_in_plan_checks():
+    offenders = []
+    for path in [*OUTSIDE_PLAN, *sorted(PLAN.glob("*.py"))]:
+        if path == PLAN / "checks.py":
+            continue
+        text = path.read_text()
+        docs = _docstring_lines(text)
+        for line_no, line in enumerate(text.splitlines(), 1):
+            if line_no in docs or line.lstrip().startswith("#") or '"' not in line:
+                continue
+            offenders += [f"{path.relative_to(ROOT)}:{line_no}: {w!r}" for w in CHECK_WORDINGS if w in line]
+    assert not offenders, offenders
+
+
+def _docstring_lines(text: str) -> set:
+    """The line numbers of every docstring (the string statement opening a module, class or function)."""
+    lines = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return lines
+
+
+def test_the_device_executors_building_blocks_import_only_the_rules():
+    assert {i for i in MODULES["nn_data.plan.index"] if i.startswith("nn_data")} <= {"nn_data.plan.rules",
+            "nn_data.plan.rules.chunk_owner", "nn_data.plan.rules.segment_bounds", "nn_data.plan.rules.zigzag_chunks"}
+    assert not [i for i in MODULES["nn_data.plan.rules"] if i.startswith("nn_data") and i != "nn_data.errors"
+                and not i.startswith("nn_data.errors.")]

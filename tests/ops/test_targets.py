@@ -58,7 +58,7 @@ def packed_batches(draw):
     return cp_size, lengths, seq_len, m, pad_full, capacity
 
 
-def _pack(lengths, seq_len, m, pad_full, capacity, cp_size):
+def _pack(lengths, seq_len, m, pad_full, capacity, cp_size, host_reads=True):
     rows = len(lengths)
     code = 1000 * torch.arange(rows)[:, None] + torch.arange(seq_len) + 1  # [B, S] unique codes
     lens = torch.tensor(lengths, dtype=torch.int64)
@@ -66,14 +66,18 @@ def _pack(lengths, seq_len, m, pad_full, capacity, cp_size):
     if capacity is not None:
         code, lens, num_rows = pad_to_row_capacity(code, lens, capacity)
     p = 2 * cp_size if cp_size > 1 else 1
-    return PackSequences(m, p, pad_full)(code, lens, num_rows)
+    return PackSequences(m, p, pad_full, host_reads=host_reads)(code, lens, num_rows)
 
 
 @settings(max_examples=examples(60), deadline=None)
-@given(packed_batches())
-def test_positions_and_targets_match_the_references_on_every_rank(case):
+@given(packed_batches(), st.sampled_from(["host", "device", "host, boundaries", "device, boundaries"]))
+def test_positions_and_targets_match_the_references_on_every_rank(case, executor):
+    """On both executors: the pack's plan made on the host or on the device (``host_reads=False``), and
+    the ops given that plan (``layout=``) or the boundaries."""
     cp_size, lengths, seq_len, m, pad_full, capacity = case
-    r = _pack(lengths, seq_len, m, pad_full, capacity, cp_size)
+    host_reads, travel = executor.startswith("host"), not executor.endswith("boundaries")
+    r = _pack(lengths, seq_len, m, pad_full, capacity, cp_size, host_reads)
+    assert (r.layout.host is not None) == host_reads
     total = r.packed.shape[1]
     full_pos = reference_position_ids(r.cu_seqlens_padded, total)
     full_t, full_m = reference_next_token_targets(r.packed, r.cu_seqlens, r.cu_seqlens_padded)
@@ -83,8 +87,12 @@ def test_positions_and_targets_match_the_references_on_every_rank(case):
         return t if cp_size == 1 else reference_shard(t, r.cu_seqlens_padded, cp_size, rank)
 
     for rank in range(cp_size):
-        pos = PositionIds(cp_size, rank)(r.packed, r.cu_seqlens_padded)
-        t = NextTokenTargets(cp_size, rank)(r.packed, r.cu_seqlens, r.cu_seqlens_padded)
+        if travel:
+            pos = PositionIds(cp_size, rank)(r.packed, layout=r.layout)
+            t = NextTokenTargets(cp_size, rank)(r.packed, layout=r.layout)
+        else:
+            pos = PositionIds(cp_size, rank, host_reads=host_reads)(r.packed, r.cu_seqlens_padded)
+            t = NextTokenTargets(cp_size, rank, host_reads=host_reads)(r.packed, r.cu_seqlens, r.cu_seqlens_padded)
         assert torch.equal(pos, shard(full_pos, rank))
         assert torch.equal(t.targets, shard(full_t, rank))
         assert torch.equal(t.loss_mask, shard(full_m, rank))
@@ -117,7 +125,8 @@ def test_bad_arguments_name_the_argument_and_the_valid_values():
         NextTokenTargets()(IDS, CU[:3], CU_PAD)
     with pytest.raises(PackingError, match="segment 0 of cu_seqlens_padded is 6 tokens long, not a multiple of"):
         NextTokenTargets(2, 0)(torch.zeros(1, 8, dtype=torch.int64), torch.tensor([0, 3, 5]), torch.tensor([0, 6, 8]))
-    with pytest.raises(PackingError, match="sequence 1 has length 5 .* does not fit its padded segment"):
+    with pytest.raises(PackingError, match=r"the length 5 of sequence 1 \(from cu_seqlens\) does not fit its "
+                                           r"segment of cu_seqlens_padded"):
         NextTokenTargets()(IDS, torch.tensor([0, 3, 8, 8]), CU_PAD)
     with pytest.raises(PackingError, match="must start at 0, never decrease and end at 12"):
         PositionIds()(IDS, torch.tensor([0, 4, 4, 10]))

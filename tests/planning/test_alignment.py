@@ -14,8 +14,8 @@ import pytest
 from nn_data import PackSequences
 from nn_data.errors import PackingError
 from nn_data.megatron_data import _get_pack_sequence_parameters_for_megatron
-from nn_data.megatron_data.engine import _bucket
 from nn_data.packed_forward import _check_cp_config
+from nn_data.plan.rules import bucket_total
 from nn_data.planning import INT32_MAX, ParallelLayout
 from tests.support.megatron_config import megatron_cfg
 
@@ -78,6 +78,9 @@ def test_packed_forwards_cp_check_accepts_what_the_layout_accepts(cp, m):
 
 @pytest.mark.parametrize("p, cp, unit", [(8, 1, 8), (1, 2, 4), (6, 2, 12), (8, 4, 8)])
 def test_the_compat_buckets_round_to_the_layouts_multiple(p, cp, unit):
+    def _bucket(natural, p, cp, buckets):
+        return bucket_total(natural, buckets, p, cp)
+
     assert unit == math.lcm(p, ParallelLayout(dp=1, cp=cp).sequence_multiple)
     assert _bucket(1, p, cp, "pow2") == unit and _bucket(unit + 1, p, cp, "pow2") == 2 * unit
     with pytest.raises(PackingError, match=rf"^bucket {unit + 2} is not a multiple of {unit} "):

@@ -84,9 +84,13 @@ def test_bench_checks():
 def test_profiler_checks_judge_speed_only_on_cuda():
     summary = dict(outputs_max_abs_difference=0.0, speedups={}, modes=[dict(name="compiled")],
                    targets=[dict(target="compiled: 0 recompiles after the first microbatch", met=True),
-                            dict(target="compiled faster than loop per microbatch (mean)", met=False)])
+                            dict(target="compiled faster than loop per microbatch (mean)", met=False),
+                            dict(target="eager at least as fast as the loop per microbatch (median)", met=False),
+                            dict(target="eager: at most 1 host sync per microbatch", met=False)])
     dry = _status(profiler_checks(summary, cuda=False))
     assert dry["profiler target: compiled faster than loop per microbatch (mean)"] == NOT_CHECKED
+    assert dry["profiler target: eager at least as fast as the loop per microbatch (median)"] == NOT_CHECKED
+    assert dry["profiler target: eager: at most 1 host sync per microbatch"] == FAIL  # a sync count, not a speed
     gpu = _status(profiler_checks(summary, cuda=True))
     assert gpu["profiler target: compiled faster than loop per microbatch (mean)"] == FAIL
     assert gpu["profiler: reduce-overhead replays CUDA graphs without syncs"] == FAIL  # the mode did not run

@@ -65,8 +65,10 @@ def test_every_mode_ran_over_the_stream(profiled):
         assert 0 < m["p10_s"] <= m["median_s"] <= m["p90_s"]
         assert m["ops_per_microbatch"] > 0
     assert _mode(summary, "eager")["peak_bytes"] > 0
-    assert set(summary["speedups"]) == {f"compiled vs {slow} ({stat})" for slow in ("eager", "loop")
+    assert set(summary["speedups"]) == {f"{fast} vs {slow} ({stat})" for fast, slow in
+                                        (("compiled", "eager"), ("compiled", "loop"), ("eager", "loop"))
                                         for stat in ("median", "mean")}
+    assert _mode(summary, "eager")["syncs_per_microbatch"] == 1  # the pack's read; its plan travels
     assert json.loads((run_dir / "summary.json").read_text())["modes"][1]["name"] == "compiled"
 
 
@@ -102,6 +104,7 @@ def test_table_ratios_and_targets_are_printed(profiled):
     assert any(line.startswith("stream: ") and "plan_step over dp=2" in line and "T=256 (run-level)" in line
                for line in lines)
     assert "target  met: compiled: 0 host syncs per microbatch" in lines
+    assert "target  met: eager: at most 1 host sync per microbatch" in lines
 
 
 @pytest.mark.compile

@@ -1,4 +1,4 @@
-"""Integer index maps shared by the ops: boundaries, segment ids, zigzag maps.
+"""The device executor's building blocks: integer index maps computed from the boundaries.
 
 Shape legend
     B   sequences (rows); the boundary tensors have B+1 entries
@@ -9,7 +9,8 @@ Shape legend
 
 Everything here is pure tensor arithmetic on the device: no host reads of tensor
 values, no boolean-mask indexing, no data-dependent Python branches. Every shape comes
-from a Python int the caller passes.
+from a Python int the caller passes. The rules the maps encode (the zigzag chunks, the
+``B = 0`` pseudo-segment) are :mod:`nn_data.plan.rules`'.
 """
 
 from __future__ import annotations
@@ -18,13 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-
-def round_up(x, multiple: int):
-    """Round an int or an integer tensor up to a multiple of ``multiple`` (>= 1).
-
-    Example: ``round_up(tensor([3, 0, 5]), 4) -> tensor([4, 0, 8])``.
-    """
-    return (x + (multiple - 1)) // multiple * multiple
+from nn_data.plan.rules import chunk_owner, segment_bounds, zigzag_chunks
 
 
 def exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
@@ -111,17 +106,6 @@ class Segments(NamedTuple):
     lengths: torch.Tensor
 
 
-def segment_bounds(cu_seqlens_padded: torch.Tensor, total: int) -> torch.Tensor:
-    """``cu_seqlens_padded`` as int64 boundaries to index by: ``[B+1] -> [B'+1]``.
-
-    With no sequence (``B = 0``: ``[T]``) the packed tensor is one padding segment ``[0, T]``
-    (built on the device, no host data).
-    """
-    if cu_seqlens_padded.shape[0] == 1:
-        return torch.arange(2, dtype=torch.int64, device=cu_seqlens_padded.device) * total  # [0, T]
-    return cu_seqlens_padded.to(torch.int64)
-
-
 def packed_segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, total: int) -> Segments:
     """The :class:`Segments` of a packed microbatch of ``total`` tokens.
 
@@ -156,12 +140,12 @@ def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank:
     on the rank at ``[0, 4, 8, 14]`` and read from ``[0, 12, 16, 34]`` -> packed positions
     ``0..3, 12..15, 16..21, 34..39`` (20 = 40/2 positions).
     """
-    two_c = 2 * cp_size
+    first, second = zigzag_chunks(cp_size, cp_rank)
     b64 = bounds.to(torch.int64)
-    start, k = b64[:-1], (b64[1:] - b64[:-1]) // two_c  # [B], [B]
+    start, k = b64[:-1], (b64[1:] - b64[:-1]) // (2 * cp_size)  # [B], [B]
     local_start = start // cp_size  # [B]
     out_starts = torch.stack([local_start, local_start + k], dim=1)  # [B, 2]
-    src_starts = torch.stack([start + cp_rank * k, start + (two_c - 1 - cp_rank) * k], dim=1)  # [B, 2]
+    src_starts = torch.stack([start + first * k, start + second * k], dim=1)  # [B, 2]
     return piece_source(out_starts.flatten(), src_starts.flatten(), local_total)  # [T/C]
 
 
@@ -194,7 +178,7 @@ def zigzag_inverse(bounds: torch.Tensor, total: int, cp_size: int) -> torch.Tens
     start, k = b64[:-1, None], (b64[1:] - b64[:-1])[:, None] // two_c  # [B, 1]
     chunk = torch.arange(two_c, device=bounds.device)  # [2C]
     second_half = chunk >= cp_size
-    rank = torch.where(second_half, two_c - 1 - chunk, chunk)  # [2C]
+    rank = chunk_owner(chunk, cp_size)  # [2C]
     out_starts = start + chunk * k  # [B, 2C]
     src_starts = rank * local_total + start // cp_size + second_half * k  # [B, 2C]
     return piece_source(out_starts.flatten(), src_starts.flatten(), total)  # [T]

@@ -1,0 +1,100 @@
+"""The compat layer's one packing call: plan once on the host, then the host executor or the compiled graph.
+
+Shape legend
+    B   sequences of the microbatch; S padded row length of the input batch
+    T   packed tokens (the fixed packed length, a bucket, or the natural total rounded up to ``p``)
+    C   context-parallel size; the local shard is ``T/C`` tokens
+    *   trailing dims (routed experts ``[layers, topk]``, token identity ``[3]``)
+
+:func:`pack_microbatch` packs exactly the tensors it is given (``input_ids`` and the companions
+passed as keywords) on **one** plan: the lengths are read to the host once (the microbatch's one
+sync, ``docs/design.md``, "Sync budget"), checked there, planned in Python ints
+(:func:`nn_data.plan.plan_from_lengths`). Then eagerly (the default) the host executor moves every
+tensor with a constant number of ops, or, with ``PackOptions(compile=True)``, one compiled graph
+runs the device executor (:mod:`nn_data.megatron_data.graph`). Either way the boundaries, ``T`` and
+``max_seqlen`` are the plan's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nn_data import _checks
+from nn_data.errors import PackingError
+from nn_data.megatron_data.graph import PackedBatch, run_graph
+from nn_data.megatron_data.keys import GraphKey
+from nn_data.megatron_data.options import PackConfig, PackOptions
+from nn_data.plan import PackLayout, execute, plan_from_lengths
+
+EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
+
+
+def as_lengths(seq_lengths, rows: int, device, like: str = "input_ids") -> torch.Tensor:
+    """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on
+    ``device`` (no sync). Non-integers (``[1.5, 2, 3]``, a float tensor) raise :class:`PackingError`,
+    so do lengths on a device they cannot be copied from (:func:`on_device`)."""
+    seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, rows)
+    return on_device("seq_lengths", seq_lengths, like, device).to(dtype=torch.int64)
+
+
+def on_device(name: str, t: torch.Tensor, like: str, device) -> torch.Tensor:
+    """``t`` on ``device`` (the device of the tensor ``like`` names). As NeMo-RL, which reads them on
+    the host, the layer takes boundaries and lengths from any device whose values can be copied; a
+    ``meta`` tensor on one side only has no values to copy and raises :class:`PackingError` naming
+    both devices. Example: lengths on ``meta``, ids on ``cpu`` -> "seq_lengths is on meta but
+    input_ids is on cpu"."""
+    device = torch.device(device)
+    if t.device != device and "meta" in (t.device.type, device.type):
+        raise PackingError(f"{name} is on {t.device} but {like} is on {device}; a meta tensor has no values "
+                           f"to copy: pass {name} with its values (on {device} or any device but meta)")
+    return t.to(device)
+
+
+def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
+    """Every tensor riding the tokens' layout must be ``[B, S, *]`` like ``input_ids``, on its device
+    (checked before any compiled region, so a mismatch raises :class:`PackingError`)."""
+    for name, value in extras.items():
+        if value is None:
+            continue
+        _checks.check_min_dims(name, value, 2, "[B, S, *]")
+        if tuple(value.shape[:2]) != tuple(input_ids.shape[:2]):
+            raise PackingError(f"{name} has shape {_checks.dims(value)}; it must be [B, S, *] = "
+                               f"[{input_ids.shape[0]}, {input_ids.shape[1]}, *] like input_ids")
+        _checks.check_same_device(input_ids=input_ids, **{name: value})
+
+
+def pack_microbatch(input_ids, seq_lengths, config: PackConfig, *, options: Optional[PackOptions] = None,
+                    **extras) -> tuple[PackedBatch, PackLayout]:
+    """Plan (one sync) and pack ``input_ids [B, S]`` plus the ``extras`` it is given (``mtp_loss_mask``,
+    ``routed_experts``, ``token_identity``, ``media_token_validity_mask``: ``[B, S, *]`` or None) for
+    ``config``'s CP rank: ``(PackedBatch, the plan)``. Padding is 0, except routed experts, whose
+    padding rows are ``arange(topk)`` (a valid top-k route)."""
+    unknown = [k for k in extras if k not in EXTRAS]
+    if unknown:
+        raise PackingError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")
+    options = options or PackOptions()
+    _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    check_extras(input_ids, extras)
+    lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
+    layout = plan_from_lengths(lengths, input_ids.shape[1], config.spec, op="_pack_sequences_for_megatron")
+    cp_size, cp_rank = config.cp_size, config.cp_rank
+    cu, cu_pad = layout.cu_seqlens, layout.cu_seqlens_padded
+    if options.compile and layout.total:
+        key = GraphKey(config.spec.m, config.spec.p, layout.total, cp_size, cp_rank)
+        out = run_graph(key, options, input_ids, lengths, extras)
+        return out._replace(cu_seqlens=cu, cu_seqlens_padded=cu_pad), layout
+
+    def both(x, fill=0):
+        if x is None:
+            return None, None
+        packed = layout.pack(x, fill)  # [1, T, *]
+        return packed, execute.shard(layout, packed, cp_size, cp_rank)  # [1, T/C, *]
+
+    routed = extras.get("routed_experts")
+    route = None
+    if routed is not None:  # [topk], broadcast over layers
+        route = torch.arange(routed.shape[-1], device=routed.device, dtype=routed.dtype)
+    return PackedBatch(*both(input_ids), cu, cu_pad, *both(extras.get("mtp_loss_mask")), *both(routed, route),
+                       *both(extras.get("token_identity")), *both(extras.get("media_token_validity_mask"))), layout

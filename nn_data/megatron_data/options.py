@@ -1,0 +1,125 @@
+"""The compat layer's configuration: nn_data's options (``cfg["nn_data"]``) and one call's packing config.
+
+NeMo-RL's positional arguments reach nn_data here, once: :meth:`PackConfig.nemo_rl` turns
+``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, <fixed packed length>,
+cp_rank, cp_size)`` into the plan module's :class:`~nn_data.plan.LayoutSpec` (checked when built)
+plus this rank, keeping the caller's spelling of the fixed packed length (``pad_packed_seq_to`` or
+``pad_full_seq_to``) for the messages. Inside, the fixed packed length has one name,
+``packed_length``, passed keyword-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional, Sequence, Union
+
+from nn_data import _checks
+from nn_data.errors import PackingError
+from nn_data.plan import LayoutSpec
+from nn_data.plan import checks as plan_checks
+
+
+@dataclasses.dataclass(frozen=True)
+class PackOptions:
+    """nn_data-only switches of the pack path (NeMo-RL has no equivalent).
+
+    ``compile``: run packing + CP sharding through ``torch.compile(fullgraph=True)``.
+        The batch is padded with empty rows to ``row_capacity`` rows (default: the next
+        power of two >= B, so at most log2(B_max) graphs) and the row length ``S`` is an
+        unbacked symbolic size (``S = 0`` and ``1`` included). With ``pad_full_seq_to`` set
+        (PP > 1) and a fixed ``row_capacity`` a whole stream compiles once.
+    ``row_capacity``: fixed row count ``R`` the compiled graph sees; a microbatch with
+        more rows raises :class:`PackingError`.
+    ``buckets``: only used when ``pad_full_seq_to`` is None (PP = 1). The packed length
+        ``T`` is rounded up to the smallest bucket that holds it (the last sequence's
+        segment absorbs the slack, exactly as with ``pad_full_seq_to``), so at most
+        ``len(buckets)`` distinct shapes occur. A sorted tuple of ints (each a multiple of
+        ``pad_packed_seq_to_multiple_of`` and, under CP, of ``2 * cp_size``) or ``"pow2"``
+        (``unit * 2**k``, ``unit = lcm(p, 2C)``). Note that ``T`` then differs from what
+        NeMo-RL would produce (it is larger); the valid tokens and their offsets do not.
+    ``backend``/``mode``: passed to ``torch.compile`` (tests pass a compile counter).
+    ``pad_full_seq_to``: a run-level packed length, in place of the call's (:meth:`packed_length`),
+        so every microbatch of the run has one shape (one graph; fixed PP receive buffers). Not
+        with ``buckets``.
+
+    Built from a config with :meth:`from_cfg` (``cfg["nn_data"]``, see the README).
+    """
+
+    compile: bool = False
+    row_capacity: Optional[int] = None
+    buckets: Optional[Union[tuple, str]] = None
+    backend: Any = "inductor"
+    mode: Optional[str] = None
+    pad_full_seq_to: Optional[int] = None
+
+    def __post_init__(self):
+        _checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
+        plan_checks.packed_length_arg("pad_full_seq_to", self.pad_full_seq_to)
+        if self.pad_full_seq_to is not None and self.buckets is not None:
+            raise PackingError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
+                               "set: buckets only choose T when there is no fixed packed length; drop one")
+        b = self.buckets
+        if b is None or b == "pow2":
+            return
+        if isinstance(b, str) or not isinstance(b, Sequence) or not b:
+            raise PackingError(f"buckets={b!r} is invalid; expected None, 'pow2' or a non-empty list of ints")
+        for v in b:
+            plan_checks.packed_length_arg("buckets entry", v)
+        object.__setattr__(self, "buckets", tuple(sorted(set(b))))
+
+    def packed_length(self, given: Optional[int], name: str = "pad_full_seq_to") -> Optional[int]:
+        """The run-level ``pad_full_seq_to`` when set (a ``given`` above it raises), else ``given``.
+        Example: run-level 8192, given 6144 (a step's longest bin) or None -> 8192."""
+        run = self.pad_full_seq_to
+        if run is None:
+            return given
+        if given is not None and given > run:
+            raise PackingError(f"{name}={given} exceeds the run-level packed length pad_full_seq_to={run} "
+                               f"(cfg['nn_data']['pad_full_seq_to'] or PackOptions); raise it to at least {given}")
+        return run
+
+    @classmethod
+    def from_cfg(cls, cfg: Optional[dict]) -> "PackOptions":
+        """``PackOptions(**cfg["nn_data"])`` minus ``device`` (the iterators' key); defaults when absent."""
+        section = dict((cfg or {}).get("nn_data") or {})
+        section.pop("device", None)
+        unknown = set(section) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise PackingError(f"cfg['nn_data'] has unknown keys {sorted(unknown)}; valid keys are "
+                               f"{sorted(f.name for f in dataclasses.fields(cls))} and 'device'")
+        return cls(**section)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+    """One call's packing configuration, checked once (no data read): the layout rules' ``spec``
+    (multiples, the fixed packed length as the caller spelled it, ``T`` buckets, the CP size) and this
+    ``cp_rank``."""
+
+    spec: LayoutSpec
+    cp_rank: int = 0
+
+    def __post_init__(self):
+        _checks.check_cp(self.spec.cp_size, self.cp_rank)
+
+    @classmethod
+    def nemo_rl(cls, m: int, p: int, *, packed_length: Optional[int], cp_rank: int, cp_size: int, name: str,
+                options: Optional["PackOptions"] = None) -> "PackConfig":
+        """NeMo-RL's arguments (``name``: how the caller spelled the fixed packed length), checked once
+        per distinct configuration (a training run repeats a few)."""
+        buckets = options.buckets if options is not None and packed_length is None else None
+        try:
+            return _config(cls, m, p, packed_length, cp_rank, cp_size, name, buckets)
+        except TypeError:  # an unhashable argument: checked (and refused) uncached
+            return _config.__wrapped__(cls, m, p, packed_length, cp_rank, cp_size, name, buckets)
+
+    @property
+    def cp_size(self) -> int:
+        return self.spec.cp_size
+
+
+@functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (a bool multiple is refused)
+def _config(cls, m, p, packed_length, cp_rank, cp_size, name, buckets) -> PackConfig:
+    return cls(LayoutSpec(m, p, packed_length=packed_length, packed_length_name=name, buckets=buckets,
+                          cp_size=cp_size), cp_rank)

@@ -1,0 +1,285 @@
+"""Every check of the layout rules, each with one wording (``docs/design.md``, "Validation").
+
+Shape legend
+    B   rows; ``L[b]`` their lengths; S the row length; T the packed length; C the CP size
+
+Three kinds, all here:
+
+* **packed-length limits and shape checks** (no data): a configured packed length above the int32
+  limit of the boundaries, a packed tensor too long for them, ``T`` not a multiple of ``2C``;
+* **host checks** (``*_host``): the data checks on the Python ints the host executor's one read
+  brought; they raise :class:`~nn_data.errors.PackingError` naming the argument, the first bad
+  value and what would be valid, with no further read of the device;
+* **device checks** (``*_device``): the same conditions as device-side asserts
+  (``torch._assert_async``, no sync) where the device executor runs (under ``torch.compile``, or
+  ``host_reads=False``): the message names the argument and the valid range, never a value.
+
+Argument and metadata checks that know nothing of the layout (an int >= 1, a 1-D integer tensor,
+one device) are :mod:`nn_data._checks`'.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from nn_data import _checks
+from nn_data.errors import PackingError
+from nn_data.plan.index import segment_ids
+from nn_data.plan.rules import INT32_MAX
+
+
+# ---- wordings ----------------------------------------------------------------------------------
+
+def int32_limit(what: str) -> str:
+    """The one wording of "``what`` does not fit int32 ``cu_seqlens``" (``what`` names the argument
+    and its value, e.g. ``"pad_full_seq_to=2147483648"``)."""
+    return (f"{what} exceeds {INT32_MAX} (2**31 - 1), the largest packed length or boundary that int32 "
+            f"cu_seqlens can hold; the packed length must be at most {INT32_MAX}")
+
+
+def segment_not_divisible(i: int, value, two_c: int) -> str:
+    """The one wording of "a padded segment does not split into ``2*cp_size`` chunks"."""
+    return (f"segment {i} of cu_seqlens_padded is {value} tokens long, not a multiple of "
+            f"2*cp_size={two_c}; pad sequences to a multiple of {two_c} (pad_individual_seqs_to_multiple_of) "
+            "and choose the packed length (pad_full_seq_to) so that the extended last segment is one too "
+            "(NeMo-RL silently drops the remainder tokens of such a segment)")
+
+
+def length_of(name: str, i: int, value) -> str:
+    """How a message names a length: ``seq_lengths[i] = v``, or for lengths taken from ``cu_seqlens``'
+    differences ``the length v of sequence i (from cu_seqlens)``."""
+    return f"the length {value} of sequence {i} (from cu_seqlens)" if name == "cu_seqlens" else f"{name}[{i}] = {value}"
+
+
+def length_outside(i: int, value, limit: int, limit_name: str = "S", name: str = "seq_lengths") -> str:
+    """``seq_lengths[i] = v is outside [0, S=limit]``."""
+    return (f"{length_of(name, i, value)} is outside [0, {limit_name}={limit}]; valid lengths are integers in "
+            f"[0, {limit}]")
+
+
+def _first(bad: Sequence[bool]) -> int:
+    return next(i for i, b in enumerate(bad) if b)
+
+
+# ---- packed-length limits and shape checks (no data) -------------------------------------------
+
+def packed_length_arg(name: str, value) -> Optional[int]:
+    """A configured packed length (``pad_full_seq_to``, ``pad_packed_seq_to``, a bucket, a bin
+    budget): None or an int in ``[1, 2**31 - 1]``; ``name`` is the caller's spelling."""
+    value = _checks.positive_int(name, value, allow_none=True)
+    if value is not None and value > INT32_MAX:
+        raise PackingError(int32_limit(f"{name}={value}"))
+    return value
+
+
+def packed_tensor_length(name: str, total) -> None:
+    """A packed tensor's length ``T`` must fit int32 boundaries (a shape check; an unbacked ``T``
+    under compile is not decided here)."""
+    if guard_or_false(total > INT32_MAX):
+        raise PackingError(int32_limit(f"the packed length T={int(total)} of {name}"))
+
+
+def total_divisible(total: int, cp_size: int) -> None:
+    """The packed length ``T`` must split into ``2*cp_size`` chunks (a shape check)."""
+    if cp_size > 1 and total % (2 * cp_size):
+        raise PackingError(
+            f"the packed length T={total} is not a multiple of 2*cp_size={2 * cp_size}; "
+            "choose pad_full_seq_to (or the padding multiples) so that T is one"
+        )
+
+
+def sequence_divisible(name: str, length: int, cp_size: int, where: str) -> None:
+    """One sequence of ``length`` positions (``where`` says along which dim) must split into ``2*cp_size``
+    zigzag chunks; NeMo-RL's per-sequence shard silently drops the remainder."""
+    if cp_size > 1 and length % (2 * cp_size):
+        raise PackingError(
+            f"{name} has {length} positions {where}, not a multiple of 2*cp_size={2 * cp_size}; "
+            f"pad it to a multiple of {2 * cp_size} first (NeMo-RL silently drops the remainder)")
+
+
+def boundary_args(name: str, data: torch.Tensor, total, cu_seqlens_padded, cp_size: int, cu_seqlens=None) -> None:
+    """Metadata of the boundary tensors given with the tensor ``name`` (packed length ``total``):
+    1-D integer, ``cu_seqlens`` as long as ``cu_seqlens_padded``, one device, ``T`` within the int32
+    limit and divisible by ``2*cp_size``."""
+    _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded)
+    if cu_seqlens is not None:
+        _checks.check_int_vector("cu_seqlens", cu_seqlens, cu_seqlens_padded.shape[0])
+    _checks.check_same_device(**{name: data, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens_padded})
+    packed_tensor_length(name, total)
+    total_divisible(total, cp_size)
+
+
+# ---- host checks: the ints the one read brought ------------------------------------------------
+
+def lengths_host(lengths: list, row_len: int, num_rows: Optional[int] = None) -> None:
+    """``0 <= L[b] <= S``; ``num_rows`` in ``[0, B]``; rows at or past ``num_rows`` have length 0."""
+    if lengths and (min(lengths) < 0 or max(lengths) > row_len):
+        i = _first([n < 0 or n > row_len for n in lengths])
+        raise PackingError(length_outside(i, lengths[i], row_len))
+    if num_rows is None:
+        return
+    rows = len(lengths)
+    if not 0 <= num_rows <= rows:
+        raise PackingError(f"num_rows={num_rows} is invalid; expected a value in [0, {rows}] (the rows of x)")
+    if any(lengths[num_rows:]):
+        i = num_rows + _first([n != 0 for n in lengths[num_rows:]])
+        raise PackingError(f"seq_lengths[{i}] = {lengths[i]} but row {i} is a padding row (num_rows={num_rows}); "
+                           "rows at or past num_rows must have length 0")
+
+
+def natural_total_host(natural: int, m: int, packed_length: Optional[int], name: str,
+                       self_packing: bool = False) -> None:
+    """The natural total ``sum(round_up(L, m))`` must fit the fixed packed length (``name``: the
+    caller's spelling of it). NeMo-RL's packer truncates the packed tensor instead; its self-packing
+    (VLM) path asserts, and its wording comes first there. With ``self_packing`` the slack
+    ``T - natural`` must also be a multiple of ``m`` (the model pads each sequence to ``m`` itself)."""
+    if packed_length is None:
+        return
+    core = (f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds {name}={packed_length}; "
+            f"{name} must be at least {natural}")
+    if natural > packed_length and self_packing:
+        raise PackingError(f"{name} ({packed_length}) < natural padded sum ({natural}); increase {name} to at least "
+                           f"{natural} ({core})")
+    if natural > packed_length:
+        raise PackingError(f"{core} (NeMo-RL silently truncates the packed tensor here and drops the tail tokens)")
+    if self_packing and (packed_length - natural) % m:
+        raise PackingError(f"{name} deficit ({packed_length - natural}) must be a multiple of "
+                           f"pad_individual_seqs_to_multiple_of ({m}) (the model pads every sequence to {m} itself, "
+                           f"the last one included: choose {name} = {natural} + a multiple of {m})")
+
+
+def total_limit_host(total: int, what: str) -> None:
+    """A packed length learned from the data must fit int32 boundaries (``what`` says how it was made)."""
+    if total > INT32_MAX:
+        raise PackingError(int32_limit(f"the packed total {total} of seq_lengths ({what})"))
+
+
+def segments_host(segments: list, cp_size: int) -> None:
+    """With ``cp_size > 1`` every segment (the extended last one and the ``B = 0`` pseudo-segment
+    too) must split into ``2*cp_size`` chunks."""
+    if cp_size == 1:
+        return
+    two_c = 2 * cp_size
+    if any(n % two_c for n in segments):
+        i = _first([n % two_c != 0 for n in segments])
+        raise PackingError(segment_not_divisible(i, segments[i], two_c))
+
+
+def boundaries_host(values: list, total: int, name: str = "cu_seqlens_padded", *, end_at_total: bool = True,
+                    where: str = "", hint: bool = False) -> None:
+    """Boundaries lie in ``[0, T]``, start at 0, never decrease and end at ``T`` (``end_at_total=False``:
+    at most ``T``; the unpadded offsets NeMo-RL's unpack accepts). ``[T]`` alone is ``B = 0``'s
+    pseudo-segment. ``where`` says where ``T`` comes from (``" (T = packed.shape[1])"``); ``hint``
+    names the likely mistake (unpadded boundaries where the padded ones belong)."""
+    outside = [v < 0 or v > total for v in values]
+    detail = ""
+    if any(outside):
+        i = _first(outside)
+        detail = f": {name}[{i}] = {values[i]} is outside [0, T={total}]"
+    bounds = [0, values[0]] if len(values) == 1 else values
+    rises = bounds[0] == 0 and all(a <= b for a, b in zip(bounds, bounds[1:]))
+    ends = bounds[-1] == total if end_at_total else bounds[-1] <= total
+    if detail or not (rises and ends):
+        end = f"end at {total}" if end_at_total else f"end at most at {total}"
+        likely = " (cu_seqlens, the unpadded boundaries, passed where cu_seqlens_padded belongs?)" if hint else ""
+        raise PackingError(f"{name}={values} is invalid for a packed length T={total}{where}{detail}; it must start "
+                           f"at 0, never decrease and {end}{likely}")
+
+
+def fit_host(lengths: list, segments: list, name: str = "seq_lengths", bounds_name: str = "cu_seqlens_padded") -> None:
+    """Each sequence fits its padded segment: ``0 <= L[b] <= segment b``. ``name="cu_seqlens"``: the
+    lengths are ``cu_seqlens``' differences."""
+    bad = [n < 0 or n > seg for n, seg in zip(lengths, segments)]
+    if any(bad):
+        i = _first(bad)
+        raise PackingError(f"{length_of(name, i, lengths[i])} does not fit its segment of {bounds_name} "
+                           f"({segments[i]} long); valid lengths are in [0, the segment's length]")
+
+
+def row_length_host(lengths: list, seq_len: int, name: str = "seq_lengths") -> None:
+    """Every length fits the output rows: ``L[b] <= seq_len``."""
+    bad = [n < 0 or n > seq_len for n in lengths]
+    if any(bad):
+        i = _first(bad)
+        raise PackingError(length_outside(i, lengths[i], seq_len, "seq_len", name))
+
+
+# ---- device checks: the same conditions as device asserts --------------------------------------
+
+def lengths_device(op: str, lengths: torch.Tensor, row_len, num_rows: Optional[torch.Tensor]) -> None:
+    """:func:`lengths_host` as device asserts (``S`` and ``B`` named, never formatted: they may be
+    symbolic sizes under compile)."""
+    rows = lengths.shape[0]
+    if rows:
+        _checks.device_assert(((lengths >= 0) & (lengths <= row_len)).all(), f"nn_data.{op}: every seq_lengths "
+                              "value must be in [0, S] (S = x.shape[1], the row length)")
+    if num_rows is None:
+        return
+    n = num_rows.to(torch.int64)
+    _checks.device_assert((n >= 0) & (n <= rows),
+                          f"nn_data.{op}: num_rows must be in [0, B] (B = x.shape[0], the rows)")
+    if rows:
+        tail = (lengths * (torch.arange(rows, device=lengths.device) >= n)).sum()
+        _checks.device_assert(tail == 0, f"nn_data.{op}: rows at or past num_rows must have length 0")
+
+
+def total_device(op: str, natural: torch.Tensor, total, packed_length: Optional[int], name: str) -> None:
+    """:func:`natural_total_host` and :func:`total_limit_host` as device asserts (``total`` is
+    ``round_up(natural, p)`` as a tensor when ``packed_length`` is None)."""
+    if packed_length is not None:
+        _checks.device_assert(natural <= packed_length, f"nn_data.{op}: the packed total sum(round_up(seq_lengths, "
+                              f"m)) exceeds {name}={packed_length}")
+    else:
+        _checks.device_assert(total <= INT32_MAX, f"nn_data.{op}: " + int32_limit("the packed total of seq_lengths"))
+
+
+def boundaries_device(op: str, cu_seqlens_padded: torch.Tensor, total, cp_size: int = 1, *,
+                      name: str = "cu_seqlens_padded", end_at_total: bool = True) -> None:
+    """:func:`boundaries_host` and :func:`segments_host` as device asserts."""
+    bounds = cu_seqlens_padded.to(torch.int64)
+    if bounds.shape[0] == 1:  # B = 0: [T] is the pseudo-segment [0, T]
+        bounds = torch.cat([bounds.new_zeros(1), bounds])
+    seg = bounds[1:] - bounds[:-1]  # [B']
+    inside = ((cu_seqlens_padded >= 0) & (cu_seqlens_padded <= total)).all()
+    ends = bounds[-1] == total if end_at_total else bounds[-1] <= total
+    end = "end at T" if end_at_total else "end at most at T"
+    _checks.device_assert(inside & (bounds[0] == 0) & (seg >= 0).all() & ends,
+                          f"nn_data.{op}: every boundary of {name} must lie in [0, T]; {name} must start at 0, "
+                          f"never decrease and {end}")
+    if cp_size > 1:
+        _checks.device_assert((seg % (2 * cp_size) == 0).all(),
+                              f"nn_data.{op}: every segment of {name} must be a multiple of 2*cp_size={2 * cp_size}")
+
+
+def fit_device(op: str, lengths: torch.Tensor, segments: torch.Tensor, seq_len=None) -> None:
+    """:func:`fit_host` (and, with ``seq_len``, :func:`row_length_host`) as device asserts; ``seq_len``
+    may be a symbolic size, named and never formatted."""
+    ok = ((lengths >= 0) & (lengths <= segments)).all()
+    _checks.device_assert(ok, f"nn_data.{op}: each sequence must fit its padded segment")
+    if seq_len is not None:
+        _checks.device_assert((lengths <= seq_len).all(),
+                              f"nn_data.{op}: seq_lengths must be in [0, seq_len] (the row length S of the output)")
+
+
+def target_ids(ids: torch.Tensor, bounds: torch.Tensor, lengths: torch.Tensor, total, vocab: int) -> torch.Tensor:
+    """``[T]`` bool: the packed positions whose token is some position's target (a valid token) and lies
+    outside ``[0, vocab)``; ``bounds [B'+1]`` and ``lengths [B']`` as :func:`~nn_data.plan.index.packed_segments`
+    gives them. Device arithmetic, no read: the caller folds ``.any()`` into its one read
+    (:func:`target_ids_host`) or asserts it on the device (:func:`target_ids_device`)."""
+    seg = segment_ids(bounds, total)  # [T]
+    is_target = torch.arange(total, device=ids.device) - bounds[seg] < lengths[seg]  # [T]: a valid token
+    return is_target & ((ids < 0) | (ids >= vocab))
+
+
+def target_ids_host(bad: torch.Tensor, ids: torch.Tensor, vocab: int) -> None:
+    """Raise for the first bad target id (error path: reads the device again)."""
+    i = _checks.first_index(bad)
+    value = int(ids[i])  # sync: error path
+    raise PackingError(f"packed token id {value} at position {i} is outside the vocabulary [0, {vocab}) of the logits")
+
+
+def target_ids_device(op: str, bad: torch.Tensor, vocab: int) -> None:
+    _checks.device_assert(~bad.any(), f"nn_data.{op}: token ids must be in [0, vocab={vocab})")

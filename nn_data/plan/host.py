@@ -1,0 +1,290 @@
+"""The host executor: the layout's Python ints (one host read) and a constant number of ops per tensor.
+
+Shape legend
+    B   rows of the batch; S its row length
+    T   packed tokens; C context-parallel size, r this rank; the local shard is ``T/C`` tokens
+    k   a segment's zigzag chunk, ``n / (2C)`` for a padded segment of ``n`` tokens
+    *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
+
+With every boundary a Python int (:class:`~nn_data.plan.layout.HostBounds`), the data moves with a
+constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layout plan and
+executors"):
+
+* pack: one ``split`` of ``x.reshape(B*S, *)`` at ``[L0, S-L0, L1, S-L1, ...]`` (every row's valid
+  prefix as a view), one padding buffer of ``T - sum(L)`` rows split at the padding lengths, and one
+  ``cat`` of the two interleaved: ``[T, *]``, each byte written once;
+* shard: one ``split`` of the packed tensor at ``[r k, k, (2C-2-2r) k, k, r k]`` per segment (pieces 1
+  and 3 are this rank's chunks ``r`` and ``2C-1-r``) and one ``cat``: ``[T/C, *]``;
+* unshard: every rank's shard split at ``[k, k]`` per segment and one ``cat`` in packed order;
+* unpack: the packed tensor split at ``[L0, n0-L0, ...]`` and one ``cat`` of each row's valid run with
+  a view of one fill row expanded: ``[B*S, *]``.
+
+Above :data:`SHARD_VIEWS_MAX_SEGMENTS` segments, shard and unshard take one ``index_select`` instead
+(a scan built from host ints, or the device map: no sync either way).
+
+Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; the input
+splits at ``[3, 2, 0, 5, 5, 0]`` (valid prefixes ``x[0,:3]``, ``x[1,:0]``, ``x[2,:5]``), the
+padding at ``[1, 0, 3]``, and the packed tensor is ``x[0,:3], 0, x[2,:5], 0, 0, 0``.
+"""
+
+from __future__ import annotations
+
+import array
+from bisect import bisect_left
+from itertools import compress
+from typing import Union
+
+import torch
+
+from nn_data.plan import device
+from nn_data.plan.rules import chunk_owner, segment_bounds, zigzag_chunks
+
+Fill = Union[int, float, bool, torch.Tensor]
+
+#: Segments up to which shard and unshard are a split + cat of views; above, an index_select along a
+#: map. Measured on this project's 2-core CPU (1 thread, C = 4, T/C = 65,536): views vs index 43 vs
+#: 94 us at 8 segments, 104 vs 107 at 32, 192 vs 125 at 64, 771 vs 238 at 256.
+SHARD_VIEWS_MAX_SEGMENTS = 32
+
+
+def host_tensor(values: list, dtype: torch.dtype, device_) -> torch.Tensor:
+    """A tensor of host ints on ``device_``. On an accelerator it is staged in pinned memory and
+    copied asynchronously: a copy from pageable memory would block the host (a sync, which
+    ``torch.cuda.set_sync_debug_mode`` reports), while the microbatch's one sync is the host read."""
+    t = _from_ints(values, dtype)
+    if (device_ if isinstance(device_, torch.device) else torch.device(device_)).type == "cpu":
+        return t
+    return t.pin_memory().to(device_, non_blocking=True)
+
+
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+
+
+def _from_ints(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of Python ints: through an ``array`` buffer for a flat list (measured here about
+    2.5x faster than ``torch.tensor`` on 160 ints), else ``torch.tensor``."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is None or not values or isinstance(values[0], list):
+        return torch.tensor(values, dtype=dtype)
+    return torch.frombuffer(array.array(code, values), dtype=dtype)
+
+
+def pads_of(bounds) -> list:
+    """Each active segment's padding after its valid tokens (``[T]`` when ``B = 0``). Example: lengths
+    ``[3, 0, 5]``, segments ``[4, 0, 12]`` -> ``[1, 0, 7]``."""
+    if not bounds.lengths:
+        return list(bounds.segments)
+    return [n - v for n, v in zip(bounds.segments[: bounds.active], bounds.lengths[: bounds.active])]
+
+
+def pack(bounds, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
+    """``x [B, S, *] -> [1, T, *]``: valid prefixes and ``fill`` padding, one ``cat``.
+
+    Empty rows (length 0, e.g. a row capacity's padding rows) add no piece: the input's skipped
+    stretches and the padding between valid runs are merged, so the pieces are about twice the
+    non-empty rows whatever ``B`` is.
+    """
+    trailing, row_len = x.shape[2:], x.shape[1]
+    pads = pads_of(bounds)
+    pad = _padding((sum(pads), *trailing), fill, x)  # [T - sum(L), *]
+    lengths = bounds.lengths[: bounds.active]
+    if not any(lengths):  # nothing valid: the packed tensor is all padding
+        return pad.contiguous().unsqueeze(0)  # (materialised: fill may be a view)
+    runs, skips = _runs(lengths, [row_len - n for n in lengths])  # the input: skipped, valid, ..., skipped
+    skips[-1] += (x.shape[0] - bounds.active) * row_len  # the empty rows past the active ones
+    valid = _run_views(x.reshape(x.shape[0] * row_len, *trailing), skips, runs)  # the valid runs
+    _, gaps = _runs(lengths, pads)  # the output: padding before each valid run, and after the last
+    return torch.cat(_between(valid, gaps, pad)).unsqueeze(0)  # [1, T, *]
+
+
+def _runs(lengths: list, others: list) -> tuple[list, list]:
+    """A row-by-row ``[L0, o0, L1, o1, ...]`` (each row's valid run, then its other stretch) as
+    ``(runs, gaps)``: the non-empty runs, and the stretch before each of them plus the one after the
+    last (``len(runs) + 1`` gaps), empty runs folded into the gaps around them.
+
+    Example: lengths ``[3, 0, 0, 2]``, others ``[1, 5, 5, 0]`` -> runs ``[3, 2]``, gaps ``[0, 11, 0]``.
+    """
+    if all(lengths):  # no empty run (the usual batch): each gap is the previous row's other stretch
+        return list(lengths), [0, *others]
+    runs, gaps, gap = [], [], 0
+    for n, o in zip(lengths, others):
+        if n:
+            gaps.append(gap)
+            runs.append(n)
+            gap = 0
+        gap += o
+    gaps.append(gap)
+    return runs, gaps
+
+
+def shard(bounds, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: chunks ``r`` and ``2C-1-r`` of every segment.
+
+    Up to :data:`SHARD_VIEWS_MAX_SEGMENTS` segments: one ``split`` and one ``cat`` of the chunks.
+    More: one ``index_select`` along a map built from host ints by one scan (the split's Python-side
+    cost per piece outgrows a scan over ``T/C`` positions).
+    """
+    starts, chunks = _chunks(bounds, cp_size)
+    flat = packed[0]  # [T, *]
+    if len(chunks) <= SHARD_VIEWS_MAX_SEGMENTS:
+        return _shard_views(chunks, flat, cp_size, cp_rank).unsqueeze(0)
+    return flat.index_select(0, _shard_source(starts, chunks, bounds.cu_pad[-1], flat.device, cp_size,
+                                              cp_rank)).unsqueeze(0)
+
+
+def _chunks(bounds, cp_size: int) -> tuple[list, list]:
+    """``(starts, chunks)`` of the non-empty segments: each one's packed start and zigzag chunk
+    ``n / 2C`` (empty segments hold nothing on any rank). Example: cu_pad ``[0, 16, 16, 40]``, C 2 ->
+    ``([0, 16], [4, 6])``."""
+    two_c = 2 * cp_size
+    starts = bounds.cu_pad if len(bounds.cu_pad) > 1 else [0]  # B = 0 ([T]): the pseudo-segment starts at 0
+    kept = [(a, n // two_c) for a, n in zip(starts, bounds.segments[: bounds.active]) if n]
+    return [a for a, _ in kept], [k for _, k in kept]
+
+
+def _shard_views(chunks: list, flat: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Cut ``flat [T, *]`` at ``[r k, k, (2C-2-2r) k, k, r k]`` per segment and keep pieces 1 and 3 of each
+    five (this rank's chunks ``r`` and ``2C-1-r``), adjacent kept pieces merged (rank 0's last chunk of a
+    segment and its first of the next are one run): one ``split``, one ``cat``. Example: C 2, rank 0,
+    k 4 and 6 -> runs ``0..3, 12..21, 34..39`` (positions ``0..3, 12..15, 16..21, 34..39``)."""
+    first, second = zigzag_chunks(cp_size, cp_rank)
+    before, between, after = first, second - first - 1, 2 * cp_size - 1 - second
+    gaps, runs, pending = [], [], 0  # pending: the stretch skipped since the last kept piece
+    for k in chunks:
+        for skip in (before * k, between * k):
+            pending += skip
+            if pending == 0 and runs:
+                runs[-1] += k
+            else:
+                gaps.append(pending)
+                runs.append(k)
+                pending = 0
+        pending += after * k
+    gaps.append(pending)
+    if not runs:  # no segment (T = 0)
+        return flat[:0].clone()
+    return torch.cat(_run_views(flat, gaps, runs))  # [T/C, *]
+
+
+def _shard_source(starts_: list, chunks: list, total: int, device_, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """``[T/C]`` int64: the packed position of each local position, as a scan of piece jumps.
+
+    The local positions advance by 1 through the packed tensor and jump where a piece starts:
+    segment ``b`` (start ``a``, chunk ``k``) gives pieces at local ``a/C`` and ``a/C + k``; the
+    first jumps ``r (k + k_prev)`` (the previous segment's last ``r`` chunks and this one's first
+    ``r``), the second ``(2C-2-2r) k``. Example: C 2, rank 0, cu_pad ``[0, 16, 40]`` -> ones with
+    jumps 8 at local 4 and 12 at local 14 (and -1 at 0) -> cumsum ``0..3, 12..15, 16..21, 34..39``.
+    """
+    first, second = zigzag_chunks(cp_size, cp_rank)
+    local = total // cp_size
+    starts, jumps, prev = [], [], 0
+    for a, k in zip(starts_, chunks):  # each non-empty segment's start and chunk
+        starts += (a // cp_size, a // cp_size + k)
+        jumps += (first * (k + prev), (second - first - 1) * k)
+        prev = k
+    jumps[0] -= 1  # cumsum of ones counts from 1
+    keep = bisect_left(starts, local)  # trailing empty segments start at T/C: nothing left to jump
+    table = host_tensor([starts[:keep], jumps[:keep]], torch.int64, device_)  # [2, 2B]
+    delta = torch.ones(local, dtype=torch.int64, device=device_)  # [T/C]
+    delta.index_add_(0, table[0], table[1])
+    return delta.cumsum(0)  # [T/C]
+
+
+def unshard(layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """``[C, T/C, *] -> [1, T, *]``: every rank's shard split at ``[k, k]`` per segment, one ``cat`` in
+    packed order (chunk ``c`` of a segment from rank ``min(c, 2C-1-c)``). Above
+    :data:`SHARD_VIEWS_MAX_SEGMENTS` segments: the device map (no sync: the boundaries are on the device).
+
+    Example: C 2, one segment of 8 (k 2): rank 0 holds chunks 0, 3, rank 1 chunks 1, 2 -> pieces
+    ``r0[0:2], r1[0:2], r1[2:4], r0[2:4]``.
+    """
+    _, chunks = _chunks(layout.host, cp_size)
+    if len(chunks) > SHARD_VIEWS_MAX_SEGMENTS:
+        return device.unshard(layout, shards, cp_size)
+    halves = [k for k in chunks for _ in (0, 1)]  # each rank: [k, k] per segment
+    parts = [shards[q].split(halves) for q in range(cp_size)]  # C x 2B views
+    pieces, sizes = [], []
+    for b, k in enumerate(chunks):
+        for c in range(2 * cp_size):
+            pieces.append(parts[chunk_owner(c, cp_size)][2 * b + (c >= cp_size)])
+            sizes.append(k)
+    return _cat(pieces, sizes, shards[0]).unsqueeze(0)  # [1, T, *]
+
+
+def unpack(bounds, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -> torch.Tensor:
+    """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[cu_pad[b] + s - shift]`` for ``shift <= s < L[b]``,
+    ``fill`` elsewhere; one ``split`` of the packed tensor, one of an expanded fill row, one ``cat``
+    (``B >= 1``, ``T >= 1``). The fill between two valid runs is one piece, however many empty rows
+    it spans.
+
+    Example: cu_pad ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: the packed tensor splits at
+    ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``.
+    """
+    trailing, rows, lengths = packed.shape[2:], len(bounds.lengths), bounds.lengths[: bounds.active]
+    lead = [shift if n else 0 for n in lengths]  # fill before each row's run (shift 1: column 0)
+    row_runs = [n - a for n, a in zip(lengths, lead)]
+    runs, src_gaps = _runs(row_runs, [seg - r for seg, r in zip(bounds.segments, row_runs)])
+    src_gaps[-1] += packed.shape[1] - sum(bounds.segments)  # past the last boundary (unpadded offsets only)
+    valid = _run_views(packed[0], src_gaps, runs)  # the non-empty runs [*]
+    gaps, gap = [], 0
+    for a, run, n in zip(lead, row_runs, lengths):  # the fill before each run, and after the last
+        gap += a
+        if run:
+            gaps.append(gap)
+            gap = 0
+        gap += seq_len - n
+    gaps.append(gap + (rows - bounds.active) * seq_len)  # the empty rows past the active ones: fill
+    fills = packed.new_full((1, *trailing), fill).expand(sum(gaps), *trailing)  # one row, no copy
+    pieces = _between(valid, gaps, fills)
+    flat = torch.cat(pieces) if pieces else packed.new_empty((0, *trailing))  # [B*S, *] (empty when S = 0)
+    return flat.view(rows, seq_len, *trailing)  # [B, S, *]
+
+
+def _run_views(t: torch.Tensor, gaps: list, runs: list) -> list:
+    """The views of ``t`` at the (non-empty) ``runs``, ``gaps[i]`` before run ``i`` and ``gaps[-1]`` after
+    the last: one ``split``, no empty view made (each costs about a microsecond). Example: gaps
+    ``[0, 2, 1]``, runs ``[3, 4]`` -> ``t[0:3], t[5:9]``."""
+    sizes, keep = [], []
+    for g, r in zip(gaps, runs):
+        if g:
+            sizes.append(g)
+            keep.append(False)
+        sizes.append(r)
+        keep.append(True)
+    if gaps[-1]:
+        sizes.append(gaps[-1])
+    return list(compress(t.split(sizes), keep))
+
+
+def _between(runs: list, gaps: list, filler: torch.Tensor) -> list:
+    """``[gap 0, run 0, gap 1, ..., gap R]`` with the non-zero gaps cut from ``filler`` by one ``split``
+    (zero gaps dropped). Example: gaps ``[0, 2, 1]`` -> ``run 0, filler[0:2], run 1, filler[2:3]``."""
+    gap_views = iter(filler.split([g for g in gaps if g]))
+    out = []
+    for g, r in zip(gaps, runs):
+        if g:
+            out.append(next(gap_views))
+        out.append(r)
+    if gaps[-1]:
+        out.append(next(gap_views))
+    return out
+
+
+def _cat(pieces: list, sizes: list, like: torch.Tensor) -> torch.Tensor:
+    """``cat`` of the non-empty ``pieces`` (``sizes`` their lengths): on the CPU an empty input moves
+    ``cat`` off its serial memcpy kernel (measured here: 512 pieces of which half empty took 5x
+    longer than the same pieces without the empty ones)."""
+    kept = list(compress(pieces, sizes))
+    if not kept:
+        return like.new_empty((0, *like.shape[1:]))
+    return torch.cat(kept)
+
+
+def _padding(shape, fill: Fill, like: torch.Tensor) -> torch.Tensor:
+    """A padding buffer: zeros, or ``fill`` broadcast (a view, no copy) for a tensor fill."""
+    if isinstance(fill, torch.Tensor):
+        return fill.to(device=like.device, dtype=like.dtype).expand(shape)
+    if fill == 0:
+        return like.new_zeros(shape)
+    return like.new_full(shape, fill)
+

@@ -1,0 +1,129 @@
+"""The plan type: one microbatch's packed layout, as the planners produce it and both executors run it.
+
+Shape legend
+    B   rows of the batch (R with row-capacity padding); ``B' = max(B, 1)`` segments
+    S   the padded row length of the batch the plan packs
+    T   packed tokens
+    C   context-parallel size
+    *   trailing feature dims of a packed tensor
+
+A :class:`PackLayout` always holds the boundaries as tensors on the data's device
+(``cu_seqlens_padded``, and ``cu_seqlens`` when known) and the static sizes as Python ints (``T``,
+``B``, ``S``). A plan made on the host (:mod:`nn_data.plan.planner`, the one read of the lengths or
+of the boundaries) also holds them as Python ints (:class:`HostBounds`): the host executor moves data
+with them. A plan made on the device holds the pack's index maps instead (``dest`` or
+``source``/``valid``, :mod:`nn_data.plan.device`). Its methods pick the executor
+(:mod:`nn_data.plan.execute`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from nn_data.plan import execute, index
+from nn_data.plan.rules import segment_bounds
+
+Fill = Union[int, float, bool, torch.Tensor]
+
+
+class HostBounds(NamedTuple):
+    """One microbatch's layout as Python ints, from the one host read.
+
+    ``lengths [B]`` valid tokens per row (None when an op was given boundaries only), ``cu [B+1]``
+    (``cu_seqlens``; None when not known), ``cu_pad [B+1]`` the final boundaries (``[T]`` when
+    ``B = 0``), ``segments [B']`` the padded segment lengths (``[T]`` for ``B = 0``: the padding
+    pseudo-segment), ``max_seqlen`` the longest of them, and ``active``: the rows that may hold
+    tokens or padding (rows past it are a row capacity's empty rows with empty segments, which the
+    host executor moves in bulk instead of row by row).
+
+    Example: lengths ``[3, 0, 5]``, m 4, T 16 -> cu ``[0, 3, 3, 8]``, cu_pad ``[0, 4, 4, 16]``,
+    segments ``[4, 0, 12]``, max_seqlen 12, active 3; with one padding row of a capacity of 4
+    (num_rows 3): cu_pad ``[0, 4, 4, 16, 16]``, segments ``[4, 0, 12, 0]``, active 3.
+    """
+
+    lengths: Optional[list]
+    cu: Optional[list]
+    cu_pad: list
+    segments: list
+    max_seqlen: int
+    active: int
+
+
+class PackLayout(NamedTuple):
+    """Where every token of a ``[B, S, *]`` batch goes in the packed ``[1, T, *]`` tensor: the plan.
+
+    ``cu_seqlens [B+1]`` and ``cu_seqlens_padded [B+1]`` (int32, on the data's device; the latter is
+    the final boundaries, ``[T]`` when ``B = 0``), ``max_seqlen`` (0-d int32: the longest padded
+    segment), ``total`` (T), ``rows`` (B), ``row_len`` (S; None for a plan made from boundaries
+    alone, which can shard and unpack but not pack); ``host`` (:class:`HostBounds`, planned on the
+    host) or the device pack maps: scatter form ``dest [B, S]`` int64 (the packed position of token
+    ``(b, s)``, or ``T`` for ``s >= L[b]``), gather form ``source [T]`` int64 (the flat input
+    position ``b*S + s`` each packed position reads, clamped) and ``valid [T]`` bool;
+    ``seq_lengths`` the lengths tensor the plan was made from.
+
+    Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter form
+    dest ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``; gather form source
+    ``[0, 1, 2, 3, 10, 11, 12, 13, 14, 14, 14, 14]``, valid ``[T,T,T,F,T,T,T,T,T,F,F,F]``.
+    """
+
+    cu_seqlens: Optional[torch.Tensor]
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: Optional[torch.Tensor]
+    total: int
+    rows: int
+    row_len: Optional[int]
+    host: Optional[HostBounds] = None
+    dest: Optional[torch.Tensor] = None
+    source: Optional[torch.Tensor] = None
+    valid: Optional[torch.Tensor] = None
+    seq_lengths: Optional[torch.Tensor] = None
+
+    def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
+        """Pack another ``[B, S, *]`` tensor of the same batch into ``[1, T, *]``; padding gets ``fill``
+        (a scalar, or a tensor broadcastable to ``x.shape[2:]``: ``torch.arange(topk)`` for routed
+        experts, a valid route in every padding row)."""
+        return execute.pack(self, x, fill)
+
+    def bounds(self) -> torch.Tensor:
+        """``[B'+1]`` int64 boundaries to index segments by (``[0, T]`` when ``B = 0``)."""
+        return segment_bounds(self.cu_seqlens_padded, self.total)
+
+    def lengths(self) -> torch.Tensor:
+        """``[B]`` int64 valid tokens per row, on the device: the lengths the plan was made from, else
+        ``cu_seqlens``' differences (a compiled graph that never reads ``cu_seqlens`` then drops it)."""
+        if self.seq_lengths is not None:
+            return self.seq_lengths.to(torch.int64)
+        cu = self.cu_seqlens.to(torch.int64)
+        return cu[1:] - cu[:-1]
+
+    def segment_ids(self) -> torch.Tensor:
+        """``[T]`` int64: the sequence (row) every packed position belongs to (padding included).
+
+        Example: cu_seqlens_padded ``[0, 4, 4, 12]`` -> ``[0,0,0,0,2,2,2,2,2,2,2,2]``.
+        With no row (``B = 0``) every position is in segment 0 of ``[0, T]``.
+        """
+        return index.segment_ids(self.bounds(), self.total)
+
+    def local_places(self, cp_size: int = 1, cp_rank: int = 0) -> index.ZigzagLocal:
+        """This CP rank's places, computed once and applied to every tensor of the batch:
+        ``source [T/C]`` (packed position of each local token) and ``segment [T/C]`` (index maps on
+        the device, from the boundaries: no host read either way). Example: cu_seqlens_padded
+        ``[0, 16, 40]``, C 2, rank 0 -> source ``0..3, 12..15, 16..21, 34..39``."""
+        return index.local_places(self.bounds(), self.total, cp_size, cp_rank)
+
+    def positions(self) -> torch.Tensor:
+        """``[T]`` int64: offset of every packed position inside its padded segment (0 at each
+        sequence start; padding keeps counting). Example: ``[0, 4, 4, 12]`` -> ``[0,1,2,3,0,1,...,7]``."""
+        bounds = self.bounds()
+        return torch.arange(self.total, device=bounds.device) - bounds[self.segment_ids()]
+
+
+def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
+    """Pack ``x [B, S, *]`` into ``[1, T, *]`` along ``layout``: :meth:`PackLayout.pack`.
+
+    Raises :class:`~nn_data.errors.PackingError` if ``x`` is not ``[B, S, *]`` for the layout's
+    ``B`` and ``S``, or lives on another device.
+    """
+    return execute.pack(layout, x, fill)

@@ -1,0 +1,268 @@
+"""The planners: a :class:`~nn_data.plan.layout.PackLayout` from the lengths, or from the boundaries.
+
+Shape legend
+    B   rows (R with row-capacity padding); S the row length; T packed tokens; C the CP size
+
+Where a plan is made (``docs/design.md``, "Layout plan and executors"): :func:`reads_host` says
+whether a call may read the device, in one place. When it may (eager, ``validate=True``,
+``host_reads=True``), the planner reads the lengths (or the boundaries) to the host **once**,
+checks them there with precise messages (:mod:`nn_data.plan.checks`) and plans in Python ints; the
+layout then carries them and runs on the host executor. Otherwise (under ``torch.compile``, or the
+caller opted out of host reads or of validation) it plans on the device: no sync, the checks are
+device asserts when ``validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import accumulate
+from typing import Optional, Union
+
+import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from nn_data import _checks
+from nn_data.plan import checks, device, index
+from nn_data.plan.host import host_tensor
+from nn_data.plan.layout import HostBounds, PackLayout
+from nn_data.plan.rules import (
+    bucket_total, extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSpec:
+    """The configuration of the layout rules, checked once when it is built (no data read).
+
+    ``m`` / ``p``: the per-sequence and the packed multiple; ``packed_length`` (keyword-only): the fixed
+    packed length ``T`` or None (``T`` from the data); ``packed_length_name``: how the caller spelled it
+    (``pad_full_seq_to`` in nn_data and ``process_microbatch``, ``pad_packed_seq_to`` in NeMo-RL's
+    ``_pack_sequences_for_megatron``), so every message names the argument the caller passed;
+    ``buckets``: round a data-dependent ``T`` up to one of these (the compat layer's option; a sorted
+    tuple or ``"pow2"``); ``cp_size``: with ``C > 1`` the planner checks that every segment splits into
+    ``2C`` chunks (the compat layer packs and shards in one call; the core pack does not know ``C``);
+    ``self_packing``: a model that packs the rows itself (NeMo-RL's VLM path), so the slack the last
+    sequence absorbs must be a multiple of ``m`` too (and NeMo-RL's wording comes first).
+    """
+
+    m: int = 1
+    p: int = 1
+    _: dataclasses.KW_ONLY
+    packed_length: Optional[int] = None
+    packed_length_name: str = "pad_full_seq_to"
+    buckets: Union[tuple, str, None] = None
+    cp_size: int = 1
+    self_packing: bool = False
+
+    def __post_init__(self):
+        _checks.positive_int("pad_individual_seqs_to_multiple_of", self.m)
+        _checks.positive_int("pad_packed_seq_to_multiple_of", self.p)
+        checks.packed_length_arg(self.packed_length_name, self.packed_length)
+        _checks.check_cp(self.cp_size)
+        if self.packed_length is not None and self.packed_length % self.p:
+            raise _checks.PackingError(
+                f"{self.packed_length_name}={self.packed_length} is not a multiple of "
+                f"pad_packed_seq_to_multiple_of={self.p}; choose a multiple of {self.p}"
+            )
+
+
+def reads_host(validate: bool, host_reads: bool) -> bool:
+    """Whether a planner reads the device once (eager, validating, host reads allowed): the rule for
+    choosing the host executor. Under ``torch.compile`` nothing is read."""
+    return validate and host_reads and not torch.compiler.is_compiling()
+
+
+def plan_from_lengths(seq_lengths: torch.Tensor, row_len, spec: LayoutSpec, *, num_rows=None, validate: bool = True,
+                      host_reads: bool = True, op: str = "PackSequences") -> PackLayout:
+    """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked).
+
+    Example: lengths ``[3, 0, 5]``, S 5, m 4, no fixed length -> cu_seqlens ``[0, 3, 3, 8]``,
+    cu_seqlens_padded ``[0, 4, 4, 12]``, T 12, max_seqlen 8; with ``packed_length=16`` the last segment
+    absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12.
+    """
+    if reads_host(validate, host_reads):
+        return _plan_lengths_on_host(seq_lengths, row_len, spec, num_rows)
+    return _plan_lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op)
+
+
+def _read_lengths(seq_lengths: torch.Tensor, num_rows) -> tuple[list, Optional[int]]:
+    """The lengths (and ``num_rows``) as Python ints: the one host read."""
+    if num_rows is None:
+        return seq_lengths.tolist(), None  # sync: the one host read of the plan
+    both = torch.cat([seq_lengths.to(torch.int64), num_rows.to(torch.int64).view(1)]).tolist()  # sync: the one read
+    return both[:-1], both[-1]
+
+
+def _plan_lengths_on_host(seq_lengths, row_len: int, spec: LayoutSpec, num_rows) -> PackLayout:
+    lengths, n = _read_lengths(seq_lengths, num_rows)
+    checks.lengths_host(lengths, row_len, n)
+    rows = len(lengths)
+    active = first_final(rows, n)  # rows past it are empty padding rows (checked): only their count matters
+    cu = list(accumulate(lengths[:active], initial=0))
+    cu_pad = list(accumulate(round_up_all(lengths[:active], spec.m), initial=0))
+    natural = cu_pad[-1]
+    checks.natural_total_host(natural, spec.m, spec.packed_length, spec.packed_length_name, spec.self_packing)
+    total = packed_total(natural, spec.p, spec.packed_length)
+    if spec.packed_length is None:
+        if spec.buckets is not None:
+            total = bucket_total(total, spec.buckets, spec.p, spec.cp_size)
+        checks.total_limit_host(total, f"sum(round_up(seq_lengths, {spec.m})) = {natural}, rounded up to {spec.p}"
+                                + (" and a bucket" if spec.buckets is not None else ""))
+    tail = rows - active
+    cu += [cu[-1]] * tail
+    cu_pad = extend_last(cu_pad + [natural] * tail, total, active) if rows else [total]
+    bounds = segment_bounds(cu_pad[: active + 1], total)
+    segments = [b - a for a, b in zip(bounds, bounds[1:])]  # [B'] (the active rows' segments)
+    checks.segments_host(segments, spec.cp_size)
+    max_seqlen = max(segments)
+    both = host_tensor(cu + cu_pad + [max_seqlen], torch.int32, seq_lengths.device)  # one copy: [B+1 | B+1 | 1]
+    host = HostBounds(lengths, cu, cu_pad, segments + [0] * tail, max_seqlen, max(active, 1))
+    return PackLayout(both[: rows + 1], both[rows + 1 : rows + 1 + len(cu_pad)], both[-1], total, rows, row_len,
+                      host=host, seq_lengths=seq_lengths)
+
+
+def _plan_lengths_on_device(seq_lengths, row_len, spec: LayoutSpec, num_rows, validate: bool, op: str) -> PackLayout:
+    rows = seq_lengths.shape[0]
+    lengths = seq_lengths.to(torch.int64)  # [B]
+    cu = index.exclusive_cumsum(lengths)  # [B+1]
+    cu_pad = index.exclusive_cumsum(round_up(lengths, spec.m))  # [B+1] before the slack
+    natural = cu_pad[-1]
+    if validate:
+        checks.lengths_device(op, lengths, row_len, num_rows)
+        checks.total_device(op, natural, packed_total(natural, spec.p), spec.packed_length, spec.packed_length_name)
+    if spec.packed_length is not None:
+        total = spec.packed_length
+    else:
+        total = int(packed_total(natural, spec.p).item())  # sync: T is data-dependent without a fixed packed length
+        torch._check(total >= 0)
+    cu_pad = extend_last(cu_pad, total, first_final(rows, num_rows))  # [B+1]
+    if rows > 0:
+        max_seqlen = (cu_pad[1:] - cu_pad[:-1]).max()
+    else:  # no sequence: the packed tensor is one padding pseudo-segment [0, T]
+        max_seqlen = torch.full((), total, dtype=torch.int64, device=seq_lengths.device)
+    dest, source, valid = device.pack_maps(lengths, cu_pad, row_len, total)
+    return PackLayout(cu.to(torch.int32), cu_pad.to(torch.int32), max_seqlen.to(torch.int32), total, rows, row_len,
+                      dest=dest, source=source, valid=valid, seq_lengths=seq_lengths)
+
+
+def plan_from_boundaries(cu_seqlens_padded: torch.Tensor, total, *, op: str, cu_seqlens=None, seq_lengths=None,
+                         row_len=None, seq_len=None, cp_size: int = 1, validate: bool = True, host_reads: bool = True,
+                         name: str = "cu_seqlens_padded", end_at_total: bool = True, where: str = "",
+                         hint: bool = False, extra: Optional[torch.Tensor] = None) -> tuple[PackLayout, Optional[bool]]:
+    """The layout of a packed microbatch from its boundaries (metadata already checked), for an op that
+    receives boundaries rather than a layout: ``(layout, extra)``.
+
+    On the host (:func:`reads_host`) the boundaries, the lengths (``seq_lengths``, or ``cu_seqlens``'
+    differences) and ``extra`` (a 0-d flag the caller computed on the device, e.g. "every target id is
+    in the vocabulary") come to the host in **one** read, which is also the op's validation: the
+    boundaries rise from 0 to ``T`` (``end_at_total=False``: to at most ``T``), every segment splits into
+    ``2C`` chunks, each sequence fits its segment, ``seq_len`` and ``row_len`` and holds every length.
+    On the device the same checks are device asserts (when ``validate``) and ``extra`` is None.
+
+    ``total=None``: ``T`` is the last boundary (a caller that has no packed tensor yet; host only).
+
+    Example: cu_seqlens_padded ``[0, 16, 40]``, T 40, C 2 -> segments ``[16, 24]``, both multiples of 4.
+    """
+    if total is None and not reads_host(validate, host_reads):
+        raise _checks.PackingError(f"{op}: T is the last boundary here, which only the host read can learn")
+    if not reads_host(validate, host_reads):
+        if validate:
+            _device_boundary_checks(op, cu_seqlens_padded, total, cu_seqlens, seq_lengths, seq_len, row_len, cp_size,
+                                    name, end_at_total)
+        rows = cu_seqlens_padded.shape[0] - 1
+        return PackLayout(cu_seqlens, cu_seqlens_padded, None, total, rows, row_len, seq_lengths=seq_lengths), None
+    parts = [t for t in (cu_seqlens_padded, cu_seqlens, seq_lengths) if t is not None]
+    flags = [] if extra is None else [extra.to(torch.int64).view(1)]
+    values = torch.cat([t.to(torch.int64) for t in parts] + flags).tolist()  # sync: the one host read (and check)
+    sizes = [t.shape[0] for t in parts]
+    cu_pad, *rest = [values[a:a + n] for a, n in zip(accumulate(sizes, initial=0), sizes)]
+    total = cu_pad[-1] if total is None else total
+    checks.boundaries_host(cu_pad, total, name, end_at_total=end_at_total, where=where, hint=hint)
+    bounds = segment_bounds(cu_pad, total)
+    segments = [b - a for a, b in zip(bounds, bounds[1:])]  # [B']
+    checks.segments_host(segments, cp_size)
+    cu = rest.pop(0) if cu_seqlens is not None else None
+    lengths = rest.pop(0) if seq_lengths is not None else None
+    lengths_name = "seq_lengths"
+    if lengths is None and cu is not None:
+        lengths, lengths_name = [b - a for a, b in zip(cu, cu[1:])], "cu_seqlens"
+    if lengths is not None:
+        if row_len is not None:
+            checks.lengths_host(lengths, row_len)
+        if seq_len is not None:
+            checks.row_length_host(lengths, seq_len, lengths_name)
+        checks.fit_host(lengths, segments, lengths_name, name)
+    host = HostBounds(lengths, cu, cu_pad, segments, max(segments), len(segments))
+    layout = PackLayout(cu_seqlens, cu_seqlens_padded, None, total, len(cu_pad) - 1, row_len, host=host,
+                        seq_lengths=seq_lengths)
+    return layout, (bool(values[-1]) if extra is not None else None)
+
+
+def _device_boundary_checks(op, cu_pad, total, cu_seqlens, seq_lengths, seq_len, row_len, cp_size, name,
+                            end_at_total) -> None:
+    """:func:`plan_from_boundaries`' checks as device asserts."""
+    checks.boundaries_device(op, cu_pad, total, cp_size, name=name, end_at_total=end_at_total)
+    lengths = seq_lengths
+    if lengths is None and cu_seqlens is not None:
+        cu = cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
+    if lengths is None or cu_pad.shape[0] < 2:
+        return
+    bounds = cu_pad.to(torch.int64)
+    checks.fit_device(op, lengths.to(torch.int64), bounds[1:] - bounds[:-1], seq_len)
+    if row_len is not None:
+        checks.lengths_device(op, lengths.to(torch.int64), row_len, None)
+
+
+def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len=None, validate: bool = True,
+                **given) -> PackLayout:
+    """A layout an op was given (``layout=``, the plan travelling from the pack): no host read.
+
+    ``given`` are the boundary tensors the caller passed as well (``cu_seqlens_padded=``, ``cu_seqlens=``,
+    ``seq_lengths=``); each must be the very tensor the layout holds. The checks that depend on the op's
+    own configuration run on the layout: ``T`` (a shape), every segment splitting into ``2C`` chunks and
+    every length fitting ``seq_len``: free on a host layout's ints, device asserts otherwise.
+    """
+    if not isinstance(layout, PackLayout):
+        raise _checks.PackingError(f"layout must be a PackLayout (PackResult.layout), got {type(layout).__name__}")
+    if _static_differs(layout.total, total):
+        raise _checks.PackingError(f"the layout was planned for T={layout.total} packed positions but the tensor "
+                                   f"given with it has T={int(total)}; pass the layout of this very microbatch")
+    for name, tensor in given.items():
+        if tensor is not None and tensor is not getattr(layout, name):
+            raise _checks.PackingError(
+                f"{name} is not the tensor the layout holds; pass layout= alone, or layout.{name} (the same object)")
+    if not validate:
+        return layout
+    if layout.host is not None and not torch.compiler.is_compiling():
+        checks.segments_host(layout.host.segments, cp_size)
+        if seq_len is not None and layout.host.lengths is not None:
+            checks.row_length_host(layout.host.lengths, seq_len)
+        return layout
+    if cp_size > 1:
+        checks.boundaries_device(op, layout.cu_seqlens_padded, total, cp_size)
+    if seq_len is not None:
+        _checks.device_assert((layout.lengths() <= seq_len).all(),
+                              f"nn_data.{op}: seq_lengths must be in [0, seq_len] (the row length S of the output)")
+    return layout
+
+
+def _static_differs(a, b) -> bool:
+    """``a != b`` for sizes that may be symbolic: True only where it is known (no guard otherwise)."""
+    return guard_or_false(a != b)
+
+
+def padded_rows(layout: PackLayout, row_len: int) -> PackLayout:
+    """The layout that packs every row's whole padded segment: rows already padded to their segments
+    (``[B, P]``, the self-packing path's rows for the model) packed back to back, the same boundaries.
+    No read: a host layout's ints carry over; a device layout's lengths are its segment lengths.
+
+    Example: segments ``[4, 12]`` (lengths ``[3, 5]``, m 4, T 16), P 12 -> lengths ``[4, 12]``.
+    """
+    cu_pad = layout.cu_seqlens_padded
+    if layout.host is not None:
+        host = layout.host
+        view = HostBounds(host.segments, host.cu_pad, host.cu_pad, host.segments, host.max_seqlen, host.active)
+        return PackLayout(cu_pad, cu_pad, layout.max_seqlen, layout.total, layout.rows, row_len, host=view)
+    segments = (cu_pad[1:] - cu_pad[:-1]).to(torch.int64)  # [B]
+    return plan_from_lengths(segments, row_len, LayoutSpec(packed_length=layout.total or None), validate=False)
