@@ -10,7 +10,7 @@ when the caller has already imported and initialised it.
 from nn_data.context_parallel import ShardForContextParallel, UnshardFromContextParallel
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.errors import PackingError
-from nn_data.plan import PackLayout, pack_with_layout
+from nn_data.layout import PackLayout, pack_with_layout
 from nn_data.logprobs import TokenLogProbs
 from nn_data.pack import PackResult, PackSequences
 from nn_data.packed_forward import PackedForward, PackedInfo

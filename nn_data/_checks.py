@@ -3,7 +3,7 @@
 Python ints, tensor kinds, shapes, dtypes and devices (``docs/design.md``, "Validation"): free, they
 run in ``__init__`` or at trace time and never touch tensor data. Every check of a layout rule (the
 packed-length limits, ``T`` divisible by ``2C``) and every data check is
-:mod:`nn_data.plan.checks`'.
+:mod:`nn_data.layout.checks`'.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Each padded segment (a multiple of ``2C`` long) is cut into ``2C`` equal chunks;
 rank ``r`` keeps chunks ``r`` and ``2C-1-r`` in that order, segment after segment
 (``docs/design.md``, "Zigzag"; the same split as NeMo-RL's ``_get_tokens_on_this_cp_rank`` per
 sequence and TransformerEngine's ``thd_get_partitioned_indices``). Both ops run on the layout plan
-(:mod:`nn_data.plan`): given the pack's ``layout=`` they read nothing; given only
+(:mod:`nn_data.layout`): given the pack's ``layout=`` they read nothing; given only
 ``cu_seqlens_padded`` they read it once eagerly (that read is the validation) and then move the data
 with ``split``/``cat`` views, or under ``torch.compile`` (and ``host_reads=False``) gather along an
 index map built on the device.
@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.plan import checks, execute
-from nn_data.plan.layout import PackLayout
-from nn_data.plan.planner import plan_from_boundaries, take_layout
+from nn_data.layout import checks, execute
+from nn_data.layout.plan import PackLayout
+from nn_data.layout.planner import plan_from_boundaries, take_layout
 
 
 class RankOp(nn.Module):

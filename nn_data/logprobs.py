@@ -26,10 +26,10 @@ from nn_data.context_parallel import op_layout
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.megatron_parallel import group_info
 from nn_data.sampling import row_thresholds, vocab_parallel_thresholds
-from nn_data.plan import checks, execute
-from nn_data.plan.index import ZigzagLocal, packed_segments
-from nn_data.plan.layout import PackLayout
-from nn_data.plan.planner import plan_from_boundaries, reads_host
+from nn_data.layout import checks, execute
+from nn_data.layout.index import ZigzagLocal, packed_segments
+from nn_data.layout.plan import PackLayout
+from nn_data.layout.planner import plan_from_boundaries, reads_host
 from nn_data.targets import next_token_at
 
 

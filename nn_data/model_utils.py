@@ -41,10 +41,10 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.logprobs import token_logprobs_local
 from nn_data.megatron_parallel import ParallelInfo, group_info
-from nn_data.plan import checks as plan_checks
-from nn_data.plan import plan_from_boundaries
-from nn_data.plan.index import Segments, local_places, zigzag_source
-from nn_data.plan.rules import segment_bounds
+from nn_data.layout import checks as plan_checks
+from nn_data.layout import plan_from_boundaries
+from nn_data.layout.index import Segments, local_places, zigzag_source
+from nn_data.layout.rules import segment_bounds
 from nn_data.sampling import TrainingSamplingParams, sampling_filter
 from nn_data.targets import next_token_at
 from nn_data.unpack import unpack_sequences

@@ -8,10 +8,10 @@ Shape legend
     *   trailing feature dims (none for ids and masks, ``[layers, topk]`` for
         routed experts)
 
-The layout (:class:`~nn_data.plan.PackLayout`, the plan) is made once per batch from ``seq_lengths``
+The layout (:class:`~nn_data.layout.PackLayout`, the plan) is made once per batch from ``seq_lengths``
 and reused for every tensor of that batch, and by every later op of the microbatch (``layout=``):
 eagerly it is planned on the host after one read of the lengths, under ``torch.compile`` on the
-device (:mod:`nn_data.plan`).
+device (:mod:`nn_data.layout`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.plan import LayoutSpec, PackLayout, plan_from_lengths
+from nn_data.layout import LayoutSpec, PackLayout, plan_from_lengths
 
 
 class PackResult(NamedTuple):

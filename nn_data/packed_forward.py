@@ -23,7 +23,7 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.megatron_parallel import group_info
 from nn_data.pack import PackSequences, check_pack_args
-from nn_data.plan.layout import PackLayout
+from nn_data.layout.plan import PackLayout
 from nn_data.planning.alignment import ParallelLayout
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 from nn_data.unpack import check_unpack_args, unpack_sequences

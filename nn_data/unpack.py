@@ -11,11 +11,11 @@ elsewhere (``docs/design.md``, "Unpacking"). The offsets are always the *padded*
 ``_unpack_sequences_from_megatron`` reads ``cu_seqlens`` when CP is 1, which is
 wrong whenever sequences were padded to a multiple ``m > 1``.
 
-It runs on the layout plan (:mod:`nn_data.plan`): given the pack's ``layout=`` it reads nothing and,
-eagerly, moves the rows with one ``split`` and one ``cat`` (:mod:`nn_data.plan.host`); given the
+It runs on the layout plan (:mod:`nn_data.layout`): given the pack's ``layout=`` it reads nothing and,
+eagerly, moves the rows with one ``split`` and one ``cat`` (:mod:`nn_data.layout.host`); given the
 lengths and boundaries it reads them once (the validation) first; under ``torch.compile`` (and with
 ``host_reads=False``) it gathers (or, for a mostly-fill output, scatters) along index maps on the
-device (:mod:`nn_data.plan.device`, which has the measured forms).
+device (:mod:`nn_data.layout.device`, which has the measured forms).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.plan import checks, execute
-from nn_data.plan.layout import PackLayout
-from nn_data.plan.planner import plan_from_boundaries, take_layout
+from nn_data.layout import checks, execute
+from nn_data.layout.plan import PackLayout
+from nn_data.layout.planner import plan_from_boundaries, take_layout
 
 OFFSETS = ("padded", "unpadded")
 

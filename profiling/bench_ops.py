@@ -47,7 +47,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import nn_data.plan.device
+import nn_data.layout.device
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.megatron_data import _pack_sequences_for_megatron
@@ -363,7 +363,7 @@ def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     reuse = args.allocator == "reuse" and reuse_freed_memory()
     if args.layout != "auto":  # before anything compiles: the form is chosen while tracing
-        nn_data.plan.device.SCATTER_MAX_RATIO = {"scatter": 10**9, "gather": 0}[args.layout]
+        nn_data.layout.device.SCATTER_MAX_RATIO = {"scatter": 10**9, "gather": 0}[args.layout]
     load = os.getloadavg()
     print(f"machine: {machine_description()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"layout {args.layout}; allocator {'reuse (mallopt)' if reuse else 'default'}")

@@ -16,12 +16,12 @@ from typing import Any
 
 from nn_data.errors import PackingError
 from nn_data.megatron_parallel import megatron_cp_rank_and_size
-from nn_data.plan.rules import round_up
+from nn_data.layout.rules import round_up
 
 
 def _round_up_to_multiple(value: int, multiple: int) -> int:
     """Round a Python int up to a multiple (NeMo-RL's ``_round_up_to_multiple``; the rule is
-    :func:`nn_data.plan.rules.round_up`).
+    :func:`nn_data.layout.rules.round_up`).
 
     Example: ``_round_up_to_multiple(13, 8) -> 16``; ``_round_up_to_multiple(16, 8) -> 16``.
     """

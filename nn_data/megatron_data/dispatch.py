@@ -9,7 +9,7 @@ Shape legend
 :func:`pack_microbatch` packs exactly the tensors it is given (``input_ids`` and the companions
 passed as keywords) on **one** plan: the lengths are read to the host once (the microbatch's one
 sync, ``docs/design.md``, "Sync budget"), checked there, planned in Python ints
-(:func:`nn_data.plan.plan_from_lengths`). Then eagerly (the default) the host executor moves every
+(:func:`nn_data.layout.plan_from_lengths`). Then eagerly (the default) the host executor moves every
 tensor with a constant number of ops, or, with ``PackOptions(compile=True)``, one compiled graph
 runs the device executor (:mod:`nn_data.megatron_data.graph`). Either way the boundaries, ``T`` and
 ``max_seqlen`` are the plan's.
@@ -26,7 +26,7 @@ from nn_data.errors import PackingError
 from nn_data.megatron_data.graph import PackedBatch, run_graph
 from nn_data.megatron_data.keys import GraphKey
 from nn_data.megatron_data.options import PackConfig, PackOptions
-from nn_data.plan import PackLayout, execute, plan_from_lengths
+from nn_data.layout import PackLayout, execute, plan_from_lengths
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
 

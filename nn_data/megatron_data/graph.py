@@ -7,7 +7,7 @@ Shape legend
     *   trailing dims (routed experts ``[layers, topk]``, token identity ``[3]``)
 
 :class:`PackShardGraph` packs ``input_ids`` and every tensor that rides the same layout and takes this
-rank's zigzag places, on the device executor (:mod:`nn_data.plan`) with no sync: the microbatch was
+rank's zigzag places, on the device executor (:mod:`nn_data.layout`) with no sync: the microbatch was
 planned and checked on the host before (:mod:`nn_data.megatron_data.dispatch`), so ``T`` is in the key.
 Compiled (``PackOptions(compile=True)``), the batch is padded with empty rows to a fixed row capacity
 and ``S`` is a symbolic size (unbacked: ``S = 0`` and ``1`` too), so a stream of microbatches with

@@ -2,7 +2,7 @@
 
 NeMo-RL's positional arguments reach nn_data here, once: :meth:`PackConfig.nemo_rl` turns
 ``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, <fixed packed length>,
-cp_rank, cp_size)`` into the plan module's :class:`~nn_data.plan.LayoutSpec` (checked when built)
+cp_rank, cp_size)`` into the layout plan's :class:`~nn_data.layout.LayoutSpec` (checked when built)
 plus this rank, keeping the caller's spelling of the fixed packed length (``pad_packed_seq_to`` or
 ``pad_full_seq_to``) for the messages. Inside, the fixed packed length has one name,
 ``packed_length``, passed keyword-only.
@@ -16,8 +16,8 @@ from typing import Any, Optional, Sequence, Union
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.plan import LayoutSpec
-from nn_data.plan import checks as plan_checks
+from nn_data.layout import LayoutSpec
+from nn_data.layout import checks as plan_checks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,10 +35,10 @@ from nn_data.megatron_data.dispatch import check_extras, pack_microbatch
 from nn_data.megatron_data.options import PackConfig, PackOptions
 from nn_data.megatron_data.r3 import r3_verify_forward_enabled
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.plan import checks as plan_checks
-from nn_data.plan import plan_from_boundaries
-from nn_data.plan.index import zigzag_source
-from nn_data.plan.rules import segment_bounds
+from nn_data.layout import checks as plan_checks
+from nn_data.layout import plan_from_boundaries
+from nn_data.layout.index import zigzag_source
+from nn_data.layout.rules import segment_bounds
 
 NEMO_RL_CALLS = ("_pack_sequences_for_megatron", "_shard_routed_experts_for_cp", "get_packed_seq_cp_partition_indices")
 

@@ -27,7 +27,7 @@ import torch
 from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.megatron_data.dispatch import as_lengths, on_device
-from nn_data.plan import execute, plan_from_boundaries
+from nn_data.layout import execute, plan_from_boundaries
 
 R3_VERIFY_ENV = "NN_DATA_R3_VERIFY"
 _TRUE = {"1", "true", "yes", "on"}

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from nn_data import _checks
 from nn_data.megatron_data.dispatch import as_lengths
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.plan import LayoutSpec, plan_from_lengths
-from nn_data.plan.planner import padded_rows
+from nn_data.layout import LayoutSpec, plan_from_lengths
+from nn_data.layout.planner import padded_rows
 
 
 def _prepare_vlm_batch_for_megatron(
@@ -32,7 +32,7 @@ def _prepare_vlm_batch_for_megatron(
     ``pad_full_seq_to`` (PP > 1) the last sequence's length is extended by the deficit
     ``pad_full_seq_to - sum(padded)`` so the model's own packing always gives that total
     (the extra positions count as valid for the model; mask them at the loss). That is the layout
-    plan's slack rule ("extend last", :mod:`nn_data.plan`), planned after one read of the lengths;
+    plan's slack rule ("extend last", :mod:`nn_data.layout`), planned after one read of the lengths;
     the deficit must be a multiple of the per-sequence multiple (the model pads to it itself).
 
     Returns ``(input_ids [1, T], input_ids_cp_sharded [B, P], attention_mask [B, P] bool,

@@ -26,8 +26,8 @@ import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
-from nn_data.plan.checks import packed_length_arg
-from nn_data.plan.rules import INT32_MAX, round_up  # noqa: F401  (INT32_MAX re-exported)
+from nn_data.layout.checks import packed_length_arg
+from nn_data.layout.rules import INT32_MAX, round_up  # noqa: F401  (INT32_MAX re-exported)
 from nn_data.errors import PackingError
 
 _RECIPE_DIVISORS = {"blockwise": 128, "mxfp8": 32}  # any other FP8 recipe: 16 (NeMo-RL's rule)

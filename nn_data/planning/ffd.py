@@ -20,8 +20,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from nn_data.plan.checks import packed_length_arg
-from nn_data.plan.rules import round_up
+from nn_data.layout.checks import packed_length_arg
+from nn_data.layout.rules import round_up
 from nn_data.errors import PackingError
 
 

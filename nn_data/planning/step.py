@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from nn_data.plan.rules import round_up
+from nn_data.layout.rules import round_up
 from nn_data.errors import PackingError
 from nn_data.planning.alignment import ParallelLayout
 from nn_data.planning.balance import bins_to_ranks, greedy_assignment, refine, spread

@@ -20,7 +20,7 @@ from tests.cuda.stream import DEVICE, TIER
 pytestmark = TIER
 
 
-@pytest.mark.parametrize("rows", [5, 48])  # up to and above nn_data.plan.host.SHARD_VIEWS_MAX_SEGMENTS
+@pytest.mark.parametrize("rows", [5, 48])  # up to and above nn_data.layout.host.SHARD_VIEWS_MAX_SEGMENTS
 def test_eager_compat_pack_syncs_once_and_equals_the_loop(rows):
     pytest.importorskip("megatron.core", reason="megatron-core not installed")
     gen = torch.Generator().manual_seed(rows)

@@ -1,4 +1,4 @@
-"""The compat layer's host-planned eager pack (the plan's host executor, nn_data.plan.host) against
+"""The compat layer's host-planned eager pack (the plan's host executor, nn_data.layout.host) against
 the loop reference and the device-planned graph, its aten-op count and its one host sync.
 
 Tier: pure CPU, single process, hypothesis.
@@ -22,7 +22,7 @@ from nn_data.megatron_data.dispatch import pack_microbatch
 from nn_data.megatron_data.graph import PackShardGraph
 from nn_data.megatron_data.keys import GraphKey
 from nn_data.megatron_data.options import PackConfig
-from nn_data.plan import host
+from nn_data.layout import host
 from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.testing.coded import PAD, coded_batch
 

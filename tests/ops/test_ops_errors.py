@@ -266,7 +266,7 @@ def test_a_layout_an_op_is_given_must_be_the_microbatchs_own():
 
 
 def test_a_layout_planned_from_boundaries_cannot_pack():
-    from nn_data.plan import plan_from_boundaries
+    from nn_data.layout import plan_from_boundaries
 
     layout, _ = plan_from_boundaries(torch.tensor([0, 8]), 8, op="test")
     with pytest.raises(PackingError, match=r"this layout was planned from boundaries without a row length S"):
@@ -275,7 +275,7 @@ def test_a_layout_planned_from_boundaries_cannot_pack():
 
 def test_ops_that_need_both_boundaries_say_so():
     from nn_data import NextTokenTargets, TokenLogProbs
-    from nn_data.plan import plan_from_boundaries
+    from nn_data.layout import plan_from_boundaries
 
     ids = torch.ones(1, 8, dtype=torch.int64)
     with pytest.raises(PackingError, match=r"NextTokenTargets needs cu_seqlens and cu_seqlens_padded, or layout="):

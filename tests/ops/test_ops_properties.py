@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tests.support import hypothesis_profiles
 from tests.support.hypothesis_profiles import examples
-from nn_data.plan import device, host
+from nn_data.layout import device, host
 from nn_data import (
     PackSequences,
     ShardForContextParallel,

@@ -3,7 +3,7 @@
 The package layout of docs/design.md ("Where things live") as checks: the core imports nothing
 from the NeMo-RL layer, megatron-core is imported by nn_data.megatron_parallel alone, the import
 graph between nn_data's modules has no cycle, nothing edits sys.path or cites a file outside
-the repository, the layout rules and the data checks' wordings live in nn_data.plan alone, and
+the repository, the layout rules and the data checks' wordings live in nn_data.layout alone, and
 the compat layer keeps no hidden state.
 """
 
@@ -53,7 +53,7 @@ CORE = [m for m in MODULES if not m.startswith("nn_data.megatron_data") and m !=
 
 def test_layout_is_as_documented():
     assert "nn_data.megatron_data" in MODULES and "nn_data.megatron_data.dispatch" in MODULES
-    assert "nn_data.plan" in MODULES and "nn_data.plan.host" in MODULES and "nn_data.plan.device" in MODULES
+    assert "nn_data.layout" in MODULES and "nn_data.layout.host" in MODULES and "nn_data.layout.device" in MODULES
     assert "nn_data.testing.reference" in MODULES and "nn_data.reference" not in MODULES
     assert not [m for m in MODULES if m.startswith("nn_data.megatron_data_")]
 
@@ -116,13 +116,13 @@ def test_nothing_edits_sys_path_or_cites_files_outside_the_repository():
 
 
 PLANNING = sorted(m for m in MODULES if m == "nn_data.planning" or m.startswith("nn_data.planning."))
-PLANNING_MAY_IMPORT = {"nn_data.plan.checks", "nn_data.plan.rules", "nn_data.errors"}
+PLANNING_MAY_IMPORT = {"nn_data.layout.checks", "nn_data.layout.rules", "nn_data.errors"}
 
 
 @pytest.mark.parametrize("module", PLANNING)
 def test_the_step_planner_is_host_code_on_the_layout_rules_alone(module):
     """nn_data.planning plans on the host: within nn_data it uses the layout plan's rounding and int32
-    limit (nn_data.plan.rules, .checks) and the error class, nothing of the ops, the NeMo-RL layer or
+    limit (nn_data.layout.rules, .checks) and the error class, nothing of the ops, the NeMo-RL layer or
     megatron-core."""
     inner = {i for i in MODULES[module] if i.startswith("nn_data") and not i.startswith("nn_data.planning")}
     names = ("round_up", "PackingError", "INT32_MAX", "packed_length_arg")
@@ -153,7 +153,7 @@ def test_model_utils_builds_on_the_log_prob_core_not_on_token_logprobs():
 
 # ---- the layout plan's boundary (docs/design.md, "Layout plan and executors") -------------------
 
-PLAN = PKG / "plan"
+PLAN = PKG / "layout"
 # The loop oracle (nn_data/testing/reference.py) re-derives every rule on purpose: a reference that
 # shared the plan's rules could not catch a wrong one.
 ORACLE = PKG / "testing"
@@ -182,8 +182,8 @@ def test_the_compat_layer_has_no_hidden_state():
     assert not (PKG / "megatron_data" / "scope.py").exists()
     users = [m for m, imps in MODULES.items() if "contextvars" in imps]
     assert not users, f"{users} import contextvars"
-    for gone in ("nn_data._index", "nn_data.layout", "nn_data.megatron_data.engine", "nn_data.megatron_data.host_pack"):
-        assert gone not in MODULES, f"{gone} is back: its content lives in nn_data.plan"
+    for gone in ("nn_data._index", "nn_data.plan", "nn_data.megatron_data.engine", "nn_data.megatron_data.host_pack"):
+        assert gone not in MODULES, f"{gone} is back: its content lives in nn_data.layout"
 
 
 RULE_PATTERNS = {
@@ -204,7 +204,7 @@ def test_nothing_outside_the_plan_computes_a_layout_rule(rule):
             for match in re.finditer(pattern, text):
                 line = text[: match.start()].count("\n") + 1
                 offenders.append(f"{rel}:{line}: {match.group(0)!r}")
-    assert not offenders, f"{rule} computed outside nn_data/plan: {offenders}"
+    assert not offenders, f"{rule} computed outside nn_data/layout: {offenders}"
 
 
 CHECK_WORDINGS = ["never decrease", "not a multiple of 2*cp_size", "is outside [0, ", "does not fit its segment",
@@ -237,7 +237,7 @@ def _docstring_lines(text: str) -> set:
 
 
 def test_the_device_executors_building_blocks_import_only_the_rules():
-    assert {i for i in MODULES["nn_data.plan.index"] if i.startswith("nn_data")} <= {"nn_data.plan.rules",
-            "nn_data.plan.rules.chunk_owner", "nn_data.plan.rules.segment_bounds", "nn_data.plan.rules.zigzag_chunks"}
-    assert not [i for i in MODULES["nn_data.plan.rules"] if i.startswith("nn_data") and i != "nn_data.errors"
+    assert {i for i in MODULES["nn_data.layout.index"] if i.startswith("nn_data")} <= {"nn_data.layout.rules",
+            "nn_data.layout.rules.chunk_owner", "nn_data.layout.rules.segment_bounds", "nn_data.layout.rules.zigzag_chunks"}
+    assert not [i for i in MODULES["nn_data.layout.rules"] if i.startswith("nn_data") and i != "nn_data.errors"
                 and not i.startswith("nn_data.errors.")]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import nn_data.plan.device
+import nn_data.layout.device
 from nn_data import PackSequences, UnpackSequences, pad_to_row_capacity
 from nn_data.testing.reference import reference_unpack
 
@@ -20,7 +20,7 @@ R, S, M, T = 8, 24, 4, 40  # R*S = 192 >= 4T: the scatter form
 
 
 def test_compiled_scatter_unpack_matches_reference_and_compiles_once():
-    assert R * S >= nn_data.plan.device.UNPACK_SCATTER_MIN_RATIO * T
+    assert R * S >= nn_data.layout.device.UNPACK_SCATTER_MIN_RATIO * T
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     unpack = UnpackSequences(S)

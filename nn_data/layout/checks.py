@@ -27,8 +27,8 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.plan.index import segment_ids
-from nn_data.plan.rules import INT32_MAX
+from nn_data.layout.index import segment_ids
+from nn_data.layout.rules import INT32_MAX
 
 
 # ---- wordings ----------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ def fit_device(op: str, lengths: torch.Tensor, segments: torch.Tensor, seq_len=N
 
 def target_ids(ids: torch.Tensor, bounds: torch.Tensor, lengths: torch.Tensor, total, vocab: int) -> torch.Tensor:
     """``[T]`` bool: the packed positions whose token is some position's target (a valid token) and lies
-    outside ``[0, vocab)``; ``bounds [B'+1]`` and ``lengths [B']`` as :func:`~nn_data.plan.index.packed_segments`
+    outside ``[0, vocab)``; ``bounds [B'+1]`` and ``lengths [B']`` as :func:`~nn_data.layout.index.packed_segments`
     gives them. Device arithmetic, no read: the caller folds ``.any()`` into its one read
     (:func:`target_ids_host`) or asserts it on the device (:func:`target_ids_device`)."""
     seg = segment_ids(bounds, total)  # [T]

@@ -6,7 +6,7 @@ Shape legend
     k   a segment's zigzag chunk, ``n / (2C)`` for a padded segment of ``n`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
 
-With every boundary a Python int (:class:`~nn_data.plan.layout.HostBounds`), the data moves with a
+With every boundary a Python int (:class:`~nn_data.layout.plan.HostBounds`), the data moves with a
 constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layout plan and
 executors"):
 
@@ -36,8 +36,8 @@ from typing import Union
 
 import torch
 
-from nn_data.plan import device
-from nn_data.plan.rules import chunk_owner, segment_bounds, zigzag_chunks
+from nn_data.layout import device
+from nn_data.layout.rules import chunk_owner, segment_bounds, zigzag_chunks
 
 Fill = Union[int, float, bool, torch.Tensor]
 

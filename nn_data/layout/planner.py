@@ -1,4 +1,4 @@
-"""The planners: a :class:`~nn_data.plan.layout.PackLayout` from the lengths, or from the boundaries.
+"""The planners: a :class:`~nn_data.layout.plan.PackLayout` from the lengths, or from the boundaries.
 
 Shape legend
     B   rows (R with row-capacity padding); S the row length; T packed tokens; C the CP size
@@ -6,7 +6,7 @@ Shape legend
 Where a plan is made (``docs/design.md``, "Layout plan and executors"): :func:`reads_host` says
 whether a call may read the device, in one place. When it may (eager, ``validate=True``,
 ``host_reads=True``), the planner reads the lengths (or the boundaries) to the host **once**,
-checks them there with precise messages (:mod:`nn_data.plan.checks`) and plans in Python ints; the
+checks them there with precise messages (:mod:`nn_data.layout.checks`) and plans in Python ints; the
 layout then carries them and runs on the host executor. Otherwise (under ``torch.compile``, or the
 caller opted out of host reads or of validation) it plans on the device: no sync, the checks are
 device asserts when ``validate``.
@@ -22,10 +22,10 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data import _checks
-from nn_data.plan import checks, device, index
-from nn_data.plan.host import host_tensor
-from nn_data.plan.layout import HostBounds, PackLayout
-from nn_data.plan.rules import (
+from nn_data.layout import checks, device, index
+from nn_data.layout.host import host_tensor
+from nn_data.layout.plan import HostBounds, PackLayout
+from nn_data.layout.rules import (
     bucket_total, extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds,
 )
 

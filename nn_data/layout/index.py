@@ -10,7 +10,7 @@ Shape legend
 Everything here is pure tensor arithmetic on the device: no host reads of tensor
 values, no boolean-mask indexing, no data-dependent Python branches. Every shape comes
 from a Python int the caller passes. The rules the maps encode (the zigzag chunks, the
-``B = 0`` pseudo-segment) are :mod:`nn_data.plan.rules`'.
+``B = 0`` pseudo-segment) are :mod:`nn_data.layout.rules`'.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from nn_data.plan.rules import chunk_owner, segment_bounds, zigzag_chunks
+from nn_data.layout.rules import chunk_owner, segment_bounds, zigzag_chunks
 
 
 def exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ Shape legend
     *   trailing feature dims
 
 What ``torch.compile`` and CUDA graphs capture: every map is tensor arithmetic on the boundaries
-(:mod:`nn_data.plan.index`), every shape a Python int or a symbolic size, nothing read on the host.
+(:mod:`nn_data.layout.index`), every shape a Python int or a symbolic size, nothing read on the host.
 
 Pack, two forms chosen from the static shapes (never from data):
 
@@ -42,7 +42,7 @@ from einops import rearrange
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from nn_data import _checks
-from nn_data.plan import index
+from nn_data.layout import index
 
 Fill = Union[int, float, bool, torch.Tensor]
 
@@ -117,7 +117,7 @@ def _fill_tensor(fill: Fill, shape, like: torch.Tensor) -> torch.Tensor:
 
 def shard(layout, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: one ``index_select`` along
-    :func:`~nn_data.plan.index.zigzag_source`. Example (C 2, rank 0): cu_seqlens_padded
+    :func:`~nn_data.layout.index.zigzag_source`. Example (C 2, rank 0): cu_seqlens_padded
     ``[0, 16, 40]`` -> packed positions ``0..3, 12..15, 16..21, 34..39``."""
     total = layout.total
     source = index.zigzag_source(layout.bounds(), total // cp_size, cp_size, cp_rank)
@@ -126,7 +126,7 @@ def shard(layout, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Ten
 
 def unshard(layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
     """``[C, T/C, *] -> [1, T, *]``: one ``index_select`` of the rank-major stack along
-    :func:`~nn_data.plan.index.zigzag_inverse`."""
+    :func:`~nn_data.layout.index.zigzag_inverse`."""
     total = layout.total
     inverse = index.zigzag_inverse(layout.bounds(), total, cp_size).clamp(0, max(total - 1, 0))  # [T]
     stacked = rearrange(shards, "c t ... -> (c t) ...")  # [C*T/C, *]

@@ -9,11 +9,11 @@ Shape legend
 
 A :class:`PackLayout` always holds the boundaries as tensors on the data's device
 (``cu_seqlens_padded``, and ``cu_seqlens`` when known) and the static sizes as Python ints (``T``,
-``B``, ``S``). A plan made on the host (:mod:`nn_data.plan.planner`, the one read of the lengths or
+``B``, ``S``). A plan made on the host (:mod:`nn_data.layout.planner`, the one read of the lengths or
 of the boundaries) also holds them as Python ints (:class:`HostBounds`): the host executor moves data
 with them. A plan made on the device holds the pack's index maps instead (``dest`` or
-``source``/``valid``, :mod:`nn_data.plan.device`). Its methods pick the executor
-(:mod:`nn_data.plan.execute`).
+``source``/``valid``, :mod:`nn_data.layout.device`). Its methods pick the executor
+(:mod:`nn_data.layout.execute`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from nn_data.plan import execute, index
-from nn_data.plan.rules import segment_bounds
+from nn_data.layout import execute, index
+from nn_data.layout.rules import segment_bounds
 
 Fill = Union[int, float, bool, torch.Tensor]
 

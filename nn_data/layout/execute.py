@@ -3,12 +3,12 @@
 Shape legend
     B   rows; S the row length; T packed tokens; C context-parallel size; * trailing dims
 
-The rule: a layout planned on the host (it carries :class:`~nn_data.plan.layout.HostBounds`) runs
-on the host executor (:mod:`nn_data.plan.host`: Python-int sizes, no further read) unless
+The rule: a layout planned on the host (it carries :class:`~nn_data.layout.plan.HostBounds`) runs
+on the host executor (:mod:`nn_data.layout.host`: Python-int sizes, no further read) unless
 ``torch.compile`` is tracing; every other layout runs on the device executor
-(:mod:`nn_data.plan.device`: index maps, zero syncs), which is what compiled graphs and CUDA graphs
+(:mod:`nn_data.layout.device`: index maps, zero syncs), which is what compiled graphs and CUDA graphs
 capture. Whether a layout is planned on the host is the planner's rule
-(:func:`nn_data.plan.planner.reads_host`).
+(:func:`nn_data.layout.planner.reads_host`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data import _checks
-from nn_data.plan import device, host
+from nn_data.layout import device, host
 
 
 def on_host(layout) -> bool:
