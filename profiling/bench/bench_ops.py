@@ -29,9 +29,9 @@ paths are checked at the end ("target met / MISSED"). A mode that raises gives a
 ``--device cuda``: the inputs live on the GPU; each call is timed between two CUDA events
 (median of ``--reps``, default 50), mode after mode.
 
-    python -m profiling.bench_ops                          # the README table (1 thread)
-    python -m profiling.bench_ops --rows 8 --ops pack+shard --reps 20
-    python -m profiling.bench_ops --device cuda --json bench.json
+    python -m profiling.bench.bench_ops                          # the README table (1 thread)
+    python -m profiling.bench.bench_ops --rows 8 --ops pack+shard --reps 20
+    python -m profiling.bench.bench_ops --device cuda --json bench.json
 
 NeMo-RL's function needs megatron-bridge and NeMo-RL's own modules; a script outside the
 repository that can import it calls ``main(argv, baselines={"nemo-rl": fn})``.
