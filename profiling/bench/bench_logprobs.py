@@ -270,7 +270,7 @@ def targets(res) -> list[str]:
 
 def main(argv=None) -> dict:
     """Run the benchmark (``argv``: the command line's arguments); returns the raw figures, max over ranks."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_logprobs", description=__doc__.split("\n")[0])
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=32000)

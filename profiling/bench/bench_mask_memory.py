@@ -87,7 +87,8 @@ def check_attention(block, segment_ids: torch.Tensor, rows: int = 8, heads: int 
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_mask_memory",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32768, help="packed length T (default 32768)")
     ap.add_argument("--mean-len", type=int, default=1024, help="mean document length (default 1024)")
     ap.add_argument("--skip-dense", action="store_true", help="do not build the dense mask (T^2 bytes, ~3x at peak)")

@@ -185,7 +185,8 @@ def targets(rows: list[dict]) -> list[tuple[str, Optional[bool]]]:
 
 
 def main(argv=None, packers: Optional[dict] = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_planner",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=list(SIZES))
     ap.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     ap.add_argument("--counts", nargs="+", type=int, default=None, help="batch sizes (default: each size's own)")

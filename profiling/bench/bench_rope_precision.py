@@ -97,7 +97,8 @@ def report(rows: list) -> str:
 
 
 def main(argv=None) -> list:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_rope_precision",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--totals", type=int, nargs="+", default=[512, 4096, 32768], help="pack lengths T")
     ap.add_argument("--probe", type=int, default=32, help="tokens of the probe sequence")
     args = ap.parse_args(argv)

@@ -85,7 +85,8 @@ def build(args, mode: str):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_row_length",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=16, help="row capacity R")
     ap.add_argument("--max-len", type=int, default=512, help="largest S, and S_cap")
     ap.add_argument("--total", type=int, default=4096, help="T = pad_full_seq_to")

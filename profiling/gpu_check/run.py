@@ -56,7 +56,8 @@ EXPORT_LIMIT = 15 * 1024 * 1024  # the device tool brings files of up to 16 MiB 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m profiling.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.gpu_check",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="run every step on the CPU with tiny sizes")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="wall-time budget of the three steps, shared 40/30/30 %% (default 450)")

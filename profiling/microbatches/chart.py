@@ -89,7 +89,8 @@ def _median_panel(ax, results: list[ModeResult], ratios: dict) -> None:
     ax.tick_params(axis="x", labelsize=8 if len(results) > 3 else 10)
     ax.set_ylim(0, max(r.p90_s for r in results) * 1e3 * 1.45)
     pairs = [name[: -len(" (median)")] for name in ratios if name.endswith(" (median)")]
-    lines = [f"{pair}: {ratios[pair + ' (median)']:.2f}x median, {ratios[pair + ' (mean)']:.2f}x mean" for pair in pairs]
+    lines = [f"{pair}: {ratios[pair + ' (median)']:.2f}x median, {ratios[pair + ' (mean)']:.2f}x mean"
+             for pair in pairs]
     if lines:
         ax.text(0.02, 0.97, "speed-up (slower's ms / faster's ms)\n" + "\n".join(lines),
                 transform=ax.transAxes, va="top", ha="left", fontsize=8,

@@ -34,8 +34,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from nn_data import compile_cache
-from profiling.microbatches.measure import GUARD_EVAL, first_call, graph_count, measure_mode, steady_calls, steady_samples
 from profiling.microbatches.chart import write_chart
+from profiling.microbatches.measure import (GUARD_EVAL, first_call, graph_count, measure_mode, steady_calls,
+                                            steady_samples)
 from profiling.microbatches.report import format_report, speedups, targets, write_summary
 from profiling.microbatches.stream import ModelStandIn, Stream, make_modes, plan_stream
 from profiling.microbatches.real_models import REAL_MODELS, AdapterStandIn, data_path_share, measure_model_alone
@@ -46,7 +47,8 @@ ALL_MODES = ("eager", "compiled", "reduce-overhead", "loop")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m profiling.microbatches", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.microbatches",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-size", type=int, default=512, help="sequences per global batch (default 512)")
     ap.add_argument("--max-len", type=int, default=2048, help="row length S: longest sequence (default 2048)")
     ap.add_argument("--median-len", type=int, default=256, help="median sequence length (default 256)")

@@ -140,8 +140,8 @@ def test_traces_open_in_tensorboard_with_the_profiler_plugin(profiled, tmp_path)
         while time.monotonic() < deadline:
             try:
                 runs = _get(f"{base}/runs")
-                if not runs["loading"] and runs["runs"]:
-                    break
+                if not runs["loading"] and sorted(runs["runs"]) == sorted(MODES):
+                    break  # the plugin adds runs one by one and may say "not loading" in between
             except OSError:
                 pass  # not listening yet
             time.sleep(0.5)
