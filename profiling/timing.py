@@ -1,12 +1,16 @@
-"""Small timing helpers shared by the benchmarks (wall clock, median of repeats)."""
+"""The one timer of profiling/: every benchmark and the main job time through these helpers (wall
+clock with the device synchronised, or a process's CPU time; medians of repeats, calls interleaved
+side by side), plus the machine line every figure carries and the allocator setting for CPU runs."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class Timing(NamedTuple):
@@ -21,14 +25,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_call(fn: Callable[[], object], device="cpu") -> float:
-    """Seconds one call of ``fn()`` takes, the device synchronised before and after."""
+def timed_result(fn: Callable[[], T], device="cpu") -> tuple[T, float]:
+    """``(fn(), seconds)``: one call's result and wall time, the device synchronised before and after."""
     device = torch.device(device)
     _sync(device)
     start = time.perf_counter()
-    fn()
+    result = fn()
     _sync(device)
-    return time.perf_counter() - start
+    return result, time.perf_counter() - start
+
+
+def timed_call(fn: Callable[[], object], device="cpu") -> float:
+    """Seconds one call of ``fn()`` takes, the device synchronised before and after."""
+    return timed_result(fn, device)[1]
+
+
+def cpu_time_call(fn: Callable[[], object]) -> float:
+    """CPU seconds this process spends in one call of ``fn()`` (``time.process_time``: its own
+    threads' time, not the time it waits for another process or for other jobs on the machine)."""
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
 
 
 def spread(samples) -> tuple[float, float, float]:

@@ -7,4 +7,4 @@
 #   bash scripts/profile.sh --help
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-python -m profiling.profile_microbatches "$@"
+python -m profiling.microbatches "$@"

@@ -19,7 +19,7 @@ Pack, two forms chosen from the static shapes (never from data):
 Measured compiled on this project's 2-core CPU (1 thread): with ``B*S = T`` the scatter packed
 262,144 tokens about 5x faster than the gather; on the profiling stream (``R*S`` about 20x ``T``)
 the two tied, hence the threshold 16. Pack + CP shard (C = 4, m = 8, ``B*S = T = 262,144``,
-``python -m profiling.bench_ops --ops pack+shard --layout scatter|gather``): scatter 744 / 718 / 770
+``python -m profiling.bench.bench_ops --ops pack+shard --layout scatter|gather``): scatter 744 / 718 / 770
 us against gather 1716 / 1882 / 2142 us at B = 8 / 64 / 256. Either form is about 4x a ``clone()``
 of the bytes written there: every token costs an indexed (scalar) store or load, which inductor's
 CPU code does not vectorise.

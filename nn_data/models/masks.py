@@ -13,7 +13,7 @@ A query at packed position ``i`` may see key ``j`` iff both lie in the same segm
 * **block**: a flex-attention ``BlockMask`` (``torch.nn.attention.flex_attention``): per
   128 x 128 block, whether it is empty, full or partial, plus the mask function for the
   partial ones. ``O(T^2 / 128^2)`` small integers (about 1 MiB at T = 32768; measured by
-  ``python -m profiling.mask_memory``). Built by a compiled ``create_block_mask`` *outside*
+  ``python -m profiling.bench.bench_mask_memory``). Built by a compiled ``create_block_mask`` *outside*
   the model's graph (building it inside one compiled graph with the attention failed here),
   and used by a compiled ``flex_attention``.
 

@@ -6,7 +6,7 @@ megatron-core keeps it.
 Tier: pure CPU, single process (a one-rank gloo group on 127.0.0.1 for megatron-core's parallel_state,
 left afterwards). The oracle is the same model in float64 on the sequence alone (megatron-core's
 stock unpacked path); the noise floor is the sequence alone in the tested dtype against it.
-profiling/megatron_rope_precision.py measures the same at T = 512, 4096 and 32768.
+profiling/bench/bench_rope_precision.py measures the same at T = 512, 4096 and 32768.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nn_data.testing.dist import destroy_model_parallel_groups, free_port, init_gloo
-from profiling.megatron_rope_precision import VOCAB, alone, measure, packed_probe, probe_ids, report
+from profiling.bench.bench_rope_precision import VOCAB, alone, measure, packed_probe, probe_ids, report
 from tests.support.megatron_release import needs_megatron_models
 
 pytestmark = [needs_megatron_models, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -83,7 +83,7 @@ def test_inv_freq_stays_float32_as_megatron_core_keeps_it(models):
 
 
 def test_the_precision_script_measures_both_rotations(models):
-    rows = measure(models, [512], 8)  # what python -m profiling.megatron_rope_precision prints, small
+    rows = measure(models, [512], 8)  # what python -m profiling.bench.bench_rope_precision prints, small
     assert [(r["dtype"], r["rotation"]) for r in rows] == [(d, rot) for d in ("float32", "bfloat16")
                                                            for rot in ("from 0", "packed position")]
     assert all(r["floor_rms"] > 0 for r in rows)

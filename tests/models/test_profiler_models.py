@@ -1,4 +1,4 @@
-"""The profiler with a real model (``--model hf|megatron``, profiling/real_models.py) and the examples.
+"""The profiler with a real model (``--model hf|megatron``, profiling/microbatches/real_models.py) and the examples.
 
 Tier: pure CPU, single process (torch.compile of the data path; ``--model megatron`` makes this
 process a one-rank gloo group for the run and leaves it afterwards). No timing is asserted.
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from profiling import profile_microbatches
+from profiling.microbatches import run as profiler
 from tests.support.megatron_release import needs_megatron_models
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron-core's own, when it builds a model
@@ -28,7 +28,7 @@ def test_profiler_runs_a_real_model_and_reports_the_data_paths_share(model, cp, 
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            summary = profile_microbatches.main(TINY + ["--model", model, "--cp-size", cp, "--out-dir", str(tmp_path)])
+            summary = profiler.main(TINY + ["--model", model, "--cp-size", cp, "--out-dir", str(tmp_path)])
     finally:
         if dist.is_initialized():  # only if the run failed before leaving its one-rank group
             from megatron.core import parallel_state
@@ -52,7 +52,7 @@ def test_megatron_needs_cp_size_one_and_real_models_the_data_scope(capsys):
     for argv, message in ((["--model", "megatron"], "--model=megatron needs --cp-size 1 (got 2)"),
                           (["--model", "hf", "--compile-scope", "whole"], "--compile-scope=whole with --model=hf")):
         with pytest.raises(SystemExit):
-            profile_microbatches.parse_args(argv)
+            profiler.parse_args(argv)
         assert message in capsys.readouterr().err
 
 

@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data import PackingError
 from nn_data.packed_forward import PackedForward
-from profiling.microbatch_stream import MicrobatchPipeline, ModelStandIn, compile_pipeline
+from profiling.microbatches.stream import MicrobatchPipeline, ModelStandIn, compile_pipeline
 from nn_data.testing.coded import coded_batch
 
 R, M, T = 6, 4, 96  # row capacity, multiple, pad_full_seq_to (6 rows x 14 tokens fit)

@@ -1,1 +1,1 @@
-"""The profiler (profiling/profile_microbatches.py) end to end with tiny sizes, and its argument errors."""
+"""The profiler (profiling/microbatches/run.py) end to end with tiny sizes, and its argument errors."""

@@ -1,6 +1,6 @@
 """Tier: CPU multi-process over gloo (the benchmark spawns 2 ranks on 127.0.0.1).
 
-profiling/bench_logprobs.py end to end with tiny sizes: every path runs in both modes, the drop-in
+profiling/bench/bench_logprobs.py end to end with tiny sizes: every path runs in both modes, the drop-in
 equals the naive path in float64, spends no host sync and one all-gather (plus one reduce-scatter
 in backward), and ``--nemo-rl`` imports a checkout's ``nemo_rl`` package (here a stand-in package
 whose function is nn_data's own, so the targets section prints). No timing is asserted.
@@ -13,7 +13,7 @@ import io
 
 import pytest
 
-from profiling import bench_logprobs
+from profiling.bench import bench_logprobs
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from profiling import gpu_check
-from profiling.gpu_check_checks import (
+from profiling.gpu_check import run as gpu_check
+from profiling.gpu_check.checks import (
     FAIL, KNOWN, NOT_CHECKED, PASS, bench_checks, profiler_checks, tier_checks, trace_checks,
 )
 

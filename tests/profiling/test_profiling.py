@@ -1,4 +1,4 @@
-"""The profiling suite (profiling/profile_microbatches.py) end to end, with tiny sizes.
+"""The profiling suite (profiling/microbatches/run.py) end to end, with tiny sizes.
 
 Tier: pure CPU, single process for the profile (torch.compile with inductor, torch.profiler),
 plus two subprocesses: ``--help`` and a TensorBoard server with the torch-tb-profiler plugin on
@@ -26,8 +26,8 @@ import torch
 
 from nn_data.errors import PackingError
 from nn_data.testing.dist import free_port
-from profiling import profile_microbatches
-from profiling.microbatch_stream import plan_stream
+from profiling.microbatches import run as profiler
+from profiling.microbatches.stream import plan_stream
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256", "--passes", "2",
@@ -41,7 +41,7 @@ def profiled(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        summary = profile_microbatches.main(TINY + ["--out-dir", str(run_dir)])
+        summary = profiler.main(TINY + ["--out-dir", str(run_dir)])
     summary["printed"] = printed.getvalue()
     yield run_dir, summary
     torch._dynamo.reset()
@@ -140,8 +140,8 @@ def test_traces_open_in_tensorboard_with_the_profiler_plugin(profiled, tmp_path)
         while time.monotonic() < deadline:
             try:
                 runs = _get(f"{base}/runs")
-                if not runs["loading"] and runs["runs"]:
-                    break
+                if not runs["loading"] and sorted(runs["runs"]) == sorted(MODES):
+                    break  # the plugin adds runs one by one and may say "not loading" in between
             except OSError:
                 pass  # not listening yet
             time.sleep(0.5)
@@ -160,7 +160,7 @@ def test_traces_open_in_tensorboard_with_the_profiler_plugin(profiled, tmp_path)
 
 
 def test_help_runs_in_a_fresh_process():
-    out = subprocess.run([sys.executable, "-m", "profiling.profile_microbatches", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "profiling.microbatches", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     for flag in ("--batch-size", "--max-tokens", "--cp-size", "--cp-rank", "--device", "--modes",
@@ -180,7 +180,7 @@ def test_help_runs_in_a_fresh_process():
 ])
 def test_bad_flags_name_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        profile_microbatches.parse_args(argv)
+        profiler.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -199,7 +199,7 @@ def test_bad_stream_configuration_raises():
 
 
 def test_bad_model_mode_and_compile_scope_raise():
-    from profiling.microbatch_stream import ModelStandIn, make_modes
+    from profiling.microbatches.stream import ModelStandIn, make_modes
 
     with pytest.raises(PackingError, match=r"--model='mlp' is invalid; expected 'linear' or 'identity'"):
         ModelStandIn("mlp", 16, 4, 1, 0)
@@ -214,7 +214,7 @@ def test_bad_model_mode_and_compile_scope_raise():
 
 @pytest.mark.compile
 def test_bench_ops_reports_every_mode_side_by_side(capsys):
-    from profiling import bench_ops
+    from profiling.bench import bench_ops
 
     results = bench_ops.main(["--rows", "4", "--tokens", "64", "--multiple", "4", "--cp", "2", "--rank", "1",
                               "--ops", "pack+shard", "--reps", "2"],  # a stand-in for NeMo-RL's function: the plumbing
@@ -231,7 +231,7 @@ def test_bench_ops_reports_every_mode_side_by_side(capsys):
 
 
 def test_the_default_stream_is_cut_at_its_microbatches_and_runs_without_compiling(tmp_path, capsys):
-    summary = profile_microbatches.main(COMMON + ["--microbatches", "5", "--modes", "eager", "loop",
+    summary = profiler.main(COMMON + ["--microbatches", "5", "--modes", "eager", "loop",
                                                   "--out-dir", str(tmp_path)])
     assert summary["stream"]["microbatches"] == 5 and summary["args"]["steps"] is None
     planned, complete = [p["microbatches_per_rank"] for p in summary["stream"]["step_plans"]], summary["stream"]["steps"]
@@ -242,7 +242,7 @@ def test_the_default_stream_is_cut_at_its_microbatches_and_runs_without_compilin
 
 def test_plan_stream_plans_each_step_with_plan_step_on_rank_0():
     from nn_data.planning import ParallelLayout, plan_step
-    from profiling.microbatch_plan import make_global_batch
+    from profiling.microbatches.plan import make_global_batch
 
     common = dict(microbatches=None, batch_size=40, max_len=64, median=24, sigma=1.0, vocab=16, seed=3,
                   device=torch.device("cpu"), max_tokens=200, cp_size=2, multiple=4, dp=2)
@@ -264,8 +264,8 @@ def test_plan_stream_plans_each_step_with_plan_step_on_rank_0():
 
 
 def test_step_times_sum_each_steps_microbatches_pass_by_pass():
-    from profiling.microbatch_measure import step_times
-    from profiling.microbatch_plan import Microbatch, Stream
+    from profiling.microbatches.measure import step_times
+    from profiling.microbatches.plan import Microbatch, Stream
 
     mbs = [Microbatch(None, None, step) for step in (0, 0, 1, 1)]
     stream = Stream(mbs, 8, 16, 4, 1, 2, steps=2)
@@ -273,9 +273,27 @@ def test_step_times_sum_each_steps_microbatches_pass_by_pass():
     assert step_times([2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0], stream._replace(steps=1), 2) == [30.0]
 
 
+def test_the_progress_bar_counts_every_timed_call_of_every_mode():
+    from profiling.microbatches.measure import steady_calls, steady_samples
+    from profiling.microbatches.plan import Microbatch, Stream
+    from profiling.microbatches.stream import Mode
+
+    class Bar:  # what steady_samples uses of a tqdm bar
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+    stream = Stream([Microbatch(None, None, 0) for _ in range(5)], 8, 16, 4, 1, 2, steps=1)
+    modes = [Mode(name, lambda mb: None, False) for name in ("eager", "compiled", "loop")]
+    bar = Bar()
+    samples = steady_samples(modes, stream, 3, "cpu", "full", bar)
+    assert steady_calls(len(modes), stream, 3) == 3 * (3 * 5 - 1) == bar.n == sum(map(len, samples.values()))
+
+
 def test_bench_planner_reports_every_planner_and_checks_its_plans(capsys, tmp_path):
     from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last
-    from profiling import bench_planner
+    from profiling.bench import bench_planner
 
     def stand_in(padded, capacity, dp):  # a stand-in for NeMo-RL's packer: its plan as nn_data reproduces it
         return adjust_bin_count(ffd_ties_last(padded, capacity).bins, dp)
@@ -300,3 +318,13 @@ def test_bench_planner_reports_every_planner_and_checks_its_plans(capsys, tmp_pa
     assert (tmp_path / "p.md").read_text().startswith("| distribution | n | dp | mode |")
     with pytest.raises(FileNotFoundError, match=r"--nemo-rl /nowhere: .*algorithms.py does not exist"):
         bench_planner.load_nemo_rl_packers("/nowhere")
+
+
+def test_the_chart_plots_each_stream_position_as_the_median_of_its_passes():
+    from profiling.microbatches.chart import per_stream_position
+
+    # n = 3, 3 passes: the first pass's microbatch 1 was timed apart (the first call)
+    samples = [2.0, 3.0, 10.0, 20.0, 30.0, 12.0, 22.0, 32.0]
+    assert per_stream_position(samples, 3, 3) == [11.0, 20.0, 30.0]
+    with pytest.raises(ValueError, match="samples=7 is not passes \\* n - 1 = 8"):
+        per_stream_position(samples[:-1], 3, 3)

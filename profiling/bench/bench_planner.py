@@ -29,9 +29,9 @@ sigma 0.5, 25 % uniform in [S/2, S] (short answers and long reasoning); ``unifor
 Sizes: ``small`` (64, 128, 256 sequences, dp 8, S 8192, T 16384) and ``large`` (4096, 16384,
 65536 sequences, dp 64, S 32768, T 65536); CP 2, so each sequence pads to a multiple of 4.
 
-    python -m profiling.bench_planner                                  # every case, nn_data's modes
-    python -m profiling.bench_planner --nemo-rl /path/to/RL            # and NeMo-RL's packers
-    python -m profiling.bench_planner --sizes small --json planner.json --markdown planner.md
+    python -m profiling.bench.bench_planner                                  # every case, nn_data's modes
+    python -m profiling.bench.bench_planner --nemo-rl /path/to/RL            # and NeMo-RL's packers
+    python -m profiling.bench.bench_planner --sizes small --json planner.json --markdown planner.md
 
 The targets (padding never worse than NeMo-RL's default packer, modified FFD, else nn_data's
 nemo-rl mode; work imbalance <= 1.02 wherever the bound allows it; 65,536 sequences planned in
@@ -185,7 +185,8 @@ def targets(rows: list[dict]) -> list[tuple[str, Optional[bool]]]:
 
 
 def main(argv=None, packers: Optional[dict] = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_planner",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=list(SIZES))
     ap.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     ap.add_argument("--counts", nargs="+", type=int, default=None, help="batch sizes (default: each size's own)")

@@ -1,6 +1,6 @@
 """Token log-probs from CP-sharded packed logits: nn_data's NeMo-RL drop-in, NeMo-RL's own function and the naive gather, side by side.
 
-    python -m profiling.bench_logprobs [--cp 2] [--vocab 32000] [--tokens 8192] [--rows 8] [--nemo-rl /path/to/RL]
+    python -m profiling.bench.bench_logprobs [--cp 2] [--vocab 32000] [--tokens 8192] [--rows 8] [--nemo-rl /path/to/RL]
 
 Spawns ``--cp x --tp`` ranks over gloo on 127.0.0.1 (one thread each; TP inner, as NeMo-RL lays
 its groups out). Every rank holds its zigzag shard of the packed logits ``[1, T/C, V/TP]``
@@ -39,7 +39,6 @@ import importlib.util
 import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -53,7 +52,7 @@ from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.megatron_parallel import group_info
 from nn_data.testing.dist import free_port, init_gloo
 from nn_data.unpack import unpack_sequences
-from profiling.timing import machine_description, time_side_by_side
+from profiling.timing import cpu_time_call, machine_description, time_side_by_side
 
 MiB = 2**20
 MODES = ("forward", "forward+backward")
@@ -202,13 +201,11 @@ def rank_main(rank, args, port, out_queue):
             results[(mode, name, "syncs")], results[(mode, name, "collectives")] = syncs.count, coll.count
         cpu = {name: [] for name in paths}
 
-        def timed_call(fn, name):
+        def barrier_then_call(fn, name):
             dist.barrier()
-            start = time.process_time()
-            call(fn, local, weight, mode, name)
-            cpu[name].append(time.process_time() - start)
+            cpu[name].append(cpu_time_call(lambda: call(fn, local, weight, mode, name)))
 
-        timed = time_side_by_side({name: functools.partial(timed_call, fn, name) for name, fn in paths.items()},
+        timed = time_side_by_side({name: functools.partial(barrier_then_call, fn, name) for name, fn in paths.items()},
                                   warmup=0, reps=args.repeats)
         for name, t in timed.items():
             results[(mode, name, "time")] = t.median_s
@@ -273,7 +270,7 @@ def targets(res) -> list[str]:
 
 def main(argv=None) -> dict:
     """Run the benchmark (``argv``: the command line's arguments); returns the raw figures, max over ranks."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_logprobs", description=__doc__.split("\n")[0])
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=32000)

@@ -17,8 +17,8 @@ the targets; writes TensorBoard traces per mode, summary.json and chart.png into
 folder (profiling/runs/<timestamp>/). profiling/README.md explains every column.
 
     bash scripts/profile.sh                                  # set up .venv, run with the defaults
-    python -m profiling.profile_microbatches --cp-size 4 --max-tokens 32768
-    python -m profiling.profile_microbatches --device cuda   # adds reduce-overhead (CUDA graphs)
+    python -m profiling.microbatches --cp-size 4 --max-tokens 32768
+    python -m profiling.microbatches --device cuda   # adds reduce-overhead (CUDA graphs)
     bash scripts/tensorboard.sh                              # open the newest run's traces
 """
 
@@ -34,18 +34,21 @@ import torch
 from torch._dynamo.utils import counters
 
 from nn_data import compile_cache
-from profiling.microbatch_measure import GUARD_EVAL, first_call, graph_count, measure_mode, steady_samples
-from profiling.microbatch_report import format_report, speedups, targets, write_chart, write_summary
-from profiling.microbatch_stream import ModelStandIn, Stream, make_modes, plan_stream
-from profiling.real_models import REAL_MODELS, AdapterStandIn, data_path_share, measure_model_alone
+from profiling.microbatches.chart import write_chart
+from profiling.microbatches.measure import (GUARD_EVAL, first_call, graph_count, measure_mode, steady_calls,
+                                            steady_samples)
+from profiling.microbatches.report import format_report, speedups, targets, write_summary
+from profiling.microbatches.stream import ModelStandIn, Stream, make_modes, plan_stream
+from profiling.microbatches.real_models import REAL_MODELS, AdapterStandIn, data_path_share, measure_model_alone
 from profiling.timing import machine_description, reuse_freed_memory
 
-RUNS = Path(__file__).resolve().parent / "runs"
+RUNS = Path(__file__).resolve().parents[1] / "runs"  # profiling/runs/
 ALL_MODES = ("eager", "compiled", "reduce-overhead", "loop")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.microbatches",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-size", type=int, default=512, help="sequences per global batch (default 512)")
     ap.add_argument("--max-len", type=int, default=2048, help="row length S: longest sequence (default 2048)")
     ap.add_argument("--median-len", type=int, default=256, help="median sequence length (default 256)")
@@ -153,14 +156,15 @@ def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.
 
 
 def describe_stream(stream: Stream) -> dict:
-    rows = sorted(mb.lengths.shape[0] for mb in stream.microbatches)
+    in_order = [mb.lengths.shape[0] for mb in stream.microbatches]  # sequences per microbatch, as streamed
+    rows = sorted(in_order)
     tokens = [mb.tokens for mb in stream.microbatches]
     totals = sorted({mb.total for mb in stream.microbatches})
     plans = stream.plans[:stream.steps]
     return dict(
         microbatches=len(stream.microbatches), global_batches=stream.global_batches, S=stream.seq_len,
         T=stream.total, R=stream.row_capacity, multiple=stream.multiple,
-        rows_min=rows[0], rows_median=rows[len(rows) // 2], rows_max=rows[-1],
+        rows_min=rows[0], rows_median=rows[len(rows) // 2], rows_max=rows[-1], rows_per_microbatch=in_order,
         mean_real_tokens=sum(tokens) / len(tokens),
         fill_of_T=sum(tokens) / sum(mb.total for mb in stream.microbatches),
         steps=stream.steps, packed_length=stream.packed_length, packed_lengths=totals,
@@ -249,10 +253,10 @@ def main(argv=None) -> dict:
                   outputs_max_abs_difference=max_diff, time=time.strftime("%Y-%m-%d %H:%M:%S"),
                   model_alone=alone, data_path_share=share)
     summary = write_summary(str(run_dir / "summary.json"), header=header, results=results, ratios=ratios, checks=checks)
-    title = (f"{machine}\nS={info['S']} T={lengths} R={info['R']} C={args.cp_size}, {info['microbatches']} "
-             f"microbatches, {info['steps']} step(s), load {load[0]:.1f}")
-    counts = [mb.lengths.shape[0] for mb in stream.microbatches]
-    write_chart(str(run_dir / "chart.png"), results, title, rows=(counts * args.passes)[1:])  # as timed
+    subtitle = (f"{machine}, load {load[0]:.1f}\nS={info['S']} T={lengths} R={info['R']} C={args.cp_size}; a stream "
+                f"of {info['microbatches']} microbatches ({info['steps']} complete step(s)), timed {args.passes} times")
+    write_chart(str(run_dir / "chart.png"), results, subtitle, rows=info["rows_per_microbatch"], passes=args.passes,
+                ratios=ratios, step_of=[mb.step for mb in stream.microbatches])
     print(f"run folder: {run_dir} (summary.json, chart.png, one trace folder per mode)")
     print(f"traces: bash scripts/tensorboard.sh {run_dir}")
     if hasattr(model, "close"):
@@ -261,7 +265,7 @@ def main(argv=None) -> dict:
 
 
 def _plan(args, device) -> tuple:
-    """The stream (``profiling.microbatch_plan.plan_stream``) and its description, printed."""
+    """The stream (``profiling.microbatches.plan.plan_stream``) and its description, printed."""
     stream = plan_stream(
         microbatches=args.microbatches, batch_size=args.batch_size, max_len=args.max_len, median=args.median_len,
         sigma=args.sigma, vocab=args.vocab, max_tokens=args.max_tokens, cp_size=args.cp_size,
@@ -286,8 +290,8 @@ def _measure_all(modes, stream: Stream, args, device, run_dir: Path) -> list:
     if not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=args.passes * len(stream.microbatches) - 1, desc="timed passes", unit="mb",
-                        file=sys.stderr, leave=True)
+        progress = tqdm(total=steady_calls(len(modes), stream, args.passes), desc="timed microbatches, all modes",
+                        unit="mb", file=sys.stderr, leave=True)
     before = graph_count()
     try:
         samples = steady_samples(modes, stream, args.passes, device, args.guard_eval, progress)
@@ -299,6 +303,3 @@ def _measure_all(modes, stream: Stream, args, device, run_dir: Path) -> list:
                          steady_graphs=steady_graphs, sync_steps=args.sync_steps, trace_steps=args.trace_steps,
                          device=device, run_dir=str(run_dir)) for mode in modes]
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""``--model hf|megatron`` for ``profile_microbatches``: a real (tiny) transformer in place of the
+"""``--model hf|megatron`` for ``profiling.microbatches``: a real (tiny) transformer in place of the
 model stand-in, and the model's own time per microbatch, so the data path's share of a real
 forward can be read off.
 
@@ -136,7 +136,7 @@ def _one_rank_parallel_state() -> bool:
 def measure_model_alone(model: nn.Module, stream, *, cp_size: int, cp_rank: int, passes: int) -> dict:
     """The model's own time and host syncs per microbatch, on inputs prepared beforehand (the
     data path excluded): ``{"median_s", "mean_s", "syncs_per_microbatch"}``."""
-    from profiling.microbatch_stream import MicrobatchPipeline
+    from profiling.microbatches.stream import MicrobatchPipeline
     from profiling.timing import timed_call
 
     pipeline = MicrobatchPipeline(model, seq_len=stream.seq_len, total=stream.total, multiple=stream.multiple,

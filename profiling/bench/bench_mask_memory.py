@@ -1,8 +1,8 @@
 """Memory of the document-causal mask at a long packed length: a flex ``BlockMask`` vs a dense
 boolean ``[T, T]`` mask (nn_data.models.masks), measured side by side in one run.
 
-    python -m profiling.mask_memory                     # T = 32768, documents of ~1024 tokens
-    python -m profiling.mask_memory --tokens 8192 --attention
+    python -m profiling.bench.bench_mask_memory                     # T = 32768, documents of ~1024 tokens
+    python -m profiling.bench.bench_mask_memory --tokens 8192 --attention
 
 For each form: the bytes the mask keeps alive for the whole forward (what every attention layer
 reads), and the peak bytes the CPU allocator handed out while building it (torch.profiler memory
@@ -15,11 +15,11 @@ dense reference computed row by row.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from nn_data.models.masks import document_block_mask, document_causal_mask
+from profiling.timing import machine_description, timed_result
 
 _MIB = 1024 * 1024
 
@@ -47,9 +47,7 @@ def peak_allocated(fn):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        start = time.perf_counter()
-        result = fn()
-        seconds = time.perf_counter() - start
+        result, seconds = timed_result(fn)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -76,12 +74,8 @@ def check_attention(block, segment_ids: torch.Tensor, rows: int = 8, heads: int 
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, heads, tokens, dim, generator=gen) for _ in range(3))
     with torch.no_grad():
-        start = time.perf_counter()
-        out = document_attention(q, k, v, DocumentMask(None, block))  # [1, H, T, D]
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        out = document_attention(q, k, v, DocumentMask(None, block))
-        second = time.perf_counter() - start
+        out, first = timed_result(lambda: document_attention(q, k, v, DocumentMask(None, block)))  # [1, H, T, D]
+        out, second = timed_result(lambda: document_attention(q, k, v, DocumentMask(None, block)))
         worst = 0.0
         for i in torch.linspace(0, tokens - 1, rows).long().tolist():
             allowed = document_causal_mask(torch.tensor([i]), segment_ids)  # [1, T]
@@ -93,14 +87,14 @@ def check_attention(block, segment_ids: torch.Tensor, rows: int = 8, heads: int 
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_mask_memory",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32768, help="packed length T (default 32768)")
     ap.add_argument("--mean-len", type=int, default=1024, help="mean document length (default 1024)")
     ap.add_argument("--skip-dense", action="store_true", help="do not build the dense mask (T^2 bytes, ~3x at peak)")
     ap.add_argument("--attention", action="store_true", help="also run one flex-attention forward with the block mask")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from profiling.timing import machine_description
 
     print(f"machine: {machine_description()}")
     segment_ids = document_segments(args.tokens, args.mean_len, args.seed)

@@ -4,7 +4,7 @@ ends (a step killed at its time limit still leaves what ran), to ``$NN_DATA_GPU_
 Outcomes: ``passed``, ``failed``, ``error`` (set-up or tear-down failed), ``skipped`` (with the
 reason), ``xfailed`` (a known failure; ``reason`` is its mark's), ``xpassed``.
 
-    NN_DATA_GPU_CHECK_REPORT=tests.jsonl python -m pytest -p profiling.gpu_check_plugin tests/cuda
+    NN_DATA_GPU_CHECK_REPORT=tests.jsonl python -m pytest -p profiling.gpu_check.plugin tests/cuda
 """
 
 from __future__ import annotations

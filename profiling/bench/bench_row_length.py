@@ -16,13 +16,12 @@ Shape legend
 
 One microbatch: pad rows to ``R`` -> compiled pack ``[R, S] -> [1, T]`` -> model stand-in (eager,
 ``[1, T] -> [1, T, O]``) -> compiled unpack ``[1, T, O] -> [R, S, O]``. Run:
-``python -m profiling.row_length_bench`` (``--help`` for the sizes).
+``python -m profiling.bench.bench_row_length`` (``--help`` for the sizes).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
@@ -32,7 +31,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from nn_data import PackSequences, pad_to_row_capacity
 from nn_data.rows import with_dynamic_row_length
 from nn_data.unpack import unpack_sequences
-from profiling.timing import machine_description, spread
+from profiling.timing import machine_description, spread, timed_call, timed_result
 
 
 def make_stream(args) -> list:
@@ -86,7 +85,8 @@ def build(args, mode: str):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_row_length",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=16, help="row capacity R")
     ap.add_argument("--max-len", type=int, default=512, help="largest S, and S_cap")
     ap.add_argument("--total", type=int, default=4096, help="T = pad_full_seq_to")
@@ -108,9 +108,8 @@ def main(argv=None) -> None:
     torch._dynamo.reset()
     for mode in modes:  # first pass: compiles as it goes; every mode must give the same rows
         steps[mode], counters = build(args, mode)  # its own modules and backends: no graph is shared
-        start = time.perf_counter()
-        outs = [steps[mode](ids, lens) for ids, lens in stream]
-        first_pass[mode], graphs[mode] = time.perf_counter() - start, sum(c.frame_count for c in counters)
+        outs, first_pass[mode] = timed_result(lambda: [steps[mode](ids, lens) for ids, lens in stream])
+        graphs[mode] = sum(c.frame_count for c in counters)
         reference = reference or outs
         assert all(torch.equal(a, b) for a, b in zip(outs, reference)), f"{mode} disagrees with static"
     samples = {mode: [] for mode in modes}
@@ -118,9 +117,7 @@ def main(argv=None) -> None:
         for i, (ids, lens) in enumerate(stream):
             for k in range(len(modes)):
                 mode = modes[(i + rep + k) % len(modes)]
-                start = time.perf_counter()
-                steps[mode](ids, lens)
-                samples[mode].append(time.perf_counter() - start)
+                samples[mode].append(timed_call(lambda: steps[mode](ids, lens)))
     base = spread(samples["static"])[0]
     print("| mode | graphs | first pass, compiles included (s) | median ms / microbatch | p10 | p90 | vs static |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -9,8 +9,8 @@ per check. Made to finish in under 8 minutes on one CUDA GPU, compiles included.
 Steps (each a subprocess with its own time limit: its share of what is left of ``--budget-s``;
 its log is kept):
 1. ``tests``: ``pytest -m cuda tests/cuda`` (the dry run sets ``NN_DATA_CUDA_DRY_RUN=1``).
-2. ``bench``: ``python -m profiling.bench_ops --device cuda`` (B = 8, 64, 256).
-3. ``profiler``: ``python -m profiling.profile_microbatches --device cuda``, then its traces
+2. ``bench``: ``python -m profiling.bench.bench_ops --device cuda`` (B = 8, 64, 256).
+3. ``profiler``: ``python -m profiling.microbatches --device cuda``, then its traces
    are parsed with torch-tb-profiler.
 
 The run folder ``profiling/gpu_runs/<timestamp>/`` (``--out-dir``) holds ``results.json``
@@ -39,11 +39,11 @@ from pathlib import Path
 
 import torch
 
-from profiling import gpu_check_checks as checks_mod
-from profiling.gpu_check_checks import FAIL, KNOWN, NOT_CHECKED, PASS, Check
+from profiling.gpu_check import checks as checks_mod
+from profiling.gpu_check.checks import FAIL, KNOWN, NOT_CHECKED, PASS, Check
 from profiling.timing import machine_description
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 RUNS = ROOT / "profiling" / "gpu_runs"
 PACKAGES = ("megatron.core", "torch_tb_profiler", "tensorboard", "matplotlib", "tqdm", "pytest", "hypothesis",
             "einops", "numpy")
@@ -56,7 +56,8 @@ EXPORT_LIMIT = 15 * 1024 * 1024  # the device tool brings files of up to 16 MiB 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.gpu_check",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="run every step on the CPU with tiny sizes")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="wall-time budget of the three steps, shared 40/30/30 %% (default 450)")
@@ -119,7 +120,7 @@ def _load_json(path: Path):
 def step_tests(run_dir: Path, limit: float, dry: bool, cuda: bool) -> tuple[dict, list]:
     report = run_dir / "tests.jsonl"
     cmd = [sys.executable, "-m", "pytest", "tests/cuda", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
-           "-p", "profiling.gpu_check_plugin"]
+           "-p", "profiling.gpu_check.plugin"]
     env = {"NN_DATA_GPU_CHECK_REPORT": str(report), **({"NN_DATA_CUDA_DRY_RUN": "1"} if dry else {})}
     info = run_step("tests", cmd, run_dir, limit, env)
     return info, checks_mod.tier_checks(str(report), info["rc"], cuda=cuda, timed_out=info["timed_out"])
@@ -127,7 +128,7 @@ def step_tests(run_dir: Path, limit: float, dry: bool, cuda: bool) -> tuple[dict
 
 def step_bench(run_dir: Path, limit: float, dry: bool, cuda: bool) -> tuple[dict, list]:
     out = run_dir / "bench.json"
-    cmd = [sys.executable, "-m", "profiling.bench_ops", "--json", str(out), "--device", "cuda" if cuda else "cpu"]
+    cmd = [sys.executable, "-m", "profiling.bench.bench_ops", "--json", str(out), "--device", "cuda" if cuda else "cpu"]
     info = run_step("bench", cmd + (TINY_BENCH if dry else []), run_dir, limit, {})
     data = _load_json(out)
     info["results"] = data["results"] if data else None
@@ -139,7 +140,7 @@ def step_bench(run_dir: Path, limit: float, dry: bool, cuda: bool) -> tuple[dict
 
 def step_profiler(run_dir: Path, limit: float, dry: bool, cuda: bool) -> tuple[dict, list]:
     out = run_dir / "profiler"
-    cmd = [sys.executable, "-m", "profiling.profile_microbatches", "--device", "cuda" if cuda else "cpu",
+    cmd = [sys.executable, "-m", "profiling.microbatches", "--device", "cuda" if cuda else "cpu",
            "--out-dir", str(out), "--no-progress"]
     info = run_step("profiler", cmd + (TINY_PROFILE if dry else []), run_dir, limit, {})
     summary = _load_json(out / "summary.json")
@@ -264,6 +265,3 @@ def main(argv=None) -> int:
         print(f"[gpu_check] exported results.json, summary.txt, gpu_run.tar.gz to {args.export}")
     return 1 if counts[FAIL] else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

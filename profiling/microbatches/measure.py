@@ -41,7 +41,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from nn_data.diagnostics import HostSyncCounter
-from profiling.microbatch_stream import Mode, Stream
+from profiling.microbatches.stream import Mode, Stream
 from profiling.timing import spread, timed_call
 
 
@@ -99,11 +99,19 @@ def first_call(mode: Mode, stream: Stream, device) -> tuple[float, int]:
     return first, graph_count() - before
 
 
+def steady_calls(modes: int, stream: Stream, passes: int) -> int:
+    """Timed calls of the steady passes, all modes together (what the progress bar counts): every
+    microbatch of every pass but the first pass's first, per mode. 3 modes, 32 microbatches, 3
+    passes -> 3 * (3 * 32 - 1) = 285."""
+    return modes * (passes * len(stream.microbatches) - 1)
+
+
 def steady_samples(modes: list, stream: Stream, passes: int, device, guard_eval: str = "skip-unsafe",
                    progress=None) -> dict:
     """``{mode name: [seconds per microbatch]}`` over ``passes`` passes, the modes taking turns
     pass by pass (the stream's first microbatch of the first pass is skipped: each mode's first
-    call was timed apart)."""
+    call was timed apart). ``progress`` (a tqdm bar) advances once per timed call:
+    ``steady_calls`` in all."""
     if guard_eval not in GUARD_EVAL:
         raise ValueError(f"--guard-eval={guard_eval!r} is invalid; expected one of {GUARD_EVAL}")
     samples: dict = {m.name: [] for m in modes}

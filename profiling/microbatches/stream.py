@@ -1,5 +1,5 @@
-"""The per-microbatch pipelines of ``profile_microbatches`` (nn_data ops eager or compiled, and
-NeMo-RL-style loops) over the stream that ``profiling.microbatch_plan`` plans.
+"""The per-microbatch pipelines of ``profiling.microbatches`` (nn_data ops eager or compiled, and
+NeMo-RL-style loops) over the stream that ``profiling.microbatches.plan`` plans.
 
 Shape legend
     N   sequences in a global batch (``--batch-size``)
@@ -37,12 +37,12 @@ from nn_data import RowPadded
 from nn_data.errors import PackingError
 from nn_data.pack import check_pack_args
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
-from profiling.microbatch_plan import Microbatch, Stream, plan_stream  # noqa: F401  (re-exported)
+from profiling.microbatches.plan import Microbatch, Stream, plan_stream  # noqa: F401  (re-exported)
 
 
 class ModelStandIn(nn.Module):
     """A small model on the local packed tokens: ``ids [1, T/C] -> [1, T/C, O]`` (the packed
-    boundaries ``cu_seqlens_padded`` are passed too, for real models: profiling/real_models.py).
+    boundaries ``cu_seqlens_padded`` are passed too, for real models: profiling/microbatches/real_models.py).
 
     ``kind="linear"``: embedding ``[vocab, H]`` then a linear layer ``H -> O`` (O = 1 is a
     per-token score, like the log-probs or values an RL step unpacks). ``kind="identity"``:

@@ -29,9 +29,9 @@ paths are checked at the end ("target met / MISSED"). A mode that raises gives a
 ``--device cuda``: the inputs live on the GPU; each call is timed between two CUDA events
 (median of ``--reps``, default 50), mode after mode.
 
-    python -m profiling.bench_ops                          # the README table (1 thread)
-    python -m profiling.bench_ops --rows 8 --ops pack+shard --reps 20
-    python -m profiling.bench_ops --device cuda --json bench.json
+    python -m profiling.bench.bench_ops                          # the README table (1 thread)
+    python -m profiling.bench.bench_ops --rows 8 --ops pack+shard --reps 20
+    python -m profiling.bench.bench_ops --device cuda --json bench.json
 
 NeMo-RL's function needs megatron-bridge and NeMo-RL's own modules; a script outside the
 repository that can import it calls ``main(argv, baselines={"nemo-rl": fn})``.
@@ -337,7 +337,8 @@ def _target_checks(op: str, rows: int, mode: str, r: dict, by: dict) -> list:
 def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
     """Run the benchmark; ``baselines`` adds pack+shard modes with NeMo-RL's signature
     ``f(input_ids, seq_lengths, m, p, pad_packed_seq_to, cp_rank, cp_size)``."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_ops",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256], help="B values (default 8 64 256)")
     ap.add_argument("--tokens", type=int, default=262_144, help="B*S per case (default 262144)")
     ap.add_argument("--multiple", type=int, default=8, help="pad_individual_seqs_to_multiple_of (default 8)")

@@ -1,5 +1,5 @@
-"""What ``profile_microbatches`` shows: one table, the speed-up ratios, the targets, summary.json
-and a PNG chart (per-microbatch latency by mode; medians with p10-p90 bars)."""
+"""What ``profiling.microbatches`` prints and keeps: one table, the speed-up ratios, the targets and
+summary.json (the chart is ``profiling.microbatches.chart``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Optional
 
-from profiling.microbatch_measure import ModeResult
+from profiling.microbatches.measure import ModeResult
 
 _MIB = 1024 * 1024
 
@@ -112,51 +112,3 @@ def write_summary(path: str, *, header: dict, results: list[ModeResult], ratios,
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
     return summary
-
-
-def write_chart(path: str, results: list[ModeResult], title: str, rows: Optional[list] = None) -> None:
-    """PNG: left, latency of every timed microbatch by mode (log scale; ``rows``, the sequences of
-    each timed microbatch, on a second axis); right, medians with p10-p90 bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right, steps) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [2, 1, 1]})
-    for r in results:
-        left.plot([s * 1e3 for s in r.samples_s], label=r.name, linewidth=1)
-    left.set_yscale("log")
-    left.set_xlabel("microbatch (steady state, all passes)")
-    left.set_ylabel("latency per microbatch (ms)")
-    handles, labels = left.get_legend_handles_labels()
-    if rows:
-        twin = left.twinx()
-        (line,) = twin.plot(rows, color="grey", linestyle=":", linewidth=1, label="sequences (right axis)")
-        twin.set_ylabel("sequences in the microbatch")
-        handles, labels = handles + [line], labels + [line.get_label()]
-    left.legend(handles, labels, fontsize=8)
-    left.grid(True, which="both", alpha=0.3)
-    names = [r.name for r in results]
-    medians = [r.median_s * 1e3 for r in results]
-    errors = [[(r.median_s - r.p10_s) * 1e3 for r in results], [(r.p90_s - r.median_s) * 1e3 for r in results]]
-    right.bar(names, medians, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(results))])
-    right.set_ylabel("median ms per microbatch (p10-p90)")
-    for i, value in enumerate(medians):
-        right.annotate(f"{value:.2f}", (i, value), xytext=(14, 2), textcoords="offset points", ha="left",
-                       va="bottom", fontsize=8)
-    for r in results:  # the time of every timed training step, by mode (mean and std in the legend)
-        if r.step_s:
-            label = f"{r.name}: {r.step_mean_s * 1e3:.1f} ms" + (f" +- {r.step_std_s / r.step_mean_s:.1%}"
-                                                             if r.step_std_s is not None else "")
-            steps.plot([s * 1e3 for s in r.step_s], marker="o", markersize=3, linewidth=1, label=label)
-    steps.set_xlabel("training step (steady state, all passes)")
-    steps.set_ylabel("time per step (ms)")
-    if any(r.step_s for r in results):
-        steps.legend(fontsize=7)
-    else:
-        steps.text(0.5, 0.5, "no complete step timed", ha="center", va="center", transform=steps.transAxes)
-    steps.grid(True, alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

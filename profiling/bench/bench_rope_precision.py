@@ -1,8 +1,8 @@
 """Precision of a sequence late in a long pack through MegatronGPTAdapter: rotated from position 0
 (what the adapter does) vs by its packed position (megatron-core's THD RoPE with ``max_seqlen = T``).
 
-    python -m profiling.megatron_rope_precision                    # T = 512, 4096, 32768
-    python -m profiling.megatron_rope_precision --totals 512 4096 --probe 8
+    python -m profiling.bench.bench_rope_precision                    # T = 512, 4096, 32768
+    python -m profiling.bench.bench_rope_precision --totals 512 4096 --probe 8
 
 A tiny megatron-core GPTModel (2 layers, hidden 64, RoPE, inv_freq in float32 as megatron-core
 keeps it) in float64, float32 and bf16, the same parameters. A probe sequence of ``--probe`` tokens
@@ -97,7 +97,8 @@ def report(rows: list) -> str:
 
 
 def main(argv=None) -> list:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m profiling.bench.bench_rope_precision",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--totals", type=int, nargs="+", default=[512, 4096, 32768], help="pack lengths T")
     ap.add_argument("--probe", type=int, default=32, help="tokens of the probe sequence")
     args = ap.parse_args(argv)

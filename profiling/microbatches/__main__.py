@@ -1,0 +1,5 @@
+"""``python -m profiling.microbatches [flags]``: the main job (``--help`` lists the flags)."""
+
+from profiling.microbatches.run import main
+
+main()
