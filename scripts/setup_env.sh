@@ -17,7 +17,7 @@ if [ ! -f "$venv/.nn_data_ready" ]; then
             | { grep -v "^WARNING: Location 'file://.*' is ignored: it is neither a file nor a directory.$" || true; } >&2
     }
     setup_say "first run: creating ${venv#"$root"/} with the pins of $(basename "$constraints")"
-    setup_say "this takes about 2 min for .venv, about 3 min and a 1.4 GB download for .venv-mcore019 (2-core machine, 2026-12-01)"
+    setup_say "this takes about 2-3 min for .venv, about 3 min and a 1.4 GB download for .venv-mcore019 (measured on a shared 2-core machine, 2026-12-01)"
     "${NN_DATA_PYTHON:-python3}" -m venv "$venv"
     setup_say "1/3 upgrading pip"
     setup_pip --upgrade pip
