@@ -22,7 +22,7 @@ if [ ! -f "$venv/.nn_data_ready" ]; then
     setup_say "1/3 upgrading pip"
     setup_pip --upgrade pip
     # torch first and pinned: on Python 3.11 the CPU build on disk, not a CUDA build from the index.
-    setup_say "2/3 installing torch==2.13.0 first and pinned (a loose torch would pull a multi-GB CUDA build)"
+    setup_say "2/3 installing torch==2.13.0 first, pinned (a loose requirement would pull the newest multi-GB CUDA build)"
     setup_pip -c "$constraints" torch==2.13.0
     setup_say "3/3 installing nn_data (editable) with its test and profile extras: megatron-core, transformers, pytest, tensorboard, ..."
     setup_pip -c "$constraints" -e "$root[test,profile]"
