@@ -1,12 +1,16 @@
 """nn_data: Megatron THD packing, context-parallel sharding and unpacking as
 stateless ``nn.Module`` ops that ``torch.compile`` captures whole.
 
-Importing ``nn_data`` does not import megatron-core; only
-:mod:`nn_data.megatron_data` (the NeMo-RL-compatible layer) does;
-:mod:`nn_data.megatron_parallel` reads megatron-core's ``parallel_state`` only
-when the caller has already imported and initialised it.
+Importing ``nn_data`` (or :mod:`nn_data.megatron_data`, the NeMo-RL-compatible layer, or
+:mod:`nn_data.adapters`) imports neither megatron-core nor transformers. megatron-core is imported
+at first use: by :mod:`nn_data.megatron_parallel` when a ``PackedSeqParams`` is built (its
+``parallel_state`` is read only when the caller has already imported and initialised it), and by
+the megatron-core model adapters (``nn_data.adapters.megatron_*``, ``nn_data.models.tiny_megatron``)
+when one is built; transformers by the HF adapter when it is used. ``__version__`` is the installed
+package's version (``"0+unknown"`` for a source tree pip never installed).
 """
 
+from nn_data._version import package_version
 from nn_data.context_parallel import ShardForContextParallel, UnshardFromContextParallel
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.errors import PackingError
@@ -18,7 +22,10 @@ from nn_data.rows import RowPadded, pad_rows, pad_to_row_capacity
 from nn_data.targets import NextTokenTargets, PositionIds, Targets
 from nn_data.unpack import UnpackSequences
 
+__version__ = package_version()
+
 __all__ = [
+    "__version__",
     "GatherFromContextParallel",
     "NextTokenTargets",
     "PackLayout",

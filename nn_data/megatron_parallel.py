@@ -1,4 +1,5 @@
-"""megatron-core glue: the one module that imports megatron-core, always lazily.
+"""megatron-core glue: the one module of the data path that imports megatron-core, always lazily
+(the megatron-core model adapters, ``nn_data.adapters.megatron_*``, import it themselves).
 
 Two jobs (``docs/design.md``, "Process groups" and "megatron-core"):
 

@@ -26,7 +26,8 @@ What is nn_data's: one index map for the whole microbatch (no loop over sequence
 a rank's own positions computed in chunks of tokens (``token_logprobs_local``), one all-gather of
 ``[1, T/C]`` values over ``cp_group`` (one ``[2, N]`` all-gather over ``group`` under TP), and no host
 sync: one with ``validate=True`` (the default), which checks ``cu_seqlens_padded``. The differences
-from NeMo-RL (float64 kept, ``chunk_size=None`` still chunked, ``None`` groups) are in the README's table.
+from NeMo-RL (float64 kept, ``chunk_size=None`` still chunked, ``None`` groups) are in
+docs/nemo-rl.md's "Differences from NeMo-RL" table.
 """
 
 from __future__ import annotations

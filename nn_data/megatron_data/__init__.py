@@ -11,7 +11,7 @@ values (tuples where NeMo-RL returns tuples, the same dataclasses), including HE
 when CP is not set up) and ``get_packed_seq_cp_partition_indices`` (megatron-bridge's, here
 without megatron-bridge). The functions call each other through this module's names at call
 time, so ``mock.patch("nn_data.megatron_data.X")`` reaches the call as it does in NeMo-RL.
-Differences (the README's "Differences from NeMo-RL" table lists all of them):
+Differences (docs/nemo-rl.md's "Differences from NeMo-RL" table lists all of them):
 
 * one layout plan per microbatch (:mod:`nn_data.layout`), made after one read of the lengths, packs
   and CP-shards the ids and every companion (``mtp_loss_mask``, the media mask, ``routed_experts``)

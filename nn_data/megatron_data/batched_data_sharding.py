@@ -6,7 +6,7 @@ gathers per-rank results back into one batch (:func:`stack_batches`, its ``from_
 and undoes the planner's reordering (:func:`reorder_rows`, its ``reorder_data``);
 :func:`chunk_rows` is its ``chunk``. Same arguments, results and plan attributes
 (``micro_batch_indices``, ``micro_batch_lengths``, ``elem_counts_per_gb``); the differences
-are listed in the README's "Differences from NeMo-RL" table. Host-side planning code: it
+are listed in docs/nemo-rl.md's "Differences from NeMo-RL" table. Host-side planning code: it
 reads the lengths to the host once per call.
 """
 

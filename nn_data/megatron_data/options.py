@@ -43,7 +43,7 @@ class PackOptions:
         so every microbatch of the run has one shape (one graph; fixed PP receive buffers). Not
         with ``buckets``.
 
-    Built from a config with :meth:`from_cfg` (``cfg["nn_data"]``, see the README).
+    Built from a config with :meth:`from_cfg` (``cfg["nn_data"]``, docs/nemo-rl.md, "nn_data options").
     """
 
     compile: bool = False

@@ -1,4 +1,4 @@
-"""The compile contract of the NeMo-RL-compatible layer's compiled switch (issue 10): one graph for a
+"""The compile contract of the NeMo-RL-compatible layer's compiled switch: one graph for a
 stream whose row length ``S`` (0 and 1 included) and row count (0 included) vary, compiled == eager
 on every field of ``ProcessedInputs`` (``PackedSeqParams`` included), and every shape/dtype/device
 error raised as ``PackingError`` before the compiled region, with the eager message.

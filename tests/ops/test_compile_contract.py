@@ -1,4 +1,4 @@
-"""The compile contract of the core ops (issue 10): one graph for a stream whatever varies (lengths,
+"""The compile contract of the core ops: one graph for a stream whatever varies (lengths,
 row counts under a row capacity, the row length ``S``, ``S = 0`` and ``1`` included), compiled ==
 eager on every returned field, errors that keep their message when a user compiles an op directly,
 data errors as device asserts.

@@ -1,4 +1,4 @@
-"""The compile contract of the entry points nn_data compiles itself (issue 10): ``PackedForward(
+"""The compile contract of the entry points nn_data compiles itself: ``PackedForward(
 compile_packing=True)`` and the profiler's compiled pipeline. One graph per side for a stream of row
 lengths (``S = 0`` and ``1`` included) and row counts, compiled == eager on every field, and every
 shape/dtype/device error raised as ``PackingError`` before the compiled region, with the eager

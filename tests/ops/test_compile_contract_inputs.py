@@ -1,4 +1,4 @@
-"""Inputs the compile contract must refuse or handle without a hidden sync (issue 10): non-integer
+"""Inputs the compile contract must refuse or handle without a hidden sync: non-integer
 lengths however given, unpack boundaries past T, and no host-to-device copy of Python data (counted
 by HostSyncCounter, which the ``meta`` device lets run without a GPU).
 

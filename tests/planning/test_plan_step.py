@@ -224,7 +224,7 @@ def test_evaluate_plan_measures_another_planners_ranks_and_checks_the_guarantees
         evaluate_plan([[[0]], [[1], [2]]], [6, 5, 4], layout, pad_full_seq_to=10)
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/planning.md"])
+@pytest.mark.parametrize("page", ["docs/planning.md"])
 def test_the_documented_example_runs_as_written_and_prints_what_the_page_says(page, capsys):
     import re
     from pathlib import Path
