@@ -2,3 +2,10 @@
 ``profiling.bench`` (the benchmarks) and ``profiling.gpu_check`` (the GPU check); their shared
 code at the top (``profiling.timing``: the one timer; ``profiling.cuda_counters``: sync and
 CUDA-graph counters for the benchmarks and the CUDA tests). profiling/README.md."""
+
+import os
+
+# torch 2.13's profiler backend (kineto) prints a "USDT: ... profiler_start" / "profiler_stop" line
+# on stderr for every torch.profiler session, which buries the tools' own output. Level 6 silences
+# kineto's native log; it is read at each session, and a value already set in the environment wins.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")

@@ -2,13 +2,16 @@
 # Create (once) and activate the project's virtual environment in .venv, with the
 # pinned versions of constraints.txt. Source it: `. scripts/setup_env.sh`.
 # The first time it says what it installs, step by step, and how long it took; afterwards it is
-# silent. NN_DATA_VENV overrides the location, NN_DATA_PYTHON the interpreter (python3) and
+# silent, unless pyproject.toml or the pins changed since: then it says so and reinstalls nn_data
+# and its extras into the same venv (seconds). NN_DATA_VENV overrides the location, NN_DATA_PYTHON the interpreter (python3) and
 # NN_DATA_CONSTRAINTS the pins (constraints.txt): scripts/test_mcore019.sh sets all three.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${NN_DATA_VENV:-$root/.venv}"
 constraints="${NN_DATA_CONSTRAINTS:-$root/constraints.txt}"
-if [ ! -f "$venv/.nn_data_ready" ]; then
+# the venv is current while it was made from these two files: their digest is its stamp
+setup_stamp="$(cat "$root/pyproject.toml" "$constraints" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$venv/.nn_data_ready" ] || [ "$(cat "$venv/.nn_data_ready")" != "$setup_stamp" ]; then
     setup_started=$SECONDS
     setup_say() { echo "setup_env: $*" >&2; }
     setup_pip() {  # quiet pip; the one line a machine's pip.conf may repeat per package (an absent
@@ -16,21 +19,26 @@ if [ ! -f "$venv/.nn_data_ready" ]; then
         "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --progress-bar off "$@" 2>&1 \
             | { grep -v "^WARNING: Location 'file://.*' is ignored: it is neither a file nor a directory.$" || true; } >&2
     }
-    setup_say "first run: creating ${venv#"$root"/} with the pins of $(basename "$constraints")"
-    setup_say "this takes about 2-3 min for .venv, about 3 min and a 1.4 GB download for .venv-mcore019 (measured on a shared 2-core machine, 2026-12-01)"
-    "${NN_DATA_PYTHON:-python3}" -m venv "$venv"
-    setup_say "1/3 upgrading pip"
-    setup_pip --upgrade pip
+    if [ -f "$venv/.nn_data_ready" ]; then
+        setup_say "pyproject.toml or $(basename "$constraints") changed since ${venv#"$root"/} was made: updating it"
+    else
+        setup_say "first run: creating ${venv#"$root"/} with the pins of $(basename "$constraints")"
+        setup_say "this takes about 2 min for .venv, about 3 min and a 1.4 GB download for .venv-mcore019 (measured on this project's 2-core machine, 2026-12-01)"
+        "${NN_DATA_PYTHON:-python3}" -m venv "$venv"
+        setup_say "1/3 upgrading pip"
+        setup_pip --upgrade pip
+    fi
     # torch first and pinned: on Python 3.11 the CPU build on disk, not a CUDA build from the index.
     setup_say "2/3 installing torch==2.13.0 first, pinned (a loose requirement would pull the newest multi-GB CUDA build)"
     setup_pip -c "$constraints" torch==2.13.0
     setup_say "3/3 installing nn_data (editable) with its test and profile extras: megatron-core, transformers, pytest, tensorboard, ..."
     setup_pip -c "$constraints" -e "$root[test,profile]"
-    touch "$venv/.nn_data_ready"
+    echo "$setup_stamp" > "$venv/.nn_data_ready"
     setup_say "ready in $((SECONDS - setup_started)) s; later runs reuse it silently"
     unset -f setup_say setup_pip
     unset setup_started
 fi
+unset setup_stamp
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 cd "$root"
