@@ -74,8 +74,8 @@ def as_int_vector(name: str, value, length: Optional[int] = None) -> torch.Tenso
     """
     if not isinstance(value, torch.Tensor):
         try:
-            # host data (a list, tuple or numpy array): no device sync
-            converted = torch.as_tensor(value.tolist() if hasattr(value, "tolist") else list(value))
+            host = value.tolist() if hasattr(value, "tolist") else list(value)  # sync: none, host data (numpy/list)
+            converted = torch.as_tensor(host)
         except (TypeError, ValueError, RuntimeError) as err:
             raise PackingError(f"{name}={value!r} is invalid; expected integer lengths ({err})") from None
         if converted.dtype not in _INT_DTYPES and converted.numel():
