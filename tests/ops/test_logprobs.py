@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.support.allocations import Allocations
 from tests.support.cp_cases import make_microbatch, pack_single
 from nn_data import GatherFromContextParallel, PackingError, TokenLogProbs, UnpackSequences
 from nn_data.diagnostics import HostSyncCounter
@@ -90,30 +90,14 @@ def test_low_precision_logits_are_reduced_in_float32(dtype, tol):
     torch.testing.assert_close(grad.double(), ref_grad.double(), rtol=tol, atol=tol)
 
 
-class _Allocations(TorchDispatchMode):
-    """Element counts of every fresh (non-view, non-in-place) tensor an aten op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self.sizes.append(t.numel())
-        return out
-
-
 def test_no_logits_sized_temporary_in_forward_and_one_gradient_in_backward():
     r, ids, logits, weight = _inputs([16, 16, 9], seed=7, dtype=torch.float32)
     op = TokenLogProbs(S, chunk_tokens=4)
     x = logits.clone().requires_grad_()
-    with _Allocations() as fwd:
+    with Allocations() as fwd:
         out = op(x, ids, r.cu_seqlens, r.cu_seqlens_padded)
     assert max(fwd.sizes) <= 4 * V  # one [chunk, V] block at most; everything else is O(T)
-    with _Allocations() as bwd:
+    with Allocations() as bwd:
         (out * weight.float()).sum().backward()
     big = [n for n in bwd.sizes if n > 4 * V]
     assert big == [logits.numel()]  # the gradient itself, written chunk by chunk

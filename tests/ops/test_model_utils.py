@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nn_data import PackingError, TokenLogProbs
 from nn_data import model_utils as mu
@@ -23,6 +22,7 @@ from nn_data.megatron_parallel import SINGLE
 from nn_data.sampling import SamplingFilter, TrainingSamplingParams, row_thresholds, sampling_filter
 from nn_data.testing.nemo_reference import reference_filter, reference_row_logprobs
 from nn_data.testing.reference import reference_shard
+from tests.support.allocations import Allocations
 from tests.support.model_utils_cases import (
     LAYOUTS,
     SAMPLINGS,
@@ -127,31 +127,15 @@ def test_inference_only_builds_no_graph_and_dtypes_follow_the_logits():
     assert ref.dtype == torch.float64  # float64 logits stay float64 (NeMo-RL: float32)
 
 
-class _Allocations(TorchDispatchMode):
-    """Element counts of every fresh (non-view, non-in-place) tensor an aten op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self.sizes.append(t.numel())
-        return out
-
-
 @pytest.mark.parametrize("sampling", [None, "top-k+top-p"])
 def test_one_chunk_in_forward_and_one_logits_sized_gradient_in_backward(sampling):
     inp = packed_inputs([16, 16, 9], 1, pad_full_seq_to=48)
     x = inp.logits.float().requires_grad_()
-    with _Allocations() as fwd:
+    with Allocations() as fwd:
         out = PACKED(x, inp.ids, inp.cu_seqlens_padded, 16, 0, VOCAB, None, chunk_size=4,
                      sampling_params=SAMPLINGS.get(sampling), validate=False)
     assert max(fwd.sizes) <= 4 * VOCAB  # one [chunk, V] block at a time (the filter's sort included)
-    with _Allocations() as bwd:
+    with Allocations() as bwd:
         finite_loss(out, inp.weight.float()).backward()
     assert [n for n in bwd.sizes if n > 4 * VOCAB] == [x.numel()]  # the gradient itself, chunk by chunk
 
