@@ -1,7 +1,7 @@
 """nn_data: Megatron THD packing, context-parallel sharding and unpacking as
 stateless ``nn.Module`` ops that ``torch.compile`` captures whole.
 
-Importing ``nn_data`` (or :mod:`nn_data.megatron_data`, the NeMo-RL-compatible layer, or
+Importing ``nn_data`` (or :mod:`nn_data.nemo_rl.megatron_data`, the NeMo-RL-compatible layer, or
 :mod:`nn_data.adapters`) imports neither megatron-core nor transformers. megatron-core is imported
 at first use: by :mod:`nn_data.megatron_parallel` when a ``PackedSeqParams`` is built (its
 ``parallel_state`` is read only when the caller has already imported and initialised it), and by

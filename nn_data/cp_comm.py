@@ -25,7 +25,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.context_parallel import UnshardFromContextParallel
-from nn_data.megatron_parallel import group_info
+from nn_data.groups import group_info
 
 # torch >= 2.12 names these *_single; older releases only have the *_tensor spelling.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor

@@ -24,7 +24,7 @@ from torch import nn
 from nn_data import _checks
 from nn_data.context_parallel import op_layout
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
-from nn_data.megatron_parallel import group_info
+from nn_data.groups import group_info
 from nn_data.sampling import row_thresholds, vocab_parallel_thresholds
 from nn_data.layout import checks, execute
 from nn_data.layout.index import ZigzagLocal, packed_segments

@@ -1,123 +1,43 @@
-"""megatron-core glue: the one module of the data path that imports megatron-core, always lazily
-(the megatron-core model adapters, ``nn_data.adapters.megatron_*``, import it themselves).
+"""megatron-core's ``PackedSeqParams``: the one module of the data path that imports megatron-core,
+always lazily (the megatron-core model adapters, ``nn_data.adapters.megatron_*``, import it themselves).
 
-Two jobs (``docs/design.md``, "Process groups" and "megatron-core"):
+:func:`make_packed_seq_params` builds megatron-core's THD ``PackedSeqParams``, filling only the fields
+the installed release has, with no host sync (it builds ``seq_idx`` itself, :func:`sequence_index`,
+where megatron-core 0.17+ would); ``docs/design.md``, "megatron-core". ``import megatron.core`` costs
+seconds and warns about TransformerEngine/Apex, so nothing here imports it at module import:
+``PackedSeqParams`` is imported on its first use.
 
-* **Process groups.** The ops take a ``ProcessGroup`` (or ``cp_size``/``cp_rank`` ints);
-  :func:`group_info` turns a group into ``(rank, size, group)`` and is the only resolver
-  every op uses. ``None`` always means *not split along that axis* (rank 0 of 1), never
-  "the world group". :func:`context_parallel_info` / :func:`tensor_parallel_info` add
-  megatron-core's ``parallel_state`` as a source, for callers that use megatron.
-* **PackedSeqParams.** :func:`make_packed_seq_params` builds megatron-core's THD
-  ``PackedSeqParams``, filling only the fields the installed release has, with no host sync
-  (it builds ``seq_idx`` itself, :func:`sequence_index`, where megatron-core 0.17+ would).
-
-``import megatron.core`` costs seconds and warns about TransformerEngine/Apex, so nothing
-here imports it at module import: ``parallel_state`` is read only if some code already
-imported (and initialised) it, and ``PackedSeqParams`` is imported on its first use.
+Process groups (``group_info``, ``ParallelInfo``, ``context_parallel_info``, ...) moved to
+:mod:`nn_data.groups`; their old names here still work and warn.
 
 Example::
 
-    from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(context_parallel_size=2)
-    cp = context_parallel_info()                      # from parallel_state
-    shard = ShardForContextParallel(cp.size, cp.rank)
-    gather = GatherFromContextParallel(cp.group)
+    params = make_packed_seq_params(layout.cu_seqlens_padded, layout.max_seqlen, None, total=layout.total)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-from typing import Any, NamedTuple, Optional
+import warnings
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from nn_data.errors import PackingError
+from nn_data import groups as _groups
+
+_MOVED_TO_GROUPS = ("ParallelInfo", "SINGLE", "group_info", "context_parallel_info", "tensor_parallel_info",
+                    "megatron_state")
 
 
-class ParallelInfo(NamedTuple):
-    """``rank`` and ``size`` in ``group`` (``None``: a single rank, not split)."""
-
-    rank: int
-    size: int
-    group: Optional["dist.ProcessGroup"]
-
-
-SINGLE = ParallelInfo(0, 1, None)
-
-
-def group_info(group: Optional["dist.ProcessGroup"], what: str = "group") -> ParallelInfo:
-    """This process's rank and size in ``group``; ``None`` is a single rank ``(0, 1, None)``.
-
-    Raises :class:`PackingError` when a group is given but ``torch.distributed`` is not
-    initialised, or this process is not a member of it.
-    """
-    if group is None:
-        return SINGLE
-    if not (dist.is_available() and dist.is_initialized()):
-        raise PackingError(f"a {what} was given but torch.distributed is not initialised")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise PackingError(f"this process (global rank {dist.get_rank()}) is not a member of the {what} it was given")
-    return ParallelInfo(rank, dist.get_world_size(group), group)
-
-
-def context_parallel_info(group: Optional["dist.ProcessGroup"] = None) -> ParallelInfo:
-    """This process's context-parallel rank, size and group.
-
-    Resolution: an explicit ``group``; else megatron-core's ``parallel_state`` when it is
-    initialised; else a single rank when ``torch.distributed`` is not initialised.
-
-    Raises :class:`PackingError` when ``torch.distributed`` runs with neither a group nor an
-    initialised ``parallel_state`` (the world group may hold data-parallel ranks: never
-    assumed), and as :func:`group_info`.
-    """
-    return _resolve(group, "context", "get_context_parallel_group")
-
-
-def tensor_parallel_info(group: Optional["dist.ProcessGroup"] = None) -> ParallelInfo:
-    """This process's tensor-parallel rank, size and group (vocab-parallel logits); as
-    :func:`context_parallel_info`."""
-    return _resolve(group, "tensor", "get_tensor_model_parallel_group")
-
-
-def _resolve(group, kind: str, getter: str) -> ParallelInfo:
-    if group is not None:
-        return group_info(group, f"{kind}-parallel group")
-    state = megatron_state()
-    if state is not None:
-        return group_info(getattr(state, getter)(), f"megatron-core's {kind}-parallel group")
-    if not (dist.is_available() and dist.is_initialized()):
-        return SINGLE
-    raise PackingError(
-        f"torch.distributed is initialised but megatron-core's parallel_state is not, and no {kind}-parallel "
-        f"group was given; pass the {kind}-parallel ProcessGroup explicitly or call "
-        "parallel_state.initialize_model_parallel(...) first (the world group is not assumed: it may hold "
-        "data-parallel ranks too)"
-    )
-
-
-def megatron_state():
-    """megatron-core's ``parallel_state`` if some code imported and initialised it, else None
-    (never imports it: if it was never imported, it cannot have been initialised)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    state = sys.modules.get("megatron.core.parallel_state")
-    if state is None or not state.model_parallel_is_initialized():
-        return None
-    return state
-
-
-def megatron_cp_rank_and_size() -> tuple[int, int]:
-    """``(cp_rank, cp_size)`` from an initialised ``parallel_state``, else ``(0, 1)``: what the
-    NeMo-RL layer reads (megatron-core itself answers a world size of 0 when uninitialised)."""
-    state = megatron_state()
-    if state is None:
-        return 0, 1
-    return int(state.get_context_parallel_rank()), int(state.get_context_parallel_world_size())
+def __getattr__(name: str) -> Any:
+    """The process-group names that lived here before :mod:`nn_data.groups` (0.1.x), with a warning."""
+    if name in _MOVED_TO_GROUPS:
+        warnings.warn(f"nn_data.megatron_parallel.{name} moved to nn_data.groups.{name}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(_groups, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=1)

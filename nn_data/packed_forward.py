@@ -21,7 +21,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
-from nn_data.megatron_parallel import group_info
+from nn_data.groups import group_info
 from nn_data.pack import PackSequences, check_pack_args
 from nn_data.layout.plan import PackLayout
 from nn_data.planning.alignment import ParallelLayout

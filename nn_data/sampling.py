@@ -5,7 +5,8 @@ Shape legend
     V   full vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank
     M   rows one TP rank filters after the all-to-all, ``ceil(c / TP)``
 
-The filter is NeMo-RL's (``TrainingSamplingParams``: ``top_k`` None or <= 0 disables it,
+The filter is NeMo-RL's (its ``TrainingSamplingParams``, read by attribute; nn_data's copy is
+:class:`nn_data.nemo_rl.sampling.TrainingSamplingParams`: ``top_k`` None or <= 0 disables it,
 ``top_p == 1.0`` disables it): top-k keeps the logits ``>=`` the row's ``k``-th largest; top-p sorts
 the row ascending, takes the softmax of the (top-k filtered) sorted values and their running sum,
 and keeps the entries whose running sum is ``> 1 - top_p`` (the largest entry always). The running
@@ -25,23 +26,11 @@ NeMo-RL's sort keeps an arbitrary subset of them, nn_data keeps them all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
 from nn_data.cp_comm import all_gather_dim0, all_to_all_dim0
-
-
-@dataclass
-class TrainingSamplingParams:
-    """NeMo-RL's ``TrainingSamplingParams`` (same fields and defaults), for callers without NeMo-RL;
-    nn_data reads ``top_k`` and ``top_p`` from NeMo-RL's own dataclass just as well. ``temperature``
-    is applied by the caller (NeMo-RL divides the logits before calling the log-prob functions)."""
-
-    top_k: Optional[int] = None
-    top_p: float = 1.0
-    temperature: float = 1.0
 
 
 class SamplingFilter(NamedTuple):

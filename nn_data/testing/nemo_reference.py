@@ -1,4 +1,4 @@
-"""NeMo-RL's log-prob semantics as loops: the oracle of ``nn_data.model_utils`` (one sequence, one position at a time).
+"""NeMo-RL's log-prob semantics as loops: the oracle of ``nn_data.nemo_rl.model_utils`` (one sequence, one position at a time).
 
 Shape legend: ``B`` sequences, ``S`` unpacked row length, ``T`` packed tokens, ``V`` vocabulary.
 

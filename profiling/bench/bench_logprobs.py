@@ -7,7 +7,7 @@ its groups out). Every rank holds its zigzag shard of the packed logits ``[1, T/
 (float32) of ``--rows`` sequences packed to ``T = --tokens`` (lengths drawn in ``[S/4, S]``,
 ``S = T/B``, segments padded to ``2C``, the last one to ``T``) and the full packed ids. Paths:
 
-* ``drop-in``: ``nn_data.model_utils.from_parallel_logits_to_logprobs_packed_sequences`` (NeMo-RL's
+* ``drop-in``: ``nn_data.nemo_rl.model_utils.from_parallel_logits_to_logprobs_packed_sequences`` (NeMo-RL's
   signature and results, ``validate=False``; ``chunk_size=None``, which chunks by 256 tokens);
 * ``TokenLogProbs``: nn_data's own op (its convention: ``[B, S]``, zeros past each length);
 * ``naive`` (TP 1): all-gather the logits ``[1, T, V]``, log-softmax, take the next tokens, unpack;
@@ -49,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 from nn_data import GatherFromContextParallel, PackSequences, TokenLogProbs
 from nn_data import model_utils
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
-from nn_data.megatron_parallel import group_info
+from nn_data.groups import group_info
 from nn_data.testing.dist import free_port, init_gloo
 from nn_data.unpack import unpack_sequences
 from profiling.timing import cpu_time_call, machine_description, time_side_by_side

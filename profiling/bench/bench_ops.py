@@ -7,7 +7,7 @@ all alike) and the median is reported:
 
     reference  nn_data.testing.reference: one Python iteration per sequence (NeMo-RL's way)
     nemo-rl    NeMo-RL's own _pack_sequences_for_megatron, when a caller passes it (pack+shard)
-    compat     nn_data.megatron_data._pack_sequences_for_megatron, eager: the NeMo-RL drop-in
+    compat     nn_data.nemo_rl.megatron_data._pack_sequences_for_megatron, eager: the NeMo-RL drop-in
                default (host-planned: one sync, a few ops; pack+shard)
     eager      the core ops (PackSequences, ShardForContextParallel, ...) eagerly, validation on: the host
                executor after one read (pack+shard: the pack's layout travels to the shard; the other
@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nn_data.layout.device
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data.diagnostics import HostSyncCounter
-from nn_data.megatron_data import _pack_sequences_for_megatron
+from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
 from profiling.cuda_counters import SyncCounter
 from profiling.timing import machine_description, reuse_freed_memory, time_calls_cuda, time_side_by_side

@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from nn_data.megatron_data import PackOptions, process_microbatch
-from nn_data import megatron_data
-from nn_data.megatron_data.batched_data_dict import BatchedDataDict
-from nn_data.megatron_data.graph import reset_compiled
+from nn_data.nemo_rl.megatron_data import PackOptions, process_microbatch
+from nn_data.nemo_rl import megatron_data
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
+from nn_data.nemo_rl.megatron_data.graph import reset_compiled
 from profiling.cuda_counters import SyncCounter
 from tests.cuda.stream import TIER, DEVICE, DTYPES, SIZES, make_stream
 

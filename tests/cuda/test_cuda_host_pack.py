@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nn_data.megatron_data import _pack_sequences_for_megatron
+from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
 from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack, reference_shard
 from profiling.cuda_counters import SyncCounter

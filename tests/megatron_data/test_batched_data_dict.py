@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.hypothesis_profiles import examples
-from nn_data.megatron_data.batched_data_dict import BatchedDataDict, SlicedDataDict
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict, SlicedDataDict
 from nn_data.errors import PackingError
 from nn_data.planning.ffd import first_fit_decreasing
 

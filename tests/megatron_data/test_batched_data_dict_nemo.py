@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.hypothesis_profiles import examples
-from nn_data.batched_data_dict import BatchedDataDict, SlicedDataDict
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict, SlicedDataDict
 from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last
 from nn_data.errors import PackingError
-from nn_data.megatron_data import get_microbatch_iterator
+from nn_data.nemo_rl.megatron_data import get_microbatch_iterator
 from nn_data.testing.coded import coded_batch
 from tests.support.megatron_config import megatron_cfg
 

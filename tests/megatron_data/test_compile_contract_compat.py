@@ -16,10 +16,10 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data import PackSequences, megatron_data
-from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
-from nn_data.megatron_data import PackOptions, process_microbatch
-from nn_data.megatron_data.graph import reset_compiled
+from nn_data.nemo_rl.megatron_data import PackOptions, process_microbatch
+from nn_data.nemo_rl.megatron_data.graph import reset_compiled
 from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.testing.coded import coded_batch
 

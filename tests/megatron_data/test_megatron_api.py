@@ -1,4 +1,4 @@
-"""The public surface of nn_data.megatron_data: every name of NeMo-RL's API page with the same
+"""The public surface of nn_data.nemo_rl.megatron_data: every name of NeMo-RL's API page with the same
 parameters and defaults (extra nn_data parameters only as optional keyword-only ones), the
 dataclass fields, and imports that stay free of megatron-core.
 
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-import nn_data.megatron_data as md
+import nn_data.nemo_rl.megatron_data as md
 
 E = inspect.Parameter.empty
 # Arguments NeMo-RL's HEAD added after the API page was taken, in HEAD's order.
@@ -79,7 +79,7 @@ def test_dataclass_fields_and_defaults():
 
 
 def test_importing_the_layer_does_not_import_megatron_core():
-    code = ("import sys, nn_data, nn_data.megatron_data, nn_data.batched_data_dict; "
+    code = ("import sys, nn_data, nn_data.nemo_rl.megatron_data, nn_data.nemo_rl.batched_data_dict; "
             "print(sorted(m for m in sys.modules if m.startswith('megatron')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

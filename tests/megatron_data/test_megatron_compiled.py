@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
-from nn_data import megatron_data
-from nn_data.batched_data_dict import BatchedDataDict
+from nn_data.nemo_rl import megatron_data
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
-from nn_data.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
-from nn_data.megatron_data.graph import reset_compiled
+from nn_data.nemo_rl.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
+from nn_data.nemo_rl.megatron_data.graph import reset_compiled
 from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack
 from nn_data.diagnostics import HostSyncCounter

@@ -1,5 +1,5 @@
-"""Drop-in behaviour of nn_data.megatron_data for code written against NeMo-RL: helpers patched
-as nn_data.megatron_data.X reach the call, any mapping NeMo-RL passes is read as NeMo-RL reads it
+"""Drop-in behaviour of nn_data.nemo_rl.megatron_data for code written against NeMo-RL: helpers patched
+as nn_data.nemo_rl.megatron_data.X reach the call, any mapping NeMo-RL passes is read as NeMo-RL reads it
 (a BatchedDataDict stand-in with NeMo-RL's methods only), NeMo-RL's error wording and classes,
 process_global_batch's all-reduce and the iterators' default device.
 
@@ -15,8 +15,8 @@ from unittest import mock
 import pytest
 import torch
 
-from nn_data import megatron_data as md
-from nn_data.batched_data_dict import BatchedDataDict
+from nn_data.nemo_rl import megatron_data as md
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.testing.reference import reference_pack
 from nn_data.testing.coded import coded_batch
@@ -35,13 +35,13 @@ def _cfg(packing=False, dynamic=False, pp=1):
             "megatron_cfg": megatron_cfg(pp=pp), "make_sequence_length_divisible_by": 4}
 
 
-# ---- patches of nn_data.megatron_data.X reach the calls ----------------------------------------
+# ---- patches of nn_data.nemo_rl.megatron_data.X reach the calls ----------------------------------------
 
 def test_packed_path_calls_the_patched_helpers():
     data = BatchedDataDict(input_ids=coded_batch([3, 2], 4), input_lengths=torch.tensor([3, 2]),
                            routed_experts=coded_batch([3, 2], 4, (2, 3)), mtp_loss_mask=torch.ones(2, 4))
-    with mock.patch("nn_data.megatron_data._pack_sequences_for_megatron", wraps=md._pack_sequences_for_megatron) \
-            as pack, mock.patch("nn_data.megatron_data._shard_routed_experts_for_cp",
+    with mock.patch("nn_data.nemo_rl.megatron_data._pack_sequences_for_megatron", wraps=md._pack_sequences_for_megatron) \
+            as pack, mock.patch("nn_data.nemo_rl.megatron_data._shard_routed_experts_for_cp",
                                 wraps=md._shard_routed_experts_for_cp) as shard:
         out = md.process_microbatch(data, "input_lengths", 2, pack_sequences=True)
     assert pack.call_count == 2  # input_ids, then the mtp mask: NeMo-RL's calls
@@ -57,9 +57,9 @@ def test_a_patched_packer_result_is_what_the_microbatch_gets():
     cu = torch.tensor([0, 3], dtype=torch.int32)
     fake = mock.Mock(return_value=(full, local, "params", cu, cu + 1))
     data = {"input_ids": coded_batch([3], 4), "input_lengths": torch.tensor([3])}
-    with mock.patch("nn_data.megatron_data._pack_sequences_for_megatron", fake), \
-            mock.patch("nn_data.megatron_data.get_context_parallel_world_size", return_value=2), \
-            mock.patch("nn_data.megatron_data.get_context_parallel_rank", return_value=1):
+    with mock.patch("nn_data.nemo_rl.megatron_data._pack_sequences_for_megatron", fake), \
+            mock.patch("nn_data.nemo_rl.megatron_data.get_context_parallel_world_size", return_value=2), \
+            mock.patch("nn_data.nemo_rl.megatron_data.get_context_parallel_rank", return_value=1):
         out = md.process_microbatch(data, "input_lengths", pack_sequences=True)
     assert fake.call_args.kwargs == {"cp_rank": 1, "cp_size": 2}  # the patched CP getters were asked
     assert out.input_ids is full and out.input_ids_cp_sharded is local and out.packed_seq_params == "params"
@@ -67,12 +67,12 @@ def test_a_patched_packer_result_is_what_the_microbatch_gets():
 
 def test_unpacked_path_and_iterators_call_the_patched_helpers():
     masks = (torch.zeros(1, 1, S, S, dtype=torch.bool), None, torch.zeros(6, S, dtype=torch.long))
-    with mock.patch("nn_data.megatron_data.get_ltor_masks_and_position_ids", return_value=masks) as ltor:
+    with mock.patch("nn_data.nemo_rl.megatron_data.get_ltor_masks_and_position_ids", return_value=masks) as ltor:
         assert md.process_microbatch(_data()).attention_mask is masks[0]
     ltor.assert_called_once()
-    with mock.patch("nn_data.megatron_data.process_microbatch", wraps=md.process_microbatch) as proc, \
-            mock.patch("nn_data.megatron_data.get_and_validate_seqlen", return_value=(1, 99)) as seqlen, \
-            mock.patch("nn_data.megatron_data._get_pack_sequence_parameters_for_megatron",
+    with mock.patch("nn_data.nemo_rl.megatron_data.process_microbatch", wraps=md.process_microbatch) as proc, \
+            mock.patch("nn_data.nemo_rl.megatron_data.get_and_validate_seqlen", return_value=(1, 99)) as seqlen, \
+            mock.patch("nn_data.nemo_rl.megatron_data._get_pack_sequence_parameters_for_megatron",
                        return_value=(4, 1, 16)) as params:
         planned, _ = _data().plan_sequence_packing(16, sequence_length_pad_multiple=4)
         it, n, _, seq_dim, padded = md.get_microbatch_iterator(planned, _cfg(packing=True), 1, None)
@@ -83,7 +83,7 @@ def test_unpacked_path_and_iterators_call_the_patched_helpers():
 
 def test_patching_after_import_and_undoing_it():
     original = md._prepare_vlm_batch_for_megatron
-    with mock.patch("nn_data.megatron_data._prepare_vlm_batch_for_megatron", side_effect=RuntimeError("patched")):
+    with mock.patch("nn_data.nemo_rl.megatron_data._prepare_vlm_batch_for_megatron", side_effect=RuntimeError("patched")):
         with pytest.raises(RuntimeError, match="patched"):
             md.process_microbatch(_data(), "input_lengths", pack_sequences=True, delegate_pack_to_model=True)
     assert md._prepare_vlm_batch_for_megatron is original

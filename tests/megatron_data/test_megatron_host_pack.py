@@ -17,11 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.support.hypothesis_profiles import examples
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
-from nn_data.megatron_data import _pack_sequences_for_megatron
-from nn_data.megatron_data.dispatch import pack_microbatch
-from nn_data.megatron_data.graph import PackShardGraph
-from nn_data.megatron_data.keys import GraphKey
-from nn_data.megatron_data.options import PackConfig
+from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
+from nn_data.nemo_rl.megatron_data.dispatch import pack_microbatch
+from nn_data.nemo_rl.megatron_data.graph import PackShardGraph
+from nn_data.nemo_rl.megatron_data.keys import GraphKey
+from nn_data.nemo_rl.megatron_data.options import PackConfig
 from nn_data.layout import host
 from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.testing.coded import PAD, coded_batch

@@ -12,16 +12,16 @@ import enum
 import pytest
 import torch
 
-from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
-from nn_data.megatron_data import (
+from nn_data.nemo_rl.megatron_data import (
     PackOptions,
     ProcessedMicrobatch,
     get_microbatch_iterator,
     make_processed_microbatch_iterator,
     process_global_batch,
 )
-from nn_data.megatron_data.iterators import resolve_device
+from nn_data.nemo_rl.megatron_data.iterators import resolve_device
 from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack
 from tests.support.megatron_config import megatron_cfg
@@ -93,7 +93,7 @@ def test_iterator_moves_each_microbatch_to_the_chosen_device():
 
 
 def test_cfg_nn_data_section_becomes_pack_options(monkeypatch):
-    from nn_data import megatron_data
+    from nn_data.nemo_rl import megatron_data
 
     captured = []
     real = megatron_data.process_microbatch

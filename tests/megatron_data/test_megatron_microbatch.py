@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nn_data import megatron_data
-from nn_data.batched_data_dict import BatchedDataDict
+from nn_data.nemo_rl import megatron_data
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
-from nn_data.megatron_data import (
+from nn_data.nemo_rl.megatron_data import (
     _fill_routed_experts_padding,
     _make_r3_trace_token_identity,
     _pack_sequences_for_megatron,

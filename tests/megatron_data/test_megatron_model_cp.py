@@ -2,7 +2,7 @@
 delegate_mtp_loss_mask_to_model, the media-token validity mask, get_packed_seq_cp_partition_indices,
 and the host-sync budget of those paths.
 
-Tier: pure CPU, single process (CP ranks are simulated by patching nn_data.megatron_data's
+Tier: pure CPU, single process (CP ranks are simulated by patching nn_data.nemo_rl.megatron_data's
 get_context_parallel_rank / get_context_parallel_world_size, NeMo-RL's patch points). Newer
 megatron-core PackedSeqParams fields are simulated with a stand-in class.
 """
@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from nn_data import megatron_data as md
+from nn_data.nemo_rl import megatron_data as md
 from nn_data import megatron_parallel
-from nn_data.batched_data_dict import BatchedDataDict
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.testing.reference import reference_pack, reference_shard
@@ -240,7 +240,7 @@ def test_every_tensor_of_a_microbatch_costs_one_sync(cp, monkeypatch, model_slic
 
 @pytest.mark.parametrize("model_slices", [False, True])
 def test_every_tensor_of_a_microbatch_rides_one_graph_run(cp, monkeypatch, model_slices):
-    from nn_data.megatron_data import packed
+    from nn_data.nemo_rl.megatron_data import packed
 
     cp(0)
     runs = []

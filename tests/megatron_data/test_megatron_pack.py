@@ -1,4 +1,4 @@
-"""nn_data.megatron_data packing helpers on worked examples: values, PackedSeqParams, the
+"""nn_data.nemo_rl.megatron_data packing helpers on worked examples: values, PackedSeqParams, the
 parameter table, unpacking, and every error path.
 
 Tier: pure CPU, single process (imports megatron-core for PackedSeqParams).
@@ -13,7 +13,7 @@ import torch
 
 from nn_data import megatron_parallel
 from nn_data.errors import PackingError
-from nn_data.megatron_data import (
+from nn_data.nemo_rl.megatron_data import (
     _get_pack_sequence_parameters_for_megatron,
     _pack_sequences_for_megatron,
     _unpack_sequences_from_megatron,
@@ -247,7 +247,7 @@ INT32_LIMIT = (r"exceeds 2147483647 \(2\*\*31 - 1\), the largest packed length o
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-switch"])
 def test_packed_lengths_int32_boundaries_cannot_hold_are_refused(compiled):
-    from nn_data.megatron_data import PackOptions
+    from nn_data.nemo_rl.megatron_data import PackOptions
 
     ids, lengths = coded_batch([8, 5, 7], 8), torch.tensor([8, 5, 7])
     kw = {"options": PackOptions(compile=True, backend="aot_eager")} if compiled else {}
@@ -258,8 +258,8 @@ def test_packed_lengths_int32_boundaries_cannot_hold_are_refused(compiled):
 
 
 def test_int32_limit_in_the_other_entry_points():
-    from nn_data.megatron_data import PackOptions, _prepare_vlm_batch_for_megatron, get_packed_seq_cp_partition_indices
-    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+    from nn_data.nemo_rl.megatron_data import PackOptions, _prepare_vlm_batch_for_megatron, get_packed_seq_cp_partition_indices
+    from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 
     with pytest.raises(PackingError, match=r"buckets entry=4294967296 " + INT32_LIMIT):
         PackOptions(buckets=[4096, 2**32])
@@ -307,8 +307,8 @@ def test_unpack_checks_the_boundaries_nemo_rl_reads_unchecked():
 
 
 def test_pack_microbatch_packs_only_the_companions_it_knows_and_configs_are_checked_uncached_too():
-    from nn_data.megatron_data.dispatch import pack_microbatch
-    from nn_data.megatron_data.options import PackConfig
+    from nn_data.nemo_rl.megatron_data.dispatch import pack_microbatch
+    from nn_data.nemo_rl.megatron_data.options import PackConfig
 
     kw = dict(packed_length=None, cp_rank=0, cp_size=1, name="pad_full_seq_to")
     config = PackConfig.nemo_rl(4, 1, **kw)

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from nn_data import PackingError, TokenLogProbs
-from nn_data.megatron_parallel import ParallelInfo, context_parallel_info, tensor_parallel_info
+from nn_data.groups import ParallelInfo, context_parallel_info, tensor_parallel_info
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

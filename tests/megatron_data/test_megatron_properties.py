@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.hypothesis_profiles import examples
-from nn_data.megatron_data import PackOptions, _pack_sequences_for_megatron, _unpack_sequences_from_megatron
+from nn_data.nemo_rl.megatron_data import PackOptions, _pack_sequences_for_megatron, _unpack_sequences_from_megatron
 from nn_data.testing.coded import PAD, coded_batch
 from nn_data.testing.reference import reference_pack, reference_shard
 

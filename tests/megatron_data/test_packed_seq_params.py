@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from nn_data import megatron_data as md
+from nn_data.nemo_rl import megatron_data as md
 from nn_data import megatron_parallel
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.megatron_parallel import make_packed_seq_params, sequence_index

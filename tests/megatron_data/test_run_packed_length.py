@@ -11,9 +11,9 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data.errors import PackingError
-from nn_data.megatron_data import PackOptions, _pack_sequences_for_megatron, get_microbatch_iterator
-from nn_data.megatron_data.batched_data_dict import BatchedDataDict
-from nn_data.megatron_data.graph import reset_compiled
+from nn_data.nemo_rl.megatron_data import PackOptions, _pack_sequences_for_megatron, get_microbatch_iterator
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
+from nn_data.nemo_rl.megatron_data.graph import reset_compiled
 from nn_data.planning import ParallelLayout, plan_step
 from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack

@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from nn_data.megatron_parallel import context_parallel_info
+from nn_data.groups import context_parallel_info
 from nn_data.packed_forward import PackedForward
 
 VOCAB, SEQ_LEN = 97, 12

@@ -32,9 +32,9 @@ def _check_cp_from_parallel_state(rank: int) -> None:
     from megatron.core import parallel_state
 
     from nn_data import UnshardFromContextParallel
-    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
-    from nn_data.megatron_parallel import megatron_cp_rank_and_size as cp_rank_and_size
-    from nn_data.megatron_data import process_microbatch
+    from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
+    from nn_data.nemo_rl.megatron_data.common import megatron_cp_rank_and_size as cp_rank_and_size
+    from nn_data.nemo_rl.megatron_data import process_microbatch
     from nn_data.testing.coded import coded_batch
     from nn_data.testing.reference import reference_pack, reference_shard
 
@@ -61,8 +61,8 @@ def _check_cp_from_parallel_state(rank: int) -> None:
 
 
 def _check_global_batch_all_reduce(rank: int) -> None:
-    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
-    from nn_data.megatron_data import process_global_batch
+    from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
+    from nn_data.nemo_rl.megatron_data import process_global_batch
 
     sample_mask = torch.tensor([1.0, 0.0, 1.0, 1.0]) if rank == 0 else torch.tensor([1.0, 1.0, 1.0, 0.0])
     token_mask = torch.ones(4, 6)

@@ -1,6 +1,6 @@
 """Tier: CPU multi-process over gloo (torch.multiprocessing spawn, 127.0.0.1, a free port per pool).
 
-``nn_data.model_utils`` (NeMo-RL's log-prob functions) on 4 ranks under megatron-core's
+``nn_data.nemo_rl.model_utils`` (NeMo-RL's log-prob functions) on 4 ranks under megatron-core's
 ``parallel_state``: CP 2 (two CP groups side by side, data parallel to each other) and TP 2 x CP 2.
 Each rank's values equal the NeMo-RL-semantics loop oracle on every position and its local gradient
 equals ``C`` times its shard of the single-process one, to 1e-10 in float64, chunked and not, with

@@ -21,10 +21,10 @@ from nn_data import (
     pad_to_row_capacity,
 )
 from nn_data.diagnostics import HostSyncCounter
-from nn_data.megatron_data import _pack_sequences_for_megatron, _unpack_sequences_from_megatron
-from nn_data.megatron_data.graph import run_graph
-from nn_data.megatron_data.keys import GraphKey
-from nn_data.megatron_data.options import PackOptions
+from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron, _unpack_sequences_from_megatron
+from nn_data.nemo_rl.megatron_data.graph import run_graph
+from nn_data.nemo_rl.megatron_data.keys import GraphKey
+from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.rows import with_dynamic_row_length
 from nn_data.testing.coded import coded_batch
 

@@ -1,7 +1,7 @@
 """Tier: pure CPU, single process (C = 1, no tensor parallelism; CP 2 and TP 2 x CP 2 run in
 tests/multiprocess/test_model_utils_multiprocess.py).
 
-``nn_data.model_utils`` against the NeMo-RL-semantics loop oracle (``nn_data.testing.nemo_reference``)
+``nn_data.nemo_rl.model_utils`` against the NeMo-RL-semantics loop oracle (``nn_data.testing.nemo_reference``)
 in float64 at 1e-10, values on every position and gradients: the packed function (every argument:
 chunked, top-k / top-p, pre-rolled targets, ``inference_only``), unpacked rows, the autograd classes,
 the dispatcher; the conversion to nn_data's ``TokenLogProbs`` convention; dtypes; no host sync
@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from nn_data import PackingError, TokenLogProbs
-from nn_data import model_utils as mu
+from nn_data.nemo_rl import model_utils as mu
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
-from nn_data.megatron_parallel import SINGLE
-from nn_data.sampling import SamplingFilter, TrainingSamplingParams, row_thresholds, sampling_filter
+from nn_data.groups import SINGLE
+from nn_data.nemo_rl.sampling import TrainingSamplingParams
+from nn_data.sampling import SamplingFilter, row_thresholds, sampling_filter
 from nn_data.testing.nemo_reference import reference_filter, reference_row_logprobs
 from nn_data.testing.reference import reference_shard
 from tests.support.allocations import Allocations

@@ -1,7 +1,8 @@
 """Tier: pure CPU (reads source files; imports nothing heavy).
 
 The package layout of docs/design.md ("Where things live") as checks: the core imports nothing
-from the NeMo-RL layer, megatron-core is imported by nn_data.megatron_parallel alone, the import
+from the NeMo-RL drop-in (nn_data.nemo_rl, and the old paths that alias it), megatron-core is
+imported by nn_data.megatron_parallel alone, process groups live in nn_data.groups, the import
 graph between nn_data's modules has no cycle, nothing edits sys.path or cites a file outside
 the repository, the layout rules and the data checks' wordings live in nn_data.layout alone, and
 the compat layer keeps no hidden state.
@@ -48,19 +49,29 @@ def _imports(path: Path) -> set[str]:
 
 
 MODULES = {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
-CORE = [m for m in MODULES if not m.startswith("nn_data.megatron_data") and m != "nn_data.batched_data_dict"]
+# The drop-in's home and the old paths that alias it (nn_data._alias makes each old path the new module).
+DROP_IN = "nn_data.nemo_rl"
+OLD_PATHS = {"nn_data.megatron_data": "nn_data.nemo_rl.megatron_data", "nn_data.model_utils": "nn_data.nemo_rl.model_utils",
+             "nn_data.batched_data_dict": "nn_data.nemo_rl.batched_data_dict"}
+
+
+def _in_drop_in(module: str) -> bool:
+    return module == DROP_IN or module.startswith(DROP_IN + ".") or module in OLD_PATHS
+
+
+CORE = [m for m in MODULES if not _in_drop_in(m)]
 
 
 def test_layout_is_as_documented():
-    assert "nn_data.megatron_data" in MODULES and "nn_data.megatron_data.dispatch" in MODULES
+    assert "nn_data.nemo_rl.megatron_data" in MODULES and "nn_data.nemo_rl.megatron_data.dispatch" in MODULES
     assert "nn_data.layout" in MODULES and "nn_data.layout.host" in MODULES and "nn_data.layout.device" in MODULES
     assert "nn_data.testing.reference" in MODULES and "nn_data.reference" not in MODULES
     assert not [m for m in MODULES if m.startswith("nn_data.megatron_data_")]
 
 
 @pytest.mark.parametrize("module", sorted(CORE))
-def test_core_imports_nothing_from_the_nemo_rl_layer(module):
-    bad = [i for i in MODULES[module] if i.startswith("nn_data.megatron_data")]
+def test_core_imports_nothing_from_the_nemo_rl_drop_in(module):
+    bad = [i for i in MODULES[module] if _in_drop_in(i)]
     assert not bad, f"{module} imports {bad}"
 
 
@@ -135,7 +146,7 @@ def test_the_alignment_rule_has_one_home():
     nn_data.planning.alignment; the compat layer, PackedForward and the planner ask ParallelLayout."""
     homes = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if "minimum_pad_factor" in p.read_text())
     assert homes == ["nn_data/planning/alignment.py"]
-    for path in ("nn_data/packed_forward.py", "nn_data/megatron_data/pack.py"):
+    for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/pack.py"):
         assert "ParallelLayout" in (ROOT / path).read_text(), path
 
 
@@ -145,9 +156,9 @@ def test_nothing_in_the_package_imports_nemo_rl():
 
 
 def test_model_utils_builds_on_the_log_prob_core_not_on_token_logprobs():
-    # nn_data.model_utils reuses the chunked log-prob kernel, the zigzag places and the CP gather;
+    # nn_data.nemo_rl.model_utils reuses the chunked log-prob kernel, the zigzag places and the CP gather;
     # TokenLogProbs (nn_data's own convention) is a sibling, not a dependency.
-    from_logprobs = {i for i in MODULES["nn_data.model_utils"] if i.startswith("nn_data.logprobs.")}
+    from_logprobs = {i for i in MODULES["nn_data.nemo_rl.model_utils"] if i.startswith("nn_data.logprobs.")}
     assert from_logprobs == {"nn_data.logprobs.token_logprobs_local"}
 
 
@@ -179,10 +190,10 @@ def _sources_outside_plan():
 
 
 def test_the_compat_layer_has_no_hidden_state():
-    assert not (PKG / "megatron_data" / "scope.py").exists()
+    assert not (PKG / "nemo_rl" / "megatron_data" / "scope.py").exists()
     users = [m for m, imps in MODULES.items() if "contextvars" in imps]
     assert not users, f"{users} import contextvars"
-    for gone in ("nn_data._index", "nn_data.plan", "nn_data.megatron_data.engine", "nn_data.megatron_data.host_pack"):
+    for gone in ("nn_data._index", "nn_data.plan", "nn_data.nemo_rl.megatron_data.engine", "nn_data.nemo_rl.megatron_data.host_pack"):
         assert gone not in MODULES, f"{gone} is back: its content lives in nn_data.layout"
 
 
@@ -241,3 +252,25 @@ def test_the_device_executors_building_blocks_import_only_the_rules():
             "nn_data.layout.rules.chunk_owner", "nn_data.layout.rules.segment_bounds", "nn_data.layout.rules.zigzag_chunks"}
     assert not [i for i in MODULES["nn_data.layout.rules"] if i.startswith("nn_data") and i != "nn_data.errors"
                 and not i.startswith("nn_data.errors.")]
+
+
+@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+def test_an_old_path_is_a_thin_alias_of_the_drop_in(old):
+    """Each old path holds nothing but the alias, and imports as the very module of the new home."""
+    import importlib
+
+    path = PKG / Path(*old.split(".")[1:])
+    source = (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+    body = ast.parse(source).body
+    code = [ast.unparse(node) for node in body[1:]]  # after the docstring
+    assert isinstance(body[0], ast.Expr) and code == ["from nn_data._alias import alias_module", f"alias_module(__name__, '{OLD_PATHS[old]}')"]
+    assert importlib.import_module(old) is importlib.import_module(OLD_PATHS[old])
+
+
+def test_process_groups_have_a_home_of_their_own():
+    """The group resolver is nn_data.groups; the megatron-core boundary module holds PackedSeqParams only."""
+    users = sorted(m for m, imps in MODULES.items() if "nn_data.groups.group_info" in imps)
+    assert "nn_data.cp_comm" in users and "nn_data.logprobs" in users
+    text = (PKG / "megatron_parallel.py").read_text()
+    assert "def group_info" not in text and "def context_parallel_info" not in text
+    assert not [m for m, imps in MODULES.items() if "nn_data.megatron_parallel.group_info" in imps]

@@ -13,7 +13,7 @@ import pytest
 
 from nn_data import PackSequences
 from nn_data.errors import PackingError
-from nn_data.megatron_data import _get_pack_sequence_parameters_for_megatron
+from nn_data.nemo_rl.megatron_data import _get_pack_sequence_parameters_for_megatron
 from nn_data.packed_forward import _check_cp_config
 from nn_data.layout.rules import bucket_total
 from nn_data.planning import INT32_MAX, ParallelLayout

@@ -33,7 +33,7 @@ def test_every_path_runs_and_the_drop_in_matches_the_naive_path(tmp_path):
     (package.parent / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
     (package / "model_utils.py").write_text(
-        "from nn_data.model_utils import from_parallel_logits_to_logprobs_packed_sequences  # a stand-in\n")
+        "from nn_data.nemo_rl.model_utils import from_parallel_logits_to_logprobs_packed_sequences  # a stand-in\n")
     res, text = _run(TINY + ["--nemo-rl", str(tmp_path / "checkout")])
     for mode in bench_logprobs.MODES:
         for path in ("drop-in", "TokenLogProbs", "naive", "nemo-rl", "nemo-rl chunked"):

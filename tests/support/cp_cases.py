@@ -25,7 +25,7 @@ from nn_data import (
     pad_to_row_capacity,
 )
 from nn_data.errors import PackingError
-from nn_data.megatron_parallel import context_parallel_info, tensor_parallel_info
+from nn_data.groups import context_parallel_info, tensor_parallel_info
 from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import (
     reference_next_token_targets,
@@ -95,7 +95,7 @@ def pack_single(mb: Microbatch) -> Packed:
 # --- shard producers: what each rank feeds to the model -------------------------------------------------
 # A producer maps (microbatch, cp_size, cp_rank) to {name: (local shard [1, T/C, *], expected packed
 # [1, T, *])} and the cu_seqlens_padded to gather with. "core_ops" uses PackSequences +
-# ShardForContextParallel; a process_microbatch producer (nn_data.megatron_data) plugs in here.
+# ShardForContextParallel; a process_microbatch producer (nn_data.nemo_rl.megatron_data) plugs in here.
 
 
 def core_ops_shards(mb: Microbatch, cp_size: int, cp_rank: int):
@@ -118,10 +118,10 @@ def _real(mb: Microbatch) -> int:
 
 
 def process_microbatch_shards(mb: Microbatch, cp_size: int, cp_rank: int):
-    """NeMo-RL's entry point: ``nn_data.megatron_data.process_microbatch`` with CP rank and size
+    """NeMo-RL's entry point: ``nn_data.nemo_rl.megatron_data.process_microbatch`` with CP rank and size
     taken from megatron-core's ``parallel_state`` (checked against the harness's layout)."""
-    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
-    from nn_data.megatron_data import process_microbatch
+    from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
+    from nn_data.nemo_rl.megatron_data import process_microbatch
 
     real = _real(mb)
     data = BatchedDataDict(input_ids=mb.ids[:real], input_lengths=mb.lengths[:real], routed_experts=mb.experts[:real])

@@ -1,4 +1,4 @@
-"""megatron-core style config dicts for the nn_data.megatron_data tests."""
+"""megatron-core style config dicts for the nn_data.nemo_rl.megatron_data tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Inputs for the ``nn_data.model_utils`` tests, and the cases every spawned rank runs (see cp_harness.py).
+"""Inputs for the ``nn_data.nemo_rl.model_utils`` tests, and the cases every spawned rank runs (see cp_harness.py).
 
 Each case builds the same float64 data on every rank from fixed seeds (full packed logits
 ``[1, T, V]``), gives the function this rank's CP shard and vocabulary columns, and compares the
@@ -13,11 +13,11 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from nn_data import model_utils
+from nn_data.nemo_rl import model_utils
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.errors import PackingError
-from nn_data.megatron_parallel import context_parallel_info, tensor_parallel_info
-from nn_data.sampling import TrainingSamplingParams
+from nn_data.groups import context_parallel_info, tensor_parallel_info
+from nn_data.nemo_rl.sampling import TrainingSamplingParams
 from nn_data.testing.nemo_reference import (
     reference_packed_logprobs,
     reference_roll_per_segment,

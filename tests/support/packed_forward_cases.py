@@ -12,7 +12,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from nn_data.megatron_parallel import context_parallel_info
+from nn_data.groups import context_parallel_info
 from nn_data.models import TinyCausalLM
 from nn_data.packed_forward import PackedForward
 

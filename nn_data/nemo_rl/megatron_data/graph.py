@@ -8,7 +8,7 @@ Shape legend
 
 :class:`PackShardGraph` packs ``input_ids`` and every tensor that rides the same layout and takes this
 rank's zigzag places, on the device executor (:mod:`nn_data.layout`) with no sync: the microbatch was
-planned and checked on the host before (:mod:`nn_data.megatron_data.dispatch`), so ``T`` is in the key.
+planned and checked on the host before (:mod:`nn_data.nemo_rl.megatron_data.dispatch`), so ``T`` is in the key.
 Compiled (``PackOptions(compile=True)``), the batch is padded with empty rows to a fixed row capacity
 and ``S`` is a symbolic size (unbacked: ``S = 0`` and ``1`` too), so a stream of microbatches with
 other lengths, row counts and ``S`` reuses one compiled graph per ``(T, R)``.
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.megatron_data.keys import CompiledKey, GraphKey
-from nn_data.megatron_data.options import PackOptions
+from nn_data.nemo_rl.megatron_data.keys import CompiledKey, GraphKey
+from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.pack import PackSequences
 from nn_data.rows import pad_rows, with_dynamic_row_length
 

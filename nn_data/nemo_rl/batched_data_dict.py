@@ -25,7 +25,7 @@ from typing import Any, Generic, Iterator, Mapping, Optional, Sequence, TypeVar,
 import numpy as np
 import torch
 
-from nn_data.megatron_data import batched_data_sharding as sharding
+from nn_data.nemo_rl import batched_data_sharding as sharding
 from nn_data.errors import PackingError
 from nn_data.planning.ffd import first_fit_decreasing, round_up_lengths
 
@@ -110,7 +110,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             if torch.is_tensor(value) and value.dim() > dim:
                 self.data[key] = value.narrow(dim, 0, min(truncated_len, value.shape[dim]))
 
-    # ---- NeMo-RL's training-loop methods (nn_data.megatron_data.batched_data_sharding) -------------
+    # ---- NeMo-RL's training-loop methods (nn_data.nemo_rl.batched_data_sharding) -------------
     @classmethod
     def from_batches(cls, batches: Sequence[Mapping[str, Any]],
                      pad_value_dict: Optional[dict] = None) -> "BatchedDataDict":
@@ -130,7 +130,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                             dynamic_batching_args: Optional[dict] = None, sequence_packing_args: Optional[dict] = None):
         """Shard over ``shards`` data-parallel ranks, chunk by chunk of ``batch_size`` rows; with
         dynamic-batching or sequence-packing args also plan each shard's microbatches and return
-        ``(shards, sorted_indices)`` (see :func:`nn_data.megatron_data.batched_data_sharding.shard_by_batch_size`)."""
+        ``(shards, sorted_indices)`` (see :func:`nn_data.nemo_rl.batched_data_sharding.shard_by_batch_size`)."""
         return sharding.shard_by_batch_size(self.data, SlicedDataDict, shards, batch_size, allow_uneven_shards,
                                             dynamic_batching_args, sequence_packing_args)
 

@@ -11,7 +11,7 @@ passed as keywords) on **one** plan: the lengths are read to the host once (the 
 sync, ``docs/design.md``, "Sync budget"), checked there, planned in Python ints
 (:func:`nn_data.layout.plan_from_lengths`). Then eagerly (the default) the host executor moves every
 tensor with a constant number of ops, or, with ``PackOptions(compile=True)``, one compiled graph
-runs the device executor (:mod:`nn_data.megatron_data.graph`). Either way the boundaries, ``T`` and
+runs the device executor (:mod:`nn_data.nemo_rl.megatron_data.graph`). Either way the boundaries, ``T`` and
 ``max_seqlen`` are the plan's.
 """
 
@@ -23,9 +23,9 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.megatron_data.graph import PackedBatch, run_graph
-from nn_data.megatron_data.keys import GraphKey
-from nn_data.megatron_data.options import PackConfig, PackOptions
+from nn_data.nemo_rl.megatron_data.graph import PackedBatch, run_graph
+from nn_data.nemo_rl.megatron_data.keys import GraphKey
+from nn_data.nemo_rl.megatron_data.options import PackConfig, PackOptions
 from nn_data.layout import PackLayout, execute, plan_from_lengths
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")

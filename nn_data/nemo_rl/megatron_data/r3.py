@@ -26,7 +26,7 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.megatron_data.dispatch import as_lengths, on_device
+from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
 from nn_data.layout import execute, plan_from_boundaries
 
 R3_VERIFY_ENV = "NN_DATA_R3_VERIFY"

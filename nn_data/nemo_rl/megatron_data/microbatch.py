@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from nn_data.errors import PackingError
-from nn_data.megatron_data.common import public, require, straggler_context
-from nn_data.megatron_data.options import PackOptions
-from nn_data.megatron_data.packed import packed_inputs
-from nn_data.megatron_data.r3 import r3_verify_forward_enabled
+from nn_data.nemo_rl.megatron_data.common import public, require, straggler_context
+from nn_data.nemo_rl.megatron_data.options import PackOptions
+from nn_data.nemo_rl.megatron_data.packed import packed_inputs
+from nn_data.nemo_rl.megatron_data.r3 import r3_verify_forward_enabled
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is imported lazily
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.utils import StragglerDetector
 
-    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+    from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 
 
 @dataclass
@@ -134,9 +134,9 @@ def process_microbatch(
     """Process a microbatch for the Megatron forward pass (NeMo-RL HEAD's arguments and results).
 
     ``data_dict``: any mapping read as NeMo-RL reads it (``in``, ``[]``). Helpers are called
-    through ``nn_data.megatron_data`` (patching ``nn_data.megatron_data.X`` reaches the call).
+    through ``nn_data.nemo_rl.megatron_data`` (patching ``nn_data.nemo_rl.megatron_data.X`` reaches the call).
 
-    Packed (``pack_sequences``, :mod:`nn_data.megatron_data.packed`): ``input_ids`` ``[1, T]``,
+    Packed (``pack_sequences``, :mod:`nn_data.nemo_rl.megatron_data.packed`): ``input_ids`` ``[1, T]``,
     ``input_ids_cp_sharded`` the CP-local ``[1, T/C]``; ``mtp_loss_mask`` and
     ``media_token_validity_mask`` (bool) packed the same way, ``routed_experts [1, T, Ly, K]``
     with ``arange(K)`` pad rows and its CP shard; masks and position ids None. With
@@ -144,8 +144,8 @@ def process_microbatch(
     masks) and a ``PackedSeqParams`` with separate valid/padded boundaries. CP rank and size
     from :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One packing
     call, one plan, one host sync (NeMo-RL: ``2B + 1`` per packed tensor); NeMo-RL's call sequence
-    when its packing names are patched (:mod:`nn_data.megatron_data.packed`). ``options``
-    (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.megatron_data.options.PackOptions`).
+    when its packing names are patched (:mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
+    (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.nemo_rl.megatron_data.options.PackOptions`).
 
     Self-packing model (``delegate_pack_to_model``): :func:`_prepare_vlm_batch_for_megatron`;
     an ``mtp_loss_mask`` is refused unless ``delegate_mtp_loss_mask_to_model`` (the model packs

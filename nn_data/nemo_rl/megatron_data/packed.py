@@ -5,12 +5,12 @@ Shape legend
     Ly, K   MoE layers and top-k of routed experts ``[B, S, Ly, K]``
 
 When NeMo-RL's names are nn_data's own (nothing patched), the packed branch is **one explicit
-call**: :func:`~nn_data.megatron_data.dispatch.pack_microbatch` packs ``input_ids`` and every
+call**: :func:`~nn_data.nemo_rl.megatron_data.dispatch.pack_microbatch` packs ``input_ids`` and every
 companion (``mtp_loss_mask``, the media-token mask, routed experts, R3 identities) on one plan, with
 the microbatch's one host sync; ``PackedSeqParams``, the full-row parameters and the CP partition
 indices come from that plan's host ints. Only when code patches ``_pack_sequences_for_megatron``,
 ``_shard_routed_experts_for_cp`` or ``get_packed_seq_cp_partition_indices`` on
-``nn_data.megatron_data`` (NeMo-RL's tests do) does it follow NeMo-RL's call sequence through those
+``nn_data.nemo_rl.megatron_data`` (NeMo-RL's tests do) does it follow NeMo-RL's call sequence through those
 names: the ids, then the routed experts, then the MTP and media masks, each call doing its own work.
 
 ``model_slices_context_parallel_inputs`` (NeMo-RL HEAD): the model inserts media into the
@@ -30,10 +30,10 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.megatron_data.common import patched, public
-from nn_data.megatron_data.dispatch import check_extras, pack_microbatch
-from nn_data.megatron_data.options import PackConfig, PackOptions
-from nn_data.megatron_data.r3 import r3_verify_forward_enabled
+from nn_data.nemo_rl.megatron_data.common import patched, public
+from nn_data.nemo_rl.megatron_data.dispatch import check_extras, pack_microbatch
+from nn_data.nemo_rl.megatron_data.options import PackConfig, PackOptions
+from nn_data.nemo_rl.megatron_data.r3 import r3_verify_forward_enabled
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.layout import checks as plan_checks
 from nn_data.layout import plan_from_boundaries

@@ -2,10 +2,10 @@
 ``require``, the CP getters NeMo-RL's module exposes, and :func:`public` / :func:`patched`.
 
 :func:`public` is how the compat layer's functions call each other: through the names
-``nn_data.megatron_data`` binds *at call time*, so ``mock.patch("nn_data.megatron_data.X")``
+``nn_data.nemo_rl.megatron_data`` binds *at call time*, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")``
 (what code written against NeMo-RL patches as ``nemo_rl.models.megatron.data.X``) reaches the
-call even though ``X`` is defined in a submodule and re-exported. megatron-core itself is
-reached only through :mod:`nn_data.megatron_parallel`.
+call even though ``X`` is defined in a submodule and re-exported. megatron-core's ``parallel_state``
+is read through :func:`nn_data.groups.megatron_state`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import importlib
 from typing import Any
 
 from nn_data.errors import PackingError
-from nn_data.megatron_parallel import megatron_cp_rank_and_size
+from nn_data.groups import megatron_state
 from nn_data.layout.rules import round_up
 
 
@@ -39,13 +39,13 @@ def require(condition: bool, message: str) -> None:
         raise PackingError(message)
 
 
-PUBLIC_MODULE = "nn_data.megatron_data"
+PUBLIC_MODULE = "nn_data.nemo_rl.megatron_data"
 
 
 def public(name: str) -> Any:
-    """What ``nn_data.megatron_data`` binds to ``name`` now (a mock while it is patched).
+    """What ``nn_data.nemo_rl.megatron_data`` binds to ``name`` now (a mock while it is patched).
 
-    Example: inside ``mock.patch("nn_data.megatron_data._pack_sequences_for_megatron")``,
+    Example: inside ``mock.patch("nn_data.nemo_rl.megatron_data._pack_sequences_for_megatron")``,
     ``public("_pack_sequences_for_megatron")`` is the mock, so :func:`process_microbatch`
     calls the mock, as NeMo-RL's module-level calls would.
     """
@@ -58,6 +58,15 @@ def patched(*names: str) -> bool:
     sequence through those names instead of its one packing call."""
     module = importlib.import_module(PUBLIC_MODULE)
     return any(getattr(module, name) is not module._ORIGINALS[name] for name in names)
+
+
+def megatron_cp_rank_and_size() -> tuple[int, int]:
+    """``(cp_rank, cp_size)`` from an initialised ``parallel_state``, else ``(0, 1)``: what the
+    NeMo-RL layer reads (megatron-core itself answers a world size of 0 when uninitialised)."""
+    state = megatron_state()
+    if state is None:
+        return 0, 1
+    return int(state.get_context_parallel_rank()), int(state.get_context_parallel_world_size())
 
 
 def get_context_parallel_rank() -> int:

@@ -17,9 +17,9 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.megatron_data.common import _round_up_to_multiple
-from nn_data.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
-from nn_data.megatron_data.options import PackConfig, PackOptions
+from nn_data.nemo_rl.megatron_data.common import _round_up_to_multiple
+from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
+from nn_data.nemo_rl.megatron_data.options import PackConfig, PackOptions
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.planning import ParallelLayout
 from nn_data.unpack import unpack_sequences

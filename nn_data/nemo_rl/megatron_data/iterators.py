@@ -8,7 +8,7 @@ gloo: where the data is).
 
 As in NeMo-RL, the functions call each other (and ``process_microbatch``,
 ``get_and_validate_seqlen``, ``_get_pack_sequence_parameters_for_megatron``) through the
-names ``nn_data.megatron_data`` binds at call time, so patching those names takes effect.
+names ``nn_data.nemo_rl.megatron_data`` binds at call time, so patching those names takes effect.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
 
-from nn_data.megatron_data.common import public, require
-from nn_data.megatron_data.options import PackOptions
-from nn_data.megatron_data.microbatch import ProcessedMicrobatch
+from nn_data.nemo_rl.megatron_data.common import public, require
+from nn_data.nemo_rl.megatron_data.options import PackOptions
+from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 from nn_data.planning import ParallelLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.utils import StragglerDetector
 
-    from nn_data.megatron_data.batched_data_dict import BatchedDataDict
+    from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 
 
 def resolve_device(device=None, cfg: Optional[dict] = None):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from nn_data import _checks
-from nn_data.megatron_data.dispatch import as_lengths
+from nn_data.nemo_rl.megatron_data.dispatch import as_lengths
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.layout import LayoutSpec, plan_from_lengths
 from nn_data.layout.planner import padded_rows

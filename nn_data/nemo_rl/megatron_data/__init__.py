@@ -1,0 +1,94 @@
+"""NeMo-RL's ``nemo_rl.models.megatron.data`` on nn_data's ops: switch by changing one import.
+
+    # from nemo_rl.models.megatron.data import process_microbatch, get_microbatch_iterator
+    from nn_data.nemo_rl.megatron_data import process_microbatch, get_microbatch_iterator
+
+Every name of NeMo-RL's API page is here with the same signature, defaults and return
+values (tuples where NeMo-RL returns tuples, the same dataclasses), including HEAD's
+``delegate_mtp_loss_mask_to_model`` / ``model_slices_context_parallel_inputs`` arguments and
+``media_token_validity_mask``, plus the names NeMo-RL's module binds and code patches:
+``get_context_parallel_rank``, ``get_context_parallel_world_size`` (megatron-core's, 0 of 1
+when CP is not set up) and ``get_packed_seq_cp_partition_indices`` (megatron-bridge's, here
+without megatron-bridge). The functions call each other through this module's names at call
+time, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")`` reaches the call as it does in NeMo-RL.
+Differences (docs/nemo-rl.md's "Differences from NeMo-RL" table lists all of them):
+
+* one layout plan per microbatch (:mod:`nn_data.layout`), made after one read of the lengths, packs
+  and CP-shards the ids and every companion (``mtp_loss_mask``, the media mask, ``routed_experts``)
+  with a constant number of ops (eagerly) or one compiled graph, not a Python loop per sequence: one
+  host sync per microbatch (NeMo-RL: ``2B + 1``);
+* where NeMo-RL silently produces wrong data, nn_data raises or is right: a packed total
+  above ``pad_full_seq_to`` raises (NeMo-RL truncates); a segment not divisible by
+  ``2 * cp_size`` raises (NeMo-RL drops tokens); unpacking always uses the padded
+  offsets (NeMo-RL misplaces sequences when CP is 1 and the multiple is > 1);
+* errors are :class:`nn_data.errors.PackingError`, a ``ValueError`` *and* an
+  ``AssertionError``, so code that catches NeMo-RL's asserts keeps working;
+* extra keyword-only arguments, all optional: ``options=PackOptions(...)`` on
+  :func:`process_microbatch` / :func:`_pack_sequences_for_megatron` (compiled graph,
+  row capacity, ``T`` buckets; the iterators read them from ``cfg["nn_data"]``) and
+  ``device=`` on the iterators;
+* megatron-core is imported lazily (``PackedSeqParams`` on the first pack), and
+  ``get_ltor_masks_and_position_ids`` is implemented here (megatron.training is not in the
+  megatron-core wheel).
+"""
+
+from __future__ import annotations
+
+from nn_data.nemo_rl.megatron_data.common import get_context_parallel_rank, get_context_parallel_world_size
+from nn_data.nemo_rl.megatron_data.options import PackOptions
+from nn_data.nemo_rl.megatron_data.iterators import (
+    get_microbatch_iterator,
+    make_processed_microbatch_iterator,
+    process_global_batch,
+)
+from nn_data.nemo_rl.megatron_data.microbatch import (
+    ProcessedInputs,
+    ProcessedMicrobatch,
+    get_ltor_masks_and_position_ids,
+    process_microbatch,
+)
+from nn_data.nemo_rl.megatron_data.pack import (
+    _get_pack_sequence_parameters_for_megatron,
+    _pack_sequences_for_megatron,
+    _unpack_sequences_from_megatron,
+    get_and_validate_seqlen,
+)
+from nn_data.nemo_rl.megatron_data.packed import get_packed_seq_cp_partition_indices
+from nn_data.nemo_rl.megatron_data.r3 import (
+    _fill_routed_experts_padding,
+    _make_r3_trace_token_identity,
+    _shard_routed_experts_for_cp,
+    _verify_r3_trace_cp_token_alignment,
+)
+from nn_data.nemo_rl.megatron_data.vlm import _prepare_vlm_batch_for_megatron
+
+# nn_data's own functions behind the names process_microbatch calls: a name bound to anything else
+# (a test's mock.patch) makes it follow NeMo-RL's call sequence (common.patched).
+_ORIGINALS = {
+    "_pack_sequences_for_megatron": _pack_sequences_for_megatron,
+    "_shard_routed_experts_for_cp": _shard_routed_experts_for_cp,
+    "get_packed_seq_cp_partition_indices": get_packed_seq_cp_partition_indices,
+}
+
+__all__ = [
+    "PackOptions",
+    "ProcessedInputs",
+    "ProcessedMicrobatch",
+    "_fill_routed_experts_padding",
+    "_get_pack_sequence_parameters_for_megatron",
+    "_make_r3_trace_token_identity",
+    "_pack_sequences_for_megatron",
+    "_prepare_vlm_batch_for_megatron",
+    "_shard_routed_experts_for_cp",
+    "_unpack_sequences_from_megatron",
+    "_verify_r3_trace_cp_token_alignment",
+    "get_and_validate_seqlen",
+    "get_context_parallel_rank",
+    "get_context_parallel_world_size",
+    "get_ltor_masks_and_position_ids",
+    "get_microbatch_iterator",
+    "get_packed_seq_cp_partition_indices",
+    "make_processed_microbatch_iterator",
+    "process_global_batch",
+    "process_microbatch",
+]

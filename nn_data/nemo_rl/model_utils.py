@@ -1,0 +1,396 @@
+"""NeMo-RL's log-prob functions of ``nemo_rl.distributed.model_utils`` on nn_data's path: one import switches.
+
+    # from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences
+    from nn_data.nemo_rl.model_utils import from_parallel_logits_to_logprobs_packed_sequences
+
+Shape legend
+    B   sequences (rows); ``cu_seqlens_padded`` has B+1 entries
+    S   unpacked row length (``unpacked_seqlen``; ``target.shape[1]`` for unpacked rows)
+    T   packed tokens; C context-parallel size; N = T/C positions on a rank
+    V   vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank
+    n   a sequence's padded segment, ``cu_seqlens_padded[b+1] - cu_seqlens_padded[b]``
+
+The names, signatures, defaults and values are NeMo-RL's (HEAD 7ea279a), its conventions included
+(``docs/design.md``, "NeMo-RL's log-prob conventions"):
+
+* ``[B, S-1]`` rows: ``out[b, s]`` is the log-prob, at packed position ``start_b + s``, of the token
+  at ``start_b + s + 1``, for ``s < min(n_b - 1, S - 1)``: past a sequence's length it is
+  ``log p(pad | ...)`` (whatever ``target`` holds there), beyond that 0;
+* the gradient under CP is ``C`` times the single-process one (NeMo-RL's all-gather backward sums
+  the ranks' gradients and its loss divides by ``cp_size``): here a reduce-scatter, exact also when
+  the ranks' losses differ;
+* a target outside ``[0, V)`` gets 0 and no gradient; ``sampling_params`` (top-k / top-p) take the
+  log-softmax over the kept logits, a filtered target gets ``-inf``.
+
+What is nn_data's: one index map for the whole microbatch (no loop over sequences), the log-probs of
+a rank's own positions computed in chunks of tokens (``token_logprobs_local``), one all-gather of
+``[1, T/C]`` values over ``cp_group`` (one ``[2, N]`` all-gather over ``group`` under TP), and no host
+sync: one with ``validate=True`` (the default), which checks ``cu_seqlens_padded``. The differences
+from NeMo-RL (float64 kept, ``chunk_size=None`` still chunked, ``None`` groups) are in
+docs/nemo-rl.md's "Differences from NeMo-RL" table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from nn_data import _checks
+from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
+from nn_data.logprobs import token_logprobs_local
+from nn_data.groups import ParallelInfo, group_info
+from nn_data.layout import checks as plan_checks
+from nn_data.layout import plan_from_boundaries
+from nn_data.layout.index import Segments, local_places, zigzag_source
+from nn_data.layout.rules import segment_bounds
+from nn_data.nemo_rl.sampling import TrainingSamplingParams
+from nn_data.sampling import sampling_filter
+from nn_data.targets import next_token_at
+from nn_data.unpack import unpack_sequences
+
+__all__ = [
+    "ChunkedDistributedLogprob",
+    "ChunkedDistributedLogprobWithSampling",
+    "DistributedLogprob",
+    "DistributedLogprobWithSampling",
+    "TrainingSamplingParams",
+    "_compute_distributed_log_softmax",
+    "_get_tokens_on_this_cp_rank",
+    "allgather_cp_sharded_tensor",
+    "from_parallel_logits_to_logprobs",
+    "from_parallel_logits_to_logprobs_packed_sequences",
+    "get_next_token_logprobs_from_logits",
+]
+
+#: Tokens per chunk of the log-sum-exp when NeMo-RL's ``chunk_size`` is None (NeMo-RL then holds
+#: a float32 ``[N, Vt]`` log-softmax; one ``[256, Vt]`` block here).
+DEFAULT_CHUNK_TOKENS = 256
+
+
+def from_parallel_logits_to_logprobs_packed_sequences(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    unpacked_seqlen: int,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    group: Optional["dist.ProcessGroup"],
+    inference_only: bool = False,
+    cp_group: Optional["dist.ProcessGroup"] = None,
+    chunk_size: Optional[int] = None,
+    sampling_params=None,
+    target_is_pre_rolled: bool = False,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Log-probs ``[B, S-1]`` from this rank's packed logits ``[1, T/C, Vt]``: NeMo-RL's function.
+
+    ``target``: the packed ids ``[1, T]`` (rolled here, within each padded segment), or with
+    ``target_is_pre_rolled=True`` this rank's rolled and CP-sharded targets ``[1, T/C]``.
+    ``group`` is the tensor-parallel group and ``cp_group`` the context-parallel one (``None``: not
+    split). ``inference_only`` computes without autograd. ``chunk_size`` tokens per chunk of the
+    log-sum-exp (None: 256). ``validate=False`` (nn_data's, keyword-only) skips the one host sync.
+
+    Example (C 1, V 3, uniform logits): cu_seqlens_padded ``[0, 4]``, unpacked_seqlen 3 ->
+    ``[[log(1/3), log(1/3)]]`` (positions 0 and 1 predict tokens 1 and 2; position 2 would need S 4).
+
+    Raises :class:`~nn_data.errors.PackingError`: logits not ``[1, T/C, Vt]`` floating point,
+    ``target`` not ``[1, T]`` (``[1, T/C]`` pre-rolled) integer, ``unpacked_seqlen`` or ``chunk_size``
+    below 1, a vocabulary slice that is not this TP rank's, ``top_k`` above ``V``, ``T`` not a multiple
+    of ``2C``, a group this process is not in (call); ``cu_seqlens_padded`` not rising from 0 to ``T``
+    in segments divisible by ``2C`` (validation).
+    """
+    cp, tp = _groups(cp_group, group)
+    _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP] "
+                               "(Expected probs to be 1D after squeezing)", 3)
+    _checks.check_packed("vocab_parallel_logits", vocab_parallel_logits)
+    local_total, cols = vocab_parallel_logits.shape[1], vocab_parallel_logits.shape[2]
+    total = local_total * cp.size
+    seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
+    chunk, filt = _chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
+    _checks.check_logprob_target(target, target_is_pre_rolled, local_total, total)
+    plan_checks.boundary_args("vocab_parallel_logits", vocab_parallel_logits, total, cu_seqlens_padded, cp.size)
+    _checks.check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
+    if validate:  # the boundaries' one host read (eager) or device asserts (compiled)
+        plan_from_boundaries(cu_seqlens_padded, total, op="from_parallel_logits_to_logprobs_packed_sequences",
+                             cp_size=cp.size)
+    with _grad_mode(inference_only):
+        token, keep = _packed_targets(target, target_is_pre_rolled, cu_seqlens_padded, total, cp, seq_len)
+        keep = keep & _in_vocab(token, cols * tp.size)
+        # squeeze, not [0]: its backward is a view, where [0]'s would copy the logits' whole gradient
+        values = _local_logprobs(vocab_parallel_logits.squeeze(0), token, keep, vocab_start_index, tp, chunk, filt)
+        packed = _gather_cp(values, cu_seqlens_padded, cp)  # [1, T]
+        cu = cu_seqlens_padded.to(torch.int64)
+        lengths = (cu[1:] - cu[:-1] - 1).clamp(0, seq_len - 1)  # [B] min(n_b - 1, S - 1)
+        return unpack_sequences(packed, lengths, cu_seqlens_padded, seq_len - 1, 0, validate=False)  # [B, S-1]
+
+
+def from_parallel_logits_to_logprobs(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: Optional["dist.ProcessGroup"],
+    inference_only: bool = False,
+    cp_group: Optional["dist.ProcessGroup"] = None,
+    chunk_size: Optional[int] = None,
+    sampling_params=None,
+) -> torch.Tensor:
+    """Log-probs ``[B, S-1]`` of unpacked rows from this rank's logits ``[B, S_loc, Vt]``: NeMo-RL's function.
+
+    ``target [B, S]`` holds the ids; under CP each row of the logits is this rank's zigzag shard of
+    the row padded to ``S_loc * C >= S`` positions. ``out[b, s] = log p(target[b, s+1] | logits[b, s])``
+    for ``s < S - 1``. ``chunk_size`` counts positions per row, as NeMo-RL's (``chunk_size * B``
+    tokens per chunk). No host sync.
+
+    Example (C 2, S 6, S_loc 4): each row is padded to 8 = 4 chunks of 2; rank 0 holds positions
+    ``0, 1, 6, 7``, rank 1 ``2, 3, 4, 5``; positions 0-4 predict tokens 1-5 (6 and 7 are padding).
+
+    Raises :class:`~nn_data.errors.PackingError`: logits not ``[B, S_loc, Vt]`` floating point,
+    ``target`` not ``[B, S]`` integer with ``S <= S_loc * C``, an odd ``S_loc`` under CP, a bad
+    ``chunk_size``, vocabulary slice or ``top_k``, a group this process is not in.
+    """
+    cp, tp = _groups(cp_group, tp_group)
+    _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, vocab_size // TP]", 3)
+    rows, local_len, cols = vocab_parallel_logits.shape
+    padded_len = local_len * cp.size  # S_pad
+    _checks.check_row_target(target, rows, padded_len)
+    _checks.check_even_shard("vocab_parallel_logits", local_len, cp.size, "row")
+    _checks.check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
+    chunk, filt = _chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
+    seq_len = target.shape[1]
+    with _grad_mode(inference_only):
+        bounds = torch.arange(rows + 1, device=target.device) * padded_len  # [B+1]: one segment per row
+        places = local_places(bounds, rows * padded_len, cp.size, cp.rank)  # 2 x [B*S_loc]
+        offset = places.source - places.segment * padded_len  # [B*S_loc] position in the padded row
+        keep = offset + 1 < seq_len  # [B*S_loc]
+        # row b, position s reads target[b, s + 1] (flat index b*S + s + 1; clamped where keep is False)
+        flat = (places.segment * seq_len + offset + 1).clamp(0, max(rows * seq_len - 1, 0))
+        token = target.reshape(-1).to(torch.int64)
+        token = token.index_select(0, flat) if token.numel() else torch.zeros_like(flat)  # [B*S_loc]
+        keep = keep & _in_vocab(token, cols * tp.size)
+        logits = vocab_parallel_logits.reshape(rows * local_len, cols)  # [B*S_loc, Vt]
+        values = _local_logprobs(logits, token, keep, vocab_start_index, tp, chunk * max(rows, 1), filt)
+        full = _gather_cp(values, bounds, cp)  # [1, B*S_pad]
+        return full.view(rows, padded_len)[:, : max(seq_len - 1, 0)]  # [B, S-1]
+
+
+def get_next_token_logprobs_from_logits(
+    input_ids: torch.Tensor,
+    next_token_logits: torch.Tensor,
+    seq_index: Optional[torch.Tensor] = None,
+    vocab_parallel_rank: Optional[int] = None,
+    vocab_parallel_group: Optional["dist.ProcessGroup"] = None,
+    context_parallel_group: Optional["dist.ProcessGroup"] = None,
+    sampling_params=None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """NeMo-RL's dispatcher: ``[B, S-1]`` log-probs of ``input_ids [B, S]`` from ``next_token_logits``.
+
+    With ``vocab_parallel_group``: :func:`from_parallel_logits_to_logprobs` (vocab-parallel, CP);
+    without: full-vocabulary logits ``[B, S, V]``. As NeMo-RL, logits narrower than float32 are cast
+    to float32 first when a top-k / top-p filter is on (the filter then runs in float32); float64 stays.
+    ``seq_index`` belongs to NeMo-RL's DTensor path, which nn_data does not provide.
+
+    Raises :class:`~nn_data.errors.PackingError` for DTensor logits, a ``vocab_parallel_group`` without
+    ``vocab_parallel_rank``, and as :func:`from_parallel_logits_to_logprobs`.
+    """
+    if type(next_token_logits).__name__ == "DTensor":
+        raise _checks.PackingError("next_token_logits is a DTensor: nn_data.nemo_rl.model_utils covers the "
+                                   "Megatron (vocab-parallel) and plain-tensor paths; use NeMo-RL's "
+                                   "get_logprobs_from_vocab_parallel_logits for DTensor logits")
+    if sampling_filter(sampling_params) is not None and next_token_logits.is_floating_point():
+        next_token_logits = next_token_logits.to(torch.promote_types(next_token_logits.dtype, torch.float32))
+    if vocab_parallel_group is not None:
+        if vocab_parallel_rank is None:
+            raise _checks.PackingError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
+        cols = next_token_logits.shape[-1]
+        return from_parallel_logits_to_logprobs(
+            next_token_logits, input_ids, vocab_parallel_rank * cols, (vocab_parallel_rank + 1) * cols,
+            vocab_parallel_group, cp_group=context_parallel_group, sampling_params=sampling_params,
+            chunk_size=chunk_size,
+        )
+    cols = next_token_logits.shape[-1]
+    return from_parallel_logits_to_logprobs(next_token_logits, input_ids, 0, cols, None,
+                                            sampling_params=sampling_params)
+
+
+def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group: Optional["dist.ProcessGroup"], seq_dim: int = 1):
+    """This rank's zigzag shard of one sequence along ``seq_dim`` -> the whole sequence, on every rank.
+
+    ``tensor [..., S_loc, ...]`` holds chunks ``r`` and ``2C-1-r`` of ``2C``; the result has
+    ``S_loc * C`` positions in order. Differentiable: the gradient of a shard is the sum over the
+    ranks of the gradients they computed for it (NeMo-RL's all-reduce then slice, as a
+    reduce-scatter), so ``C`` times the single-process gradient when every rank computes the same
+    loss. ``cp_group=None``: the identity. One all-gather; no host sync.
+
+    Example (C 2): rank 0 ``[0, 1, 6, 7]``, rank 1 ``[2, 3, 4, 5]`` -> ``[0, 1, 2, 3, 4, 5, 6, 7]``.
+    """
+    cp = group_info(cp_group, "context-parallel group")
+    if cp.size == 1:
+        return tensor
+    seq_dim = seq_dim % tensor.dim()
+    _checks.check_even_shard("tensor", tensor.shape[seq_dim], cp.size, f"sequence (dim {seq_dim})")
+    bounds = torch.arange(2, device=tensor.device) * (tensor.shape[seq_dim] * cp.size)  # [0, S_loc * C]
+    local = tensor.movedim(seq_dim, 0).unsqueeze(0)  # [1, S_loc, ...]
+    full = GatherFromContextParallel(cp.group, grad_mode="sum", validate=False)(local, bounds)  # [1, S_loc*C, ...]
+    return full.squeeze(0).movedim(0, seq_dim)
+
+
+def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1):
+    """Rank ``cp_rank``'s zigzag shard of one sequence along ``seq_dim``: chunks ``r`` and ``2C-1-r`` of
+    ``2C`` (``[..., n, ...] -> [..., n/C, ...]``; one gather). ``cp_size == 1``: ``input_ids`` itself.
+
+    Example: ``[0..7]``, C 2, rank 1 -> ``[2, 3, 4, 5]``.
+
+    Raises :class:`~nn_data.errors.PackingError` for a bad ``cp_size`` / ``cp_rank`` and a length not a
+    multiple of ``2 * cp_size`` (NeMo-RL drops the remainder).
+    """
+    if cp_size == 1:
+        return input_ids
+    _checks.check_cp(cp_size, cp_rank)
+    length = input_ids.shape[seq_dim]
+    plan_checks.sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
+    bounds = torch.arange(2, device=input_ids.device) * length  # [0, n]
+    return input_ids.index_select(seq_dim, zigzag_source(bounds, length // cp_size, cp_size, cp_rank))
+
+
+# --- NeMo-RL's autograd functions, called as ``Class.apply(...)`` with its argument order ----------------------
+
+
+class DistributedLogprob:
+    """``apply(vocab_parallel_logits [*, Vt], target [*], vocab_start_index, vocab_end_index, group,
+    inference_only=False) -> [*]``: ``log softmax(logits)[target]`` over the TP-split vocabulary, 0
+    for a target outside ``[0, V)``."""
+
+    @staticmethod
+    def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group, inference_only=False):
+        return _token_logprobs(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group,
+                               None, None, inference_only)
+
+
+class ChunkedDistributedLogprob:
+    """``apply(vocab_parallel_logits [B, S, Vt], target [B, S], vocab_start_index, vocab_end_index,
+    chunk_size, tp_group, inference_only=False) -> [B, S]``: as :class:`DistributedLogprob`, ``chunk_size``
+    positions per row at a time."""
+
+    @staticmethod
+    def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, chunk_size, tp_group,
+              inference_only=False):
+        return _token_logprobs(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, tp_group,
+                               chunk_size, None, inference_only)
+
+
+class DistributedLogprobWithSampling:
+    """``apply(vocab_parallel_logits [B, S, Vt], target [B, S], tp_group, top_k, top_p,
+    inference_only=False) -> [B, S]``: the log-softmax over the logits a top-k / top-p filter keeps."""
+
+    @staticmethod
+    def apply(vocab_parallel_logits, target, tp_group, top_k, top_p, inference_only=False):
+        return _sampled(vocab_parallel_logits, target, tp_group, top_k, top_p, None, inference_only)
+
+
+class ChunkedDistributedLogprobWithSampling:
+    """``apply(vocab_parallel_logits, target, tp_group, top_k, top_p, chunk_size, inference_only=False)``:
+    :class:`DistributedLogprobWithSampling`, ``chunk_size`` positions per row at a time."""
+
+    @staticmethod
+    def apply(vocab_parallel_logits, target, tp_group, top_k, top_p, chunk_size, inference_only=False):
+        return _sampled(vocab_parallel_logits, target, tp_group, top_k, top_p, chunk_size, inference_only)
+
+
+@torch.no_grad()
+def _compute_distributed_log_softmax(vocab_parallel_logits: torch.Tensor, group) -> torch.Tensor:
+    """The log-softmax over the TP-split vocabulary, this rank's columns ``[*, Vt]`` (no autograd):
+    one all-gather of the per-rank log-sum-exp ``[*]``."""
+    tp = group_info(group, "tensor-parallel group")
+    lse = torch.logsumexp(vocab_parallel_logits, dim=-1)  # [*]
+    if tp.size > 1:
+        lse = torch.logsumexp(all_gather_dim0(lse[None], tp.group), dim=0)  # [TP, *] -> [*]
+    return vocab_parallel_logits - lse[..., None]
+
+
+# --- shared steps ------------------------------------------------------------------------------------------
+
+
+def _groups(cp_group, tp_group) -> tuple[ParallelInfo, ParallelInfo]:
+    return group_info(cp_group, "context-parallel group"), group_info(tp_group, "tensor-parallel group")
+
+
+def _grad_mode(inference_only: bool):
+    return torch.no_grad() if inference_only else contextlib.nullcontext()
+
+
+def _chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols: int, tp: ParallelInfo):
+    """Tokens per chunk and the sampling filter (or None), after the checks they share."""
+    chunk = _checks.positive_int("chunk_size", chunk_size, allow_none=True) or DEFAULT_CHUNK_TOKENS
+    _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
+    filt = sampling_filter(sampling_params)
+    if filt is not None:
+        _checks.check_top_k(filt.top_k, cols * tp.size)
+    return chunk, filt
+
+
+def _packed_targets(target, pre_rolled: bool, cu_seqlens_padded, total: int, cp: ParallelInfo, seq_len: int):
+    """``(token [N], keep [N])`` for this rank's packed positions: the token each one scores and
+    whether NeMo-RL's output holds it (offset ``s`` in its padded segment ``n``: ``s < min(n-1, S-1)``).
+
+    Example (C 1): cu_seqlens_padded ``[0, 4, 12]``, S 6 -> keep ``[T,T,T,F, T,T,T,T,T,F,F,F]``
+    (segment 1 is cut at ``S - 1 = 5`` positions); position 3 would score the next segment's token.
+    """
+    bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]
+    places = local_places(bounds, total, cp.size, cp.rank)  # 2 x [N]
+    seg_len = bounds[1:] - bounds[:-1]  # [B'] padded segments: every padded position is scored
+    offset = places.source - bounds[places.segment]  # [N]
+    keep = (offset + 1 < seg_len[places.segment]) & (offset + 1 < seq_len)  # [N]
+    if pre_rolled:
+        return target[0].to(torch.int64), keep  # [N] given on this rank's positions
+    return next_token_at(target[0], Segments(bounds, seg_len), places, total)[0], keep  # [N] the token at t + 1
+
+
+def _in_vocab(token: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[N]`` bool: the target is a vocabulary id (NeMo-RL gives any other target 0)."""
+    return (token >= 0) & (token < vocab)
+
+
+def _local_logprobs(logits, token, keep, vocab_start: int, tp: ParallelInfo, chunk: int, filt):
+    return token_logprobs_local(logits, token, keep, vocab_start=vocab_start, tp_group=tp.group, tp_size=tp.size,
+                                chunk_tokens=chunk, sampling=filt)
+
+
+def _gather_cp(values: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp: ParallelInfo) -> torch.Tensor:
+    """``[N]`` on each rank -> ``[1, T]``: one all-gather; backward a reduce-scatter (NeMo-RL's ``C``-times gradient)."""
+    if cp.size == 1:
+        return values[None]
+    return GatherFromContextParallel(cp.group, grad_mode="sum", validate=False)(values[None], cu_seqlens_padded)
+
+
+def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, chunk_size, filt, inference_only):
+    """Log-probs of ``target [*]`` at every position of ``logits [*, Vt]`` (the autograd classes' body).
+    ``chunk_size`` counts positions of a row, as NeMo-RL's: ``chunk_size * B`` tokens for ``[B, S, Vt]``."""
+    tp = group_info(group, "tensor-parallel group")
+    _checks.check_min_dims("vocab_parallel_logits", logits, 1, "[*, V // TP]")
+    cols = logits.shape[-1]
+    _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
+    if chunk_size is None:
+        chunk = DEFAULT_CHUNK_TOKENS
+    else:
+        chunk = _checks.positive_int("chunk_size", chunk_size) * (logits.shape[0] if logits.dim() == 3 else 1)
+    with _grad_mode(inference_only):
+        token = target.reshape(-1).to(torch.int64)  # [M]
+        keep = _in_vocab(token, cols * tp.size)
+        values = _local_logprobs(logits.reshape(-1, cols), token, keep, vocab_start_index, tp, chunk, filt)  # [M]
+        return values.view(target.shape)
+
+
+def _sampled(logits, target, tp_group, top_k, top_p, chunk_size, inference_only):
+    """:class:`DistributedLogprobWithSampling`'s body: this TP rank's vocabulary slice is the standard one."""
+    filt = sampling_filter(TrainingSamplingParams(top_k=top_k, top_p=top_p))
+    tp, cols = group_info(tp_group, "tensor-parallel group"), logits.shape[-1]
+    if filt is not None:
+        _checks.check_top_k(filt.top_k, cols * tp.size)
+    return _token_logprobs(logits, target, tp.rank * cols, (tp.rank + 1) * cols, tp_group, chunk_size, filt,
+                           inference_only)
