@@ -1,22 +1,32 @@
 """Process groups as callers hold them: the one resolver of ``(rank, size, group)``
 (``docs/design.md``, "Process groups").
 
-Every op that takes a context- or tensor-parallel group resolves it here. ``None`` always means *not
-split along that axis* (rank 0 of 1), never "the world group". :func:`context_parallel_info` /
-:func:`tensor_parallel_info` add megatron-core's ``parallel_state`` as a fallback source, read only
-when some code already imported and initialised it (this module never imports megatron-core).
+Every op that takes a context- or tensor-parallel group resolves it here, in any of the forms the
+field's stacks hold it:
+
+* a ``torch.distributed.ProcessGroup`` (megatron-core's ``parallel_state`` getters return these);
+* a 1-D ``DeviceMesh`` (torchtitan, DTensor stacks: ``mesh["cp"]``), or a ``(mesh, dim)`` pair
+  naming one dimension of a larger mesh (``(mesh, "cp")``, a name or an index);
+* megatron-core's ``ProcessGroupCollection`` through ``pg_collection=`` (its ``cp`` / ``tp`` field);
+* ``None``: *not split along that axis* (rank 0 of 1), never "the world group".
+
+:func:`context_parallel_info` / :func:`tensor_parallel_info` add the fallback sources: an explicit
+group, else ``pg_collection``, else megatron-core's ``parallel_state`` when some code already imported
+and initialised it (this module never imports megatron-core), else a single rank.
 
 Example::
 
-    cp = group_info(cp_group)                    # ParallelInfo(rank=1, size=2, group=cp_group)
+    group_info(cp_group)                         # ParallelInfo(rank=1, size=2, group=cp_group)
+    group_info(mesh["cp"])                       # the same, from a torchtitan-style mesh
+    group_info((mesh, "cp"))                     # the same, naming the mesh's dimension
     group_info(None)                             # ParallelInfo(rank=0, size=1, group=None)
-    context_parallel_info()                      # from an initialised parallel_state, else rank 0 of 1
+    context_parallel_info(pg_collection=pgc)     # pgc.cp
 """
 
 from __future__ import annotations
 
 import sys
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -34,52 +44,107 @@ class ParallelInfo(NamedTuple):
 SINGLE = ParallelInfo(0, 1, None)
 
 
-def group_info(group: Optional["dist.ProcessGroup"], what: str = "group") -> ParallelInfo:
-    """This process's rank and size in ``group``; ``None`` is a single rank ``(0, 1, None)``.
+def as_process_group(group: Any, what: str = "group") -> Optional["dist.ProcessGroup"]:
+    """The ``ProcessGroup`` that ``group`` (in any form the module docstring lists) stands for; ``None``
+    stays ``None``.
+
+    Example: a 2-D mesh with dims ``("dp", "cp")``: ``(mesh, "cp")`` and ``mesh["cp"]`` give its CP
+    group; the mesh itself is refused (which dimension is meant?).
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    mesh, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
+    if not _is_device_mesh(mesh):
+        raise PackingError(f"{what} is a {type(group).__name__}; pass a torch.distributed ProcessGroup, a 1-D "
+                           "DeviceMesh, a (DeviceMesh, dim) pair, or None (not split)")
+    if dim is None and mesh.ndim != 1:
+        raise PackingError(f"{what} is a {mesh.ndim}-D DeviceMesh (dims {mesh.mesh_dim_names}); pass the 1-D mesh "
+                           "of one dimension (mesh['cp']) or a (mesh, dim) pair")
+    names = mesh.mesh_dim_names or ()
+    if dim is not None and not (dim in names or (isinstance(dim, int) and 0 <= dim < mesh.ndim)):
+        raise PackingError(f"{what}'s mesh dimension {dim!r} is not one of the mesh's dims {names} "
+                           f"(or an index below {mesh.ndim})")
+    return mesh.get_group(dim)
+
+
+def _is_device_mesh(obj: Any) -> bool:
+    if "torch.distributed.device_mesh" not in sys.modules:  # no mesh was ever built in this process
+        return False
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(obj, DeviceMesh)
+
+
+def group_info(group: Any, what: str = "group") -> ParallelInfo:
+    """This process's rank and size in ``group`` (a ``ProcessGroup``, a DeviceMesh form, or ``None``:
+    a single rank ``(0, 1, None)``); ``.group`` is always the resolved ``ProcessGroup``.
 
     Raises :class:`PackingError` when a group is given but ``torch.distributed`` is not
-    initialised, or this process is not a member of it.
+    initialised, this process is not a member of it, or it is not a form listed above.
     """
     if group is None:
         return SINGLE
     if not (dist.is_available() and dist.is_initialized()):
         raise PackingError(f"a {what} was given but torch.distributed is not initialised")
+    group = as_process_group(group, what)
     rank = dist.get_rank(group)
     if rank < 0:
         raise PackingError(f"this process (global rank {dist.get_rank()}) is not a member of the {what} it was given")
     return ParallelInfo(rank, dist.get_world_size(group), group)
 
 
-def context_parallel_info(group: Optional["dist.ProcessGroup"] = None) -> ParallelInfo:
+def context_parallel_info(group: Any = None, *, pg_collection: Any = None) -> ParallelInfo:
     """This process's context-parallel rank, size and group.
 
-    Resolution: an explicit ``group``; else megatron-core's ``parallel_state`` when it is
-    initialised; else a single rank when ``torch.distributed`` is not initialised.
+    Resolution: an explicit ``group``; else ``pg_collection.cp`` (megatron-core's
+    ``ProcessGroupCollection``); else megatron-core's ``parallel_state`` when it is initialised; else
+    a single rank when ``torch.distributed`` is not initialised.
 
-    Raises :class:`PackingError` when ``torch.distributed`` runs with neither a group nor an
-    initialised ``parallel_state`` (the world group may hold data-parallel ranks: never
-    assumed), and as :func:`group_info`.
+    Raises :class:`PackingError` when ``torch.distributed`` runs with none of these (the world group
+    may hold data-parallel ranks: never assumed), when ``group`` and ``pg_collection.cp`` are both
+    given and differ, and as :func:`group_info`.
     """
-    return _resolve(group, "context", "get_context_parallel_group")
+    return _resolve(group, pg_collection, "context", "cp", "get_context_parallel_group")
 
 
-def tensor_parallel_info(group: Optional["dist.ProcessGroup"] = None) -> ParallelInfo:
-    """This process's tensor-parallel rank, size and group (vocab-parallel logits); as
-    :func:`context_parallel_info`."""
-    return _resolve(group, "tensor", "get_tensor_model_parallel_group")
+def tensor_parallel_info(group: Any = None, *, pg_collection: Any = None) -> ParallelInfo:
+    """This process's tensor-parallel rank, size and group (vocab-parallel logits), from ``group``,
+    ``pg_collection.tp``, ``parallel_state``: as :func:`context_parallel_info`."""
+    return _resolve(group, pg_collection, "tensor", "tp", "get_tensor_model_parallel_group")
 
 
-def _resolve(group, kind: str, getter: str) -> ParallelInfo:
+def collection_group(pg_collection: Any, field: str) -> Optional["dist.ProcessGroup"]:
+    """``pg_collection.<field>`` (``"cp"``, ``"tp"``, ...), refusing a collection without that field.
+
+    megatron-core's ``ProcessGroupCollection`` holds only the groups it was built with; a missing one
+    is an ``AttributeError`` there, a :class:`PackingError` naming the field here.
+    """
+    if pg_collection is None:
+        return None
+    if not hasattr(pg_collection, field):
+        raise PackingError(f"pg_collection ({type(pg_collection).__name__}) has no {field!r} group; build it with "
+                           f"one (ProcessGroupCollection(..., {field}=group)) or pass the group explicitly")
+    return getattr(pg_collection, field)
+
+
+def _resolve(group, pg_collection, kind: str, field: str, getter: str) -> ParallelInfo:
+    what = f"{kind}-parallel group"
+    from_collection = collection_group(pg_collection, field)
     if group is not None:
-        return group_info(group, f"{kind}-parallel group")
+        info = group_info(group, what)
+        if from_collection is not None and as_process_group(from_collection, what) is not info.group:
+            raise PackingError(f"the {what} given and pg_collection.{field} are different groups; pass one of them")
+        return info
+    if pg_collection is not None:
+        return group_info(from_collection, f"pg_collection.{field}")
     state = megatron_state()
     if state is not None:
-        return group_info(getattr(state, getter)(), f"megatron-core's {kind}-parallel group")
+        return group_info(getattr(state, getter)(), f"megatron-core's {what}")
     if not (dist.is_available() and dist.is_initialized()):
         return SINGLE
     raise PackingError(
-        f"torch.distributed is initialised but megatron-core's parallel_state is not, and no {kind}-parallel "
-        f"group was given; pass the {kind}-parallel ProcessGroup explicitly or call "
+        f"torch.distributed is initialised but megatron-core's parallel_state is not, and no {what} "
+        f"was given; pass the {kind}-parallel ProcessGroup (or DeviceMesh) explicitly, or pg_collection=, or call "
         "parallel_state.initialize_model_parallel(...) first (the world group is not assumed: it may hold "
         "data-parallel ranks too)"
     )
