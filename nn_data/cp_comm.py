@@ -25,7 +25,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.context_parallel import UnshardFromContextParallel
-from nn_data.groups import group_info
+from nn_data.groups import given_group_info
 
 # torch >= 2.12 names these *_single; older releases only have the *_tensor spelling.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -85,7 +85,8 @@ class GatherFromContextParallel(nn.Module):
     ``forward(local [1, T/C, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T, *]``, the
     same on every rank of ``group`` (pass the pack's ``layout`` and the boundaries are not read again).
     One all-gather of the whole shard, then :class:`~nn_data.UnshardFromContextParallel`.
-    ``group`` is the CP ``ProcessGroup``; ``None`` means no CP (the op is the identity).
+    ``group`` is the CP ``ProcessGroup``; ``None`` means no CP (the op is the identity), unless
+    ``pg_collection`` (megatron-core's ``ProcessGroupCollection``) is given: then its ``cp`` group.
 
     ``grad_mode``: ``"own"`` (default) when every rank computes the same loss from the gathered
     tensor: each rank keeps its own rows of its own gradient, no communication. ``"sum"`` when
@@ -95,16 +96,17 @@ class GatherFromContextParallel(nn.Module):
     Example (2 ranks, ``cu_seqlens_padded [0, 8]``): rank 0 holds ``[[0, 1, 6, 7]]``, rank 1
     ``[[2, 3, 4, 5]]``; both get ``[[0, 1, 2, 3, 4, 5, 6, 7]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: an unknown ``grad_mode`` or a group this process
-    is not in (``__init__``); as :class:`~nn_data.UnshardFromContextParallel` at call time.
+    Raises :class:`~nn_data.errors.PackingError`: an unknown ``grad_mode``, a group this process
+    is not in, ``group`` and ``pg_collection.cp`` different groups (``__init__``); as
+    :class:`~nn_data.UnshardFromContextParallel` at call time.
     """
 
     def __init__(self, group: Optional["dist.ProcessGroup"] = None, *, grad_mode: str = "own", validate: bool = True,
-                 host_reads: bool = True):
+                 host_reads: bool = True, pg_collection=None):
         super().__init__()
         if grad_mode not in GRAD_MODES:
             raise _checks.PackingError(f"grad_mode={grad_mode!r} is invalid; expected one of {GRAD_MODES}")
-        self.cp_rank, self.cp_size, group = group_info(group, "context-parallel group")
+        self.cp_rank, self.cp_size, group = given_group_info(group, pg_collection=pg_collection, field="cp")
         self.group, self.grad_mode, self.validate = group, grad_mode, bool(validate)
         self.unshard = UnshardFromContextParallel(self.cp_size, validate=validate, host_reads=host_reads)
 

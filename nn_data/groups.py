@@ -10,9 +10,11 @@ field's stacks hold it:
 * megatron-core's ``ProcessGroupCollection`` through ``pg_collection=`` (its ``cp`` / ``tp`` field);
 * ``None``: *not split along that axis* (rank 0 of 1), never "the world group".
 
-:func:`context_parallel_info` / :func:`tensor_parallel_info` add the fallback sources: an explicit
-group, else ``pg_collection``, else megatron-core's ``parallel_state`` when some code already imported
-and initialised it (this module never imports megatron-core), else a single rank.
+:func:`given_group_info` is what the ops take (``group=`` / ``pg_collection=``: an explicit group, else
+the collection's field, else not split). :func:`context_parallel_info` / :func:`tensor_parallel_info`
+add the fallback sources: an explicit group, else ``pg_collection``, else megatron-core's
+``parallel_state`` when some code already imported and initialised it (this module never imports
+megatron-core), else a single rank.
 
 Example::
 
@@ -21,6 +23,7 @@ Example::
     group_info((mesh, "cp"))                     # the same, naming the mesh's dimension
     group_info(None)                             # ParallelInfo(rank=0, size=1, group=None)
     context_parallel_info(pg_collection=pgc)     # pgc.cp
+    given_group_info(None, pg_collection=pgc)    # pgc.cp too; None and no collection: not split
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def context_parallel_info(group: Any = None, *, pg_collection: Any = None) -> Pa
 
     Raises :class:`PackingError` when ``torch.distributed`` runs with none of these (the world group
     may hold data-parallel ranks: never assumed), when ``group`` and ``pg_collection.cp`` are both
-    given and differ, and as :func:`group_info`.
+    given and differ, for a collection without a ``cp`` group, and as :func:`group_info`.
     """
     return _resolve(group, pg_collection, "context", "cp", "get_context_parallel_group")
 
@@ -113,30 +116,66 @@ def tensor_parallel_info(group: Any = None, *, pg_collection: Any = None) -> Par
     return _resolve(group, pg_collection, "tensor", "tp", "get_tensor_model_parallel_group")
 
 
+#: The collection field of each parallel axis an op may split along, and the words its messages use.
+AXES = {"cp": "context-parallel group", "tp": "tensor-parallel group"}
+
+
+def given_group_info(group: Any = None, *, pg_collection: Any = None, field: str = "cp") -> ParallelInfo:
+    """The group an op was *given*: ``group``, else ``pg_collection.<field>``, else ``None`` (not split:
+    rank 0 of 1). No ``parallel_state`` fallback: the ops' ``None`` keeps meaning "not split"
+    (``docs/design.md``, "Process groups"); :func:`context_parallel_info` adds that source.
+
+    Example: ``given_group_info(None, pg_collection=pgc)`` -> ``pgc.cp``'s rank and size;
+    ``given_group_info(g, pg_collection=pgc)`` with ``g is not pgc.cp`` -> :class:`PackingError`.
+
+    Raises :class:`PackingError` when both are given and are different groups, for a collection
+    without that field (:func:`collection_group`), and as :func:`group_info`.
+    """
+    what = AXES[field]
+    from_collection = collection_group(pg_collection, field)
+    if group is None:
+        return group_info(from_collection, f"pg_collection.{field}") if pg_collection is not None else SINGLE
+    info = group_info(group, what)
+    if pg_collection is not None and as_process_group(from_collection, f"pg_collection.{field}") is not info.group:
+        raise PackingError(f"the {what} given and pg_collection.{field} are different groups "
+                           f"(sizes {info.size} and {_size(from_collection)}); pass one of them")
+    return info
+
+
+def _size(group) -> int:
+    group = as_process_group(group)
+    return 1 if group is None else dist.get_world_size(group)
+
+
 def collection_group(pg_collection: Any, field: str) -> Optional["dist.ProcessGroup"]:
     """``pg_collection.<field>`` (``"cp"``, ``"tp"``, ...), refusing a collection without that field.
 
-    megatron-core's ``ProcessGroupCollection`` holds only the groups it was built with; a missing one
-    is an ``AttributeError`` there, a :class:`PackingError` naming the field here.
+    megatron-core's ``ProcessGroupCollection`` holds only the groups it was built with: a field never
+    set is an ``AttributeError`` on 0.16 and ``None`` on 0.19 (its ``__getattr__``); either way a
+    :class:`PackingError` naming the field here. A field set to ``None`` explicitly means "not split".
     """
     if pg_collection is None:
         return None
-    if not hasattr(pg_collection, field):
+    if not _holds(pg_collection, field):
         raise PackingError(f"pg_collection ({type(pg_collection).__name__}) has no {field!r} group; build it with "
                            f"one (ProcessGroupCollection(..., {field}=group)) or pass the group explicitly")
     return getattr(pg_collection, field)
 
 
+def _holds(pg_collection: Any, field: str) -> bool:
+    """Whether ``field`` was set on the collection (its instance attributes, or the class's own
+    attribute or property), not answered by a ``__getattr__`` fallback."""
+    if field in getattr(pg_collection, "__dict__", {}):
+        return True
+    if hasattr(type(pg_collection), field):
+        return True
+    return not hasattr(pg_collection, "__dict__") and hasattr(pg_collection, field)
+
+
 def _resolve(group, pg_collection, kind: str, field: str, getter: str) -> ParallelInfo:
     what = f"{kind}-parallel group"
-    from_collection = collection_group(pg_collection, field)
-    if group is not None:
-        info = group_info(group, what)
-        if from_collection is not None and as_process_group(from_collection, what) is not info.group:
-            raise PackingError(f"the {what} given and pg_collection.{field} are different groups; pass one of them")
-        return info
-    if pg_collection is not None:
-        return group_info(from_collection, f"pg_collection.{field}")
+    if group is not None or pg_collection is not None:
+        return given_group_info(group, pg_collection=pg_collection, field=field)
     state = megatron_state()
     if state is not None:
         return group_info(getattr(state, getter)(), f"megatron-core's {what}")

@@ -24,7 +24,7 @@ from torch import nn
 from nn_data import _checks
 from nn_data.context_parallel import op_layout
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
-from nn_data.groups import group_info
+from nn_data.groups import given_group_info
 from nn_data.sampling import row_thresholds, vocab_parallel_thresholds
 from nn_data.layout import checks, execute
 from nn_data.layout.index import ZigzagLocal, packed_segments
@@ -139,7 +139,8 @@ class TokenLogProbs(nn.Module):
     columns ``[k*Vt, (k+1)*Vt)``), ``packed_ids`` the full packed ids. Each local position's
     next token *within its sequence* is scored on the shard in chunks of ``chunk_tokens``, the
     ``[1, T/C]`` values are all-gathered over ``cp_group`` and unpacked. ``None`` groups mean
-    not split. Result: ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0
+    not split; ``pg_collection`` (megatron-core's ``ProcessGroupCollection``) stands for the groups
+    not given (its ``cp`` and ``tp``). Result: ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0
     (``docs/design.md``, "Differences from NeMo-RL"). Gradients reach the local logits; every CP
     rank is assumed to compute the same loss (``grad_mode="own"``).
 
@@ -161,13 +162,14 @@ class TokenLogProbs(nn.Module):
         chunk_tokens: int = 256,
         validate: bool = True,
         host_reads: bool = True,
+        pg_collection=None,
     ):
         super().__init__()
         self.seq_len = _checks.row_length("seq_len", seq_len, allow_none=True)
         self.host_reads = bool(host_reads)
         self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
-        self.cp_rank, self.cp_size, _ = group_info(cp_group, "context-parallel group")
-        self.tp_rank, self.tp_size, _ = group_info(tp_group, "tensor-parallel group")
+        self.cp_rank, self.cp_size, cp_group = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
+        self.tp_rank, self.tp_size, tp_group = given_group_info(tp_group, pg_collection=pg_collection, field="tp")
         self.tp_group, self.validate = tp_group, bool(validate)
         self.gather = GatherFromContextParallel(cp_group, validate=False) if self.cp_size > 1 else None
 

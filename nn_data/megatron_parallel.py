@@ -65,6 +65,7 @@ def make_packed_seq_params(
     pad_between_seqs: Optional[bool] = None,
     packed_length: Optional[int] = None,
     cp_group: Optional["dist.ProcessGroup"] = None,
+    pg_collection: Any = None,
 ) -> Any:
     """A THD ``PackedSeqParams`` over ``cu_seqlens_padded [B+1]``, with no host sync and no
     copy of Python data to the device on every supported megatron-core release
@@ -88,10 +89,15 @@ def make_packed_seq_params(
     * ``cp_group`` (where the release has the field, and only when given) is the group the
       caller sharded the tokens over. ``local_cp_size`` is left unset: megatron-core reads it as
       hybrid context parallelism's per-sample size (multi-latent attention refuses it).
+    * ``pg_collection`` (megatron-core's ``ProcessGroupCollection``): its ``cp`` group stands for
+      ``cp_group`` when that is not given; both given must be the same group
+      (:func:`nn_data.groups.given_group_info`).
 
     On megatron-core 0.16.x ``total_tokens``, ``seq_idx`` and ``pad_between_seqs`` do not
     exist and stay unset (fields are detected, never assumed).
     """
+    if cp_group is not None or pg_collection is not None:
+        cp_group = _groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp").group
     padded = _with_start(cu_seqlens_padded)
     own_valid = cu_seqlens is not None and cu_seqlens is not cu_seqlens_padded
     valid = _with_start(cu_seqlens) if own_valid else padded

@@ -21,7 +21,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
-from nn_data.groups import group_info
+from nn_data.groups import given_group_info
 from nn_data.pack import PackSequences, check_pack_args
 from nn_data.layout.plan import PackLayout
 from nn_data.planning.alignment import ParallelLayout
@@ -40,7 +40,10 @@ class PackedInfo(NamedTuple):
     all-gather, autograd-aware: use it for keys and values); ``packed_seq_params`` a
     megatron-core ``PackedSeqParams`` when requested (``max_seqlen_q = T``: the only
     value known without a host sync; ``total_tokens = T/C``, ``cp_group`` the group given to
-    :class:`PackedForward`; :func:`nn_data.megatron_parallel.make_packed_seq_params`).
+    :class:`PackedForward`; :func:`nn_data.megatron_parallel.make_packed_seq_params`);
+    ``padding_mask [1, T/C]`` bool, True at this rank's padding positions (each segment's slack
+    and the extended last segment: :meth:`nn_data.layout.PackLayout.padding_mask`), in the local
+    tokens' order: megatron-core's ``GPTModel.forward(padding_mask=)``.
     """
 
     cu_seqlens_padded: torch.Tensor
@@ -51,6 +54,7 @@ class PackedInfo(NamedTuple):
     cp_rank: int
     gather: Optional[Callable[[torch.Tensor], torch.Tensor]]
     packed_seq_params: object = None
+    padding_mask: Optional[torch.Tensor] = None
 
 
 class PackedInput(NamedTuple):
@@ -77,6 +81,7 @@ class _Prepared(NamedTuple):
     max_seqlen: torch.Tensor  # 0-d
     segment_ids: torch.Tensor  # [T]
     query_index: torch.Tensor  # [T/C]
+    padding_mask: torch.Tensor  # [1, T/C] bool, True at padding
     layout: Optional[PackLayout]  # the plan (eager); None out of a compiled region
 
 
@@ -85,7 +90,8 @@ class PackedForward(nn.Module):
 
     ``forward(input_ids [B, S] int, seq_lengths [B] int, **model_kwargs) -> [B, S, *]``, 0 past
     each row's length: pack, take this rank's places, position ids, ``model`` on the local tokens,
-    gather across ``cp_group`` (None: no CP), unpack.
+    gather across ``cp_group`` (None: no CP; ``pg_collection``, megatron-core's
+    ``ProcessGroupCollection``, stands for it with its ``cp`` group), unpack.
 
     The model contract: ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
     **model_kwargs) -> [1, T/C, *]`` for the same local tokens in the same order. Position ids
@@ -116,6 +122,7 @@ class PackedForward(nn.Module):
         pad_full_seq_to: Optional[int] = None,
         pad_packed_seq_to_multiple_of: int = 1,
         cp_group=None,
+        pg_collection=None,
         row_capacity: Optional[int] = None,
         compile_packing: bool = False,
         compile_kwargs: Optional[dict] = None,
@@ -124,13 +131,14 @@ class PackedForward(nn.Module):
         super().__init__()
         self.model = model
         self.pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
-        self.cp_rank, self.cp_size, self._cp_group = group_info(cp_group, "context-parallel group")
+        self.cp_rank, self.cp_size, self._cp_group = given_group_info(cp_group, pg_collection=pg_collection,
+                                                                      field="cp")
         _check_cp_config(self.cp_size, self.pack)
         self.row_capacity = None if row_capacity is None else _checks.positive_int("row_capacity", row_capacity)
         self.make_packed_seq_params = bool(make_packed_seq_params)
         if self.cp_size > 1:  # outputs: the loss is replicated over the group ("own"); keys/values: "sum"
-            self.gather_output = GatherFromContextParallel(cp_group, grad_mode="own", validate=False)
-            self.gather_kv = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False)
+            self.gather_output = GatherFromContextParallel(self._cp_group, grad_mode="own", validate=False)
+            self.gather_kv = GatherFromContextParallel(self._cp_group, grad_mode="sum", validate=False)
         self.compile_packing = bool(compile_packing)
         if self.compile_packing:
             kwargs = {"fullgraph": True, **(compile_kwargs or {})}
@@ -147,9 +155,10 @@ class PackedForward(nn.Module):
         places = r.layout.local_places(self.cp_size, self.cp_rank)  # [T/C] each
         local_ids = r.packed.index_select(1, places.source)  # [1, T/C]
         position_ids = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C], 0 at each start
+        padding_mask = r.layout.padding_mask(places=places)  # [1, T/C] bool
         layout = None if torch.compiler.is_compiling() else r.layout  # the plan stays outside compiled graphs
         return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(),
-                         places.source, layout)
+                         places.source, padding_mask, layout)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
         inp = self.prepare(input_ids, seq_lengths)
@@ -182,7 +191,7 @@ class PackedForward(nn.Module):
                 return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
         info = PackedInfo(
             cu_pad, prep.max_seqlen, prep.segment_ids, prep.query_index,
-            self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep),
+            self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep), prep.padding_mask,
         )
         return PackedInput(prep.local_ids, prep.position_ids, info, seq_lengths, rows, input_ids, layout)
 

@@ -119,6 +119,19 @@ def packed_segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, t
     return Segments(bounds, cu[1:] - cu[:-1])
 
 
+def padding_at(segments: Segments, places: ZigzagLocal) -> torch.Tensor:
+    """``[N]`` bool: True where a position of ``places`` holds padding (its offset in its segment is
+    ``>= L[segment]``: a segment's slack, the extended last segment's tail, every position of an empty
+    row's or of the ``B = 0`` pseudo-segment). One gather of the per-segment end of the valid tokens.
+
+    Example: bounds ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]`` -> valid ends ``[3, 4, 9]``; C 1 ->
+    ``[F,F,F,T, F,F,F,F,F,T,T,T]``; C 2, rank 0 (positions ``0, 3, 4, 5, 10, 11``) -> ``[F,T, F,F,T,T]``.
+    """
+    bounds, lengths = segments
+    valid_end = bounds[:-1] + lengths  # [B'] packed position where each segment's padding starts
+    return places.source >= valid_end[places.segment]  # [N]
+
+
 def local_places(bounds: torch.Tensor, total: int, cp_size: int, cp_rank: int) -> ZigzagLocal:
     """Packed position and segment of each position rank ``cp_rank`` holds: ``[B+1] -> 2 x [T/C]``.
 

@@ -113,6 +113,29 @@ class PackLayout(NamedTuple):
         ``[0, 16, 40]``, C 2, rank 0 -> source ``0..3, 12..15, 16..21, 34..39``."""
         return index.local_places(self.bounds(), self.total, cp_size, cp_rank)
 
+    def segments(self) -> index.Segments:
+        """The padded segments and their valid lengths (``bounds [B'+1]``, ``lengths [B']``; the
+        ``B = 0`` pseudo-segment ``[0, T]`` holds no valid token)."""
+        bounds = self.bounds()
+        if self.cu_seqlens_padded.shape[0] == 1:  # B = 0
+            return index.Segments(bounds, torch.zeros(1, dtype=torch.int64, device=bounds.device))
+        return index.Segments(bounds, self.lengths())
+
+    def padding_mask(self, cp_size: int = 1, cp_rank: int = 0,
+                     places: Optional[index.ZigzagLocal] = None) -> torch.Tensor:
+        """``[1, T/C]`` bool, this CP rank's positions in the order of its shard, True at padding: each
+        segment's slack and the extended last segment's tail (all True for ``B = 0``). What
+        megatron-core's ``GPTModel.forward(padding_mask=)`` takes to keep padding out of MoE routing
+        statistics. Index maps on the plan's boundary tensors, one gather, no host read on either
+        executor; pass this rank's ``places`` when they are at hand.
+
+        Example: lengths ``[3, 0, 5]``, m 4, T 12 -> cu_seqlens_padded ``[0, 4, 4, 12]`` ->
+        ``[[F,F,F,T, F,F,F,F,F,T,T,T]]`` (C 1).
+        """
+        if places is None:
+            places = self.local_places(cp_size, cp_rank)
+        return index.padding_at(self.segments(), places).unsqueeze(0)  # [1, T/C]
+
     def positions(self) -> torch.Tensor:
         """``[T]`` int64: offset of every packed position inside its padded segment (0 at each
         sequence start; padding keeps counting). Example: ``[0, 4, 4, 12]`` -> ``[0,1,2,3,0,1,...,7]``."""

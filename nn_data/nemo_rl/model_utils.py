@@ -41,7 +41,7 @@ import torch.distributed as dist
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.logprobs import token_logprobs_local
-from nn_data.groups import ParallelInfo, group_info
+from nn_data.groups import ParallelInfo, given_group_info
 from nn_data.layout import checks as plan_checks
 from nn_data.layout import plan_from_boundaries
 from nn_data.layout.index import Segments, local_places, zigzag_source
@@ -85,6 +85,7 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     target_is_pre_rolled: bool = False,
     *,
     validate: bool = True,
+    pg_collection=None,
 ) -> torch.Tensor:
     """Log-probs ``[B, S-1]`` from this rank's packed logits ``[1, T/C, Vt]``: NeMo-RL's function.
 
@@ -93,6 +94,8 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     ``group`` is the tensor-parallel group and ``cp_group`` the context-parallel one (``None``: not
     split). ``inference_only`` computes without autograd. ``chunk_size`` tokens per chunk of the
     log-sum-exp (None: 256). ``validate=False`` (nn_data's, keyword-only) skips the one host sync.
+    ``pg_collection`` (nn_data's, keyword-only: megatron-core's ``ProcessGroupCollection``) stands for
+    the groups passed as None: its ``tp`` and ``cp`` (a group and the collection's differing raise).
 
     Example (C 1, V 3, uniform logits): cu_seqlens_padded ``[0, 4]``, unpacked_seqlen 3 ->
     ``[[log(1/3), log(1/3)]]`` (positions 0 and 1 predict tokens 1 and 2; position 2 would need S 4).
@@ -103,7 +106,7 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     of ``2C``, a group this process is not in (call); ``cu_seqlens_padded`` not rising from 0 to ``T``
     in segments divisible by ``2C`` (validation).
     """
-    cp, tp = _groups(cp_group, group)
+    cp, tp = _groups(cp_group, group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP] "
                                "(Expected probs to be 1D after squeezing)", 3)
     _checks.check_packed("vocab_parallel_logits", vocab_parallel_logits)
@@ -138,13 +141,16 @@ def from_parallel_logits_to_logprobs(
     cp_group: Optional["dist.ProcessGroup"] = None,
     chunk_size: Optional[int] = None,
     sampling_params=None,
+    *,
+    pg_collection=None,
 ) -> torch.Tensor:
     """Log-probs ``[B, S-1]`` of unpacked rows from this rank's logits ``[B, S_loc, Vt]``: NeMo-RL's function.
 
     ``target [B, S]`` holds the ids; under CP each row of the logits is this rank's zigzag shard of
     the row padded to ``S_loc * C >= S`` positions. ``out[b, s] = log p(target[b, s+1] | logits[b, s])``
     for ``s < S - 1``. ``chunk_size`` counts positions per row, as NeMo-RL's (``chunk_size * B``
-    tokens per chunk). No host sync.
+    tokens per chunk). No host sync. ``pg_collection`` (keyword-only) stands for the groups passed as
+    None (its ``tp`` and ``cp``).
 
     Example (C 2, S 6, S_loc 4): each row is padded to 8 = 4 chunks of 2; rank 0 holds positions
     ``0, 1, 6, 7``, rank 1 ``2, 3, 4, 5``; positions 0-4 predict tokens 1-5 (6 and 7 are padding).
@@ -153,7 +159,7 @@ def from_parallel_logits_to_logprobs(
     ``target`` not ``[B, S]`` integer with ``S <= S_loc * C``, an odd ``S_loc`` under CP, a bad
     ``chunk_size``, vocabulary slice or ``top_k``, a group this process is not in.
     """
-    cp, tp = _groups(cp_group, tp_group)
+    cp, tp = _groups(cp_group, tp_group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, vocab_size // TP]", 3)
     rows, local_len, cols = vocab_parallel_logits.shape
     padded_len = local_len * cp.size  # S_pad
@@ -187,6 +193,8 @@ def get_next_token_logprobs_from_logits(
     context_parallel_group: Optional["dist.ProcessGroup"] = None,
     sampling_params=None,
     chunk_size: Optional[int] = None,
+    *,
+    pg_collection=None,
 ) -> torch.Tensor:
     """NeMo-RL's dispatcher: ``[B, S-1]`` log-probs of ``input_ids [B, S]`` from ``next_token_logits``.
 
@@ -194,6 +202,9 @@ def get_next_token_logprobs_from_logits(
     without: full-vocabulary logits ``[B, S, V]``. As NeMo-RL, logits narrower than float32 are cast
     to float32 first when a top-k / top-p filter is on (the filter then runs in float32); float64 stays.
     ``seq_index`` belongs to NeMo-RL's DTensor path, which nn_data does not provide.
+    ``pg_collection`` (keyword-only, megatron-core's ``ProcessGroupCollection``): its ``tp`` stands for
+    ``vocab_parallel_group`` (and its rank for ``vocab_parallel_rank``) and its ``cp`` for
+    ``context_parallel_group`` when those are None (the vocab-parallel path, then taken).
 
     Raises :class:`~nn_data.errors.PackingError` for DTensor logits, a ``vocab_parallel_group`` without
     ``vocab_parallel_rank``, and as :func:`from_parallel_logits_to_logprobs`.
@@ -204,6 +215,11 @@ def get_next_token_logprobs_from_logits(
                                    "get_logprobs_from_vocab_parallel_logits for DTensor logits")
     if sampling_filter(sampling_params) is not None and next_token_logits.is_floating_point():
         next_token_logits = next_token_logits.to(torch.promote_types(next_token_logits.dtype, torch.float32))
+    if pg_collection is not None:
+        tp = given_group_info(vocab_parallel_group, pg_collection=pg_collection, field="tp")
+        vocab_parallel_group = tp.group
+        vocab_parallel_rank = tp.rank if vocab_parallel_rank is None else vocab_parallel_rank
+        context_parallel_group = given_group_info(context_parallel_group, pg_collection=pg_collection).group
     if vocab_parallel_group is not None:
         if vocab_parallel_rank is None:
             raise _checks.PackingError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
@@ -218,18 +234,20 @@ def get_next_token_logprobs_from_logits(
                                             sampling_params=sampling_params)
 
 
-def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group: Optional["dist.ProcessGroup"], seq_dim: int = 1):
+def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group: Optional["dist.ProcessGroup"], seq_dim: int = 1, *,
+                                pg_collection=None):
     """This rank's zigzag shard of one sequence along ``seq_dim`` -> the whole sequence, on every rank.
 
     ``tensor [..., S_loc, ...]`` holds chunks ``r`` and ``2C-1-r`` of ``2C``; the result has
     ``S_loc * C`` positions in order. Differentiable: the gradient of a shard is the sum over the
     ranks of the gradients they computed for it (NeMo-RL's all-reduce then slice, as a
     reduce-scatter), so ``C`` times the single-process gradient when every rank computes the same
-    loss. ``cp_group=None``: the identity. One all-gather; no host sync.
+    loss. ``cp_group=None``: the identity (``pg_collection.cp`` when a collection is given). One
+    all-gather; no host sync.
 
     Example (C 2): rank 0 ``[0, 1, 6, 7]``, rank 1 ``[2, 3, 4, 5]`` -> ``[0, 1, 2, 3, 4, 5, 6, 7]``.
     """
-    cp = group_info(cp_group, "context-parallel group")
+    cp = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
     if cp.size == 1:
         return tensor
     seq_dim = seq_dim % tensor.dim()
@@ -267,9 +285,10 @@ class DistributedLogprob:
     for a target outside ``[0, V)``."""
 
     @staticmethod
-    def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group, inference_only=False):
+    def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group, inference_only=False, *,
+              pg_collection=None):
         return _token_logprobs(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group,
-                               None, None, inference_only)
+                               None, None, inference_only, pg_collection)
 
 
 class ChunkedDistributedLogprob:
@@ -279,9 +298,9 @@ class ChunkedDistributedLogprob:
 
     @staticmethod
     def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, chunk_size, tp_group,
-              inference_only=False):
+              inference_only=False, *, pg_collection=None):
         return _token_logprobs(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, tp_group,
-                               chunk_size, None, inference_only)
+                               chunk_size, None, inference_only, pg_collection)
 
 
 class DistributedLogprobWithSampling:
@@ -289,8 +308,8 @@ class DistributedLogprobWithSampling:
     inference_only=False) -> [B, S]``: the log-softmax over the logits a top-k / top-p filter keeps."""
 
     @staticmethod
-    def apply(vocab_parallel_logits, target, tp_group, top_k, top_p, inference_only=False):
-        return _sampled(vocab_parallel_logits, target, tp_group, top_k, top_p, None, inference_only)
+    def apply(vocab_parallel_logits, target, tp_group, top_k, top_p, inference_only=False, *, pg_collection=None):
+        return _sampled(vocab_parallel_logits, target, tp_group, top_k, top_p, None, inference_only, pg_collection)
 
 
 class ChunkedDistributedLogprobWithSampling:
@@ -298,15 +317,18 @@ class ChunkedDistributedLogprobWithSampling:
     :class:`DistributedLogprobWithSampling`, ``chunk_size`` positions per row at a time."""
 
     @staticmethod
-    def apply(vocab_parallel_logits, target, tp_group, top_k, top_p, chunk_size, inference_only=False):
-        return _sampled(vocab_parallel_logits, target, tp_group, top_k, top_p, chunk_size, inference_only)
+    def apply(vocab_parallel_logits, target, tp_group, top_k, top_p, chunk_size, inference_only=False, *,
+              pg_collection=None):
+        return _sampled(vocab_parallel_logits, target, tp_group, top_k, top_p, chunk_size, inference_only,
+                        pg_collection)
 
 
 @torch.no_grad()
-def _compute_distributed_log_softmax(vocab_parallel_logits: torch.Tensor, group) -> torch.Tensor:
+def _compute_distributed_log_softmax(vocab_parallel_logits: torch.Tensor, group, *,
+                                     pg_collection=None) -> torch.Tensor:
     """The log-softmax over the TP-split vocabulary, this rank's columns ``[*, Vt]`` (no autograd):
-    one all-gather of the per-rank log-sum-exp ``[*]``."""
-    tp = group_info(group, "tensor-parallel group")
+    one all-gather of the per-rank log-sum-exp ``[*]`` (``group`` None: ``pg_collection.tp`` if given)."""
+    tp = given_group_info(group, pg_collection=pg_collection, field="tp")
     lse = torch.logsumexp(vocab_parallel_logits, dim=-1)  # [*]
     if tp.size > 1:
         lse = torch.logsumexp(all_gather_dim0(lse[None], tp.group), dim=0)  # [TP, *] -> [*]
@@ -316,8 +338,10 @@ def _compute_distributed_log_softmax(vocab_parallel_logits: torch.Tensor, group)
 # --- shared steps ------------------------------------------------------------------------------------------
 
 
-def _groups(cp_group, tp_group) -> tuple[ParallelInfo, ParallelInfo]:
-    return group_info(cp_group, "context-parallel group"), group_info(tp_group, "tensor-parallel group")
+def _groups(cp_group, tp_group, pg_collection=None) -> tuple[ParallelInfo, ParallelInfo]:
+    """CP and TP of a call: the groups given, else ``pg_collection``'s ``cp`` / ``tp``, else not split."""
+    return (given_group_info(cp_group, pg_collection=pg_collection, field="cp"),
+            given_group_info(tp_group, pg_collection=pg_collection, field="tp"))
 
 
 def _grad_mode(inference_only: bool):
@@ -368,10 +392,12 @@ def _gather_cp(values: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp: Parall
     return GatherFromContextParallel(cp.group, grad_mode="sum", validate=False)(values[None], cu_seqlens_padded)
 
 
-def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, chunk_size, filt, inference_only):
+def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, chunk_size, filt, inference_only,
+                    pg_collection=None):
     """Log-probs of ``target [*]`` at every position of ``logits [*, Vt]`` (the autograd classes' body).
-    ``chunk_size`` counts positions of a row, as NeMo-RL's: ``chunk_size * B`` tokens for ``[B, S, Vt]``."""
-    tp = group_info(group, "tensor-parallel group")
+    ``chunk_size`` counts positions of a row, as NeMo-RL's: ``chunk_size * B`` tokens for ``[B, S, Vt]``;
+    ``group`` None: ``pg_collection.tp`` when a collection is given."""
+    tp = given_group_info(group, pg_collection=pg_collection, field="tp")
     _checks.check_min_dims("vocab_parallel_logits", logits, 1, "[*, V // TP]")
     cols = logits.shape[-1]
     _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
@@ -386,11 +412,11 @@ def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, c
         return values.view(target.shape)
 
 
-def _sampled(logits, target, tp_group, top_k, top_p, chunk_size, inference_only):
+def _sampled(logits, target, tp_group, top_k, top_p, chunk_size, inference_only, pg_collection=None):
     """:class:`DistributedLogprobWithSampling`'s body: this TP rank's vocabulary slice is the standard one."""
     filt = sampling_filter(TrainingSamplingParams(top_k=top_k, top_p=top_p))
-    tp, cols = group_info(tp_group, "tensor-parallel group"), logits.shape[-1]
+    tp, cols = given_group_info(tp_group, pg_collection=pg_collection, field="tp"), logits.shape[-1]
     if filt is not None:
         _checks.check_top_k(filt.top_k, cols * tp.size)
-    return _token_logprobs(logits, target, tp.rank * cols, (tp.rank + 1) * cols, tp_group, chunk_size, filt,
+    return _token_logprobs(logits, target, tp.rank * cols, (tp.rank + 1) * cols, tp.group, chunk_size, filt,
                            inference_only)
