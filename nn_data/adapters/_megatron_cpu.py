@@ -12,14 +12,21 @@ torch without CUDA each of them raises; here is each spot and what replaces it:
 * ``pipeline_parallel/schedules.py``: every schedule, even PP = 1, creates
   ``torch.zeros([], device="cuda")`` for its token count;
 * ``pipeline_parallel/p2p_communication.py``: receive buffers are allocated on
-  ``torch.cuda.current_device()`` and batched sends call ``torch.cuda.synchronize()``.
+  ``torch.cuda.current_device()`` and batched sends call ``torch.cuda.synchronize()``;
+* ``transformer/moe/router.py`` (MoE models): the router moves its gating weight to
+  ``torch.cuda.current_device()`` on every forward and allocates its expert-bias and token-count
+  buffers there.
 
-Each of those four modules gets its own ``torch`` name bound to :class:`_TorchOnCpu`, a
+Each of those five modules gets its own ``torch`` name bound to :class:`_TorchOnCpu`, a
 stand-in that forwards every attribute to the real torch except that ``cuda.current_device()``
 answers the CPU, ``cuda.synchronize()`` does nothing (CPU work is synchronous) and
 ``device="cuda"`` in a tensor factory means the CPU. Nothing global changes: other modules,
 and torch itself, are untouched.
 
+* ``transformer/moe/moe_utils.py`` (0.16.x, MoE models, no TransformerEngine): the name
+  ``te_general_gemm`` is bound only when TransformerEngine imports, yet the router's gating reads
+  it (a ``NameError``); it is bound to ``None`` (what 0.19.x binds without TransformerEngine),
+  which takes the plain ``torch.mm`` path.
 * ``tensor_parallel.random``: the model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``
   around attention dropout; ``model_parallel_cuda_manual_seed`` asserts CUDA) is replaced by
   megatron-core's own inference tracker (``initialize_rng_tracker(inference_rng_tracker=True,
@@ -39,7 +46,7 @@ import types
 import torch
 
 #: The megatron-core release series the patches are tested on: 0.16.x (Python 3.11, the main
-#: test job) and 0.19.x (Python 3.12, scripts/test_mcore019.sh). The five spots above are the
+#: test job) and 0.19.x (Python 3.12, scripts/test_mcore019.sh). The spots above are the
 #: same in both.
 SUPPORTED_RELEASES = ("0.16.", "0.19.")
 
@@ -48,6 +55,7 @@ _PATCHED_MODULES = (
     "megatron.core.utils",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.transformer.moe.router",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand")
 
@@ -143,6 +151,9 @@ def apply_cpu_patches() -> bool:
         module = importlib.import_module(name)
         if module.torch is not _SHIM:
             module.torch = _SHIM
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.x without TransformerEngine
+        moe_utils.te_general_gemm = None
     from megatron.core.tensor_parallel import random as mrandom
 
     tracker = mrandom._CUDA_RNG_STATE_TRACKER

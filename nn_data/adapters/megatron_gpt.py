@@ -10,11 +10,13 @@ core attention is :class:`PackedDotProductAttention`), wrap it in :class:`Megatr
 and the adapter drives it the way megatron-core drives packed sequences: THD
 ``PackedSeqParams`` (``cu_seqlens_*`` = nn_data's ``cu_seqlens_padded``, ``[0, T]`` for a
 microbatch of no sequence; ``max_seqlen = T + 1``, see :func:`rotary_from_sequence_start`)
-and megatron-core's own THD rotary embedding, which reads the CP rank and size from
-``parallel_state``'s CP group, rotates every sequence from position 0 and places each token's
-rotation by nn_data's zigzag order.
+and megatron-core's own THD rotary embedding, which reads the CP rank and size from the model's
+CP group (``model.pg_collection.cp``: the collection the model was built with, or the one
+megatron-core made from ``parallel_state``), rotates every sequence from position 0 and places
+each token's rotation by nn_data's zigzag order.
 The adapter passes nn_data's document mask (:mod:`nn_data.models.masks`) where megatron-core
-passes ``attention_mask``; the attention gathers keys and values across the CP group with
+passes ``attention_mask``, and ``PackedInfo.padding_mask`` as ``padding_mask`` where the release's
+``GPTModel.forward`` takes one (detected: MoE routers then leave padding out of their statistics); the attention gathers keys and values across the CP group with
 ``PackedInfo.gather`` and applies it. megatron-core's THD RoPE reads ``cu_seqlens`` on the
 host (``.tolist()``), so this model runs eagerly (compile the packing with ``PackedForward``).
 This module imports megatron-core.
@@ -23,14 +25,16 @@ On a torch without CUDA the adapter applies :mod:`nn_data.adapters._megatron_cpu
 documented patches of megatron-core internals that allocate on CUDA, for the releases listed
 there).
 
-Supported: ``GPTModel`` with RoPE (or no position embedding), tensor-parallel size 1 (the
-tests), no sliding window, ``softmax_type="vanilla"``; ``config.context_parallel_size`` may be 1
-or C (the CP group always comes from ``parallel_state``; both give the same outputs).
+Supported: ``GPTModel`` with RoPE (or no position embedding), dense or MoE MLPs, tensor-parallel
+size 1 (the tests), no sliding window, ``softmax_type="vanilla"``; ``config.context_parallel_size``
+may be 1 or C (the CP group is always the model's ``pg_collection.cp``; both give the same
+outputs).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import torch
@@ -120,9 +124,15 @@ class MegatronGPTAdapter(nn.Module):
     ``PackedForward(..., make_packed_seq_params=True)``. ``mask_kind`` chooses the mask's form
     (:func:`nn_data.models.masks.document_mask`).
 
+    ``pg_collection`` is the model's ``ProcessGroupCollection`` (megatron-core's ``GPTModel``
+    always has one: the one it was built with, else made from ``parallel_state``): wrap with
+    ``PackedForward(adapter, pg_collection=adapter.pg_collection, ...)`` to shard over the model's
+    own CP group. ``packed.padding_mask`` goes to the model as ``padding_mask`` when its forward takes
+    one (``takes_padding_mask``; megatron-core 0.16 and 0.19 do) and ``model_kwargs`` does not.
+
     Raises :class:`PackingError` for a model whose attention is not
-    :class:`PackedDotProductAttention`, when ``packed.cp_size`` differs from the size of the CP
-    group megatron-core's rotary embedding uses (``parallel_state``), or without
+    :class:`PackedDotProductAttention`, when ``packed.cp_size`` differs from the size of the model's
+    CP group (``model.pg_collection.cp``, which megatron-core's rotary embedding uses), or without
     ``packed.packed_seq_params``.
     """
 
@@ -137,7 +147,12 @@ class MegatronGPTAdapter(nn.Module):
             )
         self.model = model
         self.mask_kind = mask_kind
-        self._cp_groups = {id(m.pg_collection.cp): m.pg_collection.cp for m in attention}
+        self.pg_collection = getattr(model, "pg_collection", None)
+        self.takes_padding_mask = "padding_mask" in inspect.signature(model.forward).parameters
+        groups = [m.pg_collection.cp for m in attention]
+        if self.pg_collection is not None:
+            groups.append(self.pg_collection.cp)
+        self._cp_groups = {id(g): g for g in groups}
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
         self._check_cp(packed.cp_size)
@@ -149,6 +164,8 @@ class MegatronGPTAdapter(nn.Module):
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=dtype,
                              gather=packed.gather)
         params = rotary_from_sequence_start(params, packed.segment_ids.shape[0])
+        if self.takes_padding_mask and "padding_mask" not in model_kwargs:
+            model_kwargs["padding_mask"] = packed.padding_mask  # [1, Tq] bool, True at padding
         return self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)
 
     @property
@@ -162,8 +179,10 @@ class MegatronGPTAdapter(nn.Module):
             size = group.size() if group is not None else 1
             if size != cp_size:
                 raise PackingError(
-                    f"PackedForward splits over cp_size={cp_size} ranks but megatron-core's rotary embedding uses a "
-                    f"context-parallel group of {size}; pass cp_group=parallel_state.get_context_parallel_group()"
+                    f"PackedForward splits over cp_size={cp_size} ranks but the model's context-parallel group "
+                    f"(model.pg_collection.cp, which megatron-core's rotary embedding uses) has {size}; wrap it as "
+                    "PackedForward(adapter, pg_collection=adapter.pg_collection, ...) or pass that group as cp_group= "
+                    "(parallel_state.get_context_parallel_group() for a model built from parallel_state)"
                 )
 
 

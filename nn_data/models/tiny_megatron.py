@@ -30,27 +30,44 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def tiny_gpt_config(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int = 2, ffn: int = 128,
-                    dtype: torch.dtype = torch.float32, pipeline: int = 1) -> "TransformerConfig":
+                    dtype: torch.dtype = torch.float32, pipeline: int = 1, virtual_stages: int = None,
+                    experts: int = 0, topk: int = 2) -> "TransformerConfig":
     """A small Llama-like ``TransformerConfig``: RMSNorm, SwiGLU, no biases, grouped-query attention,
-    no dropout, CPU initialisation; ``pipeline`` stages (``pipeline_dtype = dtype``, no p2p sync)."""
+    no dropout, CPU initialisation; ``pipeline`` stages (``pipeline_dtype = dtype``, no p2p sync),
+    ``virtual_stages`` model chunks per stage (the interleaved schedule; ``batch_p2p_comm=False``,
+    docs/pipeline.md). ``experts > 0``: every MLP a mixture of ``experts`` experts of ``ffn // 2``
+    (top-``topk`` softmax routing, no auxiliary loss, no expert bias, no capacity: dropless, so a
+    token's output depends on that token alone) and
+    megatron-core's ``allgather`` token dispatcher (the one that runs on a CPU over gloo)."""
+    moe = {}
+    if experts:
+        moe = dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn // 2,
+                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
+    interleaved = {}
+    if virtual_stages is not None:
+        interleaved = dict(virtual_pipeline_model_parallel_size=virtual_stages, batch_p2p_comm=False)
     return TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
         ffn_hidden_size=ffn, use_cpu_initialization=True, normalization="RMSNorm", attention_dropout=0.0,
         hidden_dropout=0.0, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
         params_dtype=dtype, pipeline_model_parallel_size=pipeline, pipeline_dtype=dtype,
-        batch_p2p_sync=False, calculate_per_token_loss=True,
+        batch_p2p_sync=False, calculate_per_token_loss=True, **moe, **interleaved,
     )
 
 
 def tiny_gpt_model(config: "TransformerConfig", *, vocab: int = 97, max_len: int = 4096, pre_process: bool = True,
-                   post_process: bool = True, seed: int = 0) -> "GPTModel":
+                   post_process: bool = True, seed: int = 0, pg_collection=None, vp_stage=None) -> "GPTModel":
     """``GPTModel`` with :func:`~nn_data.adapters.megatron_gpt_layer_spec`, RoPE, untied output
     layer, in ``config.params_dtype``, parameters set by global name from ``seed``. Under pipeline
-    parallelism (megatron-core's ``parallel_state``) it holds this stage's layers only."""
+    parallelism (``pg_collection.pp``, else megatron-core's ``parallel_state``) it holds this stage's
+    layers only (those of virtual stage ``vp_stage`` with the interleaved schedule); MoE layers when
+    ``config.num_moe_experts`` is set (:func:`tiny_gpt_config`)."""
+    spec = megatron_gpt_layer_spec(normalization="RMSNorm", num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    extra = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
-        config, megatron_gpt_layer_spec(normalization="RMSNorm"), vocab_size=vocab, max_sequence_length=max_len,
+        config, spec, vocab_size=vocab, max_sequence_length=max_len,
         pre_process=pre_process, post_process=post_process, position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=False, pg_collection=pg_collection, **extra,
     ).to(config.params_dtype)
     init_by_global_name(model, seed)
     return model
@@ -121,3 +138,54 @@ def forward_alone(model: "GPTModel", input_ids: torch.Tensor) -> torch.Tensor:
     finally:
         rope.cp_group = group
         type(rope).forward.cache_clear()
+
+
+#: The grid's dimensions, fastest-varying first: megatron-core's default order ``tp-cp-ep-dp-pp``.
+GRID_DIMS = ("tp", "cp", "ep", "dp", "pp")
+
+
+def grid_process_groups(*, tp: int = 1, cp: int = 1, pp: int = 1) -> "ProcessGroupCollection":
+    """The process groups of a ``tp x cp x dp x pp`` layout over the whole world (``dp`` the rest;
+    expert parallel size 1), built the way Megatron-Bridge builds them without ``parallel_state``:
+    a ``HyperCommGrid`` and a ``ProcessGroupCollection`` of its groups (``tp``, ``cp``, ``pp``, ``dp``,
+    ``ep`` and the composites the model, its MoE layers and the schedules read; ``embd`` is the first
+    and last pipeline stage, ``pos_embd`` the first). Every rank calls it with the same sizes (it
+    creates groups: a collective). Undo with :func:`destroy_process_groups`.
+
+    Example (4 ranks): ``grid_process_groups(cp=2)`` -> CP groups ``{0, 1}`` and ``{2, 3}``, DP
+    groups ``{0, 2}`` and ``{1, 3}``; ``parallel_state`` stays uninitialised.
+    """
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.hyper_comm_grid import HyperCommGrid
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world = dist.get_world_size()
+    if world % (tp * cp * pp):
+        raise ValueError(f"tp={tp} x cp={cp} x pp={pp} does not divide the world of {world} ranks")
+    grid = HyperCommGrid([tp, cp, 1, world // (tp * cp * pp), pp], list(GRID_DIMS))
+    made = {key: grid.create_pg(dims) for key, dims in (
+        ("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("ep", "ep"), ("dp_cp", ["cp", "dp"]),
+        ("tp_cp", ["tp", "cp"]), ("tp_dp_cp", ["tp", "cp", "dp"]), ("mp", ["tp", "pp"]),
+        ("tp_ep", ["tp", "ep"]), ("tp_ep_pp", ["tp", "ep", "pp"]))}
+    made.update(expt_tp=made["tp"], expt_dp=made["dp_cp"])  # expert parallel size 1: the dense groups
+    stages = grid.get_rank_enum("pp")  # every pipeline's ranks, first stage first
+    made["embd"], _ = dist.new_subgroups_by_enumeration([sorted({r[0], r[-1]}) for r in stages])
+    made["pos_embd"], _ = dist.new_subgroups_by_enumeration([[r[0]] for r in stages])
+    return ProcessGroupCollection(**made)
+
+
+def destroy_process_groups(pg_collection) -> None:
+    """Destroy every process group ``pg_collection`` holds (each once; the world group never)."""
+    import torch.distributed as dist
+
+    seen = set()
+    for group in vars(pg_collection).values():
+        if isinstance(group, dist.ProcessGroup) and id(group) not in seen and group is not dist.group.WORLD:
+            seen.add(id(group))
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # gone already
+                pass
