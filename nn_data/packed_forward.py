@@ -147,6 +147,11 @@ class PackedForward(nn.Module):
         else:
             self._prepare_fn, self._finish_fn = self._prepare, _finish
 
+    @property
+    def cp_group(self):
+        """The context-parallel ``ProcessGroup`` the tokens are sharded over (None: no CP)."""
+        return self._cp_group
+
     def _prepare(self, input_ids, seq_lengths, num_rows) -> _Prepared:
         r = self.pack(input_ids, seq_lengths, num_rows)
         bounds = r.layout.bounds()  # [B+1] ([0, T] if B = 0)

@@ -24,13 +24,14 @@ from typing import Callable
 
 import torch
 
+from nn_data.groups import given_group_info
 from nn_data.packed_forward import PackedForward
 
 #: ``loss_fn(rows [B, S, *], input_ids [B, S], seq_lengths [B]) -> (loss, num_tokens)``.
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
 
-def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn):
+def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn, *, pg_collection=None):
     """``forward_step_func(data_iterator, model)`` for ``get_forward_backward_func()``.
 
     ``packing`` is a :class:`PackedForward` with ``pad_full_seq_to`` set (the constant ``T``;
@@ -45,13 +46,28 @@ def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn):
     them to the schedule as ``(loss, num_tokens, {"loss": ..., "num_tokens": ...})`` (megatron-core
     divides by ``num_tokens`` unless ``config.calculate_per_token_loss``).
 
-    Raises :class:`~nn_data.errors.PackingError` when ``packing`` has no ``pad_full_seq_to``.
-    """
-    if packing.pack.pad_full_seq_to is None:
-        from nn_data.errors import PackingError
+    The model gets ``packed`` with its ``padding_mask`` (``[1, T/C]`` bool, True at padding): the
+    adapter hands it to megatron-core's ``GPTModel.forward`` on every stage, so MoE routers of every
+    stage leave padding out. With the interleaved schedule pass one data iterator per model chunk
+    (the same microbatches) and the chunks as ``model``.
 
+    ``pg_collection`` (megatron-core's ``ProcessGroupCollection``, the one the schedule gets): the
+    step checks that ``packing`` shards over its ``cp`` group.
+
+    Raises :class:`~nn_data.errors.PackingError` when ``packing`` has no ``pad_full_seq_to``, or
+    shards over another context-parallel group than ``pg_collection.cp``.
+    """
+    from nn_data.errors import PackingError
+
+    if packing.pack.pad_full_seq_to is None:
         raise PackingError("pipeline_forward_step needs PackedForward(pad_full_seq_to=T): every microbatch a "
                            "pipeline stage receives must have the same T")
+    if pg_collection is not None:
+        cp = given_group_info(None, pg_collection=pg_collection, field="cp")
+        if cp.size != packing.cp_size or (cp.size > 1 and cp.group is not packing.cp_group):
+            raise PackingError(f"packing shards over {packing.cp_size} context-parallel ranks, not over "
+                               f"pg_collection.cp ({cp.size} ranks); build it with PackedForward(..., "
+                               "pg_collection=pg_collection)")
 
     def forward_step(data_iterator, model):
         input_ids, seq_lengths = next(data_iterator)

@@ -12,6 +12,7 @@ float32, as megatron-core's own models do. This module imports megatron-core.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 import zlib
@@ -123,21 +124,40 @@ def forward_alone(model: "GPTModel", input_ids: torch.Tensor) -> torch.Tensor:
     ``DotProductAttention`` forward with a causal mask): logits ``[1, L, V]``.
 
     The whole sequence runs on this rank even under CP: megatron-core's unpacked path would
-    shard the rotary embedding over ``parallel_state``'s CP group, so for this call the rotary
+    shard the rotary embedding over the model's CP group, so for this call the rotary
     embedding sees a group of one rank (and its cache of embeddings is cleared around the call).
+    The stock attention takes its score buffer from ``parallel_state``'s global memory buffer; a
+    program that never initialised ``parallel_state`` (explicit ``pg_collection``) has none, so one
+    is set for the call and removed after it (no process group is made).
     """
     length = input_ids.shape[1]
     position_ids = torch.arange(length, device=input_ids.device)[None]
     rope = getattr(model, "rotary_pos_emb", None)
-    if rope is None:
-        return model(input_ids, position_ids, causal_attention_mask(length, input_ids.device))
-    group, rope.cp_group = rope.cp_group, _NoContextParallel()
-    type(rope).forward.cache_clear()
-    try:
-        return model(input_ids, position_ids, causal_attention_mask(length, input_ids.device))
-    finally:
-        rope.cp_group = group
+    with _score_buffer():
+        if rope is None:
+            return model(input_ids, position_ids, causal_attention_mask(length, input_ids.device))
+        group, rope.cp_group = rope.cp_group, _NoContextParallel()
         type(rope).forward.cache_clear()
+        try:
+            return model(input_ids, position_ids, causal_attention_mask(length, input_ids.device))
+        finally:
+            rope.cp_group = group
+            type(rope).forward.cache_clear()
+
+
+@contextlib.contextmanager
+def _score_buffer():
+    """megatron-core's global memory buffer for the duration, when ``parallel_state`` has none."""
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is not None:
+        yield
+        return
+    parallel_state._set_global_memory_buffer()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_global_memory_buffer()
 
 
 #: The grid's dimensions, fastest-varying first: megatron-core's default order ``tp-cp-ep-dp-pp``.
