@@ -12,7 +12,7 @@ embedding and the first half of the layers, stage 1 the rest and the output laye
 ``--vpp V`` each rank holds ``V`` model chunks of one layer each (virtual stage ``v`` of rank
 ``r`` is pipeline stage ``2v + r``) and megatron-core's interleaved 1F1B schedule runs them
 (``batch_p2p_comm=False``: docs/pipeline.md); 8 microbatches then, the schedule wants a multiple
-of PP. ``--groups collection`` builds the process groups as ``ProcessGroupCollection``\ s from a
+of PP. ``--groups collection`` builds the process groups as ``ProcessGroupCollection`` objects from a
 ``HyperCommGrid`` and hands them to the models, the schedule (with a ``P2PCommunicator``) and
 nn_data (``pg_collection=``); megatron-core's ``parallel_state`` is never initialised.
 ``--experts E``: every MLP a mixture of ``E`` experts (megatron-core's MoE layer, its
@@ -128,7 +128,7 @@ def _alone(model, mbs):
 
 class Layout:
     """The process groups of one run, from megatron-core's ``parallel_state`` (``groups="parallel_state"``)
-    or from explicit ``ProcessGroupCollection``\ s built from a ``HyperCommGrid`` with ``parallel_state``
+    or from explicit ``ProcessGroupCollection`` objects built from a ``HyperCommGrid`` with ``parallel_state``
     never initialised (``groups="collection"``, what Megatron-Bridge does)."""
 
     def __init__(self, kind: str):

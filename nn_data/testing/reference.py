@@ -107,6 +107,18 @@ def reference_unpack(packed: torch.Tensor, seq_lengths, cu_seqlens_padded, seq_l
     return out
 
 
+def reference_padding_mask(seq_lengths, pad_individual_seqs_to_multiple_of: int = 1, pad_packed_seq_to_multiple_of: int = 1,
+                           pad_full_seq_to: Optional[int] = None, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """``[1, T/C]`` bool, rank ``cp_rank``'s shard of the packed layout, True where no valid token sits:
+    the valid-token mask packed sequence by sequence (padding False), inverted, zigzag-sharded."""
+    lengths = [int(v) for v in seq_lengths]
+    seq_len = max(lengths, default=0)
+    valid = torch.arange(seq_len)[None, :] < torch.tensor(lengths, dtype=torch.int64).view(-1, 1)  # [B, S]
+    ref = reference_pack(valid, lengths, pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
+                         pad_full_seq_to, fill=False)
+    return reference_shard(~ref.packed, ref.cu_seqlens_padded, cp_size, cp_rank)
+
+
 def reference_position_ids(cu_seqlens_padded, total: int) -> torch.Tensor:
     """``[1, T]``: ``0, 1, ...`` inside every padded segment (``0..T-1`` with no sequence)."""
     bounds = [int(v) for v in cu_seqlens_padded]

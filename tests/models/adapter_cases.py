@@ -46,16 +46,18 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def check_equivalence(make_adapter, model, alone, cp, **packed_forward_kwargs) -> dict:
+def check_equivalence(make_adapter, model, alone, cp, groups=None, **packed_forward_kwargs) -> dict:
     """Packed (CP-sharded) forward of ``make_adapter(model)`` == ``alone(ids [1, n]) -> [1, n, V]`` per
-    sequence, and the gradients of :func:`token_loss` equal; returns the largest differences."""
+    sequence, and the gradients of :func:`token_loss` equal; returns the largest differences.
+    ``groups``: a ``ProcessGroupCollection`` PackedForward takes as ``pg_collection=`` (else ``cp.group``)."""
+    group_kw = {"cp_group": cp.group} if groups is None else {"pg_collection": groups}
     gen = torch.Generator().manual_seed(1)
     worst_out = worst_grad = 0.0
     largest = {}  # the largest gradient entry of each parameter over the batches
     for lengths, full in batches(cp.size):
         ids, lens = coded_ids(lengths, gen), torch.tensor(lengths)
-        wrapped = PackedForward(make_adapter(model), cp_group=cp.group, pad_individual_seqs_to_multiple_of=2 * cp.size,
-                                pad_full_seq_to=full, **packed_forward_kwargs)
+        wrapped = PackedForward(make_adapter(model), pad_individual_seqs_to_multiple_of=2 * cp.size,
+                                pad_full_seq_to=full, **group_kw, **packed_forward_kwargs)
         model.zero_grad(set_to_none=True)
         out = wrapped(ids, lens)  # [B, S, V]
         token_loss(out, ids, lens).backward()
@@ -197,6 +199,14 @@ def case_pipeline() -> dict:
     return compare(torch.float64)
 
 
+def case_pipeline_interleaved() -> dict:
+    """PP = 2 x VPP = 2 (megatron-core's interleaved 1F1B, groups from parallel_state) vs PP = 1 vs
+    each sequence alone (float64): scripts/pipeline_example.compare(vpp=2) on every rank."""
+    from scripts.pipeline_example import compare
+
+    return compare(torch.float64, vpp=2)
+
+
 def case_megatron_errors() -> list:
     """The megatron adapter's clear errors (run with C = 2): a model built with the stock local
     spec, a PackedForward whose CP size differs from parallel_state's, a pipeline step without a
@@ -217,8 +227,10 @@ def case_megatron_errors() -> list:
     messages.append(str(e.value))
     adapter = MegatronGPTAdapter(tiny_gpt_model(tiny_gpt_config()))
     ids, lens = coded_ids([5, 3], torch.Generator().manual_seed(0)), torch.tensor([5, 3])
-    with pytest.raises(PackingError, match=r"cp_size=1 ranks but megatron-core's rotary embedding uses a "
-                                           r"context-parallel group of 2") as e:
+    with pytest.raises(PackingError, match=r"cp_size=1 ranks but the model's context-parallel group "
+                                           r"\(model.pg_collection.cp, which megatron-core's rotary embedding uses\) "
+                                           r"has 2; wrap it as PackedForward\(adapter, pg_collection=adapter"
+                                           r".pg_collection, \.\.\.\)") as e:
         PackedForward(adapter, pad_full_seq_to=16)(ids, lens)
     messages.append(str(e.value))
     with pytest.raises(PackingError, match=r"needs THD PackedSeqParams: wrap it in PackedForward\(\.\.\., "

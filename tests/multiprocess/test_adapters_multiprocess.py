@@ -84,6 +84,28 @@ def test_pipeline_parallel_1f1b_equals_pp1_and_each_sequence(rank_pool):
 
 
 @needs_megatron_models
+def test_pipeline_parallel_interleaved_equals_pp1_and_each_sequence(rank_pool):
+    results = rank_pool.run("tests.models.adapter_cases:case_pipeline_interleaved", cp=1)
+    lasts = [r for r in results if "pp2_losses" in r]
+    assert len(lasts) == 2 and {r["schedule"] for r in results} == {"forward_backward_pipelining_with_interleaving"}
+    for r in results:
+        assert r["vpp"] == 2 and r["grads_bitwise"] and r["grads_pp2_vs_pp1"] == 0.0, r
+        assert r["grads_pp1_vs_alone"] < 1e-12 and r["losses_pp1_vs_alone"] < 1e-12, r
+    for r in lasts:
+        assert r["losses_bitwise"] and len(r["pp2_losses"]) == 8 and r["rows"][3] == 0 and r["pp2_losses"][3] == 0.0
+    # each rank holds two chunks: stage 0 the embedding, layers 0 and 2; stage 1 layers 1 and 3 and the output layer
+    layers = {frozenset(n.split(".")[2] for n in r["stage_parameters"] if n.startswith("decoder.layers.")): r
+              for r in results}
+    assert set(layers) == {frozenset({"0", "2"}), frozenset({"1", "3"})}, list(layers)
+    assert "embedding.word_embeddings.weight" in layers[frozenset({"0", "2"})]["stage_parameters"]
+    assert "output_layer.weight" in layers[frozenset({"1", "3"})]["stage_parameters"]
+    from scripts.pipeline_example import report
+
+    text = report(results)
+    assert "interleaved 1F1B, 2 virtual stages per rank" in text and "(bit for bit: True)" in text
+
+
+@needs_megatron_models
 def test_megatron_adapter_errors(rank_pool):
     results = rank_pool.run("tests.models.adapter_cases:case_megatron_errors", cp=2)
     assert all(len(r) == 5 for r in results)

@@ -22,7 +22,7 @@ from nn_data import PackSequences, pad_to_row_capacity
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.packed_forward import PackedForward
 from nn_data.testing.coded import coded_batch, valid_mask
-from nn_data.testing.reference import reference_pack, reference_shard
+from nn_data.testing.reference import reference_pack, reference_padding_mask, reference_shard
 from tests.support.hypothesis_profiles import examples
 
 
@@ -31,9 +31,12 @@ def _round_up(x, m):
 
 
 def expected_padding(lengths, seq_len, m, full, cp, rank) -> torch.Tensor:
-    """``[1, T/C]`` bool from the loop references: True where no valid token sits."""
+    """``[1, T/C]`` bool from the loop references: True where no valid token sits (two independent
+    spellings of the same oracle must agree)."""
     ref = reference_pack(valid_mask(lengths, seq_len), lengths, m, 1, full, fill=False)
-    return reference_shard(~ref.packed, ref.cu_seqlens_padded, cp, rank)
+    want = reference_shard(~ref.packed, ref.cu_seqlens_padded, cp, rank)
+    assert torch.equal(want, reference_padding_mask(lengths, m, 1, full, cp, rank))
+    return want
 
 
 @st.composite

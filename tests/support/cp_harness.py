@@ -47,8 +47,10 @@ class RankPool:
             p.start()
         self._collect("startup")
 
-    def run(self, case: str, *args, cp: int, tp: int = 1):
-        """Run ``case(*args)`` on every rank under parallel_state with CP size ``cp`` and TP size ``tp``."""
+    def run(self, case: str, *args, cp, tp: int = 1):
+        """Run ``case(*args)`` on every rank under parallel_state with CP size ``cp`` and TP size ``tp``;
+        ``cp=None``: leave parallel_state as it is (a pool that never initialises it, for cases that
+        build their own process groups)."""
         if self.broken:
             raise AssertionError(f"rank pool unusable after an earlier failure: {self.broken}")
         for q in self.commands:
@@ -105,7 +107,8 @@ def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
             break
         case, args, cp, tp = item
         try:
-            _set_layout(parallel_state, cp, tp)
+            if cp is not None:
+                _set_layout(parallel_state, cp, tp)
             results.put((rank, True, _case_function(cp_cases, case)(*args)))
         except Exception:
             results.put((rank, False, traceback.format_exc()))
