@@ -84,7 +84,7 @@ def test_a_microbatch_longer_than_the_run_level_length_is_refused():
 
 def test_an_unaligned_run_level_length_is_refused_naming_the_layout():
     with pytest.raises(PackingError, match=r"^cfg\['nn_data'\]\['pad_full_seq_to'\]=30 is not a multiple of 4, the "
-                                           r"alignment of this layout \(cp=2: sequence_multiple 4, packed_multiple 1\); "
+                                           r"alignment of this parallelism \(cp=2: sequence_multiple 4, packed_multiple 1\); "
                                            r"choose a multiple of 4, e\.g\. 32$"):
         get_microbatch_iterator(_step([5, 9, 3]), _cfg(cp=2, nn_data={"pad_full_seq_to": 30}), 1, None)
 
@@ -126,8 +126,8 @@ def _data(lengths=LENGTHS):
 
 def test_balanced_sharding_is_plan_step_with_the_same_plan_attributes():
     shards, order = _data().shard_by_batch_size(2, batch_size=6, sequence_packing_args=_pack_args(hidden_size=2))
-    layout = Parallelism(dp=2, make_sequence_length_divisible_by=4)
-    plans = [plan_step(LENGTHS[c:c + 6], layout, pad_full_seq_to=32, hidden_size=2) for c in (0, 6)]
+    parallelism = Parallelism(dp=2, make_sequence_length_divisible_by=4)
+    plans = [plan_step(LENGTHS[c:c + 6], parallelism, pad_full_seq_to=32, hidden_size=2) for c in (0, 6)]
     assert sorted(order) == list(range(12))
     for r, shard in enumerate(shards):
         rows = [c * 6 + i for c, plan in enumerate(plans) for mb in plan.ranks[r] for i in mb]
@@ -155,8 +155,8 @@ def test_balanced_sharding_round_trips_through_the_iterator_and_reorder():
 
 
 def test_balanced_sharding_takes_a_parallel_layout():
-    layout = Parallelism(dp=2, cp=2)
-    shards, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallel_layout=layout))
+    parallelism = Parallelism(dp=2, cp=2)
+    shards, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallel_layout=parallelism))
     assert all(load % 4 == 0 for s in shards for load in s.micro_batch_lengths[0])
 
 

@@ -34,9 +34,9 @@ from tests.support.megatron_config import megatron_cfg
     (dict(cp=3, fp8_recipe="tensorwise"), 6, 96, 96),
 ])
 def test_multiples_of_each_layout(kwargs, sequence, packed, total):
-    layout = Parallelism(dp=2, **kwargs)
-    assert (layout.sequence_multiple, layout.packed_multiple, layout.total_multiple) == (sequence, packed, total)
-    assert layout.pad_multiple == sequence
+    parallelism = Parallelism(dp=2, **kwargs)
+    assert (parallelism.sequence_multiple, parallelism.packed_multiple, parallelism.total_multiple) == (sequence, packed, total)
+    assert parallelism.pad_multiple == sequence
 
 
 CFGS = [megatron_cfg(tp=tp, sp=sp, cp=cp, pp=pp, fp8=fp8, dispatcher=d, backend=b)
@@ -47,14 +47,14 @@ CFGS = [megatron_cfg(tp=tp, sp=sp, cp=cp, pp=pp, fp8=fp8, dispatcher=d, backend=
 
 @pytest.mark.parametrize("cfg", CFGS[::7] + CFGS[-3:])
 def test_the_compat_parameters_are_the_layouts_multiples(cfg):
-    layout = Parallelism.from_megatron_cfg(cfg)
-    m = layout.sequence_multiple * 3
+    parallelism = Parallelism.from_megatron_cfg(cfg)
+    m = parallelism.sequence_multiple * 3
     pad, packed, total = _get_pack_sequence_parameters_for_megatron(cfg, m, 1000)
-    assert (pad, packed) == (m, layout.packed_multiple)
+    assert (pad, packed) == (m, parallelism.packed_multiple)
     assert total == (None if cfg["pipeline_model_parallel_size"] == 1 else -(-1000 // packed) * packed)
-    if layout.sequence_multiple > 1:  # the same refusal from both
+    if parallelism.sequence_multiple > 1:  # the same refusal from both
         with pytest.raises(PackingError, match=r"is not a multiple of minimum_pad_factor"):
-            _get_pack_sequence_parameters_for_megatron(cfg, layout.sequence_multiple + 1, 1000)
+            _get_pack_sequence_parameters_for_megatron(cfg, parallelism.sequence_multiple + 1, 1000)
 
 
 def test_fp4_in_a_megatron_cfg_sets_the_packed_multiple():
@@ -66,9 +66,9 @@ def test_fp4_in_a_megatron_cfg_sets_the_packed_multiple():
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 4, 6, 8, 12])
 def test_packed_forwards_cp_check_accepts_what_the_layout_accepts(cp, m):
-    layout = Parallelism(dp=1, cp=cp)
+    parallelism = Parallelism(dp=1, cp=cp)
     total = 48
-    aligned = m % layout.sequence_multiple == 0 and total % layout.total_multiple == 0
+    aligned = m % parallelism.sequence_multiple == 0 and total % parallelism.total_multiple == 0
     if aligned:
         _check_cp_config(cp, PackSequences(m, pad_full_seq_to=total))
     else:
@@ -117,15 +117,15 @@ def test_layout_is_keyword_only():
 
 
 def test_check_packed_length_names_the_argument_the_unit_and_a_valid_value():
-    layout = Parallelism(dp=2, cp=2, fp8_recipe="tensorwise")
-    assert layout.check_fixed_total(8192) == 8192
+    parallelism = Parallelism(dp=2, cp=2, fp8_recipe="tensorwise")
+    assert parallelism.check_fixed_total(8192) == 8192
     with pytest.raises(PackingError, match=r"^pad_full_seq_to=8200 is not a multiple of 64, the alignment of this "
-                                           r"layout \(cp=2, fp8 tensorwise: sequence_multiple 4, packed_multiple "
+                                           r"parallelism \(cp=2, fp8 tensorwise: sequence_multiple 4, packed_multiple "
                                            r"64\); choose a multiple of 64, e.g\. 8256$"):
-        layout.check_fixed_total(8200)
+        parallelism.check_fixed_total(8200)
     with pytest.raises(PackingError, match=r"^T=0 is invalid; expected an int >= 1, a multiple of 64"):
-        layout.check_fixed_total(0, "T")
+        parallelism.check_fixed_total(0, "T")
     with pytest.raises(PackingError, match=rf"^pad_full_seq_to={2**31} exceeds {INT32_MAX} \(2\*\*31 - 1\), the largest "
                                            r"packed length or boundary that int32 cu_seqlens can hold"):
         Parallelism(dp=1).check_fixed_total(2**31)
-    assert layout.round_fixed_total(8200) == 8256
+    assert parallelism.round_fixed_total(8200) == 8256

@@ -50,63 +50,63 @@ def steps(draw):
     cp = draw(st.sampled_from([1, 2]))
     tp, sp = draw(st.sampled_from([(1, False), (2, True), (2, False)]))
     recipe = draw(st.sampled_from([None, None, "tensorwise"]))
-    layout = Parallelism(dp=draw(st.integers(1, 6)), tp=tp, sequence_parallel=sp, cp=cp, fp8_recipe=recipe)
-    m = layout.sequence_multiple * draw(st.sampled_from([1, 2]))
-    layout = Parallelism(dp=layout.dp, tp=tp, sequence_parallel=sp, cp=cp, fp8_recipe=recipe,
+    parallelism = Parallelism(dp=draw(st.integers(1, 6)), tp=tp, sequence_parallel=sp, cp=cp, fp8_recipe=recipe)
+    m = parallelism.sequence_multiple * draw(st.sampled_from([1, 2]))
+    parallelism = Parallelism(dp=parallelism.dp, tp=tp, sequence_parallel=sp, cp=cp, fp8_recipe=recipe,
                             make_sequence_length_divisible_by=m)
-    total = layout.total_multiple * draw(st.integers(1, 8)) * max(1, 64 // layout.total_multiple)
+    total = parallelism.total_multiple * draw(st.integers(1, 8)) * max(1, 64 // parallelism.total_multiple)
     lengths = draw(st.lists(st.integers(0, total - (m - 1) if total >= m else 0), max_size=60))
     lengths = [n for n in lengths if _round_up(n, m) <= total]
-    return layout, total, lengths
+    return parallelism, total, lengths
 
 
-def _check_guarantees(plan: StepPlan, layout: Parallelism, total: int, lengths: list) -> None:
-    assert plan.pad_full_seq_to == total and total % layout.total_multiple == 0
-    assert len(plan.ranks) == layout.dp
+def _check_guarantees(plan: StepPlan, parallelism: Parallelism, total: int, lengths: list) -> None:
+    assert plan.pad_full_seq_to == total and total % parallelism.total_multiple == 0
+    assert len(plan.ranks) == parallelism.dp
     k = plan.microbatches_per_rank
     assert all(len(rank) == k for rank in plan.ranks)  # the same count on every rank
     seen = sorted(i for rank in plan.ranks for mb in rank for i in mb)
     assert seen == list(range(len(lengths)))  # every sequence exactly once
     for rank, tokens, work in zip(plan.ranks, plan.microbatch_tokens, plan.microbatch_work):
         for mb, t, w in zip(rank, tokens, work):
-            assert t == sum(_round_up(lengths[i], layout.pad_multiple) for i in mb) <= total  # hard capacity
+            assert t == sum(_round_up(lengths[i], parallelism.pad_multiple) for i in mb) <= total  # hard capacity
             assert w == pytest.approx(sum(lengths[i] * (lengths[i] + 6 * 4096) for i in mb))
-    slots = layout.dp * k * total
+    slots = parallelism.dp * k * total
     assert plan.padding_fraction == pytest.approx(1 - sum(lengths) / slots if slots else 0.0)
 
 
 @PROPERTIES
 @given(case=steps(), balance=st.sampled_from(["work", "tokens"]))
 def test_every_plan_keeps_the_guarantees_and_never_needs_more_microbatches_than_ffd(case, balance):
-    layout, total, lengths = case
-    plan = plan_step(lengths, layout, pad_full_seq_to=total, balance=balance)
-    _check_guarantees(plan, layout, total, lengths)
-    padded = [_round_up(n, layout.pad_multiple) for n in lengths]
-    ffd_k = max(1, -(-len(first_fit_decreasing(padded, total).bins) // layout.dp)) if lengths else 0
-    lower = max(1, -(-sum(padded) // (layout.dp * total))) if lengths else 0
+    parallelism, total, lengths = case
+    plan = plan_step(lengths, parallelism, pad_full_seq_to=total, balance=balance)
+    _check_guarantees(plan, parallelism, total, lengths)
+    padded = [_round_up(n, parallelism.pad_multiple) for n in lengths]
+    ffd_k = max(1, -(-len(first_fit_decreasing(padded, total).bins) // parallelism.dp)) if lengths else 0
+    lower = max(1, -(-sum(padded) // (parallelism.dp * total))) if lengths else 0
     assert lower <= plan.microbatches_per_rank <= ffd_k  # never more than FFD over the whole step needs
     if lengths:  # padding never worse than NeMo-RL's plan at the same T
         try:
-            nemo = plan_step(lengths, layout, pad_full_seq_to=total, balance="nemo-rl")
+            nemo = plan_step(lengths, parallelism, pad_full_seq_to=total, balance="nemo-rl")
         except PackingError as err:  # NeMo-RL needs a sequence per bin; nn_data's modes do not
             assert "Cannot create" in str(err)
         else:
-            _check_guarantees(nemo, layout, total, lengths)
+            _check_guarantees(nemo, parallelism, total, lengths)
             assert plan.padding_fraction <= nemo.padding_fraction + 1e-12
 
 
 @PROPERTIES
 @given(case=steps(), balance=st.sampled_from(list(BALANCE_MODES)), extra=st.integers(0, 3))
 def test_a_given_microbatch_count_is_kept_on_every_rank(case, balance, extra):
-    layout, total, lengths = case
-    padded = [_round_up(n, layout.pad_multiple) for n in lengths]
-    k = max(1, -(-len(first_fit_decreasing(padded, total).bins) // layout.dp)) + extra
+    parallelism, total, lengths = case
+    padded = [_round_up(n, parallelism.pad_multiple) for n in lengths]
+    k = max(1, -(-len(first_fit_decreasing(padded, total).bins) // parallelism.dp)) + extra
     try:
-        plan = plan_step(lengths, layout, pad_full_seq_to=total, microbatches_per_rank=k, balance=balance)
+        plan = plan_step(lengths, parallelism, pad_full_seq_to=total, microbatches_per_rank=k, balance=balance)
     except PackingError as err:
         assert balance == "nemo-rl" and "Cannot create" in str(err)  # fewer sequences than NeMo-RL's bins
         return
-    _check_guarantees(plan, layout, total, lengths)
+    _check_guarantees(plan, parallelism, total, lengths)
     assert plan.microbatches_per_rank == k
     if balance != "nemo-rl":  # empty microbatches only where a rank has fewer sequences than k
         for rank in plan.ranks:
@@ -128,9 +128,9 @@ def test_work_is_balanced_across_ranks_on_rl_like_lengths(seed, n, dp, total):
     """Lognormal lengths (median 1024, sigma 1, at most the row length 8192): the imbalance stays
     within 1.02 of what the longest sequence allows, and beats NeMo-RL's deal at the same padding."""
     lengths = np.clip(np.rint(np.random.default_rng(seed).lognormal(np.log(1024), 1.0, n)), 1, 8192).astype(int)
-    layout = Parallelism(dp=dp, cp=2)
-    plan = plan_step(lengths, layout, pad_full_seq_to=total)
-    nemo = plan_step(lengths, layout, pad_full_seq_to=total, balance="nemo-rl")
+    parallelism = Parallelism(dp=dp, cp=2)
+    plan = plan_step(lengths, parallelism, pad_full_seq_to=total)
+    nemo = plan_step(lengths, parallelism, pad_full_seq_to=total, balance="nemo-rl")
     assert plan.imbalance_bound == imbalance_bound(sequence_work(lengths), dp)
     assert plan.work_imbalance <= max(1.02, plan.imbalance_bound * 1.02)
     assert plan.work_imbalance <= nemo.work_imbalance and plan.padding_fraction <= nemo.padding_fraction
@@ -172,17 +172,17 @@ def test_a_microbatch_count_that_ffd_needs_more_of_is_refused_naming_what_fits()
 @pytest.mark.parametrize("kwargs, match", [
     (dict(lengths=[4, 17], pad_full_seq_to=16), r"^lengths\[1\] = 17 \(padded to 17, a multiple of 1\) is longer than "
                                                r"pad_full_seq_to=16; raise pad_full_seq_to to at least 17$"),
-    (dict(lengths=[4, 13], pad_full_seq_to=12, layout=Parallelism(dp=2, cp=2, make_sequence_length_divisible_by=8)),
+    (dict(lengths=[4, 13], pad_full_seq_to=12, parallelism=Parallelism(dp=2, cp=2, make_sequence_length_divisible_by=8)),
      r"^lengths\[1\] = 13 \(padded to 16, a multiple of 8\) is longer than pad_full_seq_to=12; raise pad_full_seq_to"
      r" to at least 16$"),
-    (dict(pad_full_seq_to=18, layout=Parallelism(dp=2, cp=2)), r"^pad_full_seq_to=18 is not a multiple of 4, the "
-                                                                   r"alignment of this layout .* e\.g\. 20$"),
+    (dict(pad_full_seq_to=18, parallelism=Parallelism(dp=2, cp=2)), r"^pad_full_seq_to=18 is not a multiple of 4, the "
+                                                                   r"alignment of this parallelism .* e\.g\. 20$"),
     (dict(pad_full_seq_to=2**31), r"^pad_full_seq_to=2147483648 exceeds 2147483647 \(2\*\*31 - 1\)"),
     (dict(pad_full_seq_to=None), r"^pad_full_seq_to=None is invalid; expected an int >= 1"),
     (dict(microbatches_per_rank=0), r"^microbatches_per_rank=0 is invalid; expected None or an int >= 1"),
     (dict(balance="flops"), r"^balance='flops' is invalid; expected one of \['work', 'tokens', 'nemo-rl'\]"),
     (dict(hidden_size=0), r"^hidden_size=0 is invalid; expected an int >= 1"),
-    (dict(layout={"dp": 2}), r"^layout=\{'dp': 2\} is invalid; expected a nn_data.planning.Parallelism"),
+    (dict(parallelism={"dp": 2}), r"^parallelism=\{'dp': 2\} is invalid; expected a nn_data.planning.Parallelism"),
     (dict(lengths=[3, -1]), r"^lengths\[1\] = -1 is invalid; every length must be an int >= 0"),
     (dict(lengths=[3.0, 2.5]), r"^lengths=\[3.0, 2.5\] is invalid; expected a 1-D sequence of ints >= 0 \(nothing is "
                                r"rounded"),
@@ -191,11 +191,11 @@ def test_a_microbatch_count_that_ffd_needs_more_of_is_refused_naming_what_fits()
     (dict(lengths=[True, False]), r"^lengths=\[True, False\] is invalid"),
 ])
 def test_refusals_name_the_argument(kwargs, match):
-    args = dict(lengths=[4, 5], layout=Parallelism(dp=2), pad_full_seq_to=16)
+    args = dict(lengths=[4, 5], parallelism=Parallelism(dp=2), pad_full_seq_to=16)
     args.update(kwargs)
-    lengths, layout = args.pop("lengths"), args.pop("layout")
+    lengths, parallelism = args.pop("lengths"), args.pop("parallelism")
     with pytest.raises(PackingError, match=match):
-        plan_step(lengths, layout, **args)
+        plan_step(lengths, parallelism, **args)
 
 
 @pytest.mark.parametrize("balance", ["work", "tokens"])
@@ -212,16 +212,16 @@ def test_planning_work_grows_as_n_log_n(balance):
 
 
 def test_evaluate_plan_measures_another_planners_ranks_and_checks_the_guarantees():
-    layout = Parallelism(dp=2)
-    plan = evaluate_plan([[[0, 2]], [[1]]], [6, 5, 4], layout, pad_full_seq_to=10, hidden_size=1)
+    parallelism = Parallelism(dp=2)
+    plan = evaluate_plan([[[0, 2]], [[1]]], [6, 5, 4], parallelism, pad_full_seq_to=10, hidden_size=1)
     assert plan.microbatch_tokens == [[10], [5]] and plan.rank_work == [6 * 12 + 4 * 10, 5 * 11]
     assert plan.padding_fraction == pytest.approx(1 - 15 / 20) and plan.balance == "given"
     with pytest.raises(PackingError, match=r"^a microbatch holds 11 padded tokens, more than pad_full_seq_to=10$"):
-        evaluate_plan([[[0, 1]], [[2]]], [6, 5, 4], layout, pad_full_seq_to=10)
+        evaluate_plan([[[0, 1]], [[2]]], [6, 5, 4], parallelism, pad_full_seq_to=10)
     with pytest.raises(PackingError, match=r"^the plan holds 2 sequence slots for 3 sequences; each must be in"):
-        evaluate_plan([[[0]], [[1]]], [6, 5, 4], layout, pad_full_seq_to=10)
+        evaluate_plan([[[0]], [[1]]], [6, 5, 4], parallelism, pad_full_seq_to=10)
     with pytest.raises(PackingError, match=r"^the plan has 2 ranks with \[1, 2\] microbatches; expected dp=2 ranks"):
-        evaluate_plan([[[0]], [[1], [2]]], [6, 5, 4], layout, pad_full_seq_to=10)
+        evaluate_plan([[[0]], [[1], [2]]], [6, 5, 4], parallelism, pad_full_seq_to=10)
 
 
 @pytest.mark.parametrize("page", ["docs/planning.md"])
@@ -230,7 +230,7 @@ def test_the_documented_example_runs_as_written_and_prints_what_the_page_says(pa
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / page).read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "plan_step(lengths, layout" in b)
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "plan_step(lengths, parallelism" in b)
     exec(compile(block, page, "exec"), {})
     printed = capsys.readouterr().out
     assert "[[[2, 4, 3]], [[12, 7, 13]], [[0, 14, 15, 1, 6, 9]], [[5, 8, 10, 11]]]" in printed
