@@ -13,7 +13,7 @@ microbatch of no sequence; ``max_seqlen = T + 1``, see :func:`rotary_from_sequen
 and megatron-core's own THD rotary embedding, which reads the CP rank and size from
 ``parallel_state``'s CP group, rotates every sequence from position 0 and places each token's
 rotation by nn_data's zigzag order.
-The adapter passes nn_data's document mask (:mod:`nn_data.models.masks`) where megatron-core
+The adapter passes nn_data's document mask (:mod:`nn_data.masks`) where megatron-core
 passes ``attention_mask``; the attention gathers keys and values across the CP group with
 ``PackedInfo.gather`` and applies it. megatron-core's THD RoPE reads ``cu_seqlens`` on the
 host (``.tolist()``), so this model runs eagerly (compile the packing with ``PackedForward``).
@@ -39,7 +39,7 @@ from torch import nn
 
 from nn_data.adapters import _megatron_cpu
 from nn_data.errors import PackingError
-from nn_data.models.masks import DocumentMask, document_attention, document_mask
+from nn_data.masks import DocumentMask, document_attention, document_mask
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: the local spec needs neither
@@ -50,7 +50,7 @@ with warnings.catch_warnings():
 class PackedDotProductAttention(DotProductAttention):
     """megatron-core's local ``DotProductAttention`` that also takes packed THD input under CP.
 
-    With ``attention_mask`` an nn_data :class:`~nn_data.models.masks.DocumentMask` (what
+    With ``attention_mask`` an nn_data :class:`~nn_data.masks.DocumentMask` (what
     :class:`MegatronGPTAdapter` passes): ``query [Tq, Hq, D]``, ``key/value [Tq, Hk, D]`` (THD,
     already rotary-embedded) -> ``[Tq, Hq*D]``; keys and values are all-gathered across the CP
     group (``mask.gather``) and attention runs under the document-causal mask. Anything else
@@ -118,7 +118,7 @@ class MegatronGPTAdapter(nn.Module):
     (``post_process``), the hidden states ``[Tq, 1, E]`` megatron-core sends to the next stage
     otherwise. The THD ``PackedSeqParams`` are ``packed.packed_seq_params``: wrap the adapter in
     ``PackedForward(..., make_packed_seq_params=True)``. ``mask_kind`` chooses the mask's form
-    (:func:`nn_data.models.masks.document_mask`).
+    (:func:`nn_data.masks.document_mask`).
 
     Raises :class:`PackingError` for a model whose attention is not
     :class:`PackedDotProductAttention`, when ``packed.cp_size`` differs from the size of the CP

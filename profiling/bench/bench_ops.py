@@ -52,7 +52,7 @@ from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, Uns
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
-from profiling.cuda_counters import SyncCounter
+from nn_data.diagnostics import SyncCounter
 from profiling.timing import machine_description, reuse_freed_memory, time_calls_cuda, time_side_by_side
 
 OPS = ("pack+shard", "pack", "shard", "unshard", "unpack fp32")
