@@ -14,7 +14,7 @@ import sys
 
 def alias_module(old: str, new: str) -> None:
     """Make ``old`` (and every submodule of ``new`` imported so far) the module object ``new`` is."""
-    home = importlib.import_module(new)
+    importlib.import_module(new)
     for name, module in list(sys.modules.items()):
         if name == new or name.startswith(new + "."):
             sys.modules[old + name[len(new):]] = module

@@ -24,45 +24,7 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.layout import checks, execute
-from nn_data.layout.plan import PackLayout
-from nn_data.layout.planner import plan_from_boundaries, take_layout
-
-
-class RankOp(nn.Module):
-    """Base of the stateless ops configured with a CP size and rank (checked), ``validate`` and
-    ``host_reads`` (``False``: never read the device; the checks become device asserts)."""
-
-    def __init__(self, cp_size: int, cp_rank: int, *, validate: bool = True, host_reads: bool = True):
-        super().__init__()
-        _checks.check_cp(cp_size, cp_rank)
-        self.cp_size, self.cp_rank, self.validate, self.host_reads = cp_size, cp_rank, bool(validate), bool(host_reads)
-
-    def extra_repr(self) -> str:
-        return (f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, validate={self.validate}, "
-                f"host_reads={self.host_reads}")
-
-    def layout_for(self, name: str, data: torch.Tensor, total, cu_seqlens_padded, layout, **kw) -> PackLayout:
-        """The layout this call runs on: the one given (checked against this op's ``C``; no read), or
-        one planned from ``cu_seqlens_padded`` (one read eagerly: the validation)."""
-        return op_layout(type(self).__name__, name, data, total, self.cp_size, cu_seqlens_padded, layout,
-                         validate=self.validate, host_reads=self.host_reads, **kw)
-
-
-def op_layout(op: str, name: str, data: torch.Tensor, total, cp_size: int, cu_seqlens_padded, layout, *,
-              validate: bool, host_reads: bool, cu_seqlens=None, **kw) -> PackLayout:
-    """The layout of an op that takes ``cu_seqlens_padded`` or ``layout=`` (see :meth:`RankOp.layout_for`)."""
-    if layout is not None:
-        checks.packed_tensor_length(name, total)
-        checks.total_divisible(total, cp_size)
-        given = {k: v for k, v in (("cu_seqlens_padded", cu_seqlens_padded), ("cu_seqlens", cu_seqlens))}
-        return take_layout(layout, total, op=op, cp_size=cp_size, validate=validate, seq_len=kw.get("seq_len"),
-                           **given)
-    if cu_seqlens_padded is None:
-        raise _checks.PackingError(f"{op} needs cu_seqlens_padded or layout= (the pack's PackResult.layout)")
-    checks.boundary_args(name, data, total, cu_seqlens_padded, cp_size, cu_seqlens)
-    return plan_from_boundaries(cu_seqlens_padded, total, op=op, cp_size=cp_size, cu_seqlens=cu_seqlens,
-                                validate=validate, host_reads=host_reads, **kw)[0]
+from nn_data.layout import PackLayout, RankOp, op_layout
 
 
 class ShardForContextParallel(RankOp):
@@ -88,7 +50,7 @@ class ShardForContextParallel(RankOp):
                 layout: Optional[PackLayout] = None) -> torch.Tensor:
         _checks.check_packed("packed", packed)
         layout = self.layout_for("packed", packed, packed.shape[1], cu_seqlens_padded, layout)
-        return execute.shard(layout, packed, self.cp_size, self.cp_rank)  # [1, T/C, *]
+        return layout.shard(packed, self.cp_size, self.cp_rank)  # [1, T/C, *]
 
 
 class UnshardFromContextParallel(nn.Module):
@@ -124,4 +86,4 @@ class UnshardFromContextParallel(nn.Module):
         total = self.cp_size * shards.shape[1]
         layout = op_layout("UnshardFromContextParallel", "shards", shards, total, self.cp_size, cu_seqlens_padded,
                            layout, validate=self.validate, host_reads=self.host_reads)
-        return execute.unshard(layout, shards, self.cp_size)  # [1, T, *]
+        return layout.unshard(shards, self.cp_size)  # [1, T, *]

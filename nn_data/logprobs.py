@@ -22,14 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from nn_data import _checks
-from nn_data.context_parallel import op_layout
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.groups import given_group_info
 from nn_data.sampling import row_thresholds, vocab_parallel_thresholds
-from nn_data.layout import checks, execute
-from nn_data.layout.index import ZigzagLocal, packed_segments
-from nn_data.layout.plan import PackLayout
-from nn_data.layout.planner import plan_from_boundaries, reads_host
+from nn_data.layout import (
+    Boundaries, PackLayout, ZigzagLocal, boundary_args, layout_from_boundaries, op_layout, packed_segments, reads_host,
+    target_ids, target_ids_device, target_ids_host,
+)
 from nn_data.targets import next_token_at
 
 
@@ -222,7 +221,7 @@ class TokenLogProbs(nn.Module):
             return packed.sum().expand(layout.rows, seq_len).clone()
         # out[b, s] = packed[cu_seqlens_padded[b] + s - 1] for 1 <= s < L[b], else 0: the log-prob of token s
         # is scored at position s - 1. Example: [a0, a1, a2, pad], L 3, S 4 -> [0, lp(a0->a1), lp(a1->a2), 0].
-        return execute.unpack(layout, packed[None], seq_len, 0.0, shift=1)  # [B, S]
+        return layout.unpack(packed[None], seq_len, 0.0, shift=1)  # [B, S]
 
     def _layout(self, packed_ids, total, vocab: int, cu_seqlens, cu_seqlens_padded, seq_len, layout) -> PackLayout:
         """The layout of this call and its validation: the one read of the boundaries, with "every target
@@ -230,7 +229,7 @@ class TokenLogProbs(nn.Module):
         if layout is None:
             if cu_seqlens is None or cu_seqlens_padded is None:
                 raise _checks.PackingError("TokenLogProbs needs cu_seqlens and cu_seqlens_padded, or layout=")
-            checks.boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, self.cp_size, cu_seqlens)
+            boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, self.cp_size, cu_seqlens)
         elif layout.cu_seqlens is None:
             raise _checks.PackingError("TokenLogProbs needs a layout with cu_seqlens (PackResult.layout)")
         bad_ids = None
@@ -238,16 +237,14 @@ class TokenLogProbs(nn.Module):
             bounds, lengths = packed_segments(layout.cu_seqlens if layout is not None else cu_seqlens,
                                               layout.cu_seqlens_padded if layout is not None else cu_seqlens_padded,
                                               total)
-            bad_ids = checks.target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
+            bad_ids = target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
         if layout is not None or not reads_host(self.validate, self.host_reads):
             layout = op_layout("TokenLogProbs", "packed_ids", packed_ids, total, self.cp_size, cu_seqlens_padded,
                                layout, validate=self.validate, host_reads=self.host_reads, cu_seqlens=cu_seqlens,
                                seq_len=seq_len)
             if bad_ids is not None:
-                checks.target_ids_device("TokenLogProbs", bad_ids, vocab)
+                target_ids_device("TokenLogProbs", bad_ids, vocab)
             return layout
-        layout, ids_ok = plan_from_boundaries(cu_seqlens_padded, total, op="TokenLogProbs", cu_seqlens=cu_seqlens,
-                                              seq_len=seq_len, cp_size=self.cp_size, extra=~bad_ids.any())
-        if not ids_ok:
-            checks.target_ids_host(bad_ids, packed_ids[0], vocab)
-        return layout
+        ids_ok = (~bad_ids.any(), lambda: target_ids_host(bad_ids, packed_ids[0], vocab))
+        bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens, also_check=ids_ok)
+        return layout_from_boundaries(bounds, op="TokenLogProbs", seq_len=seq_len, cp_size=self.cp_size)

@@ -12,7 +12,7 @@ Process groups (``group_info``, ``ParallelInfo``, ``context_parallel_info``, ...
 
 Example::
 
-    params = make_packed_seq_params(layout.cu_seqlens_padded, layout.max_seqlen, None, total=layout.total)
+    params = make_packed_seq_params(r.cu_seqlens_padded, r.layout.host.max_seqlen, None, total=r.layout.total)
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def make_packed_seq_params(
     *,
     cu_seqlens: Optional[torch.Tensor] = None,
     pad_between_seqs: Optional[bool] = None,
-    packed_length: Optional[int] = None,
+    total: Optional[int] = None,
     cp_group: Optional["dist.ProcessGroup"] = None,
+    packed_length: Optional[int] = None,
     pg_collection: Any = None,
 ) -> Any:
     """A THD ``PackedSeqParams`` over ``cu_seqlens_padded [B+1]``, with no host sync and no
@@ -83,9 +84,10 @@ def make_packed_seq_params(
     * ``total_tokens`` (where the release has it, 0.17 and newer) and ``seq_idx`` are set after
       construction, so the release's ``__post_init__`` does not build ``seq_idx`` itself (it
       copies a Python int to the device and calls ``repeat_interleave`` without ``output_size``);
-      :func:`sequence_index` builds the same tensor from ``packed_length``, the packed length
-      ``T`` as a Python int (``cu_seqlens_padded`` rises from 0 to it). Without
-      ``packed_length`` one host read learns it.
+      :func:`sequence_index` builds the same tensor from ``total``, the packed length ``T`` as a
+      Python int (``cu_seqlens_padded`` rises from 0 to it: the layout's ``total``). Without
+      ``total`` one host read learns it. (``packed_length=`` is its 0.1.x name: it still works, and
+      warns.)
     * ``cp_group`` (where the release has the field, and only when given) is the group the
       caller sharded the tokens over. ``local_cp_size`` is left unset: megatron-core reads it as
       hybrid context parallelism's per-sample size (multi-latent attention refuses it).
@@ -96,7 +98,11 @@ def make_packed_seq_params(
     On megatron-core 0.16.x ``total_tokens``, ``seq_idx`` and ``pad_between_seqs`` do not
     exist and stay unset (fields are detected, never assumed).
     """
-    if cp_group is not None or pg_collection is not None:
+    if packed_length is not None:
+        warnings.warn("make_packed_seq_params(packed_length=) is deprecated (0.2.0); pass total= (the layout's T)",
+                      DeprecationWarning, stacklevel=2)
+        total = packed_length if total is None else total
+    if pg_collection is not None:  # cp_group alone is stored as given
         cp_group = _groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp").group
     padded = _with_start(cu_seqlens_padded)
     own_valid = cu_seqlens is not None and cu_seqlens is not cu_seqlens_padded
@@ -119,19 +125,19 @@ def make_packed_seq_params(
         kwargs["cp_group"] = cp_group
     params = packed_seq_params_class()(**kwargs)  # no total_tokens yet: __post_init__ builds nothing
     if total_tokens is not None and "total_tokens" in fields:
-        _set_total_tokens(params, padded, int(total_tokens), packed_length, "seq_idx" in fields)
+        _set_total_tokens(params, padded, int(total_tokens), total, "seq_idx" in fields)
     return params
 
 
-def _set_total_tokens(params, padded: torch.Tensor, total_tokens: int, packed_length: Optional[int],
+def _set_total_tokens(params, padded: torch.Tensor, total_tokens: int, total: Optional[int],
                       has_seq_idx: bool) -> None:
     """``params.total_tokens`` and, where the release has the field, the ``seq_idx`` its
     ``__post_init__`` would have built (:func:`sequence_index`)."""
     params.total_tokens = total_tokens
     if has_seq_idx:
-        if packed_length is None:
-            packed_length = int(padded[-1])  # sync: the caller did not pass the packed length T
-        params.seq_idx = sequence_index(padded, total_tokens, int(packed_length))
+        if total is None:
+            total = int(padded[-1])  # sync: the caller did not pass the packed length T
+        params.seq_idx = sequence_index(padded, total_tokens, int(total))
 
 
 def _with_start(bounds: torch.Tensor) -> torch.Tensor:
@@ -142,12 +148,12 @@ def _with_start(bounds: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(bounds), bounds])  # [2]
 
 
-def sequence_index(bounds: torch.Tensor, total_tokens: int, packed_length: int) -> torch.Tensor:
+def sequence_index(bounds: torch.Tensor, total_tokens: int, total: int) -> torch.Tensor:
     """megatron-core's ``PackedSeqParams.seq_idx`` (0.17 and newer): ``[1, N]`` int32, the index of
     the sequence each position belongs to, computed as its ``__post_init__`` computes it (the
     boundaries followed by ``total_tokens``, each difference clamped at 0, ``repeat_interleave``)
-    but with the size given: ``N = max(packed_length, total_tokens)`` for ``bounds [B+1]`` rising
-    from 0 to ``packed_length``. No host sync; ``total_tokens`` is written on the device.
+    but with the size given: ``N = max(total, total_tokens)`` for ``bounds [B+1]`` rising
+    from 0 to ``total`` (``T``). No host sync; ``total_tokens`` is written on the device.
 
     Example: bounds ``[0, 16, 40]``, total_tokens 20 (a CP rank's share of T = 40) -> lengths
     ``[16, 24, 0]`` (the last one clamped from -20) -> ``[[0]*16 + [1]*24]``, N = 40; bounds
@@ -156,5 +162,5 @@ def sequence_index(bounds: torch.Tensor, total_tokens: int, packed_length: int) 
     end = torch.full((1,), total_tokens, dtype=bounds.dtype, device=bounds.device)
     lengths = torch.diff(torch.cat([bounds, end])).clamp(min=0)  # [B+1]
     index = torch.arange(lengths.shape[0], device=bounds.device)  # [B+1]
-    size = max(packed_length, total_tokens)
+    size = max(total, total_tokens)
     return torch.repeat_interleave(index, lengths, output_size=size).to(torch.int32).unsqueeze(0)  # [1, N]

@@ -5,6 +5,7 @@ Shape legend
     S   padded row length of the input batch
     T   packed tokens: ``pad_full_seq_to`` when set (a Python int), else
         ``round_up(sum(round_up(L, m)), p)``
+    C   context-parallel size; a rank holds ``T/C`` tokens
     *   trailing feature dims (none for ids and masks, ``[layers, topk]`` for
         routed experts)
 
@@ -16,13 +17,13 @@ device (:mod:`nn_data.layout`).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.layout import LayoutSpec, PackLayout, plan_from_lengths
+from nn_data.layout import PackLayout, PackSpec, ZigzagLocal, layout_from_lengths
 
 
 class PackResult(NamedTuple):
@@ -83,8 +84,8 @@ class PackSequences(nn.Module):
         host_reads: bool = True,
     ):
         super().__init__()
-        self.spec = LayoutSpec(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
-                               packed_length=pad_full_seq_to)
+        self.spec = PackSpec(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
+                             fixed_total=pad_full_seq_to)
         self.validate, self.host_reads = bool(validate), bool(host_reads)
 
     @property
@@ -97,7 +98,7 @@ class PackSequences(nn.Module):
 
     @property
     def pad_full_seq_to(self) -> Optional[int]:
-        return self.spec.packed_length
+        return self.spec.fixed_total
 
     def extra_repr(self) -> str:
         return (f"m={self.m}, p={self.p}, pad_full_seq_to={self.pad_full_seq_to}, validate={self.validate}, "
@@ -107,8 +108,8 @@ class PackSequences(nn.Module):
         self, x: torch.Tensor, seq_lengths: torch.Tensor, num_rows: Optional[torch.Tensor] = None
     ) -> PackResult:
         check_pack_args(x, seq_lengths, num_rows)
-        layout = plan_from_lengths(seq_lengths, x.shape[1], self.spec, num_rows=num_rows, validate=self.validate,
-                                   host_reads=self.host_reads)
+        layout = layout_from_lengths(seq_lengths, x.shape[1], self.spec, num_rows=num_rows, validate=self.validate,
+                                     host_reads=self.host_reads)
         return PackResult(layout.pack(x), layout.cu_seqlens, layout.cu_seqlens_padded, layout.max_seqlen, layout)
 
 
@@ -122,3 +123,94 @@ def check_pack_args(x, seq_lengths, num_rows=None) -> None:
     _checks.check_int_vector("seq_lengths", seq_lengths, x.shape[0])
     _checks.check_num_rows(num_rows, x.shape[0])
     _checks.check_same_device(x=x, seq_lengths=seq_lengths, num_rows=num_rows)
+
+
+class PackShardResult(NamedTuple):
+    """What :class:`PackShard` returns: ``full`` and ``local``, each tensor's packed ``[1, T, *]`` and
+    this rank's ``[1, T/C, *]`` by name (the module's ``name``, ``"x"``, for the batch itself; ``local`` holds the same tensors
+    as ``full`` when ``C = 1``), the batch's :class:`PackResult` (its ``layout`` None out of a compiled
+    graph: the device layout's index maps stay inside it); with ``positions=True`` also this
+    rank's ``places`` (:class:`~nn_data.layout.ZigzagLocal`), ``positions [1, T/C]`` (0 at each
+    sequence start) and ``segment_ids [T]``; with ``padding=True`` this rank's ``padding_mask
+    [1, T/C]`` bool (True at padding: :meth:`~nn_data.layout.PackLayout.padding_mask`)."""
+
+    full: dict
+    local: dict
+    pack: PackResult
+    places: Optional[ZigzagLocal] = None
+    positions: Optional[torch.Tensor] = None
+    segment_ids: Optional[torch.Tensor] = None
+    padding_mask: Optional[torch.Tensor] = None
+
+
+class PackShard(nn.Module):
+    """Pack a batch and the tensors that ride its layout, and take this CP rank's zigzag share: the one
+    pack + shard that eager code runs and ``torch.compile`` captures (``PackedForward``'s packing side
+    and the NeMo-RL layer's compiled graph are this module).
+
+    ``PackShard(pack: PackSequences, cp_size=1, cp_rank=0, *, routes=(), positions=False, padding=False,
+    name="x")``;
+    ``forward(x [B, S], seq_lengths [B], num_rows=None, **companions) -> PackShardResult``: every
+    companion (``[B, S, *]`` or None, skipped) is packed on ``x``'s layout with 0 padding, except those
+    named in ``routes``, whose padding rows are ``arange(last dim)`` (a valid top-k route for routed
+    experts). The layout and this rank's places are computed once: on the host executor each tensor
+    is cut by Python ints; on the device executor (under compile) one ``index_select`` per tensor
+    along the places. ``padding=True`` adds this rank's padding mask (one gather on the places).
+    """
+
+    def __init__(self, pack: PackSequences, cp_size: int = 1, cp_rank: int = 0, *, routes=(), positions: bool = False,
+                 padding: bool = False, name: str = "x"):
+        super().__init__()
+        _checks.check_cp(cp_size, cp_rank)
+        self.pack, self.cp_size, self.cp_rank = pack, cp_size, cp_rank
+        self.routes, self.positions, self.name = frozenset(routes), bool(positions), name
+        self.padding = bool(padding)
+
+    def extra_repr(self) -> str:
+        return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, routes={sorted(self.routes)}, positions={self.positions}"
+
+    def forward(self, x: torch.Tensor, seq_lengths: torch.Tensor, num_rows: Optional[torch.Tensor] = None,
+                **companions: Optional[torch.Tensor]) -> PackShardResult:
+        res = self.pack(x, seq_lengths, num_rows)
+        layout = res.layout
+        places = None
+        if self.positions or self.padding or (self.cp_size > 1 and not layout.on_host):
+            places = layout.local_places(self.cp_size, self.cp_rank)  # [T/C] each, once for every tensor
+        full, local = pack_shard(layout, {self.name: res.packed, **companions}, cp_size=self.cp_size,
+                                 cp_rank=self.cp_rank, routes=self.routes,
+                                 source=None if places is None else places.source, packed=(self.name,))
+        padding_mask = layout.padding_mask(places=places) if self.padding else None  # [1, T/C] bool
+        if torch.compiler.is_compiling():  # the device layout's index maps stay inside the graph
+            res = res._replace(layout=None)
+        if not self.positions:
+            return PackShardResult(full, local, res, padding_mask=padding_mask)
+        bounds = layout.bounds()  # [B+1] ([0, T] if B = 0)
+        # places: bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39 -> positions
+        # 0..3, 12..15, 0..5, 18..23 (the offset in each segment)
+        positions = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C]
+        return PackShardResult(full, local, res, places, positions, layout.segment_ids(), padding_mask)
+
+
+def pack_shard(layout: PackLayout, tensors: Mapping[str, Optional[torch.Tensor]], *, cp_size: int, cp_rank: int,
+               routes=frozenset(), source: Optional[torch.Tensor] = None, packed=()) -> tuple[dict, dict]:
+    """``(full, local)``: each tensor of ``tensors`` (``[B, S, *]``; None skipped; those named in
+    ``packed`` already ``[1, T, *]``) packed along ``layout`` and this rank's shard of it. Padding is 0,
+    except for the names in ``routes``, whose padding rows are ``arange(last dim)``. ``source``
+    (``[T/C]``, this rank's places) shards with one ``index_select``; without it ``layout.shard``
+    picks the executor."""
+    full, local = {}, {}
+    for name, x in tensors.items():
+        if x is None:
+            continue
+        if name in packed:
+            full[name] = x  # [1, T, *]
+        else:
+            fill = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype) if name in routes else 0  # [topk]
+            full[name] = layout.pack(x, fill)  # [1, T, *]
+        if cp_size == 1:
+            local[name] = full[name]
+        elif source is not None:
+            local[name] = full[name].index_select(1, source)  # [1, T/C, *]
+        else:
+            local[name] = layout.shard(full[name], cp_size, cp_rank)  # [1, T/C, *]
+    return full, local

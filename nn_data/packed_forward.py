@@ -22,9 +22,9 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
-from nn_data.pack import PackSequences, check_pack_args
-from nn_data.layout.plan import PackLayout
-from nn_data.planning.alignment import ParallelLayout
+from nn_data.pack import PackSequences, PackShard, PackShardResult, check_pack_args
+from nn_data.layout import PackLayout
+from nn_data.planning.alignment import Parallelism
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 from nn_data.unpack import check_unpack_args, unpack_sequences
 
@@ -74,17 +74,6 @@ class PackedInput(NamedTuple):
     layout: Optional[PackLayout] = None
 
 
-class _Prepared(NamedTuple):
-    local_ids: torch.Tensor  # [1, T/C]
-    position_ids: torch.Tensor  # [1, T/C]
-    cu_seqlens_padded: torch.Tensor  # [B+1]
-    max_seqlen: torch.Tensor  # 0-d
-    segment_ids: torch.Tensor  # [T]
-    query_index: torch.Tensor  # [T/C]
-    padding_mask: torch.Tensor  # [1, T/C] bool, True at padding
-    layout: Optional[PackLayout]  # the plan (eager); None out of a compiled region
-
-
 class PackedForward(nn.Module):
     """Run ``model`` on packed, context-parallel-sharded tokens; return ``[B, S, *]`` rows.
 
@@ -130,10 +119,11 @@ class PackedForward(nn.Module):
     ):
         super().__init__()
         self.model = model
-        self.pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
+        pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
         self.cp_rank, self.cp_size, self._cp_group = given_group_info(cp_group, pg_collection=pg_collection,
                                                                       field="cp")
-        _check_cp_config(self.cp_size, self.pack)
+        _check_cp_config(self.cp_size, pack)
+        self.pack_shard = PackShard(pack, self.cp_size, self.cp_rank, positions=True, padding=True)
         self.row_capacity = None if row_capacity is None else _checks.positive_int("row_capacity", row_capacity)
         self.make_packed_seq_params = bool(make_packed_seq_params)
         if self.cp_size > 1:  # outputs: the loss is replicated over the group ("own"); keys/values: "sum"
@@ -142,28 +132,19 @@ class PackedForward(nn.Module):
         self.compile_packing = bool(compile_packing)
         if self.compile_packing:
             kwargs = {"fullgraph": True, **(compile_kwargs or {})}
-            self._prepare_fn = torch.compile(self._prepare, **kwargs)
+            self._prepare_fn = torch.compile(self.pack_shard, **kwargs)
             self._finish_fn = torch.compile(_finish, **kwargs)
         else:
-            self._prepare_fn, self._finish_fn = self._prepare, _finish
+            self._prepare_fn, self._finish_fn = self.pack_shard, _finish
+
+    @property
+    def pack(self) -> PackSequences:
+        return self.pack_shard.pack
 
     @property
     def cp_group(self):
         """The context-parallel ``ProcessGroup`` the tokens are sharded over (None: no CP)."""
         return self._cp_group
-
-    def _prepare(self, input_ids, seq_lengths, num_rows) -> _Prepared:
-        r = self.pack(input_ids, seq_lengths, num_rows)
-        bounds = r.layout.bounds()  # [B+1] ([0, T] if B = 0)
-        # Zigzag places of this rank's tokens, computed once (segments are multiples of 2C by
-        # configuration): bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39.
-        places = r.layout.local_places(self.cp_size, self.cp_rank)  # [T/C] each
-        local_ids = r.packed.index_select(1, places.source)  # [1, T/C]
-        position_ids = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C], 0 at each start
-        padding_mask = r.layout.padding_mask(places=places)  # [1, T/C] bool
-        layout = None if torch.compiler.is_compiling() else r.layout  # the plan stays outside compiled graphs
-        return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(),
-                         places.source, padding_mask, layout)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
         inp = self.prepare(input_ids, seq_lengths)
@@ -186,8 +167,8 @@ class PackedForward(nn.Module):
         if self.compile_packing:  # metadata errors raise PackingError here, before the compiled region
             check_pack_args(input_ids, seq_lengths, num_rows)
             input_ids = with_dynamic_row_length(input_ids)  # one graph for every S, 0 and 1 included
-        prep = self._prepare_fn(input_ids, seq_lengths, num_rows)
-        cu_pad, layout = prep.cu_seqlens_padded, prep.layout
+        prep = self._prepare_fn(input_ids, seq_lengths, num_rows)  # PackShardResult
+        cu_pad, layout = prep.pack.cu_seqlens_padded, prep.pack.layout
         gather_kv = None
         if self.cp_size > 1:
             def gather_kv(local: torch.Tensor) -> torch.Tensor:
@@ -195,10 +176,10 @@ class PackedForward(nn.Module):
                     return self.gather_kv(local, layout=layout)  # [1, T/C, *] -> [1, T, *]
                 return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
         info = PackedInfo(
-            cu_pad, prep.max_seqlen, prep.segment_ids, prep.query_index,
+            cu_pad, prep.pack.max_seqlen, prep.segment_ids, prep.places.source,
             self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep), prep.padding_mask,
         )
-        return PackedInput(prep.local_ids, prep.position_ids, info, seq_lengths, rows, input_ids, layout)
+        return PackedInput(prep.local["x"], prep.positions, info, seq_lengths, rows, input_ids, layout)
 
     def finish(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
         """The second half of :meth:`forward`: the model's ``[1, T/C, *]`` output for ``inp``
@@ -214,13 +195,13 @@ class PackedForward(nn.Module):
         out = self._finish_fn(full, inp.seq_lengths, cu_pad, inp.row_ids)  # [R, S, *]
         return out[: inp.rows]
 
-    def _packed_seq_params(self, prep: _Prepared):
+    def _packed_seq_params(self, prep: PackShardResult):
         if not self.make_packed_seq_params:
             return None
         from nn_data.megatron_parallel import make_packed_seq_params
 
         total = prep.segment_ids.shape[0]  # max_seqlen = T: the only bound known without a host sync
-        return make_packed_seq_params(prep.cu_seqlens_padded, total, total // self.cp_size, packed_length=total,
+        return make_packed_seq_params(prep.pack.cu_seqlens_padded, total, total // self.cp_size, total=total,
                                       cp_group=self._cp_group)
 
 
@@ -246,7 +227,7 @@ def _check_cp_config(cp_size: int, pack: PackSequences) -> None:
     guaranteed by configuration so that no data check (and no sync) is needed per call."""
     if cp_size == 1:
         return
-    layout = ParallelLayout(dp=1, cp=cp_size)  # the one alignment rule: 2C per sequence and per total
+    layout = Parallelism(dp=1, cp=cp_size)  # the one alignment rule: 2C per sequence and per total
     two_c = layout.sequence_multiple
     total_unit = pack.pad_full_seq_to if pack.pad_full_seq_to is not None else pack.p
     if pack.m % two_c or total_unit % layout.total_multiple:

@@ -21,9 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from nn_data import _checks
-from nn_data.context_parallel import RankOp
-from nn_data.layout.index import Segments, ZigzagLocal, packed_segments
-from nn_data.layout.plan import PackLayout
+from nn_data.layout import PackLayout, RankOp, Segments, ZigzagLocal, packed_segments
 
 
 class PositionIds(RankOp):

@@ -26,9 +26,7 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.layout import checks, execute
-from nn_data.layout.plan import PackLayout
-from nn_data.layout.planner import plan_from_boundaries, take_layout
+from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries, packed_tensor_length, take_layout
 
 OFFSETS = ("padded", "unpadded")
 
@@ -101,16 +99,16 @@ def unpack_sequences(
             _checks.check_int_vector("seq_lengths", seq_lengths)
         layout = take_layout(layout, total, op="UnpackSequences", seq_len=seq_len, validate=validate,
                              cu_seqlens_padded=cu_seqlens_padded, seq_lengths=seq_lengths)
-        checks.packed_tensor_length("packed", total)
+        packed_tensor_length("packed", total)
         _checks.check_same_device(packed=packed, layout=layout.cu_seqlens_padded)
-        return execute.unpack(layout, packed, seq_len, fill_value)
+        return layout.unpack(packed, seq_len, fill_value)
     check_unpack_args(packed, seq_lengths, cu_seqlens_padded)
     name = "cu_seqlens_padded" if offsets == "padded" else "cu_seqlens"
-    layout, _ = plan_from_boundaries(
-        cu_seqlens_padded, total, op="UnpackSequences", seq_lengths=seq_lengths, seq_len=seq_len, validate=validate,
-        host_reads=host_reads, name=name, end_at_total=offsets == "padded", where=" (T = packed.shape[1])",
-        hint=offsets == "padded")
-    return execute.unpack(layout, packed, seq_len, fill_value)
+    bounds = Boundaries(cu_seqlens_padded, total, seq_lengths=seq_lengths, name=name,
+                        total_from=" (T = packed.shape[1])", valid_offsets=offsets != "padded")
+    layout = layout_from_boundaries(bounds, op="UnpackSequences", seq_len=seq_len, validate=validate,
+                                    host_reads=host_reads)
+    return layout.unpack(packed, seq_len, fill_value)
 
 
 def check_unpack_args(packed, seq_lengths, cu_seqlens_padded) -> None:
@@ -123,4 +121,4 @@ def check_unpack_args(packed, seq_lengths, cu_seqlens_padded) -> None:
     _checks.check_int_vector("seq_lengths", seq_lengths)
     _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded, seq_lengths.shape[0] + 1)
     _checks.check_same_device(packed=packed, seq_lengths=seq_lengths, cu_seqlens_padded=cu_seqlens_padded)
-    checks.packed_tensor_length("packed", packed.shape[1])
+    packed_tensor_length("packed", packed.shape[1])

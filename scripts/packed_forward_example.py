@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from nn_data.planning import ParallelLayout
+from nn_data.planning import Parallelism
 from nn_data.testing.dist import free_port, init_gloo
 
 MODELS = ("tiny", "hf", "megatron")
@@ -43,7 +43,7 @@ def padding(args) -> tuple[int, int]:
     of the layout's ``sequence_multiple`` (``2 * cp`` under CP: every segment must split into ``2C``
     chunks), and a constant packed length that holds ``--rows`` full rows and is a multiple of it.
     Example: ``--multiple 8 --cp 3`` -> 12; ``--rows 8 --seq-len 64`` -> ``pad_full_seq_to = 8 * 72 = 576``."""
-    multiple = _round_up(args.multiple, ParallelLayout(dp=1, cp=args.cp).sequence_multiple)
+    multiple = _round_up(args.multiple, Parallelism(dp=1, cp=args.cp).sequence_multiple)
     return multiple, _round_up(args.rows * _round_up(args.seq_len, multiple), multiple)
 
 

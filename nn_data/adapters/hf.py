@@ -16,7 +16,7 @@ Under CP the local position ids come in zigzag order, so that derivation would g
 segments. For the duration of each CP call the adapter sets the model's attention
 implementation to the function this module registers with ``transformers.AttentionInterface``
 under :data:`ATTENTION_NAME` (and restores it afterwards). nn_data's mask
-(:mod:`nn_data.models.masks`: dense, or a flex ``BlockMask`` where that backend runs the call)
+(:mod:`nn_data.masks`: dense, or a flex ``BlockMask`` where that backend runs the call)
 reaches it as the 4-D ``attention_mask``, which transformers passes through untouched, and the
 mask's ``gather`` all-gathers the (already rotary-embedded) keys and values across the CP group
 before attention. Called without nn_data's mask, that function is transformers' own SDPA
@@ -33,7 +33,7 @@ from einops import rearrange
 from torch import nn
 
 from nn_data.errors import PackingError
-from nn_data.models.masks import DocumentMask, document_attention, document_mask
+from nn_data.masks import DocumentMask, document_attention, document_mask
 
 #: The name nn_data's attention function is registered under (``transformers.AttentionInterface``).
 ATTENTION_NAME = "nn_data_packed"
@@ -45,7 +45,7 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
     """transformers attention function: ``query [1, H, Tq, D]``, ``key/value [1, Hk, Tq, D]`` ->
     ``([1, Tq, H, D], None)``.
 
-    With nn_data's :class:`~nn_data.models.masks.DocumentMask` in ``kwargs["nn_data_mask"]``:
+    With nn_data's :class:`~nn_data.masks.DocumentMask` in ``kwargs["nn_data_mask"]``:
     keys and values are gathered across the CP group (``mask.gather``) and attention runs under
     the document-causal mask. Without it: transformers' SDPA attention, unchanged.
     Raises :class:`PackingError` for sliding-window or soft-capped attention (not supported).
@@ -87,7 +87,7 @@ class HFCausalLMAdapter(nn.Module):
 
     ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs) -> logits [1, Tq, V]``.
     ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the form of nn_data's mask under
-    CP (:func:`nn_data.models.masks.document_mask`). Extra ``model_kwargs`` go to the model.
+    CP (:func:`nn_data.masks.document_mask`). Extra ``model_kwargs`` go to the model.
 
     Example::
 

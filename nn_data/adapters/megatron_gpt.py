@@ -14,9 +14,10 @@ and megatron-core's own THD rotary embedding, which reads the CP rank and size f
 CP group (``model.pg_collection.cp``: the collection the model was built with, or the one
 megatron-core made from ``parallel_state``), rotates every sequence from position 0 and places
 each token's rotation by nn_data's zigzag order.
-The adapter passes nn_data's document mask (:mod:`nn_data.models.masks`) where megatron-core
-passes ``attention_mask``, and ``PackedInfo.padding_mask`` as ``padding_mask`` where the release's
-``GPTModel.forward`` takes one (detected: MoE routers then leave padding out of their statistics); the attention gathers keys and values across the CP group with
+The adapter passes nn_data's document mask (:mod:`nn_data.masks`) where megatron-core passes
+``attention_mask``, and ``PackedInfo.padding_mask`` as ``padding_mask`` where the release's
+``GPTModel.forward`` takes one (detected: MoE routers then leave padding out of their
+statistics); the attention gathers keys and values across the CP group with
 ``PackedInfo.gather`` and applies it. megatron-core's THD RoPE reads ``cu_seqlens`` on the
 host (``.tolist()``), so this model runs eagerly (compile the packing with ``PackedForward``).
 This module imports megatron-core.
@@ -43,7 +44,7 @@ from torch import nn
 
 from nn_data.adapters import _megatron_cpu
 from nn_data.errors import PackingError
-from nn_data.models.masks import DocumentMask, document_attention, document_mask
+from nn_data.masks import DocumentMask, document_attention, document_mask
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: the local spec needs neither
@@ -54,7 +55,7 @@ with warnings.catch_warnings():
 class PackedDotProductAttention(DotProductAttention):
     """megatron-core's local ``DotProductAttention`` that also takes packed THD input under CP.
 
-    With ``attention_mask`` an nn_data :class:`~nn_data.models.masks.DocumentMask` (what
+    With ``attention_mask`` an nn_data :class:`~nn_data.masks.DocumentMask` (what
     :class:`MegatronGPTAdapter` passes): ``query [Tq, Hq, D]``, ``key/value [Tq, Hk, D]`` (THD,
     already rotary-embedded) -> ``[Tq, Hq*D]``; keys and values are all-gathered across the CP
     group (``mask.gather``) and attention runs under the document-causal mask. Anything else
@@ -122,7 +123,7 @@ class MegatronGPTAdapter(nn.Module):
     (``post_process``), the hidden states ``[Tq, 1, E]`` megatron-core sends to the next stage
     otherwise. The THD ``PackedSeqParams`` are ``packed.packed_seq_params``: wrap the adapter in
     ``PackedForward(..., make_packed_seq_params=True)``. ``mask_kind`` chooses the mask's form
-    (:func:`nn_data.models.masks.document_mask`).
+    (:func:`nn_data.masks.document_mask`).
 
     ``pg_collection`` is the model's ``ProcessGroupCollection`` (megatron-core's ``GPTModel``
     always has one: the one it was built with, else made from ``parallel_state``): wrap with

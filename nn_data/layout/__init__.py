@@ -1,28 +1,69 @@
-"""One layout plan, two executors (``docs/design.md``, "Layout plan and executors").
+"""The layout of a packed microbatch and its two executors (``docs/design.md``, "Layouts and executors").
 
-Every entry point of nn_data packs, shards, unshards and unpacks through this package:
+This package is the only door to the layout: code outside it imports from ``nn_data.layout`` alone.
+Every entry point of nn_data packs, shards, unshards and unpacks through it:
 
-* :mod:`~nn_data.layout.rules`: the layout rules, each written once (round-up, the packed length,
-  "extend last", the ``B = 0`` pseudo-segment, row-capacity collapse, the zigzag chunks, int32);
-* :mod:`~nn_data.layout.checks`: every check of those rules, one wording each (host and device forms);
-* :mod:`~nn_data.layout.plan`: the plan type, :class:`PackLayout`;
-* :mod:`~nn_data.layout.planner`: :class:`LayoutSpec` and the planners (from lengths, from boundaries,
-  a layout an op is given), and the rule that chooses where to plan (:func:`reads_host`);
-* :mod:`~nn_data.layout.host` / :mod:`~nn_data.layout.device`: the two executors (Python-int sizes after
-  one host read; index maps on the device, zero syncs), :mod:`~nn_data.layout.index` the device's maps,
-  :mod:`~nn_data.layout.execute` the dispatch between them.
+* :class:`PackLayout` (``pack_layout``): one microbatch's layout, with the methods that run it
+  (``pack``, ``shard``, ``unshard``, ``unpack``, ``local_places``, ``positions``);
+* building one (``build``): :class:`PackSpec` (what a pack is asked for) and
+  :func:`layout_from_lengths`; :class:`Boundaries` and :func:`layout_from_boundaries` for an op given
+  boundaries; :func:`take_layout` for an op given a layout; :func:`reads_host`, the rule for where a
+  layout is built (one host read, or none);
+* :class:`RankOp` and :func:`op_layout` (``op``): the base of the ops configured with a CP rank, and
+  how an op gets its call's layout;
+* the layout rules (``rules``, each written once for Python ints and tensors), their checks
+  (``checks``, one wording each), the device executor's index maps (``index``), the executors
+  (``host``, ``device``) and which one runs (``execute``).
+
+Old names (0.1.x) still work and warn: ``LayoutSpec`` (:class:`PackSpec`), ``plan_from_lengths``
+(:func:`layout_from_lengths`), ``plan_from_boundaries`` (:func:`layout_from_boundaries`); CHANGELOG.md.
 """
 
-from nn_data.layout.plan import HostBounds, PackLayout, pack_with_layout
-from nn_data.layout.planner import LayoutSpec, plan_from_boundaries, plan_from_lengths, reads_host, take_layout
+from __future__ import annotations
+
+from nn_data.layout.build import (
+    Boundaries, PackSpec, layout_from_boundaries, layout_from_lengths, padded_rows, reads_host, take_layout,
+)
+from nn_data.layout.checks import (
+    boundary_args, fixed_total_arg, packed_tensor_length, sequence_divisible, target_ids, target_ids_device,
+    target_ids_host, total_divisible,
+)
+from nn_data.layout.device import set_pack_form
+from nn_data.layout.index import Segments, ZigzagLocal, local_places, packed_segments, zigzag_source
+from nn_data.layout.op import RankOp, op_layout
+from nn_data.layout.pack_layout import Fill, HostBounds, PackLayout, pack_with_layout
+from nn_data.layout.rules import INT32_MAX, round_up, segment_bounds
+from nn_data.layout._deprecated import __getattr__  # noqa: F401  (the 0.1.x names, with a warning)
 
 __all__ = [
+    "INT32_MAX",
+    "Boundaries",
+    "Fill",
     "HostBounds",
-    "LayoutSpec",
     "PackLayout",
+    "PackSpec",
+    "RankOp",
+    "Segments",
+    "ZigzagLocal",
+    "boundary_args",
+    "fixed_total_arg",
+    "layout_from_boundaries",
+    "layout_from_lengths",
+    "local_places",
+    "op_layout",
     "pack_with_layout",
-    "plan_from_boundaries",
-    "plan_from_lengths",
+    "packed_segments",
+    "packed_tensor_length",
+    "padded_rows",
     "reads_host",
+    "round_up",
+    "segment_bounds",
+    "set_pack_form",
+    "sequence_divisible",
     "take_layout",
+    "target_ids",
+    "target_ids_device",
+    "target_ids_host",
+    "total_divisible",
+    "zigzag_source",
 ]

@@ -66,7 +66,7 @@ def _first(bad: Sequence[bool]) -> int:
 
 # ---- packed-length limits and shape checks (no data) -------------------------------------------
 
-def packed_length_arg(name: str, value) -> Optional[int]:
+def fixed_total_arg(name: str, value) -> Optional[int]:
     """A configured packed length (``pad_full_seq_to``, ``pad_packed_seq_to``, a bucket, a bin
     budget): None or an int in ``[1, 2**31 - 1]``; ``name`` is the caller's spelling."""
     value = _checks.positive_int(name, value, allow_none=True)
@@ -130,23 +130,23 @@ def lengths_host(lengths: list, row_len: int, num_rows: Optional[int] = None) ->
                            "rows at or past num_rows must have length 0")
 
 
-def natural_total_host(natural: int, m: int, packed_length: Optional[int], name: str,
+def natural_total_host(natural: int, m: int, fixed_total: Optional[int], name: str,
                        self_packing: bool = False) -> None:
     """The natural total ``sum(round_up(L, m))`` must fit the fixed packed length (``name``: the
     caller's spelling of it). NeMo-RL's packer truncates the packed tensor instead; its self-packing
     (VLM) path asserts, and its wording comes first there. With ``self_packing`` the slack
     ``T - natural`` must also be a multiple of ``m`` (the model pads each sequence to ``m`` itself)."""
-    if packed_length is None:
+    if fixed_total is None:
         return
-    core = (f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds {name}={packed_length}; "
+    core = (f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds {name}={fixed_total}; "
             f"{name} must be at least {natural}")
-    if natural > packed_length and self_packing:
-        raise PackingError(f"{name} ({packed_length}) < natural padded sum ({natural}); increase {name} to at least "
+    if natural > fixed_total and self_packing:
+        raise PackingError(f"{name} ({fixed_total}) < natural padded sum ({natural}); increase {name} to at least "
                            f"{natural} ({core})")
-    if natural > packed_length:
+    if natural > fixed_total:
         raise PackingError(f"{core} (NeMo-RL silently truncates the packed tensor here and drops the tail tokens)")
-    if self_packing and (packed_length - natural) % m:
-        raise PackingError(f"{name} deficit ({packed_length - natural}) must be a multiple of "
+    if self_packing and (fixed_total - natural) % m:
+        raise PackingError(f"{name} deficit ({fixed_total - natural}) must be a multiple of "
                            f"pad_individual_seqs_to_multiple_of ({m}) (the model pads every sequence to {m} itself, "
                            f"the last one included: choose {name} = {natural} + a multiple of {m})")
 
@@ -226,12 +226,12 @@ def lengths_device(op: str, lengths: torch.Tensor, row_len, num_rows: Optional[t
         _checks.device_assert(tail == 0, f"nn_data.{op}: rows at or past num_rows must have length 0")
 
 
-def total_device(op: str, natural: torch.Tensor, total, packed_length: Optional[int], name: str) -> None:
+def total_device(op: str, natural: torch.Tensor, total, fixed_total: Optional[int], name: str) -> None:
     """:func:`natural_total_host` and :func:`total_limit_host` as device asserts (``total`` is
-    ``round_up(natural, p)`` as a tensor when ``packed_length`` is None)."""
-    if packed_length is not None:
-        _checks.device_assert(natural <= packed_length, f"nn_data.{op}: the packed total sum(round_up(seq_lengths, "
-                              f"m)) exceeds {name}={packed_length}")
+    ``round_up(natural, p)`` as a tensor when ``fixed_total`` is None)."""
+    if fixed_total is not None:
+        _checks.device_assert(natural <= fixed_total, f"nn_data.{op}: the packed total sum(round_up(seq_lengths, "
+                              f"m)) exceeds {name}={fixed_total}")
     else:
         _checks.device_assert(total <= INT32_MAX, f"nn_data.{op}: " + int32_limit("the packed total of seq_lengths"))
 

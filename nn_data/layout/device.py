@@ -19,7 +19,7 @@ Pack, two forms chosen from the static shapes (never from data):
 Measured compiled on this project's 2-core CPU (1 thread): with ``B*S = T`` the scatter packed
 262,144 tokens about 5x faster than the gather; on the profiling stream (``R*S`` about 20x ``T``)
 the two tied, hence the threshold 16. Pack + CP shard (C = 4, m = 8, ``B*S = T = 262,144``,
-``python -m profiling.bench.bench_ops --ops pack+shard --layout scatter|gather``): scatter 744 / 718 / 770
+``python -m profiling.bench.bench_ops --ops pack+shard --pack-form scatter|gather``): scatter 744 / 718 / 770
 us against gather 1716 / 1882 / 2142 us at B = 8 / 64 / 256. Either form is about 4x a ``clone()``
 of the bytes written there: every token costs an indexed (scalar) store or load, which inductor's
 CPU code does not vectorise.
@@ -50,6 +50,17 @@ Fill = Union[int, float, bool, torch.Tensor]
 SCATTER_MAX_RATIO = 16
 #: ``B*S / T`` from which the unpack output is built in the scatter form (see the module docstring).
 UNPACK_SCATTER_MIN_RATIO = 4
+
+PACK_FORMS = ("auto", "scatter", "gather")
+
+
+def set_pack_form(form: str) -> None:
+    """Force the device pack's form for what compiles from now on (``"auto"``: by the static sizes, the
+    default; ``"scatter"`` / ``"gather"``: always that one): a benchmark's switch, read while tracing."""
+    global SCATTER_MAX_RATIO
+    if form not in PACK_FORMS:
+        raise _checks.PackingError(f"form={form!r} is invalid; expected one of {PACK_FORMS}")
+    SCATTER_MAX_RATIO = {"auto": 16, "scatter": 10**9, "gather": 0}[form]
 
 
 def pack_maps(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len, total) -> tuple:

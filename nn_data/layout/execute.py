@@ -1,14 +1,14 @@
-"""Which executor runs a layout, in one place (``docs/design.md``, "Layout plan and executors").
+"""Which executor runs a layout, in one place (``docs/design.md``, "Layouts and executors").
 
 Shape legend
     B   rows; S the row length; T packed tokens; C context-parallel size; * trailing dims
 
-The rule: a layout planned on the host (it carries :class:`~nn_data.layout.plan.HostBounds`) runs
+The rule: a layout built on the host (it carries :class:`~nn_data.layout.pack_layout.HostBounds`) runs
 on the host executor (:mod:`nn_data.layout.host`: Python-int sizes, no further read) unless
 ``torch.compile`` is tracing; every other layout runs on the device executor
 (:mod:`nn_data.layout.device`: index maps, zero syncs), which is what compiled graphs and CUDA graphs
-capture. Whether a layout is planned on the host is the planner's rule
-(:func:`nn_data.layout.planner.reads_host`).
+capture. Whether a layout is built on the host is the builders' rule
+(:func:`nn_data.layout.build.reads_host`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from nn_data.layout import device, host
 
 
 def on_host(layout) -> bool:
-    """Whether ``layout`` runs on the host executor: planned on the host, and no compile tracing."""
+    """Whether ``layout`` runs on the host executor: built on the host, and no compile tracing."""
     return layout.host is not None and not torch.compiler.is_compiling()
 
 
@@ -32,8 +32,8 @@ def pack(layout, x: torch.Tensor, fill=0) -> torch.Tensor:
     _checks.check_min_dims("x", x, 2, "[B, S, *]")
     rows, row_len = layout.rows, layout.row_len
     if row_len is None:
-        raise _checks.PackingError("this layout was planned from boundaries without a row length S; it can "
-                                   "shard, unshard and unpack, not pack: plan it with the lengths (PackSequences)")
+        raise _checks.PackingError("this layout was built from boundaries without a row length S; it can "
+                                   "shard, unshard and unpack, not pack: build it from the lengths (PackSequences)")
     if x.shape[0] != rows or guard_or_false(x.shape[1] != row_len):
         rows, row_len = int(rows), int(row_len)  # error path: plain ints for the message
         raise _checks.PackingError(

@@ -6,7 +6,7 @@ Shape legend
     k   a segment's zigzag chunk, ``n / (2C)`` for a padded segment of ``n`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
 
-With every boundary a Python int (:class:`~nn_data.layout.plan.HostBounds`), the data moves with a
+With every boundary a Python int (:class:`~nn_data.layout.pack_layout.HostBounds`), the data moves with a
 constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layout plan and
 executors"):
 
@@ -30,14 +30,13 @@ padding at ``[1, 0, 3]``, and the packed tensor is ``x[0,:3], 0, x[2,:5], 0, 0, 
 from __future__ import annotations
 
 import array
-from bisect import bisect_left
 from itertools import compress
 from typing import Union
 
 import torch
 
 from nn_data.layout import device
-from nn_data.layout.rules import chunk_owner, segment_bounds, zigzag_chunks
+from nn_data.layout.rules import chunk_owner, zigzag_pieces
 
 Fill = Union[int, float, bool, torch.Tensor]
 
@@ -118,18 +117,18 @@ def _runs(lengths: list, others: list) -> tuple[list, list]:
 
 
 def shard(bounds, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: chunks ``r`` and ``2C-1-r`` of every segment.
+    """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: its two pieces of every segment
+    (:func:`~nn_data.layout.rules.zigzag_pieces`, in Python ints).
 
-    Up to :data:`SHARD_VIEWS_MAX_SEGMENTS` segments: one ``split`` and one ``cat`` of the chunks.
-    More: one ``index_select`` along a map built from host ints by one scan (the split's Python-side
-    cost per piece outgrows a scan over ``T/C`` positions).
+    Up to :data:`SHARD_VIEWS_MAX_SEGMENTS` segments: one ``split`` and one ``cat`` of the pieces.
+    More: one ``index_select`` along a map built from the same pieces by one scan (the split's
+    Python-side cost per piece outgrows a scan over ``T/C`` positions).
     """
-    starts, chunks = _chunks(bounds, cp_size)
+    pieces = _pieces(bounds, cp_size, cp_rank)
     flat = packed[0]  # [T, *]
-    if len(chunks) <= SHARD_VIEWS_MAX_SEGMENTS:
-        return _shard_views(chunks, flat, cp_size, cp_rank).unsqueeze(0)
-    return flat.index_select(0, _shard_source(starts, chunks, bounds.cu_pad[-1], flat.device, cp_size,
-                                              cp_rank)).unsqueeze(0)
+    if len(pieces) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
+        return _shard_views(pieces, flat).unsqueeze(0)
+    return flat.index_select(0, _shard_source(pieces, flat.shape[0] // cp_size, flat.device)).unsqueeze(0)
 
 
 def _chunks(bounds, cp_size: int) -> tuple[list, list]:
@@ -142,49 +141,50 @@ def _chunks(bounds, cp_size: int) -> tuple[list, list]:
     return [a for a, _ in kept], [k for _, k in kept]
 
 
-def _shard_views(chunks: list, flat: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Cut ``flat [T, *]`` at ``[r k, k, (2C-2-2r) k, k, r k]`` per segment and keep pieces 1 and 3 of each
-    five (this rank's chunks ``r`` and ``2C-1-r``), adjacent kept pieces merged (rank 0's last chunk of a
-    segment and its first of the next are one run): one ``split``, one ``cat``. Example: C 2, rank 0,
-    k 4 and 6 -> runs ``0..3, 12..21, 34..39`` (positions ``0..3, 12..15, 16..21, 34..39``)."""
-    first, second = zigzag_chunks(cp_size, cp_rank)
-    before, between, after = first, second - first - 1, 2 * cp_size - 1 - second
-    gaps, runs, pending = [], [], 0  # pending: the stretch skipped since the last kept piece
-    for k in chunks:
-        for skip in (before * k, between * k):
-            pending += skip
-            if pending == 0 and runs:
-                runs[-1] += k
-            else:
-                gaps.append(pending)
-                runs.append(k)
-                pending = 0
-        pending += after * k
-    gaps.append(pending)
+def _pieces(bounds, cp_size: int, cp_rank: int) -> list:
+    """This rank's pieces in local order, ``(packed start, length)`` per piece, two per non-empty
+    segment. Example: cu_pad ``[0, 16, 40]``, C 2, rank 0 -> ``[(0, 4), (12, 4), (16, 6), (34, 6)]``."""
+    pieces = []
+    for start, k in zip(*_chunks(bounds, cp_size)):
+        _, _, packed = zigzag_pieces(start, 2 * cp_size * k, cp_size, cp_rank)
+        pieces += [(packed[0], k), (packed[1], k)]
+    return pieces
+
+
+def _shard_views(pieces: list, flat: torch.Tensor) -> torch.Tensor:
+    """``flat [T, *]`` cut into the skipped stretches and this rank's pieces, adjacent pieces merged
+    into one run (rank 0's last piece of a segment and its first of the next): one ``split``, one
+    ``cat``. Example: pieces ``(0, 4), (12, 4), (16, 6), (34, 6)`` -> runs ``0..3, 12..21, 34..39``
+    after gaps ``0, 8, 12`` (and 0 after the last)."""
+    gaps, runs, end = [], [], 0  # end: the packed position after the last kept piece
+    for start, k in pieces:
+        if start == end and runs:
+            runs[-1] += k
+        else:
+            gaps.append(start - end)
+            runs.append(k)
+        end = start + k
+    gaps.append(flat.shape[0] - end)
     if not runs:  # no segment (T = 0)
         return flat[:0].clone()
     return torch.cat(_run_views(flat, gaps, runs))  # [T/C, *]
 
 
-def _shard_source(starts_: list, chunks: list, total: int, device_, cp_size: int, cp_rank: int) -> torch.Tensor:
+def _shard_source(pieces: list, local: int, device_) -> torch.Tensor:
     """``[T/C]`` int64: the packed position of each local position, as a scan of piece jumps.
 
-    The local positions advance by 1 through the packed tensor and jump where a piece starts:
-    segment ``b`` (start ``a``, chunk ``k``) gives pieces at local ``a/C`` and ``a/C + k``; the
-    first jumps ``r (k + k_prev)`` (the previous segment's last ``r`` chunks and this one's first
-    ``r``), the second ``(2C-2-2r) k``. Example: C 2, rank 0, cu_pad ``[0, 16, 40]`` -> ones with
-    jumps 8 at local 4 and 12 at local 14 (and -1 at 0) -> cumsum ``0..3, 12..15, 16..21, 34..39``.
+    The local positions advance by 1 through the packed tensor and jump where a piece starts on
+    the rank: by the piece's packed start minus where the previous piece ended. Example: pieces
+    ``(0, 4), (12, 4), (16, 6), (34, 6)`` -> jumps 8 at local 4 and 12 at local 14 (and -1 at 0:
+    the cumsum of ones counts from 1) -> ``0..3, 12..15, 16..21, 34..39``.
     """
-    first, second = zigzag_chunks(cp_size, cp_rank)
-    local = total // cp_size
-    starts, jumps, prev = [], [], 0
-    for a, k in zip(starts_, chunks):  # each non-empty segment's start and chunk
-        starts += (a // cp_size, a // cp_size + k)
-        jumps += (first * (k + prev), (second - first - 1) * k)
-        prev = k
-    jumps[0] -= 1  # cumsum of ones counts from 1
-    keep = bisect_left(starts, local)  # trailing empty segments start at T/C: nothing left to jump
-    table = host_tensor([starts[:keep], jumps[:keep]], torch.int64, device_)  # [2, 2B]
+    starts, jumps, at, end = [], [], 0, 0
+    for start, k in pieces:
+        starts.append(at)
+        jumps.append(start - end)
+        at, end = at + k, start + k
+    jumps[0] -= 1
+    table = host_tensor([starts, jumps], torch.int64, device_)  # [2, 2B]
     delta = torch.ones(local, dtype=torch.int64, device=device_)  # [T/C]
     delta.index_add_(0, table[0], table[1])
     return delta.cumsum(0)  # [T/C]

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from nn_data.layout.rules import chunk_owner, segment_bounds, zigzag_chunks
+from nn_data.layout.rules import chunk_owner, segment_bounds, zigzag_pieces
 
 
 def exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
@@ -153,12 +153,10 @@ def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank:
     on the rank at ``[0, 4, 8, 14]`` and read from ``[0, 12, 16, 34]`` -> packed positions
     ``0..3, 12..15, 16..21, 34..39`` (20 = 40/2 positions).
     """
-    first, second = zigzag_chunks(cp_size, cp_rank)
     b64 = bounds.to(torch.int64)
-    start, k = b64[:-1], (b64[1:] - b64[:-1]) // (2 * cp_size)  # [B], [B]
-    local_start = start // cp_size  # [B]
-    out_starts = torch.stack([local_start, local_start + k], dim=1)  # [B, 2]
-    src_starts = torch.stack([start + first * k, start + second * k], dim=1)  # [B, 2]
+    _, local, packed = zigzag_pieces(b64[:-1], b64[1:] - b64[:-1], cp_size, cp_rank)  # [B] each
+    out_starts = torch.stack(local, dim=1)  # [B, 2]
+    src_starts = torch.stack(packed, dim=1)  # [B, 2]
     return piece_source(out_starts.flatten(), src_starts.flatten(), local_total)  # [T/C]
 
 

@@ -6,8 +6,8 @@ Shape legend
     T   the packed length
     C   context-parallel size; r a rank
 
-Every rule takes Python ints (the host executor's plan: the lengths were read once) and integer
-tensors (the device executor's plan, which nothing may read on the host) alike, so the two
+Every rule takes Python ints (the host executor's layout: the lengths were read once) and integer
+tensors (the device executor's layout, which nothing may read on the host) alike, so the two
 executors cannot disagree: where the two spellings differ they sit side by side in one function.
 """
 
@@ -34,14 +34,14 @@ def round_up(x, multiple: int):
 
 
 def round_up_all(values: list, multiple: int) -> list:
-    """:func:`round_up` of every int of a list (the host plan's per-row lengths), in one comprehension."""
+    """:func:`round_up` of every int of a list (a host layout's per-row lengths), in one comprehension."""
     return [(v + (multiple - 1)) // multiple * multiple for v in values]
 
 
-def packed_total(natural, p: int, packed_length: Optional[int] = None):
+def packed_total(natural, p: int, fixed_total: Optional[int] = None):
     """``T``: the fixed packed length when one is set, else the natural total ``sum(round_up(L, m))``
-    rounded up to ``p``. Example: natural 20, p 8 -> 24; with ``packed_length=40`` -> 40."""
-    return packed_length if packed_length is not None else round_up(natural, p)
+    rounded up to ``p``. Example: natural 20, p 8 -> 24; with ``fixed_total=40`` -> 40."""
+    return fixed_total if fixed_total is not None else round_up(natural, p)
 
 
 def bucket_total(total: int, buckets, p: int, cp_size: int) -> int:
@@ -111,6 +111,23 @@ def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
     (a multiple of ``2C`` long) is cut into ``2C`` chunks of ``n / (2C)``. Example: C 2 -> rank 0
     holds ``(0, 3)``, rank 1 ``(1, 2)``."""
     return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def zigzag_pieces(start, n, cp_size: int, cp_rank: int):
+    """Where a padded segment ``[start, start + n)`` puts its tokens on rank ``r``: ``(k, local, packed)``,
+    the chunk length ``k = n / (2C)`` and the two pieces' starts, on the rank (``local``, in the ``[T/C]``
+    shard) and in the packed tensor (``packed``): chunks ``r`` and ``2C-1-r`` (:func:`zigzag_chunks`),
+    each ``k`` long, one after the other on the rank from ``start / C`` on (every segment puts ``n / C``
+    consecutive positions on each rank). Ints or integer tensors (one entry per segment) alike: the one
+    statement of the zigzag shard that the host views, the host scan and the device map all follow.
+
+    Example: start 16, n 24, C 2, rank 0 -> k 6, local ``(8, 14)``, packed ``(16, 34)``: the rank's
+    positions 8..13 hold packed 16..21 and 14..19 hold packed 34..39.
+    """
+    first, second = zigzag_chunks(cp_size, cp_rank)
+    k = n // (2 * cp_size)
+    local = start // cp_size
+    return k, (local, local + k), (start + first * k, start + second * k)
 
 
 def chunk_owner(chunk: Union[int, torch.Tensor], cp_size: int):

@@ -14,7 +14,7 @@ both lie in the same segment and ``j <= i``. Padding tokens sit at the end of th
 segment, so no real token ever sees one. The mask is built from the segment id of
 every packed position and the packed position of every query
 (:class:`~nn_data.packed_forward.PackedInfo` carries both) by
-:func:`nn_data.models.masks.document_mask`: an explicit boolean ``[Tq, T]`` mask for SDPA,
+:func:`nn_data.masks.document_mask`: an explicit boolean ``[Tq, T]`` mask for SDPA,
 or a flex-attention ``BlockMask`` (``O(T)`` memory) where that backend runs the call
 (``mask_kind``). Under context parallelism each rank all-gathers keys and values across
 the CP group (``PackedInfo.gather``) and applies the mask with global positions: exact,
@@ -29,7 +29,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from nn_data.models.masks import DocumentMask, causal_mask, document_attention, document_causal_mask, document_mask
+from nn_data.masks import DocumentMask, causal_mask, document_attention, document_causal_mask, document_mask
 
 __all__ = ["TinyCausalLM", "document_causal_mask", "rope"]
 
@@ -73,7 +73,7 @@ class TinyCausalLM(nn.Module):
     ``segment_ids`` and ``gather`` are used). :meth:`forward_single` runs one unpacked
     sequence ``[1, L]`` with a plain causal mask, the oracle for equivalence tests.
     ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the packed mask's form
-    (:func:`nn_data.models.masks.document_mask`).
+    (:func:`nn_data.masks.document_mask`).
     """
 
     def __init__(self, vocab: int = 97, dim: int = 32, heads: int = 4, layers: int = 2, mlp_mult: int = 2,

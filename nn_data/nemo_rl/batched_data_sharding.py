@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from nn_data.errors import PackingError
-from nn_data.planning import ParallelLayout, plan_step
+from nn_data.planning import Parallelism, plan_step
 from nn_data.planning.ffd import round_up_lengths
 
 # NeMo-RL's packer names (nn_data plans every one with NeMo-RL's first-fit-decreasing and deal), and
@@ -243,7 +243,7 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
         raise PackingError(f"Sequence length {int(padded[over[0]])} exceeds bin capacity {budget} (row {over[0]}, "
                            f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
     layout, options = _packing_layout(args, shards)
-    layout.check_packed_length(budget, "max_tokens_per_microbatch")
+    layout.check_fixed_total(budget, "max_tokens_per_microbatch")
     rows = [[] for _ in range(shards)]
     indices = [[] for _ in range(shards)]
     loads = [[] for _ in range(shards)]
@@ -272,21 +272,21 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
 
 
 def _packing_layout(args: dict, shards: int):
-    """``(ParallelLayout, plan_step keywords)`` for ``sequence_packing_args``. NeMo-RL's packer names:
+    """``(Parallelism, plan_step keywords)`` for ``sequence_packing_args``. NeMo-RL's packer names:
     ``balance="nemo-rl"``. ``"nn_data_balanced"`` reads nn_data's optional keys: ``"balance"``
     (default ``"work"``), ``"hidden_size"`` (4096), ``"microbatches_per_rank"`` (None: the fewest
-    that fit) and ``"parallel_layout"`` (a :class:`~nn_data.planning.ParallelLayout` with
+    that fit) and ``"parallel_layout"`` (a :class:`~nn_data.planning.Parallelism` with
     ``dp == shards``, whose alignment ``max_tokens_per_microbatch`` must then keep; its per-sequence
     multiple becomes ``sequence_length_pad_multiple``)."""
     multiple = args["sequence_length_pad_multiple"]
     if args["algorithm"] != "nn_data_balanced":
-        return ParallelLayout(dp=shards, make_sequence_length_divisible_by=multiple), {"balance": "nemo-rl"}
+        return Parallelism(dp=shards, make_sequence_length_divisible_by=multiple), {"balance": "nemo-rl"}
     layout = args.get("parallel_layout")
     if layout is None:
-        layout = ParallelLayout(dp=shards, make_sequence_length_divisible_by=multiple)
-    elif not isinstance(layout, ParallelLayout) or layout.dp != shards:
+        layout = Parallelism(dp=shards, make_sequence_length_divisible_by=multiple)
+    elif not isinstance(layout, Parallelism) or layout.dp != shards:
         raise PackingError(f"sequence_packing_args['parallel_layout']={layout!r} is invalid; expected a "
-                           f"ParallelLayout with dp={shards} (the shards)")
+                           f"Parallelism with dp={shards} (the shards)")
     elif layout.make_sequence_length_divisible_by not in (None, multiple):
         raise PackingError(f"sequence_packing_args['parallel_layout'] pads sequences to a multiple of "
                            f"{layout.make_sequence_length_divisible_by}, but sequence_length_pad_multiple={multiple}; "

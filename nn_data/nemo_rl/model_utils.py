@@ -42,10 +42,10 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.logprobs import token_logprobs_local
 from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout import checks as plan_checks
-from nn_data.layout import plan_from_boundaries
-from nn_data.layout.index import Segments, local_places, zigzag_source
-from nn_data.layout.rules import segment_bounds
+from nn_data.layout import (
+    Boundaries, Segments, boundary_args, layout_from_boundaries, local_places, segment_bounds, sequence_divisible,
+    zigzag_source,
+)
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
 from nn_data.sampling import sampling_filter
 from nn_data.targets import next_token_at
@@ -115,11 +115,11 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     chunk, filt = _chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
     _checks.check_logprob_target(target, target_is_pre_rolled, local_total, total)
-    plan_checks.boundary_args("vocab_parallel_logits", vocab_parallel_logits, total, cu_seqlens_padded, cp.size)
+    boundary_args("vocab_parallel_logits", vocab_parallel_logits, total, cu_seqlens_padded, cp.size)
     _checks.check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
     if validate:  # the boundaries' one host read (eager) or device asserts (compiled)
-        plan_from_boundaries(cu_seqlens_padded, total, op="from_parallel_logits_to_logprobs_packed_sequences",
-                             cp_size=cp.size)
+        layout_from_boundaries(Boundaries(cu_seqlens_padded, total), cp_size=cp.size,
+                               op="from_parallel_logits_to_logprobs_packed_sequences")
     with _grad_mode(inference_only):
         token, keep = _packed_targets(target, target_is_pre_rolled, cu_seqlens_padded, total, cp, seq_len)
         keep = keep & _in_vocab(token, cols * tp.size)
@@ -271,7 +271,7 @@ def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: 
         return input_ids
     _checks.check_cp(cp_size, cp_rank)
     length = input_ids.shape[seq_dim]
-    plan_checks.sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
+    sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
     bounds = torch.arange(2, device=input_ids.device) * length  # [0, n]
     return input_ids.index_select(seq_dim, zigzag_source(bounds, length // cp_size, cp_size, cp_rank))
 

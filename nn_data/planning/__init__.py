@@ -1,12 +1,12 @@
 """One shape per run: the step plan across data-parallel ranks and the one alignment rule.
 
-    from nn_data.planning import ParallelLayout, plan_step
+    from nn_data.planning import Parallelism, plan_step
 
-    layout = ParallelLayout(dp=8, tp=2, sequence_parallel=True, cp=2, pp=2)  # multiples: 8 per sequence
-    plan = plan_step(lengths, layout, pad_full_seq_to=16384)                 # every microbatch <= 16384
+    parallelism = Parallelism(dp=8, tp=2, sequence_parallel=True, cp=2, pp=2)  # multiples: 8 per sequence
+    plan = plan_step(lengths, parallelism, pad_full_seq_to=16384)            # every microbatch <= 16384
     plan.ranks[r][j]          # sequence indices of microbatch j on data-parallel rank r
 
-* :class:`ParallelLayout` (:mod:`nn_data.planning.alignment`): the per-sequence and packed-length
+* :class:`Parallelism` (:mod:`nn_data.planning.alignment`): the per-sequence and packed-length
   multiples every part of nn_data derives from it (the planner, the packer's checks, NeMo-RL's
   ``_get_pack_sequence_parameters_for_megatron``).
 * :func:`plan_step` (:mod:`nn_data.planning.step`) -> :class:`StepPlan`: every sequence exactly
@@ -17,8 +17,19 @@
 Host-side planning: numpy and Python ints, no tensor op, no megatron-core.
 """
 
-from nn_data.planning.alignment import INT32_MAX, ParallelLayout
+from nn_data.planning.alignment import INT32_MAX, Parallelism
 from nn_data.planning.step import BALANCE_MODES, StepPlan, evaluate_plan, plan_step, sequence_work
 
-__all__ = ["BALANCE_MODES", "INT32_MAX", "ParallelLayout", "StepPlan", "evaluate_plan", "plan_step",
+__all__ = ["BALANCE_MODES", "INT32_MAX", "Parallelism", "StepPlan", "evaluate_plan", "plan_step",
            "sequence_work"]
+
+
+def __getattr__(name: str):
+    """``ParallelLayout``, the 0.1.x name of :class:`Parallelism`, with a warning (CHANGELOG.md)."""
+    if name == "ParallelLayout":
+        import warnings
+
+        warnings.warn("nn_data.planning.ParallelLayout is deprecated (0.2.0); use nn_data.planning.Parallelism",
+                      DeprecationWarning, stacklevel=2)
+        return Parallelism
+    raise AttributeError(f"module 'nn_data.planning' has no attribute {name!r}")

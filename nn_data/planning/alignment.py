@@ -1,6 +1,6 @@
 """The one alignment rule: which multiples a sequence and a packed microbatch must be.
 
-:class:`ParallelLayout` names a run's parallelism and numerics (data, tensor, sequence, context
+:class:`Parallelism` names a run's parallelism and numerics (data, tensor, sequence, context
 and pipeline parallelism, the FP8 / FP4 recipe, HybridEP) and derives from it every multiple the
 packer, the planner and the NeMo-RL-compatible layer use:
 
@@ -24,31 +24,35 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Mapping, Optional
 
-from nn_data.layout.checks import packed_length_arg
-from nn_data.layout.rules import INT32_MAX, round_up  # noqa: F401  (INT32_MAX re-exported)
+from nn_data.layout import INT32_MAX, fixed_total_arg, round_up  # noqa: F401  (INT32_MAX re-exported)
 from nn_data.errors import PackingError
 
 _RECIPE_DIVISORS = {"blockwise": 128, "mxfp8": 32}  # any other FP8 recipe: 16 (NeMo-RL's rule)
 
 
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"Parallelism.{old} is deprecated (0.2.0); use Parallelism.{new}", DeprecationWarning, stacklevel=3)
+
+
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PackingError(f"ParallelLayout {name}={value!r} is invalid; expected an int >= 1")
+        raise PackingError(f"Parallelism {name}={value!r} is invalid; expected an int >= 1")
     return value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ParallelLayout:
-    """A run's parallel layout and the multiples it imposes (module docstring).
+class Parallelism:
+    """A run's parallelism and numerics, and the multiples they impose (module docstring).
 
     ``dp``: data-parallel ranks (the planner's ranks); ``tp``, ``sequence_parallel``, ``cp``,
     ``pp``: tensor, sequence, context and pipeline parallelism; ``fp8_recipe``: None (no FP8) or
     the recipe name (``"blockwise"``, ``"mxfp8"``, any other: 16); ``fp4``, ``hybridep``: FP4
     numerics, the HybridEP MoE dispatcher. ``make_sequence_length_divisible_by``: the per-sequence
     multiple the run pads to (NeMo-RL's policy setting; None: ``sequence_multiple``); it must be a
-    multiple of ``sequence_multiple``, else the layout is refused when built.
+    multiple of ``sequence_multiple``, else it is refused when built.
     """
 
     dp: int
@@ -66,9 +70,9 @@ class ParallelLayout:
             _positive(name, getattr(self, name))
         for name in ("sequence_parallel", "fp4", "hybridep"):
             if not isinstance(getattr(self, name), bool):
-                raise PackingError(f"ParallelLayout {name}={getattr(self, name)!r} is invalid; expected True or False")
+                raise PackingError(f"Parallelism {name}={getattr(self, name)!r} is invalid; expected True or False")
         if self.fp8_recipe is not None and not isinstance(self.fp8_recipe, str):
-            raise PackingError(f"ParallelLayout fp8_recipe={self.fp8_recipe!r} is invalid; expected None (no FP8) "
+            raise PackingError(f"Parallelism fp8_recipe={self.fp8_recipe!r} is invalid; expected None (no FP8) "
                                "or a recipe name such as 'tensorwise', 'mxfp8' or 'blockwise'")
         m = self.make_sequence_length_divisible_by
         if m is None:
@@ -120,8 +124,8 @@ class ParallelLayout:
         """What a fixed packed length must be a multiple of: lcm(sequence_multiple, packed_multiple)."""
         return math.lcm(self.sequence_multiple, self.packed_multiple)
 
-    def check_packed_length(self, value, name: str = "pad_full_seq_to") -> int:
-        """``value`` if it is a valid fixed packed length for this layout (an int >= 1, a multiple of
+    def check_fixed_total(self, value, name: str = "pad_full_seq_to") -> int:
+        """``value`` if it is a valid fixed packed length for this parallelism (an int >= 1, a multiple of
         ``total_multiple``, within int32), else :class:`PackingError` naming ``name``.
 
         Example: cp 2, FP8 tensorwise (``total_multiple`` 64): 8192 passes; 8200 is refused,
@@ -130,16 +134,26 @@ class ParallelLayout:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PackingError(f"{name}={value!r} is invalid; expected an int >= 1, a multiple of "
                                f"{self.total_multiple}")
-        packed_length_arg(name, value)  # cu_seqlens are int32
+        fixed_total_arg(name, value)  # cu_seqlens are int32
         unit = self.total_multiple
         if value % unit:
             raise PackingError(
-                f"{name}={value} is not a multiple of {unit}, the alignment of this layout ({self.describe()}); "
+                f"{name}={value} is not a multiple of {unit}, the alignment of this parallelism ({self.describe()}); "
                 f"choose a multiple of {unit}, e.g. {round_up(value, unit)}"
             )
         return value
 
+    def check_packed_length(self, value, name: str = "pad_full_seq_to") -> int:
+        """0.1.x name of :meth:`check_fixed_total` (warns)."""
+        _deprecated("check_packed_length", "check_fixed_total")
+        return self.check_fixed_total(value, name)
+
     def round_packed_length(self, tokens: int) -> int:
+        """0.1.x name of :meth:`round_fixed_total` (warns)."""
+        _deprecated("round_packed_length", "round_fixed_total")
+        return self.round_fixed_total(tokens)
+
+    def round_fixed_total(self, tokens: int) -> int:
         """The smallest valid fixed packed length that holds ``tokens``: ``round_up(tokens, total_multiple)``."""
         return round_up(tokens, self.total_multiple)
 
@@ -155,8 +169,8 @@ class ParallelLayout:
 
     @classmethod
     def from_megatron_cfg(cls, megatron_cfg: Mapping[str, Any], *, dp: int = 1,
-                          make_sequence_length_divisible_by: Optional[int] = None) -> "ParallelLayout":
-        """The layout of a NeMo-RL ``megatron_cfg`` (its keys as NeMo-RL reads them:
+                          make_sequence_length_divisible_by: Optional[int] = None) -> "Parallelism":
+        """The parallelism of a NeMo-RL ``megatron_cfg`` (its keys as NeMo-RL reads them:
         ``tensor_model_parallel_size``, ``sequence_parallel``, ``context_parallel_size``,
         ``pipeline_model_parallel_size``, ``fp8_cfg`` ``{"enabled", "fp8_recipe"}``,
         ``moe_token_dispatcher_type == "flex"`` with ``moe_flex_dispatcher_backend == "hybridep"``;

@@ -20,12 +20,11 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from nn_data.layout.checks import packed_length_arg
-from nn_data.layout.rules import round_up
+from nn_data.layout import fixed_total_arg, round_up
 from nn_data.errors import PackingError
 
 
-class FFDPlan(NamedTuple):
+class FFDBins(NamedTuple):
     """``bins``: per bin (in opening order) the indices of its sequences, longest first;
     ``loads``: tokens in each bin; ``steps``: tree nodes visited (``<= n * (log2 n + 1)``
     descents plus as many updates, for the complexity test)."""
@@ -42,7 +41,7 @@ def round_up_lengths(lengths: Sequence[int], multiple: int) -> np.ndarray:
     return round_up(np.asarray(lengths, dtype=np.int64).reshape(-1), multiple)
 
 
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDPlan:
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDBins:
     """Pack ``lengths`` into bins of ``capacity`` tokens with first-fit-decreasing.
 
     Ties keep the input order (stable sort). Every index appears in exactly one bin and
@@ -57,7 +56,7 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDPlan:
     """
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise PackingError(f"max_tokens_per_microbatch={capacity!r} is invalid; expected an int >= 1")
-    packed_length_arg("max_tokens_per_microbatch", capacity)  # a bin is one packed microbatch
+    fixed_total_arg("max_tokens_per_microbatch", capacity)  # a bin is one packed microbatch
     arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
     bad = np.flatnonzero((arr < 0) | (arr > capacity))
     if bad.size:
@@ -66,7 +65,7 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDPlan:
                            f"max_tokens_per_microbatch={capacity}]; raise max_tokens_per_microbatch")
     n = int(arr.size)
     if n == 0:
-        return FFDPlan([], [], 0)
+        return FFDBins([], [], 0)
     order = np.argsort(-arr, kind="stable").tolist()  # sync: none, numpy on the host
     need_of = arr.tolist()  # sync: none, numpy on the host
     leaves = 1 << (n - 1).bit_length()  # a leaf per possible bin (at most n bins)
@@ -90,10 +89,10 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDPlan:
             node //= 2
             steps += 1
     loads = [capacity - tree[leaves + b] for b in range(len(bins))]
-    return FFDPlan(bins, loads, steps)
+    return FFDBins(bins, loads, steps)
 
 
-def ffd_ties_last(lengths: Sequence[int], capacity: int) -> FFDPlan:
+def ffd_ties_last(lengths: Sequence[int], capacity: int) -> FFDBins:
     """First-fit-decreasing with equal lengths taken last index first (NeMo-RL's order: it sorts
     ``(length, index)`` pairs descending). :func:`first_fit_decreasing` keeps ties in input order,
     so it runs on the reversed list. Example: ``[4, 4]``, capacity 4 -> bins ``[[1], [0]]``."""

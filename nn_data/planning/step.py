@@ -2,9 +2,9 @@
 
 Vocabulary
     n   sequences of the step (a global batch); ``L[i]`` their lengths
-    D   data-parallel ranks (``layout.dp``); k microbatches per rank, the same on every rank
+    D   data-parallel ranks (``parallelism.dp``); k microbatches per rank, the same on every rank
     T   ``pad_full_seq_to``: every microbatch's padded total is at most T, and is packed to T
-    m   ``layout.pad_multiple``: each sequence takes ``round_up(L, m)`` tokens of a microbatch
+    m   ``parallelism.pad_multiple``: each sequence takes ``round_up(L, m)`` tokens of a microbatch
     work[i] = L[i] * (L[i] + 6 * hidden_size): a decoder layer's attention (``~L^2``) plus its
         linear layers (``~6 * hidden_size * L``) for one sequence, in units of ``hidden_size``
         multiply-adds; the ratio between the two terms is what matters, not the unit
@@ -13,9 +13,9 @@ Vocabulary
 microbatch of one rank; every microbatch's padded total ``<= T``; ``k`` microbatches on every
 rank (the ``microbatches_per_rank`` given, else the smallest the planner finds; a rank with fewer
 sequences than ``k`` gets empty microbatches, which nn_data packs as one padding segment); ``T`` a
-multiple of the layout's alignment. Host-side planning on Python ints: O(n log n).
+multiple of the parallelism's alignment. Host-side planning on Python ints: O(n log n).
 
-Example: lengths ``[300, 20, 200, 100, 40, 250]``, ``ParallelLayout(dp=2)``, T 512,
+Example: lengths ``[300, 20, 200, 100, 40, 250]``, ``Parallelism(dp=2)``, T 512,
 ``balance="work"`` with ``hidden_size=16``: k = 1 (910 tokens fit 2 x 512); longest first, each
 on the rank with less work: 300 -> r0, 250 -> r1, 200 -> r1, 100, 40, 20 -> r0, so rank 0 holds
 ``[0, 3, 4, 1]`` (460 tokens, work 146,160) and rank 1 ``[5, 2]`` (450 tokens, 145,700): work
@@ -31,9 +31,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from nn_data.layout.rules import round_up
+from nn_data.layout import round_up
 from nn_data.errors import PackingError
-from nn_data.planning.alignment import ParallelLayout
+from nn_data.planning.alignment import Parallelism
 from nn_data.planning.balance import bins_to_ranks, greedy_assignment, refine, spread
 from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last, first_fit_decreasing
 
@@ -149,9 +149,9 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _check_args(layout, balance, hidden_size, microbatches_per_rank) -> None:
-    if not isinstance(layout, ParallelLayout):
-        raise PackingError(f"layout={layout!r} is invalid; expected a nn_data.planning.ParallelLayout")
+def _check_args(parallelism, balance, hidden_size, microbatches_per_rank) -> None:
+    if not isinstance(parallelism, Parallelism):
+        raise PackingError(f"parallelism={parallelism!r} is invalid; expected a nn_data.planning.Parallelism")
     if balance not in BALANCE_MODES:
         raise PackingError(f"balance={balance!r} is invalid; expected one of {list(BALANCE_MODES)}")
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
@@ -161,9 +161,9 @@ def _check_args(layout, balance, hidden_size, microbatches_per_rank) -> None:
         raise PackingError(f"microbatches_per_rank={k!r} is invalid; expected None or an int >= 1")
 
 
-def plan_step(lengths, layout: ParallelLayout, *, pad_full_seq_to: int, microbatches_per_rank: Optional[int] = None,
+def plan_step(lengths, parallelism: Parallelism, *, pad_full_seq_to: int, microbatches_per_rank: Optional[int] = None,
               balance: str = "work", hidden_size: int = 4096) -> StepPlan:
-    """Plan one step's sequences onto ``layout.dp`` ranks in microbatches of at most ``pad_full_seq_to``
+    """Plan one step's sequences onto ``parallelism.dp`` ranks in microbatches of at most ``pad_full_seq_to``
     padded tokens (module docstring: the guarantees).
 
     ``balance``: ``"work"`` (default) balances the ranks' work, ``"tokens"`` their padded tokens
@@ -175,25 +175,25 @@ def plan_step(lengths, layout: ParallelLayout, *, pad_full_seq_to: int, microbat
     first-fit-decreasing bins are dealt to ranks by work instead.
 
     Raises :class:`PackingError` naming the argument for: a ``pad_full_seq_to`` that is not a
-    multiple of ``layout.total_multiple`` or above int32; a sequence longer than ``pad_full_seq_to``
-    after padding to ``layout.pad_multiple``; a ``microbatches_per_rank`` too small to hold the
-    step; bad lengths, ``balance``, ``hidden_size`` or ``layout``.
+    multiple of ``parallelism.total_multiple`` or above int32; a sequence longer than ``pad_full_seq_to``
+    after padding to ``parallelism.pad_multiple``; a ``microbatches_per_rank`` too small to hold the
+    step; bad lengths, ``balance``, ``hidden_size`` or ``parallelism``.
     """
-    _check_args(layout, balance, hidden_size, microbatches_per_rank)
-    total = layout.check_packed_length(pad_full_seq_to)
+    _check_args(parallelism, balance, hidden_size, microbatches_per_rank)
+    total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
-    need = round_up(arr, layout.pad_multiple)
+    need = round_up(arr, parallelism.pad_multiple)
     long = np.flatnonzero(need > total)
     if long.size:
         i = int(long[0])
         raise PackingError(f"lengths[{i}] = {int(arr[i])} (padded to {int(need[i])}, a multiple of "
-                           f"{layout.pad_multiple}) is longer than pad_full_seq_to={total}; raise pad_full_seq_to "
-                           f"to at least {layout.round_packed_length(int(need[i]))}")
+                           f"{parallelism.pad_multiple}) is longer than pad_full_seq_to={total}; raise pad_full_seq_to "
+                           f"to at least {parallelism.round_fixed_total(int(need[i]))}")
     work = sequence_work(arr, hidden_size)
     if balance == "nemo-rl":
-        ranks, steps = _nemo_rl_deal(need, total, layout.dp, microbatches_per_rank)
+        ranks, steps = _nemo_rl_deal(need, total, parallelism.dp, microbatches_per_rank)
     else:
-        ranks, steps = _balanced(need, work if balance == "work" else need.astype(np.float64), total, layout.dp,
+        ranks, steps = _balanced(need, work if balance == "work" else need.astype(np.float64), total, parallelism.dp,
                                  microbatches_per_rank)
     return _plan_of(ranks, arr, need, work, total, balance, steps)
 
@@ -209,18 +209,18 @@ def _plan_of(ranks: list, arr: np.ndarray, need: np.ndarray, work: np.ndarray, t
     )
 
 
-def evaluate_plan(ranks: list, lengths, layout: ParallelLayout, *, pad_full_seq_to: int, hidden_size: int = 4096,
+def evaluate_plan(ranks: list, lengths, parallelism: Parallelism, *, pad_full_seq_to: int, hidden_size: int = 4096,
                   balance: str = "given") -> StepPlan:
     """The :class:`StepPlan` of ``ranks`` made by another planner (a benchmark's NeMo-RL packer), after
     checking :func:`plan_step`'s guarantees on it: every sequence exactly once, every microbatch's
-    padded total ``<= pad_full_seq_to``, as many microbatches on every rank, ``layout.dp`` ranks.
+    padded total ``<= pad_full_seq_to``, as many microbatches on every rank, ``parallelism.dp`` ranks.
     Raises :class:`PackingError` naming the first broken guarantee."""
-    total = layout.check_packed_length(pad_full_seq_to)
+    total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
-    need = round_up(arr, layout.pad_multiple)
+    need = round_up(arr, parallelism.pad_multiple)
     counts = sorted({len(rank) for rank in ranks})
-    if len(ranks) != layout.dp or len(counts) > 1:
-        raise PackingError(f"the plan has {len(ranks)} ranks with {counts} microbatches; expected dp={layout.dp} "
+    if len(ranks) != parallelism.dp or len(counts) > 1:
+        raise PackingError(f"the plan has {len(ranks)} ranks with {counts} microbatches; expected dp={parallelism.dp} "
                            "ranks with one count")
     seen = sorted(i for rank in ranks for mb in rank for i in mb)
     if seen != list(range(arr.size)):

@@ -1,5 +1,5 @@
 """Memory of the document-causal mask at a long packed length: a flex ``BlockMask`` vs a dense
-boolean ``[T, T]`` mask (nn_data.models.masks), measured side by side in one run.
+boolean ``[T, T]`` mask (nn_data.masks), measured side by side in one run.
 
     python -m profiling.bench.bench_mask_memory                     # T = 32768, documents of ~1024 tokens
     python -m profiling.bench.bench_mask_memory --tokens 8192 --attention
@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from nn_data.models.masks import document_block_mask, document_causal_mask
+from nn_data.masks import document_block_mask, document_causal_mask
 from profiling.timing import machine_description, timed_result
 
 _MIB = 1024 * 1024
@@ -68,7 +68,7 @@ def block_mask_bytes(block) -> int:
 def check_attention(block, segment_ids: torch.Tensor, rows: int = 8, heads: int = 4, dim: int = 16) -> float:
     """One compiled flex-attention forward with ``block``; largest difference from a row-by-row
     dense reference on ``rows`` query rows."""
-    from nn_data.models.masks import DocumentMask, document_attention
+    from nn_data.masks import DocumentMask, document_attention
 
     tokens = segment_ids.shape[0]
     gen = torch.Generator().manual_seed(1)

@@ -47,12 +47,12 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import nn_data.layout.device
+from nn_data.layout import set_pack_form
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
-from profiling.cuda_counters import SyncCounter
+from nn_data.diagnostics import SyncCounter
 from profiling.timing import machine_description, reuse_freed_memory, time_calls_cuda, time_side_by_side
 
 OPS = ("pack+shard", "pack", "shard", "unshard", "unpack fp32")
@@ -352,8 +352,8 @@ def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
     ap.add_argument("--allocator", choices=("reuse", "default"), default="reuse",
                     help="reuse: glibc keeps freed memory (no page faults on new outputs, as torch's "
                          "CUDA caching allocator; default); default: glibc's own behaviour")
-    ap.add_argument("--layout", choices=("auto", "scatter", "gather"), default="auto",
-                    help="force the pack layout form for the whole run (default auto: the shape rule)")
+    ap.add_argument("--pack-form", choices=("auto", "scatter", "gather"), default="auto",
+                    help="force the device pack's form for the whole run (default auto: the shape rule)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows to this JSON file (rewritten after every op)")
     args = ap.parse_args(argv)
@@ -363,11 +363,10 @@ def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
     reps = args.reps or (50 if cuda else 30)
     torch.set_num_threads(args.threads)
     reuse = args.allocator == "reuse" and reuse_freed_memory()
-    if args.layout != "auto":  # before anything compiles: the form is chosen while tracing
-        nn_data.layout.device.SCATTER_MAX_RATIO = {"scatter": 10**9, "gather": 0}[args.layout]
+    set_pack_form(args.pack_form)  # before anything compiles: the form is chosen while tracing
     load = os.getloadavg()
     print(f"machine: {machine_description()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-          f"layout {args.layout}; allocator {'reuse (mallopt)' if reuse else 'default'}")
+          f"pack form {args.pack_form}; allocator {'reuse (mallopt)' if reuse else 'default'}")
 
     def write_json(results, lines=None):  # after every op: a run cut short keeps what it measured
         if args.json:

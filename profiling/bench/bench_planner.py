@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from nn_data.planning import ParallelLayout, evaluate_plan, plan_step
+from nn_data.planning import Parallelism, evaluate_plan, plan_step
 from profiling.timing import machine_description, time_calls
 
 SIZES = {"small": dict(counts=(64, 128, 256), dp=8, row_len=8192, total=16384),
@@ -93,16 +93,16 @@ def load_nemo_rl_packers(checkout: str) -> dict:
     return {"NeMo-RL ffd": packer("first_fit_decreasing"), "NeMo-RL mffd": packer("modified_first_fit_decreasing")}
 
 
-def _planners(lengths: np.ndarray, layout: ParallelLayout, total: int, packers: dict) -> dict:
+def _planners(lengths: np.ndarray, parallelism: Parallelism, total: int, packers: dict) -> dict:
     """``{mode: () -> StepPlan}`` for nn_data's modes and each external packer (bins dealt round-robin)."""
-    out = {mode: (lambda mode=mode: plan_step(lengths, layout, pad_full_seq_to=total, balance=mode,
+    out = {mode: (lambda mode=mode: plan_step(lengths, parallelism, pad_full_seq_to=total, balance=mode,
                                               hidden_size=HIDDEN)) for mode in NN_DATA_MODES}
-    padded = (-(-lengths // layout.pad_multiple) * layout.pad_multiple).tolist()
+    padded = (-(-lengths // parallelism.pad_multiple) * parallelism.pad_multiple).tolist()
     for name, pack in packers.items():
         def run(pack=pack, name=name):
-            bins = pack(padded, total, layout.dp)
-            ranks = [bins[r::layout.dp] for r in range(layout.dp)]
-            return evaluate_plan(ranks, lengths, layout, pad_full_seq_to=total, hidden_size=HIDDEN, balance=name)
+            bins = pack(padded, total, parallelism.dp)
+            ranks = [bins[r::parallelism.dp] for r in range(parallelism.dp)]
+            return evaluate_plan(ranks, lengths, parallelism, pad_full_seq_to=total, hidden_size=HIDDEN, balance=name)
         out[name] = run
     return out
 
@@ -118,10 +118,10 @@ def _reps(reps: int, n: int, mode: str) -> int:
 def measure_case(distribution: str, n: int, size: dict, packers: dict, seed: int, reps: int) -> list[dict]:
     """One row per planner for one (distribution, n): the plan's figures and its median plan time."""
     lengths = sample(distribution, n, size["row_len"], seed)
-    layout = ParallelLayout(dp=size["dp"], cp=2)
+    parallelism = Parallelism(dp=size["dp"], cp=2)
     rows = []
-    for mode, planner in _planners(lengths, layout, size["total"], packers).items():
-        row = dict(distribution=distribution, n=n, dp=layout.dp, T=size["total"], mode=mode)
+    for mode, planner in _planners(lengths, parallelism, size["total"], packers).items():
+        row = dict(distribution=distribution, n=n, dp=parallelism.dp, T=size["total"], mode=mode)
         try:
             plan = planner()
             timing = time_calls(planner, warmup=1 if n <= 4096 else 0, reps=_reps(reps, n, mode))

@@ -9,8 +9,8 @@ Shape legend
         this rank, rounded up to the packed multiple: a new T, so a new graph, on most steps)
     R   the row capacity every graph sees (the most rows of any microbatch, unless given)
 
-The run-level T is ``--max-tokens`` rounded up to the layout's alignment
-(:meth:`nn_data.planning.ParallelLayout.round_packed_length`) and is the plan's hard capacity,
+The run-level T is ``--max-tokens`` rounded up to the parallelism's alignment
+(:meth:`nn_data.planning.Parallelism.round_fixed_total`) and is the plan's hard capacity,
 so every microbatch of every step fits it.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from nn_data.errors import PackingError
-from nn_data.planning import ParallelLayout, plan_step
+from nn_data.planning import Parallelism, plan_step
 
 
 class Microbatch(NamedTuple):
@@ -64,13 +64,13 @@ def make_global_batch(rng: np.random.Generator, n: int, max_len: int, median: in
     return torch.where(torch.arange(max_len) < lengths[:, None], ids, 0), lengths  # [N, S], [N]
 
 
-def stream_layout(cp_size: int, multiple: int, dp: int) -> ParallelLayout:
-    """The profiled run's layout; :class:`PackingError` naming ``--multiple`` when it is not a multiple
-    of the layout's per-sequence multiple (``2 * cp_size`` under CP)."""
-    unit = ParallelLayout(dp=dp, cp=cp_size).sequence_multiple
+def stream_layout(cp_size: int, multiple: int, dp: int) -> Parallelism:
+    """The profiled run's parallelism; :class:`PackingError` naming ``--multiple`` when it is not a multiple
+    of the parallelism's per-sequence multiple (``2 * cp_size`` under CP)."""
+    unit = Parallelism(dp=dp, cp=cp_size).sequence_multiple
     if multiple % unit:
         raise PackingError(f"--multiple={multiple} is not a multiple of 2*cp_size={unit}; use a multiple of {unit}")
-    return ParallelLayout(dp=dp, cp=cp_size, make_sequence_length_divisible_by=multiple)
+    return Parallelism(dp=dp, cp=cp_size, make_sequence_length_divisible_by=multiple)
 
 
 def plan_stream(*, microbatches: Optional[int], batch_size: int, max_len: int, median: int, sigma: float, vocab: int,
@@ -82,8 +82,8 @@ def plan_stream(*, microbatches: Optional[int], batch_size: int, max_len: int, m
     (the stream cut there). Raises :class:`PackingError` for a ``multiple`` that is not a multiple of
     ``2 * cp_size`` (CP > 1), a ``max_len`` above ``max_tokens``, or a ``row_capacity`` below the
     rows of a microbatch."""
-    layout = stream_layout(cp_size, multiple, dp)
-    total = layout.round_packed_length(max_tokens)
+    parallelism = stream_layout(cp_size, multiple, dp)
+    total = parallelism.round_fixed_total(max_tokens)
     if max_len > max_tokens:
         raise PackingError(f"--max-len={max_len} exceeds --max-tokens={max_tokens}: a full-length sequence "
                            "would not fit any microbatch; raise --max-tokens or lower --max-len")
@@ -93,8 +93,8 @@ def plan_stream(*, microbatches: Optional[int], batch_size: int, max_len: int, m
     stream, plans = [], []
     while (len(plans) < steps) if steps is not None else (len(stream) < microbatches):
         ids, lengths = make_global_batch(rng, batch_size, max_len, median, sigma, vocab)
-        plan = plan_step(lengths, layout, pad_full_seq_to=total, balance=balance)
-        step_total = total if packed_length == "run" else layout.round_packed_length(max(plan.microbatch_tokens[0]))
+        plan = plan_step(lengths, parallelism, pad_full_seq_to=total, balance=balance)
+        step_total = total if packed_length == "run" else parallelism.round_fixed_total(max(plan.microbatch_tokens[0]))
         plans.append(dict(microbatches_per_rank=plan.microbatches_per_rank, padding_fraction=plan.padding_fraction,
                           work_imbalance=plan.work_imbalance, T=step_total))
         for rows in plan.ranks[0]:

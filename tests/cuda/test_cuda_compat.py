@@ -21,7 +21,7 @@ from nn_data.nemo_rl.megatron_data import PackOptions, process_microbatch
 from nn_data.nemo_rl import megatron_data
 from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.nemo_rl.megatron_data.graph import reset_compiled
-from profiling.cuda_counters import SyncCounter
+from nn_data.diagnostics import SyncCounter
 from tests.cuda.stream import TIER, DEVICE, DTYPES, SIZES, make_stream
 
 pytestmark = TIER

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 from nn_data import pad_to_row_capacity
 from nn_data.testing.reference import reference_pack, reference_shard
-from profiling.cuda_counters import CudaGraphCounter, SyncCounter, forbid_syncs
+from nn_data.diagnostics import CudaGraphCounter, SyncCounter, forbid_syncs
 from tests.cuda.stream import (
     TIER, DEVICE, DTYPES, SIZES, DataPath, Scale, cuda_only, expected_rows, make_stream,
 )

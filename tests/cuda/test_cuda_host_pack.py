@@ -14,7 +14,7 @@ import torch
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
 from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack, reference_shard
-from profiling.cuda_counters import SyncCounter
+from nn_data.diagnostics import SyncCounter
 from tests.cuda.stream import DEVICE, TIER
 
 pytestmark = TIER

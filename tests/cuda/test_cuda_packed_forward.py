@@ -19,7 +19,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data import PackedForward
-from profiling.cuda_counters import SyncCounter, forbid_syncs
+from nn_data.diagnostics import SyncCounter, forbid_syncs
 from tests.cuda.stream import (
     TIER, DEVICE, DTYPES, SIZES, Scale, expected_rows, make_stream,
 )

@@ -19,9 +19,9 @@ from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
 from nn_data.nemo_rl.megatron_data.dispatch import pack_microbatch
-from nn_data.nemo_rl.megatron_data.graph import PackShardGraph
-from nn_data.nemo_rl.megatron_data.keys import GraphKey
-from nn_data.nemo_rl.megatron_data.options import PackConfig
+from nn_data.nemo_rl.megatron_data.graph import ROUTES
+from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
+from nn_data.pack import PackSequences, PackShard
 from nn_data.layout import host
 from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.testing.coded import PAD, coded_batch
@@ -67,25 +67,30 @@ def _extras(lengths, seq_len):
 def test_host_path_equals_the_reference_and_the_device_graph(case, views_max):
     lengths, seq_len, m, p, pad_full, cp_size, rank = case
     ids, extras = _extras(lengths, seq_len)
-    config = PackConfig.nemo_rl(m, p, packed_length=pad_full, cp_rank=rank, cp_size=cp_size, name="pad_full_seq_to")
+    spec = nemo_rl_spec(m, p, fixed_total=pad_full, cp_rank=rank, cp_size=cp_size, name="pad_full_seq_to")
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
     with mock.patch.object(host, "SHARD_VIEWS_MAX_SEGMENTS", views_max):  # both shard forms
-        out, plan = pack_microbatch(ids, torch.tensor(lengths, dtype=torch.int64), config, **extras)
+        out = pack_microbatch(ids, lengths_t, spec=spec, cp_rank=rank, options=PackOptions(), extras=extras)
+    layout = out.layout
     ref = reference_pack(ids, lengths, m, p, pad_full)
-    assert torch.equal(out.packed, ref.packed)
-    assert torch.equal(out.cu_seqlens, ref.cu_seqlens) and torch.equal(out.cu_seqlens_padded, ref.cu_seqlens_padded)
-    assert plan.total == ref.packed.shape[1] and plan.host.cu_pad == ref.cu_seqlens_padded.tolist()
-    assert plan.host.max_seqlen == ref.max_seqlen and plan.host.cu[-1] == sum(lengths)
+    assert torch.equal(out.full["input_ids"], ref.packed)
+    assert torch.equal(layout.cu_seqlens, ref.cu_seqlens) and torch.equal(layout.cu_seqlens_padded, ref.cu_seqlens_padded)
+    assert layout.total == ref.packed.shape[1] and layout.host.cu_pad == ref.cu_seqlens_padded.tolist()
+    assert layout.host.max_seqlen == ref.max_seqlen and layout.host.cu[-1] == sum(lengths)
     if ref.packed.shape[1] and lengths:
-        assert torch.equal(out.local, reference_shard(ref.packed, ref.cu_seqlens_padded, cp_size, rank))
-    if plan.total:  # the device-planned graph (the compiled path's, run eagerly) agrees tensor by tensor
-        graph = PackShardGraph(GraphKey(m, p, plan.total, cp_size, rank))(
-            ids, torch.tensor(lengths, dtype=torch.int64), None, **extras)
-        for name, a, b in zip(out._fields, out, graph):
-            assert (a is None) == (b is None), name
-            assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), name
+        assert torch.equal(out.local["input_ids"], reference_shard(ref.packed, ref.cu_seqlens_padded, cp_size, rank))
+    if layout.total:  # the device-executor graph (the compiled path's, run eagerly) agrees tensor by tensor
+        graph = PackShard(PackSequences(m, p, layout.total, validate=False, host_reads=False), cp_size, rank,
+                          routes=ROUTES, name="input_ids")(ids, lengths_t, None, **extras)
+        assert not graph.pack.layout.on_host
+        for side, ours in (("full", out.full), ("local", out.local)):
+            theirs = getattr(graph, side)
+            assert set(ours) == set(theirs), side
+            for name in ours:
+                assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), (side, name)
     topk = extras["routed_experts"].shape[-1]
     pad_rows = ref.packed[0] == 0  # coded ids are never 0: these are the packed padding positions
-    assert torch.equal(out.routed_packed[0][pad_rows], torch.arange(topk).expand(int(pad_rows.sum()), 2, topk))
+    assert torch.equal(out.full["routed_experts"][0][pad_rows], torch.arange(topk).expand(int(pad_rows.sum()), 2, topk))
 
 
 @pytest.mark.parametrize("rows", [8, 64, 256])
@@ -126,7 +131,7 @@ def test_invalid_input_raises_the_device_planners_messages():
     with pytest.raises(PackingError, match="segment 1 of cu_seqlens_padded is 6 tokens long"):
         _pack_sequences_for_megatron(ids, torch.tensor([3, 5]), 2, 1, 10, cp_rank=0, cp_size=2)
     with pytest.raises(PackingError, match=r"mtp_loss_mask has shape .*; it must be \[B, S, \*\]"):
-        pack_microbatch(ids, torch.tensor([3, 5]), PackConfig.nemo_rl(4, 1, packed_length=None, cp_rank=0, cp_size=1,
-                                                                    name="pad_full_seq_to"),
-                        mtp_loss_mask=torch.zeros(2, 4))
+        spec = nemo_rl_spec(4, 1, fixed_total=None, cp_rank=0, cp_size=1, name="pad_full_seq_to")
+        pack_microbatch(ids, torch.tensor([3, 5]), spec=spec, cp_rank=0, options=PackOptions(),
+                        extras={"mtp_loss_mask": torch.zeros(2, 4)})
     assert PAD not in _pack_sequences_for_megatron(ids, torch.tensor([3, 5]), 4)[0]

@@ -246,9 +246,9 @@ def test_every_tensor_of_a_microbatch_rides_one_graph_run(cp, monkeypatch, model
     runs = []
     real = packed.pack_microbatch  # process_microbatch's one explicit packing call
 
-    def recorded(*args, **extras):
-        runs.append(sorted(k for k, v in extras.items() if v is not None))
-        return real(*args, **extras)
+    def recorded(*args, **kw):
+        runs.append(sorted(k for k, v in kw["extras"].items() if v is not None))
+        return real(*args, **kw)
 
     monkeypatch.setattr(packed, "pack_microbatch", recorded)
     _process(_batch(), model_slices_context_parallel_inputs=model_slices)

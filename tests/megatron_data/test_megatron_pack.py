@@ -308,16 +308,17 @@ def test_unpack_checks_the_boundaries_nemo_rl_reads_unchecked():
 
 def test_pack_microbatch_packs_only_the_companions_it_knows_and_configs_are_checked_uncached_too():
     from nn_data.nemo_rl.megatron_data.dispatch import pack_microbatch
-    from nn_data.nemo_rl.megatron_data.options import PackConfig
+    from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
 
-    kw = dict(packed_length=None, cp_rank=0, cp_size=1, name="pad_full_seq_to")
-    config = PackConfig.nemo_rl(4, 1, **kw)
-    assert PackConfig.nemo_rl(4, 1, **kw) is config  # checked once, then reused
+    kw = dict(fixed_total=None, cp_rank=0, cp_size=1, name="pad_full_seq_to")
+    spec = nemo_rl_spec(4, 1, **kw)
+    assert nemo_rl_spec(4, 1, **kw) is spec  # checked once, then reused
     with pytest.raises(PackingError, match=r"pack_microbatch packs \('mtp_loss_mask', 'routed_experts', "
                                            r"'token_identity', 'media_token_validity_mask'\) with the ids; got "
                                            r"\['labels'\]"):
-        pack_microbatch(coded_batch([3], 4), torch.tensor([3]), config, labels=torch.zeros(1, 4))
+        pack_microbatch(coded_batch([3], 4), torch.tensor([3]), spec=spec, cp_rank=0, options=PackOptions(),
+                        extras={"labels": torch.zeros(1, 4)})
     for bad in (True, [4]):  # a bool is not 1; an unhashable argument is checked without the cache
         with pytest.raises(PackingError, match=r"pad_individual_seqs_to_multiple_of=.* is invalid; expected an int "
                                                r">= 1"):
-            PackConfig.nemo_rl(bad, 1, **kw)
+            nemo_rl_spec(bad, 1, **kw)

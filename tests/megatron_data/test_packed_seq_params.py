@@ -59,11 +59,11 @@ def _megatrons_own(padded, valid, max_seqlen, total, pad_between):
     return megatron_parallel.packed_seq_params_class()(**kwargs)
 
 
-def _build(padded, valid, max_seqlen, total, pad_between, packed_length=None):
-    """nn_data's construction; ``packed_length`` (T) read from the CPU boundaries unless given."""
-    length = int(padded[-1]) if packed_length is None else packed_length
-    return make_packed_seq_params(padded, max_seqlen, total, cu_seqlens=valid, pad_between_seqs=pad_between,
-                                  packed_length=length)
+def _build(padded, valid, max_seqlen, total_tokens, pad_between, total=None):
+    """nn_data's construction; ``total`` (T) read from the CPU boundaries unless given."""
+    total = int(padded[-1]) if total is None else total
+    return make_packed_seq_params(padded, max_seqlen, total_tokens, cu_seqlens=valid, pad_between_seqs=pad_between,
+                                  total=total)
 
 
 def _assert_same_fields(ours, theirs):
@@ -93,7 +93,7 @@ def test_built_on_meta_tensors_with_no_host_sync(case):
     padded_m = _i32(padded).to("meta")
     valid_m = None if valid is None else _i32(valid).to("meta")
     with HostSyncCounter() as syncs:
-        ours = _build(padded_m, valid_m, max_seqlen, total, pad_between, packed_length=padded[-1])
+        ours = _build(padded_m, valid_m, max_seqlen, total, pad_between, total=padded[-1])
     assert syncs.count == 0, syncs.calls
     for field in dataclasses.fields(cpu):  # same fields, same shapes and dtypes as on the CPU
         a, b = getattr(ours, field.name), getattr(cpu, field.name)
@@ -117,11 +117,11 @@ def test_megatron_cores_own_construction_would_sync():
 def test_one_boundary_object_when_nothing_pads_between_sequences():
     cu_pad = _i32([0, 4, 12, 16])
     for valid in (None, cu_pad):
-        params = make_packed_seq_params(cu_pad, 8, 16, cu_seqlens=valid, packed_length=16)
+        params = make_packed_seq_params(cu_pad, 8, 16, cu_seqlens=valid, total=16)
         assert all(getattr(params, f"cu_seqlens_{s}") is cu_pad for s in ("q", "kv", "q_padded", "kv_padded"))
         assert getattr(params, "pad_between_seqs", None) is None  # TransformerEngine infers False from identity
     cu = _i32([0, 3, 11, 12])
-    params = make_packed_seq_params(cu_pad, 8, 16, cu_seqlens=cu, packed_length=16)
+    params = make_packed_seq_params(cu_pad, 8, 16, cu_seqlens=cu, total=16)
     assert params.cu_seqlens_q is cu and params.cu_seqlens_kv is cu and params.cu_seqlens_q_padded is cu_pad
     if "pad_between_seqs" in FIELDS:
         assert params.pad_between_seqs is True  # boundaries of their own: padding assumed, always correct
@@ -129,18 +129,18 @@ def test_one_boundary_object_when_nothing_pads_between_sequences():
 
 
 def test_no_sequence_gives_megatron_core_the_padding_pseudo_segment():
-    params = make_packed_seq_params(_i32([40]), 40, 20, packed_length=40)
+    params = make_packed_seq_params(_i32([40]), 40, 20, total=40)
     assert params.cu_seqlens_q.tolist() == [0, 40] and params.cu_seqlens_q.dtype == torch.int32
     assert all(getattr(params, f"cu_seqlens_{s}") is params.cu_seqlens_q for s in ("kv", "q_padded", "kv_padded"))
-    params = make_packed_seq_params(_i32([40]), 40, 40, cu_seqlens=_i32([0]), pad_between_seqs=True, packed_length=40)
+    params = make_packed_seq_params(_i32([40]), 40, 40, cu_seqlens=_i32([0]), pad_between_seqs=True, total=40)
     assert params.cu_seqlens_q.tolist() == [0, 0] and params.cu_seqlens_q_padded.tolist() == [0, 40]
 
 
 def test_the_cp_group_is_the_callers_and_local_cp_size_stays_unset():
     group = object()  # stored, never called
-    params = make_packed_seq_params(_i32([0, 8]), 8, 4, packed_length=8, cp_group=group)
+    params = make_packed_seq_params(_i32([0, 8]), 8, 4, total=8, cp_group=group)
     assert params.cp_group is group and params.local_cp_size is None
-    assert make_packed_seq_params(_i32([0, 8]), 8, 4, packed_length=8).cp_group is None
+    assert make_packed_seq_params(_i32([0, 8]), 8, 4, total=8).cp_group is None
 
 
 def test_without_the_packed_length_one_host_read_learns_it():

@@ -14,7 +14,7 @@ from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data import PackOptions, _pack_sequences_for_megatron, get_microbatch_iterator
 from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.nemo_rl.megatron_data.graph import reset_compiled
-from nn_data.planning import ParallelLayout, plan_step
+from nn_data.planning import Parallelism, plan_step
 from nn_data.testing.coded import coded_batch
 from nn_data.testing.reference import reference_pack
 from tests.support.megatron_config import megatron_cfg
@@ -39,12 +39,12 @@ def _step(lengths, budget=24):
 def test_pack_options_carry_the_run_level_length_and_its_rule():
     assert PackOptions.from_cfg({"nn_data": {"pad_full_seq_to": 64}}) == PackOptions(pad_full_seq_to=64)
     options = PackOptions(pad_full_seq_to=64)
-    assert options.packed_length(None) == 64 and options.packed_length(40) == 64
-    assert PackOptions().packed_length(40) == 40 and PackOptions().packed_length(None) is None
+    assert options.fixed_total(None) == 64 and options.fixed_total(40) == 64
+    assert PackOptions().fixed_total(40) == 40 and PackOptions().fixed_total(None) is None
     with pytest.raises(PackingError, match=r"^pad_packed_seq_to=72 exceeds the run-level packed length "
                                            r"pad_full_seq_to=64 \(cfg\['nn_data'\]\['pad_full_seq_to'\] or "
                                            r"PackOptions\); raise it to at least 72$"):
-        options.packed_length(72, "pad_packed_seq_to")
+        options.fixed_total(72, "pad_packed_seq_to")
     with pytest.raises(PackingError, match=r"^pad_full_seq_to=0 is invalid; expected an int >= 1 or None$"):
         PackOptions(pad_full_seq_to=0)
     with pytest.raises(PackingError, match=r"^pad_full_seq_to=64 and buckets='pow2' cannot both be set"):
@@ -84,7 +84,7 @@ def test_a_microbatch_longer_than_the_run_level_length_is_refused():
 
 def test_an_unaligned_run_level_length_is_refused_naming_the_layout():
     with pytest.raises(PackingError, match=r"^cfg\['nn_data'\]\['pad_full_seq_to'\]=30 is not a multiple of 4, the "
-                                           r"alignment of this layout \(cp=2: sequence_multiple 4, packed_multiple 1\); "
+                                           r"alignment of this parallelism \(cp=2: sequence_multiple 4, packed_multiple 1\); "
                                            r"choose a multiple of 4, e\.g\. 32$"):
         get_microbatch_iterator(_step([5, 9, 3]), _cfg(cp=2, nn_data={"pad_full_seq_to": 30}), 1, None)
 
@@ -126,8 +126,8 @@ def _data(lengths=LENGTHS):
 
 def test_balanced_sharding_is_plan_step_with_the_same_plan_attributes():
     shards, order = _data().shard_by_batch_size(2, batch_size=6, sequence_packing_args=_pack_args(hidden_size=2))
-    layout = ParallelLayout(dp=2, make_sequence_length_divisible_by=4)
-    plans = [plan_step(LENGTHS[c:c + 6], layout, pad_full_seq_to=32, hidden_size=2) for c in (0, 6)]
+    parallelism = Parallelism(dp=2, make_sequence_length_divisible_by=4)
+    plans = [plan_step(LENGTHS[c:c + 6], parallelism, pad_full_seq_to=32, hidden_size=2) for c in (0, 6)]
     assert sorted(order) == list(range(12))
     for r, shard in enumerate(shards):
         rows = [c * 6 + i for c, plan in enumerate(plans) for mb in plan.ranks[r] for i in mb]
@@ -155,19 +155,19 @@ def test_balanced_sharding_round_trips_through_the_iterator_and_reorder():
 
 
 def test_balanced_sharding_takes_a_parallel_layout():
-    layout = ParallelLayout(dp=2, cp=2)
-    shards, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallel_layout=layout))
+    parallelism = Parallelism(dp=2, cp=2)
+    shards, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallel_layout=parallelism))
     assert all(load % 4 == 0 for s in shards for load in s.micro_batch_lengths[0])
 
 
 @pytest.mark.parametrize("extra, match", [
-    (dict(parallel_layout=ParallelLayout(dp=4)), r"parallel_layout'\]=ParallelLayout\(dp=4.* is invalid; expected a "
-                                                 r"ParallelLayout with dp=2 \(the shards\)"),
-    (dict(parallel_layout=ParallelLayout(dp=2, make_sequence_length_divisible_by=8)),
+    (dict(parallel_layout=Parallelism(dp=4)), r"parallel_layout'\]=Parallelism\(dp=4.* is invalid; expected a "
+                                                 r"Parallelism with dp=2 \(the shards\)"),
+    (dict(parallel_layout=Parallelism(dp=2, make_sequence_length_divisible_by=8)),
      r"pads sequences to a multiple of 8, but sequence_length_pad_multiple=4; give one value"),
-    (dict(parallel_layout=ParallelLayout(dp=2, cp=4)), r"make_sequence_length_divisible_by \(4\) is not a multiple of "
+    (dict(parallel_layout=Parallelism(dp=2, cp=4)), r"make_sequence_length_divisible_by \(4\) is not a multiple of "
                                                        r"minimum_pad_factor \(8\)"),
-    (dict(parallel_layout=ParallelLayout(dp=2, fp8_recipe="tensorwise")),
+    (dict(parallel_layout=Parallelism(dp=2, fp8_recipe="tensorwise")),
      r"^max_tokens_per_microbatch=32 is not a multiple of 16"),
     (dict(balance="rows"), r"^balance='rows' is invalid"),
     (dict(microbatches_per_rank=1), r"^microbatches_per_rank=1 cannot hold the step"),

@@ -85,7 +85,7 @@ def test_nn_data_attention_function_equals_transformers_derivation(kind):
 
 
 def test_attention_function_refuses_sliding_window_and_softcap():
-    from nn_data.models.masks import document_mask
+    from nn_data.masks import document_mask
 
     q = torch.zeros(1, 4, 3, 8)
     mask = document_mask(torch.arange(3), torch.zeros(3, dtype=torch.long))

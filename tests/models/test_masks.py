@@ -1,4 +1,4 @@
-"""The document mask, dense or as a flex-attention BlockMask (nn_data.models.masks).
+"""The document mask, dense or as a flex-attention BlockMask (nn_data.masks).
 
 Tier: pure CPU, single process. The block-mask test compiles create_block_mask and
 flex_attention once (~10-15 s cold on 2 cores); flex on a CPU runs forward only, in float32.
@@ -11,7 +11,7 @@ import torch
 
 from nn_data.errors import PackingError
 from nn_data.models import TinyCausalLM
-from nn_data.models.masks import document_causal_mask, document_mask, flex_supported
+from nn_data.masks import document_causal_mask, document_mask, flex_supported
 from nn_data.packed_forward import PackedForward
 
 

@@ -69,7 +69,7 @@ def test_the_rotary_table_is_longer_than_the_pack_and_nothing_else_changes(model
     from nn_data.megatron_parallel import make_packed_seq_params
 
     bounds = torch.tensor([0, 16, 40], dtype=torch.int32)
-    params = make_packed_seq_params(bounds, 40, 40, packed_length=40)
+    params = make_packed_seq_params(bounds, 40, 40, total=40)
     rotary = rotary_from_sequence_start(params, 40)
     assert (rotary.max_seqlen_q, rotary.max_seqlen_kv) == (41, 41) and params.max_seqlen_q == 40
     for field in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):

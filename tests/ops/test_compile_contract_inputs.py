@@ -23,7 +23,7 @@ from nn_data import (
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron, _unpack_sequences_from_megatron
 from nn_data.nemo_rl.megatron_data.graph import run_graph
-from nn_data.nemo_rl.megatron_data.keys import GraphKey
+from nn_data.layout import PackSpec
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.rows import with_dynamic_row_length
 from nn_data.testing.coded import coded_batch
@@ -112,12 +112,12 @@ def test_compat_compiled_path_copies_no_python_data():
     ids = torch.zeros(3, 6, dtype=torch.int64, device="meta")
     lengths = torch.zeros(3, dtype=torch.int64, device="meta")
     options = PackOptions(compile=True, row_capacity=4, backend="eager")
-    run_graph(GraphKey(4, 1, 32, 2, 0), options, ids, lengths, {})
+    kw = dict(spec=PackSpec(4, 1, cp_size=2), total=32, cp_rank=0, options=options)
+    run_graph(ids, lengths, {}, **kw)
     with HostSyncCounter() as syncs:
-        out = run_graph(GraphKey(4, 1, 32, 2, 0), options, ids, lengths, {})
+        full, local = run_graph(ids, lengths, {}, **kw)
     assert syncs.count == 0, syncs.calls
-    assert out.packed.shape == (1, 32) and out.local.shape == (1, 16)
-    assert out.cu_seqlens_padded.shape == (5,)  # the graph's own, over R = 4 rows (the compat layer returns the plan's)
+    assert full["input_ids"].shape == (1, 32) and local["input_ids"].shape == (1, 16)
     torch._dynamo.reset()
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from tests.support.allocations import Allocations
+from nn_data.diagnostics import Allocations
 from tests.support.cp_cases import make_microbatch, pack_single
 from nn_data import GatherFromContextParallel, PackingError, TokenLogProbs, UnpackSequences
 from nn_data.diagnostics import HostSyncCounter

@@ -23,7 +23,7 @@ from nn_data.nemo_rl.sampling import TrainingSamplingParams
 from nn_data.sampling import SamplingFilter, row_thresholds, sampling_filter
 from nn_data.testing.nemo_reference import reference_filter, reference_row_logprobs
 from nn_data.testing.reference import reference_shard
-from tests.support.allocations import Allocations
+from nn_data.diagnostics import Allocations
 from tests.support.model_utils_cases import (
     LAYOUTS,
     SAMPLINGS,

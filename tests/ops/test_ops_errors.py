@@ -265,28 +265,28 @@ def test_a_layout_an_op_is_given_must_be_the_microbatchs_own():
         UnpackSequences(3)(r.packed, layout=r.layout)
 
 
-def test_a_layout_planned_from_boundaries_cannot_pack():
-    from nn_data.layout import plan_from_boundaries
+def test_a_layout_built_from_boundaries_cannot_pack():
+    from nn_data.layout import Boundaries, layout_from_boundaries
 
-    layout, _ = plan_from_boundaries(torch.tensor([0, 8]), 8, op="test")
-    with pytest.raises(PackingError, match=r"this layout was planned from boundaries without a row length S"):
+    layout = layout_from_boundaries(Boundaries(torch.tensor([0, 8]), 8), op="test")
+    with pytest.raises(PackingError, match=r"this layout was built from boundaries without a row length S"):
         layout.pack(torch.zeros(1, 8))
 
 
 def test_ops_that_need_both_boundaries_say_so():
     from nn_data import NextTokenTargets, TokenLogProbs
-    from nn_data.layout import plan_from_boundaries
+    from nn_data.layout import Boundaries, layout_from_boundaries
 
     ids = torch.ones(1, 8, dtype=torch.int64)
     with pytest.raises(PackingError, match=r"NextTokenTargets needs cu_seqlens and cu_seqlens_padded, or layout="):
         NextTokenTargets()(ids)
     with pytest.raises(PackingError, match=r"TokenLogProbs needs cu_seqlens and cu_seqlens_padded, or layout="):
         TokenLogProbs(4)(torch.zeros(1, 8, 3), ids)
-    shard_only, _ = plan_from_boundaries(torch.tensor([0, 8]), 8, op="test")  # no cu_seqlens in it
+    shard_only = layout_from_boundaries(Boundaries(torch.tensor([0, 8]), 8), op="test")  # no cu_seqlens in it
     with pytest.raises(PackingError, match=r"TokenLogProbs needs a layout with cu_seqlens \(PackResult.layout\)"):
         TokenLogProbs(4)(torch.zeros(1, 8, 3), ids, layout=shard_only)
     with pytest.raises(PackingError, match=r"test: T is the last boundary here, which only the host read can learn"):
-        plan_from_boundaries(torch.tensor([0, 8]), None, op="test", host_reads=False)
+        layout_from_boundaries(Boundaries(torch.tensor([0, 8]), None), op="test", host_reads=False)
 
 
 def test_token_ids_outside_the_vocabulary_on_a_travelling_layout_are_a_device_assert():

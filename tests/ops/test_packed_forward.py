@@ -11,7 +11,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data import PackingError, PackSequences
-from nn_data.models import TinyCausalLM, document_causal_mask
+from nn_data.masks import document_causal_mask
+from nn_data.models import TinyCausalLM
 from nn_data.packed_forward import PackedForward, _check_cp_config
 
 VOCAB, S = 53, 14

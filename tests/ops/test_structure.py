@@ -127,27 +127,71 @@ def test_nothing_edits_sys_path_or_cites_files_outside_the_repository():
 
 
 PLANNING = sorted(m for m in MODULES if m == "nn_data.planning" or m.startswith("nn_data.planning."))
-PLANNING_MAY_IMPORT = {"nn_data.layout.checks", "nn_data.layout.rules", "nn_data.errors"}
+PLANNING_NAMES = {"nn_data.layout", "nn_data.layout.round_up", "nn_data.layout.INT32_MAX",
+                  "nn_data.layout.fixed_total_arg", "nn_data.errors", "nn_data.errors.PackingError"}
 
 
 @pytest.mark.parametrize("module", PLANNING)
 def test_the_step_planner_is_host_code_on_the_layout_rules_alone(module):
-    """nn_data.planning plans on the host: within nn_data it uses the layout plan's rounding and int32
-    limit (nn_data.layout.rules, .checks) and the error class, nothing of the ops, the NeMo-RL layer or
-    megatron-core."""
+    """nn_data.planning plans on the host: within nn_data it uses the layout's rounding, int32 limit and
+    fixed-length check (through nn_data.layout's door) and the error class, nothing of the ops, the
+    NeMo-RL drop-in or megatron-core."""
     inner = {i for i in MODULES[module] if i.startswith("nn_data") and not i.startswith("nn_data.planning")}
-    names = ("round_up", "PackingError", "INT32_MAX", "packed_length_arg")
-    assert inner <= PLANNING_MAY_IMPORT | {f"{m}.{n}" for m in PLANNING_MAY_IMPORT for n in names}
+    assert inner <= PLANNING_NAMES, inner - PLANNING_NAMES
     assert not [i for i in MODULES[module] if i == "megatron" or i.startswith("megatron.")]
+
+
+def _layout_submodule_imports(path: Path) -> list:
+    """``nn_data.layout.<submodule>`` imports of a file (``from nn_data.layout import X`` names a door
+    export, not a submodule, unless X is one)."""
+    submodules = {p.stem for p in (PKG / "layout").glob("*.py") if p.stem != "__init__"}
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("nn_data.layout."):
+                bad.append(node.module)
+            elif node.module == "nn_data.layout":
+                bad += [f"nn_data.layout.{a.name}" for a in node.names if a.name in submodules]
+        elif isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name.startswith("nn_data.layout.")]
+    return bad
+
+
+OUTSIDE_THE_LAYOUT = sorted(p for folder in ("nn_data", "profiling", "scripts") for p in (ROOT / folder).rglob("*.py")
+                            if PKG / "layout" not in p.parents)
+
+
+@pytest.mark.parametrize("path", OUTSIDE_THE_LAYOUT, ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_outside_the_layout_enters_it_by_its_one_door(path):
+    """Package, profiling and script code imports ``nn_data.layout`` (its ``__all__``), never a submodule
+    of it; the layout's own tests (tests/ops) may look inside."""
+    assert not _layout_submodule_imports(path)
+
+
+def test_the_zigzag_shard_is_stated_once():
+    """Every form of the shard (the host views, the host scan, the device map) follows
+    ``rules.zigzag_pieces``; the chunk pair itself is used by that rule alone."""
+    users = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if "zigzag_chunks(" in _code_only(p.read_text()))
+    assert users == ["nn_data/layout/rules.py"], users
+    for path in ("nn_data/layout/host.py", "nn_data/layout/index.py"):
+        assert "zigzag_pieces(" in _code_only((ROOT / path).read_text()), path
+
+
+def test_pack_and_shard_has_one_compile_wrapper():
+    """The core's PackShard is the pack + shard that PackedForward and the NeMo-RL layer compile."""
+    for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/graph.py"):
+        text = _code_only((ROOT / path).read_text())
+        assert "PackShard(" in text, path
+    assert not [p for p in PKG.rglob("*.py") if re.search(r"class \w*Graph\(nn\.Module\)", p.read_text())]
 
 
 def test_the_alignment_rule_has_one_home():
     """NeMo-RL's minimum_pad_factor (2*cp times tp with sequence parallelism) is written once:
-    nn_data.planning.alignment; the compat layer, PackedForward and the planner ask ParallelLayout."""
+    nn_data.planning.alignment; the compat layer, PackedForward and the planner ask Parallelism."""
     homes = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if "minimum_pad_factor" in p.read_text())
     assert homes == ["nn_data/planning/alignment.py"]
     for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/pack.py"):
-        assert "ParallelLayout" in (ROOT / path).read_text(), path
+        assert "Parallelism" in (ROOT / path).read_text(), path
 
 
 def test_nothing_in_the_package_imports_nemo_rl():
@@ -193,8 +237,11 @@ def test_the_compat_layer_has_no_hidden_state():
     assert not (PKG / "nemo_rl" / "megatron_data" / "scope.py").exists()
     users = [m for m, imps in MODULES.items() if "contextvars" in imps]
     assert not users, f"{users} import contextvars"
-    for gone in ("nn_data._index", "nn_data.plan", "nn_data.nemo_rl.megatron_data.engine", "nn_data.nemo_rl.megatron_data.host_pack"):
+    for gone in ("nn_data._index", "nn_data.plan", "nn_data.nemo_rl.megatron_data.engine",
+                 "nn_data.nemo_rl.megatron_data.host_pack", "nn_data.nemo_rl.megatron_data.keys"):
         assert gone not in MODULES, f"{gone} is back: its content lives in nn_data.layout"
+    for path in (PKG / "nemo_rl").rglob("*.py"):  # no memo keyed by an object's id() (ids are reused)
+        assert not re.search(r"\bid\(", _code_only(path.read_text())), path
 
 
 RULE_PATTERNS = {
@@ -249,7 +296,7 @@ def _docstring_lines(text: str) -> set:
 
 def test_the_device_executors_building_blocks_import_only_the_rules():
     assert {i for i in MODULES["nn_data.layout.index"] if i.startswith("nn_data")} <= {"nn_data.layout.rules",
-            "nn_data.layout.rules.chunk_owner", "nn_data.layout.rules.segment_bounds", "nn_data.layout.rules.zigzag_chunks"}
+            "nn_data.layout.rules.chunk_owner", "nn_data.layout.rules.segment_bounds", "nn_data.layout.rules.zigzag_pieces"}
     assert not [i for i in MODULES["nn_data.layout.rules"] if i.startswith("nn_data") and i != "nn_data.errors"
                 and not i.startswith("nn_data.errors.")]
 
@@ -269,7 +316,8 @@ def test_an_old_path_is_a_thin_alias_of_the_drop_in(old):
 
 def test_process_groups_have_a_home_of_their_own():
     """The group resolver is nn_data.groups; the megatron-core boundary module holds PackedSeqParams only."""
-    users = sorted(m for m, imps in MODULES.items() if "nn_data.groups.group_info" in imps)
+    resolvers = ("nn_data.groups.group_info", "nn_data.groups.given_group_info")
+    users = sorted(m for m, imps in MODULES.items() if any(r in imps for r in resolvers))
     assert "nn_data.cp_comm" in users and "nn_data.logprobs" in users
     text = (PKG / "megatron_parallel.py").read_text()
     assert "def group_info" not in text and "def context_parallel_info" not in text

@@ -241,7 +241,7 @@ def test_the_default_stream_is_cut_at_its_microbatches_and_runs_without_compilin
 
 
 def test_plan_stream_plans_each_step_with_plan_step_on_rank_0():
-    from nn_data.planning import ParallelLayout, plan_step
+    from nn_data.planning import Parallelism, plan_step
     from profiling.microbatches.plan import make_global_batch
 
     common = dict(microbatches=None, batch_size=40, max_len=64, median=24, sigma=1.0, vocab=16, seed=3,
@@ -251,7 +251,7 @@ def test_plan_stream_plans_each_step_with_plan_step_on_rank_0():
     expected = []
     for step in range(3):
         _, lengths = make_global_batch(rng, 40, 64, 24, 1.0, 16)
-        plan = plan_step(lengths, ParallelLayout(dp=2, cp=2, make_sequence_length_divisible_by=4),
+        plan = plan_step(lengths, Parallelism(dp=2, cp=2, make_sequence_length_divisible_by=4),
                          pad_full_seq_to=200)
         expected += [(step, sorted(lengths[i].item() for i in mb)) for mb in plan.ranks[0]]
     assert [(mb.step, sorted(mb.lengths.tolist())) for mb in stream.microbatches] == expected

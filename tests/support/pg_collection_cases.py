@@ -106,7 +106,7 @@ def case_context_parallel_ops() -> int:
         torch.testing.assert_close(local.grad, reference_shard(ref_logits.grad, r.cu_seqlens_padded, cp.size, cp.rank),
                                    rtol=0, atol=1e-12)
         params = make_packed_seq_params(r.cu_seqlens_padded, full.shape[1], full.shape[1] // cp.size,
-                                        packed_length=full.shape[1], pg_collection=pgc)
+                                        total=full.shape[1], pg_collection=pgc)
         if "cp_group" in packed_seq_params_fields():
             assert params.cp_group is pgc.cp
     no_tp = given_group_info(None, pg_collection=pgc, field="tp")

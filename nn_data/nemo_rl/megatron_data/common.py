@@ -16,7 +16,7 @@ from typing import Any
 
 from nn_data.errors import PackingError
 from nn_data.groups import megatron_state
-from nn_data.layout.rules import round_up
+from nn_data.layout import round_up
 
 
 def _round_up_to_multiple(value: int, multiple: int) -> int:

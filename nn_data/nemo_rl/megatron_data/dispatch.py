@@ -1,4 +1,5 @@
-"""The compat layer's one packing call: plan once on the host, then the host executor or the compiled graph.
+"""The compat layer's one packing call: lay the microbatch out on the host, then the host executor or the
+compiled graph.
 
 Shape legend
     B   sequences of the microbatch; S padded row length of the input batch
@@ -7,28 +8,39 @@ Shape legend
     *   trailing dims (routed experts ``[layers, topk]``, token identity ``[3]``)
 
 :func:`pack_microbatch` packs exactly the tensors it is given (``input_ids`` and the companions
-passed as keywords) on **one** plan: the lengths are read to the host once (the microbatch's one
-sync, ``docs/design.md``, "Sync budget"), checked there, planned in Python ints
-(:func:`nn_data.layout.plan_from_lengths`). Then eagerly (the default) the host executor moves every
-tensor with a constant number of ops, or, with ``PackOptions(compile=True)``, one compiled graph
-runs the device executor (:mod:`nn_data.nemo_rl.megatron_data.graph`). Either way the boundaries, ``T`` and
-``max_seqlen`` are the plan's.
+passed in ``extras``) on **one** layout: the lengths are read to the host once (the microbatch's one
+sync, ``docs/design.md``, "Sync budget"), checked there, and every boundary computed in Python ints
+(:func:`nn_data.layout.layout_from_lengths`). Then eagerly (the default) the host executor moves every
+tensor with a constant number of ops (:func:`nn_data.pack.pack_shard`), or, with
+``PackOptions(compile=True)``, one compiled graph runs the device executor
+(:mod:`nn_data.nemo_rl.megatron_data.graph`). Either way the boundaries, ``T`` and ``max_seqlen`` are
+the host layout's. This is the one place that decides which runs.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple
 
 import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.nemo_rl.megatron_data.graph import PackedBatch, run_graph
-from nn_data.nemo_rl.megatron_data.keys import GraphKey
-from nn_data.nemo_rl.megatron_data.options import PackConfig, PackOptions
-from nn_data.layout import PackLayout, execute, plan_from_lengths
+from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
+from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
+from nn_data.nemo_rl.megatron_data.options import PackOptions
+from nn_data.pack import pack_shard
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
+
+
+class PackedMicrobatch(NamedTuple):
+    """One packed microbatch: its ``layout`` (built on the host, the one read) and, by name
+    (``input_ids`` and each extra that was given), every tensor packed, ``full [1, T, *]``, and this
+    rank's share, ``local [1, T/C, *]`` (the same tensors as ``full`` when ``C = 1``)."""
+
+    layout: PackLayout
+    full: dict
+    local: dict
 
 
 def as_lengths(seq_lengths, rows: int, device, like: str = "input_ids") -> torch.Tensor:
@@ -65,36 +77,23 @@ def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
         _checks.check_same_device(input_ids=input_ids, **{name: value})
 
 
-def pack_microbatch(input_ids, seq_lengths, config: PackConfig, *, options: Optional[PackOptions] = None,
-                    **extras) -> tuple[PackedBatch, PackLayout]:
-    """Plan (one sync) and pack ``input_ids [B, S]`` plus the ``extras`` it is given (``mtp_loss_mask``,
-    ``routed_experts``, ``token_identity``, ``media_token_validity_mask``: ``[B, S, *]`` or None) for
-    ``config``'s CP rank: ``(PackedBatch, the plan)``. Padding is 0, except routed experts, whose
-    padding rows are ``arange(topk)`` (a valid top-k route)."""
+def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, options: PackOptions,
+                    extras: dict) -> PackedMicrobatch:
+    """Lay out (one sync) and pack ``input_ids [B, S]`` plus the ``extras`` given (a dict over
+    :data:`EXTRAS`: ``[B, S, *]`` tensors or None) for this CP rank. Padding is 0, except routed
+    experts, whose padding rows are ``arange(topk)`` (a valid top-k route). Every tensor's shape and
+    device are checked here, once, before any compiled region."""
     unknown = [k for k in extras if k not in EXTRAS]
     if unknown:
         raise PackingError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")
-    options = options or PackOptions()
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     check_extras(input_ids, extras)
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
-    layout = plan_from_lengths(lengths, input_ids.shape[1], config.spec, op="_pack_sequences_for_megatron")
-    cp_size, cp_rank = config.cp_size, config.cp_rank
-    cu, cu_pad = layout.cu_seqlens, layout.cu_seqlens_padded
+    layout = layout_from_lengths(lengths, input_ids.shape[1], spec, op="_pack_sequences_for_megatron")
     if options.compile and layout.total:
-        key = GraphKey(config.spec.m, config.spec.p, layout.total, cp_size, cp_rank)
-        out = run_graph(key, options, input_ids, lengths, extras)
-        return out._replace(cu_seqlens=cu, cu_seqlens_padded=cu_pad), layout
-
-    def both(x, fill=0):
-        if x is None:
-            return None, None
-        packed = layout.pack(x, fill)  # [1, T, *]
-        return packed, execute.shard(layout, packed, cp_size, cp_rank)  # [1, T/C, *]
-
-    routed = extras.get("routed_experts")
-    route = None
-    if routed is not None:  # [topk], broadcast over layers
-        route = torch.arange(routed.shape[-1], device=routed.device, dtype=routed.dtype)
-    return PackedBatch(*both(input_ids), cu, cu_pad, *both(extras.get("mtp_loss_mask")), *both(routed, route),
-                       *both(extras.get("token_identity")), *both(extras.get("media_token_validity_mask"))), layout
+        full, local = run_graph(input_ids, lengths, extras, spec=spec, total=layout.total, cp_rank=cp_rank,
+                                options=options)
+    else:
+        full, local = pack_shard(layout, {"input_ids": input_ids, **extras}, cp_size=spec.cp_size, cp_rank=cp_rank,
+                                 routes=ROUTES)
+    return PackedMicrobatch(layout, full, local)

@@ -21,7 +21,7 @@ import torch
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
-from nn_data.planning import ParallelLayout
+from nn_data.planning import Parallelism
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.utils import StragglerDetector
@@ -149,7 +149,7 @@ def get_microbatch_iterator(
 
 def run_packed_length(cfg: dict[str, Any], longest: int, step_length: Optional[int]) -> Optional[int]:
     """The packed length of every microbatch of a step: the run-level ``cfg["nn_data"]["pad_full_seq_to"]``
-    when set (checked against the run's :class:`~nn_data.planning.ParallelLayout` and against the
+    when set (checked against the run's :class:`~nn_data.planning.Parallelism` and against the
     ``longest`` planned microbatch), else NeMo-RL's ``step_length``. One length for the whole run
     keeps compiled graphs and pipeline receive buffers the same at every step.
 
@@ -159,13 +159,13 @@ def run_packed_length(cfg: dict[str, Any], longest: int, step_length: Optional[i
     run = PackOptions.from_cfg(cfg).pad_full_seq_to
     if run is None:
         return step_length
-    layout = ParallelLayout.from_megatron_cfg(
+    layout = Parallelism.from_megatron_cfg(
         cfg["megatron_cfg"], make_sequence_length_divisible_by=cfg["make_sequence_length_divisible_by"])
-    layout.check_packed_length(run, "cfg['nn_data']['pad_full_seq_to']")
+    layout.check_fixed_total(run, "cfg['nn_data']['pad_full_seq_to']")
     require(longest <= run,
             f"a planned microbatch holds {longest} padded tokens, more than the run-level "
             f"cfg['nn_data']['pad_full_seq_to']={run}; plan the step with max_tokens_per_microbatch <= {run} or "
-            f"raise pad_full_seq_to to at least {layout.round_packed_length(longest)}")
+            f"raise pad_full_seq_to to at least {layout.round_fixed_total(longest)}")
     return run
 
 

@@ -7,7 +7,6 @@ Shape legend
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -16,48 +15,13 @@ from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data.common import public, require, straggler_context
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.packed import packed_inputs
+from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, ProcessedMicrobatch  # noqa: F401
 from nn_data.nemo_rl.megatron_data.r3 import r3_verify_forward_enabled
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is imported lazily
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.utils import StragglerDetector
 
     from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
-
-
-@dataclass
-class ProcessedInputs:
-    """Processed microbatch inputs used for the model forward pass (NeMo-RL's fields)."""
-
-    input_ids: torch.Tensor
-    input_ids_cp_sharded: torch.Tensor
-    attention_mask: Optional[torch.Tensor]
-    position_ids: Optional[torch.Tensor]
-    packed_seq_params: Optional["PackedSeqParams"]
-    cu_seqlens_padded: Optional[torch.Tensor]
-    mtp_loss_mask: Optional[torch.Tensor] = None
-    routed_experts: Optional[torch.Tensor] = None
-    routed_experts_cp_sharded: Optional[torch.Tensor] = None
-    media_token_validity_mask: Optional[torch.Tensor] = None
-
-
-@dataclass
-class ProcessedMicrobatch:
-    """A processed microbatch ready for the model forward: the raw ``data_dict`` plus the
-    :class:`ProcessedInputs` fields (packed tensors, ``PackedSeqParams`` ... or, unpacked,
-    the causal mask and position ids)."""
-
-    data_dict: "BatchedDataDict[Any]"
-    input_ids: torch.Tensor
-    input_ids_cp_sharded: torch.Tensor
-    attention_mask: Optional[torch.Tensor]
-    position_ids: Optional[torch.Tensor]
-    packed_seq_params: Optional["PackedSeqParams"]
-    cu_seqlens_padded: Optional[torch.Tensor]
-    mtp_loss_mask: Optional[torch.Tensor] = None
-    routed_experts: Optional[torch.Tensor] = None
-    routed_experts_cp_sharded: Optional[torch.Tensor] = None
-    media_token_validity_mask: Optional[torch.Tensor] = None
 
 
 def get_ltor_masks_and_position_ids(*args: Any, **kwargs: Any) -> Any:
@@ -174,9 +138,9 @@ def process_microbatch(
             return ProcessedInputs(**_vlm_inputs(data_dict, input_ids, seq_lengths, routed,
                                                  pad_individual_seqs_to_multiple_of, pad_full_seq_to,
                                                  delegate_mtp_loss_mask_to_model))
-        return ProcessedInputs(**packed_inputs(
-            data_dict, input_ids, seq_lengths, routed, pad_individual_seqs_to_multiple_of,
-            pad_packed_seq_to_multiple_of, pad_full_seq_to, model_slices_context_parallel_inputs, options))
+        return packed_inputs(data_dict, input_ids, seq_lengths, routed, m=pad_individual_seqs_to_multiple_of,
+                             p=pad_packed_seq_to_multiple_of, pad_full_seq_to=pad_full_seq_to,
+                             model_slices=model_slices_context_parallel_inputs, options=options)
 
 
 def _keys_hint(data_dict) -> str:

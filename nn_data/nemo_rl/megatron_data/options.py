@@ -1,11 +1,11 @@
-"""The compat layer's configuration: nn_data's options (``cfg["nn_data"]``) and one call's packing config.
+"""The compat layer's configuration: nn_data's options (``cfg["nn_data"]``) and one call's pack spec.
 
-NeMo-RL's positional arguments reach nn_data here, once: :meth:`PackConfig.nemo_rl` turns
+NeMo-RL's positional arguments reach nn_data here, once: :func:`nemo_rl_spec` turns
 ``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, <fixed packed length>,
-cp_rank, cp_size)`` into the layout plan's :class:`~nn_data.layout.LayoutSpec` (checked when built)
-plus this rank, keeping the caller's spelling of the fixed packed length (``pad_packed_seq_to`` or
+cp_size)`` into the layout's :class:`~nn_data.layout.PackSpec` (checked when built; ``cp_rank``
+checked against the size), keeping the caller's spelling of the fixed packed length (``pad_packed_seq_to`` or
 ``pad_full_seq_to``) for the messages. Inside, the fixed packed length has one name,
-``packed_length``, passed keyword-only.
+``fixed_total``, passed keyword-only; the packed length a layout resolves to is its ``total``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.layout import LayoutSpec
-from nn_data.layout import checks as plan_checks
+from nn_data.layout import PackSpec, fixed_total_arg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +38,7 @@ class PackOptions:
         (``unit * 2**k``, ``unit = lcm(p, 2C)``). Note that ``T`` then differs from what
         NeMo-RL would produce (it is larger); the valid tokens and their offsets do not.
     ``backend``/``mode``: passed to ``torch.compile`` (tests pass a compile counter).
-    ``pad_full_seq_to``: a run-level packed length, in place of the call's (:meth:`packed_length`),
+    ``pad_full_seq_to``: a run-level packed length, in place of the call's (:meth:`fixed_total`),
         so every microbatch of the run has one shape (one graph; fixed PP receive buffers). Not
         with ``buckets``.
 
@@ -55,7 +54,7 @@ class PackOptions:
 
     def __post_init__(self):
         _checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
-        plan_checks.packed_length_arg("pad_full_seq_to", self.pad_full_seq_to)
+        fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
         if self.pad_full_seq_to is not None and self.buckets is not None:
             raise PackingError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
                                "set: buckets only choose T when there is no fixed packed length; drop one")
@@ -65,10 +64,10 @@ class PackOptions:
         if isinstance(b, str) or not isinstance(b, Sequence) or not b:
             raise PackingError(f"buckets={b!r} is invalid; expected None, 'pow2' or a non-empty list of ints")
         for v in b:
-            plan_checks.packed_length_arg("buckets entry", v)
+            fixed_total_arg("buckets entry", v)
         object.__setattr__(self, "buckets", tuple(sorted(set(b))))
 
-    def packed_length(self, given: Optional[int], name: str = "pad_full_seq_to") -> Optional[int]:
+    def fixed_total(self, given: Optional[int], name: str = "pad_full_seq_to") -> Optional[int]:
         """The run-level ``pad_full_seq_to`` when set (a ``given`` above it raises), else ``given``.
         Example: run-level 8192, given 6144 (a step's longest bin) or None -> 8192."""
         run = self.pad_full_seq_to
@@ -91,35 +90,19 @@ class PackOptions:
         return cls(**section)
 
 
-@dataclasses.dataclass(frozen=True)
-class PackConfig:
-    """One call's packing configuration, checked once (no data read): the layout rules' ``spec``
-    (multiples, the fixed packed length as the caller spelled it, ``T`` buckets, the CP size) and this
-    ``cp_rank``."""
-
-    spec: LayoutSpec
-    cp_rank: int = 0
-
-    def __post_init__(self):
-        _checks.check_cp(self.spec.cp_size, self.cp_rank)
-
-    @classmethod
-    def nemo_rl(cls, m: int, p: int, *, packed_length: Optional[int], cp_rank: int, cp_size: int, name: str,
-                options: Optional["PackOptions"] = None) -> "PackConfig":
-        """NeMo-RL's arguments (``name``: how the caller spelled the fixed packed length), checked once
-        per distinct configuration (a training run repeats a few)."""
-        buckets = options.buckets if options is not None and packed_length is None else None
-        try:
-            return _config(cls, m, p, packed_length, cp_rank, cp_size, name, buckets)
-        except TypeError:  # an unhashable argument: checked (and refused) uncached
-            return _config.__wrapped__(cls, m, p, packed_length, cp_rank, cp_size, name, buckets)
-
-    @property
-    def cp_size(self) -> int:
-        return self.spec.cp_size
+def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp_size: int, name: str,
+                 options: Optional[PackOptions] = None) -> PackSpec:
+    """NeMo-RL's packing arguments as the layout's :class:`~nn_data.layout.PackSpec` (``name``: how the
+    caller spelled the fixed packed length), with ``cp_rank`` checked against ``cp_size``; checked once
+    per distinct configuration (a training run repeats a few), an unhashable argument uncached."""
+    buckets = options.buckets if options is not None and fixed_total is None else None
+    _checks.check_cp(cp_size, cp_rank)
+    try:
+        return _spec(m, p, fixed_total, cp_size, name, buckets)
+    except TypeError:  # an unhashable argument: checked (and refused) uncached
+        return _spec.__wrapped__(m, p, fixed_total, cp_size, name, buckets)
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (a bool multiple is refused)
-def _config(cls, m, p, packed_length, cp_rank, cp_size, name, buckets) -> PackConfig:
-    return cls(LayoutSpec(m, p, packed_length=packed_length, packed_length_name=name, buckets=buckets,
-                          cp_size=cp_size), cp_rank)
+def _spec(m, p, fixed_total, cp_size, name, buckets) -> PackSpec:
+    return PackSpec(m, p, fixed_total=fixed_total, arg_name=name, buckets=buckets, cp_size=cp_size)

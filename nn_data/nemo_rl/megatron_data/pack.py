@@ -19,9 +19,9 @@ from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data.common import _round_up_to_multiple
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
-from nn_data.nemo_rl.megatron_data.options import PackConfig, PackOptions
+from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.planning import ParallelLayout
+from nn_data.planning import Parallelism
 from nn_data.unpack import unpack_sequences
 
 
@@ -69,13 +69,14 @@ def _pack_sequences_for_megatron(
     ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``.
     """
     options = options or PackOptions()
-    config = PackConfig.nemo_rl(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
-                                packed_length=options.packed_length(pad_packed_seq_to, "pad_packed_seq_to"),
-                                cp_rank=cp_rank, cp_size=cp_size, name="pad_packed_seq_to", options=options)
-    out, layout = pack_microbatch(input_ids, seq_lengths, config, options=options)
-    params = make_packed_seq_params(out.cu_seqlens_padded, layout.host.max_seqlen, out.local.shape[1],
-                                    packed_length=out.packed.shape[1])
-    return out.packed, out.local, params, out.cu_seqlens, out.cu_seqlens_padded
+    spec = nemo_rl_spec(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
+                        fixed_total=options.fixed_total(pad_packed_seq_to, "pad_packed_seq_to"), cp_rank=cp_rank,
+                        cp_size=cp_size, name="pad_packed_seq_to", options=options)
+    batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras={})
+    layout = batch.layout
+    params = make_packed_seq_params(layout.cu_seqlens_padded, layout.host.max_seqlen, layout.total // cp_size,
+                                    total=layout.total)
+    return batch.full["input_ids"], batch.local["input_ids"], params, layout.cu_seqlens, layout.cu_seqlens_padded
 
 
 def _unpack_sequences_from_megatron(
@@ -131,7 +132,7 @@ def _get_pack_sequence_parameters_for_megatron(
 ):
     """``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to)``.
 
-    The multiples are :class:`nn_data.planning.ParallelLayout`'s, the one alignment rule (the
+    The multiples are :class:`nn_data.planning.Parallelism`'s, the one alignment rule (the
     planner and the packer's checks use the same): the per-sequence multiple must be a multiple of
     ``2 * cp_size`` (CP > 1) times ``tp_size`` (TP > 1 with sequence parallelism), else the layout
     refuses it (NeMo-RL's message first). Packed multiple: 1, unless FP8 (``fp8_cfg.enabled``:
@@ -148,7 +149,7 @@ def _get_pack_sequence_parameters_for_megatron(
     Raises :class:`~nn_data.errors.PackingError` when the
     per-sequence multiple is not a multiple of the minimum pad factor.
     """
-    layout = ParallelLayout.from_megatron_cfg(
+    layout = Parallelism.from_megatron_cfg(
         megatron_cfg, make_sequence_length_divisible_by=pad_individual_seqs_to_multiple_of)
     pad_packed_seq_to_multiple_of = layout.packed_multiple
     pad_packed_seq_to = None

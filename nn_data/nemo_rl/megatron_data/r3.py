@@ -27,7 +27,7 @@ import torch
 from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
-from nn_data.layout import execute, plan_from_boundaries
+from nn_data.layout import Boundaries, layout_from_boundaries
 
 R3_VERIFY_ENV = "NN_DATA_R3_VERIFY"
 _TRUE = {"1", "true", "yes", "on"}
@@ -171,8 +171,8 @@ def _shard_routed_experts_for_cp(
     _checks.check_int_vector("cu_seqlens_padded", given, rows + 1)
     bounds = on_device("cu_seqlens_padded", given, "routed_experts", ref.device)
     # One read of the boundaries and lengths (T is the last boundary): the checks, then the host executor.
-    layout, _ = plan_from_boundaries(bounds, None, op="_shard_routed_experts_for_cp", seq_lengths=lengths,
-                                     row_len=cols, cp_size=cp_size)
+    layout = layout_from_boundaries(Boundaries(bounds, None, seq_lengths=lengths), op="_shard_routed_experts_for_cp",
+                                    row_len=cols, cp_size=cp_size)
     out = []
     for x, fill in ((routed_experts, "route"), (token_identity, 0)):
         if x is None:
@@ -181,5 +181,5 @@ def _shard_routed_experts_for_cp(
         if fill == "route":
             fill = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)  # [K]
         packed = layout.pack(x, fill)  # [1, T, *]
-        out += [packed, execute.shard(layout, packed, cp_size, cp_rank)]  # [1, T/C, *]
+        out += [packed, layout.shard(packed, cp_size, cp_rank)]  # [1, T/C, *]
     return tuple(out)

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from nn_data import _checks
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.layout import LayoutSpec, plan_from_lengths
-from nn_data.layout.planner import padded_rows
+from nn_data.layout import PackSpec, layout_from_lengths, padded_rows
 
 
 def _prepare_vlm_batch_for_megatron(
@@ -55,14 +54,14 @@ def _prepare_vlm_batch_for_megatron(
     """
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     rows, cols = input_ids.shape[:2]
-    spec = LayoutSpec(max(1, int(pad_individual_seqs_to_multiple_of)), packed_length=pad_full_seq_to,
-                      packed_length_name="pad_full_seq_to", self_packing=True)
+    spec = PackSpec(max(1, int(pad_individual_seqs_to_multiple_of)), fixed_total=pad_full_seq_to,
+                    arg_name="pad_full_seq_to", self_packing=True)
     lengths = as_lengths(seq_lengths, rows, input_ids.device)
     if rows == 0:  # as NeMo-RL: the model packs nothing, so no slack either: [0] boundaries, no column
         cu_seqlens_padded = torch.zeros(1, dtype=torch.int32, device=input_ids.device)
         return (input_ids.new_zeros((1, 0)), input_ids[:, :0], torch.zeros(0, 0, dtype=torch.bool,
                 device=input_ids.device), make_packed_seq_params(cu_seqlens_padded, 0, None), None, cu_seqlens_padded)
-    layout = plan_from_lengths(lengths, cols, spec, op="_prepare_vlm_batch_for_megatron")  # the one host read
+    layout = layout_from_lengths(lengths, cols, spec, op="_prepare_vlm_batch_for_megatron")  # the one host read
     padded_max = layout.host.max_seqlen  # P: the model's columns
     if cols < padded_max:
         ids_2d = F.pad(input_ids, (0, padded_max - cols), value=0)  # [B, P]

@@ -1,17 +1,17 @@
-"""The plan type: one microbatch's packed layout, as the planners produce it and both executors run it.
+"""The layout type: one microbatch's packed layout, as the builders make it and both executors run it.
 
 Shape legend
     B   rows of the batch (R with row-capacity padding); ``B' = max(B, 1)`` segments
-    S   the padded row length of the batch the plan packs
+    S   the padded row length of the batch the layout packs
     T   packed tokens
     C   context-parallel size
     *   trailing feature dims of a packed tensor
 
 A :class:`PackLayout` always holds the boundaries as tensors on the data's device
 (``cu_seqlens_padded``, and ``cu_seqlens`` when known) and the static sizes as Python ints (``T``,
-``B``, ``S``). A plan made on the host (:mod:`nn_data.layout.planner`, the one read of the lengths or
+``B``, ``S``). A layout built on the host (:mod:`nn_data.layout.build`, the one read of the lengths or
 of the boundaries) also holds them as Python ints (:class:`HostBounds`): the host executor moves data
-with them. A plan made on the device holds the pack's index maps instead (``dest`` or
+with them. A layout built on the device holds the pack's index maps instead (``dest`` or
 ``source``/``valid``, :mod:`nn_data.layout.device`). Its methods pick the executor
 (:mod:`nn_data.layout.execute`).
 """
@@ -52,16 +52,16 @@ class HostBounds(NamedTuple):
 
 
 class PackLayout(NamedTuple):
-    """Where every token of a ``[B, S, *]`` batch goes in the packed ``[1, T, *]`` tensor: the plan.
+    """Where every token of a ``[B, S, *]`` batch goes in the packed ``[1, T, *]`` tensor: the layout.
 
     ``cu_seqlens [B+1]`` and ``cu_seqlens_padded [B+1]`` (int32, on the data's device; the latter is
     the final boundaries, ``[T]`` when ``B = 0``), ``max_seqlen`` (0-d int32: the longest padded
-    segment), ``total`` (T), ``rows`` (B), ``row_len`` (S; None for a plan made from boundaries
-    alone, which can shard and unpack but not pack); ``host`` (:class:`HostBounds`, planned on the
+    segment), ``total`` (T), ``rows`` (B), ``row_len`` (S; None for a layout built from boundaries
+    alone, which can shard and unpack but not pack); ``host`` (:class:`HostBounds`, built on the
     host) or the device pack maps: scatter form ``dest [B, S]`` int64 (the packed position of token
     ``(b, s)``, or ``T`` for ``s >= L[b]``), gather form ``source [T]`` int64 (the flat input
     position ``b*S + s`` each packed position reads, clamped) and ``valid [T]`` bool;
-    ``seq_lengths`` the lengths tensor the plan was made from.
+    ``seq_lengths`` the lengths tensor the layout was built from.
 
     Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter form
     dest ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``; gather form source
@@ -86,12 +86,31 @@ class PackLayout(NamedTuple):
         experts, a valid route in every padding row)."""
         return execute.pack(self, x, fill)
 
+    @property
+    def on_host(self) -> bool:
+        """Whether this layout runs on the host executor (built on the host, and no compile tracing):
+        :func:`~nn_data.layout.execute.on_host`, the one rule."""
+        return execute.on_host(self)
+
+    def shard(self, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+        """This CP rank's zigzag shard ``[1, T, *] -> [1, T/C, *]`` (``packed`` itself when ``C = 1``)."""
+        return execute.shard(self, packed, cp_size, cp_rank)
+
+    def unshard(self, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
+        """Every rank's shard, rank-major ``[C, T/C, *]``, back to the packed ``[1, T, *]``."""
+        return execute.unshard(self, shards, cp_size)
+
+    def unpack(self, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
+        """``[1, T, *] -> [B, S, *]`` with ``S = seq_len``: each row's valid tokens, ``fill`` elsewhere
+        (``shift=1``: the log-prob layout, token ``s`` from packed position ``start + s - 1``)."""
+        return execute.unpack(self, packed, seq_len, fill, shift)
+
     def bounds(self) -> torch.Tensor:
         """``[B'+1]`` int64 boundaries to index segments by (``[0, T]`` when ``B = 0``)."""
         return segment_bounds(self.cu_seqlens_padded, self.total)
 
     def lengths(self) -> torch.Tensor:
-        """``[B]`` int64 valid tokens per row, on the device: the lengths the plan was made from, else
+        """``[B]`` int64 valid tokens per row, on the device: the lengths the layout was built from, else
         ``cu_seqlens``' differences (a compiled graph that never reads ``cu_seqlens`` then drops it)."""
         if self.seq_lengths is not None:
             return self.seq_lengths.to(torch.int64)

@@ -1,0 +1,310 @@
+"""Building a :class:`~nn_data.layout.pack_layout.PackLayout`: from the lengths, from the boundaries, or
+checking one an op was given.
+
+Shape legend
+    B   rows (R with row-capacity padding); S the row length; T packed tokens; C the CP size
+
+Where a layout is built (``docs/design.md``, "Layouts and executors"): :func:`reads_host` says
+whether a call may read the device, in one place. When it may (eager, ``validate=True``,
+``host_reads=True``), the builder reads the lengths (or the boundaries) to the host **once**,
+checks them there with precise messages (:mod:`nn_data.layout.checks`) and computes every boundary in
+Python ints; the layout then carries them and runs on the host executor. Otherwise (under
+``torch.compile``, or the caller opted out of host reads or of validation) it is built on the device:
+no sync, the checks are device asserts when ``validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import accumulate
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from nn_data import _checks
+from nn_data.layout import checks, device, index
+from nn_data.layout.host import host_tensor
+from nn_data.layout.pack_layout import HostBounds, PackLayout
+from nn_data.layout.rules import (
+    bucket_total, extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+    """What a pack is asked for: the configuration of the layout rules, checked once when it is built
+    (no data read).
+
+    ``m`` / ``p``: the per-sequence and the packed multiple; ``fixed_total`` (keyword-only): the fixed
+    packed length ``T`` or None (``T`` from the data; the resolved ``T`` is the layout's ``total``);
+    ``arg_name``: how the caller spelled the fixed length (``pad_full_seq_to`` in nn_data and
+    ``process_microbatch``, ``pad_packed_seq_to`` in NeMo-RL's ``_pack_sequences_for_megatron``), so
+    every message names the argument the caller passed; ``buckets``: round a data-dependent ``T`` up to
+    one of these (the compat layer's option; a sorted tuple or ``"pow2"``); ``cp_size``: with ``C > 1``
+    the builder checks that every segment splits into ``2C`` chunks (the compat layer packs and shards
+    in one call; the core pack does not know ``C``); ``self_packing``: a model that packs the rows
+    itself (NeMo-RL's VLM path), so the slack the last sequence absorbs must be a multiple of ``m`` too
+    (and NeMo-RL's wording comes first).
+    """
+
+    m: int = 1
+    p: int = 1
+    _: dataclasses.KW_ONLY
+    fixed_total: Optional[int] = None
+    arg_name: str = "pad_full_seq_to"
+    buckets: Union[tuple, str, None] = None
+    cp_size: int = 1
+    self_packing: bool = False
+
+    def __post_init__(self):
+        _checks.positive_int("pad_individual_seqs_to_multiple_of", self.m)
+        _checks.positive_int("pad_packed_seq_to_multiple_of", self.p)
+        checks.fixed_total_arg(self.arg_name, self.fixed_total)
+        _checks.check_cp(self.cp_size)
+        if self.fixed_total is not None and self.fixed_total % self.p:
+            raise _checks.PackingError(
+                f"{self.arg_name}={self.fixed_total} is not a multiple of "
+                f"pad_packed_seq_to_multiple_of={self.p}; choose a multiple of {self.p}"
+            )
+
+
+class Boundaries(NamedTuple):
+    """A packed microbatch as an op receives it without a layout: its boundary tensors, ``T``, and how
+    messages name them (the input of :func:`layout_from_boundaries`).
+
+    ``cu_seqlens_padded [B+1]`` (named ``name`` in messages), ``total`` (``T``; None: the last
+    boundary, which only the host read can learn), the valid boundaries ``cu_seqlens [B+1]`` or the
+    lengths ``seq_lengths [B]`` when the op has them; ``total_from``: how the op learnt ``T``, for
+    messages (``" (T = packed.shape[1])"``); ``valid_offsets``: the boundaries are valid-token
+    offsets (``UnpackSequences(offsets="valid")``), which may end before ``T`` and get no hint about
+    the padded ones; ``also_check``: a 0-d bool tensor the op computed on the device (True: fine) and
+    a function that raises the op's precise error when it is False, read with the boundaries (one
+    read: ``TokenLogProbs``' "target ids in the vocabulary").
+    """
+
+    cu_seqlens_padded: torch.Tensor
+    total: Optional[int]
+    cu_seqlens: Optional[torch.Tensor] = None
+    seq_lengths: Optional[torch.Tensor] = None
+    name: str = "cu_seqlens_padded"
+    total_from: str = ""
+    valid_offsets: bool = False
+    also_check: Optional[tuple[torch.Tensor, Callable[[], None]]] = None
+
+
+def reads_host(validate: bool, host_reads: bool) -> bool:
+    """Whether a builder reads the device once (eager, validating, host reads allowed): the rule that
+    makes a host layout (which then runs on the host executor, :func:`~nn_data.layout.execute.on_host`).
+    Under ``torch.compile`` nothing is read."""
+    return validate and host_reads and not torch.compiler.is_compiling()
+
+
+def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, num_rows=None, validate: bool = True,
+                        host_reads: bool = True, op: str = "PackSequences") -> PackLayout:
+    """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked).
+
+    Example: lengths ``[3, 0, 5]``, S 5, m 4, no fixed length -> cu_seqlens ``[0, 3, 3, 8]``,
+    cu_seqlens_padded ``[0, 4, 4, 12]``, T 12, max_seqlen 8; with ``fixed_total=16`` the last segment
+    absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12.
+    """
+    if reads_host(validate, host_reads):
+        return _lengths_on_host(seq_lengths, row_len, spec, num_rows)
+    return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op)
+
+
+def _read_lengths(seq_lengths: torch.Tensor, num_rows) -> tuple[list, Optional[int]]:
+    """The lengths (and ``num_rows``) as Python ints: the one host read."""
+    if num_rows is None:
+        return seq_lengths.tolist(), None  # sync: the one host read of the layout
+    both = torch.cat([seq_lengths.to(torch.int64), num_rows.to(torch.int64).view(1)]).tolist()  # sync: the one read
+    return both[:-1], both[-1]
+
+
+def _lengths_on_host(seq_lengths, row_len: int, spec: PackSpec, num_rows) -> PackLayout:
+    lengths, n = _read_lengths(seq_lengths, num_rows)
+    checks.lengths_host(lengths, row_len, n)
+    rows = len(lengths)
+    active = first_final(rows, n)  # rows past it are empty padding rows (checked): only their count matters
+    cu = list(accumulate(lengths[:active], initial=0))
+    cu_pad = list(accumulate(round_up_all(lengths[:active], spec.m), initial=0))
+    natural = cu_pad[-1]
+    checks.natural_total_host(natural, spec.m, spec.fixed_total, spec.arg_name, spec.self_packing)
+    total = packed_total(natural, spec.p, spec.fixed_total)
+    if spec.fixed_total is None:
+        if spec.buckets is not None:
+            total = bucket_total(total, spec.buckets, spec.p, spec.cp_size)
+        checks.total_limit_host(total, f"sum(round_up(seq_lengths, {spec.m})) = {natural}, rounded up to {spec.p}"
+                                + (" and a bucket" if spec.buckets is not None else ""))
+    tail = rows - active
+    cu += [cu[-1]] * tail
+    cu_pad = extend_last(cu_pad + [natural] * tail, total, active) if rows else [total]
+    bounds = segment_bounds(cu_pad[: active + 1], total)
+    segments = [b - a for a, b in zip(bounds, bounds[1:])]  # [B'] (the active rows' segments)
+    checks.segments_host(segments, spec.cp_size)
+    max_seqlen = max(segments)
+    both = host_tensor(cu + cu_pad + [max_seqlen], torch.int32, seq_lengths.device)  # one copy: [B+1 | B+1 | 1]
+    host = HostBounds(lengths, cu, cu_pad, segments + [0] * tail, max_seqlen, max(active, 1))
+    return PackLayout(both[: rows + 1], both[rows + 1 : rows + 1 + len(cu_pad)], both[-1], total, rows, row_len,
+                      host=host, seq_lengths=seq_lengths)
+
+
+def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate: bool, op: str) -> PackLayout:
+    rows = seq_lengths.shape[0]
+    lengths = seq_lengths.to(torch.int64)  # [B]
+    cu = index.exclusive_cumsum(lengths)  # [B+1]
+    cu_pad = index.exclusive_cumsum(round_up(lengths, spec.m))  # [B+1] before the slack
+    natural = cu_pad[-1]
+    if validate:
+        checks.lengths_device(op, lengths, row_len, num_rows)
+        checks.total_device(op, natural, packed_total(natural, spec.p), spec.fixed_total, spec.arg_name)
+    if spec.fixed_total is not None:
+        total = spec.fixed_total
+    else:
+        total = int(packed_total(natural, spec.p).item())  # sync: T is data-dependent without a fixed packed length
+        torch._check(total >= 0)
+    cu_pad = extend_last(cu_pad, total, first_final(rows, num_rows))  # [B+1]
+    if rows > 0:
+        max_seqlen = (cu_pad[1:] - cu_pad[:-1]).max()
+    else:  # no sequence: the packed tensor is one padding pseudo-segment [0, T]
+        max_seqlen = torch.full((), total, dtype=torch.int64, device=seq_lengths.device)
+    dest, source, valid = device.pack_maps(lengths, cu_pad, row_len, total)
+    return PackLayout(cu.to(torch.int32), cu_pad.to(torch.int32), max_seqlen.to(torch.int32), total, rows, row_len,
+                      dest=dest, source=source, valid=valid, seq_lengths=seq_lengths)
+
+
+def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq_len=None, row_len=None,
+                           validate: bool = True, host_reads: bool = True) -> PackLayout:
+    """The layout of a packed microbatch from its :class:`Boundaries` (metadata already checked), for an
+    op that receives boundaries rather than a layout.
+
+    On the host (:func:`reads_host`) the boundaries, the lengths (``seq_lengths``, or ``cu_seqlens``'
+    differences) and ``also_check``'s flag come to the host in **one** read, which is also the op's
+    validation: the boundaries rise from 0 to ``T`` (valid-token offsets: to at most ``T``), every
+    segment splits into ``2C`` chunks, each sequence fits its segment, ``seq_len`` and ``row_len``;
+    ``also_check``'s function raises when its flag is False. On the device the same checks are device
+    asserts (when ``validate``), and ``also_check`` is the caller's to assert.
+
+    Example: cu_seqlens_padded ``[0, 16, 40]``, T 40, C 2 -> segments ``[16, 24]``, both multiples of 4.
+    """
+    total = bounds.total
+    if not reads_host(validate, host_reads):
+        if total is None:
+            raise _checks.PackingError(f"{op}: T is the last boundary here, which only the host read can learn")
+        if validate:
+            _device_boundary_checks(op, bounds, seq_len, row_len, cp_size)
+        rows = bounds.cu_seqlens_padded.shape[0] - 1
+        return PackLayout(bounds.cu_seqlens, bounds.cu_seqlens_padded, None, total, rows, row_len,
+                          seq_lengths=bounds.seq_lengths)
+    parts = [t for t in (bounds.cu_seqlens_padded, bounds.cu_seqlens, bounds.seq_lengths) if t is not None]
+    flags = [] if bounds.also_check is None else [bounds.also_check[0].to(torch.int64).view(1)]
+    values = torch.cat([t.to(torch.int64) for t in parts] + flags).tolist()  # sync: the one host read (and check)
+    sizes = [t.shape[0] for t in parts]
+    cu_pad, *rest = [values[a:a + n] for a, n in zip(accumulate(sizes, initial=0), sizes)]
+    total = cu_pad[-1] if total is None else total
+    checks.boundaries_host(cu_pad, total, bounds.name, end_at_total=not bounds.valid_offsets,
+                           where=bounds.total_from, hint=not bounds.valid_offsets and bounds.total_from != "")
+    segments = _segments(cu_pad, total)
+    checks.segments_host(segments, cp_size)
+    cu = rest.pop(0) if bounds.cu_seqlens is not None else None
+    lengths = rest.pop(0) if bounds.seq_lengths is not None else None
+    _check_lengths_host(lengths, cu, segments, bounds.name, seq_len, row_len)
+    if lengths is None and cu is not None:
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if bounds.also_check is not None and not values[-1]:
+        bounds.also_check[1]()  # raises the op's own message, after the layout's checks
+    host = HostBounds(lengths, cu, cu_pad, segments, max(segments), len(segments))
+    return PackLayout(bounds.cu_seqlens, bounds.cu_seqlens_padded, None, total, len(cu_pad) - 1, row_len, host=host,
+                      seq_lengths=bounds.seq_lengths)
+
+
+def _segments(cu_pad: list, total: int) -> list:
+    """The padded segment lengths ``[B']`` of host boundaries (``[T]`` for ``B = 0``). Example:
+    ``[0, 16, 40]`` -> ``[16, 24]``."""
+    edges = segment_bounds(cu_pad, total)
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def _check_lengths_host(lengths, cu, segments: list, bounds_name: str, seq_len, row_len) -> None:
+    """Host checks of the lengths an op has (``seq_lengths``, or ``cu_seqlens``' differences)."""
+    name = "seq_lengths"
+    if lengths is None and cu is not None:
+        lengths, name = [b - a for a, b in zip(cu, cu[1:])], "cu_seqlens"
+    if lengths is None:
+        return
+    if row_len is not None:
+        checks.lengths_host(lengths, row_len)
+    if seq_len is not None:
+        checks.row_length_host(lengths, seq_len, name)
+    checks.fit_host(lengths, segments, name, bounds_name)
+
+
+def _device_boundary_checks(op: str, bounds: Boundaries, seq_len, row_len, cp_size: int) -> None:
+    """:func:`layout_from_boundaries`' checks as device asserts."""
+    cu_pad = bounds.cu_seqlens_padded
+    checks.boundaries_device(op, cu_pad, bounds.total, cp_size, name=bounds.name,
+                             end_at_total=not bounds.valid_offsets)
+    lengths = bounds.seq_lengths
+    if lengths is None and bounds.cu_seqlens is not None:
+        cu = bounds.cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
+    if lengths is None or cu_pad.shape[0] < 2:
+        return
+    edges = cu_pad.to(torch.int64)
+    checks.fit_device(op, lengths.to(torch.int64), edges[1:] - edges[:-1], seq_len)
+    if row_len is not None:
+        checks.lengths_device(op, lengths.to(torch.int64), row_len, None)
+
+
+def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len=None, validate: bool = True,
+                **given) -> PackLayout:
+    """A layout an op was given (``layout=``, the layout travelling from the pack): no host read.
+
+    ``given`` are the boundary tensors the caller passed as well (``cu_seqlens_padded=``, ``cu_seqlens=``,
+    ``seq_lengths=``); each must be the very tensor the layout holds. The checks that depend on the op's
+    own configuration run on the layout: ``T`` (a shape), every segment splitting into ``2C`` chunks and
+    every length fitting ``seq_len``: free on a host layout's ints, device asserts otherwise.
+    """
+    if not isinstance(layout, PackLayout):
+        raise _checks.PackingError(f"layout must be a PackLayout (PackResult.layout), got {type(layout).__name__}")
+    if _static_differs(layout.total, total):
+        raise _checks.PackingError(f"the layout was planned for T={layout.total} packed positions but the tensor "
+                                   f"given with it has T={int(total)}; pass the layout of this very microbatch")
+    for name, tensor in given.items():
+        if tensor is not None and tensor is not getattr(layout, name):
+            raise _checks.PackingError(
+                f"{name} is not the tensor the layout holds; pass layout= alone, or layout.{name} (the same object)")
+    if not validate:
+        return layout
+    if layout.on_host:
+        checks.segments_host(layout.host.segments, cp_size)
+        if seq_len is not None and layout.host.lengths is not None:
+            checks.row_length_host(layout.host.lengths, seq_len)
+        return layout
+    if cp_size > 1:
+        checks.boundaries_device(op, layout.cu_seqlens_padded, total, cp_size)
+    if seq_len is not None:
+        _checks.device_assert((layout.lengths() <= seq_len).all(),
+                              f"nn_data.{op}: seq_lengths must be in [0, seq_len] (the row length S of the output)")
+    return layout
+
+
+def _static_differs(a, b) -> bool:
+    """``a != b`` for sizes that may be symbolic: True only where it is known (no guard otherwise)."""
+    return guard_or_false(a != b)
+
+
+def padded_rows(layout: PackLayout, row_len: int) -> PackLayout:
+    """The layout that packs every row's whole padded segment: rows already padded to their segments
+    (``[B, P]``, the self-packing path's rows for the model) packed back to back, the same boundaries.
+    No read: a host layout's ints carry over; a device layout's lengths are its segment lengths.
+
+    Example: segments ``[4, 12]`` (lengths ``[3, 5]``, m 4, T 16), P 12 -> lengths ``[4, 12]``.
+    """
+    cu_pad = layout.cu_seqlens_padded
+    if layout.host is not None:
+        host = layout.host
+        view = HostBounds(host.segments, host.cu_pad, host.cu_pad, host.segments, host.max_seqlen, host.active)
+        return PackLayout(cu_pad, cu_pad, layout.max_seqlen, layout.total, layout.rows, row_len, host=view)
+    segments = (cu_pad[1:] - cu_pad[:-1]).to(torch.int64)  # [B]
+    return layout_from_lengths(segments, row_len, PackSpec(fixed_total=layout.total or None), validate=False)

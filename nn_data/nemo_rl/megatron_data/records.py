@@ -1,0 +1,48 @@
+"""NeMo-RL's two records of a processed microbatch (its fields, in its order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is imported lazily
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
+
+
+@dataclass
+class ProcessedInputs:
+    """Processed microbatch inputs used for the model forward pass (NeMo-RL's fields)."""
+
+    input_ids: torch.Tensor
+    input_ids_cp_sharded: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+    packed_seq_params: Optional["PackedSeqParams"]
+    cu_seqlens_padded: Optional[torch.Tensor]
+    mtp_loss_mask: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None
+    routed_experts_cp_sharded: Optional[torch.Tensor] = None
+    media_token_validity_mask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class ProcessedMicrobatch:
+    """A processed microbatch ready for the model forward: the raw ``data_dict`` plus the
+    :class:`ProcessedInputs` fields (packed tensors, ``PackedSeqParams`` ... or, unpacked,
+    the causal mask and position ids)."""
+
+    data_dict: "BatchedDataDict[Any]"
+    input_ids: torch.Tensor
+    input_ids_cp_sharded: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+    packed_seq_params: Optional["PackedSeqParams"]
+    cu_seqlens_padded: Optional[torch.Tensor]
+    mtp_loss_mask: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None
+    routed_experts_cp_sharded: Optional[torch.Tensor] = None
+    media_token_validity_mask: Optional[torch.Tensor] = None
