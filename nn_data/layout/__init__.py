@@ -4,7 +4,7 @@ This package is the only door to the layout: code outside it imports from ``nn_d
 Every entry point of nn_data packs, shards, unshards and unpacks through it:
 
 * :class:`PackLayout` (``pack_layout``): one microbatch's layout, with the methods that run it
-  (``pack``, ``shard``, ``unshard``, ``unpack``, ``local_places``, ``positions``);
+  (``pack``, ``shard``, ``unshard``, ``unpack``, ``local_places``, ``positions``, ``padding_mask``);
 * building one (``build``): :class:`PackSpec` (what a pack is asked for) and
   :func:`layout_from_lengths`; :class:`Boundaries` and :func:`layout_from_boundaries` for an op given
   boundaries; :func:`take_layout` for an op given a layout; :func:`reads_host`, the rule for where a
@@ -29,7 +29,7 @@ from nn_data.layout.checks import (
     target_ids_host, total_divisible,
 )
 from nn_data.layout.device import set_pack_form
-from nn_data.layout.index import Segments, ZigzagLocal, local_places, packed_segments, zigzag_source
+from nn_data.layout.index import Segments, ZigzagLocal, local_places, packed_segments, padding_at, zigzag_source
 from nn_data.layout.op import RankOp, op_layout
 from nn_data.layout.pack_layout import Fill, HostBounds, PackLayout, pack_with_layout
 from nn_data.layout.rules import INT32_MAX, round_up, segment_bounds
@@ -54,6 +54,7 @@ __all__ = [
     "pack_with_layout",
     "packed_segments",
     "packed_tensor_length",
+    "padding_at",
     "padded_rows",
     "reads_host",
     "round_up",

@@ -69,11 +69,14 @@ def test_signature_matches_the_api_page(name):
         assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not E
 
 
+NN_DATA_FIELDS = ["padding_mask"]  # nn_data's additions, after NeMo-RL's fields, default None
+
+
 def test_dataclass_fields_and_defaults():
     inputs = dataclasses.fields(md.ProcessedInputs)
-    assert [f.name for f in inputs] == FIELDS
-    assert [f.name for f in inputs if f.default is None] == FIELDS[6:]
-    assert [f.name for f in dataclasses.fields(md.ProcessedMicrobatch)] == ["data_dict", *FIELDS]
+    assert [f.name for f in inputs] == FIELDS + NN_DATA_FIELDS
+    assert [f.name for f in inputs if f.default is None] == FIELDS[6:] + NN_DATA_FIELDS
+    assert [f.name for f in dataclasses.fields(md.ProcessedMicrobatch)] == ["data_dict", *FIELDS, *NN_DATA_FIELDS]
     assert set(md.__all__) >= set(API) | {"ProcessedInputs", "ProcessedMicrobatch", "get_context_parallel_rank",
                                           "get_context_parallel_world_size", "get_packed_seq_cp_partition_indices"}
 

@@ -1,5 +1,5 @@
 """Explicit process-group collections, megatron-core's parallel_state never initialised: nn_data's entry
-points take the CP and TP groups as ``pg_collection=`` (CP 2, TP 2), a tiny dense and a tiny MoE GPTModel
+points take the CP and TP groups as ``pg_collection=`` (CP 2, TP 2; the NeMo-RL layer too), a tiny dense and a tiny MoE GPTModel
 built on the collection match each sequence alone and the MoE routers are told every padding position, and
 megatron-core's PP 2 schedules (1F1B and interleaved) run nn_data's packed microbatches exactly.
 
@@ -39,6 +39,10 @@ def test_context_parallel_ops_take_the_collection(rank_pool):
 def test_tensor_parallel_ops_take_the_collection(rank_pool):
     # grid order tp-cp-ep-dp-pp: TP groups {0,1}, {2,3}; CP groups {0,2}, {1,3}
     assert rank_pool.run(CASES + "case_tensor_parallel_ops", cp=None) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_the_nemo_rl_layer_takes_the_collection(rank_pool):
+    assert rank_pool.run(CASES + "case_compat_layer", cp=None) == [0, 1, 0, 1]
 
 
 @needs_megatron_models

@@ -247,3 +247,45 @@ def case_pipeline(vpp: int, experts: int) -> dict:
     from scripts.pipeline_example import compare
 
     return compare(torch.float64, vpp=vpp, groups="collection", experts=experts)
+
+
+def case_compat_layer() -> int:
+    """NeMo-RL's ``process_microbatch`` and ``get_microbatch_iterator`` with ``pg_collection=`` (CP 2):
+    this rank's zigzag shard of the ids and routed experts and its padding mask, against the loop
+    references; without the collection (``parallel_state`` never initialised) the layer sees one rank."""
+    from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
+    from nn_data.nemo_rl.megatron_data import get_context_parallel_world_size, get_microbatch_iterator
+    from nn_data.nemo_rl.megatron_data import process_microbatch
+    from nn_data.testing.coded import coded_batch
+    from nn_data.testing.reference import reference_pack
+
+    pgc = groups(cp=2)
+    cp = context_parallel_info(pg_collection=pgc)
+    lengths = [12, 3, 0, 8, 1]
+    data = BatchedDataDict(input_ids=coded_batch(lengths, 12), input_lengths=torch.tensor(lengths),
+                           routed_experts=coded_batch(lengths, 12, (2, 3)))
+    out = process_microbatch(data, "input_lengths", 4, 1, 48, pack_sequences=True, pg_collection=pgc)
+    ref = reference_pack(data["input_ids"], lengths, 4, 1, 48)
+    assert torch.equal(out.input_ids, ref.packed)
+    assert torch.equal(out.input_ids_cp_sharded, reference_shard(ref.packed, ref.cu_seqlens_padded, 2, cp.rank))
+    routes = reference_pack(data["routed_experts"], lengths, 4, 1, 48, fill=torch.arange(3)).packed
+    assert torch.equal(out.routed_experts_cp_sharded, reference_shard(routes, ref.cu_seqlens_padded, 2, cp.rank))
+    assert torch.equal(out.padding_mask, reference_padding_mask(lengths, 4, 1, 48, 2, cp.rank))
+    assert get_context_parallel_world_size() == 1  # parallel_state was never initialised
+    alone = process_microbatch(data, "input_lengths", 4, 1, 48, pack_sequences=True)
+    assert torch.equal(alone.input_ids_cp_sharded, ref.packed)
+    planned, _ = data.plan_sequence_packing(16, sequence_length_pad_multiple=4)
+    cfg = {"sequence_packing": {"enabled": True}, "make_sequence_length_divisible_by": 4,
+           "megatron_cfg": {"tensor_model_parallel_size": 1, "sequence_parallel": False,
+                            "pipeline_model_parallel_size": 2, "context_parallel_size": 2}}
+    it, *_ = get_microbatch_iterator(planned, cfg, 1, None, pg_collection=pgc)
+    seen = 0
+    for mb, (start, end) in zip(it, planned.micro_batch_indices[0]):
+        part = planned["input_lengths"][start:end].tolist()
+        total = mb.input_ids.shape[1]
+        r = reference_pack(planned["input_ids"][start:end], part, 4, 1, total)
+        assert torch.equal(mb.input_ids_cp_sharded, reference_shard(r.packed, r.cu_seqlens_padded, 2, cp.rank))
+        assert torch.equal(mb.padding_mask, reference_padding_mask(part, 4, 1, total, 2, cp.rank))
+        seen += len(part)
+    assert seen == len(lengths)
+    return cp.rank

@@ -52,6 +52,7 @@ def make_processed_microbatch_iterator(
     model_slices_context_parallel_inputs: bool = False,
     *,
     device=None,
+    pg_collection=None,
 ) -> Iterator[ProcessedMicrobatch]:
     """Wrap a raw microbatch iterator to yield :class:`ProcessedMicrobatch` objects.
 
@@ -60,11 +61,14 @@ def make_processed_microbatch_iterator(
     :func:`process_microbatch` with the same arguments NeMo-RL passes, packing when
     ``cfg["sequence_packing"]["enabled"]``. The nn_data pack options (compiled graph, row
     capacity, ``T`` buckets) are read from ``cfg["nn_data"]`` (:meth:`PackOptions.from_cfg`)
-    and passed as ``options=`` only when that section sets one.
+    and passed as ``options=`` only when that section sets one; ``pg_collection`` (megatron-core's
+    ``ProcessGroupCollection``: the CP rank and size) is passed only when given.
     """
     pack_sequences = cfg["sequence_packing"]["enabled"]
     options = PackOptions.from_cfg(cfg)
     extra = {} if options == PackOptions() else {"options": options}
+    if pg_collection is not None:
+        extra["pg_collection"] = pg_collection
     target = resolve_device(device, cfg)
     for data_dict in raw_iterator:
         data_dict = data_dict.to(target)
@@ -96,6 +100,7 @@ def get_microbatch_iterator(
     model_slices_context_parallel_inputs: bool = False,
     *,
     device=None,
+    pg_collection=None,
 ) -> Tuple[Iterator[ProcessedMicrobatch], int, int, int, int]:
     """A processed microbatch iterator over ``data`` and its metadata.
 
@@ -108,7 +113,9 @@ def get_microbatch_iterator(
     ``cfg["nn_data"]["pad_full_seq_to"]``: :func:`run_packed_length`); otherwise fixed microbatches
     of ``mbs`` rows. ``padded_seq_length``: ``pad_full_seq_to`` when set, else ``seq_dim_size``.
     ``seq_length_key`` defaults to ``"input_lengths"`` when packing; the ``delegate_*`` and
-    ``model_slices_context_parallel_inputs`` flags go to :func:`process_microbatch` unchanged.
+    ``model_slices_context_parallel_inputs`` flags go to :func:`process_microbatch` unchanged, and so
+    does ``pg_collection`` (nn_data's keyword: the CP rank and size from megatron-core's
+    ``ProcessGroupCollection`` instead of ``parallel_state``).
     """
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
     _, seq_dim_size = public("get_and_validate_seqlen")(data)
@@ -129,7 +136,9 @@ def get_microbatch_iterator(
         require(isinstance(mbs, int) and mbs >= 1, f"mbs={mbs!r} is invalid; expected an int >= 1")
         raw_iterator = data.make_microbatch_iterator(mbs)
         data_iterator_len = data.size // mbs
-    extra = {"device": device} if device is not None else {}  # nn_data's keyword, only when given
+    extra = {"device": device} if device is not None else {}  # nn_data's keywords, only when given
+    if pg_collection is not None:
+        extra["pg_collection"] = pg_collection
     iterator = public("make_processed_microbatch_iterator")(
         raw_iterator=raw_iterator,
         cfg=cfg,

@@ -94,6 +94,7 @@ def process_microbatch(
     straggler_timer: Optional["StragglerDetector"] = None,
     *,
     options: Optional[PackOptions] = None,
+    pg_collection=None,
 ) -> ProcessedInputs:
     """Process a microbatch for the Megatron forward pass (NeMo-RL HEAD's arguments and results).
 
@@ -105,8 +106,10 @@ def process_microbatch(
     ``media_token_validity_mask`` (bool) packed the same way, ``routed_experts [1, T, Ly, K]``
     with ``arange(K)`` pad rows and its CP shard; masks and position ids None. With
     ``model_slices_context_parallel_inputs`` the model gets the full row ``[1, T]`` (ids and
-    masks) and a ``PackedSeqParams`` with separate valid/padded boundaries. CP rank and size
-    from :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One packing
+    masks) and a ``PackedSeqParams`` with separate valid/padded boundaries. ``padding_mask``
+    (nn_data's field) is True at padding, in the layout of ``input_ids_cp_sharded``. CP rank and size
+    from ``pg_collection.cp`` (keyword-only: megatron-core's ``ProcessGroupCollection``) when given,
+    else :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One packing
     call, one plan, one host sync (NeMo-RL: ``2B + 1`` per packed tensor); NeMo-RL's call sequence
     when its packing names are patched (:mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
     (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.nemo_rl.megatron_data.options.PackOptions`).
@@ -140,7 +143,8 @@ def process_microbatch(
                                                  delegate_mtp_loss_mask_to_model))
         return packed_inputs(data_dict, input_ids, seq_lengths, routed, m=pad_individual_seqs_to_multiple_of,
                              p=pad_packed_seq_to_multiple_of, pad_full_seq_to=pad_full_seq_to,
-                             model_slices=model_slices_context_parallel_inputs, options=options)
+                             model_slices=model_slices_context_parallel_inputs, options=options,
+                             pg_collection=pg_collection)
 
 
 def _keys_hint(data_dict) -> str:

@@ -31,8 +31,10 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
+from nn_data.groups import given_group_info
 from nn_data.layout import (
-    Boundaries, fixed_total_arg, layout_from_boundaries, segment_bounds, total_divisible, zigzag_source,
+    Boundaries, fixed_total_arg, layout_from_boundaries, local_places, packed_segments, padding_at, segment_bounds,
+    total_divisible, zigzag_source,
 )
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.common import patched, public
@@ -97,11 +99,28 @@ def options_kw(options: Optional[PackOptions]) -> dict:
     return {} if options is None or options == PackOptions() else {"options": options}
 
 
+def cp_rank_and_size(pg_collection) -> tuple:
+    """``(cp_rank, cp_size)``: from ``pg_collection.cp`` when a collection is given, else through the
+    names NeMo-RL's module binds (megatron-core's ``parallel_state``; 0 of 1 when it is not set up)."""
+    if pg_collection is not None:
+        cp = given_group_info(None, pg_collection=pg_collection, field="cp")
+        return cp.rank, cp.size
+    return public("get_context_parallel_rank")(), public("get_context_parallel_world_size")()
+
+
+def boundaries_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, total: int, cp_size: int,
+                            cp_rank: int) -> torch.Tensor:
+    """``[1, T/C]`` bool, True at this rank's padding, from the boundaries a (patched) packer returned:
+    the layout's padding rule on device index maps, no read."""
+    segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
+    return padding_at(segments, local_places(segments.bounds, total, cp_size, cp_rank)).unsqueeze(0)
+
+
 def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, pad_full_seq_to, model_slices: bool,
-                  options: Optional[PackOptions]):
-    """NeMo-RL HEAD's packed branch: the microbatch's ``ProcessedInputs``."""
-    cp_rank = public("get_context_parallel_rank")()
-    cp_size = public("get_context_parallel_world_size")()
+                  options: Optional[PackOptions], pg_collection=None):
+    """NeMo-RL HEAD's packed branch: the microbatch's ``ProcessedInputs`` (and nn_data's padding mask,
+    in the layout of the model's ids)."""
+    cp_rank, cp_size = cp_rank_and_size(pg_collection)
     identity = None
     if routed is not None and r3_verify_forward_enabled():
         identity = public("_make_r3_trace_token_identity")(input_ids, seq_lengths)
@@ -111,12 +130,16 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, 
     extras = {"mtp_loss_mask": data_dict["mtp_loss_mask"] if "mtp_loss_mask" in data_dict else None,
               "routed_experts": routed, "token_identity": identity, "media_token_validity_mask": media}
     config = dict(m=m, p=p, pad_full_seq_to=pad_full_seq_to, cp_rank=cp_rank, cp_size=cp_size, options=options)
+    mask_ranks = (1, 0) if model_slices else (cp_size, cp_rank)  # the model's ids: the full row, or this share
     if patched(*NEMO_RL_CALLS):
         check_extras(input_ids, extras)  # NeMo-RL's functions do not check the companions
-        batch, params, cu_pad = _nemo_rl_calls(input_ids, seq_lengths, extras, model_slices=model_slices, **config)
+        batch, params, cu_pad, cu = _nemo_rl_calls(input_ids, seq_lengths, extras, model_slices=model_slices,
+                                                   **config)
+        padding = boundaries_padding_mask(cu, cu_pad, batch.full["input_ids"].shape[1], *mask_ranks)
     else:
         batch, params = _one_call(input_ids, seq_lengths, extras, model_slices=model_slices, **config)
         cu_pad = batch.layout.cu_seqlens_padded
+        padding = batch.layout.padding_mask(*mask_ranks)  # [1, T/C] (or [1, T]) bool, no read
     full, local = batch.full, batch.local
     public("_verify_r3_trace_cp_token_alignment")(
         source_input_ids=input_ids, source_routed_experts=routed, input_ids_cp_sharded=local["input_ids"],
@@ -129,7 +152,7 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, 
         position_ids=None, packed_seq_params=params, cu_seqlens_padded=cu_pad,
         mtp_loss_mask=model_side.get("mtp_loss_mask"), routed_experts=full.get("routed_experts"),
         routed_experts_cp_sharded=local.get("routed_experts"),
-        media_token_validity_mask=None if mask is None else mask.bool(),
+        media_token_validity_mask=None if mask is None else mask.bool(), padding_mask=padding,
     )
 
 
@@ -156,7 +179,7 @@ def _one_call(input_ids, seq_lengths, extras: dict, *, m, p, pad_full_seq_to, cp
 def _nemo_rl_calls(input_ids, seq_lengths, extras: dict, *, m, p, pad_full_seq_to, cp_rank, cp_size, options,
                    model_slices: bool):
     """NeMo-RL's call sequence through the (patched) public names, each call doing its own work:
-    ``(PackedMicrobatch without a layout, PackedSeqParams, cu_seqlens_padded)``."""
+    ``(PackedMicrobatch without a layout, PackedSeqParams, cu_seqlens_padded, cu_seqlens)``."""
     pack = public("_pack_sequences_for_megatron")
     kw = dict(cp_rank=cp_rank, cp_size=cp_size, **options_kw(options))
     packed_ids, local_ids, params, cu, cu_pad = pack(input_ids, seq_lengths, m, p, pad_full_seq_to, **kw)
@@ -170,7 +193,7 @@ def _nemo_rl_calls(input_ids, seq_lengths, extras: dict, *, m, p, pad_full_seq_t
     for name in ("mtp_loss_mask", "media_token_validity_mask"):
         if extras[name] is not None:
             full[name], local[name] = pack(extras[name], seq_lengths, m, p, pad_full_seq_to, **kw)[:2]
-    return PackedMicrobatch(None, full, local), params, cu_pad
+    return PackedMicrobatch(None, full, local), params, cu_pad, cu
 
 
 def _routes(routed, identity, seq_lengths, cu, cu_pad, cp_rank, cp_size, full_row_params, packed_ids):

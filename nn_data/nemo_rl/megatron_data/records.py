@@ -1,4 +1,5 @@
-"""NeMo-RL's two records of a processed microbatch (its fields, in its order)."""
+"""NeMo-RL's two records of a processed microbatch (its fields, in its order), plus nn_data's
+``padding_mask`` last (None unless packed)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
 
 @dataclass
 class ProcessedInputs:
-    """Processed microbatch inputs used for the model forward pass (NeMo-RL's fields)."""
+    """Processed microbatch inputs used for the model forward pass (NeMo-RL's fields), and nn_data's
+    ``padding_mask``: packed microbatches only, bool in the layout of ``input_ids_cp_sharded``
+    (``[1, T/C]``; ``[1, T]`` when the model slices CP itself), True at padding (each segment's slack
+    and the extended last segment): what megatron-core's ``GPTModel.forward(padding_mask=)`` takes
+    to keep padding out of MoE routing statistics."""
 
     input_ids: torch.Tensor
     input_ids_cp_sharded: torch.Tensor
@@ -27,13 +32,14 @@ class ProcessedInputs:
     routed_experts: Optional[torch.Tensor] = None
     routed_experts_cp_sharded: Optional[torch.Tensor] = None
     media_token_validity_mask: Optional[torch.Tensor] = None
+    padding_mask: Optional[torch.Tensor] = None
 
 
 @dataclass
 class ProcessedMicrobatch:
     """A processed microbatch ready for the model forward: the raw ``data_dict`` plus the
     :class:`ProcessedInputs` fields (packed tensors, ``PackedSeqParams`` ... or, unpacked,
-    the causal mask and position ids)."""
+    the causal mask and position ids; nn_data's ``padding_mask`` as in :class:`ProcessedInputs`)."""
 
     data_dict: "BatchedDataDict[Any]"
     input_ids: torch.Tensor
@@ -46,3 +52,4 @@ class ProcessedMicrobatch:
     routed_experts: Optional[torch.Tensor] = None
     routed_experts_cp_sharded: Optional[torch.Tensor] = None
     media_token_validity_mask: Optional[torch.Tensor] = None
+    padding_mask: Optional[torch.Tensor] = None
