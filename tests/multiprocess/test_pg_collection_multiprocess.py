@@ -41,6 +41,10 @@ def test_tensor_parallel_ops_take_the_collection(rank_pool):
     assert rank_pool.run(CASES + "case_tensor_parallel_ops", cp=None) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+def test_staged_microbatches_under_context_parallelism(rank_pool):
+    assert rank_pool.run(CASES + "case_staging", cp=None) == [0, 1, 0, 1]
+
+
 def test_the_nemo_rl_layer_takes_the_collection(rank_pool):
     assert rank_pool.run(CASES + "case_compat_layer", cp=None) == [0, 1, 0, 1]
 

@@ -289,3 +289,32 @@ def case_compat_layer() -> int:
         seen += len(part)
     assert seen == len(lengths)
     return cp.rank
+
+
+def case_staging() -> int:
+    """StagedMicrobatch under CP 2 (the collection's group): each rank's staged tensors equal the unstaged
+    path's on a stream, at fixed addresses, and the model on them (keys and values gathered over the
+    staged boundaries) gives PackedForward's local output."""
+    from nn_data.models import TinyCausalLM
+    from nn_data.staging import STAGED, StagedMicrobatch, staged_values
+    from nn_data.testing.coded import coded_batch
+
+    pgc = groups(cp=2)
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab=53, dim=16, heads=2, layers=1, mask_kind="dense").double().eval()
+    packing = PackedForward(model, pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=64, row_capacity=5,
+                            pg_collection=pgc)
+    stage = StagedMicrobatch(packing, 12)
+    addresses = stage.addresses()
+    for lengths in ([3, 12, 0], [12, 12, 12, 4, 1], [], [7]):
+        ids = coded_batch(lengths, 12) % 53
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        stage.load(ids, lens).prepare()
+        assert stage.addresses() == addresses
+        want = staged_values(packing, ids, lens)
+        for name in STAGED:
+            assert torch.equal(getattr(stage, name), want[name].to(getattr(stage, name).dtype)), (name, lengths)
+        inp = packing.prepare(ids, lens)
+        with torch.no_grad():
+            assert torch.equal(stage.forward(), model(inp.input_ids, inp.position_ids, inp.packed)), lengths
+    return packing.cp_rank

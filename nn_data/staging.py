@@ -1,0 +1,206 @@
+"""A microbatch at fixed addresses, so that a CUDA graph captured once (data path + model forward) replays
+over a whole stream.
+
+Shape legend
+    B   real rows of a microbatch (varies, ``<= R``); S' its row length (``<= S``)
+    R   row capacity; S the staged row length (the widest row the stream holds)
+    T   packed tokens (``pad_full_seq_to``); C context-parallel size, a rank holds ``T/C``
+
+A captured graph replays the kernels it recorded on the addresses it recorded: its inputs must be
+copied into the same tensors before every replay, and whatever it hands the model (the packed ids,
+the boundaries, ``PackedSeqParams``) must be those same tensors too (megatron-core's
+``full_cuda_graph.StaticBufferLoader`` does the first half for raw batches). :class:`StagedMicrobatch`
+holds both halves for one :class:`~nn_data.PackedForward` configuration (its ``row_capacity`` R, its
+``pad_full_seq_to`` T, its CP size C and rank), allocated once:
+
+* the **rows** the data path reads: ``rows_ids [R, S]``, ``rows_lengths [R]``, ``num_rows`` (0-d);
+  :meth:`StagedMicrobatch.load` copies a microbatch ``[B, S']`` into them (``copy_`` and ``zero_``
+  on views: no allocation, no host sync);
+* the **packed** tensors the model reads: ``input_ids``, ``position_ids``, ``targets`` (the next token
+  within the sequence, else ``ignore_index``), ``padding_mask`` (True at padding), all ``[1, T/C]``,
+  the boundaries ``cu_seqlens_padded [R+1]``, ``segment_ids [T]``, ``query_index [T/C]`` and
+  ``max_seqlen`` (0-d); :meth:`StagedMicrobatch.prepare` runs the data path (pack, this rank's zigzag
+  places, positions, targets, padding mask) on the device executor, which reads nothing on the host,
+  and ``copy_``\\ s the results in. ``info`` (a :class:`~nn_data.PackedInfo`) and ``packed_seq_params``
+  (megatron-core's, ``max_seqlen = T`` fixed) are made once over these tensors.
+
+Capture ``stage.prepare()`` followed by the model's forward on ``stage.input_ids``,
+``stage.position_ids``, ``stage.info``; then per microbatch ``stage.load(ids, lengths)`` and
+``graph.replay()`` (profiling/gpu_check runs exactly this on a GPU). Without a graph the same calls
+run eagerly and give the unstaged path's values (tests/ops/test_staging.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nn_data import _checks
+from nn_data.errors import PackingError
+from nn_data.layout import packed_segments
+from nn_data.pack import PackSequences, PackShard
+from nn_data.packed_forward import PackedForward, PackedInfo
+from nn_data.targets import next_token_at
+
+
+class StagedMicrobatch:
+    """Fixed-address buffers for one microbatch of ``packing``'s stream, sized by ``(R, T, C)`` (module
+    docstring). ``packing`` is a :class:`~nn_data.PackedForward` with ``pad_full_seq_to`` (T) and
+    ``row_capacity`` (R); ``seq_len`` (S) is the widest row a microbatch may have; ``device`` where the
+    buffers live (default: the CPU); ``ids_dtype`` the dtype of the ids; ``validate=True`` keeps the
+    data path's data checks as device asserts (no host read either way).
+
+    Raises :class:`PackingError` when ``packing`` has no ``pad_full_seq_to`` or no ``row_capacity``,
+    for a bad ``seq_len``; :meth:`load` for a batch that does not fit.
+    """
+
+    def __init__(self, packing: PackedForward, seq_len: int, *, device=None, ids_dtype: torch.dtype = torch.int64,
+                 ignore_index: int = -100, validate: bool = True):
+        if not isinstance(packing, PackedForward):
+            raise PackingError(f"packing must be a PackedForward, got {type(packing).__name__}")
+        pack = packing.pack
+        if pack.pad_full_seq_to is None or packing.row_capacity is None:
+            raise PackingError("StagedMicrobatch needs PackedForward(pad_full_seq_to=T, row_capacity=R): fixed "
+                               f"shapes (got pad_full_seq_to={pack.pad_full_seq_to}, "
+                               f"row_capacity={packing.row_capacity})")
+        self.packing = packing
+        self.rows, self.total = packing.row_capacity, pack.pad_full_seq_to
+        self.seq_len = _checks.row_length("seq_len", seq_len)
+        self.cp_size, self.cp_rank = packing.cp_size, packing.cp_rank
+        self.ignore_index = int(ignore_index)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        device_pack = PackSequences(pack.m, pack.p, self.total, validate=validate, host_reads=False)
+        self._pack_shard = PackShard(device_pack, self.cp_size, self.cp_rank, positions=True, padding=True)
+        r, t, local = self.rows, self.total, self.total // self.cp_size
+        self.rows_ids = torch.zeros(r, self.seq_len, dtype=ids_dtype, device=device)  # [R, S]
+        self.rows_lengths = torch.zeros(r, dtype=torch.int64, device=device)  # [R]
+        self.num_rows = torch.zeros((), dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(1, local, dtype=ids_dtype, device=device)  # [1, T/C]
+        self.position_ids = torch.zeros(1, local, dtype=torch.int64, device=device)  # [1, T/C]
+        self.targets = torch.full((1, local), self.ignore_index, dtype=torch.int64, device=device)  # [1, T/C]
+        self.padding_mask = torch.ones(1, local, dtype=torch.bool, device=device)  # [1, T/C]
+        self.cu_seqlens_padded = torch.full((r + 1,), t, dtype=torch.int32, device=device)  # [R+1]
+        self.cu_seqlens_padded[0] = 0
+        self.segment_ids = torch.zeros(t, dtype=torch.int64, device=device)  # [T]
+        self.query_index = torch.arange(local, dtype=torch.int64, device=device)  # [T/C]
+        self.max_seqlen = torch.full((), t, dtype=torch.int32, device=device)
+        self.info = PackedInfo(self.cu_seqlens_padded, self.max_seqlen, self.segment_ids, self.query_index,
+                               self.cp_size, self.cp_rank, self._gather(), self._packed_seq_params(),
+                               self.padding_mask)
+
+    # -- the rows -----------------------------------------------------------------------------------------
+
+    def load(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> "StagedMicrobatch":
+        """Copy ``input_ids [B, S']`` and ``seq_lengths [B]`` (``B <= R``, ``S' <= S``, on the buffers'
+        device) into the staged rows; rows and columns past them are zeroed. ``copy_``, ``zero_`` and
+        ``fill_`` on views: nothing is allocated, nothing read on the host."""
+        _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+        if input_ids.dim() != 2:
+            raise PackingError(f"input_ids must be [B, S], got {_checks.dims(input_ids)}")
+        rows, width = input_ids.shape
+        _checks.check_int_vector("seq_lengths", seq_lengths, rows)
+        _checks.check_row_capacity(rows, self.rows, "row_capacity")
+        if width > self.seq_len:
+            raise PackingError(f"input_ids has rows of {width} tokens; this StagedMicrobatch holds rows of at "
+                               f"most seq_len={self.seq_len}")
+        _checks.check_same_device(input_ids=input_ids, seq_lengths=seq_lengths, staged=self.rows_ids)
+        self.rows_ids[:rows, :width].copy_(input_ids)
+        self.rows_ids[:rows, width:].zero_()
+        self.rows_ids[rows:].zero_()
+        self.rows_lengths[:rows].copy_(seq_lengths)
+        self.rows_lengths[rows:].zero_()
+        self.num_rows.fill_(rows)
+        return self
+
+    # -- the packed tensors -----------------------------------------------------------------------------
+
+    def prepare(self) -> "StagedMicrobatch":
+        """The data path on the staged rows, into the staged packed tensors: pack (device executor), this
+        rank's places, position ids, next-token targets, padding mask, boundaries. No host read, fixed
+        shapes: what a CUDA graph captures ahead of the model."""
+        res = self._pack_shard(self.rows_ids, self.rows_lengths, self.num_rows)
+        layout = res.pack.layout
+        segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, self.total)
+        token, has_target = next_token_at(res.full["x"][0], segments, res.places, self.total)  # [T/C] each
+        self.copy_(input_ids=res.local["x"], position_ids=res.positions,
+                   targets=torch.where(has_target, token, self.ignore_index).unsqueeze(0),
+                   padding_mask=res.padding_mask, cu_seqlens_padded=res.pack.cu_seqlens_padded,
+                   segment_ids=res.segment_ids, query_index=res.places.source, max_seqlen=res.pack.max_seqlen)
+        return self
+
+    def copy_(self, **values: torch.Tensor) -> "StagedMicrobatch":
+        """Copy tensors of the right shapes into the staged packed tensors of those names (``input_ids``,
+        ``position_ids``, ``targets``, ``padding_mask``, ``cu_seqlens_padded``, ``segment_ids``,
+        ``query_index``, ``max_seqlen``); ``PackedSeqParams.seq_idx`` follows the boundaries where the
+        release has it. Raises :class:`PackingError` for an unknown name or another shape."""
+        for name, value in values.items():
+            if name not in STAGED:
+                raise PackingError(f"StagedMicrobatch stages {STAGED}; got {name!r}")
+            buffer = getattr(self, name)
+            if tuple(value.shape) != tuple(buffer.shape):
+                raise PackingError(f"{name} has shape {_checks.dims(value)}; the staged {name} is "
+                                   f"{_checks.dims(buffer)} (R={self.rows}, T={self.total}, C={self.cp_size})")
+            buffer.copy_(value)
+        if "cu_seqlens_padded" in values and self._seq_idx is not None:
+            from nn_data.megatron_parallel import sequence_index
+
+            self._seq_idx.copy_(sequence_index(self.cu_seqlens_padded, self.total // self.cp_size, self.total))
+        return self
+
+    def addresses(self) -> dict:
+        """``{name: data_ptr}`` of every staged tensor (rows and packed): the same on every microbatch."""
+        return {name: getattr(self, name).data_ptr() for name in ("rows_ids", "rows_lengths", "num_rows", *STAGED)}
+
+    # -- what the model gets ----------------------------------------------------------------------------
+
+    def forward(self):
+        """``packing.model`` on the staged tensors: ``model(input_ids, position_ids, info)`` ->
+        ``[1, T/C, *]`` (the call a graph captures after :meth:`prepare`)."""
+        return self.packing.model(self.input_ids, self.position_ids, self.info)
+
+    def _gather(self):
+        if self.cp_size == 1:
+            return None
+        gather_kv, bounds = self.packing.gather_kv, self.cu_seqlens_padded
+
+        def gather(local: torch.Tensor) -> torch.Tensor:  # [1, T/C, *] -> [1, T, *] over the staged boundaries
+            return gather_kv(local, bounds)
+
+        return gather
+
+    def _packed_seq_params(self):
+        """megatron-core's ``PackedSeqParams`` over the staged boundaries (``max_seqlen = T``), when
+        ``packing`` makes them; its ``seq_idx`` (0.17 and newer) is refreshed in place by :meth:`copy_`."""
+        self._seq_idx = None
+        if not self.packing.make_packed_seq_params:
+            return None
+        from nn_data.megatron_parallel import make_packed_seq_params
+
+        params = make_packed_seq_params(self.cu_seqlens_padded, self.total, self.total // self.cp_size,
+                                        total=self.total, cp_group=self.packing.cp_group)
+        self._seq_idx = getattr(params, "seq_idx", None)
+        return params
+
+
+#: The packed tensors a :class:`StagedMicrobatch` stages (besides the rows).
+STAGED = ("input_ids", "position_ids", "targets", "padding_mask", "cu_seqlens_padded", "segment_ids", "query_index",
+          "max_seqlen")
+
+
+def staged_values(packing: PackedForward, input_ids: torch.Tensor, seq_lengths: torch.Tensor, *,
+                  ignore_index: int = -100) -> dict:
+    """The unstaged path's values of the staged tensors (``packing.prepare`` and
+    :class:`~nn_data.NextTokenTargets` on its pack): what a :class:`StagedMicrobatch` must hold after
+    ``load(input_ids, seq_lengths).prepare()``. For tests and the GPU check."""
+    from nn_data.rows import pad_to_row_capacity
+    from nn_data.targets import NextTokenTargets
+
+    inp = packing.prepare(input_ids, seq_lengths)
+    padded = pad_to_row_capacity(input_ids, seq_lengths, packing.row_capacity, name="row_capacity")
+    r = packing.pack(padded.x, padded.seq_lengths, padded.num_rows)
+    targets = NextTokenTargets(packing.cp_size, packing.cp_rank, ignore_index=ignore_index)(r.packed, layout=r.layout)
+    info = inp.packed
+    return dict(input_ids=inp.input_ids, position_ids=inp.position_ids, targets=targets.targets,
+                padding_mask=info.padding_mask, cu_seqlens_padded=info.cu_seqlens_padded,
+                segment_ids=info.segment_ids, query_index=info.query_index, max_seqlen=info.max_seqlen)
