@@ -113,6 +113,18 @@ class StagedMicrobatch:
         self.num_rows.fill_(rows)
         return self
 
+    def load_rows(self, rows_ids: torch.Tensor, rows_lengths: torch.Tensor, num_rows: torch.Tensor) -> "StagedMicrobatch":
+        """Copy a microbatch already padded to the row capacity (``rows_ids [R, S]``, ``rows_lengths [R]``,
+        ``num_rows`` 0-d: :func:`nn_data.pad_to_row_capacity`'s result, or a loader's static buffers such
+        as megatron-core's ``StaticBufferLoader``) into the staged rows: three ``copy_``, nothing read."""
+        for name, value, buffer in (("rows_ids", rows_ids, self.rows_ids), ("rows_lengths", rows_lengths,
+                                                                             self.rows_lengths),
+                                    ("num_rows", num_rows, self.num_rows)):
+            if tuple(value.shape) != tuple(buffer.shape):
+                raise PackingError(f"{name} has shape {_checks.dims(value)}; the staged {name} is {_checks.dims(buffer)}")
+            buffer.copy_(value)
+        return self
+
     # -- the packed tensors -----------------------------------------------------------------------------
 
     def prepare(self) -> "StagedMicrobatch":

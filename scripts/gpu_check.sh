@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU proof: the CUDA test tier, the op benchmark and the profiler's main job on one CUDA GPU,
+# The GPU proof: the CUDA test tier, the op benchmark, the profiler's main job and the CUDA-graph
+# benchmark on one CUDA GPU,
 # a PASS/FAIL line per check; every figure in profiling/gpu_runs/<timestamp>/ (profiling/README.md,
 # "GPU figures"). Flags go to `python -m profiling.gpu_check` (--help lists them).
 #   bash scripts/gpu_check.sh                    # GPU machine: its own python3 (or $PYTHON), no venv

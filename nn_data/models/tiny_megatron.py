@@ -57,17 +57,20 @@ def tiny_gpt_config(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups
 
 
 def tiny_gpt_model(config: "TransformerConfig", *, vocab: int = 97, max_len: int = 4096, pre_process: bool = True,
-                   post_process: bool = True, seed: int = 0, pg_collection=None, vp_stage=None) -> "GPTModel":
+                   post_process: bool = True, seed: int = 0, pg_collection=None, vp_stage=None,
+                   position_embedding: str = "rope") -> "GPTModel":
     """``GPTModel`` with :func:`~nn_data.adapters.megatron_gpt_layer_spec`, RoPE, untied output
     layer, in ``config.params_dtype``, parameters set by global name from ``seed``. Under pipeline
     parallelism (``pg_collection.pp``, else megatron-core's ``parallel_state``) it holds this stage's
     layers only (those of virtual stage ``vp_stage`` with the interleaved schedule); MoE layers when
-    ``config.num_moe_experts`` is set (:func:`tiny_gpt_config`)."""
+    ``config.num_moe_experts`` is set (:func:`tiny_gpt_config`). ``position_embedding="none"``: no
+    rotary embedding (megatron-core's THD rotary embedding reads the boundaries on the host, which a
+    CUDA-graph capture refuses)."""
     spec = megatron_gpt_layer_spec(normalization="RMSNorm", num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     extra = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
         config, spec, vocab_size=vocab, max_sequence_length=max_len,
-        pre_process=pre_process, post_process=post_process, position_embedding_type="rope",
+        pre_process=pre_process, post_process=post_process, position_embedding_type=position_embedding,
         share_embeddings_and_output_weights=False, pg_collection=pg_collection, **extra,
     ).to(config.params_dtype)
     init_by_global_name(model, seed)

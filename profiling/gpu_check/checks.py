@@ -156,3 +156,36 @@ def trace_checks(run_dir: str, modes: list, *, cuda: bool) -> list[Check]:
             if cuda and "Kernel" not in views:
                 problems.append(f"{mode}: no GPU kernels in the trace")
     return [Check(name, FAIL if problems else PASS, "; ".join(problems) if problems else ", ".join(seen))]
+
+
+#: The speed target of the graphs step (issue: replay of data path + forward vs eager at B = 64).
+GRAPH_SPEEDUP_TARGET = 3.0
+
+
+def graph_checks(result: Optional[dict], *, cuda: bool) -> list[Check]:
+    """The CUDA-graph benchmark (profiling/bench/bench_cuda_graph.py): it ran; the staged path equals
+    eager; on CUDA the captured graph replays the stream equal to eager with no host sync and no new
+    allocation, at least :data:`GRAPH_SPEEDUP_TARGET` times faster than eager per microbatch."""
+    if not result:
+        return [Check("graphs: the CUDA-graph benchmark ran", FAIL, "no results (see graphs.log)")]
+    diffs = result["max_abs_difference"]
+    checks = [Check("graphs: the CUDA-graph benchmark ran", PASS,
+                    f"B = {result['rows']}, S = {result['seq_len']}, T = {result['total']}, "
+                    f"{result['microbatches']} microbatches"),
+              Check("graphs: staged microbatches equal the eager path", PASS if diffs["staged"] <= 1e-5 else FAIL,
+                    f"max |difference| {diffs['staged']:.1e}")]
+    replay = "graphs: a graph captured once replays the stream equal to eager, 0 host syncs, 0 new allocations"
+    target = (f"graphs target: graph replay of data path + forward at least {GRAPH_SPEEDUP_TARGET:g}x faster than "
+              f"eager per microbatch (median, B = {result['rows']})")
+    if not cuda:
+        return checks + [Check(replay, NOT_CHECKED, "dry run: CUDA graphs need CUDA"),
+                         Check(target, NOT_CHECKED, "dry run: speed is not judged on the CPU")]
+    if "graph (steady state)" not in diffs:
+        return checks + [Check(replay, FAIL, "the graph mode did not run"), Check(target, FAIL, "no graph timing")]
+    bad = diffs["graph (steady state)"] > 1e-5 or result["graph_syncs"] or result["graph_new_allocations"]
+    checks.append(Check(replay, FAIL if bad else PASS,
+                        f"max |difference| {diffs['graph (steady state)']:.1e}, {result['graph_syncs']} syncs "
+                        f"{result['graph_sync_locations'][:3]}, {result['graph_new_allocations']} new allocations"))
+    speedup = result["graph_vs_eager_speedup"]
+    checks.append(Check(target, PASS if speedup >= GRAPH_SPEEDUP_TARGET else FAIL, f"{speedup:.2f}x"))
+    return checks

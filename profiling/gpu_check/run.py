@@ -1,5 +1,5 @@
-"""The GPU proof in one command: the CUDA test tier, the op benchmark on CUDA and the profiler's
-main job with ``--device cuda``, into one run folder, then a short summary with a PASS/FAIL line
+"""The GPU proof in one command: the CUDA test tier, the op benchmark on CUDA, the profiler's
+main job with ``--device cuda`` and the CUDA-graph benchmark, into one run folder, then a short summary with a PASS/FAIL line
 per check. Made to finish in under 8 minutes on one CUDA GPU, compiles included.
 
     bash scripts/gpu_check.sh                 # on a machine with one CUDA GPU
@@ -12,10 +12,13 @@ its log is kept):
 2. ``bench``: ``python -m profiling.bench.bench_ops --device cuda`` (B = 8, 64, 256).
 3. ``profiler``: ``python -m profiling.microbatches --device cuda``, then its traces
    are parsed with torch-tb-profiler.
+4. ``graphs``: ``python -m profiling.bench.bench_cuda_graph --device cuda`` (a StagedMicrobatch, the
+   data path + the tiny model's forward captured once in a CUDA graph and replayed over a stream at
+   B = 64, against eager; the dry run: the staged path eagerly, tiny sizes).
 
 The run folder ``profiling/gpu_runs/<timestamp>/`` (``--out-dir``) holds ``results.json``
 (machine, packages, every check and every figure), ``summary.txt``, each step's log,
-``tests.jsonl``, ``bench.json`` and the profiler's run folder (``profiler/``: summary.json,
+``tests.jsonl``, ``bench.json``, ``graphs.json`` and the profiler's run folder (``profiler/``: summary.json,
 chart.png, traces). ``--export DIR`` also copies results.json, summary.txt and the folder as
 ``gpu_run.tar.gz`` into ``DIR`` (the device machine's ``$OUT``).
 
@@ -47,11 +50,12 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root
 RUNS = ROOT / "profiling" / "gpu_runs"
 PACKAGES = ("megatron.core", "torch_tb_profiler", "tensorboard", "matplotlib", "tqdm", "pytest", "hypothesis",
             "einops", "numpy")
-SHARES = {"tests": 0.40, "bench": 0.30, "profiler": 0.30}  # of --budget-s
+SHARES = {"tests": 0.36, "bench": 0.26, "profiler": 0.26, "graphs": 0.12}  # of --budget-s
 TINY_BENCH = ["--rows", "8", "--tokens", "512", "--hidden", "8", "--reps", "3"]
 TINY_PROFILE = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256",
                 "--microbatches", "5", "--passes", "2", "--sync-steps", "2", "--trace-steps", "2", "--vocab", "64",
                 "--hidden", "8", "--modes", "eager", "compiled", "reduce-overhead", "loop"]  # the GPU run's modes
+TINY_GRAPHS = ["--rows", "6", "--seq-len", "8", "--multiple", "4", "--microbatches", "6", "--passes", "2"]
 EXPORT_LIMIT = 15 * 1024 * 1024  # the device tool brings files of up to 16 MiB back
 
 
@@ -60,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="run every step on the CPU with tiny sizes")
     ap.add_argument("--budget-s", type=float, default=450.0,
-                    help="wall-time budget of the three steps, shared 40/30/30 %% (default 450)")
+                    help="wall-time budget of the four steps, shared 36/26/26/12 %% (default 450)")
     ap.add_argument("--steps", nargs="+", choices=tuple(SHARES), default=list(SHARES),
                     help="steps to run (default all)")
     ap.add_argument("--out-dir", default=None, help="run folder (default profiling/gpu_runs/<timestamp>)")
@@ -154,7 +158,19 @@ def step_profiler(run_dir: Path, limit: float, dry: bool, cuda: bool) -> tuple[d
     return info, found
 
 
-STEPS = {"tests": step_tests, "bench": step_bench, "profiler": step_profiler}
+def step_graphs(run_dir: Path, limit: float, dry: bool, cuda: bool) -> tuple[dict, list]:
+    out = run_dir / "graphs.json"
+    cmd = [sys.executable, "-m", "profiling.bench.bench_cuda_graph", "--device", "cuda" if cuda else "cpu",
+           "--json", str(out)]
+    info = run_step("graphs", cmd + (TINY_GRAPHS if dry else []), run_dir, limit, {})
+    info["results"] = _load_json(out)
+    found = checks_mod.graph_checks(info["results"], cuda=cuda)
+    if info["timed_out"]:
+        found.append(Check("graphs: finished", FAIL, f"killed at its time limit ({limit:.0f} s)"))
+    return info, found
+
+
+STEPS = {"tests": step_tests, "bench": step_bench, "profiler": step_profiler, "graphs": step_graphs}
 
 
 def run_kind_check(dry: bool, cuda: bool) -> Check:
@@ -169,10 +185,17 @@ def run_kind_check(dry: bool, cuda: bool) -> Check:
     return Check("run kind", PASS, f"CUDA: {torch.cuda.get_device_name()}")
 
 
-def figures_text(bench: list | None, profiler: dict | None) -> list[str]:
+def figures_text(bench: list | None, profiler: dict | None, graphs: dict | None = None) -> list[str]:
     """The figures, short: per op and B the median microseconds of every mode; per profiler
-    mode the latency per microbatch; the compiled speed-ups."""
+    mode the latency per microbatch; the compiled speed-ups; the CUDA-graph replay against eager."""
     lines = []
+    if graphs:
+        lines.append(f"graphs: us per microbatch, data path + tiny model forward (B = {graphs['rows']}, "
+                     f"S = {graphs['seq_len']}, T = {graphs['total']}, {graphs['device']})")
+        lines += [f"  {t['mode']:<8} median {t['median_us']:10.1f}  p10 {t['p10_us']:10.1f}  p90 {t['p90_us']:10.1f}"
+                  for t in graphs["timings"]]
+        if graphs.get("graph_vs_eager_speedup"):
+            lines.append(f"  graph replay vs eager: {graphs['graph_vs_eager_speedup']:.2f}x")
     if bench:
         modes = [m for m in ("reference", "eager", "compiled", "cudagraph", "floor")
                  if any(r["mode"] == m for r in bench)]
@@ -240,7 +263,8 @@ def main(argv=None) -> int:
     wall = time.monotonic() - started
     counts = {s: sum(c.status == s for c in checks) for s in (PASS, FAIL, KNOWN, NOT_CHECKED)}
     verdict = "FAIL" if counts[FAIL] else "PASS"
-    figures = figures_text(steps.get("bench", {}).get("results"), steps.get("profiler", {}).get("summary"))
+    figures = figures_text(steps.get("bench", {}).get("results"), steps.get("profiler", {}).get("summary"),
+                           steps.get("graphs", {}).get("results"))
     lines = ["", "=" * 100, f"gpu_check summary ({'dry run, CPU' if args.dry_run else 'GPU'}) "
              f"{time.strftime('%Y-%m-%d %H:%M:%S')}; {env['machine']}"]
     lines += [f"step {n}: exit {s['rc']}{' (timed out)' if s['timed_out'] else ''}, {s['wall_s']:.0f} s, log {s['log']}"

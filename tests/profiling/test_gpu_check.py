@@ -14,7 +14,7 @@ import pytest
 
 from profiling.gpu_check import run as gpu_check
 from profiling.gpu_check.checks import (
-    FAIL, KNOWN, NOT_CHECKED, PASS, bench_checks, profiler_checks, tier_checks, trace_checks,
+    FAIL, KNOWN, NOT_CHECKED, PASS, bench_checks, graph_checks, profiler_checks, tier_checks, trace_checks,
 )
 
 
@@ -95,6 +95,30 @@ def test_profiler_checks_judge_speed_only_on_cuda():
     assert gpu["profiler target: compiled faster than loop per microbatch (mean)"] == FAIL
     assert gpu["profiler: reduce-overhead replays CUDA graphs without syncs"] == FAIL  # the mode did not run
     assert [c.status for c in profiler_checks(None, cuda=True)] == [FAIL]
+
+
+def _graphs(**kw):
+    base = dict(rows=64, seq_len=32, total=2048, microbatches=16, device="cuda", graph_vs_eager_speedup=4.1,
+                max_abs_difference={"staged": 0.0, "graph": 0.0, "graph (steady state)": 0.0}, graph_syncs=0,
+                graph_sync_locations=[], graph_new_allocations=0)
+    return {**base, **kw}
+
+
+def test_graph_checks_judge_replay_and_speed_only_on_cuda():
+    assert [c.status for c in graph_checks(None, cuda=False)] == [FAIL]
+    dry = graph_checks(_graphs(device="cpu", graph_vs_eager_speedup=None, max_abs_difference={"staged": 0.0}),
+                       cuda=False)
+    assert [c.status for c in dry] == [PASS, PASS, NOT_CHECKED, NOT_CHECKED]
+    assert [c.status for c in graph_checks(_graphs(), cuda=True)] == [PASS] * 4
+    slow = graph_checks(_graphs(graph_vs_eager_speedup=2.5), cuda=True)
+    assert slow[-1].status == FAIL and "3x faster" in slow[-1].name and slow[-1].detail == "2.50x"
+    syncing = graph_checks(_graphs(graph_syncs=1, graph_sync_locations=["staging.py:90"]), cuda=True)
+    assert syncing[2].status == FAIL and "staging.py:90" in syncing[2].detail
+    assert graph_checks(_graphs(graph_new_allocations=3), cuda=True)[2].status == FAIL
+    unequal = _graphs(max_abs_difference={"staged": 0.5, "graph (steady state)": 0.0})
+    assert graph_checks(unequal, cuda=True)[1].status == FAIL
+    no_graph = graph_checks(_graphs(max_abs_difference={"staged": 0.0}), cuda=True)
+    assert [c.status for c in no_graph][2:] == [FAIL, FAIL]
 
 
 def test_traces_without_the_profiler_plugin_are_not_checked(tmp_path, monkeypatch):
