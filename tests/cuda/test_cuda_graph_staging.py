@@ -131,7 +131,7 @@ def test_megatron_full_cuda_graph_wrapper_replays_a_staged_step():
                 want = _loss(adapter(inp.input_ids, inp.position_ids, inp.packed),
                              staged_targets(packing, ids, lengths))[0]
             torch.testing.assert_close(reduced[0]["loss"].float(), want.float(), **TOL)
-        if ON_CUDA:
+        if hasattr(schedule, "reset_cuda_graph"):  # 0.19; 0.16's wrapper keeps its graph for the process
             schedule.reset_cuda_graph()
     finally:
         destroy_model_parallel_groups(parallel_state)
