@@ -20,6 +20,12 @@ for arg in "$@"; do
 done
 cd "$root"
 python="${PYTHON:-python3}"
+if ! "$python" -c "import torch" 2>/dev/null; then
+    echo "gpu_check: $python has no torch. On a GPU machine run it with the python3 that has the machine's" >&2
+    echo "gpu_check: CUDA torch (PYTHON=/path/to/python3 bash scripts/gpu_check.sh); on this project's CPU" >&2
+    echo "gpu_check: machines run 'bash scripts/gpu_check.sh --dry-run' (it uses the project's .venv)." >&2
+    exit 2
+fi
 site="${NN_DATA_GPU_SITE:-/tmp/nn_data_gpu_site}"
 if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
     for whl in .gpu_wheels/*.whl; do

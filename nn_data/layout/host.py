@@ -88,7 +88,10 @@ def pack(bounds, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
     pad = _padding((sum(pads), *trailing), fill, x)  # [T - sum(L), *]
     lengths = bounds.lengths[: bounds.active]
     if not any(lengths):  # nothing valid: the packed tensor is all padding
-        return pad.contiguous().unsqueeze(0)  # (materialised: fill may be a view)
+        out = pad.contiguous().unsqueeze(0)  # (materialised: fill may be a view)
+        # + the sum of an empty slice of x (exactly 0) keeps x in autograd's graph, as the device
+        # executor does: a backward through an all-empty microbatch gives x a zero gradient
+        return out + x[:0].sum().to(out.dtype) if x.requires_grad else out
     runs, skips = _runs(lengths, [row_len - n for n in lengths])  # the input: skipped, valid, ..., skipped
     skips[-1] += (x.shape[0] - bounds.active) * row_len  # the empty rows past the active ones
     valid = _run_views(x.reshape(x.shape[0] * row_len, *trailing), skips, runs)  # the valid runs

@@ -22,10 +22,35 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from nn_data import _checks
 from nn_data.layout import execute, index
 from nn_data.layout.rules import segment_bounds
 
 Fill = Union[int, float, bool, torch.Tensor]
+
+#: The attribute by which a tensor the host executor packed or sharded names its layout's ``token``.
+TOKEN_ATTR = "_nn_data_layout_token"
+
+
+def tag(t: torch.Tensor, layout: "PackLayout") -> torch.Tensor:
+    """``t``, marked as packed (or sharded) on ``layout`` when that is an eager host layout."""
+    if layout.token is not None and not torch.compiler.is_compiling():
+        setattr(t, TOKEN_ATTR, layout.token)
+    return t
+
+
+def check_token(name: str, t, layout: "PackLayout") -> None:
+    """Refuse ``t`` when the host executor packed it on a layout other than ``layout`` (eager; free).
+
+    Only tensors nn_data's host executor made carry a token: a model's output carries none, so it is
+    never checked here (nothing can tell which microbatch a model output belongs to)."""
+    if torch.compiler.is_compiling() or not isinstance(t, torch.Tensor):
+        return
+    token = getattr(t, TOKEN_ATTR, None)
+    if token is not None and token is not layout.token:
+        raise _checks.PackingError(
+            f"{name} was packed on another microbatch's layout: pass the layout it was packed on "
+            "(PackResult.layout of the same call); two microbatches of one packed length T look alike by shape")
 
 
 class HostBounds(NamedTuple):
@@ -61,7 +86,9 @@ class PackLayout(NamedTuple):
     host) or the device pack maps: scatter form ``dest [B, S]`` int64 (the packed position of token
     ``(b, s)``, or ``T`` for ``s >= L[b]``), gather form ``source [T]`` int64 (the flat input
     position ``b*S + s`` each packed position reads, clamped) and ``valid [T]`` bool;
-    ``seq_lengths`` the lengths tensor the layout was built from.
+    ``seq_lengths`` the lengths tensor the layout was built from; ``token``: an eager host layout's
+    fingerprint, which the tensors its host executor packs and shards carry (:data:`TOKEN_ATTR`), so an
+    op given one of them with *another* microbatch's layout refuses (:func:`check_token`).
 
     Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter form
     dest ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``; gather form source
@@ -79,12 +106,13 @@ class PackLayout(NamedTuple):
     source: Optional[torch.Tensor] = None
     valid: Optional[torch.Tensor] = None
     seq_lengths: Optional[torch.Tensor] = None
+    token: Optional[object] = None
 
     def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
         """Pack another ``[B, S, *]`` tensor of the same batch into ``[1, T, *]``; padding gets ``fill``
         (a scalar, or a tensor broadcastable to ``x.shape[2:]``: ``torch.arange(topk)`` for routed
         experts, a valid route in every padding row)."""
-        return execute.pack(self, x, fill)
+        return tag(execute.pack(self, x, fill), self)
 
     @property
     def on_host(self) -> bool:
@@ -94,7 +122,7 @@ class PackLayout(NamedTuple):
 
     def shard(self, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
         """This CP rank's zigzag shard ``[1, T, *] -> [1, T/C, *]`` (``packed`` itself when ``C = 1``)."""
-        return execute.shard(self, packed, cp_size, cp_rank)
+        return tag(execute.shard(self, packed, cp_size, cp_rank), self)
 
     def unshard(self, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
         """Every rank's shard, rank-major ``[C, T/C, *]``, back to the packed ``[1, T, *]``."""
