@@ -95,7 +95,7 @@ class Boundaries(NamedTuple):
 
 def reads_host(validate: bool, host_reads: bool) -> bool:
     """Whether a builder reads the device once (eager, validating, host reads allowed): the rule that
-    makes a host layout (which then runs on the host executor, :func:`~nn_data.layout.execute.on_host`).
+    makes a host layout (which then runs on the host executor, :func:`~nn_data.layout.pack_layout.on_host`).
     Under ``torch.compile`` nothing is read."""
     return validate and host_reads and not torch.compiler.is_compiling()
 

@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import array
 from itertools import compress
-from typing import Union
 
 import torch
 
 from nn_data.layout import device
-from nn_data.layout.rules import chunk_owner, zigzag_pieces
+from nn_data.layout.rules import Fill, chunk_owner, zigzag_pieces
 
-Fill = Union[int, float, bool, torch.Tensor]
 
 #: Segments up to which shard and unshard are a split + cat of views; above, an index_select along a
 #: map. Measured on this project's 2-core CPU (1 thread, C = 4, T/C = 65,536): views vs index 43 vs
