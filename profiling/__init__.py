@@ -1,7 +1,7 @@
 """Three tools, not part of the installed package: ``profiling.microbatches`` (the main job),
 ``profiling.bench`` (the benchmarks) and ``profiling.gpu_check`` (the GPU check); their shared
-code at the top (``profiling.timing``: the one timer; ``profiling.cuda_counters``: sync and
-CUDA-graph counters for the benchmarks and the CUDA tests). profiling/README.md."""
+code at the top (``profiling.timing``: the one timer). profiling/README.md explains them; their
+dated figures are in profiling/results/, one page per subject."""
 
 import os
 
