@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU proof: the CUDA test tier, the op benchmark and the profiler's main job on one CUDA GPU,
 # a PASS/FAIL line per check; every figure in profiling/gpu_runs/<timestamp>/ (profiling/README.md,
-# "GPU figures"). Flags go to `python -m profiling.gpu_check` (--help lists them).
+# "The GPU check"; recorded figures: profiling/results/gpu.md). Flags go to
+# `python -m profiling.gpu_check` (--help lists them).
 #   bash scripts/gpu_check.sh                    # GPU machine: its own python3 (or $PYTHON), no venv
 #   bash scripts/gpu_check.sh --export "$OUT"    # ... and copy results.json, summary.txt, gpu_run.tar.gz
 #   bash scripts/gpu_check.sh --dry-run          # CPU, tiny sizes, in the project venv (CI runs this)

@@ -1,7 +1,7 @@
-"""Every bad configuration or input is refused with a message naming the argument, the value and
-what would be valid (eager mode; the compiled device-side asserts are in test_ops_compile.py).
+"""Tier: pure CPU, single process.
 
-Tier: pure CPU, single process.
+Every bad configuration or input is refused with a message naming the argument, the value and
+what would be valid (eager mode; the compiled device-side asserts are in test_ops_compile.py).
 """
 
 from __future__ import annotations
