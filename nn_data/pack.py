@@ -9,9 +9,9 @@ Shape legend
     *   trailing feature dims (none for ids and masks, ``[layers, topk]`` for
         routed experts)
 
-The layout (:class:`~nn_data.layout.PackLayout`, the plan) is made once per batch from ``seq_lengths``
+The layout (:class:`~nn_data.layout.PackLayout`) is built once per batch from ``seq_lengths``
 and reused for every tensor of that batch, and by every later op of the microbatch (``layout=``):
-eagerly it is planned on the host after one read of the lengths, under ``torch.compile`` on the
+eagerly it is built on the host after one read of the lengths, under ``torch.compile`` on the
 device (:mod:`nn_data.layout`).
 """
 
@@ -31,7 +31,7 @@ class PackResult(NamedTuple):
 
     ``packed [1, T, *]``, ``cu_seqlens [B+1]`` int32, ``cu_seqlens_padded [B+1]`` int32,
     ``max_seqlen`` (0-d int32: the longest padded segment, the extended last one
-    included) and the reusable ``layout`` (the plan: pass it to the later ops as ``layout=``).
+    included) and the reusable ``layout`` (pass it to the later ops as ``layout=``).
     """
 
     packed: torch.Tensor

@@ -11,7 +11,7 @@ elsewhere (``docs/design.md``, "Unpacking"). The offsets are always the *padded*
 ``_unpack_sequences_from_megatron`` reads ``cu_seqlens`` when CP is 1, which is
 wrong whenever sequences were padded to a multiple ``m > 1``.
 
-It runs on the layout plan (:mod:`nn_data.layout`): given the pack's ``layout=`` it reads nothing and,
+It runs on the layout (:mod:`nn_data.layout`): given the pack's ``layout=`` it reads nothing and,
 eagerly, moves the rows with one ``split`` and one ``cat`` (:mod:`nn_data.layout.host`); given the
 lengths and boundaries it reads them once (the validation) first; under ``torch.compile`` (and with
 ``host_reads=False``) it gathers (or, for a mostly-fill output, scatters) along index maps on the

@@ -7,7 +7,7 @@ Shape legend
     *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
 
 With every boundary a Python int (:class:`~nn_data.layout.pack_layout.HostBounds`), the data moves with a
-constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layout plan and
+constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layouts and
 executors"):
 
 * pack: one ``split`` of ``x.reshape(B*S, *)`` at ``[L0, S-L0, L1, S-L1, ...]`` (every row's valid

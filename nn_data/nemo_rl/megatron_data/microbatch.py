@@ -107,7 +107,7 @@ def process_microbatch(
     ``model_slices_context_parallel_inputs`` the model gets the full row ``[1, T]`` (ids and
     masks) and a ``PackedSeqParams`` with separate valid/padded boundaries. CP rank and size
     from :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One packing
-    call, one plan, one host sync (NeMo-RL: ``2B + 1`` per packed tensor); NeMo-RL's call sequence
+    call, one layout, one host sync (NeMo-RL: ``2B + 1`` per packed tensor); NeMo-RL's call sequence
     when its packing names are patched (:mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
     (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.nemo_rl.megatron_data.options.PackOptions`).
 
