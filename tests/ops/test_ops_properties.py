@@ -59,7 +59,7 @@ def cases(draw):
 
 @contextlib.contextmanager
 def executor(name: str):
-    """Run the ops on one executor and form (``docs/design.md``, "Layout plan and executors"):
+    """Run the ops on one executor and form (``docs/design.md``, "Layouts and executors"):
     ``host`` (eager default: one host read, split/cat views), ``host-index`` (the host executor's
     index_select form of shard and unshard), ``device-scatter`` / ``device-gather`` (``host_reads=False``:
     index maps on the device, the scatter or the gather form of pack and unpack forced). Yields the
