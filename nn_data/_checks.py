@@ -55,14 +55,30 @@ def check_cp(cp_size, cp_rank=None) -> None:
         )
 
 
-def check_int_vector(name: str, t, length: Optional[int] = None) -> None:
-    """``t`` must be a 1-D integer tensor (of ``length`` entries when given)."""
+def check_int_vector(name: str, t, length: Optional[int] = None, why: str = "") -> None:
+    """``t`` must be a 1-D integer tensor (of ``length`` entries when given; ``why`` says where that
+    count comes from, for the message)."""
     if not isinstance(t, torch.Tensor):
         raise PackingError(f"{name} must be a 1-D integer torch.Tensor, got {type(t).__name__}")
     if t.dim() != 1 or t.dtype not in _INT_DTYPES:
         raise PackingError(f"{name} must be a 1-D integer tensor, got shape {dims(t)} and dtype {t.dtype}")
     if length is not None and t.shape[0] != length:
-        raise PackingError(f"{name} has {int(t.shape[0])} entries; expected {int(length)}")
+        raise PackingError(f"{name} has {int(t.shape[0])} entries; expected {int(length)}{why}")
+
+
+def check_boundaries_for(lengths_name: str, lengths: torch.Tensor, name: str, bounds) -> None:
+    """``bounds`` (``cu_seqlens_padded``) must have one entry more than ``lengths`` (``seq_lengths``);
+    when it has two fewer, the two were most likely passed in each other's place, and the message says so.
+
+    Example: seq_lengths ``[0, 4, 8]`` (3 entries) with cu_seqlens_padded ``[4, 4]`` -> "has 2 entries;
+    expected 4 (B + 1 for the B = 3 entries of seq_lengths); seq_lengths has one entry more than
+    cu_seqlens_padded: were the two swapped?".
+    """
+    rows = lengths.shape[0]
+    hint = ""
+    if isinstance(bounds, torch.Tensor) and bounds.dim() == 1 and bounds.shape[0] + 1 == rows:
+        hint = f"; {lengths_name} has one entry more than {name}: were the two swapped?"
+    check_int_vector(name, bounds, rows + 1, f" (B + 1 for the B = {int(rows)} entries of {lengths_name}){hint}")
 
 
 def as_int_vector(name: str, value, length: Optional[int] = None) -> torch.Tensor:
@@ -88,12 +104,12 @@ def as_int_vector(name: str, value, length: Optional[int] = None) -> torch.Tenso
     return value
 
 
-def check_min_dims(name: str, t, ndim: int, layout: str) -> None:
-    """``t`` must be a tensor with at least ``ndim`` dims (``layout`` names them)."""
+def check_min_dims(name: str, t, ndim: int, shape: str) -> None:
+    """``t`` must be a tensor with at least ``ndim`` dims (``shape`` names them: ``"[B, S, *]"``)."""
     if not isinstance(t, torch.Tensor):
-        raise PackingError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+        raise PackingError(f"{name} must be a torch.Tensor {shape}, got {type(t).__name__}")
     if t.dim() < ndim:
-        raise PackingError(f"{name} must have at least {ndim} dims {layout}, got shape {dims(t)}")
+        raise PackingError(f"{name} must have at least {ndim} dims {shape}, got shape {dims(t)}")
 
 
 def check_packed(name: str, t) -> None:
@@ -150,11 +166,11 @@ def check_row_capacity(rows: int, capacity: int, name: str = "capacity", where: 
                            f"least {rows}")
 
 
-def check_float_logits(name: str, t, layout: str, ndim: int) -> None:
-    """``t`` must be a floating-point tensor with exactly ``ndim`` dims (``layout`` names them)."""
+def check_float_logits(name: str, t, shape: str, ndim: int) -> None:
+    """``t`` must be a floating-point tensor with exactly ``ndim`` dims (``shape`` names them)."""
     if not isinstance(t, torch.Tensor) or t.dim() != ndim or not t.dtype.is_floating_point:
         got = f"shape {dims(t)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise PackingError(f"{name} must be floating-point logits {layout}, got {got}")
+        raise PackingError(f"{name} must be floating-point logits {shape}, got {got}")
 
 
 def check_vocab_range(vocab_start_index, vocab_end_index, columns: int, tp_rank: int) -> None:

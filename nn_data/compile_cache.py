@@ -24,7 +24,7 @@ Example (the profiler's ``--compile-cache DIR`` does exactly this)::
     ...                                                 # compile and run
     compile_cache.save(compile_cache.artifacts_path("~/.cache/nn_data"))
 
-Measured on this project's 2-core CPU (profiling/README.md): the profiler's first compiled
+Measured on this project's 2-core CPU (profiling/results/main_job.md): the profiler's first compiled
 microbatch took 17-24 s with an empty cache folder and 3.1-3.4 s in a second run with
 ``--compile-cache``.
 """

@@ -9,7 +9,7 @@ Shape legend
 Each padded segment (a multiple of ``2C`` long) is cut into ``2C`` equal chunks;
 rank ``r`` keeps chunks ``r`` and ``2C-1-r`` in that order, segment after segment
 (``docs/design.md``, "Zigzag"; the same split as NeMo-RL's ``_get_tokens_on_this_cp_rank`` per
-sequence and TransformerEngine's ``thd_get_partitioned_indices``). Both ops run on the layout plan
+sequence and TransformerEngine's ``thd_get_partitioned_indices``). Both ops run on the layout
 (:mod:`nn_data.layout`): given the pack's ``layout=`` they read nothing; given only
 ``cu_seqlens_padded`` they read it once eagerly (that read is the validation) and then move the data
 with ``split``/``cat`` views, or under ``torch.compile`` (and ``host_reads=False``) gather along an

@@ -9,9 +9,9 @@ Shape legend
     *   trailing feature dims (none for ids and masks, ``[layers, topk]`` for
         routed experts)
 
-The layout (:class:`~nn_data.layout.PackLayout`, the plan) is made once per batch from ``seq_lengths``
+The layout (:class:`~nn_data.layout.PackLayout`) is built once per batch from ``seq_lengths``
 and reused for every tensor of that batch, and by every later op of the microbatch (``layout=``):
-eagerly it is planned on the host after one read of the lengths, under ``torch.compile`` on the
+eagerly it is built on the host after one read of the lengths, under ``torch.compile`` on the
 device (:mod:`nn_data.layout`).
 """
 
@@ -31,7 +31,7 @@ class PackResult(NamedTuple):
 
     ``packed [1, T, *]``, ``cu_seqlens [B+1]`` int32, ``cu_seqlens_padded [B+1]`` int32,
     ``max_seqlen`` (0-d int32: the longest padded segment, the extended last one
-    included) and the reusable ``layout`` (the plan: pass it to the later ops as ``layout=``).
+    included) and the reusable ``layout`` (pass it to the later ops as ``layout=``).
     """
 
     packed: torch.Tensor
@@ -49,7 +49,8 @@ class PackSequences(nn.Module):
     segment absorbs the slack), ``validate`` (the data checks; ``False`` skips them) and
     ``host_reads`` (``False``: never read the device, the checks become device asserts).
 
-    ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``; ``num_rows`` (0-d
+    ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``; ``seq_lengths`` is a
+    tensor, or a list, tuple or numpy array of ints (copied once to ``x``'s device); ``num_rows`` (0-d
     int tensor) counts the real rows of a batch padded to a row capacity
     (:func:`nn_data.pad_to_row_capacity`). Eagerly, with ``validate`` and ``host_reads``, the lengths
     are read to the host once (the validation) and the batch moves with a few ``split``/``cat`` ops;
@@ -107,6 +108,9 @@ class PackSequences(nn.Module):
     def forward(
         self, x: torch.Tensor, seq_lengths: torch.Tensor, num_rows: Optional[torch.Tensor] = None
     ) -> PackResult:
+        if not isinstance(seq_lengths, torch.Tensor) and isinstance(x, torch.Tensor):
+            # a list, tuple or numpy array of ints (host data, never rounded): one copy to x's device
+            seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, x.shape[0]).to(x.device)
         check_pack_args(x, seq_lengths, num_rows)
         layout = layout_from_lengths(seq_lengths, x.shape[1], self.spec, num_rows=num_rows, validate=self.validate,
                                      host_reads=self.host_reads)

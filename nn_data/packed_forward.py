@@ -62,7 +62,7 @@ class PackedInput(NamedTuple):
     ``position_ids [1, T/C]``, ``packed``, and what :meth:`PackedForward.finish` needs
     (``seq_lengths [R]`` after row padding, the caller's ``rows`` B, ``row_ids [R, S]``, the
     row-padded ids whose dim 1 gives the row length S, a symbolic size under compile, and, eagerly,
-    the pack's ``layout``: the plan the output gather and the unpack run on without reading the
+    the pack's ``layout``: the output gather and the unpack run on it without reading the
     boundaries again; None from the compiled packing side)."""
 
     input_ids: torch.Tensor
@@ -172,7 +172,7 @@ class PackedForward(nn.Module):
         gather_kv = None
         if self.cp_size > 1:
             def gather_kv(local: torch.Tensor) -> torch.Tensor:
-                if layout is not None:  # the plan: no read of the boundaries
+                if layout is not None:  # the layout: no read of the boundaries
                     return self.gather_kv(local, layout=layout)  # [1, T/C, *] -> [1, T, *]
                 return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
         info = PackedInfo(
@@ -186,7 +186,7 @@ class PackedForward(nn.Module):
         (from :meth:`prepare`) -> gathered over the CP group -> rows ``[B, S, *]``."""
         _check_model_output(local_out, inp.input_ids)
         cu_pad = inp.packed.cu_seqlens_padded
-        if inp.layout is not None:  # eager: the pack's plan, no read of the boundaries
+        if inp.layout is not None:  # eager: the pack's layout, no read of the boundaries
             full = local_out if self.cp_size == 1 else self.gather_output(local_out, layout=inp.layout)  # [1, T, *]
             return unpack_sequences(full, None, None, inp.row_ids.shape[1], layout=inp.layout)[: inp.rows]
         full = local_out if self.cp_size == 1 else self.gather_output(local_out, cu_pad)  # [1, T, *]

@@ -9,7 +9,7 @@ Shape legend
 
 Both ops compute an index map on the device from the boundaries (segment ids via
 scatter-add + cumsum, the zigzag map for ``C > 1``) and read the packed tensor
-once, every shape from ``T``, ``C`` and ``B``. They run on the layout plan (:mod:`nn_data.layout`):
+once, every shape from ``T``, ``C`` and ``B``. They run on the layout (:mod:`nn_data.layout`):
 given the pack's ``layout=`` (or this rank's ``places=``) nothing is read on the host; given only
 the boundaries, eagerly, the boundaries are read once (the validation).
 """

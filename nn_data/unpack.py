@@ -11,7 +11,7 @@ elsewhere (``docs/design.md``, "Unpacking"). The offsets are always the *padded*
 ``_unpack_sequences_from_megatron`` reads ``cu_seqlens`` when CP is 1, which is
 wrong whenever sequences were padded to a multiple ``m > 1``.
 
-It runs on the layout plan (:mod:`nn_data.layout`): given the pack's ``layout=`` it reads nothing and,
+It runs on the layout (:mod:`nn_data.layout`): given the pack's ``layout=`` it reads nothing and,
 eagerly, moves the rows with one ``split`` and one ``cat`` (:mod:`nn_data.layout.host`); given the
 lengths and boundaries it reads them once (the validation) first; under ``torch.compile`` (and with
 ``host_reads=False``) it gathers (or, for a mostly-fill output, scatters) along index maps on the
@@ -98,7 +98,7 @@ def unpack_sequences(
         if seq_lengths is not None:
             _checks.check_int_vector("seq_lengths", seq_lengths)
         layout = take_layout(layout, total, op="UnpackSequences", seq_len=seq_len, validate=validate,
-                             cu_seqlens_padded=cu_seqlens_padded, seq_lengths=seq_lengths)
+                             data=("packed", packed), cu_seqlens_padded=cu_seqlens_padded, seq_lengths=seq_lengths)
         packed_tensor_length("packed", total)
         _checks.check_same_device(packed=packed, layout=layout.cu_seqlens_padded)
         return layout.unpack(packed, seq_len, fill_value)
@@ -119,6 +119,6 @@ def check_unpack_args(packed, seq_lengths, cu_seqlens_padded) -> None:
         raise _checks.PackingError("UnpackSequences needs seq_lengths and cu_seqlens_padded, or layout= (the "
                                    "pack's PackResult.layout)")
     _checks.check_int_vector("seq_lengths", seq_lengths)
-    _checks.check_int_vector("cu_seqlens_padded", cu_seqlens_padded, seq_lengths.shape[0] + 1)
+    _checks.check_boundaries_for("seq_lengths", seq_lengths, "cu_seqlens_padded", cu_seqlens_padded)
     _checks.check_same_device(packed=packed, seq_lengths=seq_lengths, cu_seqlens_padded=cu_seqlens_padded)
     packed_tensor_length("packed", packed.shape[1])

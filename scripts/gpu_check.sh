@@ -2,7 +2,8 @@
 # The GPU proof: the CUDA test tier, the op benchmark, the profiler's main job and the CUDA-graph
 # benchmark on one CUDA GPU,
 # a PASS/FAIL line per check; every figure in profiling/gpu_runs/<timestamp>/ (profiling/README.md,
-# "GPU figures"). Flags go to `python -m profiling.gpu_check` (--help lists them).
+# "The GPU check"; recorded figures: profiling/results/gpu.md). Flags go to
+# `python -m profiling.gpu_check` (--help lists them).
 #   bash scripts/gpu_check.sh                    # GPU machine: its own python3 (or $PYTHON), no venv
 #   bash scripts/gpu_check.sh --export "$OUT"    # ... and copy results.json, summary.txt, gpu_run.tar.gz
 #   bash scripts/gpu_check.sh --dry-run          # CPU, tiny sizes, in the project venv (CI runs this)
@@ -21,6 +22,12 @@ for arg in "$@"; do
 done
 cd "$root"
 python="${PYTHON:-python3}"
+if ! "$python" -c "import torch" 2>/dev/null; then
+    echo "gpu_check: $python has no torch. On a GPU machine run it with the python3 that has the machine's" >&2
+    echo "gpu_check: CUDA torch (PYTHON=/path/to/python3 bash scripts/gpu_check.sh); on this project's CPU" >&2
+    echo "gpu_check: machines run 'bash scripts/gpu_check.sh --dry-run' (it uses the project's .venv)." >&2
+    exit 2
+fi
 site="${NN_DATA_GPU_SITE:-/tmp/nn_data_gpu_site}"
 if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
     for whl in .gpu_wheels/*.whl; do

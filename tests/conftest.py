@@ -1,9 +1,10 @@
 """Fixtures and hooks for every test tier: a fixed seed per test, deterministic hypothesis, and
 ``cuda`` tests skipped without a GPU.
 
-Tiers are folders (tests/ops, tests/docs, tests/planning, tests/megatron_data, tests/multiprocess,
-tests/profiling, tests/models, tests/cuda; docs/testing.md lists them) and the
-markers registered in pyproject.toml; tests/support holds the helpers they share. Hypothesis runs
+Folders are subjects (tests/ops, tests/docs, tests/planning, tests/megatron_data, tests/profiling,
+tests/models) and two tiers (tests/multiprocess, tests/cuda); every test file states its tier in its
+docstring's first line, and the markers registered in pyproject.toml select across folders
+(docs/testing.md, "Test folders" and "Tiers and markers"); tests/support holds the helpers they share. Hypothesis runs
 the derandomized ``ci`` profile unless ``NN_DATA_HYPOTHESIS_PROFILE=explore`` asks for a long random
 exploration (tests/support/hypothesis_profiles.py).
 """

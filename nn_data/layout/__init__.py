@@ -13,7 +13,7 @@ Every entry point of nn_data packs, shards, unshards and unpacks through it:
   how an op gets its call's layout;
 * the layout rules (``rules``, each written once for Python ints and tensors), their checks
   (``checks``, one wording each), the device executor's index maps (``index``), the executors
-  (``host``, ``device``) and which one runs (``execute``).
+  (``host``, ``device``); which one runs is ``pack_layout.on_host``.
 
 Old names (0.1.x) still work and warn: ``LayoutSpec`` (:class:`PackSpec`), ``plan_from_lengths``
 (:func:`layout_from_lengths`), ``plan_from_boundaries`` (:func:`layout_from_boundaries`); CHANGELOG.md.

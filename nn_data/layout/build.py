@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from nn_data import _checks
 from nn_data.layout import checks, device, index
 from nn_data.layout.host import host_tensor
-from nn_data.layout.pack_layout import HostBounds, PackLayout
+from nn_data.layout.pack_layout import HostBounds, PackLayout, check_token
 from nn_data.layout.rules import (
     bucket_total, extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds,
 )
@@ -95,7 +95,7 @@ class Boundaries(NamedTuple):
 
 def reads_host(validate: bool, host_reads: bool) -> bool:
     """Whether a builder reads the device once (eager, validating, host reads allowed): the rule that
-    makes a host layout (which then runs on the host executor, :func:`~nn_data.layout.execute.on_host`).
+    makes a host layout (which then runs on the host executor, :func:`~nn_data.layout.pack_layout.on_host`).
     Under ``torch.compile`` nothing is read."""
     return validate and host_reads and not torch.compiler.is_compiling()
 
@@ -146,7 +146,7 @@ def _lengths_on_host(seq_lengths, row_len: int, spec: PackSpec, num_rows) -> Pac
     both = host_tensor(cu + cu_pad + [max_seqlen], torch.int32, seq_lengths.device)  # one copy: [B+1 | B+1 | 1]
     host = HostBounds(lengths, cu, cu_pad, segments + [0] * tail, max_seqlen, max(active, 1))
     return PackLayout(both[: rows + 1], both[rows + 1 : rows + 1 + len(cu_pad)], both[-1], total, rows, row_len,
-                      host=host, seq_lengths=seq_lengths)
+                      host=host, seq_lengths=seq_lengths, token=object())
 
 
 def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate: bool, op: str) -> PackLayout:
@@ -257,19 +257,22 @@ def _device_boundary_checks(op: str, bounds: Boundaries, seq_len, row_len, cp_si
 
 
 def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len=None, validate: bool = True,
-                **given) -> PackLayout:
+                data: Optional[tuple] = None, **given) -> PackLayout:
     """A layout an op was given (``layout=``, the layout travelling from the pack): no host read.
 
     ``given`` are the boundary tensors the caller passed as well (``cu_seqlens_padded=``, ``cu_seqlens=``,
     ``seq_lengths=``); each must be the very tensor the layout holds. The checks that depend on the op's
     own configuration run on the layout: ``T`` (a shape), every segment splitting into ``2C`` chunks and
-    every length fitting ``seq_len``: free on a host layout's ints, device asserts otherwise.
+    every length fitting ``seq_len``: free on a host layout's ints, device asserts otherwise. ``data``
+    (``(name, tensor)``): the tensor the op runs on, refused when the host executor packed it on another
+    layout (:func:`~nn_data.layout.pack_layout.check_token`).
     """
     if not isinstance(layout, PackLayout):
         raise _checks.PackingError(f"layout must be a PackLayout (PackResult.layout), got {type(layout).__name__}")
     if _static_differs(layout.total, total):
-        raise _checks.PackingError(f"the layout was planned for T={layout.total} packed positions but the tensor "
-                                   f"given with it has T={int(total)}; pass the layout of this very microbatch")
+        raise _checks.PackingError(_other_total(layout.total, int(total)))
+    if data is not None:
+        check_token(data[0], data[1], layout)
     for name, tensor in given.items():
         if tensor is not None and tensor is not getattr(layout, name):
             raise _checks.PackingError(
@@ -287,6 +290,17 @@ def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len
         _checks.device_assert((layout.lengths() <= seq_len).all(),
                               f"nn_data.{op}: seq_lengths must be in [0, seq_len] (the row length S of the output)")
     return layout
+
+
+def _other_total(expected: int, got: int) -> str:
+    """The message for a tensor whose length is not the layout's ``T``; a whole fraction ``T/C`` is most
+    likely a context-parallel shard. Example: T 16, got 8 -> "... (T/2: a context-parallel shard? ...)"."""
+    message = f"the layout was built for T={expected} packed positions but the tensor given with it has T={got}"
+    if got and expected % got == 0 and expected > got:
+        return (message + f" = T/{expected // got}: a context-parallel shard? Gather it first "
+                "(GatherFromContextParallel, or UnshardFromContextParallel of every rank's shard); otherwise pass "
+                "the layout of this very microbatch")
+    return message + "; pass the layout of this very microbatch"
 
 
 def _static_differs(a, b) -> bool:

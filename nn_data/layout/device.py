@@ -35,7 +35,6 @@ vs 502; ``4T`` 321 vs 292; ``8T`` 336 vs 201; the profiler's stream (``[78, 2048
 
 from __future__ import annotations
 
-from typing import Union
 
 import torch
 from einops import rearrange
@@ -43,8 +42,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from nn_data import _checks
 from nn_data.layout import index
+from nn_data.layout.rules import Fill
 
-Fill = Union[int, float, bool, torch.Tensor]
 
 #: ``B*S / T`` up to which the pack uses the scatter form (see the module docstring).
 SCATTER_MAX_RATIO = 16

@@ -7,7 +7,7 @@ Shape legend
     *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
 
 With every boundary a Python int (:class:`~nn_data.layout.pack_layout.HostBounds`), the data moves with a
-constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layout plan and
+constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layouts and
 executors"):
 
 * pack: one ``split`` of ``x.reshape(B*S, *)`` at ``[L0, S-L0, L1, S-L1, ...]`` (every row's valid
@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import array
 from itertools import compress
-from typing import Union
 
 import torch
 
 from nn_data.layout import device
-from nn_data.layout.rules import chunk_owner, zigzag_pieces
+from nn_data.layout.rules import Fill, chunk_owner, zigzag_pieces
 
-Fill = Union[int, float, bool, torch.Tensor]
 
 #: Segments up to which shard and unshard are a split + cat of views; above, an index_select along a
 #: map. Measured on this project's 2-core CPU (1 thread, C = 4, T/C = 65,536): views vs index 43 vs
@@ -88,7 +86,10 @@ def pack(bounds, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
     pad = _padding((sum(pads), *trailing), fill, x)  # [T - sum(L), *]
     lengths = bounds.lengths[: bounds.active]
     if not any(lengths):  # nothing valid: the packed tensor is all padding
-        return pad.contiguous().unsqueeze(0)  # (materialised: fill may be a view)
+        out = pad.contiguous().unsqueeze(0)  # (materialised: fill may be a view)
+        # + the sum of an empty slice of x (exactly 0) keeps x in autograd's graph, as the device
+        # executor does: a backward through an all-empty microbatch gives x a zero gradient
+        return out + x[:0].sum().to(out.dtype) if x.requires_grad else out
     runs, skips = _runs(lengths, [row_len - n for n in lengths])  # the input: skipped, valid, ..., skipped
     skips[-1] += (x.shape[0] - bounds.active) * row_len  # the empty rows past the active ones
     valid = _run_views(x.reshape(x.shape[0] * row_len, *trailing), skips, runs)  # the valid runs

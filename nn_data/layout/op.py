@@ -44,7 +44,7 @@ def op_layout(op: str, name: str, data: torch.Tensor, total, cp_size: int, cu_se
         checks.total_divisible(total, cp_size)
         given = {k: v for k, v in (("cu_seqlens_padded", cu_seqlens_padded), ("cu_seqlens", cu_seqlens))}
         return take_layout(layout, total, op=op, cp_size=cp_size, validate=validate, seq_len=kw.get("seq_len"),
-                           **given)
+                           data=(name, data), **given)
     if cu_seqlens_padded is None:
         raise _checks.PackingError(f"{op} needs cu_seqlens_padded or layout= (the pack's PackResult.layout)")
     checks.boundary_args(name, data, total, cu_seqlens_padded, cp_size, cu_seqlens)

@@ -12,20 +12,52 @@ A :class:`PackLayout` always holds the boundaries as tensors on the data's devic
 ``B``, ``S``). A layout built on the host (:mod:`nn_data.layout.build`, the one read of the lengths or
 of the boundaries) also holds them as Python ints (:class:`HostBounds`): the host executor moves data
 with them. A layout built on the device holds the pack's index maps instead (``dest`` or
-``source``/``valid``, :mod:`nn_data.layout.device`). Its methods pick the executor
-(:mod:`nn_data.layout.execute`).
+``source``/``valid``, :mod:`nn_data.layout.device`). Its methods run it, on the executor
+:func:`on_host` picks: the one place that decides (``docs/design.md``, "Layouts and executors"): a
+layout built on the host runs on the host executor (:mod:`nn_data.layout.host`: Python-int sizes, no
+further read) unless ``torch.compile`` is tracing; every other layout on the device executor
+(:mod:`nn_data.layout.device`: index maps, zero syncs), which is what compiled graphs and CUDA graphs
+capture. Whether a layout is built on the host is the builders' rule
+(:func:`nn_data.layout.build.reads_host`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import torch
 
-from nn_data.layout import execute, index
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from nn_data import _checks
+from nn_data.layout import device, host, index
+from nn_data.layout.rules import Fill
 from nn_data.layout.rules import segment_bounds
 
-Fill = Union[int, float, bool, torch.Tensor]
+
+#: The attribute by which a tensor the host executor packed or sharded names its layout's ``token``.
+TOKEN_ATTR = "_nn_data_layout_token"
+
+
+def tag(t: torch.Tensor, layout: "PackLayout") -> torch.Tensor:
+    """``t``, marked as packed (or sharded) on ``layout`` when that is an eager host layout."""
+    if layout.token is not None and not torch.compiler.is_compiling():
+        setattr(t, TOKEN_ATTR, layout.token)
+    return t
+
+
+def check_token(name: str, t, layout: "PackLayout") -> None:
+    """Refuse ``t`` when the host executor packed it on a layout other than ``layout`` (eager; free).
+
+    Only tensors nn_data's host executor made carry a token: a model's output carries none, so it is
+    never checked here (nothing can tell which microbatch a model output belongs to)."""
+    if torch.compiler.is_compiling() or not isinstance(t, torch.Tensor):
+        return
+    token = getattr(t, TOKEN_ATTR, None)
+    if token is not None and token is not layout.token:
+        raise _checks.PackingError(
+            f"{name} was packed on another microbatch's layout: pass the layout it was packed on "
+            "(PackResult.layout of the same call); two microbatches of one packed length T look alike by shape")
 
 
 class HostBounds(NamedTuple):
@@ -61,7 +93,9 @@ class PackLayout(NamedTuple):
     host) or the device pack maps: scatter form ``dest [B, S]`` int64 (the packed position of token
     ``(b, s)``, or ``T`` for ``s >= L[b]``), gather form ``source [T]`` int64 (the flat input
     position ``b*S + s`` each packed position reads, clamped) and ``valid [T]`` bool;
-    ``seq_lengths`` the lengths tensor the layout was built from.
+    ``seq_lengths`` the lengths tensor the layout was built from; ``token``: an eager host layout's
+    fingerprint, which the tensors its host executor packs and shards carry (:data:`TOKEN_ATTR`), so an
+    op given one of them with *another* microbatch's layout refuses (:func:`check_token`).
 
     Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter form
     dest ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``; gather form source
@@ -79,31 +113,48 @@ class PackLayout(NamedTuple):
     source: Optional[torch.Tensor] = None
     valid: Optional[torch.Tensor] = None
     seq_lengths: Optional[torch.Tensor] = None
+    token: Optional[object] = None
 
     def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
         """Pack another ``[B, S, *]`` tensor of the same batch into ``[1, T, *]``; padding gets ``fill``
         (a scalar, or a tensor broadcastable to ``x.shape[2:]``: ``torch.arange(topk)`` for routed
         experts, a valid route in every padding row)."""
-        return execute.pack(self, x, fill)
+        _check_packable(self, x)
+        out = host.pack(self.host, x, fill) if self.on_host else device.pack(self, x, fill)
+        return tag(out, self)
 
     @property
     def on_host(self) -> bool:
-        """Whether this layout runs on the host executor (built on the host, and no compile tracing):
-        :func:`~nn_data.layout.execute.on_host`, the one rule."""
-        return execute.on_host(self)
+        """Whether this layout runs on the host executor: :func:`on_host`, the one rule."""
+        return on_host(self)
 
     def shard(self, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
         """This CP rank's zigzag shard ``[1, T, *] -> [1, T/C, *]`` (``packed`` itself when ``C = 1``)."""
-        return execute.shard(self, packed, cp_size, cp_rank)
+        if cp_size == 1:
+            return packed
+        run = host.shard(self.host, packed, cp_size, cp_rank) if self.on_host else device.shard(self, packed,
+                                                                                                  cp_size, cp_rank)
+        return tag(run, self)
 
     def unshard(self, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
         """Every rank's shard, rank-major ``[C, T/C, *]``, back to the packed ``[1, T, *]``."""
-        return execute.unshard(self, shards, cp_size)
+        if cp_size == 1:
+            return shards
+        return host.unshard(self, shards, cp_size) if self.on_host else device.unshard(self, shards, cp_size)
 
     def unpack(self, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
         """``[1, T, *] -> [B, S, *]`` with ``S = seq_len``: each row's valid tokens, ``fill`` elsewhere
         (``shift=1``: the log-prob layout, token ``s`` from packed position ``start + s - 1``)."""
-        return execute.unpack(self, packed, seq_len, fill, shift)
+        rows, total, trailing = self.rows, packed.shape[1], packed.shape[2:]
+        if guard_or_false(total == 0):  # nothing to read: all fill
+            out = packed.new_full((rows, seq_len, *trailing), fill)
+            # + the sum of the empty packed tensor (exactly 0) keeps a backward through an empty microbatch
+            return out + packed.sum().to(out.dtype) if packed.requires_grad else out
+        if self.on_host and rows and (not packed.requires_grad or any(n > shift for n in self.host.lengths)):
+            return host.unpack(self.host, packed, seq_len, fill, shift)
+        # No row (B = 0), or no token to move while autograd records, takes the device's gather form: it
+        # keeps the output in autograd's graph (the host form would be fill only).
+        return device.unpack(packed, self.lengths(), self.cu_seqlens_padded.to(torch.int64), seq_len, fill, shift)
 
     def bounds(self) -> torch.Tensor:
         """``[B'+1]`` int64 boundaries to index segments by (``[0, T]`` when ``B = 0``)."""
@@ -168,4 +219,27 @@ def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> tor
     Raises :class:`~nn_data.errors.PackingError` if ``x`` is not ``[B, S, *]`` for the layout's
     ``B`` and ``S``, or lives on another device.
     """
-    return execute.pack(layout, x, fill)
+    return layout.pack(x, fill)
+
+
+def on_host(layout: PackLayout) -> bool:
+    """Whether ``layout`` runs on the host executor: built on the host, and no compile tracing."""
+    return layout.host is not None and not torch.compiler.is_compiling()
+
+
+def _check_packable(layout: PackLayout, x) -> None:
+    """``x`` must be ``[B, S, *]`` for the layout's ``B`` and ``S``, on its device; a layout built from
+    boundaries alone (no ``S``) cannot pack."""
+    _checks.check_min_dims("x", x, 2, "[B, S, *]")
+    rows, row_len = layout.rows, layout.row_len
+    if row_len is None:
+        raise _checks.PackingError("this layout was built from boundaries without a row length S; it can "
+                                   "shard, unshard and unpack, not pack: build it from the lengths (PackSequences)")
+    if x.shape[0] != rows or guard_or_false(x.shape[1] != row_len):
+        rows, row_len = int(rows), int(row_len)  # error path: plain ints for the message
+        raise _checks.PackingError(
+            f"x has shape {_checks.dims(x)}; the layout was built for [B, S] = "
+            f"[{rows}, {row_len}], so x must be [{rows}, {row_len}, *]"
+        )
+    if x.device != layout.cu_seqlens_padded.device:
+        _checks.check_same_device(x=x, layout=layout.cu_seqlens_padded)  # raises, naming both

@@ -20,6 +20,9 @@ import torch
 
 from nn_data.errors import PackingError
 
+#: A padding value: a scalar, or a tensor broadcastable to a packed tensor's trailing dims.
+Fill = Union[int, float, bool, torch.Tensor]
+
 #: The largest packed length, and so the largest boundary, int32 ``cu_seqlens`` can hold (the dtype
 #: megatron-core and TransformerEngine read the boundaries in).
 INT32_MAX = 2**31 - 1

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from nn_data.layout import round_up
+from nn_data.layout import INT32_MAX, round_up
 from nn_data.errors import PackingError
 from nn_data.planning.alignment import Parallelism
 from nn_data.planning.balance import bins_to_ranks, greedy_assignment, refine, spread
@@ -136,6 +136,11 @@ def host_lengths(lengths) -> np.ndarray:
     if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)) or arr.dtype == np.bool_:
         raise PackingError(f"lengths={_short(lengths)} is invalid; expected a 1-D sequence of ints >= 0 "
                            "(nothing is rounded or truncated)")
+    big = np.flatnonzero(arr > INT32_MAX)  # compared in the given dtype: an unsigned 2**63 does not wrap
+    if big.size:
+        i = int(big[0])
+        raise PackingError(f"lengths[{i}] = {int(arr[i])} is invalid; a length above {INT32_MAX} cannot fit the "
+                           "int32 boundaries of a packed microbatch")
     arr = arr.astype(np.int64)
     negative = np.flatnonzero(arr < 0)
     if negative.size:

@@ -129,7 +129,7 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     only). ``kernel_names`` has every fused kernel
     record a profiler event under its name (inductor's ``cpp.enable_kernel_profile``): the traces
     then show them, at a cost on every call (about a fifth of a compiled microbatch here).
-    profiling/README.md has the figures.
+    profiling/results/main_job.md has the figures.
 
     The inputs' shapes, dtypes and devices are checked before any compiled region, so a bad
     input raises :class:`PackingError` as in eager mode (not a dynamo error).

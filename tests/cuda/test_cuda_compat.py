@@ -1,11 +1,11 @@
-"""The NeMo-RL-compatible layer's compiled switch (``PackOptions(compile=True)``) on a CUDA GPU:
+"""Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on
+the CPU with tiny sizes. Needs megatron-core (``PackedSeqParams``): skipped with "megatron-core
+not installed" without it (gpu_check counts that as not checked).
+
+The NeMo-RL-compatible layer's compiled switch (``PackOptions(compile=True)``) on a CUDA GPU:
 a stream of microbatches with varying lengths, row counts (1..R) and row lengths compiles once, equals
 the eager path exactly, and makes exactly one host-device sync per microbatch (its planning
 read) and no more, H2D copies included; fp32 and bf16 ``mtp_loss_mask``. CP rank 1 of 2.
-
-Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on
-the CPU with tiny sizes. Needs megatron-core (``PackedSeqParams``): skipped with "megatron-core
-not installed" without it (gpu_check counts that as not checked).
 """
 
 from __future__ import annotations

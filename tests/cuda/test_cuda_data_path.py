@@ -1,11 +1,11 @@
-"""The core ops' compiled data path on a CUDA GPU: one graph per compiled function for a stream
+"""Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on
+the CPU with tiny sizes (``scripts/gpu_check.sh --dry-run``), where the CUDA-only assertions
+skip. One process, torch.compile with inductor; each fixture compiles its graphs once.
+
+The core ops' compiled data path on a CUDA GPU: one graph per compiled function for a stream
 of microbatches, exact equality with eager and with the loop reference, zero host-device syncs
 (H2D copies included) under ``torch.cuda.set_sync_debug_mode``, and ``mode="reduce-overhead"``
 recording its CUDA graphs once and replaying them for the whole stream; fp32 and bf16 outputs.
-
-Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on
-the CPU with tiny sizes (``scripts/gpu_check.sh --dry-run``), where the CUDA-only assertions
-skip. One process, torch.compile with inductor; each fixture compiles its graphs once.
 """
 
 from __future__ import annotations

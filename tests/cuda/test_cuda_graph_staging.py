@@ -1,11 +1,11 @@
-"""A CUDA graph of the data path + the tiny model's forward, captured once on a StagedMicrobatch, replays a
+"""Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs the staged path
+eagerly on the CPU with tiny sizes (``scripts/gpu_check.sh --dry-run``) and skips the captures ("dry
+run: ..."). Timing: profiling/bench/bench_cuda_graph.py (the GPU check's ``graphs`` step).
+
+A CUDA graph of the data path + the tiny model's forward, captured once on a StagedMicrobatch, replays a
 stream of microbatches of varying row counts and lengths (an empty one among them): equal to the eager
 path on every microbatch, no host sync and no new allocation in the steady state; megatron-core's own
 full-iteration CUDA-graph wrapper (``FullCudaGraphWrapper``) over a staged forward step, where it accepts it.
-
-Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs the staged path
-eagerly on the CPU with tiny sizes (``scripts/gpu_check.sh --dry-run``) and skips the captures ("dry
-run: ..."). Timing: profiling/bench/bench_cuda_graph.py (the GPU check's ``graphs`` step).
 """
 
 from __future__ import annotations

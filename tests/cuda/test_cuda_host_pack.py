@@ -1,9 +1,9 @@
-"""The NeMo-RL-compatible layer's eager default (host-planned packing) on a CUDA GPU: exactly one
+"""Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on
+the CPU, where the sync count is the Python-level one. Needs megatron-core (``PackedSeqParams``).
+
+The NeMo-RL-compatible layer's eager default (host-planned packing) on a CUDA GPU: exactly one
 host-device sync per packed microbatch (the read of the lengths), H2D copies included, and the
 loop reference's results, CP rank 1 of 2, few and many sequences (both CP-shard forms).
-
-Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on
-the CPU, where the sync count is the Python-level one. Needs megatron-core (``PackedSeqParams``).
 """
 
 from __future__ import annotations

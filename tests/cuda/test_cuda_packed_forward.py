@@ -1,11 +1,11 @@
-"""PackedForward(compile_packing=True) on a CUDA GPU: a stream of microbatches (row capacity,
+"""Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on
+the CPU with tiny sizes (``scripts/gpu_check.sh --dry-run``). One process, torch.compile with
+inductor; the fixture compiles once per dtype.
+
+PackedForward(compile_packing=True) on a CUDA GPU: a stream of microbatches (row capacity,
 varying lengths and row counts) compiles the packing and unpacking sides once, gives exactly the
 eager wrapper's output and the model's output on each token in place, and makes no host-device
 sync (H2D copies included); fp32 and bf16 models.
-
-Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on
-the CPU with tiny sizes (``scripts/gpu_check.sh --dry-run``). One process, torch.compile with
-inductor; the fixture compiles once per dtype.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""BatchedDataDict: slicing, batches, the three microbatch iterators, and the two planners
-(first-fit-decreasing packing in O(n log n); dynamic batching).
+"""Tier: pure CPU, single process.
 
-Tier: pure CPU, single process.
+BatchedDataDict: slicing, batches, the three microbatch iterators, and the two planners
+(first-fit-decreasing packing in O(n log n); dynamic batching).
 """
 
 from __future__ import annotations

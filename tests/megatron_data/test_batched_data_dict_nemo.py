@@ -1,7 +1,7 @@
-"""BatchedDataDict's NeMo-RL training-loop methods: shard_by_batch_size (plain, uneven, dynamic
-batching, sequence packing), chunk, reorder_data, from_batches; round trips and plan invariants.
+"""Tier: pure CPU, single process (hypothesis property tests for the shard -> gather -> reorder trip).
 
-Tier: pure CPU, single process (hypothesis property tests for the shard -> gather -> reorder trip).
+BatchedDataDict's NeMo-RL training-loop methods: shard_by_batch_size (plain, uneven, dynamic
+batching, sequence packing), chunk, reorder_data, from_batches; round trips and plan invariants.
 """
 
 from __future__ import annotations

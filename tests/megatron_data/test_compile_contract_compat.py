@@ -1,10 +1,10 @@
-"""The compile contract of the NeMo-RL-compatible layer's compiled switch: one graph for a
+"""Tier: pure CPU, single process, torch.compile(fullgraph=True) with inductor (one module-scoped
+compile; CP rank 1 of 2 is simulated by patching the parallel_state lookup).
+
+The compile contract of the NeMo-RL-compatible layer's compiled switch: one graph for a
 stream whose row length ``S`` (0 and 1 included) and row count (0 included) vary, compiled == eager
 on every field of ``ProcessedInputs`` (``PackedSeqParams`` included), and every shape/dtype/device
 error raised as ``PackingError`` before the compiled region, with the eager message.
-
-Tier: pure CPU, single process, torch.compile(fullgraph=True) with inductor (one module-scoped
-compile; CP rank 1 of 2 is simulated by patching the parallel_state lookup).
 """
 
 from __future__ import annotations

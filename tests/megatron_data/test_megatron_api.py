@@ -1,8 +1,8 @@
-"""The public surface of nn_data.nemo_rl.megatron_data: every name of NeMo-RL's API page with the same
+"""Tier: pure CPU, single process (plus one fresh interpreter for the import check).
+
+The public surface of nn_data.nemo_rl.megatron_data: every name of NeMo-RL's API page with the same
 parameters and defaults (extra nn_data parameters only as optional keyword-only ones), the
 dataclass fields, and imports that stay free of megatron-core.
-
-Tier: pure CPU, single process (plus one fresh interpreter for the import check).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The compiled switch of the pack path: a stream of microbatches with different lengths, row
+"""Tier: pure CPU, single process, torch.compile (inductor). Compiles are counted with
+CompileCounterWithBackend; the dynamo cache is reset around the module.
+
+The compiled switch of the pack path: a stream of microbatches with different lengths, row
 counts and row lengths compiles once (pad_full_seq_to + row capacity) and equals eager exactly;
 without pad_full_seq_to, T buckets bound the compiles by the number of buckets.
-
-Tier: pure CPU, single process, torch.compile (inductor). Compiles are counted with
-CompileCounterWithBackend; the dynamo cache is reset around the module.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Drop-in behaviour of nn_data.nemo_rl.megatron_data for code written against NeMo-RL: helpers patched
+"""Tier: pure CPU, single process (torch.distributed is not initialised; all_reduce is patched
+where a group is given).
+
+Drop-in behaviour of nn_data.nemo_rl.megatron_data for code written against NeMo-RL: helpers patched
 as nn_data.nemo_rl.megatron_data.X reach the call, any mapping NeMo-RL passes is read as NeMo-RL reads it
 (a BatchedDataDict stand-in with NeMo-RL's methods only), NeMo-RL's error wording and classes,
 process_global_batch's all-reduce and the iterators' default device.
-
-Tier: pure CPU, single process (torch.distributed is not initialised; all_reduce is patched
-where a group is given).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The compat layer's host-planned eager pack (the plan's host executor, nn_data.layout.host) against
-the loop reference and the device-planned graph, its aten-op count and its one host sync.
+"""Tier: pure CPU, single process, hypothesis.
 
-Tier: pure CPU, single process, hypothesis.
+The compat layer's host-planned eager pack (the plan's host executor, nn_data.layout.host) against
+the loop reference and the device-planned graph, its aten-op count and its one host sync.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""get_microbatch_iterator / make_processed_microbatch_iterator (packing, dynamic, fixed; the
-device choice; cfg["nn_data"] options) and process_global_batch in a single process.
-
-Tier: pure CPU, single process (the gloo all-reduce runs in
+"""Tier: pure CPU, single process (the gloo all-reduce runs in
 tests/multiprocess/test_megatron_distributed.py).
+
+get_microbatch_iterator / make_processed_microbatch_iterator (packing, dynamic, fixed; the
+device choice; cfg["nn_data"] options) and process_global_batch in a single process.
 """
 
 from __future__ import annotations

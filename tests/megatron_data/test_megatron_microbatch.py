@@ -1,9 +1,9 @@
-"""process_microbatch (packed, self-packing VLM, unpacked), routed experts and the R3 helpers,
-get_ltor_masks_and_position_ids, the host-sync budget of the pack path.
-
-Tier: pure CPU, single process (CP ranks other than 0 are simulated by patching the
+"""Tier: pure CPU, single process (CP ranks other than 0 are simulated by patching the
 parallel_state lookup; the real parallel_state is exercised in
 tests/multiprocess/test_megatron_distributed.py).
+
+process_microbatch (packed, self-packing VLM, unpacked), routed experts and the R3 helpers,
+get_ltor_masks_and_position_ids, the host-sync budget of the pack path.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""NeMo-RL HEAD's arguments: model_slices_context_parallel_inputs (the model gets the full THD row),
-delegate_mtp_loss_mask_to_model, the media-token validity mask, get_packed_seq_cp_partition_indices,
-and the host-sync budget of those paths.
-
-Tier: pure CPU, single process (CP ranks are simulated by patching nn_data.nemo_rl.megatron_data's
+"""Tier: pure CPU, single process (CP ranks are simulated by patching nn_data.nemo_rl.megatron_data's
 get_context_parallel_rank / get_context_parallel_world_size, NeMo-RL's patch points). Newer
 megatron-core PackedSeqParams fields are simulated with a stand-in class.
+
+NeMo-RL HEAD's arguments: model_slices_context_parallel_inputs (the model gets the full THD row),
+delegate_mtp_loss_mask_to_model, the media-token validity mask, get_packed_seq_cp_partition_indices,
+and the host-sync budget of those paths.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""nn_data.nemo_rl.megatron_data packing helpers on worked examples: values, PackedSeqParams, the
-parameter table, unpacking, and every error path.
+"""Tier: pure CPU, single process (imports megatron-core for PackedSeqParams).
 
-Tier: pure CPU, single process (imports megatron-core for PackedSeqParams).
+nn_data.nemo_rl.megatron_data packing helpers on worked examples: values, PackedSeqParams, the
+parameter table, unpacking, and every error path.
 """
 
 from __future__ import annotations

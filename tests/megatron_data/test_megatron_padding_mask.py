@@ -1,11 +1,11 @@
-"""The compat layer's ``padding_mask`` (nn_data's field of ``ProcessedInputs`` / ``ProcessedMicrobatch``):
+"""Tier: pure CPU, single process (CP ranks simulated by patching the CP getters NeMo-RL's module binds;
+the pg_collection path under real CP groups is tests/multiprocess/test_pg_collection_multiprocess.py).
+The oracle is the loop reference (``nn_data.testing.reference.reference_padding_mask``).
+
+The compat layer's ``padding_mask`` (nn_data's field of ``ProcessedInputs`` / ``ProcessedMicrobatch``):
 True exactly at the padding of the model's ids (this CP rank's ``[1, T/C]``, the full ``[1, T]`` when
 the model slices CP itself), on the one-call path, compiled, and NeMo-RL's patched call sequence; no
 extra host sync; None where nothing is packed.
-
-Tier: pure CPU, single process (CP ranks simulated by patching the CP getters NeMo-RL's module binds;
-the pg_collection path under real CP groups is tests/multiprocess/test_pg_collection_multiprocess.py).
-The oracle is the loop reference (``nn_data.testing.reference.reference_padding_mask``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Property tests: ``_pack_sequences_for_megatron`` equals the loop reference (docs/design.md) on every
-rank, and ``_unpack_sequences_from_megatron(pack(x)) == x`` on the valid tokens for every multiple.
+"""Tier: pure CPU, single process, hypothesis.
 
-Tier: pure CPU, single process, hypothesis.
+Property tests: ``_pack_sequences_for_megatron`` equals the loop reference (docs/design.md) on every
+rank, and ``_unpack_sequences_from_megatron(pack(x)) == x`` on the valid tokens for every multiple.
 """
 
 from __future__ import annotations

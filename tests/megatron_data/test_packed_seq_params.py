@@ -1,10 +1,10 @@
-"""nn_data.megatron_parallel.make_packed_seq_params on the installed megatron-core release: every field
-equal to megatron-core's own construction, built without a host sync (on ``meta`` tensors), one
-boundary object where nothing pads between sequences, the caller's CP group, and ``B = 0``.
-
-Tier: pure CPU, single process (imports megatron-core's ``PackedSeqParams``; the second CI job runs
+"""Tier: pure CPU, single process (imports megatron-core's ``PackedSeqParams``; the second CI job runs
 this file on megatron-core 0.19.2, whose ``__post_init__`` builds ``seq_idx``; on 0.16.x the fields
 ``total_tokens``, ``seq_idx`` and ``pad_between_seqs`` do not exist).
+
+nn_data.megatron_parallel.make_packed_seq_params on the installed megatron-core release: every field
+equal to megatron-core's own construction, built without a host sync (on ``meta`` tensors), one
+boundary object where nothing pads between sequences, the caller's CP group, and ``B = 0``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The run-level packed length (cfg["nn_data"]["pad_full_seq_to"], PackOptions.pad_full_seq_to) through the
-NeMo-RL layer, and shard_by_batch_size's "nn_data_balanced" plan (nn_data.planning.plan_step).
+"""Tier: pure CPU, single process (one compile test with aot_eager counts graphs across steps).
 
-Tier: pure CPU, single process (one compile test with aot_eager counts graphs across steps).
+The run-level packed length (cfg["nn_data"]["pad_full_seq_to"], PackOptions.pad_full_seq_to) through the
+NeMo-RL layer, and shard_by_batch_size's "nn_data_balanced" plan (nn_data.planning.plan_step).
 """
 
 from __future__ import annotations

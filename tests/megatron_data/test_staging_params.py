@@ -1,8 +1,8 @@
-"""StagedMicrobatch's megatron-core ``PackedSeqParams``: made once, its boundary tensors are the staged
+"""Tier: pure CPU, single process (both CI jobs: megatron-core 0.16 and 0.19).
+
+StagedMicrobatch's megatron-core ``PackedSeqParams``: made once, its boundary tensors are the staged
 buffers (the same objects on every microbatch), ``max_seqlen`` fixed at T, and where the release has
 ``seq_idx`` (0.17 and newer) it is refreshed in place to megatron-core's own value for each microbatch.
-
-Tier: pure CPU, single process (both CI jobs: megatron-core 0.16 and 0.19).
 """
 
 from __future__ import annotations

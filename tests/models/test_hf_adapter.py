@@ -1,7 +1,7 @@
-"""HFCausalLMAdapter without context parallelism, and nn_data's transformers attention function.
-
-Tier: pure CPU, single process (transformers 5.24 tiny Llama / Qwen2 built from a config; nothing
+"""Tier: pure CPU, single process (transformers 5.24 tiny Llama / Qwen2 built from a config; nothing
 downloaded). Under CP: tests/models/test_adapters_multiprocess.py.
+
+HFCausalLMAdapter without context parallelism, and nn_data's transformers attention function.
 """
 
 from __future__ import annotations

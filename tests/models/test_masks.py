@@ -1,7 +1,7 @@
-"""The document mask, dense or as a flex-attention BlockMask (nn_data.masks).
-
-Tier: pure CPU, single process. The block-mask test compiles create_block_mask and
+"""Tier: pure CPU, single process. The block-mask test compiles create_block_mask and
 flex_attention once (~10-15 s cold on 2 cores); flex on a CPU runs forward only, in float32.
+
+The document mask, dense or as a flex-attention BlockMask (nn_data.masks).
 """
 
 from __future__ import annotations

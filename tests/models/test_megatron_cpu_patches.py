@@ -1,6 +1,6 @@
-"""nn_data/adapters/_megatron_cpu.py: where megatron-core (0.16.x, 0.19.x) is patched on a CPU-only torch.
+"""Tier: pure CPU, single process (imports megatron-core; builds nothing distributed).
 
-Tier: pure CPU, single process (imports megatron-core; builds nothing distributed).
+nn_data/adapters/_megatron_cpu.py: where megatron-core (0.16.x, 0.19.x) is patched on a CPU-only torch.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""MegatronGPTAdapter rotates every sequence from position 0, as when it runs alone, so a sequence late
-in a long pack is as accurate as the same sequence alone: bf16 within 1.2x of bf16's noise floor at
-T = 4096, and a float32 error that does not grow with T. RoPE's ``inv_freq`` stays float32, as
-megatron-core keeps it.
-
-Tier: pure CPU, single process (a one-rank gloo group on 127.0.0.1 for megatron-core's parallel_state,
+"""Tier: pure CPU, single process (a one-rank gloo group on 127.0.0.1 for megatron-core's parallel_state,
 left afterwards). The oracle is the same model in float64 on the sequence alone (megatron-core's
 stock unpacked path); the noise floor is the sequence alone in the tested dtype against it.
 profiling/bench/bench_rope_precision.py measures the same at T = 512, 4096 and 32768.
+
+MegatronGPTAdapter rotates every sequence from position 0, as when it runs alone, so a sequence late
+in a long pack is as accurate as the same sequence alone: bf16 within 1.2x of bf16's noise floor at
+T = 4096, and a float32 error that does not grow with T. RoPE's ``inv_freq`` stays float32, as
+megatron-core keeps it.
 """
 
 from __future__ import annotations

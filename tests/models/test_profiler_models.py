@@ -1,7 +1,7 @@
-"""The profiler with a real model (``--model hf|megatron``, profiling/microbatches/real_models.py) and the examples.
-
-Tier: pure CPU, single process (torch.compile of the data path; ``--model megatron`` makes this
+"""Tier: pure CPU, single process (torch.compile of the data path; ``--model megatron`` makes this
 process a one-rank gloo group for the run and leaves it afterwards). No timing is asserted.
+
+The profiler with a real model (``--model hf|megatron``, profiling/microbatches/real_models.py) and the examples.
 """
 
 from __future__ import annotations

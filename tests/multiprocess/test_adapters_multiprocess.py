@@ -1,9 +1,9 @@
-"""The adapters under real context parallelism and a real pipeline schedule.
-
-Tier: CPU multi-process over gloo (one module-scoped pool of 4 spawned ranks on 127.0.0.1,
+"""Tier: CPU multi-process over gloo (one module-scoped pool of 4 spawned ranks on 127.0.0.1,
 tests/support/cp_harness.py; C = 2 runs as two CP groups side by side, C = 4 as one; PP = 2 as two
 pipelines side by side), megatron-core parallel_state for the groups. Cases:
 tests/models/adapter_cases.py. Float64 unless stated.
+
+The adapters under real context parallelism and a real pipeline schedule.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Two CPU processes over gloo: process_microbatch takes CP rank and size from megatron-core's
+"""Tier: CPU multi-process over gloo (torch.multiprocessing spawn, 127.0.0.1, a free port).
+
+Two CPU processes over gloo: process_microbatch takes CP rank and size from megatron-core's
 initialised parallel_state (CP 2), the two shards gather back to the packed tensor, and
 process_global_batch all-reduces its normalisers over a gloo group.
-
-Tier: CPU multi-process (torch.multiprocessing spawn, gloo backend, 127.0.0.1, a free port).
 """
 
 from __future__ import annotations

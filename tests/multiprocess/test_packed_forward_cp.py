@@ -1,7 +1,7 @@
-"""PackedForward under real context parallelism: outputs and gradients equal the single-process run.
-
-Tier: CPU multi-process over gloo (a pool of 4 spawned ranks on 127.0.0.1, tests/support/cp_harness.py;
+"""Tier: CPU multi-process over gloo (a pool of 4 spawned ranks on 127.0.0.1, tests/support/cp_harness.py;
 C=2 runs as two CP groups side by side, C=4 as one), megatron-core parallel_state for the groups.
+
+PackedForward under real context parallelism: outputs and gradients equal the single-process run.
 """
 
 from __future__ import annotations

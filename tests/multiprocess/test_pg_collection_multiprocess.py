@@ -1,11 +1,11 @@
-"""Explicit process-group collections, megatron-core's parallel_state never initialised: nn_data's entry
+"""Tier: CPU multi-process over gloo (one module-scoped pool of 4 spawned ranks on 127.0.0.1,
+tests/support/cp_harness.py with ``cp=None``: the pool never touches parallel_state; every rank builds
+its groups from a HyperCommGrid). Cases: tests/support/pg_collection_cases.py. Float64.
+
+Explicit process-group collections, megatron-core's parallel_state never initialised: nn_data's entry
 points take the CP and TP groups as ``pg_collection=`` (CP 2, TP 2; the NeMo-RL layer too), a tiny dense and a tiny MoE GPTModel
 built on the collection match each sequence alone and the MoE routers are told every padding position, and
 megatron-core's PP 2 schedules (1F1B and interleaved) run nn_data's packed microbatches exactly.
-
-Tier: CPU multi-process over gloo (one module-scoped pool of 4 spawned ranks on 127.0.0.1,
-tests/support/cp_harness.py with ``cp=None``: the pool never touches parallel_state; every rank builds
-its groups from a HyperCommGrid). Cases: tests/support/pg_collection_cases.py. Float64.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""nn_data.compile_cache: artifacts saved by one compile are loaded into an empty cache folder and
-served from the cache by the next compile (no code generation).
+"""Tier: pure CPU, single process (inductor compiles a tiny graph twice, in two fresh cache folders).
 
-Tier: pure CPU, single process (inductor compiles a tiny graph twice, in two fresh cache folders).
+nn_data.compile_cache: artifacts saved by one compile are loaded into an empty cache folder and
+served from the cache by the next compile (no code generation).
 """
 
 from __future__ import annotations

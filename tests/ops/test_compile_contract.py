@@ -1,10 +1,10 @@
-"""The compile contract of the core ops: one graph for a stream whatever varies (lengths,
+"""Tier: pure CPU, single process, torch.compile(fullgraph=True). The stream runs through inductor
+(one module-scoped compile); the error cases use the eager / aot_eager backends.
+
+The compile contract of the core ops: one graph for a stream whatever varies (lengths,
 row counts under a row capacity, the row length ``S``, ``S = 0`` and ``1`` included), compiled ==
 eager on every returned field, errors that keep their message when a user compiles an op directly,
 data errors as device asserts.
-
-Tier: pure CPU, single process, torch.compile(fullgraph=True). The stream runs through inductor
-(one module-scoped compile); the error cases use the eager / aot_eager backends.
 """
 
 from __future__ import annotations

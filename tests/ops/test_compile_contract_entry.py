@@ -1,11 +1,11 @@
-"""The compile contract of the entry points nn_data compiles itself: ``PackedForward(
+"""Tier: pure CPU, single process, torch.compile(fullgraph=True) with the aot_eager backend (the graphs
+are counted; the inductor path of the same ops is in test_compile_contract.py).
+
+The compile contract of the entry points nn_data compiles itself: ``PackedForward(
 compile_packing=True)`` and the profiler's compiled pipeline. One graph per side for a stream of row
 lengths (``S = 0`` and ``1`` included) and row counts, compiled == eager on every field, and every
 shape/dtype/device error raised as ``PackingError`` before the compiled region, with the eager
 message; data errors stay device asserts.
-
-Tier: pure CPU, single process, torch.compile(fullgraph=True) with the aot_eager backend (the graphs
-are counted; the inductor path of the same ops is in test_compile_contract.py).
 """
 
 from __future__ import annotations

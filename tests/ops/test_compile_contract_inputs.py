@@ -1,8 +1,8 @@
-"""Inputs the compile contract must refuse or handle without a hidden sync: non-integer
+"""Tier: pure CPU, single process (eager; one tiny aot_eager compile for the unpack device assert).
+
+Inputs the compile contract must refuse or handle without a hidden sync: non-integer
 lengths however given, unpack boundaries past T, and no host-to-device copy of Python data (counted
 by HostSyncCounter, which the ``meta`` device lets run without a GPU).
-
-Tier: pure CPU, single process (eager; one tiny aot_eager compile for the unpack device assert).
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 
 
 def markdown_files() -> list[Path]:
-    """The markdown files git tracks (so nothing in .venv or build folders)."""
-    out = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True, check=True)
-    return [ROOT / line for line in out.stdout.splitlines() if line]
+    """The markdown files git tracks or would track (new, not ignored: nothing in .venv or build folders)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    return sorted({ROOT / line for line in out.stdout.splitlines() if line and (ROOT / line).is_file()})
 
 
 def prose_lines(path: Path):
@@ -70,6 +71,14 @@ def test_the_repository_has_relative_links_to_check():
     assert len(relative_links()) >= 4
 
 
+def test_every_results_page_is_checked():
+    """profiling/results/*.md are read like every other page, and link back to the tool's section."""
+    pages = sorted((ROOT / "profiling" / "results").glob("*.md"))
+    assert pages and set(pages) <= set(markdown_files())
+    linking = {path for path, _, target in relative_links() if "#" in target}
+    assert set(pages) - {ROOT / "profiling" / "results" / "README.md"} <= linking
+
+
 @pytest.mark.parametrize("path, line, target", relative_links(),
                          ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else str(v))
 def test_relative_link_resolves(path, line, target):
@@ -86,3 +95,10 @@ def test_slugs_follow_githubs_rule():
     assert slug("Differences from NeMo-RL, and why") == "differences-from-nemo-rl-and-why"
     assert slug("Sync budget") == "sync-budget"
     assert slug("`PackedForward` and `S`") == "packedforward-and-s"
+    assert slug("The main job: `profiling/microbatches/`") == "the-main-job-profilingmicrobatches"
+
+
+def test_an_anchor_that_names_no_heading_is_caught(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## A section\n\n```\n## not a heading\n```\n\n## A section\n")
+    assert anchors(page) == {"title", "a-section", "a-section-1"}

@@ -1,8 +1,8 @@
-"""The ops under torch.compile(fullgraph=True): captured whole, compiled once per shape key,
-compiled == eager exactly, no host syncs on the static path, device-side asserts for bad data.
-
-Tier: pure CPU, single process, torch.compile with the inductor backend (compiled modules are
+"""Tier: pure CPU, single process, torch.compile with the inductor backend (compiled modules are
 shared per module to keep the cold-compile cost to a few graphs).
+
+The ops under torch.compile(fullgraph=True): captured whole, compiled once per shape key,
+compiled == eager exactly, no host syncs on the static path, device-side asserts for bad data.
 """
 
 from __future__ import annotations

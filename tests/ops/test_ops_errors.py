@@ -1,7 +1,7 @@
-"""Every bad configuration or input is refused with a message naming the argument, the value and
-what would be valid (eager mode; the compiled device-side asserts are in test_ops_compile.py).
+"""Tier: pure CPU, single process.
 
-Tier: pure CPU, single process.
+Every bad configuration or input is refused with a message naming the argument, the value and
+what would be valid (eager mode; the compiled device-side asserts are in test_ops_compile.py).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_unshard_and_unpack_configuration_errors():
         (torch.tensor([[1, 2, 3]]), r"seq_lengths must be a 1-D integer tensor, got shape \(1, 3\)"),
         (torch.tensor([1.0, 2.0, 3.0]), r"seq_lengths must be a 1-D integer tensor, got shape \(3,\) and dtype torch.float32"),
         (torch.tensor([1, 2]), r"seq_lengths has 2 entries; expected 3"),
-        ([1, 2, 3], r"seq_lengths must be a 1-D integer torch.Tensor, got list"),
+        ([1.5, 2, 3], r"seq_lengths=\[1.5, 2, 3\] is invalid: not all integers"),
         (torch.tensor([1, -2, 3]), r"seq_lengths\[1\] = -2 is outside \[0, S=4\]; valid lengths are integers in \[0, 4\]"),
         (torch.tensor([1, 2, 5]), r"seq_lengths\[2\] = 5 is outside \[0, S=4\]; valid lengths are integers in \[0, 4\]"),
     ],
@@ -247,7 +247,7 @@ def test_a_layout_an_op_is_given_must_be_the_microbatchs_own():
     with pytest.raises(PackingError, match=r"cu_seqlens_padded is not the tensor the layout holds; pass layout= "
                                            r"alone, or layout.cu_seqlens_padded"):
         ShardForContextParallel(2, 0)(r.packed, other.cu_seqlens_padded, layout=r.layout)
-    with pytest.raises(PackingError, match=r"the layout was planned for T=16 packed positions but the tensor given "
+    with pytest.raises(PackingError, match=r"the layout was built for T=16 packed positions but the tensor given "
                                            r"with it has T=8"):
         ShardForContextParallel(2, 0)(r.packed[:, :8], layout=r.layout)
     with pytest.raises(PackingError, match=r"seq_lengths is not the tensor the layout holds"):

@@ -1,6 +1,6 @@
-"""Worked examples of the core ops with exact expected tensors.
+"""Tier: pure CPU, single process, eager mode.
 
-Tier: pure CPU, single process, eager mode.
+Worked examples of the core ops with exact expected tensors.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Property tests: the ops on both executors (host and device, every form) equal the loop reference.
+"""Tier: pure CPU, single process, eager mode (hypothesis).
+
+Property tests: the ops on both executors (host and device, every form) equal the loop reference.
 
 Random B (0..16), S, lengths (0 and S included), multiples m and p, pad_full_seq_to,
 C in {1, 2, 3, 4, 8} and every rank, trailing dims [B,S] and [B,S,3,2], int and float.
-
-Tier: pure CPU, single process, eager mode (hypothesis).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def cases(draw):
 
 @contextlib.contextmanager
 def executor(name: str):
-    """Run the ops on one executor and form (``docs/design.md``, "Layout plan and executors"):
+    """Run the ops on one executor and form (``docs/design.md``, "Layouts and executors"):
     ``host`` (eager default: one host read, split/cat views), ``host-index`` (the host executor's
     index_select form of shard and unshard), ``device-scatter`` / ``device-gather`` (``host_reads=False``:
     index maps on the device, the scatter or the gather form of pack and unpack forced). Yields the

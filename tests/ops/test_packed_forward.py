@@ -1,7 +1,7 @@
-"""PackedForward on one process: a real attention model run on packed tokens gives, for every
-sequence, the output of running that sequence alone; the packing side compiles once per stream.
+"""Tier: pure CPU, single process (eager, plus torch.compile with the aot_eager backend).
 
-Tier: pure CPU, single process (eager, plus torch.compile with the aot_eager backend).
+PackedForward on one process: a real attention model run on packed tokens gives, for every
+sequence, the output of running that sequence alone; the packing side compiles once per stream.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The packed, CP-sharded padding mask (``PackLayout.padding_mask``, ``PackedInfo.padding_mask``): True
+"""Tier: pure CPU, single process (hypothesis; one torch.compile with the aot_eager backend).
+
+The packed, CP-sharded padding mask (``PackLayout.padding_mask``, ``PackedInfo.padding_mask``): True
 exactly at the padding positions of this rank's shard (each segment's slack, the extended last segment,
 every position of a microbatch of no sequence), on plans made on the host and on the device, with row
 capacity, compiled in one graph with no host sync.
 
 The oracle packs the ``[B, S]`` valid-token mask with the loop reference (padding False), inverts it and
 takes the rank's zigzag shard with the loop reference.
-
-Tier: pure CPU, single process (hypothesis; one torch.compile with the aot_eager backend).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""StagedMicrobatch: a stream of microbatches (varying row counts, lengths and row lengths, an empty one)
+"""Tier: pure CPU, single process, eager (the CUDA-graph capture and replay are the GPU check's:
+tests/cuda/test_cuda_graph_staging.py).
+
+StagedMicrobatch: a stream of microbatches (varying row counts, lengths and row lengths, an empty one)
 copied into buffers allocated once: the same addresses on every microbatch, the unstaged path's values
 (``PackedForward.prepare``, ``NextTokenTargets``), nothing allocated by the copies, no host sync in load +
 prepare, and the model's output on the staged tensors equal to PackedForward's.
-
-Tier: pure CPU, single process, eager (the CUDA-graph capture and replay are the GPU check's:
-tests/cuda/test_cuda_graph_staging.py).
 """
 
 from __future__ import annotations

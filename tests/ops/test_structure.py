@@ -206,7 +206,7 @@ def test_model_utils_builds_on_the_log_prob_core_not_on_token_logprobs():
     assert from_logprobs == {"nn_data.logprobs.token_logprobs_local"}
 
 
-# ---- the layout plan's boundary (docs/design.md, "Layout plan and executors") -------------------
+# ---- the layout's boundary (docs/design.md, "Layouts and executors") -------------------
 
 PLAN = PKG / "layout"
 # The loop oracle (nn_data/testing/reference.py) re-derives every rule on purpose: a reference that

@@ -1,7 +1,7 @@
-"""UnpackSequences' scatter form (an output that is mostly fill, B*S >= 4T) compiled: equal to the
-loop reference and to eager on a stream with row padding, one graph for the whole stream.
+"""Tier: pure CPU, single process (one inductor compile).
 
-Tier: pure CPU, single process (one inductor compile).
+UnpackSequences' scatter form (an output that is mostly fill, B*S >= 4T) compiled: equal to the
+loop reference and to eager on a stream with row padding, one graph for the whole stream.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""nn_data.planning.Parallelism: the one alignment rule, its refusals, and every part that uses it.
-
-Tier: pure CPU, single process (no tensor op; the compat layer's parameter function is imported,
+"""Tier: pure CPU, single process (no tensor op; the compat layer's parameter function is imported,
 megatron-core is not).
+
+nn_data.planning.Parallelism: the one alignment rule, its refusals, and every part that uses it.
 """
 
 from __future__ import annotations

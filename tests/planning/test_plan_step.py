@@ -1,6 +1,6 @@
-"""nn_data.planning.plan_step: the guarantees (property-tested), balance, complexity and every refusal.
+"""Tier: pure CPU, single process (numpy planning on the host; no tensor op but reading a lengths tensor).
 
-Tier: pure CPU, single process (numpy planning on the host; no tensor op but reading a lengths tensor).
+nn_data.planning.plan_step: the guarantees (property-tested), balance, complexity and every refusal.
 """
 
 from __future__ import annotations

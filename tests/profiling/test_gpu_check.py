@@ -1,8 +1,8 @@
-"""How profiling.gpu_check judges what its steps report: every check is PASS or FAIL, or not
+"""Tier: pure CPU, single process, no compile (the judging functions on hand-made step outputs).
+
+How profiling.gpu_check judges what its steps report: every check is PASS or FAIL, or not
 checked with its reason; a skip that hides a CUDA step on a GPU fails; a missing package is
 never a pass. The steps themselves run in CI as ``bash scripts/gpu_check.sh --dry-run``.
-
-Tier: pure CPU, single process, no compile (the judging functions on hand-made step outputs).
 """
 
 from __future__ import annotations

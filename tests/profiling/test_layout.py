@@ -1,8 +1,9 @@
 """Tier: pure CPU (reads source files; one subprocess runs every benchmark's ``--help``).
 
-profiling/ as three tools (profiling/README.md, "Layout"): the main job in profiling/microbatches,
+profiling/ as three tools (profiling/README.md): the main job in profiling/microbatches,
 the benchmarks in profiling/bench named ``bench_<subject>.py``, the GPU check in
-profiling/gpu_check, shared code at the top; every benchmark answers ``--help`` when run as
+profiling/gpu_check, shared code at the top, their dated figures in profiling/results (one page per
+subject, listed in profiling/results/README.md); every benchmark answers ``--help`` when run as
 ``python -m profiling.bench.bench_<subject>``, and none reads a clock itself: timing goes through
 ``profiling.timing``, the one timer.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +33,21 @@ def test_profiling_is_three_tools_and_shared_code():
     for tool in ("microbatches", "gpu_check"):
         assert (PROFILING / tool / "__main__.py").is_file(), f"python -m profiling.{tool} needs a __main__.py"
     assert BENCHES and all(name.startswith("bench_") for name in BENCHES), BENCHES
+
+
+def test_every_results_page_is_listed_and_linked_from_its_tool():
+    """profiling/results/<subject>.md: listed in results/README.md, linked from profiling/README.md."""
+    pages = sorted(p.name for p in (PROFILING / "results").glob("*.md") if p.name != "README.md")
+    listed = sorted(set(re.findall(r"\]\(([\w.-]+\.md)\)", (PROFILING / "results" / "README.md").read_text())))
+    assert pages and listed == pages, f"results/README.md lists {listed}; results/ holds {pages}"
+    manual = (PROFILING / "README.md").read_text()
+    assert [p for p in pages if f"](results/{p})" not in manual] == [], "link each page from its tool's section"
+
+
+def test_the_manual_holds_no_dated_figure():
+    """Dated figures live in profiling/results/, not in profiling/README.md (no date in it)."""
+    dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", (PROFILING / "README.md").read_text())
+    assert dates == [], f"move the figures of {dates} to profiling/results/<subject>.md"
 
 
 def _clock_reads(path: Path) -> list[str]:

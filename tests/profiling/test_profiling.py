@@ -1,10 +1,10 @@
-"""The profiling suite (profiling/microbatches/run.py) end to end, with tiny sizes.
-
-Tier: pure CPU, single process for the profile (torch.compile with inductor, torch.profiler),
+"""Tier: pure CPU, single process for the profile (torch.compile with inductor, torch.profiler),
 plus two subprocesses: ``--help`` and a TensorBoard server with the torch-tb-profiler plugin on
 127.0.0.1 (a free port; stopped by its own PID). The profile runs once per module (its three
 compiled graphs are the cold-compile cost). No timing is asserted: figures live in
-profiling/README.md, not in tests.
+profiling/results/, not in tests.
+
+The profiling suite (profiling/microbatches/run.py) end to end, with tiny sizes.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ without megatron-bridge). The functions call each other through this module's na
 time, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")`` reaches the call as it does in NeMo-RL.
 Differences (docs/nemo-rl.md's "Differences from NeMo-RL" table lists all of them):
 
-* one layout plan per microbatch (:mod:`nn_data.layout`), made after one read of the lengths, packs
+* one layout per microbatch (:mod:`nn_data.layout`), built after one read of the lengths, packs
   and CP-shards the ids and every companion (``mtp_loss_mask``, the media mask, ``routed_experts``)
   with a constant number of ops (eagerly) or one compiled graph, not a Python loop per sequence: one
   host sync per microbatch (NeMo-RL: ``2B + 1``);

@@ -53,7 +53,7 @@ def _pack_sequences_for_megatron(
     ``cu_seqlens_padded [0, 8, 16, 24]``, max_seqlen 8.
 
     One host sync per call (NeMo-RL: ``2B + 1``): the lengths are read once and the layout is
-    planned in Python ints (:mod:`nn_data.layout`). ``options`` (keyword-only, nn_data only)
+    computed in Python ints (:mod:`nn_data.layout`). ``options`` (keyword-only, nn_data only)
     selects the compiled graph and ``T`` buckets: see :class:`PackOptions`. It packs
     ``input_ids`` and nothing else; :func:`process_microbatch` packs the microbatch's companions
     (MTP mask, media-token mask, routed experts) with the ids in one call of its own.

@@ -121,24 +121,20 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, 
     """NeMo-RL HEAD's packed branch: the microbatch's ``ProcessedInputs`` (and nn_data's padding mask,
     in the layout of the model's ids)."""
     cp_rank, cp_size = cp_rank_and_size(pg_collection)
-    identity = None
-    if routed is not None and r3_verify_forward_enabled():
-        identity = public("_make_r3_trace_token_identity")(input_ids, seq_lengths)
-    media = None
-    if "media_token_validity_mask" in data_dict:  # packed in the ids' dtype: padding 0 is no bool
-        media = data_dict["media_token_validity_mask"].to(input_ids.dtype)
-    extras = {"mtp_loss_mask": data_dict["mtp_loss_mask"] if "mtp_loss_mask" in data_dict else None,
-              "routed_experts": routed, "token_identity": identity, "media_token_validity_mask": media}
-    config = dict(m=m, p=p, pad_full_seq_to=pad_full_seq_to, cp_rank=cp_rank, cp_size=cp_size, options=options)
+    extras = _extras(data_dict, input_ids, seq_lengths, routed)
     mask_ranks = (1, 0) if model_slices else (cp_size, cp_rank)  # the model's ids: the full row, or this share
     if patched(*NEMO_RL_CALLS):
         check_extras(input_ids, extras)  # NeMo-RL's functions do not check the companions
-        batch, params, cu_pad, cu = _nemo_rl_calls(input_ids, seq_lengths, extras, model_slices=model_slices,
-                                                   **config)
+        batch, params, cu_pad, cu = _nemo_rl_calls(input_ids, seq_lengths, extras, m=m, p=p,
+                                                   pad_full_seq_to=pad_full_seq_to, cp_rank=cp_rank, cp_size=cp_size,
+                                                   options=options, model_slices=model_slices)
         padding = boundaries_padding_mask(cu, cu_pad, batch.full["input_ids"].shape[1], *mask_ranks)
-    else:
-        batch, params = _one_call(input_ids, seq_lengths, extras, model_slices=model_slices, **config)
-        cu_pad = batch.layout.cu_seqlens_padded
+    else:  # one packing call: every tensor on one layout, one host sync
+        options = options or PackOptions()
+        spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
+                            name="pad_full_seq_to", options=options)  # a run-level T wins
+        batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras=extras)
+        params, cu_pad = _params(batch.layout, cp_size, model_slices), batch.layout.cu_seqlens_padded
         padding = batch.layout.padding_mask(*mask_ranks)  # [1, T/C] (or [1, T]) bool, no read
     full, local = batch.full, batch.local
     public("_verify_r3_trace_cp_token_alignment")(
@@ -156,24 +152,31 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, 
     )
 
 
-def _one_call(input_ids, seq_lengths, extras: dict, *, m, p, pad_full_seq_to, cp_rank, cp_size, options,
-              model_slices: bool):
-    """Every tensor of the microbatch packed and sharded on one layout, one host sync (nothing patched):
-    ``(PackedMicrobatch, PackedSeqParams)``."""
-    options = options or PackOptions()
-    spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
-                        name="pad_full_seq_to", options=options)  # a run-level T wins
-    batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras=extras)
-    layout = batch.layout
+def _extras(data_dict, input_ids, seq_lengths, routed) -> dict:
+    """The companions that ride the ids' layout (None where the batch has none): the MTP mask, routed
+    experts with their R3 identities when the verifier runs, the media-token mask (packed in the ids'
+    dtype: padding 0 is no bool)."""
+    identity = None
+    if routed is not None and r3_verify_forward_enabled():
+        identity = public("_make_r3_trace_token_identity")(input_ids, seq_lengths)
+    media = None
+    if "media_token_validity_mask" in data_dict:
+        media = data_dict["media_token_validity_mask"].to(input_ids.dtype)
+    return {"mtp_loss_mask": data_dict["mtp_loss_mask"] if "mtp_loss_mask" in data_dict else None,
+            "routed_experts": routed, "token_identity": identity, "media_token_validity_mask": media}
+
+
+def _params(layout, cp_size: int, model_slices: bool):
+    """The microbatch's ``PackedSeqParams`` from its host layout's ints (no read)."""
     host, total = layout.host, layout.total
-    if model_slices:  # the model slices CP itself: full rows, valid and padded boundaries apart
-        pad_between = host.cu != host.cu_pad  # else one boundary object: TransformerEngine reads "no padding"
-        params = make_packed_seq_params(layout.cu_seqlens_padded, host.max_seqlen, total,
-                                        cu_seqlens=layout.cu_seqlens if pad_between else None,
-                                        pad_between_seqs=pad_between, total=total)
-    else:
-        params = make_packed_seq_params(layout.cu_seqlens_padded, host.max_seqlen, total // cp_size, total=total)
-    return batch, params
+    if not model_slices:
+        return make_packed_seq_params(layout.cu_seqlens_padded, host.max_seqlen, total // cp_size, total=total)
+    # the model slices CP itself: full rows, valid and padded boundaries apart where they differ (one
+    # boundary object tells TransformerEngine "no padding between sequences")
+    pad_between = host.cu != host.cu_pad
+    return make_packed_seq_params(layout.cu_seqlens_padded, host.max_seqlen, total,
+                                  cu_seqlens=layout.cu_seqlens if pad_between else None,
+                                  pad_between_seqs=pad_between, total=total)
 
 
 def _nemo_rl_calls(input_ids, seq_lengths, extras: dict, *, m, p, pad_full_seq_to, cp_rank, cp_size, options,

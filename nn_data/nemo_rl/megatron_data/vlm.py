@@ -31,7 +31,7 @@ def _prepare_vlm_batch_for_megatron(
     ``pad_full_seq_to`` (PP > 1) the last sequence's length is extended by the deficit
     ``pad_full_seq_to - sum(padded)`` so the model's own packing always gives that total
     (the extra positions count as valid for the model; mask them at the loss). That is the layout
-    plan's slack rule ("extend last", :mod:`nn_data.layout`), planned after one read of the lengths;
+    layout's slack rule ("extend last", :mod:`nn_data.layout`), built after one read of the lengths;
     the deficit must be a multiple of the per-sequence multiple (the model pads to it itself).
 
     Returns ``(input_ids [1, T], input_ids_cp_sharded [B, P], attention_mask [B, P] bool,
@@ -71,7 +71,7 @@ def _prepare_vlm_batch_for_megatron(
     padded = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).to(torch.int64)  # [B]
     attention_mask = torch.arange(padded_max, device=input_ids.device)[None, :] < padded[:, None]  # [B, P]
     # The packed view holds exactly what the model packs: every row's first padded[b] columns, back to
-    # back (the rows packed on the same plan with their padded lengths as lengths).
+    # back (the rows packed on the same layout with their padded lengths as lengths).
     packed = padded_rows(layout, padded_max).pack(ids_2d)  # [1, T]
     params = make_packed_seq_params(cu_seqlens_padded, padded_max, None)
     return packed, ids_2d, attention_mask, params, None, cu_seqlens_padded
