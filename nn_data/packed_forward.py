@@ -41,6 +41,10 @@ class PackedInfo(NamedTuple):
     megatron-core ``PackedSeqParams`` when requested (``max_seqlen_q = T``: the only
     value known without a host sync; ``total_tokens = T/C``, ``cp_group`` the group given to
     :class:`PackedForward`; :func:`nn_data.megatron_parallel.make_packed_seq_params`).
+    Two Python-int bounds, known without a host read: ``max_length``, the longest padded segment
+    (``max_seqlen``'s value when the plan was made on the host, else ``T``: what a variable-length
+    attention kernel's ``max_seqlen`` needs), and ``row_len``, the batch's row length ``S``, which
+    bounds every sequence's valid length.
     """
 
     cu_seqlens_padded: torch.Tensor
@@ -51,6 +55,8 @@ class PackedInfo(NamedTuple):
     cp_rank: int
     gather: Optional[Callable[[torch.Tensor], torch.Tensor]]
     packed_seq_params: object = None
+    max_length: Optional[int] = None
+    row_len: Optional[int] = None
 
 
 class PackedInput(NamedTuple):
@@ -129,8 +135,8 @@ class PackedForward(nn.Module):
         self.row_capacity = None if row_capacity is None else _checks.positive_int("row_capacity", row_capacity)
         self.make_packed_seq_params = bool(make_packed_seq_params)
         if self.cp_size > 1:  # outputs: the loss is replicated over the group ("own"); keys/values: "sum"
-            self.gather_output = GatherFromContextParallel(cp_group, grad_mode="own", validate=False)
-            self.gather_kv = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False)
+            self.gather_output = GatherFromContextParallel(self._cp_group, grad_mode="own", validate=False)
+            self.gather_kv = GatherFromContextParallel(self._cp_group, grad_mode="sum", validate=False)
         self.compile_packing = bool(compile_packing)
         if self.compile_packing:
             kwargs = {"fullgraph": True, **(compile_kwargs or {})}
@@ -180,9 +186,12 @@ class PackedForward(nn.Module):
                 if layout is not None:  # the plan: no read of the boundaries
                     return self.gather_kv(local, layout=layout)  # [1, T/C, *] -> [1, T, *]
                 return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
+        total = prep.segment_ids.shape[0]
+        longest = layout.host.max_seqlen if layout is not None and layout.host is not None else total
         info = PackedInfo(
             cu_pad, prep.max_seqlen, prep.segment_ids, prep.query_index,
             self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep),
+            max_length=longest, row_len=int(input_ids.shape[1]),
         )
         return PackedInput(prep.local_ids, prep.position_ids, info, seq_lengths, rows, input_ids, layout)
 
