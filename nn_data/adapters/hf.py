@@ -148,6 +148,7 @@ class HFCausalLMAdapter(nn.Module):
         self.mask_kind = mask_kind
         self.layers = hf_layers.inspect_model(model)
         self.mixer_path = hf_layers.mixer_path(self.layers, mixers, _device_type(model))
+        self._attention = register_packed_attention()
         self._slot = hf_mixers.slot_for(model)
         for _, module, _ in self.layers.mixers:
             hf_mixers.install(module, self._slot)  # no-ops outside this adapter's calls
@@ -175,7 +176,7 @@ class HFCausalLMAdapter(nn.Module):
         check = not self._checked and not torch.compiler.is_compiling()
         if check:
             kwargs[_CALLS_KWARG] = []
-        with _attention_implementation(self.model.config, register_packed_attention()):
+        with _attention_implementation(self.model.config, self._attention):
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=_as_4d(mask),
                              use_cache=False, **kwargs, **model_kwargs)
         if check:
