@@ -67,6 +67,14 @@ def as_process_group(group: Any, what: str = "group") -> Optional["dist.ProcessG
     return mesh.get_group(dim)
 
 
+def is_group_form(obj: Any) -> bool:
+    """Whether ``obj`` is one of the group forms :func:`as_process_group` resolves (``None`` excluded):
+    a ``ProcessGroup``, a ``DeviceMesh`` or a ``(DeviceMesh, dim)`` pair."""
+    if isinstance(obj, dist.ProcessGroup):
+        return True
+    return _is_device_mesh(obj[0] if isinstance(obj, tuple) and len(obj) == 2 else obj)
+
+
 def _is_device_mesh(obj: Any) -> bool:
     if "torch.distributed.device_mesh" not in sys.modules:  # no mesh was ever built in this process
         return False
