@@ -53,6 +53,9 @@ def as_process_group(group: Any, what: str = "group") -> Optional["dist.ProcessG
     """
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
+    if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise PackingError(f"this process is not a member of the {what} it was given (torch.distributed.new_group "
+                           "returned GroupMember.NON_GROUP_MEMBER on this rank); pass the group of this rank")
     mesh, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
     if not _is_device_mesh(mesh):
         raise PackingError(f"{what} is a {type(group).__name__}; pass a torch.distributed ProcessGroup, a 1-D "

@@ -166,10 +166,10 @@ class TokenLogProbs(nn.Module):
         self.seq_len = _checks.row_length("seq_len", seq_len, allow_none=True)
         self.host_reads = bool(host_reads)
         self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
-        self.cp_rank, self.cp_size, _ = group_info(cp_group, "context-parallel group")
-        self.tp_rank, self.tp_size, _ = group_info(tp_group, "tensor-parallel group")
-        self.tp_group, self.validate = tp_group, bool(validate)
-        self.gather = GatherFromContextParallel(cp_group, validate=False) if self.cp_size > 1 else None
+        self.cp_rank, self.cp_size, cp = group_info(cp_group, "context-parallel group")
+        self.tp_rank, self.tp_size, self.tp_group = group_info(tp_group, "tensor-parallel group")
+        self.validate = bool(validate)
+        self.gather = GatherFromContextParallel(cp, validate=False) if self.cp_size > 1 else None
 
     def extra_repr(self) -> str:
         return (f"seq_len={self.seq_len}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "

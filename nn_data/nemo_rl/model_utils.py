@@ -392,5 +392,5 @@ def _sampled(logits, target, tp_group, top_k, top_p, chunk_size, inference_only)
     tp, cols = group_info(tp_group, "tensor-parallel group"), logits.shape[-1]
     if filt is not None:
         _checks.check_top_k(filt.top_k, cols * tp.size)
-    return _token_logprobs(logits, target, tp.rank * cols, (tp.rank + 1) * cols, tp_group, chunk_size, filt,
+    return _token_logprobs(logits, target, tp.rank * cols, (tp.rank + 1) * cols, tp.group, chunk_size, filt,
                            inference_only)

@@ -30,6 +30,7 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
+from nn_data.groups import as_process_group, is_group_form
 from nn_data.nemo_rl.megatron_data.common import patched, public
 from nn_data.nemo_rl.megatron_data.dispatch import check_extras, pack_microbatch
 from nn_data.nemo_rl.megatron_data.options import PackConfig, PackOptions
@@ -72,6 +73,8 @@ def get_packed_seq_cp_partition_indices(
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
         raise PackingError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
     plan_checks.packed_length_arg("total_tokens", total_tokens or None)
+    if is_group_form(cp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
+        cp_group = as_process_group(cp_group, "cp_group")
     if cp_group is not None and (cp_group.size() != cp_size or cp_group.rank() != cp_rank):
         raise PackingError(f"Context-parallel group has rank {cp_group.rank()} and size {cp_group.size()}, but "
                            f"rank {cp_rank} and size {cp_size} were requested.")
