@@ -20,8 +20,9 @@ adapter is built, and refuses any it cannot):
   this module registers with ``transformers.AttentionInterface`` under :data:`ATTENTION_NAME` (and
   restored afterwards). nn_data's document mask (:mod:`nn_data.models.masks`: dense, or a flex
   ``BlockMask`` where that backend runs the call; restricted to the window on sliding-window layers)
-  reaches it as the 4-D ``attention_mask``, which transformers passes through untouched, so it derives
-  nothing from the position ids (that derivation reads the device once per call). Under CP the mask's
+  reaches it as the keyword ``nn_data_mask``; the model gets a 4-D ``attention_mask`` placeholder (a
+  broadcast view, no memory), which transformers passes through untouched, so it derives nothing
+  from the position ids (that derivation reads the device once per call). Under CP the mask's
   ``gather`` all-gathers the (already rotary-embedded) keys and values across the CP group first. A
   model built with a flash-attention implementation keeps it without CP: its variable-length kernel
   takes the boundaries above. Called without nn_data's mask, the registered function is
@@ -177,7 +178,7 @@ class HFCausalLMAdapter(nn.Module):
         if check:
             kwargs[_CALLS_KWARG] = []
         with _attention_implementation(self.model.config, self._attention):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=_as_4d(mask),
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=_as_4d(packed),
                              use_cache=False, **kwargs, **model_kwargs)
         if check:
             self._check_attention_calls(kwargs[_CALLS_KWARG])
@@ -238,6 +239,9 @@ def _attention_implementation(config, name: str):
         config._attn_implementation = before
 
 
-def _as_4d(mask: DocumentMask):
-    """The mask in the 4-D form transformers passes through to the attention function unchanged."""
-    return mask.dense[None, None] if mask.dense is not None else mask.block  # [1, 1, Tq, T] or a BlockMask
+def _as_4d(packed) -> torch.Tensor:
+    """A 4-D ``attention_mask`` for transformers to pass through untouched, so that it derives no mask of
+    its own (and its recurrent layers get none): a broadcast ``[1, 1, Tq, T]`` view of one bool, no
+    memory. The attention function takes nn_data's mask from its ``nn_data_mask`` keyword instead."""
+    tq, total = packed.query_index.shape[0], packed.segment_ids.shape[0]
+    return torch.ones((), dtype=torch.bool, device=packed.segment_ids.device).expand(1, 1, tq, total)

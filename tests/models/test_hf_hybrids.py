@@ -214,3 +214,14 @@ def test_the_adapter_and_model_compile_once_over_a_stream():
                     worst = max(worst, float((out[b, :n] - _alone(model, ids[b : b + 1, :n])[0]).abs().max()))
     torch._dynamo.reset()
     assert counter.frame_count == 1 and worst < 2e-5, (counter.frame_count, worst)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind", ["mistral", "qwen3_next"])
+def test_the_flex_block_mask_too(kind):
+    """No grad on a CPU: the flex BlockMask form of the mask (sliding windows in its mask function; a
+    hybrid's recurrent layers next to it) equals each sequence alone."""
+    model = tiny_hf_model(kind)
+    with torch.no_grad():
+        worst, _ = _compare(model, _wrapped(model, mask_kind="block"), grads=False)
+    assert worst < 2e-5, worst
