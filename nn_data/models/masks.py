@@ -98,7 +98,10 @@ def _compiled_block_mask():
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, fullgraph=True)
+    # Static shapes: a second shape (another model's heads, another T) compiles a graph of its own.
+    # With symbolic sizes inductor's CPU flex template generated C++ that does not compile here
+    # (torch 2.13: "'cur_kvSplitSize8' was not declared"), seen after a second model's call.
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
 
 def document_block_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, *, block_size: int = 128,
