@@ -148,6 +148,7 @@ class HFCausalLMAdapter(nn.Module):
         self.model = model
         self.mask_kind = mask_kind
         self.layers = hf_layers.inspect_model(model)
+        self.mixers = mixers
         self.mixer_path = hf_layers.mixer_path(self.layers, mixers, _device_type(model))
         self._attention = register_packed_attention()
         self._slot = hf_mixers.slot_for(model)
@@ -157,17 +158,23 @@ class HFCausalLMAdapter(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
-        plan = None
-        if self.layers.mixers and (self.mixer_path == "per_sequence" or packed.gather is not None):
-            plan = hf_mixers.mixer_plan(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
+        plan = fallback = None
+        if self.layers.mixers:
+            rows = hf_mixers.mixer_plan(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
                                         gather=packed.gather, query_index=packed.query_index)
+            per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None  # CP: always
+            plan, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
         kernels = bool(self.layers.mixers) and plan is None
-        with hf_mixers.active(self._slot, plan, require_boundaries=kernels):
+        with hf_mixers.active(self._slot, plan, require_boundaries=kernels, fallback=fallback):
             if packed.gather is None and str(self.model.config._attn_implementation).startswith("flash_attention"):
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs,
                                  **model_kwargs)  # flash-attention's variable-length kernel takes the boundaries
-                return out.logits  # [1, T, V]
-            return self._call_with_mask(input_ids, position_ids, packed, kwargs, model_kwargs)
+                logits = out.logits  # [1, T, V]
+            else:
+                logits = self._call_with_mask(input_ids, position_ids, packed, kwargs, model_kwargs)
+            if self._slot.fell_back:  # the model's forward drops the boundaries: per sequence from now on
+                self.mixer_path = "per_sequence"
+        return logits
 
     def _call_with_mask(self, input_ids, position_ids, packed, kwargs: dict, model_kwargs: dict) -> torch.Tensor:
         """The model under nn_data's attention function and document mask."""

@@ -52,8 +52,9 @@ from nn_data.layout.rules import segment_bounds
 # Keywords the layer must not see on the per-sequence rows: the packed row's boundaries (transformers'
 # fallbacks refuse them), its masks and positions ([1, Tq] shapes, not [B', W]).
 _PACKED_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens",
-                "position_ids", "attention_mask", "nn_data_mask", "nn_data_calls")
+                "position_ids", "attention_mask", "nn_data_mask", "nn_data_calls")  # (the fallback plan stays)
 _BOUNDARIES = ("seq_idx", "cu_seq_lens_q")
+_PLAN_KWARG = "nn_data_fallback_rows"  # a fallback call's plan, from the pre-hook to the forward hook
 
 
 class MixerPlan(NamedTuple):
@@ -104,11 +105,15 @@ def to_packed(out: torch.Tensor, plan: MixerPlan) -> torch.Tensor:
 class MixerSlot:
     """The state of a model's mixer hooks during one adapter call: the per-sequence ``plan`` (None: the
     hooks pass the call through), and ``require_boundaries`` (the kernels path: every mixer must receive
-    the boundaries, else the model's forward dropped them and the kernels would mix)."""
+    the boundaries, else the model's forward dropped them and the kernels would mix). On that path a
+    ``fallback`` plan (``mixers="auto"``) runs such a mixer per sequence instead of refusing, and
+    ``fell_back`` records that it did."""
 
     def __init__(self):
         self.plan: Optional[MixerPlan] = None
         self.require_boundaries = False
+        self.fallback: Optional[MixerPlan] = None
+        self.fell_back = False
         self.model_type = "?"
 
 
@@ -122,24 +127,29 @@ def slot_for(model: nn.Module) -> MixerSlot:
 
 
 @contextlib.contextmanager
-def active(slot: MixerSlot, plan: Optional[MixerPlan], *, require_boundaries: bool = False):
-    """The hooks of ``slot`` run ``plan`` (or check for the boundaries) inside the block."""
-    slot.plan, slot.require_boundaries = plan, require_boundaries
+def active(slot: MixerSlot, plan: Optional[MixerPlan], *, require_boundaries: bool = False,
+           fallback: Optional[MixerPlan] = None):
+    """The hooks of ``slot`` run ``plan`` (or check for the boundaries, with ``fallback``) inside the block."""
+    slot.plan, slot.require_boundaries, slot.fallback, slot.fell_back = plan, require_boundaries, fallback, False
     try:
         yield
     finally:
-        slot.plan, slot.require_boundaries = None, False
+        slot.plan, slot.require_boundaries, slot.fallback = None, False, None
 
 
 def _before(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: during a per-sequence call the layer gets the rows and none of the packed keywords."""
     plan = slot.plan
-    if plan is None:
-        if slot.require_boundaries and not any(kwargs.get(name) is not None for name in _BOUNDARIES):
+    if plan is None and slot.require_boundaries and not any(kwargs.get(name) is not None for name in _BOUNDARIES):
+        plan = slot.fallback  # the kernels would not see the boundaries: run this one per sequence
+        slot.fell_back = plan is not None
+        if plan is None:
             raise PackingError(
                 f"model_type={slot.model_type!r}: {type(module).__name__} received no packed boundaries (seq_idx, "
                 "cu_seq_lens_q): this model's forward does not pass them down to its layers, so its kernels would "
                 "mix the sequences; use mixers='per_sequence'")
+        kwargs = {**kwargs, _PLAN_KWARG: plan}  # the forward hook maps this call's rows back
+    if plan is None:
         return None
     for name in ("cache", "past_key_values", "cache_params"):
         if kwargs.get(name) is not None:
@@ -156,7 +166,7 @@ def _before(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict):
 
 def _after(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict, output: Any):
     """Forward hook: the layer's ``[B', W, D']`` output (or the first of a tuple) back to ``[1, Tq, D']``."""
-    plan = slot.plan
+    plan = slot.plan if slot.plan is not None else kwargs.get(_PLAN_KWARG)
     if plan is None:
         return None
     if isinstance(output, tuple):

@@ -76,14 +76,22 @@ def test_the_kernels_path_names_what_to_install():
     assert mixer_path(report, "auto", "cuda") == "per_sequence"  # kernels not importable here
 
 
-def test_kernels_that_would_not_receive_the_boundaries_are_refused_on_the_first_call():
-    """Mamba2ForCausalLM's forward does not pass extra keywords down to its mixers: on the kernels path
-    (forced here, as with mamba-ssm installed on a GPU) the first call is refused instead of mixing."""
-    adapter = HFCausalLMAdapter(tiny_hf_model("mamba2"))
-    adapter.mixer_path = "kernels"
-    ids = coded_ids([5, 3], torch.Generator().manual_seed(0))
+def test_kernels_that_would_not_receive_the_boundaries_are_never_run_on_a_packed_row():
+    """Mamba2ForCausalLM's forward does not pass extra keywords down to its mixers. On the kernels path
+    (forced here, as with mamba-ssm installed on a GPU): mixers='kernels' is refused on the first call;
+    'auto' runs such a mixer per sequence instead (exact) and stays per sequence."""
+    ids, lens = coded_ids([5, 3], torch.Generator().manual_seed(0)), torch.tensor([5, 3])
+    model = tiny_hf_model("mamba2")
+    strict = HFCausalLMAdapter(model, mixers="per_sequence")
+    strict.mixers, strict.mixer_path = "kernels", "kernels"
     with pytest.raises(PackingError, match=r"model_type='mamba2': Mamba2Mixer received no packed boundaries"):
-        PackedForward(adapter, pad_full_seq_to=16)(ids, torch.tensor([5, 3]))
+        PackedForward(strict, pad_full_seq_to=16)(ids, lens)
+    auto = HFCausalLMAdapter(model)
+    auto.mixer_path = "kernels"
+    with torch.no_grad():
+        out = PackedForward(auto, pad_full_seq_to=16)(ids, lens)
+        alone = model(input_ids=ids[1:2, :3], use_cache=False).logits[0]
+    assert auto.mixer_path == "per_sequence" and float((out[1, :3] - alone).abs().max()) < 2e-5
 
 
 def test_soft_capped_attention_is_refused_on_the_first_call():
