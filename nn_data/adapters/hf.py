@@ -130,7 +130,9 @@ class HFCausalLMAdapter(nn.Module):
 
     Raises :class:`PackingError` when built for a model that is not a transformers model, whose
     layers nn_data cannot keep packed sequences apart in (naming the model type, the layer and what to
-    install, or that nothing would), or ``mixers="kernels"`` without the kernels; on the first call,
+    install, or that nothing would), or ``mixers="kernels"`` without the kernels; on a call in training
+    with transformers' gradient checkpointing enabled (its recomputation runs after the call, outside
+    nn_data's attention and per-sequence plan); on the first call,
     when an attention layer does not go through transformers' attention interface or attends with
     features the packed attention does not support.
 
@@ -157,6 +159,13 @@ class HFCausalLMAdapter(nn.Module):
         self._checked = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
+        if getattr(self.model, "is_gradient_checkpointing", False) and self.model.training and torch.is_grad_enabled():
+            raise PackingError(
+                f"model_type={self.layers.model_type!r} has gradient checkpointing enabled: it recomputes each layer "
+                "during backward, after this call, without nn_data's attention function and per-sequence plan "
+                "(transformers then attends across sequences, or fails); call model.gradient_checkpointing_disable(), "
+                "or checkpoint the whole packed forward (torch.utils.checkpoint.checkpoint(wrapped, input_ids, "
+                "seq_lengths, use_reentrant=False))")
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         plan = fallback = None
         if self.layers.mixers:

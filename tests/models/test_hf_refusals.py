@@ -130,3 +130,22 @@ def test_a_model_without_mixers_runs_them_nowhere_and_hooks_are_installed_once()
         ids = coded_ids([6], torch.Generator().manual_seed(1))[:, :6]
         again = tiny_hf_model("lfm2")
         assert torch.equal(model(input_ids=ids, use_cache=False).logits, again(input_ids=ids, use_cache=False).logits)
+
+
+def test_layer_wise_gradient_checkpointing_is_refused_and_checkpointing_the_whole_call_works():
+    """transformers recomputes each layer in backward, after the adapter's call: outside nn_data's mask
+    and plan, so it is refused; torch.utils.checkpoint around the whole packed forward recomputes the
+    call itself and gives the same gradients."""
+    model = tiny_hf_model("lfm2")
+    ids, lens = coded_ids([5, 0, 7], torch.Generator().manual_seed(2)), torch.tensor([5, 0, 7])
+    wrapped = PackedForward(HFCausalLMAdapter(model), pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=16)
+    wrapped(ids, lens).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_enable()
+    model.train()
+    with pytest.raises(PackingError, match=r"model_type='lfm2' has gradient checkpointing enabled"):
+        wrapped(ids, lens)
+    model.gradient_checkpointing_disable()
+    torch.utils.checkpoint.checkpoint(wrapped, ids, lens, use_reentrant=False).sum().backward()
+    assert all(torch.allclose(p.grad, w, rtol=0, atol=1e-6) for p, w in zip(model.parameters(), want))
