@@ -159,12 +159,12 @@ class HFCausalLMAdapter(nn.Module):
         self._checked = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
-        if getattr(self.model, "is_gradient_checkpointing", False) and self.model.training and torch.is_grad_enabled():
+        if self.model.training and torch.is_grad_enabled() and _layer_checkpointing(self.model):
             raise PackingError(
                 f"model_type={self.layers.model_type!r} has gradient checkpointing enabled: it recomputes each layer "
                 "during backward, after this call, without nn_data's attention function and per-sequence plan "
-                "(transformers then attends across sequences, or fails); call model.gradient_checkpointing_disable(), "
-                "or checkpoint the whole packed forward (torch.utils.checkpoint.checkpoint(wrapped, input_ids, "
+                "(transformers then attends across sequences, or fails); call model.activation_checkpointing_disable() "
+                "(gradient_checkpointing_disable), or checkpoint the whole packed forward (torch.utils.checkpoint.checkpoint(wrapped, input_ids, "
                 "seq_lengths, use_reentrant=False))")
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         plan = fallback = None
@@ -237,6 +237,12 @@ def _row_width(packed) -> int:
     total = packed.segment_ids.shape[0]
     bounds = [b for b in (getattr(packed, "max_length", None), getattr(packed, "row_len", None)) if b is not None]
     return min(bounds) if bounds else total
+
+
+def _layer_checkpointing(model: nn.Module) -> bool:
+    """Whether transformers' layer-wise activation checkpointing is on (a module's ``gradient_checkpointing``
+    flag: what ``is_activation_checkpointing`` reads, without its deprecated alias's warning)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _device_type(model: nn.Module) -> str:
