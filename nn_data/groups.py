@@ -56,6 +56,9 @@ def as_process_group(group: Any, what: str = "group") -> Optional["dist.ProcessG
     """
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
+    if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise PackingError(f"this process is not a member of the {what} it was given (torch.distributed.new_group "
+                           "returned GroupMember.NON_GROUP_MEMBER on this rank); pass the group of this rank")
     mesh, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
     if not _is_device_mesh(mesh):
         raise PackingError(f"{what} is a {type(group).__name__}; pass a torch.distributed ProcessGroup, a 1-D "
@@ -68,6 +71,14 @@ def as_process_group(group: Any, what: str = "group") -> Optional["dist.ProcessG
         raise PackingError(f"{what}'s mesh dimension {dim!r} is not one of the mesh's dims {names} "
                            f"(or an index below {mesh.ndim})")
     return mesh.get_group(dim)
+
+
+def is_group_form(obj: Any) -> bool:
+    """Whether ``obj`` is one of the group forms :func:`as_process_group` resolves (``None`` excluded):
+    a ``ProcessGroup``, a ``DeviceMesh`` or a ``(DeviceMesh, dim)`` pair."""
+    if isinstance(obj, dist.ProcessGroup):
+        return True
+    return _is_device_mesh(obj[0] if isinstance(obj, tuple) and len(obj) == 2 else obj)
 
 
 def _is_device_mesh(obj: Any) -> bool:

@@ -122,7 +122,8 @@ def make_packed_seq_params(
     if pad_between_seqs is not None and "pad_between_seqs" in fields:
         kwargs["pad_between_seqs"] = bool(pad_between_seqs)
     if cp_group is not None and "cp_group" in fields:
-        kwargs["cp_group"] = cp_group
+        kwargs["cp_group"] = _groups.as_process_group(cp_group, "cp_group") if _groups.is_group_form(cp_group) \
+            else cp_group  # a DeviceMesh form: its ProcessGroup
     params = packed_seq_params_class()(**kwargs)  # no total_tokens yet: __post_init__ builds nothing
     if total_tokens is not None and "total_tokens" in fields:
         _set_total_tokens(params, padded, int(total_tokens), total, "seq_idx" in fields)

@@ -44,6 +44,10 @@ class PackedInfo(NamedTuple):
     ``padding_mask [1, T/C]`` bool, True at this rank's padding positions (each segment's slack
     and the extended last segment: :meth:`nn_data.layout.PackLayout.padding_mask`), in the local
     tokens' order: megatron-core's ``GPTModel.forward(padding_mask=)``.
+    Two Python-int bounds, known without a host read: ``max_length``, the longest padded segment
+    (``max_seqlen``'s value when the layout was built on the host, else ``T``: what a variable-length
+    attention kernel's ``max_seqlen`` needs), and ``row_len``, the batch's row length ``S``, which
+    bounds every sequence's valid length.
     """
 
     cu_seqlens_padded: torch.Tensor
@@ -55,6 +59,8 @@ class PackedInfo(NamedTuple):
     gather: Optional[Callable[[torch.Tensor], torch.Tensor]]
     packed_seq_params: object = None
     padding_mask: Optional[torch.Tensor] = None
+    max_length: Optional[int] = None
+    row_len: Optional[int] = None
 
 
 class PackedInput(NamedTuple):
@@ -175,9 +181,12 @@ class PackedForward(nn.Module):
                 if layout is not None:  # the layout: no read of the boundaries
                     return self.gather_kv(local, layout=layout)  # [1, T/C, *] -> [1, T, *]
                 return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
+        total = prep.segment_ids.shape[0]
+        longest = layout.host.max_seqlen if layout is not None and layout.host is not None else total
         info = PackedInfo(
             cu_pad, prep.pack.max_seqlen, prep.segment_ids, prep.places.source,
             self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep), prep.padding_mask,
+            max_length=longest, row_len=int(input_ids.shape[1]),
         )
         return PackedInput(prep.local["x"], prep.positions, info, seq_lengths, rows, input_ids, layout)
 

@@ -32,7 +32,6 @@ run eagerly and give the unstaged path's values (tests/ops/test_staging.py).
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

@@ -3,7 +3,7 @@ nn_data.PackedForward, and compare every sequence with running it alone.
 
     python -m scripts.packed_forward_example                      # nn_data's TinyCausalLM, one process
     python -m scripts.packed_forward_example --cp 2               # two ranks over gloo on 127.0.0.1
-    python -m scripts.packed_forward_example --model hf           # a tiny transformers Llama (--hf-kind qwen2)
+    python -m scripts.packed_forward_example --model hf           # a tiny transformers Llama (--hf-kind qwen3_next, ...)
     python -m scripts.packed_forward_example --model megatron --cp 2   # a tiny megatron-core GPTModel
 
 (Run from the repository root.) ``--model hf`` wraps a transformers causal LM built from a config
@@ -28,6 +28,7 @@ import warnings
 
 import torch
 
+from nn_data.models.tiny_hf import KINDS as HF_KINDS
 from nn_data.planning import Parallelism
 from nn_data.testing.dist import free_port, init_gloo
 
@@ -71,7 +72,8 @@ def build(args):
         from nn_data.models.tiny_hf import tiny_hf_model
 
         model = tiny_hf_model(args.hf_kind, vocab=args.vocab, hidden=args.dim, layers=args.layers, heads=args.heads,
-                              kv_heads=max(1, args.heads // 2), ffn=2 * args.dim, dtype=dtype, seed=args.seed)
+                              kv_heads=max(1, args.heads // 2), ffn=2 * args.dim, dtype=dtype, seed=args.seed,
+                              moe=dtype != torch.float64)  # Qwen3-Next's MoE refuses float64
         return HFCausalLMAdapter(model), lambda ids: model(input_ids=ids, use_cache=False).logits, False
     from nn_data.adapters import MegatronGPTAdapter
     from nn_data.models.tiny_megatron import forward_alone, tiny_gpt_config, tiny_gpt_model
@@ -140,7 +142,8 @@ def _rank_main(rank: int, args, port: int) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=MODELS, default="tiny", help="tiny (TinyCausalLM), hf or megatron")
-    ap.add_argument("--hf-kind", choices=("llama", "qwen2"), default="llama", help="with --model hf")
+    ap.add_argument("--hf-kind", choices=HF_KINDS, default="llama", help="with --model hf (hybrids too: qwen3_next, "
+                    "mamba2, lfm2, ...)")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks to spawn (gloo, CPU); default 1")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--microbatches", type=int, default=4)

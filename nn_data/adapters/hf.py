@@ -3,41 +3,56 @@
 Shape legend
     Tq  local query tokens (``T/C`` under context parallelism, else ``T``)
     T   packed tokens (keys, after the CP gather)
-    H   query heads, Hk key/value heads, D head dim, V vocab
+    B'  segments (``max(B, 1)``); H query heads, Hk key/value heads, D head dim, V vocab
 
-Without CP the adapter calls ``model(input_ids, position_ids, use_cache=False)`` with **no**
-``attention_mask``: transformers then derives the document-causal mask itself from the
-position ids, which restart at 0 at every sequence (``find_packed_sequence_indices``), for
-whatever attention implementation the model was built with (sdpa, eager, flex, or
-flash-attention's variable-length kernels on a GPU). Passing an all-ones ``attention_mask``
-would switch that derivation off and let attention leak across sequences.
+Every call hands the model the packed layout as transformers' padding-free keywords, with no host
+read: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 ``[B'+1]`` on the device: the padded boundaries,
+the pseudo-segment ``[0, T]`` when ``B = 0``; under CP this rank's local boundaries,
+``cu_seqlens_padded // C``), ``max_length_q`` / ``max_length_k`` (Python ints: the plan's longest
+segment when it was planned on the host, else ``T``; ``// C`` under CP), ``seq_idx`` (int32
+``[1, Tq]``, the segment of each token) for models with non-attention mixers, and the position ids
+(restarting at 0 at every sequence) as before.
 
-Under CP the local position ids come in zigzag order, so that derivation would give wrong
-segments. For the duration of each CP call the adapter sets the model's attention
-implementation to the function this module registers with ``transformers.AttentionInterface``
-under :data:`ATTENTION_NAME` (and restores it afterwards). nn_data's mask
-(:mod:`nn_data.masks`: dense, or a flex ``BlockMask`` where that backend runs the call)
-reaches it as the 4-D ``attention_mask``, which transformers passes through untouched, and the
-mask's ``gather`` all-gathers the (already rotary-embedded) keys and values across the CP group
-before attention. Called without nn_data's mask, that function is transformers' own SDPA
-attention.
+How each layer keeps the sequences apart (:mod:`nn_data.adapters.hf_layers` classifies them when the
+adapter is built, and refuses any it cannot):
+
+* **attention**: for the duration of the call the model's attention implementation is the function
+  this module registers with ``transformers.AttentionInterface`` under :data:`ATTENTION_NAME` (and
+  restored afterwards). nn_data's document mask (:mod:`nn_data.masks`: dense, or a flex
+  ``BlockMask`` where that backend runs the call; restricted to the window on sliding-window layers)
+  reaches it as the keyword ``nn_data_mask``; the model gets a 4-D ``attention_mask`` placeholder (a
+  broadcast view, no memory), which transformers passes through untouched, so it derives nothing
+  from the position ids (that derivation reads the device once per call). Under CP the mask's
+  ``gather`` all-gathers the (already rotary-embedded) keys and values across the CP group first. A
+  model built with a flash-attention implementation keeps it without CP: its variable-length kernel
+  takes the boundaries above. Called without nn_data's mask, the registered function is
+  transformers' own SDPA attention.
+* **gated delta nets, Mamba-2 mixers, short convolutions** (``hf_layers.MIXERS``): run one sequence
+  per row by nn_data (:mod:`nn_data.adapters.hf_mixers`), exact on any device; or, without CP and with
+  the GPU kernels that honour the boundaries importable and the model on CUDA, by those kernels
+  given the boundaries (``mixers=``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Optional
 
 import torch
 from einops import rearrange
 from torch import nn
 
+from nn_data.adapters import hf_layers, hf_mixers
 from nn_data.errors import PackingError
+from nn_data.layout import segment_bounds
 from nn_data.masks import DocumentMask, document_attention, document_mask
 
 #: The name nn_data's attention function is registered under (``transformers.AttentionInterface``).
 ATTENTION_NAME = "nn_data_packed"
 _MASK_KWARG = "nn_data_mask"
+_CALLS_KWARG = "nn_data_calls"  # a list the attention function appends to: the adapter's first-call check
+_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
 
 def packed_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -47,19 +62,25 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
 
     With nn_data's :class:`~nn_data.masks.DocumentMask` in ``kwargs["nn_data_mask"]``:
     keys and values are gathered across the CP group (``mask.gather``) and attention runs under
-    the document-causal mask. Without it: transformers' SDPA attention, unchanged.
-    Raises :class:`PackingError` for sliding-window or soft-capped attention (not supported).
+    the document-causal mask (its ``sliding`` form on a layer called with ``sliding_window``).
+    Without it: transformers' SDPA attention, unchanged.
+    Raises :class:`PackingError` for soft-capped attention, attention sinks or a position bias (not
+    supported), and for a sliding window the mask was not built for.
     """
     mask = kwargs.pop(_MASK_KWARG, None)
+    calls = kwargs.pop(_CALLS_KWARG, None)
     if mask is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    for name in ("sliding_window", "softcap"):
+    for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
-            raise PackingError(f"{name}={kwargs[name]!r}: nn_data's packed attention supports full causal attention "
-                               "only; build the model without it")
+            raise PackingError(f"{name}={_describe(kwargs[name])}: nn_data's packed attention supports causal "
+                               "attention with an optional sliding window only; build the model without it")
+    mask = _for_window(mask, kwargs.get("sliding_window"), module)
+    if calls is not None:
+        calls.append(type(module).__name__)
     if mask.gather is not None:  # context parallel: every rank's keys and values, in packed order
         heads = key.shape[1]
         kv = rearrange(torch.stack([key, value]), "two 1 h t d -> 1 t (two h d)")  # [1, Tq, 2*Hk*D]
@@ -67,6 +88,21 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
         key, value = rearrange(kv, "1 t (two h d) -> two 1 h t d", two=2, h=heads)  # [1, Hk, T, D] each
     out = document_attention(query, key, value, mask, scale=scaling, dropout_p=dropout)  # [1, H, Tq, D]
     return out.transpose(1, 2).contiguous(), None  # [1, Tq, H, D]
+
+
+def _describe(value) -> str:
+    return f"<tensor {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _for_window(mask: DocumentMask, window, module: nn.Module) -> DocumentMask:
+    """The mask for a layer called with ``sliding_window=window`` (None: the full document mask)."""
+    if window is None:
+        return mask
+    if mask.sliding is None or mask.sliding.window != window:
+        built = None if mask.sliding is None else mask.sliding.window
+        raise PackingError(f"{type(module).__name__} attends with sliding_window={window!r}, but the adapter built "
+                           f"its sliding mask for window={built!r} (config.sliding_window); they must agree")
+    return mask.sliding
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,12 +118,23 @@ def register_packed_attention() -> str:
 
 
 class HFCausalLMAdapter(nn.Module):
-    """A transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) as a
-    :class:`~nn_data.packed_forward.PackedForward` model.
+    """A transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, Qwen3-Next, Mamba-2, LFM2,
+    ...) as a :class:`~nn_data.packed_forward.PackedForward` model.
 
     ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs) -> logits [1, Tq, V]``.
-    ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the form of nn_data's mask under
-    CP (:func:`nn_data.masks.document_mask`). Extra ``model_kwargs`` go to the model.
+    ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the form of nn_data's attention mask
+    (:func:`nn_data.masks.document_mask`). ``mixers`` (``"auto"``, ``"per_sequence"``,
+    ``"kernels"``) chooses how non-attention mixers keep sequences apart
+    (:func:`nn_data.adapters.hf_layers.mixer_path`; under CP always per sequence). Extra
+    ``model_kwargs`` go to the model.
+
+    Raises :class:`PackingError` when built for a model that is not a transformers model, whose
+    layers nn_data cannot keep packed sequences apart in (naming the model type, the layer and what to
+    install, or that nothing would), or ``mixers="kernels"`` without the kernels; on a call in training
+    with transformers' gradient checkpointing enabled (its recomputation runs after the call, outside
+    nn_data's attention and per-sequence plan); on the first call,
+    when an attention layer does not go through transformers' attention interface or attends with
+    features the packed attention does not support.
 
     Example::
 
@@ -96,28 +143,116 @@ class HFCausalLMAdapter(nn.Module):
         logits = wrapped(input_ids, seq_lengths)  # [B, S, V]
     """
 
-    def __init__(self, model: nn.Module, *, mask_kind: str = "auto"):
+    def __init__(self, model: nn.Module, *, mask_kind: str = "auto", mixers: str = "auto"):
         super().__init__()
         if not hasattr(model, "config") or not hasattr(model.config, "_attn_implementation"):
             raise PackingError(f"model={type(model).__name__} is not a transformers PreTrainedModel (no config)")
         self.model = model
         self.mask_kind = mask_kind
+        self.layers = hf_layers.inspect_model(model)
+        self.mixers = mixers
+        self.mixer_path = hf_layers.mixer_path(self.layers, mixers, _device_type(model))
+        self._attention = register_packed_attention()
+        self._slot = hf_mixers.slot_for(model)
+        for _, module, _ in self.layers.mixers:
+            hf_mixers.install(module, self._slot)  # no-ops outside this adapter's calls
+        self._checked = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
-        if packed.gather is None:  # transformers derives the document mask from the restarting position ids
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs)
-            return out.logits  # [1, T, V]
+        if self.model.training and torch.is_grad_enabled() and _layer_checkpointing(self.model):
+            raise PackingError(
+                f"model_type={self.layers.model_type!r} has gradient checkpointing enabled: it recomputes each layer "
+                "during backward, after this call, without nn_data's attention function and per-sequence plan "
+                "(transformers then attends across sequences, or fails); call model.activation_checkpointing_disable() "
+                "(gradient_checkpointing_disable), or checkpoint the whole packed forward (torch.utils.checkpoint.checkpoint(wrapped, input_ids, "
+                "seq_lengths, use_reentrant=False))")
+        kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
+        plan = fallback = None
+        if self.layers.mixers:
+            rows = hf_mixers.mixer_plan(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
+                                        gather=packed.gather, query_index=packed.query_index)
+            per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None  # CP: always
+            plan, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
+        kernels = bool(self.layers.mixers) and plan is None
+        with hf_mixers.active(self._slot, plan, require_boundaries=kernels, fallback=fallback):
+            if packed.gather is None and str(self.model.config._attn_implementation).startswith("flash_attention"):
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs,
+                                 **model_kwargs)  # flash-attention's variable-length kernel takes the boundaries
+                logits = out.logits  # [1, T, V]
+            else:
+                logits = self._call_with_mask(input_ids, position_ids, packed, kwargs, model_kwargs)
+            if self._slot.fell_back:  # the model's forward drops the boundaries: per sequence from now on
+                self.mixer_path = "per_sequence"
+        return logits
+
+    def _call_with_mask(self, input_ids, position_ids, packed, kwargs: dict, model_kwargs: dict) -> torch.Tensor:
+        """The model under nn_data's attention function and document mask."""
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=self.model.dtype,
-                             gather=packed.gather)
-        with _attention_implementation(self.model.config, register_packed_attention()):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=_as_4d(mask),
-                             use_cache=False, **{_MASK_KWARG: mask}, **model_kwargs)
+                             gather=packed.gather, window=self.layers.window)
+        kwargs[_MASK_KWARG] = mask
+        check = not self._checked and not torch.compiler.is_compiling()
+        if check:
+            kwargs[_CALLS_KWARG] = []
+        with _attention_implementation(self.model.config, self._attention):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=_as_4d(packed),
+                             use_cache=False, **kwargs, **model_kwargs)
+        if check:
+            self._check_attention_calls(kwargs[_CALLS_KWARG])
         return out.logits  # [1, Tq, V]
+
+    def _check_attention_calls(self, calls: list) -> None:
+        """First call: every attention module went through the attention interface (saw nn_data's mask)."""
+        expected = self.layers.attention_layers
+        if len(calls) < expected:
+            raise PackingError(
+                f"model_type={self.layers.model_type!r}: {expected} attention layers but only {len(calls)} "
+                "called transformers' attention interface, so the others would not see nn_data's document mask; "
+                "this model's attention cannot be packed by nn_data")
+        self._checked = True
+
+
+def boundary_kwargs(packed, *, seq_idx: bool) -> dict:
+    """transformers' padding-free keywords for ``packed`` (a :class:`~nn_data.packed_forward.PackedInfo`),
+    computed on the device with no host read; under CP this rank's local view (``// C``).
+
+    Example: cu_seqlens_padded ``[0, 4, 12]``, no CP -> cu_seq_lens_q ``[0, 4, 12]``, max_length_q
+    8 (a host plan's longest segment), seq_idx ``[[0,0,0,0,1,...,1]]``; with C 2, rank 0 ->
+    ``[0, 2, 6]``, 4.
+    """
+    total, cp = packed.segment_ids.shape[0], packed.cp_size
+    bounds = segment_bounds(packed.cu_seqlens_padded, total)  # [B'+1]: [0, T] when B = 0
+    cu = (bounds // cp).to(torch.int32)  # [B'+1] local boundaries (each segment splits into 2C chunks)
+    longest = getattr(packed, "max_length", None)
+    longest = (total if longest is None else longest) // cp
+    out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    if seq_idx:
+        segment = packed.segment_ids if packed.gather is None else packed.segment_ids[packed.query_index]
+        out["seq_idx"] = segment.to(torch.int32).unsqueeze(0)  # [1, Tq]
+    return out
+
+
+def _row_width(packed) -> int:
+    """Slots per row for the per-sequence mixers: a Python-int bound on every valid length (the batch's
+    row length ``S``, and the longest segment), ``T`` when the packed info carries neither."""
+    total = packed.segment_ids.shape[0]
+    bounds = [b for b in (getattr(packed, "max_length", None), getattr(packed, "row_len", None)) if b is not None]
+    return min(bounds) if bounds else total
+
+
+def _layer_checkpointing(model: nn.Module) -> bool:
+    """Whether transformers' layer-wise activation checkpointing is on (a module's ``gradient_checkpointing``
+    flag: what ``is_activation_checkpointing`` reads, without its deprecated alias's warning)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def _device_type(model: nn.Module) -> str:
+    first: Optional[torch.Tensor] = next(iter(model.parameters()), None)
+    return "cpu" if first is None else first.device.type
 
 
 @contextlib.contextmanager
 def _attention_implementation(config, name: str):
-    """The model's attention implementation is ``name`` inside the block (sub-configs too)."""
+    """The model's attention implementation is ``name`` inside the block."""
     before = config._attn_implementation
     config._attn_implementation = name
     try:
@@ -126,6 +261,9 @@ def _attention_implementation(config, name: str):
         config._attn_implementation = before
 
 
-def _as_4d(mask: DocumentMask):
-    """The mask in the 4-D form transformers passes through to the attention function unchanged."""
-    return mask.dense[None, None] if mask.dense is not None else mask.block  # [1, 1, Tq, T] or a BlockMask
+def _as_4d(packed) -> torch.Tensor:
+    """A 4-D ``attention_mask`` for transformers to pass through untouched, so that it derives no mask of
+    its own (and its recurrent layers get none): a broadcast ``[1, 1, Tq, T]`` view of one bool, no
+    memory. The attention function takes nn_data's mask from its ``nn_data_mask`` keyword instead."""
+    tq, total = packed.query_index.shape[0], packed.segment_ids.shape[0]
+    return torch.ones((), dtype=torch.bool, device=packed.segment_ids.device).expand(1, 1, tq, total)

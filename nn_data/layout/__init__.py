@@ -25,14 +25,16 @@ from nn_data.layout.build import (
     Boundaries, PackSpec, layout_from_boundaries, layout_from_lengths, padded_rows, reads_host, take_layout,
 )
 from nn_data.layout.checks import (
-    boundary_args, fixed_total_arg, packed_tensor_length, sequence_divisible, target_ids, target_ids_device,
-    target_ids_host, total_divisible,
+    boundary_args, fixed_total_arg, lengths_host, natural_total_host, packed_tensor_length, sequence_divisible,
+    target_ids, target_ids_device, target_ids_host, total_divisible, total_limit_host,
 )
 from nn_data.layout.device import set_pack_form
-from nn_data.layout.index import Segments, ZigzagLocal, local_places, packed_segments, padding_at, zigzag_source
+from nn_data.layout.index import (
+    Segments, ZigzagLocal, exclusive_cumsum, local_places, packed_segments, padding_at, segment_ids, zigzag_source,
+)
 from nn_data.layout.op import RankOp, op_layout
 from nn_data.layout.pack_layout import Fill, HostBounds, PackLayout, pack_with_layout
-from nn_data.layout.rules import INT32_MAX, round_up, segment_bounds
+from nn_data.layout.rules import INT32_MAX, bucket_total, round_up, segment_bounds
 from nn_data.layout._deprecated import __getattr__  # noqa: F401  (the 0.1.x names, with a warning)
 
 __all__ = [
@@ -46,11 +48,15 @@ __all__ = [
     "Segments",
     "ZigzagLocal",
     "boundary_args",
+    "bucket_total",
+    "exclusive_cumsum",
     "fixed_total_arg",
     "layout_from_boundaries",
     "layout_from_lengths",
+    "lengths_host",
     "local_places",
     "op_layout",
+    "natural_total_host",
     "pack_with_layout",
     "packed_segments",
     "packed_tensor_length",
@@ -59,6 +65,7 @@ __all__ = [
     "reads_host",
     "round_up",
     "segment_bounds",
+    "segment_ids",
     "set_pack_form",
     "sequence_divisible",
     "take_layout",
@@ -66,5 +73,6 @@ __all__ = [
     "target_ids_device",
     "target_ids_host",
     "total_divisible",
+    "total_limit_host",
     "zigzag_source",
 ]

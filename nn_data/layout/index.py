@@ -193,3 +193,38 @@ def zigzag_inverse(bounds: torch.Tensor, total: int, cp_size: int) -> torch.Tens
     out_starts = start + chunk * k  # [B, 2C]
     src_starts = rank * local_total + start // cp_size + second_half * k  # [B, 2C]
     return piece_source(out_starts.flatten(), src_starts.flatten(), total)  # [T]
+
+
+class SegmentRows(NamedTuple):
+    """Index maps between the packed tensor and one row per segment (``B'`` rows of ``W`` positions).
+
+    ``row_source [B', W]`` int64: the packed position row slot ``(b, w)`` reads (clamped into
+    ``[0, T)``); ``row_valid [B', W]`` bool: the slot lies inside segment ``b`` (``w < n_b``);
+    ``packed_source [T]`` int64: the flat slot ``b * W + w`` each packed position reads back;
+    ``packed_valid [T]`` bool: its offset ``w`` in its segment is below ``W`` (positions past ``W`` are
+    padding by construction and read nothing).
+    """
+
+    row_source: torch.Tensor
+    row_valid: torch.Tensor
+    packed_source: torch.Tensor
+    packed_valid: torch.Tensor
+
+
+def segment_rows(bounds: torch.Tensor, total: int, width: int) -> SegmentRows:
+    """The :class:`SegmentRows` of segments ``bounds [B'+1]`` (``[0, T]`` pseudo-segment included) over
+    ``total`` packed positions, ``width`` (``W >= 1``, a Python int) slots per row.
+
+    Example: bounds ``[0, 3, 3, 8]``, T 8, W 4 -> row_source ``[[0,1,2,3], [3,4,5,6], [3,4,5,6]]``,
+    row_valid ``[[T,T,T,F], [F,F,F,F], [T,T,T,T]]``; packed_source ``[0,1,2, 8,9,10,11, 11]``
+    (position 7 is offset 4 of segment 2: clamped) and packed_valid ``[T x7, F]``.
+    """
+    b64 = bounds.to(torch.int64)
+    starts, lengths = b64[:-1], b64[1:] - b64[:-1]  # [B'], [B']
+    offsets = torch.arange(width, device=bounds.device)  # [W]
+    row_source = (starts[:, None] + offsets[None, :]).clamp(0, max(total - 1, 0))  # [B', W]
+    row_valid = offsets[None, :] < lengths[:, None]  # [B', W]
+    seg = segment_ids(b64, total)  # [T]
+    offset = torch.arange(total, device=bounds.device) - starts[seg]  # [T]
+    packed_source = seg * width + offset.clamp(max=width - 1)  # [T]
+    return SegmentRows(row_source, row_valid, packed_source, offset < width)

@@ -6,6 +6,8 @@ imports (``docs/nemo-rl.md``). Switch by changing one import:
 | ``nemo_rl.models.megatron.data`` | :mod:`nn_data.nemo_rl.megatron_data` (``nn_data.megatron_data``) |
 | ``nemo_rl.distributed.model_utils`` | :mod:`nn_data.nemo_rl.model_utils` (``nn_data.model_utils``) |
 | ``nemo_rl.distributed.batched_data_dict`` | :mod:`nn_data.nemo_rl.batched_data_dict` (``nn_data.batched_data_dict``) |
+| ``nemo_rl.models.automodel.data`` | :mod:`nn_data.nemo_rl.automodel_data` (``nn_data.automodel_data``) |
+| ``nemo_rl.models.huggingface.common`` (its packing helpers) | :mod:`nn_data.nemo_rl.huggingface_common` (``nn_data.huggingface_common``) |
 | ``TrainingSamplingParams`` | :mod:`nn_data.nemo_rl.sampling` (also on ``nn_data.nemo_rl.model_utils``) |
 
 Importing this package imports none of them (nor megatron-core, nor transformers).

@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     print(f"[gpu_check] {'DRY RUN (CPU, tiny sizes)' if args.dry_run else 'GPU run'}; machine: {env['machine']}")
-    print(f"[gpu_check] packages: " + ", ".join(f"{k} {'yes' if v else 'MISSING'}" for k, v in env["packages"].items()))
+    print("[gpu_check] packages: " + ", ".join(f"{k} {'yes' if v else 'MISSING'}" for k, v in env["packages"].items()))
     checks = [run_kind_check(args.dry_run, torch.cuda.is_available())]
     steps = {}
     if args.dry_run or cuda:

@@ -8,7 +8,6 @@ the CP group, as megatron-core's gradient all-reduce does). Float64, so any slip
 
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.distributed as dist
@@ -84,15 +83,17 @@ def check_equivalence(make_adapter, model, alone, cp, groups=None, **packed_forw
 
 
 def case_hf(kind: str) -> dict:
-    """HFCausalLMAdapter on a tiny ``kind`` ("llama", "qwen2") model, float64; the oracle is the same
-    model called on one sequence as transformers runs it (its own SDPA attention and mask)."""
+    """HFCausalLMAdapter on a tiny ``kind`` model (nn_data.models.tiny_hf: "llama", "qwen2", the
+    sliding-window "mistral", the hybrids "qwen3_next" (without its MoE: float64), "mamba2", "lfm2"),
+    float64; the oracle is the same model called on one sequence as transformers runs it."""
     from nn_data.adapters import HFCausalLMAdapter
     from nn_data.models.tiny_hf import tiny_hf_model
 
-    model = tiny_hf_model(kind, dtype=torch.float64)
+    model = tiny_hf_model(kind, dtype=torch.float64, moe=False)
+    before = model.config._attn_implementation
     result = check_equivalence(HFCausalLMAdapter, model, lambda ids: model(input_ids=ids, use_cache=False).logits,
                                context_parallel_info())
-    assert model.config._attn_implementation == "sdpa", "the adapter must leave the model's attention as it was"
+    assert model.config._attn_implementation == before, "the adapter must leave the model's attention as it was"
     return result
 
 

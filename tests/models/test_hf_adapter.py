@@ -1,5 +1,6 @@
 """Tier: pure CPU, single process (transformers 5.24 tiny Llama / Qwen2 built from a config; nothing
-downloaded). Under CP: tests/models/test_adapters_multiprocess.py.
+downloaded). Under CP: tests/multiprocess/test_adapters_multiprocess.py; the other families (sliding
+windows, hybrids), the boundaries, host syncs and compiling: tests/models/test_hf_hybrids.py.
 
 HFCausalLMAdapter without context parallelism, and nn_data's transformers attention function.
 """
@@ -43,7 +44,8 @@ def _run(model, wrapped, dtype):
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)], ids=["float64", "float32"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_packed_equals_each_sequence_alone(kind, dtype, tol):
-    """No CP: transformers derives the document mask from the restarting position ids."""
+    """No CP: nn_data's document mask through the registered attention function (transformers would
+    derive one from the restarting position ids too, with a host read)."""
     model = tiny_hf_model(kind, dtype=dtype)
     wrapped = PackedForward(HFCausalLMAdapter(model), pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=48)
     worst_out, worst_grad = _run(model, wrapped, dtype)

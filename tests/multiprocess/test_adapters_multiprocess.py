@@ -32,6 +32,16 @@ def test_hf_adapter_cp_matches_each_sequence_alone(rank_pool, kind, cp):
         assert r["out"] < 1e-12 and r["grad"] < 1e-12, r
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen3_next", "mamba2", "lfm2"])
+def test_hf_adapter_cp2_on_sliding_windows_and_hybrids(rank_pool, kind):
+    """C = 2: the sliding-window mask under CP, and the hybrids' gated delta net / Mamba-2 / short conv
+    layers run per sequence on every rank's gathered tokens (each rank keeps its own places)."""
+    results = rank_pool.run("tests.models.adapter_cases:case_hf", kind, cp=2)
+    grad_tol = 1e-12 if kind in ("mistral", "lfm2") else 1e-6  # the delta rule and Mamba-2's scan run in float32
+    for r in results:
+        assert r["out"] < 1e-12 and r["grad"] < grad_tol, r
+
+
 @needs_megatron_models
 @pytest.mark.parametrize("cp", [1, 2, 4], ids=lambda c: f"C{c}")
 def test_megatron_adapter_matches_each_sequence_alone(rank_pool, cp):

@@ -52,7 +52,9 @@ MODULES = {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
 # The drop-in's home and the old paths that alias it (nn_data._alias makes each old path the new module).
 DROP_IN = "nn_data.nemo_rl"
 OLD_PATHS = {"nn_data.megatron_data": "nn_data.nemo_rl.megatron_data", "nn_data.model_utils": "nn_data.nemo_rl.model_utils",
-             "nn_data.batched_data_dict": "nn_data.nemo_rl.batched_data_dict"}
+             "nn_data.batched_data_dict": "nn_data.nemo_rl.batched_data_dict",
+             "nn_data.automodel_data": "nn_data.nemo_rl.automodel_data",
+             "nn_data.huggingface_common": "nn_data.nemo_rl.huggingface_common"}
 
 
 def _in_drop_in(module: str) -> bool:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
 
+from nn_data.groups import as_process_group, is_group_form
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
@@ -211,6 +212,8 @@ def process_global_batch(
     dtype = torch.promote_types(local_valid_seqs.dtype, local_valid_toks.dtype)
     to_reduce = torch.stack([local_valid_seqs.to(dtype), local_valid_toks.to(dtype)])  # [2]
     initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if is_group_form(dp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
+        dp_group = as_process_group(dp_group, "dp_group")
     if initialised or dp_group is not None:
         if initialised and "nccl" in str(torch.distributed.get_backend(dp_group)):
             to_reduce = to_reduce.to(torch.device("cuda", torch.cuda.current_device()))

@@ -31,7 +31,7 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.groups import given_group_info
+from nn_data.groups import as_process_group, given_group_info, is_group_form
 from nn_data.layout import (
     Boundaries, fixed_total_arg, layout_from_boundaries, local_places, packed_segments, padding_at, segment_bounds,
     total_divisible, zigzag_source,
@@ -75,6 +75,8 @@ def get_packed_seq_cp_partition_indices(
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
         raise PackingError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
     fixed_total_arg("total_tokens", total_tokens or None)
+    if is_group_form(cp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
+        cp_group = as_process_group(cp_group, "cp_group")
     if cp_group is not None and (cp_group.size() != cp_size or cp_group.rank() != cp_rank):
         raise PackingError(f"Context-parallel group has rank {cp_group.rank()} and size {cp_group.size()}, but "
                            f"rank {cp_rank} and size {cp_size} were requested.")

@@ -1,0 +1,183 @@
+"""Non-attention token mixers (linear attention, state-space, short convolution) on packed sequences,
+one sequence per row, so that no state or convolution tap crosses a sequence boundary.
+
+Shape legend
+    Tq  local tokens (``T/C`` under context parallelism, else ``T``)
+    T   packed tokens
+    B'  segments (``max(B, 1)``: a microbatch of no sequence is one padding segment ``[0, T]``)
+    W   slots per row: a Python-int bound on every sequence's valid length (no host read)
+    D   hidden size in, D' hidden size out (the same for every mixer here)
+
+A gated-delta-net, Mamba-2 or short-convolution layer of a transformers model carries a state (or a
+few convolution taps) from token to token. On a packed row the state of one sequence flows into the
+next, and transformers' pure-PyTorch fallbacks ignore the boundaries (or refuse them). nn_data runs
+such a layer's own ``forward``, unchanged, on a batch of ``B'`` rows, one segment each:
+
+    packed [1, Tq, D] --(CP: all-gather)--> [1, T, D] --gather--> rows [B', W, D]
+        --layer.forward (batch B', no boundary kwargs, no mask)--> [B', W, D']
+        --gather back--> [1, T, D'] --(CP: this rank's places)--> [1, Tq, D']
+
+Each row starts with the layer's initial state and sees only its own tokens (and zeros after them,
+which a causal layer never reads back), so every valid output equals the sequence run alone. Padding
+positions inside a segment are computed as part of it (they come after its valid tokens); positions
+past ``W`` in a segment (padding only, since ``W`` bounds every valid length) read 0.
+
+The two index maps are computed once per microbatch on the device from the boundaries
+(:func:`nn_data.layout.index.segment_rows`): one ``index_select`` each way, no host read. Cost: the
+layer runs on ``B' * W`` slots instead of ``T`` (each segment padded to ``W``); under CP every rank
+runs the whole microbatch through the layer (``C`` times the work) and keeps its own places. The
+installed GPU kernels that honour the boundaries (``flash-linear-attention``, ``causal-conv1d``,
+``mamba-ssm``) avoid both costs; :class:`~nn_data.adapters.HFCausalLMAdapter` hands them the
+boundaries instead where they are importable and the model runs on CUDA.
+
+The layer is switched by a forward pre-hook and a forward hook registered once on the layer
+(:func:`install`). They act only while the adapter's call is in progress, which holds the plan in
+the model's :class:`MixerSlot` (not every transformers model passes extra keywords down to its
+layers: ``Mamba2ForCausalLM`` drops them), so the model is unchanged for every other caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from nn_data.errors import PackingError
+from nn_data.layout.index import SegmentRows, segment_rows
+from nn_data.layout import segment_bounds
+
+# Keywords the layer must not see on the per-sequence rows: the packed row's boundaries (transformers'
+# fallbacks refuse them), its masks and positions ([1, Tq] shapes, not [B', W]).
+_PACKED_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens",
+                "position_ids", "attention_mask", "nn_data_mask", "nn_data_calls")  # (the fallback plan stays)
+_BOUNDARIES = ("seq_idx", "cu_seq_lens_q")
+_PLAN_KWARG = "nn_data_fallback_rows"  # a fallback call's plan, from the pre-hook to the forward hook
+
+
+class MixerPlan(NamedTuple):
+    """One microbatch's per-sequence plan: the row maps, the CP ``gather`` (None without CP) that
+    turns this rank's ``[1, Tq, *]`` into the packed ``[1, T, *]``, and ``query_index [Tq]`` (the
+    packed position of each local token)."""
+
+    rows: SegmentRows
+    gather: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    query_index: torch.Tensor
+
+
+def mixer_plan(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gather=None,
+               query_index: Optional[torch.Tensor] = None) -> MixerPlan:
+    """The :class:`MixerPlan` of a packed microbatch: boundaries ``[B+1]`` (``[T]`` for ``B = 0``),
+    ``total`` (T) and ``width`` (W, clamped into ``[1, T]``).
+
+    Example: cu_seqlens_padded ``[0, 3, 8]``, T 8, W 5 -> rows ``[[0..4], [3..7]]`` (row 0's slots 3
+    and 4 outside its segment).
+    """
+    width = max(1, min(int(width), max(total, 1)))
+    bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]: [0, T] when B = 0
+    if query_index is None:
+        query_index = torch.arange(total, device=cu_seqlens_padded.device)  # [T]
+    return MixerPlan(segment_rows(bounds, total, width), gather, query_index)
+
+
+def to_rows(hidden: torch.Tensor, plan: MixerPlan) -> torch.Tensor:
+    """``[1, Tq, D] -> [B', W, D]``: every segment in a row of its own, zeros past its end."""
+    full = hidden if plan.gather is None else plan.gather(hidden)  # [1, T, D]
+    rows, valid = plan.rows.row_source, plan.rows.row_valid  # [B', W] each
+    flat = full[0].index_select(0, rows.reshape(-1)).view(*rows.shape, *full.shape[2:])  # [B', W, D]
+    return torch.where(valid.view(*valid.shape, *([1] * (flat.dim() - 2))), flat, torch.zeros((), dtype=flat.dtype,
+                                                                                              device=flat.device))
+
+
+def to_packed(out: torch.Tensor, plan: MixerPlan) -> torch.Tensor:
+    """``[B', W, D'] -> [1, Tq, D']``: the rows back in packed order (this rank's places under CP)."""
+    rows = plan.rows
+    flat = out.reshape(-1, *out.shape[2:]).index_select(0, rows.packed_source)  # [T, D']
+    keep = rows.packed_valid.view(-1, *([1] * (flat.dim() - 1)))
+    packed = torch.where(keep, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))  # [T, D']
+    if plan.gather is not None:
+        packed = packed.index_select(0, plan.query_index)  # [Tq, D']
+    return packed.unsqueeze(0)  # [1, Tq, D']
+
+
+class MixerSlot:
+    """The state of a model's mixer hooks during one adapter call: the per-sequence ``plan`` (None: the
+    hooks pass the call through), and ``require_boundaries`` (the kernels path: every mixer must receive
+    the boundaries, else the model's forward dropped them and the kernels would mix). On that path a
+    ``fallback`` plan (``mixers="auto"``) runs such a mixer per sequence instead of refusing, and
+    ``fell_back`` records that it did."""
+
+    def __init__(self):
+        self.plan: Optional[MixerPlan] = None
+        self.require_boundaries = False
+        self.fallback: Optional[MixerPlan] = None
+        self.fell_back = False
+        self.model_type = "?"
+
+
+def slot_for(model: nn.Module) -> MixerSlot:
+    """The :class:`MixerSlot` of ``model`` (one per model, shared by every adapter built on it)."""
+    slot = model.__dict__.get("_nn_data_mixer_slot")
+    if slot is None:
+        slot = model.__dict__["_nn_data_mixer_slot"] = MixerSlot()
+        slot.model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    return slot
+
+
+@contextlib.contextmanager
+def active(slot: MixerSlot, plan: Optional[MixerPlan], *, require_boundaries: bool = False,
+           fallback: Optional[MixerPlan] = None):
+    """The hooks of ``slot`` run ``plan`` (or check for the boundaries, with ``fallback``) inside the block."""
+    slot.plan, slot.require_boundaries, slot.fallback, slot.fell_back = plan, require_boundaries, fallback, False
+    try:
+        yield
+    finally:
+        slot.plan, slot.require_boundaries, slot.fallback = None, False, None
+
+
+def _before(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: during a per-sequence call the layer gets the rows and none of the packed keywords."""
+    plan = slot.plan
+    if plan is None and slot.require_boundaries and not any(kwargs.get(name) is not None for name in _BOUNDARIES):
+        plan = slot.fallback  # the kernels would not see the boundaries: run this one per sequence
+        slot.fell_back = plan is not None
+        if plan is None:
+            raise PackingError(
+                f"model_type={slot.model_type!r}: {type(module).__name__} received no packed boundaries (seq_idx, "
+                "cu_seq_lens_q): this model's forward does not pass them down to its layers, so its kernels would "
+                "mix the sequences; use mixers='per_sequence'")
+        kwargs = {**kwargs, _PLAN_KWARG: plan}  # the forward hook maps this call's rows back
+    if plan is None:
+        return None
+    for name in ("cache", "past_key_values", "cache_params"):
+        if kwargs.get(name) is not None:
+            raise PackingError(f"{type(module).__name__} got {name}=...: packed sequences run without a cache "
+                               "(use_cache=False)")
+    if args:
+        hidden, rest = args[0], args[1:]
+    else:
+        kwargs = dict(kwargs)
+        hidden, rest = kwargs.pop("hidden_states"), ()
+    kwargs = {k: v for k, v in kwargs.items() if k not in _PACKED_ONLY}
+    return (to_rows(hidden, plan), *rest), kwargs
+
+
+def _after(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    """Forward hook: the layer's ``[B', W, D']`` output (or the first of a tuple) back to ``[1, Tq, D']``."""
+    plan = slot.plan if slot.plan is not None else kwargs.get(_PLAN_KWARG)
+    if plan is None:
+        return None
+    if isinstance(output, tuple):
+        return (to_packed(output[0], plan), *output[1:])
+    return to_packed(output, plan)
+
+
+def install(module: nn.Module, slot: MixerSlot) -> None:
+    """Register the per-sequence hooks of ``slot`` on ``module`` (once; a second call is a no-op)."""
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, functools.partial) and hook.func is _before and hook.args[0] is slot:
+            return
+    module.register_forward_pre_hook(functools.partial(_before, slot), with_kwargs=True)
+    module.register_forward_hook(functools.partial(_after, slot), with_kwargs=True)

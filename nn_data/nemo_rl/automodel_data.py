@@ -1,0 +1,290 @@
+"""NeMo-RL's AutoModel (DTensor) data path, ``nemo_rl.models.automodel.data``, on nn_data's layout plan:
+switch by changing one import.
+
+    # from nemo_rl.models.automodel.data import get_microbatch_iterator, process_global_batch
+    from nn_data.automodel_data import get_microbatch_iterator, process_global_batch
+
+Shape legend
+    B   sequences of a microbatch; S their padded row length
+    T   the packed row length (sequence packing)
+
+Same names, signatures, defaults and results as NeMo-RL (HEAD ``7ea279a``): ``ProcessedInputs``,
+``ProcessedMicrobatch``, ``make_processed_microbatch_iterator``, ``get_microbatch_iterator``,
+``process_microbatch``, ``process_global_batch``, ``check_sequence_dim`` and
+``filter_multimodal_kwargs_for_model``. ``process_microbatch`` calls ``pack_sequences`` and
+``get_flash_attention_kwargs`` (:mod:`nn_data.nemo_rl.huggingface_common`) through this module's
+names at call time, so ``mock.patch("nn_data.automodel_data.pack_sequences")`` reaches the call.
+
+With sequence packing nothing is read on the host per microbatch: every microbatch packs to one fixed
+length ``T`` (:func:`fixed_total`: ``cfg["nn_data"]["pad_full_seq_to"]``, else the token budget the
+packer planned the microbatches with, ``max(train_mb_tokens, logprob_mb_tokens)``), so the position
+ids, the ids and FlashAttention's ``max_seqlen = T`` (a bound every sequence fits) come from Python
+ints and index maps on the device; NeMo-RL reads the lengths twice per microbatch (``.tolist()``,
+``.max().item()``) and lengthens a row that holds more than ``train_mb_tokens``. With
+``cfg["nn_data"]["compile"]`` the packing is one compiled graph for the whole stream (rows padded to
+``row_capacity``). Every difference from NeMo-RL, with its reason: docs/nemo-rl.md, "The AutoModel
+data path".
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional, Tuple
+
+import torch
+from torch import nn
+
+from nn_data.errors import PackingError
+from nn_data.groups import as_process_group, is_group_form
+from nn_data.nemo_rl import megatron_data
+from nn_data.nemo_rl.huggingface_common import get_flash_attention_kwargs, on_device, pack_sequences
+from nn_data.nemo_rl.megatron_data.common import require
+from nn_data.nemo_rl.megatron_data.iterators import resolve_device
+from nn_data.nemo_rl.megatron_data import PackOptions
+
+__all__ = [
+    "ProcessedInputs",
+    "ProcessedMicrobatch",
+    "check_sequence_dim",
+    "filter_multimodal_kwargs_for_model",
+    "get_flash_attention_kwargs",
+    "get_microbatch_iterator",
+    "make_processed_microbatch_iterator",
+    "pack_sequences",
+    "fixed_total",
+    "process_global_batch",
+    "process_microbatch",
+]
+
+
+@functools.cache
+def _accepted_forward_kwargs(model_type: type) -> Optional[frozenset]:
+    """The explicit keywords of ``model_type.forward``; None when it takes ``**kwargs`` (or has no signature)."""
+    try:
+        parameters = inspect.signature(model_type.forward).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.name != "self")
+
+
+def filter_multimodal_kwargs_for_model(model: nn.Module, multimodal_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The multimodal keywords ``model.forward`` accepts. Raises ``ValueError`` (NeMo-RL's message) for
+    mixed-resolution images (``imgs_sizes`` not all equal) to a model that cannot take ``imgs_sizes``."""
+    accepted = _accepted_forward_kwargs(type(model))
+    if accepted is None:
+        return multimodal_kwargs
+    sizes = multimodal_kwargs.get("imgs_sizes")
+    if sizes is not None and "imgs_sizes" not in accepted and not _all_image_sizes_equal(sizes):
+        raise ValueError(
+            "This AutoModel does not accept `imgs_sizes` and cannot crop padded pixel_values, but the batch contains "
+            "mixed-resolution images. The AutoModel backend only supports equal-resolution images/tiles; use the "
+            "Megatron backend for mixed-resolution inputs.")
+    return {key: value for key, value in multimodal_kwargs.items() if key in accepted}
+
+
+def _all_image_sizes_equal(imgs_sizes: torch.Tensor) -> bool:
+    if imgs_sizes.ndim != 2 or imgs_sizes.shape[0] <= 1:
+        return True
+    return bool((imgs_sizes == imgs_sizes[0]).all())  # sync: multimodal metadata, not on the packing path
+
+
+@dataclass
+class ProcessedInputs:
+    """A microbatch ready for the model's forward: ``input_ids``, ``seq_len`` and, when they apply,
+    ``attention_mask``, ``position_ids``, ``flash_attn_kwargs`` (a ``FlashAttentionKwargs`` with
+    sequence packing), ``vlm_kwargs``, and the context-parallel buffers for torch's
+    ``context_parallel()`` (``cp_buffers``, ``seq_index``)."""
+
+    input_ids: torch.Tensor
+    seq_len: int
+    attention_mask: Optional[torch.Tensor] = None
+    position_ids: Optional[torch.Tensor] = None
+    flash_attn_kwargs: dict[str, Any] = field(default_factory=dict)
+    vlm_kwargs: dict[str, Any] = field(default_factory=dict)
+    cp_buffers: list[torch.Tensor] = field(default_factory=list)
+    seq_index: Optional[torch.Tensor] = None
+
+    @property
+    def has_context_parallel(self) -> bool:
+        return len(self.cp_buffers) > 0
+
+    @property
+    def has_flash_attention(self) -> bool:
+        """True for a non-empty dict or a ``FlashAttentionKwargs`` record."""
+        return bool(self.flash_attn_kwargs)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return len(self.vlm_kwargs) > 0
+
+
+@dataclass
+class ProcessedMicrobatch:
+    """The raw microbatch (``data_dict``), its :class:`ProcessedInputs`, and its shape before packing."""
+
+    data_dict: Any
+    processed_inputs: ProcessedInputs
+    original_batch_size: int
+    original_seq_len: int
+
+
+def make_processed_microbatch_iterator(raw_iterator: Iterator[Any], tokenizer: Any, cfg: dict[str, Any],
+                                       cp_size: int) -> Iterator[ProcessedMicrobatch]:
+    """Each raw microbatch through :func:`process_microbatch` (packing when
+    ``cfg["sequence_packing"]["enabled"]``), with its original ``[B, S]`` shape."""
+    enable_seq_packing = (cfg.get("sequence_packing") or {}).get("enabled", False)
+    for data_dict in raw_iterator:
+        batch_size, seq_len = data_dict.get("input_ids").shape[:2]
+        processed = process_microbatch(data_dict, tokenizer, enable_seq_packing, cfg, cp_size)
+        yield ProcessedMicrobatch(data_dict=data_dict, processed_inputs=processed, original_batch_size=batch_size,
+                                  original_seq_len=seq_len)
+
+
+def get_microbatch_iterator(data: Any, cfg: dict[str, Any], mbs: int, dp_mesh: Any, tokenizer: Any,
+                            cp_size: int = 1) -> tuple[Iterator[ProcessedMicrobatch], int]:
+    """``(processed microbatch iterator, this rank's microbatch count)``: dynamic batching, sequence
+    packing (padded with repeated microbatches up to the largest count over the data-parallel ranks:
+    one all-reduce, one read of its result per global batch) or ``mbs`` rows at a time."""
+    enable_seq_packing = (cfg.get("sequence_packing") or {}).get("enabled", False)
+    dummy: Iterator[Any] = iter([])
+    if (cfg.get("dynamic_batching") or {}).get("enabled", False):
+        mb_iterator = data.make_microbatch_iterator_with_dynamic_shapes()
+        iterator_len = data.get_microbatch_iterator_dynamic_shapes_len()
+    elif enable_seq_packing:
+        mb_iterator = data.make_microbatch_iterator_for_packable_sequences()
+        iterator_len, _ = data.get_microbatch_iterator_for_packable_sequences_len()
+        dummy = itertools.islice(itertools.cycle(data.make_microbatch_iterator_for_packable_sequences()),
+                                 _most_microbatches(iterator_len, dp_mesh) - iterator_len)
+    else:
+        require(isinstance(mbs, int) and mbs >= 1, f"mbs={mbs!r} is invalid; expected a microbatch size >= 1")
+        mb_iterator = data.make_microbatch_iterator(mbs)
+        iterator_len = data.size // mbs
+    processed = make_processed_microbatch_iterator(itertools.chain(mb_iterator, dummy), tokenizer, cfg, cp_size)
+    return processed, iterator_len
+
+
+def _most_microbatches(count: int, dp_mesh: Any) -> int:
+    """The largest microbatch count over the data-parallel ranks: ``dp_mesh``'s group when it is a
+    ``DeviceMesh`` (or a ``ProcessGroup``), else the default group as NeMo-RL (which ignores it)."""
+    group = as_process_group(dp_mesh, "dp_mesh") if is_group_form(dp_mesh) else None
+    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not initialised and dp_mesh is None:
+        return count
+    device = "cpu"
+    if initialised and "nccl" in str(torch.distributed.get_backend(group)):
+        device = torch.device("cuda", torch.cuda.current_device())
+    most = torch.full((1,), count, dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(most[0].item())  # sync: once per global batch, the number of microbatches to run
+
+
+def fixed_total(cfg: dict[str, Any], options: Optional[PackOptions] = None) -> Optional[int]:
+    """The fixed packed row length ``T`` of sequence packing: ``cfg["nn_data"]["pad_full_seq_to"]``, else
+    ``max(train_mb_tokens, logprob_mb_tokens)`` of ``cfg["sequence_packing"]`` (the budgets NeMo-RL's
+    packer plans training and log-prob microbatches with: no microbatch holds more); None with
+    ``cfg["nn_data"]["buckets"]`` (``T`` from the data, one read)."""
+    options = PackOptions.from_cfg(cfg) if options is None else options
+    if options.pad_full_seq_to is not None or options.buckets is not None:
+        return options.pad_full_seq_to
+    budgets = cfg["sequence_packing"]
+    return max(budgets["train_mb_tokens"], budgets.get("logprob_mb_tokens") or 0)
+
+
+def process_microbatch(mb: Any, tokenizer: Any, enable_seq_packing: bool, cfg: dict[str, Any],
+                       cp_size: int) -> ProcessedInputs:
+    """A microbatch's :class:`ProcessedInputs` on the device (``cfg["nn_data"]["device"]``, else CUDA when
+    available, else the CPU).
+
+    Sequence packing: one row ``[1, T]`` of the sequences back to back (padding
+    ``tokenizer.eos_token_id``), position ids restarting at 0 (0 on padding), no attention mask, and
+    ``flash_attn_kwargs`` with ``cu_seqlens`` from the lengths and ``max_seqlen = T``; no host read.
+    Otherwise: the rows as they are, an all-ones mask and ``arange(S)`` position ids. With
+    ``cp_size > 1``: the buffers torch's ``context_parallel()`` shards (``input_ids``,
+    ``position_ids``, ``seq_index``, and the student-aligned fields of cross-tokenizer distillation).
+
+    Raises :class:`PackingError` (an ``AssertionError``, with NeMo-RL's message first) for multimodal
+    inputs with packing, with sequence parallelism or with CP, and for packing under CP.
+    """
+    options = PackOptions.from_cfg(cfg)
+    input_ids = mb.get("input_ids").to(resolve_device(cfg=cfg))
+    if enable_seq_packing:
+        lengths = on_device(mb["input_lengths"], input_ids.device)
+        input_ids, position_ids, _ = pack_sequences(
+            input_ids=input_ids, input_lengths=lengths, packed_sequence_size=[len(mb["input_lengths"])],
+            padding_value=tokenizer.eos_token_id, return_attention_mask=False,
+            min_seq_len=cfg["sequence_packing"]["train_mb_tokens"], pad_full_seq_to=fixed_total(cfg, options),
+            options=options)
+        seq_len = input_ids.shape[1]
+        attention_mask = None
+        flash_attn_kwargs = get_flash_attention_kwargs(input_lengths=lengths, max_seqlen=seq_len)
+    else:
+        batch_size, seq_len = input_ids.shape
+        attention_mask = torch.ones((batch_size, seq_len), dtype=torch.bool, device=input_ids.device)
+        position_ids = torch.arange(seq_len, device=input_ids.device).repeat(batch_size, 1)
+        flash_attn_kwargs = {}
+    vlm_kwargs = _multimodal(mb, input_ids.device)
+    if vlm_kwargs:
+        position_ids = None
+        require(not enable_seq_packing, "multimodal kwargs are not supported for sequence packing")
+        require(not cfg["dtensor_cfg"]["sequence_parallel"],
+                "Sequence parallel is not supported with multimodal since there's an issue when you do not pass "
+                "position_ids. See https://github.com/NVIDIA-NeMo/Automodel/issues/652")
+    cp_buffers, seq_index = [], None
+    if cp_size > 1:
+        require(not vlm_kwargs, f"multimodal kwargs={vlm_kwargs} are not supported for context parallel")
+        require(not enable_seq_packing,
+                "Context parallel is not supported for sequence packing (torch's context_parallel() shards the packed "
+                "row without its boundaries; nn_data's PackedForward(HFCausalLMAdapter(model), cp_group=...) packs "
+                "and shards per sequence)")
+        attention_mask = None  # torch's CP attention is causal with no explicit mask
+        seq_index = torch.arange(seq_len, device=input_ids.device).repeat(1, 1)  # [1, S]
+        cp_buffers = [input_ids, position_ids, seq_index] + _student_aligned(mb)
+    return ProcessedInputs(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           flash_attn_kwargs=flash_attn_kwargs, vlm_kwargs=vlm_kwargs, cp_buffers=cp_buffers,
+                           seq_index=seq_index, seq_len=seq_len)
+
+
+def _multimodal(mb: Any, device) -> dict:
+    """NeMo-RL's ``mb.get_multimodal_dict(as_tensors=True, device=...)``; {} for a batch without it
+    (nn_data's ``BatchedDataDict``, a dict: no multimodal values)."""
+    getter = getattr(mb, "get_multimodal_dict", None)
+    return {} if getter is None else getter(as_tensors=True, device=device)
+
+
+def _student_aligned(mb: Any) -> list:
+    """Cross-tokenizer distillation's student-aligned fields (and ``token_mask`` with them), sharded with
+    the ids: keys ``alignment_*_student_chunk_id`` / ``alignment_*_student_exact_partition_mask``."""
+    fields = [k for k in mb if k.startswith("alignment_")
+              and (k.endswith("_student_chunk_id") or k.endswith("_student_exact_partition_mask"))]
+    if not fields:
+        return []
+    return ([mb["token_mask"]] if "token_mask" in mb else []) + [mb[k] for k in fields]
+
+
+def process_global_batch(data: Any, loss_fn: Any, dp_group: Optional["torch.distributed.ProcessGroup"], *,
+                         batch_idx: int, batch_size: int) -> dict[str, Any]:
+    """Global batch ``batch_idx`` and its loss normalisers summed over ``dp_group``: the same function as
+    the megatron path's (:func:`nn_data.nemo_rl.megatron_data.process_global_batch`, NeMo-RL's two are
+    identical too)."""
+    return megatron_data.process_global_batch(data, loss_fn, dp_group, batch_idx=batch_idx, batch_size=batch_size)
+
+
+def check_sequence_dim(data: Any, *, skip_keys: Optional[Iterable[str]] = None) -> Tuple[int, int]:
+    """``(1, S)``: dim 1 is the sequence dim of every tensor of ``data`` with more than one dim (keys in
+    ``skip_keys`` excepted). Raises :class:`PackingError` (an ``AssertionError``) naming the first
+    tensor whose dim 1 is not ``S = data["input_ids"].shape[1]``."""
+    skip = set(skip_keys) if skip_keys is not None else set()
+    sequence_dim = 1
+    seq_dim_size = data.get("input_ids").shape[sequence_dim]
+    for key, value in data.items():
+        if key in skip or not torch.is_tensor(value) or value.dim() <= 1:
+            continue
+        if value.shape[sequence_dim] != seq_dim_size:
+            raise PackingError(f"Dim 1 must be the sequence dim, expected dim 1={seq_dim_size} but got shape "
+                               f"{value.shape} (key {key!r})")
+    return sequence_dim, seq_dim_size

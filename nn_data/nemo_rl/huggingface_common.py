@@ -1,0 +1,240 @@
+"""NeMo-RL's ``nemo_rl.models.huggingface.common`` packing helpers (the three its AutoModel data path
+calls) on nn_data's layouts: switch by changing one import.
+
+    # from nemo_rl.models.huggingface.common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
+    from nn_data.huggingface_common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
+
+Shape legend
+    B   sequences; R packed rows (``len(packed_sequence_size)``)
+    S   padded row length of the input batch
+    T   packed row length: ``pad_full_seq_to`` when given, else NeMo-RL's
+        ``max(longest row total, min_seq_len)``
+    W   unpacked row length: ``max_seqlen`` when given, else the longest length
+    *   trailing dims of an unpacked tensor (``V`` for logits)
+
+Same names, signatures, defaults and results as NeMo-RL (HEAD ``7ea279a``), plus keyword-only extras.
+Each row is one layout (:mod:`nn_data.layout`, ``m = p = 1``, the fixed packed length ``T``): the
+ids pack with one gather or scatter, padded with ``padding_value``; the position ids are every
+sequence's ``0..L-1`` and 0 on padding, as NeMo-RL's. Where NeMo-RL reads the lengths on the host
+(``.tolist()``, ``.max().item()``: device syncs once the batch is on the GPU, which is where NeMo-RL's
+workers put it), the extras give the sizes as Python ints and nothing is read:
+``pad_full_seq_to=`` (the packed length), ``max_seqlen=`` (the unpacked width, the flash-attention
+bound). Without them each helper reads the lengths once, as NeMo-RL does (``# sync:``). Differences
+(docs/nemo-rl.md, "The AutoModel data path"): the attention mask ``pack_sequences`` returns is
+document-causal (NeMo-RL's code lets each sequence see the ones before it in its row, against its own
+docstring); a packed total above ``pad_full_seq_to`` or ``packed_sequence_size`` not summing to ``B``
+raises (NeMo-RL lengthens the row, or drops sequences); ``unpack_tensor`` takes any trailing dims
+(NeMo-RL's pads the wrong dim of a 2-D tensor) and ``B = 0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Tuple, TypeVar
+
+import torch
+
+from nn_data import _checks
+from nn_data.errors import PackingError
+from nn_data.layout import (
+    PackSpec, bucket_total, exclusive_cumsum, fixed_total_arg, layout_from_lengths, lengths_host, natural_total_host,
+    segment_ids, total_limit_host,
+)
+from nn_data.rows import pad_rows, with_dynamic_row_length
+from nn_data.unpack import unpack_sequences
+
+Tensor = TypeVar("Tensor", bound=torch.Tensor)
+
+
+@dataclasses.dataclass
+class FlashAttentionKwargs:
+    """FlashAttention-2's variable-length arguments: ``cu_seqlens_q/k [B+1]`` int32, ``max_seqlen_q/k`` ints."""
+
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def on_device(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``lengths`` on ``device``: a CPU tensor goes to an accelerator through pinned memory, asynchronously
+    (no host sync); already there, it is returned as is."""
+    if lengths.device == torch.device(device):
+        return lengths
+    if lengths.device.type == "cpu" and torch.device(device).type == "cuda":
+        return lengths.pin_memory().to(device, non_blocking=True)
+    return lengths.to(device)
+
+
+def _pack_row(input_ids, lengths, num_rows, total: int, padding_value: int, name: str, validate: bool):
+    """One packed row on the device executor: ``[B, S]`` ids and ``[B]`` lengths -> ``[1, T]`` ids (padding
+    ``padding_value``), ``[1, T]`` position ids (0 on padding) and ``cu_seqlens [B+1]``. No host read.
+
+    Example: lengths ``[2, 3]``, T 7, pad -1 -> ids ``[a0 a1 b0 b1 b2 -1 -1]``, positions ``[0 1 0 1 2 0 0]``.
+    """
+    spec = PackSpec(fixed_total=total, arg_name=name)
+    layout = layout_from_lengths(lengths, input_ids.shape[1], spec, num_rows=num_rows, validate=validate,
+                                 host_reads=False, op="pack_sequences")
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)  # [B, S]
+    return layout.pack(input_ids, fill=padding_value), layout.pack(positions, fill=0), layout.cu_seqlens
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_pack_row(backend, mode):
+    kwargs = {"mode": mode} if mode else {}
+    return torch.compile(_pack_row, backend=backend, fullgraph=True, **kwargs)
+
+
+def pack_row(input_ids, lengths, total: int, padding_value: int, *, name: str = "pad_full_seq_to",
+             validate: bool = True, options=None):
+    """:func:`_pack_row`, compiled when ``options.compile`` (``PackOptions``: the rows padded to
+    ``options.row_capacity``, else the next power of two, and ``S`` a symbolic size, so a stream of
+    microbatches of one ``T`` compiles once)."""
+    if options is None or not options.compile:
+        return _pack_row(input_ids, lengths, None, total, padding_value, name, validate)
+    rows = input_ids.shape[0]
+    capacity = options.row_capacity or (1 << max(0, (rows - 1).bit_length()))
+    _checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
+    num_rows = torch.full((), rows, dtype=torch.int64, device=input_ids.device)  # on the device: no H2D copy
+    ids = with_dynamic_row_length(pad_rows(input_ids.contiguous(), capacity))  # [R, S]
+    fn = _compiled_pack_row(options.backend, options.mode)
+    with torch.no_grad():
+        return fn(ids, pad_rows(lengths, capacity), num_rows, total, padding_value, name, validate)
+
+
+def pack_sequences(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    packed_sequence_size: list[int],
+    padding_value: int = 0,
+    return_attention_mask: bool = True,
+    min_seq_len: int = 0,
+    *,
+    pad_full_seq_to: Optional[int] = None,
+    options=None,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Pack rows of sequences: ``packed_sequence_size[r]`` consecutive sequences of ``input_ids [B, S]``
+    (valid lengths ``input_lengths [B]``) go to row ``r`` back to back -> ``(input_ids_packed [R, T],
+    position_ids_packed [R, T], attention_mask [R, T, T] or None)``.
+
+    ``T`` is ``pad_full_seq_to`` when given (no host read; a row holding more raises, a device assert),
+    else NeMo-RL's ``max(longest row total, min_seq_len)`` after one read of the lengths, rounded up to
+    one of ``options.buckets`` when set. ``attention_mask[r, q, k]``: both valid, same sequence, ``k <=
+    q``. ``options`` (``PackOptions``, ``cfg["nn_data"]``) may compile the packing.
+
+    Example: lengths ``[2, 3, 1]``, ``packed_sequence_size [3]``, ``padding_value -1``, ``min_seq_len 8``
+    -> ids ``[[a0 a1 b0 b1 b2 c0 -1 -1]]``, positions ``[[0 1 0 1 2 0 0 0]]``.
+
+    Raises :class:`PackingError`: ``input_ids`` not ``[B, S]``, ``input_lengths`` not ``[B]`` integer,
+    ``packed_sequence_size`` not non-negative ints summing to ``B``, ``pad_full_seq_to`` below
+    ``min_seq_len``, a length outside ``[0, S]`` (host read) or a row above ``pad_full_seq_to``.
+    """
+    _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    rows, row_len = input_ids.shape[0], input_ids.shape[1]
+    _checks.check_int_vector("input_lengths", input_lengths, rows)
+    groups = _groups(packed_sequence_size, rows)
+    lengths = on_device(input_lengths, input_ids.device)
+    total, validate, name = _row_length(input_lengths, groups, row_len, min_seq_len, pad_full_seq_to, options)
+    if total == 0:
+        empty = input_ids.new_zeros(len(groups), 0)
+        mask = torch.zeros(len(groups), 0, 0, dtype=torch.bool, device=input_ids.device)
+        return empty, empty.to(torch.int64), mask if return_attention_mask else None
+    packed = [pack_row(input_ids[a:b], lengths[a:b], total, padding_value, name=name, validate=validate,
+                       options=options) for a, b in groups]  # one layout per row
+    ids = torch.cat([p[0] for p in packed])  # [R, T]
+    positions = torch.cat([p[1] for p in packed])  # [R, T]
+    mask = torch.stack([_row_mask(p[2], total) for p in packed]) if return_attention_mask else None  # [R, T, T]
+    return ids, positions, mask
+
+
+def _groups(packed_sequence_size, rows: int) -> list:
+    """``[(start, end)]`` of every packed row. Example: ``[3, 0, 2]`` -> ``[(0, 3), (3, 3), (3, 5)]``."""
+    sizes = list(packed_sequence_size) if isinstance(packed_sequence_size, (list, tuple)) else None
+    if sizes is None or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes) \
+            or sum(sizes) != rows:
+        raise PackingError(f"packed_sequence_size={packed_sequence_size!r} is invalid; expected a list of "
+                           f"non-negative ints (sequences per packed row) summing to B = input_ids.shape[0] = {rows}")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def _row_length(input_lengths, groups: list, row_len: int, min_seq_len: int, pad_full_seq_to, options):
+    """``(T, validate on the device?, T's name for messages)``: ``pad_full_seq_to`` with no read, else
+    NeMo-RL's rule after the one read of the lengths (which is also their validation)."""
+    _checks.row_length("min_seq_len", min_seq_len)
+    if pad_full_seq_to is not None:
+        total = fixed_total_arg("pad_full_seq_to", pad_full_seq_to)
+        if total < min_seq_len:
+            raise PackingError(f"pad_full_seq_to={total} is below min_seq_len={min_seq_len}; the packed rows are at "
+                               f"least min_seq_len long, so pad_full_seq_to must be at least {min_seq_len}")
+        return total, True, "pad_full_seq_to"
+    lengths = input_lengths.tolist()  # sync: NeMo-RL's read; T depends on the data without pad_full_seq_to
+    lengths_host(lengths, row_len)
+    total = max([sum(lengths[a:b]) for a, b in groups] + [min_seq_len])
+    buckets = getattr(options, "buckets", None)
+    if buckets is not None and total:
+        total = bucket_total(total, buckets, 1, 1)
+    total_limit_host(total, "the longest packed row")
+    return total, False, "the packed row length"
+
+
+def _row_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[T, T]`` bool document-causal mask of one row whose sequences end at ``cu_seqlens[1:]``
+    (positions from ``cu_seqlens[-1]`` on are padding: no query, no key).
+
+    Example: cu_seqlens ``[0, 2, 3]``, T 4 -> rows ``[T F F F], [T T F F], [F F T F], [F F F F]``.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    pos = torch.arange(total, device=cu.device)  # [T]
+    seq = segment_ids(cu, total)  # [T]
+    valid = pos < cu[-1]  # [T]
+    return (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
+
+
+def unpack_tensor(tensor: torch.Tensor, input_lengths: torch.Tensor, *, max_seqlen: Optional[int] = None
+                  ) -> torch.Tensor:
+    """``tensor [1, T, *]`` holding the sequences back to back (lengths ``input_lengths [B]``) ->
+    ``[B, W, *]``, 0 past each length. ``W`` is ``max_seqlen`` when given (no host read; a longer
+    length raises, a device assert), else the longest length after one read, as NeMo-RL.
+
+    Example: tensor ``[[1, 2, 3, 4, 5, 6, -1]]``, lengths ``[2, 3, 1]`` -> ``[[1, 2, 0], [3, 4, 5], [6, 0, 0]]``.
+
+    Raises :class:`PackingError`: ``tensor`` not ``[1, T, *]``, ``input_lengths`` not ``[B]`` integer,
+    lengths that do not fit ``T`` (or ``max_seqlen``).
+    """
+    _checks.check_packed("tensor", tensor)
+    _checks.check_int_vector("input_lengths", input_lengths)
+    lengths = on_device(input_lengths, tensor.device)
+    total = tensor.shape[1]
+    if max_seqlen is None:
+        host = input_lengths.tolist()  # sync: NeMo-RL's read; the unpacked width depends on the data
+        width, validate = max(host, default=0), False
+        lengths_host(host, width)
+        natural_total_host(sum(host), 1, total, "tensor.shape[1]")
+    else:
+        width, validate = _checks.row_length("max_seqlen", max_seqlen), True
+    if total == 0 or lengths.shape[0] == 0:
+        return tensor.new_zeros(lengths.shape[0], width, *tensor.shape[2:])
+    spec = PackSpec(fixed_total=total, arg_name="tensor.shape[1]")
+    layout = layout_from_lengths(lengths, width, spec, validate=validate, host_reads=False, op="unpack_tensor")
+    return unpack_sequences(tensor, None, None, width, layout=layout, validate=False)  # [B, W, *]
+
+
+def get_flash_attention_kwargs(input_lengths: torch.Tensor, *, max_seqlen: Optional[int] = None
+                               ) -> FlashAttentionKwargs:
+    """FlashAttention-2's variable-length arguments for sequences of ``input_lengths [B]`` packed back to
+    back: ``cu_seqlens_q = [0, cumsum(L)]`` int32 on the lengths' device (``cu_seqlens_k`` an equal
+    copy), ``max_seqlen_q = max_seqlen_k``: ``max_seqlen`` when given (any bound of the lengths: no
+    host read), else the longest length after one read, as NeMo-RL (``.max().item()``).
+
+    Example: ``[2, 3, 1]`` -> cu_seqlens ``[0, 2, 5, 6]``, max_seqlen 3.
+    """
+    _checks.check_int_vector("input_lengths", input_lengths)
+    cu_seqlens = exclusive_cumsum(input_lengths).to(torch.int32)  # [B+1]
+    if max_seqlen is None:
+        longest = max(input_lengths.tolist(), default=0)  # sync: NeMo-RL's .max().item()
+    else:
+        longest = _checks.row_length("max_seqlen", max_seqlen)
+    return FlashAttentionKwargs(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens.clone(), max_seqlen_q=longest,
+                                max_seqlen_k=longest)
