@@ -8,7 +8,7 @@ Shape legend
 Every call hands the model the packed layout as transformers' padding-free keywords, with no host
 read: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 ``[B'+1]`` on the device: the padded boundaries,
 the pseudo-segment ``[0, T]`` when ``B = 0``; under CP this rank's local boundaries,
-``cu_seqlens_padded // C``), ``max_length_q`` / ``max_length_k`` (Python ints: the plan's longest
+``cu_seqlens_padded // C``), ``max_length_q`` / ``max_length_k`` (Python ints: the layout's longest
 segment when it was planned on the host, else ``T``; ``// C`` under CP), ``seq_idx`` (int32
 ``[1, Tq]``, the segment of each token) for models with non-attention mixers, and the position ids
 (restarting at 0 at every sequence) as before.
@@ -132,7 +132,7 @@ class HFCausalLMAdapter(nn.Module):
     layers nn_data cannot keep packed sequences apart in (naming the model type, the layer and what to
     install, or that nothing would), or ``mixers="kernels"`` without the kernels; on a call in training
     with transformers' gradient checkpointing enabled (its recomputation runs after the call, outside
-    nn_data's attention and per-sequence plan); on the first call,
+    nn_data's attention and per-sequence rows); on the first call,
     when an attention layer does not go through transformers' attention interface or attends with
     features the packed attention does not support.
 
@@ -162,19 +162,19 @@ class HFCausalLMAdapter(nn.Module):
         if self.model.training and torch.is_grad_enabled() and _layer_checkpointing(self.model):
             raise PackingError(
                 f"model_type={self.layers.model_type!r} has gradient checkpointing enabled: it recomputes each layer "
-                "during backward, after this call, without nn_data's attention function and per-sequence plan "
+                "during backward, after this call, without nn_data's attention function and per-sequence rows "
                 "(transformers then attends across sequences, or fails); call model.activation_checkpointing_disable() "
                 "(gradient_checkpointing_disable), or checkpoint the whole packed forward (torch.utils.checkpoint.checkpoint(wrapped, input_ids, "
                 "seq_lengths, use_reentrant=False))")
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
-        plan = fallback = None
+        mixer = fallback = None
         if self.layers.mixers:
-            rows = hf_mixers.mixer_plan(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
+            rows = hf_mixers.mixer_rows(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
                                         gather=packed.gather, query_index=packed.query_index)
             per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None  # CP: always
-            plan, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
-        kernels = bool(self.layers.mixers) and plan is None
-        with hf_mixers.active(self._slot, plan, require_boundaries=kernels, fallback=fallback):
+            mixer, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
+        kernels = bool(self.layers.mixers) and mixer is None
+        with hf_mixers.active(self._slot, mixer, require_boundaries=kernels, fallback=fallback):
             if packed.gather is None and str(self.model.config._attn_implementation).startswith("flash_attention"):
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs,
                                  **model_kwargs)  # flash-attention's variable-length kernel takes the boundaries
@@ -216,7 +216,7 @@ def boundary_kwargs(packed, *, seq_idx: bool) -> dict:
     computed on the device with no host read; under CP this rank's local view (``// C``).
 
     Example: cu_seqlens_padded ``[0, 4, 12]``, no CP -> cu_seq_lens_q ``[0, 4, 12]``, max_length_q
-    8 (a host plan's longest segment), seq_idx ``[[0,0,0,0,1,...,1]]``; with C 2, rank 0 ->
+    8 (a host layout's longest segment), seq_idx ``[[0,0,0,0,1,...,1]]``; with C 2, rank 0 ->
     ``[0, 2, 6]``, 4.
     """
     total, cp = packed.segment_ids.shape[0], packed.cp_size

@@ -31,7 +31,7 @@ installed GPU kernels that honour the boundaries (``flash-linear-attention``, ``
 boundaries instead where they are importable and the model runs on CUDA.
 
 The layer is switched by a forward pre-hook and a forward hook registered once on the layer
-(:func:`install`). They act only while the adapter's call is in progress, which holds the plan in
+(:func:`install`). They act only while the adapter's call is in progress, which holds the rows in
 the model's :class:`MixerSlot` (not every transformers model passes extra keywords down to its
 layers: ``Mamba2ForCausalLM`` drops them), so the model is unchanged for every other caller.
 """
@@ -46,19 +46,19 @@ import torch
 from torch import nn
 
 from nn_data.errors import PackingError
-from nn_data.layout.index import SegmentRows, segment_rows
+from nn_data.layout import SegmentRows, segment_rows
 from nn_data.layout import segment_bounds
 
 # Keywords the layer must not see on the per-sequence rows: the packed row's boundaries (transformers'
 # fallbacks refuse them), its masks and positions ([1, Tq] shapes, not [B', W]).
 _PACKED_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens",
-                "position_ids", "attention_mask", "nn_data_mask", "nn_data_calls")  # (the fallback plan stays)
+                "position_ids", "attention_mask", "nn_data_mask", "nn_data_calls")  # (the fallback rows stay)
 _BOUNDARIES = ("seq_idx", "cu_seq_lens_q")
-_PLAN_KWARG = "nn_data_fallback_rows"  # a fallback call's plan, from the pre-hook to the forward hook
+_ROWS_KWARG = "nn_data_fallback_rows"  # a fallback call's rows, from the pre-hook to the forward hook
 
 
-class MixerPlan(NamedTuple):
-    """One microbatch's per-sequence plan: the row maps, the CP ``gather`` (None without CP) that
+class MixerRows(NamedTuple):
+    """One microbatch's per-sequence rows: the row maps, the CP ``gather`` (None without CP) that
     turns this rank's ``[1, Tq, *]`` into the packed ``[1, T, *]``, and ``query_index [Tq]`` (the
     packed position of each local token)."""
 
@@ -67,9 +67,9 @@ class MixerPlan(NamedTuple):
     query_index: torch.Tensor
 
 
-def mixer_plan(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gather=None,
-               query_index: Optional[torch.Tensor] = None) -> MixerPlan:
-    """The :class:`MixerPlan` of a packed microbatch: boundaries ``[B+1]`` (``[T]`` for ``B = 0``),
+def mixer_rows(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gather=None,
+               query_index: Optional[torch.Tensor] = None) -> MixerRows:
+    """The :class:`MixerRows` of a packed microbatch: boundaries ``[B+1]`` (``[T]`` for ``B = 0``),
     ``total`` (T) and ``width`` (W, clamped into ``[1, T]``).
 
     Example: cu_seqlens_padded ``[0, 3, 8]``, T 8, W 5 -> rows ``[[0..4], [3..7]]`` (row 0's slots 3
@@ -79,40 +79,40 @@ def mixer_plan(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gathe
     bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]: [0, T] when B = 0
     if query_index is None:
         query_index = torch.arange(total, device=cu_seqlens_padded.device)  # [T]
-    return MixerPlan(segment_rows(bounds, total, width), gather, query_index)
+    return MixerRows(segment_rows(bounds, total, width), gather, query_index)
 
 
-def to_rows(hidden: torch.Tensor, plan: MixerPlan) -> torch.Tensor:
+def to_rows(hidden: torch.Tensor, mixer: MixerRows) -> torch.Tensor:
     """``[1, Tq, D] -> [B', W, D]``: every segment in a row of its own, zeros past its end."""
-    full = hidden if plan.gather is None else plan.gather(hidden)  # [1, T, D]
-    rows, valid = plan.rows.row_source, plan.rows.row_valid  # [B', W] each
+    full = hidden if mixer.gather is None else mixer.gather(hidden)  # [1, T, D]
+    rows, valid = mixer.rows.row_source, mixer.rows.row_valid  # [B', W] each
     flat = full[0].index_select(0, rows.reshape(-1)).view(*rows.shape, *full.shape[2:])  # [B', W, D]
     return torch.where(valid.view(*valid.shape, *([1] * (flat.dim() - 2))), flat, torch.zeros((), dtype=flat.dtype,
                                                                                               device=flat.device))
 
 
-def to_packed(out: torch.Tensor, plan: MixerPlan) -> torch.Tensor:
+def to_packed(out: torch.Tensor, mixer: MixerRows) -> torch.Tensor:
     """``[B', W, D'] -> [1, Tq, D']``: the rows back in packed order (this rank's places under CP)."""
-    rows = plan.rows
+    rows = mixer.rows
     flat = out.reshape(-1, *out.shape[2:]).index_select(0, rows.packed_source)  # [T, D']
     keep = rows.packed_valid.view(-1, *([1] * (flat.dim() - 1)))
     packed = torch.where(keep, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))  # [T, D']
-    if plan.gather is not None:
-        packed = packed.index_select(0, plan.query_index)  # [Tq, D']
+    if mixer.gather is not None:
+        packed = packed.index_select(0, mixer.query_index)  # [Tq, D']
     return packed.unsqueeze(0)  # [1, Tq, D']
 
 
 class MixerSlot:
-    """The state of a model's mixer hooks during one adapter call: the per-sequence ``plan`` (None: the
+    """The state of a model's mixer hooks during one adapter call: the per-sequence ``mixer`` (None: the
     hooks pass the call through), and ``require_boundaries`` (the kernels path: every mixer must receive
     the boundaries, else the model's forward dropped them and the kernels would mix). On that path a
-    ``fallback`` plan (``mixers="auto"``) runs such a mixer per sequence instead of refusing, and
+    ``fallback`` mixer (``mixers="auto"``) runs such a mixer per sequence instead of refusing, and
     ``fell_back`` records that it did."""
 
     def __init__(self):
-        self.plan: Optional[MixerPlan] = None
+        self.mixer: Optional[MixerRows] = None
         self.require_boundaries = False
-        self.fallback: Optional[MixerPlan] = None
+        self.fallback: Optional[MixerRows] = None
         self.fell_back = False
         self.model_type = "?"
 
@@ -127,29 +127,29 @@ def slot_for(model: nn.Module) -> MixerSlot:
 
 
 @contextlib.contextmanager
-def active(slot: MixerSlot, plan: Optional[MixerPlan], *, require_boundaries: bool = False,
-           fallback: Optional[MixerPlan] = None):
-    """The hooks of ``slot`` run ``plan`` (or check for the boundaries, with ``fallback``) inside the block."""
-    slot.plan, slot.require_boundaries, slot.fallback, slot.fell_back = plan, require_boundaries, fallback, False
+def active(slot: MixerSlot, mixer: Optional[MixerRows], *, require_boundaries: bool = False,
+           fallback: Optional[MixerRows] = None):
+    """The hooks of ``slot`` run ``mixer`` (or check for the boundaries, with ``fallback``) inside the block."""
+    slot.mixer, slot.require_boundaries, slot.fallback, slot.fell_back = mixer, require_boundaries, fallback, False
     try:
         yield
     finally:
-        slot.plan, slot.require_boundaries, slot.fallback = None, False, None
+        slot.mixer, slot.require_boundaries, slot.fallback = None, False, None
 
 
 def _before(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: during a per-sequence call the layer gets the rows and none of the packed keywords."""
-    plan = slot.plan
-    if plan is None and slot.require_boundaries and not any(kwargs.get(name) is not None for name in _BOUNDARIES):
-        plan = slot.fallback  # the kernels would not see the boundaries: run this one per sequence
-        slot.fell_back = plan is not None
-        if plan is None:
+    mixer = slot.mixer
+    if mixer is None and slot.require_boundaries and not any(kwargs.get(name) is not None for name in _BOUNDARIES):
+        mixer = slot.fallback  # the kernels would not see the boundaries: run this one per sequence
+        slot.fell_back = mixer is not None
+        if mixer is None:
             raise PackingError(
                 f"model_type={slot.model_type!r}: {type(module).__name__} received no packed boundaries (seq_idx, "
                 "cu_seq_lens_q): this model's forward does not pass them down to its layers, so its kernels would "
                 "mix the sequences; use mixers='per_sequence'")
-        kwargs = {**kwargs, _PLAN_KWARG: plan}  # the forward hook maps this call's rows back
-    if plan is None:
+        kwargs = {**kwargs, _ROWS_KWARG: mixer}  # the forward hook maps this call's rows back
+    if mixer is None:
         return None
     for name in ("cache", "past_key_values", "cache_params"):
         if kwargs.get(name) is not None:
@@ -161,17 +161,17 @@ def _before(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict):
         kwargs = dict(kwargs)
         hidden, rest = kwargs.pop("hidden_states"), ()
     kwargs = {k: v for k, v in kwargs.items() if k not in _PACKED_ONLY}
-    return (to_rows(hidden, plan), *rest), kwargs
+    return (to_rows(hidden, mixer), *rest), kwargs
 
 
 def _after(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict, output: Any):
     """Forward hook: the layer's ``[B', W, D']`` output (or the first of a tuple) back to ``[1, Tq, D']``."""
-    plan = slot.plan if slot.plan is not None else kwargs.get(_PLAN_KWARG)
-    if plan is None:
+    mixer = slot.mixer if slot.mixer is not None else kwargs.get(_ROWS_KWARG)
+    if mixer is None:
         return None
     if isinstance(output, tuple):
-        return (to_packed(output[0], plan), *output[1:])
-    return to_packed(output, plan)
+        return (to_packed(output[0], mixer), *output[1:])
+    return to_packed(output, mixer)
 
 
 def install(module: nn.Module, slot: MixerSlot) -> None:

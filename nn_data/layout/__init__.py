@@ -30,7 +30,8 @@ from nn_data.layout.checks import (
 )
 from nn_data.layout.device import set_pack_form
 from nn_data.layout.index import (
-    Segments, ZigzagLocal, exclusive_cumsum, local_places, packed_segments, padding_at, segment_ids, zigzag_source,
+    SegmentRows, Segments, ZigzagLocal, exclusive_cumsum, local_places, packed_segments, padding_at, segment_ids,
+    segment_rows, zigzag_source,
 )
 from nn_data.layout.op import RankOp, op_layout
 from nn_data.layout.pack_layout import Fill, HostBounds, PackLayout, pack_with_layout
@@ -45,6 +46,7 @@ __all__ = [
     "PackLayout",
     "PackSpec",
     "RankOp",
+    "SegmentRows",
     "Segments",
     "ZigzagLocal",
     "boundary_args",
@@ -66,6 +68,7 @@ __all__ = [
     "round_up",
     "segment_bounds",
     "segment_ids",
+    "segment_rows",
     "set_pack_form",
     "sequence_divisible",
     "take_layout",

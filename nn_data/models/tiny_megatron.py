@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from typing import Any
 import warnings
 import zlib
 
@@ -167,7 +168,7 @@ def _score_buffer():
 GRID_DIMS = ("tp", "cp", "ep", "dp", "pp")
 
 
-def grid_process_groups(*, tp: int = 1, cp: int = 1, pp: int = 1) -> "megatron.core.process_groups_config.ProcessGroupCollection":
+def grid_process_groups(*, tp: int = 1, cp: int = 1, pp: int = 1) -> Any:
     """The process groups of a ``tp x cp x dp x pp`` layout over the whole world (``dp`` the rest;
     expert parallel size 1), built the way Megatron-Bridge builds them without ``parallel_state``:
     a ``HyperCommGrid`` and a ``ProcessGroupCollection`` of its groups (``tp``, ``cp``, ``pp``, ``dp``,

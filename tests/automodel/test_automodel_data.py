@@ -1,8 +1,8 @@
-"""nn_data.automodel_data (NeMo-RL's nemo_rl.models.automodel.data): one import switches, no host sync
-per packed microbatch, one compiled graph over a stream, NeMo-RL's results, and its CP buffers.
-
-Tier: pure CPU, single process (torch.compile with aot_eager for the compiled stream). NeMo-RL's own
+"""Tier: pure CPU, single process (torch.compile with aot_eager for the compiled stream). NeMo-RL's own
 tests of this module, run against it: docs/nemo-rl.md, "The AutoModel data path".
+
+nn_data.automodel_data (NeMo-RL's nemo_rl.models.automodel.data): one import switches, no host sync
+per packed microbatch, one compiled graph over a stream, NeMo-RL's results, and its CP buffers.
 """
 
 from __future__ import annotations

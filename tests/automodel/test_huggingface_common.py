@@ -1,8 +1,8 @@
-"""nn_data.huggingface_common (NeMo-RL's nemo_rl.models.huggingface.common helpers) against a loop oracle
-of NeMo-RL's results, with and without the host read, and its refusals.
-
-Tier: pure CPU, single process (hypothesis for the round trips). The oracle below re-derives NeMo-RL's
+"""Tier: pure CPU, single process (hypothesis for the round trips). The oracle below re-derives NeMo-RL's
 documented results with Python loops (it shares no code with the module it checks).
+
+nn_data.huggingface_common (NeMo-RL's nemo_rl.models.huggingface.common helpers) against a loop oracle
+of NeMo-RL's results, with and without the host read, and its refusals.
 """
 
 from __future__ import annotations

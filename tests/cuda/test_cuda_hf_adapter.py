@@ -1,11 +1,11 @@
-"""HFCausalLMAdapter on a CUDA GPU: attention, a sliding window and the hybrids packed against each
+"""Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on the CPU
+(float32, the per-sequence path, no flash-attention). Not run on a GPU yet.
+
+HFCausalLMAdapter on a CUDA GPU: attention, a sliding window and the hybrids packed against each
 sequence alone, on whichever path ``mixers="auto"`` takes there (the boundary-honouring kernels when
 flash-linear-attention / causal-conv1d / mamba-ssm are importable, else one sequence per row), the
 flash-attention path when flash-attn is importable, and no host-device sync in the adapter and model
 under compiled packing (``torch.cuda.set_sync_debug_mode("error")``).
-
-Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on the CPU
-(float32, the per-sequence path, no flash-attention). Not run on a GPU yet.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""HFCausalLMAdapter on every model family transformers 5.24 runs on a CPU: packed against each
-sequence alone, or refused; the boundaries it passes; no host sync; one compiled graph over a stream.
-
-Tier: pure CPU, single process (tiny models built from a config, nothing downloaded:
+"""Tier: pure CPU, single process (tiny models built from a config, nothing downloaded:
 nn_data.models.tiny_hf). Under CP (C = 2): tests/multiprocess/test_adapters_multiprocess.py.
 Families: attention (llama, qwen2), sliding-window attention (mistral), gated delta nets
 (qwen3_next with a sparse MoE, qwen3_5), Mamba-2 (mamba2; bamba with attention), short convolutions
 (lfm2). The lengths hold a zero-length sequence and one of the full row length; B = 0 is its own test.
+
+HFCausalLMAdapter on every model family transformers 5.24 runs on a CPU: packed against each
+sequence alone, or refused; the boundaries it passes; no host sync; one compiled graph over a stream.
 """
 
 from __future__ import annotations

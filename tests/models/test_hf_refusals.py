@@ -1,6 +1,6 @@
-"""HFCausalLMAdapter refuses what it cannot keep apart: when built, or on the first call. Never a silent mix.
+"""Tier: pure CPU, single process (tiny transformers models built from a config; nothing downloaded).
 
-Tier: pure CPU, single process (tiny transformers models built from a config; nothing downloaded).
+HFCausalLMAdapter refuses what it cannot keep apart: when built, or on the first call. Never a silent mix.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Process groups held as a DeviceMesh (torchtitan, the DTensor stacks): nn_data.groups resolves a 1-D
-mesh, a (mesh, dim) pair and refuses the forms it cannot, and every op, adapter and drop-in function
-that takes a CP or TP group gives the same result with a mesh as with its ProcessGroup.
-
-Tier: CPU multi-process over gloo (one module-scoped pool of 4 spawned ranks on 127.0.0.1,
+"""Tier: CPU multi-process over gloo (one module-scoped pool of 4 spawned ranks on 127.0.0.1,
 tests/support/cp_harness.py). A 2-D ("dp", "cp") mesh [[0, 1], [2, 3]] and a 1-D mesh of the 4
 ranks; cases: tests/support/groups_cases.py. Float64.
+
+Process groups held as a DeviceMesh (torchtitan, the DTensor stacks): nn_data.groups resolves a 1-D
+mesh, a (mesh, dim) pair and refuses the forms it cannot, and every op, adapter and drop-in function
+that takes a CP or TP group gives the same result with a mesh as with its ProcessGroup.
 """
 
 from __future__ import annotations

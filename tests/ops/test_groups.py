@@ -1,7 +1,7 @@
-"""nn_data.groups in one process without torch.distributed: None is a single rank, every other form
-needs torch.distributed, and what is not a group form is named in the error.
+"""Tier: pure CPU, single process. The DeviceMesh forms over gloo: tests/multiprocess/test_groups_multiprocess.py.
 
-Tier: pure CPU, single process. The DeviceMesh forms over gloo: tests/multiprocess/test_groups_multiprocess.py.
+nn_data.groups in one process without torch.distributed: None is a single rank, every other form
+needs torch.distributed, and what is not a group form is named in the error.
 """
 
 from __future__ import annotations
