@@ -70,7 +70,7 @@ def case_refusals() -> list:
             group_info(form, "context-parallel group")
         messages.append(str(e.value))
     with pytest.raises(PackingError, match=r"the context-parallel group given and pg_collection.cp are different "
-                                           r"groups; pass one of them"):
+                                           r"groups \(sizes 2 and 2\); pass one of them"):
         context_parallel_info(mesh["cp"], pg_collection=SimpleNamespace(cp=mesh["dp"]))
     with pytest.raises(PackingError, match=r"pg_collection \(SimpleNamespace\) has no 'cp' group"):
         collection_group(SimpleNamespace(tp=None), "cp")
