@@ -43,7 +43,7 @@ from nn_data.layout.rules import round_up
 from nn_data.planning import cp_rounds
 from nn_data.planning.alignment import ParallelLayout
 from nn_data.planning.cp_cost import cost_model
-from nn_data.planning.step import host_lengths
+from nn_data.planning.step import host_lengths, plan_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,22 @@ class DynamicCPPlan:
     def step_over_ideal(self) -> float:
         """The modelled step (the sum over rounds of each round's slowest block) over the ideal."""
         return self.step_cost / self.ideal_cost if self.ideal_cost > 0 else 1.0
+
+    @property
+    def critical_path_cost(self) -> float:
+        """The modelled step without a barrier between rounds (what the data path runs: a block starts
+        when the last of its ranks has finished its previous round): the latest finish over the ranks.
+        At most ``step_cost``; equal when every round's slowest block spans the pool."""
+        finish = [0.0] * self.ranks
+        for blocks in self.rounds:
+            for b in blocks:
+                end = max(finish[b.start:b.start + b.size]) + b.cost
+                finish[b.start:b.start + b.size] = [end] * b.size
+        return max(finish, default=0.0)
+
+    @property
+    def critical_path_over_ideal(self) -> float:
+        return self.critical_path_cost / self.ideal_cost if self.ideal_cost > 0 else 1.0
 
     @property
     def padding_fraction(self) -> float:
@@ -229,28 +245,39 @@ def plan_step_dynamic_cp(lengths, layout: ParallelLayout, *, tokens_per_rank: in
         return DynamicCPPlan(rounds=[], tokens_per_rank=tokens_per_rank, ranks=ranks, lengths=(),
                              sequence_multiples=multiples, ideal_cost=0.0, step_cost=0.0, token_lower_bound=0)
     costs, ideal = _costs(arr, sizes, multiples, tokens_per_rank, cost, ranks)
-    lower = -(-int(sum(costs.need[j][i] for i, j in enumerate(costs.c_min))) // (ranks * tokens_per_rank))
+    lower = max(1, -(-int(sum(costs.need[j][i] for i, j in enumerate(costs.c_min))) // (ranks * tokens_per_rank)))
     common = dict(tokens_per_rank=tokens_per_rank, ranks=ranks, lengths=tuple(arr.tolist()),
                   sequence_multiples=multiples, ideal_cost=ideal, token_lower_bound=lower)
     best = None
-    for found in _candidates(costs, ranks, lower):
-        if best is None or _faster(found, best, lower, cost, tokens_per_rank):
+    static = lambda: _static_rounds(costs, arr, layout, tokens_per_rank, hidden_size)  # noqa: E731
+    for found in _candidates(costs, ranks, lower, static):
+        if best is None or _faster(found, best, cost, tokens_per_rank, ranks, costs.sizes):
             best = found
     return _plan_of(costs, best, ranks, common)
 
 
-def _faster(found: list, best: list, lower: int, cost, tokens_per_rank: int) -> bool:
-    """Whether the rounds ``found`` beat ``best`` (both ``(time, blocks)`` lists): at most the lower
-    bound + 1 rounds comes first; then the modelled step plus, for each round more than ``best`` has,
-    what a round of padding costs every rank (the cost model's ``padding(tokens_per_rank)``, 0
-    without one)."""
-    limit = lower + 1
-    if (len(found) <= limit) != (len(best) <= limit):
-        return len(found) <= limit
+def _faster(found: list, best: list, cost, tokens_per_rank: int, ranks: int, sizes: list) -> bool:
+    """Whether the rounds ``found`` beat ``best`` (``(time, blocks)`` lists): the modelled critical path
+    (:attr:`DynamicCPPlan.critical_path_cost`) plus, for each round more than ``best`` has, what a round
+    of padding costs every rank (the cost model's ``padding(tokens_per_rank)``, 0 without one)."""
     padding = getattr(cost, "padding", None)
     per_round = float(padding(tokens_per_rank)) if callable(padding) else 0.0
-    step, best_step = sum(t for t, _ in found), sum(t for t, _ in best)
-    return step + per_round * (len(found) - len(best)) < best_step
+    mine, theirs = _critical_path(found, ranks, sizes), _critical_path(best, ranks, sizes)
+    return mine + per_round * (len(found) - len(best)) < theirs
+
+
+def _critical_path(found: list, ranks: int, sizes: list) -> float:
+    """:attr:`DynamicCPPlan.critical_path_cost` of ``(time, blocks)`` rounds, each laid out as the plan lays it."""
+    finish = [0.0] * ranks
+    for _, blocks in found:
+        block_sizes = [sizes[j] for j, _, _ in blocks]
+        for start, b in cp_rounds.laid_out(block_sizes, ranks):
+            if b < 0:
+                continue
+            size = block_sizes[b]
+            end = max(finish[start:start + size]) + blocks[b][2]
+            finish[start:start + size] = [end] * size
+    return max(finish)
 
 
 def _costs(arr: np.ndarray, sizes: list, multiples: dict, tpr: int, cost, ranks: int):
@@ -277,27 +304,49 @@ def _costs(arr: np.ndarray, sizes: list, multiples: dict, tpr: int, cost, ranks:
                            [c * tpr for c in sizes], c_min.tolist(), order.tolist(), rank_of.tolist()), ideal
 
 
-def _candidates(costs, ranks: int, lower: int):
-    """Each candidate plan's rounds as ``(time, blocks)`` lists (:mod:`nn_data.planning.cp_rounds`):
-    packed rounds; when they need more rounds than the lower bound + 1, packed with long sequences
-    sharing larger blocks (one and two sizes up); for small steps, equal runs of tokens too."""
+def _candidates(costs, ranks: int, lower: int, static):
+    """Each candidate plan's rounds as ``(time, blocks)`` lists, blocks ``(size index, sequences,
+    load)`` (:mod:`nn_data.planning.cp_rounds`): packed rounds; when they need more rounds than the
+    lower bound + 1, packed with long sequences sharing larger blocks (one and two sizes up); for small
+    steps, equal runs of tokens too, and ``static()``: static CP's plan as rounds."""
     for promote in range(len(costs.sizes)):
         packed = cp_rounds.packed_rounds(costs, ranks, promote)
-        yield [cp_rounds.balanced_round(costs, blocks, ranks) for blocks in packed]
+        yield _loaded(costs, [cp_rounds.balanced_round(costs, blocks, ranks) for blocks in packed])
         if len(packed) <= lower + 1 or promote == 2:
             break
     if len(costs.order) <= cp_rounds.CHUNKED_UP_TO:
         for k in (lower, lower + 1):
             found = cp_rounds.chunked_rounds(costs, k)
             if found is not None:
-                yield found
+                yield _loaded(costs, found)
+        yield _loaded(costs, static())
+
+
+def _loaded(costs, found: list) -> list:
+    return [(time, [(j, items, cp_rounds.load(costs, j, items)) for j, items in blocks]) for time, blocks in found]
+
+
+def _static_rounds(costs, arr: np.ndarray, layout: ParallelLayout, tokens_per_rank: int, hidden_size: int) -> list:
+    """Static CP as rounds: every block the smallest size that holds every sequence, the blocks
+    planned by :func:`~nn_data.planning.plan_step` (work balanced per group of ranks, no barrier needed
+    between its microbatches); round ``k`` is every group's microbatch ``k``."""
+    j = max(costs.c_min)
+    c = costs.sizes[j]
+    groups = layout.dp * layout.cp // c
+    plan = plan_step(arr, dataclasses.replace(layout_for(layout, c), dp=groups, cp=c), pad_full_seq_to=c * tokens_per_rank,
+                     hidden_size=hidden_size)
+    out = []
+    for k in range(plan.microbatches_per_rank):
+        blocks = [(j, list(plan.ranks[g][k])) for g in range(groups) if plan.ranks[g][k]]
+        out.append((max((cp_rounds.load(costs, jj, items) for jj, items in blocks), default=0.0), blocks))
+    return out
 
 
 def _plan_of(costs, found: list, ranks: int, common: dict) -> DynamicCPPlan:
     """The plan of ``(time, blocks)`` rounds: each laid out largest block first (aligned)."""
     rounds = []
     for _, blocks in found:
-        laid = cp_rounds.laid_out([costs.sizes[j] for j, _ in blocks], ranks)
+        laid = cp_rounds.laid_out([costs.sizes[j] for j, _, _ in blocks], ranks)
         rounds.append([_block(costs, blocks, start, b) for start, b in laid])
     return DynamicCPPlan(rounds=rounds, step_cost=float(sum(time for time, _ in found)), **common)
 
@@ -305,7 +354,7 @@ def _plan_of(costs, found: list, ranks: int, common: dict) -> DynamicCPPlan:
 def _block(costs, blocks: list, start: int, b: int) -> CPBlock:
     if b < 0:
         return CPBlock(start=start, size=1, sequences=(), tokens=0, cost=0.0)
-    j, items = blocks[b]
+    j, items, _ = blocks[b]
     items = tuple(sorted(items))
     return CPBlock(start=start, size=costs.sizes[j], sequences=items,
                    tokens=int(sum(costs.need[j][i] for i in items)), cost=float(cp_rounds.load(costs, j, items)))
