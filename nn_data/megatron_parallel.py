@@ -65,6 +65,7 @@ def make_packed_seq_params(
     pad_between_seqs: Optional[bool] = None,
     packed_length: Optional[int] = None,
     cp_group: Optional["dist.ProcessGroup"] = None,
+    local_cp_size: Optional[int] = None,
 ) -> Any:
     """A THD ``PackedSeqParams`` over ``cu_seqlens_padded [B+1]``, with no host sync and no
     copy of Python data to the device on every supported megatron-core release
@@ -86,8 +87,11 @@ def make_packed_seq_params(
       ``T`` as a Python int (``cu_seqlens_padded`` rises from 0 to it). Without
       ``packed_length`` one host read learns it.
     * ``cp_group`` (where the release has the field, and only when given) is the group the
-      caller sharded the tokens over. ``local_cp_size`` is left unset: megatron-core reads it as
-      hybrid context parallelism's per-sample size (multi-latent attention refuses it).
+      caller sharded the tokens over. ``local_cp_size`` (where the release has the field) only
+      when given: megatron-core reads it as dynamic (hybrid) context parallelism's per-microbatch
+      CP size, with ``cp_group`` the microbatch's group; 1 without a group turns CP off for the
+      microbatch (TransformerEngine's attention), and multi-latent attention refuses any value.
+      :mod:`nn_data.dynamic_cp` passes both for every round.
 
     On megatron-core 0.16.x ``total_tokens``, ``seq_idx`` and ``pad_between_seqs`` do not
     exist and stay unset (fields are detected, never assumed).
@@ -111,6 +115,8 @@ def make_packed_seq_params(
         kwargs["pad_between_seqs"] = bool(pad_between_seqs)
     if cp_group is not None and "cp_group" in fields:
         kwargs["cp_group"] = cp_group
+    if local_cp_size is not None and "local_cp_size" in fields:
+        kwargs["local_cp_size"] = int(local_cp_size)
     params = packed_seq_params_class()(**kwargs)  # no total_tokens yet: __post_init__ builds nothing
     if total_tokens is not None and "total_tokens" in fields:
         _set_total_tokens(params, padded, int(total_tokens), packed_length, "seq_idx" in fields)
