@@ -159,12 +159,12 @@ class MegatronGPTAdapter(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
         params = packed.packed_seq_params
+        runtime = None if params is None else _microbatch_cp_group(params)
+        if runtime is None:
+            self._check_cp(packed.cp_size)
         if params is None:
             raise PackingError("MegatronGPTAdapter needs THD PackedSeqParams: wrap it in "
                                "PackedForward(..., make_packed_seq_params=True)")
-        runtime = _microbatch_cp_group(params)
-        if runtime is None:
-            self._check_cp(packed.cp_size)
         dtype = next(self.model.parameters()).dtype
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=dtype,
                              gather=packed.gather)

@@ -54,6 +54,7 @@ class RoundLocal(NamedTuple):
     max_seqlen: torch.Tensor  # 0-d int32
     segment_ids: torch.Tensor  # [T]
     query_index: torch.Tensor  # [tpr]: the packed position of each local token
+    packed_ids: torch.Tensor  # [1, T]: the whole block packed (every rank of the block holds it)
 
 
 class RoundPack(nn.Module):
@@ -85,15 +86,16 @@ class RoundPack(nn.Module):
         token, has_target = next_token_at(r.packed[0], segments, places, self.total)  # [tpr] each
         targets = torch.where(has_target, token, self.ignore_index).unsqueeze(0)  # [1, tpr]
         return RoundLocal(local_ids, positions, targets, has_target.to(torch.float32).unsqueeze(0), r.cu_seqlens_padded,
-                          r.max_seqlen, layout.segment_ids(), places.source)
+                          r.max_seqlen, layout.segment_ids(), places.source, r.packed)
 
 
 class RoundInputs(NamedTuple):
     """What this rank runs in one round: the model's ``input_ids``, ``position_ids`` and ``packed``
     (:class:`~nn_data.packed_forward.PackedInfo`: the block's boundaries, this rank's places, the
     block's key/value gather and, when asked for, megatron-core's ``PackedSeqParams`` with the block's
-    ``cp_group`` and ``local_cp_size``), the loss's ``targets`` and ``loss_mask``, and the ``block``
-    (:class:`~nn_data.planning.CPBlock`) with this rank's ``cp_rank`` in it and its ``cp_group``."""
+    ``cp_group`` and ``local_cp_size``), the loss's ``targets`` and ``loss_mask``, the ``block``
+    (:class:`~nn_data.planning.CPBlock`) with this rank's ``cp_rank`` in it and its ``cp_group``, and
+    ``packed_ids [1, T]``: the whole block packed (what NeMo-RL's layer calls ``input_ids``)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -103,6 +105,7 @@ class RoundInputs(NamedTuple):
     block: object
     cp_rank: int
     cp_group: Optional[object]
+    packed_ids: Optional[torch.Tensor] = None
 
 
 class DynamicCPRunner:
@@ -243,7 +246,7 @@ class DynamicCPStep:
         info = PackedInfo(local.cu_seqlens_padded, local.max_seqlen, local.segment_ids, local.query_index, c, cp_rank,
                           gather_kv, params)
         return RoundInputs(local.input_ids, local.position_ids, local.targets, local.loss_mask, info, block, cp_rank,
-                           group)
+                           group, local.packed_ids)
 
     def _packed_seq_params(self, local: RoundLocal, c: int, group):
         """megatron-core's THD ``PackedSeqParams`` of the round: ``max_seqlen = T`` (the bound known without
