@@ -95,8 +95,10 @@ def packed_rounds(costs: Costs, ranks: int, promote: int = 0) -> list:
     c_min_at = [-costs.c_min[i] for i in pos]  # rising along pos
     first = [bisect.bisect_left(c_min_at, -j) for j in range(len(sizes))]  # the first position a size holds
     top_of = [bisect.bisect_right(sizes, free) - 1 for free in range(ranks + 1)]  # the largest size <= free
-    alive, rounds, find = Alive(n), [], None
-    find = alive.find
+    alive = Alive(n)
+    find, remove, left_of = alive.find, alive.remove, bisect.bisect_left
+    c_min, capacity, need_of = costs.c_min, costs.capacity, costs.need
+    rounds = []
     while alive.left:
         free, blocks = ranks, []
         while free > 0:
@@ -104,17 +106,19 @@ def packed_rounds(costs: Costs, ranks: int, promote: int = 0) -> list:
             p = find(first[top])
             if p >= n:
                 break
-            alive.remove(p)
+            remove(p)
             i = pos[p]
-            j = costs.c_min[i]
+            j = c_min[i]
             if promote and j > 0:
                 j = min(j + promote, top)
-            need, items, room, start = need_at[j], [i], costs.capacity[j] - costs.need[j][i], first[j]
+            need, items, start = need_at[j], [i], first[j]
+            room = capacity[j] - need_of[j][i]
             while True:  # the longest sequences left that fit the block's room
-                q = find(max(bisect.bisect_left(need, -room), start))
+                q = left_of(need, -room)
+                q = find(q if q > start else start)
                 if q >= n:
                     break
-                alive.remove(q)
+                remove(q)
                 items.append(pos[q])
                 room += need[q]
             blocks.append((j, items))
@@ -139,7 +143,8 @@ def chunks(costs: Costs, rounds: int) -> list:
 
 def chunked_rounds(costs: Costs, rounds: int) -> Optional[list]:
     """``rounds`` rounds from :func:`chunks`, each planned by the tree (what a round cannot hold moves,
-    shortest first, to the next); ``(time, blocks)`` per round, or None when the last cannot hold its."""
+    shortest first, to the next); ``(time, blocks)`` per round (blocks with their loads, as
+    :func:`with_loads`), or None when the last cannot hold its."""
     from nn_data.planning import cp_tree
 
     top = len(costs.sizes) - 1
@@ -151,25 +156,32 @@ def chunked_rounds(costs: Costs, rounds: int) -> Optional[list]:
             if found is not None:
                 break
             carried.insert(0, items.pop())
-        out.append(found)
+        out.append(with_loads(costs, found))
     return None if carried else out
 
 
 def balanced_round(costs: Costs, blocks: list, ranks: int) -> tuple:
-    """``(time, blocks)`` for one round of :func:`packed_rounds`: its own blocks, or the tree's plan of
-    its sequences (:func:`nn_data.planning.cp_tree.balance`) when that is faster."""
+    """``(time, blocks)`` for one round of :func:`packed_rounds`, blocks ``(size index, sequences, load)``:
+    its own blocks, or the tree's plan of its sequences (:func:`nn_data.planning.cp_tree.balance`) when
+    that is faster."""
     from nn_data.planning import cp_tree
 
-    loads = [load(costs, j, items) for j, items in blocks]
-    own = max(loads)
+    loaded = [(j, items, load(costs, j, items)) for j, items in blocks]
+    own = max(x for _, _, x in loaded)
     used = sum(costs.sizes[j] for j, _ in blocks)
-    if used == ranks and own <= BALANCED * sum(costs.sizes[j] * x for (j, _), x in zip(blocks, loads)) / ranks:
-        return own, blocks  # every rank busy and within BALANCED of the mean: nothing to gain
+    if used == ranks and own <= BALANCED * sum(costs.sizes[j] * x for j, _, x in loaded) / ranks:
+        return own, loaded  # every rank busy and within BALANCED of the mean: nothing to gain
     items = sorted((i for _, items in blocks for i in items), key=costs.rank_of.__getitem__)
     tree = cp_tree.balance(costs, items, len(costs.sizes) - 1)
     if tree is not None and tree[0] < own:
-        return tree
-    return own, blocks
+        return with_loads(costs, tree)
+    return own, loaded
+
+
+def with_loads(costs: Costs, found: tuple) -> tuple:
+    """``(time, blocks)`` with each block ``(size index, sequences, load)``."""
+    time, blocks = found
+    return time, [(j, items, load(costs, j, items)) for j, items in blocks]
 
 
 def laid_out(block_sizes: Sequence[int], ranks: int) -> list:
@@ -178,7 +190,7 @@ def laid_out(block_sizes: Sequence[int], ranks: int) -> list:
     over get empty one-rank blocks (index -1). Example: sizes ``[1, 4, 2]`` on 8 ranks ->
     ``[(0, 1), (4, 2), (6, 0), (7, -1)]``."""
     laid, start = [], 0
-    for b in sorted(range(len(block_sizes)), key=lambda b: (-block_sizes[b], b)):
+    for b in sorted(range(len(block_sizes)), key=block_sizes.__getitem__, reverse=True):  # stable: ties keep order
         laid.append((start, b))
         start += block_sizes[b]
     return laid + [(s, -1) for s in range(start, ranks)]

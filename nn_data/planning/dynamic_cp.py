@@ -311,19 +311,15 @@ def _candidates(costs, ranks: int, lower: int, static):
     steps, equal runs of tokens too, and ``static()``: static CP's plan as rounds."""
     for promote in range(len(costs.sizes)):
         packed = cp_rounds.packed_rounds(costs, ranks, promote)
-        yield _loaded(costs, [cp_rounds.balanced_round(costs, blocks, ranks) for blocks in packed])
+        yield [cp_rounds.balanced_round(costs, blocks, ranks) for blocks in packed]
         if len(packed) <= lower + 1 or promote == 2:
             break
     if len(costs.order) <= cp_rounds.CHUNKED_UP_TO:
         for k in (lower, lower + 1):
             found = cp_rounds.chunked_rounds(costs, k)
             if found is not None:
-                yield _loaded(costs, found)
-        yield _loaded(costs, static())
-
-
-def _loaded(costs, found: list) -> list:
-    return [(time, [(j, items, cp_rounds.load(costs, j, items)) for j, items in blocks]) for time, blocks in found]
+                yield found
+        yield [cp_rounds.with_loads(costs, found) for found in static()]
 
 
 def _static_rounds(costs, arr: np.ndarray, layout: ParallelLayout, tokens_per_rank: int, hidden_size: int) -> list:
@@ -354,7 +350,7 @@ def _plan_of(costs, found: list, ranks: int, common: dict) -> DynamicCPPlan:
 def _block(costs, blocks: list, start: int, b: int) -> CPBlock:
     if b < 0:
         return CPBlock(start=start, size=1, sequences=(), tokens=0, cost=0.0)
-    j, items, _ = blocks[b]
-    items = tuple(sorted(items))
-    return CPBlock(start=start, size=costs.sizes[j], sequences=items,
-                   tokens=int(sum(costs.need[j][i] for i in items)), cost=float(cp_rounds.load(costs, j, items)))
+    j, items, load = blocks[b]
+    need = costs.need[j]
+    return CPBlock(start=start, size=costs.sizes[j], sequences=tuple(sorted(items)), tokens=sum(need[i] for i in items),
+                   cost=float(load))

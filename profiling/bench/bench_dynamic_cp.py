@@ -15,7 +15,9 @@ planned at ``tokens_per_rank`` tokens per rank by:
 Columns: ``step/ideal`` under each cost model (``nn_data``: CPCost, ``mcore``: L^2 / c), each
 planner's step modelled the way it runs: nn_data's rounds as their critical path (no barrier between
 rounds: a block starts when the last of its ranks is done; ``round sum`` is the sum over rounds of the
-slowest block, the bound with a barrier after every round, DynamicCPPlan.step_over_ideal); megatron-core's groups as the sum over groups (it puts a barrier after each) of the slowest
+slowest block, the bound with a barrier after every round, DynamicCPPlan.step_over_ideal; ``with
+padding`` adds what each rank's padding positions cost under nn_data's model, 6h each: the linear layers
+run on them; megatron-core pads nothing); megatron-core's groups as the sum over groups (it puts a barrier after each) of the slowest
 rank's microbatches, each microbatch's collectives counted at its own L / c tokens per rank; static
 CP as the slowest data-parallel rank's microbatches, each paying the collectives. The ideal is the
 same for all: every sequence's work at its smallest CP size (with its share of that size's
@@ -24,8 +26,10 @@ rank (the most any rank runs); ``padding``: 1 - real tokens / (R x rounds x toke
 the static shapes (megatron-core pads nothing: its microbatches have L / c tokens, a new shape
 each); ``shapes/rank``: the distinct local microbatch lengths a rank runs (what a compiled or
 CUDA-graphed step needs graphs for); ``CP rounds``: the most microbatches any rank runs in a group
-of more than one rank (each runs the CP collectives of every layer); ``plan ms``: the median wall
-time of one plan (profiling.timing, 1 thread). Everything but the plan time is deterministic.
+of more than one rank (each runs the CP collectives of every layer); ``plan ms`` / ``cpu ms``: the
+median wall time and CPU time of one plan (profiling.timing, 1 thread; on a shared machine the wall
+time also holds other processes' work, so the 1 s target is checked on the CPU time). Everything but
+the plan times is deterministic.
 
 Distributions (lengths in [1, S], S = 65,536): ``lognormal`` median S/8, sigma 1; ``bimodal`` 75 %
 lognormal median S/32, sigma 0.5, 25 % uniform in [S/2, S]; ``uniform`` in [1, S]; ``few_long``
@@ -53,7 +57,7 @@ import numpy as np
 import torch
 
 from nn_data.planning import AttentionOnlyCost, CPCost, ParallelLayout, plan_step, plan_step_dynamic_cp
-from profiling.timing import machine_description, time_calls
+from profiling.timing import cpu_time_call, machine_description, spread, time_calls
 
 ROW_LEN = 65536
 TOKENS_PER_RANK = 16384
@@ -136,8 +140,8 @@ def evaluate_groups(groups: list, lengths: np.ndarray, ranks: int, cost) -> dict
         step += max(times)
         seen += list(holders)
     assert sorted(seen) == list(range(len(lengths))), "megatron-core's grouping lost or repeated a sequence"
-    return dict(step=step, rounds=max(microbatches), cp_rounds=max(cp_rounds), shapes=max(len(s) for s in shapes),
-                padding=None)
+    return dict(step=step, padded=step, rounds=max(microbatches), cp_rounds=max(cp_rounds),
+                shapes=max(len(s) for s in shapes), padding=None)
 
 
 def static_cp(lengths: np.ndarray, ranks: int, tokens_per_rank: int):
@@ -150,32 +154,46 @@ def static_cp(lengths: np.ndarray, ranks: int, tokens_per_rank: int):
     return cp, plan_step(lengths, layout, pad_full_seq_to=cp * tokens_per_rank, hidden_size=HIDDEN)
 
 
+def _padding(cost, tokens: float) -> float:
+    """What ``tokens`` positions of padding cost a rank under ``cost`` (0 for a model without ``padding``)."""
+    padding = getattr(cost, "padding", None)
+    return float(padding(tokens)) if callable(padding) else 0.0
+
+
 def evaluate_static(cp: int, plan, lengths: np.ndarray, tokens_per_rank: int, cost) -> dict:
     """The static-CP plan's modelled step: its slowest data-parallel rank, every microbatch paying the
-    collectives of its cp ranks."""
-    per_rank = [sum(float(np.sum(cost.sequence(lengths[list(mb)], cp))) + float(cost.block(cp, tokens_per_rank))
-                    for mb in rank) for rank in plan.ranks]
+    collectives of its cp ranks (``padded``: and its padding positions)."""
+    def microbatch(mb) -> float:
+        return float(np.sum(cost.sequence(lengths[list(mb)], cp))) + float(cost.block(cp, tokens_per_rank))
+
+    per_rank = [sum(microbatch(mb) for mb in rank) for rank in plan.ranks]
+    padded = [sum(microbatch(mb) + _padding(cost, tokens_per_rank - float(lengths[list(mb)].sum()) / cp) for mb in rank)
+              for rank in plan.ranks]
     k = plan.microbatches_per_rank
-    return dict(step=max(per_rank), rounds=k, cp_rounds=k if cp > 1 else 0, shapes=1, padding=plan.padding_fraction)
+    return dict(step=max(per_rank), padded=max(padded), rounds=k, cp_rounds=k if cp > 1 else 0, shapes=1,
+                padding=plan.padding_fraction)
 
 
 def evaluate_dynamic(plan, lengths: np.ndarray, cost) -> dict:
     """A dynamic-CP plan's modelled step under ``cost``: the critical path (no barrier between rounds, as
     nn_data runs it), and the sum over rounds of the slowest block (``round_sum``, the issue's figure)."""
-    def block_cost(b) -> float:
+    def block_cost(b, padded: bool) -> float:
+        pad = _padding(cost, plan.tokens_per_rank - float(lengths[list(b.sequences)].sum()) / b.size) if padded else 0.0
         if not b.sequences:
-            return 0.0
-        return float(np.sum(cost.sequence(lengths[list(b.sequences)], b.size))) + float(cost.block(b.size,
-                                                                                              plan.tokens_per_rank))
+            return pad
+        return float(np.sum(cost.sequence(lengths[list(b.sequences)], b.size))) + float(cost.block(
+            b.size, plan.tokens_per_rank)) + pad
 
-    finish = [0.0] * plan.ranks
-    round_sum = 0.0
-    for blocks in plan.rounds:
-        round_sum += max(block_cost(b) for b in blocks)
-        for b in blocks:
-            end = max(finish[b.start:b.start + b.size]) + block_cost(b)
-            finish[b.start:b.start + b.size] = [end] * b.size
-    return dict(step=max(finish), round_sum=round_sum, rounds=plan.rounds_per_rank, cp_rounds=plan.cp_collective_rounds,
+    out = {}
+    for padded in (False, True):
+        finish = [0.0] * plan.ranks
+        for blocks in plan.rounds:
+            for b in blocks:
+                end = max(finish[b.start:b.start + b.size]) + block_cost(b, padded)
+                finish[b.start:b.start + b.size] = [end] * b.size
+        out["padded" if padded else "step"] = max(finish)
+    round_sum = sum(max(block_cost(b, False) for b in blocks) for blocks in plan.rounds)
+    return dict(out, round_sum=round_sum, rounds=plan.rounds_per_rank, cp_rounds=plan.cp_collective_rounds,
                 shapes=1, padding=plan.padding_fraction, lower_bound=plan.token_lower_bound)
 
 
@@ -200,7 +218,9 @@ def measure_case(distribution: str, n: int, ranks: int, scheduler, seed: int, re
             rows.append({**row, "error": scheduler if isinstance(scheduler, str) else f"not run above {MEGATRON_UP_TO}"})
             continue
         planned = planners[name]()
-        timing = time_calls(planners[name], warmup=1 if n <= 4096 else 0, reps=reps if n <= 4096 else max(3, reps // 5))
+        count = reps if n <= 4096 else max(3, reps // 5)
+        timing = time_calls(planners[name], warmup=1 if n <= 4096 else 0, reps=count)
+        cpu = spread([cpu_time_call(planners[name]) for _ in range(count)])[0]
         for model_name, model in MODELS.items():
             if name == "megatron-core":
                 figures = evaluate_groups(planned, lengths, ranks, model)
@@ -209,10 +229,11 @@ def measure_case(distribution: str, n: int, ranks: int, scheduler, seed: int, re
             else:
                 figures = evaluate_dynamic(planned, lengths, model)
             row[f"step_over_ideal_{model_name}"] = figures.pop("step") / ideal[model_name]
+            row[f"padded_over_ideal_{model_name}"] = figures.pop("padded") / ideal[model_name]
             if "round_sum" in figures:
                 row[f"round_sum_over_ideal_{model_name}"] = figures.pop("round_sum") / ideal[model_name]
             row.update(figures)
-        rows.append({**row, "plan_ms": timing.median_s * 1e3})
+        rows.append({**row, "plan_ms": timing.median_s * 1e3, "plan_cpu_ms": cpu * 1e3})
     return rows
 
 
@@ -221,20 +242,21 @@ def _cell(value, fmt: str) -> str:
 
 
 def format_rows(rows: list[dict], markdown: bool = False) -> str:
-    names = ["distribution", "n", "R", "planner", "step/ideal nn_data", "round sum", "step/ideal mcore", "round sum",
-             "rounds/rank", "padding", "shapes/rank", "CP rounds", "plan ms"]
-    widths = (10, 6, 3, 16, 18, 9, 16, 9, 11, 8, 11, 9, 9)
+    names = ["distribution", "n", "R", "planner", "step/ideal nn_data", "round sum", "with padding", "step/ideal mcore",
+             "round sum", "rounds/rank", "padding", "shapes/rank", "CP rounds", "plan ms", "cpu ms"]
+    widths = (10, 6, 3, 16, 18, 9, 12, 16, 9, 11, 8, 11, 9, 9, 8)
     lines = (["| " + " | ".join(names) + " |", "| " + " | ".join(["---"] * len(names)) + " |"] if markdown else
              [" ".join(f"{h:>{w}}" for h, w in zip(names, widths))])
     for r in rows:
         cells = [r["distribution"], str(r["n"]), str(r["ranks"]), r["planner"]]
         if "error" in r:
-            cells += [f"skipped: {r['error'][:90]}"] + [""] * 8
+            cells += [f"skipped: {r['error'][:90]}"] + [""] * 10
         else:
             cells += [f"{r['step_over_ideal_nn_data']:.4f}", _cell(r.get("round_sum_over_ideal_nn_data"), ".4f"),
+                      f"{r['padded_over_ideal_nn_data']:.4f}",
                       f"{r['step_over_ideal_mcore']:.4f}", _cell(r.get("round_sum_over_ideal_mcore"), ".4f"),
                       str(r["rounds"]), _cell(r["padding"], ".2%"), str(r["shapes"]), str(r["cp_rounds"]),
-                      f"{r['plan_ms']:.1f}"]
+                      f"{r['plan_ms']:.1f}", f"{r['plan_cpu_ms']:.1f}"]
         if markdown:
             lines.append("| " + " | ".join(cells) + " |")
         else:
@@ -263,8 +285,9 @@ def targets(rows: list[dict]) -> list[tuple[str, Optional[bool]]]:
                 continue
             checks.append((f"{case}: under {model}'s model {plan[key]:.4f} <= megatron-core's {mcore[key]:.4f}",
                            plan[key] <= mcore[key] + 1e-12))
-        if n >= 65536:
-            checks.append((f"{case}: planned in {mine['plan_ms'] / 1e3:.2f} s < 1 s", mine["plan_ms"] < 1000))
+        if n >= 65536:  # CPU time: on a shared machine the wall time also holds other processes' work
+            checks.append((f"{case}: planned in {mine['plan_cpu_ms'] / 1e3:.2f} s of CPU time < 1 s (wall "
+                           f"{mine['plan_ms'] / 1e3:.2f} s)", mine["plan_cpu_ms"] < 1000))
     return checks
 
 

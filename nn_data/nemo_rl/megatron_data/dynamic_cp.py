@@ -18,24 +18,23 @@ from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 
 
-def dynamic_cp_microbatch_iterator(data, cfg: dict, runner, plan, *, device=None) -> Tuple[Iterator[ProcessedMicrobatch],
-                                                                                            int, int, int, int]:
-    """``(iterator, rounds, 1, S, padded_seq_length)`` as :func:`get_microbatch_iterator` returns them;
+def dynamic_cp_microbatch_iterator(data, cfg: dict, runner, plan, *, device) -> Tuple[Iterator[ProcessedMicrobatch],
+                                                                                      int, int, int, int]:
+    """``(iterator, rounds, 1, S, padded_seq_length)`` as :func:`get_microbatch_iterator` returns them, the
+    microbatches on ``device`` (the iterator's ``resolve_device``);
     ``padded_seq_length`` is ``tokens_per_rank`` times the static CP size of ``cfg["megatron_cfg"]``
     (megatron-core's schedule divides it by that size for its pipeline buffers: every round's ``tpr``).
 
     Raises :class:`PackingError` when the runner does not build ``PackedSeqParams``
     (``make_packed_seq_params=True``) or ``data`` does not hold the plan's sequences.
     """
-    from nn_data.nemo_rl.megatron_data.iterators import resolve_device
-
     if not runner.make_packed_seq_params:
         raise PackingError("a dynamic-CP microbatch needs PackedSeqParams: build the runner with "
                            "DynamicCPRunner(..., make_packed_seq_params=True)")
     if data.size != len(plan.lengths):
         raise PackingError(f"data holds {data.size} sequences but the plan was made for {len(plan.lengths)}; plan "
                            "the global batch's lengths (data['input_lengths'])")
-    target = resolve_device(device, cfg)
+    target = device
     input_ids = data["input_ids"].to(target)
     step = runner.step(plan, input_ids)
     static_cp = int(((cfg or {}).get("megatron_cfg") or {}).get("context_parallel_size", 1))

@@ -116,7 +116,7 @@ def get_microbatch_iterator(
     if dynamic_cp is not None:
         from nn_data.nemo_rl.megatron_data.dynamic_cp import dynamic_cp_microbatch_iterator
 
-        return dynamic_cp_microbatch_iterator(data, cfg, *dynamic_cp, device=device)
+        return dynamic_cp_microbatch_iterator(data, cfg, *dynamic_cp, device=resolve_device(device, cfg))
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
     _, seq_dim_size = public("get_and_validate_seqlen")(data)
     packing = cfg["sequence_packing"]["enabled"]
