@@ -62,6 +62,13 @@ def test_bad_groups_and_inputs_are_refused(rank_pool):
     assert all(len(r) == 6 for r in rank_pool.run(f"{CASES}:case_errors", 4, cp=1))
 
 
+@needs_megatron_models
+def test_the_adapter_refuses_what_it_cannot_run_over_a_rounds_group(rank_pool):
+    results = rank_pool.run(f"{CASES}:case_adapter_errors", 4, cp=1)
+    # the recompute refusal only where the release's rotary embedding takes the static group (0.16, 0.19)
+    assert all(len(r["messages"]) == (1 if r["rope_takes_runtime_group"] else 2) for r in results), results
+
+
 def test_eight_ranks_equal_every_sequence_alone():
     pool = RankPool(8, megatron=False, timeout_s=300)
     try:

@@ -236,3 +236,37 @@ def case_errors(world: int) -> list:
         runner.step(plan_step_dynamic_cp(lengths, ParallelLayout(dp=world), tokens_per_rank=32), ids)
     messages.append(str(e.value))
     return messages
+
+
+def case_adapter_errors(world: int) -> dict:
+    """MegatronGPTAdapter's refusals for a dynamic-CP round: activation recompute while the release's rotary
+    embedding takes the static group, and ``local_cp_size`` that disagrees with ``cp_group``."""
+    import copy
+
+    import pytest
+
+    from nn_data.adapters import MegatronGPTAdapter
+    from nn_data.adapters.megatron_gpt import ROPE_TAKES_RUNTIME_GROUP
+    from nn_data.errors import PackingError
+    from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
+
+    runner = DynamicCPRunner(pool_groups(), tokens_per_rank=TPR, row_capacity=4, make_packed_seq_params=True)
+    lengths = STEPS[world][0]
+    inputs = runner.step(plan_of(lengths), coded_rows(lengths)).round(0)  # the block of all ranks
+    messages = []
+    config = tiny_gpt_config(dtype=torch.float64)
+    model = tiny_gpt_model(config, vocab=VOCAB)
+    model.config.recompute_granularity = "full"
+    if not ROPE_TAKES_RUNTIME_GROUP:
+        with pytest.raises(PackingError, match=r"activation recompute \(recompute_granularity='full'\) re-runs .* set "
+                                               r"recompute_granularity=None for dynamic CP") as e:
+            MegatronGPTAdapter(model)(inputs.input_ids, inputs.position_ids, inputs.packed)
+        messages.append(str(e.value))
+    params = copy.copy(inputs.packed.packed_seq_params)
+    params.local_cp_size = 2
+    bad = inputs.packed._replace(packed_seq_params=params)
+    with pytest.raises(PackingError, match=rf"local_cp_size=2 but cp_group has {world} ranks") as e:
+        MegatronGPTAdapter(tiny_gpt_model(tiny_gpt_config(dtype=torch.float64), vocab=VOCAB))(
+            inputs.input_ids, inputs.position_ids, bad)
+    messages.append(str(e.value))
+    return dict(messages=messages, rope_takes_runtime_group=ROPE_TAKES_RUNTIME_GROUP)
