@@ -17,11 +17,12 @@ is ``tpr`` tokens: **one static shape per rank for the whole run**; every block 
 multiple of its size; the same K rounds on every rank. Host code on Python ints and numpy; a plan
 is plain data (ints, floats, lists) and pickles (a driver plans, the ranks run).
 
-The modelled time of a round is its slowest block (:mod:`nn_data.planning.cp_cost`: by default
-``L (L + 6 h) / c`` per sequence plus the block's CP collectives); ``step_over_ideal`` is the sum
-over rounds over the ideal: every sequence's rank-time at its smallest CP size (with its share of
-that size's collectives) spread evenly over the ``R`` ranks. The algorithm:
-:mod:`nn_data.planning.cp_rounds`.
+A block's modelled time is its sequences' cost plus its CP collectives (:mod:`nn_data.planning.cp_cost`:
+by default ``L (L + 6 h) / c`` per sequence); ``step_over_ideal`` is the sum over rounds of each
+round's slowest block over the ideal (every sequence's rank-time at its best CP size, with its share
+of that size's collectives, spread evenly over the ``R`` ranks), ``critical_path_over_ideal`` the same
+without a barrier between rounds (what :mod:`nn_data.dynamic_cp` runs), which the planner minimises.
+The algorithm: :mod:`nn_data.planning.cp_rounds`.
 
 Example: 8 ranks, ``tpr = 4096``, lengths ``[30000, 9000, 7000, 3000, 2500, 1200, 800, 500]``
 (2 rounds is the fewest their tokens allow): the 30000-token sequence needs all 8 ranks' tokens
@@ -34,7 +35,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from typing import Optional
 
 import numpy as np
 
@@ -225,9 +225,9 @@ def plan_step_dynamic_cp(lengths, layout: ParallelLayout, *, tokens_per_rank: in
     aligned power-of-two blocks, each rank ``tokens_per_rank`` tokens per round (module docstring:
     the guarantees). ``min_cp``: the smallest CP size a sequence may get (1: a sequence that fits one
     rank runs without CP). ``cost``: the cost model (:mod:`nn_data.planning.cp_cost`; None:
-    ``CPCost(hidden_size=hidden_size)``). Rounds: the fewest the padded tokens allow, or one more when
-    that plan is faster by more than what the extra round's padding costs; more only when neither
-    holds every sequence.
+    ``CPCost(hidden_size=hidden_size)``). Of its candidate plans (:mod:`nn_data.planning.cp_rounds`) it
+    keeps the one with the shortest modelled critical path, each round more than another candidate
+    takes counted at what a round of padding costs every rank (``cost.padding(tokens_per_rank)``).
 
     Raises :class:`PackingError` naming the argument for: a sequence longer than ``R *
     tokens_per_rank`` after padding for ``c = R``; a pool that is not a power of two (unless ``min_cp
@@ -291,7 +291,7 @@ def _costs(arr: np.ndarray, sizes: list, multiples: dict, tpr: int, cost, ranks:
         i, c = int(too_long[0]), sizes[-1]
         raise PackingError(f"lengths[{i}] = {int(arr[i])} (padded to {int(need[-1][i])}, a multiple of {multiples[c]}) "
                            f"is longer than the pool holds in one round: {c} ranks x tokens_per_rank={tpr} = {c * tpr}"
-                           f"; raise tokens_per_rank to at least {-(-int(need[-1][i]) // c)} (aligned)")
+                           f"; raise tokens_per_rank to at least {-(-int(need[-1][i]) // c)} (a multiple of the alignment)")
     c_min = np.argmax(fits, axis=0)  # [n]: the first size that holds each sequence
     # The ideal: each sequence's rank-time at its best size >= c_min, with its share of the block cost.
     rank_time = np.stack([c * seq[j] + need[j] * (extra[j] / tpr) for j, c in enumerate(sizes)])  # [sizes, n]
