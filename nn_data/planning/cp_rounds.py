@@ -25,8 +25,8 @@ planned on its own, in two steps:
    the faster of that and step 1's own blocks is kept.
 
 For small steps (at most :data:`CHUNKED_UP_TO` sequences) the planner also tries rounds cut as equal
-runs of tokens along the length order (:func:`chunks`), each planned by the tree, and keeps the
-fastest plan (:mod:`nn_data.planning.dynamic_cp`).
+runs of tokens along the length order (:func:`chunks`), each planned by the tree, and (up to
+:data:`STATIC_UP_TO`) static CP's own plan, and keeps the fastest (:mod:`nn_data.planning.dynamic_cp`).
 
 Every round's blocks are laid out largest first from rank 0 (:func:`laid_out`), so every block starts
 at a multiple of its size; ranks left over run empty one-rank blocks (a microbatch of padding).
@@ -38,7 +38,9 @@ import bisect
 from typing import NamedTuple, Optional, Sequence
 
 #: Steps of at most this many sequences are also planned as equal runs of tokens (:func:`chunks`).
-CHUNKED_UP_TO = 4096
+CHUNKED_UP_TO = 1024
+#: Steps of at most this many sequences are also planned as static CP (nn_data.planning.plan_step).
+STATIC_UP_TO = 16384
 #: A round whose slowest block is within this factor of its ranks' mean time is kept as packed.
 BALANCED = 1.005
 

@@ -88,11 +88,11 @@ def _differenced(costs, items: list, j: int) -> Optional[tuple]:
     return tuple(sorted(side, key=rank.__getitem__) for side in sides)
 
 
-def _even_out(sides: tuple, need, rounds: int = 16) -> None:
+def _even_out(sides: tuple, need, rounds: int = 4) -> None:
     """Move one sequence of the fuller half to the other, or swap one for a smaller one there (the
     exchange nearest half the difference, by bisection), while that brings their tokens closer; in place."""
+    sums = [sum(need[i] for i in side) for side in sides]
     for _ in range(rounds):
-        sums = [sum(need[i] for i in side) for side in sides]
         big = 0 if sums[0] >= sums[1] else 1
         gap = sums[big] - sums[1 - big]
         other = sorted(sides[1 - big], key=need.__getitem__)
@@ -109,8 +109,11 @@ def _even_out(sides: tuple, need, rounds: int = 16) -> None:
         if change is None:
             return
         a, b = change
+        moved = need[a] - (0 if b is None else need[b])
         sides[big].remove(a)
         sides[1 - big].append(a)
         if b is not None:
             sides[1 - big].remove(b)
             sides[big].append(b)
+        sums[big] -= moved
+        sums[1 - big] += moved

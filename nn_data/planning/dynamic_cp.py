@@ -248,22 +248,16 @@ def plan_step_dynamic_cp(lengths, layout: ParallelLayout, *, tokens_per_rank: in
     lower = max(1, -(-int(sum(costs.need[j][i] for i, j in enumerate(costs.c_min))) // (ranks * tokens_per_rank)))
     common = dict(tokens_per_rank=tokens_per_rank, ranks=ranks, lengths=tuple(arr.tolist()),
                   sequence_multiples=multiples, ideal_cost=ideal, token_lower_bound=lower)
-    best = None
-    static = lambda: _static_rounds(costs, arr, layout, tokens_per_rank, hidden_size)  # noqa: E731
-    for found in _candidates(costs, ranks, lower, static):
-        if best is None or _faster(found, best, cost, tokens_per_rank, ranks, costs.sizes):
-            best = found
-    return _plan_of(costs, best, ranks, common)
-
-
-def _faster(found: list, best: list, cost, tokens_per_rank: int, ranks: int, sizes: list) -> bool:
-    """Whether the rounds ``found`` beat ``best`` (``(time, blocks)`` lists): the modelled critical path
-    (:attr:`DynamicCPPlan.critical_path_cost`) plus, for each round more than ``best`` has, what a round
-    of padding costs every rank (the cost model's ``padding(tokens_per_rank)``, 0 without one)."""
     padding = getattr(cost, "padding", None)
     per_round = float(padding(tokens_per_rank)) if callable(padding) else 0.0
-    mine, theirs = _critical_path(found, ranks, sizes), _critical_path(best, ranks, sizes)
-    return mine + per_round * (len(found) - len(best)) < theirs
+    static = lambda: _static_rounds(costs, arr, layout, tokens_per_rank, hidden_size)  # noqa: E731
+    best, best_score = None, float("inf")
+    for found in _candidates(costs, ranks, lower, static):
+        # the modelled critical path, each round counted at what a round of padding costs every rank
+        score = _critical_path(found, ranks, costs.sizes) + per_round * len(found)
+        if score < best_score:
+            best, best_score = found, score
+    return _plan_of(costs, best, ranks, common)
 
 
 def _critical_path(found: list, ranks: int, sizes: list) -> float:
@@ -319,6 +313,7 @@ def _candidates(costs, ranks: int, lower: int, static):
             found = cp_rounds.chunked_rounds(costs, k)
             if found is not None:
                 yield found
+    if len(costs.order) <= cp_rounds.STATIC_UP_TO:
         yield [cp_rounds.with_loads(costs, found) for found in static()]
 
 
