@@ -46,6 +46,11 @@ from nn_data.planning.cp_cost import cost_model
 from nn_data.planning.step import host_lengths, plan_step
 
 
+#: Packed rounds more than this factor (and one round) above the token lower bound are packed again with
+#: long sequences sharing larger blocks (nn_data.planning.cp_rounds.packed_rounds' ``promote``).
+PROMOTE_ABOVE = 1.01
+
+
 @dataclasses.dataclass(frozen=True)
 class CPBlock:
     """``size`` ranks ``start .. start + size - 1`` (``start % size == 0``) running ``sequences``
@@ -301,12 +306,13 @@ def _costs(arr: np.ndarray, sizes: list, multiples: dict, tpr: int, cost, ranks:
 def _candidates(costs, ranks: int, lower: int, static):
     """Each candidate plan's rounds as ``(time, blocks)`` lists, blocks ``(size index, sequences,
     load)`` (:mod:`nn_data.planning.cp_rounds`): packed rounds; when they need more rounds than the
-    lower bound + 1, packed with long sequences sharing larger blocks (one and two sizes up); for small
-    steps, equal runs of tokens too, and ``static()``: static CP's plan as rounds."""
+    lower bound + 1 and :data:`PROMOTE_ABOVE` times it, packed with long sequences sharing larger blocks
+    (one and two sizes up); for small steps, equal runs of tokens too, and ``static()``: static CP's plan
+    as rounds."""
     for promote in range(len(costs.sizes)):
         packed = cp_rounds.packed_rounds(costs, ranks, promote)
         yield [cp_rounds.balanced_round(costs, blocks, ranks) for blocks in packed]
-        if len(packed) <= lower + 1 or promote == 2:
+        if len(packed) <= max(lower + 1, lower * PROMOTE_ABOVE) or promote == 2:
             break
     if len(costs.order) <= cp_rounds.CHUNKED_UP_TO:
         for k in (lower, lower + 1):

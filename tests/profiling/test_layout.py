@@ -27,7 +27,8 @@ CLOCKS = {"perf_counter", "perf_counter_ns", "process_time", "process_time_ns", 
 def test_profiling_is_three_tools_and_shared_code():
     top = sorted(p.name for p in PROFILING.iterdir() if not p.name.startswith((".", "__pycache__"))
                  and p.name not in ("runs", "gpu_runs"))
-    assert top == ["README.md", "__init__.py", "bench", "cuda_counters.py", "gpu_check", "microbatches", "timing.py"]
+    assert top == ["README.md", "__init__.py", "bench", "cuda_counters.py", "gpu_check", "microbatches", "results",
+                   "timing.py"]
     for tool in ("microbatches", "gpu_check"):
         assert (PROFILING / tool / "__main__.py").is_file(), f"python -m profiling.{tool} needs a __main__.py"
     assert BENCHES and all(name.startswith("bench_") for name in BENCHES), BENCHES
