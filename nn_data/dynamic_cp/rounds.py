@@ -18,7 +18,8 @@ host), so a compiled step has one graph per CP size and every output has one sha
 
     input_ids [1, tpr], position_ids [1, tpr], targets [1, tpr], loss_mask [1, tpr]
     packed: PackedInfo (cu_seqlens_padded [Bc+1], segment_ids [T], query_index [tpr], the block's
-            gather and, when asked for, megatron-core's PackedSeqParams with cp_group and local_cp_size)
+            gather and, when asked for, megatron-core's PackedSeqParams with cp_group and local_cp_size;
+            where PackedInfo has the fields, padding_mask [1, tpr], max_length T and row_len S)
 
 Example (8 ranks, tpr 4096; the worked plan of nn_data.planning.dynamic_cp): pool rank 5 runs round 0
 in the block of all 8 ranks (``c = 8``, its CP rank 5: chunks 5 and 10 of the 30000-token sequence,
@@ -55,6 +56,7 @@ class RoundLocal(NamedTuple):
     segment_ids: torch.Tensor  # [T]
     query_index: torch.Tensor  # [tpr]: the packed position of each local token
     packed_ids: torch.Tensor  # [1, T]: the whole block packed (every rank of the block holds it)
+    padding_mask: torch.Tensor  # [1, tpr] bool: True at this rank's padding positions
 
 
 class RoundPack(nn.Module):
@@ -85,8 +87,9 @@ class RoundPack(nn.Module):
         segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, self.total)
         token, has_target = next_token_at(r.packed[0], segments, places, self.total)  # [tpr] each
         targets = torch.where(has_target, token, self.ignore_index).unsqueeze(0)  # [1, tpr]
+        padding = positions >= segments.lengths[places.segment].unsqueeze(0)  # [1, tpr]: past the sequence's length
         return RoundLocal(local_ids, positions, targets, has_target.to(torch.float32).unsqueeze(0), r.cu_seqlens_padded,
-                          r.max_seqlen, layout.segment_ids(), places.source, r.packed)
+                          r.max_seqlen, layout.segment_ids(), places.source, r.packed, padding)
 
 
 class RoundInputs(NamedTuple):
@@ -243,8 +246,13 @@ class DynamicCPStep:
         gather_kv = None if gather is None else (lambda x, g=gather, cu=local.cu_seqlens_padded: g(x, cu))
         params = self._packed_seq_params(local, c, group) if runner.make_packed_seq_params else None
         cp_rank = runner.groups.pool_rank - block.start
-        info = PackedInfo(local.cu_seqlens_padded, local.max_seqlen, local.segment_ids, local.query_index, c, cp_rank,
-                          gather_kv, params)
+        # PackedInfo's newer fields where it has them: this rank's padding, T (the bound known without a read), S
+        extra = {name: value for name, value in (("padding_mask", local.padding_mask),
+                                                 ("max_length", c * self.plan.tokens_per_rank),
+                                                 ("row_len", rows.shape[1])) if name in PackedInfo._fields}
+        info = PackedInfo(cu_seqlens_padded=local.cu_seqlens_padded, max_seqlen=local.max_seqlen,
+                          segment_ids=local.segment_ids, query_index=local.query_index, cp_size=c, cp_rank=cp_rank,
+                          gather=gather_kv, packed_seq_params=params, **extra)
         return RoundInputs(local.input_ids, local.position_ids, local.targets, local.loss_mask, info, block, cp_rank,
                            group, local.packed_ids)
 

@@ -29,6 +29,7 @@ def test_worked_example_rank_5_of_8_holds_chunks_5_and_10_of_the_long_sequence()
     assert torch.equal(local.loss_mask[0].bool(), has_next)
     assert torch.equal(local.targets[0], torch.where(has_next, expected + 2, -100))
     assert local.cu_seqlens_padded.tolist() == [0, 32768] and local.packed_ids.shape == (1, 32768)
+    assert torch.equal(local.padding_mask[0], ~real)
 
 
 @pytest.mark.parametrize("c, cp_rank", [(1, 0), (2, 1), (4, 2)])
