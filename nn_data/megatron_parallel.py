@@ -67,6 +67,7 @@ def make_packed_seq_params(
     cp_group: Optional["dist.ProcessGroup"] = None,
     packed_length: Optional[int] = None,
     pg_collection: Any = None,
+    local_cp_size: Optional[int] = None,
 ) -> Any:
     """A THD ``PackedSeqParams`` over ``cu_seqlens_padded [B+1]``, with no host sync and no
     copy of Python data to the device on every supported megatron-core release
@@ -89,8 +90,11 @@ def make_packed_seq_params(
       ``total`` one host read learns it. (``packed_length=`` is its 0.1.x name: it still works, and
       warns.)
     * ``cp_group`` (where the release has the field, and only when given) is the group the
-      caller sharded the tokens over. ``local_cp_size`` is left unset: megatron-core reads it as
-      hybrid context parallelism's per-sample size (multi-latent attention refuses it).
+      caller sharded the tokens over. ``local_cp_size`` (where the release has the field) only
+      when given: megatron-core reads it as dynamic (hybrid) context parallelism's per-microbatch
+      CP size, with ``cp_group`` the microbatch's group; 1 without a group turns CP off for the
+      microbatch (TransformerEngine's attention), and multi-latent attention refuses any value.
+      :mod:`nn_data.dynamic_cp` passes both for every round.
     * ``pg_collection`` (megatron-core's ``ProcessGroupCollection``): its ``cp`` group stands for
       ``cp_group`` when that is not given; both given must be the same group
       (:func:`nn_data.groups.given_group_info`).
@@ -124,6 +128,8 @@ def make_packed_seq_params(
     if cp_group is not None and "cp_group" in fields:
         kwargs["cp_group"] = _groups.as_process_group(cp_group, "cp_group") if _groups.is_group_form(cp_group) \
             else cp_group  # a DeviceMesh form: its ProcessGroup
+    if local_cp_size is not None and "local_cp_size" in fields:
+        kwargs["local_cp_size"] = int(local_cp_size)
     params = packed_seq_params_class()(**kwargs)  # no total_tokens yet: __post_init__ builds nothing
     if total_tokens is not None and "total_tokens" in fields:
         _set_total_tokens(params, padded, int(total_tokens), total, "seq_idx" in fields)

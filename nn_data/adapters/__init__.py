@@ -4,7 +4,8 @@
 * :class:`MegatronGPTAdapter` and :func:`megatron_gpt_layer_spec` (``nn_data.adapters.megatron_gpt``):
   a megatron-core ``GPTModel`` with nn_data's packed attention;
 * :func:`pipeline_forward_step` (``nn_data.adapters.megatron_pipeline``): a ``forward_step_func``
-  for megatron-core's pipeline schedules that packs every microbatch to one ``T``.
+  for megatron-core's pipeline schedules that packs every microbatch to one ``T``;
+  :func:`dynamic_cp_forward_step` the same for the rounds of a dynamic-CP step.
 
 Importing this package imports neither transformers nor megatron-core (each costs seconds);
 the names load their module on first use. The CPU-only patches of megatron-core live in
@@ -22,6 +23,7 @@ _WHERE = {
     "PackedDotProductAttention": "nn_data.adapters.megatron_gpt",
     "megatron_gpt_layer_spec": "nn_data.adapters.megatron_gpt",
     "pipeline_forward_step": "nn_data.adapters.megatron_pipeline",
+    "dynamic_cp_forward_step": "nn_data.adapters.megatron_pipeline",
 }
 
 __all__ = sorted(_WHERE)

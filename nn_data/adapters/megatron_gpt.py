@@ -30,10 +30,20 @@ Supported: ``GPTModel`` with RoPE (or no position embedding), dense or MoE MLPs,
 size 1 (the tests), no sliding window, ``softmax_type="vanilla"``; ``config.context_parallel_size``
 may be 1 or C (the CP group is always the model's ``pg_collection.cp``; both give the same
 outputs).
+
+Dynamic context parallelism (:mod:`nn_data.dynamic_cp`): a microbatch whose ``PackedSeqParams``
+carry ``local_cp_size`` runs over *its* CP group (``cp_group``, or one rank for ``local_cp_size =
+1``), not the model's static one. The attention gathers over it already (``PackedInfo.gather``);
+megatron-core's attention applies the rotary embedding with its static ``pg_collection.cp``
+(0.16.x, 0.19.x: Megatron-LM #6821), so for the forward the adapter hands each attention module a
+copy of its ``pg_collection`` whose ``cp`` is the microbatch's group. Activation recompute re-runs
+that forward outside the adapter, so the adapter refuses it for a microbatch whose group differs
+from the static one on such a release.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import warnings
@@ -49,7 +59,13 @@ from nn_data.masks import DocumentMask, document_attention, document_mask
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: the local spec needs neither
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.attention import Attention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+#: Whether the installed megatron-core's attention applies the rotary embedding with the microbatch's
+#: ``packed_seq_params.cp_group`` itself (Megatron-LM #6821; read from its source). Without it the
+#: adapter redirects ``pg_collection.cp`` for the forward (module docstring).
+ROPE_TAKES_RUNTIME_GROUP = "packed_seq_params.cp_group" in inspect.getsource(Attention.forward)
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -150,14 +166,17 @@ class MegatronGPTAdapter(nn.Module):
         self.mask_kind = mask_kind
         self.pg_collection = getattr(model, "pg_collection", None)
         self.takes_padding_mask = "padding_mask" in inspect.signature(model.forward).parameters
+        self._attention = attention
         groups = [m.pg_collection.cp for m in attention]
         if self.pg_collection is not None:
             groups.append(self.pg_collection.cp)
         self._cp_groups = {id(g): g for g in groups}
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
-        self._check_cp(packed.cp_size)
         params = packed.packed_seq_params
+        runtime = None if params is None else _microbatch_cp_group(params)
+        if runtime is None:
+            self._check_cp(packed.cp_size)
         if params is None:
             raise PackingError("MegatronGPTAdapter needs THD PackedSeqParams: wrap it in "
                                "PackedForward(..., make_packed_seq_params=True)")
@@ -167,7 +186,35 @@ class MegatronGPTAdapter(nn.Module):
         params = rotary_from_sequence_start(params, packed.segment_ids.shape[0])
         if self.takes_padding_mask and "padding_mask" not in model_kwargs:
             model_kwargs["padding_mask"] = packed.padding_mask  # [1, Tq] bool, True at padding
-        return self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)
+        with self._rotary_over(runtime):
+            return self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)
+
+    @contextlib.contextmanager
+    def _rotary_over(self, group):
+        """For the forward, each attention module's ``pg_collection`` a copy whose ``cp`` is ``group``
+        (the microbatch's, dynamic CP; None: nothing changes), so that megatron-core's rotary embedding
+        takes the microbatch's CP rank and size (module docstring)."""
+        if group is None or ROPE_TAKES_RUNTIME_GROUP or all(g is group for g in self._cp_groups.values()):
+            yield
+            return
+        if self.model.config.recompute_granularity is not None:
+            raise PackingError(
+                f"this microbatch runs over a CP group of {group.size()} ranks (dynamic CP) but megatron-core's "
+                "attention applies rotary embeddings with its static pg_collection.cp (Megatron-LM #6821), and "
+                f"activation recompute (recompute_granularity={self.model.config.recompute_granularity!r}) re-runs "
+                "that forward where nn_data cannot hand it the microbatch's group; set recompute_granularity=None "
+                "for dynamic CP, or use a megatron-core release whose attention passes packed_seq_params.cp_group "
+                "to apply_rotary_pos_emb")
+        saved = [(m, m.pg_collection) for m in self._attention]
+        try:
+            for m, collection in saved:
+                redirected = copy.copy(collection)
+                redirected.cp = group
+                m.pg_collection = redirected
+            yield
+        finally:
+            for m, collection in saved:
+                m.pg_collection = collection
 
     @property
     def module(self) -> nn.Module:
@@ -185,6 +232,35 @@ class MegatronGPTAdapter(nn.Module):
                     "PackedForward(adapter, pg_collection=adapter.pg_collection, ...) or pass that group as cp_group= "
                     "(parallel_state.get_context_parallel_group() for a model built from parallel_state)"
                 )
+
+
+class _OneRank:
+    """The CP group of a microbatch that runs on one rank (``local_cp_size = 1``): what megatron-core's
+    rotary embedding asks of a group (``size()``, ``rank()``)."""
+
+    @staticmethod
+    def size() -> int:
+        return 1
+
+    @staticmethod
+    def rank() -> int:
+        return 0
+
+
+def _microbatch_cp_group(params):
+    """The CP group a dynamic-CP microbatch runs over (``params.cp_group``, or one rank when
+    ``local_cp_size`` is 1), or None when ``params`` carry no ``local_cp_size`` (static CP)."""
+    size = getattr(params, "local_cp_size", None)
+    if size is None:
+        return None
+    if size == 1:
+        return _OneRank()
+    group = params.cp_group
+    if group is None or group.size() != size:
+        raise PackingError(f"PackedSeqParams say local_cp_size={size} but cp_group has "
+                           f"{None if group is None else group.size()} ranks; pass the microbatch's group of "
+                           f"{size} ranks (nn_data.dynamic_cp builds both)")
+    return group
 
 
 def rotary_from_sequence_start(params, total: int):

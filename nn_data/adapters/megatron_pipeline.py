@@ -112,3 +112,44 @@ def _backend():
     import torch.distributed as dist
 
     return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+#: ``loss_fn(logits [1, tpr, V], inputs: RoundInputs) -> (loss, num_tokens)``: a round's loss on this rank's
+#: local tokens (``inputs.targets``, ``inputs.loss_mask``).
+RoundLossFn = Callable[[torch.Tensor, object], tuple]
+
+
+def dynamic_cp_forward_step(loss_fn: RoundLossFn):
+    """``forward_step_func(data_iterator, model)`` for ``get_forward_backward_func()`` over a dynamic-CP
+    step (:mod:`nn_data.dynamic_cp`): each item of ``data_iterator`` is one round's
+    :class:`~nn_data.dynamic_cp.RoundInputs` (iterate a ``DynamicCPStep``; ``num_microbatches`` is its
+    ``len``). The model (the adapter, e.g. :class:`~nn_data.adapters.MegatronGPTAdapter`) gets the
+    round's ``input_ids [1, tpr]``, ``position_ids`` and ``packed``, whose ``PackedSeqParams`` carry the
+    round's ``cp_group`` and ``local_cp_size``: the adapter runs attention and the rotary embedding over
+    that group. Every round has ``tpr`` tokens per rank, the shape a pipeline stage's receive buffer
+    is allocated with (megatron-core divides the schedule's ``seq_length`` by the static CP size: pass
+    ``seq_length = tpr * cp``).
+
+    On the last stage ``loss_fn(logits, inputs)`` returns ``(loss, num_tokens)``; the step returns
+    ``(loss, num_tokens, {"loss": ..., "num_tokens": ...})`` as :func:`pipeline_forward_step` does.
+
+    Raises :class:`~nn_data.errors.PackingError` for a round without ``PackedSeqParams`` (build the
+    runner with ``make_packed_seq_params=True``).
+    """
+
+    def forward_step(data_iterator, model):
+        check_p2p_config(getattr(model, "config", None), _backend())
+        inputs = next(data_iterator)
+        if inputs.packed.packed_seq_params is None:
+            from nn_data.errors import PackingError
+
+            raise PackingError("dynamic_cp_forward_step needs each round's PackedSeqParams: build the runner with "
+                               "DynamicCPRunner(..., make_packed_seq_params=True)")
+        output = model(inputs.input_ids, inputs.position_ids, inputs.packed)  # logits [1, tpr, V] or hidden
+
+        def loss_func(output_tensor: torch.Tensor):
+            loss, num_tokens = loss_fn(output_tensor, inputs)
+            num_tokens = torch.as_tensor(num_tokens, dtype=torch.int)
+            return loss, num_tokens, {"loss": loss.detach().clone(), "num_tokens": num_tokens}
+
+        return output, loss_func
+
+    return forward_step

@@ -328,3 +328,39 @@ def test_the_chart_plots_each_stream_position_as_the_median_of_its_passes():
     assert per_stream_position(samples, 3, 3) == [11.0, 20.0, 30.0]
     with pytest.raises(ValueError, match="samples=7 is not passes \\* n - 1 = 8"):
         per_stream_position(samples[:-1], 3, 3)
+
+
+def test_bench_dynamic_cp_reports_every_planner_and_checks_the_targets(capsys, tmp_path):
+    from profiling.bench import bench_dynamic_cp
+
+    class OneRankEach:  # a stand-in for megatron-core's scheduler: sequence i alone on rank i % R, one group
+        def __init__(self, max_seq_len_per_rank, dp_cp_group):
+            self.ranks = dp_cp_group.size()
+
+        def get_groups_and_subsamples(self, sample_id_seqlens, config):
+            group = [[] for _ in range(self.ranks)]
+            for i, _ in sample_id_seqlens:
+                group[i % self.ranks].append(i)
+            return [], [group]
+
+    rows = bench_dynamic_cp.main(["--sizes", "small", "--counts", "64", "--distributions", "uniform", "--reps", "1",
+                                  "--json", str(tmp_path / "d.json"), "--markdown", str(tmp_path / "d.md")],
+                                 scheduler=OneRankEach)
+    assert {r["planner"] for r in rows} == set(bench_dynamic_cp.PLANNERS) and {r["ranks"] for r in rows} == {8, 16}
+    by = {(r["ranks"], r["planner"]): r for r in rows}
+    for ranks in (8, 16):
+        mine, attention = by[(ranks, "nn_data")], by[(ranks, "nn_data (L^2/c)")]
+        assert mine["rounds"] <= mine["lower_bound"] + 1 and mine["shapes"] == 1
+        assert 1.0 <= mine["step_over_ideal_nn_data"] <= mine["round_sum_over_ideal_nn_data"] + 1e-12
+        assert mine["padded_over_ideal_nn_data"] >= mine["step_over_ideal_nn_data"]
+        assert attention["step_over_ideal_mcore"] < 1.01
+        stand_in = by[(ranks, "megatron-core")]
+        assert stand_in["rounds"] == 64 // ranks and stand_in["padding"] is None  # one sequence per microbatch
+    printed = capsys.readouterr().out
+    assert "target met: uniform n=64 R=8: rounds" in printed and "megatron-core's" in printed
+    assert json.loads((tmp_path / "d.json").read_text())["rows"][0]["planner"] == "nn_data"
+    assert (tmp_path / "d.md").read_text().startswith("| distribution | n | R | planner |")
+    skipped = bench_dynamic_cp.main(["--sizes", "small", "--counts", "64", "--distributions", "lognormal", "--reps", "1"],
+                                    scheduler="megatron-core is not installed here")
+    assert [r["error"] for r in skipped if r["planner"] == "megatron-core"] == ["megatron-core is not installed here"] * 2
+    assert "target not run: lognormal n=64 R=8: megatron-core under nn_data's model not run" in capsys.readouterr().out

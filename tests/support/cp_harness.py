@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+from typing import Optional
 import traceback
 import warnings
 
@@ -33,21 +34,24 @@ class RankPool:
     pool is then torn down and later cases fail fast.
     """
 
-    def __init__(self, world: int, *, timeout_s: float = 150.0):
+    def __init__(self, world: int, *, timeout_s: float = 150.0, megatron: bool = True):
+        """``megatron=False``: the ranks never import megatron-core (cases that need no
+        ``parallel_state``; ``run``'s ``cp``/``tp`` are then ignored): faster start-up for many ranks."""
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s, self.broken = world, timeout_s, None
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(world)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_rank_main, args=(rank, world, port, self.commands[rank], self.results), daemon=True)
+            ctx.Process(target=_rank_main, args=(rank, world, port, self.commands[rank], self.results, megatron),
+                        daemon=True)
             for rank in range(world)
         ]
         for p in self.procs:
             p.start()
         self._collect("startup")
 
-    def run(self, case: str, *args, cp, tp: int = 1):
+    def run(self, case: str, *args, cp: Optional[int] = 1, tp: int = 1):
         """Run ``case(*args)`` on every rank under parallel_state with CP size ``cp`` and TP size ``tp``;
         ``cp=None``: leave parallel_state as it is (a pool that never initialises it, for cases that
         build their own process groups)."""
@@ -86,15 +90,17 @@ class RankPool:
                 p.join(timeout=5)
 
 
-def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
+def _rank_main(rank: int, world: int, port: int, commands, results, megatron: bool = True) -> None:
     warnings.filterwarnings("ignore")
+    parallel_state = None
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         init_gloo(rank, world, port, timeout_s=120)
-        from megatron.core import parallel_state
+        if megatron:
+            from megatron.core import parallel_state
 
         from tests.support import cp_cases
     except Exception:  # report start-up failures instead of hanging the parent
@@ -107,12 +113,13 @@ def _rank_main(rank: int, world: int, port: int, commands, results) -> None:
             break
         case, args, cp, tp = item
         try:
-            if cp is not None:
+            if cp is not None and parallel_state is not None:
                 _set_layout(parallel_state, cp, tp)
             results.put((rank, True, _case_function(cp_cases, case)(*args)))
         except Exception:
             results.put((rank, False, traceback.format_exc()))
-    parallel_state.destroy_model_parallel()
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     # Interpreter shutdown with torch and megatron-core loaded took ~9 s per rank here; nothing is
     # left to clean up once the results are flushed, so leave at once.

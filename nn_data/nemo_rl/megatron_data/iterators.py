@@ -102,6 +102,7 @@ def get_microbatch_iterator(
     *,
     device=None,
     pg_collection=None,
+    dynamic_cp=None,
 ) -> Tuple[Iterator[ProcessedMicrobatch], int, int, int, int]:
     """A processed microbatch iterator over ``data`` and its metadata.
 
@@ -116,8 +117,14 @@ def get_microbatch_iterator(
     ``seq_length_key`` defaults to ``"input_lengths"`` when packing; the ``delegate_*`` and
     ``model_slices_context_parallel_inputs`` flags go to :func:`process_microbatch` unchanged, and so
     does ``pg_collection`` (nn_data's keyword: the CP rank and size from megatron-core's
-    ``ProcessGroupCollection`` instead of ``parallel_state``).
+    ``ProcessGroupCollection`` instead of ``parallel_state``). ``dynamic_cp=(runner, plan)`` (nn_data's
+    keyword): one microbatch per round of a dynamic-CP plan over ``data``
+    (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp`).
     """
+    if dynamic_cp is not None:
+        from nn_data.nemo_rl.megatron_data.dynamic_cp import dynamic_cp_microbatch_iterator
+
+        return dynamic_cp_microbatch_iterator(data, cfg, *dynamic_cp, device=resolve_device(device, cfg))
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
     _, seq_dim_size = public("get_and_validate_seqlen")(data)
     packing = cfg["sequence_packing"]["enabled"]

@@ -1,0 +1,52 @@
+"""The NeMo-RL microbatch iterator over a dynamic-CP plan: one :class:`ProcessedMicrobatch` per round.
+
+``get_microbatch_iterator(data, cfg, mbs, straggler_timer, ..., dynamic_cp=(runner, plan))`` hands the
+global batch to :func:`dynamic_cp_microbatch_iterator`: ``data`` holds every sequence of the plan
+(``input_ids [n, S]``; ``plan`` was made from its lengths), each rank iterates its rounds of the plan
+(:class:`nn_data.dynamic_cp.DynamicCPRunner`), and each microbatch's fields are NeMo-RL's:
+``input_ids`` the block packed ``[1, c * tpr]``, ``input_ids_cp_sharded`` this rank's ``[1, tpr]``,
+``position_ids [1, tpr]``, ``packed_seq_params`` (the round's ``cp_group`` and ``local_cp_size``) and
+``cu_seqlens_padded``; ``data_dict`` is the block's rows of ``data`` (in packing order), moved to the
+device as NeMo-RL moves each microbatch. No host read per microbatch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Tuple
+
+from nn_data.errors import PackingError
+from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
+
+
+def dynamic_cp_microbatch_iterator(data, cfg: dict, runner, plan, *, device) -> Tuple[Iterator[ProcessedMicrobatch],
+                                                                                      int, int, int, int]:
+    """``(iterator, rounds, 1, S, padded_seq_length)`` as :func:`get_microbatch_iterator` returns them, the
+    microbatches on ``device`` (the iterator's ``resolve_device``);
+    ``padded_seq_length`` is ``tokens_per_rank`` times the static CP size of ``cfg["megatron_cfg"]``
+    (megatron-core's schedule divides it by that size for its pipeline buffers: every round's ``tpr``).
+
+    Raises :class:`PackingError` when the runner does not build ``PackedSeqParams``
+    (``make_packed_seq_params=True``) or ``data`` does not hold the plan's sequences.
+    """
+    if not runner.make_packed_seq_params:
+        raise PackingError("a dynamic-CP microbatch needs PackedSeqParams: build the runner with "
+                           "DynamicCPRunner(..., make_packed_seq_params=True)")
+    if data.size != len(plan.lengths):
+        raise PackingError(f"data holds {data.size} sequences but the plan was made for {len(plan.lengths)}; plan "
+                           "the global batch's lengths (data['input_lengths'])")
+    target = device
+    input_ids = data["input_ids"].to(target)
+    step = runner.step(plan, input_ids)
+    static_cp = int(((cfg or {}).get("megatron_cfg") or {}).get("context_parallel_size", 1))
+    return _rounds(step, data, target), len(step), 1, input_ids.shape[1], plan.tokens_per_rank * static_cp
+
+
+def _rounds(step, data, target) -> Iterator[ProcessedMicrobatch]:
+    for k in range(len(step)):
+        inputs = step.round(k)
+        rows = data.select_indices(list(inputs.block.sequences)).to(target)
+        yield ProcessedMicrobatch(data_dict=rows, input_ids=inputs.packed_ids, input_ids_cp_sharded=inputs.input_ids,
+                                  attention_mask=None, position_ids=inputs.position_ids,
+                                  packed_seq_params=inputs.packed.packed_seq_params,
+                                  cu_seqlens_padded=inputs.packed.cu_seqlens_padded)
+
