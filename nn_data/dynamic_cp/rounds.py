@@ -38,7 +38,7 @@ from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.dynamic_cp.groups import DynamicCPGroups
 from nn_data.errors import PackingError
 from nn_data.layout import packed_segments
-from nn_data.pack import PackSequences
+from nn_data.pack import PackSequences, PackShard
 from nn_data.packed_forward import PackedInfo
 from nn_data.rows import with_dynamic_row_length
 from nn_data.targets import next_token_at
@@ -72,24 +72,21 @@ class RoundPack(nn.Module):
     def __init__(self, cp_size: int, cp_rank: int, tokens_per_rank: int, multiple: int, *, ignore_index: int = -100):
         super().__init__()
         self.cp_size, self.cp_rank, self.total, self.ignore_index = cp_size, cp_rank, cp_size * tokens_per_rank, ignore_index
-        self.pack = PackSequences(multiple, 1, self.total, validate=False, host_reads=False)
+        pack = PackSequences(multiple, 1, self.total, validate=False, host_reads=False)
+        self.pack_shard = PackShard(pack, cp_size, cp_rank, positions=True, padding=True)  # the one pack + shard
 
     def extra_repr(self) -> str:
         return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, T={self.total}"
 
     def forward(self, rows: torch.Tensor, lengths: torch.Tensor, num_rows: torch.Tensor) -> RoundLocal:
-        r = self.pack(rows, lengths, num_rows)  # packed [1, T]
-        layout = r.layout
-        bounds = layout.bounds()  # [Bc+1]
-        places = layout.local_places(self.cp_size, self.cp_rank)  # [tpr] each
-        local_ids = r.packed.index_select(1, places.source)  # [1, tpr]
-        positions = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, tpr], 0 at each sequence start
-        segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, self.total)
+        out = self.pack_shard(rows, lengths, num_rows)  # packed [1, T], this rank's [1, tpr] and places
+        r, places = out.pack, out.places
+        segments = packed_segments(r.cu_seqlens, r.cu_seqlens_padded, self.total)
         token, has_target = next_token_at(r.packed[0], segments, places, self.total)  # [tpr] each
         targets = torch.where(has_target, token, self.ignore_index).unsqueeze(0)  # [1, tpr]
-        padding = positions >= segments.lengths[places.segment].unsqueeze(0)  # [1, tpr]: past the sequence's length
-        return RoundLocal(local_ids, positions, targets, has_target.to(torch.float32).unsqueeze(0), r.cu_seqlens_padded,
-                          r.max_seqlen, layout.segment_ids(), places.source, r.packed, padding)
+        return RoundLocal(out.local["x"], out.positions, targets, has_target.to(torch.float32).unsqueeze(0),
+                          r.cu_seqlens_padded, r.max_seqlen, out.segment_ids, places.source, r.packed,
+                          out.padding_mask)
 
 
 class RoundInputs(NamedTuple):

@@ -180,8 +180,9 @@ def test_the_zigzag_shard_is_stated_once():
 
 
 def test_pack_and_shard_has_one_compile_wrapper():
-    """The core's PackShard is the pack + shard that PackedForward and the NeMo-RL layer compile."""
-    for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/graph.py"):
+    """The core's PackShard is the pack + shard that PackedForward, the NeMo-RL layer and dynamic CP's
+    rounds compile."""
+    for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/graph.py", "nn_data/dynamic_cp/rounds.py"):
         text = _code_only((ROOT / path).read_text())
         assert "PackShard(" in text, path
     assert not [p for p in PKG.rglob("*.py") if re.search(r"class \w*Graph\(nn\.Module\)", p.read_text())]
