@@ -1,11 +1,11 @@
-"""The dynamic-CP round data path on a CUDA GPU: no host-device sync per step or round (the step's one
-pinned, asynchronous copy included) under ``torch.cuda.set_sync_debug_mode("error")``, eager and
-compiled; one compiled graph per CP size; compiled equal to eager.
-
-Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on the CPU with
+"""Tier: GPU-only (marker ``cuda``), skipped without CUDA; ``NN_DATA_CUDA_DRY_RUN=1`` runs it on the CPU with
 tiny sizes (``scripts/gpu_check.sh --dry-run``), where ``forbid_syncs`` counts Python-level reads instead.
 One process: a pool of one rank (CP size 1 rounds) and, without a group, RoundPack's shard for CP size 4
 (the collectives need more GPUs than the check has).
+
+The dynamic-CP round data path on a CUDA GPU: no host-device sync per step or round (the step's one
+pinned, asynchronous copy included) under ``torch.cuda.set_sync_debug_mode("error")``, eager and
+compiled; one compiled graph per CP size; compiled equal to eager.
 """
 
 from __future__ import annotations

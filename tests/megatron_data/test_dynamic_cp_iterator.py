@@ -1,7 +1,7 @@
-"""get_microbatch_iterator(..., dynamic_cp=(runner, plan)): one NeMo-RL microbatch per round of a dynamic-CP plan.
-
-Tier: pure CPU, single process (a pool of one rank: every round one block of one rank; the rounds over
+"""Tier: pure CPU, single process (a pool of one rank: every round one block of one rank; the rounds over
 4 and 8 ranks run in tests/multiprocess/test_dynamic_cp_multiprocess.py).
+
+get_microbatch_iterator(..., dynamic_cp=(runner, plan)): one NeMo-RL microbatch per round of a dynamic-CP plan.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Dynamic context parallelism end to end: a plan over the whole pool, every rank its rounds of one static
-shape, each round over its block's group; loss and gradients equal to every sequence run alone.
-
-Tier: CPU multi-process over gloo (tests/support/cp_harness.py): one module-scoped pool of 4 ranks
+"""Tier: CPU multi-process over gloo (tests/support/cp_harness.py): one module-scoped pool of 4 ranks
 (megatron-core's parallel_state for the hybrid groups and the schedule), and one test with 8 ranks that
 never import megatron-core. Float64, 1e-12. Cases: tests/support/dynamic_cp_cases.py.
+
+Dynamic context parallelism end to end: a plan over the whole pool, every rank its rounds of one static
+shape, each round over its block's group; loss and gradients equal to every sequence run alone.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""nn_data.dynamic_cp's round data path in one process: RoundPack's shard (the module docstring's worked
-example), no host read (on ``meta`` tensors), one graph for a stream of rounds, and the step's refusals.
+"""Tier: pure CPU, single process (the rounds over 4 and 8 gloo ranks: tests/multiprocess/test_dynamic_cp_multiprocess.py).
 
-Tier: pure CPU, single process (the rounds over 4 and 8 gloo ranks: tests/multiprocess/test_dynamic_cp_multiprocess.py).
+nn_data.dynamic_cp's round data path in one process: RoundPack's shard (the module docstring's worked
+example), no host read (on ``meta`` tensors), one graph for a stream of rounds, and the step's refusals.
 """
 
 from __future__ import annotations

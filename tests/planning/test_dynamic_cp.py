@@ -1,7 +1,7 @@
-"""nn_data.planning.plan_step_dynamic_cp: the guarantees (property-tested against a re-derivation), the
-worked examples, the cost models, pickling and every refusal.
+"""Tier: pure CPU, single process (numpy planning on the host).
 
-Tier: pure CPU, single process (numpy planning on the host).
+nn_data.planning.plan_step_dynamic_cp: the guarantees (property-tested against a re-derivation), the
+worked examples, the cost models, pickling and every refusal.
 """
 
 from __future__ import annotations
