@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data.dynamic_cp import DynamicCPRunner, RoundPack, dynamic_cp_groups
 from nn_data.planning import Parallelism, plan_step_dynamic_cp
-from profiling.cuda_counters import forbid_syncs
+from nn_data.diagnostics import forbid_syncs
 from tests.cuda.stream import DEVICE, ON_CUDA, TIER
 
 pytestmark = TIER

@@ -18,7 +18,7 @@ import torch
 from nn_data import PackedForward
 from nn_data.adapters import HFCausalLMAdapter
 from nn_data.models.tiny_hf import tiny_hf_model
-from profiling.cuda_counters import forbid_syncs
+from nn_data.diagnostics import forbid_syncs
 from tests.cuda.stream import DEVICE, ON_CUDA, TIER
 from tests.models.adapter_cases import coded_ids
 
