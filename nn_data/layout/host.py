@@ -30,7 +30,7 @@ padding at ``[1, 0, 3]``, and the packed tensor is ``x[0,:3], 0, x[2,:5], 0, 0, 
 from __future__ import annotations
 
 import array
-from itertools import compress
+from itertools import accumulate, compress
 
 import torch
 
@@ -125,11 +125,11 @@ def shard(bounds, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Ten
     More: one ``index_select`` along a map built from the same pieces by one scan (the split's
     Python-side cost per piece outgrows a scan over ``T/C`` positions).
     """
-    pieces = _pieces(bounds, cp_size, cp_rank)
+    starts, lengths = _pieces(bounds, cp_size, cp_rank)
     flat = packed[0]  # [T, *]
-    if len(pieces) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
-        return _shard_views(pieces, flat).unsqueeze(0)
-    return flat.index_select(0, _shard_source(pieces, flat.shape[0] // cp_size, flat.device)).unsqueeze(0)
+    if len(lengths) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
+        return _shard_views(starts, lengths, flat).unsqueeze(0)
+    return flat.index_select(0, _shard_source(starts, lengths, flat.shape[0] // cp_size, flat.device)).unsqueeze(0)
 
 
 def _chunks(bounds, cp_size: int) -> tuple[list, list]:
@@ -142,23 +142,28 @@ def _chunks(bounds, cp_size: int) -> tuple[list, list]:
     return [a for a, _ in kept], [k for _, k in kept]
 
 
-def _pieces(bounds, cp_size: int, cp_rank: int) -> list:
-    """This rank's pieces in local order, ``(packed start, length)`` per piece, two per non-empty
-    segment. Example: cu_pad ``[0, 16, 40]``, C 2, rank 0 -> ``[(0, 4), (12, 4), (16, 6), (34, 6)]``."""
-    pieces = []
-    for start, k in zip(*_chunks(bounds, cp_size)):
-        _, _, packed = zigzag_pieces(start, 2 * cp_size * k, cp_size, cp_rank)
-        pieces += [(packed[0], k), (packed[1], k)]
-    return pieces
+def _pieces(bounds, cp_size: int, cp_rank: int) -> tuple[list, list]:
+    """This rank's pieces in local order, two per non-empty segment: ``(packed starts, lengths)``.
+    :func:`~nn_data.layout.rules.zigzag_pieces` is linear in the segment (``start + offset * k``), so it
+    is asked once, for a unit segment (``k = 1``), and scaled per segment by comprehensions (a call per
+    segment cost more than the shard's own ops at 256 segments).
+
+    Example: cu_pad ``[0, 16, 40]``, C 2, rank 0 -> unit offsets ``(0, 3)`` -> starts ``[0, 12, 16, 34]``,
+    lengths ``[4, 4, 6, 6]``.
+    """
+    _, _, (first, second) = zigzag_pieces(0, 2 * cp_size, cp_size, cp_rank)  # the chunks' offsets, k = 1
+    segment_starts, chunks = _chunks(bounds, cp_size)
+    starts = [a + off * k for a, k in zip(segment_starts, chunks) for off in (first, second)]
+    return starts, [k for k in chunks for _ in (0, 1)]
 
 
-def _shard_views(pieces: list, flat: torch.Tensor) -> torch.Tensor:
+def _shard_views(starts: list, lengths: list, flat: torch.Tensor) -> torch.Tensor:
     """``flat [T, *]`` cut into the skipped stretches and this rank's pieces, adjacent pieces merged
     into one run (rank 0's last piece of a segment and its first of the next): one ``split``, one
-    ``cat``. Example: pieces ``(0, 4), (12, 4), (16, 6), (34, 6)`` -> runs ``0..3, 12..21, 34..39``
+    ``cat``. Example: pieces at ``0, 12, 16, 34`` of ``4, 4, 6, 6`` -> runs ``0..3, 12..21, 34..39``
     after gaps ``0, 8, 12`` (and 0 after the last)."""
     gaps, runs, end = [], [], 0  # end: the packed position after the last kept piece
-    for start, k in pieces:
+    for start, k in zip(starts, lengths):
         if start == end and runs:
             runs[-1] += k
         else:
@@ -171,21 +176,17 @@ def _shard_views(pieces: list, flat: torch.Tensor) -> torch.Tensor:
     return torch.cat(_run_views(flat, gaps, runs))  # [T/C, *]
 
 
-def _shard_source(pieces: list, local: int, device_) -> torch.Tensor:
+def _shard_source(starts: list, lengths: list, local: int, device_) -> torch.Tensor:
     """``[T/C]`` int64: the packed position of each local position, as a scan of piece jumps.
 
     The local positions advance by 1 through the packed tensor and jump where a piece starts on
-    the rank: by the piece's packed start minus where the previous piece ended. Example: pieces
-    ``(0, 4), (12, 4), (16, 6), (34, 6)`` -> jumps 8 at local 4 and 12 at local 14 (and -1 at 0:
-    the cumsum of ones counts from 1) -> ``0..3, 12..15, 16..21, 34..39``.
+    the rank: by the piece's packed start minus where the previous piece ended. Example: pieces at
+    ``0, 12, 16, 34`` of ``4, 4, 6, 6`` -> jumps 8 at local 4 and 12 at local 14 (and -1 at 0: the
+    cumsum of ones counts from 1) -> ``0..3, 12..15, 16..21, 34..39``.
     """
-    starts, jumps, at, end = [], [], 0, 0
-    for start, k in pieces:
-        starts.append(at)
-        jumps.append(start - end)
-        at, end = at + k, start + k
-    jumps[0] -= 1
-    table = host_tensor([starts, jumps], torch.int64, device_)  # [2, 2B]
+    at = list(accumulate(lengths[:-1], initial=0))  # each piece's local start
+    jumps = [starts[0] - 1] + [s - (p + k) for s, p, k in zip(starts[1:], starts, lengths)]
+    table = host_tensor([at, jumps], torch.int64, device_)  # [2, 2B]
     delta = torch.ones(local, dtype=torch.int64, device=device_)  # [T/C]
     delta.index_add_(0, table[0], table[1])
     return delta.cumsum(0)  # [T/C]
