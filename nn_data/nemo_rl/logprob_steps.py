@@ -22,6 +22,7 @@ from nn_data.layout.index import Segments, local_places
 from nn_data.layout.rules import segment_bounds
 from nn_data.sampling import sampling_filter
 from nn_data.targets import next_token_at
+from nn_data.unpack import unpack_sequences
 
 #: Tokens per chunk of the log-sum-exp when NeMo-RL's ``chunk_size`` is None (NeMo-RL then holds
 #: a float32 ``[N, Vt]`` log-softmax; one ``[256, Vt]`` block here).
@@ -38,10 +39,12 @@ def grad_mode(inference_only: bool):
     return torch.no_grad() if inference_only else contextlib.nullcontext()
 
 
-def chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols: int, tp: ParallelInfo):
-    """Tokens per chunk and the sampling filter (or None), after the checks they share."""
+def chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols: int, tp: ParallelInfo,
+                     **vocab_wording):
+    """Tokens per chunk and the sampling filter (or None), after the checks they share (``vocab_wording``:
+    :func:`~nn_data._checks.check_vocab_range`'s ``against`` / ``unit``)."""
     chunk = _checks.positive_int("chunk_size", chunk_size, allow_none=True) or DEFAULT_CHUNK_TOKENS
-    _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
+    _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank, **vocab_wording)
     filt = sampling_filter(sampling_params)
     if filt is not None:
         _checks.check_top_k(filt.top_k, cols * tp.size)
@@ -84,7 +87,17 @@ def out_of_vocab_as_nemo_rl(values: torch.Tensor, token_in_vocab: torch.Tensor) 
 
 
 def gather_cp(values: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp: ParallelInfo) -> torch.Tensor:
-    """``[N]`` on each rank -> ``[1, T]``: one all-gather; backward a reduce-scatter (NeMo-RL's ``C``-times gradient)."""
+    """``[N, *]`` on each rank -> ``[1, T, *]``: one all-gather; backward a reduce-scatter (NeMo-RL's
+    ``C``-times gradient)."""
     if cp.size == 1:
         return values[None]
     return GatherFromContextParallel(cp.group, grad_mode="sum", validate=False)(values[None], cu_seqlens_padded)
+
+
+def nemo_rl_rows(packed: torch.Tensor, cu_seqlens_padded: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """NeMo-RL's ``[B, S-1]`` rows from the packed values ``[1, T]`` (position ``start_b + s`` scoring token
+    ``s + 1``): row ``b`` keeps ``min(n_b - 1, S - 1)`` values, 0 beyond. Example: segments ``[4, 8]``, S 6
+    -> rows of 3 and 5 values."""
+    cu = cu_seqlens_padded.to(torch.int64)
+    lengths = (cu[1:] - cu[:-1] - 1).clamp(0, seq_len - 1)  # [B] min(n_b - 1, S - 1)
+    return unpack_sequences(packed, lengths, cu_seqlens_padded, seq_len - 1, 0, validate=False)  # [B, S-1]

@@ -45,6 +45,12 @@ from nn_data.groups import ParallelInfo, group_info
 from nn_data.layout import checks as plan_checks
 from nn_data.layout import plan_from_boundaries
 from nn_data.layout.index import local_places, zigzag_source
+from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs from hidden states), with CP
+    ChunkedDistributedHiddenStatesToLogprobs,
+    from_parallel_hidden_states_to_logprobs,
+    from_parallel_hidden_states_to_logprobs_packed_sequences,
+)
+from nn_data.nemo_rl.linear_ce_patch import patch_gpt_model_forward_for_linear_ce_fusion
 from nn_data.nemo_rl.logprob_steps import (
     DEFAULT_CHUNK_TOKENS,
     chunk_and_filter,
@@ -52,14 +58,15 @@ from nn_data.nemo_rl.logprob_steps import (
     grad_mode,
     groups,
     in_vocab,
+    nemo_rl_rows,
     out_of_vocab_as_nemo_rl,
     packed_targets,
 )
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
 from nn_data.sampling import sampling_filter
-from nn_data.unpack import unpack_sequences
 
 __all__ = [
+    "ChunkedDistributedHiddenStatesToLogprobs",
     "ChunkedDistributedLogprob",
     "ChunkedDistributedLogprobWithSampling",
     "DistributedLogprob",
@@ -68,10 +75,14 @@ __all__ = [
     "_compute_distributed_log_softmax",
     "_get_tokens_on_this_cp_rank",
     "allgather_cp_sharded_tensor",
+    "from_parallel_hidden_states_to_logprobs",
+    "from_parallel_hidden_states_to_logprobs_packed_sequences",
     "from_parallel_logits_to_logprobs",
     "from_parallel_logits_to_logprobs_packed_sequences",
     "get_next_token_logprobs_from_logits",
+    "patch_gpt_model_forward_for_linear_ce_fusion",
 ]
+
 
 def from_parallel_logits_to_logprobs_packed_sequences(
     vocab_parallel_logits: torch.Tensor,
@@ -126,9 +137,7 @@ def from_parallel_logits_to_logprobs_packed_sequences(
         values = _local_logprobs(vocab_parallel_logits.squeeze(0), token, keep, vocab_start_index, tp, chunk, filt)
         values = out_of_vocab_as_nemo_rl(values, in_vocab(token, cols * tp.size))
         packed = gather_cp(values, cu_seqlens_padded, cp)  # [1, T]
-        cu = cu_seqlens_padded.to(torch.int64)
-        lengths = (cu[1:] - cu[:-1] - 1).clamp(0, seq_len - 1)  # [B] min(n_b - 1, S - 1)
-        return unpack_sequences(packed, lengths, cu_seqlens_padded, seq_len - 1, 0, validate=False)  # [B, S-1]
+        return nemo_rl_rows(packed, cu_seqlens_padded, seq_len)  # [B, S-1]
 
 
 def from_parallel_logits_to_logprobs(
