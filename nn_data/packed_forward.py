@@ -40,7 +40,9 @@ class PackedInfo(NamedTuple):
     all-gather, autograd-aware: use it for keys and values); ``packed_seq_params`` a
     megatron-core ``PackedSeqParams`` when requested (``max_seqlen_q = T``: the only
     value known without a host sync; ``total_tokens = T/C``, ``cp_group`` the group given to
-    :class:`PackedForward`; :func:`nn_data.megatron_parallel.make_packed_seq_params`).
+    :class:`PackedForward`; :func:`nn_data.megatron_parallel.make_packed_seq_params`); ``cu_seqlens
+    [B+1]`` the real (unpadded) boundaries, for a model that scores next tokens itself (each sequence's
+    last token has none).
     """
 
     cu_seqlens_padded: torch.Tensor
@@ -51,6 +53,7 @@ class PackedInfo(NamedTuple):
     cp_rank: int
     gather: Optional[Callable[[torch.Tensor], torch.Tensor]]
     packed_seq_params: object = None
+    cu_seqlens: Optional[torch.Tensor] = None
 
 
 class PackedInput(NamedTuple):
@@ -78,6 +81,7 @@ class _Prepared(NamedTuple):
     segment_ids: torch.Tensor  # [T]
     query_index: torch.Tensor  # [T/C]
     layout: Optional[PackLayout]  # the plan (eager); None out of a compiled region
+    cu_seqlens: torch.Tensor  # [B+1] the real boundaries
 
 
 class PackedForward(nn.Module):
@@ -149,7 +153,7 @@ class PackedForward(nn.Module):
         position_ids = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C], 0 at each start
         layout = None if torch.compiler.is_compiling() else r.layout  # the plan stays outside compiled graphs
         return _Prepared(local_ids, position_ids, r.cu_seqlens_padded, r.max_seqlen, r.layout.segment_ids(),
-                         places.source, layout)
+                         places.source, layout, r.cu_seqlens)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
         inp = self.prepare(input_ids, seq_lengths)
@@ -182,7 +186,7 @@ class PackedForward(nn.Module):
                 return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
         info = PackedInfo(
             cu_pad, prep.max_seqlen, prep.segment_ids, prep.query_index,
-            self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep),
+            self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep), prep.cu_seqlens,
         )
         return PackedInput(prep.local_ids, prep.position_ids, info, seq_lengths, rows, input_ids, layout)
 

@@ -146,7 +146,7 @@ def case_counts(sequence_parallel: bool):
     gather_hidden = ["all_gather_into_tensor"] if sequence_parallel and tp.size > 1 else []
     combine = ["all_gather_into_tensor"] if tp.size > 1 else []
     values = ["all_gather_into_tensor"] if cp.size > 1 else []
-    reduce = [] if tp.size == 1 else ["reduce_scatter_tensor"] if sequence_parallel else ["allreduce"]
+    reduce = [] if tp.size == 1 else ["reduce_scatter_tensor"] if sequence_parallel else ["all_reduce"]
     assert found[False] == ([], gather_hidden + combine + values, gather_hidden + reduce), found
     assert found[True][0] == ["tolist"] and found[True][1:] == found[False][1:], found
     return found[False][1]
@@ -192,7 +192,7 @@ def case_dropin_rows(sequence_parallel: bool):
     cp, tp = context_parallel_info(), tensor_parallel_info()
     split = cp.size * (tp.size if sequence_parallel else 1)
     gen = torch.Generator().manual_seed(8)
-    batch, seq = 3, 4 * split
+    batch, seq = 3, 8 * split  # each row splits into 2C chunks (of TP rows each with sequence parallelism)
     full = torch.randn(seq, batch, HIDDEN, generator=gen, dtype=torch.float64)  # [S, B, H]
     weight_full = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64) / 2
     target = torch.randint(0, VOCAB, (batch, seq), generator=gen)
