@@ -157,7 +157,8 @@ class MegatronGPTAdapter(nn.Module):
                                    f"(mtp_num_layers={model.config.mtp_num_layers})")
             from nn_data.lm_head import TokenLogProbsFromHidden
 
-            self.head = TokenLogProbsFromHidden(tp_group=model.pg_collection.tp, chunk_tokens=chunk_tokens,
+            self.head = TokenLogProbsFromHidden(cp_group=model.pg_collection.cp, tp_group=model.pg_collection.tp,
+                                                chunk_tokens=chunk_tokens,
                                                 sequence_parallel=model.config.sequence_parallel, validate=False,
                                                 host_reads=False)
 
