@@ -2,7 +2,7 @@
 
 profiling/ as three tools (profiling/README.md, "Layout"): the main job in profiling/microbatches,
 the benchmarks in profiling/bench named ``bench_<subject>.py``, the GPU check in
-profiling/gpu_check, shared code at the top; every benchmark answers ``--help`` when run as
+profiling/gpu_check, shared code at the top, dated figure pages in profiling/results; every benchmark answers ``--help`` when run as
 ``python -m profiling.bench.bench_<subject>``, and none reads a clock itself: timing goes through
 ``profiling.timing``, the one timer.
 """
@@ -27,7 +27,9 @@ CLOCKS = {"perf_counter", "perf_counter_ns", "process_time", "process_time_ns", 
 def test_profiling_is_three_tools_and_shared_code():
     top = sorted(p.name for p in PROFILING.iterdir() if not p.name.startswith((".", "__pycache__"))
                  and p.name not in ("runs", "gpu_runs"))
-    assert top == ["README.md", "__init__.py", "bench", "cuda_counters.py", "gpu_check", "microbatches", "timing.py"]
+    assert top == ["README.md", "__init__.py", "bench", "cuda_counters.py", "gpu_check", "microbatches", "results",
+                   "timing.py"]
+    assert all(p.suffix == ".md" for p in (PROFILING / "results").iterdir()), "results/ holds figure pages only"
     for tool in ("microbatches", "gpu_check"):
         assert (PROFILING / tool / "__main__.py").is_file(), f"python -m profiling.{tool} needs a __main__.py"
     assert BENCHES and all(name.startswith("bench_") for name in BENCHES), BENCHES
