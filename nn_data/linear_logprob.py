@@ -63,10 +63,12 @@ class _LinearTargetLogProb(torch.autograd.Function):
         tau = full.new_empty(n if sampling is not None else 0, dtype=dtype)  # [N] thresholds when filtering
         for i in range(0, n, chunk):  # static: n and chunk are Python ints
             j = i + chunk
-            raw = chunk_logits(full[i:j], weight, temperature)  # [c, Vt]
-            lse[i:j], picked[i:j], tau_c = chunk_lse_and_target(raw, dtype, local[i:j], sampling, tp_group, tp_size)
+            raw = chunk_logits(full[i:j], weight, temperature)  # [c, Vt], overwritten by the log-sum-exp
+            lse[i:j], picked[i:j], tau_c = chunk_lse_and_target(raw, dtype, local[i:j], sampling, tp_group, tp_size,
+                                                                fresh=True)
             if tau_c is not None:
                 tau[i:j] = tau_c
+            del raw, tau_c  # one [c, Vt] chunk alive at a time: freed before the next matmul allocates
         lse, picked, owned = combine_vocab_parallel(lse, picked, owned, tp_group, tp_size, sampling is not None)
         ctx.save_for_backward(hidden, weight, local, owned, keep, lse, tau)
         ctx.parallel = (tp_group, tp_size, sequence_parallel)
@@ -94,6 +96,7 @@ class _LinearTargetLogProb(torch.autograd.Function):
                 grad_full[i:j] = dz.to(weight.dtype) @ weight  # [c, H]
             if want_weight:
                 grad_weight.addmm_(dz.T, full[i:j].to(acc))  # [Vt, H] += [Vt, c] @ [c, H]
+            del x, dz  # one [c, Vt] chunk alive at a time: freed before the next matmul allocates
         grad_hidden = _reduce_rows(grad_full, *ctx.parallel) if want_hidden else None
         grad_weight = grad_weight.to(weight.dtype) if want_weight else None
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None

@@ -89,16 +89,22 @@ def target_columns(target: torch.Tensor, vocab_start: int, cols: int):
 
 
 def chunk_lse_and_target(raw: torch.Tensor, dtype: torch.dtype, local: torch.Tensor, sampling, tp_group,
-                         tp_size: int):
+                         tp_size: int, *, fresh: bool = False):
     """``(lse [c], picked [c], tau [c] or None)`` of one chunk of this rank's logits ``raw [c, Vt]``: the
     log-sum-exp over its columns and the logit at ``local`` (in ``dtype``, float32 or wider), over the
-    columns the filter keeps when ``sampling`` is set (``tau`` the thresholds, in ``raw``'s dtype)."""
-    x = raw.to(dtype)  # [c, Vt]
+    columns the filter keeps when ``sampling`` is set (``tau`` the thresholds, in ``raw``'s dtype).
+    ``fresh``: ``raw`` may be overwritten (the log-sum-exp is then taken in place: no second chunk)."""
+    x = raw.to(dtype)  # [c, Vt], a copy when the dtype changes
+    fresh = fresh or raw.dtype != dtype
     tau = None
     if sampling is not None:
         tau = _thresholds(raw, sampling, tp_group, tp_size)
-        x = _filtered(x, tau)
-    return torch.logsumexp(x, dim=-1), x.gather(1, local[:, None]).squeeze(1), tau
+        x, fresh = _filtered(x, tau), True
+    picked = x.gather(1, local[:, None]).squeeze(1)  # [c]
+    if not fresh:  # x is the caller's tensor
+        return torch.logsumexp(x, dim=-1), picked, tau
+    top = x.amax(dim=-1)  # [c]; finite: every row keeps at least one column
+    return x.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top), picked, tau
 
 
 def combine_vocab_parallel(lse, picked, owned, tp_group, tp_size: int, sampled: bool):

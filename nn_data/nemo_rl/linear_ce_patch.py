@@ -35,7 +35,7 @@ from nn_data.errors import PackingError
 from nn_data.groups import group_info
 from nn_data.megatron_parallel import gpt_model_class
 from nn_data.nemo_rl.linear_ce import from_parallel_hidden_states_to_logprobs, packed_hidden_logprobs
-from nn_data.nemo_rl.logprob_steps import gather_cp
+from nn_data.nemo_rl.logprob_steps import gather_cp, grad_mode
 
 
 def patch_gpt_model_forward_for_linear_ce_fusion(*, chunk_size: int) -> None:
@@ -97,7 +97,7 @@ def _gpt_forward_with_linear_ce_fusion(
     inference_only = inference_context is not None and not self.training
     chunk = self._linear_ce_fusion_chunk_size
     local = hidden.shape[0] * _split(self, tp)  # this CP rank's positions: T/C (packed) or S/C (each row)
-    with torch.no_grad() if inference_only else torch.enable_grad():
+    with grad_mode(inference_only):  # no graph in inference, and an outer no_grad() holds
         if cp.size > 1 and labels.shape[1] == local:  # CP-sharded labels, as NeMo-RL passes the input ids
             labels = _gather_labels(labels, packed_seq_params, cp)
         if _is_thd(packed_seq_params):

@@ -22,7 +22,7 @@ zigzag shard of the packed hidden states ``[1, T/C, H]`` (float32) of ``--rows``
 Modes: ``forward`` (``inference_only`` under ``torch.no_grad``) and ``forward+backward`` (a weighted sum,
 backward to the hidden states and the weight). For each: the median wall time (``profiling.timing``:
 paths interleaved, max over ranks, a barrier before each call) and the median CPU time of the same
-calls, the peak of bytes allocated during one call (profiler allocator events; inputs excluded,
+calls (glibc told to keep freed memory, ``profiling.timing.reuse_freed_memory``), the peak of bytes allocated during one call (profiler allocator events; inputs excluded,
 gradients included) and the same peak less the weight's gradient (``[V/TP, H]`` float32, allocated alike by
 every path, and in training it lives in the optimizer's gradient buffer), host syncs and collectives.
 Before timing: float64 equality (``--check-*`` sizes) of the fused paths against the unfused ones
@@ -49,7 +49,7 @@ from nn_data.nemo_rl import model_utils
 from nn_data.testing.dist import free_port, init_gloo
 from nn_data.testing.reference import reference_shard
 from profiling.bench.bench_logprobs import import_nemo_rl, nemo_cpu_shim, peak_allocated
-from profiling.timing import cpu_time_call, machine_description, time_side_by_side
+from profiling.timing import cpu_time_call, machine_description, reuse_freed_memory, time_side_by_side
 
 MiB, GiB = 2**20, 2**30
 MODES = ("forward", "forward+backward")
@@ -134,6 +134,7 @@ PAIRS = (("fused", "unfused"), ("drop-in fused", "drop-in unfused"), ("drop-in f
 
 def rank_main(rank, args, port, out_queue):
     torch.set_num_threads(args.threads)
+    reuse_freed_memory()  # as torch's caching allocator on CUDA: every path alike
     init_gloo(rank, args.cp * args.tp, port)
     tp_groups = [dist.new_group([c * args.tp + t for t in range(args.tp)]) for c in range(args.cp)]
     cp_groups = [dist.new_group([c * args.tp + t for c in range(args.cp)]) for t in range(args.tp)]

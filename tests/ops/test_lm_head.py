@@ -12,6 +12,7 @@ graph over a stream of microbatches, forward and backward; meta tensors; every e
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -144,6 +145,12 @@ def test_no_logits_sized_tensor_in_forward_or_backward():
     assert h.numel() <= chunk * vocab
 
 
+def test_groups_from_a_process_group_collection():
+    """megatron-core's ``ProcessGroupCollection`` supplies ``cp`` / ``tp`` (here a stand-in of one rank each)."""
+    op = TokenLogProbsFromHidden(S, pg_collection=SimpleNamespace(cp=None, tp=None))
+    assert (op.cp_size, op.tp_size) == (1, 1)
+
+
 def test_no_host_sync_without_validation_and_one_with_it():
     inp = head_inputs([5, 0, 16, 3], 1, pad_full_seq_to=48)
     for validate, expected in ((False, []), (True, ["tolist"])):
@@ -190,6 +197,8 @@ def test_bad_arguments_name_the_argument_and_the_valid_values():
         (lambda: op(h, w, ids), "TokenLogProbsFromHidden needs cu_seqlens and cu_seqlens_padded, or layout="),
         (lambda: op(h, w, ids, cu, cu_pad.clamp(max=40)), "must start at 0, never decrease and end at 48"),
         (lambda: op(h, w[:20], ids, cu, cu_pad), "is outside the vocabulary"),
+        (lambda: TokenLogProbsFromHidden(S, pg_collection=SimpleNamespace(cp=None)),
+         "pg_collection \\(SimpleNamespace\\) has no 'tp' group"),
     ]
     for call, message in cases:
         with pytest.raises(PackingError, match=message):

@@ -24,6 +24,7 @@ from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.groups import context_parallel_info, tensor_parallel_info
 from nn_data.nemo_rl import model_utils
+from nn_data.nemo_rl.sampling import TrainingSamplingParams
 from nn_data.testing.nemo_reference import reference_packed_logprobs, reference_roll_per_segment, reference_row_logprobs
 from nn_data.testing.reference import reference_shard, reference_token_logprobs
 from tests.support.cp_cases import make_microbatch, pack_single
@@ -155,35 +156,43 @@ def case_counts(sequence_parallel: bool):
 def case_dropin_packed(sequence_parallel: bool):
     """``from_parallel_hidden_states_to_logprobs_packed_sequences``: NeMo-RL's ``[B, S-1]`` values (the
     oracle of the unfused packed function on the logits) and ``C``-times gradients, out-of-vocabulary
-    targets included, targets rolled inside or pre-rolled, hidden states ``[T/C, 1, H]`` as megatron-core
-    hands them."""
+    targets included, targets rolled inside or pre-rolled, with and without top-k / top-p, hidden states
+    ``[T/C, 1, H]`` as megatron-core hands them."""
     cp, tp = context_parallel_info(), tensor_parallel_info()
     fn = model_utils.from_parallel_hidden_states_to_logprobs_packed_sequences
     inp = head_inputs([5, 0, 16, 3], cp.size * (tp.size if sequence_parallel else 1), pad_full_seq_to=96, seed=3)
     ids = inp.ids.clone()
     ids[0, 3], ids[0, 30] = VOCAB + 4, -1  # out of the vocabulary: NeMo-RL's 0 and -softmax gradient
     inp = inp._replace(ids=ids)
-    h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
     rolled = reference_roll_per_segment(ids, inp.cu_seqlens_padded)
-    ref = reference_packed_logprobs(h @ w.T, rolled, inp.cu_seqlens_padded, SEQ_LEN)
     loss_weight = inp.loss_weight[:, 1:]
-    (ref * loss_weight).sum().backward()
-    want_h, want_w = expected_grads(inp, h.grad, w.grad, cp, tp, sequence_parallel, scale=cp.size)
     rows = VOCAB // tp.size
-    for pre_rolled in (False, True):
-        for chunk in (None, 5):
-            hidden, weight = local_parts(inp, cp, tp, sequence_parallel)
-            target = reference_shard(rolled, inp.cu_seqlens_padded, cp.size, cp.rank) if pre_rolled else ids
-            out = fn(hidden.transpose(0, 1), weight, target, inp.cu_seqlens_padded, SEQ_LEN, tp.rank * rows,
-                     (tp.rank + 1) * rows, tp.group, cp_group=cp.group, chunk_size=chunk,
-                     target_is_pre_rolled=pre_rolled)
-            (out * loss_weight).sum().backward()
-            what = f"pre-rolled {pre_rolled} chunk {chunk}"
-            torch.testing.assert_close(out, ref.detach(), **TOL, msg=lambda m: f"{what} values: {m}")
-            torch.testing.assert_close(hidden.grad, want_h, **TOL, msg=lambda m: f"{what} d hidden: {m}")
-            torch.testing.assert_close(summed_over(weight.grad, cp.group), want_w, **TOL,
-                                       msg=lambda m: f"{what} d weight: {m}")
+    for sampling in (None, TrainingSamplingParams(top_k=6, top_p=0.8)):
+        top = (None, 1.0) if sampling is None else (sampling.top_k, sampling.top_p)
+        h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
+        ref = reference_packed_logprobs(h @ w.T, rolled, inp.cu_seqlens_padded, SEQ_LEN, *top)
+        (finite(ref) * loss_weight).sum().backward()
+        want_h, want_w = expected_grads(inp, h.grad, w.grad, cp, tp, sequence_parallel, scale=cp.size)
+        for pre_rolled in (False, True):
+            for chunk in (None, 5):
+                hidden, weight = local_parts(inp, cp, tp, sequence_parallel)
+                target = reference_shard(rolled, inp.cu_seqlens_padded, cp.size, cp.rank) if pre_rolled else ids
+                out = fn(hidden.transpose(0, 1), weight, target, inp.cu_seqlens_padded, SEQ_LEN, tp.rank * rows,
+                         (tp.rank + 1) * rows, tp.group, cp_group=cp.group, chunk_size=chunk,
+                         sampling_params=sampling, target_is_pre_rolled=pre_rolled)
+                (finite(out) * loss_weight).sum().backward()
+                what = f"sampling {sampling} pre-rolled {pre_rolled} chunk {chunk}"
+                assert torch.equal(torch.isinf(out), torch.isinf(ref)), what
+                torch.testing.assert_close(finite(out), finite(ref).detach(), **TOL, msg=lambda m: f"{what}: {m}")
+                torch.testing.assert_close(hidden.grad, want_h, **TOL, msg=lambda m: f"{what} d hidden: {m}")
+                torch.testing.assert_close(summed_over(weight.grad, cp.group), want_w, **TOL,
+                                           msg=lambda m: f"{what} d weight: {m}")
     return (cp.rank, tp.rank)
+
+
+def finite(out: torch.Tensor) -> torch.Tensor:
+    """``out`` with a filtered target's ``-inf`` as 0 (no gradient flows there)."""
+    return torch.where(torch.isinf(out), 0.0, out)
 
 
 def case_dropin_rows(sequence_parallel: bool):
