@@ -103,7 +103,8 @@ def chunk_lse_and_target(raw: torch.Tensor, dtype: torch.dtype, local: torch.Ten
     picked = x.gather(1, local[:, None]).squeeze(1)  # [c]
     if not fresh:  # x is the caller's tensor
         return torch.logsumexp(x, dim=-1), picked, tau
-    top = x.amax(dim=-1)  # [c]; finite: every row keeps at least one column
+    # [c]; a row with no column kept on this TP rank (filtered) is all -inf: shift it by 0, its lse is -inf
+    top = x.amax(dim=-1).nan_to_num(neginf=0.0)
     return x.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top), picked, tau
 
 
