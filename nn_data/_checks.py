@@ -170,12 +170,12 @@ def check_vocab_range(vocab_start_index, vocab_end_index, columns: int, tp_rank:
         )
 
 
-def check_output_head(hidden_name: str, hidden, weight_name: str, weight, hidden_layout: str) -> None:
-    """Hidden states (3-D, ``hidden_layout`` names the dims) and an output weight ``[V/TP, H]``: floating
+def check_output_head(hidden_name: str, hidden, weight_name: str, weight, hidden_shape: str) -> None:
+    """Hidden states (3-D, ``hidden_shape`` names the dims) and an output weight ``[V/TP, H]``: floating
     point, one dtype, one device, the weight's columns the hidden size."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.dtype.is_floating_point:
         got = f"shape {dims(hidden)} and dtype {hidden.dtype}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-        raise PackingError(f"{hidden_name} must be floating-point hidden states {hidden_layout}, got {got}")
+        raise PackingError(f"{hidden_name} must be floating-point hidden states {hidden_shape}, got {got}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
         got = f"shape {dims(weight)} and dtype {weight.dtype}" if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise PackingError(f"{weight_name} must be the output layer's floating-point weight [V/TP, H], got {got}")

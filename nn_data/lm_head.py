@@ -35,7 +35,7 @@ from nn_data.linear_logprob import hidden_logprobs_local
 from nn_data.logprobs import plan_logprobs, resolve_seq_len, rows_from_local, targets_on_rank
 from nn_data.sampling import sampling_filter
 
-HIDDEN_LAYOUT = "[1, T/C, H] (or megatron-core's sequence-first [T/C, 1, H])"
+HIDDEN_SHAPE = "[1, T/C, H] (or megatron-core's sequence-first [T/C, 1, H])"
 
 
 def hidden_rows(hidden: torch.Tensor) -> torch.Tensor:
@@ -131,9 +131,9 @@ class TokenLogProbsFromHidden(nn.Module):
 
     def _local(self, hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded, places, layout, seq_len):
         """``(values [T/C], layout, T)`` after every check."""
-        _checks.check_output_head("hidden", hidden, "weight", weight, HIDDEN_LAYOUT)
+        _checks.check_output_head("hidden", hidden, "weight", weight, HIDDEN_SHAPE)
         if 1 not in hidden.shape[:2]:
-            raise _checks.PackingError(f"hidden must be {HIDDEN_LAYOUT}, got shape {tuple(hidden.shape)}")
+            raise _checks.PackingError(f"hidden must be {HIDDEN_SHAPE}, got shape {tuple(hidden.shape)}")
         rows = hidden_rows(hidden)  # [n, H]
         _checks.check_packed_ids("packed_ids", packed_ids)
         total = packed_ids.shape[1]

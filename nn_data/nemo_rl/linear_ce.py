@@ -50,8 +50,8 @@ from nn_data.nemo_rl.logprob_steps import (
 
 HIDDEN = "tensor_parallel_hidden_states"
 WEIGHT = "output_weight_layer"
-ROWS_LAYOUT = "[S // CP, B, H] ([S // (CP * TP), B, H] with sequence parallelism)"
-PACKED_LAYOUT = "[T // CP, 1, H] or [1, T // CP, H] (// TP more with sequence parallelism)"
+ROWS_SHAPE = "[S // CP, B, H] ([S // (CP * TP), B, H] with sequence parallelism)"
+PACKED_SHAPE = "[T // CP, 1, H] or [1, T // CP, H] (// TP more with sequence parallelism)"
 
 
 def from_parallel_hidden_states_to_logprobs(
@@ -82,7 +82,7 @@ def from_parallel_hidden_states_to_logprobs(
     """
     cp, tp = groups(cp_group, tp_group)
     hidden, weight = tensor_parallel_hidden_states, output_weight_layer
-    _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, ROWS_LAYOUT)
+    _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, ROWS_SHAPE)
     chunk = _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp, hidden.shape[1])
     batch = hidden.shape[1]
     _checks.check_row_target(target, batch, target.shape[1] if isinstance(target, torch.Tensor) else 0)
@@ -150,9 +150,9 @@ def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: i
                            pre_rolled: bool, validate: bool, op: str) -> torch.Tensor:
     """The packed values ``[1, T]`` on every rank: position ``t`` (offset ``s`` in its padded segment ``n``)
     holds the log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``, else 0."""
-    _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, PACKED_LAYOUT)
+    _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, PACKED_SHAPE)
     if 1 not in hidden.shape[:2]:
-        raise _checks.PackingError(f"{HIDDEN} must be {PACKED_LAYOUT}, got shape {tuple(hidden.shape)}")
+        raise _checks.PackingError(f"{HIDDEN} must be {PACKED_SHAPE}, got shape {tuple(hidden.shape)}")
     rows = hidden_rows(hidden)  # [n, H]
     chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, weight.shape[0],
                                    tp, against=WEIGHT, unit="rows")

@@ -28,32 +28,32 @@ def ranks():
 
 @pytest.fixture(scope="module", params=[(2, 1, False), (1, 2, False), (1, 2, True), (2, 2, False), (2, 2, True)],
                 ids=["C2", "TP2", "TP2-SP", "TP2xC2", "TP2xC2-SP"])
-def layout(request):
-    """``(cp, tp, sequence_parallel)``; module-scoped: every test of one layout runs before parallel_state
+def split(request):
+    """``(cp, tp, sequence_parallel)``; module-scoped: every test of one split runs before parallel_state
     is re-initialised."""
     return request.param
 
 
-def _run(ranks, case, *args, layout):
-    cp, tp, _ = layout
+def _run(ranks, case, *args, split):
+    cp, tp, _ = split
     return ranks.run(CASES + case, *args, cp=cp, tp=tp)
 
 
-def test_rows_and_gradients_equal_the_single_process_ones(ranks, layout):
-    cp, tp, sequence_parallel = layout
-    results = _run(ranks, "core", sequence_parallel, layout=layout)
+def test_rows_and_gradients_equal_the_single_process_ones(ranks, split):
+    cp, tp, sequence_parallel = split
+    results = _run(ranks, "core", sequence_parallel, split=split)
     assert sorted({r[:2] for r in results}) == [(c, t) for c in range(cp) for t in range(tp)]
-    assert all(r[2] == 12 for r in results)  # 3 microbatches x 2 temperatures / chunks x layout or boundaries
+    assert all(r[2] == 12 for r in results)  # 3 microbatches x 2 temperatures / chunks x the layout or the boundaries
 
 
-def test_no_host_sync_and_the_collectives_of_one_call(ranks, layout):
-    _run(ranks, "counts", layout[2], layout=layout)
+def test_no_host_sync_and_the_collectives_of_one_call(ranks, split):
+    _run(ranks, "counts", split[2], split=split)
 
 
-def test_nemo_rl_drop_in_from_hidden_states_packed_and_rows(ranks, layout):
-    _run(ranks, "dropin_packed", layout[2], layout=layout)
-    _run(ranks, "dropin_rows", layout[2], layout=layout)
+def test_nemo_rl_drop_in_from_hidden_states_packed_and_rows(ranks, split):
+    _run(ranks, "dropin_packed", split[2], split=split)
+    _run(ranks, "dropin_rows", split[2], split=split)
 
 
-def test_hidden_states_that_are_not_this_ranks_share_are_refused(ranks, layout):
-    _run(ranks, "errors", layout=layout)
+def test_hidden_states_that_are_not_this_ranks_share_are_refused(ranks, split):
+    _run(ranks, "errors", split=split)

@@ -25,7 +25,7 @@ from nn_data.logprobs import token_logprobs_local
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
 from nn_data.sampling import sampling_filter
 from tests.support.allocations import Allocations
-from tests.support.lm_head_cases import HIDDEN, LAYOUTS, SEQ_LEN, VOCAB, head_inputs, reference
+from tests.support.lm_head_cases import HIDDEN, BATCHES, SEQ_LEN, VOCAB, head_inputs, reference
 
 TOL = dict(rtol=0, atol=1e-10)
 S = SEQ_LEN
@@ -57,7 +57,7 @@ def test_docstring_example():
     assert torch.allclose(out, torch.tensor([[0.0, math.log(1 / 3), math.log(1 / 3), 0.0]]))
 
 
-@pytest.mark.parametrize("lengths", list(LAYOUTS) + [[0, 0], []], ids=str)
+@pytest.mark.parametrize("lengths", list(BATCHES) + [[0, 0], []], ids=str)
 def test_values_and_both_gradients_equal_the_unfused_path_and_the_oracle(lengths):
     inp = head_inputs(lengths, 1, pad_full_seq_to=48, seed=len(lengths))
     for temperature in (1.0, 0.7):

@@ -31,7 +31,7 @@ from tests.support.cp_cases import make_microbatch, pack_single
 
 VOCAB, HIDDEN, SEQ_LEN = 36, 8, 16
 TOL = dict(rtol=0, atol=1e-10)
-LAYOUTS = ([5, 0, 16, 3], [16, 16, 16], [1, 7, 2, 9])
+BATCHES = ([5, 0, 16, 3], [16, 16, 16], [1, 7, 2, 9])
 
 
 class HeadInputs(NamedTuple):
@@ -98,12 +98,12 @@ def summed_over(grad: torch.Tensor, group) -> torch.Tensor:
 
 
 def case_core(sequence_parallel: bool):
-    """``TokenLogProbsFromHidden`` under this layout: rows equal the oracle's on every rank, the hidden
+    """``TokenLogProbsFromHidden`` under this parallel split: rows equal the oracle's on every rank, the hidden
     states' and the weight's gradients are the single-process ones (chunked, temperature, the travelling
     layout and the boundaries alike)."""
     cp, tp = context_parallel_info(), tensor_parallel_info()
     checked = 0
-    for i, lengths in enumerate(LAYOUTS):
+    for i, lengths in enumerate(BATCHES):
         inp = head_inputs(lengths, cp.size * (tp.size if sequence_parallel else 1), seed=i,
                           pad_full_seq_to=96 if i != 1 else 48 * cp.size)
         for temperature, chunk in ((1.0, 256), (0.7, 5)):
