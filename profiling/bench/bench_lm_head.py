@@ -5,7 +5,9 @@ output layer's logits, then log-probs) and NeMo-RL's, side by side.
                                             [--rows 8] [--chunk 256] [--nemo-rl /path/to/RL]
 
 Spawns ``--cp x --tp`` ranks over gloo on 127.0.0.1 (one thread each, TP inner). Every rank holds its
-zigzag shard of the packed hidden states ``[1, T/C, H]`` (float32) of ``--rows`` sequences packed to
+zigzag shard of the packed hidden states, sequence-first and contiguous as megatron-core hands them,
+``[T/C, 1, H]`` (float32; a transposed view of ``[1, T/C, H]`` instead sends NeMo-RL's fused matmul down
+torch's batched path, 15x slower on the CPU) of ``--rows`` sequences packed to
 ``T = --tokens`` (lengths drawn in ``[S/4, S]``, ``S = T/B``), its vocabulary rows of the output weight
 ``[V/TP, H]`` and the full packed ids. Paths (each computes the head and the log-probs):
 
@@ -17,7 +19,7 @@ zigzag shard of the packed hidden states ``[1, T/C, H]`` (float32) of ``--rows``
 * with ``--nemo-rl PATH`` (NeMo-RL's own module from that checkout; nothing of it is in this repository):
   ``nemo-rl unfused``, the logits then its ``from_parallel_logits_to_logprobs_packed_sequences`` (its
   default ``chunk_size=None``), and at CP 1 ``nemo-rl fused``, its ``from_parallel_hidden_states_to_logprobs``
-  (it refuses CP), with the hidden states as megatron-core hands them, ``[T, 1, H]``.
+  (it refuses CP).
 
 Modes: ``forward`` (``inference_only`` under ``torch.no_grad``) and ``forward+backward`` (a weighted sum,
 backward to the hidden states and the weight). For each: the median wall time (``profiling.timing``:
@@ -65,8 +67,9 @@ class Inputs:
         ids = torch.randint(0, vocab, (args.rows, self.seq_len), generator=gen)
         self.pack = PackSequences(2 * args.cp, 2 * args.cp, args.tokens)(ids, lengths)
         full = torch.randn(1, args.tokens, hidden, generator=torch.Generator().manual_seed(7), dtype=dtype)
-        self.hidden = reference_shard(full, self.pack.cu_seqlens_padded.tolist(), args.cp, cp.rank).contiguous()
-        del full  # each rank keeps only its shard
+        shard = reference_shard(full, self.pack.cu_seqlens_padded.tolist(), args.cp, cp.rank)  # [1, T/C, H]
+        self.hidden = shard.transpose(0, 1).contiguous()  # [T/C, 1, H], sequence-first as megatron-core hands it
+        del full, shard  # each rank keeps only its shard
         rows = vocab // args.tp
         weight_gen = torch.Generator().manual_seed(11 + tp.rank)
         self.weight = (torch.randn(rows, hidden, generator=weight_gen, dtype=dtype) / hidden**0.5).contiguous()
@@ -87,21 +90,21 @@ def build_paths(args, inp: Inputs, cp, tp, nemo) -> dict:
     fused = TokenLogProbsFromHidden(seq_len, chunk_tokens=args.chunk, validate=False, **groups)
     unfused = TokenLogProbs(seq_len, chunk_tokens=args.chunk, validate=False, **groups)
     packed = (r.packed, r.cu_seqlens_padded, seq_len, *vocab, tp.group)
+    logits = lambda h, w: (h.squeeze(1) @ w.T)[None]  # noqa: E731  the output layer: [T/C, 1, H] -> [1, T/C, V/TP]
     paths = {
         "fused": lambda h, w, inf: fused(h, w, r.packed, layout=r.layout),
-        "unfused": lambda h, w, inf: unfused(h @ w.T, r.packed, layout=r.layout),
+        "unfused": lambda h, w, inf: unfused(logits(h, w), r.packed, layout=r.layout),
         "drop-in fused": lambda h, w, inf: model_utils.from_parallel_hidden_states_to_logprobs_packed_sequences(
-            h.transpose(0, 1), w, *packed, inference_only=inf, cp_group=cp.group, chunk_size=args.chunk,
-            validate=False),
+            h, w, *packed, inference_only=inf, cp_group=cp.group, chunk_size=args.chunk, validate=False),
         "drop-in unfused": lambda h, w, inf: model_utils.from_parallel_logits_to_logprobs_packed_sequences(
-            h @ w.T, *packed, inference_only=inf, cp_group=cp.group, validate=False),
+            logits(h, w), *packed, inference_only=inf, cp_group=cp.group, validate=False),
     }
     if nemo is not None:
         paths["nemo-rl unfused"] = lambda h, w, inf: nemo.from_parallel_logits_to_logprobs_packed_sequences(
-            h @ w.T, *packed, inference_only=inf, cp_group=cp.group)
-        if args.cp == 1:
+            logits(h, w), *packed, inference_only=inf, cp_group=cp.group)
+        if args.cp == 1:  # NeMo-RL's fusion refuses CP
             paths["nemo-rl fused"] = lambda h, w, inf: nemo.from_parallel_hidden_states_to_logprobs(
-                h.transpose(0, 1), w, None, r.packed, *vocab, tp.group, inference_only=inf, chunk_size=args.chunk)
+                h, w, None, r.packed, *vocab, tp.group, inference_only=inf, chunk_size=args.chunk)
     return {k: v for k, v in paths.items() if not args.paths or k in args.paths}
 
 
