@@ -15,6 +15,7 @@ from nn_data.context_parallel import ShardForContextParallel, UnshardFromContext
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.errors import PackingError
 from nn_data.layout import PackLayout, pack_with_layout
+from nn_data.lm_head import TokenLogProbsFromHidden
 from nn_data.logprobs import TokenLogProbs
 from nn_data.pack import PackResult, PackSequences
 from nn_data.packed_forward import PackedForward, PackedInfo
@@ -39,6 +40,7 @@ __all__ = [
     "ShardForContextParallel",
     "Targets",
     "TokenLogProbs",
+    "TokenLogProbsFromHidden",
     "UnpackSequences",
     "UnshardFromContextParallel",
     "pack_with_layout",

@@ -173,16 +173,61 @@ def check_float_logits(name: str, t, shape: str, ndim: int) -> None:
         raise PackingError(f"{name} must be floating-point logits {shape}, got {got}")
 
 
-def check_vocab_range(vocab_start_index, vocab_end_index, columns: int, tp_rank: int) -> None:
+def check_vocab_range(vocab_start_index, vocab_end_index, columns: int, tp_rank: int, *,
+                      against: str = "the logits", unit: str = "columns") -> None:
     """The vocabulary slice of a tensor-parallel rank: ``[tp_rank * Vt, (tp_rank + 1) * Vt)`` for
-    ``Vt = columns``, the logits' last dim (megatron-core's vocab-parallel split)."""
+    ``Vt = columns``, the logits' last dim or the output weight's rows (megatron-core's vocab-parallel split)."""
     start, end = tp_rank * columns, (tp_rank + 1) * columns
     if (vocab_start_index, vocab_end_index) != (start, end):
         raise PackingError(
-            f"vocab_start_index={vocab_start_index!r}, vocab_end_index={vocab_end_index!r} do not match the "
-            f"logits: with {columns} vocabulary columns on tensor-parallel rank {tp_rank} they must be "
+            f"vocab_start_index={vocab_start_index!r}, vocab_end_index={vocab_end_index!r} do not match "
+            f"{against}: with {columns} vocabulary {unit} on tensor-parallel rank {tp_rank} they must be "
             f"{start} and {end} (tp_rank * V/TP and (tp_rank + 1) * V/TP)"
         )
+
+
+def check_output_head(hidden_name: str, hidden, weight_name: str, weight, hidden_shape: str) -> None:
+    """Hidden states (3-D, ``hidden_shape`` names the dims) and an output weight ``[V/TP, H]``: floating
+    point, one dtype, one device, the weight's columns the hidden size."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.dtype.is_floating_point:
+        got = f"shape {dims(hidden)} and dtype {hidden.dtype}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise PackingError(f"{hidden_name} must be floating-point hidden states {hidden_shape}, got {got}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
+        got = f"shape {dims(weight)} and dtype {weight.dtype}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise PackingError(f"{weight_name} must be the output layer's floating-point weight [V/TP, H], got {got}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise PackingError(
+            f"{weight_name} has shape {dims(weight)} but {hidden_name} {dims(hidden)} have hidden size "
+            f"H={hidden.shape[-1]}; pass the output layer's weight [V/TP, {hidden.shape[-1]}] (megatron-core's "
+            "output_layer.weight, or the embedding weight when they are tied)"
+        )
+    if weight.dtype != hidden.dtype:
+        raise PackingError(f"{weight_name} is {weight.dtype} but {hidden_name} are {hidden.dtype}; the output "
+                           "layer's matmul takes one dtype (cast one of them)")
+    check_same_device(**{hidden_name: hidden, weight_name: weight})
+
+
+def check_token_share(name: str, rows: int, total: int, cp_size: int, tp_size: int, sequence_parallel: bool) -> None:
+    """``rows`` hidden states must be this rank's share of the ``T = total`` packed tokens: ``T/C``, or
+    ``T/(C*TP)`` with sequence parallelism."""
+    split = cp_size * (tp_size if sequence_parallel else 1)
+    if total % split or rows != total // split:
+        share = "T/(C*TP)" if sequence_parallel and tp_size > 1 else "T/C"
+        raise PackingError(
+            f"{name} hold {rows} tokens but this rank's share of the T={total} packed tokens is {share} = "
+            f"{total}/{split}{f' = {total // split}' if total % split == 0 else ' (not a whole number)'} "
+            f"(cp_size={cp_size}, tp_size={tp_size}, sequence_parallel={sequence_parallel}); pass this rank's "
+            "zigzag shard of the hidden states"
+        )
+
+
+def check_temperature(temperature) -> float:
+    """A sampling temperature is a positive finite number (the logits are divided by it)."""
+    value = float(temperature) if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) else None
+    if value is None or not 0 < value < float("inf"):
+        raise PackingError(f"temperature={temperature!r} is invalid; expected a number > 0 (the logits are divided "
+                           "by it; 1.0 leaves them as they are)")
+    return value
 
 
 def check_top_k(top_k: Optional[int], vocab: int) -> None:

@@ -40,6 +40,17 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))
 
 
+def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x [size*N, *]`` over the ranks of ``group`` and hand rank ``k`` block ``k``: ``[N, *]`` (the
+    adjoint of :func:`all_gather_dim0`). Not autograd-aware."""
+    return funcol.wait_tensor(_reduce_scatter(x.contiguous(), "sum", 0, group))
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over the ranks of ``group`` (a new tensor). Not autograd-aware."""
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
 def all_to_all_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """All-to-all along dim 0 in equal blocks: ``x [size*M, *]`` -> ``[size*M, *]``, where block ``j``
     of the result is block ``rank`` of rank ``j``'s ``x``. Not autograd-aware.
@@ -66,7 +77,7 @@ class _AllGatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.grad_mode == "sum":
-            out = funcol.wait_tensor(_reduce_scatter(grad.contiguous(), "sum", 0, ctx.group))  # [N, *]
+            out = reduce_scatter_dim0(grad, ctx.group)  # [N, *]
         else:
             out = grad.narrow(0, ctx.rank * ctx.rows, ctx.rows)  # [N, *]
         return out, None, None, None

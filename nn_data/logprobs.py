@@ -49,26 +49,17 @@ class _TargetLogProb(torch.autograd.Function):
     def forward(ctx, logits, target, keep, vocab_start: int, tp_group, tp_size: int, chunk: int, sampling=None):
         n, cols = logits.shape
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        local = target - vocab_start  # [N] column on this rank
-        owned = (local >= 0) & (local < cols)  # [N]
-        local = local.clamp(0, max(cols - 1, 0))
+        local, owned = target_columns(target, vocab_start, cols)
         lse = logits.new_empty(n, dtype=dtype)
         picked = logits.new_empty(n, dtype=dtype)
         tau = logits.new_empty(n if sampling is not None else 0, dtype=dtype)  # [N] thresholds when filtering
         for i in range(0, n, chunk):  # static: n and chunk are Python ints
-            x = logits[i : i + chunk].to(dtype)  # [c, Vt]
-            if sampling is not None:
-                tau[i : i + chunk] = _thresholds(logits[i : i + chunk], sampling, tp_group, tp_size)
-                x = _filtered(x, tau[i : i + chunk])
-            lse[i : i + chunk] = torch.logsumexp(x, dim=-1)
-            picked[i : i + chunk] = x.gather(1, local[i : i + chunk, None]).squeeze(1)
-        picked = torch.where(owned, picked, 0.0)
-        if tp_size > 1:
-            both = torch.stack([lse, picked])  # [2, N]
-            every = all_gather_dim0(both, tp_group).view(tp_size, 2, n)  # [TP, 2, N]
-            lse, picked = torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)  # [N] each
-        if sampling is not None:
-            owned = owned & (picked > float("-inf"))  # a filtered target: no one-hot term
+            j = i + chunk
+            lse[i:j], picked[i:j], tau_c = chunk_lse_and_target(logits[i:j], dtype, local[i:j], sampling, tp_group,
+                                                                tp_size)
+            if tau_c is not None:
+                tau[i:j] = tau_c
+        lse, picked, owned = combine_vocab_parallel(lse, picked, owned, tp_group, tp_size, sampling is not None)
         ctx.save_for_backward(logits, local, owned, keep, lse, tau)
         ctx.chunk, ctx.sampled = chunk, sampling is not None
         return torch.where(keep, picked - lse, 0.0)
@@ -82,11 +73,64 @@ class _TargetLogProb(torch.autograd.Function):
         for i in range(0, logits.shape[0], ctx.chunk):
             j = i + ctx.chunk
             x = logits[i:j].to(lse.dtype)  # [c, Vt]
-            x = _filtered(x, tau[i:j]).sub_(lse[i:j, None]) if ctx.sampled else x.sub(lse[i:j, None])
-            d = x.exp_()  # [c, Vt] softmax (0 where filtered)
-            d.mul_(-g[i:j, None]).scatter_add_(1, local[i:j, None], g_owned[i:j, None])
-            out[i:j] = d
+            out[i:j] = chunk_logit_grad(x, lse[i:j], tau[i:j] if ctx.sampled else None, g[i:j], g_owned[i:j],
+                                        local[i:j], fresh=False)
         return out, None, None, None, None, None, None, None
+
+
+def target_columns(target: torch.Tensor, vocab_start: int, cols: int):
+    """``(local [N], owned [N])``: each target's column on this TP rank (clamped into ``[0, Vt)``) and whether
+    this rank holds it. Example: target ``[1, 5, 9]``, vocab_start 4, cols 4 -> local ``[0, 1, 3]``, owned
+    ``[F, T, F]``."""
+    local = target - vocab_start  # [N] column on this rank
+    owned = (local >= 0) & (local < cols)  # [N]
+    return local.clamp(0, max(cols - 1, 0)), owned
+
+
+def chunk_lse_and_target(raw: torch.Tensor, dtype: torch.dtype, local: torch.Tensor, sampling, tp_group,
+                         tp_size: int, *, fresh: bool = False):
+    """``(lse [c], picked [c], tau [c] or None)`` of one chunk of this rank's logits ``raw [c, Vt]``: the
+    log-sum-exp over its columns and the logit at ``local`` (in ``dtype``, float32 or wider), over the
+    columns the filter keeps when ``sampling`` is set (``tau`` the thresholds, in ``raw``'s dtype).
+    ``fresh``: ``raw`` may be overwritten (the log-sum-exp is then taken in place: no second chunk)."""
+    x = raw.to(dtype)  # [c, Vt], a copy when the dtype changes
+    fresh = fresh or raw.dtype != dtype
+    tau = None
+    if sampling is not None:
+        tau = _thresholds(raw, sampling, tp_group, tp_size)
+        x, fresh = _filtered(x, tau), True
+    picked = x.gather(1, local[:, None]).squeeze(1)  # [c]
+    if not fresh:  # x is the caller's tensor
+        return torch.logsumexp(x, dim=-1), picked, tau
+    # [c]; a row with no column kept on this TP rank (filtered) is all -inf: shift it by 0, its lse is -inf
+    top = x.amax(dim=-1).nan_to_num(neginf=0.0)
+    return x.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top), picked, tau
+
+
+def combine_vocab_parallel(lse, picked, owned, tp_group, tp_size: int, sampled: bool):
+    """The whole vocabulary's ``(lse [N], picked [N], owned [N])`` from every TP rank's: one all-gather of
+    ``[2, N]`` (the log-sum-exp over ranks; the target logit from the rank that owns it, 0 elsewhere).
+    With a filter, a target it dropped (``picked = -inf``) loses its one-hot term."""
+    picked = torch.where(owned, picked, 0.0)
+    if tp_size > 1:
+        n = lse.shape[0]
+        every = all_gather_dim0(torch.stack([lse, picked]), tp_group).view(tp_size, 2, n)  # [TP, 2, N]
+        lse, picked = torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)  # [N] each
+    if sampled:
+        owned = owned & (picked > float("-inf"))  # a filtered target: no one-hot term
+    return lse, picked, owned
+
+
+def chunk_logit_grad(x, lse, tau, g, g_owned, local, *, fresh: bool) -> torch.Tensor:
+    """The gradient of one chunk's logits, ``[c, Vt]`` in ``lse``'s dtype: ``-softmax * g`` plus ``g_owned``
+    at the target column (``softmax`` over the kept columns when ``tau`` is given; 0 where filtered).
+    ``x [c, Vt]`` holds the chunk's logits in that dtype; ``fresh``: ``x`` may be overwritten."""
+    if tau is not None:
+        x = _filtered(x, tau).sub_(lse[:, None])
+    else:
+        x = x.sub_(lse[:, None]) if fresh else x.sub(lse[:, None])
+    d = x.exp_()  # [c, Vt] softmax (0 where filtered)
+    return d.mul_(-g[:, None]).scatter_add_(1, local[:, None], g_owned[:, None])
 
 
 def _thresholds(raw: torch.Tensor, sampling, tp_group, tp_size: int) -> torch.Tensor:
@@ -187,64 +231,91 @@ class TokenLogProbs(nn.Module):
         seq_len=None,
         layout: Optional[PackLayout] = None,
     ) -> torch.Tensor:
-        if seq_len is None:
-            seq_len = self.seq_len
-            if seq_len is None:
-                raise _checks.PackingError("TokenLogProbs needs the row length S: pass seq_len= to forward "
-                                           "(or to the constructor)")
-        elif isinstance(seq_len, int):
-            _checks.row_length("seq_len", seq_len)
+        seq_len = resolve_seq_len("TokenLogProbs", seq_len, self.seq_len)
         _checks.check_packed("logits", logits)
         if logits.dim() != 3 or not logits.dtype.is_floating_point:
             raise _checks.PackingError(f"logits must be floating point [1, T/C, V], got shape "
                                        f"{tuple(logits.shape)} and dtype {logits.dtype}")
-        _checks.check_packed_ids("packed_ids", packed_ids)
         local_total, cols = logits.shape[1], logits.shape[2]
-        total = local_total * self.cp_size
-        if packed_ids.shape[1] != total:
-            raise _checks.PackingError(
-                f"packed_ids has shape {tuple(packed_ids.shape)} but logits {tuple(logits.shape)} on "
-                f"cp_size={self.cp_size} ranks cover T={total} positions; pass the full packed ids [1, {total}]"
-            )
-        _checks.check_same_device(logits=logits, packed_ids=packed_ids)
-        layout = self._layout(packed_ids, total, cols * self.tp_size, cu_seqlens, cu_seqlens_padded, seq_len, layout)
-        segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, total)
-        if places is None:
-            places = layout.local_places(self.cp_size, self.cp_rank)
-        target, keep = next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
+        total = check_full_ids("logits", logits, packed_ids, local_total, self.cp_size)
+        layout = logprob_layout("TokenLogProbs", packed_ids, total, cols * self.tp_size, cu_seqlens, cu_seqlens_padded,
+                               seq_len, layout, cp_size=self.cp_size, validate=self.validate, host_reads=self.host_reads)
+        target, keep = targets_on_rank(layout, packed_ids, total, places, self.cp_size, self.cp_rank)  # [T/C] each
         local = token_logprobs_local(
             logits.squeeze(0), target, keep, vocab_start=self.tp_rank * cols, tp_group=self.tp_group,
             tp_size=self.tp_size, chunk_tokens=self.chunk_tokens,
         )  # [T/C]
-        packed = local if self.gather is None else self.gather(local[None], layout=layout).squeeze(0)  # [T]
-        if total == 0:  # nothing was packed (every row empty, no pad_full_seq_to): all zeros, still in the graph
-            return packed.sum().expand(layout.rows, seq_len).clone()
-        # out[b, s] = packed[cu_seqlens_padded[b] + s - 1] for 1 <= s < L[b], else 0: the log-prob of token s
-        # is scored at position s - 1. Example: [a0, a1, a2, pad], L 3, S 4 -> [0, lp(a0->a1), lp(a1->a2), 0].
-        return layout.unpack(packed[None], seq_len, 0.0, shift=1)  # [B, S]
+        return rows_from_local(local, layout, self.gather, total, seq_len)  # [B, S]
 
-    def _layout(self, packed_ids, total, vocab: int, cu_seqlens, cu_seqlens_padded, seq_len, layout) -> PackLayout:
-        """The layout of this call and its validation: the one read of the boundaries, with "every target
-        id is in the vocabulary" folded into it (eager, no layout given), or device asserts."""
-        if layout is None:
-            if cu_seqlens is None or cu_seqlens_padded is None:
-                raise _checks.PackingError("TokenLogProbs needs cu_seqlens and cu_seqlens_padded, or layout=")
-            boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, self.cp_size, cu_seqlens)
-        elif layout.cu_seqlens is None:
-            raise _checks.PackingError("TokenLogProbs needs a layout with cu_seqlens (PackResult.layout)")
-        bad_ids = None
-        if self.validate:
-            bounds, lengths = packed_segments(layout.cu_seqlens if layout is not None else cu_seqlens,
-                                              layout.cu_seqlens_padded if layout is not None else cu_seqlens_padded,
-                                              total)
-            bad_ids = target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
-        if layout is not None or not reads_host(self.validate, self.host_reads):
-            layout = op_layout("TokenLogProbs", "packed_ids", packed_ids, total, self.cp_size, cu_seqlens_padded,
-                               layout, validate=self.validate, host_reads=self.host_reads, cu_seqlens=cu_seqlens,
-                               seq_len=seq_len)
-            if bad_ids is not None:
-                target_ids_device("TokenLogProbs", bad_ids, vocab)
-            return layout
-        ids_ok = (~bad_ids.any(), lambda: target_ids_host(bad_ids, packed_ids[0], vocab))
-        bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens, also_check=ids_ok)
-        return layout_from_boundaries(bounds, op="TokenLogProbs", seq_len=seq_len, cp_size=self.cp_size)
+
+def resolve_seq_len(op: str, seq_len, configured: Optional[int]):
+    """The row length ``S`` of a call: ``seq_len=`` (an int is checked; a symbolic size passes), else the
+    configured one, else :class:`~nn_data.errors.PackingError`."""
+    if seq_len is None:
+        if configured is None:
+            raise _checks.PackingError(f"{op} needs the row length S: pass seq_len= to forward (or to the constructor)")
+        return configured
+    if isinstance(seq_len, int):
+        _checks.row_length("seq_len", seq_len)
+    return seq_len
+
+
+def check_full_ids(name: str, local: torch.Tensor, packed_ids: torch.Tensor, local_total: int, cp_size: int) -> int:
+    """``T`` (``local_total * C``) after checking that ``packed_ids`` is the full packed ids ``[1, T]`` on
+    ``local``'s device (``name`` holds this rank's ``T/C`` positions)."""
+    _checks.check_packed_ids("packed_ids", packed_ids)
+    total = local_total * cp_size
+    if packed_ids.shape[1] != total:
+        raise _checks.PackingError(
+            f"packed_ids has shape {tuple(packed_ids.shape)} but {name} {tuple(local.shape)} on "
+            f"cp_size={cp_size} ranks cover T={total} positions; pass the full packed ids [1, {total}]"
+        )
+    _checks.check_same_device(**{name: local, "packed_ids": packed_ids})
+    return total
+
+
+def targets_on_rank(layout: PackLayout, packed_ids: torch.Tensor, total: int, places, cp_size: int, cp_rank: int):
+    """``(target [T/C], keep [T/C])``: each of this rank's positions' next token within its sequence and
+    whether it has one (:func:`nn_data.targets.next_token_at` on the layout's real lengths)."""
+    segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, total)
+    if places is None:
+        places = layout.local_places(cp_size, cp_rank)
+    return next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
+
+
+def rows_from_local(local: torch.Tensor, layout: PackLayout, gather, total: int, seq_len) -> torch.Tensor:
+    """This rank's ``[T/C]`` log-probs -> ``[B, S]`` rows: one all-gather over the CP group (``gather``,
+    None without CP), then the unpack shifted by one."""
+    packed = local if gather is None else gather(local[None], layout=layout).squeeze(0)  # [T]
+    if total == 0:  # nothing was packed (every row empty, no pad_full_seq_to): all zeros, still in the graph
+        return packed.sum().expand(layout.rows, seq_len).clone()
+    # out[b, s] = packed[cu_seqlens_padded[b] + s - 1] for 1 <= s < L[b], else 0: the log-prob of token s
+    # is scored at position s - 1. Example: [a0, a1, a2, pad], L 3, S 4 -> [0, lp(a0->a1), lp(a1->a2), 0].
+    return layout.unpack(packed[None], seq_len, 0.0, shift=1)  # [B, S]
+
+
+def logprob_layout(op: str, packed_ids, total: int, vocab: int, cu_seqlens, cu_seqlens_padded, seq_len, layout, *,
+                  cp_size: int, validate: bool, host_reads: bool) -> PackLayout:
+    """The layout of a log-prob call and its validation: the one read of the boundaries, with "every
+    target id is in the vocabulary" folded into it (eager, no layout given), or device asserts."""
+    if layout is None:
+        if cu_seqlens is None or cu_seqlens_padded is None:
+            raise _checks.PackingError(f"{op} needs cu_seqlens and cu_seqlens_padded, or layout=")
+        boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, cp_size, cu_seqlens)
+    elif layout.cu_seqlens is None:
+        raise _checks.PackingError(f"{op} needs a layout with cu_seqlens (PackResult.layout)")
+    bad_ids = None
+    if validate:
+        bounds, lengths = packed_segments(layout.cu_seqlens if layout is not None else cu_seqlens,
+                                          layout.cu_seqlens_padded if layout is not None else cu_seqlens_padded,
+                                          total)
+        bad_ids = target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
+    if layout is not None or not reads_host(validate, host_reads):
+        layout = op_layout(op, "packed_ids", packed_ids, total, cp_size, cu_seqlens_padded, layout,
+                           validate=validate, host_reads=host_reads, cu_seqlens=cu_seqlens, seq_len=seq_len)
+        if bad_ids is not None:
+            target_ids_device(op, bad_ids, vocab)
+        return layout
+    ids_ok = (~bad_ids.any(), lambda: target_ids_host(bad_ids, packed_ids[0], vocab))
+    bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens, also_check=ids_ok)
+    return layout_from_boundaries(bounds, op=op, seq_len=seq_len, cp_size=cp_size)

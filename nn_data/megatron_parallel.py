@@ -51,6 +51,18 @@ def packed_seq_params_class() -> Any:
     return PackedSeqParams
 
 
+@functools.lru_cache(maxsize=1)
+def gpt_model_class() -> Any:
+    """megatron-core's ``GPTModel`` class (imported on the first call), for the NeMo-RL drop-in's
+    ``patch_gpt_model_forward_for_linear_ce_fusion``."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: the class itself needs neither
+        from megatron.core.models.gpt import GPTModel
+    return GPTModel
+
+
 def packed_seq_params_fields() -> frozenset:
     """Field names of the installed megatron-core's ``PackedSeqParams``."""
     return frozenset(f.name for f in dataclasses.fields(packed_seq_params_class()))

@@ -47,7 +47,8 @@ class PackedInfo(NamedTuple):
     Two Python-int bounds, known without a host read: ``max_length``, the longest padded segment
     (``max_seqlen``'s value when the layout was built on the host, else ``T``: what a variable-length
     attention kernel's ``max_seqlen`` needs), and ``row_len``, the batch's row length ``S``, which
-    bounds every sequence's valid length.
+    bounds every sequence's valid length. ``cu_seqlens [B+1]`` the real (unpadded) boundaries, for a
+    model that scores next tokens itself (each sequence's last token has none).
     """
 
     cu_seqlens_padded: torch.Tensor
@@ -61,6 +62,7 @@ class PackedInfo(NamedTuple):
     padding_mask: Optional[torch.Tensor] = None
     max_length: Optional[int] = None
     row_len: Optional[int] = None
+    cu_seqlens: Optional[torch.Tensor] = None
 
 
 class PackedInput(NamedTuple):
@@ -186,7 +188,7 @@ class PackedForward(nn.Module):
         info = PackedInfo(
             cu_pad, prep.pack.max_seqlen, prep.segment_ids, prep.places.source,
             self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep), prep.padding_mask,
-            max_length=longest, row_len=int(input_ids.shape[1]),
+            max_length=longest, row_len=int(input_ids.shape[1]), cu_seqlens=prep.pack.cu_seqlens,
         )
         return PackedInput(prep.local["x"], prep.positions, info, seq_lengths, rows, input_ids, layout)
 

@@ -130,6 +130,10 @@ def megatron_gpt_layer_spec(**local_spec_kwargs):
     return spec
 
 
+#: What :class:`MegatronGPTAdapter`'s last pipeline stage returns.
+OUTPUTS = ("logits", "logprobs")
+
+
 class MegatronGPTAdapter(nn.Module):
     """A megatron-core ``GPTModel`` built with :func:`megatron_gpt_layer_spec`, as a
     :class:`~nn_data.packed_forward.PackedForward` model.
@@ -137,7 +141,13 @@ class MegatronGPTAdapter(nn.Module):
     ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs)`` returns the
     model's output for the local tokens: logits ``[1, Tq, V]`` on the last pipeline stage
     (``post_process``), the hidden states ``[Tq, 1, E]`` megatron-core sends to the next stage
-    otherwise. The THD ``PackedSeqParams`` are ``packed.packed_seq_params``: wrap the adapter in
+    otherwise. With ``output="logprobs"`` the last stage returns log-probs ``[1, Tq]`` instead, from
+    the decoder's hidden states and the output weight (the embedding's when tied) by
+    :class:`~nn_data.TokenLogProbsFromHidden` (``chunk_tokens`` per chunk): the logits never exist.
+    Position ``t`` holds ``log p(x[t+1] | x[:t+1])`` when token ``t+1`` is in ``t``'s sequence, else 0,
+    so ``PackedForward`` hands back rows ``[B, S]`` with ``out[b, s] = log p(x[b, s+1] | x[b, :s+1])``
+    for ``s < L[b] - 1`` and 0 from ``L[b] - 1`` on, the log-softmax of the logits rows at the next
+    tokens (single-process gradients under CP, as the logits'). The THD ``PackedSeqParams`` are ``packed.packed_seq_params``: wrap the adapter in
     ``PackedForward(..., make_packed_seq_params=True)``. ``mask_kind`` chooses the mask's form
     (:func:`nn_data.masks.document_mask`).
 
@@ -148,13 +158,16 @@ class MegatronGPTAdapter(nn.Module):
     one (``takes_padding_mask``; megatron-core 0.16 and 0.19 do) and ``model_kwargs`` does not.
 
     Raises :class:`PackingError` for a model whose attention is not
-    :class:`PackedDotProductAttention`, when ``packed.cp_size`` differs from the size of the model's
-    CP group (``model.pg_collection.cp``, which megatron-core's rotary embedding uses), or without
-    ``packed.packed_seq_params``.
+    :class:`PackedDotProductAttention`, an unknown ``output``, when ``packed.cp_size`` differs from the
+    size of the model's CP group (``model.pg_collection.cp``, which megatron-core's rotary embedding
+    uses), or without ``packed.packed_seq_params``; with ``output="logprobs"``, for multi-token
+    prediction layers.
     """
 
-    def __init__(self, model: nn.Module, *, mask_kind: str = "auto"):
+    def __init__(self, model: nn.Module, *, mask_kind: str = "auto", output: str = "logits", chunk_tokens: int = 256):
         super().__init__()
+        if output not in OUTPUTS:
+            raise PackingError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
         _megatron_cpu.apply_cpu_patches()
         attention = [m for m in model.modules() if hasattr(m, "core_attention")]
         if attention and not all(isinstance(m.core_attention, PackedDotProductAttention) for m in attention):
@@ -171,6 +184,17 @@ class MegatronGPTAdapter(nn.Module):
         if self.pg_collection is not None:
             groups.append(self.pg_collection.cp)
         self._cp_groups = {id(g): g for g in groups}
+        self.output, self.head = output, None
+        if output == "logprobs":
+            if getattr(model.config, "mtp_num_layers", None):
+                raise PackingError("output='logprobs' does not support multi-token prediction layers "
+                                   f"(mtp_num_layers={model.config.mtp_num_layers})")
+            from nn_data.lm_head import TokenLogProbsFromHidden
+
+            self.head = TokenLogProbsFromHidden(cp_group=model.pg_collection.cp, tp_group=model.pg_collection.tp,
+                                                chunk_tokens=chunk_tokens,
+                                                sequence_parallel=model.config.sequence_parallel, validate=False,
+                                                host_reads=False)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
         params = packed.packed_seq_params
@@ -187,6 +211,8 @@ class MegatronGPTAdapter(nn.Module):
         if self.takes_padding_mask and "padding_mask" not in model_kwargs:
             model_kwargs["padding_mask"] = packed.padding_mask  # [1, Tq] bool, True at padding
         with self._rotary_over(runtime):
+            if self.head is not None and self.model.post_process:
+                return self._logprobs(input_ids, position_ids, mask, params, packed, model_kwargs)
             return self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)
 
     @contextlib.contextmanager
@@ -215,6 +241,23 @@ class MegatronGPTAdapter(nn.Module):
         finally:
             for m, collection in saved:
                 m.pg_collection = collection
+
+    def _logprobs(self, input_ids, position_ids, mask, params, packed, model_kwargs) -> torch.Tensor:
+        """The last stage's log-probs ``[1, Tq]``: megatron-core's ``GPTModel`` returns the decoder's
+        (final-normed) hidden states when ``post_process`` is off, then the fused head."""
+        if packed.cu_seqlens is None:
+            raise PackingError("output='logprobs' needs packed.cu_seqlens (the real boundaries): run the "
+                               "adapter inside PackedForward")
+        self.model.post_process = False
+        try:
+            hidden = self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)  # [Tq, 1, E]
+        finally:
+            self.model.post_process = True
+        model = self.model
+        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
+            else model.output_layer.weight
+        ids = input_ids if packed.gather is None else packed.gather(input_ids[..., None])[..., 0]  # [1, T]
+        return self.head.local(hidden, weight, ids, packed.cu_seqlens, packed.cu_seqlens_padded)  # [1, Tq]
 
     @property
     def module(self) -> nn.Module:

@@ -42,7 +42,9 @@ def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn, *, pg_collect
     seq_lengths [B])``; ``B`` and the lengths may differ between microbatches.
 
     On the last stage ``loss_fn`` gets the microbatch's rows ``[B, S, *]`` (the model's packed
-    output unpacked by ``packing.finish``) and returns ``(loss, num_tokens)``; the step returns
+    output unpacked by ``packing.finish``: logits ``[B, S, V]``, or with
+    ``MegatronGPTAdapter(..., output="logprobs")`` the next tokens' log-probs ``[B, S]``, the logits never
+    built) and returns ``(loss, num_tokens)``; the step returns
     them to the schedule as ``(loss, num_tokens, {"loss": ..., "num_tokens": ...})`` (megatron-core
     divides by ``num_tokens`` unless ``config.calculate_per_token_loss``).
 
@@ -74,7 +76,7 @@ def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn, *, pg_collect
         check_p2p_config(getattr(model, "config", None), _backend())
         input_ids, seq_lengths = next(data_iterator)
         inp = packing.prepare(input_ids, seq_lengths)
-        output = model(inp.input_ids, inp.position_ids, inp.packed)  # logits [1, T/C, V] or hidden [T/C, 1, E]
+        output = model(inp.input_ids, inp.position_ids, inp.packed)  # logits [1, T/C, V] (or log-probs [1, T/C]), hidden [T/C, 1, E]
 
         def loss_func(output_tensor: torch.Tensor):
             rows = packing.finish(output_tensor, inp)  # [B, S, *]

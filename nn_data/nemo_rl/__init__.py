@@ -4,7 +4,7 @@ imports (``docs/nemo-rl.md``). Switch by changing one import:
 | NeMo-RL module | nn_data module (old path, the same module object) |
 | --- | --- |
 | ``nemo_rl.models.megatron.data`` | :mod:`nn_data.nemo_rl.megatron_data` (``nn_data.megatron_data``) |
-| ``nemo_rl.distributed.model_utils`` | :mod:`nn_data.nemo_rl.model_utils` (``nn_data.model_utils``) |
+| ``nemo_rl.distributed.model_utils`` | :mod:`nn_data.nemo_rl.model_utils` (``nn_data.model_utils``); its linear-CE fusion lives in :mod:`nn_data.nemo_rl.linear_ce` and :mod:`nn_data.nemo_rl.linear_ce_patch`, re-exported there |
 | ``nemo_rl.distributed.batched_data_dict`` | :mod:`nn_data.nemo_rl.batched_data_dict` (``nn_data.batched_data_dict``) |
 | ``nemo_rl.models.automodel.data`` | :mod:`nn_data.nemo_rl.automodel_data` (``nn_data.automodel_data``) |
 | ``nemo_rl.models.huggingface.common`` (its packing helpers) | :mod:`nn_data.nemo_rl.huggingface_common` (``nn_data.huggingface_common``) |

@@ -19,8 +19,9 @@ The names, signatures, defaults and values are NeMo-RL's (HEAD 7ea279a), its con
 * the gradient under CP is ``C`` times the single-process one (NeMo-RL's all-gather backward sums
   the ranks' gradients and its loss divides by ``cp_size``): here a reduce-scatter, exact also when
   the ranks' losses differ;
-* a target outside ``[0, V)`` gets 0 and no gradient; ``sampling_params`` (top-k / top-p) take the
-  log-softmax over the kept logits, a filtered target gets ``-inf``.
+* a target outside ``[0, V)`` gets the value 0 and NeMo-RL's gradient, ``-softmax`` of its row times
+  the output's gradient (NeMo-RL's backward masks only the one-hot term); ``sampling_params`` (top-k /
+  top-p) take the log-softmax over the kept logits, a filtered target gets ``-inf``.
 
 What is nn_data's: one index map for the whole microbatch (no loop over sequences), the log-probs of
 a rank's own positions computed in chunks of tokens (``token_logprobs_local``), one all-gather of
@@ -32,7 +33,6 @@ docs/nemo-rl.md's "Differences from NeMo-RL" table.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -43,15 +43,30 @@ from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.logprobs import token_logprobs_local
 from nn_data.groups import ParallelInfo, given_group_info
 from nn_data.layout import (
-    Boundaries, Segments, boundary_args, layout_from_boundaries, local_places, segment_bounds, sequence_divisible,
-    zigzag_source,
+    Boundaries, boundary_args, layout_from_boundaries, local_places, sequence_divisible, zigzag_source,
+)
+from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs from hidden states), with CP
+    ChunkedDistributedHiddenStatesToLogprobs,
+    from_parallel_hidden_states_to_logprobs,
+    from_parallel_hidden_states_to_logprobs_packed_sequences,
+)
+from nn_data.nemo_rl.linear_ce_patch import patch_gpt_model_forward_for_linear_ce_fusion
+from nn_data.nemo_rl.logprob_steps import (
+    DEFAULT_CHUNK_TOKENS,
+    chunk_and_filter,
+    gather_cp,
+    grad_mode,
+    groups,
+    in_vocab,
+    nemo_rl_rows,
+    out_of_vocab_as_nemo_rl,
+    packed_targets,
 )
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
 from nn_data.sampling import sampling_filter
-from nn_data.targets import next_token_at
-from nn_data.unpack import unpack_sequences
 
 __all__ = [
+    "ChunkedDistributedHiddenStatesToLogprobs",
     "ChunkedDistributedLogprob",
     "ChunkedDistributedLogprobWithSampling",
     "DistributedLogprob",
@@ -60,14 +75,13 @@ __all__ = [
     "_compute_distributed_log_softmax",
     "_get_tokens_on_this_cp_rank",
     "allgather_cp_sharded_tensor",
+    "from_parallel_hidden_states_to_logprobs",
+    "from_parallel_hidden_states_to_logprobs_packed_sequences",
     "from_parallel_logits_to_logprobs",
     "from_parallel_logits_to_logprobs_packed_sequences",
     "get_next_token_logprobs_from_logits",
+    "patch_gpt_model_forward_for_linear_ce_fusion",
 ]
-
-#: Tokens per chunk of the log-sum-exp when NeMo-RL's ``chunk_size`` is None (NeMo-RL then holds
-#: a float32 ``[N, Vt]`` log-softmax; one ``[256, Vt]`` block here).
-DEFAULT_CHUNK_TOKENS = 256
 
 
 def from_parallel_logits_to_logprobs_packed_sequences(
@@ -106,29 +120,27 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     of ``2C``, a group this process is not in (call); ``cu_seqlens_padded`` not rising from 0 to ``T``
     in segments divisible by ``2C`` (validation).
     """
-    cp, tp = _groups(cp_group, group, pg_collection)
+    cp, tp = groups(cp_group, group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP] "
                                "(Expected probs to be 1D after squeezing)", 3)
     _checks.check_packed("vocab_parallel_logits", vocab_parallel_logits)
     local_total, cols = vocab_parallel_logits.shape[1], vocab_parallel_logits.shape[2]
     total = local_total * cp.size
     seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
-    chunk, filt = _chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
+    chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
     _checks.check_logprob_target(target, target_is_pre_rolled, local_total, total)
     boundary_args("vocab_parallel_logits", vocab_parallel_logits, total, cu_seqlens_padded, cp.size)
     _checks.check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
     if validate:  # the boundaries' one host read (eager) or device asserts (compiled)
         layout_from_boundaries(Boundaries(cu_seqlens_padded, total), cp_size=cp.size,
                                op="from_parallel_logits_to_logprobs_packed_sequences")
-    with _grad_mode(inference_only):
-        token, keep = _packed_targets(target, target_is_pre_rolled, cu_seqlens_padded, total, cp, seq_len)
-        keep = keep & _in_vocab(token, cols * tp.size)
+    with grad_mode(inference_only):
+        token, keep = packed_targets(target, target_is_pre_rolled, cu_seqlens_padded, total, cp, seq_len)
         # squeeze, not [0]: its backward is a view, where [0]'s would copy the logits' whole gradient
         values = _local_logprobs(vocab_parallel_logits.squeeze(0), token, keep, vocab_start_index, tp, chunk, filt)
-        packed = _gather_cp(values, cu_seqlens_padded, cp)  # [1, T]
-        cu = cu_seqlens_padded.to(torch.int64)
-        lengths = (cu[1:] - cu[:-1] - 1).clamp(0, seq_len - 1)  # [B] min(n_b - 1, S - 1)
-        return unpack_sequences(packed, lengths, cu_seqlens_padded, seq_len - 1, 0, validate=False)  # [B, S-1]
+        values = out_of_vocab_as_nemo_rl(values, in_vocab(token, cols * tp.size))
+        packed = gather_cp(values, cu_seqlens_padded, cp)  # [1, T]
+        return nemo_rl_rows(packed, cu_seqlens_padded, seq_len)  # [B, S-1]
 
 
 def from_parallel_logits_to_logprobs(
@@ -159,16 +171,16 @@ def from_parallel_logits_to_logprobs(
     ``target`` not ``[B, S]`` integer with ``S <= S_loc * C``, an odd ``S_loc`` under CP, a bad
     ``chunk_size``, vocabulary slice or ``top_k``, a group this process is not in.
     """
-    cp, tp = _groups(cp_group, tp_group, pg_collection)
+    cp, tp = groups(cp_group, tp_group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, vocab_size // TP]", 3)
     rows, local_len, cols = vocab_parallel_logits.shape
     padded_len = local_len * cp.size  # S_pad
     _checks.check_row_target(target, rows, padded_len)
     _checks.check_even_shard("vocab_parallel_logits", local_len, cp.size, "row")
     _checks.check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
-    chunk, filt = _chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
+    chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
     seq_len = target.shape[1]
-    with _grad_mode(inference_only):
+    with grad_mode(inference_only):
         bounds = torch.arange(rows + 1, device=target.device) * padded_len  # [B+1]: one segment per row
         places = local_places(bounds, rows * padded_len, cp.size, cp.rank)  # 2 x [B*S_loc]
         offset = places.source - places.segment * padded_len  # [B*S_loc] position in the padded row
@@ -177,10 +189,10 @@ def from_parallel_logits_to_logprobs(
         flat = (places.segment * seq_len + offset + 1).clamp(0, max(rows * seq_len - 1, 0))
         token = target.reshape(-1).to(torch.int64)
         token = token.index_select(0, flat) if token.numel() else torch.zeros_like(flat)  # [B*S_loc]
-        keep = keep & _in_vocab(token, cols * tp.size)
         logits = vocab_parallel_logits.reshape(rows * local_len, cols)  # [B*S_loc, Vt]
         values = _local_logprobs(logits, token, keep, vocab_start_index, tp, chunk * max(rows, 1), filt)
-        full = _gather_cp(values, bounds, cp)  # [1, B*S_pad]
+        values = out_of_vocab_as_nemo_rl(values, in_vocab(token, cols * tp.size))
+        full = gather_cp(values, bounds, cp)  # [1, B*S_pad]
         return full.view(rows, padded_len)[:, : max(seq_len - 1, 0)]  # [B, S-1]
 
 
@@ -281,8 +293,8 @@ def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: 
 
 class DistributedLogprob:
     """``apply(vocab_parallel_logits [*, Vt], target [*], vocab_start_index, vocab_end_index, group,
-    inference_only=False) -> [*]``: ``log softmax(logits)[target]`` over the TP-split vocabulary, 0
-    for a target outside ``[0, V)``."""
+    inference_only=False) -> [*]``: ``log softmax(logits)[target]`` over the TP-split vocabulary; for a
+    target outside ``[0, V)`` the value 0 and the gradient ``-softmax`` (NeMo-RL's)."""
 
     @staticmethod
     def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group, inference_only=False, *,
@@ -338,58 +350,9 @@ def _compute_distributed_log_softmax(vocab_parallel_logits: torch.Tensor, group,
 # --- shared steps ------------------------------------------------------------------------------------------
 
 
-def _groups(cp_group, tp_group, pg_collection=None) -> tuple[ParallelInfo, ParallelInfo]:
-    """CP and TP of a call: the groups given, else ``pg_collection``'s ``cp`` / ``tp``, else not split."""
-    return (given_group_info(cp_group, pg_collection=pg_collection, field="cp"),
-            given_group_info(tp_group, pg_collection=pg_collection, field="tp"))
-
-
-def _grad_mode(inference_only: bool):
-    return torch.no_grad() if inference_only else contextlib.nullcontext()
-
-
-def _chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols: int, tp: ParallelInfo):
-    """Tokens per chunk and the sampling filter (or None), after the checks they share."""
-    chunk = _checks.positive_int("chunk_size", chunk_size, allow_none=True) or DEFAULT_CHUNK_TOKENS
-    _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
-    filt = sampling_filter(sampling_params)
-    if filt is not None:
-        _checks.check_top_k(filt.top_k, cols * tp.size)
-    return chunk, filt
-
-
-def _packed_targets(target, pre_rolled: bool, cu_seqlens_padded, total: int, cp: ParallelInfo, seq_len: int):
-    """``(token [N], keep [N])`` for this rank's packed positions: the token each one scores and
-    whether NeMo-RL's output holds it (offset ``s`` in its padded segment ``n``: ``s < min(n-1, S-1)``).
-
-    Example (C 1): cu_seqlens_padded ``[0, 4, 12]``, S 6 -> keep ``[T,T,T,F, T,T,T,T,T,F,F,F]``
-    (segment 1 is cut at ``S - 1 = 5`` positions); position 3 would score the next segment's token.
-    """
-    bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]
-    places = local_places(bounds, total, cp.size, cp.rank)  # 2 x [N]
-    seg_len = bounds[1:] - bounds[:-1]  # [B'] padded segments: every padded position is scored
-    offset = places.source - bounds[places.segment]  # [N]
-    keep = (offset + 1 < seg_len[places.segment]) & (offset + 1 < seq_len)  # [N]
-    if pre_rolled:
-        return target[0].to(torch.int64), keep  # [N] given on this rank's positions
-    return next_token_at(target[0], Segments(bounds, seg_len), places, total)[0], keep  # [N] the token at t + 1
-
-
-def _in_vocab(token: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[N]`` bool: the target is a vocabulary id (NeMo-RL gives any other target 0)."""
-    return (token >= 0) & (token < vocab)
-
-
 def _local_logprobs(logits, token, keep, vocab_start: int, tp: ParallelInfo, chunk: int, filt):
     return token_logprobs_local(logits, token, keep, vocab_start=vocab_start, tp_group=tp.group, tp_size=tp.size,
                                 chunk_tokens=chunk, sampling=filt)
-
-
-def _gather_cp(values: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp: ParallelInfo) -> torch.Tensor:
-    """``[N]`` on each rank -> ``[1, T]``: one all-gather; backward a reduce-scatter (NeMo-RL's ``C``-times gradient)."""
-    if cp.size == 1:
-        return values[None]
-    return GatherFromContextParallel(cp.group, grad_mode="sum", validate=False)(values[None], cu_seqlens_padded)
 
 
 def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, chunk_size, filt, inference_only,
@@ -405,11 +368,11 @@ def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, c
         chunk = DEFAULT_CHUNK_TOKENS
     else:
         chunk = _checks.positive_int("chunk_size", chunk_size) * (logits.shape[0] if logits.dim() == 3 else 1)
-    with _grad_mode(inference_only):
+    with grad_mode(inference_only):
         token = target.reshape(-1).to(torch.int64)  # [M]
-        keep = _in_vocab(token, cols * tp.size)
+        keep = torch.ones_like(token, dtype=torch.bool)
         values = _local_logprobs(logits.reshape(-1, cols), token, keep, vocab_start_index, tp, chunk, filt)  # [M]
-        return values.view(target.shape)
+        return out_of_vocab_as_nemo_rl(values, in_vocab(token, cols * tp.size)).view(target.shape)
 
 
 def _sampled(logits, target, tp_group, top_k, top_p, chunk_size, inference_only, pg_collection=None):

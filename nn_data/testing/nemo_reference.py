@@ -8,7 +8,9 @@ float64 for the tests' 1e-10 comparisons):
 
 * top-k keeps the logits ``>=`` the row's ``k``-th largest; top-p then keeps a token when the
   probability mass of the tokens ranked strictly above it (descending) is ``< top_p``;
-* the log-prob of a target outside ``[0, V)`` is 0;
+* the log-prob of a target outside ``[0, V)`` is 0, and its logits' gradient is ``-softmax`` times the
+  output's gradient (NeMo-RL masks such a target out of the one-hot term only: its backward keeps
+  the softmax term, so the gradient is not that of the constant 0);
 * packed: position ``s`` of sequence ``b`` (packed position ``start + s``) scores the token at
   ``start + s + 1`` for ``s < min(n_b - 1, S - 1)``, ``n_b`` its padded segment; 0 beyond.
 """
@@ -39,11 +41,14 @@ def reference_filter(row: torch.Tensor, top_k: Optional[int] = None, top_p: floa
 
 
 def reference_logprob(row: torch.Tensor, token: int, top_k: Optional[int] = None, top_p: float = 1.0) -> torch.Tensor:
-    """``log softmax(row over the kept tokens)[token]``, 0 for a token outside ``[0, V)``; ``-inf`` if filtered."""
-    if not 0 <= token < row.shape[0]:
-        return row.sum() * 0
+    """``log softmax(row over the kept tokens)[token]``; ``-inf`` if filtered. For a token outside
+    ``[0, V)``: the value 0 with NeMo-RL's gradient ``-softmax`` (``lse.detach() - lse``)."""
     keep = reference_filter(row.detach(), top_k, top_p)
-    return torch.log_softmax(torch.where(keep, row, float("-inf")), dim=-1)[token]
+    kept = torch.where(keep, row, float("-inf"))
+    if not 0 <= token < row.shape[0]:
+        lse = torch.logsumexp(kept, dim=-1)
+        return lse.detach() - lse
+    return torch.log_softmax(kept, dim=-1)[token]
 
 
 def reference_roll_per_segment(target: torch.Tensor, cu_seqlens_padded) -> torch.Tensor:

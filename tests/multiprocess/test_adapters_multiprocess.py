@@ -113,6 +113,25 @@ def test_pipeline_parallel_interleaved_equals_pp1_and_each_sequence(rank_pool):
 
     text = report(results)
     assert "interleaved 1F1B, 2 virtual stages per rank" in text and "(bit for bit: True)" in text
+@pytest.mark.parametrize("cp", [1, 2], ids=lambda c: f"C{c}")
+def test_megatron_adapter_logprobs_equal_the_logits_path(rank_pool, cp):
+    for r in rank_pool.run("tests.models.fused_head_cases:case_adapter_logprobs", cp=cp):
+        assert r["cp_size"] == cp and r["values"] < 1e-10 and r["grads"] < 1e-10, r
+
+
+@needs_megatron_models
+@pytest.mark.parametrize("cp", [1, 2], ids=lambda c: f"C{c}")
+def test_nemo_rl_patched_gpt_forward_returns_logprobs_under_cp(rank_pool, cp):
+    for r in rank_pool.run("tests.models.fused_head_cases:case_patched_forward", cp=cp):
+        assert r["cp_size"] == cp and r["values"] < 1e-10 and r["grads"] < 1e-10 and r["plain"] == 0.0, r
+
+
+@needs_megatron_models
+def test_pipeline_with_the_logprob_adapter_equals_pp1_with_logits(rank_pool):
+    results = rank_pool.run("tests.models.fused_head_cases:case_pipeline_logprobs", cp=1)
+    lasts = [r for r in results if "losses" in r]
+    assert len(lasts) == 2 and all(r["count"] == 7 and r["losses"] < 1e-10 and r["positive"] for r in lasts), results
+    assert all(r["grads"] < 1e-10 and r["parameters"] > 0 for r in results), results
 
 
 @needs_megatron_models

@@ -50,6 +50,10 @@ def test_unpacked_rows_values_and_gradients_equal_nemo_rls_semantics(ranks, layo
     _run(ranks, "rows", sampling, layout=layout)
 
 
+def test_out_of_vocabulary_targets_get_nemo_rls_gradient(ranks, layout):
+    _run(ranks, "out_of_vocab", layout=layout)
+
+
 def test_allgather_cp_sharded_tensor_gathers_and_sums_gradients(ranks, layout):
     _run(ranks, "allgather", layout=layout)
 

@@ -116,6 +116,46 @@ def test_autograd_classes_take_nemo_rls_argument_order():
     torch.testing.assert_close(mu._compute_distributed_log_softmax(logits, None), torch.log_softmax(logits, -1), **TOL)
 
 
+def test_out_of_vocabulary_targets_get_nemo_rls_value_and_gradient():
+    """A target outside ``[0, V)`` (``V`` itself, ``V + 2``, ``-100``): the value 0 and NeMo-RL's gradient
+    ``-softmax`` times the output's gradient (its backward masks the one-hot term only; checked against
+    NeMo-RL's own ``DistributedLogprob`` and packed function, docs/nemo-rl.md), in the autograd classes,
+    the packed function (rolled here and pre-rolled) and unpacked rows."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(2, 5, VOCAB, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, VOCAB, (2, 5), generator=gen)
+    target[0, 1], target[1, 3], target[1, 4] = VOCAB, VOCAB + 2, -100
+    w = torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    in_vocab = (target >= 0) & (target < VOCAB)
+    one_hot = torch.nn.functional.one_hot(target.clamp(0, VOCAB - 1), VOCAB) * in_vocab[..., None]
+    expected = (one_hot - torch.softmax(logits, -1)) * w[..., None]
+    for name, fn in (("DistributedLogprob", lambda x: mu.DistributedLogprob.apply(x, target, 0, VOCAB, None)),
+                     ("ChunkedDistributedLogprob", lambda x: mu.ChunkedDistributedLogprob.apply(x, target, 0, VOCAB,
+                                                                                                2, None))):
+        x = logits.clone().requires_grad_()
+        out = fn(x)
+        (out * w).sum().backward()
+        assert torch.equal(out[~in_vocab], torch.zeros(3, dtype=out.dtype)), name
+        torch.testing.assert_close(x.grad, expected, **TOL, msg=lambda m: f"{name}: {m}")
+    inp = packed_inputs([5, 0, 16, 3], 1, pad_full_seq_to=48)
+    ids = inp.ids.clone()
+    ids[0, 3], ids[0, 7], ids[0, 30] = VOCAB, VOCAB + 5, -1  # targets of positions 2, 6 and 29
+    inp = inp._replace(ids=ids)
+    ref, ref_grad = reference_packed(inp, None)
+    for pre_rolled in (False, True):
+        out, grad = run_packed(inp, SINGLE, SINGLE, chunk_size=7, pre_rolled=pre_rolled)
+        assert_same_values(out, ref, f"packed, pre-rolled {pre_rolled}")
+        torch.testing.assert_close(grad, ref_grad, **TOL)
+    assert ref_grad[0, 2].abs().sum() > 0 and ref[0, 2] == 0  # the oracle's out-of-vocabulary position
+    x, y = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    rows = mu.from_parallel_logits_to_logprobs(x, target, 0, VOCAB, None, chunk_size=2)
+    ref_rows = reference_row_logprobs(y, target)
+    (rows * w[:, 1:]).sum().backward()
+    (ref_rows * w[:, 1:]).sum().backward()
+    assert_same_values(rows, ref_rows.detach(), "rows")
+    torch.testing.assert_close(x.grad, y.grad, **TOL)
+
+
 def test_inference_only_builds_no_graph_and_dtypes_follow_the_logits():
     inp = packed_inputs([5, 0, 16, 3], 1, pad_full_seq_to=48)
     x = inp.logits.clone().requires_grad_()

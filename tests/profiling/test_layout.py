@@ -30,6 +30,7 @@ def test_profiling_is_three_tools_and_shared_code():
     top = sorted(p.name for p in PROFILING.iterdir() if not p.name.startswith((".", "__pycache__"))
                  and p.name not in ("runs", "gpu_runs"))
     assert top == ["README.md", "__init__.py", "bench", "gpu_check", "microbatches", "results", "timing.py"]
+    assert all(p.suffix == ".md" for p in (PROFILING / "results").iterdir()), "results/ holds figure pages only"
     for tool in ("microbatches", "gpu_check"):
         assert (PROFILING / tool / "__main__.py").is_file(), f"python -m profiling.{tool} needs a __main__.py"
     assert BENCHES and all(name.startswith("bench_") for name in BENCHES), BENCHES

@@ -154,6 +154,38 @@ def case_rows(sampling_name: str):
     return (cp.rank, tp.rank)
 
 
+def case_out_of_vocab():
+    """Targets outside ``[0, V)``: the value 0 and NeMo-RL's gradient (``-softmax``, ``C`` times under CP), packed
+    (rolled here and pre-rolled, chunked and not) and in unpacked rows."""
+    cp, tp = context_parallel_info(), tensor_parallel_info()
+    inp = packed_inputs([5, 0, 16, 3], cp.size, seed=4)
+    ids = inp.ids.clone()
+    ids[0, 3], ids[0, 9], ids[0, 30], ids[0, 31] = VOCAB, VOCAB + 5, -1, -100
+    inp = inp._replace(ids=ids)
+    ref, ref_grad = reference_packed(inp, None)
+    expected_grad = cp.size * _local(ref_grad, inp.cu_seqlens_padded, cp, tp)
+    for chunk_size in (None, 5):
+        for pre_rolled in (False, True):
+            out, grad = run_packed(inp, cp, tp, chunk_size=chunk_size, pre_rolled=pre_rolled)
+            assert_same_values(out, ref, f"chunk {chunk_size} pre-rolled {pre_rolled}")
+            torch.testing.assert_close(grad, expected_grad, **TOL)
+    gen = torch.Generator().manual_seed(6)
+    full = torch.randn(2, 8, VOCAB, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, VOCAB, (2, 8), generator=gen)
+    target[0, 2], target[1, 5] = VOCAB + 1, -7
+    weight = torch.randn(2, 7, generator=gen, dtype=torch.float64)
+    x = full.clone().requires_grad_()
+    (reference_row_logprobs(x, target) * weight).sum().backward()
+    cols, shard = VOCAB // tp.size, model_utils._get_tokens_on_this_cp_rank
+    local = shard(full, cp.rank, cp.size, seq_dim=1)[..., tp.rank * cols : (tp.rank + 1) * cols].clone().requires_grad_()
+    out = model_utils.from_parallel_logits_to_logprobs(local, target, tp.rank * cols, (tp.rank + 1) * cols, tp.group,
+                                                       cp_group=cp.group)
+    (out * weight).sum().backward()
+    expected = cp.size * shard(x.grad, cp.rank, cp.size, seq_dim=1)[..., tp.rank * cols : (tp.rank + 1) * cols]
+    torch.testing.assert_close(local.grad, expected, **TOL)
+    return (cp.rank, tp.rank)
+
+
 def case_allgather():
     """``allgather_cp_sharded_tensor``: the whole sequence on every rank, along any dim, integer tensors
     too; the gradient of a shard is the sum over ranks (``C`` times for a replicated loss)."""
@@ -231,6 +263,7 @@ CASES: dict[str, Callable] = {
     "packed": case_packed,
     "rows": case_rows,
     "allgather": case_allgather,
+    "out_of_vocab": case_out_of_vocab,
     "counts": case_counts,
     "errors": case_errors,
 }

@@ -1,0 +1,229 @@
+"""NeMo-RL's log-probs from hidden states (``nemo_rl.distributed.model_utils``' linear-CE fusion) on nn_data's
+fused head, with context parallelism: one import switches.
+
+    # from nemo_rl.distributed.model_utils import from_parallel_hidden_states_to_logprobs
+    from nn_data.nemo_rl.model_utils import from_parallel_hidden_states_to_logprobs
+
+Shape legend
+    B   rows (sequences); ``cu_seqlens_padded`` has B+1 entries
+    S   row length (unpacked rows: ``target.shape[1]``; packed: ``unpacked_seqlen``)
+    T   packed tokens; C context-parallel size; TP tensor-parallel size
+    H   hidden size; ``Vt = V / TP`` rows of the output weight on a TP rank
+
+megatron-core's hidden states are sequence-first: ``[S/C, B, H]`` for rows, ``[T/C, 1, H]`` packed, and
+with sequence parallelism this TP rank's ``1/TP`` of those positions (``[S/(C*TP), B, H]``), gathered
+inside. Which of the two a call holds is read from the shapes (NeMo-RL gathers whenever TP > 1, which
+is right only with sequence parallelism). The logits exist one chunk of tokens at a time
+(:func:`nn_data.linear_logprob.hidden_logprobs_local`); the values and gradients (of the hidden states
+and of the weight) are those of NeMo-RL's unfused functions on the logits ``hidden @ weight.T``, its
+conventions included (``docs/design.md``, "NeMo-RL's log-prob conventions"): ``[B, S-1]`` rows
+shifted by one, a target outside ``[0, V)`` the value 0 and the gradient ``-softmax``, and under CP
+(where NeMo-RL asserts) the gradient ``C`` times the single-process one, as the unfused drop-in's.
+The patch of megatron-core's ``GPTModel.forward`` is :mod:`nn_data.nemo_rl.linear_ce_patch`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from nn_data import _checks
+from nn_data.groups import ParallelInfo, SINGLE, group_info
+from nn_data.layout import Boundaries, boundary_args, layout_from_boundaries, local_places
+from nn_data.linear_logprob import hidden_logprobs_local
+from nn_data.lm_head import hidden_rows
+from nn_data.nemo_rl.logprob_steps import (
+    DEFAULT_CHUNK_TOKENS,
+    chunk_and_filter,
+    gather_cp,
+    grad_mode,
+    groups,
+    in_vocab,
+    nemo_rl_rows,
+    out_of_vocab_as_nemo_rl,
+    packed_targets,
+)
+
+HIDDEN = "tensor_parallel_hidden_states"
+WEIGHT = "output_weight_layer"
+ROWS_SHAPE = "[S // CP, B, H] ([S // (CP * TP), B, H] with sequence parallelism)"
+PACKED_SHAPE = "[T // CP, 1, H] or [1, T // CP, H] (// TP more with sequence parallelism)"
+
+
+def from_parallel_hidden_states_to_logprobs(
+    tensor_parallel_hidden_states: torch.Tensor,
+    output_weight_layer: torch.Tensor,
+    runtime_gather_output: Optional[bool],
+    target: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: Optional["dist.ProcessGroup"],
+    inference_only: bool = False,
+    cp_group: Optional["dist.ProcessGroup"] = None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Log-probs ``[B, S-1]`` of unpacked rows from hidden states ``[S/C, B, H]``: NeMo-RL's function.
+
+    ``out[b, s] = log p(target[b, s+1] | ...)`` with ``p = softmax(hidden @ output_weight_layer.T)``.
+    ``target [B, S]`` holds the whole rows (each row's hidden states are its zigzag CP shard);
+    ``runtime_gather_output`` is accepted and unused, as in NeMo-RL. ``chunk_size`` positions of every row
+    per chunk (None: 256 tokens). ``inference_only`` computes without autograd.
+
+    Example (V 3, zero weight): ``target [[0, 1, 2]]`` -> ``[[log(1/3), log(1/3)]]``.
+
+    Raises :class:`~nn_data.errors.PackingError`: hidden states not floating point 3-D, a weight whose
+    columns are not ``H``, a vocabulary slice that is not this TP rank's rows, ``target`` not integer
+    ``[B, S]`` with ``S`` this rank's ``S/C`` (or ``S/(C*TP)``) positions times the split, an odd shard
+    of a row under CP, ``chunk_size`` below 1, a group this process is not in.
+    """
+    cp, tp = groups(cp_group, tp_group)
+    hidden, weight = tensor_parallel_hidden_states, output_weight_layer
+    _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, ROWS_SHAPE)
+    chunk = _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp, hidden.shape[1])
+    batch = hidden.shape[1]
+    _checks.check_row_target(target, batch, target.shape[1] if isinstance(target, torch.Tensor) else 0)
+    seq = target.shape[1]
+    sequence_parallel = _sequence_parallel(hidden.shape[0], seq, cp, tp)
+    local_len = seq // cp.size  # S_loc
+    _checks.check_even_shard(HIDDEN, local_len, cp.size, "row")
+    _checks.check_same_device(**{HIDDEN: hidden, "target": target})
+    with grad_mode(inference_only):
+        bounds = torch.arange(2, device=target.device) * seq  # [0, S]: the rows' one segment
+        source = local_places(bounds, seq, cp.size, cp.rank).source  # [S_loc] row positions on this rank
+        # position p of row b scores target[b, p + 1]; values run position-major, as the hidden states:
+        # S 8, C 2, rank 1 -> positions [2, 3, 4, 5] score targets [3, 4, 5, 6] of every row
+        token = target.to(torch.int64).index_select(1, (source + 1).clamp(max=max(seq - 1, 0)))  # [B, S_loc]
+        token = token.T.reshape(-1)  # [S_loc*B]
+        keep = (source + 1 < seq)[:, None].expand(local_len, batch).reshape(-1)  # [S_loc*B]
+        values = _values(hidden.reshape(-1, hidden.shape[-1]), weight, token, keep, vocab_start_index, tp,
+                         sequence_parallel, chunk)  # [S_loc*B]
+        full = gather_cp(values.view(local_len, batch), bounds, cp)  # [1, S, B]
+        return full[0].T[:, :-1]  # [B, S-1]
+
+
+def from_parallel_hidden_states_to_logprobs_packed_sequences(
+    tensor_parallel_hidden_states: torch.Tensor,
+    output_weight_layer: torch.Tensor,
+    target: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    unpacked_seqlen: int,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    group: Optional["dist.ProcessGroup"],
+    inference_only: bool = False,
+    cp_group: Optional["dist.ProcessGroup"] = None,
+    chunk_size: Optional[int] = None,
+    sampling_params=None,
+    target_is_pre_rolled: bool = False,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Log-probs ``[B, S-1]`` from this rank's packed hidden states ``[T/C, 1, H]``: the unfused
+    ``from_parallel_logits_to_logprobs_packed_sequences`` with the hidden states and the output weight in
+    place of the logits (NeMo-RL has no packed entry from hidden states: its fusion refuses CP).
+
+    Every other argument is the unfused function's, with its meaning and results: ``target`` the packed
+    ids ``[1, T]`` (rolled here, within each padded segment) or, pre-rolled, this rank's ``[1, T/C]``;
+    ``group`` the TP group, ``cp_group`` the CP group; ``sampling_params`` top-k / top-p (exact, one
+    threshold per token); ``validate=False`` skips the one host read of ``cu_seqlens_padded``.
+
+    Raises :class:`~nn_data.errors.PackingError` as :func:`from_parallel_hidden_states_to_logprobs` for the
+    hidden states and the weight, and as the unfused function for everything else.
+    """
+    cp, tp = groups(cp_group, group)
+    seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
+    with grad_mode(inference_only):
+        packed = packed_hidden_logprobs(
+            tensor_parallel_hidden_states, output_weight_layer, target, cu_seqlens_padded, seq_len, vocab_start_index,
+            vocab_end_index, cp, tp, chunk_size=chunk_size, sampling_params=sampling_params,
+            pre_rolled=target_is_pre_rolled, validate=validate,
+            op="from_parallel_hidden_states_to_logprobs_packed_sequences")  # [1, T]
+        return nemo_rl_rows(packed, cu_seqlens_padded, seq_len)  # [B, S-1]
+
+
+def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: int, vocab_start_index: int,
+                           vocab_end_index: int, cp: ParallelInfo, tp: ParallelInfo, *, chunk_size, sampling_params,
+                           pre_rolled: bool, validate: bool, op: str) -> torch.Tensor:
+    """The packed values ``[1, T]`` on every rank: position ``t`` (offset ``s`` in its padded segment ``n``)
+    holds the log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``, else 0."""
+    _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, PACKED_SHAPE)
+    if 1 not in hidden.shape[:2]:
+        raise _checks.PackingError(f"{HIDDEN} must be {PACKED_SHAPE}, got shape {tuple(hidden.shape)}")
+    rows = hidden_rows(hidden)  # [n, H]
+    chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, weight.shape[0],
+                                   tp, against=WEIGHT, unit="rows")
+    _checks.check_packed_ids("target", target)
+    total = target.shape[1] * (cp.size if pre_rolled else 1)
+    sequence_parallel = _sequence_parallel(rows.shape[0], total, cp, tp)
+    _checks.check_logprob_target(target, pre_rolled, total // cp.size, total)
+    boundary_args(HIDDEN, hidden, total, cu_seqlens_padded, cp.size)
+    _checks.check_same_device(**{HIDDEN: hidden, "target": target})
+    if validate:  # the boundaries' one host read (eager) or device asserts (compiled)
+        layout_from_boundaries(Boundaries(cu_seqlens_padded, total), op=op, cp_size=cp.size)
+    token, keep = packed_targets(target, pre_rolled, cu_seqlens_padded, total, cp, seq_len)  # [T/C] each
+    values = _values(rows, weight, token, keep, vocab_start_index, tp, sequence_parallel, chunk, filt)  # [T/C]
+    return gather_cp(values, cu_seqlens_padded, cp)  # [1, T]
+
+
+class ChunkedDistributedHiddenStatesToLogprobs:
+    """``apply(tensor_parallel_hidden_states [S, B, H], target [B, S], output_weight_layer [Vt, H],
+    vocab_start_index, vocab_end_index, chunk_size, tp_group, inference_only=False) -> [B, S]``: NeMo-RL's
+    autograd function, called as NeMo-RL calls it: ``log softmax(hidden @ weight.T)`` at every position
+    for ``target`` (already rolled), over the TP-split vocabulary (hidden states ``[S/TP, B, H]`` with
+    sequence parallelism); a target outside ``[0, V)`` gets 0 and the gradient ``-softmax``. No CP."""
+
+    @staticmethod
+    def apply(tensor_parallel_hidden_states, target, output_weight_layer, vocab_start_index, vocab_end_index,
+              chunk_size, tp_group, inference_only=False):
+        tp = group_info(tp_group, "tensor-parallel group")
+        hidden, weight = tensor_parallel_hidden_states, output_weight_layer
+        _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, "[S, B, H] ([S // TP, B, H] with sequence "
+                                                                  "parallelism)")
+        batch = hidden.shape[1]
+        chunk = _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp, batch)
+        _checks.check_row_target(target, batch, target.shape[1] if isinstance(target, torch.Tensor) else 0)
+        seq = target.shape[1]
+        sequence_parallel = _sequence_parallel(hidden.shape[0], seq, SINGLE, tp)
+        with grad_mode(inference_only):
+            token = target.to(torch.int64).T.reshape(-1)  # [S*B] position-major, as the hidden states
+            keep = torch.ones_like(token, dtype=torch.bool)
+            values = _values(hidden.reshape(-1, hidden.shape[-1]), weight, token, keep, vocab_start_index, tp,
+                             sequence_parallel, chunk)  # [S*B]
+            return values.view(seq, batch).T  # [B, S]
+
+
+def _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp: ParallelInfo, batch: int) -> int:
+    """Tokens per chunk: NeMo-RL's ``chunk_size`` counts positions of every row (``chunk_size * B`` tokens);
+    None: 256 tokens. Checks the vocabulary slice against the weight's rows."""
+    chunk, _ = chunk_and_filter(chunk_size, None, vocab_start_index, vocab_end_index, weight.shape[0], tp,
+                                against=WEIGHT, unit="rows")
+    return DEFAULT_CHUNK_TOKENS if chunk_size is None else chunk * max(batch, 1)
+
+
+def _sequence_parallel(rows: int, positions: int, cp: ParallelInfo, tp: ParallelInfo) -> bool:
+    """Whether ``rows`` hidden states are this rank's ``1/(C*TP)`` of ``positions`` (sequence parallelism)
+    rather than its ``1/C``; anything else is refused, naming both shares.
+
+    Example: 32 positions, C 2, TP 2: 16 rows -> False, 8 rows -> True, 12 rows -> PackingError."""
+    if rows * cp.size == positions:
+        return False
+    if tp.size > 1 and rows * cp.size * tp.size == positions:
+        return True
+    shares = f"{positions}/{cp.size} = {positions / cp.size:g}"
+    if tp.size > 1:
+        shares += f" (or {positions}/{cp.size * tp.size} = {positions / (cp.size * tp.size):g} with sequence parallelism)"
+    raise _checks.PackingError(
+        f"{HIDDEN} hold {rows} positions per row but this rank's share of the {positions} positions of target is "
+        f"{shares} (cp_size={cp.size}, tp_size={tp.size}); pass this rank's zigzag shard of the hidden states"
+    )
+
+
+def _values(rows, weight, token, keep, vocab_start: int, tp: ParallelInfo, sequence_parallel: bool, chunk: int,
+            filt=None) -> torch.Tensor:
+    """The fused kernel's ``[N]`` values with NeMo-RL's rule for a target outside the vocabulary."""
+    values = hidden_logprobs_local(rows, weight, token, keep, vocab_start=vocab_start, tp_group=tp.group,
+                                   tp_size=tp.size, sequence_parallel=sequence_parallel, chunk_tokens=chunk,
+                                   sampling=filt)
+    return out_of_vocab_as_nemo_rl(values, in_vocab(token, weight.shape[0] * tp.size))
