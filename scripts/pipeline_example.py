@@ -126,7 +126,7 @@ def _alone(model, mbs):
     return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-class Layout:
+class PipelineGroups:
     """The process groups of one run, from megatron-core's ``parallel_state`` (``groups="parallel_state"``)
     or from explicit ``ProcessGroupCollection`` objects built from a ``HyperCommGrid`` with ``parallel_state``
     never initialised (``groups="collection"``, what Megatron-Bridge does)."""
@@ -191,21 +191,21 @@ def compare(dtype: torch.dtype = torch.float64, count: int = None, multiple: int
     count = count or (8 if vpp > 1 else 7)
     layers = 2 * vpp  # one layer per (stage, virtual stage) with PP = 2
     mbs = microbatches(count, multiple)
-    layout = Layout(groups)
+    groups_of_run = PipelineGroups(groups)
     try:
-        pp2, pp_rank = layout.set(2, vpp)
+        pp2, pp_rank = groups_of_run.set(2, vpp)
         config = tiny_gpt_config(dtype=dtype, pipeline=2, layers=layers, experts=experts,
                                  virtual_stages=vpp if vpp > 1 else None)
         chunks = _stage_chunks(config, 2, vpp, pp_rank, pp2, seed)
         last = pp_rank == 1
         pp2_losses, pp2_grads, schedule = _schedule(chunks, mbs, total, multiple, pp2)
-        pp1, _ = layout.set(1, 1)
+        pp1, _ = groups_of_run.set(1, 1)
         whole = tiny_gpt_model(tiny_gpt_config(dtype=dtype, layers=layers, experts=experts), seed=seed,
                                pg_collection=pp1)
         pp1_losses, pp1_grads, _ = _schedule([whole], mbs, total, multiple, pp1)
         alone_losses, alone_grads = _alone(whole, mbs)
     finally:
-        parallel_state_initialised = layout.close()
+        parallel_state_initialised = groups_of_run.close()
     mine = sorted(pp2_grads)
     out = dict(
         rank=dist.get_rank(), stage_parameters=mine, dtype=str(dtype).replace("torch.", ""), T=total, vpp=vpp,

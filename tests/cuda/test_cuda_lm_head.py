@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nn_data import PackSequences, TokenLogProbs, TokenLogProbsFromHidden
-from profiling.cuda_counters import forbid_syncs
+from nn_data.diagnostics import forbid_syncs
 from tests.cuda.stream import DEVICE, ON_CUDA, TIER, cuda_only
 
 pytestmark = TIER

@@ -188,7 +188,7 @@ def case_pipeline_logprobs() -> dict:
 
     from nn_data.adapters import MegatronGPTAdapter, pipeline_forward_step
     from nn_data.models.tiny_megatron import global_parameter_names, tiny_gpt_config, tiny_gpt_model
-    from scripts.pipeline_example import _reset_parallel_state, _set_pipeline, microbatches
+    from scripts.pipeline_example import PipelineGroups, microbatches
 
     total, multiple = 112, 4
     mbs = microbatches(7, multiple)
@@ -209,16 +209,17 @@ def case_pipeline_logprobs() -> dict:
         names = global_parameter_names(model)
         return [float(r["loss"]) for r in reduced], {names[n]: p.grad.clone() for n, p in model.named_parameters()}
 
+    groups = PipelineGroups("parallel_state")
     try:
-        _set_pipeline(parallel_state, 2)
+        groups.set(pp=2, vpp=1)
         first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
         stage = tiny_gpt_model(tiny_gpt_config(dtype=torch.float64, pipeline=2), pre_process=first, post_process=last)
         pp2_losses, pp2_grads = run(stage, "logprobs")
-        _set_pipeline(parallel_state, 1)
+        groups.set(pp=1, vpp=1)
         whole = tiny_gpt_model(tiny_gpt_config(dtype=torch.float64))
         pp1_losses, pp1_grads = run(whole, "logits")
     finally:
-        _reset_parallel_state(parallel_state)
+        groups.close()
     out = dict(rank=dist.get_rank(), grads=max(float((pp2_grads[n] - pp1_grads[n]).abs().max()) for n in pp2_grads),
                parameters=len(pp2_grads))
     if last:

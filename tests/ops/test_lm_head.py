@@ -24,7 +24,7 @@ from nn_data.linear_logprob import hidden_logprobs_local
 from nn_data.logprobs import token_logprobs_local
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
 from nn_data.sampling import sampling_filter
-from tests.support.allocations import Allocations
+from nn_data.diagnostics import Allocations
 from tests.support.lm_head_cases import HIDDEN, BATCHES, SEQ_LEN, VOCAB, head_inputs, reference
 
 TOL = dict(rtol=0, atol=1e-10)
