@@ -47,6 +47,19 @@ class ParallelInfo(NamedTuple):
 SINGLE = ParallelInfo(0, 1, None)
 
 
+class OneRankGroup:
+    """A stand-in for a group of one rank where a model asks a CP group only ``size()`` and ``rank()``
+    (megatron-core's rotary embedding): a microbatch on one rank, or a model without CP."""
+
+    @staticmethod
+    def size() -> int:
+        return 1
+
+    @staticmethod
+    def rank() -> int:
+        return 0
+
+
 def as_process_group(group: Any, what: str = "group") -> Optional["dist.ProcessGroup"]:
     """The ``ProcessGroup`` that ``group`` (in any form the module docstring lists) stands for; ``None``
     stays ``None``.

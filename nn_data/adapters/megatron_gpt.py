@@ -54,6 +54,7 @@ from torch import nn
 
 from nn_data.adapters import _megatron_cpu
 from nn_data.errors import PackingError
+from nn_data.groups import OneRankGroup
 from nn_data.masks import DocumentMask, document_attention, document_mask
 
 with warnings.catch_warnings():
@@ -277,19 +278,6 @@ class MegatronGPTAdapter(nn.Module):
                 )
 
 
-class _OneRank:
-    """The CP group of a microbatch that runs on one rank (``local_cp_size = 1``): what megatron-core's
-    rotary embedding asks of a group (``size()``, ``rank()``)."""
-
-    @staticmethod
-    def size() -> int:
-        return 1
-
-    @staticmethod
-    def rank() -> int:
-        return 0
-
-
 def _microbatch_cp_group(params):
     """The CP group a dynamic-CP microbatch runs over (``params.cp_group``, or one rank when
     ``local_cp_size`` is 1), or None when ``params`` carry no ``local_cp_size`` (static CP)."""
@@ -297,7 +285,7 @@ def _microbatch_cp_group(params):
     if size is None:
         return None
     if size == 1:
-        return _OneRank()
+        return OneRankGroup()
     group = params.cp_group
     if group is None or group.size() != size:
         raise PackingError(f"PackedSeqParams say local_cp_size={size} but cp_group has "

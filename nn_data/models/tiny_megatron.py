@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from nn_data.adapters.megatron_gpt import megatron_gpt_layer_spec
+from nn_data.groups import OneRankGroup
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -111,18 +112,6 @@ def causal_attention_mask(length: int, device=None) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
-class _NoContextParallel:
-    """What megatron-core's unpacked rotary embedding asks of its CP group (``size()``): one rank."""
-
-    @staticmethod
-    def size() -> int:
-        return 1
-
-    @staticmethod
-    def rank() -> int:
-        return 0
-
-
 def forward_alone(model: "GPTModel", input_ids: torch.Tensor) -> torch.Tensor:
     """One unpacked sequence ``[1, L]`` through megatron-core's stock path (no packing, the stock
     ``DotProductAttention`` forward with a causal mask): logits ``[1, L, V]``.
@@ -140,7 +129,7 @@ def forward_alone(model: "GPTModel", input_ids: torch.Tensor) -> torch.Tensor:
     with _score_buffer():
         if rope is None:
             return model(input_ids, position_ids, causal_attention_mask(length, input_ids.device))
-        group, rope.cp_group = rope.cp_group, _NoContextParallel()
+        group, rope.cp_group = rope.cp_group, OneRankGroup()
         type(rope).forward.cache_clear()
         try:
             return model(input_ids, position_ids, causal_attention_mask(length, input_ids.device))

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from nn_data.planning import AttentionOnlyCost, CPCost, Parallelism, plan_step, plan_step_dynamic_cp
+from profiling.bench.bench_planner import sample as planner_sample
 from profiling.timing import cpu_time_call, machine_description, spread, time_calls
 
 ROW_LEN = 65536
@@ -70,22 +71,10 @@ MEGATRON_UP_TO = 4096  # megatron-core's scheduler is quadratic: only steps up t
 
 
 def sample(distribution: str, n: int, row_len: int = ROW_LEN, seed: int = 0) -> np.ndarray:
-    """``n`` seeded lengths in ``[1, row_len]`` (module docstring)."""
-    rng = np.random.default_rng(seed)
-    if distribution == "lognormal":
-        raw = rng.lognormal(np.log(row_len / 8), 1.0, n)
-    elif distribution == "bimodal":
-        long = rng.random(n) < 0.25
-        raw = np.where(long, rng.uniform(row_len / 2, row_len, n), rng.lognormal(np.log(row_len / 32), 0.5, n))
-    elif distribution == "uniform":
-        raw = rng.uniform(1, row_len, n)
-    elif distribution == "few_long":
-        raw = rng.lognormal(np.log(row_len / 64), 0.7, n)
-        picked = rng.choice(n, max(1, n // 32), replace=False)
-        raw[picked] = rng.uniform(row_len / 2, row_len, picked.size)
-    else:
+    """``n`` seeded lengths in ``[1, row_len]`` (module docstring): bench_planner's distributions."""
+    if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution {distribution!r} is unknown; expected one of {DISTRIBUTIONS}")
-    return np.clip(np.rint(raw), 1, row_len).astype(np.int64)
+    return planner_sample(distribution, n, row_len, seed)
 
 
 def megatron_scheduler():

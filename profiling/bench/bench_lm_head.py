@@ -37,21 +37,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import statistics
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nn_data import PackSequences, TokenLogProbs, TokenLogProbsFromHidden
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.groups import group_info
 from nn_data.nemo_rl import model_utils
-from nn_data.testing.dist import free_port, init_gloo
+from nn_data.testing.dist import init_gloo
 from nn_data.testing.reference import reference_shard
-from profiling.bench.bench_logprobs import import_nemo_rl, nemo_cpu_shim, peak_allocated
-from profiling.timing import cpu_time_call, machine_description, reuse_freed_memory, time_side_by_side
+from profiling.bench.bench_logprobs import import_nemo_rl, nemo_cpu_shim, peak_allocated, run_ranks
+from profiling.timing import cpu_time_call, reuse_freed_memory, time_side_by_side
 
 MiB, GiB = 2**20, 2**30
 MODES = ("forward", "forward+backward")
@@ -279,21 +277,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.paths:
         args.paths = sorted(set(args.paths) | {"fused", "unfused"})
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, q)) for r in range(args.cp * args.tp)]
-    for p in procs:
-        p.start()
-    res = q.get()
-    for p in procs:
-        p.join()
-    torch.set_num_threads(args.threads)
-    print(report(args, res, machine_description()))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": res}, f, indent=1)
-    return res
+    return run_ranks(rank_main, report, args)
 
 
 if __name__ == "__main__":

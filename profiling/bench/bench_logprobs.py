@@ -47,7 +47,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from nn_data import GatherFromContextParallel, PackSequences, TokenLogProbs
-from nn_data import model_utils
+from nn_data.nemo_rl import model_utils
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.groups import group_info
 from nn_data.testing.dist import free_port, init_gloo
@@ -68,6 +68,27 @@ def import_nemo_rl(checkout: str):
     sys.modules["nemo_rl"] = package
     spec.loader.exec_module(package)
     return importlib.import_module("nemo_rl.distributed.model_utils")
+
+
+def run_ranks(rank_main, report, args) -> dict:
+    """Spawn ``args.cp * args.tp`` processes of ``rank_main(rank, args, port, queue)`` (rank 0 puts the
+    figures, max over ranks, on the queue), print ``report(args, figures, machine)`` and write the
+    figures to ``args.json`` if given; returns them."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, args, port, q)) for r in range(args.cp * args.tp)]
+    for p in procs:
+        p.start()
+    res = q.get()
+    for p in procs:
+        p.join()
+    torch.set_num_threads(args.threads)
+    print(report(args, res, machine_description()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": res}, f, indent=1)
+    return res
 
 
 @contextlib.contextmanager
@@ -286,21 +307,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.paths and "drop-in" not in args.paths:
         args.paths.append("drop-in")
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, q)) for r in range(args.cp * args.tp)]
-    for p in procs:
-        p.start()
-    res = q.get()
-    for p in procs:
-        p.join()
-    torch.set_num_threads(args.threads)
-    print(report(args, res, machine_description()))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": res}, f, indent=1)
-    return res
+    return run_ranks(rank_main, report, args)
 
 
 if __name__ == "__main__":

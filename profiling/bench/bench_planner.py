@@ -70,8 +70,12 @@ def sample(distribution: str, n: int, row_len: int, seed: int) -> np.ndarray:
         raw = np.where(long, rng.uniform(row_len / 2, row_len, n), rng.lognormal(np.log(row_len / 32), 0.5, n))
     elif distribution == "uniform":
         raw = rng.uniform(1, row_len, n)
+    elif distribution == "few_long":  # bench_dynamic_cp's: 1 in 32 long, the rest short
+        raw = rng.lognormal(np.log(row_len / 64), 0.7, n)
+        picked = rng.choice(n, max(1, n // 32), replace=False)
+        raw[picked] = rng.uniform(row_len / 2, row_len, picked.size)
     else:
-        raise ValueError(f"distribution {distribution!r} is unknown; expected one of {DISTRIBUTIONS}")
+        raise ValueError(f"distribution {distribution!r} is unknown; expected one of {DISTRIBUTIONS + ('few_long',)}")
     return np.clip(np.rint(raw), 1, row_len).astype(np.int64)
 
 
