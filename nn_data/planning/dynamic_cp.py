@@ -251,7 +251,7 @@ def plan_step_dynamic_cp(lengths, parallelism: Parallelism, *, tokens_per_rank: 
                              sequence_multiples=multiples, ideal_cost=0.0, step_cost=0.0, token_lower_bound=0)
     costs, ideal = _costs(arr, sizes, multiples, tokens_per_rank, cost, ranks)
     lower = max(1, -(-int(sum(costs.need[j][i] for i, j in enumerate(costs.c_min))) // (ranks * tokens_per_rank)))
-    common = dict(tokens_per_rank=tokens_per_rank, ranks=ranks, lengths=tuple(arr.tolist()),
+    common = dict(tokens_per_rank=tokens_per_rank, ranks=ranks, lengths=tuple(arr.tolist()),  # sync: none, numpy
                   sequence_multiples=multiples, ideal_cost=ideal, token_lower_bound=lower)
     padding = getattr(cost, "padding", None)
     per_round = float(padding(tokens_per_rank)) if callable(padding) else 0.0

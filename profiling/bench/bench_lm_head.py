@@ -48,7 +48,8 @@ from nn_data.groups import group_info
 from nn_data.nemo_rl import model_utils
 from nn_data.testing.dist import init_gloo
 from nn_data.testing.reference import reference_shard
-from profiling.bench.bench_logprobs import import_nemo_rl, nemo_cpu_shim, peak_allocated, run_ranks
+from profiling.bench.bench_logprobs import (import_nemo_rl, nemo_cpu_shim, peak_allocated, run_ranks,
+                                            send_max_over_ranks)
 from profiling.timing import cpu_time_call, reuse_freed_memory, time_side_by_side
 
 MiB, GiB = 2**20, 2**30
@@ -174,13 +175,7 @@ def rank_main(rank, args, port, out_queue):
             results[(mode, name, "time")] = t.median_s
             results[(mode, name, "cpu")] = statistics.median(cpu[name][1:])  # the timed rounds
     results[("weight grad", "bytes", "")] = inp.weight.numel() * inp.weight.element_size()
-    keys = sorted(results)
-    vec = torch.tensor([float(results[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX)  # the slowest rank, the largest peak and difference
-    if rank == 0:
-        out_queue.put({"|".join(k): v for k, v in zip(keys, vec.tolist())})
-    dist.barrier()
-    dist.destroy_process_group()
+    send_max_over_ranks(results, rank, out_queue)
 
 
 def report(args, res, machine: str) -> str:

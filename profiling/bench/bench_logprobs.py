@@ -70,6 +70,18 @@ def import_nemo_rl(checkout: str):
     return importlib.import_module("nemo_rl.distributed.model_utils")
 
 
+def send_max_over_ranks(results: dict, rank: int, out_queue) -> None:
+    """Each figure's maximum over the ranks (the slowest rank, the largest peak and difference) to
+    ``out_queue`` from rank 0, keys joined by ``|``; then leave the process group."""
+    keys = sorted(results)
+    vec = torch.tensor([float(results[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        out_queue.put({"|".join(k): v for k, v in zip(keys, vec.tolist())})  # sync: none, CPU figures
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_ranks(rank_main, report, args) -> dict:
     """Spawn ``args.cp * args.tp`` processes of ``rank_main(rank, args, port, queue)`` (rank 0 puts the
     figures, max over ranks, on the queue), print ``report(args, figures, machine)`` and write the
@@ -231,13 +243,7 @@ def rank_main(rank, args, port, out_queue):
         for name, t in timed.items():
             results[(mode, name, "time")] = t.median_s
             results[(mode, name, "cpu")] = statistics.median(cpu[name][1:])  # the timed rounds
-    keys = sorted(results)
-    vec = torch.tensor([float(results[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX)  # the slowest rank, the largest peak and difference
-    if rank == 0:
-        out_queue.put({"|".join(k): v for k, v in zip(keys, vec.tolist())})
-    dist.barrier()
-    dist.destroy_process_group()
+    send_max_over_ranks(results, rank, out_queue)
 
 
 def report(args, res, machine: str) -> str:
