@@ -299,8 +299,9 @@ def _costs(arr: np.ndarray, sizes: list, multiples: dict, tpr: int, cost, ranks:
     order = np.lexsort((np.arange(arr.size), -arr))  # longest first, ties by index
     rank_of = np.empty(arr.size, dtype=np.int64)
     rank_of[order] = np.arange(arr.size)
+    as_lists = [c_min.tolist(), order.tolist(), rank_of.tolist()]  # sync: none, numpy arrays on the host
     return cp_rounds.Costs(sizes, [n.tolist() for n in need], [s.tolist() for s in seq], extra,  # sync: none, numpy
-                           [c * tpr for c in sizes], c_min.tolist(), order.tolist(), rank_of.tolist()), ideal
+                           [c * tpr for c in sizes], *as_lists), ideal
 
 
 def _candidates(costs, ranks: int, lower: int, static):
