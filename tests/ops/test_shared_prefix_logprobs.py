@@ -20,50 +20,11 @@ from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, shared_prefix_layout
 from nn_data.shared_prefix_logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
 from nn_data.testing.reference import reference_shard
-from tests.ops.test_shared_prefix_layout import reference, rollouts
 from tests.support.hypothesis_profiles import examples
+from tests.support.shared_prefix_reference import V, alone, logprob_case as _case, reference, rollouts
 
 TOL = dict(rtol=0, atol=1e-10)
-V, H = 11, 5
-
-
-def _places(groups, prefix, token):
-    """``{(b, s): packed position}`` from the loop reference: a prompt token is its leader's."""
-    place = {}
-    for i, t in enumerate(token):
-        if t is not None:
-            b, s = t
-            members = [b] if s >= prefix[b] else [r for r in range(len(groups)) if groups[r] == groups[b]]
-            for r in members:
-                place[(r, s)] = i
-    return place
-
-
-def alone(per_position, groups, prefix, lengths, ids, token, seq_len):
-    """``[B, S-1]``: each rollout alone, its logits the rows a model computes at its tokens' packed places
-    (``per_position(index) -> [len, V]``), scored by a plain log_softmax."""
-    place = _places(groups, prefix, token)
-    rows = []
-    for b, n in enumerate(lengths):
-        row = torch.zeros(max(seq_len - 1, 0), dtype=torch.float64)
-        if n > 1:
-            logits = per_position(torch.tensor([place[(b, s)] for s in range(n - 1)]))  # [L-1, V]
-            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[b, 1:n, None]).squeeze(1)  # [L-1]
-            row = torch.cat([lp, row[n - 1:]])
-        rows.append(row)
-    return torch.stack(rows) if rows else torch.zeros(0, max(seq_len - 1, 0), dtype=torch.float64)
-
-
-def _case(groups, prefix, lengths, seq_len, m=2, fixed_total=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = rollouts(groups, prefix, lengths, seq_len)
-    ids = torch.where(x >= 0, x % V, 0)  # token ids in [0, V); padding 0
-    sp = shared_prefix_layout(torch.tensor(lengths, dtype=torch.int64), torch.tensor(prefix, dtype=torch.int64),
-                              torch.tensor(groups, dtype=torch.int64), row_len=seq_len,
-                              spec=PackSpec(m, fixed_total=fixed_total), input_ids=ids)
-    _, _, token, _ = reference(groups, prefix, lengths, x, m, fixed_total)
-    weights = torch.randn(len(lengths), max(seq_len - 1, 0), generator=gen, dtype=torch.float64)
-    return sp, ids, token, weights, gen
+H = 5
 
 
 CASES = [([0, 0, 0, 1], [3, 3, 3, 2], [7, 3, 5, 6], 8),  # a group of three (an empty response), a group of one
