@@ -116,3 +116,45 @@ def test_cp_shard_is_the_zigzag_of_every_slot_and_unshards_back(sizes, seed, cp,
         assert torch.equal(sp.shard(packed, cp, r)[0, places.local][places.owned], packed[0, places.last][places.owned])
     owners = torch.stack([sp.boundary_places(cp, r).owned for r in range(cp)]).sum(0) if cp > 1 else None
     assert owners is None or owners.tolist() == [1] * len(groups)
+
+
+# ---- compiled: layout and log-probs in one graph over a stream ----------------------------------
+
+STREAM = [([0, 0, 0, 1], [3, 3, 3, 2], [7, 3, 5, 6]), ([0, 1, 2, 3], [0, 1, 2, 8], [8, 1, 5, 8]),
+          ([5, 5, 5, 5], [4, 4, 4, 4], [8, 4, 6, 5])]
+
+
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_one_compiled_graph_forward_and_backward_over_a_stream(source):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    seq_len, total = 8, 48
+    head = SharedPrefixLogProbsFromHidden(chunk_tokens=8)
+    weight = torch.randn(V, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    op = SharedPrefixLogProbs(chunk_tokens=8) if source == "logits" else lambda h, ids, sp: head(h, weight, ids, sp)
+    per_position = (lambda x: lambda i: x[0, i]) if source == "logits" else (lambda x: lambda i: x[0, i] @ weight.T)
+
+    def step(x, ids, lengths, prefix, groups):
+        sp = shared_prefix_layout(lengths, prefix, groups, row_len=seq_len, spec=PackSpec(2, fixed_total=total),
+                                  input_ids=ids)
+        return op(x, sp.pack(ids), sp)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for k, (groups, prefix, lengths) in enumerate(STREAM):
+        sp, ids, token, weights, gen = _case(groups, prefix, lengths, seq_len, fixed_total=total, seed=k)
+        logits = torch.randn(1, total, V if source == "logits" else H, generator=gen, dtype=torch.float64,
+                             requires_grad=True)  # the logits, or the hidden states
+        want = alone(per_position(logits), groups, prefix, lengths, ids, token, seq_len)
+        (want * weights).sum().backward()
+        want_grad, logits.grad = logits.grad, None
+        args = (logits, ids, torch.tensor(lengths), torch.tensor(prefix), torch.tensor(groups))
+        with HostSyncCounter() as syncs:
+            got = compiled(*args)
+        assert k == 0 or syncs.count == 0, syncs.calls
+        torch.testing.assert_close(got, want.detach(), **TOL)
+        (got * weights).sum().backward()
+        torch.testing.assert_close(logits.grad, want_grad, **TOL)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(STREAM)} microbatches"
+    torch._dynamo.reset()
