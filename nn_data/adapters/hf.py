@@ -239,7 +239,8 @@ def _row_width(packed) -> int:
     """Slots per row for the per-sequence mixers: a Python-int bound on every valid length (the batch's
     row length ``S``, and the longest segment), ``T`` when the packed info carries neither."""
     total = packed.segment_ids.shape[0]
-    bounds = [b for b in (getattr(packed, "max_length", None), getattr(packed, "row_len", None)) if b is not None]
+    longest = None if getattr(packed, "prefix", None) is not None else getattr(packed, "max_length", None)
+    bounds = [b for b in (longest, getattr(packed, "row_len", None)) if b is not None]  # (a rollout spans 2 slots)
     return min(bounds) if bounds else total
 
 

@@ -10,6 +10,8 @@ gradient all-reduce does). Float64, so any slip shows.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -91,15 +93,40 @@ def check_shared_equivalence(make_adapter, model, alone, cp, *, microbatches=MIC
     return dict(cp_rank=cp.rank, cp_size=cp.size, out=worst_out, grad=worst_grad)
 
 
-def case_hf(kind: str, dtype: torch.dtype = torch.float64, mask_kind: str = "dense") -> dict:
+def _exact_rms_norm(module, hidden):
+    return module.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon))
+
+
+@contextlib.contextmanager
+def norms_in_model_dtype(model):
+    """Inside the block the model's Llama-style RMSNorms compute in the model's dtype. transformers casts
+    to float32 inside them whatever the dtype; a shared prompt's gradient sums its rollouts' in another
+    order than each rollout alone, and that float32 cast rounds the 1e-16 differences to ~1e-7. The
+    stand-in is checked against the original on float32 input first (the same formula)."""
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")]
+    probe = torch.randn(3, norms[0].weight.shape[0], generator=torch.Generator().manual_seed(0))
+    for m in norms:
+        torch.testing.assert_close(_exact_rms_norm(m, probe.to(m.weight.dtype)).float(), m(probe).float())
+        m.forward = _exact_rms_norm.__get__(m)
+    try:
+        yield
+    finally:
+        for m in norms:
+            del m.forward
+
+
+def case_hf(kind: str, dtype: torch.dtype = torch.float64, mask_kind: str = "dense", exact_norms: bool = False
+            ) -> dict:
     """HFCausalLMAdapter on a tiny ``kind`` model (nn_data.models.tiny_hf), shared prefix, against each
-    rollout as transformers runs it alone."""
+    rollout as transformers runs it alone (``exact_norms``: under :func:`norms_in_model_dtype`)."""
     from nn_data.adapters import HFCausalLMAdapter
     from nn_data.models.tiny_hf import tiny_hf_model
 
     model = tiny_hf_model(kind, dtype=dtype, moe=False)
-    return check_shared_equivalence(lambda m: HFCausalLMAdapter(m, mask_kind=mask_kind), model,
-                                    lambda ids: model(input_ids=ids, use_cache=False).logits, context_parallel_info())
+    with norms_in_model_dtype(model) if exact_norms else contextlib.nullcontext():
+        return check_shared_equivalence(lambda m: HFCausalLMAdapter(m, mask_kind=mask_kind), model,
+                                        lambda ids: model(input_ids=ids, use_cache=False).logits,
+                                        context_parallel_info())
 
 
 def case_megatron(dtype: torch.dtype = torch.float64) -> dict:
@@ -111,3 +138,8 @@ def case_megatron(dtype: torch.dtype = torch.float64) -> dict:
     model = tiny_gpt_model(tiny_gpt_config(dtype=dtype))
     return check_shared_equivalence(MegatronGPTAdapter, model, lambda ids: forward_alone(model, ids),
                                     context_parallel_info(), make_packed_seq_params=True)
+
+
+def case_hf_exact_norms(kind: str) -> dict:
+    """:func:`case_hf` in float64 with the model's norms in float64 (:func:`norms_in_model_dtype`)."""
+    return case_hf(kind, exact_norms=True)
