@@ -48,3 +48,11 @@ def test_hybrid_shared_prefix_under_cp2(rank_pool):
 @pytest.mark.parametrize("cp", [2, 4], ids=lambda c: f"C{c}")
 def test_megatron_shared_prefix_under_cp_equals_each_rollout_alone(rank_pool, cp):
     _check(rank_pool.run("tests.models.shared_prefix_cases:case_megatron", cp=cp), cp, 1e-10, 1e-10)
+
+
+@pytest.mark.compile
+def test_compiled_shared_prefix_packing_under_cp2(rank_pool):
+    """compile_packing=True under C = 2: two graphs (packing, unpacking) over the stream, outputs equal to
+    each rollout alone (float32)."""
+    for r in rank_pool.run("tests.models.shared_prefix_cases:case_compiled_cp", cp=2):
+        assert r["frames"] == [2] * len(r["frames"]) and r["worst"] < 2e-5, r
