@@ -117,7 +117,7 @@ class SharedPrefixLayout(NamedTuple):
         own slot; ``fill`` at ``s >= L[b]``. One gather (its backward sums a shared prompt's rows)."""
         _checks.check_packed("packed", packed)
         seq_len = self.row_len if seq_len is None else seq_len
-        self._check_seq_len(seq_len)
+        self.check_rows(seq_len)
         rows, total, trailing = self.rows, packed.shape[1], packed.shape[2:]
         if guard_or_false(total == 0):  # nothing to read: all fill
             out = packed.new_full((rows, seq_len, *trailing), fill)
@@ -144,6 +144,28 @@ class SharedPrefixLayout(NamedTuple):
         where = torch.where(s < prefix[:, None], prompt_start + s, response_start + s)  # [B, S]
         return where, s < lengths[:, None]
 
+    def boundary_places(self, cp_size: int = 1, cp_rank: int = 0) -> "BoundaryPlaces":
+        """Where each rollout's prompt-to-response score lies (:class:`BoundaryPlaces`, ``[B]`` each): the
+        last prompt position (its leader's) scores the response's first token, once per rollout.
+
+        Example (the module docstring's batch, C 1): last ``[1, 1, 5]``, first ``[2, 4, 6]``, has
+        ``[T, T, T]``; with C 2 the places come from the zigzag inverse of the slot layout.
+        """
+        rows, total = self.rows, self.total
+        lengths, prefix, leader = self.seq_lengths, self.prefix_lengths, self.leader
+        starts = self.layout.bounds()[:-1]  # [2B] slot starts ([0] alone when B = 0)
+        rollout = torch.arange(rows, device=lengths.device)  # [B]
+        hi = max(total - 1, 0)
+        last = (starts[2 * leader] + prefix - 1).clamp(0, hi)  # [B]
+        first = starts[2 * rollout + 1].clamp(0, hi)  # [B]
+        has = (prefix > 0) & (lengths > prefix) & (total > 0)  # [B]
+        if cp_size == 1 or total == 0:
+            return BoundaryPlaces(last, first, has, last, torch.ones_like(has))
+        # zigzag_inverse: the place of every packed position in the rank-major stack [C * T/C]
+        place = index.zigzag_inverse(self.layout.bounds(), total, cp_size)[last]  # [B]
+        local_total = total // cp_size
+        return BoundaryPlaces(last, first, has, place % local_total, place // local_total == cp_rank)
+
     def shard(self, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
         """This CP rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``, every slot split into ``2C`` chunks
         (:meth:`PackLayout.shard`)."""
@@ -169,11 +191,25 @@ class SharedPrefixLayout(NamedTuple):
     def _slot_tables(self) -> "SlotTables":
         return slot_tables(self.seq_lengths, self.prefix_lengths, self.leader, self.row_len)
 
-    def _check_seq_len(self, seq_len) -> None:
+    def check_rows(self, seq_len) -> None:
+        """Every rollout fits rows of ``seq_len`` (nothing is cut off): the builder's ints, or a device assert."""
         if self.host_lengths is not None and not torch.compiler.is_compiling():
             checks.row_length_host(self.host_lengths, seq_len)
         elif self.rows:
             checks.row_length_device("SharedPrefixLayout.unpack", self.seq_lengths, seq_len)
+
+
+class BoundaryPlaces(NamedTuple):
+    """Each rollout's boundary score, ``[B]`` each: ``last`` the packed position of its prompt's last token
+    (its leader's prompt slot), ``first`` that of its response's first token (the target), ``has``: the
+    rollout has both (``P > 0`` and ``L > P``); ``local``: the place of ``last`` in this CP rank's shard,
+    ``owned``: this rank holds it (positions clamped into ``[0, T)``)."""
+
+    last: torch.Tensor
+    first: torch.Tensor
+    has: torch.Tensor
+    local: torch.Tensor
+    owned: torch.Tensor
 
 
 class SlotTables(NamedTuple):
