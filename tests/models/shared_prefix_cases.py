@@ -1,5 +1,5 @@
 """Shared-prefix cases, run in one process (tests/models/test_shared_prefix_models.py, C = 1) and on every
-spawned rank (tests/multiprocess/test_shared_prefix_multiprocess.py, C = 2 and 4, gloo).
+spawned rank (tests/multiprocess/test_shared_prefix_models_multiprocess.py, C = 2 and 4, gloo).
 
 Each case runs ``PackedForward(...)(ids, L, prefix_lengths=P, group_ids=g)`` around an adapter (each
 group's prompt packed once, then its responses) and compares it with every rollout run alone through

@@ -1,6 +1,6 @@
 """Tier: pure CPU, single process (tiny models built from a config, nothing downloaded; a one-rank gloo
 group on 127.0.0.1 for megatron-core's parallel_state). Under CP (C = 2 and 4, gloo):
-tests/multiprocess/test_shared_prefix_multiprocess.py. Cases: tests/models/shared_prefix_cases.py.
+tests/multiprocess/test_shared_prefix_models_multiprocess.py. Cases: tests/models/shared_prefix_cases.py.
 
 Shared-prefix packing through the models: ``PackedForward(...)(ids, L, prefix_lengths=P, group_ids=g)``
 (each group's prompt packed once, then its responses) equals every rollout run alone on its full row,
