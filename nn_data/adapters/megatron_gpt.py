@@ -235,7 +235,8 @@ class MegatronGPTAdapter(nn.Module):
         if self.head is not None:
             raise PackingError("output='logprobs' scores each packed segment's next tokens, but a shared-prefix "
                                "row's prompt is scored against every response of its group: use output='logits' "
-                               "(or the shared-prefix log-prob ops on the hidden states)")
+                               "(or nn_data.shared_prefix_logprobs.SharedPrefixLogProbsFromHidden on the hidden "
+                               "states)")
         with rotary_at_positions(self.model, position_ids[0], packed.segment_ids.shape[0]):
             return self.model(input_ids, position_ids, mask, packed_seq_params=None, **model_kwargs)
 
