@@ -200,3 +200,16 @@ def test_refusals_name_the_argument(kwargs, match):
     parallelism = Parallelism(dp=1, cp=2)  # sequences pad to multiples of 4
     with pytest.raises(PackingError, match=match):
         plan_step_shared_prefix(args.pop("lengths"), parallelism, **args)
+
+
+def test_the_documented_example_runs_as_written_and_prints_what_the_page_says(capsys):
+    import re
+    from pathlib import Path
+
+    page = "docs/planning.md"
+    text = (Path(__file__).resolve().parents[2] / page).read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "plan_step_shared_prefix(lengths" in b)
+    exec(compile(block, page, "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["[[[8, 9, 10, 11, 12, 13, 14, 15]], [[0, 1, 2, 3, 4, 5, 6, 7]]]", "[[6340], [8136]] 14464",
+                       "34216 2.37x"]
