@@ -110,7 +110,8 @@ def format_markdown(rows: list[dict]) -> str:
         e, s = r["end to end"], r["shared"]
         lines.append(f"| {r['step']} | {r['rollouts']} ({r['groups']}) | {e['real']:,} / {s['real']:,} "
                      f"(**{_ratio(r, 'real'):.2f}x**) | {e['padded']:,} / {s['padded']:,} ({_ratio(r, 'padded'):.2f}x) "
-                     f"| {e['packed']:,} / {s['packed']:,} ({_ratio(r, 'packed'):.2f}x) | {_ratio(r, 'attention'):.2f}x "
+                     f"| {e['packed']:,} / {s['packed']:,} ({_ratio(r, 'packed'):.2f}x) "
+                     f"| {_ratio(r, 'attention'):.2f}x "
                      f"| {_ratio(r, 'step_work'):.2f}x | {s['prompts']} |")
     return "\n".join(lines)
 

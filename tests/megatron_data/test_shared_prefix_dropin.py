@@ -37,7 +37,8 @@ def grpo_batch(group_key="group_ids", prefix_key="prefix_lengths"):
     for b, (g, p, n) in enumerate(zip(GROUPS, prefix, lengths)):
         ids[b, :p] = 100 * g + torch.arange(p)
         ids[b, p:n] = 1000 + 10 * b + torch.arange(n - p)
-    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lengths), names=[f"r{b}" for b in range(len(GROUPS))],
+    names = [f"r{b}" for b in range(len(GROUPS))]
+    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lengths), names=names,
                            **{group_key: torch.tensor(GROUPS), prefix_key: torch.tensor(prefix)})
 
 
@@ -95,8 +96,9 @@ def test_sharding_plans_whole_groups_and_carries_their_fields(shards, batch_size
                 assert mb["prefix_lengths"].tolist() == [PROMPT[GROUPS[b]] for b in rows]
                 assert torch.equal(mb["input_ids"], data["input_ids"][rows])
                 assert tokens == reference_tokens(mb) <= BUDGET
-                groups = mb["group_ids"].tolist()  # each group contiguous
-                assert all(groups.index(x) + groups.count(x) - 1 == len(groups) - 1 - groups[::-1].index(x) for x in groups)
+                groups = mb["group_ids"].tolist()  # each group contiguous: its rows form one run
+                assert all(groups[groups.index(x):groups.index(x) + groups.count(x)] == [x] * groups.count(x)
+                           for x in groups)
     merged = BatchedDataDict.from_batches(out)
     merged.reorder_data(order)
     assert merged["names"] == data["names"] and torch.equal(merged["prefix_lengths"], data["prefix_lengths"])
@@ -123,8 +125,9 @@ def test_custom_batch_keys():
 
 
 @pytest.mark.parametrize("extra, match", [
-    (dict(algorithm="modified_first_fit_decreasing"), r"^sequence_packing_args\['shared_prefix'\] plans with nn_data's "
-                                                      r"planner; set sequence_packing_args\['algorithm'\]='nn_data_balanced'"),
+    (dict(algorithm="modified_first_fit_decreasing"),
+     r"^sequence_packing_args\['shared_prefix'\] plans with nn_data's planner; set "
+     r"sequence_packing_args\['algorithm'\]='nn_data_balanced'"),
     (dict(shared_prefix={"group_ids_key": "uid"}), r"^'uid' not found in the batch"),
     (dict(shared_prefix=1), r"^sequence_packing_args\['shared_prefix'\]=1 is invalid"),
     (dict(max_tokens_per_microbatch=24), r"^lengths\[11\] = 24 with prefix_lengths\[11\] = 13 takes 28 tokens alone"),

@@ -181,7 +181,8 @@ def test_tensors_are_read_once_and_an_empty_step_plans_empty():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(prefix_lengths=[3, 6]), r"^prefix_lengths\[1\] = 6 is invalid; it is past the rollout's length lengths\[1\] = 5"),
+    (dict(prefix_lengths=[3, 6]),
+     r"^prefix_lengths\[1\] = 6 is invalid; it is past the rollout's length lengths\[1\] = 5"),
     (dict(prefix_lengths=[3, 2]), r"^prefix_lengths\[1\] = 2 differs from prefix_lengths\[0\] = 3 of the same group"),
     (dict(prefix_lengths=[3, -1]), r"^prefix_lengths\[1\] = -1 is invalid; every length must be an int >= 0"),
     (dict(prefix_lengths=[3]), r"^prefix_lengths has 1 entries for 2 rollouts"),

@@ -40,7 +40,8 @@ def shared_prefix_keys(value, name: str = "cfg['nn_data']['shared_prefix']") -> 
     if isinstance(value, SharedPrefixKeys):
         return value
     fields = {"group_ids_key": "group_ids", "prefix_lengths_key": "prefix_lengths"}
-    if isinstance(value, Mapping) and set(value) <= set(fields) and all(isinstance(v, str) and v for v in value.values()):
+    named = isinstance(value, Mapping) and all(isinstance(v, str) and v for v in value.values())
+    if named and set(value) <= set(fields):
         return SharedPrefixKeys(**{fields[k]: v for k, v in value.items()})
     raise PackingError(f"{name}={value!r} is invalid; expected True (the batch keys 'group_ids' and "
                        "'prefix_lengths'), False / None (off) or a dict with 'group_ids_key' and / or "

@@ -46,8 +46,8 @@ def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tenso
             raise PackingError(f"{key!r} not found in the batch (keys: {list(data)}); cfg['nn_data']['shared_prefix'] "
                                f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
         value = data[key]
-        ok = torch.is_tensor(value) and value.dim() == 1 and value.shape[0] == rows and not value.dtype.is_floating_point
-        if not ok or value.dtype == torch.bool:
+        ok = torch.is_tensor(value) and value.dim() == 1 and value.shape[0] == rows
+        if not ok or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise PackingError(f"the batch's {key!r} is {_describe(value)}; expected a [B={rows}] integer tensor")
         out.append(value)
     return out[0], out[1]
