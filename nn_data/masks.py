@@ -7,7 +7,11 @@ Shape legend
 
 A query at packed position ``i`` may see key ``j`` iff both lie in the same segment and
 ``j <= i`` (and, with a sliding ``window``, ``i - j < window``: transformers' sliding-window rule
-``kv_idx > q_idx - sliding_window``). Two forms of the same mask:
+``kv_idx > q_idx - sliding_window``). A shared-prefix microbatch (each group's prompt packed once,
+then its responses: :func:`nn_data.layout.shared_prefix_layout`) widens "the same segment" by a
+:class:`PrefixRule`: query ``i`` also sees the real prompt tokens of the segment ``context_ids[i]``,
+and the window counts rollout positions (``positions[i] - positions[j] < window``); :func:`sees` is
+the rule, once. Two forms of the same mask:
 
 * **dense**: a boolean ``[Tq, T]`` tensor for SDPA. ``Tq * T`` bytes (1 GiB at T = 32768,
   no CP), any dtype, forward and backward;
@@ -60,30 +64,61 @@ class DocumentMask(NamedTuple):
         return "dense" if self.dense is not None else "block"
 
 
-def document_causal_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, window: Optional[int] = None
-                         ) -> torch.Tensor:
+class PrefixRule(NamedTuple):
+    """What a shared-prefix microbatch adds to the document mask, per packed position (all ``[T]``, the
+    whole packed row, never sharded): ``context_ids`` int64, the segment (slot) whose prompt this
+    position's segment may also see (its own segment where there is none); ``visible`` bool, a real
+    prompt token (a key other segments may see; False on padding and on response tokens);
+    ``positions`` int64, the position in its rollout (what a sliding window measures).
+    :meth:`nn_data.layout.SharedPrefixLayout.prefix_rule` builds it.
+
+    Example: groups ``[7, 7]``, prefix ``[2, 2]``, lengths ``[4, 3]`` -> packed ``[p p r0 r0 r1]``,
+    segment_ids ``[0,0,1,1,3]``, context_ids ``[0,0,0,0,0]``, visible ``[T,T,F,F,F]``, positions
+    ``[0,1,2,3,2]``.
+    """
+
+    context_ids: torch.Tensor
+    visible: torch.Tensor
+    positions: torch.Tensor
+
+
+def sees(q: torch.Tensor, kv: torch.Tensor, segment_ids: torch.Tensor, window: Optional[int] = None,
+         prefix: Optional[PrefixRule] = None) -> torch.Tensor:
+    """The attention rule, once: whether the query at packed position ``q`` may see the key at ``kv``
+    (index tensors that broadcast: ``[Tq, 1]`` against ``[1, T]`` for the dense mask, scalars in a flex
+    ``mask_mod``). ``kv <= q`` and the same segment, or (with ``prefix``) ``kv`` a visible prompt token
+    of ``q``'s context segment; with a ``window``, ``q - kv < window`` (rollout positions with ``prefix``).
+    """
+    seg_k = segment_ids[kv]
+    same = segment_ids[q] == seg_k
+    if prefix is not None:
+        same = same | ((prefix.context_ids[q] == seg_k) & prefix.visible[kv])
+    allowed = same & (kv <= q)
+    if window is None:
+        return allowed
+    distance = q - kv if prefix is None else prefix.positions[q] - prefix.positions[kv]
+    return allowed & (distance < window)  # transformers: kv_idx > q_idx - window
+
+
+def document_causal_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, window: Optional[int] = None,
+                         prefix: Optional[PrefixRule] = None) -> torch.Tensor:
     """``[Tq, T]`` bool: query ``q`` (at packed position ``query_index[q]``) may see key ``j``
-    (within ``window`` positions of it, when a sliding window is given).
+    (within ``window`` positions of it, when a sliding window is given; widened by a shared-prefix
+    ``prefix``, :class:`PrefixRule`): :func:`sees`.
 
     Example: segment_ids ``[0,0,1,1]``, query_index ``[1, 2]`` -> ``[[T,T,F,F], [F,F,T,F]]``;
     segment_ids ``[0,0,0]``, query_index ``[2]``, window 2 -> ``[[F,T,T]]``.
     """
     keys = torch.arange(segment_ids.shape[0], device=segment_ids.device)  # [T]
-    same = segment_ids[query_index][:, None] == segment_ids[None, :]  # [Tq, T]
-    allowed = same & (keys[None, :] <= query_index[:, None])
-    if window is None:
-        return allowed
-    return allowed & (query_index[:, None] - keys[None, :] < window)  # transformers: kv_idx > q_idx - window
+    return sees(query_index[:, None], keys[None, :], segment_ids, window, prefix)  # [Tq, T]
 
 
-def _block_mask_uncompiled(query_index: torch.Tensor, segment_ids: torch.Tensor, block_size: int, window=None):
+def _block_mask_uncompiled(query_index: torch.Tensor, segment_ids: torch.Tensor, block_size: int, window=None,
+                           prefix: Optional[PrefixRule] = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    query_segment = segment_ids[query_index]  # [Tq]
-    reach = segment_ids.shape[0] if window is None else window  # T: no key is that far back
-
-    def mask_mod(b, h, q, kv):  # the same rule as document_causal_mask, one (q, kv) pair at a time
-        return (query_segment[q] == segment_ids[kv]) & (kv <= query_index[q]) & (query_index[q] - kv < reach)
+    def mask_mod(b, h, q, kv):  # the rule of document_causal_mask, one (q, kv) pair at a time
+        return sees(query_index[q], kv, segment_ids, window, prefix)
 
     tq, t = query_index.shape[0], segment_ids.shape[0]
     return create_block_mask(mask_mod, None, None, tq, t, device=query_index.device, BLOCK_SIZE=block_size)
@@ -105,14 +140,14 @@ def _compiled_flex():
 
 
 def document_block_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, *, block_size: int = 128,
-                        window: Optional[int] = None):
+                        window: Optional[int] = None, prefix: Optional[PrefixRule] = None):
     """The document-causal mask of ``query_index [Tq]`` / ``segment_ids [T]`` (restricted to a sliding
-    ``window``, when given) as a flex ``BlockMask``.
+    ``window``, when given; widened by a shared-prefix ``prefix``) as a flex ``BlockMask``.
 
     Built by a compiled ``create_block_mask`` (compiled once per ``(Tq, T)``; call it outside
     any other compiled region). Memory ``O((Tq / block_size) * (T / block_size))``, never ``Tq * T``.
     """
-    return _compiled_block_mask()(query_index, segment_ids, block_size, window)
+    return _compiled_block_mask()(query_index, segment_ids, block_size, window, prefix)
 
 
 def flex_supported(device: torch.device, dtype: torch.dtype, needs_grad: bool) -> bool:
@@ -131,6 +166,7 @@ def document_mask(
     gather: Optional[Callable] = None,
     dense_limit: int = DENSE_LIMIT,
     window: Optional[int] = None,
+    prefix: Optional[PrefixRule] = None,
 ) -> DocumentMask:
     """Build the mask for queries at ``query_index [Tq]`` over keys with ``segment_ids [T]``.
 
@@ -138,7 +174,8 @@ def document_mask(
     :func:`flex_supported` for ``dtype`` under the current grad mode and ``Tq * T >=
     dense_limit``, else dense). ``gather`` is carried along for :func:`document_attention`.
     ``window`` (an int >= 1): the result also carries ``.sliding``, the same mask restricted to that
-    sliding window (in the same form), for a model's sliding-window layers.
+    sliding window (in the same form), for a model's sliding-window layers. ``prefix``: a shared-prefix
+    microbatch's :class:`PrefixRule` (``[T]`` tensors), applied to both forms and to ``.sliding``.
 
     Raises :class:`~nn_data.errors.PackingError` for an unknown ``kind``, or ``kind="block"``
     where flex attention cannot run (a CPU with grad enabled, or float64).
@@ -157,16 +194,31 @@ def document_mask(
         )
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise PackingError(f"window={window!r} is invalid; expected a sliding window of at least 1 position, or None")
+    _check_prefix(prefix, segment_ids)
     big = query_index.shape[0] * segment_ids.shape[0] >= dense_limit
     block = kind == "block" or (kind == "auto" and supported and big)
 
     def build(w: Optional[int]) -> DocumentMask:
         if block:
-            return DocumentMask(None, document_block_mask(query_index, segment_ids, window=w), gather, w)
-        return DocumentMask(document_causal_mask(query_index, segment_ids, w), None, gather, w)
+            return DocumentMask(None, document_block_mask(query_index, segment_ids, window=w, prefix=prefix), gather,
+                                w)
+        return DocumentMask(document_causal_mask(query_index, segment_ids, w, prefix), None, gather, w)
 
     full = build(None)
     return full if window is None else full._replace(sliding=build(window))
+
+
+def _check_prefix(prefix, segment_ids: torch.Tensor) -> None:
+    """``prefix``: None or a :class:`PrefixRule` of ``[T]`` tensors, ``T`` the keys of ``segment_ids``."""
+    if prefix is None:
+        return
+    if not isinstance(prefix, PrefixRule):
+        raise PackingError(f"prefix must be a PrefixRule (SharedPrefixLayout.prefix_rule()) or None, got "
+                           f"{type(prefix).__name__}")
+    for name, t in zip(PrefixRule._fields, prefix):
+        if t.dim() != 1 or t.shape[0] != segment_ids.shape[0]:
+            raise PackingError(f"prefix.{name} has shape {tuple(int(d) for d in t.shape)}; expected "
+                               f"[{int(segment_ids.shape[0])}], one entry per packed position like segment_ids")
 
 
 def causal_mask(length: int, device=None) -> DocumentMask:

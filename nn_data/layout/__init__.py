@@ -11,6 +11,8 @@ Every entry point of nn_data packs, shards, unshards and unpacks through it:
   layout is built (one host read, or none);
 * :class:`RankOp` and :func:`op_layout` (``op``): the base of the ops configured with a CP rank, and
   how an op gets its call's layout;
+* :class:`SharedPrefixLayout` and :func:`shared_prefix_layout` (``shared_prefix``): a GRPO group's
+  prompt packed once, then its responses: a :class:`PackLayout` over two slots per rollout;
 * the layout rules (``rules``, each written once for Python ints and tensors), their checks
   (``checks``, one wording each), the device executor's index maps (``index``), the executors
   (``host``, ``device``); which one runs is ``pack_layout.on_host``.
@@ -36,6 +38,7 @@ from nn_data.layout.index import (
 from nn_data.layout.op import RankOp, op_layout
 from nn_data.layout.pack_layout import Fill, HostBounds, PackLayout, pack_with_layout
 from nn_data.layout.rules import INT32_MAX, bucket_total, round_up, segment_bounds
+from nn_data.layout.shared_prefix import SharedPrefixLayout, shared_prefix_layout
 from nn_data.layout._deprecated import __getattr__  # noqa: F401  (the 0.1.x names, with a warning)
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "PackSpec",
     "RankOp",
     "SegmentRows",
+    "SharedPrefixLayout",
     "Segments",
     "ZigzagLocal",
     "boundary_args",
@@ -70,6 +74,7 @@ __all__ = [
     "segment_ids",
     "segment_rows",
     "set_pack_form",
+    "shared_prefix_layout",
     "sequence_divisible",
     "take_layout",
     "target_ids",

@@ -123,6 +123,15 @@ def _read_lengths(seq_lengths: torch.Tensor, num_rows) -> tuple[list, Optional[i
 
 def _lengths_on_host(seq_lengths, row_len: int, spec: PackSpec, num_rows) -> PackLayout:
     lengths, n = _read_lengths(seq_lengths, num_rows)
+    return layout_from_read_lengths(lengths, seq_lengths, row_len, spec, n)
+
+
+def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: int, spec: PackSpec,
+                             num_rows: Optional[int] = None) -> PackLayout:
+    """The host layout of lengths already read to the host (``lengths``: Python ints, the values of the
+    ``seq_lengths [B]`` tensor, ``num_rows`` an int or None): for a builder whose one read brought them
+    with other values (:mod:`nn_data.layout.shared_prefix`); no further read."""
+    n = num_rows
     checks.lengths_host(lengths, row_len, n)
     rows = len(lengths)
     active = first_final(rows, n)  # rows past it are empty padding rows (checked): only their count matters

@@ -207,6 +207,33 @@ def row_length_host(lengths: list, seq_len: int, name: str = "seq_lengths") -> N
         raise PackingError(length_outside(i, lengths[i], seq_len, "seq_len", name))
 
 
+def prefix_lengths_host(lengths: list, prefixes: list, groups: list, leader: list, mismatch: Optional[list],
+                        num_rows: Optional[int] = None) -> None:
+    """A shared-prefix microbatch (:mod:`nn_data.layout.shared_prefix`), on the ints of its one read:
+    ``0 <= P[b] <= L[b]``; every rollout of a group (equal ``group_ids``) has the prefix length and, when
+    ``input_ids`` were given (``mismatch [B]``: its prompt tokens differ from its leader's), the prompt
+    tokens of the group's first rollout ``leader[b]``. Rows at or past ``num_rows`` (empty padding rows)
+    join no group."""
+    bad = [not 0 <= p <= n for p, n in zip(prefixes, lengths)]
+    if any(bad):
+        i = _first(bad)
+        raise PackingError(f"{length_of('prefix_lengths', i, prefixes[i])} is outside [0, seq_lengths[{i}]="
+                           f"{lengths[i]}]; a rollout's prompt (prefix) is at most the rollout's length")
+    real = len(lengths) if num_rows is None else num_rows
+    for i in range(real):  # host ints: the error path reads nothing more
+        j = leader[i]
+        if prefixes[i] != prefixes[j]:
+            raise PackingError(
+                f"prefix_lengths[{i}] = {prefixes[i]} but rollout {j} of the same group (group_ids[{i}] = "
+                f"group_ids[{j}] = {groups[i]}) has prefix_lengths[{j}] = {prefixes[j]}; the rollouts of one group "
+                "share one prompt: give them one prefix length, or different group_ids")
+        if mismatch is not None and mismatch[i]:
+            raise PackingError(
+                f"input_ids[{i}, :{prefixes[i]}] differs from input_ids[{j}, :{prefixes[j]}], the prompt of rollout "
+                f"{j} of the same group (group_ids[{i}] = group_ids[{j}] = {groups[i]}); the rollouts of one group "
+                "share one prompt: give rollouts with different prompts different group_ids")
+
+
 # ---- device checks: the same conditions as device asserts --------------------------------------
 
 def lengths_device(op: str, lengths: torch.Tensor, row_len, num_rows: Optional[torch.Tensor]) -> None:
@@ -283,3 +310,23 @@ def target_ids_host(bad: torch.Tensor, ids: torch.Tensor, vocab: int) -> None:
 
 def target_ids_device(op: str, bad: torch.Tensor, vocab: int) -> None:
     _checks.device_assert(~bad.any(), f"nn_data.{op}: token ids must be in [0, vocab={vocab})")
+
+
+def prefix_lengths_device(op: str, lengths: torch.Tensor, prefixes: torch.Tensor, leader: torch.Tensor,
+                          mismatch: Optional[torch.Tensor], real: torch.Tensor) -> None:
+    """:func:`prefix_lengths_host` as device asserts (``real [B]`` bool: the rows before ``num_rows``)."""
+    if lengths.shape[0] == 0:
+        return
+    _checks.device_assert(((prefixes >= 0) & (prefixes <= lengths)).all(),
+                          f"nn_data.{op}: every prefix_lengths value must be in [0, seq_lengths[b]]")
+    _checks.device_assert(((prefixes == prefixes[leader]) | ~real).all(),
+                          f"nn_data.{op}: the rollouts of one group (equal group_ids) must have equal prefix_lengths")
+    if mismatch is not None:
+        _checks.device_assert(~(mismatch & real).any(), f"nn_data.{op}: the rollouts of one group (equal group_ids) "
+                              "must share their prompt tokens input_ids[b, :prefix_lengths[b]]")
+
+
+def row_length_device(op: str, lengths: torch.Tensor, seq_len) -> None:
+    """:func:`row_length_host` as a device assert (``seq_len`` named, never formatted)."""
+    _checks.device_assert((lengths <= seq_len).all(),
+                          f"nn_data.{op}: seq_lengths must be in [0, seq_len] (the row length S of the output)")

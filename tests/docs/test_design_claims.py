@@ -118,9 +118,15 @@ def _definitions():
 
 
 def test_layout_names_one_type():
-    """"layout" is PackLayout: no other class's name says Layout (the deprecated names are aliases)."""
+    """"layout" is PackLayout: no other class's name says Layout (the deprecated names are aliases), but
+    SharedPrefixLayout, which is a PackLayout over a shared-prefix microbatch's slots (its ``layout``)."""
     classes = sorted(n.name for _, n in _definitions() if isinstance(n, ast.ClassDef) and "Layout" in n.name)
-    assert classes == ["PackLayout"], classes
+    assert classes == ["PackLayout", "SharedPrefixLayout"], classes
+    import typing
+
+    from nn_data.layout import PackLayout, SharedPrefixLayout
+
+    assert typing.get_type_hints(SharedPrefixLayout)["layout"] is PackLayout
 
 
 LAYOUT_SIDE = [PKG / "layout", *(PKG / f"{m}.py" for m in ("pack", "unpack", "context_parallel", "targets", "logprobs",

@@ -1,0 +1,183 @@
+"""Per-rollout token log-probs ``[B, S-1]`` of a shared-prefix microbatch, from packed logits or hidden states.
+
+Shape legend
+    B   rollouts; S their row length (``seq_len``, default the layout's)
+    T   packed tokens; C context-parallel size; N = T/C positions on a rank
+    V   vocabulary; ``Vt = V / TP`` on a tensor-parallel rank; H hidden size
+
+Entry ``s`` of rollout ``b`` scores token ``s + 1`` from position ``s`` (NeMo-RL's ``[B, S-1]``), as if
+the rollout had run alone (``docs/ops.md``, "Shared-prefix packing"): for ``s < P - 1`` at a position
+of its leader's prompt slot (the next token in that slot: scored once for the whole group), for
+``P <= s < L - 1`` inside its own response slot, and for ``s = P - 1`` (the prompt's last position
+against the response's first token ``input_ids[b, P]``) one **boundary** score per rollout: the ``B``
+boundary rows (``[B, Vt]`` logits rows, or ``[B, H]`` hidden rows) are gathered and scored by the same
+kernel as the ``T`` packed positions (:func:`nn_data.logprobs.token_logprobs_local`,
+:func:`nn_data.linear_logprob.hidden_logprobs_local`); 0 at ``s >= L - 1``. No ``[B, S, V]`` tensor.
+
+Under CP the rank holding a prompt's last position scores its boundary rows (0 elsewhere); the
+``[T/C]`` values and the ``[B]`` boundary values cross the CP group in one all-gather (the boundary
+values summed over ranks), with the gradient of every rank's own rows (``grad_mode="own"``: every CP
+rank computes the same loss). Memory: beyond the kernels', the logits path's backward adds the ``B``
+boundary rows' gradient through one ``[T/C, Vt]`` buffer (the index gather's); the hidden path's only
+``[T/C, H]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from nn_data import _checks
+from nn_data.cp_comm import all_gather_rows
+from nn_data.groups import given_group_info
+from nn_data.layout import SharedPrefixLayout, packed_segments, take_layout, target_ids, target_ids_device
+from nn_data.linear_logprob import hidden_logprobs_local
+from nn_data.lm_head import HIDDEN_SHAPE, hidden_rows
+from nn_data.logprobs import check_full_ids, targets_on_rank, token_logprobs_local
+
+
+class RolloutTargets(NamedTuple):
+    """One call's targets: ``target``, ``keep`` ``[T/C]`` (each local position's next token in its slot);
+    ``rows``, ``boundary_target``, ``boundary_keep`` ``[B]`` (the local row of each rollout's prompt-last
+    position, its response's first token, and whether this rank scores it)."""
+
+    target: torch.Tensor
+    keep: torch.Tensor
+    rows: torch.Tensor
+    boundary_target: torch.Tensor
+    boundary_keep: torch.Tensor
+
+
+class _Groups:
+    """The CP and TP groups of a shared-prefix log-prob op, resolved once in ``__init__``."""
+
+    def __init__(self, cp_group, tp_group, pg_collection):
+        self.cp_rank, self.cp_size, self.cp_group = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
+        self.tp_rank, self.tp_size, self.tp_group = given_group_info(tp_group, pg_collection=pg_collection, field="tp")
+
+
+def rollout_targets(op: str, layout, packed_ids: torch.Tensor, total: int, vocab: int, groups: _Groups, places,
+                    validate: bool) -> RolloutTargets:
+    """Every check of the layout and ids (device asserts: nothing is read), then the targets."""
+    if not isinstance(layout, SharedPrefixLayout):
+        raise _checks.PackingError(f"{op}: layout must be a SharedPrefixLayout (shared_prefix_layout(...)), got "
+                                   f"{type(layout).__name__}")
+    slots = take_layout(layout.layout, total, op=op, cp_size=groups.cp_size, validate=validate)
+    if validate:
+        bounds, lengths = packed_segments(slots.cu_seqlens, slots.cu_seqlens_padded, total)
+        target_ids_device(op, target_ids(packed_ids[0], bounds, lengths, total, vocab), vocab)
+    target, keep = targets_on_rank(slots, packed_ids, total, places, groups.cp_size, groups.cp_rank)  # [T/C] each
+    edge = layout.boundary_places(groups.cp_size, groups.cp_rank)  # [B] each
+    boundary_target = packed_ids[0].index_select(0, edge.first).to(torch.int64)  # [B]
+    return RolloutTargets(target, keep, edge.local, boundary_target, edge.has & edge.owned)
+
+
+def rollout_rows(layout: SharedPrefixLayout, local: torch.Tensor, boundary: torch.Tensor, groups: _Groups,
+                 seq_len) -> torch.Tensor:
+    """This rank's ``[T/C]`` in-slot values and ``[B]`` boundary values -> ``[B, S-1]`` on every CP rank.
+
+    Example (the layout module's batch, S 4): rollout 1 (leader 0, P 2, L 3) reads the in-slot value of
+    packed position 0 (prompt token 0 -> 1), its boundary value (position 1 -> its response token 2 at
+    packed 4), then 0 (``s = 2 = L - 1``).
+    """
+    total, n, rows = layout.total, local.shape[0], layout.rows
+    layout.check_rows(seq_len)
+    width = max(seq_len - 1, 0)
+    if total == 0:  # nothing was packed (on any rank): zeros, still in the graph
+        return (local.sum() + boundary.sum()).expand(rows, width).clone()
+    if groups.cp_size > 1:
+        both = torch.cat([local, boundary])  # [T/C + B]: one all-gather for both
+        every = all_gather_rows(both, groups.cp_group, groups.cp_rank, groups.cp_size).view(groups.cp_size, -1)
+        packed = layout.unshard(every[:, :n], groups.cp_size)[0]  # [T]
+        boundary = every[:, n:].sum(0)  # [B]: the owning rank's value, 0 elsewhere
+    else:
+        packed = local  # [T]
+    where, real = layout.row_places(width)  # [B, S-1] each
+    values = packed.index_select(0, where.clamp(0, total - 1).reshape(-1)).view(rows, width)  # [B, S-1]
+    values = torch.where(real, values, 0.0)
+    at_boundary = torch.arange(width, device=values.device) == layout.prefix_lengths[:, None] - 1  # [B, S-1]
+    return torch.where(at_boundary, boundary[:, None].to(values.dtype), values)
+
+
+class SharedPrefixLogProbs(nn.Module):
+    """Rollout token log-probs ``[B, S-1]`` from a shared-prefix microbatch's CP-local packed logits.
+
+    ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, layout: SharedPrefixLayout, *, seq_len=None,
+    places=None) -> [B, S-1]`` (float32; float64 for float64 logits): ``out[b, s] = log p(x[b, s+1] |
+    x[b, :s+1])`` for ``s < L[b] - 1``, else 0, equal to each rollout run alone. ``logits`` is this rank's
+    zigzag shard of the slot layout (vocab-parallel over ``tp_group``, as :class:`~nn_data.TokenLogProbs`),
+    ``packed_ids`` the full packed ids (``layout.pack(input_ids)``). Nothing is read on the host: the checks
+    (``T``, every slot splitting into ``2C`` chunks, ids in the vocabulary, rows of ``seq_len``) are the
+    layout's ints or device asserts.
+
+    Raises :class:`~nn_data.errors.PackingError`: ``chunk_tokens`` below 1, a group this process is not in
+    (``__init__``); logits not ``[1, T/C, Vt]`` floating point, ``packed_ids`` not ``[1, T]``, a layout that is
+    not a :class:`~nn_data.layout.SharedPrefixLayout` of this ``T`` (call).
+    """
+
+    def __init__(self, *, cp_group=None, tp_group=None, pg_collection=None, chunk_tokens: int = 256,
+                 validate: bool = True):
+        super().__init__()
+        self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
+        self.groups, self.validate = _Groups(cp_group, tp_group, pg_collection), bool(validate)
+
+    def forward(self, logits: torch.Tensor, packed_ids: torch.Tensor, layout: SharedPrefixLayout, *, seq_len=None,
+                places=None) -> torch.Tensor:
+        g = self.groups
+        _checks.check_float_logits("logits", logits, "[1, T/C, V]", 3)
+        _checks.check_packed("logits", logits)
+        total = check_full_ids("logits", logits, packed_ids, logits.shape[1], g.cp_size)
+        cols = logits.shape[2]
+        t = rollout_targets("SharedPrefixLogProbs", layout, packed_ids, total, cols * g.tp_size, g, places,
+                            self.validate)
+        flat = logits.squeeze(0)  # [T/C, Vt]
+        kernel = dict(vocab_start=g.tp_rank * cols, tp_group=g.tp_group, tp_size=g.tp_size,
+                      chunk_tokens=self.chunk_tokens)
+        local = token_logprobs_local(flat, t.target, t.keep, **kernel)  # [T/C]
+        boundary = token_logprobs_local(flat.index_select(0, t.rows), t.boundary_target, t.boundary_keep,
+                                        **kernel)  # [B]
+        return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)
+
+
+class SharedPrefixLogProbsFromHidden(nn.Module):
+    """Rollout token log-probs ``[B, S-1]`` straight from a shared-prefix microbatch's CP-local hidden states
+    and the output weight: what :class:`SharedPrefixLogProbs` gives from the logits ``hidden @ weight.T /
+    temperature``, values and gradients (of ``hidden`` and ``weight``), without ``[T, V]`` logits.
+
+    ``forward(hidden [1, T/C, H] (or [T/C, 1, H]), weight [V/TP, H], packed_ids [1, T] int, layout, *,
+    seq_len=None, places=None) -> [B, S-1]``; groups, ``chunk_tokens`` and ``temperature`` as
+    :class:`~nn_data.TokenLogProbsFromHidden`. Sequence parallelism is refused (the boundary rows would
+    have to be found across TP ranks): gather the hidden states first.
+
+    Raises :class:`~nn_data.errors.PackingError`: as :class:`SharedPrefixLogProbs`, and for hidden states
+    or a weight that are not an output head's (call), ``sequence_parallel=True`` (``__init__``).
+    """
+
+    def __init__(self, *, cp_group=None, tp_group=None, pg_collection=None, chunk_tokens: int = 256,
+                 temperature: float = 1.0, sequence_parallel: bool = False, validate: bool = True):
+        super().__init__()
+        if sequence_parallel:
+            raise _checks.PackingError("sequence_parallel=True is not supported by SharedPrefixLogProbsFromHidden: "
+                                       "gather the hidden states over the tensor-parallel group first")
+        self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
+        self.temperature = _checks.check_temperature(temperature)
+        self.groups, self.validate = _Groups(cp_group, tp_group, pg_collection), bool(validate)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, packed_ids: torch.Tensor,
+                layout: SharedPrefixLayout, *, seq_len=None, places=None) -> torch.Tensor:
+        g = self.groups
+        _checks.check_output_head("hidden", hidden, "weight", weight, HIDDEN_SHAPE)
+        if 1 not in hidden.shape[:2]:
+            raise _checks.PackingError(f"hidden must be {HIDDEN_SHAPE}, got shape {tuple(hidden.shape)}")
+        rows = hidden_rows(hidden)  # [T/C, H]
+        total = check_full_ids("hidden", hidden, packed_ids, rows.shape[0], g.cp_size)
+        t = rollout_targets("SharedPrefixLogProbsFromHidden", layout, packed_ids, total, weight.shape[0] * g.tp_size,
+                            g, places, self.validate)
+        kernel = dict(vocab_start=g.tp_rank * weight.shape[0], tp_group=g.tp_group, tp_size=g.tp_size,
+                      chunk_tokens=self.chunk_tokens, temperature=self.temperature)
+        local = hidden_logprobs_local(rows, weight, t.target, t.keep, **kernel)  # [T/C]
+        boundary = hidden_logprobs_local(rows.index_select(0, t.rows), weight, t.boundary_target, t.boundary_keep,
+                                         **kernel)  # [B]
+        return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)

@@ -1,0 +1,157 @@
+"""Tier: pure CPU, single process (float64). The multi-process CP / TP cases are
+tests/multiprocess/test_shared_prefix_multiprocess.py.
+
+Rollout log-probs ``[B, S-1]`` of a shared-prefix microbatch (SharedPrefixLogProbs from packed logits,
+SharedPrefixLogProbsFromHidden from hidden states and the output weight) against every rollout run
+alone through a plain log_softmax: values and gradients (logits; hidden states and weight), 1e-10. The
+CP shard of the shared-prefix row: every rank's shard equals the loop reference's zigzag shard of
+each slot, and unsharding every rank's gives the row back (CP 1, 2, 4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nn_data.diagnostics import HostSyncCounter
+from nn_data.errors import PackingError
+from nn_data.layout import PackSpec, shared_prefix_layout
+from nn_data.shared_prefix_logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from nn_data.testing.reference import reference_shard
+from tests.ops.test_shared_prefix_layout import reference, rollouts
+from tests.support.hypothesis_profiles import examples
+
+TOL = dict(rtol=0, atol=1e-10)
+V, H = 11, 5
+
+
+def _places(groups, prefix, token):
+    """``{(b, s): packed position}`` from the loop reference: a prompt token is its leader's."""
+    place = {}
+    for i, t in enumerate(token):
+        if t is not None:
+            b, s = t
+            members = [b] if s >= prefix[b] else [r for r in range(len(groups)) if groups[r] == groups[b]]
+            for r in members:
+                place[(r, s)] = i
+    return place
+
+
+def alone(per_position, groups, prefix, lengths, ids, token, seq_len):
+    """``[B, S-1]``: each rollout alone, its logits the rows a model computes at its tokens' packed places
+    (``per_position(index) -> [len, V]``), scored by a plain log_softmax."""
+    place = _places(groups, prefix, token)
+    rows = []
+    for b, n in enumerate(lengths):
+        row = torch.zeros(max(seq_len - 1, 0), dtype=torch.float64)
+        if n > 1:
+            logits = per_position(torch.tensor([place[(b, s)] for s in range(n - 1)]))  # [L-1, V]
+            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[b, 1:n, None]).squeeze(1)  # [L-1]
+            row = torch.cat([lp, row[n - 1:]])
+        rows.append(row)
+    return torch.stack(rows) if rows else torch.zeros(0, max(seq_len - 1, 0), dtype=torch.float64)
+
+
+def _case(groups, prefix, lengths, seq_len, m=2, fixed_total=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = rollouts(groups, prefix, lengths, seq_len)
+    ids = torch.where(x >= 0, x % V, 0)  # token ids in [0, V); padding 0
+    sp = shared_prefix_layout(torch.tensor(lengths, dtype=torch.int64), torch.tensor(prefix, dtype=torch.int64),
+                              torch.tensor(groups, dtype=torch.int64), row_len=seq_len,
+                              spec=PackSpec(m, fixed_total=fixed_total), input_ids=ids)
+    _, _, token, _ = reference(groups, prefix, lengths, x, m, fixed_total)
+    weights = torch.randn(len(lengths), max(seq_len - 1, 0), generator=gen, dtype=torch.float64)
+    return sp, ids, token, weights, gen
+
+
+CASES = [([0, 0, 0, 1], [3, 3, 3, 2], [7, 3, 5, 6], 8),  # a group of three (an empty response), a group of one
+         ([4, 5, 4], [0, 0, 0], [5, 0, 1], 6),  # no prompt; an empty rollout; a rollout of one token
+         ([], [], [], 5),  # B = 0
+         ([2, 2], [4, 4], [4, 6], 6)]  # the whole first rollout is its prompt
+
+
+@pytest.mark.parametrize("groups, prefix, lengths, seq_len", CASES)
+@pytest.mark.parametrize("chunk", [256, 3])
+def test_from_logits_equals_every_rollout_alone(groups, prefix, lengths, seq_len, chunk):
+    sp, ids, token, weights, gen = _case(groups, prefix, lengths, seq_len)
+    packed_logits = torch.randn(1, sp.total, V, generator=gen, dtype=torch.float64, requires_grad=True)
+    want = alone(lambda i: packed_logits[0, i], groups, prefix, lengths, ids, token, seq_len)
+    ((want * weights).sum() + 0 * packed_logits.sum()).backward()  # + 0: a gradient (zeros) when B = 0
+    want_grad, packed_logits.grad = packed_logits.grad, None
+    with HostSyncCounter() as syncs:
+        got = SharedPrefixLogProbs(chunk_tokens=chunk)(packed_logits, sp.pack(ids), sp)
+    assert syncs.count == 0, syncs.calls
+    assert got.shape == (len(lengths), seq_len - 1) and got.dtype == torch.float64
+    torch.testing.assert_close(got, want.detach(), **TOL)
+    (got * weights).sum().backward()
+    torch.testing.assert_close(packed_logits.grad, want_grad, **TOL)
+
+
+@pytest.mark.parametrize("groups, prefix, lengths, seq_len", CASES)
+def test_from_hidden_equals_every_rollout_alone(groups, prefix, lengths, seq_len):
+    sp, ids, token, weights, gen = _case(groups, prefix, lengths, seq_len, seed=1)
+    hidden = torch.randn(1, sp.total, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    temperature = 0.7
+    want = alone(lambda i: hidden[0, i] @ weight.T / temperature, groups, prefix, lengths, ids, token, seq_len)
+    ((want * weights).sum() + 0 * (hidden.sum() + weight.sum())).backward()
+    want_h, want_w = hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+    op = SharedPrefixLogProbsFromHidden(chunk_tokens=4, temperature=temperature)
+    got = op(hidden, weight, sp.pack(ids), sp)
+    torch.testing.assert_close(got, want.detach(), **TOL)
+    (got * weights).sum().backward()
+    torch.testing.assert_close(hidden.grad, want_h, **TOL)
+    torch.testing.assert_close(weight.grad, want_w, **TOL)
+    # megatron-core's sequence-first hidden states [T, 1, H] give the same rows
+    torch.testing.assert_close(op(hidden.detach().transpose(0, 1), weight.detach(), sp.pack(ids), sp), got.detach(),
+                               **TOL)
+
+
+def test_errors_name_the_argument():
+    sp, ids, *_ = _case(*CASES[0])
+    logits = torch.zeros(1, sp.total, V, dtype=torch.float64)
+    with pytest.raises(PackingError, match=r"layout must be a SharedPrefixLayout"):
+        SharedPrefixLogProbs()(logits, sp.pack(ids), sp.layout)
+    with pytest.raises(PackingError, match=r"packed_ids has shape \(1, 3\)"):
+        SharedPrefixLogProbs()(logits, sp.pack(ids)[:, :3], sp)
+    with pytest.raises(PackingError, match=r"seq_lengths\[0\] = 7 is outside \[0, seq_len=5\]"):
+        SharedPrefixLogProbs()(logits, sp.pack(ids), sp, seq_len=5)
+    with pytest.raises(RuntimeError, match=r"token ids must be in \[0, vocab=4\)"):
+        SharedPrefixLogProbs()(logits[..., :4], sp.pack(ids), sp)
+    with pytest.raises(PackingError, match=r"sequence_parallel=True is not supported"):
+        SharedPrefixLogProbsFromHidden(sequence_parallel=True)
+
+
+# ---- the CP shard of the shared-prefix row -------------------------------------------------------
+
+@settings(max_examples=examples(25), deadline=None)
+@given(sizes=st.lists(st.integers(1, 3), max_size=4), seed=st.integers(0, 2**16), cp=st.sampled_from([1, 2, 4]),
+       host_reads=st.booleans())
+def test_cp_shard_is_the_zigzag_of_every_slot_and_unshards_back(sizes, seed, cp, host_reads):
+    gen = torch.Generator().manual_seed(seed)
+    groups = [g for g, n in enumerate(sizes) for _ in range(n)]
+    seq_len = 9
+    plen = {g: int(torch.randint(0, seq_len + 1, (), generator=gen)) for g in range(len(sizes))}
+    prefix = [plen[g] for g in groups]
+    lengths = [int(torch.randint(p, seq_len + 1, (), generator=gen)) for p in prefix]
+    x = rollouts(groups, prefix, lengths, seq_len, trailing=(2,))
+    total = 2 * cp * 48
+    sp = shared_prefix_layout(torch.tensor(lengths, dtype=torch.int64), torch.tensor(prefix, dtype=torch.int64),
+                              torch.tensor(groups, dtype=torch.int64), row_len=seq_len,
+                              spec=PackSpec(2 * cp, cp_size=cp, fixed_total=total), host_reads=host_reads)
+    ref, *_ = reference(groups, prefix, lengths, x, 2 * cp, total)
+    packed = sp.pack(x)
+    assert torch.equal(packed, ref.packed)
+    shards = [sp.shard(packed, cp, r) for r in range(cp)]
+    for r, shard in enumerate(shards):
+        assert torch.equal(shard, reference_shard(ref.packed, ref.cu_seqlens_padded, cp, r))
+        assert torch.equal(packed[0, sp.local_places(cp, r).source], shard[0])
+    assert torch.equal(sp.unshard(torch.cat(shards), cp), packed)
+    for r in range(cp):  # every rollout's boundary lies on exactly one rank
+        places = sp.boundary_places(cp, r)
+        assert torch.equal(sp.shard(packed, cp, r)[0, places.local][places.owned], packed[0, places.last][places.owned])
+    owners = torch.stack([sp.boundary_places(cp, r).owned for r in range(cp)]).sum(0) if cp > 1 else None
+    assert owners is None or owners.tolist() == [1] * len(groups)
