@@ -22,8 +22,10 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
-from nn_data.pack import PackSequences, PackShard, PackShardResult, check_pack_args
-from nn_data.layout import PackLayout
+from nn_data.pack import PackSequences, PackShard, check_pack_args
+from nn_data.layout import PackLayout, SharedPrefixLayout
+from nn_data.masks import PrefixRule
+from nn_data import packed_shared_prefix as _shared
 from nn_data.planning.alignment import Parallelism
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 from nn_data.unpack import check_unpack_args, unpack_sequences
@@ -49,6 +51,10 @@ class PackedInfo(NamedTuple):
     attention kernel's ``max_seqlen`` needs), and ``row_len``, the batch's row length ``S``, which
     bounds every sequence's valid length. ``cu_seqlens [B+1]`` the real (unpadded) boundaries, for a
     model that scores next tokens itself (each sequence's last token has none).
+    A shared-prefix call (``prefix_lengths``/``group_ids``, :mod:`nn_data.packed_shared_prefix`) packs
+    ``2B`` slots (the boundaries above are theirs) and sets ``prefix`` (the attention's
+    :class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors, never sharded), ``prefix_lengths [B]``
+    and ``leader [B]`` (the rollout whose prompt slot each rollout's response continues); None otherwise.
     """
 
     cu_seqlens_padded: torch.Tensor
@@ -63,6 +69,9 @@ class PackedInfo(NamedTuple):
     max_length: Optional[int] = None
     row_len: Optional[int] = None
     cu_seqlens: Optional[torch.Tensor] = None
+    prefix: Optional[PrefixRule] = None
+    prefix_lengths: Optional[torch.Tensor] = None
+    leader: Optional[torch.Tensor] = None
 
 
 class PackedInput(NamedTuple):
@@ -71,7 +80,9 @@ class PackedInput(NamedTuple):
     (``seq_lengths [R]`` after row padding, the caller's ``rows`` B, ``row_ids [R, S]``, the
     row-padded ids whose dim 1 gives the row length S, a symbolic size under compile, and, eagerly,
     the pack's ``layout``: the output gather and the unpack run on it without reading the
-    boundaries again; None from the compiled packing side)."""
+    boundaries again; None from the compiled packing side). A shared-prefix call also keeps its
+    ``shared`` layout (eagerly) and ``shared_args`` (``prefix_lengths``, ``group_ids``, ``num_rows``, for
+    the compiled unpacking side)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -80,15 +91,20 @@ class PackedInput(NamedTuple):
     rows: int
     row_ids: torch.Tensor
     layout: Optional[PackLayout] = None
+    shared: Optional[SharedPrefixLayout] = None
+    shared_args: Optional[tuple] = None
 
 
 class PackedForward(nn.Module):
     """Run ``model`` on packed, context-parallel-sharded tokens; return ``[B, S, *]`` rows.
 
-    ``forward(input_ids [B, S] int, seq_lengths [B] int, **model_kwargs) -> [B, S, *]``, 0 past
-    each row's length: pack, take this rank's places, position ids, ``model`` on the local tokens,
-    gather across ``cp_group`` (None: no CP; ``pg_collection``, megatron-core's
-    ``ProcessGroupCollection``, stands for it with its ``cp`` group), unpack.
+    ``forward(input_ids [B, S] int, seq_lengths [B] int, prefix_lengths=None, group_ids=None,
+    **model_kwargs) -> [B, S, *]``, 0 past each row's length: pack, take this rank's places, position
+    ids, ``model`` on the local tokens, gather across ``cp_group`` (None: no CP; ``pg_collection``,
+    megatron-core's ``ProcessGroupCollection``, stands for it with its ``cp`` group), unpack.
+    With ``prefix_lengths [B]`` and ``group_ids [B]`` (both or neither) each group's prompt is packed
+    once and each rollout's row comes back as if it had been run alone
+    (:mod:`nn_data.packed_shared_prefix`; the model must honour ``packed.prefix``: both adapters do).
 
     The model contract: ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
     **model_kwargs) -> [1, T/C, *]`` for the same local tokens in the same order. Position ids
@@ -138,12 +154,16 @@ class PackedForward(nn.Module):
             self.gather_output = GatherFromContextParallel(self._cp_group, grad_mode="own", validate=False)
             self.gather_kv = GatherFromContextParallel(self._cp_group, grad_mode="sum", validate=False)
         self.compile_packing = bool(compile_packing)
+        self.shared_pack_shard = _shared.SharedPrefixPackShard(pack.spec, self.cp_size, self.cp_rank)
         if self.compile_packing:
             kwargs = {"fullgraph": True, **(compile_kwargs or {})}
             self._prepare_fn = torch.compile(self.pack_shard, **kwargs)
             self._finish_fn = torch.compile(_finish, **kwargs)
+            self._shared_prepare_fn = torch.compile(self.shared_pack_shard, **kwargs)
+            self._shared_finish_fn = torch.compile(_shared.shared_finish, **kwargs)
         else:
             self._prepare_fn, self._finish_fn = self.pack_shard, _finish
+            self._shared_prepare_fn, self._shared_finish_fn = self.shared_pack_shard, _shared.shared_finish
 
     @property
     def pack(self) -> PackSequences:
@@ -154,48 +174,86 @@ class PackedForward(nn.Module):
         """The context-parallel ``ProcessGroup`` the tokens are sharded over (None: no CP)."""
         return self._cp_group
 
-    def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> torch.Tensor:
-        inp = self.prepare(input_ids, seq_lengths)
+    def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None, group_ids=None,
+                **model_kwargs) -> torch.Tensor:
+        inp = self.prepare(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids)
         local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
         return self.finish(local_out, inp)
 
-    def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> "PackedInput":
+    def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None,
+                group_ids=None) -> "PackedInput":
         """The first half of :meth:`forward`: pack, shard, position ids and :class:`PackedInfo`
-        for ``input_ids [B, S]``, ``seq_lengths [B]``, without calling the model. For a caller
+        for ``input_ids [B, S]``, ``seq_lengths [B]`` (and ``prefix_lengths``/``group_ids``, a
+        shared-prefix call), without calling the model. For a caller
         that drives the model itself (a pipeline schedule: only the last stage outputs
         ``[1, T/C, *]``); :meth:`finish` turns that output into rows."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise _checks.PackingError(f"input_ids must be a [B, S] tensor, got {shape}")
+        shared = prefix_lengths is not None or group_ids is not None
+        if shared:
+            _shared.check_shared_args(input_ids, seq_lengths, prefix_lengths, group_ids)
         rows = input_ids.shape[0]
         num_rows = None
         if self.row_capacity is not None:
             padded = pad_to_row_capacity(input_ids, seq_lengths, self.row_capacity, name="row_capacity")
             input_ids, seq_lengths, num_rows = padded
+            if shared:
+                prefix_lengths, group_ids = _shared.pad_shared_rows(prefix_lengths, group_ids, self.row_capacity)
+        if shared:
+            return self._prepare_shared(input_ids, seq_lengths, prefix_lengths, group_ids, num_rows, rows)
         if self.compile_packing:  # metadata errors raise PackingError here, before the compiled region
             check_pack_args(input_ids, seq_lengths, num_rows)
             input_ids = with_dynamic_row_length(input_ids)  # one graph for every S, 0 and 1 included
         prep = self._prepare_fn(input_ids, seq_lengths, num_rows)  # PackShardResult
         cu_pad, layout = prep.pack.cu_seqlens_padded, prep.pack.layout
-        gather_kv = None
-        if self.cp_size > 1:
-            def gather_kv(local: torch.Tensor) -> torch.Tensor:
-                if layout is not None:  # the layout: no read of the boundaries
-                    return self.gather_kv(local, layout=layout)  # [1, T/C, *] -> [1, T, *]
-                return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
+        gather_kv = self._kv_gather(layout, cu_pad)
         total = prep.segment_ids.shape[0]
         longest = layout.host.max_seqlen if layout is not None and layout.host is not None else total
         info = PackedInfo(
             cu_pad, prep.pack.max_seqlen, prep.segment_ids, prep.places.source,
-            self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(prep), prep.padding_mask,
+            self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(cu_pad, total), prep.padding_mask,
             max_length=longest, row_len=int(input_ids.shape[1]), cu_seqlens=prep.pack.cu_seqlens,
         )
         return PackedInput(prep.local["x"], prep.positions, info, seq_lengths, rows, input_ids, layout)
+
+    def _kv_gather(self, layout: Optional[PackLayout], cu_pad: torch.Tensor):
+        """``PackedInfo.gather`` (None without CP): on the layout when there is one (no read of the
+        boundaries), else on the boundaries."""
+        if self.cp_size == 1:
+            return None
+
+        def gather_kv(local: torch.Tensor) -> torch.Tensor:
+            if layout is not None:
+                return self.gather_kv(local, layout=layout)  # [1, T/C, *] -> [1, T, *]
+            return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
+        return gather_kv
+
+    def _prepare_shared(self, input_ids, seq_lengths, prefix_lengths, group_ids, num_rows, rows) -> "PackedInput":
+        """:meth:`prepare` for a shared-prefix call (:class:`~nn_data.packed_shared_prefix.SharedPrefixPackShard`)."""
+        if self.compile_packing:  # metadata errors raise PackingError here, before the compiled region
+            check_pack_args(input_ids, seq_lengths, num_rows)
+            input_ids = with_dynamic_row_length(input_ids)  # one graph for every S
+        prep = self._shared_prepare_fn(input_ids, seq_lengths, prefix_lengths, group_ids, num_rows)
+        layout = None if prep.shared is None else prep.shared.layout
+        gather_kv = self._kv_gather(layout, prep.cu_seqlens_padded)
+        total = prep.segment_ids.shape[0]
+        longest = layout.host.max_seqlen if layout is not None and layout.host is not None else total
+        info = PackedInfo(
+            prep.cu_seqlens_padded, prep.max_seqlen, prep.segment_ids, prep.query_index, self.cp_size, self.cp_rank,
+            gather_kv, self._packed_seq_params(prep.cu_seqlens_padded, total), prep.padding_mask,
+            max_length=longest, row_len=int(input_ids.shape[1]), cu_seqlens=prep.cu_seqlens, prefix=prep.prefix,
+            prefix_lengths=prep.prefix_lengths, leader=prep.leader,
+        )
+        return PackedInput(prep.input_ids, prep.positions, info, seq_lengths, rows, input_ids, layout, prep.shared,
+                           (prefix_lengths, group_ids, num_rows))
 
     def finish(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
         """The second half of :meth:`forward`: the model's ``[1, T/C, *]`` output for ``inp``
         (from :meth:`prepare`) -> gathered over the CP group -> rows ``[B, S, *]``."""
         _check_model_output(local_out, inp.input_ids)
+        if inp.shared_args is not None:
+            return self._finish_shared(local_out, inp)
         cu_pad = inp.packed.cu_seqlens_padded
         if inp.layout is not None:  # eager: the pack's layout, no read of the boundaries
             full = local_out if self.cp_size == 1 else self.gather_output(local_out, layout=inp.layout)  # [1, T, *]
@@ -206,13 +264,24 @@ class PackedForward(nn.Module):
         out = self._finish_fn(full, inp.seq_lengths, cu_pad, inp.row_ids)  # [R, S, *]
         return out[: inp.rows]
 
-    def _packed_seq_params(self, prep: PackShardResult):
+    def _finish_shared(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
+        """:meth:`finish` for a shared-prefix call: rollout b's row as if it had been packed alone."""
+        if inp.shared is not None:  # eager: the layout, no read of the boundaries
+            full = local_out if self.cp_size == 1 else self.gather_output(local_out, layout=inp.shared.layout)
+            return inp.shared.unpack(full, inp.row_ids.shape[1])[: inp.rows]  # [1, T, *] -> [B, S, *]
+        full = local_out if self.cp_size == 1 else self.gather_output(local_out, inp.packed.cu_seqlens_padded)
+        prefix_lengths, group_ids, num_rows = inp.shared_args
+        out = self._shared_finish_fn(full, inp.seq_lengths, prefix_lengths, group_ids, inp.row_ids, self.pack.spec,
+                                     num_rows)  # [R, S, *]
+        return out[: inp.rows]
+
+    def _packed_seq_params(self, cu_seqlens_padded: torch.Tensor, total: int):
         if not self.make_packed_seq_params:
             return None
         from nn_data.megatron_parallel import make_packed_seq_params
 
-        total = prep.segment_ids.shape[0]  # max_seqlen = T: the only bound known without a host sync
-        return make_packed_seq_params(prep.pack.cu_seqlens_padded, total, total // self.cp_size, total=total,
+        # max_seqlen = T: the only bound known without a host sync
+        return make_packed_seq_params(cu_seqlens_padded, total, total // self.cp_size, total=total,
                                       cp_group=self._cp_group)
 
 

@@ -168,14 +168,18 @@ class HFCausalLMAdapter(nn.Module):
                 "seq_lengths, use_reentrant=False))")
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
+        prefix = getattr(packed, "prefix", None)  # a shared-prefix row: one rollout (prompt + response) per row
         if self.layers.mixers:
             rows = hf_mixers.mixer_rows(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
-                                        gather=packed.gather, query_index=packed.query_index)
-            per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None  # CP: always
+                                        gather=packed.gather, query_index=packed.query_index,
+                                        prefix_lengths=None if prefix is None else packed.prefix_lengths,
+                                        leader=None if prefix is None else packed.leader)
+            per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None or prefix is not None
             mixer, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
         kernels = bool(self.layers.mixers) and mixer is None
         with hf_mixers.active(self._slot, mixer, require_boundaries=kernels, fallback=fallback):
-            if packed.gather is None and str(self.model.config._attn_implementation).startswith("flash_attention"):
+            if packed.gather is None and prefix is None and \
+                    str(self.model.config._attn_implementation).startswith("flash_attention"):
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs,
                                  **model_kwargs)  # flash-attention's variable-length kernel takes the boundaries
                 logits = out.logits  # [1, T, V]
@@ -188,7 +192,7 @@ class HFCausalLMAdapter(nn.Module):
     def _call_with_mask(self, input_ids, position_ids, packed, kwargs: dict, model_kwargs: dict) -> torch.Tensor:
         """The model under nn_data's attention function and document mask."""
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=self.model.dtype,
-                             gather=packed.gather, window=self.layers.window)
+                             gather=packed.gather, window=self.layers.window, prefix=getattr(packed, "prefix", None))
         kwargs[_MASK_KWARG] = mask
         check = not self._checked and not torch.compiler.is_compiling()
         if check:
@@ -235,7 +239,8 @@ def _row_width(packed) -> int:
     """Slots per row for the per-sequence mixers: a Python-int bound on every valid length (the batch's
     row length ``S``, and the longest segment), ``T`` when the packed info carries neither."""
     total = packed.segment_ids.shape[0]
-    bounds = [b for b in (getattr(packed, "max_length", None), getattr(packed, "row_len", None)) if b is not None]
+    longest = None if getattr(packed, "prefix", None) is not None else getattr(packed, "max_length", None)
+    bounds = [b for b in (longest, getattr(packed, "row_len", None)) if b is not None]  # (a rollout spans 2 slots)
     return min(bounds) if bounds else total
 
 

@@ -101,6 +101,9 @@ class PackedDotProductAttention(DotProductAttention):
         if attention_bias is not None:
             raise PackingError("attention_bias is not supported by nn_data's packed attention")
         mask = attention_mask
+        rows = query.dim() == 4  # [Tq, 1, H, D]: called without PackedSeqParams (a shared-prefix row)
+        if rows:
+            query, key, value = (x.squeeze(1) for x in (query, key, value))  # [Tq, H, D] each
         if mask.gather is not None:  # context parallel: every rank's keys and values, in packed order
             groups = key.shape[1]
             kv = rearrange(torch.stack([key, value]), "two t g d -> 1 t (two g d)")  # [1, Tq, 2*Hk*D]
@@ -112,7 +115,7 @@ class PackedDotProductAttention(DotProductAttention):
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         dropout = self.attention_dropout.p if self.training else 0.0
         out = document_attention(q, k, v, mask, scale=scale, dropout_p=dropout)  # [1, Hq, Tq, D]
-        return rearrange(out, "1 h t d -> t (h d)")  # [Tq, Hq*D]
+        return rearrange(out, "1 h t d -> t 1 (h d)" if rows else "1 h t d -> t (h d)")  # [Tq, (1,) Hq*D]
 
 
 def megatron_gpt_layer_spec(**local_spec_kwargs):
@@ -206,15 +209,30 @@ class MegatronGPTAdapter(nn.Module):
             raise PackingError("MegatronGPTAdapter needs THD PackedSeqParams: wrap it in "
                                "PackedForward(..., make_packed_seq_params=True)")
         dtype = next(self.model.parameters()).dtype
+        prefix = getattr(packed, "prefix", None)
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=dtype,
-                             gather=packed.gather)
+                             gather=packed.gather, prefix=prefix)
         params = rotary_from_sequence_start(params, packed.segment_ids.shape[0])
         if self.takes_padding_mask and "padding_mask" not in model_kwargs:
             model_kwargs["padding_mask"] = packed.padding_mask  # [1, Tq] bool, True at padding
+        if prefix is not None:
+            return self._shared_prefix(input_ids, position_ids, mask, packed, model_kwargs)
         with self._rotary_over(runtime):
             if self.head is not None and self.model.post_process:
                 return self._logprobs(input_ids, position_ids, mask, params, packed, model_kwargs)
             return self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)
+
+    def _shared_prefix(self, input_ids, position_ids, mask, packed, model_kwargs) -> torch.Tensor:
+        """A shared-prefix row: the model runs without ``PackedSeqParams`` (megatron-core's THD rotary
+        embedding restarts every segment at 0, but a response continues from its prompt), its rotary
+        embedding taken at ``position_ids`` (:func:`rotary_at_positions`), the attention under ``mask``
+        (the prefix rule)."""
+        if self.head is not None:
+            raise PackingError("output='logprobs' scores each packed segment's next tokens, but a shared-prefix "
+                               "row's prompt is scored against every response of its group: use output='logits' "
+                               "(or the shared-prefix log-prob ops on the hidden states)")
+        with rotary_at_positions(self.model, position_ids[0], packed.segment_ids.shape[0]):
+            return self.model(input_ids, position_ids, mask, packed_seq_params=None, **model_kwargs)
 
     @contextlib.contextmanager
     def _rotary_over(self, group):
@@ -315,3 +333,28 @@ def rotary_from_sequence_start(params, total: int):
     out = copy.copy(params)
     out.max_seqlen_q = out.max_seqlen_kv = int(total) + 1
     return out
+
+
+@contextlib.contextmanager
+def rotary_at_positions(model: nn.Module, positions: torch.Tensor, total: int):
+    """Inside the block, ``model.rotary_pos_emb`` (megatron-core's ``RotaryEmbedding``) returns the
+    rotation of each local token at ``positions [Tq]`` (``[Tq, 1, 1, D]``, rows of its own table
+    ``get_emb(T)``: the same float32 angles a rollout run alone gets), whatever length it is asked
+    for; megatron-core then applies it token by token (its ``bshd`` form, no boundaries, no CP slicing).
+    Positions are clamped into ``[0, T)``: a real token's position is below its rollout's length, which
+    is at most ``T``; padding positions count on past it. A model without a rotary embedding is
+    left as it is. Raises :class:`PackingError` for another position embedding (yarn, mrope).
+    """
+    rope = getattr(model, "rotary_pos_emb", None)
+    kind = getattr(model, "position_embedding_type", "rope")
+    if rope is None:
+        yield
+        return
+    if kind != "rope":
+        raise PackingError(f"position_embedding_type={kind!r}: shared-prefix rows support 'rope' or 'none'")
+    table = rope.get_emb(int(total)).index_select(0, positions.clamp(0, max(int(total) - 1, 0)))  # [Tq, 1, 1, D]
+    rope.forward = lambda *args, **kwargs: table  # an instance attribute: nn.Module.__call__ takes it
+    try:
+        yield
+    finally:
+        del rope.forward

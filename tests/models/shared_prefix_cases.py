@@ -1,0 +1,145 @@
+"""Shared-prefix cases, run in one process (tests/models/test_shared_prefix_models.py, C = 1) and on every
+spawned rank (tests/multiprocess/test_shared_prefix_multiprocess.py, C = 2 and 4, gloo).
+
+Each case runs ``PackedForward(...)(ids, L, prefix_lengths=P, group_ids=g)`` around an adapter (each
+group's prompt packed once, then its responses) and compares it with every rollout run alone through
+the model's own unpacked path, on its full row ``ids[b, :L[b]]``: the logits, and the parameter
+gradients of a next-token loss over every rollout (summed over the CP group, as megatron-core's
+gradient all-reduce does). Float64, so any slip shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from nn_data.groups import context_parallel_info
+from nn_data.packed_forward import PackedForward
+from tests.models.adapter_cases import VOCAB, token_loss
+
+SEQ_LEN = 16
+
+#: ``(group_ids, prefix_lengths, seq_lengths)`` per microbatch: groups of 3, 2 and 1, an empty response,
+#: a prompt of 0 tokens, a response-only rollout beside a group, groups not contiguous in the batch.
+MICROBATCHES = (
+    ([7, 7, 7, 9], [5, 5, 5, 2], [8, 5, 11, 6]),
+    ([3, 3], [4, 4], [16, 7]),
+    ([1], [3], [3]),
+    ([2, 5, 5, 2], [0, 3, 3, 0], [4, 6, 9, 5]),
+    ([4, 6, 4], [6, 2, 6], [9, 12, 14]),
+)
+
+
+def rollouts(groups, prefix, lengths, gen: torch.Generator, seq_len: int = SEQ_LEN):
+    """``(ids [B, S], L, P, g)``: every rollout of a group starts with the same ``P`` prompt tokens (drawn
+    once per group), then tokens of its own; 0 past ``L``."""
+    ids = torch.randint(1, VOCAB, (len(groups), seq_len), generator=gen)
+    prompts = {g: torch.randint(1, VOCAB, (seq_len,), generator=gen) for g in dict.fromkeys(groups)}
+    for b, (g, p) in enumerate(zip(groups, prefix)):
+        ids[b, :p] = prompts[g][:p]
+    ids = torch.where(torch.arange(seq_len) < torch.tensor(lengths)[:, None], ids, 0)
+    return ids, torch.tensor(lengths), torch.tensor(prefix), torch.tensor(groups)
+
+
+def packed_length(groups, prefix, lengths, multiple: int) -> int:
+    """A fixed ``T``: every slot rounded up to ``multiple`` (each group's prompt once), plus two more."""
+    up = lambda n: -(-n // multiple) * multiple  # noqa: E731
+    prompts = {g: p for g, p in zip(groups, prefix)}
+    natural = sum(up(p) for p in prompts.values()) + sum(up(n - p) for n, p in zip(lengths, prefix))
+    return natural + 2 * multiple
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_shared_equivalence(make_adapter, model, alone, cp, *, microbatches=MICROBATCHES, **packed_forward_kwargs
+                             ) -> dict:
+    """Shared-prefix packed (CP-sharded) forward of ``make_adapter(model)`` == ``alone(ids [1, n]) ->
+    [1, n, V]`` per rollout, and the gradients of the token loss equal; the largest differences."""
+    gen = torch.Generator().manual_seed(1)
+    worst_out = worst_grad = 0.0
+    largest = {}
+    for groups, prefix, lengths in microbatches:
+        ids, lens, pre, gid = rollouts(groups, prefix, lengths, gen)
+        multiple = 2 * cp.size
+        wrapped = PackedForward(make_adapter(model), pad_individual_seqs_to_multiple_of=multiple,
+                                pad_full_seq_to=packed_length(groups, prefix, lengths, multiple), cp_group=cp.group,
+                                **packed_forward_kwargs)
+        model.zero_grad(set_to_none=True)
+        out = wrapped(ids, lens, prefix_lengths=pre, group_ids=gid)  # [B, S, V]
+        token_loss(out, ids, lens).backward()
+        packed_grads = _grads(model)
+        if cp.size > 1:
+            for g in packed_grads.values():
+                dist.all_reduce(g, group=cp.group)  # the CP part of megatron-core's gradient all-reduce
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for b, n in enumerate(lengths):
+            assert not out[b, n:].any(), "output past a rollout's length must be 0"
+            ref = alone(ids[b : b + 1, :n])  # [1, n, V]
+            worst_out = max(worst_out, float((out[b, :n] - ref[0]).detach().abs().max()))
+            total = total + token_loss(ref, ids[b : b + 1, :n], lens[b : b + 1])
+        total.backward()
+        alone_grads = _grads(model)
+        assert packed_grads.keys() == alone_grads.keys() and packed_grads
+        for name, g in packed_grads.items():
+            largest[name] = max(largest.get(name, 0.0), float(g.abs().max()))
+            worst_grad = max(worst_grad, float((g - alone_grads[name]).abs().max()))
+    zero = [name for name, value in largest.items() if value == 0]
+    assert largest and not zero, f"zero gradients {zero}: the check would prove nothing for them"
+    return dict(cp_rank=cp.rank, cp_size=cp.size, out=worst_out, grad=worst_grad)
+
+
+def _exact_rms_norm(module, hidden):
+    return module.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon))
+
+
+@contextlib.contextmanager
+def norms_in_model_dtype(model):
+    """Inside the block the model's Llama-style RMSNorms compute in the model's dtype. transformers casts
+    to float32 inside them whatever the dtype; a shared prompt's gradient sums its rollouts' in another
+    order than each rollout alone, and that float32 cast rounds the 1e-16 differences to ~1e-7. The
+    stand-in is checked against the original on float32 input first (the same formula)."""
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")]
+    probe = torch.randn(3, norms[0].weight.shape[0], generator=torch.Generator().manual_seed(0))
+    for m in norms:
+        torch.testing.assert_close(_exact_rms_norm(m, probe.to(m.weight.dtype)).float(), m(probe).float())
+        m.forward = _exact_rms_norm.__get__(m)
+    try:
+        yield
+    finally:
+        for m in norms:
+            del m.forward
+
+
+def case_hf(kind: str, dtype: torch.dtype = torch.float64, mask_kind: str = "dense", exact_norms: bool = False
+            ) -> dict:
+    """HFCausalLMAdapter on a tiny ``kind`` model (nn_data.models.tiny_hf), shared prefix, against each
+    rollout as transformers runs it alone (``exact_norms``: under :func:`norms_in_model_dtype`)."""
+    from nn_data.adapters import HFCausalLMAdapter
+    from nn_data.models.tiny_hf import tiny_hf_model
+
+    model = tiny_hf_model(kind, dtype=dtype, moe=False)
+    with norms_in_model_dtype(model) if exact_norms else contextlib.nullcontext():
+        return check_shared_equivalence(lambda m: HFCausalLMAdapter(m, mask_kind=mask_kind), model,
+                                        lambda ids: model(input_ids=ids, use_cache=False).logits,
+                                        context_parallel_info())
+
+
+def case_megatron(dtype: torch.dtype = torch.float64) -> dict:
+    """MegatronGPTAdapter on the tiny GPTModel, shared prefix, against each rollout through megatron-core's
+    stock unpacked path (its rotary embedding from position 0 of the rollout)."""
+    from nn_data.adapters import MegatronGPTAdapter
+    from nn_data.models.tiny_megatron import forward_alone, tiny_gpt_config, tiny_gpt_model
+
+    model = tiny_gpt_model(tiny_gpt_config(dtype=dtype))
+    return check_shared_equivalence(MegatronGPTAdapter, model, lambda ids: forward_alone(model, ids),
+                                    context_parallel_info(), make_packed_seq_params=True)
+
+
+def case_hf_exact_norms(kind: str) -> dict:
+    """:func:`case_hf` in float64 with the model's norms in float64 (:func:`norms_in_model_dtype`)."""
+    return case_hf(kind, exact_norms=True)

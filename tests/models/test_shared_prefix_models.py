@@ -1,0 +1,158 @@
+"""Tier: pure CPU, single process (tiny models built from a config, nothing downloaded; a one-rank gloo
+group on 127.0.0.1 for megatron-core's parallel_state). Under CP (C = 2 and 4, gloo):
+tests/multiprocess/test_shared_prefix_multiprocess.py. Cases: tests/models/shared_prefix_cases.py.
+
+Shared-prefix packing through the models: ``PackedForward(...)(ids, L, prefix_lengths=P, group_ids=g)``
+(each group's prompt packed once, then its responses) equals every rollout run alone on its full row,
+logits and parameter gradients, through the HF adapter (Llama, a sliding window, the hybrids) and the
+megatron-core adapter (the tiny GPTModel); bf16; one compiled graph over a stream with no host sync.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from nn_data.adapters import HFCausalLMAdapter
+from nn_data.diagnostics import HostSyncCounter
+from nn_data.errors import PackingError
+from nn_data.models.tiny_hf import tiny_hf_model
+from nn_data.packed_forward import PackedForward
+from tests.models import shared_prefix_cases as cases
+from tests.support.megatron_release import needs_megatron_models
+
+
+def test_llama_shared_prefix_equals_each_rollout_alone_float64():
+    """Logits and gradients to 1e-10 (float64) with the norms in float64; the model as transformers
+    ships it: logits still exact, gradients at its float32 norms' rounding (cases.norms_in_model_dtype)."""
+    model = tiny_hf_model("llama", dtype=torch.float64)
+    alone = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    single = cases.context_parallel_info()
+    with cases.norms_in_model_dtype(model):
+        exact = cases.check_shared_equivalence(lambda m: HFCausalLMAdapter(m, mask_kind="dense"), model, alone, single)
+    assert exact["out"] < 1e-10 and exact["grad"] < 1e-10, exact
+    shipped = cases.check_shared_equivalence(HFCausalLMAdapter, model, alone, single)
+    assert shipped["out"] < 1e-10 and shipped["grad"] < 1e-5, shipped
+
+
+def test_sliding_window_counts_rollout_positions():
+    """Mistral (window 3): a response's first tokens still see the prompt's last ones (rollout positions,
+    not packed distance); its norms in float64 (cases.norms_in_model_dtype): exact gradients."""
+    result = cases.case_hf("mistral", exact_norms=True)
+    assert result["out"] < 1e-10 and result["grad"] < 1e-10, result
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_next", "mamba2"])
+def test_hybrids_run_each_rollout_with_its_prompt(kind):
+    """Short convolution, gated delta net, Mamba-2: each layer runs one row per rollout (its prompt from
+    its leader's slot, then its response). LFM2 and the delta rule: exact logits; Mamba-2's chunked
+    scan computes in float32, and a non-leader's prompt outputs come from its leader's row, computed
+    beside other tokens in the same chunk: float32 rounding (4.8e-7 seen). Gradients: the float32 norms."""
+    result = cases.case_hf(kind)
+    out_tol = 1e-5 if kind == "mamba2" else 1e-10
+    assert result["out"] < out_tol and result["grad"] < 1e-4, result
+
+
+@pytest.fixture(scope="module")
+def megatron_state():
+    from megatron.core import parallel_state
+
+    from nn_data.testing.dist import destroy_model_parallel_groups, free_port, init_gloo
+
+    init_gloo(0, 1, free_port())
+    try:
+        parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+        yield
+    finally:
+        destroy_model_parallel_groups(parallel_state)
+        dist.destroy_process_group()
+
+
+@needs_megatron_models
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_tiny_gpt_model_shared_prefix_equals_each_rollout_alone_float64(megatron_state):
+    """megatron-core's GPTModel (its RMSNorm in the model's dtype): logits and gradients to 1e-10; the
+    response's rotary positions continue from the prompt."""
+    result = cases.case_megatron()
+    assert result["out"] < 1e-10 and result["grad"] < 1e-10, result
+
+
+@needs_megatron_models
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_megatron_logprob_output_is_refused_under_shared_prefix(megatron_state):
+    from nn_data.adapters import MegatronGPTAdapter
+    from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
+
+    model = tiny_gpt_model(tiny_gpt_config())
+    ids, lens, pre, gid = cases.rollouts(*cases.MICROBATCHES[0], torch.Generator().manual_seed(0))
+    wrapped = PackedForward(MegatronGPTAdapter(model, output="logprobs"), pad_full_seq_to=64,
+                            make_packed_seq_params=True)
+    with pytest.raises(PackingError, match="output='logprobs' scores each packed segment"):
+        wrapped(ids, lens, prefix_lengths=pre, group_ids=gid)
+
+
+def test_bf16_shared_prefix_is_within_bf16_noise_of_each_rollout_alone():
+    """bf16 (8 mantissa bits): each logit is within a few bf16 ulps of the rollout alone; the packed and
+    the alone computations round differently (another reduction order over the prompt's keys in one
+    attention row of T keys instead of L), so the bound is 3e-2 on logits of magnitude ~1, as the plain
+    path's bf16 tests allow."""
+    model = tiny_hf_model("llama", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    worst = 0.0
+    with torch.no_grad():
+        for groups, prefix, lengths in cases.MICROBATCHES:
+            ids, lens, pre, gid = cases.rollouts(groups, prefix, lengths, gen)
+            wrapped = PackedForward(HFCausalLMAdapter(model), pad_individual_seqs_to_multiple_of=4,
+                                    pad_full_seq_to=cases.packed_length(groups, prefix, lengths, 4))
+            out = wrapped(ids, lens, prefix_lengths=pre, group_ids=gid)
+            for b, n in enumerate(lengths):
+                alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+                worst = max(worst, float((out[b, :n].float() - alone.float()).abs().max()))
+    assert 0 < worst < 3e-2, worst
+
+
+def test_prefix_lengths_without_group_ids_is_refused():
+    model = tiny_hf_model("llama")
+    ids, lens, pre, gid = cases.rollouts(*cases.MICROBATCHES[0], torch.Generator().manual_seed(0))
+    wrapped = PackedForward(HFCausalLMAdapter(model), pad_full_seq_to=64)
+    with pytest.raises(PackingError, match="prefix_lengths was given without group_ids"):
+        wrapped(ids, lens, prefix_lengths=pre)
+    with pytest.raises(PackingError, match="group_ids"):
+        wrapped(ids, lens, prefix_lengths=pre, group_ids=gid[:2])
+
+
+STREAM = (  # (group_ids, prefix_lengths, seq_lengths): G, prompt and response lengths vary, one T
+    ([1, 1, 1, 1], [6, 6, 6, 6], [9, 7, 12, 6]),
+    ([2, 2, 3], [3, 3, 5], [10, 4, 11]),
+    ([4], [2], [14]),
+    ([5, 5, 6, 6, 6], [4, 4, 1, 1, 1], [8, 16, 3, 9, 5]),
+    ([7, 7], [0, 0], [5, 6]),
+)
+
+
+@pytest.mark.compile
+def test_compiled_packing_one_graph_each_side_and_no_host_sync_over_a_stream():
+    """compile_packing=True with a fixed T and a row capacity: the shared-prefix packing and unpacking
+    compile once each (2 frames) over microbatches whose group sizes, prompt and response lengths vary;
+    no host read in a call after the first; every output equals the eager shared-prefix path."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model = tiny_hf_model("llama")
+    common = dict(pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=96)
+    compiled = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), row_capacity=6, compile_packing=True,
+                             compile_kwargs={"backend": counter}, **common)
+    eager = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), **common)
+    gen = torch.Generator().manual_seed(3)
+    syncs = []
+    with torch.no_grad():
+        for step, (groups, prefix, lengths) in enumerate(STREAM):
+            ids, lens, pre, gid = cases.rollouts(groups, prefix, lengths, gen)
+            with HostSyncCounter() as counted:
+                out = compiled(ids, lens, prefix_lengths=pre, group_ids=gid)
+            syncs.append(counted.count)
+            torch.testing.assert_close(out, eager(ids, lens, prefix_lengths=pre, group_ids=gid), rtol=0, atol=2e-6)
+    assert counter.frame_count == 2, counter.frame_count
+    assert syncs[1:] == [0] * (len(STREAM) - 1), syncs
+    torch._dynamo.reset()
