@@ -33,7 +33,6 @@ little: record them from a quiet one.
 from __future__ import annotations
 
 import argparse
-import inspect
 from pathlib import Path
 from typing import Optional
 
@@ -147,9 +146,6 @@ def wall_modes(model, ids, lengths, prefix, group) -> dict:
     from nn_data.packed_forward import PackedForward
 
     wrapped = PackedForward(HFCausalLMAdapter(model))
-    if "prefix_lengths" not in inspect.signature(wrapped.forward).parameters:
-        raise SystemExit("--part wall needs PackedForward(...)(ids, lengths, prefix_lengths=, group_ids=) "
-                         "(shared-prefix models, issue 36); this nn_data has none")
     valid = (torch.arange(ids.shape[1]) < lengths[:, None]).unsqueeze(-1)  # [B, S, 1]
 
     def step(**shared):

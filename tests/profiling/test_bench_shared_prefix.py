@@ -36,3 +36,20 @@ def test_the_steps_are_seeded_and_groups_share_their_prompt():
     assert ((lengths - prefix) >= 128).all() and ((lengths - prefix) <= 4096).all()
     for g in set(group.tolist()):
         assert len(set(prefix[group == g].tolist())) == 1 and 256 <= prefix[group == g][0] <= 4096
+
+
+def test_the_wall_part_runs_both_modes_on_the_same_rollouts_and_they_agree():
+    """--part wall --smoke: a tiny Llama-style model's forward + backward, end to end and shared, side by side;
+    the logits agree (float32: a softmax over other key orders rounds ~1e-7 differently) and the token counts
+    are the step's (end to end every rollout whole; shared each of the 2 prompts of 24 tokens once)."""
+    import re
+
+    lines = bench_shared_prefix.main(["--part", "wall", "--smoke"])
+    ids, lengths, prefix, _ = bench_shared_prefix.wall_microbatch(groups=2, prompt=24, group_size=3,
+                                                                  response_median=8, vocab=97)
+    tokens = {m.group(1): int(m.group(2).replace(",", "")) for line in lines
+              if (m := re.match(r"^  (end to end|shared)\s+([0-9,]+) tokens", line))}
+    assert tokens == {"end to end": int(lengths.sum()), "shared": int((lengths - prefix).sum()) + 2 * 24}
+    error = float(re.search(r"max \|logits shared - end to end\| ([0-9.e+-]+)$", lines[-1]).group(1))
+    assert error < 1e-5
+    assert bool((ids[:3, :24] == ids[0, :24]).all()) and not bool((ids[3, :24] == ids[0, :24]).all())
