@@ -1,0 +1,73 @@
+"""Tier: pure CPU, single process. The GPU half (the real variable-length kernels over the same
+buffers): tests/cuda/test_cuda_shared_prefix.py, a step of the GPU check.
+
+The distinct query and key/value boundaries for TransformerEngine / flash-attention's varlen kernel
+(nn_data.adapters.shared_prefix_kv): the index maps on the worked example, and attention sequence by
+sequence over the gathered buffer (bottom-right causal) == the packed row under nn_data's prefix mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
+from nn_data.errors import PackingError
+from tests.support import shared_prefix_kv_cases as kv_cases
+from tests.support.megatron_release import needs_megatron_models
+
+EXAMPLE = dict(cu_seqlens_padded=torch.tensor([0, 2, 4, 4, 5, 6, 8], dtype=torch.int32),
+               prefix_lengths=torch.tensor([2, 2, 1]), leader=torch.tensor([0, 0, 2]))
+
+
+def test_worked_example_boundaries_and_index_maps():
+    kv = shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=16)
+    assert kv.cu_seqlens_q.tolist() == [0, 2, 4, 4, 5, 6, 8, 8] and kv.cu_seqlens_q.dtype == torch.int32
+    assert kv.cu_seqlens_kv.tolist() == [0, 2, 6, 6, 9, 10, 13, 16]  # the slack: 3 unused keys
+    assert kv.kv_source.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 5, 6, 7, 0, 0, 0]
+    assert kv.kv_valid.tolist() == [True] * 13 + [False] * 3
+    assert (kv.max_seqlen_q, kv.max_seqlen_kv) == (8, 16)
+    assert shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=13).cu_seqlens_kv.tolist()[-2:] == [13, 13]
+
+
+def test_no_rollout_is_one_padding_sequence():
+    kv = shared_prefix_kv(torch.tensor([8], dtype=torch.int32), torch.zeros(0, dtype=torch.long),
+                          torch.zeros(0, dtype=torch.long), total=8, kv_capacity=8)
+    assert kv.cu_seqlens_q.tolist() == [0, 8, 8] and kv.cu_seqlens_kv.tolist() == [0, 8, 8]
+
+
+def test_capacity_and_boundaries_are_checked():
+    with pytest.raises(RuntimeError, match="kv_capacity is too small"):  # a device-side assert
+        shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=12)
+    with pytest.raises(PackingError, match=r"kv_capacity=7 is invalid; expected an int >= total=8"):
+        shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=7)
+    with pytest.raises(PackingError, match=r"expected \[7\] \(the 2B slots of B=3 rollouts\)"):
+        shared_prefix_kv(EXAMPLE["cu_seqlens_padded"][:4], EXAMPLE["prefix_lengths"], EXAMPLE["leader"], total=8,
+                         kv_capacity=16)
+
+
+@pytest.mark.parametrize("row", kv_cases.ROWS, ids=lambda r: f"P{r[1]}-m{r[3]}")
+def test_varlen_attention_over_the_buffer_equals_the_prefix_mask(row):
+    """Float64: every real query's attention through the buffer (its prompt's real tokens then its own
+    slot, bottom-right causal) equals the packed row under the dense prefix mask, to 1e-12."""
+    shared, kv, total = kv_cases.shared_row(*row)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    got = kv_cases.varlen_reference(q, kv.gather(k), kv.gather(v), kv.cu_seqlens_q, kv.cu_seqlens_kv)
+    want = kv_cases.dense_reference(q, k, v, shared)
+    real = kv_cases.real_queries(shared)
+    groups, prefix, lengths, _ = row
+    repeated = sum(p for b, (g, p) in enumerate(zip(groups, prefix)) if groups.index(g) != b)  # non-leaders' prompts
+    assert int(real.sum()) == sum(lengths) - repeated  # each group's prompt once
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-12)
+
+
+@needs_megatron_models
+def test_packed_seq_params_carry_the_distinct_boundaries():
+    from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
+
+    kv = shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=16)
+    params = shared_prefix_packed_seq_params(kv)
+    assert params.qkv_format == "thd" and params.cu_seqlens_q is kv.cu_seqlens_q
+    assert params.cu_seqlens_kv is kv.cu_seqlens_kv and params.cu_seqlens_kv_padded is kv.cu_seqlens_kv
+    assert (params.max_seqlen_q, params.max_seqlen_kv) == (8, 16)
