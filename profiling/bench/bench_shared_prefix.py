@@ -14,9 +14,10 @@ padded to a multiple of 4), ``T = 16384``, twice: every rollout packed whole (``
 and each group's prompt once per microbatch (``plan_step_shared_prefix``: shared). Printed for each:
 real tokens (unpadded, what the layers run on), padded tokens (each sequence, or slot, rounded up to
 the multiple) and packed positions (``dp x microbatches x T``, what the step computes on); the
-modelled attention work (a query set of ``q`` tokens seeing ``k`` keys costs ``q * k`` with
-``sequence_work``'s ``L^2`` per sequence: a rollout end to end ``L^2``, a shared prompt ``P^2``, its
-response ``L^2 - P^2``; the linear layers go with the real tokens) and the step's work (the slowest
+modelled attention work (``sequence_work``'s ``L^2`` per sequence, twice its causal query-key pairs:
+a rollout end to end ``L^2``, a shared prompt ``P^2``, a response of ``R = L - P`` tokens, whose queries
+see the prompt's keys and causally their own, ``2RP + R^2 = L^2 - P^2``; the linear layers go with the
+real tokens) and the step's work (the slowest
 rank, with the linear term of hidden size 4096: what the ranks wait for); the prompts packed (groups,
 plus the copies of a group split over microbatches). The target: >= 3x fewer real tokens at prompt
 2,048 / G 8 / responses ~512.
