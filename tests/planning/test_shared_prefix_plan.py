@@ -1,4 +1,4 @@
-"""Tier: pure CPU, single process (numpy planning on the host; no tensor op but reading a lengths tensor).
+"""Tier: pure CPU, single process (numpy planning on the host; one test builds the shared-prefix layout on the CPU).
 
 nn_data.planning.plan_step_shared_prefix: plan_step's guarantees over GRPO groups (property-tested against a
 small reference of the shared-prefix layout's slots), groups kept together, prompts charged once, the split
@@ -100,6 +100,29 @@ def test_every_plan_keeps_plan_steps_guarantees_with_each_prompt_once_per_microb
             assert len(holding) == 1
         if len(holding) > 1:  # split: each part alone would not have fit with another
             assert need > total or len(set(groups)) < parallelism.dp
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(case=grpo_steps())
+def test_each_planned_microbatch_is_what_the_shared_prefix_layout_packs(case):
+    """nn_data.layout's shared_prefix_layout over each planned microbatch's rollouts (in the plan's order) packs
+    exactly the planned tokens, and within pad_full_seq_to."""
+    from nn_data.layout import PackSpec, shared_prefix_layout
+
+    parallelism, total, lengths, prefix, groups = case
+    plan = plan_step_shared_prefix(lengths, parallelism, group_ids=groups, prefix_lengths=prefix,
+                                   pad_full_seq_to=total, hidden_size=H)
+    spec = PackSpec(parallelism.pad_multiple)
+    for rank, tokens in zip(plan.ranks, plan.microbatch_tokens):
+        for mb, t in zip(rank, tokens):
+            if not mb:
+                continue
+            rows = [torch.tensor([values[b] for b in mb]) for values in (lengths, prefix, groups)]
+            layout = shared_prefix_layout(*rows, row_len=max(lengths), spec=spec)
+            assert layout.total == t <= total
+            fixed = shared_prefix_layout(*rows, row_len=max(lengths),
+                                         spec=PackSpec(parallelism.pad_multiple, fixed_total=total))
+            assert fixed.total == total
 
 
 @PROPERTIES
