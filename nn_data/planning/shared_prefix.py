@@ -48,7 +48,8 @@ from nn_data.errors import PackingError
 from nn_data.layout import round_up
 from nn_data.planning.alignment import Parallelism
 from nn_data.planning.ffd import first_fit_decreasing
-from nn_data.planning.step import StepPlan, check_args, host_lengths, imbalance_bound, place, sequence_work
+from nn_data.planning.step import (StepPlan, check_args, host_lengths, imbalance_bound, place, sequence_work,
+                                   short_repr)
 
 
 class Rollouts(NamedTuple):
@@ -82,8 +83,7 @@ def host_group_ids(group_ids, n: int) -> np.ndarray:
         group_ids = group_ids.tolist()  # sync: the planner runs on the host, once per step
     arr = np.asarray(group_ids)
     if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)) or arr.dtype == np.bool_:
-        text = repr(group_ids)
-        raise PackingError(f"group_ids={text if len(text) <= 80 else text[:77] + '...'} is invalid; expected a 1-D "
+        raise PackingError(f"group_ids={short_repr(group_ids)} is invalid; expected a 1-D "
                            "sequence of ints, one per rollout (rollouts of one group share its id)")
     if arr.size != n:
         raise PackingError(f"group_ids has {arr.size} entries for {n} rollouts (lengths); expected one per rollout")

@@ -134,7 +134,7 @@ def host_lengths(lengths, name: str = "lengths") -> np.ndarray:
         lengths = lengths.tolist()  # sync: the planner runs on the host, once per step
     arr = np.asarray(lengths)
     if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)) or arr.dtype == np.bool_:
-        raise PackingError(f"{name}={_short(lengths)} is invalid; expected a 1-D sequence of ints >= 0 "
+        raise PackingError(f"{name}={short_repr(lengths)} is invalid; expected a 1-D sequence of ints >= 0 "
                            "(nothing is rounded or truncated)")
     big = np.flatnonzero(arr > INT32_MAX)  # compared in the given dtype: an unsigned 2**63 does not wrap
     if big.size:
@@ -149,7 +149,8 @@ def host_lengths(lengths, name: str = "lengths") -> np.ndarray:
     return arr
 
 
-def _short(value) -> str:
+def short_repr(value) -> str:
+    """``repr(value)``, cut to 80 characters for a message."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
