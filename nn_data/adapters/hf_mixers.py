@@ -22,6 +22,10 @@ which a causal layer never reads back), so every valid output equals the sequenc
 positions inside a segment are computed as part of it (they come after its valid tokens); positions
 past ``W`` in a segment (padding only, since ``W`` bounds every valid length) read 0.
 
+A shared-prefix row (each group's prompt packed once, then its responses: ``packed.prefix``) gets one
+row per rollout instead, its leader's prompt then its own response (:func:`shared_prefix_rows`), so
+the state carries from the prompt into every response, as for the rollout run alone.
+
 The two index maps are computed once per microbatch on the device from the boundaries
 (:func:`nn_data.layout.index.segment_rows`): one ``index_select`` each way, no host read. Cost: the
 layer runs on ``B' * W`` slots instead of ``T`` (each segment padded to ``W``); under CP every rank

@@ -161,11 +161,16 @@ class MegatronGPTAdapter(nn.Module):
     own CP group. ``packed.padding_mask`` goes to the model as ``padding_mask`` when its forward takes
     one (``takes_padding_mask``; megatron-core 0.16 and 0.19 do) and ``model_kwargs`` does not.
 
+    A shared-prefix row (``packed.prefix``, :mod:`nn_data.packed_shared_prefix`): the mask takes the
+    prefix rule, and the model runs without ``PackedSeqParams`` with its rotary embedding taken at the
+    rollout positions (:func:`rotary_at_positions`: a response continues from its prompt, which
+    megatron-core's THD rotary embedding, restarting every segment at 0, would not do).
+
     Raises :class:`PackingError` for a model whose attention is not
     :class:`PackedDotProductAttention`, an unknown ``output``, when ``packed.cp_size`` differs from the
     size of the model's CP group (``model.pg_collection.cp``, which megatron-core's rotary embedding
     uses), or without ``packed.packed_seq_params``; with ``output="logprobs"``, for multi-token
-    prediction layers.
+    prediction layers and for a shared-prefix row.
     """
 
     def __init__(self, model: nn.Module, *, mask_kind: str = "auto", output: str = "logits", chunk_tokens: int = 256):
@@ -230,7 +235,8 @@ class MegatronGPTAdapter(nn.Module):
         if self.head is not None:
             raise PackingError("output='logprobs' scores each packed segment's next tokens, but a shared-prefix "
                                "row's prompt is scored against every response of its group: use output='logits' "
-                               "(or the shared-prefix log-prob ops on the hidden states)")
+                               "(or nn_data.shared_prefix_logprobs.SharedPrefixLogProbsFromHidden on the hidden "
+                               "states)")
         with rotary_at_positions(self.model, position_ids[0], packed.segment_ids.shape[0]):
             return self.model(input_ids, position_ids, mask, packed_seq_params=None, **model_kwargs)
 

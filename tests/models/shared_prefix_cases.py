@@ -1,5 +1,5 @@
 """Shared-prefix cases, run in one process (tests/models/test_shared_prefix_models.py, C = 1) and on every
-spawned rank (tests/multiprocess/test_shared_prefix_multiprocess.py, C = 2 and 4, gloo).
+spawned rank (tests/multiprocess/test_shared_prefix_models_multiprocess.py, C = 2 and 4, gloo).
 
 Each case runs ``PackedForward(...)(ids, L, prefix_lengths=P, group_ids=g)`` around an adapter (each
 group's prompt packed once, then its responses) and compares it with every rollout run alone through
@@ -143,3 +143,42 @@ def case_megatron(dtype: torch.dtype = torch.float64) -> dict:
 def case_hf_exact_norms(kind: str) -> dict:
     """:func:`case_hf` in float64 with the model's norms in float64 (:func:`norms_in_model_dtype`)."""
     return case_hf(kind, exact_norms=True)
+
+
+#: A stream for the compiled cases: group sizes, prompt and response lengths vary; one T (96).
+STREAM = (
+    ([1, 1, 1, 1], [6, 6, 6, 6], [9, 7, 12, 6]),
+    ([2, 2, 3], [3, 3, 5], [10, 4, 11]),
+    ([4], [2], [14]),
+    ([5, 5, 6, 6, 6], [4, 4, 1, 1, 1], [8, 16, 3, 9, 5]),
+)
+
+
+def case_compiled_cp() -> dict:
+    """``PackedForward(compile_packing=True, row_capacity=6, pad_full_seq_to=96)`` around the HF adapter
+    (tiny Llama, float32) under this rank's CP group, over :data:`STREAM`: the largest difference from
+    each rollout alone and the compiled frames after each microbatch."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from nn_data.adapters import HFCausalLMAdapter
+    from nn_data.models.tiny_hf import tiny_hf_model
+
+    cp = context_parallel_info()
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model = tiny_hf_model("llama")
+    wrapped = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), pad_individual_seqs_to_multiple_of=2 * cp.size,
+                            pad_full_seq_to=96, row_capacity=6, compile_packing=True,
+                            compile_kwargs={"backend": counter}, cp_group=cp.group)
+    gen = torch.Generator().manual_seed(6)
+    worst, frames = 0.0, []
+    with torch.no_grad():
+        for groups, prefix, lengths in STREAM:
+            ids, lens, pre, gid = rollouts(groups, prefix, lengths, gen)
+            out = wrapped(ids, lens, prefix_lengths=pre, group_ids=gid)
+            for b, n in enumerate(lengths):
+                alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+                worst = max(worst, float((out[b, :n] - alone).abs().max()))
+            frames.append(counter.frame_count)
+    torch._dynamo.reset()
+    return dict(worst=worst, frames=frames)

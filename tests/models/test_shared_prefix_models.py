@@ -1,6 +1,6 @@
 """Tier: pure CPU, single process (tiny models built from a config, nothing downloaded; a one-rank gloo
 group on 127.0.0.1 for megatron-core's parallel_state). Under CP (C = 2 and 4, gloo):
-tests/multiprocess/test_shared_prefix_multiprocess.py. Cases: tests/models/shared_prefix_cases.py.
+tests/multiprocess/test_shared_prefix_models_multiprocess.py. Cases: tests/models/shared_prefix_cases.py.
 
 Shared-prefix packing through the models: ``PackedForward(...)(ids, L, prefix_lengths=P, group_ids=g)``
 (each group's prompt packed once, then its responses) equals every rollout run alone on its full row,
@@ -48,8 +48,9 @@ def test_sliding_window_counts_rollout_positions():
 def test_hybrids_run_each_rollout_with_its_prompt(kind):
     """Short convolution, gated delta net, Mamba-2: each layer runs one row per rollout (its prompt from
     its leader's slot, then its response). LFM2 and the delta rule: exact logits; Mamba-2's chunked
-    scan computes in float32, and a non-leader's prompt outputs come from its leader's row, computed
-    beside other tokens in the same chunk: float32 rounding (4.8e-7 seen). Gradients: the float32 norms."""
+    scan computes in float32 and rounds differently over a row of S slots (chunks of 8, zeros past the
+    rollout) than over the rollout alone: 4.8e-7 seen, on leaders and members, prompts and responses
+    alike (the plain path's float64 Mamba-2 case shows 2.4e-7 here too). Gradients: the float32 norms."""
     result = cases.case_hf(kind)
     out_tol = 1e-5 if kind == "mamba2" else 1e-10
     assert result["out"] < out_tol and result["grad"] < 1e-4, result
@@ -123,13 +124,7 @@ def test_prefix_lengths_without_group_ids_is_refused():
         wrapped(ids, lens, prefix_lengths=pre, group_ids=gid[:2])
 
 
-STREAM = (  # (group_ids, prefix_lengths, seq_lengths): G, prompt and response lengths vary, one T
-    ([1, 1, 1, 1], [6, 6, 6, 6], [9, 7, 12, 6]),
-    ([2, 2, 3], [3, 3, 5], [10, 4, 11]),
-    ([4], [2], [14]),
-    ([5, 5, 6, 6, 6], [4, 4, 1, 1, 1], [8, 16, 3, 9, 5]),
-    ([7, 7], [0, 0], [5, 6]),
-)
+STREAM = cases.STREAM + (([7, 7], [0, 0], [5, 6]),)  # G, prompt and response lengths vary; one T
 
 
 @pytest.mark.compile
@@ -155,4 +150,62 @@ def test_compiled_packing_one_graph_each_side_and_no_host_sync_over_a_stream():
             torch.testing.assert_close(out, eager(ids, lens, prefix_lengths=pre, group_ids=gid), rtol=0, atol=2e-6)
     assert counter.frame_count == 2, counter.frame_count
     assert syncs[1:] == [0] * (len(STREAM) - 1), syncs
+    torch._dynamo.reset()
+
+
+def test_flex_block_mask_under_shared_prefix():
+    """mask_kind="block": the prefix rule in flex attention's mask_mod (CPU: forward only, float32)."""
+    model = tiny_hf_model("llama")
+    gen = torch.Generator().manual_seed(4)
+    worst = 0.0
+    with torch.no_grad():
+        for groups, prefix, lengths in cases.MICROBATCHES[:2]:
+            ids, lens, pre, gid = cases.rollouts(groups, prefix, lengths, gen)
+            wrapped = PackedForward(HFCausalLMAdapter(model, mask_kind="block"), pad_individual_seqs_to_multiple_of=4,
+                                    pad_full_seq_to=cases.packed_length(groups, prefix, lengths, 4))
+            out = wrapped(ids, lens, prefix_lengths=pre, group_ids=gid)
+            for b, n in enumerate(lengths):
+                alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+                worst = max(worst, float((out[b, :n] - alone).abs().max()))
+    assert worst < 2e-5, worst  # float32
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_no_rollout_gives_no_rows(capacity):
+    model = tiny_hf_model("llama", dtype=torch.float64)
+    empty = torch.zeros(0, cases.SEQ_LEN, dtype=torch.long), *(torch.zeros(0, dtype=torch.long) for _ in range(3))
+    ids, lens, pre, gid = empty
+    wrapped = PackedForward(HFCausalLMAdapter(model), pad_individual_seqs_to_multiple_of=2, pad_full_seq_to=16,
+                            row_capacity=capacity)
+    out = wrapped(ids, lens, prefix_lengths=pre, group_ids=gid)
+    assert tuple(out.shape) == (0, cases.SEQ_LEN, 97)
+    out.sum().backward()  # nothing flows, nothing fails
+
+
+@needs_megatron_models
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_megatron_adapter_under_compiled_shared_prefix_packing(megatron_state):
+    """The tiny GPTModel behind compile_packing=True: the packing compiles on the first microbatch only;
+    every output equals each rollout alone (float32)."""
+    from nn_data.adapters import MegatronGPTAdapter
+    from nn_data.models.tiny_megatron import forward_alone, tiny_gpt_config, tiny_gpt_model
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model = tiny_gpt_model(tiny_gpt_config())
+    wrapped = PackedForward(MegatronGPTAdapter(model), pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=96,
+                            row_capacity=6, compile_packing=True, compile_kwargs={"backend": counter},
+                            make_packed_seq_params=True)
+    gen = torch.Generator().manual_seed(5)
+    frames, worst = [], 0.0
+    with torch.no_grad():
+        for groups, prefix, lengths in STREAM:
+            ids, lens, pre, gid = cases.rollouts(groups, prefix, lengths, gen)
+            out = wrapped(ids, lens, prefix_lengths=pre, group_ids=gid)
+            for b, n in enumerate(lengths):
+                worst = max(worst, float((out[b, :n] - forward_alone(model, ids[b : b + 1, :n])[0]).abs().max()))
+            frames.append(counter.frame_count)
+    assert frames == [2] * len(STREAM), frames
+    assert worst < 2e-5, worst
     torch._dynamo.reset()

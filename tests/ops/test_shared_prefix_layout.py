@@ -19,63 +19,18 @@ from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, SharedPrefixLayout, shared_prefix_layout
 from nn_data.masks import PrefixRule, document_causal_mask, document_mask
-from nn_data.testing.reference import reference_pack
 from tests.support.hypothesis_profiles import examples
+from tests.support.shared_prefix_reference import places, reference, rollouts
 
 
-# ---- the reference: rollout by rollout ---------------------------------------------------------
-
-def rollouts(groups, prefix, lengths, seq_len, trailing=()):
-    """``input_ids [B, S, *]`` with a unique code per packed token: a group's prompt token ``s`` is
-    ``1000 * (leader + 1) + s`` in every member's row, rollout ``b``'s response token ``s`` is
-    ``1000 * (b + 1) + 500 + s``; padding ``-7``."""
-    x = torch.full((len(lengths), seq_len), -7, dtype=torch.int64)
-    for b, (g, p, n) in enumerate(zip(groups, prefix, lengths)):
-        lead = groups.index(g)
-        for s in range(n):
-            x[b, s] = 1000 * (lead + 1) + s if s < p else 1000 * (b + 1) + 500 + s
-    if trailing:
-        x = x.view(*x.shape, 1) * 10 + torch.arange(trailing[0])
-    return x
-
-
-def reference(groups, prefix, lengths, x, m=1, fixed_total=None):
-    """The packed row slot by slot (a prompt slot for each group's first rollout, a response slot for
-    each rollout), its positions and, per packed position, ``(rollout, s)``: the rollout token it holds
-    (the leader's for a prompt) or None for padding."""
-    slot_rows, slot_lengths, base, owner = [], [], [], []
-    for b, (g, p, n) in enumerate(zip(groups, prefix, lengths)):
-        lead = groups.index(g) == b
-        slot_rows += [x[b], torch.cat([x[b, p:], x[b, :p]])]  # the response moved to the row's start
-        slot_lengths += [p if lead else 0, n - p]
-        base += [0, p]
-        owner += [(b, 0), (b, p)]
-    slot_x = torch.stack(slot_rows) if slot_rows else x.new_zeros((0, *x.shape[1:]))
-    ref = reference_pack(slot_x, slot_lengths, m, 1, fixed_total)
-    bounds = ref.cu_seqlens_padded.tolist()
-    bounds = [0, bounds[0]] if len(bounds) == 1 else bounds
-    positions, token, seg = [], [], []
-    for j in range(len(bounds) - 1):
-        for k in range(bounds[j + 1] - bounds[j]):
-            positions.append(base[j] + k if j < len(base) else k)
-            real = j < len(slot_lengths) and k < slot_lengths[j]
-            token.append((owner[j][0], owner[j][1] + k) if real else None)
-            seg.append(j)
-    return ref, positions, token, seg
-
+# ---- the attention rule, from each rollout alone ------------------------------------------------
 
 def rollout_mask(groups, prefix, lengths, token, seg, window=None):
     """``[T, T]`` bool from each rollout alone: a real query, token ``s`` of rollout ``b`` (of its
     leader for a prompt position), sees exactly the packed places of ``b``'s tokens ``s' <= s`` (within
     the window). Padding queries' rows are left False (the caller checks only that they see themselves)."""
     total = len(token)
-    place = {}
-    for i, t in enumerate(token):  # a prompt token is the place of every member's token s < P
-        if t is not None:
-            b, s = t
-            members = [b] if s >= prefix[b] else [r for r in range(len(groups)) if groups[r] == groups[b]]
-            for r in members:
-                place[(r, s)] = i
+    place = places(groups, prefix, token)
     out = torch.zeros(total, total, dtype=torch.bool)
     for i, t in enumerate(token):
         if t is None:

@@ -20,50 +20,11 @@ from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, shared_prefix_layout
 from nn_data.shared_prefix_logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
 from nn_data.testing.reference import reference_shard
-from tests.ops.test_shared_prefix_layout import reference, rollouts
 from tests.support.hypothesis_profiles import examples
+from tests.support.shared_prefix_reference import V, alone, logprob_case as _case, reference, rollouts
 
 TOL = dict(rtol=0, atol=1e-10)
-V, H = 11, 5
-
-
-def _places(groups, prefix, token):
-    """``{(b, s): packed position}`` from the loop reference: a prompt token is its leader's."""
-    place = {}
-    for i, t in enumerate(token):
-        if t is not None:
-            b, s = t
-            members = [b] if s >= prefix[b] else [r for r in range(len(groups)) if groups[r] == groups[b]]
-            for r in members:
-                place[(r, s)] = i
-    return place
-
-
-def alone(per_position, groups, prefix, lengths, ids, token, seq_len):
-    """``[B, S-1]``: each rollout alone, its logits the rows a model computes at its tokens' packed places
-    (``per_position(index) -> [len, V]``), scored by a plain log_softmax."""
-    place = _places(groups, prefix, token)
-    rows = []
-    for b, n in enumerate(lengths):
-        row = torch.zeros(max(seq_len - 1, 0), dtype=torch.float64)
-        if n > 1:
-            logits = per_position(torch.tensor([place[(b, s)] for s in range(n - 1)]))  # [L-1, V]
-            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[b, 1:n, None]).squeeze(1)  # [L-1]
-            row = torch.cat([lp, row[n - 1:]])
-        rows.append(row)
-    return torch.stack(rows) if rows else torch.zeros(0, max(seq_len - 1, 0), dtype=torch.float64)
-
-
-def _case(groups, prefix, lengths, seq_len, m=2, fixed_total=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = rollouts(groups, prefix, lengths, seq_len)
-    ids = torch.where(x >= 0, x % V, 0)  # token ids in [0, V); padding 0
-    sp = shared_prefix_layout(torch.tensor(lengths, dtype=torch.int64), torch.tensor(prefix, dtype=torch.int64),
-                              torch.tensor(groups, dtype=torch.int64), row_len=seq_len,
-                              spec=PackSpec(m, fixed_total=fixed_total), input_ids=ids)
-    _, _, token, _ = reference(groups, prefix, lengths, x, m, fixed_total)
-    weights = torch.randn(len(lengths), max(seq_len - 1, 0), generator=gen, dtype=torch.float64)
-    return sp, ids, token, weights, gen
+H = 5
 
 
 CASES = [([0, 0, 0, 1], [3, 3, 3, 2], [7, 3, 5, 6], 8),  # a group of three (an empty response), a group of one
@@ -155,3 +116,45 @@ def test_cp_shard_is_the_zigzag_of_every_slot_and_unshards_back(sizes, seed, cp,
         assert torch.equal(sp.shard(packed, cp, r)[0, places.local][places.owned], packed[0, places.last][places.owned])
     owners = torch.stack([sp.boundary_places(cp, r).owned for r in range(cp)]).sum(0) if cp > 1 else None
     assert owners is None or owners.tolist() == [1] * len(groups)
+
+
+# ---- compiled: layout and log-probs in one graph over a stream ----------------------------------
+
+STREAM = [([0, 0, 0, 1], [3, 3, 3, 2], [7, 3, 5, 6]), ([0, 1, 2, 3], [0, 1, 2, 8], [8, 1, 5, 8]),
+          ([5, 5, 5, 5], [4, 4, 4, 4], [8, 4, 6, 5])]
+
+
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_one_compiled_graph_forward_and_backward_over_a_stream(source):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    seq_len, total = 8, 48
+    head = SharedPrefixLogProbsFromHidden(chunk_tokens=8)
+    weight = torch.randn(V, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    op = SharedPrefixLogProbs(chunk_tokens=8) if source == "logits" else lambda h, ids, sp: head(h, weight, ids, sp)
+    per_position = (lambda x: lambda i: x[0, i]) if source == "logits" else (lambda x: lambda i: x[0, i] @ weight.T)
+
+    def step(x, ids, lengths, prefix, groups):
+        sp = shared_prefix_layout(lengths, prefix, groups, row_len=seq_len, spec=PackSpec(2, fixed_total=total),
+                                  input_ids=ids)
+        return op(x, sp.pack(ids), sp)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for k, (groups, prefix, lengths) in enumerate(STREAM):
+        sp, ids, token, weights, gen = _case(groups, prefix, lengths, seq_len, fixed_total=total, seed=k)
+        logits = torch.randn(1, total, V if source == "logits" else H, generator=gen, dtype=torch.float64,
+                             requires_grad=True)  # the logits, or the hidden states
+        want = alone(per_position(logits), groups, prefix, lengths, ids, token, seq_len)
+        (want * weights).sum().backward()
+        want_grad, logits.grad = logits.grad, None
+        args = (logits, ids, torch.tensor(lengths), torch.tensor(prefix), torch.tensor(groups))
+        with HostSyncCounter() as syncs:
+            got = compiled(*args)
+        assert k == 0 or syncs.count == 0, syncs.calls
+        torch.testing.assert_close(got, want.detach(), **TOL)
+        (got * weights).sum().backward()
+        torch.testing.assert_close(logits.grad, want_grad, **TOL)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(STREAM)} microbatches"
+    torch._dynamo.reset()

@@ -1,0 +1,58 @@
+"""Tier: CPU multi-process over gloo (one module-scoped pool of 4 spawned ranks on 127.0.0.1,
+tests/support/cp_harness.py; C = 2 runs as two CP groups side by side, C = 4 as one), megatron-core
+parallel_state for the groups. Cases: tests/models/shared_prefix_cases.py. Float64.
+
+Shared-prefix packing through the adapters under context parallelism: the shared-prefix row sharded by
+the zigzag rule (each slot in 2C chunks), attention over the gathered keys and values under the prefix
+rule, the hybrids' rows (prompt + response) built from every rank's gathered tokens; equal to every
+rollout run alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.cp_harness import RankPool
+from tests.support.megatron_release import needs_megatron_models
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def rank_pool():
+    pool = RankPool(4)
+    yield pool
+    pool.close()
+
+
+def _check(results, cp, out_tol, grad_tol):
+    assert [(r["cp_rank"], r["cp_size"]) for r in results] == [(i % cp, cp) for i in range(4)]
+    for r in results:
+        assert r["out"] < out_tol and r["grad"] < grad_tol, r
+
+
+@pytest.mark.parametrize("cp", [2, 4], ids=lambda c: f"C{c}")
+def test_llama_shared_prefix_under_cp_equals_each_rollout_alone(rank_pool, cp):
+    """Llama with its norms in float64 (shared_prefix_cases.norms_in_model_dtype): exact."""
+    _check(rank_pool.run("tests.models.shared_prefix_cases:case_hf_exact_norms", "llama", cp=cp), cp,
+           1e-10, 1e-10)
+
+
+def test_hybrid_shared_prefix_under_cp2(rank_pool):
+    """LFM2 (short convolution + attention), C = 2: each rank runs the rollout rows on the gathered tokens
+    and keeps its places. Gradients: transformers' float32 norms (shared_prefix_cases)."""
+    _check(rank_pool.run("tests.models.shared_prefix_cases:case_hf", "lfm2", cp=2), 2, 1e-10, 1e-4)
+
+
+@needs_megatron_models
+@pytest.mark.parametrize("cp", [2, 4], ids=lambda c: f"C{c}")
+def test_megatron_shared_prefix_under_cp_equals_each_rollout_alone(rank_pool, cp):
+    _check(rank_pool.run("tests.models.shared_prefix_cases:case_megatron", cp=cp), cp, 1e-10, 1e-10)
+
+
+@pytest.mark.compile
+def test_compiled_shared_prefix_packing_under_cp2(rank_pool):
+    """compile_packing=True under C = 2: two graphs (packing, unpacking) over the stream, outputs equal to
+    each rollout alone (float32)."""
+    for r in rank_pool.run("tests.models.shared_prefix_cases:case_compiled_cp", cp=2):
+        assert r["frames"] == [2] * len(r["frames"]) and r["worst"] < 2e-5, r

@@ -1,0 +1,87 @@
+"""The cases every spawned rank runs (tests/support/cp_harness.py) for
+tests/multiprocess/test_shared_prefix_multiprocess.py: a shared-prefix microbatch's rollout log-probs
+under context and tensor parallelism.
+
+Every rank builds the same float64 data from fixed seeds (the full packed logits ``[1, T, V]``, or hidden
+states ``[1, T, H]`` and the output weight ``[V, H]``), feeds the op its part (the zigzag CP shard of the
+slot layout, this TP rank's vocabulary columns or weight rows) and compares with each rollout run alone
+through a plain log_softmax (tests/support/shared_prefix_reference.py): values on every rank; the local
+logits' and hidden states' gradients against their part of the single-process ones; the weight's,
+summed over the CP group, against its rows. Tolerance 1e-10.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
+from nn_data.groups import context_parallel_info, tensor_parallel_info
+from nn_data.shared_prefix_logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from tests.support.shared_prefix_reference import V, alone, logprob_case
+
+TOL = dict(rtol=0, atol=1e-10)
+H = 6
+# (groups, prefix lengths, lengths, S): groups of 3 and 1 (an empty response), no prompt, all prompt
+BATCHES = [([0, 0, 0, 1], [5, 5, 5, 2], [9, 5, 12, 7], 12),
+           ([3, 3, 8, 8, 8], [0, 0, 4, 4, 4], [6, 1, 4, 11, 8], 12)]
+
+
+def _case(i: int, cp_size: int):
+    groups, prefix, lengths, seq_len = BATCHES[i]
+    sp, ids, token, weights, gen = logprob_case(groups, prefix, lengths, seq_len, m=2 * cp_size, cp_size=cp_size,
+                                                seed=i)
+    return sp, ids, token, weights, gen, (groups, prefix, lengths, seq_len)
+
+
+def _columns(t: torch.Tensor, tp, dim: int) -> torch.Tensor:
+    """This TP rank's vocabulary slice of ``t`` along ``dim``."""
+    return t.chunk(tp.size, dim=dim)[tp.rank]
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return grad
+    out = grad.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def case_logits():
+    cp, tp = context_parallel_info(), tensor_parallel_info()
+    for i in range(len(BATCHES)):
+        sp, ids, token, weights, gen, (groups, prefix, lengths, seq_len) = _case(i, cp.size)
+        full = torch.randn(1, sp.total, V, generator=gen, dtype=torch.float64, requires_grad=True)
+        want = alone(lambda k: full[0, k], groups, prefix, lengths, ids, token, seq_len)
+        (want * weights).sum().backward()
+        local = _columns(sp.shard(full.detach(), cp.size, cp.rank), tp, 2).clone().requires_grad_()
+        op = SharedPrefixLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5)
+        with HostSyncCounter() as syncs, CollectiveCounter() as forward:
+            out = op(local, sp.pack(ids), sp)
+        assert syncs.count == 0, syncs.calls
+        # one CP all-gather of the values and the boundary values together; under TP one [2, N] combine each
+        assert forward.calls.count("all_gather_into_tensor") == (cp.size > 1) + 2 * (tp.size > 1), forward.calls
+        torch.testing.assert_close(out, want.detach(), **TOL)
+        (out * weights).sum().backward()
+        expected = _columns(sp.shard(full.grad, cp.size, cp.rank), tp, 2)
+        torch.testing.assert_close(local.grad, expected, **TOL)
+    return (cp.rank, tp.rank)
+
+
+def case_hidden():
+    cp, tp = context_parallel_info(), tensor_parallel_info()
+    for i in range(len(BATCHES)):
+        sp, ids, token, weights, gen, (groups, prefix, lengths, seq_len) = _case(i, cp.size)
+        hidden = torch.randn(1, sp.total, H, generator=gen, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
+        want = alone(lambda k: hidden[0, k] @ weight.T / 0.8, groups, prefix, lengths, ids, token, seq_len)
+        (want * weights).sum().backward()
+        local_h = sp.shard(hidden.detach(), cp.size, cp.rank).clone().requires_grad_()
+        local_w = _columns(weight.detach(), tp, 0).clone().requires_grad_()
+        op = SharedPrefixLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8)
+        out = op(local_h, local_w, sp.pack(ids), sp)
+        torch.testing.assert_close(out, want.detach(), **TOL)
+        (out * weights).sum().backward()
+        torch.testing.assert_close(local_h.grad, sp.shard(hidden.grad, cp.size, cp.rank), **TOL)
+        torch.testing.assert_close(_summed(local_w.grad, cp.group), _columns(weight.grad, tp, 0), **TOL)
+    return (cp.rank, tp.rank)
