@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from nn_data.errors import PackingError
-from nn_data.planning import Parallelism, plan_step
+from nn_data.nemo_rl.megatron_data.options import shared_prefix_keys
+from nn_data.planning import Parallelism, plan_step, plan_step_shared_prefix
 from nn_data.planning.ffd import round_up_lengths
 
 # NeMo-RL's packer names (nn_data plans every one with NeMo-RL's first-fit-decreasing and deal), and
@@ -244,11 +245,12 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
                            f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
     layout, options = _packing_layout(args, shards)
     layout.check_fixed_total(budget, "max_tokens_per_microbatch")
+    planner = _planner(data, args, lengths, layout, budget, options)
     rows = [[] for _ in range(shards)]
     indices = [[] for _ in range(shards)]
     loads = [[] for _ in range(shards)]
     for start in range(0, len(padded), batch_size):
-        plan = plan_step(lengths[start:start + batch_size], layout, pad_full_seq_to=budget, **options)
+        plan = planner(start, start + batch_size)
         for i in range(shards):
             mine = list(zip(plan.ranks[i], plan.microbatch_tokens[i]))
             if order_mode == "largest_first":
@@ -269,6 +271,30 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
         shard.elem_counts_per_gb = [c[-1][1] if c else 0 for c in indices[i]]
         out.append(shard)
     return out, [r for shard_rows in rows for r in shard_rows]
+
+
+def _planner(data, args: dict, lengths: list, layout: Parallelism, budget: int, options: dict):
+    """``plan(start, stop)``: the :class:`~nn_data.planning.StepPlan` of rows ``[start, stop)``: ``plan_step``,
+    or with ``sequence_packing_args["shared_prefix"]`` (``cfg["nn_data"]["shared_prefix"]``'s value: True or
+    the batch keys) ``plan_step_shared_prefix`` over the batch's group ids and prefix lengths, each group
+    kept together and its prompt counted once per microbatch (``micro_batch_lengths`` are then the
+    shared-prefix packed tokens)."""
+    keys = shared_prefix_keys(args.get("shared_prefix"), "sequence_packing_args['shared_prefix']")
+    if keys is None:
+        return lambda start, stop: plan_step(lengths[start:stop], layout, pad_full_seq_to=budget, **options)
+    if args["algorithm"] != "nn_data_balanced":
+        raise PackingError(f"sequence_packing_args['shared_prefix'] plans with nn_data's planner; set "
+                           f"sequence_packing_args['algorithm']='nn_data_balanced' (got {args['algorithm']!r})")
+    fields = {}
+    for key in keys:
+        if key not in data:
+            raise PackingError(f"{key!r} not found in the batch (keys: {list(data)}); shared-prefix packing "
+                               f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
+        fields[key] = _host_lengths(data, key)
+    groups, prefix = fields[keys.group_ids], fields[keys.prefix_lengths]
+    return lambda start, stop: plan_step_shared_prefix(
+        lengths[start:stop], layout, group_ids=groups[start:stop], prefix_lengths=prefix[start:stop],
+        pad_full_seq_to=budget, **options)
 
 
 def _packing_layout(args: dict, shards: int):

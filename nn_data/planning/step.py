@@ -127,34 +127,35 @@ def imbalance_bound(work, ranks: int) -> float:
     return max(1.0, float(windows.max()) / mean)
 
 
-def host_lengths(lengths) -> np.ndarray:
+def host_lengths(lengths, name: str = "lengths") -> np.ndarray:
     """``lengths`` (a list, tuple, numpy array or tensor of ints >= 0) as a 1-D int64 numpy array;
-    :class:`PackingError` naming the first bad entry otherwise (nothing is rounded)."""
+    :class:`PackingError` naming ``name`` and the first bad entry otherwise (nothing is rounded)."""
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.tolist()  # sync: the planner runs on the host, once per step
     arr = np.asarray(lengths)
     if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)) or arr.dtype == np.bool_:
-        raise PackingError(f"lengths={_short(lengths)} is invalid; expected a 1-D sequence of ints >= 0 "
+        raise PackingError(f"{name}={short_repr(lengths)} is invalid; expected a 1-D sequence of ints >= 0 "
                            "(nothing is rounded or truncated)")
     big = np.flatnonzero(arr > INT32_MAX)  # compared in the given dtype: an unsigned 2**63 does not wrap
     if big.size:
         i = int(big[0])
-        raise PackingError(f"lengths[{i}] = {int(arr[i])} is invalid; a length above {INT32_MAX} cannot fit the "
+        raise PackingError(f"{name}[{i}] = {int(arr[i])} is invalid; a length above {INT32_MAX} cannot fit the "
                            "int32 boundaries of a packed microbatch")
     arr = arr.astype(np.int64)
     negative = np.flatnonzero(arr < 0)
     if negative.size:
         i = int(negative[0])
-        raise PackingError(f"lengths[{i}] = {int(arr[i])} is invalid; every length must be an int >= 0")
+        raise PackingError(f"{name}[{i}] = {int(arr[i])} is invalid; every length must be an int >= 0")
     return arr
 
 
-def _short(value) -> str:
+def short_repr(value) -> str:
+    """``repr(value)``, cut to 80 characters for a message."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _check_args(parallelism, balance, hidden_size, microbatches_per_rank) -> None:
+def check_args(parallelism, balance, hidden_size, microbatches_per_rank) -> None:
     if not isinstance(parallelism, Parallelism):
         raise PackingError(f"parallelism={parallelism!r} is invalid; expected a nn_data.planning.Parallelism")
     if balance not in BALANCE_MODES:
@@ -184,7 +185,7 @@ def plan_step(lengths, parallelism: Parallelism, *, pad_full_seq_to: int, microb
     after padding to ``parallelism.pad_multiple``; a ``microbatches_per_rank`` too small to hold the
     step; bad lengths, ``balance``, ``hidden_size`` or ``parallelism``.
     """
-    _check_args(parallelism, balance, hidden_size, microbatches_per_rank)
+    check_args(parallelism, balance, hidden_size, microbatches_per_rank)
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
     need = round_up(arr, parallelism.pad_multiple)
@@ -195,16 +196,22 @@ def plan_step(lengths, parallelism: Parallelism, *, pad_full_seq_to: int, microb
                            f"{parallelism.pad_multiple}) is longer than pad_full_seq_to={total}; raise pad_full_seq_to "
                            f"to at least {parallelism.round_fixed_total(int(need[i]))}")
     work = sequence_work(arr, hidden_size)
+    ranks, steps = place(need, work, total=total, dp=parallelism.dp, balance=balance, given=microbatches_per_rank)
+    return plan_of(ranks, arr, need, work, total, balance, steps)
+
+
+def place(need: np.ndarray, work: np.ndarray, *, total: int, dp: int, balance: str, given: Optional[int]):
+    """``(ranks, steps)``: items of padded sizes ``need`` and work ``work`` on ``dp`` ranks of microbatches of at
+    most ``total`` tokens, by ``balance`` (:func:`plan_step`'s rules; an item is a sequence there, a group or a
+    part of one in :func:`~nn_data.planning.shared_prefix.plan_step_shared_prefix`)."""
     if balance == "nemo-rl":
-        ranks, steps = _nemo_rl_deal(need, total, parallelism.dp, microbatches_per_rank)
-    else:
-        ranks, steps = _balanced(need, work if balance == "work" else need.astype(np.float64), total, parallelism.dp,
-                                 microbatches_per_rank)
-    return _plan_of(ranks, arr, need, work, total, balance, steps)
+        return _nemo_rl_deal(need, total, dp, given)
+    return _balanced(need, work if balance == "work" else need.astype(np.float64), total, dp, given)
 
 
-def _plan_of(ranks: list, arr: np.ndarray, need: np.ndarray, work: np.ndarray, total: int, balance: str,
-             steps: int) -> StepPlan:
+def plan_of(ranks: list, arr: np.ndarray, need: np.ndarray, work: np.ndarray, total: int, balance: str,
+            steps: int) -> StepPlan:
+    """The :class:`StepPlan` of ``ranks`` (indices into ``need`` / ``work``); ``arr``: the real tokens."""
     need_of, work_of = need.tolist(), work.tolist()  # sync: none, numpy on the host
     return StepPlan(
         pad_full_seq_to=total, ranks=ranks,
@@ -231,7 +238,7 @@ def evaluate_plan(ranks: list, lengths, parallelism: Parallelism, *, pad_full_se
     if seen != list(range(arr.size)):
         raise PackingError(f"the plan holds {len(seen)} sequence slots for {arr.size} sequences; each must be in "
                            "exactly one microbatch")
-    plan = _plan_of([[list(mb) for mb in rank] for rank in ranks], arr, need, sequence_work(arr, hidden_size),
+    plan = plan_of([[list(mb) for mb in rank] for rank in ranks], arr, need, sequence_work(arr, hidden_size),
                     total, balance, 0)
     over = [t for rank in plan.microbatch_tokens for t in rank if t > total]
     if over:

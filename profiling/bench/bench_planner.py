@@ -60,11 +60,12 @@ NN_DATA_MODES = ("work", "tokens", "nemo-rl")
 HIDDEN = 4096
 
 
-def sample(distribution: str, n: int, row_len: int, seed: int) -> np.ndarray:
-    """``n`` seeded lengths in ``[1, row_len]`` (module docstring)."""
+def sample(distribution: str, n: int, row_len: int, seed: int, *, sigma: float = 1.0) -> np.ndarray:
+    """``n`` seeded lengths in ``[1, row_len]`` (module docstring); ``sigma``: the lognormal's (1 in this
+    benchmark; bench_shared_prefix draws responses "about 512" with a smaller one)."""
     rng = np.random.default_rng(seed)
     if distribution == "lognormal":
-        raw = rng.lognormal(np.log(row_len / 8), 1.0, n)
+        raw = rng.lognormal(np.log(row_len / 8), sigma, n)
     elif distribution == "bimodal":
         long = rng.random(n) < 0.25
         raw = np.where(long, rng.uniform(row_len / 2, row_len, n), rng.lognormal(np.log(row_len / 32), 0.5, n))

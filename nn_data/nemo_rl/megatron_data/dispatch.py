@@ -28,6 +28,7 @@ from nn_data.errors import PackingError
 from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
 from nn_data.nemo_rl.megatron_data.options import PackOptions
+from nn_data.nemo_rl.megatron_data.shared_prefix import PENDING
 from nn_data.pack import pack_shard
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
@@ -83,6 +84,8 @@ def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, opt
     :data:`EXTRAS`: ``[B, S, *]`` tensors or None) for this CP rank. Padding is 0, except routed
     experts, whose padding rows are ``arange(topk)`` (a valid top-k route). Every tensor's shape and
     device are checked here, once, before any compiled region."""
+    if options.shared_prefix is not None:  # never packed end to end in its place
+        raise PackingError(PENDING)
     unknown = [k for k in extras if k not in EXTRAS]
     if unknown:
         raise PackingError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")

@@ -21,6 +21,7 @@ import torch
 from nn_data.groups import as_process_group, is_group_form
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.options import PackOptions
+from nn_data.nemo_rl.megatron_data.shared_prefix import check_shared_prefix
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 from nn_data.planning import Parallelism
 
@@ -130,6 +131,7 @@ def get_microbatch_iterator(
     packing = cfg["sequence_packing"]["enabled"]
     if seq_length_key is None and packing:
         seq_length_key = "input_lengths"
+    check_shared_prefix(data, cfg, packing)
     if (cfg.get("dynamic_batching") or {}).get("enabled", False):
         raw_iterator = data.make_microbatch_iterator_with_dynamic_shapes()
         data_iterator_len = data.get_microbatch_iterator_dynamic_shapes_len()

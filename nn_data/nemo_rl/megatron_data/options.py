@@ -12,11 +12,40 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, fixed_total_arg
+
+
+class SharedPrefixKeys(NamedTuple):
+    """Where a batch carries its GRPO groups for shared-prefix packing (``cfg["nn_data"]["shared_prefix"]``):
+    ``group_ids`` the key of its ``[B]`` group ids (rollouts of a group share a prompt), ``prefix_lengths``
+    the key of its ``[B]`` prompt lengths."""
+
+    group_ids: str = "group_ids"
+    prefix_lengths: str = "prefix_lengths"
+
+
+def shared_prefix_keys(value, name: str = "cfg['nn_data']['shared_prefix']") -> Optional[SharedPrefixKeys]:
+    """``value`` as :class:`SharedPrefixKeys`: None or False -> None (off); True -> the default keys
+    (``"group_ids"``, ``"prefix_lengths"``); a mapping with ``"group_ids_key"`` and / or
+    ``"prefix_lengths_key"`` -> those keys; a :class:`SharedPrefixKeys` as it is. Anything else:
+    :class:`PackingError` naming ``name``. Example: ``{"group_ids_key": "uid"}`` -> ``("uid", "prefix_lengths")``."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return SharedPrefixKeys()
+    if isinstance(value, SharedPrefixKeys):
+        return value
+    fields = {"group_ids_key": "group_ids", "prefix_lengths_key": "prefix_lengths"}
+    named = isinstance(value, Mapping) and all(isinstance(v, str) and v for v in value.values())
+    if named and set(value) <= set(fields):
+        return SharedPrefixKeys(**{fields[k]: v for k, v in value.items()})
+    raise PackingError(f"{name}={value!r} is invalid; expected True (the batch keys 'group_ids' and "
+                       "'prefix_lengths'), False / None (off) or a dict with 'group_ids_key' and / or "
+                       "'prefix_lengths_key' naming the batch's keys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +70,8 @@ class PackOptions:
     ``pad_full_seq_to``: a run-level packed length, in place of the call's (:meth:`fixed_total`),
         so every microbatch of the run has one shape (one graph; fixed PP receive buffers). Not
         with ``buckets``.
+    ``shared_prefix``: GRPO groups share their prompt (:func:`shared_prefix_keys`: True or the batch
+        keys of the group ids and prefix lengths); normalised to :class:`SharedPrefixKeys` or None.
 
     Built from a config with :meth:`from_cfg` (``cfg["nn_data"]``, docs/nemo-rl.md, "nn_data options").
     """
@@ -51,9 +82,11 @@ class PackOptions:
     backend: Any = "inductor"
     mode: Optional[str] = None
     pad_full_seq_to: Optional[int] = None
+    shared_prefix: Any = None
 
     def __post_init__(self):
         _checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
+        object.__setattr__(self, "shared_prefix", shared_prefix_keys(self.shared_prefix))
         fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
         if self.pad_full_seq_to is not None and self.buckets is not None:
             raise PackingError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
