@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create (once) and activate the project's virtual environment in .venv, with the
 # pinned versions of constraints.txt. Source it: `. scripts/setup_env.sh`.
-# The first time it says what it installs, step by step, and how long it took; afterwards it is
-# silent, unless pyproject.toml or the pins changed since: then it says so and reinstalls nn_data
+# The first time it says what it installs, step by step (a line every 30 s while pip works), and how
+# long it took; afterwards it is silent, unless pyproject.toml or the pins changed since: then it says so and reinstalls nn_data
 # and its extras into the same venv (seconds). NN_DATA_VENV overrides the location, NN_DATA_PYTHON the interpreter (python3) and
 # NN_DATA_CONSTRAINTS the pins (constraints.txt): scripts/test_mcore019.sh sets all three.
 set -euo pipefail
@@ -15,9 +15,17 @@ if [ ! -f "$venv/.nn_data_ready" ] || [ "$(cat "$venv/.nn_data_ready")" != "$set
     setup_started=$SECONDS
     setup_say() { echo "setup_env: $*" >&2; }
     setup_pip() {  # quiet pip; the one line a machine's pip.conf may repeat per package (an absent
-        # file:// index: "WARNING: Location 'file:///...' is ignored") is dropped, every other line kept
-        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --progress-bar off "$@" 2>&1 \
-            | { grep -v "^WARNING: Location 'file://.*' is ignored: it is neither a file nor a directory.$" || true; } >&2
+        # file:// index: "WARNING: Location 'file:///...' is ignored") is dropped, every other line kept;
+        # pip says nothing for minutes, so a line every 30 s says it is still at work
+        ( "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+            | { grep -v "^WARNING: Location 'file://.*' is ignored: it is neither a file nor a directory.$" || true; } >&2 ) &
+        local setup_pid=$! setup_waited=0
+        while kill -0 "$setup_pid" 2>/dev/null; do
+            sleep 1
+            setup_waited=$((setup_waited + 1))
+            if [ $((setup_waited % 30)) -eq 0 ]; then setup_say "    still installing, ${setup_waited} s so far"; fi
+        done
+        wait "$setup_pid"
     }
     if [ -f "$venv/.nn_data_ready" ]; then
         setup_say "pyproject.toml or $(basename "$constraints") changed since ${venv#"$root"/} was made: updating it"
