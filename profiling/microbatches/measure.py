@@ -99,13 +99,15 @@ def first_call(mode: Mode, stream: Stream, device) -> tuple[float, int]:
     """Time ``mode``'s first microbatch (it compiles): ``(seconds, graphs it compiled)``. A compiled mode
     says so on stderr before and after, since nothing else prints while inductor works."""
     if mode.compiled:
-        print(f"compiling {mode.name} (the first compile takes {FIRST_COMPILE}) ...", file=sys.stderr, flush=True)
+        print(f"mode {mode.name}: compiling its first microbatch (the first compile takes {FIRST_COMPILE}) ...",
+              file=sys.stderr, flush=True)
     before = graph_count()
     with torch.no_grad():
         first = timed_call(lambda: mode.step(stream.microbatches[0]), device)
     graphs = graph_count() - before
     if mode.compiled:
-        print(f"compiled {mode.name}: first microbatch {first:.1f} s, {graphs} graph(s)", file=sys.stderr, flush=True)
+        print(f"mode {mode.name}: first microbatch compiled and run in {first:.1f} s ({graphs} graph(s))",
+              file=sys.stderr, flush=True)
     return first, graphs
 
 
