@@ -5,6 +5,7 @@
 # long it took; afterwards it is silent, unless pyproject.toml or the pins changed since: then it says so and reinstalls nn_data
 # and its extras into the same venv (seconds). NN_DATA_VENV overrides the location, NN_DATA_PYTHON the interpreter (python3) and
 # NN_DATA_CONSTRAINTS the pins (constraints.txt): scripts/test_mcore019.sh sets all three.
+# NN_DATA_SETUP_HEARTBEAT_S: seconds between the lines printed while pip works (30).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${NN_DATA_VENV:-$root/.venv}"
@@ -23,7 +24,9 @@ if [ ! -f "$venv/.nn_data_ready" ] || [ "$(cat "$venv/.nn_data_ready")" != "$set
         while kill -0 "$setup_pid" 2>/dev/null; do
             sleep 1
             setup_waited=$((setup_waited + 1))
-            if [ $((setup_waited % 30)) -eq 0 ]; then setup_say "    still installing, ${setup_waited} s so far"; fi
+            if [ $((setup_waited % ${NN_DATA_SETUP_HEARTBEAT_S:-30})) -eq 0 ]; then
+                setup_say "    still installing, ${setup_waited} s so far"
+            fi
         done
         wait "$setup_pid"
     }
