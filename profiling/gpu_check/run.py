@@ -51,6 +51,9 @@ RUNS = ROOT / "profiling" / "gpu_runs"
 PACKAGES = ("megatron.core", "torch_tb_profiler", "tensorboard", "matplotlib", "tqdm", "pytest", "hypothesis",
             "einops", "numpy")
 SHARES = {"tests": 0.36, "bench": 0.26, "profiler": 0.26, "graphs": 0.12}  # of --budget-s
+GPU_BUDGET_S = 450.0  # the four steps on one GPU, compiles included (the device machine's 10 min per command)
+DRY_BUDGET_S = 1800.0  # the dry run in CI: 115 s on the quiet 2-core VM, 522 s at load 6-8 (killed at 450 s before)
+HEARTBEAT_S = 30.0  # a running step says how far it is (and its log's last line) this often
 TINY_BENCH = ["--rows", "8", "--tokens", "512", "--hidden", "8", "--reps", "3"]
 TINY_PROFILE = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256",
                 "--microbatches", "5", "--passes", "2", "--sync-steps", "2", "--trace-steps", "2", "--vocab", "64",
@@ -63,13 +66,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m profiling.gpu_check",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="run every step on the CPU with tiny sizes")
-    ap.add_argument("--budget-s", type=float, default=450.0,
-                    help="wall-time budget of the four steps, shared 36/26/26/12 %% (default 450)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help=f"wall-time budget of the four steps, shared 36/26/26/12 %% (default {GPU_BUDGET_S:.0f} on a "
+                         f"GPU; {DRY_BUDGET_S:.0f} for --dry-run: a loaded 2-core CPU is slower than any GPU)")
     ap.add_argument("--steps", nargs="+", choices=tuple(SHARES), default=list(SHARES),
                     help="steps to run (default all)")
     ap.add_argument("--out-dir", default=None, help="run folder (default profiling/gpu_runs/<timestamp>)")
     ap.add_argument("--export", default=None, help="also copy results.json, summary.txt and gpu_run.tar.gz here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = DRY_BUDGET_S if args.dry_run else GPU_BUDGET_S
+    return args
 
 
 def environment() -> dict:
@@ -98,14 +105,38 @@ def run_step(name: str, cmd: list, run_dir: Path, limit_s: float, extra_env: dic
     start = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc, timed_out = proc.wait(timeout=limit_s), False
-        except subprocess.TimeoutExpired:
+        rc, timed_out = _wait(proc, name, log_path, start, limit_s), False
+        if rc is None:
             os.killpg(proc.pid, 9)  # the step's own process group: pytest and the workers it started
             rc, timed_out = proc.wait(), True
     wall = time.monotonic() - start
     print(f"[gpu_check] {name}: exit {rc}{' (timed out)' if timed_out else ''} in {wall:.0f} s", flush=True)
     return dict(cmd=cmd, rc=rc, timed_out=timed_out, wall_s=round(wall, 1), log=log_path.name)
+
+
+def _wait(proc: subprocess.Popen, name: str, log_path: Path, start: float, limit_s: float):
+    """``proc``'s exit status, or None at ``limit_s``; every ``HEARTBEAT_S`` a line: the time so far and the
+    log's last line (so a slow step on a loaded machine shows it is moving, and where)."""
+    while True:
+        left = limit_s - (time.monotonic() - start)
+        if left <= 0:
+            return None
+        try:
+            return proc.wait(timeout=min(HEARTBEAT_S, left))
+        except subprocess.TimeoutExpired:
+            print(f"[gpu_check] {name}: running, {time.monotonic() - start:.0f} s of {limit_s:.0f} s; "
+                  f"log: {_last_line(log_path)}", flush=True)
+
+
+def _last_line(path: Path, limit: int = 160) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log yet)"
+    last = lines[-1] if lines else "(empty so far)"
+    return last if len(last) <= limit else last[: limit - 3] + "..."
 
 
 def _pythonpath() -> str:

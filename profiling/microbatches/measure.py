@@ -34,6 +34,7 @@ import glob
 import json
 import os
 import statistics
+import sys
 import warnings
 from typing import Optional
 
@@ -91,12 +92,23 @@ def graph_count() -> int:
 GUARD_EVAL = ("skip-unsafe", "full")
 
 
+FIRST_COMPILE = "15-75 s on 2 CPU cores, more under load"  # what the announcement says to expect
+
+
 def first_call(mode: Mode, stream: Stream, device) -> tuple[float, int]:
-    """Time ``mode``'s first microbatch (it compiles): ``(seconds, graphs it compiled)``."""
+    """Time ``mode``'s first microbatch (it compiles): ``(seconds, graphs it compiled)``. A compiled mode
+    says so on stderr before and after, since nothing else prints while inductor works."""
+    if mode.compiled:
+        print(f"mode {mode.name}: compiling its first microbatch (the first compile takes {FIRST_COMPILE}) ...",
+              file=sys.stderr, flush=True)
     before = graph_count()
     with torch.no_grad():
         first = timed_call(lambda: mode.step(stream.microbatches[0]), device)
-    return first, graph_count() - before
+    graphs = graph_count() - before
+    if mode.compiled:
+        print(f"mode {mode.name}: first microbatch compiled and run in {first:.1f} s ({graphs} graph(s))",
+              file=sys.stderr, flush=True)
+    return first, graphs
 
 
 def steady_calls(modes: int, stream: Stream, passes: int) -> int:

@@ -17,6 +17,20 @@ from nn_data.packed_forward import PackedForward
 
 VOCAB, SEQ_LEN = 97, 12
 
+FLOAT32_STEP_TOL = 1e-5
+"""|packed - each sequence alone| allowed on a float64 model where transformers computes a step in float32
+whatever the model's dtype: Mamba-2's chunked scan (its einsums on ``.float()`` inputs, then its gated
+RMSNorm) and Mamba2ForCausalLM's float32 logits, the gated delta rule, every RMSNorm (LFM2's too). A float32
+step rounds to 2**-24 relative, and the rounding can change with the tensor's shape, which differs here: the
+adapter runs a hybrid layer on ``[B', W, D]`` rows (one sequence per row, W slots) and the reference on
+``[1, n, D]``. A float32 matmul sums in an order that depends on its sizes and on the CPU (MKL's blocking;
+Mamba-2's scan contracts over ceil(W / chunk) + 1 chunks in a row and ceil(n / chunk) + 1 alone), and an
+elementwise op computes the tail of a tensor past its last full vector with a scalar routine (``silu`` and
+``softplus`` differ in the last bit there). Measured (2-core AVX-512 VM, 2026-12-02): Mamba-2's logits 2.4e-7
+(one float32 step at |logit| < 4; 0 when its einsums run in float64), gradients 4.9e-7; elsewhere LFM2's
+gradients 6.0e-7. 1e-5 is 8 float32 epsilons relative to the largest value these tiny models produce
+(|logit| < 4, |gradient| < 10); a sequence mixed with its neighbour differs by 3.8e-4 (LFM2) to 2.6 (Mamba-2)."""
+
 
 def batches(cp: int):
     """``(lengths, pad_full_seq_to)``: zero-length rows, full rows, a tail; multiples of 2C."""

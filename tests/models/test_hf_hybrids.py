@@ -21,7 +21,7 @@ from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, layout_from_lengths
 from nn_data.models.tiny_hf import HYBRIDS, KINDS, tiny_hf_model
 from nn_data.packed_forward import PackedForward, PackedInfo
-from tests.models.adapter_cases import coded_ids, token_loss
+from tests.models.adapter_cases import FLOAT32_STEP_TOL, coded_ids, token_loss
 
 LENGTHS = [5, 0, 12, 3, 9]
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -70,13 +70,14 @@ def test_packed_equals_each_sequence_alone(kind, dtype):
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "mamba2", "lfm2"])
 def test_packed_equals_alone_in_float64(kind):
-    """Float64 (Qwen3-Next without its MoE, whose grouped_mm refuses float64): exact outputs; the gated
-    delta rule and Mamba-2's chunked scan compute in float32 whatever the model's dtype, so their
-    gradients agree to float32 noise (LFM2's convolution stays in float64)."""
+    """Float64 (Qwen3-Next without its MoE, whose grouped_mm refuses float64): exact outputs, except
+    Mamba-2's, whose chunked scan computes in float32 whatever the model's dtype (and whose logits are
+    float32); gradients to float32 rounding wherever a float32 step runs inside (the gated delta rule,
+    Mamba-2's scan, the RMSNorms): FLOAT32_STEP_TOL says what that allows and why it depends on the row."""
     model = tiny_hf_model(kind, dtype=torch.float64, moe=False)
     worst_out, worst_grad = _compare(model, _wrapped(model))
-    grad_tol = 1e-12 if kind == "lfm2" else 1e-6
-    assert worst_out < 1e-12 and worst_grad < grad_tol, (worst_out, worst_grad)
+    out_tol = FLOAT32_STEP_TOL if kind == "mamba2" else 1e-12
+    assert worst_out < out_tol and worst_grad < FLOAT32_STEP_TOL, (worst_out, worst_grad)
 
 
 @pytest.mark.parametrize("kind", HYBRIDS)

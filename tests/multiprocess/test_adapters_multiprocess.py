@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.models.adapter_cases import FLOAT32_STEP_TOL
 from tests.support.cp_harness import RankPool
 from tests.support.megatron_release import needs_megatron_models
 
@@ -37,9 +38,11 @@ def test_hf_adapter_cp2_on_sliding_windows_and_hybrids(rank_pool, kind):
     """C = 2: the sliding-window mask under CP, and the hybrids' gated delta net / Mamba-2 / short conv
     layers run per sequence on every rank's gathered tokens (each rank keeps its own places)."""
     results = rank_pool.run("tests.models.adapter_cases:case_hf", kind, cp=2)
-    grad_tol = 1e-12 if kind in ("mistral", "lfm2") else 1e-6  # the delta rule and Mamba-2's scan run in float32
+    # float32 steps inside the hybrids' layers: FLOAT32_STEP_TOL (tests/models/adapter_cases.py) says why
+    out_tol = FLOAT32_STEP_TOL if kind == "mamba2" else 1e-12
+    grad_tol = 1e-12 if kind == "mistral" else FLOAT32_STEP_TOL
     for r in results:
-        assert r["out"] < 1e-12 and r["grad"] < grad_tol, r
+        assert r["out"] < out_tol and r["grad"] < grad_tol, r
 
 
 @needs_megatron_models

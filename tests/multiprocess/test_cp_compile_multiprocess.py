@@ -19,7 +19,7 @@ pytestmark = pytest.mark.compile
 
 @pytest.fixture(scope="module")
 def ranks():
-    pool = RankPool(2, timeout_s=300.0)
+    pool = RankPool(2)
     yield pool
     pool.close()
 

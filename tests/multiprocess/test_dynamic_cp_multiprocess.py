@@ -70,7 +70,7 @@ def test_the_adapter_refuses_what_it_cannot_run_over_a_rounds_group(rank_pool):
 
 
 def test_eight_ranks_equal_every_sequence_alone():
-    pool = RankPool(8, megatron=False, timeout_s=300)
+    pool = RankPool(8, megatron=False)
     try:
         results = pool.run(f"{CASES}:case_tiny_exact", 8)
     finally:
