@@ -1,11 +1,17 @@
-"""Tier: pure CPU, one process (the import-path walk runs one fresh interpreter).
+"""Tier: pure CPU, one process.
 
-What the fifth round of checks found (issue 34's findings 5, 6 and 10), each a test that failed before its
+What the fifth round of checks found (issue 34's findings 5, 6 and 16), each a test that failed before its
 fix: a staged microbatch that took lengths longer than the rows it was loaded with, ``PackLayout``'s
-methods that ran another microbatch's packed tensor, and import paths CHANGELOG.md promises.
+methods that ran another microbatch's packed tensor, and the README's NeMo-RL example without
+megatron-core (a bare ``ModuleNotFoundError`` before; the extra to install now). The import paths:
+tests/ops/test_old_names.py.
 """
 
 from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,3 +66,31 @@ def test_pack_layout_methods_refuse_another_microbatchs_packed_tensor(host_reads
         b.layout.unshard(shards, 2)
     assert torch.equal(a.layout.unpack(a.packed, 5), torch.arange(1, 11).view(2, 5) * (torch.arange(5) < torch.tensor(
         [[3], [5]])))  # its own layout still runs
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_nemo_rl_example() -> str:
+    """The README's runnable "Switching from NeMo-RL" block (the one importing nn_data.megatron_data)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if "from nn_data.megatron_data import" in b]
+    return block
+
+
+def test_the_nemo_rl_example_without_megatron_core_names_the_extra(monkeypatch, capsys):
+    from nn_data import megatron_parallel
+
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")] + ["megatron"]:
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it fails: megatron-core "not installed"
+    megatron_parallel.packed_seq_params_class.cache_clear()
+    megatron_parallel.gpt_model_class.cache_clear()
+    try:
+        extra = r'needs megatron-core, which is not installed .*: pip install "nn_data\[megatron\]"'
+        with pytest.raises(ModuleNotFoundError, match=extra):
+            exec(compile(_readme_nemo_rl_example(), "README.md", "exec"), {})
+        with pytest.raises(ModuleNotFoundError, match=extra):
+            megatron_parallel.gpt_model_class()
+    finally:
+        megatron_parallel.packed_seq_params_class.cache_clear()
+        megatron_parallel.gpt_model_class.cache_clear()
