@@ -1,20 +1,96 @@
 """Published import paths kept for the drop-in's old homes (``docs/design.md``, "Where things live").
 
-``nn_data.megatron_data``, ``nn_data.model_utils`` and ``nn_data.batched_data_dict`` were the drop-in's
-homes before it moved into :mod:`nn_data.nemo_rl`. Each old path is the *same module object* as the new
-one, so ``mock.patch("nn_data.megatron_data.X")`` patches what the functions call, and every class
-is one class under both names.
+:data:`OLD_PATHS` is the one table of the 0.1.x module paths and their homes, :data:`OLD_NAMES` that of
+the 0.1.x attributes whose home moved (CHANGELOG.md, "One home for the NeMo-RL drop-in"). Each old path
+is the *same module object* as its home, for the package and every submodule below it, imported yet or
+not: :class:`AliasFinder` (first on ``sys.meta_path``) maps ``old.sub`` to ``new.sub`` before Python's
+path finder could load ``new``'s file a second time under the old name. So
+``mock.patch("nn_data.megatron_data.dynamic_cp.X")`` patches what the functions call, and every class is
+one class under both names.
+
+Example: ``import nn_data.megatron_data.dynamic_cp`` -> the module ``nn_data.nemo_rl.megatron_data.dynamic_cp``
+(the longest old prefix, ``nn_data.megatron_data``, replaced by its home);
+``nn_data.megatron_data.batched_data_sharding`` -> ``nn_data.nemo_rl.batched_data_sharding`` (its own row).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
+from typing import Optional
+
+#: Every 0.1.x module path that still works -> the module it is now.
+OLD_PATHS = {
+    "nn_data.megatron_data": "nn_data.nemo_rl.megatron_data",
+    "nn_data.megatron_data.batched_data_sharding": "nn_data.nemo_rl.batched_data_sharding",
+    "nn_data.model_utils": "nn_data.nemo_rl.model_utils",
+    "nn_data.batched_data_dict": "nn_data.nemo_rl.batched_data_dict",
+    "nn_data.automodel_data": "nn_data.nemo_rl.automodel_data",
+    "nn_data.huggingface_common": "nn_data.nemo_rl.huggingface_common",
+    "nn_data.models.masks": "nn_data.masks",
+}
+
+#: Every 0.1.x attribute that still works where its module stayed -> the object's home.
+OLD_NAMES = {
+    "nn_data.sampling.TrainingSamplingParams": "nn_data.nemo_rl.sampling.TrainingSamplingParams",
+}
+
+
+def home_of(name: str) -> Optional[str]:
+    """The home of the module path ``name`` (its longest old prefix replaced), or None if it is no old path."""
+    prefixes = [old for old in OLD_PATHS if name == old or name.startswith(old + ".")]
+    if not prefixes:
+        return None
+    old = max(prefixes, key=len)
+    return OLD_PATHS[old] + name[len(old):]
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads an old path as its home: the module Python registers under the old name is the home's."""
+
+    def __init__(self, home: str):
+        self.home = home
+
+    def create_module(self, spec):
+        return None  # a placeholder; exec_module replaces it in sys.modules, which the import returns
+
+    def exec_module(self, module) -> None:
+        sys.modules[module.__name__] = importlib.import_module(self.home)
+
+
+class AliasFinder(importlib.abc.MetaPathFinder):
+    """Finds every old path (and anything below one) as its home (:func:`home_of`)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        home = home_of(fullname)
+        if home is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(home), is_package=False)
+
+
+def _install() -> None:
+    if not any(isinstance(finder, AliasFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, AliasFinder())
 
 
 def alias_module(old: str, new: str) -> None:
-    """Make ``old`` (and every submodule of ``new`` imported so far) the module object ``new`` is."""
-    importlib.import_module(new)
-    for name, module in list(sys.modules.items()):
-        if name == new or name.startswith(new + "."):
-            sys.modules[old + name[len(new):]] = module
+    """Make ``old`` the module object ``new`` is (``old`` a row of :data:`OLD_PATHS`): called by the old
+    paths' own files, which Python may have found before :class:`AliasFinder` was installed."""
+    if OLD_PATHS.get(old) != new:
+        raise ImportError(f"{old} -> {new} is not a row of nn_data._alias.OLD_PATHS")
+    _install()
+    sys.modules[old] = importlib.import_module(new)
+
+
+def old_name(module: str, name: str):
+    """``module.name`` for an attribute of :data:`OLD_NAMES` (a module's ``__getattr__`` calls this)."""
+    home = OLD_NAMES.get(f"{module}.{name}")
+    if home is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    where, _, attr = home.rpartition(".")
+    return getattr(importlib.import_module(where), attr)
+
+
+_install()

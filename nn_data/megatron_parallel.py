@@ -40,26 +40,49 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+#: What to do when megatron-core is missing (the ``megatron`` extra of pyproject.toml).
+INSTALL_MEGATRON = 'pip install "nn_data[megatron]"'
+
+
+def megatron_core_missing(what: str, error: ModuleNotFoundError) -> None:
+    """Raise, for ``what`` (e.g. ``"megatron-core's PackedSeqParams"``), a ``ModuleNotFoundError`` that names
+    the extra to install when ``error`` says megatron-core itself is missing (``error.name`` is
+    ``megatron`` or below it); return otherwise (the caller re-raises ``error``: another module missing)."""
+    name = error.name or ""
+    if name == "megatron" or name.startswith("megatron."):
+        raise ModuleNotFoundError(f"{what} needs megatron-core, which is not installed (no module named {name!r}): "
+                                  f"{INSTALL_MEGATRON} (megatron-core>=0.16.1,<0.21)", name=name) from error
+
+
 @functools.lru_cache(maxsize=1)
 def packed_seq_params_class() -> Any:
-    """megatron-core's ``PackedSeqParams`` class (imported on the first call)."""
+    """megatron-core's ``PackedSeqParams`` class (imported on the first call). Without megatron-core a
+    ``ModuleNotFoundError`` naming the extra to install (:func:`megatron_core_missing`)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: irrelevant for a dataclass
-        from megatron.core.packed_seq_params import PackedSeqParams
+        try:
+            from megatron.core.packed_seq_params import PackedSeqParams
+        except ModuleNotFoundError as e:
+            megatron_core_missing("megatron-core's PackedSeqParams (the packed NeMo-RL path)", e)
+            raise
     return PackedSeqParams
 
 
 @functools.lru_cache(maxsize=1)
 def gpt_model_class() -> Any:
     """megatron-core's ``GPTModel`` class (imported on the first call), for the NeMo-RL drop-in's
-    ``patch_gpt_model_forward_for_linear_ce_fusion``."""
+    ``patch_gpt_model_forward_for_linear_ce_fusion``; as :func:`packed_seq_params_class` without it."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: the class itself needs neither
-        from megatron.core.models.gpt import GPTModel
+        try:
+            from megatron.core.models.gpt import GPTModel
+        except ModuleNotFoundError as e:
+            megatron_core_missing("megatron-core's GPTModel (patch_gpt_model_forward_for_linear_ce_fusion)", e)
+            raise
     return GPTModel
 
 

@@ -85,3 +85,11 @@ def vocab_parallel_thresholds(local: torch.Tensor, filt: SamplingFilter, group, 
     blocks = all_to_all_dim0(padded, group).view(tp_size, per_rank, cols)  # [TP, M, Vt]: block j = columns of rank j
     full = blocks.permute(1, 0, 2).reshape(per_rank, tp_size * cols)  # [M, V]
     return all_gather_dim0(row_thresholds(full, filt), group)[:rows]  # [TP*M] -> [c]
+
+
+def __getattr__(name: str):
+    """The 0.1.x names of this module that moved (``nn_data._alias.OLD_NAMES``: ``TrainingSamplingParams``,
+    now :class:`nn_data.nemo_rl.sampling.TrainingSamplingParams`), resolved on first use."""
+    from nn_data._alias import old_name
+
+    return old_name(__name__, name)

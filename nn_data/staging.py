@@ -13,7 +13,8 @@ the boundaries, ``PackedSeqParams``) must be those same tensors too (megatron-co
 holds both halves for one :class:`~nn_data.PackedForward` configuration (its ``row_capacity`` R, its
 ``pad_full_seq_to`` T, its CP size C and rank), allocated once:
 
-* the **rows** the data path reads: ``rows_ids [R, S]``, ``rows_lengths [R]``, ``num_rows`` (0-d);
+* the **rows** the data path reads: ``rows_ids [R, S]``, ``rows_lengths [R]``, ``num_rows`` and
+  ``row_width`` (0-d: ``S'``, which every length must fit);
   :meth:`StagedMicrobatch.load` copies a microbatch ``[B, S']`` into them (``copy_`` and ``zero_``
   on views: no allocation, no host sync);
 * the **packed** tensors the model reads: ``input_ids``, ``position_ids``, ``targets`` (the next token
@@ -37,7 +38,7 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.layout import packed_segments
+from nn_data.layout import lengths_device, packed_segments
 from nn_data.pack import PackSequences, PackShard
 from nn_data.packed_forward import PackedForward, PackedInfo
 from nn_data.targets import next_token_at
@@ -67,7 +68,7 @@ class StagedMicrobatch:
         self.rows, self.total = packing.row_capacity, pack.pad_full_seq_to
         self.seq_len = _checks.row_length("seq_len", seq_len)
         self.cp_size, self.cp_rank = packing.cp_size, packing.cp_rank
-        self.ignore_index = int(ignore_index)
+        self.ignore_index, self.validate = int(ignore_index), bool(validate)
         device = torch.device("cpu") if device is None else torch.device(device)
         device_pack = PackSequences(pack.m, pack.p, self.total, validate=validate, host_reads=False)
         self._pack_shard = PackShard(device_pack, self.cp_size, self.cp_rank, positions=True, padding=True)
@@ -75,6 +76,7 @@ class StagedMicrobatch:
         self.rows_ids = torch.zeros(r, self.seq_len, dtype=ids_dtype, device=device)  # [R, S]
         self.rows_lengths = torch.zeros(r, dtype=torch.int64, device=device)  # [R]
         self.num_rows = torch.zeros((), dtype=torch.int64, device=device)
+        self.row_width = torch.full((), self.seq_len, dtype=torch.int64, device=device)  # S' of the rows loaded
         self.input_ids = torch.zeros(1, local, dtype=ids_dtype, device=device)  # [1, T/C]
         self.position_ids = torch.zeros(1, local, dtype=torch.int64, device=device)  # [1, T/C]
         self.targets = torch.full((1, local), self.ignore_index, dtype=torch.int64, device=device)  # [1, T/C]
@@ -93,7 +95,9 @@ class StagedMicrobatch:
     def load(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> "StagedMicrobatch":
         """Copy ``input_ids [B, S']`` and ``seq_lengths [B]`` (``B <= R``, ``S' <= S``, on the buffers'
         device) into the staged rows; rows and columns past them are zeroed. ``copy_``, ``zero_`` and
-        ``fill_`` on views: nothing is allocated, nothing read on the host."""
+        ``fill_`` on views: nothing is allocated, nothing read on the host. With ``validate`` every length
+        must fit the rows *loaded* (``S'``, not the staged ``S``: a longer one would pack the zeroed columns
+        as tokens); ``S'`` is staged too (``row_width``, 0-d) for :meth:`prepare`'s device assert."""
         _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
         if input_ids.dim() != 2:
             raise PackingError(f"input_ids must be [B, S], got {_checks.dims(input_ids)}")
@@ -110,6 +114,7 @@ class StagedMicrobatch:
         self.rows_lengths[:rows].copy_(seq_lengths)
         self.rows_lengths[rows:].zero_()
         self.num_rows.fill_(rows)
+        self.row_width.fill_(width)
         return self
 
     def load_rows(self, rows_ids: torch.Tensor, rows_lengths: torch.Tensor, num_rows: torch.Tensor) -> "StagedMicrobatch":
@@ -122,6 +127,7 @@ class StagedMicrobatch:
             if tuple(value.shape) != tuple(buffer.shape):
                 raise PackingError(f"{name} has shape {_checks.dims(value)}; the staged {name} is {_checks.dims(buffer)}")
             buffer.copy_(value)
+        self.row_width.fill_(self.seq_len)
         return self
 
     # -- the packed tensors -----------------------------------------------------------------------------
@@ -129,7 +135,11 @@ class StagedMicrobatch:
     def prepare(self) -> "StagedMicrobatch":
         """The data path on the staged rows, into the staged packed tensors: pack (device executor), this
         rank's places, position ids, next-token targets, padding mask, boundaries. No host read, fixed
-        shapes: what a CUDA graph captures ahead of the model."""
+        shapes: what a CUDA graph captures ahead of the model. With ``validate``, every length must fit the
+        rows loaded (``row_width``, not the staged ``S``): a device assert, captured with the rest."""
+        if self.validate:
+            lengths_device("StagedMicrobatch.prepare", self.rows_lengths, self.row_width, None,
+                           row_len_name="the rows loaded: input_ids.shape[1] of load")
         res = self._pack_shard(self.rows_ids, self.rows_lengths, self.num_rows)
         layout = res.pack.layout
         segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, self.total)
@@ -161,7 +171,8 @@ class StagedMicrobatch:
 
     def addresses(self) -> dict:
         """``{name: data_ptr}`` of every staged tensor (rows and packed): the same on every microbatch."""
-        return {name: getattr(self, name).data_ptr() for name in ("rows_ids", "rows_lengths", "num_rows", *STAGED)}
+        return {name: getattr(self, name).data_ptr() for name in ("rows_ids", "rows_lengths", "num_rows", "row_width",
+                                                              *STAGED)}
 
     # -- what the model gets ----------------------------------------------------------------------------
 

@@ -170,8 +170,9 @@ class DynamicCPStep:
     round then reads nothing on the host.
 
     Raises :class:`PackingError` (when built) for a plan the groups do not match, another
-    ``tokens_per_rank``, a block of more sequences than ``row_capacity``, a sequence longer than the
-    rows' ``S``, ``input_ids`` that are not ``[n, S]`` or lack a row for a sequence this rank runs.
+    ``tokens_per_rank``, a block of more sequences than ``row_capacity`` (any rank's: every rank refuses),
+    a sequence longer than the rows' ``S``, ``input_ids`` that are not ``[n, S]`` or lack a row for a
+    sequence this rank runs.
     """
 
     def __init__(self, runner: DynamicCPRunner, plan, input_ids: torch.Tensor, rows: Optional[Sequence[int]]):
@@ -184,7 +185,25 @@ class DynamicCPStep:
         self.runner, self.plan, self.input_ids = runner, plan, input_ids
         self.blocks = plan.blocks_of(runner.groups.pool_rank)
         self.capacity = runner.row_capacity or 1 << max(0, (plan.max_sequences - 1).bit_length())
+        self._check_plan(rows)
         self.table = self._table(rows)
+
+    def _check_plan(self, rows) -> None:
+        """The checks of the *whole* plan (every rank's blocks, not only this rank's): the plan is the same on
+        every rank, so each refuses it, and none builds its step to wait in a round's first collective for a
+        rank that refused. Every block within ``row_capacity``; with ``rows=None`` (``input_ids`` holds every
+        sequence of the plan, on every rank) every sequence within the rows' ``S``."""
+        cap, row_len = self.capacity, self.input_ids.shape[1]
+        for k, blocks in enumerate(self.plan.rounds):
+            for block in blocks:
+                if len(block.sequences) > cap:
+                    raise PackingError(f"round {k}'s block of ranks {block.start}..{block.start + block.size - 1} "
+                                       f"holds {len(block.sequences)} sequences, more than row_capacity={cap}; raise "
+                                       f"row_capacity to at least {self.plan.max_sequences} (the plan's largest block)")
+        lengths = self.plan.lengths
+        if rows is None and lengths and max(lengths) > row_len:
+            raise PackingError(f"sequence {lengths.index(max(lengths))} has {max(lengths)} tokens in the plan but the "
+                               f"rows of input_ids hold S={row_len}")
 
     def _table(self, rows) -> torch.Tensor:
         """``[K, 1 + 2 Bc]`` int64 on the data's device: per round the block's row count, its rows and
@@ -193,10 +212,7 @@ class DynamicCPStep:
         plan, cap, n, row_len = self.plan, self.capacity, self.input_ids.shape[0], self.input_ids.shape[1]
         where = {int(s): j for j, s in enumerate(range(n) if rows is None else rows)}
         table = np.zeros((len(self.blocks), 1 + 2 * cap), dtype=np.int64)
-        for k, block in enumerate(self.blocks):
-            if len(block.sequences) > cap:
-                raise PackingError(f"round {k}'s block holds {len(block.sequences)} sequences, more than "
-                                   f"row_capacity={cap}; raise row_capacity to at least {len(block.sequences)}")
+        for k, block in enumerate(self.blocks):  # (every block fits row_capacity: _check_plan)
             missing = [i for i in block.sequences if i not in where]
             if missing:
                 raise PackingError(f"input_ids has no row for sequence {missing[0]}, which this rank runs in round {k} "

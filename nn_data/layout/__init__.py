@@ -27,7 +27,7 @@ from nn_data.layout.build import (
     Boundaries, PackSpec, layout_from_boundaries, layout_from_lengths, padded_rows, reads_host, take_layout,
 )
 from nn_data.layout.checks import (
-    boundary_args, fixed_total_arg, lengths_host, natural_total_host, packed_tensor_length, sequence_divisible,
+    boundary_args, fixed_total_arg, lengths_device, lengths_host, natural_total_host, packed_tensor_length, sequence_divisible,
     target_ids, target_ids_device, target_ids_host, total_divisible, total_limit_host,
 )
 from nn_data.layout.device import set_pack_form
@@ -59,6 +59,7 @@ __all__ = [
     "fixed_total_arg",
     "layout_from_boundaries",
     "layout_from_lengths",
+    "lengths_device",
     "lengths_host",
     "local_places",
     "op_layout",

@@ -236,13 +236,14 @@ def prefix_lengths_host(lengths: list, prefixes: list, groups: list, leader: lis
 
 # ---- device checks: the same conditions as device asserts --------------------------------------
 
-def lengths_device(op: str, lengths: torch.Tensor, row_len, num_rows: Optional[torch.Tensor]) -> None:
+def lengths_device(op: str, lengths: torch.Tensor, row_len, num_rows: Optional[torch.Tensor], *,
+                   row_len_name: str = "x.shape[1], the row length") -> None:
     """:func:`lengths_host` as device asserts (``S`` and ``B`` named, never formatted: they may be
-    symbolic sizes under compile)."""
+    symbolic sizes under compile; an eager caller may put a plain int into ``row_len_name``)."""
     rows = lengths.shape[0]
     if rows:
         _checks.device_assert(((lengths >= 0) & (lengths <= row_len)).all(), f"nn_data.{op}: every seq_lengths "
-                              "value must be in [0, S] (S = x.shape[1], the row length)")
+                              f"value must be in [0, S] (S = {row_len_name})")
     if num_rows is None:
         return
     n = num_rows.to(torch.int64)

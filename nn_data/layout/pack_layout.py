@@ -60,6 +60,14 @@ def check_token(name: str, t, layout: "PackLayout") -> None:
             "(PackResult.layout of the same call); two microbatches of one packed length T look alike by shape")
 
 
+def _check_own(name: str, t, layout: "PackLayout") -> None:
+    """:func:`check_token` for a layout's own methods, where the layout has a token (one a pack made): a
+    layout without one (built from boundaries, or on the device) may be another view of ``t``'s very
+    microbatch (an op given boundaries builds one), so nothing can be told there."""
+    if layout.token is not None:
+        check_token(name, t, layout)
+
+
 class HostBounds(NamedTuple):
     """One microbatch's layout as Python ints, from the one host read.
 
@@ -95,7 +103,8 @@ class PackLayout(NamedTuple):
     position ``b*S + s`` each packed position reads, clamped) and ``valid [T]`` bool;
     ``seq_lengths`` the lengths tensor the layout was built from; ``token``: an eager host layout's
     fingerprint, which the tensors its host executor packs and shards carry (:data:`TOKEN_ATTR`), so an
-    op given one of them with *another* microbatch's layout refuses (:func:`check_token`).
+    op or a method (``shard``, ``unshard``, ``unpack``) given one of them with *another* microbatch's
+    layout refuses (:func:`check_token`).
 
     Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter form
     dest ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``; gather form source
@@ -130,6 +139,7 @@ class PackLayout(NamedTuple):
 
     def shard(self, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
         """This CP rank's zigzag shard ``[1, T, *] -> [1, T/C, *]`` (``packed`` itself when ``C = 1``)."""
+        _check_own("packed", packed, self)
         if cp_size == 1:
             return packed
         run = host.shard(self.host, packed, cp_size, cp_rank) if self.on_host else device.shard(self, packed,
@@ -138,6 +148,7 @@ class PackLayout(NamedTuple):
 
     def unshard(self, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
         """Every rank's shard, rank-major ``[C, T/C, *]``, back to the packed ``[1, T, *]``."""
+        _check_own("shards", shards, self)
         if cp_size == 1:
             return shards
         return host.unshard(self, shards, cp_size) if self.on_host else device.unshard(self, shards, cp_size)
@@ -145,6 +156,7 @@ class PackLayout(NamedTuple):
     def unpack(self, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
         """``[1, T, *] -> [B, S, *]`` with ``S = seq_len``: each row's valid tokens, ``fill`` elsewhere
         (``shift=1``: the log-prob layout, token ``s`` from packed position ``start + s - 1``)."""
+        _check_own("packed", packed, self)
         rows, total, trailing = self.rows, packed.shape[1], packed.shape[2:]
         if guard_or_false(total == 0):  # nothing to read: all fill
             out = packed.new_full((rows, seq_len, *trailing), fill)

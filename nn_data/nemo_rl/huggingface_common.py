@@ -113,6 +113,7 @@ def pack_sequences(
     *,
     pad_full_seq_to: Optional[int] = None,
     options=None,
+    pad_full_seq_to_name: str = "pad_full_seq_to",
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Pack rows of sequences: ``packed_sequence_size[r]`` consecutive sequences of ``input_ids [B, S]``
     (valid lengths ``input_lengths [B]``) go to row ``r`` back to back -> ``(input_ids_packed [R, T],
@@ -121,7 +122,9 @@ def pack_sequences(
     ``T`` is ``pad_full_seq_to`` when given (no host read; a row holding more raises, a device assert),
     else NeMo-RL's ``max(longest row total, min_seq_len)`` after one read of the lengths, rounded up to
     one of ``options.buckets`` when set. ``attention_mask[r, q, k]``: both valid, same sequence, ``k <=
-    q``. ``options`` (``PackOptions``, ``cfg["nn_data"]``) may compile the packing.
+    q``. ``options`` (``PackOptions``, ``cfg["nn_data"]``) may compile the packing. ``pad_full_seq_to_name``:
+    how the messages name ``pad_full_seq_to`` (the setting the caller took it from, e.g.
+    ``cfg["sequence_packing"]["train_mb_tokens"]``).
 
     Example: lengths ``[2, 3, 1]``, ``packed_sequence_size [3]``, ``padding_value -1``, ``min_seq_len 8``
     -> ids ``[[a0 a1 b0 b1 b2 c0 -1 -1]]``, positions ``[[0 1 0 1 2 0 0 0]]``.
@@ -135,7 +138,8 @@ def pack_sequences(
     _checks.check_int_vector("input_lengths", input_lengths, rows)
     groups = _groups(packed_sequence_size, rows)
     lengths = on_device(input_lengths, input_ids.device)
-    total, validate, name = _row_length(input_lengths, groups, row_len, min_seq_len, pad_full_seq_to, options)
+    total, validate, name = _row_length(input_lengths, groups, row_len, min_seq_len, pad_full_seq_to, options,
+                                        pad_full_seq_to_name)
     if total == 0:
         empty = input_ids.new_zeros(len(groups), 0)
         mask = torch.zeros(len(groups), 0, 0, dtype=torch.bool, device=input_ids.device)
@@ -159,16 +163,17 @@ def _groups(packed_sequence_size, rows: int) -> list:
     return [(a, a + n) for a, n in zip(starts, sizes)]
 
 
-def _row_length(input_lengths, groups: list, row_len: int, min_seq_len: int, pad_full_seq_to, options):
-    """``(T, validate on the device?, T's name for messages)``: ``pad_full_seq_to`` with no read, else
-    NeMo-RL's rule after the one read of the lengths (which is also their validation)."""
+def _row_length(input_lengths, groups: list, row_len: int, min_seq_len: int, pad_full_seq_to, options,
+                name: str = "pad_full_seq_to"):
+    """``(T, validate on the device?, T's name for messages)``: ``pad_full_seq_to`` (called ``name``) with no
+    read, else NeMo-RL's rule after the one read of the lengths (which is also their validation)."""
     _checks.row_length("min_seq_len", min_seq_len)
     if pad_full_seq_to is not None:
-        total = fixed_total_arg("pad_full_seq_to", pad_full_seq_to)
+        total = fixed_total_arg(name, pad_full_seq_to)
         if total < min_seq_len:
-            raise PackingError(f"pad_full_seq_to={total} is below min_seq_len={min_seq_len}; the packed rows are at "
-                               f"least min_seq_len long, so pad_full_seq_to must be at least {min_seq_len}")
-        return total, True, "pad_full_seq_to"
+            raise PackingError(f"{name}={total} is below min_seq_len={min_seq_len}; the packed rows are at "
+                               f"least min_seq_len long, so {name} must be at least {min_seq_len}")
+        return total, True, name
     lengths = input_lengths.tolist()  # sync: NeMo-RL's read; T depends on the data without pad_full_seq_to
     lengths_host(lengths, row_len)
     total = max([sum(lengths[a:b]) for a, b in groups] + [min_seq_len])
@@ -226,7 +231,9 @@ def get_flash_attention_kwargs(input_lengths: torch.Tensor, *, max_seqlen: Optio
     """FlashAttention-2's variable-length arguments for sequences of ``input_lengths [B]`` packed back to
     back: ``cu_seqlens_q = [0, cumsum(L)]`` int32 on the lengths' device (``cu_seqlens_k`` an equal
     copy), ``max_seqlen_q = max_seqlen_k``: ``max_seqlen`` when given (any bound of the lengths: no
-    host read), else the longest length after one read, as NeMo-RL (``.max().item()``).
+    host read), else the longest length after one read, as NeMo-RL (``.max().item()``). The boundaries
+    are int32, what flash-attn's varlen kernels take and NeMo-RL's docstring says (its ``cumsum`` of the
+    int64 lengths gives int64: docs/nemo-rl.md, "The AutoModel data path").
 
     Example: ``[2, 3, 1]`` -> cu_seqlens ``[0, 2, 5, 6]``, max_seqlen 3.
     """

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from nn_data import _checks
-from nn_data.groups import ParallelInfo, SINGLE, group_info
+from nn_data.groups import ParallelInfo, SINGLE, given_group_info
 from nn_data.layout import Boundaries, boundary_args, layout_from_boundaries, local_places
 from nn_data.linear_logprob import hidden_logprobs_local
 from nn_data.lm_head import hidden_rows
@@ -63,13 +63,17 @@ def from_parallel_hidden_states_to_logprobs(
     inference_only: bool = False,
     cp_group: Optional["dist.ProcessGroup"] = None,
     chunk_size: Optional[int] = None,
+    *,
+    pg_collection=None,
 ) -> torch.Tensor:
     """Log-probs ``[B, S-1]`` of unpacked rows from hidden states ``[S/C, B, H]``: NeMo-RL's function.
 
     ``out[b, s] = log p(target[b, s+1] | ...)`` with ``p = softmax(hidden @ output_weight_layer.T)``.
     ``target [B, S]`` holds the whole rows (each row's hidden states are its zigzag CP shard);
     ``runtime_gather_output`` is accepted and unused, as in NeMo-RL. ``chunk_size`` positions of every row
-    per chunk (None: 256 tokens). ``inference_only`` computes without autograd.
+    per chunk (None: 256 tokens). ``inference_only`` computes without autograd. ``pg_collection``
+    (nn_data's, keyword-only: megatron-core's ``ProcessGroupCollection``) stands for the groups passed as
+    None: its ``tp`` and ``cp`` (:func:`nn_data.groups.given_group_info`).
 
     Example (V 3, zero weight): ``target [[0, 1, 2]]`` -> ``[[log(1/3), log(1/3)]]``.
 
@@ -78,7 +82,7 @@ def from_parallel_hidden_states_to_logprobs(
     ``[B, S]`` with ``S`` this rank's ``S/C`` (or ``S/(C*TP)``) positions times the split, an odd shard
     of a row under CP, ``chunk_size`` below 1, a group this process is not in.
     """
-    cp, tp = groups(cp_group, tp_group)
+    cp, tp = groups(cp_group, tp_group, pg_collection)
     hidden, weight = tensor_parallel_hidden_states, output_weight_layer
     _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, ROWS_SHAPE)
     chunk = _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp, hidden.shape[1])
@@ -119,6 +123,7 @@ def from_parallel_hidden_states_to_logprobs_packed_sequences(
     target_is_pre_rolled: bool = False,
     *,
     validate: bool = True,
+    pg_collection=None,
 ) -> torch.Tensor:
     """Log-probs ``[B, S-1]`` from this rank's packed hidden states ``[T/C, 1, H]``: the unfused
     ``from_parallel_logits_to_logprobs_packed_sequences`` with the hidden states and the output weight in
@@ -127,12 +132,13 @@ def from_parallel_hidden_states_to_logprobs_packed_sequences(
     Every other argument is the unfused function's, with its meaning and results: ``target`` the packed
     ids ``[1, T]`` (rolled here, within each padded segment) or, pre-rolled, this rank's ``[1, T/C]``;
     ``group`` the TP group, ``cp_group`` the CP group; ``sampling_params`` top-k / top-p (exact, one
-    threshold per token); ``validate=False`` skips the one host read of ``cu_seqlens_padded``.
+    threshold per token); ``validate=False`` skips the one host read of ``cu_seqlens_padded``;
+    ``pg_collection`` stands for the groups passed as None (its ``tp`` and ``cp``).
 
     Raises :class:`~nn_data.errors.PackingError` as :func:`from_parallel_hidden_states_to_logprobs` for the
     hidden states and the weight, and as the unfused function for everything else.
     """
-    cp, tp = groups(cp_group, group)
+    cp, tp = groups(cp_group, group, pg_collection)
     seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     with grad_mode(inference_only):
         packed = packed_hidden_logprobs(
@@ -172,12 +178,13 @@ class ChunkedDistributedHiddenStatesToLogprobs:
     vocab_start_index, vocab_end_index, chunk_size, tp_group, inference_only=False) -> [B, S]``: NeMo-RL's
     autograd function, called as NeMo-RL calls it: ``log softmax(hidden @ weight.T)`` at every position
     for ``target`` (already rolled), over the TP-split vocabulary (hidden states ``[S/TP, B, H]`` with
-    sequence parallelism); a target outside ``[0, V)`` gets 0 and the gradient ``-softmax``. No CP."""
+    sequence parallelism); a target outside ``[0, V)`` gets 0 and the gradient ``-softmax``. No CP.
+    ``pg_collection`` (keyword-only): its ``tp`` stands for ``tp_group=None``."""
 
     @staticmethod
     def apply(tensor_parallel_hidden_states, target, output_weight_layer, vocab_start_index, vocab_end_index,
-              chunk_size, tp_group, inference_only=False):
-        tp = group_info(tp_group, "tensor-parallel group")
+              chunk_size, tp_group, inference_only=False, *, pg_collection=None):
+        tp = given_group_info(tp_group, pg_collection=pg_collection, field="tp")
         hidden, weight = tensor_parallel_hidden_states, output_weight_layer
         _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, "[S, B, H] ([S // TP, B, H] with sequence "
                                                                   "parallelism)")

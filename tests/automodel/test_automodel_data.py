@@ -80,9 +80,17 @@ def test_the_packed_length_is_the_planners_budget():
     assert out.seq_len == 128  # 80 tokens: the 128 bucket, after one read
 
 
-def test_a_microbatch_over_the_packed_length_is_refused():
-    with pytest.raises(RuntimeError, match=r"exceeds pad_full_seq_to=64"):
+def test_a_microbatch_over_the_packed_length_is_refused_naming_the_setting_t_came_from():
+    """The device assert names the setting the caller set: the token budget when T came from it (it named
+    pad_full_seq_to, which this configuration never sets, before), pad_full_seq_to when that is set."""
+    with pytest.raises(RuntimeError, match=r'exceeds cfg\["sequence_packing"\]\["train_mb_tokens"\]=64'):
         automodel_data.process_microbatch(_mb([40, 40], 40), _tokenizer(), True, _cfg(), 1)
+    cfg = _cfg()
+    cfg["sequence_packing"]["logprob_mb_tokens"] = 72
+    with pytest.raises(RuntimeError, match=r'exceeds cfg\["sequence_packing"\]\["logprob_mb_tokens"\]=72'):
+        automodel_data.process_microbatch(_mb([40, 40], 40), _tokenizer(), True, cfg, 1)
+    with pytest.raises(RuntimeError, match=r'exceeds cfg\["nn_data"\]\["pad_full_seq_to"\]=72'):
+        automodel_data.process_microbatch(_mb([40, 40], 40), _tokenizer(), True, _cfg(pad_full_seq_to=72), 1)
 
 
 def test_the_packing_compiles_once_over_a_stream():

@@ -63,3 +63,36 @@ def test_the_iterator_refuses_a_runner_without_packed_seq_params_and_foreign_dat
     other = plan_step_dynamic_cp(LENGTHS[:3], Parallelism(dp=1), tokens_per_rank=TPR)
     with pytest.raises(PackingError, match=r"data holds 8 sequences but the plan was made for 3"):
         get_microbatch_iterator(data, _cfg(), 1, None, dynamic_cp=(runner, other))
+
+
+def test_each_microbatch_is_the_record_process_microbatch_makes_of_its_rows():
+    """NeMo-RL's record: ``cu_seqlens_padded`` and ``PackedSeqParams.cu_seqlens_q`` hold rows + 1
+    boundaries (not ``row_capacity + 1``), ``padding_mask`` is passed on, all as ``process_microbatch``
+    gives them for the microbatch's ``data_dict``; so NeMo-RL's packed log-prob function (nn_data's drop-in
+    of it: no NeMo-RL source here) returns one row per ``data_dict`` row, its reference's values."""
+    from nn_data.nemo_rl.megatron_data import process_microbatch
+    from nn_data.nemo_rl.model_utils import from_parallel_logits_to_logprobs_packed_sequences
+    from nn_data.testing.nemo_reference import reference_packed_logprobs, reference_roll_per_segment
+
+    lengths = [5, 9, 3, 4, 6, 1, 0, 12, 2]
+    data = BatchedDataDict(input_ids=coded_batch(lengths, S), input_lengths=torch.tensor(lengths))
+    plan = plan_step_dynamic_cp(lengths, Parallelism(dp=1), tokens_per_rank=TPR)
+    runner = DynamicCPRunner(dynamic_cp_groups(), tokens_per_rank=TPR, row_capacity=8, make_packed_seq_params=True)
+    iterator, *_ = get_microbatch_iterator(data, _cfg(), 1, None, dynamic_cp=(runner, plan))
+    gen = torch.Generator().manual_seed(0)
+    for mb, (block,) in zip(iterator, plan.rounds):
+        rows = len(block.sequences)
+        want = process_microbatch(mb.data_dict, seq_length_key="input_lengths", pad_full_seq_to=TPR, pack_sequences=True,
+                                  pad_individual_seqs_to_multiple_of=plan.sequence_multiples[1])
+        assert mb.cu_seqlens_padded.shape == (rows + 1,) and torch.equal(mb.cu_seqlens_padded, want.cu_seqlens_padded)
+        for field in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            assert torch.equal(getattr(mb.packed_seq_params, field), getattr(want.packed_seq_params, field)), field
+        assert mb.padding_mask is not None and torch.equal(mb.padding_mask, want.padding_mask)
+        assert torch.equal(mb.input_ids, want.input_ids)
+        logits = torch.randn(1, TPR, 11, generator=gen, dtype=torch.float64)
+        target = mb.input_ids % 11
+        out = from_parallel_logits_to_logprobs_packed_sequences(logits, target, mb.cu_seqlens_padded, S, 0, 11, None)
+        assert out.shape == (rows, S - 1)  # one row per data_dict row (8 = row_capacity before)
+        ref = reference_packed_logprobs(logits, reference_roll_per_segment(target, mb.cu_seqlens_padded),
+                                        mb.cu_seqlens_padded, S)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)

@@ -139,3 +139,28 @@ def test_process_global_batch_errors():
     del data["sample_mask"]
     with pytest.raises(AssertionError, match="sample_mask must be present in the data"):
         process_global_batch(data, object(), None, batch_idx=0, batch_size=3)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_configured_cp_size_the_groups_do_not_have_is_refused_naming_both(packing):
+    """cfg says CP 2, parallel_state was never initialised and no pg_collection= was given: refused when the
+    iterator is made, naming the configured size and the groups' (before: every rank ran unsharded as CP
+    rank 0 of 1)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    data, _ = _data().plan_sequence_packing(16, sequence_length_pad_multiple=4)
+    cfg = _cfg(packing=packing)
+    cfg["megatron_cfg"]["context_parallel_size"] = 2
+    message = (r"^cfg\['megatron_cfg'\]\['context_parallel_size'\]=2 but the context-parallel group has 1 rank "
+               r"\(megatron-core's parallel_state is not initialised and no pg_collection= was given\); initialise "
+               r"parallel_state with context_parallel_size=2, or pass pg_collection=")
+    with pytest.raises(PackingError, match=message):
+        get_microbatch_iterator(data, cfg, 2, None)
+    with pytest.raises(PackingError, match=message):
+        make_processed_microbatch_iterator(iter([]), cfg, None, 1, 1, None, None)
+    with pytest.raises(PackingError, match=r"=2 but the context-parallel group has 1 rank \(pg_collection.cp\)"):
+        get_microbatch_iterator(data, cfg, 2, None, pg_collection=SimpleNamespace(cp=None))
+    with mock.patch("nn_data.nemo_rl.megatron_data.get_context_parallel_world_size", return_value=2), \
+            mock.patch("nn_data.nemo_rl.megatron_data.get_context_parallel_rank", return_value=1):
+        get_microbatch_iterator(data, cfg, 2, None)  # groups of 2 (as parallel_state would say): accepted

@@ -78,3 +78,17 @@ def test_eight_ranks_equal_every_sequence_alone():
     _exact(results)
     assert results[0]["plan_sizes"] == [1, 2, 4, 8]
     assert all(r["syncs"] == 0 and r["sizes"][0] == 8 for r in results), results
+
+
+def test_a_plan_that_does_not_fit_is_refused_on_every_rank():
+    """``row_capacity=1`` on two ranks where only rank 1's block of round 1 holds two sequences: both refuse
+    (before, rank 1 raised and rank 0 built its step, to wait for rank 1 in the round's first collective)."""
+    pool = RankPool(2, megatron=False, timeout_s=300)
+    try:
+        results = pool.run(f"{CASES}:case_plan_refused_everywhere", 2)
+    finally:
+        pool.close()
+    assert [r["raised"] for r in results] == [True, True], results
+    assert results[0]["message"] == results[1]["message"], results
+    assert "round 1's block of ranks 1..1 holds 2 sequences, more than row_capacity=1" in results[0]["message"], results
+

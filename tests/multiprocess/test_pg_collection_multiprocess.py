@@ -41,6 +41,10 @@ def test_tensor_parallel_ops_take_the_collection(rank_pool):
     assert rank_pool.run(CASES + "case_tensor_parallel_ops", cp=None) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+def test_the_linear_ce_functions_take_the_collection(rank_pool):
+    assert rank_pool.run(CASES + "case_linear_ce", cp=None) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
 def test_staged_microbatches_under_context_parallelism(rank_pool):
     assert rank_pool.run(CASES + "case_staging", cp=None) == [0, 1, 0, 1]
 

@@ -161,3 +161,29 @@ def test_bad_arguments_name_the_argument_and_the_valid_values():
     for call, message in cases:
         with pytest.raises(PackingError, match=message):
             call()
+
+
+def test_every_entry_takes_pg_collection_as_the_model_utils_functions_do():
+    """``pg_collection=`` (a stand-in collection whose ``cp`` and ``tp`` are None: not split) gives the
+    results of the groups passed as None; a collection without the group is refused by name, so the
+    collection is read (a ``TypeError`` before: the keyword was missing). Real groups: the multiprocess
+    pg_collection tests."""
+    from types import SimpleNamespace
+
+    hidden, weight, target, _ = _rows_inputs()
+    inp = head_inputs([5, 0, 16, 3], 1, pad_full_seq_to=48)
+    ph, cu = inp.hidden.transpose(0, 1), inp.cu_seqlens_padded
+    rolled = target.roll(-1, dims=-1)
+    calls = {
+        "rows": lambda **kw: ROWS(hidden, weight, None, target, 0, VOCAB, None, **kw),
+        "packed": lambda **kw: PACKED(ph, inp.weight, inp.ids, cu, SEQ_LEN, 0, VOCAB, None, **kw),
+        "apply": lambda **kw: mu.ChunkedDistributedHiddenStatesToLogprobs.apply(hidden, rolled, weight, 0, VOCAB, 2,
+                                                                               None, **kw),
+    }
+    for name, call in calls.items():
+        torch.testing.assert_close(call(pg_collection=SimpleNamespace(cp=None, tp=None)), call(), **TOL,
+                                   msg=lambda m: f"{name}: {m}")
+        with pytest.raises(PackingError, match=r"pg_collection \(SimpleNamespace\) has no 'tp' group"):
+            call(pg_collection=SimpleNamespace(cp=None))
+    with pytest.raises(PackingError, match=r"pg_collection \(SimpleNamespace\) has no 'cp' group"):
+        calls["rows"](pg_collection=SimpleNamespace(tp=None))

@@ -1,19 +1,28 @@
 """Tier: pure CPU, one process.
 
 The 0.1.x names (CHANGELOG.md) keep working: the renamed ones warn and give the new object or the same
-result; the moved modules are the very modules of their new homes.
+result; every path CHANGELOG.md promises (read from its table) and every submodule below an old path
+(walked from nn_data._alias's table in a fresh interpreter, imported by the old name first) is the very
+module of its new home.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from nn_data import layout, planning
 from nn_data.layout import Boundaries, PackSpec, layout_from_boundaries, layout_from_lengths
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _warns(fn, match: str):
@@ -67,14 +76,55 @@ def test_the_group_names_of_megatron_parallel_moved_to_groups(name):
     assert got is getattr(groups, name)
 
 
-@pytest.mark.parametrize("old, new", [("nn_data.megatron_data", "nn_data.nemo_rl.megatron_data"),
-                                      ("nn_data.model_utils", "nn_data.nemo_rl.model_utils"),
-                                      ("nn_data.batched_data_dict", "nn_data.nemo_rl.batched_data_dict"),
-                                      ("nn_data.models.masks", "nn_data.masks")])
-def test_a_moved_module_is_its_new_home(old, new):
+def _promised() -> list:
+    """``(old, home)`` of every row of CHANGELOG.md's table of 0.1.x paths that still work (a row's home
+    is its first code span)."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    table = text[text.index("| 0.1.x path (still works) | home |"):].split("\n\n", 1)[0].splitlines()[2:]
+    rows = [re.findall(r"`([^`]+)`", line) for line in table]
+    assert rows and all(len(r) >= 2 for r in rows), table
+    return [(r[0], r[1]) for r in rows]
+
+
+@pytest.mark.parametrize("old, new", _promised())
+def test_every_path_changelog_promises_is_its_new_home(old, new):
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a module alias does not warn: both paths are published
-        assert importlib.import_module(old) is importlib.import_module(new)
+        warnings.simplefilter("error")  # an alias does not warn: both paths are published
+        if old.rpartition(".")[2][:1].isupper():  # an attribute (a class) of a module that stayed
+            (where, _, name), (home, _, home_name) = old.rpartition("."), new.rpartition(".")
+            assert getattr(importlib.import_module(where), name) is getattr(importlib.import_module(home), home_name)
+        else:
+            assert importlib.import_module(old) is importlib.import_module(new)
+
+
+# A fresh interpreter imports every submodule of every old path by its OLD name first (nothing of it imported
+# yet), then its home, and checks they are one object; then mock.patch on an old path reaches the call.
+_WALK = """
+import importlib, pkgutil, sys
+from unittest import mock
+from nn_data._alias import OLD_PATHS
+pairs = []
+for old, new in sorted(OLD_PATHS.items()):
+    spec = importlib.util.find_spec(new)
+    pairs.append((old, new))
+    for info in pkgutil.walk_packages(spec.submodule_search_locations or [], new + '.'):
+        pairs.append((old + info.name[len(new):], info.name))
+fresh = [old for old, new in pairs if new not in sys.modules]
+for old, new in pairs:
+    assert importlib.import_module(old) is importlib.import_module(new), (old, new)
+with mock.patch('nn_data.megatron_data.dynamic_cp.dynamic_cp_microbatch_iterator', return_value='patched'):
+    from nn_data.nemo_rl.megatron_data import get_microbatch_iterator
+    assert get_microbatch_iterator(None, {}, 1, None, dynamic_cp=(None, None)) == 'patched'
+print(len(pairs), len(fresh))
+"""
+
+
+def test_every_submodule_of_an_old_path_is_its_homes_imported_or_not():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _WALK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    pairs, fresh = map(int, run.stdout.split())
+    assert pairs > 15 and fresh > 0  # the megatron_data package's submodules, some not imported before the walk
 
 
 def test_patching_the_old_path_patches_what_process_microbatch_calls():

@@ -49,12 +49,19 @@ def _imports(path: Path) -> set[str]:
 
 
 MODULES = {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
-# The drop-in's home and the old paths that alias it (nn_data._alias makes each old path the new module).
+# The drop-in's home and the old paths that alias it (nn_data._alias makes each old path the new module):
+# the rows of nn_data._alias.OLD_PATHS (read from its source) that have a file of their own and a home in the drop-in.
 DROP_IN = "nn_data.nemo_rl"
-OLD_PATHS = {"nn_data.megatron_data": "nn_data.nemo_rl.megatron_data", "nn_data.model_utils": "nn_data.nemo_rl.model_utils",
-             "nn_data.batched_data_dict": "nn_data.nemo_rl.batched_data_dict",
-             "nn_data.automodel_data": "nn_data.nemo_rl.automodel_data",
-             "nn_data.huggingface_common": "nn_data.nemo_rl.huggingface_common"}
+
+
+def _alias_table() -> dict:
+    tree = ast.parse((PKG / "_alias.py").read_text())
+    (table,) = [node.value for node in tree.body if isinstance(node, ast.AnnAssign | ast.Assign)
+                and ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target) == "OLD_PATHS"]
+    return ast.literal_eval(table)
+
+
+OLD_PATHS = {old: new for old, new in _alias_table().items() if new.startswith(DROP_IN + ".") and old in MODULES}
 
 
 def _in_drop_in(module: str) -> bool:

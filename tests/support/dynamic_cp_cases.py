@@ -270,3 +270,20 @@ def case_adapter_errors(world: int) -> dict:
             inputs.input_ids, inputs.position_ids, bad)
     messages.append(str(e.value))
     return dict(messages=messages, rope_takes_runtime_group=ROPE_TAKES_RUNTIME_GROUP)
+
+
+def case_plan_refused_everywhere(world: int) -> dict:
+    """A plan one of whose blocks does not fit ``row_capacity=1`` (round 1: rank 0 holds one sequence, rank 1
+    two), built on every rank: each rank refuses it (the plan is the same everywhere), none builds its step
+    and waits in the first round's collective. Returns whether this rank raised, and the message."""
+    from nn_data.errors import PackingError
+
+    lengths = [30, 5, 3, 2]
+    plan = plan_of(lengths)
+    assert [[b.sequences for b in r] for r in plan.rounds] == [[(0,)], [(1,), (2, 3)]], plan.rounds
+    runner = DynamicCPRunner(pool_groups(), tokens_per_rank=TPR, row_capacity=1)
+    try:
+        runner.step(plan, coded_rows(lengths))
+    except PackingError as e:
+        return dict(raised=True, message=str(e))
+    return dict(raised=False, message="")

@@ -168,6 +168,34 @@ def case_tensor_parallel_ops() -> tuple:
     return (cp.rank, tp.rank)
 
 
+def case_linear_ce() -> tuple:
+    """TP 2 x CP 2 from the collection: NeMo-RL's log-probs from hidden states (the rows, the packed entry
+    and ``ChunkedDistributedHiddenStatesToLogprobs.apply``) with ``pg_collection=`` and no group give
+    exactly what they give with the collection's groups passed (those runs: tests/support/lm_head_cases.py)."""
+    from nn_data.nemo_rl import model_utils
+    from tests.support import lm_head_cases as heads
+
+    pgc = groups(tp=2, cp=2)
+    cp, tp = context_parallel_info(pg_collection=pgc), tensor_parallel_info(pg_collection=pgc)
+    inp = heads.head_inputs([5, 0, 16, 3], cp.size, pad_full_seq_to=96, seed=3)
+    hidden, weight = heads.local_parts(inp, cp, tp, sequence_parallel=False)  # [1, T/C, H], [V/TP, H]
+    start, end = tp.rank * weight.shape[0], (tp.rank + 1) * weight.shape[0]
+    packed = model_utils.from_parallel_hidden_states_to_logprobs_packed_sequences
+    args = (hidden.detach().transpose(0, 1), weight.detach(), inp.ids, inp.cu_seqlens_padded, heads.SEQ_LEN, start, end)
+    assert torch.equal(packed(*args, None, pg_collection=pgc), packed(*args, tp.group, cp_group=cp.group))
+    gen = torch.Generator().manual_seed(4)
+    rows_hidden = torch.randn(8 * cp.size, 3, heads.HIDDEN, generator=gen, dtype=torch.float64)  # [S, B, H]
+    target = torch.randint(0, heads.VOCAB, (3, 8 * cp.size), generator=gen)
+    local = model_utils._get_tokens_on_this_cp_rank(rows_hidden, cp.rank, cp.size, seq_dim=0)  # [S/C, B, H]
+    rows = model_utils.from_parallel_hidden_states_to_logprobs
+    assert torch.equal(rows(local, weight.detach(), None, target, start, end, None, pg_collection=pgc),
+                       rows(local, weight.detach(), None, target, start, end, tp.group, cp_group=cp.group))
+    fn = model_utils.ChunkedDistributedHiddenStatesToLogprobs.apply
+    call = (rows_hidden, target, weight.detach(), start, end, 2)
+    assert torch.equal(fn(*call, None, pg_collection=pgc), fn(*call, tp.group))
+    return (cp.rank, tp.rank)
+
+
 class RouterProbe:
     """Forward pre-hooks on every MoE router of ``model``: what each router call was told about padding
     (the ``padding_mask`` megatron-core hands its router, ``[T/C, 1]`` bool, True at padding; None when

@@ -5,16 +5,22 @@ global batch to :func:`dynamic_cp_microbatch_iterator`: ``data`` holds every seq
 (``input_ids [n, S]``; ``plan`` was made from its lengths), each rank iterates its rounds of the plan
 (:class:`nn_data.dynamic_cp.DynamicCPRunner`), and each microbatch's fields are NeMo-RL's:
 ``input_ids`` the block packed ``[1, c * tpr]``, ``input_ids_cp_sharded`` this rank's ``[1, tpr]``,
-``position_ids [1, tpr]``, ``packed_seq_params`` (the round's ``cp_group`` and ``local_cp_size``) and
-``cu_seqlens_padded``; ``data_dict`` is the block's rows of ``data`` (in packing order), moved to the
-device as NeMo-RL moves each microbatch. No host read per microbatch.
+``position_ids [1, tpr]``, ``cu_seqlens_padded [rows + 1]`` and ``packed_seq_params`` over them (the
+round's ``cp_group`` and ``local_cp_size``; rows + 1 boundaries, as ``process_microbatch`` gives, not the
+runner's static ``row_capacity + 1``: NeMo-RL's log-prob functions return one row per boundary pair) and
+``padding_mask`` (this rank's, the round's ``RoundInputs.packed.padding_mask``); ``data_dict`` is the
+block's rows of ``data`` (in packing order), moved to the device as NeMo-RL moves each microbatch. No host
+read per microbatch.
 """
 
 from __future__ import annotations
 
 from typing import Iterator, Tuple
 
+import torch
+
 from nn_data.errors import PackingError
+from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 
 
@@ -45,8 +51,19 @@ def _rounds(step, data, target) -> Iterator[ProcessedMicrobatch]:
     for k in range(len(step)):
         inputs = step.round(k)
         rows = data.select_indices(list(inputs.block.sequences)).to(target)
+        cu_pad = rows_boundaries(inputs.packed.cu_seqlens_padded, len(inputs.block.sequences))
+        total = inputs.block.size * step.plan.tokens_per_rank  # T = c * tpr
+        params = make_packed_seq_params(cu_pad, total, step.plan.tokens_per_rank, total=total, cp_group=inputs.cp_group,
+                                        local_cp_size=inputs.block.size)
         yield ProcessedMicrobatch(data_dict=rows, input_ids=inputs.packed_ids, input_ids_cp_sharded=inputs.input_ids,
-                                  attention_mask=None, position_ids=inputs.position_ids,
-                                  packed_seq_params=inputs.packed.packed_seq_params,
-                                  cu_seqlens_padded=inputs.packed.cu_seqlens_padded)
+                                  attention_mask=None, position_ids=inputs.position_ids, packed_seq_params=params,
+                                  cu_seqlens_padded=cu_pad, padding_mask=inputs.packed.padding_mask)
+
+
+def rows_boundaries(cu_seqlens_padded: torch.Tensor, rows: int) -> torch.Tensor:
+    """NeMo-RL's ``[rows + 1]`` boundaries of a block's ``[Bc + 1]`` (rows past the block's are empty and
+    end at ``T``): a view, sliced by the plan's Python int; ``[T]`` for an empty block, as
+    ``process_microbatch`` gives for no row. Example: ``[0, 5, 16, 16, 16]``, 2 rows -> ``[0, 5, 16]``;
+    0 rows -> ``[16]``."""
+    return cu_seqlens_padded[:rows + 1] if rows else cu_seqlens_padded[-1:]
 

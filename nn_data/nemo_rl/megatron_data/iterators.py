@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
 
-from nn_data.groups import as_process_group, is_group_form
+from nn_data.errors import PackingError
+from nn_data.groups import as_process_group, is_group_form, megatron_state
 from nn_data.nemo_rl.megatron_data.common import public, require
+from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.shared_prefix import check_shared_prefix
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
@@ -65,28 +67,54 @@ def make_processed_microbatch_iterator(
     capacity, ``T`` buckets) are read from ``cfg["nn_data"]`` (:meth:`PackOptions.from_cfg`)
     and passed as ``options=`` only when that section sets one; ``pg_collection`` (megatron-core's
     ``ProcessGroupCollection``: the CP rank and size) is passed only when given.
+
+    Raises :class:`~nn_data.errors.PackingError` (when called, before any microbatch) when
+    ``cfg["megatron_cfg"]["context_parallel_size"]`` is not the size of the CP group the microbatches would
+    be sharded for (``pg_collection.cp``, else ``parallel_state``'s, else 1 when it is not initialised).
     """
+    check_configured_cp(cfg, pg_collection)
     pack_sequences = cfg["sequence_packing"]["enabled"]
     options = PackOptions.from_cfg(cfg)
     extra = {} if options == PackOptions() else {"options": options}
     if pg_collection is not None:
         extra["pg_collection"] = pg_collection
-    target = resolve_device(device, cfg)
+    return _processed(raw_iterator, resolve_device(device, cfg), extra, seq_length_key=seq_length_key,
+                      pad_individual_seqs_to_multiple_of=pad_individual_seqs_to_multiple_of,
+                      pad_packed_seq_to_multiple_of=pad_packed_seq_to_multiple_of, pad_full_seq_to=pad_full_seq_to,
+                      pack_sequences=pack_sequences, delegate_pack_to_model=delegate_pack_to_model,
+                      delegate_mtp_loss_mask_to_model=delegate_mtp_loss_mask_to_model,
+                      model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
+                      straggler_timer=straggler_timer)
+
+
+def check_configured_cp(cfg: dict[str, Any], pg_collection=None) -> None:
+    """``cfg["megatron_cfg"]["context_parallel_size"]`` (when the config has it) must be the CP size the
+    layer shards for: ``pg_collection.cp``'s, else megatron-core's ``parallel_state``'s (1 when it is not
+    initialised). A configuration of CP 2 with neither would run every rank unsharded as CP rank 0 of 1."""
+    configured = ((cfg or {}).get("megatron_cfg") or {}).get("context_parallel_size")
+    if configured is None:
+        return
+    size = cp_rank_and_size(pg_collection)[1]
+    if int(configured) == size:
+        return
+    if pg_collection is not None:
+        source = "pg_collection.cp"
+    elif megatron_state() is not None:
+        source = "megatron-core's parallel_state"
+    else:
+        source = "megatron-core's parallel_state is not initialised and no pg_collection= was given"
+    raise PackingError(f"cfg['megatron_cfg']['context_parallel_size']={configured} but the context-parallel group "
+                       f"has {size} rank{'s' if size != 1 else ''} ({source}); initialise parallel_state with "
+                       f"context_parallel_size={configured}, or pass pg_collection= (the model's groups), or set "
+                       f"context_parallel_size={size}")
+
+
+def _processed(raw_iterator, target, extra: dict, **kwargs) -> Iterator[ProcessedMicrobatch]:
+    """:func:`make_processed_microbatch_iterator`'s microbatches: each raw one moved to ``target`` and
+    processed by ``process_microbatch`` (the name the package binds now) with ``kwargs`` and ``extra``."""
     for data_dict in raw_iterator:
         data_dict = data_dict.to(target)
-        inputs = public("process_microbatch")(
-            data_dict=data_dict,
-            seq_length_key=seq_length_key,
-            pad_individual_seqs_to_multiple_of=pad_individual_seqs_to_multiple_of,
-            pad_packed_seq_to_multiple_of=pad_packed_seq_to_multiple_of,
-            pad_full_seq_to=pad_full_seq_to,
-            pack_sequences=pack_sequences,
-            delegate_pack_to_model=delegate_pack_to_model,
-            delegate_mtp_loss_mask_to_model=delegate_mtp_loss_mask_to_model,
-            model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
-            straggler_timer=straggler_timer,
-            **extra,
-        )
+        inputs = public("process_microbatch")(data_dict=data_dict, **kwargs, **extra)
         fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
         yield ProcessedMicrobatch(data_dict=data_dict, **fields)
 
