@@ -4,7 +4,7 @@ prompt's followed by its own, gathered into one static-size buffer.
 
 Shape legend
     B   rollouts; the shared-prefix row has 2B slots (slot 2b: rollout b's prompt, empty unless b
-        leads its group; slot 2b+1: its response), :mod:`nn_data.layout.shared_prefix`
+        leads its group; slot 2b+1: its response), :mod:`nn_data.layout.prefix_layout`
     T   packed tokens (queries)
     K   the key/value buffer's length, ``kv_capacity`` (a Python int)
     N   sequences handed to the kernel: ``2B + 1`` (the 2B slots and one slack sequence)

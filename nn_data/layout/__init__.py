@@ -38,7 +38,7 @@ from nn_data.layout.index import (
 from nn_data.layout.op import RankOp, op_layout
 from nn_data.layout.pack_layout import Fill, HostBounds, PackLayout, pack_with_layout
 from nn_data.layout.rules import INT32_MAX, bucket_total, round_up, segment_bounds
-from nn_data.layout.shared_prefix import SharedPrefixLayout, shared_prefix_layout
+from nn_data.layout.prefix_layout import SharedPrefixLayout, shared_prefix_layout
 from nn_data.layout._deprecated import __getattr__  # noqa: F401  (the 0.1.x names, with a warning)
 
 __all__ = [

@@ -50,7 +50,7 @@ def _imports(path: Path) -> set[str]:
 
 MODULES = {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
 # The drop-in's home and the old paths that alias it (nn_data._alias makes each old path the new module):
-# the rows of nn_data._alias.OLD_PATHS (read from its source) that have a file of their own and a home in the drop-in.
+# the rows of nn_data._alias.OLD_PATHS (read from its source) whose home is in the drop-in.
 DROP_IN = "nn_data.nemo_rl"
 
 
@@ -61,7 +61,8 @@ def _alias_table() -> dict:
     return ast.literal_eval(table)
 
 
-OLD_PATHS = {old: new for old, new in _alias_table().items() if new.startswith(DROP_IN + ".") and old in MODULES}
+ALIASES = _alias_table()
+OLD_PATHS = {old: new for old, new in ALIASES.items() if new.startswith(DROP_IN + ".")}
 
 
 def _in_drop_in(module: str) -> bool:
@@ -200,7 +201,7 @@ def test_the_alignment_rule_has_one_home():
     nn_data.planning.alignment; the compat layer, PackedForward and the planner ask Parallelism."""
     homes = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if "minimum_pad_factor" in p.read_text())
     assert homes == ["nn_data/planning/alignment.py"]
-    for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/pack.py"):
+    for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/pack_helpers.py"):
         assert "Parallelism" in (ROOT / path).read_text(), path
 
 
@@ -311,17 +312,28 @@ def test_the_device_executors_building_blocks_import_only_the_rules():
                 and not i.startswith("nn_data.errors.")]
 
 
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
-def test_an_old_path_is_a_thin_alias_of_the_drop_in(old):
-    """Each old path holds nothing but the alias, and imports as the very module of the new home."""
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_an_old_path_has_no_file_and_imports_as_its_home(old):
+    """Each old path is a row of nn_data._alias's table alone (no file of its own to drift), and imports as
+    the very module of its home (tests/ops/test_old_names.py walks every submodule below one)."""
     import importlib
 
+    from nn_data._alias import home_of
+
     path = PKG / Path(*old.split(".")[1:])
-    source = (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
-    body = ast.parse(source).body
-    code = [ast.unparse(node) for node in body[1:]]  # after the docstring
-    assert isinstance(body[0], ast.Expr) and code == ["from nn_data._alias import alias_module", f"alias_module(__name__, '{OLD_PATHS[old]}')"]
-    assert importlib.import_module(old) is importlib.import_module(OLD_PATHS[old])
+    assert old not in MODULES and not path.with_suffix(".py").exists() and not path.is_dir(), old
+    assert home_of(old) in MODULES
+    assert importlib.import_module(old) is importlib.import_module(home_of(old))
+
+
+def test_no_module_basename_means_two_things():
+    """One name per module: ``find nn_data -name '*.py' | xargs -n1 basename | sort | uniq -d`` prints
+    only ``__init__.py`` (nn_data/sampling.py and nn_data/nemo_rl/sampling.py excepted until the log-prob
+    code has its one home)."""
+    from collections import Counter
+
+    counts = Counter(p.name for p in PKG.rglob("*.py"))
+    assert {n for n, k in counts.items() if k > 1} <= {"__init__.py", "sampling.py"}
 
 
 def test_process_groups_have_a_home_of_their_own():

@@ -148,10 +148,10 @@ def get_microbatch_iterator(
     does ``pg_collection`` (nn_data's keyword: the CP rank and size from megatron-core's
     ``ProcessGroupCollection`` instead of ``parallel_state``). ``dynamic_cp=(runner, plan)`` (nn_data's
     keyword): one microbatch per round of a dynamic-CP plan over ``data``
-    (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp`).
+    (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp_iterator`).
     """
     if dynamic_cp is not None:
-        from nn_data.nemo_rl.megatron_data.dynamic_cp import dynamic_cp_microbatch_iterator
+        from nn_data.nemo_rl.megatron_data.dynamic_cp_iterator import dynamic_cp_microbatch_iterator
 
         return dynamic_cp_microbatch_iterator(data, cfg, *dynamic_cp, device=resolve_device(device, cfg))
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
