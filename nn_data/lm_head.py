@@ -29,7 +29,8 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import context_parallel_info, group_info, tensor_parallel_info
-from nn_data.layout import PackLayout, ZigzagLocal
+from nn_data.layout import PackLayout
+from nn_data.layout.internal import ZigzagLocal
 from nn_data.linear_logprob import hidden_logprobs_local
 from nn_data.logprobs import logprob_layout, resolve_seq_len, rows_from_local, targets_on_rank
 from nn_data.sampling import sampling_filter

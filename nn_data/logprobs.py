@@ -25,9 +25,9 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.groups import given_group_info
 from nn_data.sampling import row_thresholds, vocab_parallel_thresholds
-from nn_data.layout import (
-    Boundaries, PackLayout, ZigzagLocal, boundary_args, layout_from_boundaries, op_layout, packed_segments, reads_host,
-    target_ids, target_ids_device, target_ids_host,
+from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries, op_layout
+from nn_data.layout.internal import (
+    ZigzagLocal, boundary_args, packed_segments, reads_host, target_ids, target_ids_device, target_ids_host
 )
 from nn_data.targets import next_token_at
 

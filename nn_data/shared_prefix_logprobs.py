@@ -32,7 +32,8 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import all_gather_rows
 from nn_data.groups import given_group_info
-from nn_data.layout import SharedPrefixLayout, packed_segments, take_layout, target_ids, target_ids_device
+from nn_data.layout import SharedPrefixLayout
+from nn_data.layout.internal import packed_segments, take_layout, target_ids, target_ids_device
 from nn_data.linear_logprob import hidden_logprobs_local
 from nn_data.lm_head import HIDDEN_SHAPE, hidden_rows
 from nn_data.logprobs import check_full_ids, targets_on_rank, token_logprobs_local

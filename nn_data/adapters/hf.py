@@ -45,7 +45,7 @@ from torch import nn
 
 from nn_data.adapters import hf_layers, hf_mixers
 from nn_data.errors import PackingError
-from nn_data.layout import segment_bounds
+from nn_data.layout.internal import segment_bounds
 from nn_data.masks import DocumentMask, document_attention, document_mask
 
 #: The name nn_data's attention function is registered under (``transformers.AttentionInterface``).

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from nn_data.errors import PackingError
-from nn_data.layout import exclusive_cumsum, segment_bounds, segment_ids
+from nn_data.layout.internal import exclusive_cumsum, segment_bounds, segment_ids
 
 
 class SharedPrefixKV(NamedTuple):

@@ -37,7 +37,7 @@ from torch import nn
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.dynamic_cp.block_groups import DynamicCPGroups
 from nn_data.errors import PackingError
-from nn_data.layout import packed_segments
+from nn_data.layout.internal import packed_segments
 from nn_data.pack import PackSequences, PackShard
 from nn_data.packed_forward import PackedInfo
 from nn_data.rows import with_dynamic_row_length

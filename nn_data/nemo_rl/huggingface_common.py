@@ -37,9 +37,9 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.layout import (
-    PackSpec, bucket_total, exclusive_cumsum, fixed_total_arg, layout_from_lengths, lengths_host, natural_total_host,
-    segment_ids, total_limit_host,
+from nn_data.layout import PackSpec, layout_from_lengths
+from nn_data.layout.internal import (
+    bucket_total, exclusive_cumsum, fixed_total_arg, lengths_host, natural_total_host, segment_ids, total_limit_host
 )
 from nn_data.rows import pad_rows, with_dynamic_row_length
 from nn_data.unpack import unpack_sequences

@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from nn_data import _checks
 from nn_data.groups import ParallelInfo, SINGLE, given_group_info
-from nn_data.layout import Boundaries, boundary_args, layout_from_boundaries, local_places
+from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.layout.internal import boundary_args, local_places
 from nn_data.linear_logprob import hidden_logprobs_local
 from nn_data.lm_head import hidden_rows
 from nn_data.nemo_rl.logprob_steps import (

@@ -18,7 +18,7 @@ import torch
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout import Segments, local_places, segment_bounds
+from nn_data.layout.internal import Segments, local_places, segment_bounds
 from nn_data.sampling import sampling_filter
 from nn_data.targets import next_token_at
 from nn_data.unpack import unpack_sequences

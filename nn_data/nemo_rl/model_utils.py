@@ -42,9 +42,8 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
 from nn_data.logprobs import token_logprobs_local
 from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout import (
-    Boundaries, boundary_args, layout_from_boundaries, local_places, sequence_divisible, zigzag_source,
-)
+from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.layout.internal import boundary_args, local_places, sequence_divisible, zigzag_source
 from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs from hidden states), with CP
     ChunkedDistributedHiddenStatesToLogprobs,
     from_parallel_hidden_states_to_logprobs,

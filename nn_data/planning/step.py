@@ -31,7 +31,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from nn_data.layout import INT32_MAX, round_up
+from nn_data.layout import round_up
+from nn_data.layout.internal import INT32_MAX
 from nn_data.errors import PackingError
 from nn_data.planning.alignment import Parallelism
 from nn_data.planning.balance import bins_to_ranks, greedy_assignment, refine, spread

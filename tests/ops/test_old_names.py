@@ -135,3 +135,12 @@ def test_patching_the_old_path_patches_what_process_microbatch_calls():
 
     with mock.patch("nn_data.megatron_data.get_context_parallel_world_size", return_value=7):
         assert new.get_context_parallel_world_size() == 7 and old.get_context_parallel_world_size() == 7
+
+
+@pytest.mark.parametrize("name", ["packed_segments", "segment_bounds", "take_layout", "INT32_MAX", "ZigzagLocal"])
+def test_a_name_that_moved_to_the_internal_door_still_works_and_warns(name):
+    from nn_data.layout import internal
+
+    assert name not in layout.__all__
+    got = _warns(lambda: getattr(layout, name), rf"nn_data.layout.{name} is for nn_data's own use")
+    assert got is getattr(internal, name)

@@ -137,34 +137,44 @@ def test_nothing_edits_sys_path_or_cites_files_outside_the_repository():
 
 
 PLANNING = sorted(m for m in MODULES if m == "nn_data.planning" or m.startswith("nn_data.planning."))
-PLANNING_NAMES = {"nn_data.layout", "nn_data.layout.round_up", "nn_data.layout.INT32_MAX",
-                  "nn_data.layout.fixed_total_arg", "nn_data.errors", "nn_data.errors.PackingError"}
+PLANNING_NAMES = {"nn_data.layout", "nn_data.layout.round_up", "nn_data.layout.internal",
+                  "nn_data.layout.internal.INT32_MAX", "nn_data.layout.internal.fixed_total_arg", "nn_data.errors",
+                  "nn_data.errors.PackingError"}
 
 
 @pytest.mark.parametrize("module", PLANNING)
 def test_the_step_planner_is_host_code_on_the_layout_rules_alone(module):
     """nn_data.planning plans on the host: within nn_data it uses the layout's rounding, int32 limit and
-    fixed-length check (through nn_data.layout's door) and the error class, nothing of the ops, the
+    fixed-length check (through nn_data.layout's doors) and the error class, nothing of the ops, the
     NeMo-RL drop-in or megatron-core."""
     inner = {i for i in MODULES[module] if i.startswith("nn_data") and not i.startswith("nn_data.planning")}
     assert inner <= PLANNING_NAMES, inner - PLANNING_NAMES
     assert not [i for i in MODULES[module] if i == "megatron" or i.startswith("megatron.")]
 
 
+INTERNAL_DOOR = "nn_data.layout.internal"
+
+
 def _layout_submodule_imports(path: Path) -> list:
-    """``nn_data.layout.<submodule>`` imports of a file (``from nn_data.layout import X`` names a door
-    export, not a submodule, unless X is one)."""
-    submodules = {p.stem for p in (PKG / "layout").glob("*.py") if p.stem != "__init__"}
+    """``nn_data.layout.<submodule>`` imports of a file other than the internal door (``from nn_data.layout
+    import X`` names a door export, not a submodule, unless X is one)."""
+    submodules = {p.stem for p in (PKG / "layout").glob("*.py") if p.stem not in ("__init__", "internal")}
     bad = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.startswith("nn_data.layout."):
+            if node.module.startswith("nn_data.layout.") and node.module != INTERNAL_DOOR:
                 bad.append(node.module)
             elif node.module == "nn_data.layout":
                 bad += [f"nn_data.layout.{a.name}" for a in node.names if a.name in submodules]
         elif isinstance(node, ast.Import):
-            bad += [a.name for a in node.names if a.name.startswith("nn_data.layout.")]
+            bad += [a.name for a in node.names if a.name.startswith("nn_data.layout.") and a.name != INTERNAL_DOOR]
     return bad
+
+
+def _names_from(path: Path, module: str) -> set:
+    """The names a file imports ``from module``."""
+    return {a.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module == module and node.level == 0 for a in node.names}
 
 
 OUTSIDE_THE_LAYOUT = sorted(p for folder in ("nn_data", "profiling", "scripts") for p in (ROOT / folder).rglob("*.py")
@@ -172,10 +182,32 @@ OUTSIDE_THE_LAYOUT = sorted(p for folder in ("nn_data", "profiling", "scripts") 
 
 
 @pytest.mark.parametrize("path", OUTSIDE_THE_LAYOUT, ids=lambda p: str(p.relative_to(ROOT)))
-def test_code_outside_the_layout_enters_it_by_its_one_door(path):
-    """Package, profiling and script code imports ``nn_data.layout`` (its ``__all__``), never a submodule
-    of it; the layout's own tests (tests/ops) may look inside."""
+def test_code_outside_the_layout_enters_it_by_its_two_doors(path):
+    """Package, profiling and script code imports ``nn_data.layout`` (the user's door, its ``__all__``) or
+    ``nn_data.layout.internal`` (the package's own door, its ``__all__``), never another submodule; the
+    layout's own tests (tests/ops) may look inside."""
+    import nn_data.layout
+    import nn_data.layout.internal
+
     assert not _layout_submodule_imports(path)
+    assert _names_from(path, "nn_data.layout") <= set(nn_data.layout.__all__)
+    assert _names_from(path, INTERNAL_DOOR) <= set(nn_data.layout.internal.__all__)
+
+
+def test_the_users_door_is_narrow_and_the_internal_door_holds_no_dead_name():
+    """``nn_data.layout.__all__``: at most 16 names, each taught to users (README.md or a docs page other
+    than the design map names it), none also in the internal door; every name of the internal door has an
+    importer in nn_data, profiling or scripts (a name nothing imports is deleted, not kept)."""
+    import nn_data.layout
+    import nn_data.layout.internal
+
+    user, internal = set(nn_data.layout.__all__), set(nn_data.layout.internal.__all__)
+    assert len(user) <= 16 and not user & internal, (len(user), user & internal)
+    taught = (ROOT / "README.md").read_text() + "".join(
+        p.read_text() for p in (ROOT / "docs").glob("*.md") if p.name != "design.md")
+    assert not [n for n in user if not re.search(rf"\b{n}\b", taught)], "not taught to users"
+    imported = set().union(*(_names_from(p, INTERNAL_DOOR) for p in OUTSIDE_THE_LAYOUT))
+    assert internal <= imported, sorted(internal - imported)
 
 
 def test_the_zigzag_shard_is_stated_once():

@@ -32,9 +32,9 @@ import torch
 from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.groups import as_process_group, given_group_info, is_group_form
-from nn_data.layout import (
-    Boundaries, fixed_total_arg, layout_from_boundaries, local_places, packed_segments, padding_at, segment_bounds,
-    total_divisible, zigzag_source,
+from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.layout.internal import (
+    fixed_total_arg, local_places, packed_segments, padding_at, segment_bounds, total_divisible, zigzag_source
 )
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.common import patched, public
