@@ -18,7 +18,7 @@ from nn_data.layout.checks import (
 )
 from nn_data.layout.device import set_pack_form
 from nn_data.layout.index import (
-    SegmentRows, Segments, ZigzagLocal, exclusive_cumsum, local_places, packed_segments, padding_at, segment_ids,
+    SegmentRows, Segments, ZigzagLocal, exclusive_cumsum, local_places, packed_segments, segment_ids,
     segment_rows, zigzag_source,
 )
 from nn_data.layout.rules import INT32_MAX, bucket_total, segment_bounds
@@ -39,7 +39,6 @@ __all__ = [
     "packed_segments",
     "packed_tensor_length",
     "padded_rows",
-    "padding_at",
     "reads_host",
     "segment_bounds",
     "segment_ids",
