@@ -245,3 +245,11 @@ def get_flash_attention_kwargs(input_lengths: torch.Tensor, *, max_seqlen: Optio
         longest = _checks.row_length("max_seqlen", max_seqlen)
     return FlashAttentionKwargs(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens.clone(), max_seqlen_q=longest,
                                 max_seqlen_k=longest)
+
+__all__ = [
+    "FlashAttentionKwargs",
+    "get_flash_attention_kwargs",
+    "pack_row",
+    "pack_sequences",
+    "unpack_tensor",
+]
