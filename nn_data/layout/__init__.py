@@ -16,7 +16,7 @@ entry point of nn_data packs, shards, unshards and unpacks through it:
   prompt packed once, then its responses: a :class:`PackLayout` over two slots per rollout;
 * :func:`round_up`, the rounding rule (``rules``: every layout rule, written once for Python ints and
   tensors); their checks (``checks``, one wording each), the device executor's index maps (``index``),
-  the executors (``host``, ``device``; which one runs is ``pack_layout.on_host``) and the rest of what
+  the executors (``host``, ``device``; which one runs is ``pack_layout.executor``) and the rest of what
   nn_data's own code uses: :mod:`nn_data.layout.internal`.
 
 Names that moved to the internal door still work from here and warn; old names (0.1.x) too: ``LayoutSpec`` (:class:`PackSpec`), ``plan_from_lengths``

@@ -376,3 +376,29 @@ def test_process_groups_have_a_home_of_their_own():
     text = (PKG / "megatron_parallel.py").read_text()
     assert "def group_info" not in text and "def context_parallel_info" not in text
     assert not [m for m, imps in MODULES.items() if "nn_data.megatron_parallel.group_info" in imps]
+
+
+EXECUTOR_OPS = ("pack", "shard", "unshard", "unpack")
+
+
+def test_one_executor_protocol_chosen_in_one_place():
+    """Every executor function (``layout/host.py``, ``layout/device.py``) takes ``(layout, tensor, ...)``;
+    ``pack_layout.executor`` alone picks between them (the shared-prefix layout's rollout maps always
+    gather on the device: ``device.pack`` is its one form, no choice)."""
+    import inspect
+
+    from nn_data.layout import device, host
+
+    for module in (host, device):
+        for op in EXECUTOR_OPS:
+            params = list(inspect.signature(getattr(module, op)).parameters)
+            assert params[0] == "layout" and params[1] in ("x", "packed", "shards"), (module.__name__, op, params)
+    callers = {}
+    for path in PKG.rglob("*.py"):
+        text = _code_only(path.read_text())
+        for module in ("host", "device"):
+            if re.search(rf"\b{module}\.({'|'.join(EXECUTOR_OPS)})\(", text):
+                callers.setdefault(str(path.relative_to(ROOT)), set()).add(module)
+    assert callers == {"nn_data/layout/prefix_layout.py": {"device"}}, callers
+    text = _code_only((PKG / "layout" / "pack_layout.py").read_text())
+    assert text.count("executor(self, ") == len(EXECUTOR_OPS)  # each PackLayout method asks it
