@@ -24,7 +24,7 @@ boundary rows' gradient through one ``[T/C, Vt]`` buffer (the index gather's); t
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn

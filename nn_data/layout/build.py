@@ -296,8 +296,7 @@ def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len
     if cp_size > 1:
         checks.boundaries_device(op, layout.cu_seqlens_padded, total, cp_size)
     if seq_len is not None:
-        _checks.device_assert((layout.lengths() <= seq_len).all(),
-                              f"nn_data.{op}: seq_lengths must be in [0, seq_len] (the row length S of the output)")
+        checks.row_length_device(op, layout.lengths(), seq_len)
     return layout
 
 

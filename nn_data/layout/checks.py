@@ -287,8 +287,7 @@ def fit_device(op: str, lengths: torch.Tensor, segments: torch.Tensor, seq_len=N
     ok = ((lengths >= 0) & (lengths <= segments)).all()
     _checks.device_assert(ok, f"nn_data.{op}: each sequence must fit its padded segment")
     if seq_len is not None:
-        _checks.device_assert((lengths <= seq_len).all(),
-                              f"nn_data.{op}: seq_lengths must be in [0, seq_len] (the row length S of the output)")
+        row_length_device(op, lengths, seq_len)
 
 
 def target_ids(ids: torch.Tensor, bounds: torch.Tensor, lengths: torch.Tensor, total, vocab: int) -> torch.Tensor:

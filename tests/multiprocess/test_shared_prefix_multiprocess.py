@@ -3,7 +3,7 @@
 A shared-prefix microbatch's rollout log-probs under megatron-core's ``parallel_state`` on 4 ranks:
 CP 2 (two CP groups side by side), TP 2, TP 2 x CP 2, CP 4. From packed logits and from hidden states
 + the output weight, every rank's rows equal each rollout run alone and its gradients are its part of
-the single-process ones (float64, 1e-10); no host sync and one CP all-gather per call. Cases:
+the single-process ones (float64, 1e-10); from logits, no host sync and one CP all-gather per call. Cases:
 ``tests/support/shared_prefix_cases.py``.
 """
 

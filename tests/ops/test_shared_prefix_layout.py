@@ -197,6 +197,10 @@ def test_unpack_refuses_rows_shorter_than_a_rollout():
     sp = _build([4, 3], [1, 1], [0, 1])
     with pytest.raises(PackingError, match=r"seq_lengths\[0\] = 4 is outside \[0, seq_len=3\]"):
         sp.unpack(torch.zeros(1, 32), seq_len=3)
+    on_device = _build([4, 3], [1, 1], [0, 1], host_reads=False)
+    with pytest.raises(RuntimeError, match=r"SharedPrefixLayout.unpack: seq_lengths must be in \[0, seq_len\]"):
+        on_device.unpack(torch.zeros(1, 32), seq_len=3)
+    assert on_device.unpack(torch.zeros(1, 32), seq_len=5).shape == (2, 5)
 
 
 # ---- the masks -----------------------------------------------------------------------------------
