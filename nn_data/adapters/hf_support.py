@@ -224,7 +224,8 @@ def call_window(module: nn.Module, kwargs: dict) -> Optional[int]:
 
 def check_call(module: nn.Module, attention_mask, kwargs: dict) -> None:
     """The attention call's keywords and mask are within the lists (see the module docstring); reads
-    only Python-level metadata (no device value), so it runs on every call, compiled or not."""
+    only Python-level metadata (no device value), on every call (the mask's strides in eager calls:
+    a traced view does not keep them)."""
     for name, what in UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise PackingError(f"{_where(module)}: {name}={_describe(kwargs[name])}: nn_data's packed attention "
@@ -238,7 +239,7 @@ def check_call(module: nn.Module, attention_mask, kwargs: dict) -> None:
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise PackingError(f"{_where(module)}: attention is not causal (is_causal=False), and nn_data's document "
                            "mask is; run this model unpacked")
-    if attention_mask is not None and not _is_placeholder(attention_mask):
+    if attention_mask is not None and not torch.compiler.is_compiling() and not _is_placeholder(attention_mask):
         raise PackingError(f"{_where(module)} attends with its own attention mask ({_describe(attention_mask)}, "
                            f"{attention_mask.dtype}) instead of the adapter's: a mask the model computes from its "
                            "inputs (a dynamic mask) is not nn_data's document mask; run this model unpacked")
