@@ -124,11 +124,14 @@ class HFCausalLMAdapter(nn.Module):
 
     Raises :class:`PackingError` when built for a model that is not a transformers model, whose
     layers nn_data cannot keep packed sequences apart in (naming the model type, the layer and what to
-    install, or that nothing would), or ``mixers="kernels"`` without the kernels; on a call in training
+    install, or that nothing would), or whose attention is outside the list of what the adapter keeps
+    exact (:mod:`nn_data.adapters.hf_support`: non-causal, ALiBi, batch-dependent rotary types,
+    several windows, ...), or ``mixers="kernels"`` without the kernels; on a call in training
     with transformers' gradient checkpointing enabled (its recomputation runs after the call, outside
     nn_data's attention and per-sequence rows); on the first call,
     when an attention layer does not go through transformers' attention interface or attends with
-    features the packed attention does not support.
+    keywords, features or a mask of its own outside that list. A microbatch with no token returns
+    ``[1, 0, V]`` without calling the model.
 
     Example::
 

@@ -191,7 +191,8 @@ def _longrope_switches(config) -> bool:
 def _check_positions(model: nn.Module, model_type: str) -> None:
     """Learned position embeddings with a padding index count from it, not from the position ids' 0."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) and "position" in name.rsplit(".", 1)[-1] and module.padding_idx is not None:
+        positional = "position" in name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and positional and module.padding_idx is not None:
             raise _refuse(model_type, name, f"learned positions with padding_idx={module.padding_idx}: the model "
                           "numbers a sequence's positions from it, not from 0 as the packed position ids do",
                           "run it unpacked")

@@ -21,7 +21,7 @@ from nn_data.masks import document_mask
 from nn_data.models.hf_families import build, find
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data.packed_forward import PackedForward
-from nn_data.testing.hf_matrix import TOLERANCE, compare
+from nn_data.models.hf_matrix import TOLERANCE, compare
 
 EXACT_TOL = TOLERANCE[torch.float32]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from nn_data.testing.hf_matrix import CP_FAMILIES
+from nn_data.models.hf_matrix import CP_FAMILIES
 from tests.support.cp_harness import RankPool
 from tests.support.megatron_release import needs_megatron_models
 

@@ -176,7 +176,8 @@ def table(results) -> str:
 
 
 def run_all(dtype: torch.dtype = torch.float32, names=None) -> list:
-    """:func:`run_family` on every family (or those of ``names``), in :func:`~nn_data.models.hf_families.families` order."""
+    """:func:`run_family` on every family (or those of ``names``), in the order of
+    :func:`~nn_data.models.hf_families.families`."""
     import gc
 
     from nn_data.models.hf_families import families
