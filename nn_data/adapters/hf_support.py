@@ -225,8 +225,7 @@ def call_window(module: nn.Module, kwargs: dict) -> Optional[int]:
 
 def check_call(module: nn.Module, attention_mask, kwargs: dict) -> None:
     """The attention call's keywords and mask are within the lists (see the module docstring); reads
-    only Python-level metadata (no device value), on every call (the mask's strides in eager calls:
-    a traced view does not keep them)."""
+    only Python-level metadata (no device value), on every call, compiled or not."""
     for name, what in UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise PackingError(f"{_where(module)}: {name}={_describe(kwargs[name])}: nn_data's packed attention "
@@ -240,15 +239,18 @@ def check_call(module: nn.Module, attention_mask, kwargs: dict) -> None:
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise PackingError(f"{_where(module)}: attention is not causal (is_causal=False), and nn_data's document "
                            "mask is; run this model unpacked")
-    if attention_mask is not None and not torch.compiler.is_compiling() and not _is_placeholder(attention_mask):
+    if attention_mask is not None and not _is_placeholder(attention_mask):
         raise PackingError(f"{_where(module)} attends with its own attention mask ({_describe(attention_mask)}, "
                            f"{attention_mask.dtype}) instead of the adapter's: a mask the model computes from its "
                            "inputs (a dynamic mask) is not nn_data's document mask; run this model unpacked")
 
 
 def _is_placeholder(mask) -> bool:
-    """The adapter's 4-D placeholder, or a view of it: a broadcast bool (every stride 0)."""
-    return isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and all(s == 0 for s in mask.stride())
+    """The adapter's 4-D placeholder, or a view of it: a broadcast bool (every stride 0; while compiling,
+    where a traced view does not keep its strides, a bool: a model's own mask is an additive float one)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return False
+    return torch.compiler.is_compiling() or all(s == 0 for s in mask.stride())
 
 
 def _describe(value) -> str:

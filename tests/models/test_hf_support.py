@@ -67,6 +67,16 @@ def test_what_shapes_attention_outside_the_lists_is_refused_by_name(name, layer,
     assert re.search(layer, message), message
 
 
+def test_a_model_made_mask_is_refused_under_torch_compile_too():
+    """Compiled from its first call (no eager check call): dynamo raises the refusal as its own error."""
+    model = build(find("doge:dynamic_mask"))
+    compiled = torch.compile(HFCausalLMAdapter(model), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"DogeAttention\) attends with its own attention mask"):
+        PackedForward(compiled, pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=16)(
+            torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 0, 0]]), torch.tensor([5, 3]))
+    torch._dynamo.reset()
+
+
 def test_a_module_marked_not_causal_is_refused_when_built():
     model = tiny_hf_model("llama")
     model.model.layers[1].self_attn.is_causal = False
