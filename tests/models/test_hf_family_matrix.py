@@ -72,3 +72,14 @@ def test_bfloat16_on_the_representative_set(name):
     with _quiet():
         result = run_family(find(name), dtype=torch.bfloat16)
     assert result.status == "exact", result
+
+
+def test_the_matrix_would_see_a_silent_mix(monkeypatch):
+    """The matrix can fail: with the layer's own window ignored (the call's only, as before issue 34), Qwen2-MoE
+    with a window known only from its config ends MIXED, not exact."""
+    from nn_data.adapters import hf_support
+
+    monkeypatch.setattr(hf_support, "call_window", lambda module, kwargs: kwargs.get("sliding_window"))
+    with _quiet():
+        result = run_family(find("qwen2_moe:sliding"))
+    assert result.status == "MIXED" and result.out > 1e-3, result
