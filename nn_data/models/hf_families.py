@@ -57,7 +57,7 @@ class Unbuilt(Exception):
 
 #: Configurations of one family that change how attention is shaped, each once in the matrix.
 VARIANTS = {
-    "qwen2_moe:sliding": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen2_moe:sliding": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
     "phimoe:sliding": ("phimoe", dict(sliding_window=WINDOW)),
     "doge:dynamic_mask": ("doge", dict(keep_window_size=WINDOW)),
     "llama:rope_dynamic": ("llama", dict(max_position_embeddings=8,
