@@ -117,12 +117,12 @@ def build(family: Family, *, dtype: torch.dtype = torch.float32, seed: int = 0):
 
     config = tiny_config(family)
     model_cls = getattr(transformers, family.model_class)
-    try:
-        with torch.device("meta"):
-            params = sum(p.numel() for p in model_cls(config).parameters())
-    except Exception as e:  # noqa: BLE001
-        raise Unbuilt(f"does not build: {_first_line(e)}") from None
-    if params > MAX_PARAMS:
+    # The size is counted on the meta device first (no memory). A meta build can also fail for a reason of
+    # the meta kernels alone (after a torch.compile in the same process, torch's prims check devices on
+    # meta: "Tensor on device meta is not on the expected device cpu" for Phi-3's longrope), so a failed
+    # meta build falls through to the real build, which is counted instead.
+    params = _meta_params(model_cls, config)
+    if params is not None and params > MAX_PARAMS:
         raise Unbuilt(f"not tiny at the generic sizes ({params / 1e6:.0f}M parameters)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -130,12 +130,24 @@ def build(family: Family, *, dtype: torch.dtype = torch.float32, seed: int = 0):
             model = model_cls(config).to(dtype).eval()
         except Exception as e:  # noqa: BLE001
             raise Unbuilt(f"does not build: {_first_line(e)}") from None
+    params = sum(p.numel() for p in model.parameters()) if params is None else params
+    if params > MAX_PARAMS:
+        raise Unbuilt(f"not tiny at the generic sizes ({params / 1e6:.0f}M parameters)")
     try:
         with torch.no_grad():
             model(input_ids=torch.arange(1, 7)[None], use_cache=False)
     except Exception as e:  # noqa: BLE001
         raise Unbuilt(f"its own forward fails on one sequence: {_first_line(e)}") from None
     return model
+
+
+def _meta_params(model_cls, config) -> Optional[int]:
+    """The model's parameter count from a build on the meta device, None when that build fails."""
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in model_cls(config).parameters())
+    except Exception:  # noqa: BLE001 - the real build then reports (or succeeds)
+        return None
 
 
 def _first_line(error: BaseException, limit: int = 90) -> str:
