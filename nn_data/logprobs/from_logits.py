@@ -27,7 +27,7 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
 from nn_data.layout import (
-    Boundaries, PackLayout, ZigzagLocal, boundary_args, layout_from_boundaries, op_layout, packed_segments, reads_host,
+    Boundaries, PackLayout, ZigzagLocal, boundary_args, layout_from_boundaries, op_layout, reads_host,
     target_ids, target_ids_device, target_ids_host,
 )
 from nn_data.logprobs.kernels import token_logprobs_local
@@ -144,7 +144,7 @@ def check_full_ids(name: str, local: torch.Tensor, packed_ids: torch.Tensor, loc
 def targets_on_rank(layout: PackLayout, packed_ids: torch.Tensor, total: int, places, cp_size: int, cp_rank: int):
     """``(target [T/C], keep [T/C])``: each of this rank's positions' next token within its sequence and
     whether it has one (:func:`nn_data.targets.next_token_at` on the layout's real lengths)."""
-    segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, total)
+    segments = layout.segments()
     if places is None:
         places = layout.local_places(cp_size, cp_rank)
     return next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
@@ -173,9 +173,10 @@ def logprob_layout(op: str, packed_ids, total: int, vocab: int, cu_seqlens, cu_s
         raise _checks.PackingError(f"{op} needs a layout with cu_seqlens (PackResult.layout)")
     bad_ids = None
     if validate:
-        bounds, lengths = packed_segments(layout.cu_seqlens if layout is not None else cu_seqlens,
-                                          layout.cu_seqlens_padded if layout is not None else cu_seqlens_padded,
-                                          total)
+        if layout is None:  # a layout of the boundaries built on the device (no read): their segments
+            view = layout_from_boundaries(Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens), op=op,
+                                          validate=False)
+        bounds, lengths = (layout if layout is not None else view).segments()
         bad_ids = target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
     if layout is not None or not reads_host(validate, host_reads):
         layout = op_layout(op, "packed_ids", packed_ids, total, cp_size, cu_seqlens_padded, layout,
