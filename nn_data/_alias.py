@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from typing import Optional
 
@@ -79,9 +80,16 @@ class AliasFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         home = home_of(fullname)
-        if home is None:
+        if home is None or not _exists(home):  # no such home: Python's own "No module named <old>"
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(home), is_package=False)
+
+
+def _exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent of it is missing
+        return False
 
 
 def _install() -> None:

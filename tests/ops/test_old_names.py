@@ -115,6 +115,12 @@ for old, new in pairs:
 with mock.patch('nn_data.megatron_data.dynamic_cp.dynamic_cp_microbatch_iterator', return_value='patched'):
     from nn_data.nemo_rl.megatron_data import get_microbatch_iterator
     assert get_microbatch_iterator(None, {}, 1, None, dynamic_cp=(None, None)) == 'patched'
+try:
+    import nn_data.megatron_data.no_such_module
+except ModuleNotFoundError as e:
+    assert e.name == 'nn_data.megatron_data.no_such_module', e.name
+else:
+    raise AssertionError('an old path with no home imported')
 print(len(pairs), len(fresh))
 """
 
