@@ -219,8 +219,8 @@ class _LinearTargetLogProb(torch.autograd.Function):
         full = _gather_rows(hidden, tp_group, tp_size, sequence_parallel)  # [N, H]
         dtype = torch.promote_types(weight.dtype, torch.float32)
         local, owned = target_columns(target, vocab_start, weight.shape[0])
-        lse, picked, owned, tau = chunked_lse_and_target(full, weight, temperature, local, owned, dtype, chunk, sampling,
-                                                         tp_group, tp_size)
+        lse, picked, owned, tau = chunked_lse_and_target(full, weight, temperature, local, owned, dtype, chunk,
+                                                         sampling, tp_group, tp_size)
         ctx.save_for_backward(hidden, weight, local, owned, keep, lse, tau)
         ctx.parallel = (tp_group, tp_size, sequence_parallel)
         ctx.chunk, ctx.temperature, ctx.sampled = chunk, temperature, sampling is not None
