@@ -51,17 +51,18 @@ def _args() -> dict:
             "algorithm": "nn_data_balanced", "sequence_length_pad_multiple": M, "shared_prefix": True}
 
 
-def _cfg(**nn_data) -> dict:
+def _cfg(cp: int = 1, **nn_data) -> dict:
     return {"sequence_packing": {"enabled": True}, "dynamic_batching": {"enabled": False},
-            "megatron_cfg": megatron_cfg(pp=1, cp=1), "make_sequence_length_divisible_by": M,
+            "megatron_cfg": megatron_cfg(pp=1, cp=cp), "make_sequence_length_divisible_by": M,
             "nn_data": {"shared_prefix": True, "device": "cpu", **nn_data}}
 
 
-def planned_microbatches():
-    """The step's microbatches as the iterator yields them (one DP rank, one global batch)."""
+def planned_microbatches(cp: int = 1):
+    """The step's microbatches as the iterator yields them (one DP rank, one global batch; ``cp``: the CP
+    size of megatron-core's parallel_state, which the iterator reads)."""
     shards, _ = grpo_batch().shard_by_batch_size(1, sequence_packing_args=_args())
     batch = shards[0].get_batch(0)
-    iterator, count, _, _, _ = get_microbatch_iterator(batch, _cfg(), 1, None)
+    iterator, count, _, _, _ = get_microbatch_iterator(batch, _cfg(cp), 1, None)
     mbs = list(iterator)
     assert len(mbs) == count > 1
     return batch, mbs
