@@ -109,6 +109,15 @@ def check_shared_prefix(data: Any, cfg: dict, packing: bool) -> Optional[SharedP
     return keys
 
 
+def refuse_with_dynamic_cp(cfg: dict) -> None:
+    """A dynamic-CP plan packs its rounds end to end: with ``cfg["nn_data"]["shared_prefix"]`` set it would
+    not share the prompts it was asked to, so :class:`PackingError`."""
+    if PackOptions.from_cfg(cfg).shared_prefix is not None:
+        raise PackingError("get_microbatch_iterator(..., dynamic_cp=) packs each round's sequences end to end and "
+                           "cannot share a group's prompt: unset cfg['nn_data']['shared_prefix'] for a dynamic-CP "
+                           "step, or drop dynamic_cp= to pack the shared-prefix plan's microbatches")
+
+
 def _refuse_unsupported(data_dict, *, delegate: bool, model_slices: bool, options: PackOptions) -> None:
     """The module docstring's refusals, each naming what to change."""
     given = [k for k in COMPANIONS if k in data_dict]
