@@ -4,7 +4,8 @@ A shared-prefix GRPO step through the NeMo-RL megatron drop-in end to end: shard
 groups, get_microbatch_iterator packs each microbatch with each group's prompt once (the record: packed ids,
 rollout positions, PackedSeqParams with TransformerEngine's distinct q/kv boundaries, padding mask, the
 shared-prefix layout and prefix rule), forward_shared_prefix runs the tiny GPTModel built with nn_data's layer
-spec on it, and from_parallel_logits_to_logprobs_shared_prefix gives [B, S-1] per rollout. In float64 the
+spec on it, and from_parallel_logits_to_logprobs_shared_prefix gives [B, S-1] per rollout (the hidden-state
+sibling the same from forward_shared_prefix(..., output="hidden")). In float64 the
 logits, the log-probs and the parameter gradients equal every rollout run alone through megatron-core's stock
 unpacked path (1e-10). A stock model is refused by name; so are the companions without a shared-prefix form.
 """
@@ -20,7 +21,8 @@ from nn_data.errors import PackingError
 from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.nemo_rl.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
 from nn_data.nemo_rl.megatron_data.shared_prefix_model import (
-    forward_shared_prefix, from_parallel_logits_to_logprobs_shared_prefix,
+    forward_shared_prefix, from_parallel_hidden_states_to_logprobs_shared_prefix,
+    from_parallel_logits_to_logprobs_shared_prefix,
 )
 from tests.support.megatron_config import megatron_cfg
 from tests.support.megatron_release import needs_megatron_models
@@ -146,17 +148,23 @@ def test_a_grpo_step_through_the_drop_in_equals_each_rollout_alone_float64(megat
     model = tiny_gpt_model(tiny_gpt_config(dtype=torch.float64), vocab=VOCAB)
     _, mbs = planned_microbatches()
     weights = torch.Generator().manual_seed(3)
-    worst_logits = worst_lp = 0.0
-    packed_loss = alone_loss = 0.0
+    worst_logits = worst_lp = worst_hidden = 0.0
+    packed_loss = alone_loss = hidden_loss = 0.0
     for mb in mbs:
         data = mb.data_dict
         ids, lengths = data["input_ids"], data["input_lengths"].tolist()
         logits = forward_shared_prefix(model, mb)  # [1, T, V]
         lp = from_parallel_logits_to_logprobs_shared_prefix(logits, mb.input_ids, mb.shared_prefix, S, 0, VOCAB, None)
         assert lp.shape == (len(lengths), S - 1) and lp.dtype == torch.float64
+        hidden = forward_shared_prefix(model, mb, output="hidden")  # [T, 1, H]: no logits
+        from_hidden = from_parallel_hidden_states_to_logprobs_shared_prefix(
+            hidden, model.output_layer.weight, mb.input_ids, mb.shared_prefix, S, 0, VOCAB, None)
+        assert hidden.shape[:2] == (mb.input_ids.shape[1], 1) and model.post_process
+        worst_hidden = max(worst_hidden, float((from_hidden - lp).detach().abs().max()))
         rows = mb.shared_prefix.layout.unpack(logits)  # [B, S, V]
         w = torch.rand(lp.shape, generator=weights, dtype=torch.float64)
         packed_loss = packed_loss + (lp * w).sum()
+        hidden_loss = hidden_loss + (from_hidden * w).sum()
         for b, n in enumerate(lengths):
             ref = forward_alone(model, ids[b : b + 1, :n])[0]  # [n, V]
             ref_lp = _next_token_logprobs(ref, ids[b, :n])  # [n - 1]
@@ -164,17 +172,21 @@ def test_a_grpo_step_through_the_drop_in_equals_each_rollout_alone_float64(megat
             worst_lp = max(worst_lp, float((lp[b, : n - 1] - ref_lp).detach().abs().max()))
             assert not lp[b, n - 1:].any() and not rows[b, n:].any()
             alone_loss = alone_loss + (ref_lp * w[b, : n - 1]).sum()
-    assert worst_logits < 1e-10 and worst_lp < 1e-10, (worst_logits, worst_lp)
+    assert worst_logits < 1e-10 and worst_lp < 1e-10 and worst_hidden < 1e-10, (worst_logits, worst_lp, worst_hidden)
     model.zero_grad(set_to_none=True)
     packed_loss.backward()
     packed = _grads(model)
     model.zero_grad(set_to_none=True)
+    hidden_loss.backward()
+    hidden = _grads(model)
+    model.zero_grad(set_to_none=True)
     alone_loss.backward()
     alone = _grads(model)
-    assert packed.keys() == alone.keys() and packed
+    assert packed.keys() == alone.keys() == hidden.keys() and packed
     assert all(float(g.abs().max()) > 0 for g in alone.values())  # every parameter's check means something
     worst_grad = max(float((packed[k] - alone[k]).abs().max()) for k in packed)
-    assert worst_grad < 1e-10, worst_grad
+    worst_hidden_grad = max(float((hidden[k] - alone[k]).abs().max()) for k in hidden)
+    assert worst_grad < 1e-10 and worst_hidden_grad < 1e-10, (worst_grad, worst_hidden_grad)
 
 
 @needs_megatron_models

@@ -14,7 +14,9 @@ which takes the prefix rule): :func:`forward_shared_prefix` runs it through
 and the attention under the prefix rule. A stock model (TransformerEngine's or the local
 ``DotProductAttention``) would let a response miss its prompt, or see other rollouts: refused by name.
 :func:`from_parallel_logits_to_logprobs_shared_prefix` is ``from_parallel_logits_to_logprobs_packed_sequences``
-with the record's layout in place of ``cu_seqlens_padded``: ``[B, S-1]`` per rollout, as if each had run alone.
+with the record's layout in place of ``cu_seqlens_padded``: ``[B, S-1]`` per rollout, as if each had run alone;
+:func:`from_parallel_hidden_states_to_logprobs_shared_prefix` the same from the hidden states
+(``forward_shared_prefix(..., output="hidden")``) and the output weight.
 """
 
 from __future__ import annotations
@@ -60,10 +62,16 @@ def check_prefix_attention(model) -> None:
                            "with nn_data.adapters.megatron_gpt_layer_spec(...), or unset cfg['nn_data']['shared_prefix']")
 
 
-def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = "auto", **model_kwargs
-                          ) -> torch.Tensor:
+#: What :func:`forward_shared_prefix` returns.
+OUTPUTS = ("logits", "hidden")
+
+
+def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = "auto", output: str = "logits",
+                          **model_kwargs) -> torch.Tensor:
     """The model's output for a shared-prefix microbatch's local tokens: logits ``[1, T/C, V]`` (on the
-    last pipeline stage), equal at every real token to the rollout run alone.
+    last pipeline stage), equal at every real token to the rollout run alone; ``output="hidden"``: the
+    decoder's final-normed hidden states ``[T/C, 1, H]`` instead (for
+    :func:`from_parallel_hidden_states_to_logprobs_shared_prefix`: no ``[T, V]`` logits).
 
     ``model``: a ``GPTModel`` built with :func:`~nn_data.adapters.megatron_gpt_layer_spec` (or a wrapper
     with ``.module``); ``microbatch``: what the iterators yield (``ProcessedMicrobatch`` or
@@ -72,17 +80,26 @@ def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = 
     goes as ``padding_mask`` where the release takes one).
 
     Raises :class:`PackingError` for a model without nn_data's attention (:func:`check_prefix_attention`),
-    a microbatch without the record, and a CP group whose size is not the record's.
+    a microbatch without the record, a CP group whose size is not the record's, and an unknown ``output``.
     """
     from nn_data.adapters.megatron_gpt import MegatronGPTAdapter
 
+    if output not in OUTPUTS:
+        raise PackingError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
     record = _record(microbatch)
     inner = gpt_model(model)
     check_prefix_attention(inner)
     adapter = MegatronGPTAdapter(inner, mask_kind=mask_kind)
     group = cp_group if cp_group is not None else getattr(adapter.pg_collection, "cp", None)
     info = packed_info(record, microbatch, group)
-    return adapter(microbatch.input_ids_cp_sharded, microbatch.position_ids, info, **model_kwargs)
+    if output == "logits":
+        return adapter(microbatch.input_ids_cp_sharded, microbatch.position_ids, info, **model_kwargs)
+    last = inner.post_process
+    inner.post_process = False  # megatron-core's GPTModel then returns the final-normed hidden states
+    try:
+        return adapter(microbatch.input_ids_cp_sharded, microbatch.position_ids, info, **model_kwargs)
+    finally:
+        inner.post_process = last
 
 
 def packed_info(record, microbatch, cp_group):
@@ -142,16 +159,56 @@ def from_parallel_logits_to_logprobs_shared_prefix(
     """
     from nn_data.shared_prefix_logprobs import SharedPrefixLogProbs
 
-    layout = getattr(shared_prefix, "layout", None) if not isinstance(shared_prefix, SharedPrefixLayout) \
-        else shared_prefix
-    if not isinstance(layout, SharedPrefixLayout):
-        raise PackingError(f"shared_prefix must be a microbatch's shared_prefix record or its SharedPrefixLayout, "
-                           f"got {type(shared_prefix).__name__}")
-    seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
-    chunk = _checks.positive_int("chunk_size", chunk_size, allow_none=True) or 256
+    layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
     tp = given_group_info(group, pg_collection=pg_collection, field="tp")
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP]", 3)
     _checks.check_vocab_range(vocab_start_index, vocab_end_index, vocab_parallel_logits.shape[-1], tp.rank)
     op = SharedPrefixLogProbs(cp_group=cp_group, tp_group=group, pg_collection=pg_collection, chunk_tokens=chunk)
     with torch.no_grad() if inference_only else contextlib.nullcontext():
         return op(vocab_parallel_logits, target, layout, seq_len=seq_len)
+
+
+def from_parallel_hidden_states_to_logprobs_shared_prefix(
+    tensor_parallel_hidden_states: torch.Tensor,
+    output_weight_layer: torch.Tensor,
+    target: torch.Tensor,
+    shared_prefix,
+    unpacked_seqlen: int,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    group: Optional["torch.distributed.ProcessGroup"],
+    inference_only: bool = False,
+    cp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    chunk_size: Optional[int] = None,
+    *,
+    pg_collection=None,
+) -> torch.Tensor:
+    """:func:`from_parallel_logits_to_logprobs_shared_prefix` from this rank's hidden states ``[T/C, 1, H]``
+    (``forward_shared_prefix(..., output="hidden")``) and the output weight ``[V/TP, H]`` in place of the
+    logits (``from_parallel_hidden_states_to_logprobs_packed_sequences``' arguments, the record in place of
+    ``cu_seqlens_padded``): the same ``[B, S-1]``, values and gradients, without ``[T, V]`` logits
+    (:class:`nn_data.shared_prefix_logprobs.SharedPrefixLogProbsFromHidden`; the hidden states gathered over
+    TP first: no sequence parallelism).
+
+    Raises :class:`PackingError` as that op, and as the logits function for the other arguments.
+    """
+    from nn_data.shared_prefix_logprobs import SharedPrefixLogProbsFromHidden
+
+    layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
+    tp = given_group_info(group, pg_collection=pg_collection, field="tp")
+    _checks.check_vocab_range(vocab_start_index, vocab_end_index, output_weight_layer.shape[0], tp.rank,
+                              against="output_weight_layer", unit="rows")
+    op = SharedPrefixLogProbsFromHidden(cp_group=cp_group, tp_group=group, pg_collection=pg_collection,
+                                        chunk_tokens=chunk)
+    with torch.no_grad() if inference_only else contextlib.nullcontext():
+        return op(tensor_parallel_hidden_states, output_weight_layer, target, layout, seq_len=seq_len)
+
+
+def _call_args(shared_prefix, unpacked_seqlen, chunk_size) -> tuple:
+    """``(SharedPrefixLayout, S, tokens per chunk)`` of a log-prob call, each checked."""
+    layout = shared_prefix if isinstance(shared_prefix, SharedPrefixLayout) else getattr(shared_prefix, "layout", None)
+    if not isinstance(layout, SharedPrefixLayout):
+        raise PackingError(f"shared_prefix must be a microbatch's shared_prefix record or its SharedPrefixLayout, "
+                           f"got {type(shared_prefix).__name__}")
+    seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
+    return layout, seq_len, _checks.positive_int("chunk_size", chunk_size, allow_none=True) or 256
