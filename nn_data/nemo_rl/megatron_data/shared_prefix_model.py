@@ -74,7 +74,7 @@ def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = 
     :func:`from_parallel_hidden_states_to_logprobs_shared_prefix`: no ``[T, V]`` logits).
 
     ``model``: a ``GPTModel`` built with :func:`~nn_data.adapters.megatron_gpt_layer_spec` (or a wrapper
-    with ``.module``); ``microbatch``: what the iterators yield (``ProcessedMicrobatch`` or
+    with ``.module``, whose own forward is then not run: the ``GPTModel`` inside is called); ``microbatch``: what the iterators yield (``ProcessedMicrobatch`` or
     ``ProcessedInputs`` with ``shared_prefix``). ``cp_group``: the CP group the microbatch was sharded
     over (default the model's ``pg_collection.cp``); ``model_kwargs`` go to the model (the padding mask
     goes as ``padding_mask`` where the release takes one).
