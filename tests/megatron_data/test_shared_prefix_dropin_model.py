@@ -103,8 +103,10 @@ def test_the_record_packs_each_prompt_once_with_rollout_positions():
         params, rows = mb.packed_seq_params, data["input_ids"].shape[0]
         assert params.qkv_format == "thd" and params.cu_seqlens_q.shape == (2 * rows + 2,)
         assert params.cu_seqlens_q[-1] == planned and params.max_seqlen_q == planned
-        assert params.max_seqlen_kv == ref_kv == mb.shared_prefix.kv_capacity  # exact: the slack is empty
-        assert params.cu_seqlens_kv[-2] == params.cu_seqlens_kv[-1] == ref_kv
+        kv = mb.shared_prefix.kv
+        assert params.max_seqlen_kv == ref_kv == kv.max_seqlen_kv  # exact: the slack is empty
+        assert params.cu_seqlens_kv[-2] == params.cu_seqlens_kv[-1] == ref_kv and bool(kv.kv_valid.all())
+        assert params.cu_seqlens_kv is kv.cu_seqlens_kv and params.cu_seqlens_q is kv.cu_seqlens_q
         assert torch.equal(mb.shared_prefix.prefix.positions, torch.tensor(ref_pos))
 
 

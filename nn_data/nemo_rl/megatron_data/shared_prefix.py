@@ -30,7 +30,7 @@ prompt (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
@@ -44,6 +44,9 @@ from nn_data.nemo_rl.megatron_data.options import PackOptions, SharedPrefixKeys,
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.records import ProcessedInputs
 
+if TYPE_CHECKING:  # pragma: no cover
+    from nn_data.adapters.shared_prefix_kv import SharedPrefixKV
+
 #: Batch keys with no shared-prefix form: each would ride the packed row with the prompt once per group.
 COMPANIONS = ("mtp_loss_mask", "routed_experts", "media_token_validity_mask")
 
@@ -55,9 +58,11 @@ class SharedPrefixRecord(NamedTuple):
     :func:`~nn_data.nemo_rl.megatron_data.shared_prefix_model.from_parallel_logits_to_logprobs_shared_prefix`);
     ``prefix``: the attention's :class:`~nn_data.masks.PrefixRule` (global ``[T]`` tensors);
     ``segment_ids [T]`` (the slot of every packed position) and ``query_index [T/C]`` (the packed
-    position of each local token); ``cp_size`` / ``cp_rank`` the split it was packed for; ``kv_capacity``:
-    ``K``, the exact length of TransformerEngine's key/value buffer (``T`` plus each non-empty response's
-    prompt; :func:`nn_data.adapters.shared_prefix_kv.shared_prefix_kv`), None under CP."""
+    position of each local token); ``cp_size`` / ``cp_rank`` the split it was packed for; ``kv``: at
+    ``C = 1`` the :class:`~nn_data.adapters.shared_prefix_kv.SharedPrefixKV` of a variable-length kernel
+    (TransformerEngine's THD attention): each response's keys and values are its prompt's then its own,
+    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` exact (``T`` plus each non-empty response's
+    prompt: :func:`kv_capacity`); None under CP."""
 
     layout: SharedPrefixLayout
     prefix: PrefixRule
@@ -65,7 +70,7 @@ class SharedPrefixRecord(NamedTuple):
     query_index: torch.Tensor
     cp_size: int
     cp_rank: int
-    kv_capacity: Optional[int] = None
+    kv: Optional["SharedPrefixKV"] = None
 
 
 def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +151,7 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> ids ``[p0 p0 r0 r0 | r1 | p2 |
     r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``.
     """
+    from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
     from nn_data.packed_shared_prefix import SharedPrefixPackShard
 
     if not pack_sequences:
@@ -165,9 +171,11 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     shard = SharedPrefixPackShard(spec, cp_size, cp_rank)(input_ids, lengths, prefix, groups)
     shared = shard.shared
     full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
-    capacity = kv_capacity(shared) if cp_size == 1 else None
-    record = SharedPrefixRecord(shared, shard.prefix, shard.segment_ids, shard.query_index, cp_size, cp_rank,
-                                capacity)
+    kv = None
+    if cp_size == 1:
+        kv = shared_prefix_kv(shared.layout.cu_seqlens_padded, shared.prefix_lengths, shared.leader, total=shared.total,
+                              kv_capacity=kv_capacity(shared))
+    record = SharedPrefixRecord(shared, shard.prefix, shard.segment_ids, shard.query_index, cp_size, cp_rank, kv)
     return ProcessedInputs(
         input_ids=full, input_ids_cp_sharded=shard.input_ids, attention_mask=None, position_ids=shard.positions,
         packed_seq_params=shared_prefix_params(record), cu_seqlens_padded=shared.layout.cu_seqlens_padded,
@@ -191,18 +199,17 @@ def kv_capacity(shared: SharedPrefixLayout) -> int:
 
 def shared_prefix_params(record: SharedPrefixRecord):
     """The record's THD ``PackedSeqParams``. ``C = 1``: TransformerEngine's distinct query and key/value
-    boundaries (:func:`~nn_data.adapters.shared_prefix_kv.shared_prefix_packed_seq_params`, ``N = 2B + 1``
-    sequences, ``max_seqlen_q = T``, ``max_seqlen_kv = K``), for a kernel run bottom-right causal over
-    the gathered key/value buffer. Under CP (whose keys and values TransformerEngine would split as
-    the queries): the slots' padded boundaries (``max_seqlen`` the longest slot, ``total_tokens = T/C``).
-    nn_data's attention reads neither (it takes the prefix rule: ``shared_prefix_model``)."""
-    from nn_data.adapters.shared_prefix_kv import shared_prefix_kv, shared_prefix_packed_seq_params
+    boundaries over ``record.kv`` (:func:`~nn_data.adapters.shared_prefix_kv.shared_prefix_packed_seq_params`,
+    ``N = 2B + 1`` sequences, ``max_seqlen_q = T``, ``max_seqlen_kv = K``), for a kernel run bottom-right
+    causal over ``record.kv.gather(key)`` / ``(value)``: a stock model, which hands the kernel its ``T`` keys,
+    must not take them. Under CP (whose keys and values TransformerEngine would split as the queries): the
+    slots' padded boundaries (``max_seqlen`` the longest slot, ``total_tokens = T/C``). nn_data's attention
+    reads neither (it takes the prefix rule: ``shared_prefix_model``)."""
+    from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
 
     shared = record.layout
     slots = shared.layout
-    if record.cp_size > 1:
+    if record.kv is None:
         return make_packed_seq_params(slots.cu_seqlens_padded, slots.host.max_seqlen, shared.total // record.cp_size,
                                       total=shared.total)
-    kv = shared_prefix_kv(slots.cu_seqlens_padded, shared.prefix_lengths, shared.leader, total=shared.total,
-                          kv_capacity=record.kv_capacity)
-    return shared_prefix_packed_seq_params(kv)
+    return shared_prefix_packed_seq_params(record.kv)
