@@ -234,3 +234,20 @@ def test_refusals_name_what_has_no_shared_prefix_form():
         get_microbatch_iterator(grpo_batch(), _cfg(), 1, None, dynamic_cp=(None, None))
     with pytest.raises(PackingError, match=r"^microbatch has no shared_prefix record"):
         forward_shared_prefix(torch.nn.Linear(1, 1), process(mb, options=None))
+
+
+def test_the_records_te_fields_give_the_prefix_rule_over_the_buffer():
+    """Float64: attention through the record's key/value buffer (``shared_prefix.kv.gather``) on its
+    PackedSeqParams' q/kv boundaries, bottom-right causal (a loop reference for TransformerEngine's THD
+    kernel), equals the packed row under nn_data's dense prefix mask at every real query (1e-12)."""
+    from tests.support import shared_prefix_kv_cases as kv_cases
+
+    _, mbs = planned_microbatches()
+    gen = torch.Generator().manual_seed(5)
+    for mb in mbs:
+        shared, kv, params = mb.shared_prefix.layout, mb.shared_prefix.kv, mb.packed_seq_params
+        q, k, v = (torch.randn(shared.total, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+        got = kv_cases.varlen_reference(q, kv.gather(k), kv.gather(v), params.cu_seqlens_q, params.cu_seqlens_kv)
+        want = kv_cases.dense_reference(q, k, v, shared)
+        real = ~mb.padding_mask[0]
+        torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-12)
