@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.layout.internal import exclusive_cumsum, segment_bounds, segment_ids
 
@@ -92,7 +93,8 @@ def shared_prefix_kv(cu_seqlens_padded: torch.Tensor, prefix_lengths: torch.Tens
         prompt_start[1::2] = bounds[2 * leader.to(torch.int64)]
     kv_lengths = prompt_part + lengths  # [2B]
     kv_start = exclusive_cumsum(kv_lengths)  # [2B+1]
-    torch._assert_async(kv_start[-1] <= kv_capacity, "shared_prefix_kv: kv_capacity is too small for this row")
+    _checks.device_assert(kv_start[-1] <= kv_capacity, f"shared_prefix_kv: kv_capacity={kv_capacity} is too small "
+                          "for this row (it needs T + the prompt tokens of every non-empty response)")
     kv_bounds = torch.cat([kv_start, torch.full((1,), kv_capacity, dtype=torch.int64, device=device)])  # [2B+2]
     q_bounds = torch.cat([bounds, torch.full((1,), total, dtype=torch.int64, device=device)])  # [2B+2]
     # kv_bounds [0,2,6,6,9,10,13,13] (K 13): buffer key 7 is in sequence 3 at offset 1 < prompt_part 2

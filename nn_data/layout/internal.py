@@ -18,8 +18,7 @@ from nn_data.layout.checks import (
 )
 from nn_data.layout.device import set_pack_form
 from nn_data.layout.index import (
-    SegmentRows, Segments, ZigzagLocal, exclusive_cumsum, local_places, packed_segments, segment_ids,
-    segment_rows, zigzag_source,
+    SegmentRows, Segments, ZigzagLocal, exclusive_cumsum, packed_segments, segment_ids, segment_rows,
 )
 from nn_data.layout.rules import INT32_MAX, bucket_total, segment_bounds
 
@@ -34,7 +33,6 @@ __all__ = [
     "fixed_total_arg",
     "lengths_device",
     "lengths_host",
-    "local_places",
     "natural_total_host",
     "packed_segments",
     "packed_tensor_length",
@@ -51,5 +49,4 @@ __all__ = [
     "target_ids_host",
     "total_divisible",
     "total_limit_host",
-    "zigzag_source",
 ]

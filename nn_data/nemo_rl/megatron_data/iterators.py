@@ -24,7 +24,7 @@ from nn_data.groups import as_process_group, is_group_form, megatron_state
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
-from nn_data.nemo_rl.megatron_data.shared_prefix import check_shared_prefix
+from nn_data.nemo_rl.megatron_data.shared_prefix import check_shared_prefix, refuse_with_dynamic_cp
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 from nn_data.planning import Parallelism
 
@@ -152,6 +152,7 @@ def get_microbatch_iterator(
     (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp_iterator`).
     """
     if dynamic_cp is not None:
+        refuse_with_dynamic_cp(cfg)
         from nn_data.nemo_rl.megatron_data.dynamic_cp_iterator import dynamic_cp_microbatch_iterator
 
         return dynamic_cp_microbatch_iterator(data, cfg, *dynamic_cp, device=resolve_device(device, cfg))
