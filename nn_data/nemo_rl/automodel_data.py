@@ -2,7 +2,7 @@
 switch by changing one import.
 
     # from nemo_rl.models.automodel.data import get_microbatch_iterator, process_global_batch
-    from nn_data.automodel_data import get_microbatch_iterator, process_global_batch
+    from nn_data.nemo_rl.automodel_data import get_microbatch_iterator, process_global_batch
 
 Shape legend
     B   sequences of a microbatch; S their padded row length

@@ -2,7 +2,7 @@
 calls) on nn_data's layouts: switch by changing one import.
 
     # from nemo_rl.models.huggingface.common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
-    from nn_data.huggingface_common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
+    from nn_data.nemo_rl.huggingface_common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
 
 Shape legend
     B   sequences; R packed rows (``len(packed_sequence_size)``)

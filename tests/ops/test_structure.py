@@ -402,3 +402,12 @@ def test_one_executor_protocol_chosen_in_one_place():
     assert callers == {"nn_data/layout/prefix_layout.py": {"device"}}, callers
     text = _code_only((PKG / "layout" / "pack_layout.py").read_text())
     assert text.count("executor(self, ") == len(EXECUTOR_OPS)  # each PackLayout method asks it
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_nn_data_imports_no_old_path(module):
+    """nn_data's own code imports each module by its home, never by an old path of nn_data._alias's table
+    (those are for callers of earlier releases; a file of the package that used one would hide a move)."""
+    from nn_data._alias import home_of
+
+    assert not [i for i in MODULES[module] if home_of(i) is not None], module

@@ -150,14 +150,14 @@ def from_parallel_logits_to_logprobs_shared_prefix(
 
     ``out[b, s] = log p(x[b, s+1] | x[b, :s+1])`` for ``s < L[b] - 1``, else 0, as if rollout b had run
     alone (its prompt's last position scored against its own first response token):
-    :class:`nn_data.shared_prefix_logprobs.SharedPrefixLogProbs`. Unlike NeMo-RL's packed function the
+    :class:`nn_data.logprobs.SharedPrefixLogProbs`. Unlike NeMo-RL's packed function the
     rows end at each rollout's length (0 past it) and under CP the gradient is the single-process one
     (every CP rank computes the same loss). No host read (the layout's ints and device asserts).
 
-    Raises :class:`PackingError` as :class:`~nn_data.shared_prefix_logprobs.SharedPrefixLogProbs`, and for
+    Raises :class:`PackingError` as :class:`~nn_data.logprobs.SharedPrefixLogProbs`, and for
     ``unpacked_seqlen`` or ``chunk_size`` below 1 and a vocabulary slice that is not this TP rank's.
     """
-    from nn_data.shared_prefix_logprobs import SharedPrefixLogProbs
+    from nn_data.logprobs import SharedPrefixLogProbs
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
     tp = given_group_info(group, pg_collection=pg_collection, field="tp")
@@ -187,12 +187,12 @@ def from_parallel_hidden_states_to_logprobs_shared_prefix(
     (``forward_shared_prefix(..., output="hidden")``) and the output weight ``[V/TP, H]`` in place of the
     logits (``from_parallel_hidden_states_to_logprobs_packed_sequences``' arguments, the record in place of
     ``cu_seqlens_padded``): the same ``[B, S-1]``, values and gradients, without ``[T, V]`` logits
-    (:class:`nn_data.shared_prefix_logprobs.SharedPrefixLogProbsFromHidden`; the hidden states gathered over
+    (:class:`nn_data.logprobs.SharedPrefixLogProbsFromHidden`; the hidden states gathered over
     TP first: no sequence parallelism).
 
     Raises :class:`PackingError` as that op, and as the logits function for the other arguments.
     """
-    from nn_data.shared_prefix_logprobs import SharedPrefixLogProbsFromHidden
+    from nn_data.logprobs import SharedPrefixLogProbsFromHidden
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
     tp = given_group_info(group, pg_collection=pg_collection, field="tp")
