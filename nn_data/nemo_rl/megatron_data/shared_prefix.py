@@ -3,7 +3,7 @@
 Shape legend
     B   rollouts of a microbatch (rows of its ``BatchedDataDict``); S their padded row length
     T   packed tokens; the row holds ``2B`` slots (slot ``2b`` rollout b's prompt, empty unless b leads
-        its group; slot ``2b+1`` its response, :mod:`nn_data.layout.shared_prefix`)
+        its group; slot ``2b+1`` its response, :mod:`nn_data.layout.prefix_layout`)
     C   context-parallel size; the model sees ``T/C`` local tokens
     K   keys of TransformerEngine's per-response key/value buffer (``C = 1``)
 
