@@ -19,8 +19,9 @@ entry point of nn_data packs, shards, unshards and unpacks through it:
   the executors (``host``, ``device``; which one runs is ``pack_layout.executor``) and the rest of what
   nn_data's own code uses: :mod:`nn_data.layout.internal`.
 
-Names that moved to the internal door still work from here and warn; old names (0.1.x) too: ``LayoutSpec`` (:class:`PackSpec`), ``plan_from_lengths``
-(:func:`layout_from_lengths`), ``plan_from_boundaries`` (:func:`layout_from_boundaries`); CHANGELOG.md.
+Names that moved to the internal door still work from here and warn; old names (0.1.x) too: ``LayoutSpec``
+(:class:`PackSpec`), ``plan_from_lengths`` (:func:`layout_from_lengths`), ``plan_from_boundaries``
+(:func:`layout_from_boundaries`); CHANGELOG.md.
 """
 
 from __future__ import annotations

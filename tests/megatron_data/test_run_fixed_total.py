@@ -1,7 +1,8 @@
 """Tier: pure CPU, single process (one compile test with aot_eager counts graphs across steps).
 
 The run-level fixed packed length (cfg["nn_data"]["pad_full_seq_to"], PackOptions.pad_full_seq_to;
-run_fixed_total) through the NeMo-RL layer, and shard_by_batch_size's "nn_data_balanced" plan (nn_data.planning.plan_step).
+run_fixed_total) through the NeMo-RL layer, and shard_by_batch_size's "nn_data_balanced" plan
+(nn_data.planning.plan_step).
 """
 
 from __future__ import annotations

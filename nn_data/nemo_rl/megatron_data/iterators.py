@@ -197,9 +197,9 @@ def get_microbatch_iterator(
 
 
 def run_fixed_total(cfg: dict[str, Any], longest: int, step_length: Optional[int]) -> Optional[int]:
-    """The fixed packed length (``fixed_total``) of every microbatch of a step: the run-level ``cfg["nn_data"]["pad_full_seq_to"]``
-    when set (checked against the run's :class:`~nn_data.planning.Parallelism` and against the
-    ``longest`` planned microbatch), else NeMo-RL's ``step_length``. One length for the whole run
+    """The fixed packed length (``fixed_total``) of every microbatch of a step: the run-level
+    ``cfg["nn_data"]["pad_full_seq_to"]`` when set (checked against the run's
+    :class:`~nn_data.planning.Parallelism` and against the ``longest`` planned microbatch), else NeMo-RL's ``step_length``. One length for the whole run
     keeps compiled graphs and pipeline receive buffers the same at every step.
 
     Example: run-level 8192, a step whose longest planned microbatch holds 6100 padded tokens ->
