@@ -15,8 +15,7 @@ from nn_data.context_parallel import ShardForContextParallel, UnshardFromContext
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.errors import PackingError
 from nn_data.layout import PackLayout, pack_with_layout
-from nn_data.lm_head import TokenLogProbsFromHidden
-from nn_data.logprobs import TokenLogProbs
+from nn_data.logprobs import TokenLogProbs, TokenLogProbsFromHidden
 from nn_data.pack import PackResult, PackSequences
 from nn_data.packed_forward import PackedForward, PackedInfo
 from nn_data.rows import RowPadded, pad_rows, pad_to_row_capacity

@@ -18,10 +18,12 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from typing import Optional
 
-#: Every 0.1.x module path that still works -> the module it is now.
+#: Every earlier module path that still works (0.1.x, and 0.2.0's before the log-prob code moved into
+#: :mod:`nn_data.logprobs`) -> the module it is now.
 OLD_PATHS = {
     "nn_data.megatron_data": "nn_data.nemo_rl.megatron_data",
     "nn_data.megatron_data.batched_data_sharding": "nn_data.nemo_rl.batched_data_sharding",
@@ -30,11 +32,24 @@ OLD_PATHS = {
     "nn_data.automodel_data": "nn_data.nemo_rl.automodel_data",
     "nn_data.huggingface_common": "nn_data.nemo_rl.huggingface_common",
     "nn_data.models.masks": "nn_data.masks",
+    "nn_data.lm_head": "nn_data.logprobs.from_hidden",
+    "nn_data.linear_logprob": "nn_data.logprobs.kernels",
+    "nn_data.sampling": "nn_data.logprobs.filters",
+    "nn_data.shared_prefix_logprobs": "nn_data.logprobs.from_shared_prefix",
 }
 
-#: Every 0.1.x attribute that still works where its module stayed -> the object's home.
+#: Every earlier attribute that still works where its module stayed -> the object's home.
 OLD_NAMES = {
     "nn_data.sampling.TrainingSamplingParams": "nn_data.nemo_rl.sampling.TrainingSamplingParams",
+    "nn_data.logprobs.target_columns": "nn_data.logprobs.kernels.target_columns",
+    "nn_data.logprobs.chunk_lse_and_target": "nn_data.logprobs.kernels.chunk_lse_and_target",
+    "nn_data.logprobs.combine_vocab_parallel": "nn_data.logprobs.kernels.combine_vocab_parallel",
+    "nn_data.logprobs.chunk_logit_grad": "nn_data.logprobs.kernels.chunk_logit_grad",
+    "nn_data.logprobs.resolve_seq_len": "nn_data.logprobs.from_logits.resolve_seq_len",
+    "nn_data.logprobs.check_full_ids": "nn_data.logprobs.from_logits.check_full_ids",
+    "nn_data.logprobs.targets_on_rank": "nn_data.logprobs.from_logits.targets_on_rank",
+    "nn_data.logprobs.rows_from_local": "nn_data.logprobs.from_logits.rows_from_local",
+    "nn_data.logprobs.logprob_layout": "nn_data.logprobs.from_logits.logprob_layout",
 }
 
 
@@ -65,9 +80,16 @@ class AliasFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         home = home_of(fullname)
-        if home is None:
+        if home is None or not _exists(home):  # no such home: Python's own "No module named <old>"
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(home), is_package=False)
+
+
+def _exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent of it is missing
+        return False
 
 
 def _install() -> None:

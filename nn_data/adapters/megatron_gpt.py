@@ -198,7 +198,7 @@ class MegatronGPTAdapter(nn.Module):
             if getattr(model.config, "mtp_num_layers", None):
                 raise PackingError("output='logprobs' does not support multi-token prediction layers "
                                    f"(mtp_num_layers={model.config.mtp_num_layers})")
-            from nn_data.lm_head import TokenLogProbsFromHidden
+            from nn_data.logprobs import TokenLogProbsFromHidden
 
             self.head = TokenLogProbsFromHidden(cp_group=model.pg_collection.cp, tp_group=model.pg_collection.tp,
                                                 chunk_tokens=chunk_tokens,
@@ -235,7 +235,7 @@ class MegatronGPTAdapter(nn.Module):
         if self.head is not None:
             raise PackingError("output='logprobs' scores each packed segment's next tokens, but a shared-prefix "
                                "row's prompt is scored against every response of its group: use output='logits' "
-                               "(or nn_data.shared_prefix_logprobs.SharedPrefixLogProbsFromHidden on the hidden "
+                               "(or nn_data.logprobs.SharedPrefixLogProbsFromHidden on the hidden "
                                "states)")
         with rotary_at_positions(self.model, position_ids[0], packed.segment_ids.shape[0]):
             return self.model(input_ids, position_ids, mask, packed_seq_params=None, **model_kwargs)

@@ -27,8 +27,8 @@ from nn_data.layout.build import (
     Boundaries, PackSpec, layout_from_boundaries, layout_from_lengths, padded_rows, reads_host, take_layout,
 )
 from nn_data.layout.checks import (
-    boundary_args, fixed_total_arg, lengths_device, lengths_host, natural_total_host, packed_tensor_length, sequence_divisible,
-    target_ids, target_ids_device, target_ids_host, total_divisible, total_limit_host,
+    boundary_args, fixed_total_arg, lengths_device, lengths_host, natural_total_host, packed_tensor_length,
+    sequence_divisible, target_ids, target_ids_device, target_ids_host, total_divisible, total_limit_host,
 )
 from nn_data.layout.device import set_pack_form
 from nn_data.layout.index import (

@@ -239,7 +239,8 @@ def prefix_lengths_host(lengths: list, prefixes: list, groups: list, leader: lis
 def lengths_device(op: str, lengths: torch.Tensor, row_len, num_rows: Optional[torch.Tensor], *,
                    row_len_name: str = "x.shape[1], the row length") -> None:
     """:func:`lengths_host` as device asserts (``S`` and ``B`` named, never formatted: they may be
-    symbolic sizes under compile; an eager caller may put a plain int into ``row_len_name``)."""
+    symbolic sizes under compile); ``row_len_name`` says what ``S`` is (a ``[R, S]`` buffer's caller: the
+    width of the rows it loaded)."""
     rows = lengths.shape[0]
     if rows:
         _checks.device_assert(((lengths >= 0) & (lengths <= row_len)).all(), f"nn_data.{op}: every seq_lengths "

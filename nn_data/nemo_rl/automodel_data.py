@@ -202,7 +202,8 @@ def fixed_total_name(cfg: dict[str, Any], options: Optional[PackOptions] = None)
     if options.pad_full_seq_to is not None:
         return 'cfg["nn_data"]["pad_full_seq_to"]'
     budgets = cfg["sequence_packing"]
-    key = "logprob_mb_tokens" if (budgets.get("logprob_mb_tokens") or 0) > budgets["train_mb_tokens"] else "train_mb_tokens"
+    larger = (budgets.get("logprob_mb_tokens") or 0) > budgets["train_mb_tokens"]
+    key = "logprob_mb_tokens" if larger else "train_mb_tokens"
     return f'cfg["sequence_packing"]["{key}"]'
 
 

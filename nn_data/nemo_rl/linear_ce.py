@@ -14,7 +14,7 @@ megatron-core's hidden states are sequence-first: ``[S/C, B, H]`` for rows, ``[T
 with sequence parallelism this TP rank's ``1/TP`` of those positions (``[S/(C*TP), B, H]``), gathered
 inside. Which of the two a call holds is read from the shapes (NeMo-RL gathers whenever TP > 1, which
 is right only with sequence parallelism). The logits exist one chunk of tokens at a time
-(:func:`nn_data.linear_logprob.hidden_logprobs_local`); the values and gradients (of the hidden states
+(:func:`nn_data.logprobs.hidden_logprobs_local`); the values and gradients (of the hidden states
 and of the weight) are those of NeMo-RL's unfused functions on the logits ``hidden @ weight.T``, its
 conventions included (``docs/design.md``, "NeMo-RL's log-prob conventions"): ``[B, S-1]`` rows
 shifted by one, a target outside ``[0, V)`` the value 0 and the gradient ``-softmax``, and under CP
@@ -31,19 +31,11 @@ import torch.distributed as dist
 
 from nn_data import _checks
 from nn_data.groups import ParallelInfo, SINGLE, given_group_info
-from nn_data.layout import Boundaries, boundary_args, layout_from_boundaries, local_places
-from nn_data.linear_logprob import hidden_logprobs_local
-from nn_data.lm_head import hidden_rows
+from nn_data.logprobs import hidden_logprobs_local
+from nn_data.logprobs.from_hidden import hidden_rows
 from nn_data.nemo_rl.logprob_steps import (
-    DEFAULT_CHUNK_TOKENS,
-    chunk_and_filter,
-    gather_cp,
-    grad_mode,
-    groups,
-    in_vocab,
-    nemo_rl_rows,
-    out_of_vocab_as_nemo_rl,
-    packed_targets,
+    DEFAULT_CHUNK_TOKENS, chunk_and_filter, gather_cp, grad_mode, groups, in_vocab, nemo_rl_rows,
+    out_of_vocab_as_nemo_rl, packed_logprobs, row_layout,
 )
 
 HIDDEN = "tensor_parallel_hidden_states"
@@ -57,12 +49,8 @@ def from_parallel_hidden_states_to_logprobs(
     output_weight_layer: torch.Tensor,
     runtime_gather_output: Optional[bool],
     target: torch.Tensor,
-    vocab_start_index: int,
-    vocab_end_index: int,
-    tp_group: Optional["dist.ProcessGroup"],
-    inference_only: bool = False,
-    cp_group: Optional["dist.ProcessGroup"] = None,
-    chunk_size: Optional[int] = None,
+    vocab_start_index: int, vocab_end_index: int, tp_group: Optional["dist.ProcessGroup"],
+    inference_only: bool = False, cp_group: Optional["dist.ProcessGroup"] = None, chunk_size: Optional[int] = None,
     *,
     pg_collection=None,
 ) -> torch.Tensor:
@@ -94,8 +82,8 @@ def from_parallel_hidden_states_to_logprobs(
     _checks.check_even_shard(HIDDEN, local_len, cp.size, "row")
     _checks.check_same_device(**{HIDDEN: hidden, "target": target})
     with grad_mode(inference_only):
-        bounds = torch.arange(2, device=target.device) * seq  # [0, S]: the rows' one segment
-        source = local_places(bounds, seq, cp.size, cp.rank).source  # [S_loc] row positions on this rank
+        layout = row_layout(1, seq, target.device, op="from_parallel_hidden_states_to_logprobs")  # [0, S]
+        source = layout.local_places(cp.size, cp.rank).source  # [S_loc] row positions on this rank
         # position p of row b scores target[b, p + 1]; values run position-major, as the hidden states:
         # S 8, C 2, rank 1 -> positions [2, 3, 4, 5] score targets [3, 4, 5, 6] of every row
         token = target.to(torch.int64).index_select(1, (source + 1).clamp(max=max(seq - 1, 0)))  # [B, S_loc]
@@ -103,27 +91,20 @@ def from_parallel_hidden_states_to_logprobs(
         keep = (source + 1 < seq)[:, None].expand(local_len, batch).reshape(-1)  # [S_loc*B]
         values = _values(hidden.reshape(-1, hidden.shape[-1]), weight, token, keep, vocab_start_index, tp,
                          sequence_parallel, chunk)  # [S_loc*B]
-        full = gather_cp(values.view(local_len, batch), bounds, cp)  # [1, S, B]
+        full = gather_cp(values.view(local_len, batch), layout, cp)  # [1, S, B]
         return full[0].T[:, :-1]  # [B, S-1]
 
 
 def from_parallel_hidden_states_to_logprobs_packed_sequences(
     tensor_parallel_hidden_states: torch.Tensor,
     output_weight_layer: torch.Tensor,
-    target: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    unpacked_seqlen: int,
-    vocab_start_index: int,
-    vocab_end_index: int,
-    group: Optional["dist.ProcessGroup"],
-    inference_only: bool = False,
-    cp_group: Optional["dist.ProcessGroup"] = None,
-    chunk_size: Optional[int] = None,
-    sampling_params=None,
-    target_is_pre_rolled: bool = False,
+    # the unfused function's arguments from here on (its names, order and defaults)
+    target: torch.Tensor, cu_seqlens_padded: torch.Tensor, unpacked_seqlen: int,
+    vocab_start_index: int, vocab_end_index: int, group: Optional["dist.ProcessGroup"],
+    inference_only: bool = False, cp_group: Optional["dist.ProcessGroup"] = None, chunk_size: Optional[int] = None,
+    sampling_params=None, target_is_pre_rolled: bool = False,
     *,
-    validate: bool = True,
-    pg_collection=None,
+    validate: bool = True, pg_collection=None,
 ) -> torch.Tensor:
     """Log-probs ``[B, S-1]`` from this rank's packed hidden states ``[T/C, 1, H]``: the unfused
     ``from_parallel_logits_to_logprobs_packed_sequences`` with the hidden states and the output weight in
@@ -141,19 +122,20 @@ def from_parallel_hidden_states_to_logprobs_packed_sequences(
     cp, tp = groups(cp_group, group, pg_collection)
     seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     with grad_mode(inference_only):
-        packed = packed_hidden_logprobs(
+        packed, layout = packed_hidden_logprobs(
             tensor_parallel_hidden_states, output_weight_layer, target, cu_seqlens_padded, seq_len, vocab_start_index,
             vocab_end_index, cp, tp, chunk_size=chunk_size, sampling_params=sampling_params,
             pre_rolled=target_is_pre_rolled, validate=validate,
             op="from_parallel_hidden_states_to_logprobs_packed_sequences")  # [1, T]
-        return nemo_rl_rows(packed, cu_seqlens_padded, seq_len)  # [B, S-1]
+        return nemo_rl_rows(packed, layout, seq_len)  # [B, S-1]
 
 
 def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: int, vocab_start_index: int,
                            vocab_end_index: int, cp: ParallelInfo, tp: ParallelInfo, *, chunk_size, sampling_params,
-                           pre_rolled: bool, validate: bool, op: str) -> torch.Tensor:
-    """The packed values ``[1, T]`` on every rank: position ``t`` (offset ``s`` in its padded segment ``n``)
-    holds the log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``, else 0."""
+                           pre_rolled: bool, validate: bool, op: str):
+    """``(packed [1, T], layout)`` on every rank from the hidden states: the checks of the hidden states and
+    the weight, then :func:`~nn_data.nemo_rl.logprob_steps.packed_logprobs` (position ``t``, offset ``s`` in its
+    padded segment ``n``, holds the log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``)."""
     _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, PACKED_SHAPE)
     if 1 not in hidden.shape[:2]:
         raise _checks.PackingError(f"{HIDDEN} must be {PACKED_SHAPE}, got shape {tuple(hidden.shape)}")
@@ -163,14 +145,12 @@ def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: i
     _checks.check_packed_ids("target", target)
     total = target.shape[1] * (cp.size if pre_rolled else 1)
     sequence_parallel = _sequence_parallel(rows.shape[0], total, cp, tp)
-    _checks.check_logprob_target(target, pre_rolled, total // cp.size, total)
-    boundary_args(HIDDEN, hidden, total, cu_seqlens_padded, cp.size)
-    _checks.check_same_device(**{HIDDEN: hidden, "target": target})
-    if validate:  # the boundaries' one host read (eager) or device asserts (compiled)
-        layout_from_boundaries(Boundaries(cu_seqlens_padded, total), op=op, cp_size=cp.size)
-    token, keep = packed_targets(target, pre_rolled, cu_seqlens_padded, total, cp, seq_len)  # [T/C] each
-    values = _values(rows, weight, token, keep, vocab_start_index, tp, sequence_parallel, chunk, filt)  # [T/C]
-    return gather_cp(values, cu_seqlens_padded, cp)  # [1, T]
+    return packed_logprobs(
+        op=op, name=HIDDEN, data=hidden, target=target, cu_seqlens_padded=cu_seqlens_padded, total=total,
+        seq_len=seq_len, cp=cp, pre_rolled=pre_rolled, validate=validate, vocab=weight.shape[0] * tp.size,
+        score=lambda token, keep: _kernel(rows, weight, token, keep, vocab_start_index, tp, sequence_parallel, chunk,
+                                          filt),
+    )
 
 
 class ChunkedDistributedHiddenStatesToLogprobs:
@@ -227,10 +207,16 @@ def _sequence_parallel(rows: int, positions: int, cp: ParallelInfo, tp: Parallel
     )
 
 
+def _kernel(rows, weight, token, keep, vocab_start: int, tp: ParallelInfo, sequence_parallel: bool, chunk: int,
+            filt=None) -> torch.Tensor:
+    """The fused kernel's ``[N]`` values (:func:`nn_data.logprobs.hidden_logprobs_local`)."""
+    return hidden_logprobs_local(rows, weight, token, keep, vocab_start=vocab_start, tp_group=tp.group,
+                                 tp_size=tp.size, sequence_parallel=sequence_parallel, chunk_tokens=chunk,
+                                 sampling=filt)
+
+
 def _values(rows, weight, token, keep, vocab_start: int, tp: ParallelInfo, sequence_parallel: bool, chunk: int,
             filt=None) -> torch.Tensor:
     """The fused kernel's ``[N]`` values with NeMo-RL's rule for a target outside the vocabulary."""
-    values = hidden_logprobs_local(rows, weight, token, keep, vocab_start=vocab_start, tp_group=tp.group,
-                                   tp_size=tp.size, sequence_parallel=sequence_parallel, chunk_tokens=chunk,
-                                   sampling=filt)
+    values = _kernel(rows, weight, token, keep, vocab_start, tp, sequence_parallel, chunk, filt)
     return out_of_vocab_as_nemo_rl(values, in_vocab(token, weight.shape[0] * tp.size))

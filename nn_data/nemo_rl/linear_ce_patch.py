@@ -35,7 +35,7 @@ from nn_data.errors import PackingError
 from nn_data.groups import group_info
 from nn_data.megatron_parallel import gpt_model_class
 from nn_data.nemo_rl.linear_ce import from_parallel_hidden_states_to_logprobs, packed_hidden_logprobs
-from nn_data.nemo_rl.logprob_steps import gather_cp, grad_mode
+from nn_data.nemo_rl.logprob_steps import gather_cp, grad_mode, row_layout
 
 
 def patch_gpt_model_forward_for_linear_ce_fusion(*, chunk_size: int) -> None:
@@ -103,7 +103,7 @@ def _gpt_forward_with_linear_ce_fusion(
         if _is_thd(packed_seq_params):
             packed = packed_hidden_logprobs(hidden, weight, labels, _boundaries(packed_seq_params), labels.shape[1],
                                             *vocab, cp, tp, chunk_size=chunk, sampling_params=None, pre_rolled=False,
-                                            validate=False, op="GPTModel.forward (linear CE fusion)")  # [1, T]
+                                            validate=False, op="GPTModel.forward (linear CE fusion)")[0]  # [1, T]
             return packed[:, :-1]  # [1, T-1]
         return from_parallel_hidden_states_to_logprobs(hidden, weight, runtime_gather_output, labels, *vocab, tp.group,
                                                        cp_group=cp.group, chunk_size=chunk)
@@ -145,5 +145,5 @@ def _gather_labels(labels: torch.Tensor, params, cp) -> torch.Tensor:
     if _is_thd(params):
         gather = GatherFromContextParallel(cp.group, validate=False)
         return gather(labels[..., None], _boundaries(params))[..., 0]  # [1, T]
-    bounds = torch.arange(2, device=labels.device) * (labels.shape[1] * cp.size)  # [0, S]: each row one segment
-    return gather_cp(labels.T, bounds, cp)[0].T  # [S/C, B] -> [1, S, B] -> [B, S]
+    layout = row_layout(1, labels.shape[1] * cp.size, labels.device, op="GPTModel.forward (linear CE fusion)")
+    return gather_cp(labels.T, layout, cp)[0].T  # [S/C, B] -> [1, S, B] -> [B, S]: each row one segment [0, S]

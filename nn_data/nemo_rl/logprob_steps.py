@@ -1,6 +1,7 @@
 """The steps NeMo-RL's log-prob functions share, from logits (``model_utils``) or from hidden states
-(``linear_ce``): groups, chunking and filter arguments, the packed targets, NeMo-RL's rule for a target
-outside the vocabulary, and the CP gather with NeMo-RL's ``C``-times gradient.
+(``linear_ce``): groups, chunking and filter arguments, the call's layout, the packed targets, NeMo-RL's
+rule for a target outside the vocabulary, the CP gather with NeMo-RL's ``C``-times gradient, and the one
+body of both packed entry points (:func:`packed_logprobs`); the kernels are :mod:`nn_data.logprobs`'.
 
 Shape legend
     B   sequences; ``cu_seqlens_padded`` has B+1 entries
@@ -18,8 +19,8 @@ import torch
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout import Segments, local_places, segment_bounds
-from nn_data.sampling import sampling_filter
+from nn_data.layout import Boundaries, PackLayout, boundary_args, layout_from_boundaries
+from nn_data.logprobs import sampling_filter
 from nn_data.targets import next_token_at
 from nn_data.unpack import unpack_sequences
 
@@ -52,21 +53,56 @@ def chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_i
     return chunk, filt
 
 
-def packed_targets(target, pre_rolled: bool, cu_seqlens_padded, total: int, cp: ParallelInfo, seq_len: int):
+def packed_layout(cu_seqlens_padded: torch.Tensor, total: int, cp: ParallelInfo, *, op: str,
+                  validate: bool) -> PackLayout:
+    """The layout of a packed call, built once and used for the whole call: with ``validate`` one host read
+    of ``cu_seqlens_padded`` eagerly (the call's validation) or device asserts when compiled; nothing read
+    with ``validate=False``. Its valid tokens are the whole padded segments: NeMo-RL scores every position
+    of a padded segment, its padding included."""
+    bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens_padded)
+    return layout_from_boundaries(bounds, op=op, cp_size=cp.size, validate=validate)
+
+
+def row_layout(rows: int, row_len: int, device, *, op: str) -> PackLayout:
+    """The layout of ``rows`` unpacked rows of ``row_len`` positions back to back, one segment each (no
+    read, nothing to check). Example: 2 rows of 4 -> cu_seqlens_padded ``[0, 4, 8]``."""
+    bounds = torch.arange(rows + 1, device=device) * row_len  # [B+1]
+    return layout_from_boundaries(Boundaries(bounds, rows * row_len), op=op, validate=False)
+
+
+def packed_targets(target, pre_rolled: bool, layout: PackLayout, cp: ParallelInfo, seq_len: int):
     """``(token [N], keep [N])`` for this rank's packed positions: the token each one scores and
     whether NeMo-RL's output holds it (offset ``s`` in its padded segment ``n``: ``s < min(n-1, S-1)``).
 
     Example (C 1): cu_seqlens_padded ``[0, 4, 12]``, S 6 -> keep ``[T,T,T,F, T,T,T,T,T,F,F,F]``
     (segment 1 is cut at ``S - 1 = 5`` positions); position 3 would score the next segment's token.
     """
-    bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]
-    places = local_places(bounds, total, cp.size, cp.rank)  # 2 x [N]
-    seg_len = bounds[1:] - bounds[:-1]  # [B'] padded segments: every padded position is scored
-    offset = places.source - bounds[places.segment]  # [N]
-    keep = (offset + 1 < seg_len[places.segment]) & (offset + 1 < seq_len)  # [N]
+    segments = layout.segments()  # the padded segments, every position valid (packed_layout)
+    places = layout.local_places(cp.size, cp.rank)  # 2 x [N]
+    offset = places.source - segments.bounds[places.segment]  # [N]
+    keep = (offset + 1 < segments.lengths[places.segment]) & (offset + 1 < seq_len)  # [N]
     if pre_rolled:
         return target[0].to(torch.int64), keep  # [N] given on this rank's positions
-    return next_token_at(target[0], Segments(bounds, seg_len), places, total)[0], keep  # [N] the token at t + 1
+    return next_token_at(target[0], segments, places, layout.total)[0], keep  # [N] the token at t + 1
+
+
+def packed_logprobs(*, op: str, name: str, data: torch.Tensor, target: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+                    total: int, seq_len: int, cp: ParallelInfo, pre_rolled: bool, validate: bool, vocab: int,
+                    score) -> tuple[torch.Tensor, PackLayout]:
+    """The one body of NeMo-RL's packed log-prob functions, from logits or from hidden states (``data``, named
+    ``name``): ``(packed [1, T], layout)``, position ``t`` (offset ``s`` in its padded segment ``n``) holding the
+    log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``, else 0, on every CP rank.
+
+    ``score(token [N], keep [N]) -> [N]`` is the kernel call on this rank's positions; a target outside
+    ``[0, vocab)`` then gets NeMo-RL's value and gradient. Checks ``target`` and the boundaries first
+    (:func:`packed_layout`: the one read, with ``validate``)."""
+    _checks.check_logprob_target(target, pre_rolled, total // cp.size, total)
+    boundary_args(name, data, total, cu_seqlens_padded, cp.size)
+    _checks.check_same_device(**{name: data, "target": target})
+    layout = packed_layout(cu_seqlens_padded, total, cp, op=op, validate=validate)
+    token, keep = packed_targets(target, pre_rolled, layout, cp, seq_len)  # [N] each
+    values = out_of_vocab_as_nemo_rl(score(token, keep), in_vocab(token, vocab))  # [N]
+    return gather_cp(values, layout, cp), layout  # [1, T]
 
 
 def in_vocab(token: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -87,18 +123,18 @@ def out_of_vocab_as_nemo_rl(values: torch.Tensor, token_in_vocab: torch.Tensor) 
     return torch.where(token_in_vocab, values, values - values.detach())
 
 
-def gather_cp(values: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp: ParallelInfo) -> torch.Tensor:
-    """``[N, *]`` on each rank -> ``[1, T, *]``: one all-gather; backward a reduce-scatter (NeMo-RL's
-    ``C``-times gradient)."""
+def gather_cp(values: torch.Tensor, layout: PackLayout, cp: ParallelInfo) -> torch.Tensor:
+    """``[N, *]`` on each rank -> ``[1, T, *]`` along ``layout``: one all-gather; backward a reduce-scatter
+    (NeMo-RL's ``C``-times gradient)."""
     if cp.size == 1:
         return values[None]
-    return GatherFromContextParallel(cp.group, grad_mode="sum", validate=False)(values[None], cu_seqlens_padded)
+    return GatherFromContextParallel(cp.group, grad_mode="sum", validate=False)(values[None], layout=layout)
 
 
-def nemo_rl_rows(packed: torch.Tensor, cu_seqlens_padded: torch.Tensor, seq_len: int) -> torch.Tensor:
+def nemo_rl_rows(packed: torch.Tensor, layout: PackLayout, seq_len: int) -> torch.Tensor:
     """NeMo-RL's ``[B, S-1]`` rows from the packed values ``[1, T]`` (position ``start_b + s`` scoring token
     ``s + 1``): row ``b`` keeps ``min(n_b - 1, S - 1)`` values, 0 beyond. Example: segments ``[4, 8]``, S 6
     -> rows of 3 and 5 values."""
-    cu = cu_seqlens_padded.to(torch.int64)
-    lengths = (cu[1:] - cu[:-1] - 1).clamp(0, seq_len - 1)  # [B] min(n_b - 1, S - 1)
-    return unpack_sequences(packed, lengths, cu_seqlens_padded, seq_len - 1, 0, validate=False)  # [B, S-1]
+    cu = layout.cu_seqlens_padded
+    lengths = (layout.lengths() - 1).clamp(0, seq_len - 1)  # [B] min(n_b - 1, S - 1): the padded segments
+    return unpack_sequences(packed, lengths, cu, seq_len - 1, 0, validate=False)  # [B, S-1]

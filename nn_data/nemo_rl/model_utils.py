@@ -39,12 +39,10 @@ import torch
 import torch.distributed as dist
 
 from nn_data import _checks
-from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
-from nn_data.logprobs import token_logprobs_local
+from nn_data.cp_comm import all_gather_dim0
 from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout import (
-    Boundaries, boundary_args, layout_from_boundaries, local_places, sequence_divisible, zigzag_source,
-)
+from nn_data.layout import sequence_divisible
+from nn_data.logprobs import sampling_filter, token_logprobs_local
 from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs from hidden states), with CP
     ChunkedDistributedHiddenStatesToLogprobs,
     from_parallel_hidden_states_to_logprobs,
@@ -52,18 +50,10 @@ from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs
 )
 from nn_data.nemo_rl.linear_ce_patch import patch_gpt_model_forward_for_linear_ce_fusion
 from nn_data.nemo_rl.logprob_steps import (
-    DEFAULT_CHUNK_TOKENS,
-    chunk_and_filter,
-    gather_cp,
-    grad_mode,
-    groups,
-    in_vocab,
-    nemo_rl_rows,
-    out_of_vocab_as_nemo_rl,
-    packed_targets,
+    DEFAULT_CHUNK_TOKENS, chunk_and_filter, gather_cp, grad_mode, groups, in_vocab, nemo_rl_rows,
+    out_of_vocab_as_nemo_rl, packed_logprobs, row_layout,
 )
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
-from nn_data.sampling import sampling_filter
 
 __all__ = [
     "ChunkedDistributedHiddenStatesToLogprobs",
@@ -128,19 +118,16 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     total = local_total * cp.size
     seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
-    _checks.check_logprob_target(target, target_is_pre_rolled, local_total, total)
-    boundary_args("vocab_parallel_logits", vocab_parallel_logits, total, cu_seqlens_padded, cp.size)
-    _checks.check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
-    if validate:  # the boundaries' one host read (eager) or device asserts (compiled)
-        layout_from_boundaries(Boundaries(cu_seqlens_padded, total), cp_size=cp.size,
-                               op="from_parallel_logits_to_logprobs_packed_sequences")
     with grad_mode(inference_only):
-        token, keep = packed_targets(target, target_is_pre_rolled, cu_seqlens_padded, total, cp, seq_len)
-        # squeeze, not [0]: its backward is a view, where [0]'s would copy the logits' whole gradient
-        values = _local_logprobs(vocab_parallel_logits.squeeze(0), token, keep, vocab_start_index, tp, chunk, filt)
-        values = out_of_vocab_as_nemo_rl(values, in_vocab(token, cols * tp.size))
-        packed = gather_cp(values, cu_seqlens_padded, cp)  # [1, T]
-        return nemo_rl_rows(packed, cu_seqlens_padded, seq_len)  # [B, S-1]
+        packed, layout = packed_logprobs(
+            op="from_parallel_logits_to_logprobs_packed_sequences", name="vocab_parallel_logits",
+            data=vocab_parallel_logits, target=target, cu_seqlens_padded=cu_seqlens_padded, total=total,
+            seq_len=seq_len, cp=cp, pre_rolled=target_is_pre_rolled, validate=validate, vocab=cols * tp.size,
+            # squeeze, not [0]: its backward is a view, where [0]'s would copy the logits' whole gradient
+            score=lambda token, keep: _local_logprobs(vocab_parallel_logits.squeeze(0), token, keep, vocab_start_index,
+                                                      tp, chunk, filt),
+        )  # [1, T]
+        return nemo_rl_rows(packed, layout, seq_len)  # [B, S-1]
 
 
 def from_parallel_logits_to_logprobs(
@@ -181,8 +168,8 @@ def from_parallel_logits_to_logprobs(
     chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
     seq_len = target.shape[1]
     with grad_mode(inference_only):
-        bounds = torch.arange(rows + 1, device=target.device) * padded_len  # [B+1]: one segment per row
-        places = local_places(bounds, rows * padded_len, cp.size, cp.rank)  # 2 x [B*S_loc]
+        layout = row_layout(rows, padded_len, target.device, op="from_parallel_logits_to_logprobs")  # a row a segment
+        places = layout.local_places(cp.size, cp.rank)  # 2 x [B*S_loc]
         offset = places.source - places.segment * padded_len  # [B*S_loc] position in the padded row
         keep = offset + 1 < seq_len  # [B*S_loc]
         # row b, position s reads target[b, s + 1] (flat index b*S + s + 1; clamped where keep is False)
@@ -192,7 +179,7 @@ def from_parallel_logits_to_logprobs(
         logits = vocab_parallel_logits.reshape(rows * local_len, cols)  # [B*S_loc, Vt]
         values = _local_logprobs(logits, token, keep, vocab_start_index, tp, chunk * max(rows, 1), filt)
         values = out_of_vocab_as_nemo_rl(values, in_vocab(token, cols * tp.size))
-        full = gather_cp(values, bounds, cp)  # [1, B*S_pad]
+        full = gather_cp(values, layout, cp)  # [1, B*S_pad]
         return full.view(rows, padded_len)[:, : max(seq_len - 1, 0)]  # [B, S-1]
 
 
@@ -264,9 +251,8 @@ def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group: Optional["dist.P
         return tensor
     seq_dim = seq_dim % tensor.dim()
     _checks.check_even_shard("tensor", tensor.shape[seq_dim], cp.size, f"sequence (dim {seq_dim})")
-    bounds = torch.arange(2, device=tensor.device) * (tensor.shape[seq_dim] * cp.size)  # [0, S_loc * C]
-    local = tensor.movedim(seq_dim, 0).unsqueeze(0)  # [1, S_loc, ...]
-    full = GatherFromContextParallel(cp.group, grad_mode="sum", validate=False)(local, bounds)  # [1, S_loc*C, ...]
+    layout = row_layout(1, tensor.shape[seq_dim] * cp.size, tensor.device, op="allgather_cp_sharded_tensor")
+    full = gather_cp(tensor.movedim(seq_dim, 0), layout, cp)  # [S_loc, ...] -> [1, S_loc*C, ...]
     return full.squeeze(0).movedim(0, seq_dim)
 
 
@@ -284,8 +270,8 @@ def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: 
     _checks.check_cp(cp_size, cp_rank)
     length = input_ids.shape[seq_dim]
     sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
-    bounds = torch.arange(2, device=input_ids.device) * length  # [0, n]
-    return input_ids.index_select(seq_dim, zigzag_source(bounds, length // cp_size, cp_size, cp_rank))
+    layout = row_layout(1, length, input_ids.device, op="_get_tokens_on_this_cp_rank")  # [0, n]: one segment
+    return input_ids.index_select(seq_dim, layout.local_places(cp_size, cp_rank).source)
 
 
 # --- NeMo-RL's autograd functions, called as ``Class.apply(...)`` with its argument order ----------------------

@@ -1,5 +1,5 @@
 """NeMo-RL's sampling parameters for its log-prob functions (the filter itself is the core's,
-:func:`nn_data.sampling.sampling_filter`, which reads ``top_k`` / ``top_p`` by attribute)."""
+:func:`nn_data.logprobs.sampling_filter`, which reads ``top_k`` / ``top_p`` by attribute)."""
 
 from __future__ import annotations
 

@@ -82,8 +82,8 @@ def test_each_microbatch_is_the_record_process_microbatch_makes_of_its_rows():
     gen = torch.Generator().manual_seed(0)
     for mb, (block,) in zip(iterator, plan.rounds):
         rows = len(block.sequences)
-        want = process_microbatch(mb.data_dict, seq_length_key="input_lengths", pad_full_seq_to=TPR, pack_sequences=True,
-                                  pad_individual_seqs_to_multiple_of=plan.sequence_multiples[1])
+        want = process_microbatch(mb.data_dict, seq_length_key="input_lengths", pad_full_seq_to=TPR,
+                                  pack_sequences=True, pad_individual_seqs_to_multiple_of=plan.sequence_multiples[1])
         assert mb.cu_seqlens_padded.shape == (rows + 1,) and torch.equal(mb.cu_seqlens_padded, want.cu_seqlens_padded)
         for field in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
             assert torch.equal(getattr(mb.packed_seq_params, field), getattr(want.packed_seq_params, field)), field

@@ -115,6 +115,12 @@ for old, new in pairs:
 with mock.patch('nn_data.megatron_data.dynamic_cp.dynamic_cp_microbatch_iterator', return_value='patched'):
     from nn_data.nemo_rl.megatron_data import get_microbatch_iterator
     assert get_microbatch_iterator(None, {}, 1, None, dynamic_cp=(None, None)) == 'patched'
+try:
+    import nn_data.megatron_data.no_such_module
+except ModuleNotFoundError as e:
+    assert e.name == 'nn_data.megatron_data.no_such_module', e.name
+else:
+    raise AssertionError('an old path with no home imported')
 print(len(pairs), len(fresh))
 """
 
@@ -135,3 +141,35 @@ def test_patching_the_old_path_patches_what_process_microbatch_calls():
 
     with mock.patch("nn_data.megatron_data.get_context_parallel_world_size", return_value=7):
         assert new.get_context_parallel_world_size() == 7 and old.get_context_parallel_world_size() == 7
+
+
+def _old_names() -> list:
+    from nn_data._alias import OLD_NAMES
+
+    return sorted(OLD_NAMES.items())
+
+
+@pytest.mark.parametrize("old, new", _old_names())
+def test_every_old_attribute_is_its_homes_object(old, new):
+    """Each row of ``nn_data._alias.OLD_NAMES`` (an attribute of a module that stayed, or of the former single
+    ``nn_data.logprobs`` module, now a package) gives its home's very object, without a warning."""
+    (where, _, name), (home, _, home_name) = old.rpartition("."), new.rpartition(".")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(importlib.import_module(where), name) is getattr(importlib.import_module(home), home_name)
+
+
+def test_the_log_prob_modules_old_paths_are_the_packages_modules():
+    """The log-prob code moved into ``nn_data.logprobs`` (issue 35): each earlier module path is its module."""
+    import nn_data.linear_logprob
+    import nn_data.lm_head
+    import nn_data.logprobs.filters
+    import nn_data.sampling
+    import nn_data.shared_prefix_logprobs
+
+    assert nn_data.lm_head is nn_data.logprobs.from_hidden and nn_data.linear_logprob is nn_data.logprobs.kernels
+    assert nn_data.sampling is nn_data.logprobs.filters
+    assert nn_data.shared_prefix_logprobs is nn_data.logprobs.from_shared_prefix
+    assert nn_data.lm_head.TokenLogProbsFromHidden is nn_data.TokenLogProbsFromHidden
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        nn_data.logprobs.nothing_here

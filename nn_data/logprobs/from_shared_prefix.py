@@ -11,8 +11,8 @@ of its leader's prompt slot (the next token in that slot: scored once for the wh
 ``P <= s < L - 1`` inside its own response slot, and for ``s = P - 1`` (the prompt's last position
 against the response's first token ``input_ids[b, P]``) one **boundary** score per rollout: the ``B``
 boundary rows (``[B, Vt]`` logits rows, or ``[B, H]`` hidden rows) are gathered and scored by the same
-kernel as the ``T`` packed positions (:func:`nn_data.logprobs.token_logprobs_local`,
-:func:`nn_data.linear_logprob.hidden_logprobs_local`); 0 at ``s >= L - 1``. No ``[B, S, V]`` tensor.
+kernel as the ``T`` packed positions (:func:`nn_data.logprobs.kernels.token_logprobs_local`,
+:func:`~nn_data.logprobs.kernels.hidden_logprobs_local`); 0 at ``s >= L - 1``. No ``[B, S, V]`` tensor.
 
 Under CP the rank holding a prompt's last position scores its boundary rows (0 elsewhere); the
 ``[T/C]`` values and the ``[B]`` boundary values cross the CP group in one all-gather (the boundary
@@ -32,10 +32,10 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import all_gather_rows
 from nn_data.groups import given_group_info
-from nn_data.layout import SharedPrefixLayout, packed_segments, take_layout, target_ids, target_ids_device
-from nn_data.linear_logprob import hidden_logprobs_local
-from nn_data.lm_head import HIDDEN_SHAPE, hidden_rows
-from nn_data.logprobs import check_full_ids, targets_on_rank, token_logprobs_local
+from nn_data.layout import SharedPrefixLayout, take_layout, target_ids, target_ids_device
+from nn_data.logprobs.from_hidden import HIDDEN_SHAPE, hidden_rows
+from nn_data.logprobs.from_logits import check_full_ids, targets_on_rank
+from nn_data.logprobs.kernels import hidden_logprobs_local, token_logprobs_local
 
 
 class RolloutTargets(NamedTuple):
@@ -66,7 +66,7 @@ def rollout_targets(op: str, layout, packed_ids: torch.Tensor, total: int, vocab
                                    f"{type(layout).__name__}")
     slots = take_layout(layout.layout, total, op=op, cp_size=groups.cp_size, validate=validate)
     if validate:
-        bounds, lengths = packed_segments(slots.cu_seqlens, slots.cu_seqlens_padded, total)
+        bounds, lengths = slots.segments()
         target_ids_device(op, target_ids(packed_ids[0], bounds, lengths, total, vocab), vocab)
     target, keep = targets_on_rank(slots, packed_ids, total, places, groups.cp_size, groups.cp_rank)  # [T/C] each
     edge = layout.boundary_places(groups.cp_size, groups.cp_rank)  # [B] each

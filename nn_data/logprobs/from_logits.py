@@ -10,7 +10,9 @@ Shape legend
 Memory: the logits are read in chunks of ``c`` tokens, so beyond the logits (and,
 in backward, their gradient) the op holds ``O(T)`` values plus one ``[c, Vt]``
 float32 chunk. Only ``[1, T/C]`` log-probs cross the CP group (one all-gather); the
-gathered ``[1, T, V]`` logits and the unpacked ``[B, S, V]`` never exist.
+gathered ``[1, T, V]`` logits and the unpacked ``[B, S, V]`` never exist. The kernel is
+:func:`nn_data.logprobs.kernels.token_logprobs_local`; the steps around it (the call's layout, each
+rank's targets, the rows from the gathered values) serve every log-prob op of :mod:`nn_data.logprobs`.
 """
 
 from __future__ import annotations
@@ -22,149 +24,14 @@ import torch.distributed as dist
 from torch import nn
 
 from nn_data import _checks
-from nn_data.cp_comm import GatherFromContextParallel, all_gather_dim0
+from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
-from nn_data.sampling import row_thresholds, vocab_parallel_thresholds
 from nn_data.layout import (
-    Boundaries, PackLayout, ZigzagLocal, boundary_args, layout_from_boundaries, op_layout, packed_segments, reads_host,
+    Boundaries, PackLayout, ZigzagLocal, boundary_args, layout_from_boundaries, op_layout, reads_host,
     target_ids, target_ids_device, target_ids_host,
 )
+from nn_data.logprobs.kernels import token_logprobs_local
 from nn_data.targets import next_token_at
-
-
-class _TargetLogProb(torch.autograd.Function):
-    """``log softmax(logits[i])[target[i]]`` where ``keep[i]``, else 0: ``[N, Vt] -> [N]`` (float32 or wider).
-
-    Vocab-parallel (``tp_size > 1``): each TP rank holds columns ``[vocab_start,
-    vocab_start + Vt)``; the per-rank log-sum-exp and the target's logit (0 on ranks that
-    do not own it) are all-gathered as ``[2, N]`` and combined. Backward needs no
-    communication: ``d/dz_v = [v = target] - softmax_v``, with the global log-sum-exp saved.
-
-    ``sampling`` (a :class:`~nn_data.sampling.SamplingFilter`, or None): the softmax runs over the
-    logits the filter keeps (``>= tau``, one threshold per row, ``nn_data.sampling``); a target
-    it drops gets ``-inf`` and no one-hot term in the gradient, filtered logits get no gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, keep, vocab_start: int, tp_group, tp_size: int, chunk: int, sampling=None):
-        n, cols = logits.shape
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        local, owned = target_columns(target, vocab_start, cols)
-        lse = logits.new_empty(n, dtype=dtype)
-        picked = logits.new_empty(n, dtype=dtype)
-        tau = logits.new_empty(n if sampling is not None else 0, dtype=dtype)  # [N] thresholds when filtering
-        for i in range(0, n, chunk):  # static: n and chunk are Python ints
-            j = i + chunk
-            lse[i:j], picked[i:j], tau_c = chunk_lse_and_target(logits[i:j], dtype, local[i:j], sampling, tp_group,
-                                                                tp_size)
-            if tau_c is not None:
-                tau[i:j] = tau_c
-        lse, picked, owned = combine_vocab_parallel(lse, picked, owned, tp_group, tp_size, sampling is not None)
-        ctx.save_for_backward(logits, local, owned, keep, lse, tau)
-        ctx.chunk, ctx.sampled = chunk, sampling is not None
-        return torch.where(keep, picked - lse, 0.0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, local, owned, keep, lse, tau = ctx.saved_tensors
-        g = torch.where(keep, grad, 0.0).to(lse.dtype)  # [N]
-        g_owned = torch.where(owned, g, 0.0)  # [N] the one-hot term, on the owning TP rank only
-        out = torch.empty_like(logits)
-        for i in range(0, logits.shape[0], ctx.chunk):
-            j = i + ctx.chunk
-            x = logits[i:j].to(lse.dtype)  # [c, Vt]
-            out[i:j] = chunk_logit_grad(x, lse[i:j], tau[i:j] if ctx.sampled else None, g[i:j], g_owned[i:j],
-                                        local[i:j], fresh=False)
-        return out, None, None, None, None, None, None, None
-
-
-def target_columns(target: torch.Tensor, vocab_start: int, cols: int):
-    """``(local [N], owned [N])``: each target's column on this TP rank (clamped into ``[0, Vt)``) and whether
-    this rank holds it. Example: target ``[1, 5, 9]``, vocab_start 4, cols 4 -> local ``[0, 1, 3]``, owned
-    ``[F, T, F]``."""
-    local = target - vocab_start  # [N] column on this rank
-    owned = (local >= 0) & (local < cols)  # [N]
-    return local.clamp(0, max(cols - 1, 0)), owned
-
-
-def chunk_lse_and_target(raw: torch.Tensor, dtype: torch.dtype, local: torch.Tensor, sampling, tp_group,
-                         tp_size: int, *, fresh: bool = False):
-    """``(lse [c], picked [c], tau [c] or None)`` of one chunk of this rank's logits ``raw [c, Vt]``: the
-    log-sum-exp over its columns and the logit at ``local`` (in ``dtype``, float32 or wider), over the
-    columns the filter keeps when ``sampling`` is set (``tau`` the thresholds, in ``raw``'s dtype).
-    ``fresh``: ``raw`` may be overwritten (the log-sum-exp is then taken in place: no second chunk)."""
-    x = raw.to(dtype)  # [c, Vt], a copy when the dtype changes
-    fresh = fresh or raw.dtype != dtype
-    tau = None
-    if sampling is not None:
-        tau = _thresholds(raw, sampling, tp_group, tp_size)
-        x, fresh = _filtered(x, tau), True
-    picked = x.gather(1, local[:, None]).squeeze(1)  # [c]
-    if not fresh:  # x is the caller's tensor
-        return torch.logsumexp(x, dim=-1), picked, tau
-    # [c]; a row with no column kept on this TP rank (filtered) is all -inf: shift it by 0, its lse is -inf
-    top = x.amax(dim=-1).nan_to_num(neginf=0.0)
-    return x.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top), picked, tau
-
-
-def combine_vocab_parallel(lse, picked, owned, tp_group, tp_size: int, sampled: bool):
-    """The whole vocabulary's ``(lse [N], picked [N], owned [N])`` from every TP rank's: one all-gather of
-    ``[2, N]`` (the log-sum-exp over ranks; the target logit from the rank that owns it, 0 elsewhere).
-    With a filter, a target it dropped (``picked = -inf``) loses its one-hot term."""
-    picked = torch.where(owned, picked, 0.0)
-    if tp_size > 1:
-        n = lse.shape[0]
-        every = all_gather_dim0(torch.stack([lse, picked]), tp_group).view(tp_size, 2, n)  # [TP, 2, N]
-        lse, picked = torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)  # [N] each
-    if sampled:
-        owned = owned & (picked > float("-inf"))  # a filtered target: no one-hot term
-    return lse, picked, owned
-
-
-def chunk_logit_grad(x, lse, tau, g, g_owned, local, *, fresh: bool) -> torch.Tensor:
-    """The gradient of one chunk's logits, ``[c, Vt]`` in ``lse``'s dtype: ``-softmax * g`` plus ``g_owned``
-    at the target column (``softmax`` over the kept columns when ``tau`` is given; 0 where filtered).
-    ``x [c, Vt]`` holds the chunk's logits in that dtype; ``fresh``: ``x`` may be overwritten."""
-    if tau is not None:
-        x = _filtered(x, tau).sub_(lse[:, None])
-    else:
-        x = x.sub_(lse[:, None]) if fresh else x.sub(lse[:, None])
-    d = x.exp_()  # [c, Vt] softmax (0 where filtered)
-    return d.mul_(-g[:, None]).scatter_add_(1, local[:, None], g_owned[:, None])
-
-
-def _thresholds(raw: torch.Tensor, sampling, tp_group, tp_size: int) -> torch.Tensor:
-    """The filter's threshold of each row of ``raw [c, Vt]``, in the logits' own dtype (as NeMo-RL filters)."""
-    if tp_size > 1:
-        return vocab_parallel_thresholds(raw, sampling, tp_group, tp_size)
-    return row_thresholds(raw, sampling)
-
-
-def _filtered(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """A new ``[c, Vt]`` tensor: ``x`` with the entries below their row's ``tau [c]`` set to ``-inf``."""
-    return x.masked_fill(x < tau[:, None], float("-inf"))
-
-
-def token_logprobs_local(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    keep: torch.Tensor,
-    *,
-    vocab_start: int = 0,
-    tp_group: Optional["dist.ProcessGroup"] = None,
-    tp_size: int = 1,
-    chunk_tokens: int = 256,
-    sampling=None,
-) -> torch.Tensor:
-    """Log-prob of ``target`` at each row of ``logits [N, Vt]`` where ``keep [N]``, else 0: ``[N]``.
-
-    Differentiable w.r.t. ``logits``; memory beyond the logits is ``O(N)`` plus one
-    ``[chunk_tokens, Vt]`` chunk. ``target`` holds vocabulary ids in ``[0, V)`` where ``keep``.
-    ``sampling``: an optional :class:`~nn_data.sampling.SamplingFilter` (top-k / top-p); the
-    log-softmax then runs over the kept logits only (under TP, one all-to-all and one all-gather
-    per chunk find each row's threshold).
-    """
-    return _TargetLogProb.apply(logits, target, keep, vocab_start, tp_group, tp_size, chunk_tokens, sampling)
 
 
 class TokenLogProbs(nn.Module):
@@ -277,7 +144,7 @@ def check_full_ids(name: str, local: torch.Tensor, packed_ids: torch.Tensor, loc
 def targets_on_rank(layout: PackLayout, packed_ids: torch.Tensor, total: int, places, cp_size: int, cp_rank: int):
     """``(target [T/C], keep [T/C])``: each of this rank's positions' next token within its sequence and
     whether it has one (:func:`nn_data.targets.next_token_at` on the layout's real lengths)."""
-    segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, total)
+    segments = layout.segments()
     if places is None:
         places = layout.local_places(cp_size, cp_rank)
     return next_token_at(packed_ids[0], segments, places, total)  # [T/C] each
@@ -306,9 +173,10 @@ def logprob_layout(op: str, packed_ids, total: int, vocab: int, cu_seqlens, cu_s
         raise _checks.PackingError(f"{op} needs a layout with cu_seqlens (PackResult.layout)")
     bad_ids = None
     if validate:
-        bounds, lengths = packed_segments(layout.cu_seqlens if layout is not None else cu_seqlens,
-                                          layout.cu_seqlens_padded if layout is not None else cu_seqlens_padded,
-                                          total)
+        if layout is None:  # a layout of the boundaries built on the device (no read): their segments
+            view = layout_from_boundaries(Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens), op=op,
+                                          validate=False)
+        bounds, lengths = (layout if layout is not None else view).segments()
         bad_ids = target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
     if layout is not None or not reads_host(validate, host_reads):
         layout = op_layout(op, "packed_ids", packed_ids, total, cp_size, cu_seqlens_padded, layout,

@@ -11,7 +11,7 @@ Shape legend
 the output layer ``hidden @ weight.T`` (divided by ``temperature``): the same ``[B, S]`` rows, the same
 gradients (now of the hidden states and of the weight), the same single ``[1, T/C]`` all-gather over the
 CP group, with each position's next token taken within its sequence (``NextTokenTargets``' rule) on the
-rank's zigzag shard. The chunked kernel is :mod:`nn_data.linear_logprob`.
+rank's zigzag shard. The chunked kernel is :func:`nn_data.logprobs.kernels.hidden_logprobs_local`.
 
 Memory, per rank, beyond the inputs and their gradients (T 262,144, V 152,064, TP 4, C 8, bf16 logits,
 float32 log-softmax as megatron-core users run it): the unfused path holds the ``[T/C, V/TP]`` logits
@@ -30,9 +30,9 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import context_parallel_info, group_info, tensor_parallel_info
 from nn_data.layout import PackLayout, ZigzagLocal
-from nn_data.linear_logprob import hidden_logprobs_local
-from nn_data.logprobs import logprob_layout, resolve_seq_len, rows_from_local, targets_on_rank
-from nn_data.sampling import sampling_filter
+from nn_data.logprobs.filters import sampling_filter
+from nn_data.logprobs.from_logits import logprob_layout, resolve_seq_len, rows_from_local, targets_on_rank
+from nn_data.logprobs.kernels import hidden_logprobs_local
 
 HIDDEN_SHAPE = "[1, T/C, H] (or megatron-core's sequence-first [T/C, 1, H])"
 

@@ -88,8 +88,8 @@ def vocab_parallel_thresholds(local: torch.Tensor, filt: SamplingFilter, group, 
 
 
 def __getattr__(name: str):
-    """The 0.1.x names of this module that moved (``nn_data._alias.OLD_NAMES``: ``TrainingSamplingParams``,
-    now :class:`nn_data.nemo_rl.sampling.TrainingSamplingParams`), resolved on first use."""
+    """The 0.1.x names of this module (``nn_data.sampling``, its old path) that moved (``nn_data._alias.OLD_NAMES``:
+    ``TrainingSamplingParams``, now :class:`nn_data.nemo_rl.sampling.TrainingSamplingParams`), resolved on first use."""
     from nn_data._alias import old_name
 
-    return old_name(__name__, name)
+    return old_name("nn_data.sampling", name)

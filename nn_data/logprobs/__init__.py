@@ -1,0 +1,42 @@
+"""Token log-probs, in one home (``docs/logprobs.md``): the vocabulary-parallel kernels and the ops on them.
+
+* :mod:`~nn_data.logprobs.kernels`: the chunked, vocabulary-parallel kernels, from logits
+  (:func:`token_logprobs_local`) and from hidden states and the output weight (:func:`hidden_logprobs_local`);
+* :mod:`~nn_data.logprobs.filters`: top-k / top-p as one threshold per row (:class:`SamplingFilter`);
+* :mod:`~nn_data.logprobs.from_logits`: :class:`TokenLogProbs`, and the steps every op here shares (the
+  call's layout, each rank's targets, the rows from the gathered values);
+* :mod:`~nn_data.logprobs.from_hidden`: :class:`TokenLogProbsFromHidden` (the LM head fused in);
+* :mod:`~nn_data.logprobs.from_shared_prefix`: :class:`SharedPrefixLogProbs` and
+  :class:`SharedPrefixLogProbsFromHidden`, per rollout of a shared-prefix microbatch.
+
+The NeMo-RL functions (:mod:`nn_data.nemo_rl.model_utils`, :mod:`nn_data.nemo_rl.linear_ce`) call these. The
+earlier module paths (``nn_data.lm_head``, ``nn_data.linear_logprob``, ``nn_data.sampling``,
+``nn_data.shared_prefix_logprobs``) are these modules' objects (``nn_data._alias.OLD_PATHS``); the helper names
+the single ``nn_data.logprobs`` module had still resolve here (``nn_data._alias.OLD_NAMES``).
+"""
+
+from __future__ import annotations
+
+from nn_data.logprobs.filters import SamplingFilter, sampling_filter
+from nn_data.logprobs.from_hidden import TokenLogProbsFromHidden
+from nn_data.logprobs.from_logits import TokenLogProbs
+from nn_data.logprobs.from_shared_prefix import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from nn_data.logprobs.kernels import hidden_logprobs_local, token_logprobs_local
+
+__all__ = [
+    "SamplingFilter",
+    "SharedPrefixLogProbs",
+    "SharedPrefixLogProbsFromHidden",
+    "TokenLogProbs",
+    "TokenLogProbsFromHidden",
+    "hidden_logprobs_local",
+    "sampling_filter",
+    "token_logprobs_local",
+]
+
+
+def __getattr__(name: str):
+    """The helpers the single ``nn_data.logprobs`` module held (``nn_data._alias.OLD_NAMES``), resolved on use."""
+    from nn_data._alias import old_name
+
+    return old_name(__name__, name)
