@@ -10,6 +10,7 @@ when one is built; transformers by the HF adapter when it is used. ``__version__
 package's version (``"0+unknown"`` for a source tree pip never installed).
 """
 
+import nn_data._alias  # noqa: F401  (first: the old module paths resolve from here on)
 from nn_data._version import package_version
 from nn_data.context_parallel import ShardForContextParallel, UnshardFromContextParallel
 from nn_data.cp_comm import GatherFromContextParallel

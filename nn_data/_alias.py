@@ -1,15 +1,17 @@
-"""Published import paths kept for the drop-in's old homes (``docs/design.md``, "Where things live").
+"""Published import paths kept for modules that moved (``docs/design.md``, "Where things live").
 
-:data:`OLD_PATHS` is the one table of the 0.1.x module paths and their homes, :data:`OLD_NAMES` that of
-the 0.1.x attributes whose home moved (CHANGELOG.md, "One home for the NeMo-RL drop-in"). Each old path
+:data:`OLD_PATHS` is the one table of the old module paths (0.1.x, and 0.2's renamed modules) and their
+homes, :data:`OLD_NAMES` that of the 0.1.x attributes whose home moved (CHANGELOG.md, "One home for the
+NeMo-RL drop-in", "One name per module"). An old path has no file of its own. Each old path
 is the *same module object* as its home, for the package and every submodule below it, imported yet or
 not: :class:`AliasFinder` (first on ``sys.meta_path``) maps ``old.sub`` to ``new.sub`` before Python's
 path finder could load ``new``'s file a second time under the old name. So
 ``mock.patch("nn_data.megatron_data.dynamic_cp.X")`` patches what the functions call, and every class is
 one class under both names.
 
-Example: ``import nn_data.megatron_data.dynamic_cp`` -> the module ``nn_data.nemo_rl.megatron_data.dynamic_cp``
-(the longest old prefix, ``nn_data.megatron_data``, replaced by its home);
+Example: ``import nn_data.megatron_data.dynamic_cp`` -> ``nn_data.nemo_rl.megatron_data.dynamic_cp`` (the longest
+old prefix, ``nn_data.megatron_data``, replaced by its home), itself an old path: the module
+``nn_data.nemo_rl.megatron_data.dynamic_cp_iterator``;
 ``nn_data.megatron_data.batched_data_sharding`` -> ``nn_data.nemo_rl.batched_data_sharding`` (its own row).
 """
 
@@ -36,6 +38,13 @@ OLD_PATHS = {
     "nn_data.linear_logprob": "nn_data.logprobs.kernels",
     "nn_data.sampling": "nn_data.logprobs.filters",
     "nn_data.shared_prefix_logprobs": "nn_data.logprobs.from_shared_prefix",
+    # 0.2: no module basename means two things (CHANGELOG.md, "One name per module")
+    "nn_data.nemo_rl.megatron_data.pack": "nn_data.nemo_rl.megatron_data.pack_helpers",
+    "nn_data.nemo_rl.megatron_data.dynamic_cp": "nn_data.nemo_rl.megatron_data.dynamic_cp_iterator",
+    "nn_data.dynamic_cp.groups": "nn_data.dynamic_cp.block_groups",
+    "nn_data.planning.dynamic_cp": "nn_data.planning.dynamic_cp_plan",
+    "nn_data.planning.shared_prefix": "nn_data.planning.shared_prefix_plan",
+    "nn_data.layout.shared_prefix": "nn_data.layout.prefix_layout",
 }
 
 #: Every earlier attribute that still works where its module stayed -> the object's home.
@@ -54,12 +63,15 @@ OLD_NAMES = {
 
 
 def home_of(name: str) -> Optional[str]:
-    """The home of the module path ``name`` (its longest old prefix replaced), or None if it is no old path."""
-    prefixes = [old for old in OLD_PATHS if name == old or name.startswith(old + ".")]
-    if not prefixes:
-        return None
-    old = max(prefixes, key=len)
-    return OLD_PATHS[old] + name[len(old):]
+    """The home of the module path ``name`` (its longest old prefix replaced, until no old prefix is left),
+    or None if it is no old path."""
+    home = None
+    while True:
+        prefixes = [old for old in OLD_PATHS if name == old or name.startswith(old + ".")]
+        if not prefixes:
+            return home
+        old = max(prefixes, key=len)
+        name = home = OLD_PATHS[old] + name[len(old):]
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -95,15 +107,6 @@ def _exists(name: str) -> bool:
 def _install() -> None:
     if not any(isinstance(finder, AliasFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, AliasFinder())
-
-
-def alias_module(old: str, new: str) -> None:
-    """Make ``old`` the module object ``new`` is (``old`` a row of :data:`OLD_PATHS`): called by the old
-    paths' own files, which Python may have found before :class:`AliasFinder` was installed."""
-    if OLD_PATHS.get(old) != new:
-        raise ImportError(f"{old} -> {new} is not a row of nn_data._alias.OLD_PATHS")
-    _install()
-    sys.modules[old] = importlib.import_module(new)
 
 
 def old_name(module: str, name: str):

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.layout import PackLayout, PackSpec, ZigzagLocal, layout_from_lengths
+from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
+from nn_data.layout.internal import ZigzagLocal
 
 
 class PackResult(NamedTuple):
@@ -134,7 +135,7 @@ class PackShardResult(NamedTuple):
     this rank's ``[1, T/C, *]`` by name (the module's ``name``, ``"x"``, for the batch itself; ``local`` holds the same tensors
     as ``full`` when ``C = 1``), the batch's :class:`PackResult` (its ``layout`` None out of a compiled
     graph: the device layout's index maps stay inside it); with ``positions=True`` also this
-    rank's ``places`` (:class:`~nn_data.layout.ZigzagLocal`), ``positions [1, T/C]`` (0 at each
+    rank's ``places`` (:class:`~nn_data.layout.internal.ZigzagLocal`), ``positions [1, T/C]`` (0 at each
     sequence start) and ``segment_ids [T]``; with ``padding=True`` this rank's ``padding_mask
     [1, T/C]`` bool (True at padding: :meth:`~nn_data.layout.PackLayout.padding_mask`)."""
 

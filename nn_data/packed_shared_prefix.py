@@ -1,5 +1,5 @@
 """The shared-prefix side of :class:`~nn_data.packed_forward.PackedForward`: each group's prompt packed
-once, then its responses (:mod:`nn_data.layout.shared_prefix`), and the model's output back to one
+once, then its responses (:mod:`nn_data.layout.prefix_layout`), and the model's output back to one
 row per rollout as if each had been packed alone.
 
 Shape legend

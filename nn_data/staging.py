@@ -38,7 +38,7 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.layout import lengths_device, packed_segments
+from nn_data.layout.internal import lengths_device, packed_segments
 from nn_data.pack import PackSequences, PackShard
 from nn_data.packed_forward import PackedForward, PackedInfo
 from nn_data.targets import next_token_at

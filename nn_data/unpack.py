@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries, packed_tensor_length, take_layout
+from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries
+from nn_data.layout.internal import packed_tensor_length, take_layout
 
 OFFSETS = ("padded", "unpadded")
 

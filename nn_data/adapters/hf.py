@@ -43,16 +43,15 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from nn_data.adapters import hf_layers, hf_mixers
+from nn_data.adapters import hf_layers, hf_mixers, hf_support
 from nn_data.errors import PackingError
-from nn_data.layout import segment_bounds
+from nn_data.layout.internal import segment_bounds
 from nn_data.masks import DocumentMask, document_attention, document_mask
 
 #: The name nn_data's attention function is registered under (``transformers.AttentionInterface``).
 ATTENTION_NAME = "nn_data_packed"
 _MASK_KWARG = "nn_data_mask"
 _CALLS_KWARG = "nn_data_calls"  # a list the attention function appends to: the adapter's first-call check
-_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
 
 def packed_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -64,8 +63,10 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
     keys and values are gathered across the CP group (``mask.gather``) and attention runs under
     the document-causal mask (its ``sliding`` form on a layer called with ``sliding_window``).
     Without it: transformers' SDPA attention, unchanged.
-    Raises :class:`PackingError` for soft-capped attention, attention sinks or a position bias (not
-    supported), and for a sliding window the mask was not built for.
+    Raises :class:`PackingError` for what :func:`nn_data.adapters.hf_support.check_call` refuses (soft
+    caps, sinks, a position bias, non-causal attention, a mask of the model's own, keywords outside
+    its list), and for a sliding window the mask was not built for. The window applied is the
+    layer's own (:func:`~nn_data.adapters.hf_support.call_window`), whatever the call passes.
     """
     mask = kwargs.pop(_MASK_KWARG, None)
     calls = kwargs.pop(_CALLS_KWARG, None)
@@ -74,11 +75,8 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    for name in _UNSUPPORTED:
-        if kwargs.get(name) is not None:
-            raise PackingError(f"{name}={_describe(kwargs[name])}: nn_data's packed attention supports causal "
-                               "attention with an optional sliding window only; build the model without it")
-    mask = _for_window(mask, kwargs.get("sliding_window"), module)
+    hf_support.check_call(module, attention_mask, kwargs)  # keywords and mask within the lists, else refused
+    mask = _for_window(mask, hf_support.call_window(module, kwargs), module)
     if calls is not None:
         calls.append(type(module).__name__)
     if mask.gather is not None:  # context parallel: every rank's keys and values, in packed order
@@ -88,10 +86,6 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
         key, value = rearrange(kv, "1 t (two h d) -> two 1 h t d", two=2, h=heads)  # [1, Hk, T, D] each
     out = document_attention(query, key, value, mask, scale=scaling, dropout_p=dropout)  # [1, H, Tq, D]
     return out.transpose(1, 2).contiguous(), None  # [1, Tq, H, D]
-
-
-def _describe(value) -> str:
-    return f"<tensor {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
 
 
 def _for_window(mask: DocumentMask, window, module: nn.Module) -> DocumentMask:
@@ -130,11 +124,14 @@ class HFCausalLMAdapter(nn.Module):
 
     Raises :class:`PackingError` when built for a model that is not a transformers model, whose
     layers nn_data cannot keep packed sequences apart in (naming the model type, the layer and what to
-    install, or that nothing would), or ``mixers="kernels"`` without the kernels; on a call in training
+    install, or that nothing would), or whose attention is outside the list of what the adapter keeps
+    exact (:mod:`nn_data.adapters.hf_support`: non-causal, ALiBi, batch-dependent rotary types,
+    several windows, ...), or ``mixers="kernels"`` without the kernels; on a call in training
     with transformers' gradient checkpointing enabled (its recomputation runs after the call, outside
     nn_data's attention and per-sequence rows); on the first call,
     when an attention layer does not go through transformers' attention interface or attends with
-    features the packed attention does not support.
+    keywords, features or a mask of its own outside that list. A microbatch with no token returns
+    ``[1, 0, V]`` without calling the model.
 
     Example::
 
@@ -150,6 +147,9 @@ class HFCausalLMAdapter(nn.Module):
         self.model = model
         self.mask_kind = mask_kind
         self.layers = hf_layers.inspect_model(model)
+        window = hf_support.check_model(model, self.layers.model_type)  # what it keeps exact, else refused
+        if window is not None:
+            self.layers = self.layers._replace(window=window)
         self.mixers = mixers
         self.mixer_path = hf_layers.mixer_path(self.layers, mixers, _device_type(model))
         self._attention = register_packed_attention()
@@ -166,6 +166,8 @@ class HFCausalLMAdapter(nn.Module):
                 "(transformers then attends across sequences, or fails); call model.activation_checkpointing_disable() "
                 "(gradient_checkpointing_disable), or checkpoint the whole packed forward (torch.utils.checkpoint.checkpoint(wrapped, input_ids, "
                 "seq_lengths, use_reentrant=False))")
+        if input_ids.shape[1] == 0:  # no token on this rank (a microbatch of no sequence, or only empty ones)
+            return self._no_tokens(input_ids)
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
         prefix = getattr(packed, "prefix", None)  # a shared-prefix row: one rollout (prompt + response) per row
@@ -188,6 +190,15 @@ class HFCausalLMAdapter(nn.Module):
             if self._slot.fell_back:  # the model's forward drops the boundaries: per sequence from now on
                 self.mixer_path = "per_sequence"
         return logits
+
+    def _no_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[1, 0, V]`` logits, through the output layer so that backward has a graph to run (and
+        nothing to add): transformers' layers cannot reshape 0 tokens."""
+        head = self.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if weight is None:
+            return torch.zeros(1, 0, self.model.config.vocab_size, device=input_ids.device, dtype=self.model.dtype)
+        return head(weight.new_zeros(1, 0, weight.shape[1]))  # [1, 0, V]
 
     def _call_with_mask(self, input_ids, position_ids, packed, kwargs: dict, model_kwargs: dict) -> torch.Tensor:
         """The model under nn_data's attention function and document mask."""

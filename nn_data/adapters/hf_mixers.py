@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from nn_data.errors import PackingError
-from nn_data.layout import SegmentRows, segment_bounds, segment_ids, segment_rows
+from nn_data.layout.internal import SegmentRows, segment_bounds, segment_ids, segment_rows
 
 # Keywords the layer must not see on the per-sequence rows: the packed row's boundaries (transformers'
 # fallbacks refuse them), its masks and positions ([1, Tq] shapes, not [B', W]).

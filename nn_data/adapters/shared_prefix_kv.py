@@ -4,7 +4,7 @@ prompt's followed by its own, gathered into one static-size buffer.
 
 Shape legend
     B   rollouts; the shared-prefix row has 2B slots (slot 2b: rollout b's prompt, empty unless b
-        leads its group; slot 2b+1: its response), :mod:`nn_data.layout.shared_prefix`
+        leads its group; slot 2b+1: its response), :mod:`nn_data.layout.prefix_layout`
     T   packed tokens (queries)
     K   the key/value buffer's length, ``kv_capacity`` (a Python int)
     N   sequences handed to the kernel: ``2B + 1`` (the 2B slots and one slack sequence)
@@ -40,8 +40,9 @@ from typing import NamedTuple
 
 import torch
 
+from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.layout import exclusive_cumsum, segment_bounds, segment_ids
+from nn_data.layout.internal import exclusive_cumsum, segment_bounds, segment_ids
 
 
 class SharedPrefixKV(NamedTuple):
@@ -92,7 +93,8 @@ def shared_prefix_kv(cu_seqlens_padded: torch.Tensor, prefix_lengths: torch.Tens
         prompt_start[1::2] = bounds[2 * leader.to(torch.int64)]
     kv_lengths = prompt_part + lengths  # [2B]
     kv_start = exclusive_cumsum(kv_lengths)  # [2B+1]
-    torch._assert_async(kv_start[-1] <= kv_capacity, "shared_prefix_kv: kv_capacity is too small for this row")
+    _checks.device_assert(kv_start[-1] <= kv_capacity, f"shared_prefix_kv: kv_capacity={kv_capacity} is too small "
+                          "for this row (it needs T + the prompt tokens of every non-empty response)")
     kv_bounds = torch.cat([kv_start, torch.full((1,), kv_capacity, dtype=torch.int64, device=device)])  # [2B+2]
     q_bounds = torch.cat([bounds, torch.full((1,), total, dtype=torch.int64, device=device)])  # [2B+2]
     # kv_bounds [0,2,6,6,9,10,13,13] (K 13): buffer key 7 is in sequence 3 at offset 1 < prompt_part 2

@@ -10,7 +10,7 @@ static shape ``[1, tokens_per_rank]`` every round, each round's CP group the blo
     for inputs in runner.step(plan, input_ids):              # the same number of rounds on every rank
         logits = model(inputs.input_ids, inputs.position_ids, inputs.packed)   # [1, 16384, V]
 
-* :mod:`nn_data.dynamic_cp.groups`: :func:`dynamic_cp_groups` (megatron-core's hybrid groups, a
+* :mod:`nn_data.dynamic_cp.block_groups`: :func:`dynamic_cp_groups` (megatron-core's hybrid groups, a
   ``ProcessGroupCollection``'s pool, or plain process groups), :class:`DynamicCPGroups` (checked against
   each plan), :func:`create_block_groups`;
 * :mod:`nn_data.dynamic_cp.rounds`: :class:`DynamicCPRunner` (one compiled graph per CP size),
@@ -19,7 +19,7 @@ static shape ``[1, tokens_per_rank]`` every round, each round's CP group the blo
 docs/dynamic-cp.md explains the plan, the data path and what megatron-core needs.
 """
 
-from nn_data.dynamic_cp.groups import DynamicCPGroups, create_block_groups, dynamic_cp_groups
+from nn_data.dynamic_cp.block_groups import DynamicCPGroups, create_block_groups, dynamic_cp_groups
 from nn_data.dynamic_cp.rounds import DynamicCPRunner, DynamicCPStep, RoundInputs, RoundLocal, RoundPack
 
 __all__ = ["DynamicCPGroups", "DynamicCPRunner", "DynamicCPStep", "RoundInputs", "RoundLocal", "RoundPack",

@@ -21,7 +21,7 @@ host), so a compiled step has one graph per CP size and every output has one sha
             gather and, when asked for, megatron-core's PackedSeqParams with cp_group and local_cp_size;
             where PackedInfo has the fields, padding_mask [1, tpr], max_length T and row_len S)
 
-Example (8 ranks, tpr 4096; the worked plan of nn_data.planning.dynamic_cp): pool rank 5 runs round 0
+Example (8 ranks, tpr 4096; the worked plan of nn_data.planning.dynamic_cp_plan): pool rank 5 runs round 0
 in the block of all 8 ranks (``c = 8``, its CP rank 5: chunks 5 and 10 of the 30000-token sequence,
 padded to 30000 + 2768 = 32768), round 1 in ranks 4..7 (``c = 4``, CP rank 1).
 """
@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from nn_data.cp_comm import GatherFromContextParallel
-from nn_data.dynamic_cp.groups import DynamicCPGroups
+from nn_data.dynamic_cp.block_groups import DynamicCPGroups
 from nn_data.errors import PackingError
-from nn_data.layout import packed_segments
+from nn_data.layout.internal import packed_segments
 from nn_data.pack import PackSequences, PackShard
 from nn_data.packed_forward import PackedInfo
 from nn_data.rows import with_dynamic_row_length

@@ -1,4 +1,5 @@
-"""The layout's 0.1.x names, kept working with a ``DeprecationWarning`` (CHANGELOG.md, 0.2.0).
+"""The layout's 0.1.x names, and the names that moved to :mod:`nn_data.layout.internal`, kept working
+with a ``DeprecationWarning`` (CHANGELOG.md, 0.2.0).
 
 ``LayoutSpec(m, p, packed_length=, packed_length_name=, ...)`` is :class:`~nn_data.layout.PackSpec`
 (``fixed_total=``, ``arg_name=``); ``plan_from_lengths`` is
@@ -42,6 +43,13 @@ def _plan_from_boundaries(cu_seqlens_padded: torch.Tensor, total, *, op: str, cu
     return layout, ok
 
 
+def _moved(name: str):
+    """The object of a name that moved from the user's door to :mod:`nn_data.layout.internal` (or None)."""
+    from nn_data.layout import internal
+
+    return getattr(internal, name) if name in internal.__all__ else None
+
+
 _OLD = {"LayoutSpec": ("PackSpec", _layout_spec), "plan_from_lengths": ("layout_from_lengths", layout_from_lengths),
         "plan_from_boundaries": ("layout_from_boundaries over a Boundaries record", _plan_from_boundaries)}
 
@@ -51,4 +59,9 @@ def __getattr__(name: str) -> Any:
         new, obj = _OLD[name]
         _warn(name, new)
         return obj
+    moved = _moved(name)
+    if moved is not None:
+        warnings.warn(f"nn_data.layout.{name} is for nn_data's own use (0.2.0): nn_data.layout.internal.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return moved
     raise AttributeError(f"module 'nn_data.layout' has no attribute {name!r}")

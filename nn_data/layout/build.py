@@ -130,7 +130,7 @@ def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: 
                              num_rows: Optional[int] = None) -> PackLayout:
     """The host layout of lengths already read to the host (``lengths``: Python ints, the values of the
     ``seq_lengths [B]`` tensor, ``num_rows`` an int or None): for a builder whose one read brought them
-    with other values (:mod:`nn_data.layout.shared_prefix`); no further read."""
+    with other values (:mod:`nn_data.layout.prefix_layout`); no further read."""
     n = num_rows
     checks.lengths_host(lengths, row_len, n)
     rows = len(lengths)

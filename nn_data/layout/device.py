@@ -143,15 +143,16 @@ def unshard(layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
     return stacked.index_select(0, inverse).unsqueeze(0)  # [1, T, *]
 
 
-def unpack(packed: torch.Tensor, lengths: torch.Tensor, bounds: torch.Tensor, seq_len, fill=0,
-           shift: int = 0) -> torch.Tensor:
+def unpack(layout, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
     """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[bounds[b] + s - shift]`` for ``shift <= s < L[b]``,
     ``fill`` elsewhere (``shift=1``: the log-prob layout, token ``s`` scored at position ``s - 1``).
 
-    ``bounds [B+1]`` int64 (the row starts are ``bounds[:-1]``; ``T > 0``). Gather form, example:
+    ``bounds [B+1]`` the layout's ``cu_seqlens_padded`` as int64 (the row starts are ``bounds[:-1]``;
+    ``T > 0``), ``lengths [B]`` its :meth:`~nn_data.layout.pack_layout.PackLayout.lengths`. Gather form, example:
     lengths ``[3, 0, 5]``, starts ``[0, 4, 4]``, S 5 -> index rows ``[0..4], [4..8], [4..8]``, valid
     ``[T,T,T,F,F], [F]*5, [T]*5``.
     """
+    lengths, bounds = layout.lengths(), layout.cu_seqlens_padded.to(torch.int64)  # [B], [B+1]
     rows, total, trailing = lengths.shape[0], packed.shape[1], packed.shape[2:]
     if rows and statically_known_true(rows * seq_len >= UNPACK_SCATTER_MIN_RATIO * total):
         return _unpack_scatter(packed, lengths, bounds, seq_len, fill, shift)

@@ -34,7 +34,6 @@ from itertools import accumulate, compress
 
 import torch
 
-from nn_data.layout import device
 from nn_data.layout.rules import Fill, chunk_owner, zigzag_pieces
 
 
@@ -74,13 +73,14 @@ def pads_of(bounds) -> list:
     return [n - v for n, v in zip(bounds.segments[: bounds.active], bounds.lengths[: bounds.active])]
 
 
-def pack(bounds, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
-    """``x [B, S, *] -> [1, T, *]``: valid prefixes and ``fill`` padding, one ``cat``.
+def pack(layout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
+    """``x [B, S, *] -> [1, T, *]``: valid prefixes and ``fill`` padding, one ``cat`` (``layout.host``'s ints).
 
     Empty rows (length 0, e.g. a row capacity's padding rows) add no piece: the input's skipped
     stretches and the padding between valid runs are merged, so the pieces are about twice the
     non-empty rows whatever ``B`` is.
     """
+    bounds = layout.host
     trailing, row_len = x.shape[2:], x.shape[1]
     pads = pads_of(bounds)
     pad = _padding((sum(pads), *trailing), fill, x)  # [T - sum(L), *]
@@ -117,7 +117,7 @@ def _runs(lengths: list, others: list) -> tuple[list, list]:
     return runs, gaps
 
 
-def shard(bounds, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+def shard(layout, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: its two pieces of every segment
     (:func:`~nn_data.layout.rules.zigzag_pieces`, in Python ints).
 
@@ -125,7 +125,7 @@ def shard(bounds, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Ten
     More: one ``index_select`` along a map built from the same pieces by one scan (the split's
     Python-side cost per piece outgrows a scan over ``T/C`` positions).
     """
-    starts, lengths = _pieces(bounds, cp_size, cp_rank)
+    starts, lengths = _pieces(layout.host, cp_size, cp_rank)
     flat = packed[0]  # [T, *]
     if len(lengths) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
         return _shard_views(starts, lengths, flat).unsqueeze(0)
@@ -194,15 +194,14 @@ def _shard_source(starts: list, lengths: list, local: int, device_) -> torch.Ten
 
 def unshard(layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
     """``[C, T/C, *] -> [1, T, *]``: every rank's shard split at ``[k, k]`` per segment, one ``cat`` in
-    packed order (chunk ``c`` of a segment from rank ``min(c, 2C-1-c)``). Above
-    :data:`SHARD_VIEWS_MAX_SEGMENTS` segments: the device map (no sync: the boundaries are on the device).
+    packed order (chunk ``c`` of a segment from rank ``min(c, 2C-1-c)``). Up to
+    :data:`SHARD_VIEWS_MAX_SEGMENTS` segments (:func:`views_fit`; above, the layout runs the device
+    map: :func:`~nn_data.layout.pack_layout.executor`).
 
     Example: C 2, one segment of 8 (k 2): rank 0 holds chunks 0, 3, rank 1 chunks 1, 2 -> pieces
     ``r0[0:2], r1[0:2], r1[2:4], r0[2:4]``.
     """
     _, chunks = _chunks(layout.host, cp_size)
-    if len(chunks) > SHARD_VIEWS_MAX_SEGMENTS:
-        return device.unshard(layout, shards, cp_size)
     halves = [k for k in chunks for _ in (0, 1)]  # each rank: [k, k] per segment
     parts = [shards[q].split(halves) for q in range(cp_size)]  # C x 2B views
     pieces, sizes = [], []
@@ -213,7 +212,14 @@ def unshard(layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
     return _cat(pieces, sizes, shards[0]).unsqueeze(0)  # [1, T, *]
 
 
-def unpack(bounds, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -> torch.Tensor:
+def views_fit(layout) -> bool:
+    """Whether the host unshard's views serve ``layout``: at most :data:`SHARD_VIEWS_MAX_SEGMENTS` non-empty
+    segments (more: a split per piece costs more than the device map's one gather)."""
+    bounds = layout.host
+    return sum(1 for n in bounds.segments[: bounds.active] if n) <= SHARD_VIEWS_MAX_SEGMENTS
+
+
+def unpack(layout, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -> torch.Tensor:
     """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[cu_pad[b] + s - shift]`` for ``shift <= s < L[b]``,
     ``fill`` elsewhere; one ``split`` of the packed tensor, one of an expanded fill row, one ``cat``
     (``B >= 1``, ``T >= 1``). The fill between two valid runs is one piece, however many empty rows
@@ -222,6 +228,7 @@ def unpack(bounds, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -
     Example: cu_pad ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: the packed tensor splits at
     ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``.
     """
+    bounds = layout.host
     trailing, rows, lengths = packed.shape[2:], len(bounds.lengths), bounds.lengths[: bounds.active]
     lead = [shift if n else 0 for n in lengths]  # fill before each row's run (shift 1: column 0)
     row_runs = [n - a for n, a in zip(lengths, lead)]

@@ -13,7 +13,7 @@ A :class:`PackLayout` always holds the boundaries as tensors on the data's devic
 of the boundaries) also holds them as Python ints (:class:`HostBounds`): the host executor moves data
 with them. A layout built on the device holds the pack's index maps instead (``dest`` or
 ``source``/``valid``, :mod:`nn_data.layout.device`). Its methods run it, on the executor
-:func:`on_host` picks: the one place that decides (``docs/design.md``, "Layouts and executors"): a
+:func:`executor` picks (on :func:`on_host`'s rule): the one place that decides (``docs/design.md``, "Layouts and executors"): a
 layout built on the host runs on the host executor (:mod:`nn_data.layout.host`: Python-int sizes, no
 further read) unless ``torch.compile`` is tracing; every other layout on the device executor
 (:mod:`nn_data.layout.device`: index maps, zero syncs), which is what compiled graphs and CUDA graphs
@@ -129,8 +129,7 @@ class PackLayout(NamedTuple):
         (a scalar, or a tensor broadcastable to ``x.shape[2:]``: ``torch.arange(topk)`` for routed
         experts, a valid route in every padding row)."""
         _check_packable(self, x)
-        out = host.pack(self.host, x, fill) if self.on_host else device.pack(self, x, fill)
-        return tag(out, self)
+        return tag(executor(self, "pack").pack(self, x, fill), self)
 
     @property
     def on_host(self) -> bool:
@@ -142,16 +141,14 @@ class PackLayout(NamedTuple):
         _check_own("packed", packed, self)
         if cp_size == 1:
             return packed
-        run = host.shard(self.host, packed, cp_size, cp_rank) if self.on_host else device.shard(self, packed,
-                                                                                                  cp_size, cp_rank)
-        return tag(run, self)
+        return tag(executor(self, "shard").shard(self, packed, cp_size, cp_rank), self)
 
     def unshard(self, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
         """Every rank's shard, rank-major ``[C, T/C, *]``, back to the packed ``[1, T, *]``."""
         _check_own("shards", shards, self)
         if cp_size == 1:
             return shards
-        return host.unshard(self, shards, cp_size) if self.on_host else device.unshard(self, shards, cp_size)
+        return executor(self, "unshard").unshard(self, shards, cp_size)
 
     def unpack(self, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
         """``[1, T, *] -> [B, S, *]`` with ``S = seq_len``: each row's valid tokens, ``fill`` elsewhere
@@ -162,11 +159,7 @@ class PackLayout(NamedTuple):
             out = packed.new_full((rows, seq_len, *trailing), fill)
             # + the sum of the empty packed tensor (exactly 0) keeps a backward through an empty microbatch
             return out + packed.sum().to(out.dtype) if packed.requires_grad else out
-        if self.on_host and rows and (not packed.requires_grad or any(n > shift for n in self.host.lengths)):
-            return host.unpack(self.host, packed, seq_len, fill, shift)
-        # No row (B = 0), or no token to move while autograd records, takes the device's gather form: it
-        # keeps the output in autograd's graph (the host form would be fill only).
-        return device.unpack(packed, self.lengths(), self.cu_seqlens_padded.to(torch.int64), seq_len, fill, shift)
+        return executor(self, "unpack", packed, shift).unpack(self, packed, seq_len, fill, shift)
 
     def bounds(self) -> torch.Tensor:
         """``[B'+1]`` int64 boundaries to index segments by (``[0, T]`` when ``B = 0``)."""
@@ -237,6 +230,29 @@ def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> tor
 def on_host(layout: PackLayout) -> bool:
     """Whether ``layout`` runs on the host executor: built on the host, and no compile tracing."""
     return layout.host is not None and not torch.compiler.is_compiling()
+
+
+def executor(layout: PackLayout, op: str, packed: Optional[torch.Tensor] = None, shift: int = 0):
+    """The executor (the module :mod:`~nn_data.layout.host` or :mod:`~nn_data.layout.device`) that runs
+    ``op`` (``"pack"``, ``"shard"``, ``"unshard"``, ``"unpack"``) of ``layout``: the one place that decides.
+    Each executor function takes ``(layout, tensor, ...)``.
+
+    * a layout not :func:`on_host` (built on the device, or compile tracing): the device executor;
+    * ``unshard`` above ``host.SHARD_VIEWS_MAX_SEGMENTS`` non-empty segments (:func:`host.views_fit`): the
+      device map (no sync: the boundaries are on the device);
+    * ``unpack`` of ``packed`` with no row (``B = 0``), or with no token to move while autograd records
+      (every length ``<= shift``): the device's gather form, which keeps the output in autograd's graph
+      (the host form would be fill only);
+    * otherwise the host executor (Python-int sizes, no further read).
+    """
+    if not on_host(layout):
+        return device
+    if op == "unshard" and not host.views_fit(layout):
+        return device
+    if op == "unpack" and not (layout.rows and (not packed.requires_grad or
+                                                any(n > shift for n in layout.host.lengths))):
+        return device
+    return host
 
 
 def _check_packable(layout: PackLayout, x) -> None:

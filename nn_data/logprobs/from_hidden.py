@@ -29,7 +29,8 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import context_parallel_info, group_info, tensor_parallel_info
-from nn_data.layout import PackLayout, ZigzagLocal
+from nn_data.layout import PackLayout
+from nn_data.layout.internal import ZigzagLocal
 from nn_data.logprobs.filters import sampling_filter
 from nn_data.logprobs.from_logits import logprob_layout, resolve_seq_len, rows_from_local, targets_on_rank
 from nn_data.logprobs.kernels import hidden_logprobs_local

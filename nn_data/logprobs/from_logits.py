@@ -26,9 +26,9 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
-from nn_data.layout import (
-    Boundaries, PackLayout, ZigzagLocal, boundary_args, layout_from_boundaries, op_layout, reads_host,
-    target_ids, target_ids_device, target_ids_host,
+from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries, op_layout
+from nn_data.layout.internal import (
+    ZigzagLocal, boundary_args, reads_host, target_ids, target_ids_device, target_ids_host
 )
 from nn_data.logprobs.kernels import token_logprobs_local
 from nn_data.targets import next_token_at

@@ -32,7 +32,8 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import all_gather_rows
 from nn_data.groups import given_group_info
-from nn_data.layout import SharedPrefixLayout, take_layout, target_ids, target_ids_device
+from nn_data.layout import SharedPrefixLayout
+from nn_data.layout.internal import take_layout, target_ids, target_ids_device
 from nn_data.logprobs.from_hidden import HIDDEN_SHAPE, hidden_rows
 from nn_data.logprobs.from_logits import check_full_ids, targets_on_rank
 from nn_data.logprobs.kernels import hidden_logprobs_local, token_logprobs_local

@@ -10,5 +10,9 @@ imports (``docs/nemo-rl.md``). Switch by changing one import:
 | ``nemo_rl.models.huggingface.common`` (its packing helpers) | :mod:`nn_data.nemo_rl.huggingface_common` (``nn_data.huggingface_common``) |
 | ``TrainingSamplingParams`` | :mod:`nn_data.nemo_rl.sampling` (also on ``nn_data.nemo_rl.model_utils``) |
 
-Importing this package imports none of them (nor megatron-core, nor transformers).
+Importing this package imports none of them (nor megatron-core, nor transformers). ``__all__`` lists these
+modules (NeMo-RL's, by the same names); each declares its own ``__all__``, every public name users call.
+The paths in parentheses are the 0.1.x ones: they keep working, the ``nn_data.nemo_rl`` paths are taught.
 """
+
+__all__ = ["automodel_data", "batched_data_dict", "huggingface_common", "megatron_data", "model_utils", "sampling"]

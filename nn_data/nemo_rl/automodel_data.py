@@ -2,7 +2,7 @@
 switch by changing one import.
 
     # from nemo_rl.models.automodel.data import get_microbatch_iterator, process_global_batch
-    from nn_data.automodel_data import get_microbatch_iterator, process_global_batch
+    from nn_data.nemo_rl.automodel_data import get_microbatch_iterator, process_global_batch
 
 Shape legend
     B   sequences of a microbatch; S their padded row length
@@ -195,7 +195,7 @@ def fixed_total(cfg: dict[str, Any], options: Optional[PackOptions] = None) -> O
     return max(budgets["train_mb_tokens"], budgets.get("logprob_mb_tokens") or 0)
 
 
-def fixed_total_name(cfg: dict[str, Any], options: Optional[PackOptions] = None) -> str:
+def _fixed_total_name(cfg: dict[str, Any], options: Optional[PackOptions] = None) -> str:
     """The setting :func:`fixed_total` took ``T`` from, as messages name it: ``cfg["nn_data"]["pad_full_seq_to"]``,
     else the larger budget (``cfg["sequence_packing"]["train_mb_tokens"]`` or ``["logprob_mb_tokens"]``)."""
     options = PackOptions.from_cfg(cfg) if options is None else options
@@ -230,7 +230,7 @@ def process_microbatch(mb: Any, tokenizer: Any, enable_seq_packing: bool, cfg: d
             input_ids=input_ids, input_lengths=lengths, packed_sequence_size=[len(mb["input_lengths"])],
             padding_value=tokenizer.eos_token_id, return_attention_mask=False,
             min_seq_len=cfg["sequence_packing"]["train_mb_tokens"], pad_full_seq_to=fixed_total(cfg, options),
-            options=options, pad_full_seq_to_name=fixed_total_name(cfg, options))
+            options=options, pad_full_seq_to_name=_fixed_total_name(cfg, options))
         seq_len = input_ids.shape[1]
         attention_mask = None
         flash_attn_kwargs = get_flash_attention_kwargs(input_lengths=lengths, max_seqlen=seq_len)

@@ -285,3 +285,8 @@ def _greedy_groups(needs: np.ndarray, budget: int, rows: list) -> tuple[list, li
 
 class SlicedDataDict(BatchedDataDict):
     """A slice or shard of a larger :class:`BatchedDataDict` (a distinct type, same behaviour)."""
+
+__all__ = [
+    "BatchedDataDict",
+    "SlicedDataDict",
+]

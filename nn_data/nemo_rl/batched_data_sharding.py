@@ -13,6 +13,7 @@ reads the lengths to the host once per call.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -297,28 +298,42 @@ def _planner(data, args: dict, lengths: list, layout: Parallelism, budget: int, 
         pad_full_seq_to=budget, **options)
 
 
+def _parallelism_arg(args: dict) -> tuple:
+    """``(key, value)`` of ``sequence_packing_args["parallelism"]`` (or of its old key ``"parallel_layout"``,
+    with a ``DeprecationWarning``; both given: refused)."""
+    if "parallel_layout" not in args:
+        return "parallelism", args.get("parallelism")
+    if "parallelism" in args:
+        raise PackingError("sequence_packing_args has both 'parallelism' and its old name 'parallel_layout'; "
+                           "give 'parallelism' alone")
+    warnings.warn("sequence_packing_args['parallel_layout'] is deprecated (0.2.0); use "
+                  "sequence_packing_args['parallelism']", DeprecationWarning, stacklevel=4)
+    return "parallel_layout", args["parallel_layout"]
+
+
 def _packing_layout(args: dict, shards: int):
     """``(Parallelism, plan_step keywords)`` for ``sequence_packing_args``. NeMo-RL's packer names:
     ``balance="nemo-rl"``. ``"nn_data_balanced"`` reads nn_data's optional keys: ``"balance"``
     (default ``"work"``), ``"hidden_size"`` (4096), ``"microbatches_per_rank"`` (None: the fewest
-    that fit) and ``"parallel_layout"`` (a :class:`~nn_data.planning.Parallelism` with
+    that fit) and ``"parallelism"`` (a :class:`~nn_data.planning.Parallelism` with
     ``dp == shards``, whose alignment ``max_tokens_per_microbatch`` must then keep; its per-sequence
-    multiple becomes ``sequence_length_pad_multiple``)."""
+    multiple becomes ``sequence_length_pad_multiple``; the 0.2 development key ``"parallel_layout"``
+    still works and warns)."""
     multiple = args["sequence_length_pad_multiple"]
     if args["algorithm"] != "nn_data_balanced":
         return Parallelism(dp=shards, make_sequence_length_divisible_by=multiple), {"balance": "nemo-rl"}
-    layout = args.get("parallel_layout")
-    if layout is None:
-        layout = Parallelism(dp=shards, make_sequence_length_divisible_by=multiple)
-    elif not isinstance(layout, Parallelism) or layout.dp != shards:
-        raise PackingError(f"sequence_packing_args['parallel_layout']={layout!r} is invalid; expected a "
+    key, parallelism = _parallelism_arg(args)
+    if parallelism is None:
+        parallelism = Parallelism(dp=shards, make_sequence_length_divisible_by=multiple)
+    elif not isinstance(parallelism, Parallelism) or parallelism.dp != shards:
+        raise PackingError(f"sequence_packing_args['{key}']={parallelism!r} is invalid; expected a "
                            f"Parallelism with dp={shards} (the shards)")
-    elif layout.make_sequence_length_divisible_by not in (None, multiple):
-        raise PackingError(f"sequence_packing_args['parallel_layout'] pads sequences to a multiple of "
-                           f"{layout.make_sequence_length_divisible_by}, but sequence_length_pad_multiple={multiple}; "
-                           "give one value")
+    elif parallelism.make_sequence_length_divisible_by not in (None, multiple):
+        raise PackingError(f"sequence_packing_args['{key}'] pads sequences to a multiple of "
+                           f"{parallelism.make_sequence_length_divisible_by}, but sequence_length_pad_multiple="
+                           f"{multiple}; give one value")
     else:
-        layout = dataclasses.replace(layout, make_sequence_length_divisible_by=multiple)
+        parallelism = dataclasses.replace(parallelism, make_sequence_length_divisible_by=multiple)
     options = {"balance": args.get("balance", "work"), "hidden_size": args.get("hidden_size", 4096),
                "microbatches_per_rank": args.get("microbatches_per_rank")}
-    return layout, options
+    return parallelism, options

@@ -2,7 +2,7 @@
 calls) on nn_data's layouts: switch by changing one import.
 
     # from nemo_rl.models.huggingface.common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
-    from nn_data.huggingface_common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
+    from nn_data.nemo_rl.huggingface_common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
 
 Shape legend
     B   sequences; R packed rows (``len(packed_sequence_size)``)
@@ -37,9 +37,9 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.layout import (
-    PackSpec, bucket_total, exclusive_cumsum, fixed_total_arg, layout_from_lengths, lengths_host, natural_total_host,
-    segment_ids, total_limit_host,
+from nn_data.layout import PackSpec, layout_from_lengths
+from nn_data.layout.internal import (
+    bucket_total, exclusive_cumsum, fixed_total_arg, lengths_host, natural_total_host, segment_ids, total_limit_host
 )
 from nn_data.rows import pad_rows, with_dynamic_row_length
 from nn_data.unpack import unpack_sequences
@@ -245,3 +245,11 @@ def get_flash_attention_kwargs(input_lengths: torch.Tensor, *, max_seqlen: Optio
         longest = _checks.row_length("max_seqlen", max_seqlen)
     return FlashAttentionKwargs(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens.clone(), max_seqlen_q=longest,
                                 max_seqlen_k=longest)
+
+__all__ = [
+    "FlashAttentionKwargs",
+    "get_flash_attention_kwargs",
+    "pack_row",
+    "pack_sequences",
+    "unpack_tensor",
+]

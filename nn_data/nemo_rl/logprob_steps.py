@@ -19,7 +19,8 @@ import torch
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout import Boundaries, PackLayout, boundary_args, layout_from_boundaries
+from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries
+from nn_data.layout.internal import boundary_args
 from nn_data.logprobs import sampling_filter
 from nn_data.targets import next_token_at
 from nn_data.unpack import unpack_sequences

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from nn_data import _checks
 from nn_data.cp_comm import all_gather_dim0
 from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout import sequence_divisible
+from nn_data.layout.internal import sequence_divisible
 from nn_data.logprobs import sampling_filter, token_logprobs_local
 from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs from hidden states), with CP
     ChunkedDistributedHiddenStatesToLogprobs,

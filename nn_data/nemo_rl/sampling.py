@@ -16,3 +16,7 @@ class TrainingSamplingParams:
     top_k: Optional[int] = None
     top_p: float = 1.0
     temperature: float = 1.0
+
+__all__ = [
+    "TrainingSamplingParams",
+]

@@ -12,10 +12,10 @@
 * :func:`plan_step` (:mod:`nn_data.planning.step`) -> :class:`StepPlan`: every sequence exactly
   once, every microbatch at most ``pad_full_seq_to`` padded tokens, the same microbatch count on
   every rank, work balanced across ranks (:mod:`nn_data.planning.balance`); O(n log n) on the host.
-* :func:`plan_step_shared_prefix` (:mod:`nn_data.planning.shared_prefix`): the same plan over GRPO groups,
+* :func:`plan_step_shared_prefix` (:mod:`nn_data.planning.shared_prefix_plan`): the same plan over GRPO groups,
   each group kept together and its prompt packed once per microbatch it lands in.
 * :mod:`nn_data.planning.ffd`: first-fit-decreasing in O(n log n) and NeMo-RL's bin rules.
-* :func:`plan_step_dynamic_cp` (:mod:`nn_data.planning.dynamic_cp`) -> :class:`DynamicCPPlan`: dynamic
+* :func:`plan_step_dynamic_cp` (:mod:`nn_data.planning.dynamic_cp_plan`) -> :class:`DynamicCPPlan`: dynamic
   context parallelism, every sequence sharded over only as many ranks as it needs, planned over the
   whole DP x CP pool in rounds of aligned power-of-two blocks, ``tokens_per_rank`` tokens on every
   rank every round; :mod:`nn_data.planning.cp_cost` (what a block costs), :mod:`~nn_data.planning.cp_rounds`
@@ -26,8 +26,8 @@ Host-side planning: numpy and Python ints, no tensor op, no megatron-core.
 
 from nn_data.planning.alignment import INT32_MAX, Parallelism
 from nn_data.planning.cp_cost import AttentionOnlyCost, CPCost
-from nn_data.planning.dynamic_cp import CPBlock, DynamicCPPlan, plan_step_dynamic_cp
-from nn_data.planning.shared_prefix import plan_step_shared_prefix
+from nn_data.planning.dynamic_cp_plan import CPBlock, DynamicCPPlan, plan_step_dynamic_cp
+from nn_data.planning.shared_prefix_plan import plan_step_shared_prefix
 from nn_data.planning.step import BALANCE_MODES, StepPlan, evaluate_plan, plan_step, sequence_work
 
 __all__ = ["AttentionOnlyCost", "BALANCE_MODES", "CPBlock", "CPCost", "DynamicCPPlan", "INT32_MAX", "Parallelism",

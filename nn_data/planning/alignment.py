@@ -27,7 +27,8 @@ import math
 import warnings
 from typing import Any, Mapping, Optional
 
-from nn_data.layout import INT32_MAX, fixed_total_arg, round_up  # noqa: F401  (INT32_MAX re-exported)
+from nn_data.layout import round_up
+from nn_data.layout.internal import INT32_MAX, fixed_total_arg
 from nn_data.errors import PackingError
 
 _RECIPE_DIVISORS = {"blockwise": 128, "mxfp8": 32}  # any other FP8 recipe: 16 (NeMo-RL's rule)

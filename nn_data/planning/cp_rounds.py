@@ -1,5 +1,5 @@
 """Which sequences run in which round, and each round's blocks: the algorithm of
-:func:`~nn_data.planning.plan_step_dynamic_cp` (:mod:`nn_data.planning.dynamic_cp`).
+:func:`~nn_data.planning.plan_step_dynamic_cp` (:mod:`nn_data.planning.dynamic_cp_plan`).
 
 Vocabulary
     R       ranks of the pool; a round gives each of them ``tpr`` tokens
@@ -26,7 +26,7 @@ planned on its own, in two steps:
 
 For small steps (at most :data:`CHUNKED_UP_TO` sequences) the planner also tries rounds cut as equal
 runs of tokens along the length order (:func:`chunks`), each planned by the tree, and (up to
-:data:`STATIC_UP_TO`) static CP's own plan, and keeps the fastest (:mod:`nn_data.planning.dynamic_cp`).
+:data:`STATIC_UP_TO`) static CP's own plan, and keeps the fastest (:mod:`nn_data.planning.dynamic_cp_plan`).
 
 Every round's blocks are laid out largest first from rank 0 (:func:`laid_out`), so every block starts
 at a multiple of its size; ranks left over run empty one-rank blocks (a microbatch of padding).

@@ -20,7 +20,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from nn_data.layout import fixed_total_arg, round_up
+from nn_data.layout import round_up
+from nn_data.layout.internal import fixed_total_arg
 from nn_data.errors import PackingError
 
 

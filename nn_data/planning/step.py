@@ -31,7 +31,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from nn_data.layout import INT32_MAX, round_up
+from nn_data.layout import round_up
+from nn_data.layout.internal import INT32_MAX
 from nn_data.errors import PackingError
 from nn_data.planning.alignment import Parallelism
 from nn_data.planning.balance import bins_to_ranks, greedy_assignment, refine, spread
@@ -203,7 +204,7 @@ def plan_step(lengths, parallelism: Parallelism, *, pad_full_seq_to: int, microb
 def place(need: np.ndarray, work: np.ndarray, *, total: int, dp: int, balance: str, given: Optional[int]):
     """``(ranks, steps)``: items of padded sizes ``need`` and work ``work`` on ``dp`` ranks of microbatches of at
     most ``total`` tokens, by ``balance`` (:func:`plan_step`'s rules; an item is a sequence there, a group or a
-    part of one in :func:`~nn_data.planning.shared_prefix.plan_step_shared_prefix`)."""
+    part of one in :func:`~nn_data.planning.shared_prefix_plan.plan_step_shared_prefix`)."""
     if balance == "nemo-rl":
         return _nemo_rl_deal(need, total, dp, given)
     return _balanced(need, work if balance == "work" else need.astype(np.float64), total, dp, given)

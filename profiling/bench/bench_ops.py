@@ -47,7 +47,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nn_data.layout import set_pack_form
+from nn_data.layout.internal import set_pack_form
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron

@@ -69,7 +69,7 @@ def test_signature_matches_the_api_page(name):
         assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not E
 
 
-NN_DATA_FIELDS = ["padding_mask"]  # nn_data's additions, after NeMo-RL's fields, default None
+NN_DATA_FIELDS = ["padding_mask", "shared_prefix"]  # nn_data's additions, after NeMo-RL's fields, default None
 
 
 def test_dataclass_fields_and_defaults():

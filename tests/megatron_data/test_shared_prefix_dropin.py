@@ -3,7 +3,7 @@
 Shared-prefix GRPO groups in the NeMo-RL megatron drop-in: cfg["nn_data"]["shared_prefix"] (PackOptions), the
 planning through shard_by_batch_size(sequence_packing_args={"shared_prefix": ...}) with
 nn_data.planning.plan_step_shared_prefix (whole groups per microbatch, the fields carried row for row), and the
-refusal to pack such a step until the shared-prefix pack for megatron-core exists.
+iterator's checks of the key and fields (the packed step through a model: test_shared_prefix_dropin_model.py).
 """
 
 from __future__ import annotations
@@ -137,12 +137,11 @@ def test_sharding_refusals(extra, match):
         grpo_batch().shard_by_batch_size(1, sequence_packing_args=_args(**extra))
 
 
-def test_the_iterator_refuses_to_pack_a_shared_prefix_step_until_it_can():
+def test_the_iterator_checks_the_key_and_the_fields():
     out, _ = grpo_batch().shard_by_batch_size(1, sequence_packing_args=_args())
     batch = out[0].get_batch(0)
-    with pytest.raises(PackingError, match=r"^packing a shared-prefix microbatch for megatron-core .* is not in this "
-                                           r"nn_data yet"):
-        get_microbatch_iterator(batch, _cfg({"shared_prefix": True}), 1, None)
+    iterator, count, mbs, _, _ = get_microbatch_iterator(batch, _cfg({"shared_prefix": True}), 1, None)
+    assert mbs == 1 and count == len(batch.micro_batch_lengths[0])  # packs lazily: nothing refused up front
     cfg = _cfg({"shared_prefix": True})
     cfg["sequence_packing"]["enabled"] = False
     with pytest.raises(PackingError, match=r"needs cfg\['sequence_packing'\]\['enabled'\] = True$"):
@@ -153,6 +152,6 @@ def test_the_iterator_refuses_to_pack_a_shared_prefix_step_until_it_can():
     with pytest.raises(PackingError, match=r"^the batch's 'prefix_lengths' is a torch.float32 tensor of shape \(12,\); "
                                            r"expected a \[B=12\] integer tensor$"):
         get_microbatch_iterator(batch, _cfg({"shared_prefix": True}), 1, None)
-    with pytest.raises(PackingError, match=r"^packing a shared-prefix microbatch"):  # the pack door itself
+    with pytest.raises(PackingError, match=r"^this call packs rollouts end to end"):  # NeMo-RL's pack door
         _pack_sequences_for_megatron(batch["input_ids"], batch["input_lengths"], M,
                                      options=PackOptions(shared_prefix=True))

@@ -182,3 +182,27 @@ def case_compiled_cp() -> dict:
             frames.append(counter.frame_count)
     torch._dynamo.reset()
     return dict(worst=worst, frames=frames)
+
+
+def case_hf_flex_forward() -> dict:
+    """The tiny Llama (float32) with ``mask_kind="block"`` (flex attention: forward only on a CPU) under this
+    rank's CP group, no grad: the largest difference from each rollout alone."""
+    from nn_data.adapters import HFCausalLMAdapter
+    from nn_data.models.tiny_hf import tiny_hf_model
+
+    cp = context_parallel_info()
+    model = tiny_hf_model("llama")
+    gen = torch.Generator().manual_seed(7)
+    worst = 0.0
+    with torch.no_grad():
+        for groups, prefix, lengths in MICROBATCHES[:2]:
+            ids, lens, pre, gid = rollouts(groups, prefix, lengths, gen)
+            multiple = 2 * cp.size
+            wrapped = PackedForward(HFCausalLMAdapter(model, mask_kind="block"), cp_group=cp.group,
+                                    pad_individual_seqs_to_multiple_of=multiple,
+                                    pad_full_seq_to=packed_length(groups, prefix, lengths, multiple))
+            out = wrapped(ids, lens, prefix_lengths=pre, group_ids=gid)
+            for b, n in enumerate(lengths):
+                alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+                worst = max(worst, float((out[b, :n] - alone).abs().max()))
+    return dict(worst=worst)

@@ -110,9 +110,20 @@ class _OwnAttention(torch.nn.Module):
         return hidden_states.cumsum(1), None
 
 
-def test_attention_that_bypasses_the_attention_interface_is_refused_on_the_first_call():
+class _SaysItCallsAttention(torch.nn.Module):
+    """Its source names attention_interface (so the build-time check passes), but its forward never calls it."""
+
+    def forward(self, hidden_states, **kwargs):
+        return hidden_states.cumsum(1), None  # (no attention_interface call here)
+
+
+def test_attention_that_bypasses_the_attention_interface_is_refused_when_built_or_on_the_first_call():
     model = tiny_hf_model("llama")
     model.model.layers[1].self_attn = _OwnAttention()
+    with pytest.raises(PackingError, match=r"model_type='llama': layer 'model.layers.1.self_attn': _OwnAttention does "
+                                           r"not call transformers' attention interface"):
+        HFCausalLMAdapter(model)
+    model.model.layers[1].self_attn = _SaysItCallsAttention()
     adapter = HFCausalLMAdapter(model)
     ids = coded_ids([5, 3], torch.Generator().manual_seed(0))
     with pytest.raises(PackingError, match=r"model_type='llama': 2 attention layers but only 1 called transformers' "

@@ -37,7 +37,7 @@ def test_no_rollout_is_one_padding_sequence():
 
 
 def test_capacity_and_boundaries_are_checked():
-    with pytest.raises(RuntimeError, match="kv_capacity is too small"):  # a device-side assert
+    with pytest.raises(RuntimeError, match="kv_capacity=12 is too small"):  # a device-side assert
         shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=12)
     with pytest.raises(PackingError, match=r"kv_capacity=7 is invalid; expected an int >= total=8"):
         shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=7)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from nn_data.models.hf_matrix import CP_FAMILIES
 from tests.models.adapter_cases import FLOAT32_STEP_TOL
 from tests.support.cp_harness import RankPool
 from tests.support.megatron_release import needs_megatron_models
@@ -43,6 +44,15 @@ def test_hf_adapter_cp2_on_sliding_windows_and_hybrids(rank_pool, kind):
     grad_tol = 1e-12 if kind == "mistral" else FLOAT32_STEP_TOL
     for r in results:
         assert r["out"] < out_tol and r["grad"] < grad_tol, r
+
+
+@pytest.mark.parametrize("name", CP_FAMILIES)
+def test_hf_families_cp2(rank_pool, name):
+    """C = 2, float32: the conformance matrix's representative set (learned positions, MLA, windows known
+    only from the config) under CP. Tolerances: a float32 sum over the gathered keys in another order (the
+    matrix's are relative; these absolute, on logits of magnitude ~1 and gradients ~10)."""
+    for r in rank_pool.run("tests.models.adapter_cases:case_hf_family", name, cp=2):
+        assert r["out"] < 2e-5 and r["grad"] < 1e-4, r
 
 
 @needs_megatron_models

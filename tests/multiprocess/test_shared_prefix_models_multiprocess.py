@@ -38,6 +38,18 @@ def test_llama_shared_prefix_under_cp_equals_each_rollout_alone(rank_pool, cp):
            1e-10, 1e-10)
 
 
+def test_sliding_window_shared_prefix_under_cp2(rank_pool):
+    """Mistral (window 3, rollout positions) with its norms in float64, C = 2: exact."""
+    _check(rank_pool.run("tests.models.shared_prefix_cases:case_hf_exact_norms", "mistral", cp=2), 2, 1e-10, 1e-10)
+
+
+def test_flex_block_mask_shared_prefix_under_cp2(rank_pool):
+    """mask_kind="block" (flex attention's mask_mod with the prefix rule over the gathered keys), C = 2,
+    forward only (a CPU's flex attention has no backward), float32."""
+    for r in rank_pool.run("tests.models.shared_prefix_cases:case_hf_flex_forward", cp=2):
+        assert r["worst"] < 2e-5, r
+
+
 def test_hybrid_shared_prefix_under_cp2(rank_pool):
     """LFM2 (short convolution + attention), C = 2: each rank runs the rollout rows on the gathered tokens
     and keeps its places. Gradients: transformers' float32 norms (shared_prefix_cases)."""

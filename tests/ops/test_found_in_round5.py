@@ -72,9 +72,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _readme_nemo_rl_example() -> str:
-    """The README's runnable "Switching from NeMo-RL" block (the one importing nn_data.megatron_data)."""
+    """The README's runnable "Switching from NeMo-RL" block (the one importing nn_data.nemo_rl.megatron_data)."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (block,) = [b for b in blocks if "from nn_data.megatron_data import" in b]
+    (block,) = [b for b in blocks if "from nn_data.nemo_rl.megatron_data import" in b]
     return block
 
 

@@ -173,3 +173,12 @@ def test_the_log_prob_modules_old_paths_are_the_packages_modules():
     assert nn_data.lm_head.TokenLogProbsFromHidden is nn_data.TokenLogProbsFromHidden
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         nn_data.logprobs.nothing_here
+
+
+@pytest.mark.parametrize("name", ["packed_segments", "segment_bounds", "take_layout", "INT32_MAX", "ZigzagLocal"])
+def test_a_name_that_moved_to_the_internal_door_still_works_and_warns(name):
+    from nn_data.layout import internal
+
+    assert name not in layout.__all__
+    got = _warns(lambda: getattr(layout, name), rf"nn_data.layout.{name} is for nn_data's own use")
+    assert got is getattr(internal, name)

@@ -14,7 +14,7 @@ from nn_data import (
     UnshardFromContextParallel,
     pad_to_row_capacity,
 )
-from nn_data.layout import HostBounds
+from nn_data.layout.pack_layout import HostBounds
 from nn_data.testing.reference import reference_pack
 
 

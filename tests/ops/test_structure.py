@@ -50,7 +50,7 @@ def _imports(path: Path) -> set[str]:
 
 MODULES = {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
 # The drop-in's home and the old paths that alias it (nn_data._alias makes each old path the new module):
-# the rows of nn_data._alias.OLD_PATHS (read from its source) that have a file of their own and a home in the drop-in.
+# the rows of nn_data._alias.OLD_PATHS (read from its source) whose home is in the drop-in.
 DROP_IN = "nn_data.nemo_rl"
 
 
@@ -61,7 +61,8 @@ def _alias_table() -> dict:
     return ast.literal_eval(table)
 
 
-OLD_PATHS = {old: new for old, new in _alias_table().items() if new.startswith(DROP_IN + ".") and old in MODULES}
+ALIASES = _alias_table()
+OLD_PATHS = {old: new for old, new in ALIASES.items() if new.startswith(DROP_IN + ".")}
 
 
 def _in_drop_in(module: str) -> bool:
@@ -136,34 +137,44 @@ def test_nothing_edits_sys_path_or_cites_files_outside_the_repository():
 
 
 PLANNING = sorted(m for m in MODULES if m == "nn_data.planning" or m.startswith("nn_data.planning."))
-PLANNING_NAMES = {"nn_data.layout", "nn_data.layout.round_up", "nn_data.layout.INT32_MAX",
-                  "nn_data.layout.fixed_total_arg", "nn_data.errors", "nn_data.errors.PackingError"}
+PLANNING_NAMES = {"nn_data.layout", "nn_data.layout.round_up", "nn_data.layout.internal",
+                  "nn_data.layout.internal.INT32_MAX", "nn_data.layout.internal.fixed_total_arg", "nn_data.errors",
+                  "nn_data.errors.PackingError"}
 
 
 @pytest.mark.parametrize("module", PLANNING)
 def test_the_step_planner_is_host_code_on_the_layout_rules_alone(module):
     """nn_data.planning plans on the host: within nn_data it uses the layout's rounding, int32 limit and
-    fixed-length check (through nn_data.layout's door) and the error class, nothing of the ops, the
+    fixed-length check (through nn_data.layout's doors) and the error class, nothing of the ops, the
     NeMo-RL drop-in or megatron-core."""
     inner = {i for i in MODULES[module] if i.startswith("nn_data") and not i.startswith("nn_data.planning")}
     assert inner <= PLANNING_NAMES, inner - PLANNING_NAMES
     assert not [i for i in MODULES[module] if i == "megatron" or i.startswith("megatron.")]
 
 
+INTERNAL_DOOR = "nn_data.layout.internal"
+
+
 def _layout_submodule_imports(path: Path) -> list:
-    """``nn_data.layout.<submodule>`` imports of a file (``from nn_data.layout import X`` names a door
-    export, not a submodule, unless X is one)."""
-    submodules = {p.stem for p in (PKG / "layout").glob("*.py") if p.stem != "__init__"}
+    """``nn_data.layout.<submodule>`` imports of a file other than the internal door (``from nn_data.layout
+    import X`` names a door export, not a submodule, unless X is one)."""
+    submodules = {p.stem for p in (PKG / "layout").glob("*.py") if p.stem not in ("__init__", "internal")}
     bad = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.startswith("nn_data.layout."):
+            if node.module.startswith("nn_data.layout.") and node.module != INTERNAL_DOOR:
                 bad.append(node.module)
             elif node.module == "nn_data.layout":
                 bad += [f"nn_data.layout.{a.name}" for a in node.names if a.name in submodules]
         elif isinstance(node, ast.Import):
-            bad += [a.name for a in node.names if a.name.startswith("nn_data.layout.")]
+            bad += [a.name for a in node.names if a.name.startswith("nn_data.layout.") and a.name != INTERNAL_DOOR]
     return bad
+
+
+def _names_from(path: Path, module: str) -> set:
+    """The names a file imports ``from module``."""
+    return {a.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module == module and node.level == 0 for a in node.names}
 
 
 OUTSIDE_THE_LAYOUT = sorted(p for folder in ("nn_data", "profiling", "scripts") for p in (ROOT / folder).rglob("*.py")
@@ -171,10 +182,32 @@ OUTSIDE_THE_LAYOUT = sorted(p for folder in ("nn_data", "profiling", "scripts") 
 
 
 @pytest.mark.parametrize("path", OUTSIDE_THE_LAYOUT, ids=lambda p: str(p.relative_to(ROOT)))
-def test_code_outside_the_layout_enters_it_by_its_one_door(path):
-    """Package, profiling and script code imports ``nn_data.layout`` (its ``__all__``), never a submodule
-    of it; the layout's own tests (tests/ops) may look inside."""
+def test_code_outside_the_layout_enters_it_by_its_two_doors(path):
+    """Package, profiling and script code imports ``nn_data.layout`` (the user's door, its ``__all__``) or
+    ``nn_data.layout.internal`` (the package's own door, its ``__all__``), never another submodule; the
+    layout's own tests (tests/ops) may look inside."""
+    import nn_data.layout
+    import nn_data.layout.internal
+
     assert not _layout_submodule_imports(path)
+    assert _names_from(path, "nn_data.layout") <= set(nn_data.layout.__all__)
+    assert _names_from(path, INTERNAL_DOOR) <= set(nn_data.layout.internal.__all__)
+
+
+def test_the_users_door_is_narrow_and_the_internal_door_holds_no_dead_name():
+    """``nn_data.layout.__all__``: at most 16 names, each taught to users (README.md or a docs page other
+    than the design map names it), none also in the internal door; every name of the internal door has an
+    importer in nn_data, profiling or scripts (a name nothing imports is deleted, not kept)."""
+    import nn_data.layout
+    import nn_data.layout.internal
+
+    user, internal = set(nn_data.layout.__all__), set(nn_data.layout.internal.__all__)
+    assert len(user) <= 16 and not user & internal, (len(user), user & internal)
+    taught = (ROOT / "README.md").read_text() + "".join(
+        p.read_text() for p in (ROOT / "docs").glob("*.md") if p.name != "design.md")
+    assert not [n for n in user if not re.search(rf"\b{n}\b", taught)], "not taught to users"
+    imported = set().union(*(_names_from(p, INTERNAL_DOOR) for p in OUTSIDE_THE_LAYOUT))
+    assert internal <= imported, sorted(internal - imported)
 
 
 def test_the_zigzag_shard_is_stated_once():
@@ -200,7 +233,7 @@ def test_the_alignment_rule_has_one_home():
     nn_data.planning.alignment; the compat layer, PackedForward and the planner ask Parallelism."""
     homes = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if "minimum_pad_factor" in p.read_text())
     assert homes == ["nn_data/planning/alignment.py"]
-    for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/pack.py"):
+    for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/pack_helpers.py"):
         assert "Parallelism" in (ROOT / path).read_text(), path
 
 
@@ -312,17 +345,27 @@ def test_the_device_executors_building_blocks_import_only_the_rules():
                 and not i.startswith("nn_data.errors.")]
 
 
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
-def test_an_old_path_is_a_thin_alias_of_the_drop_in(old):
-    """Each old path holds nothing but the alias, and imports as the very module of the new home."""
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_an_old_path_has_no_file_and_imports_as_its_home(old):
+    """Each old path is a row of nn_data._alias's table alone (no file of its own to drift), and imports as
+    the very module of its home (tests/ops/test_old_names.py walks every submodule below one)."""
     import importlib
 
+    from nn_data._alias import home_of
+
     path = PKG / Path(*old.split(".")[1:])
-    source = (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
-    body = ast.parse(source).body
-    code = [ast.unparse(node) for node in body[1:]]  # after the docstring
-    assert isinstance(body[0], ast.Expr) and code == ["from nn_data._alias import alias_module", f"alias_module(__name__, '{OLD_PATHS[old]}')"]
-    assert importlib.import_module(old) is importlib.import_module(OLD_PATHS[old])
+    assert old not in MODULES and not path.with_suffix(".py").exists() and not path.is_dir(), old
+    assert home_of(old) in MODULES
+    assert importlib.import_module(old) is importlib.import_module(home_of(old))
+
+
+def test_no_module_basename_means_two_things():
+    """One name per module: ``find nn_data -name '*.py' | xargs -n1 basename | sort | uniq -d`` prints
+    only ``__init__.py``."""
+    from collections import Counter
+
+    counts = Counter(p.name for p in PKG.rglob("*.py"))
+    assert sorted(n for n, k in counts.items() if k > 1) == ["__init__.py"]
 
 
 def test_process_groups_have_a_home_of_their_own():
@@ -333,3 +376,38 @@ def test_process_groups_have_a_home_of_their_own():
     text = (PKG / "megatron_parallel.py").read_text()
     assert "def group_info" not in text and "def context_parallel_info" not in text
     assert not [m for m, imps in MODULES.items() if "nn_data.megatron_parallel.group_info" in imps]
+
+
+EXECUTOR_OPS = ("pack", "shard", "unshard", "unpack")
+
+
+def test_one_executor_protocol_chosen_in_one_place():
+    """Every executor function (``layout/host.py``, ``layout/device.py``) takes ``(layout, tensor, ...)``;
+    ``pack_layout.executor`` alone picks between them (the shared-prefix layout's rollout maps always
+    gather on the device: ``device.pack`` is its one form, no choice)."""
+    import inspect
+
+    from nn_data.layout import device, host
+
+    for module in (host, device):
+        for op in EXECUTOR_OPS:
+            params = list(inspect.signature(getattr(module, op)).parameters)
+            assert params[0] == "layout" and params[1] in ("x", "packed", "shards"), (module.__name__, op, params)
+    callers = {}
+    for path in PKG.rglob("*.py"):
+        text = _code_only(path.read_text())
+        for module in ("host", "device"):
+            if re.search(rf"\b{module}\.({'|'.join(EXECUTOR_OPS)})\(", text):
+                callers.setdefault(str(path.relative_to(ROOT)), set()).add(module)
+    assert callers == {"nn_data/layout/prefix_layout.py": {"device"}}, callers
+    text = _code_only((PKG / "layout" / "pack_layout.py").read_text())
+    assert text.count("executor(self, ") == len(EXECUTOR_OPS)  # each PackLayout method asks it
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_nn_data_imports_no_old_path(module):
+    """nn_data's own code imports each module by its home, never by an old path of nn_data._alias's table
+    (those are for callers of earlier releases; a file of the package that used one would hide a move)."""
+    from nn_data._alias import home_of
+
+    assert not [i for i in MODULES[module] if home_of(i) is not None], module

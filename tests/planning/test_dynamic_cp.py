@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from nn_data.errors import PackingError
 from nn_data.planning import AttentionOnlyCost, CPCost, DynamicCPPlan, Parallelism, plan_step_dynamic_cp
 from nn_data.planning import cp_rounds, cp_tree
-from nn_data.planning.dynamic_cp import parallelism_for
+from nn_data.planning.dynamic_cp_plan import parallelism_for
 
 PROPERTIES = settings(max_examples=80, deadline=None, derandomize=True)
 
@@ -87,7 +87,7 @@ def test_tree_worked_example():
 
 
 def _costs(lengths, sizes, tpr, cost):
-    from nn_data.planning.dynamic_cp import _costs as build
+    from nn_data.planning.dynamic_cp_plan import _costs as build
 
     parallelism = Parallelism(dp=sizes[-1])
     return build(np.asarray(lengths), sizes, {c: parallelism_for(parallelism, c).pad_multiple for c in sizes}, tpr, cost,

@@ -47,7 +47,7 @@ from nn_data.nemo_rl.megatron_data.microbatch import (
     get_ltor_masks_and_position_ids,
     process_microbatch,
 )
-from nn_data.nemo_rl.megatron_data.pack import (
+from nn_data.nemo_rl.megatron_data.pack_helpers import (
     _get_pack_sequence_parameters_for_megatron,
     _pack_sequences_for_megatron,
     _unpack_sequences_from_megatron,

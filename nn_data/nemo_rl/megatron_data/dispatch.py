@@ -28,10 +28,13 @@ from nn_data.errors import PackingError
 from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
 from nn_data.nemo_rl.megatron_data.options import PackOptions
-from nn_data.nemo_rl.megatron_data.shared_prefix import PENDING
 from nn_data.pack import pack_shard
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
+#: Why this door never packs a shared-prefix microbatch (it has no group ids to share a prompt by).
+END_TO_END = ("this call packs rollouts end to end, so with PackOptions.shared_prefix (cfg['nn_data']['shared_prefix']) "
+              "it would repeat every group's prompt; process_microbatch (and the microbatch iterators) pack a "
+              "shared-prefix microbatch from its batch's group ids and prefix lengths: call those, or unset the key")
 
 
 class PackedMicrobatch(NamedTuple):
@@ -85,7 +88,7 @@ def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, opt
     experts, whose padding rows are ``arange(topk)`` (a valid top-k route). Every tensor's shape and
     device are checked here, once, before any compiled region."""
     if options.shared_prefix is not None:  # never packed end to end in its place
-        raise PackingError(PENDING)
+        raise PackingError(END_TO_END)
     unknown = [k for k in extras if k not in EXTRAS]
     if unknown:
         raise PackingError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")

@@ -14,6 +14,7 @@ names ``nn_data.nemo_rl.megatron_data`` binds at call time, so patching those na
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
@@ -23,7 +24,7 @@ from nn_data.groups import as_process_group, is_group_form, megatron_state
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
-from nn_data.nemo_rl.megatron_data.shared_prefix import check_shared_prefix
+from nn_data.nemo_rl.megatron_data.shared_prefix import check_shared_prefix, refuse_with_dynamic_cp
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 from nn_data.planning import Parallelism
 
@@ -141,17 +142,18 @@ def get_microbatch_iterator(
     microbatch per plan entry, ``micro_batch_size`` 1, padding from
     :func:`_get_pack_sequence_parameters_for_megatron` with
     ``cfg["make_sequence_length_divisible_by"]`` and the longest planned microbatch, or a run-level
-    ``cfg["nn_data"]["pad_full_seq_to"]``: :func:`run_packed_length`); otherwise fixed microbatches
+    ``cfg["nn_data"]["pad_full_seq_to"]``: :func:`run_fixed_total`); otherwise fixed microbatches
     of ``mbs`` rows. ``padded_seq_length``: ``pad_full_seq_to`` when set, else ``seq_dim_size``.
     ``seq_length_key`` defaults to ``"input_lengths"`` when packing; the ``delegate_*`` and
     ``model_slices_context_parallel_inputs`` flags go to :func:`process_microbatch` unchanged, and so
     does ``pg_collection`` (nn_data's keyword: the CP rank and size from megatron-core's
     ``ProcessGroupCollection`` instead of ``parallel_state``). ``dynamic_cp=(runner, plan)`` (nn_data's
     keyword): one microbatch per round of a dynamic-CP plan over ``data``
-    (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp`).
+    (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp_iterator`).
     """
     if dynamic_cp is not None:
-        from nn_data.nemo_rl.megatron_data.dynamic_cp import dynamic_cp_microbatch_iterator
+        refuse_with_dynamic_cp(cfg)
+        from nn_data.nemo_rl.megatron_data.dynamic_cp_iterator import dynamic_cp_microbatch_iterator
 
         return dynamic_cp_microbatch_iterator(data, cfg, *dynamic_cp, device=resolve_device(device, cfg))
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
@@ -168,7 +170,7 @@ def get_microbatch_iterator(
         data_iterator_len, pack_seq_dim_size = data.get_microbatch_iterator_for_packable_sequences_len()
         pad_factor, pad_packed, pad_full_seq_to = public("_get_pack_sequence_parameters_for_megatron")(
             cfg["megatron_cfg"], cfg["make_sequence_length_divisible_by"], pack_seq_dim_size)
-        pad_full_seq_to = run_packed_length(cfg, pack_seq_dim_size, pad_full_seq_to)
+        pad_full_seq_to = run_fixed_total(cfg, pack_seq_dim_size, pad_full_seq_to)
         micro_batch_size = 1
     else:
         require(isinstance(mbs, int) and mbs >= 1, f"mbs={mbs!r} is invalid; expected an int >= 1")
@@ -194,10 +196,10 @@ def get_microbatch_iterator(
     return iterator, data_iterator_len, micro_batch_size, seq_dim_size, padded_seq_length
 
 
-def run_packed_length(cfg: dict[str, Any], longest: int, step_length: Optional[int]) -> Optional[int]:
-    """The packed length of every microbatch of a step: the run-level ``cfg["nn_data"]["pad_full_seq_to"]``
-    when set (checked against the run's :class:`~nn_data.planning.Parallelism` and against the
-    ``longest`` planned microbatch), else NeMo-RL's ``step_length``. One length for the whole run
+def run_fixed_total(cfg: dict[str, Any], longest: int, step_length: Optional[int]) -> Optional[int]:
+    """The fixed packed length (``fixed_total``) of every microbatch of a step: the run-level
+    ``cfg["nn_data"]["pad_full_seq_to"]`` when set (checked against the run's
+    :class:`~nn_data.planning.Parallelism` and against the ``longest`` planned microbatch), else NeMo-RL's ``step_length``. One length for the whole run
     keeps compiled graphs and pipeline receive buffers the same at every step.
 
     Example: run-level 8192, a step whose longest planned microbatch holds 6100 padded tokens ->
@@ -206,13 +208,13 @@ def run_packed_length(cfg: dict[str, Any], longest: int, step_length: Optional[i
     run = PackOptions.from_cfg(cfg).pad_full_seq_to
     if run is None:
         return step_length
-    layout = Parallelism.from_megatron_cfg(
+    parallelism = Parallelism.from_megatron_cfg(
         cfg["megatron_cfg"], make_sequence_length_divisible_by=cfg["make_sequence_length_divisible_by"])
-    layout.check_fixed_total(run, "cfg['nn_data']['pad_full_seq_to']")
+    parallelism.check_fixed_total(run, "cfg['nn_data']['pad_full_seq_to']")
     require(longest <= run,
             f"a planned microbatch holds {longest} padded tokens, more than the run-level "
             f"cfg['nn_data']['pad_full_seq_to']={run}; plan the step with max_tokens_per_microbatch <= {run} or "
-            f"raise pad_full_seq_to to at least {layout.round_fixed_total(longest)}")
+            f"raise pad_full_seq_to to at least {parallelism.round_fixed_total(longest)}")
     return run
 
 
@@ -268,3 +270,12 @@ def _is_token_level(loss_fn) -> bool:
         return False
     name, value = getattr(loss_type, "name", None), getattr(loss_type, "value", loss_type)
     return name == "TOKEN_LEVEL" or str(value).lower() in ("token_level", "losstype.token_level")
+
+
+def __getattr__(name: str):
+    """``run_packed_length``, the 0.2 development name of :func:`run_fixed_total`, with a warning."""
+    if name == "run_packed_length":
+        warnings.warn("nn_data.nemo_rl.megatron_data.iterators.run_packed_length is deprecated (0.2.0); use "
+                      "run_fixed_total", DeprecationWarning, stacklevel=2)
+        return run_fixed_total
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

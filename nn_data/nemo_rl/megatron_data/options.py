@@ -16,7 +16,8 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.layout import PackSpec, fixed_total_arg
+from nn_data.layout import PackSpec
+from nn_data.layout.internal import fixed_total_arg
 
 
 class SharedPrefixKeys(NamedTuple):

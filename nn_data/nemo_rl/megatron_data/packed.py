@@ -32,10 +32,8 @@ import torch
 from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.groups import as_process_group, given_group_info, is_group_form
-from nn_data.layout import (
-    Boundaries, fixed_total_arg, layout_from_boundaries, local_places, packed_segments, padding_at, segment_bounds,
-    total_divisible, zigzag_source,
-)
+from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.layout.internal import fixed_total_arg, total_divisible
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.common import patched, public
 from nn_data.nemo_rl.megatron_data.dispatch import PackedMicrobatch, check_extras, pack_microbatch
@@ -65,8 +63,8 @@ def get_packed_seq_cp_partition_indices(
     Example: ``cu_seqlens_q_padded [0, 4, 8]``, ``T = 8``, ``C = 2``: rank 0 -> ``[0, 3, 4, 7]``,
     rank 1 -> ``[1, 2, 5, 6]``.
 
-    One host read of the boundaries (their validation); :func:`process_microbatch` computes the
-    same indices from its layout without reading them. Raises :class:`~nn_data.errors.PackingError` (a ``ValueError``, as
+    One host read of the boundaries (their validation, building the layout whose places these are);
+    :func:`process_microbatch` computes the same indices from its layout without reading them. Raises :class:`~nn_data.errors.PackingError` (a ``ValueError``, as
     megatron-bridge) for a bad ``cp_rank``/``cp_size``, a ``cp_group`` whose rank or size
     differ from them, ``total_tokens`` not a multiple of ``2C``, boundaries that do not rise
     from 0 to ``total_tokens``, or a segment not divisible by ``2C``.
@@ -86,13 +84,9 @@ def get_packed_seq_cp_partition_indices(
     bounds = padded if padded is not None else packed_seq_params.cu_seqlens_q
     _checks.check_int_vector("cu_seqlens_q_padded", bounds)
     total_divisible(total_tokens, cp_size)
-    layout_from_boundaries(Boundaries(bounds, total_tokens), op="get_packed_seq_cp_partition_indices", cp_size=cp_size)
-    return partition_indices(bounds.to(device), total_tokens, cp_size, cp_rank)
-
-
-def partition_indices(cu_seqlens_padded: torch.Tensor, total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """``[T/C]`` int64: this rank's zigzag positions in the full packed row (the device map, no read)."""
-    return zigzag_source(segment_bounds(cu_seqlens_padded, total), total // cp_size, cp_size, cp_rank)  # [T/C]
+    layout = layout_from_boundaries(Boundaries(bounds.to(device), total_tokens),
+                                    op="get_packed_seq_cp_partition_indices", cp_size=cp_size)  # the one read
+    return layout.local_places(cp_size, cp_rank).source  # [T/C] int64, the device map on the layout
 
 
 def options_kw(options: Optional[PackOptions]) -> dict:
@@ -113,9 +107,10 @@ def cp_rank_and_size(pg_collection) -> tuple:
 def boundaries_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, total: int, cp_size: int,
                             cp_rank: int) -> torch.Tensor:
     """``[1, T/C]`` bool, True at this rank's padding, from the boundaries a (patched) packer returned:
-    the layout's padding rule on device index maps, no read."""
-    segments = packed_segments(cu_seqlens, cu_seqlens_padded, total)
-    return padding_at(segments, local_places(segments.bounds, total, cp_size, cp_rank)).unsqueeze(0)
+    :meth:`~nn_data.layout.PackLayout.padding_mask` of their layout, built unvalidated (no read)."""
+    layout = layout_from_boundaries(Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens),
+                                    op="boundaries_padding_mask", validate=False)
+    return layout.padding_mask(cp_size, cp_rank)  # [1, T/C]
 
 
 def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, pad_full_seq_to, model_slices: bool,

@@ -1,5 +1,6 @@
 """NeMo-RL's two records of a processed microbatch (its fields, in its order), plus nn_data's
-``padding_mask`` last (None unless packed)."""
+``padding_mask`` (None unless packed) and ``shared_prefix`` (None unless the microbatch was packed with
+each group's prompt once: :class:`~nn_data.nemo_rl.megatron_data.shared_prefix.SharedPrefixRecord`) last."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
+    from nn_data.nemo_rl.megatron_data.shared_prefix import SharedPrefixRecord
 
 
 @dataclass
@@ -20,7 +22,8 @@ class ProcessedInputs:
     ``padding_mask``: packed microbatches only, bool in the layout of ``input_ids_cp_sharded``
     (``[1, T/C]``; ``[1, T]`` when the model slices CP itself), True at padding (each segment's slack
     and the extended last segment): what megatron-core's ``GPTModel.forward(padding_mask=)`` takes
-    to keep padding out of MoE routing statistics."""
+    to keep padding out of MoE routing statistics; ``shared_prefix``: a shared-prefix microbatch's layout,
+    prefix rule and places (``cfg["nn_data"]["shared_prefix"]``, docs/nemo-rl.md), None otherwise."""
 
     input_ids: torch.Tensor
     input_ids_cp_sharded: torch.Tensor
@@ -33,6 +36,7 @@ class ProcessedInputs:
     routed_experts_cp_sharded: Optional[torch.Tensor] = None
     media_token_validity_mask: Optional[torch.Tensor] = None
     padding_mask: Optional[torch.Tensor] = None
+    shared_prefix: Optional["SharedPrefixRecord"] = None
 
 
 @dataclass
@@ -53,3 +57,4 @@ class ProcessedMicrobatch:
     routed_experts_cp_sharded: Optional[torch.Tensor] = None
     media_token_validity_mask: Optional[torch.Tensor] = None
     padding_mask: Optional[torch.Tensor] = None
+    shared_prefix: Optional["SharedPrefixRecord"] = None

@@ -1,38 +1,76 @@
 """Shared-prefix GRPO groups in the megatron drop-in (issue 36): ``cfg["nn_data"]["shared_prefix"]``.
 
 Shape legend
-    B   rollouts of a microbatch (rows of its ``BatchedDataDict``)
+    B   rollouts of a microbatch (rows of its ``BatchedDataDict``); S their padded row length
+    T   packed tokens; the row holds ``2B`` slots (slot ``2b`` rollout b's prompt, empty unless b leads
+        its group; slot ``2b+1`` its response, :mod:`nn_data.layout.prefix_layout`)
+    C   context-parallel size; the model sees ``T/C`` local tokens
+    K   keys of TransformerEngine's per-response key/value buffer (``C = 1``)
 
 With the key set (True, or the batch keys: :func:`~nn_data.nemo_rl.megatron_data.options.shared_prefix_keys`),
 a step's batch carries ``group_ids [B]`` (rollouts of a GRPO group share its prompt) and
 ``prefix_lengths [B]`` (that prompt's length) beside ``input_ids`` / ``input_lengths``:
 
-* **planning** (done): ``shard_by_batch_size(..., sequence_packing_args={"algorithm": "nn_data_balanced",
+* **planning**: ``shard_by_batch_size(..., sequence_packing_args={"algorithm": "nn_data_balanced",
   "shared_prefix": cfg["nn_data"]["shared_prefix"], ...})`` plans each global batch with
-  :func:`nn_data.planning.plan_step_shared_prefix`: every microbatch holds whole groups (a group too large
-  for ``max_tokens_per_microbatch`` split, its prompt in each part), a group's rollouts contiguous with its
-  first (its leader) first, ``micro_batch_lengths`` the shared-prefix packed tokens, the two fields carried
-  row for row in the shards and every microbatch slice;
-* **packing** (not yet): the iterator's microbatches packed with ``SharedPrefixLayout`` and megatron-core's
-  ``PackedSeqParams`` with the prompt's keys and values for each response. Until both are in nn_data,
-  :func:`check_shared_prefix` refuses to pack such a step (it would not fit the plan's lengths, and
-  the responses would not see their prompts), naming what is missing.
+  :func:`nn_data.planning.plan_step_shared_prefix` (whole groups per microbatch, the two fields carried
+  row for row);
+* **packing**: ``process_microbatch`` (and so the microbatch iterators) packs each microbatch with
+  :func:`nn_data.layout.shared_prefix_layout` (one host read, as the plain path) and returns
+  NeMo-RL's record with ``position_ids`` continuing from the prompt into each response, the padding
+  mask, a ``PackedSeqParams`` and nn_data's :class:`SharedPrefixRecord` (``shared_prefix``: the layout,
+  the prefix rule, the local places) for the model call and the loss
+  (:mod:`nn_data.nemo_rl.megatron_data.shared_prefix_model`).
+
+Refused by name: the key without sequence packing; companions that would have to ride the shared
+prompt (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a self-packing model
+(``delegate_pack_to_model``), ``model_slices_context_parallel_inputs`` and the compiled pack
+(``cfg["nn_data"]["compile"]``), none of which has a shared-prefix form yet.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
 from nn_data.errors import PackingError
-from nn_data.nemo_rl.megatron_data.options import PackOptions, SharedPrefixKeys
+from nn_data.layout import SharedPrefixLayout
+from nn_data.masks import PrefixRule
+from nn_data.megatron_parallel import make_packed_seq_params
+from nn_data.nemo_rl.megatron_data.common import require
+from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
+from nn_data.nemo_rl.megatron_data.options import PackOptions, SharedPrefixKeys, nemo_rl_spec
+from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
+from nn_data.nemo_rl.megatron_data.records import ProcessedInputs
 
-PENDING = ("packing a shared-prefix microbatch for megatron-core (SharedPrefixLayout and PackedSeqParams with "
-           "the prompt's keys and values per response, issue 36) is not in this nn_data yet; plan with "
-           "sequence_packing_args['shared_prefix'] and pack the planned microbatches (their rows carry the group "
-           "ids and prefix lengths) with nn_data.layout's shared-prefix layout once it is, or unset "
-           "cfg['nn_data']['shared_prefix']")
+if TYPE_CHECKING:  # pragma: no cover
+    from nn_data.adapters.shared_prefix_kv import SharedPrefixKV
+
+#: Batch keys with no shared-prefix form: each would ride the packed row with the prompt once per group.
+COMPANIONS = ("mtp_loss_mask", "routed_experts", "media_token_validity_mask")
+
+
+class SharedPrefixRecord(NamedTuple):
+    """nn_data's part of a shared-prefix microbatch's record (``ProcessedInputs.shared_prefix``).
+
+    ``layout``: the :class:`~nn_data.layout.SharedPrefixLayout` (the loss side's unpack and log-probs:
+    :func:`~nn_data.nemo_rl.megatron_data.shared_prefix_model.from_parallel_logits_to_logprobs_shared_prefix`);
+    ``prefix``: the attention's :class:`~nn_data.masks.PrefixRule` (global ``[T]`` tensors);
+    ``segment_ids [T]`` (the slot of every packed position) and ``query_index [T/C]`` (the packed
+    position of each local token); ``cp_size`` / ``cp_rank`` the split it was packed for; ``kv``: at
+    ``C = 1`` the :class:`~nn_data.adapters.shared_prefix_kv.SharedPrefixKV` of a variable-length kernel
+    (TransformerEngine's THD attention): each response's keys and values are its prompt's then its own,
+    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` exact (``T`` plus each non-empty response's
+    prompt: :func:`kv_capacity`); None under CP."""
+
+    layout: SharedPrefixLayout
+    prefix: PrefixRule
+    segment_ids: torch.Tensor
+    query_index: torch.Tensor
+    cp_size: int
+    cp_rank: int
+    kv: Optional["SharedPrefixKV"] = None
 
 
 def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,14 +97,119 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
+def _needs_packing() -> PackingError:
+    return PackingError("cfg['nn_data']['shared_prefix'] packs each group's prompt once and needs "
+                        "cfg['sequence_packing']['enabled'] = True")
+
+
 def check_shared_prefix(data: Any, cfg: dict, packing: bool) -> Optional[SharedPrefixKeys]:
-    """None when ``cfg["nn_data"]["shared_prefix"]`` is unset. Set: the keys are checked against ``data``
-    (:func:`shared_prefix_fields`), sequence packing must be on, and packing is refused (module docstring)."""
+    """The keys, None when ``cfg["nn_data"]["shared_prefix"]`` is unset. Set: sequence packing must be on
+    and the keys are checked against ``data`` (:func:`shared_prefix_fields`)."""
     keys = PackOptions.from_cfg(cfg).shared_prefix
     if keys is None:
         return None
     if not packing:
-        raise PackingError("cfg['nn_data']['shared_prefix'] packs each group's prompt once and needs "
-                           "cfg['sequence_packing']['enabled'] = True")
+        raise _needs_packing()
     shared_prefix_fields(data, keys)
-    raise PackingError(PENDING)
+    return keys
+
+
+def refuse_with_dynamic_cp(cfg: dict) -> None:
+    """A dynamic-CP plan packs its rounds end to end: with ``cfg["nn_data"]["shared_prefix"]`` set it would
+    not share the prompts it was asked to, so :class:`PackingError`."""
+    if PackOptions.from_cfg(cfg).shared_prefix is not None:
+        raise PackingError("get_microbatch_iterator(..., dynamic_cp=) packs each round's sequences end to end and "
+                           "cannot share a group's prompt: unset cfg['nn_data']['shared_prefix'] for a dynamic-CP "
+                           "step, or drop dynamic_cp= to pack the shared-prefix plan's microbatches")
+
+
+def _refuse_unsupported(data_dict, *, delegate: bool, model_slices: bool, options: PackOptions) -> None:
+    """The module docstring's refusals, each naming what to change."""
+    given = [k for k in COMPANIONS if k in data_dict]
+    if given:
+        raise PackingError(f"cfg['nn_data']['shared_prefix'] does not pack {given} yet (a shared prompt's tokens "
+                           f"would carry them once for the whole group); drop them from the batch or unset the key")
+    flags = {"delegate_pack_to_model": delegate, "model_slices_context_parallel_inputs": model_slices,
+             "cfg['nn_data']['compile']": options.compile}
+    for name, on in flags.items():
+        if on:
+            raise PackingError(f"{name}=True is not supported with cfg['nn_data']['shared_prefix'] (the shared-prefix "
+                               "pack runs eagerly in process_microbatch, for a model that takes its CP share); "
+                               "set it to False or unset the key")
+
+
+def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequences: bool, m: int, p: int,
+                         pad_full_seq_to: Optional[int], delegate: bool, model_slices: bool, options: PackOptions,
+                         pg_collection=None) -> ProcessedInputs:
+    """``process_microbatch`` for a shared-prefix microbatch: :class:`ProcessedInputs` with the packed ids
+    ``input_ids [1, T]`` / ``input_ids_cp_sharded [1, T/C]``, ``position_ids [1, T/C]`` (rollout positions:
+    a response continues from its prompt), ``attention_mask`` None (the model call builds nn_data's mask
+    from ``shared_prefix.prefix``), ``packed_seq_params`` (:func:`shared_prefix_params`),
+    ``cu_seqlens_padded [2B+1]`` (the slots'), ``padding_mask [1, T/C]`` and ``shared_prefix``
+    (:class:`SharedPrefixRecord`). One host read (the layout builder's, covering every check).
+
+    Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> ids ``[p0 p0 r0 r0 | r1 | p2 |
+    r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``.
+    """
+    from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
+    from nn_data.packed_shared_prefix import SharedPrefixPackShard
+
+    if not pack_sequences:
+        raise _needs_packing()
+    require(seq_length_key is not None, "seq_length_key must be provided for packed sequences")
+    require(seq_length_key in data_dict, f"{seq_length_key} not found in data_dict")
+    _refuse_unsupported(data_dict, delegate=delegate, model_slices=model_slices, options=options)
+    input_ids = data_dict["input_ids"]
+    group_ids, prefix_lengths = shared_prefix_fields(data_dict, options.shared_prefix)
+    device = input_ids.device
+    lengths = as_lengths(data_dict[seq_length_key], input_ids.shape[0], device)
+    prefix = on_device("prefix_lengths", prefix_lengths, "input_ids", device)
+    groups = on_device("group_ids", group_ids, "input_ids", device)
+    cp_rank, cp_size = cp_rank_and_size(pg_collection)
+    spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
+                        name="pad_full_seq_to", options=options)
+    shard = SharedPrefixPackShard(spec, cp_size, cp_rank)(input_ids, lengths, prefix, groups)
+    shared = shard.shared
+    full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
+    kv = None
+    if cp_size == 1:
+        kv = shared_prefix_kv(shared.layout.cu_seqlens_padded, shared.prefix_lengths, shared.leader, total=shared.total,
+                              kv_capacity=kv_capacity(shared))
+    record = SharedPrefixRecord(shared, shard.prefix, shard.segment_ids, shard.query_index, cp_size, cp_rank, kv)
+    return ProcessedInputs(
+        input_ids=full, input_ids_cp_sharded=shard.input_ids, attention_mask=None, position_ids=shard.positions,
+        packed_seq_params=shared_prefix_params(record), cu_seqlens_padded=shared.layout.cu_seqlens_padded,
+        padding_mask=shard.padding_mask, shared_prefix=record,
+    )
+
+
+def kv_capacity(shared: SharedPrefixLayout) -> int:
+    """``K = T + sum of P[b]`` over the rollouts whose response is not empty, from the builder's host ints
+    (``P[b] = L[b]`` minus its response slot's length): no read.
+
+    Example: L ``[4, 3, 3]``, response slots ``[2, 1, 2]``, T 8 -> P ``[2, 2, 1]``, K ``8 + 5 = 13``.
+    """
+    host = shared.layout.host
+    if host is None or shared.host_lengths is None:
+        raise PackingError("kv_capacity needs a shared-prefix layout built on the host (shared_prefix_layout with "
+                           "host_reads=True)")
+    responses = host.lengths[1::2]  # [B] real response tokens
+    return shared.total + sum(n - r for n, r in zip(shared.host_lengths, responses) if r > 0)
+
+
+def shared_prefix_params(record: SharedPrefixRecord):
+    """The record's THD ``PackedSeqParams``. ``C = 1``: TransformerEngine's distinct query and key/value
+    boundaries over ``record.kv`` (:func:`~nn_data.adapters.shared_prefix_kv.shared_prefix_packed_seq_params`,
+    ``N = 2B + 1`` sequences, ``max_seqlen_q = T``, ``max_seqlen_kv = K``), for a kernel run bottom-right
+    causal over ``record.kv.gather(key)`` / ``(value)``: a stock model, which hands the kernel its ``T`` keys,
+    must not take them. Under CP (whose keys and values TransformerEngine would split as the queries): the
+    slots' padded boundaries (``max_seqlen`` the longest slot, ``total_tokens = T/C``). nn_data's attention
+    reads neither (it takes the prefix rule: ``shared_prefix_model``)."""
+    from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
+
+    shared = record.layout
+    slots = shared.layout
+    if record.kv is None:
+        return make_packed_seq_params(slots.cu_seqlens_padded, slots.host.max_seqlen, shared.total // record.cp_size,
+                                      total=shared.total)
+    return shared_prefix_packed_seq_params(record.kv)

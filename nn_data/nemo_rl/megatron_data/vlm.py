@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from nn_data import _checks
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths
 from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.layout import PackSpec, layout_from_lengths, padded_rows
+from nn_data.layout import PackSpec, layout_from_lengths
+from nn_data.layout.internal import padded_rows
 
 
 def _prepare_vlm_batch_for_megatron(

@@ -1,7 +1,8 @@
 """Tier: pure CPU, single process (one compile test with aot_eager counts graphs across steps).
 
-The run-level packed length (cfg["nn_data"]["pad_full_seq_to"], PackOptions.pad_full_seq_to) through the
-NeMo-RL layer, and shard_by_batch_size's "nn_data_balanced" plan (nn_data.planning.plan_step).
+The run-level fixed packed length (cfg["nn_data"]["pad_full_seq_to"], PackOptions.pad_full_seq_to;
+run_fixed_total) through the NeMo-RL layer, and shard_by_batch_size's "nn_data_balanced" plan
+(nn_data.planning.plan_step).
 """
 
 from __future__ import annotations
@@ -160,6 +161,21 @@ def test_balanced_sharding_takes_a_parallel_layout():
     assert all(load % 4 == 0 for s in shards for load in s.micro_batch_lengths[0])
 
 
+def test_the_parallelism_key_is_the_old_parallel_layout_key_which_warns():
+    parallelism = Parallelism(dp=2, cp=2)
+    new, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallelism=parallelism))
+    with pytest.warns(DeprecationWarning, match=r"\['parallel_layout'\] is deprecated \(0.2.0\); use "
+                                                r"sequence_packing_args\['parallelism'\]"):
+        old, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallel_layout=parallelism))
+    assert [s.micro_batch_lengths for s in new] == [s.micro_batch_lengths for s in old]
+    assert all(load % 4 == 0 for s in new for load in s.micro_batch_lengths[0])
+    with pytest.raises(PackingError, match=r"^sequence_packing_args\['parallelism'\]=Parallelism\(dp=4"):
+        _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallelism=Parallelism(dp=4)))
+    with pytest.raises(PackingError, match=r"has both 'parallelism' and its old name 'parallel_layout'"):
+        _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallelism=parallelism,
+                                                                        parallel_layout=parallelism))
+
+
 @pytest.mark.parametrize("extra, match", [
     (dict(parallel_layout=Parallelism(dp=4)), r"parallel_layout'\]=Parallelism\(dp=4.* is invalid; expected a "
                                                  r"Parallelism with dp=2 \(the shards\)"),
@@ -179,3 +195,13 @@ def test_balanced_sharding_refusals(extra, match):
         match = match.replace("=32", "=40")
     with pytest.raises(PackingError, match=match):
         _data().shard_by_batch_size(2, sequence_packing_args=args)
+
+
+def test_run_packed_length_is_run_fixed_total_and_warns():
+    from nn_data.nemo_rl.megatron_data import iterators
+
+    with pytest.warns(DeprecationWarning, match=r"iterators.run_packed_length is deprecated \(0.2.0\); use run_fixed_total"):
+        old = iterators.run_packed_length
+    assert old is iterators.run_fixed_total
+    with pytest.raises(AttributeError, match="no attribute 'run_packed_lengths'"):
+        iterators.run_packed_lengths  # noqa: B018

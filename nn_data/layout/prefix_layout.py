@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from nn_data import _checks
 from nn_data.layout import checks, device, index
 from nn_data.layout.build import PackSpec, layout_from_lengths, layout_from_read_lengths, reads_host
-from nn_data.layout.pack_layout import PackLayout
+from nn_data.layout.pack_layout import PackLayout, on_host
 from nn_data.layout.rules import Fill
 from nn_data.masks import PrefixRule
 
@@ -193,7 +193,7 @@ class SharedPrefixLayout(NamedTuple):
 
     def check_rows(self, seq_len) -> None:
         """Every rollout fits rows of ``seq_len`` (nothing is cut off): the builder's ints, or a device assert."""
-        if self.host_lengths is not None and not torch.compiler.is_compiling():
+        if self.host_lengths is not None and on_host(self.layout):  # the executor's rule: its ints
             checks.row_length_host(self.host_lengths, seq_len)
         elif self.rows:
             checks.row_length_device("SharedPrefixLayout.unpack", self.seq_lengths, seq_len)

@@ -7,7 +7,7 @@ Vocabulary
     item    what the planner places whole: a group, or a part of a group too large for one microbatch
 
 A microbatch packs, per group it holds, the prompt once and then each rollout's response, every
-slot rounded up to ``m`` (the shared-prefix layout, ``nn_data.layout.shared_prefix``: a prompt slot
+slot rounded up to ``m`` (the shared-prefix layout, ``nn_data.layout.prefix_layout``: a prompt slot
 per group, a response slot per rollout). So an item costs
 
     need = round_up(P, m) + sum over its rollouts of round_up(L - P, m)     (tokens of a microbatch)

@@ -1,0 +1,214 @@
+"""A shared-prefix microbatch (``cfg["nn_data"]["shared_prefix"]``) through a megatron-core ``GPTModel`` and
+NeMo-RL's log-prob function: the model call and the loss side of
+:mod:`nn_data.nemo_rl.megatron_data.shared_prefix`'s record.
+
+Shape legend
+    B   rollouts; S their row length (``unpacked_seqlen``)
+    T   packed tokens; C context-parallel size; the model sees ``T/C`` local tokens
+    V   vocabulary; ``Vt = V / TP`` on a tensor-parallel rank
+
+The model must be built with :func:`nn_data.adapters.megatron_gpt_layer_spec` (nn_data's core attention,
+which takes the prefix rule): :func:`forward_shared_prefix` runs it through
+:class:`~nn_data.adapters.MegatronGPTAdapter`, which applies the rotary embedding at the rollout positions
+(a response continues from its prompt; megatron-core's THD rotary embedding restarts every segment at 0)
+and the attention under the prefix rule. A stock model (TransformerEngine's or the local
+``DotProductAttention``) would let a response miss its prompt, or see other rollouts: refused by name.
+:func:`from_parallel_logits_to_logprobs_shared_prefix` is ``from_parallel_logits_to_logprobs_packed_sequences``
+with the record's layout in place of ``cu_seqlens_padded``: ``[B, S-1]`` per rollout, as if each had run alone;
+:func:`from_parallel_hidden_states_to_logprobs_shared_prefix` the same from the hidden states
+(``forward_shared_prefix(..., output="hidden")``) and the output weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from nn_data import _checks
+from nn_data.errors import PackingError
+from nn_data.groups import given_group_info
+from nn_data.layout import SharedPrefixLayout
+
+
+def _record(microbatch):
+    record = getattr(microbatch, "shared_prefix", None)
+    if record is None:
+        raise PackingError("microbatch has no shared_prefix record: it was not packed with "
+                           "cfg['nn_data']['shared_prefix'] (run the model on it as on any packed microbatch)")
+    return record
+
+
+def gpt_model(model):
+    """``model`` without its wrappers (megatron-core's DDP, ``Float16Module``: each holds ``.module``)."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def check_prefix_attention(model) -> None:
+    """:class:`PackingError` unless every attention layer of ``model`` runs nn_data's core attention (the
+    one that honours the prefix rule), naming the class found."""
+    from nn_data.adapters.megatron_gpt import PackedDotProductAttention
+
+    cores = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
+    stock = sorted({type(c).__name__ for c in cores if not isinstance(c, PackedDotProductAttention)})
+    if stock or not cores:
+        found = stock or ["no attention layer"]
+        raise PackingError(f"a shared-prefix microbatch needs nn_data's attention (each response sees its group's "
+                           f"prompt, which the packed row holds once); model={type(model).__name__} has core "
+                           f"attention {', '.join(found)}, which cannot honour the prefix rule: build the GPTModel "
+                           "with nn_data.adapters.megatron_gpt_layer_spec(...), or unset cfg['nn_data']['shared_prefix']")
+
+
+#: What :func:`forward_shared_prefix` returns.
+OUTPUTS = ("logits", "hidden")
+
+
+def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = "auto", output: str = "logits",
+                          **model_kwargs) -> torch.Tensor:
+    """The model's output for a shared-prefix microbatch's local tokens: logits ``[1, T/C, V]`` (on the
+    last pipeline stage), equal at every real token to the rollout run alone; ``output="hidden"``: the
+    decoder's final-normed hidden states ``[T/C, 1, H]`` instead (for
+    :func:`from_parallel_hidden_states_to_logprobs_shared_prefix`: no ``[T, V]`` logits).
+
+    ``model``: a ``GPTModel`` built with :func:`~nn_data.adapters.megatron_gpt_layer_spec` (or a wrapper
+    with ``.module``, whose own forward is then not run: the ``GPTModel`` inside is called); ``microbatch``: what the iterators yield (``ProcessedMicrobatch`` or
+    ``ProcessedInputs`` with ``shared_prefix``). ``cp_group``: the CP group the microbatch was sharded
+    over (default the model's ``pg_collection.cp``); ``model_kwargs`` go to the model (the padding mask
+    goes as ``padding_mask`` where the release takes one).
+
+    Raises :class:`PackingError` for a model without nn_data's attention (:func:`check_prefix_attention`),
+    a microbatch without the record, a CP group whose size is not the record's, and an unknown ``output``.
+    """
+    from nn_data.adapters.megatron_gpt import MegatronGPTAdapter
+
+    if output not in OUTPUTS:
+        raise PackingError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
+    record = _record(microbatch)
+    inner = gpt_model(model)
+    check_prefix_attention(inner)
+    adapter = MegatronGPTAdapter(inner, mask_kind=mask_kind)
+    group = cp_group if cp_group is not None else getattr(adapter.pg_collection, "cp", None)
+    info = packed_info(record, microbatch, group)
+    if output == "logits":
+        return adapter(microbatch.input_ids_cp_sharded, microbatch.position_ids, info, **model_kwargs)
+    last = inner.post_process
+    inner.post_process = False  # megatron-core's GPTModel then returns the final-normed hidden states
+    try:
+        return adapter(microbatch.input_ids_cp_sharded, microbatch.position_ids, info, **model_kwargs)
+    finally:
+        inner.post_process = last
+
+
+def packed_info(record, microbatch, cp_group):
+    """The record as :class:`~nn_data.packed_forward.PackedInfo` (what the adapter reads): the slots'
+    boundaries, the places, the prefix rule, the padding mask, and under CP a key/value gather over
+    ``cp_group`` on the layout (no read of the boundaries)."""
+    from nn_data.cp_comm import GatherFromContextParallel
+    from nn_data.packed_forward import PackedInfo
+
+    slots = record.layout.layout
+    size = 1 if cp_group is None else cp_group.size()
+    if size != record.cp_size:
+        raise PackingError(f"the microbatch was packed for cp_size={record.cp_size} but cp_group has {size} "
+                           "rank(s); pass the group it was sharded over (pg_collection.cp)")
+    gather = None
+    if record.cp_size > 1:
+        op = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False)  # keys/values: gradients sum
+
+        def gather(local):
+            return op(local, layout=slots)  # [1, T/C, *] -> [1, T, *]
+    shared = record.layout
+    return PackedInfo(
+        slots.cu_seqlens_padded, slots.max_seqlen, record.segment_ids, record.query_index, record.cp_size,
+        record.cp_rank, gather, microbatch.packed_seq_params, microbatch.padding_mask,
+        max_length=slots.host.max_seqlen if slots.host is not None else shared.total, row_len=shared.row_len,
+        cu_seqlens=slots.cu_seqlens, prefix=record.prefix, prefix_lengths=shared.prefix_lengths, leader=shared.leader,
+    )
+
+
+def from_parallel_logits_to_logprobs_shared_prefix(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    shared_prefix,
+    unpacked_seqlen: int,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    group: Optional["torch.distributed.ProcessGroup"],
+    inference_only: bool = False,
+    cp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    chunk_size: Optional[int] = None,
+    *,
+    pg_collection=None,
+) -> torch.Tensor:
+    """Rollout log-probs ``[B, S-1]`` of a shared-prefix microbatch from this rank's packed logits
+    ``[1, T/C, Vt]``: ``from_parallel_logits_to_logprobs_packed_sequences``'s arguments, with
+    ``shared_prefix`` (the record ``microbatch.shared_prefix`` or its ``SharedPrefixLayout``) in place of
+    ``cu_seqlens_padded``. ``target``: the packed ids ``[1, T]`` (``microbatch.input_ids``).
+
+    ``out[b, s] = log p(x[b, s+1] | x[b, :s+1])`` for ``s < L[b] - 1``, else 0, as if rollout b had run
+    alone (its prompt's last position scored against its own first response token):
+    :class:`nn_data.logprobs.SharedPrefixLogProbs`. Unlike NeMo-RL's packed function the
+    rows end at each rollout's length (0 past it) and under CP the gradient is the single-process one
+    (every CP rank computes the same loss). No host read (the layout's ints and device asserts).
+
+    Raises :class:`PackingError` as :class:`~nn_data.logprobs.SharedPrefixLogProbs`, and for
+    ``unpacked_seqlen`` or ``chunk_size`` below 1 and a vocabulary slice that is not this TP rank's.
+    """
+    from nn_data.logprobs import SharedPrefixLogProbs
+
+    layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
+    tp = given_group_info(group, pg_collection=pg_collection, field="tp")
+    _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP]", 3)
+    _checks.check_vocab_range(vocab_start_index, vocab_end_index, vocab_parallel_logits.shape[-1], tp.rank)
+    op = SharedPrefixLogProbs(cp_group=cp_group, tp_group=group, pg_collection=pg_collection, chunk_tokens=chunk)
+    with torch.no_grad() if inference_only else contextlib.nullcontext():
+        return op(vocab_parallel_logits, target, layout, seq_len=seq_len)
+
+
+def from_parallel_hidden_states_to_logprobs_shared_prefix(
+    tensor_parallel_hidden_states: torch.Tensor,
+    output_weight_layer: torch.Tensor,
+    target: torch.Tensor,
+    shared_prefix,
+    unpacked_seqlen: int,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    group: Optional["torch.distributed.ProcessGroup"],
+    inference_only: bool = False,
+    cp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    chunk_size: Optional[int] = None,
+    *,
+    pg_collection=None,
+) -> torch.Tensor:
+    """:func:`from_parallel_logits_to_logprobs_shared_prefix` from this rank's hidden states ``[T/C, 1, H]``
+    (``forward_shared_prefix(..., output="hidden")``) and the output weight ``[V/TP, H]`` in place of the
+    logits (``from_parallel_hidden_states_to_logprobs_packed_sequences``' arguments, the record in place of
+    ``cu_seqlens_padded``): the same ``[B, S-1]``, values and gradients, without ``[T, V]`` logits
+    (:class:`nn_data.logprobs.SharedPrefixLogProbsFromHidden`; the hidden states gathered over
+    TP first: no sequence parallelism).
+
+    Raises :class:`PackingError` as that op, and as the logits function for the other arguments.
+    """
+    from nn_data.logprobs import SharedPrefixLogProbsFromHidden
+
+    layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
+    tp = given_group_info(group, pg_collection=pg_collection, field="tp")
+    _checks.check_vocab_range(vocab_start_index, vocab_end_index, output_weight_layer.shape[0], tp.rank,
+                              against="output_weight_layer", unit="rows")
+    op = SharedPrefixLogProbsFromHidden(cp_group=cp_group, tp_group=group, pg_collection=pg_collection,
+                                        chunk_tokens=chunk)
+    with torch.no_grad() if inference_only else contextlib.nullcontext():
+        return op(tensor_parallel_hidden_states, output_weight_layer, target, layout, seq_len=seq_len)
+
+
+def _call_args(shared_prefix, unpacked_seqlen, chunk_size) -> tuple:
+    """``(SharedPrefixLayout, S, tokens per chunk)`` of a log-prob call, each checked."""
+    layout = shared_prefix if isinstance(shared_prefix, SharedPrefixLayout) else getattr(shared_prefix, "layout", None)
+    if not isinstance(layout, SharedPrefixLayout):
+        raise PackingError(f"shared_prefix must be a microbatch's shared_prefix record or its SharedPrefixLayout, "
+                           f"got {type(shared_prefix).__name__}")
+    seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
+    return layout, seq_len, _checks.positive_int("chunk_size", chunk_size, allow_none=True) or 256
