@@ -72,7 +72,7 @@ def _assert_same(a, b):
     for name in ("packed", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"):
         assert torch.equal(getattr(ra, name), getattr(rb, name)), name
     # The plan's internal form differs (compiled: device index maps; eager: the host's ints): compare
-    # what it packs, its segment ids and positions (docs/design.md, "Eager == compiled").
+    # what it packs, its segment ids and positions (docs/compile-contract.md, "Eager == compiled").
     assert ra.layout.host is None and rb.layout.host is not None
     assert ra.layout.total == rb.layout.total and ra.layout.rows == rb.layout.rows
     assert torch.equal(ra.layout.segment_ids(), rb.layout.segment_ids())
