@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
@@ -25,7 +24,7 @@ from nn_data.nemo_rl.megatron_data.shared_prefix_model import (
     from_parallel_logits_to_logprobs_shared_prefix,
 )
 from tests.support.megatron_config import megatron_cfg
-from tests.support.megatron_release import needs_megatron_models
+from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state
 
 S, M, BUDGET, VOCAB = 24, 4, 32, 97
 # 5 groups (sizes 3, 1, 4, 2, 2), prompts 6, 10, 3, 0, 13 tokens, rows interleaved; an empty response (row 4)
@@ -120,17 +119,8 @@ def test_one_host_read_per_microbatch():
 
 @pytest.fixture(scope="module")
 def megatron_state():
-    from megatron.core import parallel_state
-
-    from nn_data.testing.dist import destroy_model_parallel_groups, free_port, init_gloo
-
-    init_gloo(0, 1, free_port())
-    try:
-        parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    with one_rank_parallel_state():
         yield
-    finally:
-        destroy_model_parallel_groups(parallel_state)
-        dist.destroy_process_group()
 
 
 def _next_token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

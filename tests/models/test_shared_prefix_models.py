@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data.adapters import HFCausalLMAdapter
@@ -21,7 +20,7 @@ from nn_data.errors import PackingError
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data.packed_forward import PackedForward
 from tests.models import shared_prefix_cases as cases
-from tests.support.megatron_release import needs_megatron_models
+from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state
 
 
 def test_llama_shared_prefix_equals_each_rollout_alone_float64():
@@ -58,17 +57,8 @@ def test_hybrids_run_each_rollout_with_its_prompt(kind):
 
 @pytest.fixture(scope="module")
 def megatron_state():
-    from megatron.core import parallel_state
-
-    from nn_data.testing.dist import destroy_model_parallel_groups, free_port, init_gloo
-
-    init_gloo(0, 1, free_port())
-    try:
-        parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    with one_rank_parallel_state():
         yield
-    finally:
-        destroy_model_parallel_groups(parallel_state)
-        dist.destroy_process_group()
 
 
 @needs_megatron_models
