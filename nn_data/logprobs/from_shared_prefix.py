@@ -4,6 +4,7 @@ Shape legend
     B   rollouts; S their row length (``seq_len``, default the layout's)
     T   packed tokens; C context-parallel size; N = T/C positions on a rank
     V   vocabulary; ``Vt = V / TP`` on a tensor-parallel rank; H hidden size
+    n   hidden-state rows on this rank: ``N``, or ``N/TP`` with sequence parallelism
 
 Entry ``s`` of rollout ``b`` scores token ``s + 1`` from position ``s`` (NeMo-RL's ``[B, S-1]``), as if
 the rollout had run alone (``docs/ops.md``, "Shared-prefix packing"): for ``s < P - 1`` at a position
@@ -18,8 +19,9 @@ Under CP the rank holding a prompt's last position scores its boundary rows (0 e
 ``[T/C]`` values and the ``[B]`` boundary values cross the CP group in one all-gather (the boundary
 values summed over ranks), with the gradient of every rank's own rows (``grad_mode="own"``: every CP
 rank computes the same loss). Memory: beyond the kernels', the logits path's backward adds the ``B``
-boundary rows' gradient through one ``[T/C, Vt]`` buffer (the index gather's); the hidden path's only
-``[T/C, H]``.
+boundary rows' gradient through one ``[T/C, Vt]`` buffer (the index gather's); the hidden path's one
+``[n + B, H]`` copy of its rows with the boundary rows appended (one kernel call: under sequence
+parallelism one TP gather of both).
 """
 
 from __future__ import annotations
@@ -142,43 +144,69 @@ class SharedPrefixLogProbs(nn.Module):
         return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)
 
 
+def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks: int):
+    """``(rows [n + B, H], target, keep [blocks * (n + B)])``: this rank's hidden rows followed by the ``B``
+    boundary rows it holds, and the targets in the kernel's gathered order, so that one kernel call (one
+    sequence-parallel gather) scores both. ``blocks``: TP with sequence parallelism (rank ``block`` holds
+    local rows ``[block*n, (block+1)*n)``), else 1 (``block`` 0, all ``N`` rows).
+
+    Example (N 8, TP 2 with sequence parallelism, n 4, boundary rows ``t.rows = [5, 1]``): rank 0 appends
+    its rows ``[3, 1]`` (``[5, 1]`` clamped to ``[0, 3]``), rank 1 ``[1, 0]`` (``[1, -3]`` clamped); ``keep``
+    of block 0's boundary part ``[F, T]`` (row 5 is block 1's), of block 1's ``[T, F]`` (and ``boundary_keep``).
+    """
+    n, (b, width) = rows.shape[0], (t.rows.shape[0], rows.shape[1])
+    here = (t.rows - block * n).clamp(0, max(n - 1, 0))  # [B] the boundary row's place in this rank's rows
+    edge = rows.index_select(0, here) if n else rows.new_zeros(b, width)  # [B, H] (T = 0: nothing to score)
+    holder = torch.div(t.rows, max(n, 1), rounding_mode="floor")  # [B] the block holding each boundary row
+    mine = torch.arange(blocks, device=rows.device)[:, None] == holder  # [blocks, B]
+    target = torch.cat([t.target.view(blocks, n), t.boundary_target.expand(blocks, b)], 1).reshape(-1)  # [blocks*(n+B)]
+    keep = torch.cat([t.keep.view(blocks, n), mine & t.boundary_keep], 1).reshape(-1)  # [blocks*(n+B)]
+    return torch.cat([rows, edge]), target, keep
+
+
 class SharedPrefixLogProbsFromHidden(nn.Module):
     """Rollout token log-probs ``[B, S-1]`` straight from a shared-prefix microbatch's CP-local hidden states
     and the output weight: what :class:`SharedPrefixLogProbs` gives from the logits ``hidden @ weight.T /
     temperature``, values and gradients (of ``hidden`` and ``weight``), without ``[T, V]`` logits.
 
     ``forward(hidden [1, T/C, H] (or [T/C, 1, H]), weight [V/TP, H], packed_ids [1, T] int, layout, *,
-    seq_len=None, places=None) -> [B, S-1]``; groups, ``chunk_tokens`` and ``temperature`` as
-    :class:`~nn_data.TokenLogProbsFromHidden`. Sequence parallelism is refused (the boundary rows would
-    have to be found across TP ranks): gather the hidden states first.
+    seq_len=None, places=None) -> [B, S-1]``; groups, ``chunk_tokens``, ``temperature`` and
+    ``sequence_parallel`` (``hidden`` is then this TP rank's ``[1, T/(C*TP), H]`` rows of the CP shard) as
+    :class:`~nn_data.TokenLogProbsFromHidden`: the rows and the ``B`` boundary rows are scored in one
+    kernel call, so with sequence parallelism they are gathered over the TP group once, inside
+    (:func:`with_boundary_rows`).
 
     Raises :class:`~nn_data.errors.PackingError`: as :class:`SharedPrefixLogProbs`, and for hidden states
-    or a weight that are not an output head's (call), ``sequence_parallel=True`` (``__init__``).
+    or a weight that are not an output head's, hidden states that are not this rank's share of ``T`` (call).
     """
 
     def __init__(self, *, cp_group=None, tp_group=None, pg_collection=None, chunk_tokens: int = 256,
                  temperature: float = 1.0, sequence_parallel: bool = False, validate: bool = True):
         super().__init__()
-        if sequence_parallel:
-            raise _checks.PackingError("sequence_parallel=True is not supported by SharedPrefixLogProbsFromHidden: "
-                                       "gather the hidden states over the tensor-parallel group first")
         self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
         self.temperature = _checks.check_temperature(temperature)
         self.groups, self.validate = _Groups(cp_group, tp_group, pg_collection), bool(validate)
+        self.sequence_parallel = bool(sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, packed_ids: torch.Tensor,
                 layout: SharedPrefixLayout, *, seq_len=None, places=None) -> torch.Tensor:
-        g = self.groups
+        g, split = self.groups, self.sequence_parallel and self.groups.tp_size > 1
         _checks.check_output_head("hidden", hidden, "weight", weight, HIDDEN_SHAPE)
         if 1 not in hidden.shape[:2]:
             raise _checks.PackingError(f"hidden must be {HIDDEN_SHAPE}, got shape {tuple(hidden.shape)}")
-        rows = hidden_rows(hidden)  # [T/C, H]
-        total = check_full_ids("hidden", hidden, packed_ids, rows.shape[0], g.cp_size)
+        rows = hidden_rows(hidden)  # [n, H]
+        _checks.check_packed_ids("packed_ids", packed_ids)
+        total = packed_ids.shape[1]
+        _checks.check_token_share("hidden", rows.shape[0], total, g.cp_size, g.tp_size, self.sequence_parallel)
+        _checks.check_same_device(hidden=hidden, packed_ids=packed_ids)
         t = rollout_targets("SharedPrefixLogProbsFromHidden", layout, packed_ids, total, weight.shape[0] * g.tp_size,
                             g, places, self.validate)
-        kernel = dict(vocab_start=g.tp_rank * weight.shape[0], tp_group=g.tp_group, tp_size=g.tp_size,
-                      chunk_tokens=self.chunk_tokens, temperature=self.temperature)
-        local = hidden_logprobs_local(rows, weight, t.target, t.keep, **kernel)  # [T/C]
-        boundary = hidden_logprobs_local(rows.index_select(0, t.rows), weight, t.boundary_target, t.boundary_keep,
-                                         **kernel)  # [B]
+        blocks = g.tp_size if split else 1
+        both, target, keep = with_boundary_rows(rows, t, g.tp_rank if split else 0, blocks)  # [n + B, H], [..]
+        values = hidden_logprobs_local(
+            both, weight, target, keep, vocab_start=g.tp_rank * weight.shape[0], tp_group=g.tp_group,
+            tp_size=g.tp_size, sequence_parallel=split, chunk_tokens=self.chunk_tokens, temperature=self.temperature,
+        ).view(blocks, -1)  # [blocks, n + B]
+        n = rows.shape[0]
+        local, boundary = values[:, :n].reshape(-1), values[:, n:].sum(0)  # [T/C], [B]: the holder's value
         return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)

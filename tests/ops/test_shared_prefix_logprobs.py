@@ -82,8 +82,22 @@ def test_errors_name_the_argument():
         SharedPrefixLogProbs()(logits, sp.pack(ids), sp, seq_len=5)
     with pytest.raises(RuntimeError, match=r"token ids must be in \[0, vocab=4\)"):
         SharedPrefixLogProbs()(logits[..., :4], sp.pack(ids), sp)
-    with pytest.raises(PackingError, match=r"sequence_parallel=True is not supported"):
-        SharedPrefixLogProbsFromHidden(sequence_parallel=True)
+    hidden, weight = torch.zeros(1, sp.total, H, dtype=torch.float64), torch.zeros(V, H, dtype=torch.float64)
+    with pytest.raises(PackingError, match=rf"hidden hold 3 tokens but this rank's share of the T={sp.total} "):
+        SharedPrefixLogProbsFromHidden()(hidden[:, :3], weight, sp.pack(ids), sp)
+
+
+def test_sequence_parallel_is_accepted_and_without_a_tp_group_changes_nothing():
+    # the TP 2 sequence-parallel cases (the rows sharded over TP ranks, gathered inside) run over gloo in
+    # tests/multiprocess/test_shared_prefix_multiprocess.py; without a TP group there is nothing to gather
+    groups, prefix, lengths, seq_len = CASES[0]
+    sp, ids, token, weights, gen = _case(groups, prefix, lengths, seq_len, seed=2)
+    hidden = torch.randn(1, sp.total, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    want = alone(lambda i: hidden[0, i] @ weight.T, groups, prefix, lengths, ids, token, seq_len)
+    op = SharedPrefixLogProbsFromHidden(chunk_tokens=4, sequence_parallel=True)
+    assert op.sequence_parallel
+    torch.testing.assert_close(op(hidden, weight, sp.pack(ids), sp), want, **TOL)
 
 
 # ---- the CP shard of the shared-prefix row -------------------------------------------------------

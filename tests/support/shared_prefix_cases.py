@@ -7,7 +7,8 @@ states ``[1, T, H]`` and the output weight ``[V, H]``), feeds the op its part (t
 slot layout, this TP rank's vocabulary columns or weight rows) and compares with each rollout run alone
 through a plain log_softmax (tests/support/shared_prefix_reference.py): values on every rank; the local
 logits' and hidden states' gradients against their part of the single-process ones; the weight's,
-summed over the CP group, against its rows. Tolerance 1e-10.
+summed over the CP group, against its rows. With sequence parallelism the hidden states are further
+split along tokens over the TP group (each TP rank's contiguous rows of the CP shard). Tolerance 1e-10.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def case_logits():
     return (cp.rank, tp.rank)
 
 
-def case_hidden():
+def case_hidden(sequence_parallel: bool = False):
+    """With ``sequence_parallel`` each TP rank holds its ``[1, T/(C*TP), H]`` rows of the CP shard."""
     cp, tp = context_parallel_info(), tensor_parallel_info()
     for i in range(len(BATCHES)):
         sp, ids, token, weights, gen, (groups, prefix, lengths, seq_len) = _case(i, cp.size)
@@ -76,12 +78,19 @@ def case_hidden():
         weight = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
         want = alone(lambda k: hidden[0, k] @ weight.T / 0.8, groups, prefix, lengths, ids, token, seq_len)
         (want * weights).sum().backward()
-        local_h = sp.shard(hidden.detach(), cp.size, cp.rank).clone().requires_grad_()
+        mine = (lambda t: _columns(t, tp, 1)) if sequence_parallel else (lambda t: t)  # this TP rank's token rows
+        local_h = mine(sp.shard(hidden.detach(), cp.size, cp.rank)).clone().requires_grad_()
         local_w = _columns(weight.detach(), tp, 0).clone().requires_grad_()
-        op = SharedPrefixLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8)
-        out = op(local_h, local_w, sp.pack(ids), sp)
+        op = SharedPrefixLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8,
+                                            sequence_parallel=sequence_parallel)
+        with CollectiveCounter() as forward:
+            out = op(local_h, local_w, sp.pack(ids), sp)
+        # one CP all-gather; under TP one [2, N] combine, and with sequence parallelism one gather of the rows
+        # (the boundary rows with them)
+        gathers = (cp.size > 1) + (tp.size > 1) * (1 + sequence_parallel)
+        assert forward.calls.count("all_gather_into_tensor") == gathers, forward.calls
         torch.testing.assert_close(out, want.detach(), **TOL)
         (out * weights).sum().backward()
-        torch.testing.assert_close(local_h.grad, sp.shard(hidden.grad, cp.size, cp.rank), **TOL)
+        torch.testing.assert_close(local_h.grad, mine(sp.shard(hidden.grad, cp.size, cp.rank)), **TOL)
         torch.testing.assert_close(_summed(local_w.grad, cp.group), _columns(weight.grad, tp, 0), **TOL)
     return (cp.rank, tp.rank)
