@@ -43,6 +43,21 @@ def hidden_rows(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.squeeze(0) if hidden.shape[0] == 1 else hidden.squeeze(1)
 
 
+def checked_rows(hidden: torch.Tensor, weight: torch.Tensor, packed_ids: torch.Tensor, cp_size: int, tp_size: int,
+                 sequence_parallel: bool) -> tuple:
+    """``(rows [n, H], T)`` after checking an output head's ``hidden`` and ``weight``, the full ``packed_ids
+    [1, T]`` on ``hidden``'s device, and ``hidden`` holding this rank's share of ``T``."""
+    _checks.check_output_head("hidden", hidden, "weight", weight, HIDDEN_SHAPE)
+    if 1 not in hidden.shape[:2]:
+        raise _checks.PackingError(f"hidden must be {HIDDEN_SHAPE}, got shape {tuple(hidden.shape)}")
+    rows = hidden_rows(hidden)  # [n, H]
+    _checks.check_packed_ids("packed_ids", packed_ids)
+    total = packed_ids.shape[1]
+    _checks.check_token_share("hidden", rows.shape[0], total, cp_size, tp_size, sequence_parallel)
+    _checks.check_same_device(hidden=hidden, packed_ids=packed_ids)
+    return rows, total
+
+
 class TokenLogProbsFromHidden(nn.Module):
     """Per-token log-probs ``[B, S]`` from this rank's hidden states and the output weight, without logits.
 
@@ -131,14 +146,7 @@ class TokenLogProbsFromHidden(nn.Module):
 
     def _local(self, hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded, places, layout, seq_len):
         """``(values [T/C], layout, T)`` after every check."""
-        _checks.check_output_head("hidden", hidden, "weight", weight, HIDDEN_SHAPE)
-        if 1 not in hidden.shape[:2]:
-            raise _checks.PackingError(f"hidden must be {HIDDEN_SHAPE}, got shape {tuple(hidden.shape)}")
-        rows = hidden_rows(hidden)  # [n, H]
-        _checks.check_packed_ids("packed_ids", packed_ids)
-        total = packed_ids.shape[1]
-        _checks.check_token_share("hidden", rows.shape[0], total, self.cp_size, self.tp_size, self.sequence_parallel)
-        _checks.check_same_device(hidden=hidden, packed_ids=packed_ids)
+        rows, total = checked_rows(hidden, weight, packed_ids, self.cp_size, self.tp_size, self.sequence_parallel)
         vocab = weight.shape[0] * self.tp_size
         if self.vocab_size is not None and vocab != self.vocab_size:
             raise _checks.PackingError(

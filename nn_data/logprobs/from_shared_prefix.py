@@ -36,7 +36,7 @@ from nn_data.cp_comm import all_gather_rows
 from nn_data.groups import given_group_info
 from nn_data.layout import SharedPrefixLayout
 from nn_data.layout.internal import take_layout, target_ids, target_ids_device
-from nn_data.logprobs.from_hidden import HIDDEN_SHAPE, hidden_rows
+from nn_data.logprobs.from_hidden import checked_rows
 from nn_data.logprobs.from_logits import check_full_ids, targets_on_rank
 from nn_data.logprobs.kernels import hidden_logprobs_local, token_logprobs_local
 
@@ -191,14 +191,7 @@ class SharedPrefixLogProbsFromHidden(nn.Module):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, packed_ids: torch.Tensor,
                 layout: SharedPrefixLayout, *, seq_len=None, places=None) -> torch.Tensor:
         g, split = self.groups, self.sequence_parallel and self.groups.tp_size > 1
-        _checks.check_output_head("hidden", hidden, "weight", weight, HIDDEN_SHAPE)
-        if 1 not in hidden.shape[:2]:
-            raise _checks.PackingError(f"hidden must be {HIDDEN_SHAPE}, got shape {tuple(hidden.shape)}")
-        rows = hidden_rows(hidden)  # [n, H]
-        _checks.check_packed_ids("packed_ids", packed_ids)
-        total = packed_ids.shape[1]
-        _checks.check_token_share("hidden", rows.shape[0], total, g.cp_size, g.tp_size, self.sequence_parallel)
-        _checks.check_same_device(hidden=hidden, packed_ids=packed_ids)
+        rows, total = checked_rows(hidden, weight, packed_ids, g.cp_size, g.tp_size, self.sequence_parallel)  # [n, H]
         t = rollout_targets("SharedPrefixLogProbsFromHidden", layout, packed_ids, total, weight.shape[0] * g.tp_size,
                             g, places, self.validate)
         blocks = g.tp_size if split else 1
