@@ -114,7 +114,7 @@ def _alone(model, mbs):
 
     model.zero_grad(set_to_none=True)
     losses = []
-    for ids, lengths in mbs:
+    for ids, lengths, *_ in mbs:  # (a shared-prefix microbatch's prefix lengths and group ids: each rollout alone)
         loss = torch.zeros((), dtype=next(model.parameters()).dtype)
         for b, n in enumerate(lengths.tolist()):
             if n:
@@ -178,19 +178,20 @@ def _max_diff(a: dict, b: dict, names) -> float:
 
 
 def compare(dtype: torch.dtype = torch.float64, count: int = None, multiple: int = 4, total: int = 112, seed: int = 0,
-            *, vpp: int = 1, groups: str = "parallel_state", experts: int = 0):
+            *, vpp: int = 1, groups: str = "parallel_state", experts: int = 0, batches: list = None):
     """Run on every rank of a group of 2 (or 4: two pipelines side by side) processes: PP = 2 (``vpp``
     virtual stages per rank: megatron-core's interleaved 1F1B), PP = 1 and per-sequence; returns this
     rank's figures (``pp2_losses``/``pp1_losses`` on the last stage, max differences, ``bitwise``).
     ``count`` microbatches (default 7, 8 with ``vpp > 1``: the interleaved schedule wants a multiple
-    of PP), the fourth empty; ``experts`` > 0: MoE layers (:func:`tiny_gpt_config`)."""
+    of PP), the fourth empty; ``experts`` > 0: MoE layers (:func:`tiny_gpt_config`). ``batches``: these
+    microbatches instead, e.g. shared-prefix ones ``(input_ids, seq_lengths, prefix_lengths, group_ids)``."""
     import torch.distributed as dist
 
     from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
 
     count = count or (8 if vpp > 1 else 7)
     layers = 2 * vpp  # one layer per (stage, virtual stage) with PP = 2
-    mbs = microbatches(count, multiple)
+    mbs = batches if batches is not None else microbatches(count, multiple)
     groups_of_run = PipelineGroups(groups)
     try:
         pp2, pp_rank = groups_of_run.set(2, vpp)
@@ -211,7 +212,7 @@ def compare(dtype: torch.dtype = torch.float64, count: int = None, multiple: int
         rank=dist.get_rank(), stage_parameters=mine, dtype=str(dtype).replace("torch.", ""), T=total, vpp=vpp,
         schedule=schedule,
         groups=groups, experts=experts, parallel_state_initialised=parallel_state_initialised,
-        rows=[int(l.shape[0]) for _, l in mbs], tokens=[int(l.sum()) for _, l in mbs],
+        rows=[int(m[1].shape[0]) for m in mbs], tokens=[int(m[1].sum()) for m in mbs],
         grads_pp2_vs_pp1=_max_diff(pp2_grads, pp1_grads, mine),
         grads_bitwise=all(torch.equal(pp2_grads[n], pp1_grads[n]) for n in mine),
         grads_pp1_vs_alone=_max_diff(pp1_grads, alone_grads, pp1_grads),

@@ -74,8 +74,8 @@ def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn, *, pg_collect
 
     def forward_step(data_iterator, model):
         check_p2p_config(getattr(model, "config", None), _backend())
-        input_ids, seq_lengths = next(data_iterator)
-        inp = packing.prepare(input_ids, seq_lengths)
+        input_ids, seq_lengths, shared = _microbatch(next(data_iterator))
+        inp = packing.prepare(input_ids, seq_lengths, **shared)
         output = model(inp.input_ids, inp.position_ids, inp.packed)  # logits [1, T/C, V] (or log-probs [1, T/C]), hidden [T/C, 1, E]
 
         def loss_func(output_tensor: torch.Tensor):
@@ -87,6 +87,25 @@ def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn, *, pg_collect
         return output, loss_func
 
     return forward_step
+
+
+def _microbatch(item) -> tuple:
+    """One item of the data iterator as ``(input_ids, seq_lengths, shared)``, ``shared`` the keywords of a
+    shared-prefix call (``prefix_lengths``, ``group_ids``) or ``{}`` for a plain microbatch.
+
+    Example: ``(ids, L)`` -> ``(ids, L, {})``; ``(ids, L, P, g)`` -> ``(ids, L, {"prefix_lengths": P,
+    "group_ids": g})``; ``(ids,)`` -> PackingError.
+    """
+    from nn_data.errors import PackingError
+
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        return item[0], item[1], {}
+    if isinstance(item, (tuple, list)) and len(item) == 4:
+        return item[0], item[1], {"prefix_lengths": item[2], "group_ids": item[3]}
+    size = f"{len(item)} items" if isinstance(item, (tuple, list)) else type(item).__name__
+    raise PackingError(f"pipeline_forward_step's data_iterator gave a microbatch of {size}; expected "
+                       "(input_ids, seq_lengths) or, with shared prefixes, (input_ids, seq_lengths, "
+                       "prefix_lengths, group_ids)")
 
 
 def check_p2p_config(config, backend) -> None:

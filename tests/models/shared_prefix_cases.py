@@ -206,3 +206,22 @@ def case_hf_flex_forward() -> dict:
                 alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
                 worst = max(worst, float((out[b, :n] - alone).abs().max()))
     return dict(worst=worst)
+
+
+def case_pipeline() -> dict:
+    """megatron-core's 1F1B schedule at PP = 2 (two pipelines side by side on 4 ranks) over shared-prefix
+    microbatches ``(ids, L, P, g)`` through ``pipeline_forward_step`` == PP = 1 == each rollout alone
+    (float64): scripts/pipeline_example.compare with these microbatches, one of them empty (B = 0).
+    ``T`` is the largest microbatch's shared-prefix length, shorter than that microbatch packed end to
+    end (``end_to_end``): only the shared-prefix path fits it."""
+    from scripts.pipeline_example import compare
+
+    multiple = 4
+    up = lambda n: -(-n // multiple) * multiple  # noqa: E731
+    gen = torch.Generator().manual_seed(1)
+    batches = [rollouts(*mb, gen) for mb in MICROBATCHES]
+    empty = torch.zeros(0, dtype=torch.long)
+    batches.insert(2, (torch.zeros(0, SEQ_LEN, dtype=torch.long), empty, empty, empty))
+    total = max(packed_length(*mb, multiple) - 2 * multiple for mb in MICROBATCHES)
+    out = compare(torch.float64, multiple=multiple, total=total, batches=batches)
+    return dict(out, end_to_end=max(sum(up(n) for n in lengths) for _, _, lengths in MICROBATCHES))

@@ -199,3 +199,15 @@ def test_megatron_adapter_under_compiled_shared_prefix_packing(megatron_state):
     assert frames == [2] * len(STREAM), frames
     assert worst < 2e-5, worst
     torch._dynamo.reset()
+
+
+def test_pipeline_step_refuses_a_microbatch_of_another_shape():
+    """pipeline_forward_step reads ``(ids, L)`` or ``(ids, L, P, g)`` (run under PP: the multiprocess test);
+    anything else is named, before any packing."""
+    from nn_data.adapters import pipeline_forward_step
+
+    step = pipeline_forward_step(PackedForward(lambda *a: None, pad_full_seq_to=8), lambda *a: None)
+    ids, lengths = torch.ones(1, 4, dtype=torch.long), torch.tensor([4])
+    for item, size in (((ids, lengths, torch.tensor([2])), "3 items"), ({"input_ids": ids}, "dict")):
+        with pytest.raises(PackingError, match=f"microbatch of {size}; expected \\(input_ids, seq_lengths\\)"):
+            step(iter([item]), None)

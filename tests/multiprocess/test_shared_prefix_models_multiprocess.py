@@ -68,3 +68,19 @@ def test_compiled_shared_prefix_packing_under_cp2(rank_pool):
     each rollout alone (float32)."""
     for r in rank_pool.run("tests.models.shared_prefix_cases:case_compiled_cp", cp=2):
         assert r["frames"] == [2] * len(r["frames"]) and r["worst"] < 2e-5, r
+
+
+@needs_megatron_models
+def test_pipeline_parallel_shared_prefix_equals_pp1_and_each_rollout_alone(rank_pool):
+    """pipeline_forward_step over shared-prefix microbatches (issue 36): PP = 2 (1F1B) == PP = 1 == each
+    rollout alone, losses and parameter gradients, float64, at one constant T."""
+    results = rank_pool.run("tests.models.shared_prefix_cases:case_pipeline", cp=1)
+    lasts = [r for r in results if "pp2_losses" in r]
+    assert len(lasts) == 2 and len({tuple(r["stage_parameters"]) for r in results}) == 2
+    for r in results:
+        assert r["end_to_end"] > r["T"], r  # the rollouts packed end to end would not fit T
+        assert r["grads_pp2_vs_pp1"] < 1e-10 and r["grads_pp1_vs_alone"] < 1e-10, r
+        assert r["losses_pp1_vs_alone"] < 1e-10, r
+    for r in lasts:
+        assert r["losses_pp2_vs_pp1"] < 1e-10 and len(r["pp2_losses"]) == 6 and r["rows"][2] == 0, r
+        assert r["pp2_losses"][2] == 0.0 and min(r["pp2_losses"][:2] + r["pp2_losses"][3:]) > 0, r
