@@ -34,7 +34,7 @@ if [ ! -f "$venv/.nn_data_ready" ] || [ "$(cat "$venv/.nn_data_ready")" != "$set
         setup_say "pyproject.toml or $(basename "$constraints") changed since ${venv#"$root"/} was made: updating it"
     else
         setup_say "first run: creating ${venv#"$root"/} with the pins of $(basename "$constraints")"
-        setup_say "this takes 1.5-4 min for .venv, about 3 min and a 1.4 GB download for .venv-mcore019 (this project's 2-core machine, 2026-12-01/02: quiet, and .venv at load 1-6)"
+        setup_say "this takes 1-4 min for .venv, about 2-3 min and a 1.4 GB download for .venv-mcore019 (this project's 2-core machine, 2026-12-02: quiet, and .venv at load 1-6)"
         "${NN_DATA_PYTHON:-python3}" -m venv "$venv"
         setup_say "1/3 upgrading pip"
         setup_pip --upgrade pip

@@ -52,7 +52,7 @@ PACKAGES = ("megatron.core", "torch_tb_profiler", "tensorboard", "matplotlib", "
             "einops", "numpy")
 SHARES = {"tests": 0.36, "bench": 0.26, "profiler": 0.26, "graphs": 0.12}  # of --budget-s
 GPU_BUDGET_S = 450.0  # the four steps on one GPU, compiles included (the device machine's 10 min per command)
-DRY_BUDGET_S = 1800.0  # the dry run in CI: 115 s on the quiet 2-core VM, 522 s at load 6-8 (killed at 450 s before)
+DRY_BUDGET_S = 1800.0  # the dry run in CI: 77 s on the quiet 2-core VM (2026-12-02), 522 s at load 6-8 (killed at 450 s before)
 HEARTBEAT_S = 30.0  # a running step says how far it is (and its log's last line) this often
 TINY_BENCH = ["--rows", "8", "--tokens", "512", "--hidden", "8", "--reps", "3"]
 TINY_PROFILE = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256",
