@@ -3,7 +3,8 @@ code (:class:`HostSyncCounter`) and on CUDA (:class:`SyncCounter`, :func:`forbid
 (:class:`CollectiveCounter`), fresh allocations (:class:`Allocations`) and inductor's CUDA graphs
 (:class:`CudaGraphCounter`).
 
-On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the authoritative check;
+On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the authoritative check (in ``"warn"`` mode,
+:func:`cuda_sync_warnings` picks the syncs out of the recorded warnings);
 on the CPU build there is none, so :class:`HostSyncCounter` counts the Python-level
 calls that bring tensor values to the host, and those that build a tensor on a device from
 Python data (``torch.tensor(3, device="cuda")`` copies from pageable host memory: on CUDA a
@@ -147,7 +148,29 @@ class CollectiveCounter(TorchDispatchMode):
 # torch._inductor.cudagraph_trees: private names, present with the same meaning in torch 2.11 and
 # 2.13 (a replay right after recording is not a run_graph call, so replays counts the steady state).
 
-_SYNC_WORD = "synchroniz"  # "called a synchronizing CUDA operation"
+_SYNC_WORD = "synchroniz"  # each sync: "called a synchronizing CUDA operation"
+# set_sync_debug_mode's first call in a process warns once, "Synchronization debug mode is a prototype
+# feature and does not yet detect all synchronizing operations": a notice, not a sync.
+_MODE_NOTICE = "debug mode is a prototype feature"
+
+
+def cuda_sync_warnings(caught) -> list:
+    """The warnings among ``caught`` (``warnings.catch_warnings(record=True)``) that report a host-device
+    sync under ``torch.cuda.set_sync_debug_mode("warn")``: every message that speaks of synchronizing,
+    except the notice the debug mode itself prints on its first use in a process (which would
+    otherwise count as one sync in the first counted block).
+
+    Example::
+
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+        ...                   "synchronizing operations")
+        ...     warnings.warn("called a synchronizing CUDA operation")
+        >>> [str(w.message) for w in cuda_sync_warnings(caught)]
+        ['called a synchronizing CUDA operation']
+    """
+    return [w for w in caught if _SYNC_WORD in str(w.message) and _MODE_NOTICE not in str(w.message)]
 
 
 def _is_cuda(device) -> bool:
@@ -183,7 +206,7 @@ class SyncCounter:
     def __exit__(self, *exc) -> None:
         self._stack.close()
         if self.cuda:
-            hits = [w for w in self._caught if _SYNC_WORD in str(w.message)]
+            hits = cuda_sync_warnings(self._caught)
             self.locations = [f"{w.filename}:{w.lineno}" for w in hits]
         else:
             self.locations = list(self._host.calls)

@@ -186,7 +186,8 @@ class PackShard(nn.Module):
                                  source=None if places is None else places.source, packed=(self.name,))
         padding_mask = layout.padding_mask(places=places) if self.padding else None  # [1, T/C] bool
         if torch.compiler.is_compiling():  # the device layout's index maps stay inside the graph
-            res = res._replace(layout=None)
+            # built by its class, not res._replace: torch 2.11's dynamo cannot rebuild the tuple _replace makes
+            res = PackResult(res.packed, res.cu_seqlens, res.cu_seqlens_padded, res.max_seqlen, layout=None)
         if not self.positions:
             return PackShardResult(full, local, res, padding_mask=padding_mask)
         bounds = layout.bounds()  # [B+1] ([0, T] if B = 0)

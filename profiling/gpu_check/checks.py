@@ -121,10 +121,20 @@ def profiler_checks(summary: Optional[dict], *, cuda: bool) -> list[Check]:
                if ro[k]}
         checks.append(Check("profiler: reduce-overhead replays CUDA graphs without syncs", FAIL if bad else PASS,
                             ", ".join(f"{k}={v}" for k, v in bad.items())))
-        ratio = summary["speedups"].get("reduce-overhead vs loop (mean)")
-        checks.append(Check("profiler target: reduce-overhead at least 20x faster than the loop per microbatch (mean)",
-                            PASS if ratio and ratio >= 20 else FAIL, f"{ratio:.1f}x" if ratio else "no ratio"))
+        ratio = summary["speedups"].get("reduce-overhead vs loop (median)")
+        checks.append(Check(f"profiler target: reduce-overhead at least {RO_VS_LOOP_TARGET:g}x faster than the loop per "
+                            "microbatch (median)", PASS if ratio and ratio >= RO_VS_LOOP_TARGET else FAIL,
+                            f"{ratio:.2f}x" if ratio else "no ratio"))
+        compiled = modes.get("compiled")
+        vs_compiled = compiled["median_s"] / ro["median_s"] if compiled and ro["median_s"] else None
+        checks.append(Check("profiler target: reduce-overhead faster than compiled per microbatch (median)",
+                            PASS if vs_compiled and vs_compiled > 1 else FAIL,
+                            f"{vs_compiled:.2f}x" if vs_compiled else "no compiled mode"))
     return checks
+
+
+#: reduce-overhead vs the loop, by median (profiling/README.md, "The GPU check", says why not 20x by mean).
+RO_VS_LOOP_TARGET = 4.0
 
 
 def trace_checks(run_dir: str, modes: list, *, cuda: bool) -> list[Check]:

@@ -10,7 +10,7 @@ Steps (each a subprocess with its own time limit: its share of what is left of `
 its log is kept):
 1. ``tests``: ``pytest -m cuda tests/cuda`` (the dry run sets ``NN_DATA_CUDA_DRY_RUN=1``).
 2. ``bench``: ``python -m profiling.bench.bench_ops --device cuda`` (B = 8, 64, 256).
-3. ``profiler``: ``python -m profiling.microbatches --device cuda``, then its traces
+3. ``profiler``: ``python -m profiling.microbatches --device cuda --steps 2``, then its traces
    are parsed with torch-tb-profiler.
 4. ``graphs``: ``python -m profiling.bench.bench_cuda_graph --device cuda`` (a StagedMicrobatch, the
    data path + the tiny model's forward captured once in a CUDA graph and replayed over a stream at
@@ -58,6 +58,9 @@ TINY_BENCH = ["--rows", "8", "--tokens", "512", "--hidden", "8", "--reps", "3"]
 TINY_PROFILE = ["--batch-size", "24", "--max-len", "64", "--median-len", "16", "--max-tokens", "256",
                 "--microbatches", "5", "--passes", "2", "--sync-steps", "2", "--trace-steps", "2", "--vocab", "64",
                 "--hidden", "8", "--modes", "eager", "compiled", "reduce-overhead", "loop"]  # the GPU run's modes
+# The GPU run's stream: two complete training steps (about 51 microbatches of the default global batch
+# of 512), so the target "one packed length and 0 recompiles across steps" is judged (one step: not run).
+GPU_PROFILE = ["--steps", "2"]
 TINY_GRAPHS = ["--rows", "6", "--seq-len", "8", "--multiple", "4", "--microbatches", "6", "--passes", "2"]
 EXPORT_LIMIT = 15 * 1024 * 1024  # the device tool brings files of up to 16 MiB back
 
@@ -177,7 +180,7 @@ def step_profiler(run_dir: Path, limit: float, dry: bool, cuda: bool) -> tuple[d
     out = run_dir / "profiler"
     cmd = [sys.executable, "-m", "profiling.microbatches", "--device", "cuda" if cuda else "cpu",
            "--out-dir", str(out), "--no-progress"]
-    info = run_step("profiler", cmd + (TINY_PROFILE if dry else []), run_dir, limit, {})
+    info = run_step("profiler", cmd + (TINY_PROFILE if dry else GPU_PROFILE), run_dir, limit, {})
     summary = _load_json(out / "summary.json")
     info["summary"] = summary
     found = checks_mod.profiler_checks(summary, cuda=cuda)

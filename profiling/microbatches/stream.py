@@ -178,23 +178,30 @@ def loop_pipeline(model: nn.Module, mb: Microbatch, *, seq_len: int, total: int,
 
 
 class Mode(NamedTuple):
-    """One way to run a microbatch: ``step(mb) -> [B, S, O]`` (real rows only)."""
+    """One way to run a microbatch: ``step(mb) -> [B, S, O]`` (real rows only). ``first_calls``: the
+    calls before its steady state, timed together as its first call: 2 for ``reduce-overhead`` on
+    CUDA (inductor's CUDA graphs run the first call as a warm-up and record on the second), else 1."""
 
     name: str
     step: Callable[[Microbatch], torch.Tensor]
     compiled: bool
+    first_calls: int = 1
 
 
 class RowBuffers:
-    """The static-shape modes' inputs: one ``[R, S]`` ids buffer and one ``[R]`` lengths buffer,
-    refilled for every microbatch (as CUDA graphs' static inputs are), instead of a fresh padded
-    batch per microbatch. Only the ``B`` real rows are copied: rows past them keep older ids,
-    which nothing reads (their length is 0; every op masks or discards tokens past a length).
+    """The static-shape modes' inputs: one ``[R, S]`` ids buffer, one ``[R]`` lengths buffer and the
+    0-d row count, refilled for every microbatch (as CUDA graphs' static inputs are), instead of a
+    fresh padded batch per microbatch. Only the ``B`` real rows are copied: rows past them keep older
+    ids, which nothing reads (their length is 0; every op masks or discards tokens past a length).
+    Nothing is copied from the host: the row count is written on the device (``fill_``), as
+    :func:`nn_data.pad_to_row_capacity` does (``torch.tensor(B, device="cuda")`` would be a blocking
+    copy from pageable memory: a host sync in every microbatch).
     """
 
     def __init__(self, capacity: int, seq_len: int, device):
         self.x = torch.zeros(capacity, seq_len, dtype=torch.int64, device=device)  # [R, S]
         self.lengths = torch.zeros(capacity, dtype=torch.int64, device=device)  # [R]
+        self.num_rows = torch.zeros((), dtype=torch.int64, device=device)  # B
 
     def fill(self, mb: Microbatch) -> RowPadded:
         rows = mb.lengths.shape[0]
@@ -203,7 +210,8 @@ class RowBuffers:
         self.x[:rows].copy_(mb.input_ids)
         self.lengths[:rows].copy_(mb.lengths)
         self.lengths[rows:].zero_()
-        return RowPadded(self.x, self.lengths, torch.tensor(rows, dtype=torch.int64, device=self.x.device))
+        self.num_rows.fill_(rows)  # written on the device: no copy from the host
+        return RowPadded(self.x, self.lengths, self.num_rows)
 
 
 def make_modes(names, stream: Stream, model: nn.Module, *, cp_size: int, cp_rank: int,
@@ -237,7 +245,8 @@ def make_modes(names, stream: Stream, model: nn.Module, *, cp_size: int, cp_rank
             mode = None if name == "compiled" else "reduce-overhead"
             fns = {t: compile_pipeline(p, scope=compile_scope, mode=mode, wrapper=wrapper, kernel_names=kernel_names)
                    for t, p in pipelines.items()}
-            modes.append(Mode(name, with_rows(fns, mark_step=mode is not None), True))
+            records = mode is not None and stream.microbatches[0].input_ids.device.type == "cuda"
+            modes.append(Mode(name, with_rows(fns, mark_step=mode is not None), True, first_calls=2 if records else 1))
         elif name == "loop":
             modes.append(Mode(name, lambda mb: loop_pipeline(model, mb, cp_rank=cp_rank, total=mb.total or stream.total,
                                                              **dims), False))

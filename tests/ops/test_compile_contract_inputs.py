@@ -20,7 +20,7 @@ from nn_data import (
     UnshardFromContextParallel,
     pad_to_row_capacity,
 )
-from nn_data.diagnostics import HostSyncCounter
+from nn_data.diagnostics import HostSyncCounter, cuda_sync_warnings
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron, _unpack_sequences_from_megatron
 from nn_data.nemo_rl.megatron_data.graph import run_graph
 from nn_data.layout import PackSpec
@@ -86,6 +86,20 @@ def test_host_sync_counter_counts_python_data_copied_to_a_device():
     assert syncs.count == 4
     assert syncs.calls == ["torch.tensor", "torch.as_tensor", "torch.asarray", "Tensor.new_tensor"]
     assert torch.tensor.__module__ != __name__ and not hasattr(torch.tensor, "__wrapped__")  # restored
+
+
+def test_cuda_sync_warnings_count_each_sync_but_not_the_debug_modes_notice():
+    """The CUDA counter's filter (no GPU needed: the warnings are made here with the texts torch uses)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                      "synchronizing operations")  # set_sync_debug_mode's first call in a process
+        warnings.warn("called a synchronizing CUDA operation")  # a sync (c10)
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("TensorFloat32 tensor cores for float32 matrix multiplication available")
+    assert [str(w.message) for w in cuda_sync_warnings(caught)] == ["called a synchronizing CUDA operation"] * 2
 
 
 def test_no_python_data_copied_to_the_device():

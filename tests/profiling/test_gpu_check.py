@@ -97,6 +97,27 @@ def test_profiler_checks_judge_speed_only_on_cuda():
     assert [c.status for c in profiler_checks(None, cuda=True)] == [FAIL]
 
 
+def _ro_summary(ro_median_s, loop_vs_ro, **ro):
+    mode = dict(name="reduce-overhead", median_s=ro_median_s, cudagraph_skips=0, recompiles=0, syncs_per_microbatch=0.0,
+                cuda_syncs_per_microbatch=0.0)
+    return dict(outputs_max_abs_difference=0.0, targets=[], speedups={"reduce-overhead vs loop (median)": loop_vs_ro},
+                modes=[dict(name="compiled", median_s=1.0e-3), {**mode, **ro}])
+
+
+def test_reduce_overhead_is_judged_against_compiled_and_the_loop_by_median():
+    ro = "profiler: reduce-overhead replays CUDA graphs without syncs"
+    vs_loop = "profiler target: reduce-overhead at least 4x faster than the loop per microbatch (median)"
+    vs_compiled = "profiler target: reduce-overhead faster than compiled per microbatch (median)"
+    checks = {c.name: c for c in profiler_checks(_ro_summary(0.4e-3, 5.7), cuda=True)}
+    assert [checks[n].status for n in (ro, vs_loop, vs_compiled)] == [PASS] * 3
+    assert checks[vs_loop].detail == "5.70x" and checks[vs_compiled].detail == "2.50x"
+    slow = _status(profiler_checks(_ro_summary(1.2e-3, 3.9), cuda=True))
+    assert slow[vs_loop] == FAIL and slow[vs_compiled] == FAIL
+    syncing = {c.name: c for c in profiler_checks(_ro_summary(0.4e-3, 5.7, cuda_syncs_per_microbatch=1.0), cuda=True)}
+    assert syncing[ro].status == FAIL and syncing[ro].detail == "cuda_syncs_per_microbatch=1.0"
+    assert vs_loop not in _status(profiler_checks(_ro_summary(0.4e-3, 5.7), cuda=False))  # CUDA graphs need CUDA
+
+
 def _graphs(**kw):
     base = dict(rows=64, seq_len=32, total=2048, microbatches=16, device="cuda", graph_vs_eager_speedup=4.1,
                 max_abs_difference={"staged": 0.0, "graph": 0.0, "graph (steady state)": 0.0}, graph_syncs=0,

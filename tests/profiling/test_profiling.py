@@ -284,6 +284,36 @@ def test_step_times_sum_each_steps_microbatches_pass_by_pass():
     assert step_times([2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0], stream._replace(steps=1), 2) == [30.0]
 
 
+def test_the_row_buffers_copy_no_python_data_to_the_device():
+    """The static-shape modes' refill (the row count included) never copies host data to the device:
+    on CUDA such a copy is a host sync in every microbatch (``meta`` stands in for the GPU)."""
+    from nn_data.diagnostics import HostSyncCounter
+    from profiling.microbatches.plan import Microbatch
+    from profiling.microbatches.stream import RowBuffers
+
+    buffers = RowBuffers(4, 6, "meta")
+    mb = Microbatch(torch.zeros(3, 6, dtype=torch.int64, device="meta"), torch.zeros(3, dtype=torch.int64, device="meta"), 0)
+    with HostSyncCounter() as syncs:
+        padded = buffers.fill(mb)
+    assert syncs.count == 0, syncs.calls
+    assert padded.x.shape == (4, 6) and padded.seq_lengths.shape == (4,) and padded.num_rows.shape == ()
+    cpu = RowBuffers(4, 2, "cpu").fill(Microbatch(torch.ones(3, 2, dtype=torch.int64), torch.tensor([2, 1, 2]), 0))
+    assert int(cpu.num_rows) == 3 and cpu.seq_lengths.tolist() == [2, 1, 2, 0]
+
+
+def test_first_call_times_every_call_before_the_steady_state():
+    """reduce-overhead on CUDA records its CUDA graphs on its second call: both are its first call, so the
+    recording is not a steady sample."""
+    from profiling.microbatches.measure import first_call
+    from profiling.microbatches.plan import Microbatch, Stream
+    from profiling.microbatches.stream import Mode
+
+    calls = []
+    stream = Stream([Microbatch(None, None, 0) for _ in range(3)], 8, 16, 4, 1, 2, steps=1)
+    seconds, graphs = first_call(Mode("reduce-overhead", calls.append, False, first_calls=2), stream, "cpu")
+    assert calls == [stream.microbatches[0]] * 2 and seconds >= 0 and graphs == 0
+
+
 def test_the_progress_bar_counts_every_timed_call_of_every_mode():
     from profiling.microbatches.measure import steady_calls, steady_samples
     from profiling.microbatches.plan import Microbatch, Stream
