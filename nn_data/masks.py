@@ -198,14 +198,15 @@ def document_mask(
     big = query_index.shape[0] * segment_ids.shape[0] >= dense_limit
     block = kind == "block" or (kind == "auto" and supported and big)
 
-    def build(w: Optional[int]) -> DocumentMask:
+    def build(w: Optional[int], sliding: Optional[DocumentMask] = None) -> DocumentMask:
         if block:
             return DocumentMask(None, document_block_mask(query_index, segment_ids, window=w, prefix=prefix), gather,
-                                w)
-        return DocumentMask(document_causal_mask(query_index, segment_ids, w, prefix), None, gather, w)
+                                w, sliding)
+        return DocumentMask(document_causal_mask(query_index, segment_ids, w, prefix), None, gather, w, sliding)
 
-    full = build(None)
-    return full if window is None else full._replace(sliding=build(window))
+    # built by the class, not with _replace: torch 2.11's dynamo cannot rebuild the tuple _replace makes
+    # when it leaves a compiled region
+    return build(None, None if window is None else build(window))
 
 
 def _check_prefix(prefix, segment_ids: torch.Tensor) -> None:

@@ -86,7 +86,8 @@ class SharedPrefixLayout(NamedTuple):
                                        f"[{int(self.rows)}, {int(self.row_len)}, *]")
         if guard_or_false(x.shape[0] * x.shape[1] == 0):  # no rollout token: all padding
             x = x.new_zeros((1, 1, *x.shape[2:]))  # one row to gather from; every position is fill
-            return device.pack(self.maps._replace(rows=1, row_len=1, source=self.maps.source * 0), x, fill)
+            one_row = RolloutMaps(1, 1, self.maps.total, self.maps.source * 0, self.maps.valid)  # every source row 0
+            return device.pack(one_row, x, fill)
         return device.pack(self.maps, x, fill)
 
     def segment_ids(self) -> torch.Tensor:
