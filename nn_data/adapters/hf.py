@@ -244,8 +244,10 @@ def _model_kwargs(model_kwargs: dict, model_type) -> dict:
     who = f"model_type={model_type!r}"
     if model_kwargs.get("use_cache") or model_kwargs.get("past_key_values") is not None:
         name = "use_cache" if model_kwargs.get("use_cache") else "past_key_values"
+        value = model_kwargs[name]
+        shown = repr(value) if name == "use_cache" else f"<{type(value).__name__}>"
         raise PackingError(
-            f"{who}: {name}={model_kwargs[name]!r} cannot keep packed documents apart: a KV cache of a packed row "
+            f"{who}: {name}={shown} cannot keep packed documents apart: a KV cache of a packed row "
             "holds every document's keys and values together, and a call that reads it attends across documents; "
             "nn_data runs the model with use_cache=False: leave out use_cache and past_key_values (generate "
             "from each sequence unpacked)")

@@ -1,7 +1,8 @@
-"""Tier: pure CPU, single process (a tiny transformers Llama built from a config; nothing downloaded).
+"""Tier: pure CPU, single process (a tiny transformers Llama built from a config, nothing downloaded; a tiny
+megatron-core GPTModel on one rank).
 
-What a caller may pass to ``PackedForward(HFCausalLMAdapter(model))`` besides the batch: model keywords go
-through to the model, or are refused by name with the reason (a cache, the keywords nn_data sets itself);
+What a caller may pass to ``PackedForward(adapter)`` besides the batch: model keywords go through to the
+model, or are refused by name with the reason (a cache, the keywords nn_data sets itself);
 a model and batch on the ``meta`` device run (shapes only, nothing to validate) with a fixed packed length,
 and are refused by name without one.
 """
@@ -15,6 +16,7 @@ from nn_data.adapters import HFCausalLMAdapter
 from nn_data.errors import PackingError
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data.packed_forward import PackedForward
+from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state
 
 LENGTHS, S = [5, 8, 0, 3], 8
 
@@ -38,7 +40,7 @@ def test_use_cache_false_and_other_model_keywords_go_through(wrapped):
 
 
 @pytest.mark.parametrize("kwargs, name", [({"use_cache": True}, "use_cache=True"),
-                                          ({"past_key_values": object()}, "past_key_values=")])
+                                          ({"past_key_values": object()}, "past_key_values=<object>")])
 def test_a_cache_is_refused_by_name_with_the_reason(wrapped, kwargs, name):
     ids, lengths = _batch()
     with pytest.raises(PackingError) as e:
@@ -84,3 +86,22 @@ def test_a_model_on_the_meta_device_without_a_fixed_packed_length_is_refused_by_
     with pytest.raises(PackingError, match=r"seq_lengths is on the meta device \(no values\), so the packed length "
                                            r"T.* cannot be learned from it; set pad_full_seq_to"):
         PackedForward(HFCausalLMAdapter(_meta_model()))(ids, lengths)
+
+
+@needs_megatron_models
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_megatron_adapter_passes_model_keywords_and_refuses_the_ones_it_sets_or_a_cache():
+    from nn_data.adapters import MegatronGPTAdapter
+    from nn_data.models.tiny_megatron import tiny_gpt_config, tiny_gpt_model
+
+    ids, lengths = _batch()
+    with one_rank_parallel_state(), torch.no_grad():
+        wrapped = PackedForward(MegatronGPTAdapter(tiny_gpt_model(tiny_gpt_config())), make_packed_seq_params=True)
+        plain = wrapped(ids, lengths)
+        assert torch.equal(wrapped(ids, lengths, decoder_input=None), plain)
+        with pytest.raises(PackingError, match=r"^MegatronGPTAdapter: the model keyword packed_seq_params is set by "
+                                               r"nn_data from the packed layout .* leave out packed_seq_params$"):
+            wrapped(ids, lengths, packed_seq_params=None)
+        with pytest.raises(PackingError, match=r"^MegatronGPTAdapter: inference_context \(a KV cache\) cannot keep "
+                                               r"packed documents apart"):
+            wrapped(ids, lengths, inference_context=object())
