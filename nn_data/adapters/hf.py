@@ -120,7 +120,9 @@ class HFCausalLMAdapter(nn.Module):
     (:func:`nn_data.masks.document_mask`). ``mixers`` (``"auto"``, ``"per_sequence"``,
     ``"kernels"``) chooses how non-attention mixers keep sequences apart
     (:func:`nn_data.adapters.hf_layers.mixer_path`; under CP always per sequence). Extra
-    ``model_kwargs`` go to the model.
+    ``model_kwargs`` go to the model (``use_cache=False`` is the adapter's own); a KV cache
+    (``use_cache=True``, ``past_key_values``) and the keywords the adapter sets from the layout
+    (``attention_mask``, the boundaries) are refused by name.
 
     Raises :class:`PackingError` when built for a model that is not a transformers model, whose
     layers nn_data cannot keep packed sequences apart in (naming the model type, the layer and what to

@@ -170,7 +170,9 @@ class MegatronGPTAdapter(nn.Module):
     :class:`PackedDotProductAttention`, an unknown ``output``, when ``packed.cp_size`` differs from the
     size of the model's CP group (``model.pg_collection.cp``, which megatron-core's rotary embedding
     uses), or without ``packed.packed_seq_params``; with ``output="logprobs"``, for multi-token
-    prediction layers and for a shared-prefix row.
+    prediction layers and for a shared-prefix row; for the model keywords the adapter sets
+    (``attention_mask``, ``packed_seq_params``) or a KV cache (``inference_context``,
+    ``inference_params``).
     """
 
     def __init__(self, model: nn.Module, *, mask_kind: str = "auto", output: str = "logits", chunk_tokens: int = 256):
