@@ -164,8 +164,8 @@ def device_assert(cond: torch.Tensor, message: str) -> None:
     calls outside its kernels, so on the CPU a failed check raises a catchable ``RuntimeError``
     with ``message`` whatever the thread count, and ``message`` may hold any character (quotes,
     backslashes, braces, non-ASCII). Eagerly it is ``torch._assert_async``. On CUDA both are a
-    device assert, fatal to the process by design (``docs/compile-contract.md``, "Errors under
-    compile").
+    device assert, fatal to the process by design (``docs/compile-contract.md``, "Device-side
+    checks: catchable on the CPU, fatal on CUDA", says what to do instead).
 
     ``message`` is built on every call of the compiled op, so it may format configuration ints
     but never a size taken from a tensor's shape: under ``torch.compile`` that size may be
