@@ -139,15 +139,46 @@ def check_num_rows(num_rows, capacity: int) -> None:
         )
 
 
+@torch.library.custom_op("nn_data::device_check", mutates_args=())
+def _device_check(ok: torch.Tensor, message: str) -> None:
+    """Raise ``RuntimeError(message)`` unless the 0-d bool ``ok`` holds (CPU: at once; CUDA: a device
+    assert, no sync). A custom op so that inductor calls it from its wrapper, between kernels: never
+    inside a generated kernel's parallel region (where a C++ throw ends the process) and never
+    written into a C++ string literal (``message`` travels as a Python string: any character)."""
+    torch._assert_async(ok, message)
+
+
+@_device_check.register_fake
+def _(ok: torch.Tensor, message: str) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.nn_data.device_check.default)  # kept without users (returns nothing)
+
+
 def device_assert(cond: torch.Tensor, message: str) -> None:
-    """Assert on the device without a host sync (compiled path).
+    """Assert on the device without a host sync: the one home of nn_data's device-side checks.
+
+    ``cond`` (a bool tensor of any shape) is reduced to one 0-d validity flag; under
+    ``torch.compile`` the flag is checked by the ``nn_data::device_check`` op, which inductor
+    calls outside its kernels, so on the CPU a failed check raises a catchable ``RuntimeError``
+    with ``message`` whatever the thread count, and ``message`` may hold any character (quotes,
+    backslashes, braces, non-ASCII). Eagerly it is ``torch._assert_async``. On CUDA both are a
+    device assert, fatal to the process by design (``docs/compile-contract.md``, "Device-side
+    checks: catchable on the CPU, fatal on CUDA", says what to do instead).
 
     ``message`` is built on every call of the compiled op, so it may format configuration ints
     but never a size taken from a tensor's shape: under ``torch.compile`` that size may be
     symbolic, and formatting it either guards on its value (one graph per value) or fails to
     trace. Name such sizes instead (``S = x.shape[1]``).
+
+    Example: ``device_assert((lengths >= 0).all(), "nn_data.op: every seq_lengths value must be >= 0")``.
     """
-    torch._assert_async(cond, message)
+    ok = cond if cond.dim() == 0 else cond.all()  # []: one flag, reduced before it is checked
+    if torch.compiler.is_compiling():
+        torch.ops.nn_data.device_check(ok, message)
+    else:
+        torch._assert_async(ok, message)
 
 
 def check_packed_ids(name: str, t) -> None:

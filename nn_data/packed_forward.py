@@ -176,6 +176,10 @@ class PackedForward(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None, group_ids=None,
                 **model_kwargs) -> torch.Tensor:
+        taken = [k for k in ("position_ids", "packed") if k in model_kwargs]
+        if taken:  # the adapter's own arguments, made from the layout
+            raise _checks.PackingError(f"{taken[0]}= is made by PackedForward from the packed layout and passed to the adapter "
+                               f"itself; leave out {', '.join(taken)} (model keywords pass through to the model)")
         inp = self.prepare(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids)
         local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
         return self.finish(local_out, inp)

@@ -120,7 +120,9 @@ class HFCausalLMAdapter(nn.Module):
     (:func:`nn_data.masks.document_mask`). ``mixers`` (``"auto"``, ``"per_sequence"``,
     ``"kernels"``) chooses how non-attention mixers keep sequences apart
     (:func:`nn_data.adapters.hf_layers.mixer_path`; under CP always per sequence). Extra
-    ``model_kwargs`` go to the model.
+    ``model_kwargs`` go to the model (``use_cache=False`` is the adapter's own); a KV cache
+    (``use_cache=True``, ``past_key_values``) and the keywords the adapter sets from the layout
+    (``attention_mask``, the boundaries) are refused by name.
 
     Raises :class:`PackingError` when built for a model that is not a transformers model, whose
     layers nn_data cannot keep packed sequences apart in (naming the model type, the layer and what to
@@ -166,6 +168,7 @@ class HFCausalLMAdapter(nn.Module):
                 "(transformers then attends across sequences, or fails); call model.activation_checkpointing_disable() "
                 "(gradient_checkpointing_disable), or checkpoint the whole packed forward (torch.utils.checkpoint.checkpoint(wrapped, input_ids, "
                 "seq_lengths, use_reentrant=False))")
+        model_kwargs = _model_kwargs(model_kwargs, self.layers.model_type)
         if input_ids.shape[1] == 0:  # no token on this rank (a microbatch of no sequence, or only empty ones)
             return self._no_tokens(input_ids)
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
@@ -224,6 +227,39 @@ class HFCausalLMAdapter(nn.Module):
                 "called transformers' attention interface, so the others would not see nn_data's document mask; "
                 "this model's attention cannot be packed by nn_data")
         self._checked = True
+
+
+#: The model keywords the adapter sets from the packed layout itself (a caller's value would replace
+#: or contradict them).
+_SET_BY_ADAPTER = ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                   "max_length_k", "seq_idx", _MASK_KWARG, _CALLS_KWARG)
+
+
+def _model_kwargs(model_kwargs: dict, model_type) -> dict:
+    """The caller's model keywords, passed through to the model, less ``use_cache=False`` (the adapter
+    passes it itself). Refused by name: a cache (``use_cache`` true, ``past_key_values``): it would hold
+    the keys and values of the whole packed row, every document's together, so a later call would
+    attend across documents; and the keywords the adapter sets from the layout (:data:`_SET_BY_ADAPTER`).
+
+    Example: ``{"use_cache": False, "output_hidden_states": True} -> {"output_hidden_states": True}``.
+    """
+    who = f"model_type={model_type!r}"
+    if model_kwargs.get("use_cache") or model_kwargs.get("past_key_values") is not None:
+        name = "use_cache" if model_kwargs.get("use_cache") else "past_key_values"
+        value = model_kwargs[name]
+        shown = repr(value) if name == "use_cache" else f"<{type(value).__name__}>"
+        raise PackingError(
+            f"{who}: {name}={shown} cannot keep packed documents apart: a KV cache of a packed row "
+            "holds every document's keys and values together, and a call that reads it attends across documents; "
+            "nn_data runs the model with use_cache=False: leave out use_cache and past_key_values (generate "
+            "from each sequence unpacked)")
+    taken = [k for k in _SET_BY_ADAPTER if k in model_kwargs]
+    if taken:
+        raise PackingError(
+            f"{who}: the model keyword {taken[0]} is set by nn_data from the packed layout (the packed tokens, "
+            "positions restarting at 0 per sequence, the document mask, the boundaries); pass the unpacked "
+            "input_ids and seq_lengths to PackedForward and leave out " + ", ".join(taken))
+    return {k: v for k, v in model_kwargs.items() if k != "use_cache"}
 
 
 def boundary_kwargs(packed, *, seq_idx: bool) -> dict:

@@ -170,7 +170,9 @@ class MegatronGPTAdapter(nn.Module):
     :class:`PackedDotProductAttention`, an unknown ``output``, when ``packed.cp_size`` differs from the
     size of the model's CP group (``model.pg_collection.cp``, which megatron-core's rotary embedding
     uses), or without ``packed.packed_seq_params``; with ``output="logprobs"``, for multi-token
-    prediction layers and for a shared-prefix row.
+    prediction layers and for a shared-prefix row; for the model keywords the adapter sets
+    (``attention_mask``, ``packed_seq_params``) or a KV cache (``inference_context``,
+    ``inference_params``).
     """
 
     def __init__(self, model: nn.Module, *, mask_kind: str = "auto", output: str = "logits", chunk_tokens: int = 256):
@@ -206,6 +208,7 @@ class MegatronGPTAdapter(nn.Module):
                                                 host_reads=False)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
+        _check_model_kwargs(model_kwargs)
         params = packed.packed_seq_params
         runtime = None if params is None else _microbatch_cp_group(params)
         if runtime is None:
@@ -364,3 +367,18 @@ def rotary_at_positions(model: nn.Module, positions: torch.Tensor, total: int):
         yield
     finally:
         del rope.forward
+
+
+def _check_model_kwargs(model_kwargs: dict) -> None:
+    """The caller's ``GPTModel.forward`` keywords go through, but for those the adapter sets from the layout
+    (``attention_mask``, ``packed_seq_params``) and a KV cache (``inference_context``, ``inference_params``: it
+    would hold every packed document's keys and values together), each refused by name."""
+    taken = [k for k in ("attention_mask", "packed_seq_params") if k in model_kwargs]
+    if taken:
+        raise PackingError(f"MegatronGPTAdapter: the model keyword {taken[0]} is set by nn_data from the packed layout "
+                           "(the document mask, the THD boundaries); leave out " + ", ".join(taken))
+    cache = [k for k in ("inference_context", "inference_params") if model_kwargs.get(k) is not None]
+    if cache:
+        raise PackingError(f"MegatronGPTAdapter: {cache[0]} (a KV cache) cannot keep packed documents apart: it would "
+                           "hold every document's keys and values together; leave it out (run inference on each "
+                           "sequence unpacked)")

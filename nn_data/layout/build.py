@@ -93,11 +93,13 @@ class Boundaries(NamedTuple):
     also_check: Optional[tuple[torch.Tensor, Callable[[], None]]] = None
 
 
-def reads_host(validate: bool, host_reads: bool) -> bool:
+def reads_host(validate: bool, host_reads: bool, data: Optional[torch.Tensor] = None) -> bool:
     """Whether a builder reads the device once (eager, validating, host reads allowed): the rule that
     makes a host layout (which then runs on the host executor, :func:`~nn_data.layout.pack_layout.on_host`).
-    Under ``torch.compile`` nothing is read."""
-    return validate and host_reads and not torch.compiler.is_compiling()
+    Under ``torch.compile`` nothing is read, nor from ``data`` on the ``meta`` device (no values: the
+    device executor runs, its checks have nothing to check, as with ``validate=False``)."""
+    on_meta = data is not None and data.device.type == "meta"
+    return validate and host_reads and not on_meta and not torch.compiler.is_compiling()
 
 
 def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, num_rows=None, validate: bool = True,
@@ -108,7 +110,7 @@ def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, n
     cu_seqlens_padded ``[0, 4, 4, 12]``, T 12, max_seqlen 8; with ``fixed_total=16`` the last segment
     absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12.
     """
-    if reads_host(validate, host_reads):
+    if reads_host(validate, host_reads, seq_lengths):
         return _lengths_on_host(seq_lengths, row_len, spec, num_rows)
     return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op)
 
@@ -169,6 +171,10 @@ def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate:
         checks.total_device(op, natural, packed_total(natural, spec.p), spec.fixed_total, spec.arg_name)
     if spec.fixed_total is not None:
         total = spec.fixed_total
+    elif seq_lengths.device.type == "meta":
+        raise _checks.PackingError(
+            f"{op}: seq_lengths is on the meta device (no values), so the packed length T, the padded sum of the "
+            "lengths, cannot be learned from it; set pad_full_seq_to (a fixed T) to run on the meta device")
     else:
         total = int(packed_total(natural, spec.p).item())  # sync: T is data-dependent without a fixed packed length
         torch._check(total >= 0)
@@ -197,7 +203,7 @@ def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq
     Example: cu_seqlens_padded ``[0, 16, 40]``, T 40, C 2 -> segments ``[16, 24]``, both multiples of 4.
     """
     total = bounds.total
-    if not reads_host(validate, host_reads):
+    if not reads_host(validate, host_reads, bounds.cu_seqlens_padded):
         if total is None:
             raise _checks.PackingError(f"{op}: T is the last boundary here, which only the host read can learn")
         if validate:

@@ -289,7 +289,7 @@ def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor
     mismatch = prompt_mismatch(input_ids, prefix, leader) if validate and input_ids is not None else None
     slot_rows = None if num_rows is None else 2 * num_rows.to(torch.int64)
     host_lengths = None
-    if reads_host(validate, host_reads):
+    if reads_host(validate, host_reads, lengths):
         layout, host_lengths = _on_host(lengths, prefix, groups, leader, slot_lengths, mismatch, num_rows, row_len,
                                         spec)
     else:

@@ -178,7 +178,7 @@ def logprob_layout(op: str, packed_ids, total: int, vocab: int, cu_seqlens, cu_s
                                           validate=False)
         bounds, lengths = (layout if layout is not None else view).segments()
         bad_ids = target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
-    if layout is not None or not reads_host(validate, host_reads):
+    if layout is not None or not reads_host(validate, host_reads, packed_ids):
         layout = op_layout(op, "packed_ids", packed_ids, total, cp_size, cu_seqlens_padded, layout,
                            validate=validate, host_reads=host_reads, cu_seqlens=cu_seqlens, seq_len=seq_len)
         if bad_ids is not None:

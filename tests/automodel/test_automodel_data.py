@@ -1,4 +1,4 @@
-"""Tier: pure CPU, single process (torch.compile with aot_eager for the compiled stream). NeMo-RL's own
+"""Tier: pure CPU, single process (torch.compile with inductor for the compiled stream). NeMo-RL's own
 tests of this module, run against it: docs/nemo-rl.md, "The AutoModel data path".
 
 nn_data.automodel_data (NeMo-RL's nemo_rl.models.automodel.data): one import switches, no host sync
@@ -93,9 +93,12 @@ def test_a_microbatch_over_the_packed_length_is_refused_naming_the_setting_t_cam
         automodel_data.process_microbatch(_mb([40, 40], 40), _tokenizer(), True, _cfg(pad_full_seq_to=72), 1)
 
 
-def test_the_packing_compiles_once_over_a_stream():
+@pytest.mark.compile
+def test_the_packing_compiles_once_over_a_stream_with_inductor_and_refuses_an_over_budget_microbatch():
+    """Inductor, the backend users run: the device check's message names the budget with its quotes
+    (``cfg["sequence_packing"]["train_mb_tokens"]``), which inductor once wrote unescaped into C++."""
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("inductor")
     cfg = _cfg(compile=True, row_capacity=6, backend=counter)
     stream = [([9, 0, 12, 5], 12), ([3], 3), ([20, 20, 1], 20), ([], 7), ([1, 2, 3, 4, 5, 6], 6)]
     for lengths, seq_len in stream:
@@ -104,6 +107,8 @@ def test_the_packing_compiles_once_over_a_stream():
         eager = automodel_data.process_microbatch(mb, _tokenizer(), True, _cfg(), 1)
         assert torch.equal(compiled.input_ids, eager.input_ids) and torch.equal(compiled.position_ids,
                                                                                 eager.position_ids)
+    with pytest.raises(RuntimeError, match=r'exceeds cfg\["sequence_packing"\]\["train_mb_tokens"\]=64$'):
+        automodel_data.process_microbatch(_mb([40, 40], 40), _tokenizer(), True, cfg, 1)
     torch._dynamo.reset()
     assert counter.frame_count == 1
 

@@ -1,4 +1,5 @@
-"""Tier: pure CPU, single process (float64). The multi-process CP / TP cases are
+"""Tier: pure CPU, single process (float64; the compiled stream: inductor for the logits, aot_eager for the
+hidden states). The multi-process CP / TP cases are
 tests/multiprocess/test_shared_prefix_multiprocess.py.
 
 Rollout log-probs ``[B, S-1]`` of a shared-prefix microbatch (SharedPrefixLogProbs from packed logits,
@@ -154,7 +155,7 @@ def test_one_compiled_graph_forward_and_backward_over_a_stream(source):
         return op(x, sp.pack(ids), sp)
 
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("inductor" if source == "logits" else "aot_eager")  # inductor once
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     for k, (groups, prefix, lengths) in enumerate(STREAM):
         sp, ids, token, weights, gen = _case(groups, prefix, lengths, seq_len, fixed_total=total, seed=k)

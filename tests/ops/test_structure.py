@@ -219,6 +219,14 @@ def test_the_zigzag_shard_is_stated_once():
         assert "zigzag_pieces(" in _code_only((ROOT / path).read_text()), path
 
 
+def test_device_side_checks_have_one_home():
+    """Every device-side check goes through ``nn_data._checks.device_assert`` (one 0-d flag, and under
+    compile the ``nn_data::device_check`` op that inductor calls between its kernels: docs/compile-contract.md)."""
+    users = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
+                   if re.search(r"_assert_async|_assert_scalar|device_assert_async", _code_only(p.read_text())))
+    assert users == ["nn_data/_checks.py"], users
+
+
 def test_pack_and_shard_has_one_compile_wrapper():
     """The core's PackShard is the pack + shard that PackedForward, the NeMo-RL layer and dynamic CP's
     rounds compile."""

@@ -8,7 +8,11 @@ global batch to :func:`dynamic_cp_microbatch_iterator`: ``data`` holds every seq
 ``position_ids [1, tpr]``, ``cu_seqlens_padded [rows + 1]`` and ``packed_seq_params`` over them (the
 round's ``cp_group`` and ``local_cp_size``; rows + 1 boundaries, as ``process_microbatch`` gives, not the
 runner's static ``row_capacity + 1``: NeMo-RL's log-prob functions return one row per boundary pair) and
-``padding_mask`` (this rank's, the round's ``RoundInputs.packed.padding_mask``); ``data_dict`` is the
+``padding_mask`` (this rank's, the round's ``RoundInputs.packed.padding_mask``). A round with no row on
+this rank follows the compat layer's ``B = 0`` rule (docs/nemo-rl.md): ``cu_seqlens_padded`` is ``[T]``
+(no boundary pair: the log-prob functions return no row, as ``data_dict`` holds none) while the
+``PackedSeqParams`` carry the padding pseudo-segment ``[0, T]`` (megatron-core's THD code needs one);
+with rows both are one tensor. ``data_dict`` is the
 block's rows of ``data`` (in packing order), moved to the device as NeMo-RL moves each microbatch. No host
 read per microbatch.
 """
