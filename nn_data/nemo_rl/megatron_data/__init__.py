@@ -62,14 +62,6 @@ from nn_data.nemo_rl.megatron_data.r3 import (
 )
 from nn_data.nemo_rl.megatron_data.vlm import _prepare_vlm_batch_for_megatron
 
-# nn_data's own functions behind the names process_microbatch calls: a name bound to anything else
-# (a test's mock.patch) makes it follow NeMo-RL's call sequence (common.patched).
-_ORIGINALS = {
-    "_pack_sequences_for_megatron": _pack_sequences_for_megatron,
-    "_shard_routed_experts_for_cp": _shard_routed_experts_for_cp,
-    "get_packed_seq_cp_partition_indices": get_packed_seq_cp_partition_indices,
-}
-
 __all__ = [
     "PackOptions",
     "ProcessedInputs",

@@ -1,5 +1,5 @@
 """Small helpers of the NeMo-RL-compatible layer: NeMo-RL's rounding helper, the straggler timer,
-``require``, the CP getters NeMo-RL's module exposes, and :func:`public` / :func:`patched`.
+``require``, the CP getters NeMo-RL's module exposes, and :func:`public`.
 
 :func:`public` is how the compat layer's functions call each other: through the names
 ``nn_data.nemo_rl.megatron_data`` binds *at call time*, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")``
@@ -50,14 +50,6 @@ def public(name: str) -> Any:
     calls the mock, as NeMo-RL's module-level calls would.
     """
     return getattr(importlib.import_module(PUBLIC_MODULE), name)
-
-
-def patched(*names: str) -> bool:
-    """Whether any of ``names`` is bound to something other than nn_data's own function right now (a
-    ``mock.patch``, ``wraps=`` included): then :func:`process_microbatch` follows NeMo-RL's call
-    sequence through those names instead of its one packing call."""
-    module = importlib.import_module(PUBLIC_MODULE)
-    return any(getattr(module, name) is not module._ORIGINALS[name] for name in names)
 
 
 def megatron_cp_rank_and_size() -> tuple[int, int]:

@@ -111,8 +111,8 @@ def process_microbatch(
     (nn_data's field) is True at padding, in the layout of ``input_ids_cp_sharded``. CP rank and size
     from ``pg_collection.cp`` (keyword-only: megatron-core's ``ProcessGroupCollection``) when given,
     else :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One packing
-    call, one layout, one host sync (NeMo-RL: ``2B + 1`` per packed tensor); NeMo-RL's call sequence
-    when its packing names are patched (:mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
+    call, one layout, one host sync (NeMo-RL: ``2B + 1`` per packed tensor;
+    :mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
     (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.nemo_rl.megatron_data.options.PackOptions`);
     with ``options.shared_prefix`` each GRPO group's prompt is packed once
     (:func:`~nn_data.nemo_rl.megatron_data.shared_prefix.shared_prefix_inputs`).

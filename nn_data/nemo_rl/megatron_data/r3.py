@@ -152,7 +152,7 @@ def _shard_routed_experts_for_cp(
     boundaries are identical to the ids'. Routed pad rows are ``arange(K)``, identity pad
     rows 0 (``valid = 0``: the verifier skips them). One host sync (the boundaries and lengths:
     ``T`` and the checks), then the host executor. :func:`process_microbatch` packs the routes with
-    the tokens in its one call and calls this only when NeMo-RL's names are patched.
+    the tokens in its one call and does not call this.
 
     Difference from NeMo-RL: a segment not divisible by ``2 * cp_size`` raises instead of
     losing its remainder routes.

@@ -30,47 +30,21 @@ prompt (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 
 from nn_data.errors import PackingError
 from nn_data.layout import SharedPrefixLayout
-from nn_data.masks import PrefixRule
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.common import require
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
 from nn_data.nemo_rl.megatron_data.options import PackOptions, SharedPrefixKeys, nemo_rl_spec
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
-from nn_data.nemo_rl.megatron_data.records import ProcessedInputs
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nn_data.adapters.shared_prefix_kv import SharedPrefixKV
+from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, SharedPrefixRecord
 
 #: Batch keys with no shared-prefix form: each would ride the packed row with the prompt once per group.
 COMPANIONS = ("mtp_loss_mask", "routed_experts", "media_token_validity_mask")
-
-
-class SharedPrefixRecord(NamedTuple):
-    """nn_data's part of a shared-prefix microbatch's record (``ProcessedInputs.shared_prefix``).
-
-    ``layout``: the :class:`~nn_data.layout.SharedPrefixLayout` (the loss side's unpack and log-probs:
-    :func:`~nn_data.nemo_rl.megatron_data.shared_prefix_model.from_parallel_logits_to_logprobs_shared_prefix`);
-    ``prefix``: the attention's :class:`~nn_data.masks.PrefixRule` (global ``[T]`` tensors);
-    ``segment_ids [T]`` (the slot of every packed position) and ``query_index [T/C]`` (the packed
-    position of each local token); ``cp_size`` / ``cp_rank`` the split it was packed for; ``kv``: at
-    ``C = 1`` the :class:`~nn_data.adapters.shared_prefix_kv.SharedPrefixKV` of a variable-length kernel
-    (TransformerEngine's THD attention): each response's keys and values are its prompt's then its own,
-    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` exact (``T`` plus each non-empty response's
-    prompt: :func:`kv_capacity`); None under CP."""
-
-    layout: SharedPrefixLayout
-    prefix: PrefixRule
-    segment_ids: torch.Tensor
-    query_index: torch.Tensor
-    cp_size: int
-    cp_rank: int
-    kv: Optional["SharedPrefixKV"] = None
 
 
 def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tensor, torch.Tensor]:
