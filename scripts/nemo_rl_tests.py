@@ -24,9 +24,9 @@ from pathlib import Path
 
 #: NeMo-RL module -> nn_data module (the drop-in's paths).
 REWRITES = {
-    "nemo_rl.models.megatron.data": "nn_data.megatron_data",
-    "nemo_rl.distributed.batched_data_dict": "nn_data.batched_data_dict",
-    "nemo_rl.distributed.model_utils": "nn_data.model_utils",
+    "nemo_rl.models.megatron.data": "nn_data.nemo_rl.megatron_data",
+    "nemo_rl.distributed.batched_data_dict": "nn_data.nemo_rl.batched_data_dict",
+    "nemo_rl.distributed.model_utils": "nn_data.nemo_rl.model_utils",
 }
 
 DEFAULT_FILES = (

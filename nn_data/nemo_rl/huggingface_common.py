@@ -36,7 +36,7 @@ from typing import Optional, Tuple, TypeVar
 import torch
 
 from nn_data import _checks
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
 from nn_data.layout import PackSpec, layout_from_lengths
 from nn_data.layout.internal import (
     bucket_total, exclusive_cumsum, fixed_total_arg, lengths_host, natural_total_host, segment_ids, total_limit_host
@@ -157,7 +157,7 @@ def _groups(packed_sequence_size, rows: int) -> list:
     sizes = list(packed_sequence_size) if isinstance(packed_sequence_size, (list, tuple)) else None
     if sizes is None or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes) \
             or sum(sizes) != rows:
-        raise PackingError(f"packed_sequence_size={packed_sequence_size!r} is invalid; expected a list of "
+        raise PackingAssertionError(f"packed_sequence_size={packed_sequence_size!r} is invalid; expected a list of "
                            f"non-negative ints (sequences per packed row) summing to B = input_ids.shape[0] = {rows}")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [(a, a + n) for a, n in zip(starts, sizes)]
@@ -171,7 +171,7 @@ def _row_length(input_lengths, groups: list, row_len: int, min_seq_len: int, pad
     if pad_full_seq_to is not None:
         total = fixed_total_arg(name, pad_full_seq_to)
         if total < min_seq_len:
-            raise PackingError(f"{name}={total} is below min_seq_len={min_seq_len}; the packed rows are at "
+            raise PackingAssertionError(f"{name}={total} is below min_seq_len={min_seq_len}; the packed rows are at "
                                f"least min_seq_len long, so {name} must be at least {min_seq_len}")
         return total, True, name
     lengths = input_lengths.tolist()  # sync: NeMo-RL's read; T depends on the data without pad_full_seq_to
@@ -253,3 +253,5 @@ __all__ = [
     "pack_sequences",
     "unpack_tensor",
 ]
+
+translate_errors(globals())  # the core's PackingError leaves as PackingAssertionError (nn_data.nemo_rl.assertions)

@@ -33,6 +33,7 @@ from nn_data import _checks
 from nn_data.groups import ParallelInfo, SINGLE, given_group_info
 from nn_data.logprobs import hidden_logprobs_local
 from nn_data.logprobs.from_hidden import hidden_rows
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.logprob_steps import (
     DEFAULT_CHUNK_TOKENS, chunk_and_filter, gather_cp, grad_mode, groups, in_vocab, nemo_rl_rows,
     out_of_vocab_as_nemo_rl, packed_logprobs, row_layout,
@@ -138,7 +139,7 @@ def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: i
     padded segment ``n``, holds the log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``)."""
     _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, PACKED_SHAPE)
     if 1 not in hidden.shape[:2]:
-        raise _checks.PackingError(f"{HIDDEN} must be {PACKED_SHAPE}, got shape {tuple(hidden.shape)}")
+        raise PackingAssertionError(f"{HIDDEN} must be {PACKED_SHAPE}, got shape {tuple(hidden.shape)}")
     rows = hidden_rows(hidden)  # [n, H]
     chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, weight.shape[0],
                                    tp, against=WEIGHT, unit="rows")
@@ -201,7 +202,7 @@ def _sequence_parallel(rows: int, positions: int, cp: ParallelInfo, tp: Parallel
     shares = f"{positions}/{cp.size} = {positions / cp.size:g}"
     if tp.size > 1:
         shares += f" (or {positions}/{cp.size * tp.size} = {positions / (cp.size * tp.size):g} with sequence parallelism)"
-    raise _checks.PackingError(
+    raise PackingAssertionError(
         f"{HIDDEN} hold {rows} positions per row but this rank's share of the {positions} positions of target is "
         f"{shares} (cp_size={cp.size}, tp_size={tp.size}); pass this rank's zigzag shard of the hidden states"
     )

@@ -54,6 +54,7 @@ from nn_data.nemo_rl.logprob_steps import (
     out_of_vocab_as_nemo_rl, packed_logprobs, row_layout,
 )
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
+from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
 
 __all__ = [
     "ChunkedDistributedHiddenStatesToLogprobs",
@@ -209,7 +210,7 @@ def get_next_token_logprobs_from_logits(
     ``vocab_parallel_rank``, and as :func:`from_parallel_logits_to_logprobs`.
     """
     if type(next_token_logits).__name__ == "DTensor":
-        raise _checks.PackingError("next_token_logits is a DTensor: nn_data.nemo_rl.model_utils covers the "
+        raise PackingAssertionError("next_token_logits is a DTensor: nn_data.nemo_rl.model_utils covers the "
                                    "Megatron (vocab-parallel) and plain-tensor paths; use NeMo-RL's "
                                    "get_logprobs_from_vocab_parallel_logits for DTensor logits")
     if sampling_filter(sampling_params) is not None and next_token_logits.is_floating_point():
@@ -221,7 +222,7 @@ def get_next_token_logprobs_from_logits(
         context_parallel_group = given_group_info(context_parallel_group, pg_collection=pg_collection).group
     if vocab_parallel_group is not None:
         if vocab_parallel_rank is None:
-            raise _checks.PackingError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
+            raise PackingAssertionError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
         cols = next_token_logits.shape[-1]
         return from_parallel_logits_to_logprobs(
             next_token_logits, input_ids, vocab_parallel_rank * cols, (vocab_parallel_rank + 1) * cols,
@@ -369,3 +370,5 @@ def _sampled(logits, target, tp_group, top_k, top_p, chunk_size, inference_only,
         _checks.check_top_k(filt.top_k, cols * tp.size)
     return _token_logprobs(logits, target, tp.rank * cols, (tp.rank + 1) * cols, tp.group, chunk_size, filt,
                            inference_only)
+
+translate_errors(globals())  # the core's PackingError leaves as PackingAssertionError (nn_data.nemo_rl.assertions)

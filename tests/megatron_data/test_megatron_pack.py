@@ -13,6 +13,7 @@ import torch
 
 from nn_data import megatron_parallel
 from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data import (
     _get_pack_sequence_parameters_for_megatron,
     _pack_sequences_for_megatron,
@@ -146,7 +147,15 @@ def test_pack_errors(args, kwargs, match):
     ids = coded_batch([8, 5, 7], 8)
     with pytest.raises(PackingError, match=match) as info:
         _pack_sequences_for_megatron(ids, torch.tensor([8, 5, 7]), *args, **kwargs)
-    assert isinstance(info.value, AssertionError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, PackingAssertionError) and isinstance(info.value, ValueError)
+
+
+def test_a_core_error_leaves_the_drop_in_as_an_assertion_error_with_its_message():
+    """The core raises a plain PackingError (a ValueError); the drop-in's edge re-raises it as
+    PackingAssertionError, the same message, the core's error as its cause."""
+    with pytest.raises(PackingAssertionError, match=r"^pad_individual_seqs_to_multiple_of=0 is invalid") as info:
+        _pack_sequences_for_megatron(coded_batch([8, 5], 8), torch.tensor([8, 5]), 0)
+    assert type(info.value.__cause__) is PackingError and str(info.value.__cause__) == str(info.value)
 
 
 @pytest.mark.parametrize("lengths, match", [([8, 9, 7], r"seq_lengths\[1\] = 9 is outside \[0, S=8\]"),

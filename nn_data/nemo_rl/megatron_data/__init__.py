@@ -21,8 +21,8 @@ Differences (docs/nemo-rl.md's "Differences from NeMo-RL" table lists all of the
   above ``pad_full_seq_to`` raises (NeMo-RL truncates); a segment not divisible by
   ``2 * cp_size`` raises (NeMo-RL drops tokens); unpacking always uses the padded
   offsets (NeMo-RL misplaces sequences when CP is 1 and the multiple is > 1);
-* errors are :class:`nn_data.errors.PackingError`, a ``ValueError`` *and* an
-  ``AssertionError``, so code that catches NeMo-RL's asserts keeps working;
+* errors are :class:`~nn_data.nemo_rl.assertions.PackingAssertionError`, nn_data's ``PackingError`` (a
+  ``ValueError``) that is also an ``AssertionError``, so code that catches NeMo-RL's asserts keeps working;
 * extra keyword-only arguments, all optional: ``options=PackOptions(...)`` on
   :func:`process_microbatch` / :func:`_pack_sequences_for_megatron` (compiled graph,
   row capacity, ``T`` buckets; the iterators read them from ``cfg["nn_data"]``) and
@@ -61,6 +61,7 @@ from nn_data.nemo_rl.megatron_data.r3 import (
     _verify_r3_trace_cp_token_alignment,
 )
 from nn_data.nemo_rl.megatron_data.vlm import _prepare_vlm_batch_for_megatron
+from nn_data.nemo_rl.assertions import translate_errors
 
 __all__ = [
     "PackOptions",
@@ -84,3 +85,5 @@ __all__ = [
     "process_global_batch",
     "process_microbatch",
 ]
+
+translate_errors(globals())  # the core's PackingError leaves as PackingAssertionError (nn_data.nemo_rl.assertions)

@@ -14,7 +14,7 @@ import contextlib
 import importlib
 from typing import Any
 
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.groups import megatron_state
 from nn_data.layout import round_up
 
@@ -36,7 +36,7 @@ def straggler_context(straggler_timer):
 def require(condition: bool, message: str) -> None:
     """Raise :class:`PackingError` (a ``ValueError`` and an ``AssertionError``) unless ``condition``."""
     if not condition:
-        raise PackingError(message)
+        raise PackingAssertionError(message)
 
 
 PUBLIC_MODULE = "nn_data.nemo_rl.megatron_data"

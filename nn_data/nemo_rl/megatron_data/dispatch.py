@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from nn_data import _checks
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
 from nn_data.nemo_rl.megatron_data.options import PackOptions
@@ -63,7 +63,7 @@ def on_device(name: str, t: torch.Tensor, like: str, device) -> torch.Tensor:
     input_ids is on cpu"."""
     device = torch.device(device)
     if t.device != device and "meta" in (t.device.type, device.type):
-        raise PackingError(f"{name} is on {t.device} but {like} is on {device}; a meta tensor has no values "
+        raise PackingAssertionError(f"{name} is on {t.device} but {like} is on {device}; a meta tensor has no values "
                            f"to copy: pass {name} with its values (on {device} or any device but meta)")
     return t.to(device)
 
@@ -76,7 +76,7 @@ def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
             continue
         _checks.check_min_dims(name, value, 2, "[B, S, *]")
         if tuple(value.shape[:2]) != tuple(input_ids.shape[:2]):
-            raise PackingError(f"{name} has shape {_checks.dims(value)}; it must be [B, S, *] = "
+            raise PackingAssertionError(f"{name} has shape {_checks.dims(value)}; it must be [B, S, *] = "
                                f"[{input_ids.shape[0]}, {input_ids.shape[1]}, *] like input_ids")
         _checks.check_same_device(input_ids=input_ids, **{name: value})
 
@@ -88,10 +88,10 @@ def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, opt
     experts, whose padding rows are ``arange(topk)`` (a valid top-k route). Every tensor's shape and
     device are checked here, once, before any compiled region."""
     if options.shared_prefix is not None:  # never packed end to end in its place
-        raise PackingError(END_TO_END)
+        raise PackingAssertionError(END_TO_END)
     unknown = [k for k in extras if k not in EXTRAS]
     if unknown:
-        raise PackingError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")
+        raise PackingAssertionError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")
     _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     check_extras(input_ids, extras)
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)

@@ -15,7 +15,7 @@ import functools
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from nn_data import _checks
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.layout import PackSpec
 from nn_data.layout.internal import fixed_total_arg
 
@@ -44,7 +44,7 @@ def shared_prefix_keys(value, name: str = "cfg['nn_data']['shared_prefix']") -> 
     named = isinstance(value, Mapping) and all(isinstance(v, str) and v for v in value.values())
     if named and set(value) <= set(fields):
         return SharedPrefixKeys(**{fields[k]: v for k, v in value.items()})
-    raise PackingError(f"{name}={value!r} is invalid; expected True (the batch keys 'group_ids' and "
+    raise PackingAssertionError(f"{name}={value!r} is invalid; expected True (the batch keys 'group_ids' and "
                        "'prefix_lengths'), False / None (off) or a dict with 'group_ids_key' and / or "
                        "'prefix_lengths_key' naming the batch's keys")
 
@@ -90,13 +90,13 @@ class PackOptions:
         object.__setattr__(self, "shared_prefix", shared_prefix_keys(self.shared_prefix))
         fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
         if self.pad_full_seq_to is not None and self.buckets is not None:
-            raise PackingError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
+            raise PackingAssertionError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
                                "set: buckets only choose T when there is no fixed packed length; drop one")
         b = self.buckets
         if b is None or b == "pow2":
             return
         if isinstance(b, str) or not isinstance(b, Sequence) or not b:
-            raise PackingError(f"buckets={b!r} is invalid; expected None, 'pow2' or a non-empty list of ints")
+            raise PackingAssertionError(f"buckets={b!r} is invalid; expected None, 'pow2' or a non-empty list of ints")
         for v in b:
             fixed_total_arg("buckets entry", v)
         object.__setattr__(self, "buckets", tuple(sorted(set(b))))
@@ -108,7 +108,7 @@ class PackOptions:
         if run is None:
             return given
         if given is not None and given > run:
-            raise PackingError(f"{name}={given} exceeds the run-level packed length pad_full_seq_to={run} "
+            raise PackingAssertionError(f"{name}={given} exceeds the run-level packed length pad_full_seq_to={run} "
                                f"(cfg['nn_data']['pad_full_seq_to'] or PackOptions); raise it to at least {given}")
         return run
 
@@ -119,7 +119,7 @@ class PackOptions:
         section.pop("device", None)
         unknown = set(section) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise PackingError(f"cfg['nn_data'] has unknown keys {sorted(unknown)}; valid keys are "
+            raise PackingAssertionError(f"cfg['nn_data'] has unknown keys {sorted(unknown)}; valid keys are "
                                f"{sorted(f.name for f in dataclasses.fields(cls))} and 'device'")
         return cls(**section)
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from nn_data import _checks
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.common import _round_up_to_multiple
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
 from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
@@ -177,7 +177,7 @@ def get_and_validate_seqlen(data):
     seq_dim_size = input_ids.shape[sequence_dim]
     for key, value in data.items():
         if torch.is_tensor(value) and value.dim() > 1 and value.shape[sequence_dim] != seq_dim_size:
-            raise PackingError(
+            raise PackingAssertionError(
                 f"Dim 1 must be the sequence dim, expected dim 1={seq_dim_size} but got shape {value.shape} "
                 f"for key {key} (input_ids.shape[1] = {seq_dim_size}; every tensor with 2+ dims must have "
                 "the sequence along dim 1)"

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from nn_data import _checks
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.groups import as_process_group, given_group_info, is_group_form
 from nn_data.layout import Boundaries, layout_from_boundaries
 from nn_data.layout.internal import fixed_total_arg, total_divisible
@@ -66,12 +66,12 @@ def get_packed_seq_cp_partition_indices(
     """
     _checks.check_cp(cp_size, cp_rank)
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
-        raise PackingError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
+        raise PackingAssertionError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
     fixed_total_arg("total_tokens", total_tokens or None)
     if is_group_form(cp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
         cp_group = as_process_group(cp_group, "cp_group")
     if cp_group is not None and (cp_group.size() != cp_size or cp_group.rank() != cp_rank):
-        raise PackingError(f"Context-parallel group has rank {cp_group.rank()} and size {cp_group.size()}, but "
+        raise PackingAssertionError(f"Context-parallel group has rank {cp_group.rank()} and size {cp_group.size()}, but "
                            f"rank {cp_rank} and size {cp_size} were requested.")
     if cp_size == 1:
         return torch.arange(total_tokens, device=device, dtype=torch.int64)

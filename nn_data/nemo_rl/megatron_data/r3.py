@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from nn_data import _checks
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
 from nn_data.layout import Boundaries, layout_from_boundaries
 
@@ -123,11 +123,11 @@ def _fill_routed_experts_padding(routed_experts: torch.Tensor, seq_lengths: torc
     ``routed_experts`` is not 4-D or ``seq_lengths`` does not have one entry per row.
     """
     if routed_experts.dim() != 4:
-        raise PackingError("routed_experts must have shape [batch, seq, num_moe_layers, topk]; got "
+        raise PackingAssertionError("routed_experts must have shape [batch, seq, num_moe_layers, topk]; got "
                            f"{tuple(routed_experts.shape)}")
     rows, cols, _, topk = routed_experts.shape
     if tuple(seq_lengths.shape) != (rows,):
-        raise PackingError(f"seq_lengths must have one entry per routed_experts row; got shape "
+        raise PackingAssertionError(f"seq_lengths must have one entry per routed_experts row; got shape "
                            f"{tuple(seq_lengths.shape)} for batch={rows}")
     lengths = seq_lengths.to(device=routed_experts.device, dtype=torch.int64)
     pad = torch.arange(cols, device=routed_experts.device)[None, :] >= lengths[:, None]  # [B, S]

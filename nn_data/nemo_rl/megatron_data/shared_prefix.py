@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.layout import SharedPrefixLayout
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.common import require
@@ -55,12 +55,12 @@ def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tenso
     out = []
     for key in keys:
         if key not in data:
-            raise PackingError(f"{key!r} not found in the batch (keys: {list(data)}); cfg['nn_data']['shared_prefix'] "
+            raise PackingAssertionError(f"{key!r} not found in the batch (keys: {list(data)}); cfg['nn_data']['shared_prefix'] "
                                f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
         value = data[key]
         ok = torch.is_tensor(value) and value.dim() == 1 and value.shape[0] == rows
         if not ok or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise PackingError(f"the batch's {key!r} is {_describe(value)}; expected a [B={rows}] integer tensor")
+            raise PackingAssertionError(f"the batch's {key!r} is {_describe(value)}; expected a [B={rows}] integer tensor")
         out.append(value)
     return out[0], out[1]
 
@@ -71,8 +71,8 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _needs_packing() -> PackingError:
-    return PackingError("cfg['nn_data']['shared_prefix'] packs each group's prompt once and needs "
+def _needs_packing() -> PackingAssertionError:
+    return PackingAssertionError("cfg['nn_data']['shared_prefix'] packs each group's prompt once and needs "
                         "cfg['sequence_packing']['enabled'] = True")
 
 
@@ -92,7 +92,7 @@ def refuse_with_dynamic_cp(cfg: dict) -> None:
     """A dynamic-CP plan packs its rounds end to end: with ``cfg["nn_data"]["shared_prefix"]`` set it would
     not share the prompts it was asked to, so :class:`PackingError`."""
     if PackOptions.from_cfg(cfg).shared_prefix is not None:
-        raise PackingError("get_microbatch_iterator(..., dynamic_cp=) packs each round's sequences end to end and "
+        raise PackingAssertionError("get_microbatch_iterator(..., dynamic_cp=) packs each round's sequences end to end and "
                            "cannot share a group's prompt: unset cfg['nn_data']['shared_prefix'] for a dynamic-CP "
                            "step, or drop dynamic_cp= to pack the shared-prefix plan's microbatches")
 
@@ -101,13 +101,13 @@ def _refuse_unsupported(data_dict, *, delegate: bool, model_slices: bool, option
     """The module docstring's refusals, each naming what to change."""
     given = [k for k in COMPANIONS if k in data_dict]
     if given:
-        raise PackingError(f"cfg['nn_data']['shared_prefix'] does not pack {given} yet (a shared prompt's tokens "
+        raise PackingAssertionError(f"cfg['nn_data']['shared_prefix'] does not pack {given} yet (a shared prompt's tokens "
                            f"would carry them once for the whole group); drop them from the batch or unset the key")
     flags = {"delegate_pack_to_model": delegate, "model_slices_context_parallel_inputs": model_slices,
              "cfg['nn_data']['compile']": options.compile}
     for name, on in flags.items():
         if on:
-            raise PackingError(f"{name}=True is not supported with cfg['nn_data']['shared_prefix'] (the shared-prefix "
+            raise PackingAssertionError(f"{name}=True is not supported with cfg['nn_data']['shared_prefix'] (the shared-prefix "
                                "pack runs eagerly in process_microbatch, for a model that takes its CP share); "
                                "set it to False or unset the key")
 
@@ -165,7 +165,7 @@ def kv_capacity(shared: SharedPrefixLayout) -> int:
     """
     host = shared.layout.host
     if host is None or shared.host_lengths is None:
-        raise PackingError("kv_capacity needs a shared-prefix layout built on the host (shared_prefix_layout with "
+        raise PackingAssertionError("kv_capacity needs a shared-prefix layout built on the host (shared_prefix_layout with "
                            "host_reads=True)")
     responses = host.lengths[1::2]  # [B] real response tokens
     return shared.total + sum(n - r for n, r in zip(shared.host_lengths, responses) if r > 0)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from nn_data import _checks
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.groups import given_group_info
 from nn_data.layout import SharedPrefixLayout
 
@@ -35,7 +35,7 @@ from nn_data.layout import SharedPrefixLayout
 def _record(microbatch):
     record = getattr(microbatch, "shared_prefix", None)
     if record is None:
-        raise PackingError("microbatch has no shared_prefix record: it was not packed with "
+        raise PackingAssertionError("microbatch has no shared_prefix record: it was not packed with "
                            "cfg['nn_data']['shared_prefix'] (run the model on it as on any packed microbatch)")
     return record
 
@@ -56,7 +56,7 @@ def check_prefix_attention(model) -> None:
     stock = sorted({type(c).__name__ for c in cores if not isinstance(c, PackedDotProductAttention)})
     if stock or not cores:
         found = stock or ["no attention layer"]
-        raise PackingError(f"a shared-prefix microbatch needs nn_data's attention (each response sees its group's "
+        raise PackingAssertionError(f"a shared-prefix microbatch needs nn_data's attention (each response sees its group's "
                            f"prompt, which the packed row holds once); model={type(model).__name__} has core "
                            f"attention {', '.join(found)}, which cannot honour the prefix rule: build the GPTModel "
                            "with nn_data.adapters.megatron_gpt_layer_spec(...), or unset cfg['nn_data']['shared_prefix']")
@@ -85,7 +85,7 @@ def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = 
     from nn_data.adapters.megatron_gpt import MegatronGPTAdapter
 
     if output not in OUTPUTS:
-        raise PackingError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
+        raise PackingAssertionError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
     record = _record(microbatch)
     inner = gpt_model(model)
     check_prefix_attention(inner)
@@ -112,7 +112,7 @@ def packed_info(record, microbatch, cp_group):
     slots = record.layout.layout
     size = 1 if cp_group is None else cp_group.size()
     if size != record.cp_size:
-        raise PackingError(f"the microbatch was packed for cp_size={record.cp_size} but cp_group has {size} "
+        raise PackingAssertionError(f"the microbatch was packed for cp_size={record.cp_size} but cp_group has {size} "
                            "rank(s); pass the group it was sharded over (pg_collection.cp)")
     gather = None
     if record.cp_size > 1:
@@ -208,7 +208,7 @@ def _call_args(shared_prefix, unpacked_seqlen, chunk_size) -> tuple:
     """``(SharedPrefixLayout, S, tokens per chunk)`` of a log-prob call, each checked."""
     layout = shared_prefix if isinstance(shared_prefix, SharedPrefixLayout) else getattr(shared_prefix, "layout", None)
     if not isinstance(layout, SharedPrefixLayout):
-        raise PackingError(f"shared_prefix must be a microbatch's shared_prefix record or its SharedPrefixLayout, "
+        raise PackingAssertionError(f"shared_prefix must be a microbatch's shared_prefix record or its SharedPrefixLayout, "
                            f"got {type(shared_prefix).__name__}")
     seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     return layout, seq_len, _checks.positive_int("chunk_size", chunk_size, allow_none=True) or 256
