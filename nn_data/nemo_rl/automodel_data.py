@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
-from nn_data.groups import as_process_group, is_group_form
+from nn_data.extension import as_process_group, is_group_form
 from nn_data.nemo_rl import megatron_data
 from nn_data.nemo_rl.huggingface_common import get_flash_attention_kwargs, on_device, pack_sequences
 from nn_data.nemo_rl.megatron_data.common import require

@@ -27,7 +27,7 @@ import torch
 
 from nn_data.nemo_rl import batched_data_sharding as sharding
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.planning.ffd import first_fit_decreasing, round_up_lengths
+from nn_data.extension import first_fit_decreasing, round_up_lengths
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
 

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.options import shared_prefix_keys
-from nn_data.planning import Parallelism, plan_step, plan_step_shared_prefix
-from nn_data.planning.ffd import round_up_lengths
+from nn_data.extension import Parallelism, plan_step, plan_step_shared_prefix, round_up_lengths
 
 # NeMo-RL's packer names (nn_data plans every one with NeMo-RL's first-fit-decreasing and deal), and
 # nn_data's work-balanced plan (nn_data.planning.plan_step).

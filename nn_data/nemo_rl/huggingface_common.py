@@ -35,14 +35,12 @@ from typing import Optional, Tuple, TypeVar
 
 import torch
 
-from nn_data import _checks
-from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
-from nn_data.layout import PackSpec, layout_from_lengths
-from nn_data.layout.internal import (
-    bucket_total, exclusive_cumsum, fixed_total_arg, lengths_host, natural_total_host, segment_ids, total_limit_host
+from nn_data.extension import (
+    bucket_total, checks, exclusive_cumsum, fixed_total_arg, layout_from_lengths, lengths_host, natural_total_host,
+    PackSpec, segment_ids, total_limit_host, unpack_sequences, with_dynamic_row_length,
 )
-from nn_data.rows import pad_rows, with_dynamic_row_length
-from nn_data.unpack import unpack_sequences
+from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
+from nn_data import pad_rows
 
 Tensor = TypeVar("Tensor", bound=torch.Tensor)
 
@@ -95,7 +93,7 @@ def pack_row(input_ids, lengths, total: int, padding_value: int, *, name: str = 
         return _pack_row(input_ids, lengths, None, total, padding_value, name, validate)
     rows = input_ids.shape[0]
     capacity = options.row_capacity or (1 << max(0, (rows - 1).bit_length()))
-    _checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
+    checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
     num_rows = torch.full((), rows, dtype=torch.int64, device=input_ids.device)  # on the device: no H2D copy
     ids = with_dynamic_row_length(pad_rows(input_ids.contiguous(), capacity))  # [R, S]
     fn = _compiled_pack_row(options.backend, options.mode)
@@ -133,9 +131,9 @@ def pack_sequences(
     ``packed_sequence_size`` not non-negative ints summing to ``B``, ``pad_full_seq_to`` below
     ``min_seq_len``, a length outside ``[0, S]`` (host read) or a row above ``pad_full_seq_to``.
     """
-    _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     rows, row_len = input_ids.shape[0], input_ids.shape[1]
-    _checks.check_int_vector("input_lengths", input_lengths, rows)
+    checks.check_int_vector("input_lengths", input_lengths, rows)
     groups = _groups(packed_sequence_size, rows)
     lengths = on_device(input_lengths, input_ids.device)
     total, validate, name = _row_length(input_lengths, groups, row_len, min_seq_len, pad_full_seq_to, options,
@@ -167,7 +165,7 @@ def _row_length(input_lengths, groups: list, row_len: int, min_seq_len: int, pad
                 name: str = "pad_full_seq_to"):
     """``(T, validate on the device?, T's name for messages)``: ``pad_full_seq_to`` (called ``name``) with no
     read, else NeMo-RL's rule after the one read of the lengths (which is also their validation)."""
-    _checks.row_length("min_seq_len", min_seq_len)
+    checks.row_length("min_seq_len", min_seq_len)
     if pad_full_seq_to is not None:
         total = fixed_total_arg(name, pad_full_seq_to)
         if total < min_seq_len:
@@ -208,8 +206,8 @@ def unpack_tensor(tensor: torch.Tensor, input_lengths: torch.Tensor, *, max_seql
     Raises :class:`PackingError`: ``tensor`` not ``[1, T, *]``, ``input_lengths`` not ``[B]`` integer,
     lengths that do not fit ``T`` (or ``max_seqlen``).
     """
-    _checks.check_packed("tensor", tensor)
-    _checks.check_int_vector("input_lengths", input_lengths)
+    checks.check_packed("tensor", tensor)
+    checks.check_int_vector("input_lengths", input_lengths)
     lengths = on_device(input_lengths, tensor.device)
     total = tensor.shape[1]
     if max_seqlen is None:
@@ -218,7 +216,7 @@ def unpack_tensor(tensor: torch.Tensor, input_lengths: torch.Tensor, *, max_seql
         lengths_host(host, width)
         natural_total_host(sum(host), 1, total, "tensor.shape[1]")
     else:
-        width, validate = _checks.row_length("max_seqlen", max_seqlen), True
+        width, validate = checks.row_length("max_seqlen", max_seqlen), True
     if total == 0 or lengths.shape[0] == 0:
         return tensor.new_zeros(lengths.shape[0], width, *tensor.shape[2:])
     spec = PackSpec(fixed_total=total, arg_name="tensor.shape[1]")
@@ -237,12 +235,12 @@ def get_flash_attention_kwargs(input_lengths: torch.Tensor, *, max_seqlen: Optio
 
     Example: ``[2, 3, 1]`` -> cu_seqlens ``[0, 2, 5, 6]``, max_seqlen 3.
     """
-    _checks.check_int_vector("input_lengths", input_lengths)
+    checks.check_int_vector("input_lengths", input_lengths)
     cu_seqlens = exclusive_cumsum(input_lengths).to(torch.int32)  # [B+1]
     if max_seqlen is None:
         longest = max(input_lengths.tolist(), default=0)  # sync: NeMo-RL's .max().item()
     else:
-        longest = _checks.row_length("max_seqlen", max_seqlen)
+        longest = checks.row_length("max_seqlen", max_seqlen)
     return FlashAttentionKwargs(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens.clone(), max_seqlen_q=longest,
                                 max_seqlen_k=longest)
 

@@ -30,10 +30,9 @@ from typing import Any, Optional
 
 import torch
 
-from nn_data.cp_comm import GatherFromContextParallel
+from nn_data import GatherFromContextParallel
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.groups import group_info
-from nn_data.megatron_parallel import gpt_model_class
+from nn_data.extension import gpt_model_class, group_info
 from nn_data.nemo_rl.linear_ce import from_parallel_hidden_states_to_logprobs, packed_hidden_logprobs
 from nn_data.nemo_rl.logprob_steps import gather_cp, grad_mode, row_layout
 

@@ -171,6 +171,9 @@ def _unit(module: str) -> str:
     return ".".join(parts[:2])
 
 
+MODULE_NAMES = {_module(p) for p in PKG.rglob("*.py")}
+
+
 def _edges() -> set[tuple[str, str]]:
     edges = set()
     for path in PKG.rglob("*.py"):
@@ -178,8 +181,9 @@ def _edges() -> set[tuple[str, str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             targets = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                if node.module == "nn_data":
-                    targets = [f"nn_data.{a.name}" for a in node.names]
+                if node.module == "nn_data":  # a submodule, or a name of the package's __init__
+                    targets = [f"nn_data.{a.name}" if f"nn_data.{a.name}" in MODULE_NAMES else "nn_data"
+                               for a in node.names]
                 elif node.module.startswith("nn_data."):
                     targets = [node.module]
             elif isinstance(node, ast.Import):

@@ -298,3 +298,56 @@ def test_token_ids_outside_the_vocabulary_on_a_travelling_layout_are_a_device_as
         TokenLogProbs(4)(torch.zeros(1, 8, 3), r.packed, layout=r.layout)  # no read: the check is on the device
     with pytest.raises(PackingError, match=r"packed token id 9 at position 2 is outside the vocabulary \[0, 3\)"):
         TokenLogProbs(4)(torch.zeros(1, 8, 3), r.packed, r.cu_seqlens, r.cu_seqlens_padded)  # the one read
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+def test_pack_layout_methods_refuse_another_microbatchs_packed_tensor(host_reads):
+    pack = PackSequences(4, pad_full_seq_to=16, host_reads=host_reads)
+    a = pack(torch.arange(1, 11).view(2, 5), torch.tensor([3, 5]))
+    b = pack(torch.arange(11, 21).view(2, 5), torch.tensor([5, 2]))
+    if a.layout.token is None:  # only the host executor's tensors carry a token
+        assert not host_reads
+        return
+    other = r"^packed was packed on another microbatch's layout"
+    with pytest.raises(PackingError, match=other):
+        b.layout.unpack(a.packed, 5)
+    with pytest.raises(PackingError, match=other):
+        b.layout.shard(a.packed, 2, 1)
+    with pytest.raises(PackingError, match=other):
+        b.layout.shard(a.packed, 1, 0)
+    shards = a.layout.shard(a.packed, 2, 0)
+    with pytest.raises(PackingError, match=r"^shards was packed on another microbatch's layout"):
+        b.layout.unshard(shards, 2)
+    assert torch.equal(a.layout.unpack(a.packed, 5), torch.arange(1, 11).view(2, 5) * (torch.arange(5) < torch.tensor(
+        [[3], [5]])))  # its own layout still runs
+
+
+def test_another_microbatchs_layout_of_the_same_length_is_refused():
+    pack = PackSequences(4, pad_full_seq_to=16)
+    a = pack(torch.arange(1, 11).view(2, 5), torch.tensor([3, 5]))
+    b = pack(torch.arange(11, 21).view(2, 5), torch.tensor([5, 2]))
+    with pytest.raises(PackingError, match=r"^packed was packed on another microbatch's layout"):
+        UnpackSequences(seq_len=5)(a.packed, layout=b.layout)
+    with pytest.raises(PackingError, match=r"^packed was packed on another microbatch's layout"):
+        ShardForContextParallel(2, 0)(a.packed, layout=b.layout)
+    from nn_data import NextTokenTargets
+
+    with pytest.raises(PackingError, match=r"^packed_ids was packed on another microbatch's layout"):
+        NextTokenTargets()(a.packed, layout=b.layout)
+    assert UnpackSequences(seq_len=5)(a.packed, layout=a.layout)[0].tolist() == [1, 2, 3, 0, 0]
+
+
+def test_a_cp_shard_given_to_unpack_is_named_as_one():
+    r = PackSequences(4, pad_full_seq_to=16)(torch.arange(1, 11).view(2, 5), torch.tensor([3, 5]))
+    local = ShardForContextParallel(2, 1)(r.packed, layout=r.layout)
+    with pytest.raises(PackingError, match=r"has T=8 = T/2: a context-parallel shard\? Gather it first "
+                                           r"\(GatherFromContextParallel, or UnshardFromContextParallel"):
+        UnpackSequences(seq_len=5)(local, layout=r.layout)
+
+
+def test_swapped_lengths_and_boundaries_are_named_as_swapped():
+    r = PackSequences(4)(torch.arange(1, 11).view(2, 5), torch.tensor([3, 5]))
+    with pytest.raises(PackingError, match=r"^cu_seqlens_padded has 2 entries; expected 4 \(B \+ 1 for the B = 3 "
+                                           r"entries of seq_lengths\); seq_lengths has one entry more than "
+                                           r"cu_seqlens_padded: were the two swapped\?$"):
+        UnpackSequences(5)(r.packed, r.cu_seqlens_padded, torch.tensor([3, 5]))

@@ -14,6 +14,7 @@ import ast
 import io
 import re
 import tokenize
+import warnings
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,53 @@ def test_layout_is_as_documented():
 def test_core_imports_nothing_from_the_nemo_rl_drop_in(module):
     bad = [i for i in MODULES[module] if _in_drop_in(i)]
     assert not bad, f"{module} imports {bad}"
+
+
+# The drop-in enters nn_data by the public API (nn_data's __all__, the lazy nn_data.adapters door) and one
+# declared extension surface (nn_data.extension) alone, so a rename inside nn_data touches that one module
+# and the drop-in could leave the package as a folder.
+DROP_IN_DOORS = ("nn_data", "nn_data.adapters", "nn_data.extension")
+DROP_IN_FILES = sorted((PKG / "nemo_rl").rglob("*.py"))
+
+
+def _nn_data_imports(path: Path) -> list:
+    """``(module, name)`` of every ``nn_data`` import of a file (module level, in functions and under
+    ``TYPE_CHECKING``); ``name`` None for ``import nn_data.x``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("nn_data"):
+            found += [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.startswith("nn_data")]
+    return found
+
+
+@pytest.mark.parametrize("path", DROP_IN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_drop_in_imports_the_public_api_and_the_extension_surface_alone(path):
+    import importlib
+
+    bad = []
+    for module, name in _nn_data_imports(path):
+        if module == DROP_IN or module.startswith(DROP_IN + "."):
+            continue
+        if module not in DROP_IN_DOORS or name is None:
+            bad.append(f"{module}.{name}" if name else module)
+        elif name not in importlib.import_module(module).__all__:
+            bad.append(f"{module}.{name}")
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}; add what it needs to nn_data/extension.py"
+
+
+def test_the_extension_surface_is_declared_and_each_name_used():
+    """nn_data.extension says what it offers and why (its docstring), exports each name once, every name
+    has an importer in the drop-in (a name nothing imports is deleted), and it imports nothing of the drop-in."""
+    import nn_data.extension as extension
+
+    assert extension.__doc__ and "drop-in" in extension.__doc__ and "so that" in extension.__doc__
+    names = extension.__all__
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    used = {name for p in DROP_IN_FILES for module, name in _nn_data_imports(p) if module == "nn_data.extension"}
+    assert set(names) == used, (sorted(set(names) - used), sorted(used - set(names)))
+    assert not [i for i in MODULES["nn_data.extension"] if _in_drop_in(i)]
 
 
 # The model adapters are about megatron-core models themselves (nn_data.adapters, opt-in, never
@@ -249,9 +297,8 @@ def test_nothing_in_the_package_imports_nemo_rl():
 def test_model_utils_builds_on_the_log_prob_core_not_on_token_logprobs():
     # nn_data.nemo_rl.model_utils reuses the chunked log-prob kernel, the zigzag places and the CP gather;
     # TokenLogProbs (nn_data's own convention) is a sibling, not a dependency.
-    from_logprobs = {i for i in MODULES["nn_data.nemo_rl.model_utils"] if i.startswith("nn_data.logprobs.")}
-    assert from_logprobs <= {"nn_data.logprobs.token_logprobs_local", "nn_data.logprobs.sampling_filter"}
-    assert "nn_data.logprobs.token_logprobs_local" in from_logprobs
+    names = {name for module, name in _nn_data_imports(PKG / "nemo_rl" / "model_utils.py")}
+    assert "token_logprobs_local" in names and not names & {"TokenLogProbs", "TokenLogProbsFromHidden"}
 
 
 # ---- the layout's boundary (docs/design.md, "Layouts and executors") -------------------
@@ -360,7 +407,9 @@ def test_an_old_path_has_no_file_and_imports_as_its_home(old):
     path = PKG / Path(*old.split(".")[1:])
     assert old not in MODULES and not path.with_suffix(".py").exists() and not path.is_dir(), old
     assert home_of(old) in MODULES
-    assert importlib.import_module(old) is importlib.import_module(home_of(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # its one warning (tests/ops/test_old_names.py)
+        assert importlib.import_module(old) is importlib.import_module(home_of(old))
 
 
 def test_no_module_basename_means_two_things():

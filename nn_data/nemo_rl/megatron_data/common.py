@@ -15,8 +15,7 @@ import importlib
 from typing import Any
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.groups import megatron_state
-from nn_data.layout import round_up
+from nn_data.extension import megatron_state, round_up
 
 
 def _round_up_to_multiple(value: int, multiple: int) -> int:

@@ -23,12 +23,11 @@ from typing import NamedTuple
 
 import torch
 
-from nn_data import _checks
+from nn_data.extension import checks, layout_from_lengths, pack_shard, PackSpec
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
+from nn_data import PackLayout
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
 from nn_data.nemo_rl.megatron_data.options import PackOptions
-from nn_data.pack import pack_shard
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
 #: Why this door never packs a shared-prefix microbatch (it has no group ids to share a prompt by).
@@ -51,7 +50,7 @@ def as_lengths(seq_lengths, rows: int, device, like: str = "input_ids") -> torch
     """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on
     ``device`` (no sync). Non-integers (``[1.5, 2, 3]``, a float tensor) raise :class:`PackingError`,
     so do lengths on a device they cannot be copied from (:func:`on_device`)."""
-    seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, rows)
+    seq_lengths = checks.as_int_vector("seq_lengths", seq_lengths, rows)
     return on_device("seq_lengths", seq_lengths, like, device).to(dtype=torch.int64)
 
 
@@ -74,11 +73,11 @@ def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
     for name, value in extras.items():
         if value is None:
             continue
-        _checks.check_min_dims(name, value, 2, "[B, S, *]")
+        checks.check_min_dims(name, value, 2, "[B, S, *]")
         if tuple(value.shape[:2]) != tuple(input_ids.shape[:2]):
-            raise PackingAssertionError(f"{name} has shape {_checks.dims(value)}; it must be [B, S, *] = "
+            raise PackingAssertionError(f"{name} has shape {checks.dims(value)}; it must be [B, S, *] = "
                                f"[{input_ids.shape[0]}, {input_ids.shape[1]}, *] like input_ids")
-        _checks.check_same_device(input_ids=input_ids, **{name: value})
+        checks.check_same_device(input_ids=input_ids, **{name: value})
 
 
 def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, options: PackOptions,
@@ -92,7 +91,7 @@ def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, opt
     unknown = [k for k in extras if k not in EXTRAS]
     if unknown:
         raise PackingAssertionError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")
-    _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     check_extras(input_ids, extras)
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
     layout = layout_from_lengths(lengths, input_ids.shape[1], spec, op="_pack_sequences_for_megatron")

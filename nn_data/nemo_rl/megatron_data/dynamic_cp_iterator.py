@@ -20,7 +20,7 @@ from typing import Iterator, Tuple
 import torch
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.megatron_parallel import make_packed_seq_params
+from nn_data.extension import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 
 

@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 import torch
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.groups import as_process_group, is_group_form, megatron_state
+from nn_data.extension import as_process_group, is_group_form, megatron_state, Parallelism
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.shared_prefix import check_shared_prefix, refuse_with_dynamic_cp
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
-from nn_data.planning import Parallelism
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.utils import StragglerDetector

@@ -14,10 +14,8 @@ import dataclasses
 import functools
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
-from nn_data import _checks
+from nn_data.extension import checks, fixed_total_arg, PackSpec
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.layout import PackSpec
-from nn_data.layout.internal import fixed_total_arg
 
 
 class SharedPrefixKeys(NamedTuple):
@@ -86,7 +84,7 @@ class PackOptions:
     shared_prefix: Any = None
 
     def __post_init__(self):
-        _checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
+        checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
         object.__setattr__(self, "shared_prefix", shared_prefix_keys(self.shared_prefix))
         fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
         if self.pad_full_seq_to is not None and self.buckets is not None:
@@ -130,7 +128,7 @@ def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp
     caller spelled the fixed packed length), with ``cp_rank`` checked against ``cp_size``; checked once
     per distinct configuration (a training run repeats a few), an unhashable argument uncached."""
     buckets = options.buckets if options is not None and fixed_total is None else None
-    _checks.check_cp(cp_size, cp_rank)
+    checks.check_cp(cp_size, cp_rank)
     try:
         return _spec(m, p, fixed_total, cp_size, name, buckets)
     except TypeError:  # an unhashable argument: checked (and refused) uncached

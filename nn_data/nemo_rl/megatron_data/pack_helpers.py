@@ -15,14 +15,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nn_data import _checks
+from nn_data.extension import checks, make_packed_seq_params, Parallelism, unpack_sequences
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.common import _round_up_to_multiple
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
 from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
-from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.planning import Parallelism
-from nn_data.unpack import unpack_sequences
 
 
 def _pack_sequences_for_megatron(
@@ -118,10 +115,10 @@ def _unpack_sequences_from_megatron(
     if output_tensor.dim() == 1:
         output_tensor = output_tensor.unsqueeze(0)  # [T] -> [1, T]
     lengths = as_lengths(seq_lengths, original_batch_size, output_tensor.device, "output_tensor")
-    _checks.check_int_vector("cu_seqlens_padded" if offsets == "padded" else "cu_seqlens", bounds)
+    checks.check_int_vector("cu_seqlens_padded" if offsets == "padded" else "cu_seqlens", bounds)
     bounds = on_device("cu_seqlens_padded" if offsets == "padded" else "cu_seqlens", bounds,
                        "output_tensor", output_tensor.device)
-    _checks.row_length("original_seq_length", original_seq_length)
+    checks.row_length("original_seq_length", original_seq_length)
     return unpack_sequences(output_tensor, lengths, bounds, original_seq_length, offsets=offsets)
 
 

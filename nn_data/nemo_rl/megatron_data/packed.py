@@ -27,12 +27,11 @@ from typing import Any, Optional
 
 import torch
 
-from nn_data import _checks
+from nn_data.extension import (
+    as_process_group, Boundaries, checks, fixed_total_arg, given_group_info, is_group_form, layout_from_boundaries,
+    make_packed_seq_params, total_divisible,
+)
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.groups import as_process_group, given_group_info, is_group_form
-from nn_data.layout import Boundaries, layout_from_boundaries
-from nn_data.layout.internal import fixed_total_arg, total_divisible
-from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.common import public
 from nn_data.nemo_rl.megatron_data.dispatch import pack_microbatch
 from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
@@ -64,7 +63,7 @@ def get_packed_seq_cp_partition_indices(
     differ from them, ``total_tokens`` not a multiple of ``2C``, boundaries that do not rise
     from 0 to ``total_tokens``, or a segment not divisible by ``2C``.
     """
-    _checks.check_cp(cp_size, cp_rank)
+    checks.check_cp(cp_size, cp_rank)
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
         raise PackingAssertionError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
     fixed_total_arg("total_tokens", total_tokens or None)
@@ -77,7 +76,7 @@ def get_packed_seq_cp_partition_indices(
         return torch.arange(total_tokens, device=device, dtype=torch.int64)
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     bounds = padded if padded is not None else packed_seq_params.cu_seqlens_q
-    _checks.check_int_vector("cu_seqlens_q_padded", bounds)
+    checks.check_int_vector("cu_seqlens_q_padded", bounds)
     total_divisible(total_tokens, cp_size)
     layout = layout_from_boundaries(Boundaries(bounds.to(device), total_tokens),
                                     op="get_packed_seq_cp_partition_indices", cp_size=cp_size)  # the one read

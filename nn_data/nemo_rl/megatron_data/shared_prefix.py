@@ -35,8 +35,7 @@ from typing import Any, Optional
 import torch
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.layout import SharedPrefixLayout
-from nn_data.megatron_parallel import make_packed_seq_params
+from nn_data.extension import make_packed_seq_params, SharedPrefixLayout
 from nn_data.nemo_rl.megatron_data.common import require
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
 from nn_data.nemo_rl.megatron_data.options import PackOptions, SharedPrefixKeys, nemo_rl_spec
@@ -125,8 +124,8 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> ids ``[p0 p0 r0 r0 | r1 | p2 |
     r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``.
     """
-    from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
-    from nn_data.packed_shared_prefix import SharedPrefixPackShard
+    from nn_data.adapters import shared_prefix_kv
+    from nn_data.extension import SharedPrefixPackShard
 
     if not pack_sequences:
         raise _needs_packing()
@@ -179,7 +178,7 @@ def shared_prefix_params(record: SharedPrefixRecord):
     must not take them. Under CP (whose keys and values TransformerEngine would split as the queries): the
     slots' padded boundaries (``max_seqlen`` the longest slot, ``total_tokens = T/C``). nn_data's attention
     reads neither (it takes the prefix rule: ``shared_prefix_model``)."""
-    from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
+    from nn_data.adapters import shared_prefix_packed_seq_params
 
     shared = record.layout
     slots = shared.layout

@@ -13,11 +13,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nn_data import _checks
+from nn_data.extension import checks, layout_from_lengths, make_packed_seq_params, PackSpec, padded_rows
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths
-from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.layout import PackSpec, layout_from_lengths
-from nn_data.layout.internal import padded_rows
 
 
 def _prepare_vlm_batch_for_megatron(
@@ -53,7 +50,7 @@ def _prepare_vlm_batch_for_megatron(
     outside ``[0, S]`` (NeMo-RL reads zeros past the row there), or ``pad_full_seq_to`` is above
     the int32 limit of the boundaries.
     """
-    _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     rows, cols = input_ids.shape[:2]
     spec = PackSpec(max(1, int(pad_individual_seqs_to_multiple_of)), fixed_total=pad_full_seq_to,
                     arg_name="pad_full_seq_to", self_packing=True)
