@@ -1,4 +1,4 @@
-"""Shared-prefix GRPO groups in the megatron drop-in (issue 36): ``cfg["nn_data"]["shared_prefix"]``.
+"""Shared-prefix GRPO groups in the megatron drop-in: ``cfg["nn_data"]["shared_prefix"]``.
 
 Shape legend
     B   rollouts of a microbatch (rows of its ``BatchedDataDict``); S their padded row length
