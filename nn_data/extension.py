@@ -1,5 +1,5 @@
 """The extension surface: what a package built on nn_data (its NeMo-RL drop-in, ``nn_data.nemo_rl``) uses
-beyond the public API (``nn_data.__all__`` and the ``nn_data.adapters`` door).
+beyond the public API (``nn_data.__all__``, the ``nn_data.adapters`` door and its ``shared_prefix_kv`` module).
 
 A drop-in re-implements another library's functions with that library's signatures, so it needs nn_data's
 steps one level below the ops a user calls: the argument checks (``checks``, the module, so messages keep
@@ -29,8 +29,8 @@ from nn_data.layout import (
     Boundaries, PackSpec, SharedPrefixLayout, layout_from_boundaries, layout_from_lengths, round_up,
 )
 from nn_data.layout.internal import (
-    boundary_args, bucket_total, exclusive_cumsum, fixed_total_arg, lengths_host, natural_total_host, padded_rows,
-    segment_ids, sequence_divisible, total_divisible, total_limit_host,
+    boundary_args, exclusive_cumsum, fixed_total_arg, layout_from_read_lengths, lengths_host, natural_total_host,
+    padded_rows, segment_ids, sequence_divisible, total_divisible, total_limit_host,
 )
 from nn_data.logprobs import (
     SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden, hidden_logprobs_local, sampling_filter,
@@ -52,8 +52,8 @@ __all__ = [
     "checks",
     # the layout: its user's door, then its internal door
     "Boundaries", "PackSpec", "SharedPrefixLayout", "layout_from_boundaries", "layout_from_lengths", "round_up",
-    "boundary_args", "bucket_total", "exclusive_cumsum", "fixed_total_arg", "lengths_host", "natural_total_host",
-    "padded_rows", "segment_ids", "sequence_divisible", "total_divisible", "total_limit_host",
+    "boundary_args", "exclusive_cumsum", "fixed_total_arg", "layout_from_read_lengths", "lengths_host",
+    "natural_total_host", "padded_rows", "segment_ids", "sequence_divisible", "total_divisible", "total_limit_host",
     # the ops' steps
     "PackShard", "pack_shard", "unpack_sequences", "with_dynamic_row_length", "next_token_at", "PrefixRule",
     "SharedPrefixPackShard",

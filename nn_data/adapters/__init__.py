@@ -6,9 +6,8 @@
 * :func:`pipeline_forward_step` (``nn_data.adapters.megatron_pipeline``): a ``forward_step_func``
   for megatron-core's pipeline schedules that packs every microbatch to one ``T``;
   :func:`dynamic_cp_forward_step` the same for the rounds of a dynamic-CP step;
-* :func:`shared_prefix_kv`, :class:`SharedPrefixKV` and :func:`shared_prefix_packed_seq_params`
-  (``nn_data.adapters.shared_prefix_kv``): TransformerEngine's separate query and key/value boundaries of
-  a shared-prefix microbatch.
+* ``nn_data.adapters.shared_prefix_kv`` (a module, its ``__all__``): TransformerEngine's separate query and
+  key/value boundaries of a shared-prefix microbatch.
 
 Importing this package imports neither transformers nor megatron-core (each costs seconds);
 the names load their module on first use. The CPU-only patches of megatron-core live in
@@ -27,9 +26,6 @@ _WHERE = {
     "megatron_gpt_layer_spec": "nn_data.adapters.megatron_gpt",
     "pipeline_forward_step": "nn_data.adapters.megatron_pipeline",
     "dynamic_cp_forward_step": "nn_data.adapters.megatron_pipeline",
-    "SharedPrefixKV": "nn_data.adapters.shared_prefix_kv",
-    "shared_prefix_kv": "nn_data.adapters.shared_prefix_kv",
-    "shared_prefix_packed_seq_params": "nn_data.adapters.shared_prefix_kv",
 }
 
 __all__ = sorted(_WHERE)

@@ -6,8 +6,10 @@ where they leave it (:func:`at_the_edge`), so the core knows nothing of NeMo-RL'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import re
 from typing import Callable
 
 from nn_data import PackingError
@@ -52,3 +54,21 @@ def translate_errors(namespace: dict) -> None:
     for name in namespace["__all__"]:
         if inspect.isfunction(namespace.get(name)):
             namespace[name] = at_the_edge(namespace[name])
+
+
+@contextlib.contextmanager
+def spelled(name: str):
+    """Inside, the core's errors name the fixed packed length ``name`` (NeMo-RL's ``pad_packed_seq_to``, an
+    AutoModel setting) where the core names it ``pad_full_seq_to``, the ops' argument; raised as
+    :class:`PackingAssertionError` with the core's error as its cause.
+
+    Example: ``with spelled("pad_packed_seq_to"):`` a core ``"... exceeds pad_full_seq_to=16; ..."`` leaves as
+    ``"... exceeds pad_packed_seq_to=16; ..."``.
+    """
+    try:
+        yield
+    except PackingError as error:
+        if name == "pad_full_seq_to":
+            raise
+        text = re.sub(r"(?<![\w'\[])pad_full_seq_to\b", lambda _: name, str(error))
+        raise PackingAssertionError(text) from error

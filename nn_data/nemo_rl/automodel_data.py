@@ -298,7 +298,7 @@ def check_sequence_dim(data: Any, *, skip_keys: Optional[Iterable[str]] = None) 
             continue
         if value.shape[sequence_dim] != seq_dim_size:
             raise PackingAssertionError(f"Dim 1 must be the sequence dim, expected dim 1={seq_dim_size} but got shape "
-                               f"{value.shape} (key {key!r})")
+                                        f"{value.shape} (key {key!r})")
     return sequence_dim, seq_dim_size
 
 translate_errors(globals())  # the core's PackingError leaves as PackingAssertionError (nn_data.nemo_rl.assertions)

@@ -69,7 +69,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         for key, value in self.data.items():
             if torch.is_tensor(value) and end > value.shape[0]:
                 raise PackingAssertionError(f"end: {end} is greater than the shape of the tensor: {value.shape[0]} for key: "
-                                   f"{key} (slice rows [start, end) within the batch)")
+                                            f"{key} (slice rows [start, end) within the batch)")
             out[key] = value[start:end]
         return out
 
@@ -142,7 +142,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             raise PackingAssertionError(f"microbatch_size={microbatch_size!r} is invalid; expected an int >= 1")
         if self.size % microbatch_size:
             raise PackingAssertionError(f"Data dict size ({self.size}) is not a multiple of the provided microbatch size "
-                               f"({microbatch_size}) (choose a microbatch size that divides it)")
+                                        f"({microbatch_size}) (choose a microbatch size that divides it)")
         for start in range(0, self.size, microbatch_size):
             yield self.slice(start, start + microbatch_size)
 
@@ -151,7 +151,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             raise PackingAssertionError(f"no {kind} plan: call plan_{kind}() first (or get_batch() of a planned dict)")
         if len(self.micro_batch_indices) != 1:
             raise PackingAssertionError(f"the dict holds {len(self.micro_batch_indices)} planned global batches; iterate "
-                               "one of them: get_batch(i)")
+                                        "one of them: get_batch(i)")
         return self.micro_batch_indices[0], self.micro_batch_lengths[0]
 
     def make_microbatch_iterator_for_packable_sequences(self) -> Iterator["SlicedDataDict"]:
@@ -271,7 +271,7 @@ def _greedy_groups(needs: np.ndarray, budget: int, rows: list) -> tuple[list, li
     for pos, need in enumerate(needs.tolist()):  # sync: none, numpy
         if need > budget:
             raise PackingAssertionError(f"row {rows[pos]} needs {need} tokens (rounded), more than "
-                               f"max_tokens_per_microbatch={budget}")
+                                        f"max_tokens_per_microbatch={budget}")
         if pos > start and (pos - start + 1) * max(longest, need) > budget:
             groups.append([start, pos])
             lengths.append(longest)

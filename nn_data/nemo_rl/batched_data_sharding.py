@@ -39,7 +39,7 @@ def batch_rows(data: Mapping[str, Any], what: str = "Batch sizes are not the sam
     sizes = {k: rows_of(v) for k, v in data.items()}
     if len(set(sizes.values())) > 1:
         raise PackingAssertionError(f"{what}, found sizes: [{','.join(str(s) for s in sorted(set(sizes.values())))}] "
-                           f"({sizes})")
+                                    f"({sizes})")
     return next(iter(sizes.values()), 0)
 
 
@@ -79,7 +79,7 @@ def _stack(key: str, values: list, pad_value):
         return torch.cat(values)
     if 1 in dims or 0 in dims:
         raise PackingAssertionError(f"cannot stack {key!r}: its tensors have dims {sorted(dims)}; expected all 1-D or all "
-                           "[B, S, *]")
+                                    "[B, S, *]")
     width = max(v.shape[1] for v in values)
     padded = [F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=pad_value) for v in values]
     return torch.cat(padded, dim=0)  # [sum B, max S, *]
@@ -95,7 +95,7 @@ def chunk_rows(data, out, rank: int, chunks: int):
         raise PackingAssertionError(f"batch size ({total}) is not a multiple of chunks ({chunks})")
     if not 0 <= rank < chunks:
         raise PackingAssertionError(f"index OOB: not enough splits for this rank. rollout_batch_size: {total}, chunks "
-                           f"({chunks}), rank_idx ({rank}) (rank must be in [0, {chunks}))")
+                                    f"({chunks}), rank_idx ({rank}) (rank must be in [0, {chunks}))")
     step = total // chunks
     for key, value in data.items():
         part = value[rank * step:(rank + 1) * step]
@@ -114,7 +114,7 @@ def reorder_rows(data, reordered_indices: Sequence[int]) -> None:
     keys = np.asarray(list(reordered_indices))
     if keys.shape != (total,):
         raise PackingAssertionError(f"reorder_data got {keys.size} indices for a batch of {total} rows; it needs one per row "
-                           "(NeMo-RL silently drops the rows past the shorter of the two)")
+                                    "(NeMo-RL silently drops the rows past the shorter of the two)")
     order = np.argsort(keys, kind="stable").tolist()  # sync: none, numpy on the host
     index = torch.tensor(order, dtype=torch.int64)
     for key, value in list(data.items()):
@@ -153,7 +153,7 @@ def shard_by_batch_size(data, make, shards: int, batch_size: Optional[int] = Non
     if dynamic_batching_args is not None:
         if batch_size % shards:
             raise PackingAssertionError(f"dynamic batching needs equal shards: batch size ({batch_size}) is not a multiple of "
-                               f"shards ({shards}) (allow_uneven_shards cannot be used with it)")
+                                        f"shards ({shards}) (allow_uneven_shards cannot be used with it)")
         order = _length_sorted_order(data, shards, batch_size, dynamic_batching_args["input_lengths_key"])
         data = {k: _take(v, order) for k, v in data.items()}
     size = -(-batch_size // shards) if allow_uneven_shards else batch_size // shards
@@ -205,7 +205,7 @@ def _plan_dynamic(out: list, data, shards: int, batch_size: int, args: dict) -> 
         over = [n for n in need if n > budget]
         if over:
             raise PackingAssertionError(f"got an input of padded ({multiple}) sequence length of {over[0]}, however max "
-                               f"microbatch size is {budget} tokens (raise max_tokens_per_microbatch)")
+                                        f"microbatch size is {budget} tokens (raise max_tokens_per_microbatch)")
         indices, lengths, longest = [[0, 0]], [0], 0
         for j, n in enumerate(need):
             longest = max(longest, n)
@@ -234,14 +234,14 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
     algorithm = args.get("algorithm")
     if algorithm not in PACKING_ALGORITHMS:
         raise PackingAssertionError(f"sequence_packing_args['algorithm']={algorithm!r} is not one of NeMo-RL's packers "
-                           f"{list(PACKING_ALGORITHMS[:-1])} or {PACKING_ALGORITHMS[-1]!r}")
+                                    f"{list(PACKING_ALGORITHMS[:-1])} or {PACKING_ALGORITHMS[-1]!r}")
     multiple, budget = args["sequence_length_pad_multiple"], args["max_tokens_per_microbatch"]
     lengths = _host_lengths(data, args["input_lengths_key"])
     padded = round_up_lengths(lengths, multiple)
     over = [r for r, n in enumerate(padded.tolist()) if n > budget]  # sync: none, numpy
     if over:
         raise PackingAssertionError(f"Sequence length {int(padded[over[0]])} exceeds bin capacity {budget} (row {over[0]}, "
-                           f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
+                                    f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
     layout, options = _packing_layout(args, shards)
     layout.check_fixed_total(budget, "max_tokens_per_microbatch")
     planner = _planner(data, args, lengths, layout, budget, options)
@@ -283,12 +283,12 @@ def _planner(data, args: dict, lengths: list, layout: Parallelism, budget: int, 
         return lambda start, stop: plan_step(lengths[start:stop], layout, pad_full_seq_to=budget, **options)
     if args["algorithm"] != "nn_data_balanced":
         raise PackingAssertionError(f"sequence_packing_args['shared_prefix'] plans with nn_data's planner; set "
-                           f"sequence_packing_args['algorithm']='nn_data_balanced' (got {args['algorithm']!r})")
+                                    f"sequence_packing_args['algorithm']='nn_data_balanced' (got {args['algorithm']!r})")
     fields = {}
     for key in keys:
         if key not in data:
             raise PackingAssertionError(f"{key!r} not found in the batch (keys: {list(data)}); shared-prefix packing "
-                               f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
+                                        f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
         fields[key] = _host_lengths(data, key)
     groups, prefix = fields[keys.group_ids], fields[keys.prefix_lengths]
     return lambda start, stop: plan_step_shared_prefix(
@@ -311,11 +311,11 @@ def _packing_layout(args: dict, shards: int):
         parallelism = Parallelism(dp=shards, make_sequence_length_divisible_by=multiple)
     elif not isinstance(parallelism, Parallelism) or parallelism.dp != shards:
         raise PackingAssertionError(f"sequence_packing_args['{key}']={parallelism!r} is invalid; expected a "
-                           f"Parallelism with dp={shards} (the shards)")
+                                    f"Parallelism with dp={shards} (the shards)")
     elif parallelism.make_sequence_length_divisible_by not in (None, multiple):
         raise PackingAssertionError(f"sequence_packing_args['{key}'] pads sequences to a multiple of "
-                           f"{parallelism.make_sequence_length_divisible_by}, but sequence_length_pad_multiple="
-                           f"{multiple}; give one value")
+                                    f"{parallelism.make_sequence_length_divisible_by}, but sequence_length_pad_multiple="
+                                    f"{multiple}; give one value")
     else:
         parallelism = dataclasses.replace(parallelism, make_sequence_length_divisible_by=multiple)
     options = {"balance": args.get("balance", "work"), "hidden_size": args.get("hidden_size", 4096),

@@ -36,10 +36,11 @@ from typing import Optional, Tuple, TypeVar
 import torch
 
 from nn_data.extension import (
-    bucket_total, checks, exclusive_cumsum, fixed_total_arg, layout_from_lengths, lengths_host, natural_total_host,
-    PackSpec, segment_ids, total_limit_host, unpack_sequences, with_dynamic_row_length,
+    checks, exclusive_cumsum, fixed_total_arg, layout_from_lengths, lengths_host, natural_total_host, PackSpec,
+    segment_ids, total_limit_host, unpack_sequences, with_dynamic_row_length,
 )
-from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
+from nn_data.nemo_rl.assertions import PackingAssertionError, spelled, translate_errors
+from nn_data.nemo_rl.buckets import bucket_total
 from nn_data import pad_rows
 
 Tensor = TypeVar("Tensor", bound=torch.Tensor)
@@ -71,9 +72,11 @@ def _pack_row(input_ids, lengths, num_rows, total: int, padding_value: int, name
 
     Example: lengths ``[2, 3]``, T 7, pad -1 -> ids ``[a0 a1 b0 b1 b2 -1 -1]``, positions ``[0 1 0 1 2 0 0]``.
     """
-    spec = PackSpec(fixed_total=total, arg_name=name)
-    layout = layout_from_lengths(lengths, input_ids.shape[1], spec, num_rows=num_rows, validate=validate,
-                                 host_reads=False, op="pack_sequences")
+    if validate:  # first, naming the setting T came from (the layout's own assert names pad_full_seq_to)
+        checks.device_assert(lengths.sum() <= total, f"nn_data.pack_sequences: the packed total sum(seq_lengths) "
+                                                       f"exceeds {name}={total}")
+    layout = layout_from_lengths(lengths, input_ids.shape[1], PackSpec(fixed_total=total), num_rows=num_rows,
+                                 validate=validate, host_reads=False, op="pack_sequences")
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)  # [B, S]
     return layout.pack(input_ids, fill=padding_value), layout.pack(positions, fill=0), layout.cu_seqlens
 
@@ -156,7 +159,7 @@ def _groups(packed_sequence_size, rows: int) -> list:
     if sizes is None or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes) \
             or sum(sizes) != rows:
         raise PackingAssertionError(f"packed_sequence_size={packed_sequence_size!r} is invalid; expected a list of "
-                           f"non-negative ints (sequences per packed row) summing to B = input_ids.shape[0] = {rows}")
+                                    f"non-negative ints (sequences per packed row) summing to B = input_ids.shape[0] = {rows}")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [(a, a + n) for a, n in zip(starts, sizes)]
 
@@ -170,14 +173,14 @@ def _row_length(input_lengths, groups: list, row_len: int, min_seq_len: int, pad
         total = fixed_total_arg(name, pad_full_seq_to)
         if total < min_seq_len:
             raise PackingAssertionError(f"{name}={total} is below min_seq_len={min_seq_len}; the packed rows are at "
-                               f"least min_seq_len long, so {name} must be at least {min_seq_len}")
+                                        f"least min_seq_len long, so {name} must be at least {min_seq_len}")
         return total, True, name
     lengths = input_lengths.tolist()  # sync: NeMo-RL's read; T depends on the data without pad_full_seq_to
     lengths_host(lengths, row_len)
     total = max([sum(lengths[a:b]) for a, b in groups] + [min_seq_len])
     buckets = getattr(options, "buckets", None)
     if buckets is not None and total:
-        total = bucket_total(total, buckets, 1, 1)
+        total = bucket_total(total, buckets, 1, 1)  # the megatron path's buckets, with p 1 and C 1
     total_limit_host(total, "the longest packed row")
     return total, False, "the packed row length"
 
@@ -219,8 +222,9 @@ def unpack_tensor(tensor: torch.Tensor, input_lengths: torch.Tensor, *, max_seql
         width, validate = checks.row_length("max_seqlen", max_seqlen), True
     if total == 0 or lengths.shape[0] == 0:
         return tensor.new_zeros(lengths.shape[0], width, *tensor.shape[2:])
-    spec = PackSpec(fixed_total=total, arg_name="tensor.shape[1]")
-    layout = layout_from_lengths(lengths, width, spec, validate=validate, host_reads=False, op="unpack_tensor")
+    with spelled("tensor.shape[1]"):
+        layout = layout_from_lengths(lengths, width, PackSpec(fixed_total=total), validate=validate, host_reads=False,
+                                     op="unpack_tensor")
     return unpack_sequences(tensor, None, None, width, layout=layout, validate=False)  # [B, W, *]
 
 

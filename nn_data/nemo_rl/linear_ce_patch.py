@@ -80,7 +80,7 @@ def _gpt_forward_with_linear_ce_fusion(
         )
     if labels is None:
         raise PackingAssertionError("labels must be provided when linear CE fusion is enabled (the token ids: "
-                           "labels=input_ids, as NeMo-RL's model_forward passes them)")
+                                    "labels=input_ids, as NeMo-RL's model_forward passes them)")
     if inference_context is None:
         inference_context = inference_params  # megatron-core's renamed argument
     hidden = _decoder_hidden_states(self, input_ids, position_ids, attention_mask, decoder_input, inference_context,

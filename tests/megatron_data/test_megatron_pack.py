@@ -331,3 +331,17 @@ def test_pack_microbatch_packs_only_the_companions_it_knows_and_configs_are_chec
         with pytest.raises(PackingError, match=r"pad_individual_seqs_to_multiple_of=.* is invalid; expected an int "
                                                r">= 1"):
             nemo_rl_spec(bad, 1, **kw)
+
+
+def test_unpack_with_unpadded_offsets_allows_boundaries_ending_before_t():
+    """Without cu_seqlens_padded, NeMo-RL's contract lets cu_seqlens stand in: they may end before T; every
+    other boundary check holds."""
+    packed = torch.arange(1, 11).view(1, 10)  # two sequences of 3 and 4, then 3 padding positions
+    out = _unpack_sequences_from_megatron(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 7]), None, 2, 4)
+    assert out.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
+    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 3, 12\] is invalid|cu_seqlens\[2\] = 12 is outside"):
+        _unpack_sequences_from_megatron(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 12]), None, 2, 4)
+    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 5, 3\] is invalid for a packed length T=10 .* end at "
+                       r"most at 10"):
+        _unpack_sequences_from_megatron(packed, torch.tensor([3, 0]), torch.tensor([0, 5, 3]), None, 2, 4)
+

@@ -227,21 +227,6 @@ def test_unpack_boundaries_rise_from_zero_to_t():
         UnpackSequences(8)(r.packed, torch.zeros(0, dtype=torch.int64), torch.tensor([32]))
 
 
-def test_unpack_offsets_mode_allows_unpadded_boundaries_ending_before_t():
-    from nn_data.unpack import unpack_sequences
-
-    packed = torch.arange(1, 11).view(1, 10)  # two sequences of 3 and 4, then 3 padding positions
-    out = unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 7]), 4, offsets="unpadded")
-    assert out.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
-    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 3, 12\] is invalid|cu_seqlens\[2\] = 12 is outside"):
-        unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 12]), 4, offsets="unpadded")
-    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 5, 3\] is invalid for a packed length T=10 .* end at "
-                       r"most at 10"):
-        unpack_sequences(packed, torch.tensor([3, 0]), torch.tensor([0, 5, 3]), 4, offsets="unpadded")
-    with pytest.raises(PackingError, match=r"offsets='cu' is invalid; expected 'padded' or 'unpadded'"):
-        unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 7]), 4, offsets="cu")
-
-
 def test_a_layout_an_op_is_given_must_be_the_microbatchs_own():
     r = PackSequences(4, pad_full_seq_to=16)(torch.ones(2, 8, dtype=torch.int64), torch.tensor([4, 4]))
     other = PackSequences(4, pad_full_seq_to=16)(torch.ones(2, 8, dtype=torch.int64), torch.tensor([4, 4]))

@@ -36,10 +36,10 @@ def dynamic_cp_microbatch_iterator(data, cfg: dict, runner, plan, *, device) -> 
     """
     if not runner.make_packed_seq_params:
         raise PackingAssertionError("a dynamic-CP microbatch needs PackedSeqParams: build the runner with "
-                           "DynamicCPRunner(..., make_packed_seq_params=True)")
+                                    "DynamicCPRunner(..., make_packed_seq_params=True)")
     if data.size != len(plan.lengths):
         raise PackingAssertionError(f"data holds {data.size} sequences but the plan was made for {len(plan.lengths)}; plan "
-                           "the global batch's lengths (data['input_lengths'])")
+                                    "the global batch's lengths (data['input_lengths'])")
     target = device
     input_ids = data["input_ids"].to(target)
     step = runner.step(plan, input_ids)

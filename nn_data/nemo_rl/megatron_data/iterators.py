@@ -103,9 +103,9 @@ def check_configured_cp(cfg: dict[str, Any], pg_collection=None) -> None:
     else:
         source = "megatron-core's parallel_state is not initialised and no pg_collection= was given"
     raise PackingAssertionError(f"cfg['megatron_cfg']['context_parallel_size']={configured} but the context-parallel group "
-                       f"has {size} rank{'s' if size != 1 else ''} ({source}); initialise parallel_state with "
-                       f"context_parallel_size={configured}, or pass pg_collection= (the model's groups), or set "
-                       f"context_parallel_size={size}")
+                                f"has {size} rank{'s' if size != 1 else ''} ({source}); initialise parallel_state with "
+                                f"context_parallel_size={configured}, or pass pg_collection= (the model's groups), or set "
+                                f"context_parallel_size={size}")
 
 
 def _processed(raw_iterator, target, extra: dict, **kwargs) -> Iterator[ProcessedMicrobatch]:

@@ -134,7 +134,7 @@ def process_microbatch(
         routed = data_dict["routed_experts"] if "routed_experts" in data_dict else None
         if routed is not None and routed.dim() != 4:
             raise PackingAssertionError("routed_experts must have shape [batch, seq, num_moe_layers, topk] before "
-                               f"Megatron packing; got {tuple(routed.shape)}")
+                                        f"Megatron packing; got {tuple(routed.shape)}")
         if options is not None and options.shared_prefix is not None:  # each group's prompt once
             return shared_prefix_inputs(data_dict, seq_length_key=seq_length_key, pack_sequences=pack_sequences,
                                         m=pad_individual_seqs_to_multiple_of, p=pad_packed_seq_to_multiple_of,
@@ -197,7 +197,7 @@ def _unpacked_inputs(data_dict, input_ids, routed) -> dict:
     if routed is not None:
         if "input_lengths" not in data_dict:
             raise PackingAssertionError("routed_experts requires input_lengths when sequence packing is disabled so padding "
-                               "rows can be repaired before router replay. (add input_lengths [B] to the batch)")
+                                        "rows can be repaired before router replay. (add input_lengths [B] to the batch)")
         routed = routed_cp = public("_fill_routed_experts_padding")(routed, data_dict["input_lengths"])
         if r3_verify_forward_enabled():
             identity = public("_make_r3_trace_token_identity")(input_ids, data_dict["input_lengths"])

@@ -43,8 +43,8 @@ def shared_prefix_keys(value, name: str = "cfg['nn_data']['shared_prefix']") -> 
     if named and set(value) <= set(fields):
         return SharedPrefixKeys(**{fields[k]: v for k, v in value.items()})
     raise PackingAssertionError(f"{name}={value!r} is invalid; expected True (the batch keys 'group_ids' and "
-                       "'prefix_lengths'), False / None (off) or a dict with 'group_ids_key' and / or "
-                       "'prefix_lengths_key' naming the batch's keys")
+                                "'prefix_lengths'), False / None (off) or a dict with 'group_ids_key' and / or "
+                                "'prefix_lengths_key' naming the batch's keys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ class PackOptions:
         fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
         if self.pad_full_seq_to is not None and self.buckets is not None:
             raise PackingAssertionError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
-                               "set: buckets only choose T when there is no fixed packed length; drop one")
+                                        "set: buckets only choose T when there is no fixed packed length; drop one")
         b = self.buckets
         if b is None or b == "pow2":
             return
@@ -107,7 +107,7 @@ class PackOptions:
             return given
         if given is not None and given > run:
             raise PackingAssertionError(f"{name}={given} exceeds the run-level packed length pad_full_seq_to={run} "
-                               f"(cfg['nn_data']['pad_full_seq_to'] or PackOptions); raise it to at least {given}")
+                                        f"(cfg['nn_data']['pad_full_seq_to'] or PackOptions); raise it to at least {given}")
         return run
 
     @classmethod
@@ -118,23 +118,27 @@ class PackOptions:
         unknown = set(section) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise PackingAssertionError(f"cfg['nn_data'] has unknown keys {sorted(unknown)}; valid keys are "
-                               f"{sorted(f.name for f in dataclasses.fields(cls))} and 'device'")
+                                        f"{sorted(f.name for f in dataclasses.fields(cls))} and 'device'")
         return cls(**section)
 
 
-def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp_size: int, name: str,
-                 options: Optional[PackOptions] = None) -> PackSpec:
-    """NeMo-RL's packing arguments as the layout's :class:`~nn_data.layout.PackSpec` (``name``: how the
-    caller spelled the fixed packed length), with ``cp_rank`` checked against ``cp_size``; checked once
-    per distinct configuration (a training run repeats a few), an unhashable argument uncached."""
-    buckets = options.buckets if options is not None and fixed_total is None else None
+def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp_size: int, name: str) -> PackSpec:
+    """NeMo-RL's packing arguments as the layout's :class:`~nn_data.layout.PackSpec`, with ``cp_rank`` checked
+    against ``cp_size`` and the fixed packed length checked under the caller's spelling of it (``name``:
+    ``pad_packed_seq_to`` or ``pad_full_seq_to``); checked once per distinct configuration (a training run
+    repeats a few), an unhashable argument uncached."""
     checks.check_cp(cp_size, cp_rank)
     try:
-        return _spec(m, p, fixed_total, cp_size, name, buckets)
+        return _spec(m, p, fixed_total, cp_size, name)
     except TypeError:  # an unhashable argument: checked (and refused) uncached
-        return _spec.__wrapped__(m, p, fixed_total, cp_size, name, buckets)
+        return _spec.__wrapped__(m, p, fixed_total, cp_size, name)
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (a bool multiple is refused)
-def _spec(m, p, fixed_total, cp_size, name, buckets) -> PackSpec:
-    return PackSpec(m, p, fixed_total=fixed_total, arg_name=name, buckets=buckets, cp_size=cp_size)
+def _spec(m, p, fixed_total, cp_size, name) -> PackSpec:
+    fixed_total_arg(name, fixed_total)
+    checks.positive_int("pad_packed_seq_to_multiple_of", p)
+    if fixed_total is not None and fixed_total % p:
+        raise PackingAssertionError(f"{name}={fixed_total} is not a multiple of pad_packed_seq_to_multiple_of={p}; "
+                                    f"choose a multiple of {p}")
+    return PackSpec(m, p, fixed_total=fixed_total, cp_size=cp_size)

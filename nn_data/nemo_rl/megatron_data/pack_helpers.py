@@ -15,7 +15,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nn_data.extension import checks, make_packed_seq_params, Parallelism, unpack_sequences
+from nn_data.extension import (
+    Boundaries, checks, layout_from_boundaries, make_packed_seq_params, Parallelism, unpack_sequences,
+)
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.common import _round_up_to_multiple
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
@@ -68,8 +70,9 @@ def _pack_sequences_for_megatron(
     options = options or PackOptions()
     spec = nemo_rl_spec(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
                         fixed_total=options.fixed_total(pad_packed_seq_to, "pad_packed_seq_to"), cp_rank=cp_rank,
-                        cp_size=cp_size, name="pad_packed_seq_to", options=options)
-    batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras={})
+                        cp_size=cp_size, name="pad_packed_seq_to")
+    batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras={},
+                            name="pad_packed_seq_to")
     layout = batch.layout
     params = make_packed_seq_params(layout.cu_seqlens_padded, layout.host.max_seqlen, layout.total // cp_size,
                                     total=layout.total)
@@ -119,7 +122,16 @@ def _unpack_sequences_from_megatron(
     bounds = on_device("cu_seqlens_padded" if offsets == "padded" else "cu_seqlens", bounds,
                        "output_tensor", output_tensor.device)
     checks.row_length("original_seq_length", original_seq_length)
-    return unpack_sequences(output_tensor, lengths, bounds, original_seq_length, offsets=offsets)
+    if offsets == "padded":
+        return unpack_sequences(output_tensor, lengths, bounds, original_seq_length)
+    # NeMo-RL's contract lets the unpadded offsets stand in: they may end before T (padding after the last
+    # sequence); every other check is the same
+    checks.check_packed("output_tensor", output_tensor)
+    checks.check_boundaries_for("seq_lengths", lengths, "cu_seqlens", bounds)
+    bounds = Boundaries(bounds, output_tensor.shape[1], seq_lengths=lengths, name="cu_seqlens",
+                        total_from=" (T = output_tensor.shape[1])", valid_offsets=True)
+    layout = layout_from_boundaries(bounds, op="_unpack_sequences_from_megatron", seq_len=original_seq_length)
+    return layout.unpack(output_tensor, original_seq_length)
 
 
 def _get_pack_sequence_parameters_for_megatron(

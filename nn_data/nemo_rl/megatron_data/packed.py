@@ -71,7 +71,7 @@ def get_packed_seq_cp_partition_indices(
         cp_group = as_process_group(cp_group, "cp_group")
     if cp_group is not None and (cp_group.size() != cp_size or cp_group.rank() != cp_rank):
         raise PackingAssertionError(f"Context-parallel group has rank {cp_group.rank()} and size {cp_group.size()}, but "
-                           f"rank {cp_rank} and size {cp_size} were requested.")
+                                    f"rank {cp_rank} and size {cp_size} were requested.")
     if cp_size == 1:
         return torch.arange(total_tokens, device=device, dtype=torch.int64)
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
@@ -101,7 +101,7 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, 
     mask_ranks = (1, 0) if model_slices else (cp_size, cp_rank)  # the model's ids: the full row, or this share
     options = options or PackOptions()
     spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
-                        name="pad_full_seq_to", options=options)  # a run-level T wins
+                        name="pad_full_seq_to")  # a run-level T wins
     batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras=extras)
     params, cu_pad = _params(batch.layout, cp_size, model_slices), batch.layout.cu_seqlens_padded
     padding = batch.layout.padding_mask(*mask_ranks)  # [1, T/C] (or [1, T]) bool, no read

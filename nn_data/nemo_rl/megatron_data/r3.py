@@ -123,11 +123,11 @@ def _fill_routed_experts_padding(routed_experts: torch.Tensor, seq_lengths: torc
     """
     if routed_experts.dim() != 4:
         raise PackingAssertionError("routed_experts must have shape [batch, seq, num_moe_layers, topk]; got "
-                           f"{tuple(routed_experts.shape)}")
+                                    f"{tuple(routed_experts.shape)}")
     rows, cols, _, topk = routed_experts.shape
     if tuple(seq_lengths.shape) != (rows,):
         raise PackingAssertionError(f"seq_lengths must have one entry per routed_experts row; got shape "
-                           f"{tuple(seq_lengths.shape)} for batch={rows}")
+                                    f"{tuple(seq_lengths.shape)} for batch={rows}")
     lengths = seq_lengths.to(device=routed_experts.device, dtype=torch.int64)
     pad = torch.arange(cols, device=routed_experts.device)[None, :] >= lengths[:, None]  # [B, S]
     route = torch.arange(topk, device=routed_experts.device, dtype=routed_experts.dtype)  # [K]

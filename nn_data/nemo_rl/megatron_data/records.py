@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
-    from nn_data.adapters import SharedPrefixKV
+    from nn_data.adapters.shared_prefix_kv import SharedPrefixKV
     from nn_data.extension import SharedPrefixLayout
     from nn_data.extension import PrefixRule
 

@@ -24,8 +24,9 @@ a step's batch carries ``group_ids [B]`` (rollouts of a GRPO group share its pro
 
 Refused by name: the key without sequence packing; companions that would have to ride the shared
 prompt (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a self-packing model
-(``delegate_pack_to_model``), ``model_slices_context_parallel_inputs`` and the compiled pack
-(``cfg["nn_data"]["compile"]``), none of which has a shared-prefix form yet.
+(``delegate_pack_to_model``), ``model_slices_context_parallel_inputs``, the compiled pack
+(``cfg["nn_data"]["compile"]``) and ``T`` buckets (``cfg["nn_data"]["buckets"]``), none of which has a
+shared-prefix form yet.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tenso
     for key in keys:
         if key not in data:
             raise PackingAssertionError(f"{key!r} not found in the batch (keys: {list(data)}); cfg['nn_data']['shared_prefix'] "
-                               f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
+                                        f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
         value = data[key]
         ok = torch.is_tensor(value) and value.dim() == 1 and value.shape[0] == rows
         if not ok or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
@@ -72,7 +73,7 @@ def _describe(value) -> str:
 
 def _needs_packing() -> PackingAssertionError:
     return PackingAssertionError("cfg['nn_data']['shared_prefix'] packs each group's prompt once and needs "
-                        "cfg['sequence_packing']['enabled'] = True")
+                                 "cfg['sequence_packing']['enabled'] = True")
 
 
 def check_shared_prefix(data: Any, cfg: dict, packing: bool) -> Optional[SharedPrefixKeys]:
@@ -92,8 +93,8 @@ def refuse_with_dynamic_cp(cfg: dict) -> None:
     not share the prompts it was asked to, so :class:`PackingError`."""
     if PackOptions.from_cfg(cfg).shared_prefix is not None:
         raise PackingAssertionError("get_microbatch_iterator(..., dynamic_cp=) packs each round's sequences end to end and "
-                           "cannot share a group's prompt: unset cfg['nn_data']['shared_prefix'] for a dynamic-CP "
-                           "step, or drop dynamic_cp= to pack the shared-prefix plan's microbatches")
+                                    "cannot share a group's prompt: unset cfg['nn_data']['shared_prefix'] for a dynamic-CP "
+                                    "step, or drop dynamic_cp= to pack the shared-prefix plan's microbatches")
 
 
 def _refuse_unsupported(data_dict, *, delegate: bool, model_slices: bool, options: PackOptions) -> None:
@@ -101,14 +102,18 @@ def _refuse_unsupported(data_dict, *, delegate: bool, model_slices: bool, option
     given = [k for k in COMPANIONS if k in data_dict]
     if given:
         raise PackingAssertionError(f"cfg['nn_data']['shared_prefix'] does not pack {given} yet (a shared prompt's tokens "
-                           f"would carry them once for the whole group); drop them from the batch or unset the key")
+                                    f"would carry them once for the whole group); drop them from the batch or unset the key")
     flags = {"delegate_pack_to_model": delegate, "model_slices_context_parallel_inputs": model_slices,
              "cfg['nn_data']['compile']": options.compile}
     for name, on in flags.items():
         if on:
             raise PackingAssertionError(f"{name}=True is not supported with cfg['nn_data']['shared_prefix'] (the shared-prefix "
-                               "pack runs eagerly in process_microbatch, for a model that takes its CP share); "
-                               "set it to False or unset the key")
+                                        "pack runs eagerly in process_microbatch, for a model that takes its CP share); "
+                                        "set it to False or unset the key")
+    if options.buckets is not None:
+        raise PackingAssertionError(f"cfg['nn_data']['buckets']={options.buckets!r} is not supported with "
+                                    "cfg['nn_data']['shared_prefix'] (a shared-prefix microbatch's T is the data's, or "
+                                    "cfg['nn_data']['pad_full_seq_to'] for one shape); unset one of them")
 
 
 def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequences: bool, m: int, p: int,
@@ -124,7 +129,7 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> ids ``[p0 p0 r0 r0 | r1 | p2 |
     r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``.
     """
-    from nn_data.adapters import shared_prefix_kv
+    from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
     from nn_data.extension import SharedPrefixPackShard
 
     if not pack_sequences:
@@ -140,7 +145,7 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     groups = on_device("group_ids", group_ids, "input_ids", device)
     cp_rank, cp_size = cp_rank_and_size(pg_collection)
     spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
-                        name="pad_full_seq_to", options=options)
+                        name="pad_full_seq_to")
     shard = SharedPrefixPackShard(spec, cp_size, cp_rank)(input_ids, lengths, prefix, groups)
     shared = shard.shared
     full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
@@ -165,7 +170,7 @@ def kv_capacity(shared: SharedPrefixLayout) -> int:
     host = shared.layout.host
     if host is None or shared.host_lengths is None:
         raise PackingAssertionError("kv_capacity needs a shared-prefix layout built on the host (shared_prefix_layout with "
-                           "host_reads=True)")
+                                    "host_reads=True)")
     responses = host.lengths[1::2]  # [B] real response tokens
     return shared.total + sum(n - r for n, r in zip(shared.host_lengths, responses) if r > 0)
 
@@ -178,7 +183,7 @@ def shared_prefix_params(record: SharedPrefixRecord):
     must not take them. Under CP (whose keys and values TransformerEngine would split as the queries): the
     slots' padded boundaries (``max_seqlen`` the longest slot, ``total_tokens = T/C``). nn_data's attention
     reads neither (it takes the prefix rule: ``shared_prefix_model``)."""
-    from nn_data.adapters import shared_prefix_packed_seq_params
+    from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
 
     shared = record.layout
     slots = shared.layout

@@ -34,7 +34,7 @@ def _record(microbatch):
     record = getattr(microbatch, "shared_prefix", None)
     if record is None:
         raise PackingAssertionError("microbatch has no shared_prefix record: it was not packed with "
-                           "cfg['nn_data']['shared_prefix'] (run the model on it as on any packed microbatch)")
+                                    "cfg['nn_data']['shared_prefix'] (run the model on it as on any packed microbatch)")
     return record
 
 
@@ -55,9 +55,9 @@ def check_prefix_attention(model) -> None:
     if stock or not cores:
         found = stock or ["no attention layer"]
         raise PackingAssertionError(f"a shared-prefix microbatch needs nn_data's attention (each response sees its group's "
-                           f"prompt, which the packed row holds once); model={type(model).__name__} has core "
-                           f"attention {', '.join(found)}, which cannot honour the prefix rule: build the GPTModel "
-                           "with nn_data.adapters.megatron_gpt_layer_spec(...), or unset cfg['nn_data']['shared_prefix']")
+                                    f"prompt, which the packed row holds once); model={type(model).__name__} has core "
+                                    f"attention {', '.join(found)}, which cannot honour the prefix rule: build the GPTModel "
+                                    "with nn_data.adapters.megatron_gpt_layer_spec(...), or unset cfg['nn_data']['shared_prefix']")
 
 
 #: What :func:`forward_shared_prefix` returns.
@@ -111,7 +111,7 @@ def packed_info(record, microbatch, cp_group):
     size = 1 if cp_group is None else cp_group.size()
     if size != record.cp_size:
         raise PackingAssertionError(f"the microbatch was packed for cp_size={record.cp_size} but cp_group has {size} "
-                           "rank(s); pass the group it was sharded over (pg_collection.cp)")
+                                    "rank(s); pass the group it was sharded over (pg_collection.cp)")
     gather = None
     if record.cp_size > 1:
         op = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False)  # keys/values: gradients sum
@@ -207,6 +207,6 @@ def _call_args(shared_prefix, unpacked_seqlen, chunk_size) -> tuple:
     layout = shared_prefix if isinstance(shared_prefix, SharedPrefixLayout) else getattr(shared_prefix, "layout", None)
     if not isinstance(layout, SharedPrefixLayout):
         raise PackingAssertionError(f"shared_prefix must be a microbatch's shared_prefix record or its SharedPrefixLayout, "
-                           f"got {type(shared_prefix).__name__}")
+                                    f"got {type(shared_prefix).__name__}")
     seq_len = checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     return layout, seq_len, checks.positive_int("chunk_size", chunk_size, allow_none=True) or 256
