@@ -67,7 +67,7 @@ class Boundaries(NamedTuple):
     boundary, which only the host read can learn), the valid boundaries ``cu_seqlens [B+1]`` or the
     lengths ``seq_lengths [B]`` when the op has them; ``total_from``: how the op learnt ``T``, for
     messages (``" (T = packed.shape[1])"``); ``valid_offsets``: the boundaries are valid-token
-    offsets (``UnpackSequences(offsets="valid")``), which may end before ``T`` and get no hint about
+    offsets (the NeMo-RL drop-in's unpack of ``cu_seqlens``), which may end before ``T`` and get no hint about
     the padded ones; ``also_check``: a 0-d bool tensor the op computed on the device (True: fine) and
     a function that raises the op's precise error when it is False, read with the boundaries (one
     read: ``TokenLogProbs``' "target ids in the vocabulary").

@@ -10,7 +10,8 @@ values (tuples where NeMo-RL returns tuples, the same dataclasses), including HE
 ``get_context_parallel_rank``, ``get_context_parallel_world_size`` (megatron-core's, 0 of 1
 when CP is not set up) and ``get_packed_seq_cp_partition_indices`` (megatron-bridge's, here
 without megatron-bridge). The functions call each other through this module's names at call
-time, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")`` reaches the call as it does in NeMo-RL.
+time, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")`` reaches the call as it does in NeMo-RL (the packed
+branch excepted: it packs every tensor in one call, not one per helper).
 Differences (docs/nemo-rl.md's "Differences from NeMo-RL" table lists all of them):
 
 * one layout per microbatch (:mod:`nn_data.layout`), built after one read of the lengths, packs

@@ -44,8 +44,8 @@ PUBLIC_MODULE = "nn_data.nemo_rl.megatron_data"
 def public(name: str) -> Any:
     """What ``nn_data.nemo_rl.megatron_data`` binds to ``name`` now (a mock while it is patched).
 
-    Example: inside ``mock.patch("nn_data.nemo_rl.megatron_data._pack_sequences_for_megatron")``,
-    ``public("_pack_sequences_for_megatron")`` is the mock, so :func:`process_microbatch`
+    Example: inside ``mock.patch("nn_data.nemo_rl.megatron_data.get_ltor_masks_and_position_ids")``,
+    ``public("get_ltor_masks_and_position_ids")`` is the mock, so :func:`process_microbatch`
     calls the mock, as NeMo-RL's module-level calls would.
     """
     return getattr(importlib.import_module(PUBLIC_MODULE), name)
