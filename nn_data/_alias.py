@@ -21,6 +21,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import warnings
 from typing import Optional
@@ -45,11 +46,27 @@ _WARNED: set = set()
 
 
 def _warn_once(old: str, home: str) -> None:
-    """One ``DeprecationWarning`` per old path or name and process."""
+    """One ``DeprecationWarning`` per old path or name and process, attributed to the caller's line (the first
+    frame outside nn_data and the import machinery, so Python's default filters show it there)."""
     if old not in _WARNED:
         _WARNED.add(old)
         warnings.warn(f"{old} is the 0.1.x path of {home}; import {home} (CHANGELOG.md)", DeprecationWarning,
-                      stacklevel=3)
+                      stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame above :func:`_warn_once` that is neither nn_data's nor importlib's."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:  # not counted: warnings skips these frames itself
+            frame = frame.f_back
+            continue
+        if not os.path.abspath(name).startswith(package + os.sep) and "importlib" not in name:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 def home_of(name: str) -> Optional[str]:

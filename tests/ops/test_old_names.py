@@ -132,3 +132,16 @@ def test_patching_the_old_path_patches_what_process_microbatch_calls():
         import nn_data.megatron_data as old
     with mock.patch("nn_data.megatron_data.get_context_parallel_world_size", return_value=7):
         assert new.get_context_parallel_world_size() == 7 and old.get_context_parallel_world_size() == 7
+
+
+def test_an_old_path_warns_at_the_importing_line_under_pythons_default_filters():
+    """Python shows a DeprecationWarning by default only when it is attributed to ``__main__``: the alias
+    attributes it to the line that imports the old path, past nn_data's and importlib's frames."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONWARNINGS", None)
+    code = "import nn_data\nimport nn_data.megatron_data\nimport nn_data.megatron_data.iterators\n"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("DeprecationWarning") == 1, run.stderr
+    assert "<string>:2: DeprecationWarning: nn_data.megatron_data is the 0.1.x path of nn_data.nemo_rl.megatron_data" \
+        in run.stderr, run.stderr
