@@ -1,18 +1,18 @@
-"""Published import paths kept for modules that moved (``docs/design.md``, "Where things live").
+"""The 0.1.x import paths of modules that moved (CHANGELOG.md, "One home for the NeMo-RL drop-in"), kept
+working with a ``DeprecationWarning`` once per old path.
 
-:data:`OLD_PATHS` is the one table of the old module paths (0.1.x, and 0.2's renamed modules) and their
-homes, :data:`OLD_NAMES` that of the 0.1.x attributes whose home moved (CHANGELOG.md, "One home for the
-NeMo-RL drop-in", "One name per module"). An old path has no file of its own. Each old path
-is the *same module object* as its home, for the package and every submodule below it, imported yet or
-not: :class:`AliasFinder` (first on ``sys.meta_path``) maps ``old.sub`` to ``new.sub`` before Python's
-path finder could load ``new``'s file a second time under the old name. So
-``mock.patch("nn_data.megatron_data.dynamic_cp.X")`` patches what the functions call, and every class is
-one class under both names.
+:data:`OLD_PATHS` is the one table of the released (0.1.x) module paths and their homes, :data:`OLD_NAMES`
+that of the 0.1.x attributes whose home moved. Names that only ever existed between releases have no alias.
+An old path has no file of its own. Each old path is the *same module object* as its home, for the package
+and every submodule below it, imported yet or not: :class:`AliasFinder` (first on ``sys.meta_path``) maps
+``old.sub`` to ``new.sub`` before Python's path finder could load ``new``'s file a second time under the old
+name. So ``mock.patch("nn_data.megatron_data.X")`` patches what the functions call, and every class is one
+class under both names. The first import through an old path (or the first use of an old name) warns.
 
-Example: ``import nn_data.megatron_data.dynamic_cp`` -> ``nn_data.nemo_rl.megatron_data.dynamic_cp`` (the longest
-old prefix, ``nn_data.megatron_data``, replaced by its home), itself an old path: the module
-``nn_data.nemo_rl.megatron_data.dynamic_cp_iterator``;
-``nn_data.megatron_data.batched_data_sharding`` -> ``nn_data.nemo_rl.batched_data_sharding`` (its own row).
+Example: ``import nn_data.megatron_data.iterators`` -> ``nn_data.nemo_rl.megatron_data.iterators`` (the longest
+old prefix, ``nn_data.megatron_data``, replaced by its home), warning once that ``nn_data.megatron_data`` is
+now ``nn_data.nemo_rl.megatron_data``; ``nn_data.megatron_data.batched_data_sharding`` ->
+``nn_data.nemo_rl.batched_data_sharding`` (its own row).
 """
 
 from __future__ import annotations
@@ -21,45 +21,52 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
+import warnings
 from typing import Optional
 
-#: Every earlier module path that still works (0.1.x, and 0.2.0's before the log-prob code moved into
-#: :mod:`nn_data.logprobs`) -> the module it is now.
+#: Every 0.1.x module path that moved -> the module it is now.
 OLD_PATHS = {
     "nn_data.megatron_data": "nn_data.nemo_rl.megatron_data",
+    "nn_data.megatron_data.pack": "nn_data.nemo_rl.megatron_data.pack_helpers",
     "nn_data.megatron_data.batched_data_sharding": "nn_data.nemo_rl.batched_data_sharding",
     "nn_data.model_utils": "nn_data.nemo_rl.model_utils",
     "nn_data.batched_data_dict": "nn_data.nemo_rl.batched_data_dict",
-    "nn_data.automodel_data": "nn_data.nemo_rl.automodel_data",
-    "nn_data.huggingface_common": "nn_data.nemo_rl.huggingface_common",
     "nn_data.models.masks": "nn_data.masks",
-    "nn_data.lm_head": "nn_data.logprobs.from_hidden",
-    "nn_data.linear_logprob": "nn_data.logprobs.kernels",
     "nn_data.sampling": "nn_data.logprobs.filters",
-    "nn_data.shared_prefix_logprobs": "nn_data.logprobs.from_shared_prefix",
-    # 0.2: no module basename means two things (CHANGELOG.md, "One name per module")
-    "nn_data.nemo_rl.megatron_data.pack": "nn_data.nemo_rl.megatron_data.pack_helpers",
-    "nn_data.nemo_rl.megatron_data.dynamic_cp": "nn_data.nemo_rl.megatron_data.dynamic_cp_iterator",
-    "nn_data.dynamic_cp.groups": "nn_data.dynamic_cp.block_groups",
-    "nn_data.planning.dynamic_cp": "nn_data.planning.dynamic_cp_plan",
-    "nn_data.planning.shared_prefix": "nn_data.planning.shared_prefix_plan",
-    "nn_data.layout.shared_prefix": "nn_data.layout.prefix_layout",
 }
 
-#: Every earlier attribute that still works where its module stayed -> the object's home.
+#: Every 0.1.x attribute that moved where its module stayed -> the object's home.
 OLD_NAMES = {
     "nn_data.sampling.TrainingSamplingParams": "nn_data.nemo_rl.sampling.TrainingSamplingParams",
-    "nn_data.logprobs.target_columns": "nn_data.logprobs.kernels.target_columns",
-    "nn_data.logprobs.chunk_lse_and_target": "nn_data.logprobs.kernels.chunk_lse_and_target",
-    "nn_data.logprobs.combine_vocab_parallel": "nn_data.logprobs.kernels.combine_vocab_parallel",
-    "nn_data.logprobs.chunk_logit_grad": "nn_data.logprobs.kernels.chunk_logit_grad",
-    "nn_data.logprobs.resolve_seq_len": "nn_data.logprobs.from_logits.resolve_seq_len",
-    "nn_data.logprobs.check_full_ids": "nn_data.logprobs.from_logits.check_full_ids",
-    "nn_data.logprobs.targets_on_rank": "nn_data.logprobs.from_logits.targets_on_rank",
-    "nn_data.logprobs.rows_from_local": "nn_data.logprobs.from_logits.rows_from_local",
-    "nn_data.logprobs.logprob_layout": "nn_data.logprobs.from_logits.logprob_layout",
 }
+
+_WARNED: set = set()
+
+
+def _warn_once(old: str, home: str) -> None:
+    """One ``DeprecationWarning`` per old path or name and process, attributed to the caller's line (the first
+    frame outside nn_data and the import machinery, so Python's default filters show it there)."""
+    if old not in _WARNED:
+        _WARNED.add(old)
+        warnings.warn(f"{old} is the 0.1.x path of {home}; import {home} (CHANGELOG.md)", DeprecationWarning,
+                      stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame above :func:`_warn_once` that is neither nn_data's nor importlib's."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:  # not counted: warnings skips these frames itself
+            frame = frame.f_back
+            continue
+        if not os.path.abspath(name).startswith(package + os.sep) and "importlib" not in name:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 def home_of(name: str) -> Optional[str]:
@@ -94,6 +101,8 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         home = home_of(fullname)
         if home is None or not _exists(home):  # no such home: Python's own "No module named <old>"
             return None
+        row = max((old for old in OLD_PATHS if fullname == old or fullname.startswith(old + ".")), key=len)
+        _warn_once(row, OLD_PATHS[row])
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(home), is_package=False)
 
 
@@ -114,6 +123,7 @@ def old_name(module: str, name: str):
     home = OLD_NAMES.get(f"{module}.{name}")
     if home is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    _warn_once(f"{module}.{name}", home)
     where, _, attr = home.rpartition(".")
     return getattr(importlib.import_module(where), attr)
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 
-class PackingError(ValueError, AssertionError):
-    """Bad configuration or input for an nn_data op.
+class PackingError(ValueError):
+    """Bad configuration or input for an nn_data op: the message names the argument, the value it had and
+    what would be valid.
 
-    It derives from both ``ValueError`` (what a bad argument is) and
-    ``AssertionError`` (what NeMo-RL raises for the same mistakes with bare
-    ``assert`` statements), so code written against NeMo-RL that catches
-    ``AssertionError`` keeps working while the message says more: the argument,
-    the value it had and what would be valid.
+    Example: ``PackSequences(0)`` raises ``PackingError("pad_individual_seqs_to_multiple_of=0 is invalid;
+    expected an int >= 1")``. The NeMo-RL drop-in raises its subclass
+    :class:`~nn_data.nemo_rl.assertions.PackingAssertionError`, also an ``AssertionError`` as NeMo-RL's asserts are.
     """

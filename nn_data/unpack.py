@@ -29,8 +29,6 @@ from nn_data import _checks
 from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries
 from nn_data.layout.internal import packed_tensor_length, take_layout
 
-OFFSETS = ("padded", "unpadded")
-
 
 class UnpackSequences(nn.Module):
     """``[1, T, *] -> [B, S, *]``: the inverse of packing on the valid tokens.
@@ -81,18 +79,11 @@ def unpack_sequences(
     fill_value=0,
     validate: bool = True,
     *,
-    offsets: str = "padded",
     layout: Optional[PackLayout] = None,
     host_reads: bool = True,
 ) -> torch.Tensor:
     """Functional form of :class:`UnpackSequences`: ``[1, T, *] -> [B, S, *]``. ``seq_len`` is a
-    Python int, or a symbolic size (``x.shape[1]``) inside a compiled region.
-
-    ``offsets="unpadded"`` (the NeMo-RL layer only, where NeMo-RL's contract lets
-    ``_unpack_sequences_from_megatron`` read ``cu_seqlens`` without padded boundaries): the
-    boundaries may end before ``T``; everything else is checked the same."""
-    if offsets not in OFFSETS:
-        raise _checks.PackingError(f"offsets={offsets!r} is invalid; expected 'padded' or 'unpadded'")
+    Python int, or a symbolic size (``x.shape[1]``) inside a compiled region."""
     _checks.check_packed("packed", packed)
     total = packed.shape[1]
     if layout is not None:
@@ -104,9 +95,7 @@ def unpack_sequences(
         _checks.check_same_device(packed=packed, layout=layout.cu_seqlens_padded)
         return layout.unpack(packed, seq_len, fill_value)
     check_unpack_args(packed, seq_lengths, cu_seqlens_padded)
-    name = "cu_seqlens_padded" if offsets == "padded" else "cu_seqlens"
-    bounds = Boundaries(cu_seqlens_padded, total, seq_lengths=seq_lengths, name=name,
-                        total_from=" (T = packed.shape[1])", valid_offsets=offsets != "padded")
+    bounds = Boundaries(cu_seqlens_padded, total, seq_lengths=seq_lengths, total_from=" (T = packed.shape[1])")
     layout = layout_from_boundaries(bounds, op="UnpackSequences", seq_len=seq_len, validate=validate,
                                     host_reads=host_reads)
     return layout.unpack(packed, seq_len, fill_value)

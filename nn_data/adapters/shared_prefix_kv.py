@@ -45,6 +45,9 @@ from nn_data.errors import PackingError
 from nn_data.layout.internal import exclusive_cumsum, segment_bounds, segment_ids
 
 
+__all__ = ["SharedPrefixKV", "shared_prefix_kv", "shared_prefix_packed_seq_params"]
+
+
 class SharedPrefixKV(NamedTuple):
     """The kernel's view of a shared-prefix row: ``cu_seqlens_q [N+1]`` and ``cu_seqlens_kv [N+1]``
     int32 (rising to ``T`` and ``K``), ``kv_source [K]`` int64 (the packed position each buffer

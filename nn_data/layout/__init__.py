@@ -18,10 +18,6 @@ entry point of nn_data packs, shards, unshards and unpacks through it:
   tensors); their checks (``checks``, one wording each), the device executor's index maps (``index``),
   the executors (``host``, ``device``; which one runs is ``pack_layout.executor``) and the rest of what
   nn_data's own code uses: :mod:`nn_data.layout.internal`.
-
-Names that moved to the internal door still work from here and warn; old names (0.1.x) too: ``LayoutSpec``
-(:class:`PackSpec`), ``plan_from_lengths`` (:func:`layout_from_lengths`), ``plan_from_boundaries``
-(:func:`layout_from_boundaries`); CHANGELOG.md.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ from nn_data.layout.op import RankOp, op_layout
 from nn_data.layout.pack_layout import PackLayout, pack_with_layout
 from nn_data.layout.prefix_layout import SharedPrefixLayout, shared_prefix_layout
 from nn_data.layout.rules import round_up
-from nn_data.layout._deprecated import __getattr__  # noqa: F401  (moved and 0.1.x names, with a warning)
 
 __all__ = [
     "Boundaries",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import accumulate
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
@@ -26,9 +26,7 @@ from nn_data import _checks
 from nn_data.layout import checks, device, index
 from nn_data.layout.host import host_tensor
 from nn_data.layout.pack_layout import HostBounds, PackLayout, check_token
-from nn_data.layout.rules import (
-    bucket_total, extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds,
-)
+from nn_data.layout.rules import extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,34 +35,26 @@ class PackSpec:
     (no data read).
 
     ``m`` / ``p``: the per-sequence and the packed multiple; ``fixed_total`` (keyword-only): the fixed
-    packed length ``T`` or None (``T`` from the data; the resolved ``T`` is the layout's ``total``);
-    ``arg_name``: how the caller spelled the fixed length (``pad_full_seq_to`` in nn_data and
-    ``process_microbatch``, ``pad_packed_seq_to`` in NeMo-RL's ``_pack_sequences_for_megatron``), so
-    every message names the argument the caller passed; ``buckets``: round a data-dependent ``T`` up to
-    one of these (the compat layer's option; a sorted tuple or ``"pow2"``); ``cp_size``: with ``C > 1``
-    the builder checks that every segment splits into ``2C`` chunks (the compat layer packs and shards
-    in one call; the core pack does not know ``C``); ``self_packing``: a model that packs the rows
-    itself (NeMo-RL's VLM path), so the slack the last sequence absorbs must be a multiple of ``m`` too
-    (and NeMo-RL's wording comes first).
+    packed length ``T`` or None (``T`` from the data; the resolved ``T`` is the layout's ``total``;
+    messages name it ``pad_full_seq_to``, the ops' argument); ``cp_size``: with ``C > 1`` the builder
+    checks that every segment splits into ``2C`` chunks (for a caller that packs and shards in one call;
+    the core pack does not know ``C``).
     """
 
     m: int = 1
     p: int = 1
     _: dataclasses.KW_ONLY
     fixed_total: Optional[int] = None
-    arg_name: str = "pad_full_seq_to"
-    buckets: Union[tuple, str, None] = None
     cp_size: int = 1
-    self_packing: bool = False
 
     def __post_init__(self):
         _checks.positive_int("pad_individual_seqs_to_multiple_of", self.m)
         _checks.positive_int("pad_packed_seq_to_multiple_of", self.p)
-        checks.fixed_total_arg(self.arg_name, self.fixed_total)
+        checks.fixed_total_arg("pad_full_seq_to", self.fixed_total)
         _checks.check_cp(self.cp_size)
         if self.fixed_total is not None and self.fixed_total % self.p:
             raise _checks.PackingError(
-                f"{self.arg_name}={self.fixed_total} is not a multiple of "
+                f"pad_full_seq_to={self.fixed_total} is not a multiple of "
                 f"pad_packed_seq_to_multiple_of={self.p}; choose a multiple of {self.p}"
             )
 
@@ -77,7 +67,7 @@ class Boundaries(NamedTuple):
     boundary, which only the host read can learn), the valid boundaries ``cu_seqlens [B+1]`` or the
     lengths ``seq_lengths [B]`` when the op has them; ``total_from``: how the op learnt ``T``, for
     messages (``" (T = packed.shape[1])"``); ``valid_offsets``: the boundaries are valid-token
-    offsets (``UnpackSequences(offsets="valid")``), which may end before ``T`` and get no hint about
+    offsets (the NeMo-RL drop-in's unpack of ``cu_seqlens``), which may end before ``T`` and get no hint about
     the padded ones; ``also_check``: a 0-d bool tensor the op computed on the device (True: fine) and
     a function that raises the op's precise error when it is False, read with the boundaries (one
     read: ``TokenLogProbs``' "target ids in the vocabulary").
@@ -140,13 +130,10 @@ def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: 
     cu = list(accumulate(lengths[:active], initial=0))
     cu_pad = list(accumulate(round_up_all(lengths[:active], spec.m), initial=0))
     natural = cu_pad[-1]
-    checks.natural_total_host(natural, spec.m, spec.fixed_total, spec.arg_name, spec.self_packing)
+    checks.natural_total_host(natural, spec.m, spec.fixed_total, "pad_full_seq_to")
     total = packed_total(natural, spec.p, spec.fixed_total)
     if spec.fixed_total is None:
-        if spec.buckets is not None:
-            total = bucket_total(total, spec.buckets, spec.p, spec.cp_size)
-        checks.total_limit_host(total, f"sum(round_up(seq_lengths, {spec.m})) = {natural}, rounded up to {spec.p}"
-                                + (" and a bucket" if spec.buckets is not None else ""))
+        checks.total_limit_host(total, f"sum(round_up(seq_lengths, {spec.m})) = {natural}, rounded up to {spec.p}")
     tail = rows - active
     cu += [cu[-1]] * tail
     cu_pad = extend_last(cu_pad + [natural] * tail, total, active) if rows else [total]
@@ -168,7 +155,7 @@ def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate:
     natural = cu_pad[-1]
     if validate:
         checks.lengths_device(op, lengths, row_len, num_rows)
-        checks.total_device(op, natural, packed_total(natural, spec.p), spec.fixed_total, spec.arg_name)
+        checks.total_device(op, natural, packed_total(natural, spec.p), spec.fixed_total, "pad_full_seq_to")
     if spec.fixed_total is not None:
         total = spec.fixed_total
     elif seq_lengths.device.type == "meta":

@@ -130,25 +130,13 @@ def lengths_host(lengths: list, row_len: int, num_rows: Optional[int] = None) ->
                            "rows at or past num_rows must have length 0")
 
 
-def natural_total_host(natural: int, m: int, fixed_total: Optional[int], name: str,
-                       self_packing: bool = False) -> None:
+def natural_total_host(natural: int, m: int, fixed_total: Optional[int], name: str) -> None:
     """The natural total ``sum(round_up(L, m))`` must fit the fixed packed length (``name``: the
-    caller's spelling of it). NeMo-RL's packer truncates the packed tensor instead; its self-packing
-    (VLM) path asserts, and its wording comes first there. With ``self_packing`` the slack
-    ``T - natural`` must also be a multiple of ``m`` (the model pads each sequence to ``m`` itself)."""
-    if fixed_total is None:
-        return
-    core = (f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds {name}={fixed_total}; "
-            f"{name} must be at least {natural}")
-    if natural > fixed_total and self_packing:
-        raise PackingError(f"{name} ({fixed_total}) < natural padded sum ({natural}); increase {name} to at least "
-                           f"{natural} ({core})")
-    if natural > fixed_total:
-        raise PackingError(f"{core} (NeMo-RL silently truncates the packed tensor here and drops the tail tokens)")
-    if self_packing and (fixed_total - natural) % m:
-        raise PackingError(f"{name} deficit ({fixed_total - natural}) must be a multiple of "
-                           f"pad_individual_seqs_to_multiple_of ({m}) (the model pads every sequence to {m} itself, "
-                           f"the last one included: choose {name} = {natural} + a multiple of {m})")
+    caller's spelling of it). NeMo-RL's packer truncates the packed tensor instead."""
+    if fixed_total is not None and natural > fixed_total:
+        raise PackingError(f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds "
+                           f"{name}={fixed_total}; {name} must be at least {natural} (NeMo-RL silently truncates the "
+                           "packed tensor here and drops the tail tokens)")
 
 
 def total_limit_host(total: int, what: str) -> None:

@@ -13,7 +13,6 @@ executors cannot disagree: where the two spellings differ they sit side by side 
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -45,26 +44,6 @@ def packed_total(natural, p: int, fixed_total: Optional[int] = None):
     """``T``: the fixed packed length when one is set, else the natural total ``sum(round_up(L, m))``
     rounded up to ``p``. Example: natural 20, p 8 -> 24; with ``fixed_total=40`` -> 40."""
     return fixed_total if fixed_total is not None else round_up(natural, p)
-
-
-def bucket_total(total: int, buckets, p: int, cp_size: int) -> int:
-    """The smallest bucket that holds ``total`` (the compat layer's ``PackOptions.buckets``; host ints).
-
-    ``buckets`` is a sorted tuple of ints or ``"pow2"`` (``unit * 2**k`` with ``unit = lcm(p, 2C)``).
-    Example: total 40, buckets ``(64, 128)`` -> 64; ``"pow2"`` with p 8, C 1 -> 8 * 2**3 = 64.
-    """
-    unit = math.lcm(p, 2 * cp_size) if cp_size > 1 else p
-    if buckets == "pow2":
-        return unit * (1 << max(0, math.ceil(math.log2(max(total, 1) / unit))))
-    bad = [b for b in buckets if b % unit]
-    if bad:
-        raise PackingError(f"bucket {bad[0]} is not a multiple of {unit} (lcm of pad_packed_seq_to_multiple_of"
-                           f"={p} and 2*cp_size); every bucket must be one")
-    for b in buckets:
-        if b >= total:
-            return b
-    raise PackingError(f"the packed total {total} exceeds the largest bucket {buckets[-1]}; "
-                       f"add a bucket of at least {total}")
 
 
 def first_final(rows: int, num_rows=None):

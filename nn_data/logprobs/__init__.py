@@ -10,9 +10,7 @@
   :class:`SharedPrefixLogProbsFromHidden`, per rollout of a shared-prefix microbatch.
 
 The NeMo-RL functions (:mod:`nn_data.nemo_rl.model_utils`, :mod:`nn_data.nemo_rl.linear_ce`) call these. The
-earlier module paths (``nn_data.lm_head``, ``nn_data.linear_logprob``, ``nn_data.sampling``,
-``nn_data.shared_prefix_logprobs``) are these modules' objects (``nn_data._alias.OLD_PATHS``); the helper names
-the single ``nn_data.logprobs`` module had still resolve here (``nn_data._alias.OLD_NAMES``).
+0.1.x path ``nn_data.sampling`` is :mod:`~nn_data.logprobs.filters` (``nn_data._alias.OLD_PATHS``, with a warning).
 """
 
 from __future__ import annotations
@@ -34,9 +32,3 @@ __all__ = [
     "token_logprobs_local",
 ]
 
-
-def __getattr__(name: str):
-    """The helpers the single ``nn_data.logprobs`` module held (``nn_data._alias.OLD_NAMES``), resolved on use."""
-    from nn_data._alias import old_name
-
-    return old_name(__name__, name)

@@ -13,7 +13,7 @@ Same names, signatures, defaults and results as NeMo-RL (HEAD ``7ea279a``): ``Pr
 ``process_microbatch``, ``process_global_batch``, ``check_sequence_dim`` and
 ``filter_multimodal_kwargs_for_model``. ``process_microbatch`` calls ``pack_sequences`` and
 ``get_flash_attention_kwargs`` (:mod:`nn_data.nemo_rl.huggingface_common`) through this module's
-names at call time, so ``mock.patch("nn_data.automodel_data.pack_sequences")`` reaches the call.
+names at call time, so ``mock.patch("nn_data.nemo_rl.automodel_data.pack_sequences")`` reaches the call.
 
 With sequence packing nothing is read on the host per microbatch: every microbatch packs to one fixed
 length ``T`` (:func:`fixed_total`: ``cfg["nn_data"]["pad_full_seq_to"]``, else the token budget the
@@ -37,8 +37,8 @@ from typing import Any, Iterable, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
-from nn_data.errors import PackingError
-from nn_data.groups import as_process_group, is_group_form
+from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
+from nn_data.extension import as_process_group, is_group_form
 from nn_data.nemo_rl import megatron_data
 from nn_data.nemo_rl.huggingface_common import get_flash_attention_kwargs, on_device, pack_sequences
 from nn_data.nemo_rl.megatron_data.common import require
@@ -297,6 +297,8 @@ def check_sequence_dim(data: Any, *, skip_keys: Optional[Iterable[str]] = None) 
         if key in skip or not torch.is_tensor(value) or value.dim() <= 1:
             continue
         if value.shape[sequence_dim] != seq_dim_size:
-            raise PackingError(f"Dim 1 must be the sequence dim, expected dim 1={seq_dim_size} but got shape "
-                               f"{value.shape} (key {key!r})")
+            raise PackingAssertionError(f"Dim 1 must be the sequence dim, expected dim 1={seq_dim_size} but got shape "
+                                        f"{value.shape} (key {key!r})")
     return sequence_dim, seq_dim_size
+
+translate_errors(globals())  # the core's PackingError leaves as PackingAssertionError (nn_data.nemo_rl.assertions)

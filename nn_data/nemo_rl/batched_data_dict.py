@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from nn_data.nemo_rl import batched_data_sharding as sharding
-from nn_data.errors import PackingError
-from nn_data.planning.ffd import first_fit_decreasing, round_up_lengths
+from nn_data.nemo_rl.assertions import PackingAssertionError
+from nn_data.extension import first_fit_decreasing, round_up_lengths
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
 
@@ -68,8 +68,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         out = SlicedDataDict()
         for key, value in self.data.items():
             if torch.is_tensor(value) and end > value.shape[0]:
-                raise PackingError(f"end: {end} is greater than the shape of the tensor: {value.shape[0]} for key: "
-                                   f"{key} (slice rows [start, end) within the batch)")
+                raise PackingAssertionError(f"end: {end} is greater than the shape of the tensor: {value.shape[0]} for key: "
+                                            f"{key} (slice rows [start, end) within the batch)")
             out[key] = value[start:end]
         return out
 
@@ -97,7 +97,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             batch.elem_counts_per_gb = [counts[batch_idx]]
         else:
             if batch_size is None:
-                raise PackingError("get_batch needs batch_size when the dict has no per-batch plan")
+                raise PackingAssertionError("get_batch needs batch_size when the dict has no per-batch plan")
             batch = self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
         if self.micro_batch_indices is not None:
             batch.micro_batch_indices = [self.micro_batch_indices[batch_idx]]
@@ -139,19 +139,19 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         """Consecutive microbatches of ``microbatch_size`` rows. Raises :class:`PackingError`
         unless the size divides the batch."""
         if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
-            raise PackingError(f"microbatch_size={microbatch_size!r} is invalid; expected an int >= 1")
+            raise PackingAssertionError(f"microbatch_size={microbatch_size!r} is invalid; expected an int >= 1")
         if self.size % microbatch_size:
-            raise PackingError(f"Data dict size ({self.size}) is not a multiple of the provided microbatch size "
-                               f"({microbatch_size}) (choose a microbatch size that divides it)")
+            raise PackingAssertionError(f"Data dict size ({self.size}) is not a multiple of the provided microbatch size "
+                                        f"({microbatch_size}) (choose a microbatch size that divides it)")
         for start in range(0, self.size, microbatch_size):
             yield self.slice(start, start + microbatch_size)
 
     def _single_plan(self, kind: str):
         if self.micro_batch_indices is None or self.micro_batch_lengths is None:
-            raise PackingError(f"no {kind} plan: call plan_{kind}() first (or get_batch() of a planned dict)")
+            raise PackingAssertionError(f"no {kind} plan: call plan_{kind}() first (or get_batch() of a planned dict)")
         if len(self.micro_batch_indices) != 1:
-            raise PackingError(f"the dict holds {len(self.micro_batch_indices)} planned global batches; iterate "
-                               "one of them: get_batch(i)")
+            raise PackingAssertionError(f"the dict holds {len(self.micro_batch_indices)} planned global batches; iterate "
+                                        "one of them: get_batch(i)")
         return self.micro_batch_indices[0], self.micro_batch_lengths[0]
 
     def make_microbatch_iterator_for_packable_sequences(self) -> Iterator["SlicedDataDict"]:
@@ -180,7 +180,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     # ---- planners -------------------------------------------------------------------
     def _host_lengths(self, key: str) -> np.ndarray:
         if key not in self.data:
-            raise PackingError(f"{key!r} not found in the data dict (keys: {list(self.data)})")
+            raise PackingAssertionError(f"{key!r} not found in the data dict (keys: {list(self.data)})")
         value = self.data[key]
         values = value.tolist() if torch.is_tensor(value) else list(value)  # sync: the planner runs on the host
         return np.asarray(values, dtype=np.int64).reshape(-1)
@@ -189,7 +189,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         size = self.size
         batch_size = size if batch_size is None else batch_size
         if batch_size < 1 or size % batch_size:
-            raise PackingError(f"batch_size={batch_size} must be >= 1 and divide the data dict size ({size})")
+            raise PackingAssertionError(f"batch_size={batch_size} must be >= 1 and divide the data dict size ({size})")
         return [range(s, s + batch_size) for s in range(0, size, batch_size)] if size else []
 
     def _reordered(self, order: list, indices: list, lengths: list, counts: list) -> "BatchedDataDict":
@@ -270,8 +270,8 @@ def _greedy_groups(needs: np.ndarray, budget: int, rows: list) -> tuple[list, li
     groups, lengths, start, longest = [], [], 0, 0
     for pos, need in enumerate(needs.tolist()):  # sync: none, numpy
         if need > budget:
-            raise PackingError(f"row {rows[pos]} needs {need} tokens (rounded), more than "
-                               f"max_tokens_per_microbatch={budget}")
+            raise PackingAssertionError(f"row {rows[pos]} needs {need} tokens (rounded), more than "
+                                        f"max_tokens_per_microbatch={budget}")
         if pos > start and (pos - start + 1) * max(longest, need) > budget:
             groups.append([start, pos])
             lengths.append(longest)

@@ -13,17 +13,15 @@ reads the lengths to the host once per call.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.options import shared_prefix_keys
-from nn_data.planning import Parallelism, plan_step, plan_step_shared_prefix
-from nn_data.planning.ffd import round_up_lengths
+from nn_data.extension import Parallelism, plan_step, plan_step_shared_prefix, round_up_lengths
 
 # NeMo-RL's packer names (nn_data plans every one with NeMo-RL's first-fit-decreasing and deal), and
 # nn_data's work-balanced plan (nn_data.planning.plan_step).
@@ -40,8 +38,8 @@ def batch_rows(data: Mapping[str, Any], what: str = "Batch sizes are not the sam
     """The common sample count of every value; :class:`PackingError` (NeMo-RL's message first) if they differ."""
     sizes = {k: rows_of(v) for k, v in data.items()}
     if len(set(sizes.values())) > 1:
-        raise PackingError(f"{what}, found sizes: [{','.join(str(s) for s in sorted(set(sizes.values())))}] "
-                           f"({sizes})")
+        raise PackingAssertionError(f"{what}, found sizes: [{','.join(str(s) for s in sorted(set(sizes.values())))}] "
+                                    f"({sizes})")
     return next(iter(sizes.values()), 0)
 
 
@@ -80,8 +78,8 @@ def _stack(key: str, values: list, pad_value):
     if dims == {1}:
         return torch.cat(values)
     if 1 in dims or 0 in dims:
-        raise PackingError(f"cannot stack {key!r}: its tensors have dims {sorted(dims)}; expected all 1-D or all "
-                           "[B, S, *]")
+        raise PackingAssertionError(f"cannot stack {key!r}: its tensors have dims {sorted(dims)}; expected all 1-D or all "
+                                    "[B, S, *]")
     width = max(v.shape[1] for v in values)
     padded = [F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=pad_value) for v in values]
     return torch.cat(padded, dim=0)  # [sum B, max S, *]
@@ -94,10 +92,10 @@ def chunk_rows(data, out, rank: int, chunks: int):
     """
     total = batch_rows(data, "batch sizes are not the same across the rollout batch")
     if chunks < 1 or total % chunks:
-        raise PackingError(f"batch size ({total}) is not a multiple of chunks ({chunks})")
+        raise PackingAssertionError(f"batch size ({total}) is not a multiple of chunks ({chunks})")
     if not 0 <= rank < chunks:
-        raise PackingError(f"index OOB: not enough splits for this rank. rollout_batch_size: {total}, chunks "
-                           f"({chunks}), rank_idx ({rank}) (rank must be in [0, {chunks}))")
+        raise PackingAssertionError(f"index OOB: not enough splits for this rank. rollout_batch_size: {total}, chunks "
+                                    f"({chunks}), rank_idx ({rank}) (rank must be in [0, {chunks}))")
     step = total // chunks
     for key, value in data.items():
         part = value[rank * step:(rank + 1) * step]
@@ -115,8 +113,8 @@ def reorder_rows(data, reordered_indices: Sequence[int]) -> None:
     total = batch_rows(data)
     keys = np.asarray(list(reordered_indices))
     if keys.shape != (total,):
-        raise PackingError(f"reorder_data got {keys.size} indices for a batch of {total} rows; it needs one per row "
-                           "(NeMo-RL silently drops the rows past the shorter of the two)")
+        raise PackingAssertionError(f"reorder_data got {keys.size} indices for a batch of {total} rows; it needs one per row "
+                                    "(NeMo-RL silently drops the rows past the shorter of the two)")
     order = np.argsort(keys, kind="stable").tolist()  # sync: none, numpy on the host
     index = torch.tensor(order, dtype=torch.int64)
     for key, value in list(data.items()):
@@ -138,24 +136,24 @@ def shard_by_batch_size(data, make, shards: int, batch_size: Optional[int] = Non
     Example: ``problem_id [0 0 1 1 2 2 3 3]``, shards 2, batch_size 4 -> ``[0 0 2 2]``, ``[1 1 3 3]``.
     """
     if allow_uneven_shards and batch_size is not None:
-        raise PackingError("batch_size must be None if allow_uneven_shards is True")
+        raise PackingAssertionError("batch_size must be None if allow_uneven_shards is True")
     if dynamic_batching_args is not None and sequence_packing_args is not None:
-        raise PackingError("dynamic_batching_args and sequence_packing_args cannot be passed together")
+        raise PackingAssertionError("dynamic_batching_args and sequence_packing_args cannot be passed together")
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-        raise PackingError(f"shards={shards!r} is invalid; expected an int >= 1")
+        raise PackingAssertionError(f"shards={shards!r} is invalid; expected an int >= 1")
     total = batch_rows(data)
     batch_size = total if batch_size is None else batch_size
     if batch_size < 1 or total % batch_size:
-        raise PackingError(f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})")
+        raise PackingAssertionError(f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})")
     if not allow_uneven_shards and batch_size % shards:
-        raise PackingError(f"Batch size ({batch_size}) is not a multiple of shards ({shards})")
+        raise PackingAssertionError(f"Batch size ({batch_size}) is not a multiple of shards ({shards})")
     if sequence_packing_args is not None:
         return _pack_shards(data, make, shards, batch_size, sequence_packing_args)
     order = None
     if dynamic_batching_args is not None:
         if batch_size % shards:
-            raise PackingError(f"dynamic batching needs equal shards: batch size ({batch_size}) is not a multiple of "
-                               f"shards ({shards}) (allow_uneven_shards cannot be used with it)")
+            raise PackingAssertionError(f"dynamic batching needs equal shards: batch size ({batch_size}) is not a multiple of "
+                                        f"shards ({shards}) (allow_uneven_shards cannot be used with it)")
         order = _length_sorted_order(data, shards, batch_size, dynamic_batching_args["input_lengths_key"])
         data = {k: _take(v, order) for k, v in data.items()}
     size = -(-batch_size // shards) if allow_uneven_shards else batch_size // shards
@@ -206,8 +204,8 @@ def _plan_dynamic(out: list, data, shards: int, batch_size: int, args: dict) -> 
         need = [min(-(-max(s[start + j] for s in per_shard) // multiple) * multiple, row_len) for j in range(size)]
         over = [n for n in need if n > budget]
         if over:
-            raise PackingError(f"got an input of padded ({multiple}) sequence length of {over[0]}, however max "
-                               f"microbatch size is {budget} tokens (raise max_tokens_per_microbatch)")
+            raise PackingAssertionError(f"got an input of padded ({multiple}) sequence length of {over[0]}, however max "
+                                        f"microbatch size is {budget} tokens (raise max_tokens_per_microbatch)")
         indices, lengths, longest = [[0, 0]], [0], 0
         for j, n in enumerate(need):
             longest = max(longest, n)
@@ -232,18 +230,18 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
     ``"nn_data_balanced"`` plans with work balanced across the shards (:func:`_packing_layout`)."""
     order_mode = args.get("microbatch_order")
     if order_mode not in (None, "packer", "largest_first"):
-        raise PackingError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', got {order_mode!r}")
+        raise PackingAssertionError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', got {order_mode!r}")
     algorithm = args.get("algorithm")
     if algorithm not in PACKING_ALGORITHMS:
-        raise PackingError(f"sequence_packing_args['algorithm']={algorithm!r} is not one of NeMo-RL's packers "
-                           f"{list(PACKING_ALGORITHMS[:-1])} or {PACKING_ALGORITHMS[-1]!r}")
+        raise PackingAssertionError(f"sequence_packing_args['algorithm']={algorithm!r} is not one of NeMo-RL's packers "
+                                    f"{list(PACKING_ALGORITHMS[:-1])} or {PACKING_ALGORITHMS[-1]!r}")
     multiple, budget = args["sequence_length_pad_multiple"], args["max_tokens_per_microbatch"]
     lengths = _host_lengths(data, args["input_lengths_key"])
     padded = round_up_lengths(lengths, multiple)
     over = [r for r, n in enumerate(padded.tolist()) if n > budget]  # sync: none, numpy
     if over:
-        raise PackingError(f"Sequence length {int(padded[over[0]])} exceeds bin capacity {budget} (row {over[0]}, "
-                           f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
+        raise PackingAssertionError(f"Sequence length {int(padded[over[0]])} exceeds bin capacity {budget} (row {over[0]}, "
+                                    f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
     layout, options = _packing_layout(args, shards)
     layout.check_fixed_total(budget, "max_tokens_per_microbatch")
     planner = _planner(data, args, lengths, layout, budget, options)
@@ -284,31 +282,18 @@ def _planner(data, args: dict, lengths: list, layout: Parallelism, budget: int, 
     if keys is None:
         return lambda start, stop: plan_step(lengths[start:stop], layout, pad_full_seq_to=budget, **options)
     if args["algorithm"] != "nn_data_balanced":
-        raise PackingError(f"sequence_packing_args['shared_prefix'] plans with nn_data's planner; set "
-                           f"sequence_packing_args['algorithm']='nn_data_balanced' (got {args['algorithm']!r})")
+        raise PackingAssertionError(f"sequence_packing_args['shared_prefix'] plans with nn_data's planner; set "
+                                    f"sequence_packing_args['algorithm']='nn_data_balanced' (got {args['algorithm']!r})")
     fields = {}
     for key in keys:
         if key not in data:
-            raise PackingError(f"{key!r} not found in the batch (keys: {list(data)}); shared-prefix packing "
-                               f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
+            raise PackingAssertionError(f"{key!r} not found in the batch (keys: {list(data)}); shared-prefix packing "
+                                        f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
         fields[key] = _host_lengths(data, key)
     groups, prefix = fields[keys.group_ids], fields[keys.prefix_lengths]
     return lambda start, stop: plan_step_shared_prefix(
         lengths[start:stop], layout, group_ids=groups[start:stop], prefix_lengths=prefix[start:stop],
         pad_full_seq_to=budget, **options)
-
-
-def _parallelism_arg(args: dict) -> tuple:
-    """``(key, value)`` of ``sequence_packing_args["parallelism"]`` (or of its old key ``"parallel_layout"``,
-    with a ``DeprecationWarning``; both given: refused)."""
-    if "parallel_layout" not in args:
-        return "parallelism", args.get("parallelism")
-    if "parallelism" in args:
-        raise PackingError("sequence_packing_args has both 'parallelism' and its old name 'parallel_layout'; "
-                           "give 'parallelism' alone")
-    warnings.warn("sequence_packing_args['parallel_layout'] is deprecated (0.2.0); use "
-                  "sequence_packing_args['parallelism']", DeprecationWarning, stacklevel=4)
-    return "parallel_layout", args["parallel_layout"]
 
 
 def _packing_layout(args: dict, shards: int):
@@ -317,21 +302,20 @@ def _packing_layout(args: dict, shards: int):
     (default ``"work"``), ``"hidden_size"`` (4096), ``"microbatches_per_rank"`` (None: the fewest
     that fit) and ``"parallelism"`` (a :class:`~nn_data.planning.Parallelism` with
     ``dp == shards``, whose alignment ``max_tokens_per_microbatch`` must then keep; its per-sequence
-    multiple becomes ``sequence_length_pad_multiple``; the 0.2 development key ``"parallel_layout"``
-    still works and warns)."""
+    multiple becomes ``sequence_length_pad_multiple``)."""
     multiple = args["sequence_length_pad_multiple"]
     if args["algorithm"] != "nn_data_balanced":
         return Parallelism(dp=shards, make_sequence_length_divisible_by=multiple), {"balance": "nemo-rl"}
-    key, parallelism = _parallelism_arg(args)
+    key, parallelism = "parallelism", args.get("parallelism")
     if parallelism is None:
         parallelism = Parallelism(dp=shards, make_sequence_length_divisible_by=multiple)
     elif not isinstance(parallelism, Parallelism) or parallelism.dp != shards:
-        raise PackingError(f"sequence_packing_args['{key}']={parallelism!r} is invalid; expected a "
-                           f"Parallelism with dp={shards} (the shards)")
+        raise PackingAssertionError(f"sequence_packing_args['{key}']={parallelism!r} is invalid; expected a "
+                                    f"Parallelism with dp={shards} (the shards)")
     elif parallelism.make_sequence_length_divisible_by not in (None, multiple):
-        raise PackingError(f"sequence_packing_args['{key}'] pads sequences to a multiple of "
-                           f"{parallelism.make_sequence_length_divisible_by}, but sequence_length_pad_multiple="
-                           f"{multiple}; give one value")
+        raise PackingAssertionError(f"sequence_packing_args['{key}'] pads sequences to a multiple of "
+                                    f"{parallelism.make_sequence_length_divisible_by}, but sequence_length_pad_multiple="
+                                    f"{multiple}; give one value")
     else:
         parallelism = dataclasses.replace(parallelism, make_sequence_length_divisible_by=multiple)
     options = {"balance": args.get("balance", "work"), "hidden_size": args.get("hidden_size", 4096),

@@ -35,14 +35,13 @@ from typing import Optional, Tuple, TypeVar
 
 import torch
 
-from nn_data import _checks
-from nn_data.errors import PackingError
-from nn_data.layout import PackSpec, layout_from_lengths
-from nn_data.layout.internal import (
-    bucket_total, exclusive_cumsum, fixed_total_arg, lengths_host, natural_total_host, segment_ids, total_limit_host
+from nn_data.extension import (
+    checks, exclusive_cumsum, fixed_total_arg, layout_from_lengths, lengths_host, natural_total_host, PackSpec,
+    segment_ids, total_limit_host, unpack_sequences, with_dynamic_row_length,
 )
-from nn_data.rows import pad_rows, with_dynamic_row_length
-from nn_data.unpack import unpack_sequences
+from nn_data.nemo_rl.assertions import PackingAssertionError, spelled, translate_errors
+from nn_data.nemo_rl.buckets import bucket_total
+from nn_data import pad_rows
 
 Tensor = TypeVar("Tensor", bound=torch.Tensor)
 
@@ -73,9 +72,11 @@ def _pack_row(input_ids, lengths, num_rows, total: int, padding_value: int, name
 
     Example: lengths ``[2, 3]``, T 7, pad -1 -> ids ``[a0 a1 b0 b1 b2 -1 -1]``, positions ``[0 1 0 1 2 0 0]``.
     """
-    spec = PackSpec(fixed_total=total, arg_name=name)
-    layout = layout_from_lengths(lengths, input_ids.shape[1], spec, num_rows=num_rows, validate=validate,
-                                 host_reads=False, op="pack_sequences")
+    if validate:  # first, naming the setting T came from (the layout's own assert names pad_full_seq_to)
+        checks.device_assert(lengths.sum() <= total, f"nn_data.pack_sequences: the packed total sum(seq_lengths) "
+                                                       f"exceeds {name}={total}")
+    layout = layout_from_lengths(lengths, input_ids.shape[1], PackSpec(fixed_total=total), num_rows=num_rows,
+                                 validate=validate, host_reads=False, op="pack_sequences")
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)  # [B, S]
     return layout.pack(input_ids, fill=padding_value), layout.pack(positions, fill=0), layout.cu_seqlens
 
@@ -95,7 +96,7 @@ def pack_row(input_ids, lengths, total: int, padding_value: int, *, name: str = 
         return _pack_row(input_ids, lengths, None, total, padding_value, name, validate)
     rows = input_ids.shape[0]
     capacity = options.row_capacity or (1 << max(0, (rows - 1).bit_length()))
-    _checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
+    checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
     num_rows = torch.full((), rows, dtype=torch.int64, device=input_ids.device)  # on the device: no H2D copy
     ids = with_dynamic_row_length(pad_rows(input_ids.contiguous(), capacity))  # [R, S]
     fn = _compiled_pack_row(options.backend, options.mode)
@@ -133,9 +134,9 @@ def pack_sequences(
     ``packed_sequence_size`` not non-negative ints summing to ``B``, ``pad_full_seq_to`` below
     ``min_seq_len``, a length outside ``[0, S]`` (host read) or a row above ``pad_full_seq_to``.
     """
-    _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     rows, row_len = input_ids.shape[0], input_ids.shape[1]
-    _checks.check_int_vector("input_lengths", input_lengths, rows)
+    checks.check_int_vector("input_lengths", input_lengths, rows)
     groups = _groups(packed_sequence_size, rows)
     lengths = on_device(input_lengths, input_ids.device)
     total, validate, name = _row_length(input_lengths, groups, row_len, min_seq_len, pad_full_seq_to, options,
@@ -157,8 +158,8 @@ def _groups(packed_sequence_size, rows: int) -> list:
     sizes = list(packed_sequence_size) if isinstance(packed_sequence_size, (list, tuple)) else None
     if sizes is None or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes) \
             or sum(sizes) != rows:
-        raise PackingError(f"packed_sequence_size={packed_sequence_size!r} is invalid; expected a list of "
-                           f"non-negative ints (sequences per packed row) summing to B = input_ids.shape[0] = {rows}")
+        raise PackingAssertionError(f"packed_sequence_size={packed_sequence_size!r} is invalid; expected a list of "
+                                    f"non-negative ints (sequences per packed row) summing to B = input_ids.shape[0] = {rows}")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [(a, a + n) for a, n in zip(starts, sizes)]
 
@@ -167,19 +168,19 @@ def _row_length(input_lengths, groups: list, row_len: int, min_seq_len: int, pad
                 name: str = "pad_full_seq_to"):
     """``(T, validate on the device?, T's name for messages)``: ``pad_full_seq_to`` (called ``name``) with no
     read, else NeMo-RL's rule after the one read of the lengths (which is also their validation)."""
-    _checks.row_length("min_seq_len", min_seq_len)
+    checks.row_length("min_seq_len", min_seq_len)
     if pad_full_seq_to is not None:
         total = fixed_total_arg(name, pad_full_seq_to)
         if total < min_seq_len:
-            raise PackingError(f"{name}={total} is below min_seq_len={min_seq_len}; the packed rows are at "
-                               f"least min_seq_len long, so {name} must be at least {min_seq_len}")
+            raise PackingAssertionError(f"{name}={total} is below min_seq_len={min_seq_len}; the packed rows are at "
+                                        f"least min_seq_len long, so {name} must be at least {min_seq_len}")
         return total, True, name
     lengths = input_lengths.tolist()  # sync: NeMo-RL's read; T depends on the data without pad_full_seq_to
     lengths_host(lengths, row_len)
     total = max([sum(lengths[a:b]) for a, b in groups] + [min_seq_len])
     buckets = getattr(options, "buckets", None)
     if buckets is not None and total:
-        total = bucket_total(total, buckets, 1, 1)
+        total = bucket_total(total, buckets, 1, 1)  # the megatron path's buckets, with p 1 and C 1
     total_limit_host(total, "the longest packed row")
     return total, False, "the packed row length"
 
@@ -208,8 +209,8 @@ def unpack_tensor(tensor: torch.Tensor, input_lengths: torch.Tensor, *, max_seql
     Raises :class:`PackingError`: ``tensor`` not ``[1, T, *]``, ``input_lengths`` not ``[B]`` integer,
     lengths that do not fit ``T`` (or ``max_seqlen``).
     """
-    _checks.check_packed("tensor", tensor)
-    _checks.check_int_vector("input_lengths", input_lengths)
+    checks.check_packed("tensor", tensor)
+    checks.check_int_vector("input_lengths", input_lengths)
     lengths = on_device(input_lengths, tensor.device)
     total = tensor.shape[1]
     if max_seqlen is None:
@@ -218,11 +219,12 @@ def unpack_tensor(tensor: torch.Tensor, input_lengths: torch.Tensor, *, max_seql
         lengths_host(host, width)
         natural_total_host(sum(host), 1, total, "tensor.shape[1]")
     else:
-        width, validate = _checks.row_length("max_seqlen", max_seqlen), True
+        width, validate = checks.row_length("max_seqlen", max_seqlen), True
     if total == 0 or lengths.shape[0] == 0:
         return tensor.new_zeros(lengths.shape[0], width, *tensor.shape[2:])
-    spec = PackSpec(fixed_total=total, arg_name="tensor.shape[1]")
-    layout = layout_from_lengths(lengths, width, spec, validate=validate, host_reads=False, op="unpack_tensor")
+    with spelled("tensor.shape[1]"):
+        layout = layout_from_lengths(lengths, width, PackSpec(fixed_total=total), validate=validate, host_reads=False,
+                                     op="unpack_tensor")
     return unpack_sequences(tensor, None, None, width, layout=layout, validate=False)  # [B, W, *]
 
 
@@ -237,12 +239,12 @@ def get_flash_attention_kwargs(input_lengths: torch.Tensor, *, max_seqlen: Optio
 
     Example: ``[2, 3, 1]`` -> cu_seqlens ``[0, 2, 5, 6]``, max_seqlen 3.
     """
-    _checks.check_int_vector("input_lengths", input_lengths)
+    checks.check_int_vector("input_lengths", input_lengths)
     cu_seqlens = exclusive_cumsum(input_lengths).to(torch.int32)  # [B+1]
     if max_seqlen is None:
         longest = max(input_lengths.tolist(), default=0)  # sync: NeMo-RL's .max().item()
     else:
-        longest = _checks.row_length("max_seqlen", max_seqlen)
+        longest = checks.row_length("max_seqlen", max_seqlen)
     return FlashAttentionKwargs(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens.clone(), max_seqlen_q=longest,
                                 max_seqlen_k=longest)
 
@@ -253,3 +255,5 @@ __all__ = [
     "pack_sequences",
     "unpack_tensor",
 ]
+
+translate_errors(globals())  # the core's PackingError leaves as PackingAssertionError (nn_data.nemo_rl.assertions)

@@ -29,10 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from nn_data import _checks
-from nn_data.groups import ParallelInfo, SINGLE, given_group_info
-from nn_data.logprobs import hidden_logprobs_local
-from nn_data.logprobs.from_hidden import hidden_rows
+from nn_data.extension import checks, given_group_info, hidden_logprobs_local, hidden_rows, ParallelInfo, SINGLE
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.logprob_steps import (
     DEFAULT_CHUNK_TOKENS, chunk_and_filter, gather_cp, grad_mode, groups, in_vocab, nemo_rl_rows,
     out_of_vocab_as_nemo_rl, packed_logprobs, row_layout,
@@ -72,15 +70,15 @@ def from_parallel_hidden_states_to_logprobs(
     """
     cp, tp = groups(cp_group, tp_group, pg_collection)
     hidden, weight = tensor_parallel_hidden_states, output_weight_layer
-    _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, ROWS_SHAPE)
+    checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, ROWS_SHAPE)
     chunk = _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp, hidden.shape[1])
     batch = hidden.shape[1]
-    _checks.check_row_target(target, batch, target.shape[1] if isinstance(target, torch.Tensor) else 0)
+    checks.check_row_target(target, batch, target.shape[1] if isinstance(target, torch.Tensor) else 0)
     seq = target.shape[1]
     sequence_parallel = _sequence_parallel(hidden.shape[0], seq, cp, tp)
     local_len = seq // cp.size  # S_loc
-    _checks.check_even_shard(HIDDEN, local_len, cp.size, "row")
-    _checks.check_same_device(**{HIDDEN: hidden, "target": target})
+    checks.check_even_shard(HIDDEN, local_len, cp.size, "row")
+    checks.check_same_device(**{HIDDEN: hidden, "target": target})
     with grad_mode(inference_only):
         layout = row_layout(1, seq, target.device, op="from_parallel_hidden_states_to_logprobs")  # [0, S]
         source = layout.local_places(cp.size, cp.rank).source  # [S_loc] row positions on this rank
@@ -120,7 +118,7 @@ def from_parallel_hidden_states_to_logprobs_packed_sequences(
     hidden states and the weight, and as the unfused function for everything else.
     """
     cp, tp = groups(cp_group, group, pg_collection)
-    seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
+    seq_len = checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     with grad_mode(inference_only):
         packed, layout = packed_hidden_logprobs(
             tensor_parallel_hidden_states, output_weight_layer, target, cu_seqlens_padded, seq_len, vocab_start_index,
@@ -136,13 +134,13 @@ def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: i
     """``(packed [1, T], layout)`` on every rank from the hidden states: the checks of the hidden states and
     the weight, then :func:`~nn_data.nemo_rl.logprob_steps.packed_logprobs` (position ``t``, offset ``s`` in its
     padded segment ``n``, holds the log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``)."""
-    _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, PACKED_SHAPE)
+    checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, PACKED_SHAPE)
     if 1 not in hidden.shape[:2]:
-        raise _checks.PackingError(f"{HIDDEN} must be {PACKED_SHAPE}, got shape {tuple(hidden.shape)}")
+        raise PackingAssertionError(f"{HIDDEN} must be {PACKED_SHAPE}, got shape {tuple(hidden.shape)}")
     rows = hidden_rows(hidden)  # [n, H]
     chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, weight.shape[0],
                                    tp, against=WEIGHT, unit="rows")
-    _checks.check_packed_ids("target", target)
+    checks.check_packed_ids("target", target)
     total = target.shape[1] * (cp.size if pre_rolled else 1)
     sequence_parallel = _sequence_parallel(rows.shape[0], total, cp, tp)
     return packed_logprobs(
@@ -166,11 +164,11 @@ class ChunkedDistributedHiddenStatesToLogprobs:
               chunk_size, tp_group, inference_only=False, *, pg_collection=None):
         tp = given_group_info(tp_group, pg_collection=pg_collection, field="tp")
         hidden, weight = tensor_parallel_hidden_states, output_weight_layer
-        _checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, "[S, B, H] ([S // TP, B, H] with sequence "
+        checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, "[S, B, H] ([S // TP, B, H] with sequence "
                                                                   "parallelism)")
         batch = hidden.shape[1]
         chunk = _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp, batch)
-        _checks.check_row_target(target, batch, target.shape[1] if isinstance(target, torch.Tensor) else 0)
+        checks.check_row_target(target, batch, target.shape[1] if isinstance(target, torch.Tensor) else 0)
         seq = target.shape[1]
         sequence_parallel = _sequence_parallel(hidden.shape[0], seq, SINGLE, tp)
         with grad_mode(inference_only):
@@ -201,7 +199,7 @@ def _sequence_parallel(rows: int, positions: int, cp: ParallelInfo, tp: Parallel
     shares = f"{positions}/{cp.size} = {positions / cp.size:g}"
     if tp.size > 1:
         shares += f" (or {positions}/{cp.size * tp.size} = {positions / (cp.size * tp.size):g} with sequence parallelism)"
-    raise _checks.PackingError(
+    raise PackingAssertionError(
         f"{HIDDEN} hold {rows} positions per row but this rank's share of the {positions} positions of target is "
         f"{shares} (cp_size={cp.size}, tp_size={tp.size}); pass this rank's zigzag shard of the hidden states"
     )

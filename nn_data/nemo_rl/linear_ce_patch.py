@@ -30,10 +30,9 @@ from typing import Any, Optional
 
 import torch
 
-from nn_data.cp_comm import GatherFromContextParallel
-from nn_data.errors import PackingError
-from nn_data.groups import group_info
-from nn_data.megatron_parallel import gpt_model_class
+from nn_data import GatherFromContextParallel
+from nn_data.nemo_rl.assertions import PackingAssertionError
+from nn_data.extension import gpt_model_class, group_info
 from nn_data.nemo_rl.linear_ce import from_parallel_hidden_states_to_logprobs, packed_hidden_logprobs
 from nn_data.nemo_rl.logprob_steps import gather_cp, grad_mode, row_layout
 
@@ -80,8 +79,8 @@ def _gpt_forward_with_linear_ce_fusion(
             padding_mask=padding_mask, **passthrough,
         )
     if labels is None:
-        raise PackingError("labels must be provided when linear CE fusion is enabled (the token ids: "
-                           "labels=input_ids, as NeMo-RL's model_forward passes them)")
+        raise PackingAssertionError("labels must be provided when linear CE fusion is enabled (the token ids: "
+                                    "labels=input_ids, as NeMo-RL's model_forward passes them)")
     if inference_context is None:
         inference_context = inference_params  # megatron-core's renamed argument
     hidden = _decoder_hidden_states(self, input_ids, position_ids, attention_mask, decoder_input, inference_context,

@@ -16,14 +16,11 @@ import contextlib
 
 import torch
 
-from nn_data import _checks
-from nn_data.cp_comm import GatherFromContextParallel
-from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries
-from nn_data.layout.internal import boundary_args
-from nn_data.logprobs import sampling_filter
-from nn_data.targets import next_token_at
-from nn_data.unpack import unpack_sequences
+from nn_data.extension import (
+    Boundaries, boundary_args, checks, given_group_info, layout_from_boundaries, next_token_at, ParallelInfo,
+    sampling_filter, unpack_sequences,
+)
+from nn_data import GatherFromContextParallel, PackLayout
 
 #: Tokens per chunk of the log-sum-exp when NeMo-RL's ``chunk_size`` is None (NeMo-RL then holds
 #: a float32 ``[N, Vt]`` log-softmax; one ``[256, Vt]`` block here).
@@ -46,11 +43,11 @@ def chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_i
                      **vocab_wording):
     """Tokens per chunk and the sampling filter (or None), after the checks they share (``vocab_wording``:
     :func:`~nn_data._checks.check_vocab_range`'s ``against`` / ``unit``)."""
-    chunk = _checks.positive_int("chunk_size", chunk_size, allow_none=True) or DEFAULT_CHUNK_TOKENS
-    _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank, **vocab_wording)
+    chunk = checks.positive_int("chunk_size", chunk_size, allow_none=True) or DEFAULT_CHUNK_TOKENS
+    checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank, **vocab_wording)
     filt = sampling_filter(sampling_params)
     if filt is not None:
-        _checks.check_top_k(filt.top_k, cols * tp.size)
+        checks.check_top_k(filt.top_k, cols * tp.size)
     return chunk, filt
 
 
@@ -97,9 +94,9 @@ def packed_logprobs(*, op: str, name: str, data: torch.Tensor, target: torch.Ten
     ``score(token [N], keep [N]) -> [N]`` is the kernel call on this rank's positions; a target outside
     ``[0, vocab)`` then gets NeMo-RL's value and gradient. Checks ``target`` and the boundaries first
     (:func:`packed_layout`: the one read, with ``validate``)."""
-    _checks.check_logprob_target(target, pre_rolled, total // cp.size, total)
+    checks.check_logprob_target(target, pre_rolled, total // cp.size, total)
     boundary_args(name, data, total, cu_seqlens_padded, cp.size)
-    _checks.check_same_device(**{name: data, "target": target})
+    checks.check_same_device(**{name: data, "target": target})
     layout = packed_layout(cu_seqlens_padded, total, cp, op=op, validate=validate)
     token, keep = packed_targets(target, pre_rolled, layout, cp, seq_len)  # [N] each
     values = out_of_vocab_as_nemo_rl(score(token, keep), in_vocab(token, vocab))  # [N]

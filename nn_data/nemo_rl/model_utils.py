@@ -38,11 +38,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from nn_data import _checks
-from nn_data.cp_comm import all_gather_dim0
-from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout.internal import sequence_divisible
-from nn_data.logprobs import sampling_filter, token_logprobs_local
+from nn_data.extension import (
+    all_gather_dim0, checks, given_group_info, ParallelInfo, sampling_filter, sequence_divisible, token_logprobs_local,
+)
 from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs from hidden states), with CP
     ChunkedDistributedHiddenStatesToLogprobs,
     from_parallel_hidden_states_to_logprobs,
@@ -54,6 +52,7 @@ from nn_data.nemo_rl.logprob_steps import (
     out_of_vocab_as_nemo_rl, packed_logprobs, row_layout,
 )
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
+from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
 
 __all__ = [
     "ChunkedDistributedHiddenStatesToLogprobs",
@@ -111,12 +110,12 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     in segments divisible by ``2C`` (validation).
     """
     cp, tp = groups(cp_group, group, pg_collection)
-    _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP] "
+    checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP] "
                                "(Expected probs to be 1D after squeezing)", 3)
-    _checks.check_packed("vocab_parallel_logits", vocab_parallel_logits)
+    checks.check_packed("vocab_parallel_logits", vocab_parallel_logits)
     local_total, cols = vocab_parallel_logits.shape[1], vocab_parallel_logits.shape[2]
     total = local_total * cp.size
-    seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
+    seq_len = checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
     with grad_mode(inference_only):
         packed, layout = packed_logprobs(
@@ -159,12 +158,12 @@ def from_parallel_logits_to_logprobs(
     ``chunk_size``, vocabulary slice or ``top_k``, a group this process is not in.
     """
     cp, tp = groups(cp_group, tp_group, pg_collection)
-    _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, vocab_size // TP]", 3)
+    checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, vocab_size // TP]", 3)
     rows, local_len, cols = vocab_parallel_logits.shape
     padded_len = local_len * cp.size  # S_pad
-    _checks.check_row_target(target, rows, padded_len)
-    _checks.check_even_shard("vocab_parallel_logits", local_len, cp.size, "row")
-    _checks.check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
+    checks.check_row_target(target, rows, padded_len)
+    checks.check_even_shard("vocab_parallel_logits", local_len, cp.size, "row")
+    checks.check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
     chunk, filt = chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols, tp)
     seq_len = target.shape[1]
     with grad_mode(inference_only):
@@ -209,7 +208,7 @@ def get_next_token_logprobs_from_logits(
     ``vocab_parallel_rank``, and as :func:`from_parallel_logits_to_logprobs`.
     """
     if type(next_token_logits).__name__ == "DTensor":
-        raise _checks.PackingError("next_token_logits is a DTensor: nn_data.nemo_rl.model_utils covers the "
+        raise PackingAssertionError("next_token_logits is a DTensor: nn_data.nemo_rl.model_utils covers the "
                                    "Megatron (vocab-parallel) and plain-tensor paths; use NeMo-RL's "
                                    "get_logprobs_from_vocab_parallel_logits for DTensor logits")
     if sampling_filter(sampling_params) is not None and next_token_logits.is_floating_point():
@@ -221,7 +220,7 @@ def get_next_token_logprobs_from_logits(
         context_parallel_group = given_group_info(context_parallel_group, pg_collection=pg_collection).group
     if vocab_parallel_group is not None:
         if vocab_parallel_rank is None:
-            raise _checks.PackingError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
+            raise PackingAssertionError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
         cols = next_token_logits.shape[-1]
         return from_parallel_logits_to_logprobs(
             next_token_logits, input_ids, vocab_parallel_rank * cols, (vocab_parallel_rank + 1) * cols,
@@ -250,7 +249,7 @@ def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group: Optional["dist.P
     if cp.size == 1:
         return tensor
     seq_dim = seq_dim % tensor.dim()
-    _checks.check_even_shard("tensor", tensor.shape[seq_dim], cp.size, f"sequence (dim {seq_dim})")
+    checks.check_even_shard("tensor", tensor.shape[seq_dim], cp.size, f"sequence (dim {seq_dim})")
     layout = row_layout(1, tensor.shape[seq_dim] * cp.size, tensor.device, op="allgather_cp_sharded_tensor")
     full = gather_cp(tensor.movedim(seq_dim, 0), layout, cp)  # [S_loc, ...] -> [1, S_loc*C, ...]
     return full.squeeze(0).movedim(0, seq_dim)
@@ -267,7 +266,7 @@ def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: 
     """
     if cp_size == 1:
         return input_ids
-    _checks.check_cp(cp_size, cp_rank)
+    checks.check_cp(cp_size, cp_rank)
     length = input_ids.shape[seq_dim]
     sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
     layout = row_layout(1, length, input_ids.device, op="_get_tokens_on_this_cp_rank")  # [0, n]: one segment
@@ -347,13 +346,13 @@ def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, c
     ``chunk_size`` counts positions of a row, as NeMo-RL's: ``chunk_size * B`` tokens for ``[B, S, Vt]``;
     ``group`` None: ``pg_collection.tp`` when a collection is given."""
     tp = given_group_info(group, pg_collection=pg_collection, field="tp")
-    _checks.check_min_dims("vocab_parallel_logits", logits, 1, "[*, V // TP]")
+    checks.check_min_dims("vocab_parallel_logits", logits, 1, "[*, V // TP]")
     cols = logits.shape[-1]
-    _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
+    checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
     if chunk_size is None:
         chunk = DEFAULT_CHUNK_TOKENS
     else:
-        chunk = _checks.positive_int("chunk_size", chunk_size) * (logits.shape[0] if logits.dim() == 3 else 1)
+        chunk = checks.positive_int("chunk_size", chunk_size) * (logits.shape[0] if logits.dim() == 3 else 1)
     with grad_mode(inference_only):
         token = target.reshape(-1).to(torch.int64)  # [M]
         keep = torch.ones_like(token, dtype=torch.bool)
@@ -366,6 +365,8 @@ def _sampled(logits, target, tp_group, top_k, top_p, chunk_size, inference_only,
     filt = sampling_filter(TrainingSamplingParams(top_k=top_k, top_p=top_p))
     tp, cols = given_group_info(tp_group, pg_collection=pg_collection, field="tp"), logits.shape[-1]
     if filt is not None:
-        _checks.check_top_k(filt.top_k, cols * tp.size)
+        checks.check_top_k(filt.top_k, cols * tp.size)
     return _token_logprobs(logits, target, tp.rank * cols, (tp.rank + 1) * cols, tp.group, chunk_size, filt,
                            inference_only)
+
+translate_errors(globals())  # the core's PackingError leaves as PackingAssertionError (nn_data.nemo_rl.assertions)

@@ -1,7 +1,7 @@
 """Tier: pure CPU, single process (torch.compile with inductor for the compiled stream). NeMo-RL's own
 tests of this module, run against it: docs/nemo-rl.md, "The AutoModel data path".
 
-nn_data.automodel_data (NeMo-RL's nemo_rl.models.automodel.data): one import switches, no host sync
+nn_data.nemo_rl.automodel_data (NeMo-RL's nemo_rl.models.automodel.data): one import switches, no host sync
 per packed microbatch, one compiled graph over a stream, NeMo-RL's results, and its CP buffers.
 """
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import nn_data.automodel_data as automodel_data
-from nn_data.batched_data_dict import BatchedDataDict
+import nn_data.nemo_rl.automodel_data as automodel_data
+from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.nemo_rl import megatron_data

@@ -1,7 +1,7 @@
 """Tier: pure CPU, single process (hypothesis for the round trips). The oracle below re-derives NeMo-RL's
 documented results with Python loops (it shares no code with the module it checks).
 
-nn_data.huggingface_common (NeMo-RL's nemo_rl.models.huggingface.common helpers) against a loop oracle
+nn_data.nemo_rl.huggingface_common (NeMo-RL's nemo_rl.models.huggingface.common helpers) against a loop oracle
 of NeMo-RL's results, with and without the host read, and its refusals.
 """
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
-from nn_data.huggingface_common import FlashAttentionKwargs, get_flash_attention_kwargs, pack_sequences, unpack_tensor
+from nn_data.nemo_rl.huggingface_common import FlashAttentionKwargs, get_flash_attention_kwargs, pack_sequences, unpack_tensor
 from nn_data.testing.coded import coded_batch
 from tests.support.hypothesis_profiles import examples
 

@@ -171,6 +171,9 @@ def _unit(module: str) -> str:
     return ".".join(parts[:2])
 
 
+MODULE_NAMES = {_module(p) for p in PKG.rglob("*.py")}
+
+
 def _edges() -> set[tuple[str, str]]:
     edges = set()
     for path in PKG.rglob("*.py"):
@@ -178,8 +181,9 @@ def _edges() -> set[tuple[str, str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             targets = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                if node.module == "nn_data":
-                    targets = [f"nn_data.{a.name}" for a in node.names]
+                if node.module == "nn_data":  # a submodule, or a name of the package's __init__
+                    targets = [f"nn_data.{a.name}" if f"nn_data.{a.name}" in MODULE_NAMES else "nn_data"
+                               for a in node.names]
                 elif node.module.startswith("nn_data."):
                     targets = [node.module]
             elif isinstance(node, ast.Import):
@@ -232,7 +236,7 @@ def test_plan_is_never_a_layouts_name():
         return any(path == side or side in path.parents for side in LAYOUT_SIDE)
 
     stray = sorted(f"{p.relative_to(ROOT)}:{n.name}" for p, n in _definitions()
-                   if on_layout_side(p) and p.name != "_deprecated.py" and re.search(r"(^|_)plan(_|s?$)|Plan", n.name))
+                   if on_layout_side(p) and re.search(r"(^|_)plan(_|s?$)|Plan", n.name))
     assert not stray, stray
     assert not [p for p in PKG.rglob("*.py") if on_layout_side(p) and "plan" in p.stem]
 
@@ -242,7 +246,7 @@ def test_the_fixed_packed_length_is_not_called_packed_length():
     ``packed_length`` parameters left are the 0.1.x spellings that warn."""
     users = sorted(f"{p.relative_to(ROOT)}:{n.name}" for p, n in _definitions() if isinstance(n, ast.FunctionDef)
                    and "packed_length" in [a.arg for a in n.args.args + n.args.kwonlyargs])
-    assert users == ["nn_data/layout/_deprecated.py:_layout_spec", "nn_data/megatron_parallel.py:make_packed_seq_params"]
+    assert users == ["nn_data/megatron_parallel.py:make_packed_seq_params"]
 
 
 def test_the_named_types_exist():

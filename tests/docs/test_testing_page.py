@@ -121,3 +121,9 @@ def test_the_tier_table_names_the_tiers_and_the_registered_markers():
     registered = {line.split(":")[0].strip()
                   for line in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
     assert documented == registered, f"docs/testing.md names markers {documented}; pyproject.toml registers {registered}"
+
+
+def test_the_readme_says_what_ran_where():
+    readme = (ROOT / "README.md").read_text()
+    assert "never run on a GPU" in readme  # the CUDA paths: prepared, dry-run on the CPU only
+    assert "Tested: torch 2.13.0" in readme and "only" in readme.split("Tested: torch 2.13.0")[1][:200]

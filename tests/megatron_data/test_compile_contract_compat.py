@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from nn_data import PackSequences, megatron_data
+from nn_data import PackSequences
+from nn_data.nemo_rl import megatron_data
 from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data import PackOptions, process_microbatch

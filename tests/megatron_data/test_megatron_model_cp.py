@@ -127,26 +127,21 @@ def test_pad_between_seqs_marks_any_padding(cp, newer_mcore, lengths, multiple, 
     assert out.packed_seq_params.pad_between_seqs is expected
 
 
-def test_model_slicing_uses_the_partition_indices_for_routes_and_identities(cp, monkeypatch):
+def test_model_slicing_shards_routes_and_identities_by_the_partition_indices(cp, monkeypatch):
+    """With the model slicing CP itself, the routes' CP share is the full row at the model's own indices
+    (get_packed_seq_cp_partition_indices of the microbatch's PackedSeqParams), and the R3 verifier matches
+    each of this rank's valid tokens to its source row and position."""
     cp(1)
     monkeypatch.setenv("NN_DATA_R3_VERIFY", "1")
-    calls = []
-    real = md.get_packed_seq_cp_partition_indices
-
-    def spy(params, **kw):
-        calls.append(kw)
-        return real(params, **kw)
-
-    monkeypatch.setattr(md, "get_packed_seq_cp_partition_indices", spy)
     checked = []
     real_verify = md._verify_r3_trace_cp_token_alignment
     monkeypatch.setattr(md, "_verify_r3_trace_cp_token_alignment", lambda **kw: checked.append(real_verify(**kw)))
     out = _process(_batch(), model_slices_context_parallel_inputs=True)
-    assert calls == [dict(total_tokens=40, cp_size=2, cp_rank=1, device=out.input_ids.device)]
+    index = md.get_packed_seq_cp_partition_indices(out.packed_seq_params, total_tokens=FULL, cp_size=2, cp_rank=1,
+                                                   device=out.input_ids.device)
     assert checked == [12]  # rank 1's valid tokens, each matched to its source row and position
     assert out.routed_experts_cp_sharded.shape == (1, 20, 2, 3)
-    _process(_batch(routed=False), model_slices_context_parallel_inputs=True)
-    assert len(calls) == 1  # no routes: no indices
+    assert torch.equal(out.routed_experts_cp_sharded, out.routed_experts.index_select(1, index))
 
 
 # ---- get_packed_seq_cp_partition_indices ------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 
 from nn_data import megatron_parallel
 from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data import (
     _get_pack_sequence_parameters_for_megatron,
     _pack_sequences_for_megatron,
@@ -146,7 +147,15 @@ def test_pack_errors(args, kwargs, match):
     ids = coded_batch([8, 5, 7], 8)
     with pytest.raises(PackingError, match=match) as info:
         _pack_sequences_for_megatron(ids, torch.tensor([8, 5, 7]), *args, **kwargs)
-    assert isinstance(info.value, AssertionError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, PackingAssertionError) and isinstance(info.value, ValueError)
+
+
+def test_a_core_error_leaves_the_drop_in_as_an_assertion_error_with_its_message():
+    """The core raises a plain PackingError (a ValueError); the drop-in's edge re-raises it as
+    PackingAssertionError, the same message, the core's error as its cause."""
+    with pytest.raises(PackingAssertionError, match=r"^pad_individual_seqs_to_multiple_of=0 is invalid") as info:
+        _pack_sequences_for_megatron(coded_batch([8, 5], 8), torch.tensor([8, 5]), 0)
+    assert type(info.value.__cause__) is PackingError and str(info.value.__cause__) == str(info.value)
 
 
 @pytest.mark.parametrize("lengths, match", [([8, 9, 7], r"seq_lengths\[1\] = 9 is outside \[0, S=8\]"),
@@ -322,3 +331,17 @@ def test_pack_microbatch_packs_only_the_companions_it_knows_and_configs_are_chec
         with pytest.raises(PackingError, match=r"pad_individual_seqs_to_multiple_of=.* is invalid; expected an int "
                                                r">= 1"):
             nemo_rl_spec(bad, 1, **kw)
+
+
+def test_unpack_with_unpadded_offsets_allows_boundaries_ending_before_t():
+    """Without cu_seqlens_padded, NeMo-RL's contract lets cu_seqlens stand in: they may end before T; every
+    other boundary check holds."""
+    packed = torch.arange(1, 11).view(1, 10)  # two sequences of 3 and 4, then 3 padding positions
+    out = _unpack_sequences_from_megatron(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 7]), None, 2, 4)
+    assert out.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
+    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 3, 12\] is invalid|cu_seqlens\[2\] = 12 is outside"):
+        _unpack_sequences_from_megatron(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 12]), None, 2, 4)
+    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 5, 3\] is invalid for a packed length T=10 .* end at "
+                       r"most at 10"):
+        _unpack_sequences_from_megatron(packed, torch.tensor([3, 0]), torch.tensor([0, 5, 3]), None, 2, 4)
+

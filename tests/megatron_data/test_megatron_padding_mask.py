@@ -4,13 +4,12 @@ The oracle is the loop reference (``nn_data.testing.reference.reference_padding_
 
 The compat layer's ``padding_mask`` (nn_data's field of ``ProcessedInputs`` / ``ProcessedMicrobatch``):
 True exactly at the padding of the model's ids (this CP rank's ``[1, T/C]``, the full ``[1, T]`` when
-the model slices CP itself), on the one-call path, compiled, and NeMo-RL's patched call sequence; no
+the model slices CP itself), on the one-call path and compiled; no
 extra host sync; None where nothing is packed.
 """
 
 from __future__ import annotations
 
-from unittest import mock
 
 import pytest
 import torch
@@ -65,17 +64,13 @@ def test_a_model_that_slices_cp_itself_gets_the_full_row(cp):
     assert torch.equal(out.padding_mask, reference_padding_mask(LENGTHS, 4, 1, 48))
 
 
-def test_compiled_and_nemo_rl_call_sequence_give_the_same_mask(cp):
+def test_compiled_gives_the_same_mask(cp):
     cp(1)
     want = reference_padding_mask(LENGTHS, 4, 1, 48, 2, 1)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = process_microbatch(_batch(), "input_lengths", 4, 1, 48, pack_sequences=True,
                                   options=PackOptions(compile=True, backend=counter))
     assert counter.frame_count == 1 and torch.equal(compiled.padding_mask, want)
-    with mock.patch("nn_data.nemo_rl.megatron_data._pack_sequences_for_megatron",
-                    wraps=megatron_data._pack_sequences_for_megatron) as pack:
-        patched = process_microbatch(_batch(), "input_lengths", 4, 1, 48, pack_sequences=True)
-    assert pack.called and torch.equal(patched.padding_mask, want)
 
 
 def test_unpacked_microbatches_have_none():

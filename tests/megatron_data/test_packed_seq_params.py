@@ -10,6 +10,9 @@ boundary object where nothing pads between sequences, the caller's CP group, and
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +174,31 @@ def test_the_compat_layers_params_equal_megatron_cores_own(monkeypatch, cp_rank,
         coded_batch(lengths, 12), torch.tensor(lengths), 4, 1, 40, cp_rank=cp_rank, cp_size=cp_size)
     _assert_same_fields(params, _megatrons_own(cu_pad, None, 16, local.shape[1], None))
     assert params.cu_seqlens_q is cu_pad
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_nemo_rl_example() -> str:
+    """The README's runnable "Switching from NeMo-RL" block (the one importing nn_data.nemo_rl.megatron_data)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if "from nn_data.nemo_rl.megatron_data import" in b]
+    return block
+
+
+def test_the_nemo_rl_example_without_megatron_core_names_the_extra(monkeypatch, capsys):
+    from nn_data import megatron_parallel
+
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")] + ["megatron"]:
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it fails: megatron-core "not installed"
+    megatron_parallel.packed_seq_params_class.cache_clear()
+    megatron_parallel.gpt_model_class.cache_clear()
+    try:
+        extra = r'needs megatron-core, which is not installed .*: pip install "nn_data\[megatron\]"'
+        with pytest.raises(ModuleNotFoundError, match=extra):
+            exec(compile(_readme_nemo_rl_example(), "README.md", "exec"), {})
+        with pytest.raises(ModuleNotFoundError, match=extra):
+            megatron_parallel.gpt_model_class()
+    finally:
+        megatron_parallel.packed_seq_params_class.cache_clear()
+        megatron_parallel.gpt_model_class.cache_clear()

@@ -155,53 +155,28 @@ def test_balanced_sharding_round_trips_through_the_iterator_and_reorder():
     assert merged["names"] == [f"s{i}" for i in range(12)] and merged["input_lengths"].tolist() == LENGTHS
 
 
-def test_balanced_sharding_takes_a_parallel_layout():
+def test_balanced_sharding_takes_a_parallelism():
     parallelism = Parallelism(dp=2, cp=2)
-    shards, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallel_layout=parallelism))
+    shards, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallelism=parallelism))
     assert all(load % 4 == 0 for s in shards for load in s.micro_batch_lengths[0])
 
 
-def test_the_parallelism_key_is_the_old_parallel_layout_key_which_warns():
-    parallelism = Parallelism(dp=2, cp=2)
-    new, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallelism=parallelism))
-    with pytest.warns(DeprecationWarning, match=r"\['parallel_layout'\] is deprecated \(0.2.0\); use "
-                                                r"sequence_packing_args\['parallelism'\]"):
-        old, _ = _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallel_layout=parallelism))
-    assert [s.micro_batch_lengths for s in new] == [s.micro_batch_lengths for s in old]
-    assert all(load % 4 == 0 for s in new for load in s.micro_batch_lengths[0])
-    with pytest.raises(PackingError, match=r"^sequence_packing_args\['parallelism'\]=Parallelism\(dp=4"):
-        _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallelism=Parallelism(dp=4)))
-    with pytest.raises(PackingError, match=r"has both 'parallelism' and its old name 'parallel_layout'"):
-        _data().shard_by_batch_size(2, sequence_packing_args=_pack_args(parallelism=parallelism,
-                                                                        parallel_layout=parallelism))
-
-
 @pytest.mark.parametrize("extra, match", [
-    (dict(parallel_layout=Parallelism(dp=4)), r"parallel_layout'\]=Parallelism\(dp=4.* is invalid; expected a "
+    (dict(parallelism=Parallelism(dp=4)), r"parallelism'\]=Parallelism\(dp=4.* is invalid; expected a "
                                                  r"Parallelism with dp=2 \(the shards\)"),
-    (dict(parallel_layout=Parallelism(dp=2, make_sequence_length_divisible_by=8)),
+    (dict(parallelism=Parallelism(dp=2, make_sequence_length_divisible_by=8)),
      r"pads sequences to a multiple of 8, but sequence_length_pad_multiple=4; give one value"),
-    (dict(parallel_layout=Parallelism(dp=2, cp=4)), r"make_sequence_length_divisible_by \(4\) is not a multiple of "
+    (dict(parallelism=Parallelism(dp=2, cp=4)), r"make_sequence_length_divisible_by \(4\) is not a multiple of "
                                                        r"minimum_pad_factor \(8\)"),
-    (dict(parallel_layout=Parallelism(dp=2, fp8_recipe="tensorwise")),
+    (dict(parallelism=Parallelism(dp=2, fp8_recipe="tensorwise")),
      r"^max_tokens_per_microbatch=32 is not a multiple of 16"),
     (dict(balance="rows"), r"^balance='rows' is invalid"),
     (dict(microbatches_per_rank=1), r"^microbatches_per_rank=1 cannot hold the step"),
 ])
 def test_balanced_sharding_refusals(extra, match):
     args = _pack_args(**extra)
-    if "parallel_layout" in extra and extra["parallel_layout"].fp8_recipe:
+    if "parallelism" in extra and extra["parallelism"].fp8_recipe:
         args["max_tokens_per_microbatch"] = 40
         match = match.replace("=32", "=40")
     with pytest.raises(PackingError, match=match):
         _data().shard_by_batch_size(2, sequence_packing_args=args)
-
-
-def test_run_packed_length_is_run_fixed_total_and_warns():
-    from nn_data.nemo_rl.megatron_data import iterators
-
-    with pytest.warns(DeprecationWarning, match=r"iterators.run_packed_length is deprecated \(0.2.0\); use run_fixed_total"):
-        old = iterators.run_packed_length
-    assert old is iterators.run_fixed_total
-    with pytest.raises(AttributeError, match="no attribute 'run_packed_lengths'"):
-        iterators.run_packed_lengths  # noqa: B018

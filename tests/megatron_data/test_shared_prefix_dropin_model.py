@@ -216,6 +216,9 @@ def test_refusals_name_what_has_no_shared_prefix_form():
         process(mb, model_slices_context_parallel_inputs=True)
     with pytest.raises(PackingError, match=r"^cfg\['nn_data'\]\['compile'\]=True is not supported"):
         process(mb, options=PackOptions(shared_prefix=True, compile=True))
+    with pytest.raises(PackingError, match=r"^cfg\['nn_data'\]\['buckets'\]=\(16, 32\) is not supported with "
+                                           r"cfg\['nn_data'\]\['shared_prefix'\]"):
+        process(mb, options=PackOptions(shared_prefix=True, buckets=[32, 16]))
     masked = BatchedDataDict({**mb, "mtp_loss_mask": torch.ones_like(mb["input_ids"])})
     with pytest.raises(PackingError, match=r"does not pack \['mtp_loss_mask'\] yet"):
         process(masked)

@@ -75,7 +75,7 @@ def test_bfloat16_on_the_representative_set(name):
 
 
 def test_the_matrix_would_see_a_silent_mix(monkeypatch):
-    """The matrix can fail: with the layer's own window ignored (the call's only, as before issue 34), Qwen2-MoE
+    """The matrix can fail: with the layer's own window ignored (the call's window only), Qwen2-MoE
     with a window known only from its config ends MIXED, not exact."""
     from nn_data.adapters import hf_support
 

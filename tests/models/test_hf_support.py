@@ -1,9 +1,10 @@
 """Tier: pure CPU, single process (tiny transformers models built from their config classes; nothing downloaded).
 
 HFCausalLMAdapter keeps exact what nn_data.adapters.hf_support lists and refuses the rest: the six
-configurations that gave wrong logits with no error (issue 34) and Bloom's crash, each exact or refused by
-name; a window known from the config applied whatever the call passes; keywords and masks outside the
-lists refused; a microbatch with no token (no pad_full_seq_to) gives empty rows.
+configurations that would give wrong logits with no error (a window known from the config alone, dynamic
+masks and rotary scaling, bidirectional attention, padding-index positions, ALiBi) and Bloom's crash, each
+exact or refused by name; a window known from the config applied whatever the call passes; keywords and
+masks outside the lists refused; a microbatch with no token (no pad_full_seq_to) gives empty rows.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_compiled_shared_prefix_packing_under_cp2(rank_pool):
 
 @needs_megatron_models
 def test_pipeline_parallel_shared_prefix_equals_pp1_and_each_rollout_alone(rank_pool):
-    """pipeline_forward_step over shared-prefix microbatches (issue 36): PP = 2 (1F1B) == PP = 1 == each
+    """pipeline_forward_step over shared-prefix microbatches: PP = 2 (1F1B) == PP = 1 == each
     rollout alone, losses and parameter gradients, float64, at one constant T."""
     results = rank_pool.run("tests.models.shared_prefix_cases:case_pipeline", cp=1)
     lasts = [r for r in results if "pp2_losses" in r]

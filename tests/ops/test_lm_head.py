@@ -20,10 +20,10 @@ import torch._dynamo.testing
 
 from nn_data import NextTokenTargets, PackingError, TokenLogProbs, TokenLogProbsFromHidden
 from nn_data.diagnostics import HostSyncCounter
-from nn_data.linear_logprob import hidden_logprobs_local
+from nn_data.logprobs.kernels import hidden_logprobs_local
 from nn_data.logprobs import token_logprobs_local
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
-from nn_data.sampling import sampling_filter
+from nn_data.logprobs.filters import sampling_filter
 from nn_data.diagnostics import Allocations
 from tests.support.lm_head_cases import HIDDEN, BATCHES, SEQ_LEN, VOCAB, head_inputs, reference
 

@@ -20,7 +20,7 @@ from nn_data.nemo_rl import model_utils as mu
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.groups import SINGLE
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
-from nn_data.sampling import SamplingFilter, row_thresholds, sampling_filter
+from nn_data.logprobs.filters import SamplingFilter, row_thresholds, sampling_filter
 from nn_data.testing.nemo_reference import reference_filter, reference_row_logprobs
 from nn_data.testing.reference import reference_shard
 from nn_data.diagnostics import Allocations

@@ -38,11 +38,12 @@ def test_pack_configuration_errors(kwargs, pattern):
         PackSequences(**kwargs)
 
 
-def test_errors_are_value_and_assertion_errors():
-    with pytest.raises(ValueError):
+def test_core_errors_are_value_errors_only():
+    """The core's PackingError is a ValueError; only the NeMo-RL drop-in's subclass is also an
+    AssertionError (tests/megatron_data/test_megatron_pack.py)."""
+    with pytest.raises(ValueError) as info:
         PackSequences(0)
-    with pytest.raises(AssertionError):
-        PackSequences(0)
+    assert type(info.value) is PackingError and not isinstance(info.value, AssertionError)
 
 
 @pytest.mark.parametrize(
@@ -226,21 +227,6 @@ def test_unpack_boundaries_rise_from_zero_to_t():
         UnpackSequences(8)(r.packed, torch.zeros(0, dtype=torch.int64), torch.tensor([32]))
 
 
-def test_unpack_offsets_mode_allows_unpadded_boundaries_ending_before_t():
-    from nn_data.unpack import unpack_sequences
-
-    packed = torch.arange(1, 11).view(1, 10)  # two sequences of 3 and 4, then 3 padding positions
-    out = unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 7]), 4, offsets="unpadded")
-    assert out.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
-    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 3, 12\] is invalid|cu_seqlens\[2\] = 12 is outside"):
-        unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 12]), 4, offsets="unpadded")
-    with pytest.raises(PackingError, match=r"cu_seqlens=\[0, 5, 3\] is invalid for a packed length T=10 .* end at "
-                       r"most at 10"):
-        unpack_sequences(packed, torch.tensor([3, 0]), torch.tensor([0, 5, 3]), 4, offsets="unpadded")
-    with pytest.raises(PackingError, match=r"offsets='cu' is invalid; expected 'padded' or 'unpadded'"):
-        unpack_sequences(packed, torch.tensor([3, 4]), torch.tensor([0, 3, 7]), 4, offsets="cu")
-
-
 def test_a_layout_an_op_is_given_must_be_the_microbatchs_own():
     r = PackSequences(4, pad_full_seq_to=16)(torch.ones(2, 8, dtype=torch.int64), torch.tensor([4, 4]))
     other = PackSequences(4, pad_full_seq_to=16)(torch.ones(2, 8, dtype=torch.int64), torch.tensor([4, 4]))
@@ -297,3 +283,56 @@ def test_token_ids_outside_the_vocabulary_on_a_travelling_layout_are_a_device_as
         TokenLogProbs(4)(torch.zeros(1, 8, 3), r.packed, layout=r.layout)  # no read: the check is on the device
     with pytest.raises(PackingError, match=r"packed token id 9 at position 2 is outside the vocabulary \[0, 3\)"):
         TokenLogProbs(4)(torch.zeros(1, 8, 3), r.packed, r.cu_seqlens, r.cu_seqlens_padded)  # the one read
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+def test_pack_layout_methods_refuse_another_microbatchs_packed_tensor(host_reads):
+    pack = PackSequences(4, pad_full_seq_to=16, host_reads=host_reads)
+    a = pack(torch.arange(1, 11).view(2, 5), torch.tensor([3, 5]))
+    b = pack(torch.arange(11, 21).view(2, 5), torch.tensor([5, 2]))
+    if a.layout.token is None:  # only the host executor's tensors carry a token
+        assert not host_reads
+        return
+    other = r"^packed was packed on another microbatch's layout"
+    with pytest.raises(PackingError, match=other):
+        b.layout.unpack(a.packed, 5)
+    with pytest.raises(PackingError, match=other):
+        b.layout.shard(a.packed, 2, 1)
+    with pytest.raises(PackingError, match=other):
+        b.layout.shard(a.packed, 1, 0)
+    shards = a.layout.shard(a.packed, 2, 0)
+    with pytest.raises(PackingError, match=r"^shards was packed on another microbatch's layout"):
+        b.layout.unshard(shards, 2)
+    assert torch.equal(a.layout.unpack(a.packed, 5), torch.arange(1, 11).view(2, 5) * (torch.arange(5) < torch.tensor(
+        [[3], [5]])))  # its own layout still runs
+
+
+def test_another_microbatchs_layout_of_the_same_length_is_refused():
+    pack = PackSequences(4, pad_full_seq_to=16)
+    a = pack(torch.arange(1, 11).view(2, 5), torch.tensor([3, 5]))
+    b = pack(torch.arange(11, 21).view(2, 5), torch.tensor([5, 2]))
+    with pytest.raises(PackingError, match=r"^packed was packed on another microbatch's layout"):
+        UnpackSequences(seq_len=5)(a.packed, layout=b.layout)
+    with pytest.raises(PackingError, match=r"^packed was packed on another microbatch's layout"):
+        ShardForContextParallel(2, 0)(a.packed, layout=b.layout)
+    from nn_data import NextTokenTargets
+
+    with pytest.raises(PackingError, match=r"^packed_ids was packed on another microbatch's layout"):
+        NextTokenTargets()(a.packed, layout=b.layout)
+    assert UnpackSequences(seq_len=5)(a.packed, layout=a.layout)[0].tolist() == [1, 2, 3, 0, 0]
+
+
+def test_a_cp_shard_given_to_unpack_is_named_as_one():
+    r = PackSequences(4, pad_full_seq_to=16)(torch.arange(1, 11).view(2, 5), torch.tensor([3, 5]))
+    local = ShardForContextParallel(2, 1)(r.packed, layout=r.layout)
+    with pytest.raises(PackingError, match=r"has T=8 = T/2: a context-parallel shard\? Gather it first "
+                                           r"\(GatherFromContextParallel, or UnshardFromContextParallel"):
+        UnpackSequences(seq_len=5)(local, layout=r.layout)
+
+
+def test_swapped_lengths_and_boundaries_are_named_as_swapped():
+    r = PackSequences(4)(torch.arange(1, 11).view(2, 5), torch.tensor([3, 5]))
+    with pytest.raises(PackingError, match=r"^cu_seqlens_padded has 2 entries; expected 4 \(B \+ 1 for the B = 3 "
+                                           r"entries of seq_lengths\); seq_lengths has one entry more than "
+                                           r"cu_seqlens_padded: were the two swapped\?$"):
+        UnpackSequences(5)(r.packed, r.cu_seqlens_padded, torch.tensor([3, 5]))

@@ -5,6 +5,9 @@ Worked examples of the core ops with exact expected tensors.
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 import torch
 
 from nn_data import (
@@ -203,3 +206,23 @@ def test_unpack_of_an_empty_microbatch_stays_in_the_autograd_graph():
         assert rows.shape == (len(lengths), 5, 3) and not rows.any()
         rows.sum().backward()
         assert out.grad is not None and not out.grad.any()
+
+
+@pytest.mark.parametrize("host_reads", [True, False])  # the host executor, and the device executor
+def test_an_all_empty_pack_of_features_stays_in_autograd(host_reads):
+    ids = torch.zeros(2, 4, dtype=torch.int64)
+    x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    layout = PackSequences(4, 1, 16, host_reads=host_reads)(ids, torch.tensor([0, 0])).layout
+    packed = layout.pack(x)
+    assert packed.requires_grad and packed.shape == (1, 16, 3)
+    (grad,) = torch.autograd.grad(packed.sum(), x)  # raised "does not require grad" before
+    assert torch.equal(grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("lengths", [[3, 2, 5], (3, 2, 5), np.array([3, 2, 5])])
+def test_pack_sequences_takes_lengths_as_a_list_tuple_or_numpy_array(lengths):
+    ids = torch.arange(1, 16).view(3, 5)
+    r = PackSequences(4)(ids, lengths)
+    assert r.cu_seqlens_padded.tolist() == [0, 4, 8, 16]
+    assert torch.equal(UnpackSequences(5)(r.packed, layout=r.layout), ids * (torch.arange(5) < torch.tensor(
+        [3, 2, 5])[:, None]))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, shared_prefix_layout
-from nn_data.shared_prefix_logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from nn_data.logprobs.from_shared_prefix import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
 from nn_data.testing.reference import reference_shard
 from tests.support.hypothesis_profiles import examples
 from tests.support.shared_prefix_reference import V, alone, logprob_case as _case, reference, rollouts

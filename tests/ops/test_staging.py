@@ -89,3 +89,27 @@ def test_bad_input_is_named(packing):
         stage.copy_(input_ids=torch.zeros(1, 32, dtype=torch.long))
     with pytest.raises(PackingError, match="StagedMicrobatch stages"):
         stage.copy_(logits=torch.zeros(1))
+
+
+@pytest.fixture(scope="module")
+def small_packing():
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab=16, dim=8, heads=2, layers=1, mask_kind="dense").eval()
+    return PackedForward(model, pad_individual_seqs_to_multiple_of=1, pad_full_seq_to=16, row_capacity=4)
+
+
+def test_a_staged_microbatch_refuses_lengths_past_the_rows_it_was_loaded_with(small_packing):
+    ids, lengths = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([6, 2])  # rows of 3 tokens, a length of 6
+    with pytest.raises(PackingError, match=r"^seq_lengths\[0\] = 6 is outside \[0, S=3\]"):
+        small_packing.prepare(ids, lengths)  # the unstaged path
+    stage = StagedMicrobatch(small_packing, 10)  # staged rows of 10: the check must be against the 3 loaded
+    with pytest.raises(RuntimeError, match=r"StagedMicrobatch.prepare: every seq_lengths value must be in \[0, S\] "
+                                           r"\(S = the rows loaded: input_ids.shape\[1\] of load"):
+        stage.load(ids, lengths).prepare()
+    with HostSyncCounter() as syncs:  # a length that fits: still no host read
+        stage.load(ids, torch.tensor([3, 2])).prepare()
+    assert syncs.count == 0, syncs.calls
+    unvalidated = StagedMicrobatch(small_packing, 10, validate=False)
+    unvalidated.load(ids, lengths).prepare()  # validate=False: no check (the caller's choice)
+    full = torch.zeros(4, 10, dtype=torch.int64)
+    stage.load_rows(full, torch.tensor([10, 0, 0, 0]), torch.tensor(1)).prepare()  # rows of S: a length of S fits

@@ -14,6 +14,7 @@ import ast
 import io
 import re
 import tokenize
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Modules imported at module level or in functions, TYPE_CHECKING blocks excluded."""
+def _imports(path: Path, *, annotations: bool = False) -> set[str]:
+    """Modules imported at module level or in functions; TYPE_CHECKING blocks excluded unless
+    ``annotations`` (what runs vs. what the code depends on: the cycle check counts both)."""
     tree = ast.parse(path.read_text())
     skip = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not annotations and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip.update(id(n) for n in ast.walk(node))
     found = set()
     for node in ast.walk(tree):
@@ -49,6 +51,8 @@ def _imports(path: Path) -> set[str]:
 
 
 MODULES = {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
+# Every import, TYPE_CHECKING blocks included: an annotation-only import is a dependency too.
+ALL_IMPORTS = {_module_name(p): _imports(p, annotations=True) for p in PKG.rglob("*.py")}
 # The drop-in's home and the old paths that alias it (nn_data._alias makes each old path the new module):
 # the rows of nn_data._alias.OLD_PATHS (read from its source) whose home is in the drop-in.
 DROP_IN = "nn_data.nemo_rl"
@@ -85,6 +89,53 @@ def test_core_imports_nothing_from_the_nemo_rl_drop_in(module):
     assert not bad, f"{module} imports {bad}"
 
 
+# The drop-in enters nn_data by the public API (nn_data's __all__, the lazy nn_data.adapters door and its
+# documented shared_prefix_kv module) and one declared extension surface (nn_data.extension) alone, so a
+# rename inside nn_data touches that one module and the drop-in could leave the package as a folder.
+DROP_IN_DOORS = ("nn_data", "nn_data.adapters", "nn_data.adapters.shared_prefix_kv", "nn_data.extension")
+DROP_IN_FILES = sorted((PKG / "nemo_rl").rglob("*.py"))
+
+
+def _nn_data_imports(path: Path) -> list:
+    """``(module, name)`` of every ``nn_data`` import of a file (module level, in functions and under
+    ``TYPE_CHECKING``); ``name`` None for ``import nn_data.x``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("nn_data"):
+            found += [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.startswith("nn_data")]
+    return found
+
+
+@pytest.mark.parametrize("path", DROP_IN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_drop_in_imports_the_public_api_and_the_extension_surface_alone(path):
+    import importlib
+
+    bad = []
+    for module, name in _nn_data_imports(path):
+        if module == DROP_IN or module.startswith(DROP_IN + "."):
+            continue
+        if module not in DROP_IN_DOORS or name is None:
+            bad.append(f"{module}.{name}" if name else module)
+        elif name not in importlib.import_module(module).__all__:
+            bad.append(f"{module}.{name}")
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}; add what it needs to nn_data/extension.py"
+
+
+def test_the_extension_surface_is_declared_and_each_name_used():
+    """nn_data.extension says what it offers and why (its docstring), exports each name once, every name
+    has an importer in the drop-in (a name nothing imports is deleted), and it imports nothing of the drop-in."""
+    import nn_data.extension as extension
+
+    assert extension.__doc__ and "drop-in" in extension.__doc__ and "so that" in extension.__doc__
+    names = extension.__all__
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    used = {name for p in DROP_IN_FILES for module, name in _nn_data_imports(p) if module == "nn_data.extension"}
+    assert set(names) == used, (sorted(set(names) - used), sorted(used - set(names)))
+    assert not [i for i in MODULES["nn_data.extension"] if _in_drop_in(i)]
+
+
 # The model adapters are about megatron-core models themselves (nn_data.adapters, opt-in, never
 # imported by `import nn_data`); everything else reaches megatron-core through megatron_parallel.
 MEGATRON_MODEL_CODE = {"nn_data.adapters.megatron_gpt", "nn_data.adapters._megatron_cpu",
@@ -98,7 +149,8 @@ def test_only_megatron_parallel_imports_megatron_core():
 
 
 def test_no_import_cycle_between_nn_data_modules():
-    graph = {m: {i for i in imps if i in MODULES and i != m} for m, imps in MODULES.items()}
+    """No cycle in the import graph of nn_data's modules, imports under ``TYPE_CHECKING`` counted."""
+    graph = {m: {i for i in imps if i in MODULES and i != m} for m, imps in ALL_IMPORTS.items()}
     # A package's __init__ re-exports its submodules; an edge submodule -> own package is the
     # normal "from package import name" and would be a cycle only through __init__ itself.
     state: dict[str, int] = {}
@@ -253,9 +305,8 @@ def test_nothing_in_the_package_imports_nemo_rl():
 def test_model_utils_builds_on_the_log_prob_core_not_on_token_logprobs():
     # nn_data.nemo_rl.model_utils reuses the chunked log-prob kernel, the zigzag places and the CP gather;
     # TokenLogProbs (nn_data's own convention) is a sibling, not a dependency.
-    from_logprobs = {i for i in MODULES["nn_data.nemo_rl.model_utils"] if i.startswith("nn_data.logprobs.")}
-    assert from_logprobs <= {"nn_data.logprobs.token_logprobs_local", "nn_data.logprobs.sampling_filter"}
-    assert "nn_data.logprobs.token_logprobs_local" in from_logprobs
+    names = {name for module, name in _nn_data_imports(PKG / "nemo_rl" / "model_utils.py")}
+    assert "token_logprobs_local" in names and not names & {"TokenLogProbs", "TokenLogProbsFromHidden"}
 
 
 # ---- the layout's boundary (docs/design.md, "Layouts and executors") -------------------
@@ -364,7 +415,9 @@ def test_an_old_path_has_no_file_and_imports_as_its_home(old):
     path = PKG / Path(*old.split(".")[1:])
     assert old not in MODULES and not path.with_suffix(".py").exists() and not path.is_dir(), old
     assert home_of(old) in MODULES
-    assert importlib.import_module(old) is importlib.import_module(home_of(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # its one warning (tests/ops/test_old_names.py)
+        assert importlib.import_module(old) is importlib.import_module(home_of(old))
 
 
 def test_no_module_basename_means_two_things():

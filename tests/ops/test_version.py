@@ -33,3 +33,30 @@ def test_the_license_is_an_spdx_string():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"
     assert metadata.metadata("nn_data")["License-Expression"] == "Apache-2.0"
+
+
+def _pins(path: Path) -> dict:
+    return dict(line.split("==") for line in path.read_text().splitlines() if "==" in line and not line.startswith("#"))
+
+
+def test_each_extra_allows_what_ci_tests_and_no_newer_minor_release():
+    """``pip install "nn_data[hf]"`` / ``[megatron]`` resolve to a release CI tests: every pin of the two CI
+    jobs (constraints.txt, constraints-mcore019.txt) is inside its extra's range, and the next minor release
+    after the newest pin is not (transformers 5.25.0 is out, and untested)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    jobs = [_pins(ROOT / "constraints.txt"), _pins(ROOT / "constraints-mcore019.txt")]
+    for extra, name in (("hf", "transformers"), ("megatron", "megatron-core")):
+        (spec,) = [Requirement(r).specifier for r in extras[extra] if Requirement(r).name == name]
+        tested = sorted({Version(job[name]) for job in jobs})
+        assert all(v in spec for v in tested), (name, str(spec), tested)
+        newest = tested[-1]
+        assert Version(f"{newest.major}.{newest.minor + 1}.0") not in spec, (name, str(spec), newest)
+
+
+def test_the_license_file_is_the_one_the_metadata_names():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()

@@ -235,3 +235,10 @@ def test_the_documented_example_runs_as_written_and_prints_what_the_page_says(pa
     printed = capsys.readouterr().out
     assert "[[[2, 4, 3]], [[12, 7, 13]], [[0, 14, 15, 1, 6, 9]], [[5, 8, 10, 11]]]" in printed
     assert "11.5% padding, work imbalance 1.003" in printed
+
+
+def test_a_uint64_length_above_2_63_is_named_as_given():
+    big = 2**63 + 5
+    with pytest.raises(PackingError, match=rf"^lengths\[0\] = {big} is invalid; a length above 2147483647 cannot "
+                                           r"fit the int32 boundaries"):
+        plan_step(np.array([big, 3], dtype=np.uint64), Parallelism(dp=1), pad_full_seq_to=64)

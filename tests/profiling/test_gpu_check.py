@@ -8,7 +8,10 @@ never a pass. The steps themselves run in CI as ``bash scripts/gpu_check.sh --dr
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +156,15 @@ def test_bad_flags_exit_2(argv):
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.parse_args(argv)
     assert exit_info.value.code == 2
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_check_without_a_python_that_has_torch_says_what_to_run():
+    env = {**os.environ, "PYTHON": "false"}  # an interpreter that cannot import torch
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert "false has no torch" in run.stderr and "--dry-run" in run.stderr
+    assert "ModuleNotFoundError" not in run.stderr

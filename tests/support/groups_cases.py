@@ -151,7 +151,7 @@ def case_ops_with_a_mesh() -> dict:
 
 def _dp_reductions(mesh, megatron_data, automodel_data) -> dict:
     """NeMo-RL's DP reductions with the DP group as a mesh: over the mesh's "dp" group, not the world."""
-    from nn_data.batched_data_dict import BatchedDataDict
+    from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 
     rank = dist.get_rank()
     data = BatchedDataDict(input_ids=torch.zeros(2, 4, dtype=torch.long), sample_mask=torch.tensor([1.0, rank]))

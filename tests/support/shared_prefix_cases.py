@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.groups import context_parallel_info, tensor_parallel_info
-from nn_data.shared_prefix_logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from nn_data.logprobs.from_shared_prefix import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
 from tests.support.shared_prefix_reference import V, alone, logprob_case
 
 TOL = dict(rtol=0, atol=1e-10)

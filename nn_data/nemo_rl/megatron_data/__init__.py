@@ -10,7 +10,8 @@ values (tuples where NeMo-RL returns tuples, the same dataclasses), including HE
 ``get_context_parallel_rank``, ``get_context_parallel_world_size`` (megatron-core's, 0 of 1
 when CP is not set up) and ``get_packed_seq_cp_partition_indices`` (megatron-bridge's, here
 without megatron-bridge). The functions call each other through this module's names at call
-time, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")`` reaches the call as it does in NeMo-RL.
+time, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")`` reaches the call as it does in NeMo-RL (the packed
+branch excepted: it packs every tensor in one call, not one per helper).
 Differences (docs/nemo-rl.md's "Differences from NeMo-RL" table lists all of them):
 
 * one layout per microbatch (:mod:`nn_data.layout`), built after one read of the lengths, packs
@@ -21,8 +22,8 @@ Differences (docs/nemo-rl.md's "Differences from NeMo-RL" table lists all of the
   above ``pad_full_seq_to`` raises (NeMo-RL truncates); a segment not divisible by
   ``2 * cp_size`` raises (NeMo-RL drops tokens); unpacking always uses the padded
   offsets (NeMo-RL misplaces sequences when CP is 1 and the multiple is > 1);
-* errors are :class:`nn_data.errors.PackingError`, a ``ValueError`` *and* an
-  ``AssertionError``, so code that catches NeMo-RL's asserts keeps working;
+* errors are :class:`~nn_data.nemo_rl.assertions.PackingAssertionError`, nn_data's ``PackingError`` (a
+  ``ValueError``) that is also an ``AssertionError``, so code that catches NeMo-RL's asserts keeps working;
 * extra keyword-only arguments, all optional: ``options=PackOptions(...)`` on
   :func:`process_microbatch` / :func:`_pack_sequences_for_megatron` (compiled graph,
   row capacity, ``T`` buckets; the iterators read them from ``cfg["nn_data"]``) and
@@ -61,14 +62,7 @@ from nn_data.nemo_rl.megatron_data.r3 import (
     _verify_r3_trace_cp_token_alignment,
 )
 from nn_data.nemo_rl.megatron_data.vlm import _prepare_vlm_batch_for_megatron
-
-# nn_data's own functions behind the names process_microbatch calls: a name bound to anything else
-# (a test's mock.patch) makes it follow NeMo-RL's call sequence (common.patched).
-_ORIGINALS = {
-    "_pack_sequences_for_megatron": _pack_sequences_for_megatron,
-    "_shard_routed_experts_for_cp": _shard_routed_experts_for_cp,
-    "get_packed_seq_cp_partition_indices": get_packed_seq_cp_partition_indices,
-}
+from nn_data.nemo_rl.assertions import translate_errors
 
 __all__ = [
     "PackOptions",
@@ -92,3 +86,5 @@ __all__ = [
     "process_global_batch",
     "process_microbatch",
 ]
+
+translate_errors(globals())  # the core's PackingError leaves as PackingAssertionError (nn_data.nemo_rl.assertions)

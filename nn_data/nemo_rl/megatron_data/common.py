@@ -1,5 +1,5 @@
 """Small helpers of the NeMo-RL-compatible layer: NeMo-RL's rounding helper, the straggler timer,
-``require``, the CP getters NeMo-RL's module exposes, and :func:`public` / :func:`patched`.
+``require``, the CP getters NeMo-RL's module exposes, and :func:`public`.
 
 :func:`public` is how the compat layer's functions call each other: through the names
 ``nn_data.nemo_rl.megatron_data`` binds *at call time*, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")``
@@ -14,9 +14,8 @@ import contextlib
 import importlib
 from typing import Any
 
-from nn_data.errors import PackingError
-from nn_data.groups import megatron_state
-from nn_data.layout import round_up
+from nn_data.nemo_rl.assertions import PackingAssertionError
+from nn_data.extension import megatron_state, round_up
 
 
 def _round_up_to_multiple(value: int, multiple: int) -> int:
@@ -36,7 +35,7 @@ def straggler_context(straggler_timer):
 def require(condition: bool, message: str) -> None:
     """Raise :class:`PackingError` (a ``ValueError`` and an ``AssertionError``) unless ``condition``."""
     if not condition:
-        raise PackingError(message)
+        raise PackingAssertionError(message)
 
 
 PUBLIC_MODULE = "nn_data.nemo_rl.megatron_data"
@@ -45,19 +44,11 @@ PUBLIC_MODULE = "nn_data.nemo_rl.megatron_data"
 def public(name: str) -> Any:
     """What ``nn_data.nemo_rl.megatron_data`` binds to ``name`` now (a mock while it is patched).
 
-    Example: inside ``mock.patch("nn_data.nemo_rl.megatron_data._pack_sequences_for_megatron")``,
-    ``public("_pack_sequences_for_megatron")`` is the mock, so :func:`process_microbatch`
+    Example: inside ``mock.patch("nn_data.nemo_rl.megatron_data.get_ltor_masks_and_position_ids")``,
+    ``public("get_ltor_masks_and_position_ids")`` is the mock, so :func:`process_microbatch`
     calls the mock, as NeMo-RL's module-level calls would.
     """
     return getattr(importlib.import_module(PUBLIC_MODULE), name)
-
-
-def patched(*names: str) -> bool:
-    """Whether any of ``names`` is bound to something other than nn_data's own function right now (a
-    ``mock.patch``, ``wraps=`` included): then :func:`process_microbatch` follows NeMo-RL's call
-    sequence through those names instead of its one packing call."""
-    module = importlib.import_module(PUBLIC_MODULE)
-    return any(getattr(module, name) is not module._ORIGINALS[name] for name in names)
 
 
 def megatron_cp_rank_and_size() -> tuple[int, int]:

@@ -19,16 +19,17 @@ the host layout's. This is the one place that decides which runs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
 
-from nn_data import _checks
-from nn_data.errors import PackingError
-from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
+from nn_data import PackLayout
+from nn_data.extension import checks, layout_from_lengths, layout_from_read_lengths, pack_shard, PackSpec
+from nn_data.nemo_rl.assertions import PackingAssertionError, spelled
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
+from nn_data.nemo_rl.buckets import bucket_total
 from nn_data.nemo_rl.megatron_data.options import PackOptions
-from nn_data.pack import pack_shard
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
 #: Why this door never packs a shared-prefix microbatch (it has no group ids to share a prompt by).
@@ -51,7 +52,7 @@ def as_lengths(seq_lengths, rows: int, device, like: str = "input_ids") -> torch
     """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on
     ``device`` (no sync). Non-integers (``[1.5, 2, 3]``, a float tensor) raise :class:`PackingError`,
     so do lengths on a device they cannot be copied from (:func:`on_device`)."""
-    seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, rows)
+    seq_lengths = checks.as_int_vector("seq_lengths", seq_lengths, rows)
     return on_device("seq_lengths", seq_lengths, like, device).to(dtype=torch.int64)
 
 
@@ -63,8 +64,8 @@ def on_device(name: str, t: torch.Tensor, like: str, device) -> torch.Tensor:
     input_ids is on cpu"."""
     device = torch.device(device)
     if t.device != device and "meta" in (t.device.type, device.type):
-        raise PackingError(f"{name} is on {t.device} but {like} is on {device}; a meta tensor has no values "
-                           f"to copy: pass {name} with its values (on {device} or any device but meta)")
+        raise PackingAssertionError(f"{name} is on {t.device} but {like} is on {device}; a meta tensor has no values "
+                                    f"to copy: pass {name} with its values (on {device} or any device but meta)")
     return t.to(device)
 
 
@@ -74,28 +75,29 @@ def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
     for name, value in extras.items():
         if value is None:
             continue
-        _checks.check_min_dims(name, value, 2, "[B, S, *]")
+        checks.check_min_dims(name, value, 2, "[B, S, *]")
         if tuple(value.shape[:2]) != tuple(input_ids.shape[:2]):
-            raise PackingError(f"{name} has shape {_checks.dims(value)}; it must be [B, S, *] = "
-                               f"[{input_ids.shape[0]}, {input_ids.shape[1]}, *] like input_ids")
-        _checks.check_same_device(input_ids=input_ids, **{name: value})
+            raise PackingAssertionError(f"{name} has shape {checks.dims(value)}; it must be [B, S, *] = "
+                                        f"[{input_ids.shape[0]}, {input_ids.shape[1]}, *] like input_ids")
+        checks.check_same_device(input_ids=input_ids, **{name: value})
 
 
 def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, options: PackOptions,
-                    extras: dict) -> PackedMicrobatch:
+                    extras: dict, name: str = "pad_full_seq_to") -> PackedMicrobatch:
     """Lay out (one sync) and pack ``input_ids [B, S]`` plus the ``extras`` given (a dict over
     :data:`EXTRAS`: ``[B, S, *]`` tensors or None) for this CP rank. Padding is 0, except routed
     experts, whose padding rows are ``arange(topk)`` (a valid top-k route). Every tensor's shape and
-    device are checked here, once, before any compiled region."""
+    device are checked here, once, before any compiled region; ``name`` is the caller's spelling of
+    the fixed packed length (:func:`lay_out`)."""
     if options.shared_prefix is not None:  # never packed end to end in its place
-        raise PackingError(END_TO_END)
+        raise PackingAssertionError(END_TO_END)
     unknown = [k for k in extras if k not in EXTRAS]
     if unknown:
-        raise PackingError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")
-    _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+        raise PackingAssertionError(f"pack_microbatch packs {EXTRAS} with the ids; got {sorted(unknown)}")
+    checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     check_extras(input_ids, extras)
     lengths = as_lengths(seq_lengths, input_ids.shape[0], input_ids.device)
-    layout = layout_from_lengths(lengths, input_ids.shape[1], spec, op="_pack_sequences_for_megatron")
+    layout = lay_out(lengths, input_ids.shape[1], spec, buckets=options.buckets, name=name)
     if options.compile and layout.total:
         full, local = run_graph(input_ids, lengths, extras, spec=spec, total=layout.total, cp_rank=cp_rank,
                                 options=options)
@@ -103,3 +105,23 @@ def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, opt
         full, local = pack_shard(layout, {"input_ids": input_ids, **extras}, cp_size=spec.cp_size, cp_rank=cp_rank,
                                  routes=ROUTES)
     return PackedMicrobatch(layout, full, local)
+
+
+def lay_out(lengths: torch.Tensor, row_len: int, spec: PackSpec, *, buckets, name: str) -> PackLayout:
+    """The microbatch's host layout (the one read of ``lengths [B]``), its ``T`` rounded up to a bucket
+    when ``buckets`` are set and no packed length is fixed (:func:`bucket_total`, then the layout of the
+    lengths already read with that ``T``: no second read); errors name the fixed packed length ``name``,
+    as the caller spelled it (:func:`~nn_data.nemo_rl.assertions.spelled`).
+
+    Example: lengths ``[3, 5]``, m 4, buckets ``(16, 32)`` -> natural T 12 -> T 16, cu_seqlens_padded
+    ``[0, 4, 16]``.
+    """
+    with spelled(name):
+        layout = layout_from_lengths(lengths, row_len, spec, op="_pack_sequences_for_megatron")
+        if buckets is None or spec.fixed_total is not None:
+            return layout
+        total = bucket_total(layout.total, buckets, spec.p, spec.cp_size)
+        if total == layout.total:
+            return layout
+        return layout_from_read_lengths(layout.host.lengths, lengths, row_len,
+                                        dataclasses.replace(spec, fixed_total=total))

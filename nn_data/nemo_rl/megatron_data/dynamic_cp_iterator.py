@@ -23,8 +23,8 @@ from typing import Iterator, Tuple
 
 import torch
 
-from nn_data.errors import PackingError
-from nn_data.megatron_parallel import make_packed_seq_params
+from nn_data.nemo_rl.assertions import PackingAssertionError
+from nn_data.extension import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 
 
@@ -39,11 +39,11 @@ def dynamic_cp_microbatch_iterator(data, cfg: dict, runner, plan, *, device) -> 
     (``make_packed_seq_params=True``) or ``data`` does not hold the plan's sequences.
     """
     if not runner.make_packed_seq_params:
-        raise PackingError("a dynamic-CP microbatch needs PackedSeqParams: build the runner with "
-                           "DynamicCPRunner(..., make_packed_seq_params=True)")
+        raise PackingAssertionError("a dynamic-CP microbatch needs PackedSeqParams: build the runner with "
+                                    "DynamicCPRunner(..., make_packed_seq_params=True)")
     if data.size != len(plan.lengths):
-        raise PackingError(f"data holds {data.size} sequences but the plan was made for {len(plan.lengths)}; plan "
-                           "the global batch's lengths (data['input_lengths'])")
+        raise PackingAssertionError(f"data holds {data.size} sequences but the plan was made for {len(plan.lengths)}; plan "
+                                    "the global batch's lengths (data['input_lengths'])")
     target = device
     input_ids = data["input_ids"].to(target)
     step = runner.step(plan, input_ids)

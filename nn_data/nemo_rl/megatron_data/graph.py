@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from nn_data import _checks
-from nn_data.layout import PackSpec
+from nn_data.extension import checks, PackShard, PackSpec, with_dynamic_row_length
 from nn_data.nemo_rl.megatron_data.options import PackOptions
-from nn_data.pack import PackSequences, PackShard
-from nn_data.rows import pad_rows, with_dynamic_row_length
+from nn_data import PackSequences, pad_rows
 
 # Every PackShard shares one forward code object, and dynamo caps the graphs per code object
 # (recompile_limit, 8 by default); each (T, R, C, rank, ...) needs its own graph, so the compiled
@@ -60,7 +58,7 @@ def run_graph(input_ids, lengths, extras: dict, *, spec: PackSpec, total: int, c
     are the host layout's)."""
     rows = input_ids.shape[0]
     capacity = options.row_capacity or (1 << max(0, (rows - 1).bit_length()))
-    _checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
+    checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
     num_rows = torch.full((), rows, dtype=torch.int64, device=input_ids.device)  # on the device: no H2D copy
     padded = {k: _row_pad(v, capacity) for k, v in extras.items() if v is not None}
     fn = compiled_pack_shard(spec, total, cp_rank, options)

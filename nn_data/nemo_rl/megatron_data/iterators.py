@@ -14,19 +14,17 @@ names ``nn_data.nemo_rl.megatron_data`` binds at call time, so patching those na
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
 
-from nn_data.errors import PackingError
-from nn_data.groups import as_process_group, is_group_form, megatron_state
+from nn_data.nemo_rl.assertions import PackingAssertionError
+from nn_data.extension import as_process_group, is_group_form, megatron_state, Parallelism
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.shared_prefix import check_shared_prefix, refuse_with_dynamic_cp
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
-from nn_data.planning import Parallelism
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.utils import StragglerDetector
@@ -104,10 +102,10 @@ def check_configured_cp(cfg: dict[str, Any], pg_collection=None) -> None:
         source = "megatron-core's parallel_state"
     else:
         source = "megatron-core's parallel_state is not initialised and no pg_collection= was given"
-    raise PackingError(f"cfg['megatron_cfg']['context_parallel_size']={configured} but the context-parallel group "
-                       f"has {size} rank{'s' if size != 1 else ''} ({source}); initialise parallel_state with "
-                       f"context_parallel_size={configured}, or pass pg_collection= (the model's groups), or set "
-                       f"context_parallel_size={size}")
+    raise PackingAssertionError(f"cfg['megatron_cfg']['context_parallel_size']={configured} but the context-parallel group "
+                                f"has {size} rank{'s' if size != 1 else ''} ({source}); initialise parallel_state with "
+                                f"context_parallel_size={configured}, or pass pg_collection= (the model's groups), or set "
+                                f"context_parallel_size={size}")
 
 
 def _processed(raw_iterator, target, extra: dict, **kwargs) -> Iterator[ProcessedMicrobatch]:
@@ -271,11 +269,3 @@ def _is_token_level(loss_fn) -> bool:
     name, value = getattr(loss_type, "name", None), getattr(loss_type, "value", loss_type)
     return name == "TOKEN_LEVEL" or str(value).lower() in ("token_level", "losstype.token_level")
 
-
-def __getattr__(name: str):
-    """``run_packed_length``, the 0.2 development name of :func:`run_fixed_total`, with a warning."""
-    if name == "run_packed_length":
-        warnings.warn("nn_data.nemo_rl.megatron_data.iterators.run_packed_length is deprecated (0.2.0); use "
-                      "run_fixed_total", DeprecationWarning, stacklevel=2)
-        return run_fixed_total
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

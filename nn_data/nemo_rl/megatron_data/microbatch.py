@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from nn_data.errors import PackingError
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.common import public, require, straggler_context
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.packed import packed_inputs
@@ -52,7 +52,7 @@ def get_ltor_masks_and_position_ids(*args: Any, **kwargs: Any) -> Any:
 def _ltor(data, eod_token, pad_token=None, reset_position_ids=False, reset_attention_mask=False,
           eod_mask_loss=False, pad_mask_loss=False):
     if not isinstance(data, torch.Tensor) or data.dim() != 2:
-        raise PackingError(f"data must be a [B, S] tensor, got {getattr(data, 'shape', type(data))}")
+        raise PackingAssertionError(f"data must be a [B, S] tensor, got {getattr(data, 'shape', type(data))}")
     rows, cols = data.shape
     pos = torch.arange(cols, device=data.device)  # [S]
     causal = pos[None, :] <= pos[:, None]  # [S(q), S(k)]: k may be seen from q
@@ -111,8 +111,8 @@ def process_microbatch(
     (nn_data's field) is True at padding, in the layout of ``input_ids_cp_sharded``. CP rank and size
     from ``pg_collection.cp`` (keyword-only: megatron-core's ``ProcessGroupCollection``) when given,
     else :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One packing
-    call, one layout, one host sync (NeMo-RL: ``2B + 1`` per packed tensor); NeMo-RL's call sequence
-    when its packing names are patched (:mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
+    call, one layout, one host sync (NeMo-RL: ``2B + 1`` per packed tensor;
+    :mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
     (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.nemo_rl.megatron_data.options.PackOptions`);
     with ``options.shared_prefix`` each GRPO group's prompt is packed once
     (:func:`~nn_data.nemo_rl.megatron_data.shared_prefix.shared_prefix_inputs`).
@@ -133,8 +133,8 @@ def process_microbatch(
         input_ids = data_dict["input_ids"]
         routed = data_dict["routed_experts"] if "routed_experts" in data_dict else None
         if routed is not None and routed.dim() != 4:
-            raise PackingError("routed_experts must have shape [batch, seq, num_moe_layers, topk] before "
-                               f"Megatron packing; got {tuple(routed.shape)}")
+            raise PackingAssertionError("routed_experts must have shape [batch, seq, num_moe_layers, topk] before "
+                                        f"Megatron packing; got {tuple(routed.shape)}")
         if options is not None and options.shared_prefix is not None:  # each group's prompt once
             return shared_prefix_inputs(data_dict, seq_length_key=seq_length_key, pack_sequences=pack_sequences,
                                         m=pad_individual_seqs_to_multiple_of, p=pad_packed_seq_to_multiple_of,
@@ -196,8 +196,8 @@ def _unpacked_inputs(data_dict, input_ids, routed) -> dict:
     routed_cp, identity = routed, None
     if routed is not None:
         if "input_lengths" not in data_dict:
-            raise PackingError("routed_experts requires input_lengths when sequence packing is disabled so padding "
-                               "rows can be repaired before router replay. (add input_lengths [B] to the batch)")
+            raise PackingAssertionError("routed_experts requires input_lengths when sequence packing is disabled so padding "
+                                        "rows can be repaired before router replay. (add input_lengths [B] to the batch)")
         routed = routed_cp = public("_fill_routed_experts_padding")(routed, data_dict["input_lengths"])
         if r3_verify_forward_enabled():
             identity = public("_make_r3_trace_token_identity")(input_ids, data_dict["input_lengths"])

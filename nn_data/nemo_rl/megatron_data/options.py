@@ -14,10 +14,8 @@ import dataclasses
 import functools
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
-from nn_data import _checks
-from nn_data.errors import PackingError
-from nn_data.layout import PackSpec
-from nn_data.layout.internal import fixed_total_arg
+from nn_data.extension import checks, fixed_total_arg, PackSpec
+from nn_data.nemo_rl.assertions import PackingAssertionError
 
 
 class SharedPrefixKeys(NamedTuple):
@@ -44,9 +42,9 @@ def shared_prefix_keys(value, name: str = "cfg['nn_data']['shared_prefix']") -> 
     named = isinstance(value, Mapping) and all(isinstance(v, str) and v for v in value.values())
     if named and set(value) <= set(fields):
         return SharedPrefixKeys(**{fields[k]: v for k, v in value.items()})
-    raise PackingError(f"{name}={value!r} is invalid; expected True (the batch keys 'group_ids' and "
-                       "'prefix_lengths'), False / None (off) or a dict with 'group_ids_key' and / or "
-                       "'prefix_lengths_key' naming the batch's keys")
+    raise PackingAssertionError(f"{name}={value!r} is invalid; expected True (the batch keys 'group_ids' and "
+                                "'prefix_lengths'), False / None (off) or a dict with 'group_ids_key' and / or "
+                                "'prefix_lengths_key' naming the batch's keys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,17 +84,17 @@ class PackOptions:
     shared_prefix: Any = None
 
     def __post_init__(self):
-        _checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
+        checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
         object.__setattr__(self, "shared_prefix", shared_prefix_keys(self.shared_prefix))
         fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
         if self.pad_full_seq_to is not None and self.buckets is not None:
-            raise PackingError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
-                               "set: buckets only choose T when there is no fixed packed length; drop one")
+            raise PackingAssertionError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
+                                        "set: buckets only choose T when there is no fixed packed length; drop one")
         b = self.buckets
         if b is None or b == "pow2":
             return
         if isinstance(b, str) or not isinstance(b, Sequence) or not b:
-            raise PackingError(f"buckets={b!r} is invalid; expected None, 'pow2' or a non-empty list of ints")
+            raise PackingAssertionError(f"buckets={b!r} is invalid; expected None, 'pow2' or a non-empty list of ints")
         for v in b:
             fixed_total_arg("buckets entry", v)
         object.__setattr__(self, "buckets", tuple(sorted(set(b))))
@@ -108,8 +106,8 @@ class PackOptions:
         if run is None:
             return given
         if given is not None and given > run:
-            raise PackingError(f"{name}={given} exceeds the run-level packed length pad_full_seq_to={run} "
-                               f"(cfg['nn_data']['pad_full_seq_to'] or PackOptions); raise it to at least {given}")
+            raise PackingAssertionError(f"{name}={given} exceeds the run-level packed length pad_full_seq_to={run} "
+                                        f"(cfg['nn_data']['pad_full_seq_to'] or PackOptions); raise it to at least {given}")
         return run
 
     @classmethod
@@ -119,24 +117,28 @@ class PackOptions:
         section.pop("device", None)
         unknown = set(section) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise PackingError(f"cfg['nn_data'] has unknown keys {sorted(unknown)}; valid keys are "
-                               f"{sorted(f.name for f in dataclasses.fields(cls))} and 'device'")
+            raise PackingAssertionError(f"cfg['nn_data'] has unknown keys {sorted(unknown)}; valid keys are "
+                                        f"{sorted(f.name for f in dataclasses.fields(cls))} and 'device'")
         return cls(**section)
 
 
-def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp_size: int, name: str,
-                 options: Optional[PackOptions] = None) -> PackSpec:
-    """NeMo-RL's packing arguments as the layout's :class:`~nn_data.layout.PackSpec` (``name``: how the
-    caller spelled the fixed packed length), with ``cp_rank`` checked against ``cp_size``; checked once
-    per distinct configuration (a training run repeats a few), an unhashable argument uncached."""
-    buckets = options.buckets if options is not None and fixed_total is None else None
-    _checks.check_cp(cp_size, cp_rank)
+def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp_size: int, name: str) -> PackSpec:
+    """NeMo-RL's packing arguments as the layout's :class:`~nn_data.layout.PackSpec`, with ``cp_rank`` checked
+    against ``cp_size`` and the fixed packed length checked under the caller's spelling of it (``name``:
+    ``pad_packed_seq_to`` or ``pad_full_seq_to``); checked once per distinct configuration (a training run
+    repeats a few), an unhashable argument uncached."""
+    checks.check_cp(cp_size, cp_rank)
     try:
-        return _spec(m, p, fixed_total, cp_size, name, buckets)
+        return _spec(m, p, fixed_total, cp_size, name)
     except TypeError:  # an unhashable argument: checked (and refused) uncached
-        return _spec.__wrapped__(m, p, fixed_total, cp_size, name, buckets)
+        return _spec.__wrapped__(m, p, fixed_total, cp_size, name)
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (a bool multiple is refused)
-def _spec(m, p, fixed_total, cp_size, name, buckets) -> PackSpec:
-    return PackSpec(m, p, fixed_total=fixed_total, arg_name=name, buckets=buckets, cp_size=cp_size)
+def _spec(m, p, fixed_total, cp_size, name) -> PackSpec:
+    fixed_total_arg(name, fixed_total)
+    checks.positive_int("pad_packed_seq_to_multiple_of", p)
+    if fixed_total is not None and fixed_total % p:
+        raise PackingAssertionError(f"{name}={fixed_total} is not a multiple of pad_packed_seq_to_multiple_of={p}; "
+                                    f"choose a multiple of {p}")
+    return PackSpec(m, p, fixed_total=fixed_total, cp_size=cp_size)

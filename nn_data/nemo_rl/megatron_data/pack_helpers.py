@@ -15,14 +15,13 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nn_data import _checks
-from nn_data.errors import PackingError
+from nn_data.extension import (
+    Boundaries, checks, layout_from_boundaries, make_packed_seq_params, Parallelism, unpack_sequences,
+)
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.common import _round_up_to_multiple
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
 from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
-from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.planning import Parallelism
-from nn_data.unpack import unpack_sequences
 
 
 def _pack_sequences_for_megatron(
@@ -71,8 +70,9 @@ def _pack_sequences_for_megatron(
     options = options or PackOptions()
     spec = nemo_rl_spec(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
                         fixed_total=options.fixed_total(pad_packed_seq_to, "pad_packed_seq_to"), cp_rank=cp_rank,
-                        cp_size=cp_size, name="pad_packed_seq_to", options=options)
-    batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras={})
+                        cp_size=cp_size, name="pad_packed_seq_to")
+    batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras={},
+                            name="pad_packed_seq_to")
     layout = batch.layout
     params = make_packed_seq_params(layout.cu_seqlens_padded, layout.host.max_seqlen, layout.total // cp_size,
                                     total=layout.total)
@@ -118,11 +118,20 @@ def _unpack_sequences_from_megatron(
     if output_tensor.dim() == 1:
         output_tensor = output_tensor.unsqueeze(0)  # [T] -> [1, T]
     lengths = as_lengths(seq_lengths, original_batch_size, output_tensor.device, "output_tensor")
-    _checks.check_int_vector("cu_seqlens_padded" if offsets == "padded" else "cu_seqlens", bounds)
+    checks.check_int_vector("cu_seqlens_padded" if offsets == "padded" else "cu_seqlens", bounds)
     bounds = on_device("cu_seqlens_padded" if offsets == "padded" else "cu_seqlens", bounds,
                        "output_tensor", output_tensor.device)
-    _checks.row_length("original_seq_length", original_seq_length)
-    return unpack_sequences(output_tensor, lengths, bounds, original_seq_length, offsets=offsets)
+    checks.row_length("original_seq_length", original_seq_length)
+    if offsets == "padded":
+        return unpack_sequences(output_tensor, lengths, bounds, original_seq_length)
+    # NeMo-RL's contract lets the unpadded offsets stand in: they may end before T (padding after the last
+    # sequence); every other check is the same
+    checks.check_packed("output_tensor", output_tensor)
+    checks.check_boundaries_for("seq_lengths", lengths, "cu_seqlens", bounds)
+    bounds = Boundaries(bounds, output_tensor.shape[1], seq_lengths=lengths, name="cu_seqlens",
+                        total_from=" (T = output_tensor.shape[1])", valid_offsets=True)
+    layout = layout_from_boundaries(bounds, op="_unpack_sequences_from_megatron", seq_len=original_seq_length)
+    return layout.unpack(output_tensor, original_seq_length)
 
 
 def _get_pack_sequence_parameters_for_megatron(
@@ -177,7 +186,7 @@ def get_and_validate_seqlen(data):
     seq_dim_size = input_ids.shape[sequence_dim]
     for key, value in data.items():
         if torch.is_tensor(value) and value.dim() > 1 and value.shape[sequence_dim] != seq_dim_size:
-            raise PackingError(
+            raise PackingAssertionError(
                 f"Dim 1 must be the sequence dim, expected dim 1={seq_dim_size} but got shape {value.shape} "
                 f"for key {key} (input_ids.shape[1] = {seq_dim_size}; every tensor with 2+ dims must have "
                 "the sequence along dim 1)"

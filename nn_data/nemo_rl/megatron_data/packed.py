@@ -4,15 +4,13 @@ Shape legend
     B   sequences; S padded row length; T packed tokens; C context-parallel size
     Ly, K   MoE layers and top-k of routed experts ``[B, S, Ly, K]``
 
-When NeMo-RL's names are nn_data's own (nothing patched), the packed branch is **one explicit
-call**: :func:`~nn_data.nemo_rl.megatron_data.dispatch.pack_microbatch` packs ``input_ids`` and every
-companion (``mtp_loss_mask``, the media-token mask, routed experts, R3 identities) on one layout, with
-the microbatch's one host sync; ``PackedSeqParams`` and the full-row parameters come from that
-layout's host ints, and the CP share it packs is exactly the partition a model that slices CP
-itself takes (:func:`get_packed_seq_cp_partition_indices`: the same zigzag). Only when code patches ``_pack_sequences_for_megatron``,
-``_shard_routed_experts_for_cp`` or ``get_packed_seq_cp_partition_indices`` on
-``nn_data.nemo_rl.megatron_data`` (NeMo-RL's tests do) does it follow NeMo-RL's call sequence through those
-names: the ids, then the routed experts, then the MTP and media masks, each call doing its own work.
+The packed branch is **one explicit call**: :func:`~nn_data.nemo_rl.megatron_data.dispatch.pack_microbatch`
+packs ``input_ids`` and every companion (``mtp_loss_mask``, the media-token mask, routed experts, R3
+identities) on one layout, with the microbatch's one host sync; ``PackedSeqParams`` and the full-row
+parameters come from that layout's host ints, and the CP share it packs is exactly the partition a model
+that slices CP itself takes (:func:`get_packed_seq_cp_partition_indices`: the same zigzag). It does not
+call ``_pack_sequences_for_megatron`` or ``_shard_routed_experts_for_cp`` once per tensor as NeMo-RL does
+(docs/nemo-rl.md lists NeMo-RL's tests that assert on those calls).
 
 ``model_slices_context_parallel_inputs`` (NeMo-RL HEAD): the model inserts media into the
 full THD row before selecting its CP-owned tokens, so it gets the full packed ids
@@ -29,20 +27,16 @@ from typing import Any, Optional
 
 import torch
 
-from nn_data import _checks
-from nn_data.errors import PackingError
-from nn_data.groups import as_process_group, given_group_info, is_group_form
-from nn_data.layout import Boundaries, layout_from_boundaries
-from nn_data.layout.internal import fixed_total_arg, total_divisible
-from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.nemo_rl.megatron_data.common import patched, public
-from nn_data.nemo_rl.megatron_data.dispatch import PackedMicrobatch, check_extras, pack_microbatch
+from nn_data.extension import (
+    as_process_group, Boundaries, checks, fixed_total_arg, given_group_info, is_group_form, layout_from_boundaries,
+    make_packed_seq_params, total_divisible,
+)
+from nn_data.nemo_rl.assertions import PackingAssertionError
+from nn_data.nemo_rl.megatron_data.common import public
+from nn_data.nemo_rl.megatron_data.dispatch import pack_microbatch
 from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
 from nn_data.nemo_rl.megatron_data.r3 import r3_verify_forward_enabled
 from nn_data.nemo_rl.megatron_data.records import ProcessedInputs
-
-NEMO_RL_CALLS = ("_pack_sequences_for_megatron", "_shard_routed_experts_for_cp", "get_packed_seq_cp_partition_indices")
-
 
 def get_packed_seq_cp_partition_indices(
     packed_seq_params: Any,
@@ -69,30 +63,24 @@ def get_packed_seq_cp_partition_indices(
     differ from them, ``total_tokens`` not a multiple of ``2C``, boundaries that do not rise
     from 0 to ``total_tokens``, or a segment not divisible by ``2C``.
     """
-    _checks.check_cp(cp_size, cp_rank)
+    checks.check_cp(cp_size, cp_rank)
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
-        raise PackingError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
+        raise PackingAssertionError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
     fixed_total_arg("total_tokens", total_tokens or None)
     if is_group_form(cp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
         cp_group = as_process_group(cp_group, "cp_group")
     if cp_group is not None and (cp_group.size() != cp_size or cp_group.rank() != cp_rank):
-        raise PackingError(f"Context-parallel group has rank {cp_group.rank()} and size {cp_group.size()}, but "
-                           f"rank {cp_rank} and size {cp_size} were requested.")
+        raise PackingAssertionError(f"Context-parallel group has rank {cp_group.rank()} and size {cp_group.size()}, but "
+                                    f"rank {cp_rank} and size {cp_size} were requested.")
     if cp_size == 1:
         return torch.arange(total_tokens, device=device, dtype=torch.int64)
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     bounds = padded if padded is not None else packed_seq_params.cu_seqlens_q
-    _checks.check_int_vector("cu_seqlens_q_padded", bounds)
+    checks.check_int_vector("cu_seqlens_q_padded", bounds)
     total_divisible(total_tokens, cp_size)
     layout = layout_from_boundaries(Boundaries(bounds.to(device), total_tokens),
                                     op="get_packed_seq_cp_partition_indices", cp_size=cp_size)  # the one read
     return layout.local_places(cp_size, cp_rank).source  # [T/C] int64, the device map on the layout
-
-
-def options_kw(options: Optional[PackOptions]) -> dict:
-    """``{"options": options}`` unless they are the defaults: the pack is then called exactly as
-    NeMo-RL calls it, so a replacement with NeMo-RL's signature can be patched in."""
-    return {} if options is None or options == PackOptions() else {"options": options}
 
 
 def cp_rank_and_size(pg_collection) -> tuple:
@@ -104,15 +92,6 @@ def cp_rank_and_size(pg_collection) -> tuple:
     return public("get_context_parallel_rank")(), public("get_context_parallel_world_size")()
 
 
-def boundaries_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, total: int, cp_size: int,
-                            cp_rank: int) -> torch.Tensor:
-    """``[1, T/C]`` bool, True at this rank's padding, from the boundaries a (patched) packer returned:
-    :meth:`~nn_data.layout.PackLayout.padding_mask` of their layout, built unvalidated (no read)."""
-    layout = layout_from_boundaries(Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens),
-                                    op="boundaries_padding_mask", validate=False)
-    return layout.padding_mask(cp_size, cp_rank)  # [1, T/C]
-
-
 def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, pad_full_seq_to, model_slices: bool,
                   options: Optional[PackOptions], pg_collection=None):
     """NeMo-RL HEAD's packed branch: the microbatch's ``ProcessedInputs`` (and nn_data's padding mask,
@@ -120,19 +99,12 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, 
     cp_rank, cp_size = cp_rank_and_size(pg_collection)
     extras = _extras(data_dict, input_ids, seq_lengths, routed)
     mask_ranks = (1, 0) if model_slices else (cp_size, cp_rank)  # the model's ids: the full row, or this share
-    if patched(*NEMO_RL_CALLS):
-        check_extras(input_ids, extras)  # NeMo-RL's functions do not check the companions
-        batch, params, cu_pad, cu = _nemo_rl_calls(input_ids, seq_lengths, extras, m=m, p=p,
-                                                   pad_full_seq_to=pad_full_seq_to, cp_rank=cp_rank, cp_size=cp_size,
-                                                   options=options, model_slices=model_slices)
-        padding = boundaries_padding_mask(cu, cu_pad, batch.full["input_ids"].shape[1], *mask_ranks)
-    else:  # one packing call: every tensor on one layout, one host sync
-        options = options or PackOptions()
-        spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
-                            name="pad_full_seq_to", options=options)  # a run-level T wins
-        batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras=extras)
-        params, cu_pad = _params(batch.layout, cp_size, model_slices), batch.layout.cu_seqlens_padded
-        padding = batch.layout.padding_mask(*mask_ranks)  # [1, T/C] (or [1, T]) bool, no read
+    options = options or PackOptions()
+    spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
+                        name="pad_full_seq_to")  # a run-level T wins
+    batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras=extras)
+    params, cu_pad = _params(batch.layout, cp_size, model_slices), batch.layout.cu_seqlens_padded
+    padding = batch.layout.padding_mask(*mask_ranks)  # [1, T/C] (or [1, T]) bool, no read
     full, local = batch.full, batch.local
     public("_verify_r3_trace_cp_token_alignment")(
         source_input_ids=input_ids, source_routed_experts=routed, input_ids_cp_sharded=local["input_ids"],
@@ -174,59 +146,3 @@ def _params(layout, cp_size: int, model_slices: bool):
     return make_packed_seq_params(layout.cu_seqlens_padded, host.max_seqlen, total,
                                   cu_seqlens=layout.cu_seqlens if pad_between else None,
                                   pad_between_seqs=pad_between, total=total)
-
-
-def _nemo_rl_calls(input_ids, seq_lengths, extras: dict, *, m, p, pad_full_seq_to, cp_rank, cp_size, options,
-                   model_slices: bool):
-    """NeMo-RL's call sequence through the (patched) public names, each call doing its own work:
-    ``(PackedMicrobatch without a layout, PackedSeqParams, cu_seqlens_padded, cu_seqlens)``."""
-    pack = public("_pack_sequences_for_megatron")
-    kw = dict(cp_rank=cp_rank, cp_size=cp_size, **options_kw(options))
-    packed_ids, local_ids, params, cu, cu_pad = pack(input_ids, seq_lengths, m, p, pad_full_seq_to, **kw)
-    if model_slices:
-        params = _full_row_params(cu, cu_pad, packed_ids.shape[1])
-    full, local = {"input_ids": packed_ids}, {"input_ids": local_ids}
-    if extras["routed_experts"] is not None:
-        full["routed_experts"], local["routed_experts"], local["token_identity"] = _routes(
-            extras["routed_experts"], extras["token_identity"], seq_lengths, cu, cu_pad, cp_rank, cp_size,
-            params if model_slices else None, packed_ids)
-    for name in ("mtp_loss_mask", "media_token_validity_mask"):
-        if extras[name] is not None:
-            full[name], local[name] = pack(extras[name], seq_lengths, m, p, pad_full_seq_to, **kw)[:2]
-    return PackedMicrobatch(None, full, local), params, cu_pad, cu
-
-
-def _routes(routed, identity, seq_lengths, cu, cu_pad, cp_rank, cp_size, full_row_params, packed_ids):
-    """``(routed [1, T, Ly, K], routed for the model, identity for the verifier)``."""
-    routed_packed, routed_cp, identity_packed, identity_cp = public("_shard_routed_experts_for_cp")(
-        routed, identity, seq_lengths, cu, cu_pad, cp_rank, cp_size)
-    if full_row_params is not None:  # the model's own CP slice: the very indices it uses
-        index = public("get_packed_seq_cp_partition_indices")(
-            full_row_params, total_tokens=packed_ids.shape[1], cp_size=cp_size, cp_rank=cp_rank,
-            device=packed_ids.device)
-        routed_cp = routed_packed.index_select(1, index).contiguous()  # [1, T/C, Ly, K]
-        if identity_packed is not None:
-            identity_cp = identity_packed.index_select(1, index).contiguous()  # [1, T/C, 3]
-    if routed_cp is not None and routed_cp.dim() != 4:
-        raise PackingError("CP-sharded routed_experts must have shape [1, tokens, num_moe_layers, topk] after "
-                           f"Megatron packing; got {tuple(routed_cp.shape)}")
-    return routed_packed, routed_cp, identity_cp
-
-
-def _full_row_params(cu: torch.Tensor, cu_pad: torch.Tensor, total: int):
-    """``PackedSeqParams`` for a model that slices CP itself from boundaries a (patched) packer returned:
-    ``max_seqlen`` (longest padded segment) and ``pad_between_seqs`` (``cu != cu_pad``: some segment
-    holds padding, TE must not infer it from the last boundary alone) cost one read of them.
-    Example: ``cu [0, 3]``, ``cu_pad [0, 4]`` -> max_seqlen 4, pad_between_seqs True.
-    """
-    if cu_pad.shape[0] < 2 or cu.shape != cu_pad.shape:
-        # sync: B = 0 or mismatched boundaries: a 1-entry compare
-        max_seqlen, pad_between = total, cu.shape != cu_pad.shape or not torch.equal(cu, cu_pad)
-    else:
-        seg = cu_pad[1:].to(torch.int64) - cu_pad[:-1].to(torch.int64)  # [B]
-        differs = (cu.to(torch.int64) != cu_pad.to(torch.int64)).any()
-        stats = torch.stack([seg.max(), differs.to(torch.int64)])
-        max_seqlen, pad_between = stats.tolist()  # sync: boundaries a patched packer returned
-    # Valid boundaries of their own only where they differ: the same object tells TransformerEngine "no padding".
-    return make_packed_seq_params(cu_pad, max_seqlen, total, cu_seqlens=cu if pad_between else None,
-                                  pad_between_seqs=bool(pad_between), total=total)

@@ -24,10 +24,9 @@ from typing import Optional
 
 import torch
 
-from nn_data import _checks
-from nn_data.errors import PackingError
+from nn_data.extension import Boundaries, checks, layout_from_boundaries
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
-from nn_data.layout import Boundaries, layout_from_boundaries
 
 R3_VERIFY_ENV = "NN_DATA_R3_VERIFY"
 _TRUE = {"1", "true", "yes", "on"}
@@ -105,7 +104,7 @@ def _verify_r3_trace_cp_token_alignment(
     checked, n_tok, n_route = counts.tolist()  # sync: debug verifier, one per microbatch
     for count, mask, what in ((n_tok, bad_tok, "input_ids"), (n_route, bad_route, "routed_experts")):
         if count:
-            i = _checks.first_index(mask)
+            i = checks.first_index(mask)
             raise RuntimeError(f"R3 CP token identity verifier found {what} that do not match their source "
                                f"[batch_idx, token_pos] identities. ({count} CP-local tokens; the first at local "
                                f"position {i}, identity {ident[i].tolist()})")  # sync: error path
@@ -123,12 +122,12 @@ def _fill_routed_experts_padding(routed_experts: torch.Tensor, seq_lengths: torc
     ``routed_experts`` is not 4-D or ``seq_lengths`` does not have one entry per row.
     """
     if routed_experts.dim() != 4:
-        raise PackingError("routed_experts must have shape [batch, seq, num_moe_layers, topk]; got "
-                           f"{tuple(routed_experts.shape)}")
+        raise PackingAssertionError("routed_experts must have shape [batch, seq, num_moe_layers, topk]; got "
+                                    f"{tuple(routed_experts.shape)}")
     rows, cols, _, topk = routed_experts.shape
     if tuple(seq_lengths.shape) != (rows,):
-        raise PackingError(f"seq_lengths must have one entry per routed_experts row; got shape "
-                           f"{tuple(seq_lengths.shape)} for batch={rows}")
+        raise PackingAssertionError(f"seq_lengths must have one entry per routed_experts row; got shape "
+                                    f"{tuple(seq_lengths.shape)} for batch={rows}")
     lengths = seq_lengths.to(device=routed_experts.device, dtype=torch.int64)
     pad = torch.arange(cols, device=routed_experts.device)[None, :] >= lengths[:, None]  # [B, S]
     route = torch.arange(topk, device=routed_experts.device, dtype=routed_experts.dtype)  # [K]
@@ -152,7 +151,7 @@ def _shard_routed_experts_for_cp(
     boundaries are identical to the ids'. Routed pad rows are ``arange(K)``, identity pad
     rows 0 (``valid = 0``: the verifier skips them). One host sync (the boundaries and lengths:
     ``T`` and the checks), then the host executor. :func:`process_microbatch` packs the routes with
-    the tokens in its one call and calls this only when NeMo-RL's names are patched.
+    the tokens in its one call and does not call this.
 
     Difference from NeMo-RL: a segment not divisible by ``2 * cp_size`` raises instead of
     losing its remainder routes.
@@ -164,11 +163,11 @@ def _shard_routed_experts_for_cp(
     ref = routed_experts if routed_experts is not None else token_identity
     if ref is None:
         return None, None, None, None
-    _checks.check_cp(cp_size, cp_rank)
+    checks.check_cp(cp_size, cp_rank)
     rows, cols = ref.shape[:2]
     given = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
     lengths = as_lengths(seq_lengths, rows, ref.device)
-    _checks.check_int_vector("cu_seqlens_padded", given, rows + 1)
+    checks.check_int_vector("cu_seqlens_padded", given, rows + 1)
     bounds = on_device("cu_seqlens_padded", given, "routed_experts", ref.device)
     # One read of the boundaries and lengths (T is the last boundary): the checks, then the host executor.
     layout = layout_from_boundaries(Boundaries(bounds, None, seq_lengths=lengths), op="_shard_routed_experts_for_cp",

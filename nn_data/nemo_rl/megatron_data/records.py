@@ -1,11 +1,11 @@
 """NeMo-RL's two records of a processed microbatch (its fields, in its order), plus nn_data's
 ``padding_mask`` (None unless packed) and ``shared_prefix`` (None unless the microbatch was packed with
-each group's prompt once: :class:`~nn_data.nemo_rl.megatron_data.shared_prefix.SharedPrefixRecord`) last."""
+each group's prompt once: :class:`SharedPrefixRecord`) last."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
@@ -13,7 +13,31 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
-    from nn_data.nemo_rl.megatron_data.shared_prefix import SharedPrefixRecord
+    from nn_data.adapters.shared_prefix_kv import SharedPrefixKV
+    from nn_data.extension import SharedPrefixLayout
+    from nn_data.extension import PrefixRule
+
+
+class SharedPrefixRecord(NamedTuple):
+    """nn_data's part of a shared-prefix microbatch's record (``ProcessedInputs.shared_prefix``).
+
+    ``layout``: the :class:`~nn_data.layout.SharedPrefixLayout` (the loss side's unpack and log-probs:
+    :func:`~nn_data.nemo_rl.megatron_data.shared_prefix_model.from_parallel_logits_to_logprobs_shared_prefix`);
+    ``prefix``: the attention's :class:`~nn_data.masks.PrefixRule` (global ``[T]`` tensors);
+    ``segment_ids [T]`` (the slot of every packed position) and ``query_index [T/C]`` (the packed
+    position of each local token); ``cp_size`` / ``cp_rank`` the split it was packed for; ``kv``: at
+    ``C = 1`` the :class:`~nn_data.adapters.shared_prefix_kv.SharedPrefixKV` of a variable-length kernel
+    (TransformerEngine's THD attention): each response's keys and values are its prompt's then its own,
+    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` exact (``T`` plus each non-empty response's
+    prompt: :func:`~nn_data.nemo_rl.megatron_data.shared_prefix.kv_capacity`); None under CP."""
+
+    layout: SharedPrefixLayout
+    prefix: PrefixRule
+    segment_ids: torch.Tensor
+    query_index: torch.Tensor
+    cp_size: int
+    cp_rank: int
+    kv: Optional["SharedPrefixKV"] = None
 
 
 @dataclass

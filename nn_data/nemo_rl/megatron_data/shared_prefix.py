@@ -1,4 +1,4 @@
-"""Shared-prefix GRPO groups in the megatron drop-in (issue 36): ``cfg["nn_data"]["shared_prefix"]``.
+"""Shared-prefix GRPO groups in the megatron drop-in: ``cfg["nn_data"]["shared_prefix"]``.
 
 Shape legend
     B   rollouts of a microbatch (rows of its ``BatchedDataDict``); S their padded row length
@@ -24,53 +24,27 @@ a step's batch carries ``group_ids [B]`` (rollouts of a GRPO group share its pro
 
 Refused by name: the key without sequence packing; companions that would have to ride the shared
 prompt (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a self-packing model
-(``delegate_pack_to_model``), ``model_slices_context_parallel_inputs`` and the compiled pack
-(``cfg["nn_data"]["compile"]``), none of which has a shared-prefix form yet.
+(``delegate_pack_to_model``), ``model_slices_context_parallel_inputs``, the compiled pack
+(``cfg["nn_data"]["compile"]``) and ``T`` buckets (``cfg["nn_data"]["buckets"]``), none of which has a
+shared-prefix form yet.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 
-from nn_data.errors import PackingError
-from nn_data.layout import SharedPrefixLayout
-from nn_data.masks import PrefixRule
-from nn_data.megatron_parallel import make_packed_seq_params
+from nn_data.nemo_rl.assertions import PackingAssertionError
+from nn_data.extension import make_packed_seq_params, SharedPrefixLayout
 from nn_data.nemo_rl.megatron_data.common import require
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
 from nn_data.nemo_rl.megatron_data.options import PackOptions, SharedPrefixKeys, nemo_rl_spec
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
-from nn_data.nemo_rl.megatron_data.records import ProcessedInputs
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nn_data.adapters.shared_prefix_kv import SharedPrefixKV
+from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, SharedPrefixRecord
 
 #: Batch keys with no shared-prefix form: each would ride the packed row with the prompt once per group.
 COMPANIONS = ("mtp_loss_mask", "routed_experts", "media_token_validity_mask")
-
-
-class SharedPrefixRecord(NamedTuple):
-    """nn_data's part of a shared-prefix microbatch's record (``ProcessedInputs.shared_prefix``).
-
-    ``layout``: the :class:`~nn_data.layout.SharedPrefixLayout` (the loss side's unpack and log-probs:
-    :func:`~nn_data.nemo_rl.megatron_data.shared_prefix_model.from_parallel_logits_to_logprobs_shared_prefix`);
-    ``prefix``: the attention's :class:`~nn_data.masks.PrefixRule` (global ``[T]`` tensors);
-    ``segment_ids [T]`` (the slot of every packed position) and ``query_index [T/C]`` (the packed
-    position of each local token); ``cp_size`` / ``cp_rank`` the split it was packed for; ``kv``: at
-    ``C = 1`` the :class:`~nn_data.adapters.shared_prefix_kv.SharedPrefixKV` of a variable-length kernel
-    (TransformerEngine's THD attention): each response's keys and values are its prompt's then its own,
-    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` exact (``T`` plus each non-empty response's
-    prompt: :func:`kv_capacity`); None under CP."""
-
-    layout: SharedPrefixLayout
-    prefix: PrefixRule
-    segment_ids: torch.Tensor
-    query_index: torch.Tensor
-    cp_size: int
-    cp_rank: int
-    kv: Optional["SharedPrefixKV"] = None
 
 
 def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,12 +55,12 @@ def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tenso
     out = []
     for key in keys:
         if key not in data:
-            raise PackingError(f"{key!r} not found in the batch (keys: {list(data)}); cfg['nn_data']['shared_prefix'] "
-                               f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
+            raise PackingAssertionError(f"{key!r} not found in the batch (keys: {list(data)}); cfg['nn_data']['shared_prefix'] "
+                                        f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
         value = data[key]
         ok = torch.is_tensor(value) and value.dim() == 1 and value.shape[0] == rows
         if not ok or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise PackingError(f"the batch's {key!r} is {_describe(value)}; expected a [B={rows}] integer tensor")
+            raise PackingAssertionError(f"the batch's {key!r} is {_describe(value)}; expected a [B={rows}] integer tensor")
         out.append(value)
     return out[0], out[1]
 
@@ -97,9 +71,9 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _needs_packing() -> PackingError:
-    return PackingError("cfg['nn_data']['shared_prefix'] packs each group's prompt once and needs "
-                        "cfg['sequence_packing']['enabled'] = True")
+def _needs_packing() -> PackingAssertionError:
+    return PackingAssertionError("cfg['nn_data']['shared_prefix'] packs each group's prompt once and needs "
+                                 "cfg['sequence_packing']['enabled'] = True")
 
 
 def check_shared_prefix(data: Any, cfg: dict, packing: bool) -> Optional[SharedPrefixKeys]:
@@ -118,24 +92,28 @@ def refuse_with_dynamic_cp(cfg: dict) -> None:
     """A dynamic-CP plan packs its rounds end to end: with ``cfg["nn_data"]["shared_prefix"]`` set it would
     not share the prompts it was asked to, so :class:`PackingError`."""
     if PackOptions.from_cfg(cfg).shared_prefix is not None:
-        raise PackingError("get_microbatch_iterator(..., dynamic_cp=) packs each round's sequences end to end and "
-                           "cannot share a group's prompt: unset cfg['nn_data']['shared_prefix'] for a dynamic-CP "
-                           "step, or drop dynamic_cp= to pack the shared-prefix plan's microbatches")
+        raise PackingAssertionError("get_microbatch_iterator(..., dynamic_cp=) packs each round's sequences end to end and "
+                                    "cannot share a group's prompt: unset cfg['nn_data']['shared_prefix'] for a dynamic-CP "
+                                    "step, or drop dynamic_cp= to pack the shared-prefix plan's microbatches")
 
 
 def _refuse_unsupported(data_dict, *, delegate: bool, model_slices: bool, options: PackOptions) -> None:
     """The module docstring's refusals, each naming what to change."""
     given = [k for k in COMPANIONS if k in data_dict]
     if given:
-        raise PackingError(f"cfg['nn_data']['shared_prefix'] does not pack {given} yet (a shared prompt's tokens "
-                           f"would carry them once for the whole group); drop them from the batch or unset the key")
+        raise PackingAssertionError(f"cfg['nn_data']['shared_prefix'] does not pack {given} yet (a shared prompt's tokens "
+                                    f"would carry them once for the whole group); drop them from the batch or unset the key")
     flags = {"delegate_pack_to_model": delegate, "model_slices_context_parallel_inputs": model_slices,
              "cfg['nn_data']['compile']": options.compile}
     for name, on in flags.items():
         if on:
-            raise PackingError(f"{name}=True is not supported with cfg['nn_data']['shared_prefix'] (the shared-prefix "
-                               "pack runs eagerly in process_microbatch, for a model that takes its CP share); "
-                               "set it to False or unset the key")
+            raise PackingAssertionError(f"{name}=True is not supported with cfg['nn_data']['shared_prefix'] (the shared-prefix "
+                                        "pack runs eagerly in process_microbatch, for a model that takes its CP share); "
+                                        "set it to False or unset the key")
+    if options.buckets is not None:
+        raise PackingAssertionError(f"cfg['nn_data']['buckets']={options.buckets!r} is not supported with "
+                                    "cfg['nn_data']['shared_prefix'] (a shared-prefix microbatch's T is the data's, or "
+                                    "cfg['nn_data']['pad_full_seq_to'] for one shape); unset one of them")
 
 
 def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequences: bool, m: int, p: int,
@@ -152,7 +130,7 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``.
     """
     from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
-    from nn_data.packed_shared_prefix import SharedPrefixPackShard
+    from nn_data.extension import SharedPrefixPackShard
 
     if not pack_sequences:
         raise _needs_packing()
@@ -167,7 +145,7 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     groups = on_device("group_ids", group_ids, "input_ids", device)
     cp_rank, cp_size = cp_rank_and_size(pg_collection)
     spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
-                        name="pad_full_seq_to", options=options)
+                        name="pad_full_seq_to")
     shard = SharedPrefixPackShard(spec, cp_size, cp_rank)(input_ids, lengths, prefix, groups)
     shared = shard.shared
     full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
@@ -191,8 +169,8 @@ def kv_capacity(shared: SharedPrefixLayout) -> int:
     """
     host = shared.layout.host
     if host is None or shared.host_lengths is None:
-        raise PackingError("kv_capacity needs a shared-prefix layout built on the host (shared_prefix_layout with "
-                           "host_reads=True)")
+        raise PackingAssertionError("kv_capacity needs a shared-prefix layout built on the host (shared_prefix_layout with "
+                                    "host_reads=True)")
     responses = host.lengths[1::2]  # [B] real response tokens
     return shared.total + sum(n - r for n, r in zip(shared.host_lengths, responses) if r > 0)
 

@@ -26,17 +26,15 @@ from typing import Optional
 
 import torch
 
-from nn_data import _checks
-from nn_data.errors import PackingError
-from nn_data.groups import given_group_info
-from nn_data.layout import SharedPrefixLayout
+from nn_data.extension import checks, given_group_info, SharedPrefixLayout
+from nn_data.nemo_rl.assertions import PackingAssertionError
 
 
 def _record(microbatch):
     record = getattr(microbatch, "shared_prefix", None)
     if record is None:
-        raise PackingError("microbatch has no shared_prefix record: it was not packed with "
-                           "cfg['nn_data']['shared_prefix'] (run the model on it as on any packed microbatch)")
+        raise PackingAssertionError("microbatch has no shared_prefix record: it was not packed with "
+                                    "cfg['nn_data']['shared_prefix'] (run the model on it as on any packed microbatch)")
     return record
 
 
@@ -50,16 +48,16 @@ def gpt_model(model):
 def check_prefix_attention(model) -> None:
     """:class:`PackingError` unless every attention layer of ``model`` runs nn_data's core attention (the
     one that honours the prefix rule), naming the class found."""
-    from nn_data.adapters.megatron_gpt import PackedDotProductAttention
+    from nn_data.adapters import PackedDotProductAttention
 
     cores = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
     stock = sorted({type(c).__name__ for c in cores if not isinstance(c, PackedDotProductAttention)})
     if stock or not cores:
         found = stock or ["no attention layer"]
-        raise PackingError(f"a shared-prefix microbatch needs nn_data's attention (each response sees its group's "
-                           f"prompt, which the packed row holds once); model={type(model).__name__} has core "
-                           f"attention {', '.join(found)}, which cannot honour the prefix rule: build the GPTModel "
-                           "with nn_data.adapters.megatron_gpt_layer_spec(...), or unset cfg['nn_data']['shared_prefix']")
+        raise PackingAssertionError(f"a shared-prefix microbatch needs nn_data's attention (each response sees its group's "
+                                    f"prompt, which the packed row holds once); model={type(model).__name__} has core "
+                                    f"attention {', '.join(found)}, which cannot honour the prefix rule: build the GPTModel "
+                                    "with nn_data.adapters.megatron_gpt_layer_spec(...), or unset cfg['nn_data']['shared_prefix']")
 
 
 #: What :func:`forward_shared_prefix` returns.
@@ -82,10 +80,10 @@ def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = 
     Raises :class:`PackingError` for a model without nn_data's attention (:func:`check_prefix_attention`),
     a microbatch without the record, a CP group whose size is not the record's, and an unknown ``output``.
     """
-    from nn_data.adapters.megatron_gpt import MegatronGPTAdapter
+    from nn_data.adapters import MegatronGPTAdapter
 
     if output not in OUTPUTS:
-        raise PackingError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
+        raise PackingAssertionError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
     record = _record(microbatch)
     inner = gpt_model(model)
     check_prefix_attention(inner)
@@ -106,14 +104,14 @@ def packed_info(record, microbatch, cp_group):
     """The record as :class:`~nn_data.packed_forward.PackedInfo` (what the adapter reads): the slots'
     boundaries, the places, the prefix rule, the padding mask, and under CP a key/value gather over
     ``cp_group`` on the layout (no read of the boundaries)."""
-    from nn_data.cp_comm import GatherFromContextParallel
-    from nn_data.packed_forward import PackedInfo
+    from nn_data import GatherFromContextParallel
+    from nn_data import PackedInfo
 
     slots = record.layout.layout
     size = 1 if cp_group is None else cp_group.size()
     if size != record.cp_size:
-        raise PackingError(f"the microbatch was packed for cp_size={record.cp_size} but cp_group has {size} "
-                           "rank(s); pass the group it was sharded over (pg_collection.cp)")
+        raise PackingAssertionError(f"the microbatch was packed for cp_size={record.cp_size} but cp_group has {size} "
+                                    "rank(s); pass the group it was sharded over (pg_collection.cp)")
     gather = None
     if record.cp_size > 1:
         op = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False)  # keys/values: gradients sum
@@ -157,12 +155,12 @@ def from_parallel_logits_to_logprobs_shared_prefix(
     Raises :class:`PackingError` as :class:`~nn_data.logprobs.SharedPrefixLogProbs`, and for
     ``unpacked_seqlen`` or ``chunk_size`` below 1 and a vocabulary slice that is not this TP rank's.
     """
-    from nn_data.logprobs import SharedPrefixLogProbs
+    from nn_data.extension import SharedPrefixLogProbs
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
     tp = given_group_info(group, pg_collection=pg_collection, field="tp")
-    _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP]", 3)
-    _checks.check_vocab_range(vocab_start_index, vocab_end_index, vocab_parallel_logits.shape[-1], tp.rank)
+    checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP]", 3)
+    checks.check_vocab_range(vocab_start_index, vocab_end_index, vocab_parallel_logits.shape[-1], tp.rank)
     op = SharedPrefixLogProbs(cp_group=cp_group, tp_group=group, pg_collection=pg_collection, chunk_tokens=chunk)
     with torch.no_grad() if inference_only else contextlib.nullcontext():
         return op(vocab_parallel_logits, target, layout, seq_len=seq_len)
@@ -192,11 +190,11 @@ def from_parallel_hidden_states_to_logprobs_shared_prefix(
 
     Raises :class:`PackingError` as that op, and as the logits function for the other arguments.
     """
-    from nn_data.logprobs import SharedPrefixLogProbsFromHidden
+    from nn_data.extension import SharedPrefixLogProbsFromHidden
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
     tp = given_group_info(group, pg_collection=pg_collection, field="tp")
-    _checks.check_vocab_range(vocab_start_index, vocab_end_index, output_weight_layer.shape[0], tp.rank,
+    checks.check_vocab_range(vocab_start_index, vocab_end_index, output_weight_layer.shape[0], tp.rank,
                               against="output_weight_layer", unit="rows")
     op = SharedPrefixLogProbsFromHidden(cp_group=cp_group, tp_group=group, pg_collection=pg_collection,
                                         chunk_tokens=chunk)
@@ -208,7 +206,7 @@ def _call_args(shared_prefix, unpacked_seqlen, chunk_size) -> tuple:
     """``(SharedPrefixLayout, S, tokens per chunk)`` of a log-prob call, each checked."""
     layout = shared_prefix if isinstance(shared_prefix, SharedPrefixLayout) else getattr(shared_prefix, "layout", None)
     if not isinstance(layout, SharedPrefixLayout):
-        raise PackingError(f"shared_prefix must be a microbatch's shared_prefix record or its SharedPrefixLayout, "
-                           f"got {type(shared_prefix).__name__}")
-    seq_len = _checks.positive_int("unpacked_seqlen", unpacked_seqlen)
-    return layout, seq_len, _checks.positive_int("chunk_size", chunk_size, allow_none=True) or 256
+        raise PackingAssertionError(f"shared_prefix must be a microbatch's shared_prefix record or its SharedPrefixLayout, "
+                                    f"got {type(shared_prefix).__name__}")
+    seq_len = checks.positive_int("unpacked_seqlen", unpacked_seqlen)
+    return layout, seq_len, checks.positive_int("chunk_size", chunk_size, allow_none=True) or 256

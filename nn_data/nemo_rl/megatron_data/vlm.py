@@ -13,11 +13,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nn_data import _checks
+from nn_data.extension import (
+    checks, fixed_total_arg, layout_from_lengths, layout_from_read_lengths, make_packed_seq_params, PackSpec,
+    padded_rows,
+)
+from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths
-from nn_data.megatron_parallel import make_packed_seq_params
-from nn_data.layout import PackSpec, layout_from_lengths
-from nn_data.layout.internal import padded_rows
 
 
 def _prepare_vlm_batch_for_megatron(
@@ -53,16 +54,19 @@ def _prepare_vlm_batch_for_megatron(
     outside ``[0, S]`` (NeMo-RL reads zeros past the row there), or ``pad_full_seq_to`` is above
     the int32 limit of the boundaries.
     """
-    _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     rows, cols = input_ids.shape[:2]
-    spec = PackSpec(max(1, int(pad_individual_seqs_to_multiple_of)), fixed_total=pad_full_seq_to,
-                    arg_name="pad_full_seq_to", self_packing=True)
+    m = max(1, int(pad_individual_seqs_to_multiple_of))
+    fixed_total_arg("pad_full_seq_to", pad_full_seq_to)
     lengths = as_lengths(seq_lengths, rows, input_ids.device)
     if rows == 0:  # as NeMo-RL: the model packs nothing, so no slack either: [0] boundaries, no column
         cu_seqlens_padded = torch.zeros(1, dtype=torch.int32, device=input_ids.device)
         return (input_ids.new_zeros((1, 0)), input_ids[:, :0], torch.zeros(0, 0, dtype=torch.bool,
                 device=input_ids.device), make_packed_seq_params(cu_seqlens_padded, 0, None), None, cu_seqlens_padded)
-    layout = layout_from_lengths(lengths, cols, spec, op="_prepare_vlm_batch_for_megatron")  # the one host read
+    layout = layout_from_lengths(lengths, cols, PackSpec(m), op="_prepare_vlm_batch_for_megatron")  # the one read
+    if pad_full_seq_to is not None:  # the model pads every row itself: the slack must suit it (host ints)
+        _check_deficit(layout.total, m, pad_full_seq_to)
+        layout = layout_from_read_lengths(layout.host.lengths, lengths, cols, PackSpec(m, fixed_total=pad_full_seq_to))
     padded_max = layout.host.max_seqlen  # P: the model's columns
     if cols < padded_max:
         ids_2d = F.pad(input_ids, (0, padded_max - cols), value=0)  # [B, P]
@@ -76,3 +80,21 @@ def _prepare_vlm_batch_for_megatron(
     packed = padded_rows(layout, padded_max).pack(ids_2d)  # [1, T]
     params = make_packed_seq_params(cu_seqlens_padded, padded_max, None)
     return packed, ids_2d, attention_mask, params, None, cu_seqlens_padded
+
+
+def _check_deficit(natural: int, m: int, fixed_total: int) -> None:
+    """A self-packing model pads each sequence to ``m`` itself, the last one included, so the packed length
+    must hold the natural total ``sum(round_up(L, m))`` and exceed it by a multiple of ``m`` (NeMo-RL's
+    asserts, its wording first).
+
+    Example: lengths ``[3, 5]``, m 4: natural 12; ``pad_full_seq_to`` 16 passes, 8 and 14 are refused.
+    """
+    if natural > fixed_total:
+        raise PackingAssertionError(
+            f"pad_full_seq_to ({fixed_total}) < natural padded sum ({natural}); increase pad_full_seq_to to at least "
+            f"{natural} (the packed total sum(round_up(seq_lengths, {m})) = {natural})")
+    if (fixed_total - natural) % m:
+        raise PackingAssertionError(
+            f"pad_full_seq_to deficit ({fixed_total - natural}) must be a multiple of pad_individual_seqs_to_multiple_of "
+            f"({m}) (the model pads every sequence to {m} itself, the last one included: choose pad_full_seq_to = "
+            f"{natural} + a multiple of {m})")
