@@ -27,9 +27,7 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
 from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries, op_layout
-from nn_data.layout.internal import (
-    ZigzagLocal, boundary_args, reads_host, target_ids, target_ids_device, target_ids_host
-)
+from nn_data.layout.internal import ZigzagLocal, checks, reads_host
 from nn_data.logprobs.kernels import token_logprobs_local
 from nn_data.targets import next_token_at
 
@@ -168,7 +166,7 @@ def logprob_layout(op: str, packed_ids, total: int, vocab: int, cu_seqlens, cu_s
     if layout is None:
         if cu_seqlens is None or cu_seqlens_padded is None:
             raise _checks.PackingError(f"{op} needs cu_seqlens and cu_seqlens_padded, or layout=")
-        boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, cp_size, cu_seqlens)
+        checks.boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, cp_size, cu_seqlens)
     elif layout.cu_seqlens is None:
         raise _checks.PackingError(f"{op} needs a layout with cu_seqlens (PackResult.layout)")
     bad_ids = None
@@ -177,13 +175,13 @@ def logprob_layout(op: str, packed_ids, total: int, vocab: int, cu_seqlens, cu_s
             view = layout_from_boundaries(Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens), op=op,
                                           validate=False)
         bounds, lengths = (layout if layout is not None else view).segments()
-        bad_ids = target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
+        bad_ids = checks.target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
     if layout is not None or not reads_host(validate, host_reads):
         layout = op_layout(op, "packed_ids", packed_ids, total, cp_size, cu_seqlens_padded, layout,
                            validate=validate, host_reads=host_reads, cu_seqlens=cu_seqlens, seq_len=seq_len)
         if bad_ids is not None:
-            target_ids_device(op, bad_ids, vocab)
+            checks.target_ids_device(op, bad_ids, vocab)
         return layout
-    ids_ok = (~bad_ids.any(), lambda: target_ids_host(bad_ids, packed_ids[0], vocab))
+    ids_ok = (~bad_ids.any(), lambda: checks.target_ids_host(bad_ids, packed_ids[0], vocab))
     bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens, also_check=ids_ok)
     return layout_from_boundaries(bounds, op=op, seq_len=seq_len, cp_size=cp_size)

@@ -20,7 +20,7 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import ParallelInfo, given_group_info
 from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries
-from nn_data.layout.internal import boundary_args
+from nn_data.layout.internal import checks
 from nn_data.logprobs import sampling_filter
 from nn_data.targets import next_token_at
 from nn_data.unpack import unpack_sequences
@@ -98,7 +98,7 @@ def packed_logprobs(*, op: str, name: str, data: torch.Tensor, target: torch.Ten
     ``[0, vocab)`` then gets NeMo-RL's value and gradient. Checks ``target`` and the boundaries first
     (:func:`packed_layout`: the one read, with ``validate``)."""
     _checks.check_logprob_target(target, pre_rolled, total // cp.size, total)
-    boundary_args(name, data, total, cu_seqlens_padded, cp.size)
+    checks.boundary_args(name, data, total, cu_seqlens_padded, cp.size)
     _checks.check_same_device(**{name: data, "target": target})
     layout = packed_layout(cu_seqlens_padded, total, cp, op=op, validate=validate)
     token, keep = packed_targets(target, pre_rolled, layout, cp, seq_len)  # [N] each

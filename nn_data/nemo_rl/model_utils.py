@@ -41,7 +41,7 @@ import torch.distributed as dist
 from nn_data import _checks
 from nn_data.cp_comm import all_gather_dim0
 from nn_data.groups import ParallelInfo, given_group_info
-from nn_data.layout.internal import sequence_divisible
+from nn_data.layout.internal import checks
 from nn_data.logprobs import sampling_filter, token_logprobs_local
 from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs from hidden states), with CP
     ChunkedDistributedHiddenStatesToLogprobs,
@@ -269,7 +269,7 @@ def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: 
         return input_ids
     _checks.check_cp(cp_size, cp_rank)
     length = input_ids.shape[seq_dim]
-    sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
+    checks.sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
     layout = row_layout(1, length, input_ids.device, op="_get_tokens_on_this_cp_rank")  # [0, n]: one segment
     return input_ids.index_select(seq_dim, layout.local_places(cp_size, cp_rank).source)
 

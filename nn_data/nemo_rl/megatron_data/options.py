@@ -17,7 +17,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec
-from nn_data.layout.internal import fixed_total_arg
+from nn_data.layout.internal import checks
 
 
 class SharedPrefixKeys(NamedTuple):
@@ -88,7 +88,7 @@ class PackOptions:
     def __post_init__(self):
         _checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
         object.__setattr__(self, "shared_prefix", shared_prefix_keys(self.shared_prefix))
-        fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
+        checks.fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
         if self.pad_full_seq_to is not None and self.buckets is not None:
             raise PackingError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
                                "set: buckets only choose T when there is no fixed packed length; drop one")
@@ -98,7 +98,7 @@ class PackOptions:
         if isinstance(b, str) or not isinstance(b, Sequence) or not b:
             raise PackingError(f"buckets={b!r} is invalid; expected None, 'pow2' or a non-empty list of ints")
         for v in b:
-            fixed_total_arg("buckets entry", v)
+            checks.fixed_total_arg("buckets entry", v)
         object.__setattr__(self, "buckets", tuple(sorted(set(b))))
 
     def fixed_total(self, given: Optional[int], name: str = "pad_full_seq_to") -> Optional[int]:

@@ -33,7 +33,7 @@ from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.groups import as_process_group, given_group_info, is_group_form
 from nn_data.layout import Boundaries, layout_from_boundaries
-from nn_data.layout.internal import fixed_total_arg, total_divisible
+from nn_data.layout.internal import checks
 from nn_data.megatron_parallel import make_packed_seq_params
 from nn_data.nemo_rl.megatron_data.common import patched, public
 from nn_data.nemo_rl.megatron_data.dispatch import PackedMicrobatch, check_extras, pack_microbatch
@@ -72,7 +72,7 @@ def get_packed_seq_cp_partition_indices(
     _checks.check_cp(cp_size, cp_rank)
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
         raise PackingError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
-    fixed_total_arg("total_tokens", total_tokens or None)
+    checks.fixed_total_arg("total_tokens", total_tokens or None)
     if is_group_form(cp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
         cp_group = as_process_group(cp_group, "cp_group")
     if cp_group is not None and (cp_group.size() != cp_size or cp_group.rank() != cp_rank):
@@ -83,7 +83,7 @@ def get_packed_seq_cp_partition_indices(
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     bounds = padded if padded is not None else packed_seq_params.cu_seqlens_q
     _checks.check_int_vector("cu_seqlens_q_padded", bounds)
-    total_divisible(total_tokens, cp_size)
+    checks.total_divisible(total_tokens, cp_size)
     layout = layout_from_boundaries(Boundaries(bounds.to(device), total_tokens),
                                     op="get_packed_seq_cp_partition_indices", cp_size=cp_size)  # the one read
     return layout.local_places(cp_size, cp_rank).source  # [T/C] int64, the device map on the layout
