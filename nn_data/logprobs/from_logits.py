@@ -79,7 +79,7 @@ class TokenLogProbs(nn.Module):
         self.cp_rank, self.cp_size, cp_group = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
         self.tp_rank, self.tp_size, tp_group = given_group_info(tp_group, pg_collection=pg_collection, field="tp")
         self.tp_group, self.validate = tp_group, bool(validate)
-        self.gather = GatherFromContextParallel(cp_group, validate=False) if self.cp_size > 1 else None
+        self.gather = GatherFromContextParallel(cp_group, validate=False, host_reads=False) if self.cp_size > 1 else None
 
     def extra_repr(self) -> str:
         return (f"seq_len={self.seq_len}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
@@ -173,10 +173,10 @@ def logprob_layout(op: str, packed_ids, total: int, vocab: int, cu_seqlens, cu_s
     if validate:
         if layout is None:  # a layout of the boundaries built on the device (no read): their segments
             view = layout_from_boundaries(Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens), op=op,
-                                          validate=False)
+                                          validate=False, host_reads=False)
         bounds, lengths = (layout if layout is not None else view).segments()
         bad_ids = checks.target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
-    if layout is not None or not reads_host(validate, host_reads):
+    if layout is not None or not validate or not reads_host(host_reads):
         layout = op_layout(op, "packed_ids", packed_ids, total, cp_size, cu_seqlens_padded, layout,
                            validate=validate, host_reads=host_reads, cu_seqlens=cu_seqlens, seq_len=seq_len)
         if bad_ids is not None:

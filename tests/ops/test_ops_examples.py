@@ -14,7 +14,7 @@ from nn_data import (
     UnshardFromContextParallel,
     pad_to_row_capacity,
 )
-from nn_data.layout.pack_layout import HostBounds
+from nn_data.layout.host import HostBounds
 from nn_data.testing.reference import reference_pack
 
 
@@ -34,13 +34,13 @@ def test_zero_length_row_and_multiple_4():
     assert r.cu_seqlens.dtype == r.cu_seqlens_padded.dtype == torch.int32
     # Eagerly the plan is made on the host (one read of the lengths): its Python ints move the data.
     assert r.layout.host == HostBounds([3, 0, 5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3)
-    assert r.layout.dest is None and r.layout.source is None
+    assert type(r.layout.plan).__name__ == "HostPlan"
     assert r.layout.positions().tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
     assert r.layout.segment_ids().tolist() == [0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2]
     # On the device (compiled, or host_reads=False) the plan is index maps: B*S <= 16T, the scatter form.
     d = PackSequences(pad_individual_seqs_to_multiple_of=4, host_reads=False)(x, torch.tensor([3, 0, 5]))
     assert d.layout.host is None
-    assert d.layout.dest.tolist() == [[0, 1, 2, 12, 12], [12] * 5, [4, 5, 6, 7, 8]]
+    assert d.layout.plan.dest.tolist() == [[0, 1, 2, 12, 12], [12] * 5, [4, 5, 6, 7, 8]]
     assert torch.equal(d.packed, r.packed) and torch.equal(d.cu_seqlens_padded, r.cu_seqlens_padded)
 
 
@@ -49,9 +49,9 @@ def test_gather_form_layout_when_the_batch_is_mostly_padding():
     x = torch.zeros(3, 80, dtype=torch.int64)
     x[0, :3], x[2, :5] = torch.tensor([11, 12, 13]), torch.tensor([31, 32, 33, 34, 35])
     r = PackSequences(pad_individual_seqs_to_multiple_of=4, host_reads=False)(x, torch.tensor([3, 0, 5]))
-    assert r.layout.dest is None
-    assert r.layout.source.tolist() == [0, 1, 2, 3, 160, 161, 162, 163, 164, 165, 166, 167]
-    assert r.layout.valid.tolist() == [True] * 3 + [False] + [True] * 5 + [False] * 3
+    assert r.layout.plan.dest is None
+    assert r.layout.plan.gather.source.tolist() == [0, 1, 2, 3, 160, 161, 162, 163, 164, 165, 166, 167]
+    assert r.layout.plan.gather.valid.tolist() == [True] * 3 + [False] + [True] * 5 + [False] * 3
     assert r.packed.tolist() == [[11, 12, 13, 0, 31, 32, 33, 34, 35, 0, 0, 0]]
     assert torch.equal(r.layout.pack(x.bool()), r.packed.bool())
 

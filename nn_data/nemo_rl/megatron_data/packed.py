@@ -109,7 +109,7 @@ def boundaries_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.T
     """``[1, T/C]`` bool, True at this rank's padding, from the boundaries a (patched) packer returned:
     :meth:`~nn_data.layout.PackLayout.padding_mask` of their layout, built unvalidated (no read)."""
     layout = layout_from_boundaries(Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens),
-                                    op="boundaries_padding_mask", validate=False)
+                                    op="boundaries_padding_mask", validate=False, host_reads=False)
     return layout.padding_mask(cp_size, cp_rank)  # [1, T/C]
 
 
