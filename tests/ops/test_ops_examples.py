@@ -5,15 +5,18 @@ Worked examples of the core ops with exact expected tensors.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nn_data import (
+    PackingError,
     PackSequences,
     ShardForContextParallel,
     UnpackSequences,
     UnshardFromContextParallel,
     pad_to_row_capacity,
 )
+from nn_data.diagnostics import HostSyncCounter
 from nn_data.layout.host import HostBounds
 from nn_data.testing.reference import reference_pack
 
@@ -42,6 +45,23 @@ def test_zero_length_row_and_multiple_4():
     assert d.layout.host is None
     assert d.layout.plan.dest.tolist() == [[0, 1, 2, 12, 12], [12] * 5, [4, 5, 6, 7, 8]]
     assert torch.equal(d.packed, r.packed) and torch.equal(d.cu_seqlens_padded, r.cu_seqlens_padded)
+
+
+def test_host_reads_picks_the_plan_and_validate_only_validates():
+    """The plan follows ``host_reads`` (and the compile state), never ``validate``: eagerly a host plan
+    after one read whatever ``validate`` says, a device plan with no read for ``host_reads=False``."""
+    x = _ids([[11, 12, 13], [], [31, 32, 33, 34, 35]])
+    expected = PackSequences(4)(x, torch.tensor([3, 0, 5])).packed
+    for validate in (True, False):
+        for host_reads in (True, False):
+            pack = PackSequences(4, pad_full_seq_to=16, validate=validate, host_reads=host_reads)
+            with HostSyncCounter() as syncs:
+                r = pack(x, torch.tensor([3, 0, 5]))
+            assert type(r.layout.plan).__name__ == ("HostPlan" if host_reads else "DevicePlan")
+            assert syncs.count == int(host_reads), (validate, host_reads, syncs.calls)
+            assert torch.equal(r.packed[:, :12], expected) and not r.packed[:, 12:].any()
+    with pytest.raises(PackingError, match=r"seq_lengths\[0\] = 9"):
+        PackSequences(4, pad_full_seq_to=16)(x, torch.tensor([9, 0, 5]))  # validate: checked on the host plan
 
 
 def test_gather_form_layout_when_the_batch_is_mostly_padding():
