@@ -48,9 +48,9 @@ class PackSequences(nn.Module):
     Configuration: ``m`` (``pad_individual_seqs_to_multiple_of``), ``p``
     (``pad_packed_seq_to_multiple_of``), ``pad_full_seq_to`` (the constant ``T``; the last real
     segment absorbs the slack), ``validate`` (the data checks; ``False`` skips them and nothing else),
-    ``host_reads`` (the executor: ``True``, eagerly, a host plan after one read of the lengths;
-    ``False``: a device plan, never a read, the checks device asserts; under ``torch.compile`` always a
-    device plan) and ``pack_form`` (the device plan's pack form: ``"auto"``, ``"scatter"`` or
+    ``host_reads`` (the executor: ``True``, eagerly, a host executor after one read of the lengths;
+    ``False``: a device executor, never a read, the checks device asserts; under ``torch.compile`` always a
+    device executor) and ``pack_form`` (the device executor's pack form: ``"auto"``, ``"scatter"`` or
     ``"gather"``; :class:`~nn_data.layout.PackSpec`).
 
     ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``; ``seq_lengths`` is a

@@ -4,16 +4,16 @@ checking one an op was given.
 Shape legend
     B   rows (R with row-capacity padding); S the row length; T packed tokens; C the CP size
 
-Which plan a layout gets (``docs/design.md``, "Layouts and executors") is :func:`reads_host`, in one
+Which executor a layout gets (``docs/design.md``, "Layouts and executors") is :func:`reads_host`, in one
 place: ``host_reads`` (the caller's choice of executor) and the compile state, never ``validate``. With
 host reads, eagerly, the builder reads the lengths (or the boundaries) to the host **once**, checks
 them there with precise messages when ``validate`` (:mod:`nn_data.layout.checks`) and computes every
-boundary in Python ints: a :class:`~nn_data.layout.host.HostPlan`. Otherwise (under ``torch.compile``,
-or ``host_reads=False``) it is built on the device: a :class:`~nn_data.layout.device.DevicePlan`, no
+boundary in Python ints: a :class:`~nn_data.layout.host.HostExecutor`. Otherwise (under ``torch.compile``,
+or ``host_reads=False``) it is built on the device: a :class:`~nn_data.layout.device.DeviceExecutor`, no
 sync, the checks device asserts when ``validate``. ``validate=False`` only skips the checks.
 
-Example: lengths ``[3, 0, 5]``, S 5, m 4, eagerly -> a host plan, cu_seqlens_padded ``[0, 4, 4, 12]``;
-the same with ``host_reads=False`` -> a device plan with the same boundaries and ``dest [B, S]``.
+Example: lengths ``[3, 0, 5]``, S 5, m 4, eagerly -> a host executor, cu_seqlens_padded ``[0, 4, 4, 12]``;
+the same with ``host_reads=False`` -> a device executor with the same boundaries and ``dest [B, S]``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data import _checks
 from nn_data.layout import checks, index
-from nn_data.layout.device import PACK_FORMS, DevicePlan, pack_maps
-from nn_data.layout.host import HostBounds, HostPlan, check_token, host_tensor
+from nn_data.layout.device import PACK_FORMS, DeviceExecutor, pack_maps
+from nn_data.layout.host import HostBounds, HostExecutor, check_token, host_tensor
 from nn_data.layout.pack_layout import PackLayout
 from nn_data.layout.rules import (
     bucket_total, extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds,
@@ -49,7 +49,7 @@ class PackSpec:
     the builder checks that every segment splits into ``2C`` chunks (the compat layer packs and shards
     in one call; the core pack does not know ``C``); ``self_packing``: a model that packs the rows
     itself (NeMo-RL's VLM path), so the slack the last sequence absorbs must be a multiple of ``m`` too
-    (and NeMo-RL's wording comes first); ``pack_form``: the device plan's pack form (``"auto"``: by the
+    (and NeMo-RL's wording comes first); ``pack_form``: the device executor's pack form (``"auto"``: by the
     static sizes; ``"scatter"`` / ``"gather"``: always that one, :func:`~nn_data.layout.device.pack_maps`).
 
     Example: ``PackSpec(4, 8, fixed_total=64)`` -> every sequence rounded up to 4, ``T = 64``;
@@ -105,7 +105,7 @@ class Boundaries(NamedTuple):
 
 
 def reads_host(host_reads: bool) -> bool:
-    """Whether a builder reads the device once and makes a host plan: ``host_reads`` (the caller's
+    """Whether a builder reads the device once and makes a host executor: ``host_reads`` (the caller's
     choice of executor), eagerly; under ``torch.compile`` nothing is read. ``validate`` plays no part.
     Example: ``reads_host(True)`` is True eagerly, False while compiling; ``reads_host(False)`` is False."""
     return host_reads and not torch.compiler.is_compiling()
@@ -114,7 +114,7 @@ def reads_host(host_reads: bool) -> bool:
 def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, num_rows=None, validate: bool = True,
                         host_reads: bool = True, op: str = "PackSequences") -> PackLayout:
     """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked): a
-    host plan after one read of the lengths (and ``num_rows``) when :func:`reads_host`, else a device plan.
+    host executor after one read of the lengths (and ``num_rows``) when :func:`reads_host`, else a device executor.
 
     Example: lengths ``[3, 0, 5]``, S 5, m 4, no fixed length -> cu_seqlens ``[0, 3, 3, 8]``,
     cu_seqlens_padded ``[0, 4, 4, 12]``, T 12, max_seqlen 8; with ``fixed_total=16`` the last segment
@@ -131,7 +131,7 @@ def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, n
 
 def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: int, spec: PackSpec,
                              num_rows: Optional[int] = None, *, validate: bool = True) -> PackLayout:
-    """The host-plan layout of lengths already read to the host (``lengths``: Python ints, the values of
+    """The host-executor layout of lengths already read to the host (``lengths``: Python ints, the values of
     the ``seq_lengths [B]`` tensor, ``num_rows`` an int or None), checked when ``validate``: for
     :func:`layout_from_lengths` and a builder whose one read brought them with other values
     (:mod:`nn_data.layout.prefix_layout`); no further read. Example: ``[3, 0, 5]``, S 5, m 4 ->
@@ -163,7 +163,7 @@ def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: 
     both = host_tensor(cu + cu_pad + [max_seqlen], torch.int32, seq_lengths.device)  # one copy: [B+1 | B+1 | 1]
     host = HostBounds(lengths, cu, cu_pad, segments + [0] * tail, max_seqlen, max(active, 1))
     return PackLayout(both[: rows + 1], both[rows + 1 : rows + 1 + len(cu_pad)], both[-1], total, rows, row_len,
-                      HostPlan(host, seq_lengths, token=object()))
+                      HostExecutor(host, seq_lengths, token=object()))
 
 
 def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate: bool, op: str) -> PackLayout:
@@ -187,7 +187,7 @@ def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate:
         max_seqlen = torch.full((), total, dtype=torch.int64, device=seq_lengths.device)
     dest, gather = pack_maps(lengths, cu_pad, row_len, total, spec.pack_form)
     return PackLayout(cu.to(torch.int32), cu_pad.to(torch.int32), max_seqlen.to(torch.int32), total, rows, row_len,
-                      DevicePlan(seq_lengths, dest, gather))
+                      DeviceExecutor(seq_lengths, dest, gather))
 
 
 def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq_len=None, row_len=None,
@@ -195,7 +195,7 @@ def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq
     """The layout of a packed microbatch from its :class:`Boundaries` (metadata already checked), for an
     op that receives boundaries rather than a layout.
 
-    On the host (:func:`reads_host`: a host plan) the boundaries, the lengths (``seq_lengths``, or
+    On the host (:func:`reads_host`: a host executor) the boundaries, the lengths (``seq_lengths``, or
     ``cu_seqlens``' differences) and ``also_check``'s flag come to the host in **one** read, which is also
     the op's validation (when ``validate``): the boundaries rise from 0 to ``T`` (valid-token offsets: to at most ``T``), every
     segment splits into ``2C`` chunks, each sequence fits its segment, ``seq_len`` and ``row_len``;
@@ -212,7 +212,7 @@ def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq
             _device_boundary_checks(op, bounds, seq_len, row_len, cp_size)
         rows = bounds.cu_seqlens_padded.shape[0] - 1
         return PackLayout(bounds.cu_seqlens, bounds.cu_seqlens_padded, None, total, rows, row_len,
-                          DevicePlan(bounds.seq_lengths))
+                          DeviceExecutor(bounds.seq_lengths))
     parts = [t for t in (bounds.cu_seqlens_padded, bounds.cu_seqlens, bounds.seq_lengths) if t is not None]
     flags = [] if bounds.also_check is None else [bounds.also_check[0].to(torch.int64).view(1)]
     values = torch.cat([t.to(torch.int64) for t in parts] + flags).tolist()  # sync: the one host read (and check)
@@ -234,7 +234,7 @@ def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq
         bounds.also_check[1]()  # raises the op's own message, after the layout's checks
     host = HostBounds(lengths, cu, cu_pad, segments, max(segments), len(segments))
     return PackLayout(bounds.cu_seqlens, bounds.cu_seqlens_padded, None, total, len(cu_pad) - 1, row_len,
-                      HostPlan(host, bounds.seq_lengths))
+                      HostExecutor(host, bounds.seq_lengths))
 
 
 def _segments(cu_pad: list, total: int) -> list:
@@ -337,7 +337,7 @@ def padded_rows(layout: PackLayout, row_len: int) -> PackLayout:
     if layout.host is not None:
         host = layout.host
         view = HostBounds(host.segments, host.cu_pad, host.cu_pad, host.segments, host.max_seqlen, host.active)
-        return PackLayout(cu_pad, cu_pad, layout.max_seqlen, layout.total, layout.rows, row_len, HostPlan(view))
+        return PackLayout(cu_pad, cu_pad, layout.max_seqlen, layout.total, layout.rows, row_len, HostExecutor(view))
     segments = (cu_pad[1:] - cu_pad[:-1]).to(torch.int64)  # [B]
     return layout_from_lengths(segments, row_len, PackSpec(fixed_total=layout.total or None), validate=False,
                               host_reads=False)

@@ -1,14 +1,14 @@
-"""The device plan: a layout's index maps on the device, then one gather or scatter per tensor, no host sync.
+"""The device executor: a layout's index maps on the device, then one gather or scatter per tensor, no host sync.
 
 Shape legend
     B   rows of the batch; S its row length (a symbolic size under compile)
     T   packed tokens; C context-parallel size, a rank holds ``T/C``
     *   trailing feature dims
 
-A :class:`DevicePlan` is what ``torch.compile`` and CUDA graphs capture: every map is tensor arithmetic
+A :class:`DeviceExecutor` is what ``torch.compile`` and CUDA graphs capture: every map is tensor arithmetic
 on the boundaries (:mod:`nn_data.layout.index`), every shape a Python int or a symbolic size, nothing
 read on the host (``docs/design.md``, "Layouts and executors"). Its four methods take ``(layout,
-tensor, ...)`` like the host plan's (:class:`~nn_data.layout.host.HostPlan`), which runs them while
+tensor, ...)`` like the host executor's (:class:`~nn_data.layout.host.HostExecutor`), which runs them while
 compiling.
 
 Pack, two forms chosen from the static shapes (never from data), or forced by the spec's
@@ -59,7 +59,7 @@ class GatherMaps(NamedTuple):
     """The gather form of a pack, ``[T]`` each: ``source`` the flat input position ``b*S + s`` each packed
     position reads (clamped into ``[0, B*S)``), ``valid`` whether it is a token (else ``fill``).
 
-    The one way maps enter :func:`gather_pack`: a device plan's gather form and a shared-prefix layout's
+    The one way maps enter :func:`gather_pack`: a device executor's gather form and a shared-prefix layout's
     rollout maps (:class:`~nn_data.layout.SharedPrefixLayout`) are both this record.
 
     Example: lengths ``[3, 0, 5]``, S 5, cu_seqlens_padded ``[0, 4, 4, 12]`` -> source
@@ -119,15 +119,15 @@ def gather_pack(x: torch.Tensor, maps: GatherMaps, fill: Fill = 0) -> torch.Tens
     return gathered.unsqueeze(0)  # [1, T, *]
 
 
-class DevicePlan(NamedTuple):
+class DeviceExecutor(NamedTuple):
     """A layout built on the device (or traced by ``torch.compile``): its pack maps, and the four moves.
 
     ``seq_lengths [B]`` the lengths tensor the layout was built from (None: from boundaries, whose
     lengths are ``cu_seqlens``' differences); ``dest [B, S]`` (the scatter form) or ``gather``
     (:class:`GatherMaps`), both None for a layout that has not built them (from boundaries, which
-    packs nothing, or a host plan traced by compile: built on demand in the ``"auto"`` form).
+    packs nothing, or a host executor traced by compile: built on demand in the ``"auto"`` form).
 
-    Example: ``PackSequences(4, host_reads=False)`` on lengths ``[3, 0, 5]``, S 5 -> ``DevicePlan(
+    Example: ``PackSequences(4, host_reads=False)`` on lengths ``[3, 0, 5]``, S 5 -> ``DeviceExecutor(
     seq_lengths, dest=[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]], gather=None)``.
     """
 

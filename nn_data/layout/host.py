@@ -1,4 +1,4 @@
-"""The host plan: a layout's Python ints (one host read) and a constant number of ops per tensor.
+"""The host executor: a layout's Python ints (one host read) and a constant number of ops per tensor.
 
 Shape legend
     B   rows of the batch; S its row length
@@ -6,10 +6,10 @@ Shape legend
     k   a segment's zigzag chunk, ``n / (2C)`` for a padded segment of ``n`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
 
-A :class:`HostPlan` holds every boundary as a Python int (:class:`HostBounds`); its four methods move the
+A :class:`HostExecutor` holds every boundary as a Python int (:class:`HostBounds`); its four methods move the
 data with a constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layouts
 and executors"). While ``torch.compile`` traces, and in the cases each method names, they run the
-device plan's (:class:`~nn_data.layout.device.DevicePlan`) instead:
+device executor's (:class:`~nn_data.layout.device.DeviceExecutor`) instead:
 
 * pack: one ``split`` of ``x.reshape(B*S, *)`` at ``[L0, S-L0, L1, S-L1, ...]`` (every row's valid
   prefix as a view), one padding buffer of ``T - sum(L)`` rows split at the padding lengths, and one
@@ -21,7 +21,7 @@ device plan's (:class:`~nn_data.layout.device.DevicePlan`) instead:
   a view of one fill row expanded: ``[B*S, *]``.
 
 Above :data:`SHARD_VIEWS_MAX_SEGMENTS` segments, shard takes one ``index_select`` along a scan built
-from host ints and unshard the device plan's map (no sync either way); the crossover's timings are in
+from host ints and unshard the device executor's map (no sync either way); the crossover's timings are in
 ``profiling/results/ops.md`` ("Host shard: views or one index_select").
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; the input
@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from nn_data import _checks
-from nn_data.layout.device import DevicePlan
+from nn_data.layout.device import DeviceExecutor
 from nn_data.layout.rules import Fill, chunk_owner, zigzag_pieces
 
 
@@ -46,7 +46,7 @@ from nn_data.layout.rules import Fill, chunk_owner, zigzag_pieces
 #: map (the crossover: ``profiling/results/ops.md``).
 SHARD_VIEWS_MAX_SEGMENTS = 32
 
-#: The attribute by which a tensor a host plan packed or sharded names its layout's ``token``.
+#: The attribute by which a tensor a host executor packed or sharded names its layout's ``token``.
 TOKEN_ATTR = "_nn_data_layout_token"
 
 
@@ -58,7 +58,7 @@ class HostBounds(NamedTuple):
     ``B = 0``), ``segments [B']`` the padded segment lengths (``[T]`` for ``B = 0``: the padding
     pseudo-segment), ``max_seqlen`` the longest of them, and ``active``: the rows that may hold
     tokens or padding (rows past it are a row capacity's empty rows with empty segments, which the
-    host plan moves in bulk instead of row by row).
+    host executor moves in bulk instead of row by row).
 
     Example: lengths ``[3, 0, 5]``, m 4, T 16 -> cu ``[0, 3, 3, 8]``, cu_pad ``[0, 4, 4, 16]``,
     segments ``[4, 0, 12]``, max_seqlen 12, active 3; with one padding row of a capacity of 4
@@ -74,9 +74,9 @@ class HostBounds(NamedTuple):
 
 
 def check_token(name: str, t, layout) -> None:
-    """Refuse ``t`` when a host plan packed it on a layout other than ``layout`` (eager; free).
+    """Refuse ``t`` when a host executor packed it on a layout other than ``layout`` (eager; free).
 
-    Only tensors a host plan made carry a token: a model's output carries none, so it is never checked
+    Only tensors a host executor made carry a token: a model's output carries none, so it is never checked
     here (nothing can tell which microbatch a model output belongs to). Example: ``r1.layout.unpack(
     r2.packed, S)`` with two microbatches packed eagerly raises; ``r1.layout.unpack(model(r1.packed), S)``
     does not."""
@@ -120,16 +120,16 @@ def pads_of(bounds) -> list:
     return [n - v for n, v in zip(bounds.segments[: bounds.active], bounds.lengths[: bounds.active])]
 
 
-class HostPlan(NamedTuple):
+class HostExecutor(NamedTuple):
     """A layout built on the host: its Python ints, and the four moves in a few ``split``/``cat`` ops.
 
     ``bounds`` (:class:`HostBounds`, the one read's ints), ``seq_lengths [B]`` the lengths tensor the
     layout was built from (None: from boundaries), ``token``: the fingerprint of a layout a pack built,
-    which every tensor this plan packs or shards carries (:data:`TOKEN_ATTR`, :func:`check_token`), or
-    None. Each method takes ``(layout, tensor, ...)`` and runs the device plan's while ``torch.compile``
+    which every tensor this executor packs or shards carries (:data:`TOKEN_ATTR`, :func:`check_token`), or
+    None. Each method takes ``(layout, tensor, ...)`` and runs the device executor's while ``torch.compile``
     traces (the ints would be baked into the graph) and in the cases it names.
 
-    Example: ``PackSequences(4)`` on lengths ``[3, 0, 5]``, S 5, eagerly -> ``HostPlan(HostBounds([3, 0,
+    Example: ``PackSequences(4)`` on lengths ``[3, 0, 5]``, S 5, eagerly -> ``HostExecutor(HostBounds([3, 0,
     5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3), seq_lengths, token)``.
     """
 
@@ -145,7 +145,7 @@ class HostPlan(NamedTuple):
         non-empty rows whatever ``B`` is.
         """
         if torch.compiler.is_compiling():
-            return DevicePlan(self.seq_lengths).pack(layout, x, fill)
+            return DeviceExecutor(self.seq_lengths).pack(layout, x, fill)
         bounds = self.bounds
         trailing, row_len = x.shape[2:], x.shape[1]
         pads = pads_of(bounds)
@@ -154,7 +154,7 @@ class HostPlan(NamedTuple):
         if not any(lengths):  # nothing valid: the packed tensor is all padding
             out = pad.contiguous().unsqueeze(0)  # (materialised: fill may be a view)
             # + the sum of an empty slice of x (exactly 0) keeps x in autograd's graph, as the device
-            # plan does: a backward through an all-empty microbatch gives x a zero gradient
+            # executor does: a backward through an all-empty microbatch gives x a zero gradient
             return self._tag(out + x[:0].sum().to(out.dtype) if x.requires_grad else out)
         runs, skips = _runs(lengths, [row_len - n for n in lengths])  # the input: skipped, valid, ..., skipped
         skips[-1] += (x.shape[0] - bounds.active) * row_len  # the empty rows past the active ones
@@ -172,7 +172,7 @@ class HostPlan(NamedTuple):
         ``[0, 16, 40]``, C 2, rank 0 -> packed positions ``0..3, 12..21, 34..39``.
         """
         if torch.compiler.is_compiling():
-            return DevicePlan(self.seq_lengths).shard(layout, packed, cp_size, cp_rank)
+            return DeviceExecutor(self.seq_lengths).shard(layout, packed, cp_size, cp_rank)
         starts, lengths = _pieces(self.bounds, cp_size, cp_rank)
         flat = packed[0]  # [T, *]
         if len(lengths) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
@@ -183,7 +183,7 @@ class HostPlan(NamedTuple):
     def unshard(self, layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
         """``[C, T/C, *] -> [1, T, *]``: every rank's shard split at ``[k, k]`` per segment, one ``cat`` in
         packed order (chunk ``c`` of a segment from rank ``min(c, 2C-1-c)``). Above
-        :data:`SHARD_VIEWS_MAX_SEGMENTS` non-empty segments the device plan's one gather (a split per
+        :data:`SHARD_VIEWS_MAX_SEGMENTS` non-empty segments the device executor's one gather (a split per
         piece would cost more; the boundaries are on the device: no sync).
 
         Example: C 2, one segment of 8 (k 2): rank 0 holds chunks 0, 3, rank 1 chunks 1, 2 -> pieces
@@ -191,7 +191,7 @@ class HostPlan(NamedTuple):
         """
         _, chunks = _chunks(self.bounds, cp_size)
         if torch.compiler.is_compiling() or len(chunks) > SHARD_VIEWS_MAX_SEGMENTS:
-            return DevicePlan(self.seq_lengths).unshard(layout, shards, cp_size)
+            return DeviceExecutor(self.seq_lengths).unshard(layout, shards, cp_size)
         halves = [k for k in chunks for _ in (0, 1)]  # each rank: [k, k] per segment
         parts = [shards[q].split(halves) for q in range(cp_size)]  # C x 2B views
         pieces, sizes = [], []
@@ -206,7 +206,7 @@ class HostPlan(NamedTuple):
         ``fill`` elsewhere; one ``split`` of the packed tensor, one of an expanded fill row, one ``cat``
         (``T >= 1``). The fill between two valid runs is one piece, however many empty rows it spans.
         With no row (``B = 0``), or no token to move while autograd records (every length ``<= shift``),
-        the device plan's gather, which keeps the output in autograd's graph.
+        the device executor's gather, which keeps the output in autograd's graph.
 
         Example: cu_pad ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: the packed tensor splits at
         ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``.
@@ -214,7 +214,7 @@ class HostPlan(NamedTuple):
         bounds = self.bounds
         if torch.compiler.is_compiling() or not (
                 layout.rows and (not packed.requires_grad or any(n > shift for n in bounds.lengths))):
-            return DevicePlan(self.seq_lengths).unpack(layout, packed, seq_len, fill, shift)
+            return DeviceExecutor(self.seq_lengths).unpack(layout, packed, seq_len, fill, shift)
         trailing, rows, lengths = packed.shape[2:], len(bounds.lengths), bounds.lengths[: bounds.active]
         lead = [shift if n else 0 for n in lengths]  # fill before each row's run (shift 1: column 0)
         row_runs = [n - a for n, a in zip(lengths, lead)]
@@ -235,7 +235,7 @@ class HostPlan(NamedTuple):
         return flat.view(rows, seq_len, *trailing)  # [B, S, *]
 
     def _tag(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``, marked as packed (or sharded) on this plan's layout when it has a token."""
+        """``t``, marked as packed (or sharded) on this executor's layout when it has a token."""
         if self.token is not None:
             setattr(t, TOKEN_ATTR, self.token)
         return t

@@ -4,7 +4,7 @@
 rounding rule). What nn_data's own code needs beyond it comes through here, never from a submodule
 (``tests/ops/test_structure.py`` holds both rules): the layout rules' int32 limit, bucket and boundary
 rules (``rules``), the data checks with their one wording each (``checks``, the module: ``checks.<name>``),
-the device index maps and their records (``index``), and the builders' rule of which plan a layout gets
+the device index maps and their records (``index``), and the builders' rule of which executor a layout gets
 and their forms for an op given a layout or rows padded to their segments (``build``). Each name here has
 an importer in nn_data, profiling or scripts.
 

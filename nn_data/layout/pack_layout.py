@@ -1,4 +1,4 @@
-"""The layout type: one microbatch's boundaries and the plan that moves data along them.
+"""The layout type: one microbatch's boundaries and the executor that moves data along them.
 
 Shape legend
     B   rows of the batch (R with row-capacity padding); ``B' = max(B, 1)`` segments
@@ -8,19 +8,19 @@ Shape legend
     *   trailing feature dims of a packed tensor
 
 A :class:`PackLayout` holds the boundaries as tensors on the data's device (``cu_seqlens_padded``, and
-``cu_seqlens`` when known), the static sizes as Python ints (``T``, ``B``, ``S``) and one of two plans
-(``docs/design.md``, "Layouts and executors"): a :class:`~nn_data.layout.host.HostPlan` (built on the
+``cu_seqlens`` when known), the static sizes as Python ints (``T``, ``B``, ``S``) and one of two executors
+(``docs/design.md``, "Layouts and executors"): a :class:`~nn_data.layout.host.HostExecutor` (built on the
 host after the one read of the lengths or boundaries: Python ints, a few ``split``/``cat`` ops per
-tensor) or a :class:`~nn_data.layout.device.DevicePlan` (built on the device: index maps, zero syncs,
-what compiled graphs and CUDA graphs capture). Both plans have the same four methods, ``pack``,
+tensor) or a :class:`~nn_data.layout.device.DeviceExecutor` (built on the device: index maps, zero syncs,
+what compiled graphs and CUDA graphs capture). Both executors have the same four methods, ``pack``,
 ``shard``, ``unshard`` and ``unpack``, each taking ``(layout, tensor, ...)``; the layout's own methods
-check their arguments and call the plan's. Which plan a layout holds is its builder's choice
-(:func:`nn_data.layout.build.reads_host`: ``host_reads`` and the compile state); a host plan runs the
-device plan's methods while ``torch.compile`` traces.
+check their arguments and call the executor's. Which executor a layout holds is its builder's choice
+(:func:`nn_data.layout.build.reads_host`: ``host_reads`` and the compile state); a host executor runs the
+device executor's methods while ``torch.compile`` traces.
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``, T 12; eagerly a host
-plan (``HostBounds([3, 0, 5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3)``), with
-``host_reads=False`` a device plan (``dest [[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``).
+executor (``HostBounds([3, 0, 5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3)``), with
+``host_reads=False`` a device executor (``dest [[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data import _checks
 from nn_data.layout import index
-from nn_data.layout.device import DevicePlan
-from nn_data.layout.host import HostBounds, HostPlan, check_token
+from nn_data.layout.device import DeviceExecutor
+from nn_data.layout.host import HostBounds, HostExecutor, check_token
 from nn_data.layout.rules import Fill
 from nn_data.layout.rules import segment_bounds
 
@@ -47,19 +47,19 @@ class PackLayout(NamedTuple):
     ``cu_seqlens [B+1]`` and ``cu_seqlens_padded [B+1]`` (int32, on the data's device; the latter is
     the final boundaries, ``[T]`` when ``B = 0``), ``max_seqlen`` (0-d int32: the longest padded
     segment), ``total`` (T), ``rows`` (B), ``row_len`` (S; None for a layout built from boundaries
-    alone, which can shard and unpack but not pack), and ``plan``: a
-    :class:`~nn_data.layout.host.HostPlan` or a :class:`~nn_data.layout.device.DevicePlan`, which
+    alone, which can shard and unpack but not pack), and ``executor``: a
+    :class:`~nn_data.layout.host.HostExecutor` or a :class:`~nn_data.layout.device.DeviceExecutor`, which
     moves the data (``pack``, ``shard``, ``unshard``, ``unpack``).
 
-    A tensor a host plan packed or sharded carries its layout's ``token``, so a method (``shard``,
+    A tensor a host executor packed or sharded carries its layout's ``token``, so a method (``shard``,
     ``unshard``, ``unpack``) or an op given it with *another* microbatch's layout refuses
     (:func:`~nn_data.layout.host.check_token`).
 
     Example::
 
         >>> r = PackSequences(4)(torch.tensor([[1, 2, 3, 0, 0], [0] * 5, [4, 5, 6, 7, 8]]), torch.tensor([3, 0, 5]))
-        >>> r.layout.total, r.layout.cu_seqlens_padded.tolist(), type(r.layout.plan).__name__
-        (12, [0, 4, 4, 12], 'HostPlan')
+        >>> r.layout.total, r.layout.cu_seqlens_padded.tolist(), type(r.layout.executor).__name__
+        (12, [0, 4, 4, 12], 'HostExecutor')
         >>> r.layout.pack(torch.ones(3, 5, 2)).shape
         torch.Size([1, 12, 2])
     """
@@ -70,48 +70,48 @@ class PackLayout(NamedTuple):
     total: int
     rows: int
     row_len: Optional[int]
-    plan: Union[HostPlan, DevicePlan] = DevicePlan()
+    executor: Union[HostExecutor, DeviceExecutor] = DeviceExecutor()
 
     @property
     def host(self) -> Optional[HostBounds]:
-        """The host plan's ints (:class:`~nn_data.layout.host.HostBounds`), None for a device plan."""
-        return self.plan.bounds if isinstance(self.plan, HostPlan) else None
+        """The host executor's ints (:class:`~nn_data.layout.host.HostBounds`), None for a device executor."""
+        return self.executor.bounds if isinstance(self.executor, HostExecutor) else None
 
     @property
     def on_host(self) -> bool:
-        """Whether this layout's moves run on its host plan now: a host plan, and no compile tracing."""
-        return isinstance(self.plan, HostPlan) and not torch.compiler.is_compiling()
+        """Whether this layout's moves run on its host executor now: a host executor, and no compile tracing."""
+        return isinstance(self.executor, HostExecutor) and not torch.compiler.is_compiling()
 
     @property
     def seq_lengths(self) -> Optional[torch.Tensor]:
         """The ``[B]`` lengths tensor the layout was built from (None: built from boundaries)."""
-        return self.plan.seq_lengths
+        return self.executor.seq_lengths
 
     @property
     def token(self) -> Optional[object]:
-        """The fingerprint the tensors this layout's host plan packs carry, or None."""
-        return self.plan.token if isinstance(self.plan, HostPlan) else None
+        """The fingerprint the tensors this layout's host executor packs carry, or None."""
+        return self.executor.token if isinstance(self.executor, HostExecutor) else None
 
     def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
         """Pack another ``[B, S, *]`` tensor of the same batch into ``[1, T, *]``; padding gets ``fill``
         (a scalar, or a tensor broadcastable to ``x.shape[2:]``: ``torch.arange(topk)`` for routed
         experts, a valid route in every padding row)."""
         _check_packable(self, x)
-        return self.plan.pack(self, x, fill)
+        return self.executor.pack(self, x, fill)
 
     def shard(self, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
         """This CP rank's zigzag shard ``[1, T, *] -> [1, T/C, *]`` (``packed`` itself when ``C = 1``)."""
         _check_own("packed", packed, self)
         if cp_size == 1:
             return packed
-        return self.plan.shard(self, packed, cp_size, cp_rank)
+        return self.executor.shard(self, packed, cp_size, cp_rank)
 
     def unshard(self, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
         """Every rank's shard, rank-major ``[C, T/C, *]``, back to the packed ``[1, T, *]``."""
         _check_own("shards", shards, self)
         if cp_size == 1:
             return shards
-        return self.plan.unshard(self, shards, cp_size)
+        return self.executor.unshard(self, shards, cp_size)
 
     def unpack(self, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
         """``[1, T, *] -> [B, S, *]`` with ``S = seq_len``: each row's valid tokens, ``fill`` elsewhere
@@ -121,7 +121,7 @@ class PackLayout(NamedTuple):
             out = packed.new_full((self.rows, seq_len, *packed.shape[2:]), fill)
             # + the sum of the empty packed tensor (exactly 0) keeps a backward through an empty microbatch
             return out + packed.sum().to(out.dtype) if packed.requires_grad else out
-        return self.plan.unpack(self, packed, seq_len, fill, shift)
+        return self.executor.unpack(self, packed, seq_len, fill, shift)
 
     def bounds(self) -> torch.Tensor:
         """``[B'+1]`` int64 boundaries to index segments by (``[0, T]`` when ``B = 0``)."""
@@ -163,7 +163,7 @@ class PackLayout(NamedTuple):
         """``[1, T/C]`` bool, this CP rank's positions in the order of its shard, True at padding: each
         segment's slack and the extended last segment's tail (all True for ``B = 0``). What
         megatron-core's ``GPTModel.forward(padding_mask=)`` takes to keep padding out of MoE routing
-        statistics. Index maps on the plan's boundary tensors, one gather, no host read on either
+        statistics. Index maps on the layout's boundary tensors, one gather, no host read on either
         executor; pass this rank's ``places`` when they are at hand.
 
         Example: lengths ``[3, 0, 5]``, m 4, T 12 -> cu_seqlens_padded ``[0, 4, 4, 12]`` ->

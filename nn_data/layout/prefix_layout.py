@@ -264,10 +264,10 @@ def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor
 
     ``input_ids [B, S, *]`` (optional): checked to share each group's prompt tokens. ``num_rows`` (a 0-d
     integer tensor): rows at or past it are padding rows (length 0, no group). Eager with ``host_reads``
-    (the slots get a host plan), **one** host read (the lengths, the prefix lengths, the group ids, the
+    (the slots get a host executor), **one** host read (the lengths, the prefix lengths, the group ids, the
     leaders, the slot lengths and the prompt comparison together), then, with ``validate``
     (``docs/design.md``, "Validation"), :class:`~nn_data.errors.PackingError` naming the argument and
-    value; otherwise (compiled, or ``host_reads=False``) a device plan, device asserts when ``validate``,
+    value; otherwise (compiled, or ``host_reads=False``) a device executor, device asserts when ``validate``,
     no read (with a fixed ``T``).
     """
     rows = _check_args(seq_lengths, prefix_lengths, group_ids, row_len, input_ids, num_rows)

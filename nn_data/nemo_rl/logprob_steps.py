@@ -61,7 +61,7 @@ def packed_layout(cu_seqlens_padded: torch.Tensor, total: int, cp: ParallelInfo,
     with ``validate=False``. Its valid tokens are the whole padded segments: NeMo-RL scores every position
     of a padded segment, its padding included."""
     bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens_padded)
-    # NeMo-RL's validate=False means no read at all: the drop-in asks for the device plan then
+    # NeMo-RL's validate=False means no read at all: the drop-in asks for the device executor then
     return layout_from_boundaries(bounds, op=op, cp_size=cp.size, validate=validate, host_reads=validate)
 
 

@@ -180,8 +180,8 @@ def test_static_path_runs_on_meta_tensors():
 
 @pytest.mark.parametrize("host_reads, expected", [(False, 0), (True, 1)])
 def test_eager_sync_count(host_reads, expected):
-    """Eagerly an op given boundaries reads them once on the host plan (its validation), never on the
-    device plan (``host_reads=False``); ``validate`` plays no part in the count."""
+    """Eagerly an op given boundaries reads them once on the host executor (its validation), never on the
+    device executor (``host_reads=False``); ``validate`` plays no part in the count."""
     x, lengths, padded, _ = _microbatch(torch.Generator().manual_seed(4), 6)
     pack = PackSequences(M, pad_full_seq_to=T, host_reads=host_reads)
     shard = ShardForContextParallel(C, 0, host_reads=host_reads)

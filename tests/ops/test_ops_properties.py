@@ -94,7 +94,7 @@ def test_pack_shard_unshard_unpack_match_reference_on_both_executors(case, name,
         out = UnpackSequences(seq_len, host_reads=host_reads)(r.packed, **unpack_on)
     assert (r.layout.host is not None) == host_reads
     if not host_reads and x.shape[0] * x.shape[1] and r.packed.shape[1]:
-        assert (r.layout.plan.dest is not None) == (name == "device-scatter")
+        assert (r.layout.executor.dest is not None) == (name == "device-scatter")
     ref = reference_pack(x, case["lengths"], m, p, full)
     assert torch.equal(r.packed, ref.packed)
     assert torch.equal(r.cu_seqlens, ref.cu_seqlens)

@@ -382,33 +382,33 @@ EXECUTOR_OPS = ("pack", "shard", "unshard", "unpack")
 
 
 def test_one_executor_protocol_chosen_in_one_place():
-    """A layout holds one of two plans, ``HostPlan`` (``layout/host.py``) and ``DevicePlan``
+    """A layout holds one of two executors, ``HostExecutor`` (``layout/host.py``) and ``DeviceExecutor``
     (``layout/device.py``), each with ``pack``, ``shard``, ``unshard`` and ``unpack`` taking
-    ``(layout, tensor, ...)``; each ``PackLayout`` method calls its plan's (no dispatcher), and nothing
-    outside the layout calls a plan; the shared-prefix layout packs through ``device.gather_pack`` and
+    ``(layout, tensor, ...)``; each ``PackLayout`` method calls its executor's (no dispatcher), and nothing
+    outside the layout builds one; the shared-prefix layout packs through ``device.gather_pack`` and
     its ``GatherMaps``, the one declared way maps enter a pack (no layout impostor)."""
     import inspect
 
     from nn_data.layout import PackLayout, device, host
 
-    for plan in (host.HostPlan, device.DevicePlan):
+    for executor in (host.HostExecutor, device.DeviceExecutor):
         for op in EXECUTOR_OPS:
-            params = list(inspect.signature(getattr(plan, op)).parameters)
-            assert params[:3] == ["self", "layout", params[2]] and params[2] in ("x", "packed", "shards"), (plan, op)
-    assert PackLayout._fields[-1] == "plan" and len(PackLayout._fields) <= 7, PackLayout._fields
+            params = list(inspect.signature(getattr(executor, op)).parameters)
+            assert params[:3] == ["self", "layout", params[2]] and params[2] in ("x", "packed", "shards"), (executor, op)
+    assert PackLayout._fields[-1] == "executor" and len(PackLayout._fields) <= 7, PackLayout._fields
     text = _code_only((PKG / "layout" / "pack_layout.py").read_text())
     for op in EXECUTOR_OPS:
-        assert text.count(f"self.plan.{op}(self, ") == 1, op
+        assert text.count(f"self.executor.{op}(self, ") == 1, op
     callers = {}
     for path in PKG.rglob("*.py"):
         text = _code_only(path.read_text())
-        if re.search(r"\b(HostPlan|DevicePlan)\(", text):
-            callers.setdefault(str(path.relative_to(ROOT)), set()).add("plan")
+        if re.search(r"\b(HostExecutor|DeviceExecutor)\(", text):
+            callers.setdefault(str(path.relative_to(ROOT)), set()).add("executor")
         if re.search(r"\bgather_pack\(", text):
             callers.setdefault(str(path.relative_to(ROOT)), set()).add("gather_pack")
-    assert callers == {"nn_data/layout/build.py": {"plan"}, "nn_data/layout/host.py": {"plan"},
-                       "nn_data/layout/pack_layout.py": {"plan"},
-                       "nn_data/layout/device.py": {"plan", "gather_pack"},
+    assert callers == {"nn_data/layout/build.py": {"executor"}, "nn_data/layout/host.py": {"executor"},
+                       "nn_data/layout/pack_layout.py": {"executor"},
+                       "nn_data/layout/device.py": {"executor", "gather_pack"},
                        "nn_data/layout/prefix_layout.py": {"gather_pack"}}, callers
 
 
