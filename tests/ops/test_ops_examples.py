@@ -35,20 +35,20 @@ def test_zero_length_row_and_multiple_4():
     assert r.packed.tolist() == [[11, 12, 13, 0, 31, 32, 33, 34, 35, 0, 0, 0]]
     assert r.max_seqlen.item() == 8
     assert r.cu_seqlens.dtype == r.cu_seqlens_padded.dtype == torch.int32
-    # Eagerly the plan is made on the host (one read of the lengths): its Python ints move the data.
+    # Eagerly the layout gets a host executor (one read of the lengths): its Python ints move the data.
     assert r.layout.host == HostBounds([3, 0, 5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3)
     assert type(r.layout.executor).__name__ == "HostExecutor"
     assert r.layout.positions().tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
     assert r.layout.segment_ids().tolist() == [0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2]
-    # On the device (compiled, or host_reads=False) the plan is index maps: B*S <= 16T, the scatter form.
+    # On the device (compiled, or host_reads=False) the executor holds index maps: B*S <= 16T, the scatter form.
     d = PackSequences(pad_individual_seqs_to_multiple_of=4, host_reads=False)(x, torch.tensor([3, 0, 5]))
     assert d.layout.host is None
     assert d.layout.executor.dest.tolist() == [[0, 1, 2, 12, 12], [12] * 5, [4, 5, 6, 7, 8]]
     assert torch.equal(d.packed, r.packed) and torch.equal(d.cu_seqlens_padded, r.cu_seqlens_padded)
 
 
-def test_host_reads_picks_the_plan_and_validate_only_validates():
-    """The plan follows ``host_reads`` (and the compile state), never ``validate``: eagerly a host executor
+def test_host_reads_picks_the_executor_and_validate_only_validates():
+    """The executor follows ``host_reads`` (and the compile state), never ``validate``: eagerly a host executor
     after one read whatever ``validate`` says, a device executor with no read for ``host_reads=False``."""
     x = _ids([[11, 12, 13], [], [31, 32, 33, 34, 35]])
     expected = PackSequences(4)(x, torch.tensor([3, 0, 5])).packed
