@@ -197,9 +197,9 @@ def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq
 
     On the host (:func:`reads_host`: a host executor) the boundaries, the lengths (``seq_lengths``, or
     ``cu_seqlens``' differences) and ``also_check``'s flag come to the host in **one** read, which is also
-    the op's validation (when ``validate``): the boundaries rise from 0 to ``T`` (valid-token offsets: to at most ``T``), every
-    segment splits into ``2C`` chunks, each sequence fits its segment, ``seq_len`` and ``row_len``;
-    ``also_check``'s function raises when its flag is False. On the device the same checks are device
+    the op's validation (when ``validate``): the boundaries rise from 0 to ``T`` (valid-token offsets: to
+    at most ``T``), every segment splits into ``2C`` chunks, each sequence fits its segment, ``seq_len``
+    and ``row_len``; ``also_check``'s function raises when its flag is False. On the device the same checks are device
     asserts (when ``validate``), and ``also_check`` is the caller's to assert.
 
     Example: cu_seqlens_padded ``[0, 16, 40]``, T 40, C 2 -> segments ``[16, 24]``, both multiples of 4.

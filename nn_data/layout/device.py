@@ -7,25 +7,16 @@ Shape legend
 
 A :class:`DeviceExecutor` is what ``torch.compile`` and CUDA graphs capture: every map is tensor arithmetic
 on the boundaries (:mod:`nn_data.layout.index`), every shape a Python int or a symbolic size, nothing
-read on the host (``docs/design.md``, "Layouts and executors"). Its four methods take ``(layout,
-tensor, ...)`` like the host executor's (:class:`~nn_data.layout.host.HostExecutor`), which runs them while
+read on the host (``docs/design.md``, "Layouts and executors"). A host executor runs its methods while
 compiling.
 
-Pack, two forms chosen from the static shapes (never from data), or forced by the spec's
-``pack_form`` (:class:`~nn_data.layout.PackSpec`; :func:`pack_maps`):
-
-* **scatter** (``B*S <= 16*T`` on static sizes): ``dest [B, S]``, the packed position of every input
-  token. It reads per-row tables only (``cu_seqlens_padded[b]``, ``L[b]``), which inductor hoists out
-  of the inner loop, but it touches all ``B*S`` input positions;
-* **gather** (otherwise, and for symbolic sizes: no guard on the comparison): :class:`GatherMaps`,
-  ``source [T]`` and ``valid [T]``, touching only the ``T`` packed positions but looking up each
-  position's segment. The shared-prefix layout packs through the same record (:func:`gather_pack`).
-
-Unpack, two forms: **gather** (default: every output position ``(b, s)`` reads
-``packed[cu_seqlens_padded[b] + s]``, clamped, and is masked: ``B*S`` indexed loads) and **scatter**
-(``B*S >= 4T`` on static sizes, an output that is mostly fill such as rows padded to a row capacity:
-one fill, then each of the ``T`` packed positions written to its row and column). The thresholds
-come from the compiled timings in ``profiling/results/ops.md`` ("Device pack and unpack forms").
+Pack, two forms chosen from the static shapes (never from data) or by ``PackSpec.pack_form``: a
+**scatter** along ``dest [B, S]`` (``B*S <= 16*T`` on static sizes: per-row tables inductor hoists out
+of the inner loop, but all ``B*S`` input positions touched) or a **gather** along :class:`GatherMaps`
+(otherwise, and for symbolic sizes: only the ``T`` packed positions, each looking up its segment; the
+shared-prefix layout packs through the same record). Unpack: a **gather** over ``[B, S]`` (default) or,
+for an output that is mostly fill (``B*S >= 4T``), one fill and a **scatter** of the ``T`` positions.
+The thresholds' timings: ``profiling/results/ops.md``, "The executors' crossovers".
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter form dest
 ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]`` (12: the discard slot); gather form source
@@ -60,10 +51,7 @@ class GatherMaps(NamedTuple):
     position reads (clamped into ``[0, B*S)``), ``valid`` whether it is a token (else ``fill``).
 
     The one way maps enter :func:`gather_pack`: a device executor's gather form and a shared-prefix layout's
-    rollout maps (:class:`~nn_data.layout.SharedPrefixLayout`) are both this record.
-
-    Example: lengths ``[3, 0, 5]``, S 5, cu_seqlens_padded ``[0, 4, 4, 12]`` -> source
-    ``[0, 1, 2, 3, 10, 11, 12, 13, 14, 14, 14, 14]``, valid ``[T,T,T,F,T,T,T,T,T,F,F,F]``.
+    rollout maps (:class:`~nn_data.layout.SharedPrefixLayout`) are both this record. Example: the module's.
     """
 
     source: torch.Tensor

@@ -22,7 +22,7 @@ device executor's (:class:`~nn_data.layout.device.DeviceExecutor`) instead:
 
 Above :data:`SHARD_VIEWS_MAX_SEGMENTS` segments, shard takes one ``index_select`` along a scan built
 from host ints and unshard the device executor's map (no sync either way); the crossover's timings are in
-``profiling/results/ops.md`` ("Host shard: views or one index_select").
+``profiling/results/ops.md`` ("The executors' crossovers").
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; the input
 splits at ``[3, 2, 0, 5, 5, 0]`` (valid prefixes ``x[0,:3]``, ``x[1,:0]``, ``x[2,:5]``), the

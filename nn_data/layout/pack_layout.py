@@ -16,11 +16,7 @@ what compiled graphs and CUDA graphs capture). Both executors have the same four
 ``shard``, ``unshard`` and ``unpack``, each taking ``(layout, tensor, ...)``; the layout's own methods
 check their arguments and call the executor's. Which executor a layout holds is its builder's choice
 (:func:`nn_data.layout.build.reads_host`: ``host_reads`` and the compile state); a host executor runs the
-device executor's methods while ``torch.compile`` traces.
-
-Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``, T 12; eagerly a host
-executor (``HostBounds([3, 0, 5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3)``), with
-``host_reads=False`` a device executor (``dest [[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``).
+device executor's methods while ``torch.compile`` traces. Example: :class:`PackLayout`'s.
 """
 
 from __future__ import annotations

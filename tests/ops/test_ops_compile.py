@@ -168,7 +168,8 @@ def test_static_path_runs_on_meta_tensors():
     """Meta tensors have no values: any value-dependent op in the static path would fail here."""
     x = torch.empty(R, S, dtype=torch.int64, device="meta")
     lengths = torch.empty(R, dtype=torch.int64, device="meta")
-    r = PackSequences(M, pad_full_seq_to=T, validate=False, host_reads=False)(x, lengths, torch.empty((), dtype=torch.int64, device="meta"))
+    num_rows = torch.empty((), dtype=torch.int64, device="meta")
+    r = PackSequences(M, pad_full_seq_to=T, validate=False, host_reads=False)(x, lengths, num_rows)
     assert r.packed.shape == (1, T) and r.cu_seqlens_padded.shape == (R + 1,)
     local = ShardForContextParallel(C, 1, validate=False, host_reads=False)(r.packed, r.cu_seqlens_padded)
     assert local.shape == (1, T // C)
