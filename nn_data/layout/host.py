@@ -89,27 +89,23 @@ def check_token(name: str, t, layout) -> None:
             "(PackResult.layout of the same call); two microbatches of one packed length T look alike by shape")
 
 
-def host_tensor(values: list, dtype: torch.dtype, device_) -> torch.Tensor:
-    """A tensor of host ints on ``device_``. On an accelerator it is staged in pinned memory and
-    copied asynchronously: a copy from pageable memory would block the host (a sync, which
-    ``torch.cuda.set_sync_debug_mode`` reports), while the microbatch's one sync is the host read."""
-    t = _from_ints(values, dtype)
-    if (device_ if isinstance(device_, torch.device) else torch.device(device_)).type == "cpu":
-        return t
-    return t.pin_memory().to(device_, non_blocking=True)
-
-
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
 
 
-def _from_ints(values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of Python ints: through an ``array`` buffer for a flat list (faster than
-    ``torch.tensor`` on a list of ints), else ``torch.tensor``. Example: ``[0, 4, 4, 12]``, int32 ->
-    ``tensor([0, 4, 4, 12], dtype=torch.int32)``."""
+def host_tensor(values: list, dtype: torch.dtype, device_) -> torch.Tensor:
+    """A tensor of host ints on ``device_``: through an ``array`` buffer for a flat list (faster than
+    ``torch.tensor`` on a list of ints). On an accelerator it is staged in pinned memory and copied
+    asynchronously: a copy from pageable memory would block the host (a sync, which
+    ``torch.cuda.set_sync_debug_mode`` reports), while the microbatch's one sync is the host read.
+    Example: ``[0, 4, 4, 12]``, int32, cpu -> ``tensor([0, 4, 4, 12], dtype=torch.int32)``."""
     code = _ARRAY_CODES.get(dtype)
     if code is None or not values or isinstance(values[0], list):
-        return torch.tensor(values, dtype=dtype)
-    return torch.frombuffer(array.array(code, values), dtype=dtype)
+        t = torch.tensor(values, dtype=dtype)
+    else:
+        t = torch.frombuffer(array.array(code, values), dtype=dtype)
+    if (device_ if isinstance(device_, torch.device) else torch.device(device_)).type == "cpu":
+        return t
+    return t.pin_memory().to(device_, non_blocking=True)
 
 
 def pads_of(bounds) -> list:
