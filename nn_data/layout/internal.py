@@ -13,7 +13,7 @@ Example::
     >>> from nn_data.layout.internal import checks, segment_bounds
     >>> segment_bounds([16], 16)  # no sequence: the pseudo-segment [0, T]
     [0, 16]
-    >>> checks.total_divisible(12, 4)  # raises PackingError when T is not a multiple of C
+    >>> checks.total_divisible(16, 4)  # T = 16 splits into 2C = 8 chunks; T = 12 would raise PackingError
 """
 
 from __future__ import annotations
