@@ -222,7 +222,8 @@ def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq
     if validate:
         checks.boundaries_host(cu_pad, total, bounds.name, end_at_total=not bounds.valid_offsets,
                                where=bounds.total_from, hint=not bounds.valid_offsets and bounds.total_from != "")
-    segments = _segments(cu_pad, total)
+    edges = segment_bounds(cu_pad, total)  # [0, 16, 40] -> segments [16, 24]; [T] (B = 0) -> [T]
+    segments = [b - a for a, b in zip(edges, edges[1:])]
     cu = rest.pop(0) if bounds.cu_seqlens is not None else None
     lengths = rest.pop(0) if bounds.seq_lengths is not None else None
     if validate:
@@ -235,13 +236,6 @@ def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq
     host = HostBounds(lengths, cu, cu_pad, segments, max(segments), len(segments))
     return PackLayout(bounds.cu_seqlens, bounds.cu_seqlens_padded, None, total, len(cu_pad) - 1, row_len,
                       HostExecutor(host, bounds.seq_lengths))
-
-
-def _segments(cu_pad: list, total: int) -> list:
-    """The padded segment lengths ``[B']`` of host boundaries (``[T]`` for ``B = 0``). Example:
-    ``[0, 16, 40]`` -> ``[16, 24]``."""
-    edges = segment_bounds(cu_pad, total)
-    return [b - a for a, b in zip(edges, edges[1:])]
 
 
 def _check_lengths_host(lengths, cu, segments: list, bounds_name: str, seq_len, row_len) -> None:
@@ -284,11 +278,11 @@ def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len
     own configuration run on the layout: ``T`` (a shape), every segment splitting into ``2C`` chunks and
     every length fitting ``seq_len``: free on a host layout's ints, device asserts otherwise. ``data``
     (``(name, tensor)``): the tensor the op runs on, refused when the host executor packed it on another
-    layout (:func:`~nn_data.layout.pack_layout.check_token`).
+    layout (:func:`~nn_data.layout.host.check_token`).
     """
     if not isinstance(layout, PackLayout):
         raise _checks.PackingError(f"layout must be a PackLayout (PackResult.layout), got {type(layout).__name__}")
-    if _static_differs(layout.total, total):
+    if guard_or_false(layout.total != total):  # known to differ (symbolic sizes: no guard otherwise)
         raise _checks.PackingError(_other_total(layout.total, int(total)))
     if data is not None:
         check_token(data[0], data[1], layout)
@@ -319,11 +313,6 @@ def _other_total(expected: int, got: int) -> str:
                 "(GatherFromContextParallel, or UnshardFromContextParallel of every rank's shard); otherwise pass "
                 "the layout of this very microbatch")
     return message + "; pass the layout of this very microbatch"
-
-
-def _static_differs(a, b) -> bool:
-    """``a != b`` for sizes that may be symbolic: True only where it is known (no guard otherwise)."""
-    return guard_or_false(a != b)
 
 
 def padded_rows(layout: PackLayout, row_len: int) -> PackLayout:
