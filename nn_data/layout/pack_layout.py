@@ -66,7 +66,7 @@ class PackLayout(NamedTuple):
     total: int
     rows: int
     row_len: Optional[int]
-    executor: Union[HostExecutor, DeviceExecutor] = DeviceExecutor()
+    executor: Union[HostExecutor, DeviceExecutor]
 
     @property
     def host(self) -> Optional[HostBounds]:
