@@ -407,7 +407,6 @@ def test_one_executor_protocol_chosen_in_one_place():
         if re.search(r"\bgather_pack\(", text):
             callers.setdefault(str(path.relative_to(ROOT)), set()).add("gather_pack")
     assert callers == {"nn_data/layout/build.py": {"executor"}, "nn_data/layout/host.py": {"executor"},
-                       "nn_data/layout/pack_layout.py": {"executor"},
                        "nn_data/layout/device.py": {"executor", "gather_pack"},
                        "nn_data/layout/prefix_layout.py": {"gather_pack"}}, callers
 
