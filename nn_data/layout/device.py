@@ -110,10 +110,9 @@ def gather_pack(x: torch.Tensor, maps: GatherMaps, fill: Fill = 0) -> torch.Tens
 class DeviceExecutor(NamedTuple):
     """A layout built on the device (or traced by ``torch.compile``): its pack maps, and the four moves.
 
-    ``seq_lengths [B]`` the lengths tensor the layout was built from (None: from boundaries, whose
-    lengths are ``cu_seqlens``' differences); ``dest [B, S]`` (the scatter form) or ``gather``
-    (:class:`GatherMaps`), both None for a layout that has not built them (from boundaries, which
-    packs nothing, or a host executor traced by compile: built on demand in the ``"auto"`` form).
+    ``seq_lengths [B]`` the lengths tensor the layout was built from (None: from boundaries, whose lengths
+    are ``cu_seqlens``' differences); ``dest [B, S]`` (the scatter form) or ``gather`` (:class:`GatherMaps`),
+    or neither (from boundaries, or a host executor traced by compile: built on demand, ``"auto"``).
 
     Example: ``PackSequences(4, host_reads=False)`` on lengths ``[3, 0, 5]``, S 5 -> ``DeviceExecutor(
     seq_lengths, dest=[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]], gather=None)``.

@@ -6,23 +6,12 @@ Shape legend
     k   a segment's zigzag chunk, ``n / (2C)`` for a padded segment of ``n`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
 
-A :class:`HostExecutor` holds every boundary as a Python int (:class:`HostBounds`); its four methods move the
-data with a constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layouts
-and executors"). While ``torch.compile`` traces, and in the cases each method names, they run the
-device executor's (:class:`~nn_data.layout.device.DeviceExecutor`) instead:
-
-* pack: one ``split`` of ``x.reshape(B*S, *)`` at ``[L0, S-L0, L1, S-L1, ...]`` (every row's valid
-  prefix as a view), one padding buffer of ``T - sum(L)`` rows split at the padding lengths, and one
-  ``cat`` of the two interleaved: ``[T, *]``, each byte written once;
-* shard: one ``split`` of the packed tensor at ``[r k, k, (2C-2-2r) k, k, r k]`` per segment (pieces 1
-  and 3 are this rank's chunks ``r`` and ``2C-1-r``) and one ``cat``: ``[T/C, *]``;
-* unshard: every rank's shard split at ``[k, k]`` per segment and one ``cat`` in packed order;
-* unpack: the packed tensor split at ``[L0, n0-L0, ...]`` and one ``cat`` of each row's valid run with
-  a view of one fill row expanded: ``[B*S, *]``.
-
-Above :data:`SHARD_VIEWS_MAX_SEGMENTS` segments, shard takes one ``index_select`` along a scan built
-from host ints and unshard the device executor's map (no sync either way); the crossover's timings are in
-``profiling/results/ops.md`` ("The executors' crossovers").
+A :class:`HostExecutor` holds every boundary as a Python int (:class:`HostBounds`); each of its four
+methods is one ``split`` of its input into views at those ints and one ``cat``, a constant number of ops
+whatever ``B`` is, each byte written once, no index map (``docs/design.md``, "Layouts and executors").
+While ``torch.compile`` traces, and in the cases each method names, they run the device executor's
+(:class:`~nn_data.layout.device.DeviceExecutor`) instead. The crossover's timings behind
+:data:`SHARD_VIEWS_MAX_SEGMENTS`: ``profiling/results/ops.md``, "The executors' crossovers".
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; the input
 splits at ``[3, 2, 0, 5, 5, 0]`` (valid prefixes ``x[0,:3]``, ``x[1,:0]``, ``x[2,:5]``), the

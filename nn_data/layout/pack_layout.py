@@ -177,19 +177,15 @@ class PackLayout(NamedTuple):
 
 
 def _check_own(name: str, t, layout: PackLayout) -> None:
-    """:func:`~nn_data.layout.host.check_token` for a layout's own methods, where the layout has a token
-    (one a pack made): a layout without one (built from boundaries, or on the device) may be another
-    view of ``t``'s very microbatch (an op given boundaries builds one), so nothing can be told there."""
+    """:func:`~nn_data.layout.host.check_token` where the layout has a token (one a pack made): one without
+    (from boundaries, or on the device) may be another view of ``t``'s very microbatch."""
     if layout.token is not None:
         check_token(name, t, layout)
 
 
 def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
-    """Pack ``x [B, S, *]`` into ``[1, T, *]`` along ``layout``: :meth:`PackLayout.pack`.
-
-    Raises :class:`~nn_data.errors.PackingError` if ``x`` is not ``[B, S, *]`` for the layout's
-    ``B`` and ``S``, or lives on another device.
-    """
+    """:meth:`PackLayout.pack`: ``x [B, S, *] -> [1, T, *]``, :class:`~nn_data.errors.PackingError` if ``x``
+    is not ``[B, S, *]`` for the layout's ``B`` and ``S`` or lives on another device."""
     return layout.pack(x, fill)
 
 
