@@ -28,10 +28,17 @@ from nn_data.groups import (
 from nn_data.layout import (
     Boundaries, PackSpec, SharedPrefixLayout, layout_from_boundaries, layout_from_lengths, round_up,
 )
-from nn_data.layout.internal import (
-    boundary_args, exclusive_cumsum, fixed_total_arg, layout_from_read_lengths, lengths_host, natural_total_host,
-    padded_rows, segment_ids, sequence_divisible, total_divisible, total_limit_host,
-)
+from nn_data.layout.internal import checks as _layout_checks
+from nn_data.layout.internal import exclusive_cumsum, layout_from_read_lengths, padded_rows, segment_ids
+
+# the layout's data checks, one wording each (their module is the internal door's ``checks``)
+boundary_args = _layout_checks.boundary_args
+fixed_total_arg = _layout_checks.fixed_total_arg
+lengths_host = _layout_checks.lengths_host
+natural_total_host = _layout_checks.natural_total_host
+sequence_divisible = _layout_checks.sequence_divisible
+total_divisible = _layout_checks.total_divisible
+total_limit_host = _layout_checks.total_limit_host
 from nn_data.logprobs import (
     SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden, hidden_logprobs_local, sampling_filter,
     token_logprobs_local,

@@ -47,14 +47,17 @@ class PackSequences(nn.Module):
 
     Configuration: ``m`` (``pad_individual_seqs_to_multiple_of``), ``p``
     (``pad_packed_seq_to_multiple_of``), ``pad_full_seq_to`` (the constant ``T``; the last real
-    segment absorbs the slack), ``validate`` (the data checks; ``False`` skips them) and
-    ``host_reads`` (``False``: never read the device, the checks become device asserts).
+    segment absorbs the slack), ``validate`` (the data checks; ``False`` skips them and nothing else),
+    ``host_reads`` (the executor: ``True``, eagerly, a host executor after one read of the lengths;
+    ``False``: a device executor, never a read, the checks device asserts; under ``torch.compile`` always a
+    device executor) and ``pack_form`` (the device executor's pack form: ``"auto"``, ``"scatter"`` or
+    ``"gather"``; :class:`~nn_data.layout.PackSpec`).
 
     ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``; ``seq_lengths`` is a
     tensor, or a list, tuple or numpy array of ints (copied once to ``x``'s device); ``num_rows`` (0-d
     int tensor) counts the real rows of a batch padded to a row capacity
-    (:func:`nn_data.pad_to_row_capacity`). Eagerly, with ``validate`` and ``host_reads``, the lengths
-    are read to the host once (the validation) and the batch moves with a few ``split``/``cat`` ops;
+    (:func:`nn_data.pad_to_row_capacity`). Eagerly, with ``host_reads``, the lengths are read to the
+    host once (checked there when ``validate``) and the batch moves with a few ``split``/``cat`` ops;
     otherwise, and under ``torch.compile``, the layout is index maps on the device with no sync
     (with ``pad_full_seq_to`` set: ``T`` is otherwise learned with one read). Under ``torch.compile``
     ``S`` may be a symbolic size (:func:`nn_data.rows.with_dynamic_row_length`): one graph serves
@@ -84,10 +87,11 @@ class PackSequences(nn.Module):
         *,
         validate: bool = True,
         host_reads: bool = True,
+        pack_form: str = "auto",
     ):
         super().__init__()
         self.spec = PackSpec(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
-                             fixed_total=pad_full_seq_to)
+                             fixed_total=pad_full_seq_to, pack_form=pack_form)
         self.validate, self.host_reads = bool(validate), bool(host_reads)
 
     @property

@@ -151,8 +151,10 @@ class PackedForward(nn.Module):
         self.row_capacity = None if row_capacity is None else _checks.positive_int("row_capacity", row_capacity)
         self.make_packed_seq_params = bool(make_packed_seq_params)
         if self.cp_size > 1:  # outputs: the loss is replicated over the group ("own"); keys/values: "sum"
-            self.gather_output = GatherFromContextParallel(self._cp_group, grad_mode="own", validate=False)
-            self.gather_kv = GatherFromContextParallel(self._cp_group, grad_mode="sum", validate=False)
+            self.gather_output = GatherFromContextParallel(self._cp_group, grad_mode="own", validate=False,
+                                                           host_reads=False)
+            self.gather_kv = GatherFromContextParallel(self._cp_group, grad_mode="sum", validate=False,
+                                                        host_reads=False)
         self.compile_packing = bool(compile_packing)
         self.shared_pack_shard = _shared.SharedPrefixPackShard(pack.spec, self.cp_size, self.cp_rank)
         if self.compile_packing:

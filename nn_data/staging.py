@@ -38,7 +38,7 @@ import torch
 
 from nn_data import _checks
 from nn_data.errors import PackingError
-from nn_data.layout.internal import lengths_device, packed_segments
+from nn_data.layout.internal import checks, packed_segments
 from nn_data.pack import PackSequences, PackShard
 from nn_data.packed_forward import PackedForward, PackedInfo
 from nn_data.targets import next_token_at
@@ -138,7 +138,7 @@ class StagedMicrobatch:
         shapes: what a CUDA graph captures ahead of the model. With ``validate``, every length must fit the
         rows loaded (``row_width``, not the staged ``S``): a device assert, captured with the rest."""
         if self.validate:
-            lengths_device("StagedMicrobatch.prepare", self.rows_lengths, self.row_width, None,
+            checks.lengths_device("StagedMicrobatch.prepare", self.rows_lengths, self.row_width, None,
                            row_len_name="the rows loaded: input_ids.shape[1] of load")
         res = self._pack_shard(self.rows_ids, self.rows_lengths, self.num_rows)
         layout = res.pack.layout

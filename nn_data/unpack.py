@@ -27,7 +27,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries
-from nn_data.layout.internal import packed_tensor_length, take_layout
+from nn_data.layout.internal import checks, take_layout
 
 
 class UnpackSequences(nn.Module):
@@ -91,7 +91,7 @@ def unpack_sequences(
             _checks.check_int_vector("seq_lengths", seq_lengths)
         layout = take_layout(layout, total, op="UnpackSequences", seq_len=seq_len, validate=validate,
                              data=("packed", packed), cu_seqlens_padded=cu_seqlens_padded, seq_lengths=seq_lengths)
-        packed_tensor_length("packed", total)
+        checks.packed_tensor_length("packed", total)
         _checks.check_same_device(packed=packed, layout=layout.cu_seqlens_padded)
         return layout.unpack(packed, seq_len, fill_value)
     check_unpack_args(packed, seq_lengths, cu_seqlens_padded)
@@ -111,4 +111,4 @@ def check_unpack_args(packed, seq_lengths, cu_seqlens_padded) -> None:
     _checks.check_int_vector("seq_lengths", seq_lengths)
     _checks.check_boundaries_for("seq_lengths", seq_lengths, "cu_seqlens_padded", cu_seqlens_padded)
     _checks.check_same_device(packed=packed, seq_lengths=seq_lengths, cu_seqlens_padded=cu_seqlens_padded)
-    packed_tensor_length("packed", packed.shape[1])
+    checks.packed_tensor_length("packed", packed.shape[1])

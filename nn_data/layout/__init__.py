@@ -4,20 +4,26 @@ This package's ``__init__`` is the user's door to the layout (its ``__all__``, w
 nn_data's own code enters by a second one, :mod:`nn_data.layout.internal`, and by no submodule. Every
 entry point of nn_data packs, shards, unshards and unpacks through it:
 
-* :class:`PackLayout` (``pack_layout``): one microbatch's layout, with the methods that run it
-  (``pack``, ``shard``, ``unshard``, ``unpack``, ``local_places``, ``positions``, ``padding_mask``);
+* :class:`PackLayout` (``pack_layout``): one microbatch's boundaries and its executor (a host one,
+  ``host``, or a device one, ``device``), with the methods that run it (``pack``, ``shard``, ``unshard``,
+  ``unpack``, ``local_places``, ``positions``, ``padding_mask``);
 * building one (``build``): :class:`PackSpec` (what a pack is asked for) and
   :func:`layout_from_lengths`; :class:`Boundaries` and :func:`layout_from_boundaries` for an op given
   boundaries; :func:`pack_with_layout` (:meth:`PackLayout.pack`);
-* a shared-prefix microbatch (``prefix_layout``): :class:`SharedPrefixLayout`, :func:`shared_prefix_layout`;
+* a shared-prefix microbatch (``prefix_layout``): :class:`SharedPrefixLayout`, :func:`shared_prefix_layout`
+  (a GRPO group's prompt packed once, then its responses: a :class:`PackLayout` over two slots per rollout);
 * :class:`RankOp` and :func:`op_layout` (``op``): the base of the ops configured with a CP rank, and
   how an op gets its call's layout;
-* :class:`SharedPrefixLayout` and :func:`shared_prefix_layout` (``shared_prefix``): a GRPO group's
-  prompt packed once, then its responses: a :class:`PackLayout` over two slots per rollout;
 * :func:`round_up`, the rounding rule (``rules``: every layout rule, written once for Python ints and
-  tensors); their checks (``checks``, one wording each), the device executor's index maps (``index``),
-  the executors (``host``, ``device``; which one runs is ``pack_layout.executor``) and the rest of what
-  nn_data's own code uses: :mod:`nn_data.layout.internal`.
+  tensors); their checks (``checks``, one wording each), the device executor's index maps (``index``)
+  and the rest of what nn_data's own code uses: :mod:`nn_data.layout.internal`.
+
+
+Example::
+
+    >>> layout = layout_from_lengths(torch.tensor([3, 0, 5]), 5, PackSpec(4))
+    >>> layout.cu_seqlens_padded.tolist(), layout.total, type(layout.executor).__name__
+    ([0, 4, 4, 12], 12, 'HostExecutor')
 """
 
 from __future__ import annotations

@@ -4,13 +4,16 @@ checking one an op was given.
 Shape legend
     B   rows (R with row-capacity padding); S the row length; T packed tokens; C the CP size
 
-Where a layout is built (``docs/design.md``, "Layouts and executors"): :func:`reads_host` says
-whether a call may read the device, in one place. When it may (eager, ``validate=True``,
-``host_reads=True``), the builder reads the lengths (or the boundaries) to the host **once**,
-checks them there with precise messages (:mod:`nn_data.layout.checks`) and computes every boundary in
-Python ints; the layout then carries them and runs on the host executor. Otherwise (under
-``torch.compile``, or the caller opted out of host reads or of validation) it is built on the device:
-no sync, the checks are device asserts when ``validate``.
+Which executor a layout gets (``docs/design.md``, "Layouts and executors") is :func:`reads_host`, in one
+place: ``host_reads`` (the caller's choice of executor) and the compile state, never ``validate``. With
+host reads, eagerly, the builder reads the lengths (or the boundaries) to the host **once**, checks
+them there with precise messages when ``validate`` (:mod:`nn_data.layout.checks`) and computes every
+boundary in Python ints: a :class:`~nn_data.layout.host.HostExecutor`. Otherwise (under ``torch.compile``,
+or ``host_reads=False``) it is built on the device: a :class:`~nn_data.layout.device.DeviceExecutor`, no
+sync, the checks device asserts when ``validate``. ``validate=False`` only skips the checks.
+
+Example: lengths ``[3, 0, 5]``, S 5, m 4, eagerly -> a host executor, cu_seqlens_padded ``[0, 4, 4, 12]``;
+the same with ``host_reads=False`` -> a device executor with the same boundaries and ``dest [B, S]``.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data import _checks
-from nn_data.layout import checks, device, index
-from nn_data.layout.host import host_tensor
-from nn_data.layout.pack_layout import HostBounds, PackLayout, check_token
-from nn_data.layout.rules import extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds
+from nn_data.layout import checks, index
+from nn_data.layout.device import PACK_FORMS, DeviceExecutor, pack_maps
+from nn_data.layout.host import HostBounds, HostExecutor, check_token, host_tensor
+from nn_data.layout.pack_layout import PackLayout
+from nn_data.layout.rules import (
+    extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +41,14 @@ class PackSpec:
     (no data read).
 
     ``m`` / ``p``: the per-sequence and the packed multiple; ``fixed_total`` (keyword-only): the fixed
-    packed length ``T`` or None (``T`` from the data; the resolved ``T`` is the layout's ``total``;
+    packed length ``T`` or None (``T`` from the data; the resolved ``T`` is the layout's ``total``);
     messages name it ``pad_full_seq_to``, the ops' argument); ``cp_size``: with ``C > 1`` the builder
     checks that every segment splits into ``2C`` chunks (for a caller that packs and shards in one call;
-    the core pack does not know ``C``).
+    the core pack does not know ``C``); ``pack_form``: the device executor's pack form (``"auto"``: by the
+    static sizes; ``"scatter"`` / ``"gather"``: always that one, :func:`~nn_data.layout.device.pack_maps`).
+
+    Example: ``PackSpec(4, 8, fixed_total=64)`` -> every sequence rounded up to 4, ``T = 64``;
+    ``PackSpec(4, 8, fixed_total=60)`` raises (60 is not a multiple of 8).
     """
 
     m: int = 1
@@ -46,8 +56,11 @@ class PackSpec:
     _: dataclasses.KW_ONLY
     fixed_total: Optional[int] = None
     cp_size: int = 1
+    pack_form: str = "auto"
 
     def __post_init__(self):
+        if self.pack_form not in PACK_FORMS:
+            raise _checks.PackingError(f"pack_form={self.pack_form!r} is invalid; expected one of {PACK_FORMS}")
         _checks.positive_int("pad_individual_seqs_to_multiple_of", self.m)
         _checks.positive_int("pad_packed_seq_to_multiple_of", self.p)
         checks.fixed_total_arg("pad_full_seq_to", self.fixed_total)
@@ -83,54 +96,50 @@ class Boundaries(NamedTuple):
     also_check: Optional[tuple[torch.Tensor, Callable[[], None]]] = None
 
 
-def reads_host(validate: bool, host_reads: bool, data: Optional[torch.Tensor] = None) -> bool:
-    """Whether a builder reads the device once (eager, validating, host reads allowed): the rule that
-    makes a host layout (which then runs on the host executor, :func:`~nn_data.layout.pack_layout.on_host`).
-    Under ``torch.compile`` nothing is read, nor from ``data`` on the ``meta`` device (no values: the
-    device executor runs, its checks have nothing to check, as with ``validate=False``)."""
+def reads_host(host_reads: bool, data: Optional[torch.Tensor] = None) -> bool:
+    """Whether a builder reads the device once and makes a host executor: ``host_reads`` (the caller's
+    choice of executor), eagerly; under ``torch.compile`` nothing is read, nor from ``data`` on the
+    ``meta`` device (no values: the device executor runs). ``validate`` plays no part.
+    Example: ``reads_host(True)`` is True eagerly, False while compiling; ``reads_host(False)`` is False."""
     on_meta = data is not None and data.device.type == "meta"
-    return validate and host_reads and not on_meta and not torch.compiler.is_compiling()
+    return host_reads and not on_meta and not torch.compiler.is_compiling()
 
 
 def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, num_rows=None, validate: bool = True,
                         host_reads: bool = True, op: str = "PackSequences") -> PackLayout:
-    """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked).
+    """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked): a
+    host executor after one read of the lengths (and ``num_rows``) when :func:`reads_host`, else a device executor.
 
     Example: lengths ``[3, 0, 5]``, S 5, m 4, no fixed length -> cu_seqlens ``[0, 3, 3, 8]``,
     cu_seqlens_padded ``[0, 4, 4, 12]``, T 12, max_seqlen 8; with ``fixed_total=16`` the last segment
     absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12.
     """
-    if reads_host(validate, host_reads, seq_lengths):
-        return _lengths_on_host(seq_lengths, row_len, spec, num_rows)
-    return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op)
-
-
-def _read_lengths(seq_lengths: torch.Tensor, num_rows) -> tuple[list, Optional[int]]:
-    """The lengths (and ``num_rows``) as Python ints: the one host read."""
+    if not reads_host(host_reads, seq_lengths):
+        return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op)
     if num_rows is None:
-        return seq_lengths.tolist(), None  # sync: the one host read of the layout
+        return layout_from_read_lengths(seq_lengths.tolist(), seq_lengths, row_len, spec,  # sync: the one read
+                                        validate=validate)
     both = torch.cat([seq_lengths.to(torch.int64), num_rows.to(torch.int64).view(1)]).tolist()  # sync: the one read
-    return both[:-1], both[-1]
-
-
-def _lengths_on_host(seq_lengths, row_len: int, spec: PackSpec, num_rows) -> PackLayout:
-    lengths, n = _read_lengths(seq_lengths, num_rows)
-    return layout_from_read_lengths(lengths, seq_lengths, row_len, spec, n)
+    return layout_from_read_lengths(both[:-1], seq_lengths, row_len, spec, both[-1], validate=validate)
 
 
 def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: int, spec: PackSpec,
-                             num_rows: Optional[int] = None) -> PackLayout:
-    """The host layout of lengths already read to the host (``lengths``: Python ints, the values of the
-    ``seq_lengths [B]`` tensor, ``num_rows`` an int or None): for a builder whose one read brought them
-    with other values (:mod:`nn_data.layout.prefix_layout`); no further read."""
+                             num_rows: Optional[int] = None, *, validate: bool = True) -> PackLayout:
+    """The host-executor layout of lengths already read to the host (``lengths``: Python ints, the values of
+    the ``seq_lengths [B]`` tensor, ``num_rows`` an int or None), checked when ``validate``: for
+    :func:`layout_from_lengths` and a builder whose one read brought them with other values
+    (:mod:`nn_data.layout.prefix_layout`); no further read. Example: ``[3, 0, 5]``, S 5, m 4 ->
+    ``HostBounds([3, 0, 5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3)``."""
     n = num_rows
-    checks.lengths_host(lengths, row_len, n)
+    if validate:
+        checks.lengths_host(lengths, row_len, n)
     rows = len(lengths)
     active = first_final(rows, n)  # rows past it are empty padding rows (checked): only their count matters
     cu = list(accumulate(lengths[:active], initial=0))
     cu_pad = list(accumulate(round_up_all(lengths[:active], spec.m), initial=0))
     natural = cu_pad[-1]
-    checks.natural_total_host(natural, spec.m, spec.fixed_total, "pad_full_seq_to")
+    if validate:
+        checks.natural_total_host(natural, spec.m, spec.fixed_total, "pad_full_seq_to")
     total = packed_total(natural, spec.p, spec.fixed_total)
     if spec.fixed_total is None:
         checks.total_limit_host(total, f"sum(round_up(seq_lengths, {spec.m})) = {natural}, rounded up to {spec.p}")
@@ -139,12 +148,13 @@ def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: 
     cu_pad = extend_last(cu_pad + [natural] * tail, total, active) if rows else [total]
     bounds = segment_bounds(cu_pad[: active + 1], total)
     segments = [b - a for a, b in zip(bounds, bounds[1:])]  # [B'] (the active rows' segments)
-    checks.segments_host(segments, spec.cp_size)
+    if validate:
+        checks.segments_host(segments, spec.cp_size)
     max_seqlen = max(segments)
     both = host_tensor(cu + cu_pad + [max_seqlen], torch.int32, seq_lengths.device)  # one copy: [B+1 | B+1 | 1]
     host = HostBounds(lengths, cu, cu_pad, segments + [0] * tail, max_seqlen, max(active, 1))
     return PackLayout(both[: rows + 1], both[rows + 1 : rows + 1 + len(cu_pad)], both[-1], total, rows, row_len,
-                      host=host, seq_lengths=seq_lengths, token=object())
+                      HostExecutor(host, seq_lengths, token=object()))
 
 
 def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate: bool, op: str) -> PackLayout:
@@ -170,9 +180,9 @@ def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate:
         max_seqlen = (cu_pad[1:] - cu_pad[:-1]).max()
     else:  # no sequence: the packed tensor is one padding pseudo-segment [0, T]
         max_seqlen = torch.full((), total, dtype=torch.int64, device=seq_lengths.device)
-    dest, source, valid = device.pack_maps(lengths, cu_pad, row_len, total)
+    dest, gather = pack_maps(lengths, cu_pad, row_len, total, spec.pack_form)
     return PackLayout(cu.to(torch.int32), cu_pad.to(torch.int32), max_seqlen.to(torch.int32), total, rows, row_len,
-                      dest=dest, source=source, valid=valid, seq_lengths=seq_lengths)
+                      DeviceExecutor(seq_lengths, dest, gather))
 
 
 def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq_len=None, row_len=None,
@@ -180,51 +190,47 @@ def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq
     """The layout of a packed microbatch from its :class:`Boundaries` (metadata already checked), for an
     op that receives boundaries rather than a layout.
 
-    On the host (:func:`reads_host`) the boundaries, the lengths (``seq_lengths``, or ``cu_seqlens``'
-    differences) and ``also_check``'s flag come to the host in **one** read, which is also the op's
-    validation: the boundaries rise from 0 to ``T`` (valid-token offsets: to at most ``T``), every
-    segment splits into ``2C`` chunks, each sequence fits its segment, ``seq_len`` and ``row_len``;
-    ``also_check``'s function raises when its flag is False. On the device the same checks are device
+    On the host (:func:`reads_host`: a host executor) the boundaries, the lengths (``seq_lengths``, or
+    ``cu_seqlens``' differences) and ``also_check``'s flag come to the host in **one** read, which is also
+    the op's validation (when ``validate``): the boundaries rise from 0 to ``T`` (valid-token offsets: to
+    at most ``T``), every segment splits into ``2C`` chunks, each sequence fits its segment, ``seq_len``
+    and ``row_len``; ``also_check``'s function raises when its flag is False. On the device the same checks are device
     asserts (when ``validate``), and ``also_check`` is the caller's to assert.
 
     Example: cu_seqlens_padded ``[0, 16, 40]``, T 40, C 2 -> segments ``[16, 24]``, both multiples of 4.
     """
     total = bounds.total
-    if not reads_host(validate, host_reads, bounds.cu_seqlens_padded):
+    if not reads_host(host_reads, bounds.cu_seqlens_padded):
         if total is None:
             raise _checks.PackingError(f"{op}: T is the last boundary here, which only the host read can learn")
         if validate:
             _device_boundary_checks(op, bounds, seq_len, row_len, cp_size)
         rows = bounds.cu_seqlens_padded.shape[0] - 1
         return PackLayout(bounds.cu_seqlens, bounds.cu_seqlens_padded, None, total, rows, row_len,
-                          seq_lengths=bounds.seq_lengths)
+                          DeviceExecutor(bounds.seq_lengths))
     parts = [t for t in (bounds.cu_seqlens_padded, bounds.cu_seqlens, bounds.seq_lengths) if t is not None]
     flags = [] if bounds.also_check is None else [bounds.also_check[0].to(torch.int64).view(1)]
     values = torch.cat([t.to(torch.int64) for t in parts] + flags).tolist()  # sync: the one host read (and check)
     sizes = [t.shape[0] for t in parts]
     cu_pad, *rest = [values[a:a + n] for a, n in zip(accumulate(sizes, initial=0), sizes)]
     total = cu_pad[-1] if total is None else total
-    checks.boundaries_host(cu_pad, total, bounds.name, end_at_total=not bounds.valid_offsets,
-                           where=bounds.total_from, hint=not bounds.valid_offsets and bounds.total_from != "")
-    segments = _segments(cu_pad, total)
-    checks.segments_host(segments, cp_size)
+    if validate:
+        checks.boundaries_host(cu_pad, total, bounds.name, end_at_total=not bounds.valid_offsets,
+                               where=bounds.total_from, hint=not bounds.valid_offsets and bounds.total_from != "")
+    edges = segment_bounds(cu_pad, total)  # [0, 16, 40] -> segments [16, 24]; [T] (B = 0) -> [T]
+    segments = [b - a for a, b in zip(edges, edges[1:])]
     cu = rest.pop(0) if bounds.cu_seqlens is not None else None
     lengths = rest.pop(0) if bounds.seq_lengths is not None else None
-    _check_lengths_host(lengths, cu, segments, bounds.name, seq_len, row_len)
+    if validate:
+        checks.segments_host(segments, cp_size)
+        _check_lengths_host(lengths, cu, segments, bounds.name, seq_len, row_len)
     if lengths is None and cu is not None:
         lengths = [b - a for a, b in zip(cu, cu[1:])]
-    if bounds.also_check is not None and not values[-1]:
+    if validate and bounds.also_check is not None and not values[-1]:
         bounds.also_check[1]()  # raises the op's own message, after the layout's checks
     host = HostBounds(lengths, cu, cu_pad, segments, max(segments), len(segments))
-    return PackLayout(bounds.cu_seqlens, bounds.cu_seqlens_padded, None, total, len(cu_pad) - 1, row_len, host=host,
-                      seq_lengths=bounds.seq_lengths)
-
-
-def _segments(cu_pad: list, total: int) -> list:
-    """The padded segment lengths ``[B']`` of host boundaries (``[T]`` for ``B = 0``). Example:
-    ``[0, 16, 40]`` -> ``[16, 24]``."""
-    edges = segment_bounds(cu_pad, total)
-    return [b - a for a, b in zip(edges, edges[1:])]
+    return PackLayout(bounds.cu_seqlens, bounds.cu_seqlens_padded, None, total, len(cu_pad) - 1, row_len,
+                      HostExecutor(host, bounds.seq_lengths))
 
 
 def _check_lengths_host(lengths, cu, segments: list, bounds_name: str, seq_len, row_len) -> None:
@@ -267,11 +273,11 @@ def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len
     own configuration run on the layout: ``T`` (a shape), every segment splitting into ``2C`` chunks and
     every length fitting ``seq_len``: free on a host layout's ints, device asserts otherwise. ``data``
     (``(name, tensor)``): the tensor the op runs on, refused when the host executor packed it on another
-    layout (:func:`~nn_data.layout.pack_layout.check_token`).
+    layout (:func:`~nn_data.layout.host.check_token`).
     """
     if not isinstance(layout, PackLayout):
         raise _checks.PackingError(f"layout must be a PackLayout (PackResult.layout), got {type(layout).__name__}")
-    if _static_differs(layout.total, total):
+    if guard_or_false(layout.total != total):  # known to differ (symbolic sizes: no guard otherwise)
         raise _checks.PackingError(_other_total(layout.total, int(total)))
     if data is not None:
         check_token(data[0], data[1], layout)
@@ -304,11 +310,6 @@ def _other_total(expected: int, got: int) -> str:
     return message + "; pass the layout of this very microbatch"
 
 
-def _static_differs(a, b) -> bool:
-    """``a != b`` for sizes that may be symbolic: True only where it is known (no guard otherwise)."""
-    return guard_or_false(a != b)
-
-
 def padded_rows(layout: PackLayout, row_len: int) -> PackLayout:
     """The layout that packs every row's whole padded segment: rows already padded to their segments
     (``[B, P]``, the self-packing path's rows for the model) packed back to back, the same boundaries.
@@ -320,6 +321,7 @@ def padded_rows(layout: PackLayout, row_len: int) -> PackLayout:
     if layout.host is not None:
         host = layout.host
         view = HostBounds(host.segments, host.cu_pad, host.cu_pad, host.segments, host.max_seqlen, host.active)
-        return PackLayout(cu_pad, cu_pad, layout.max_seqlen, layout.total, layout.rows, row_len, host=view)
+        return PackLayout(cu_pad, cu_pad, layout.max_seqlen, layout.total, layout.rows, row_len, HostExecutor(view))
     segments = (cu_pad[1:] - cu_pad[:-1]).to(torch.int64)  # [B]
-    return layout_from_lengths(segments, row_len, PackSpec(fixed_total=layout.total or None), validate=False)
+    return layout_from_lengths(segments, row_len, PackSpec(fixed_total=layout.total or None), validate=False,
+                              host_reads=False)

@@ -1,4 +1,4 @@
-"""The host executor: the layout's Python ints (one host read) and a constant number of ops per tensor.
+"""The host executor: a layout's Python ints (one host read) and a constant number of ops per tensor.
 
 Shape legend
     B   rows of the batch; S its row length
@@ -6,21 +6,12 @@ Shape legend
     k   a segment's zigzag chunk, ``n / (2C)`` for a padded segment of ``n`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
 
-With every boundary a Python int (:class:`~nn_data.layout.pack_layout.HostBounds`), the data moves with a
-constant number of ops whatever ``B`` is, no index map at all (``docs/design.md``, "Layouts and
-executors"):
-
-* pack: one ``split`` of ``x.reshape(B*S, *)`` at ``[L0, S-L0, L1, S-L1, ...]`` (every row's valid
-  prefix as a view), one padding buffer of ``T - sum(L)`` rows split at the padding lengths, and one
-  ``cat`` of the two interleaved: ``[T, *]``, each byte written once;
-* shard: one ``split`` of the packed tensor at ``[r k, k, (2C-2-2r) k, k, r k]`` per segment (pieces 1
-  and 3 are this rank's chunks ``r`` and ``2C-1-r``) and one ``cat``: ``[T/C, *]``;
-* unshard: every rank's shard split at ``[k, k]`` per segment and one ``cat`` in packed order;
-* unpack: the packed tensor split at ``[L0, n0-L0, ...]`` and one ``cat`` of each row's valid run with
-  a view of one fill row expanded: ``[B*S, *]``.
-
-Above :data:`SHARD_VIEWS_MAX_SEGMENTS` segments, shard and unshard take one ``index_select`` instead
-(a scan built from host ints, or the device map: no sync either way).
+A :class:`HostExecutor` holds every boundary as a Python int (:class:`HostBounds`); each of its four
+methods is one ``split`` of its input into views at those ints and one ``cat``, a constant number of ops
+whatever ``B`` is, each byte written once, no index map (``docs/design.md``, "Layouts and executors").
+While ``torch.compile`` traces, and in the cases each method names, they run the device executor's
+(:class:`~nn_data.layout.device.DeviceExecutor`) instead. The crossover's timings behind
+:data:`SHARD_VIEWS_MAX_SEGMENTS`: ``profiling/results/ops.md``, "The executors' crossovers".
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; the input
 splits at ``[3, 2, 0, 5, 5, 0]`` (valid prefixes ``x[0,:3]``, ``x[1,:0]``, ``x[2,:5]``), the
@@ -31,38 +22,79 @@ from __future__ import annotations
 
 import array
 from itertools import accumulate, compress
+from typing import NamedTuple, Optional
 
 import torch
 
+from nn_data import _checks
+from nn_data.layout.device import DeviceExecutor
 from nn_data.layout.rules import Fill, chunk_owner, zigzag_pieces
 
 
 #: Segments up to which shard and unshard are a split + cat of views; above, an index_select along a
-#: map. Measured on this project's 2-core CPU (1 thread, C = 4, T/C = 65,536): views vs index 43 vs
-#: 94 us at 8 segments, 104 vs 107 at 32, 192 vs 125 at 64, 771 vs 238 at 256.
+#: map (the crossover: ``profiling/results/ops.md``).
 SHARD_VIEWS_MAX_SEGMENTS = 32
 
+#: The attribute by which a tensor a host executor packed or sharded names its layout's ``token``.
+TOKEN_ATTR = "_nn_data_layout_token"
 
-def host_tensor(values: list, dtype: torch.dtype, device_) -> torch.Tensor:
-    """A tensor of host ints on ``device_``. On an accelerator it is staged in pinned memory and
-    copied asynchronously: a copy from pageable memory would block the host (a sync, which
-    ``torch.cuda.set_sync_debug_mode`` reports), while the microbatch's one sync is the host read."""
-    t = _from_ints(values, dtype)
-    if (device_ if isinstance(device_, torch.device) else torch.device(device_)).type == "cpu":
-        return t
-    return t.pin_memory().to(device_, non_blocking=True)
+
+class HostBounds(NamedTuple):
+    """One microbatch's layout as Python ints, from the one host read.
+
+    ``lengths [B]`` valid tokens per row (None when an op was given boundaries only), ``cu [B+1]``
+    (``cu_seqlens``; None when not known), ``cu_pad [B+1]`` the final boundaries (``[T]`` when
+    ``B = 0``), ``segments [B']`` the padded segment lengths (``[T]`` for ``B = 0``: the padding
+    pseudo-segment), ``max_seqlen`` the longest of them, and ``active``: the rows that may hold
+    tokens or padding (rows past it are a row capacity's empty rows with empty segments, which the
+    host executor moves in bulk instead of row by row).
+
+    Example: lengths ``[3, 0, 5]``, m 4, T 16 -> cu ``[0, 3, 3, 8]``, cu_pad ``[0, 4, 4, 16]``,
+    segments ``[4, 0, 12]``, max_seqlen 12, active 3; with one padding row of a capacity of 4
+    (num_rows 3): cu_pad ``[0, 4, 4, 16, 16]``, segments ``[4, 0, 12, 0]``, active 3.
+    """
+
+    lengths: Optional[list]
+    cu: Optional[list]
+    cu_pad: list
+    segments: list
+    max_seqlen: int
+    active: int
+
+
+def check_token(name: str, t, layout) -> None:
+    """Refuse ``t`` when a host executor packed it on a layout other than ``layout`` (eager; free).
+
+    Only tensors a host executor made carry a token: a model's output carries none, so it is never checked
+    here (nothing can tell which microbatch a model output belongs to). Example: ``r1.layout.unpack(
+    r2.packed, S)`` with two microbatches packed eagerly raises; ``r1.layout.unpack(model(r1.packed), S)``
+    does not."""
+    if torch.compiler.is_compiling() or not isinstance(t, torch.Tensor):
+        return
+    token = getattr(t, TOKEN_ATTR, None)
+    if token is not None and token is not layout.token:
+        raise _checks.PackingError(
+            f"{name} was packed on another microbatch's layout: pass the layout it was packed on "
+            "(PackResult.layout of the same call); two microbatches of one packed length T look alike by shape")
 
 
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
 
 
-def _from_ints(values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of Python ints: through an ``array`` buffer for a flat list (measured here about
-    2.5x faster than ``torch.tensor`` on 160 ints), else ``torch.tensor``."""
+def host_tensor(values: list, dtype: torch.dtype, device_) -> torch.Tensor:
+    """A tensor of host ints on ``device_``: through an ``array`` buffer for a flat list (faster than
+    ``torch.tensor`` on a list of ints). On an accelerator it is staged in pinned memory and copied
+    asynchronously: a copy from pageable memory would block the host (a sync, which
+    ``torch.cuda.set_sync_debug_mode`` reports), while the microbatch's one sync is the host read.
+    Example: ``[0, 4, 4, 12]``, int32, cpu -> ``tensor([0, 4, 4, 12], dtype=torch.int32)``."""
     code = _ARRAY_CODES.get(dtype)
     if code is None or not values or isinstance(values[0], list):
-        return torch.tensor(values, dtype=dtype)
-    return torch.frombuffer(array.array(code, values), dtype=dtype)
+        t = torch.tensor(values, dtype=dtype)
+    else:
+        t = torch.frombuffer(array.array(code, values), dtype=dtype)
+    if (device_ if isinstance(device_, torch.device) else torch.device(device_)).type == "cpu":
+        return t
+    return t.pin_memory().to(device_, non_blocking=True)
 
 
 def pads_of(bounds) -> list:
@@ -73,28 +105,125 @@ def pads_of(bounds) -> list:
     return [n - v for n, v in zip(bounds.segments[: bounds.active], bounds.lengths[: bounds.active])]
 
 
-def pack(layout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
-    """``x [B, S, *] -> [1, T, *]``: valid prefixes and ``fill`` padding, one ``cat`` (``layout.host``'s ints).
+class HostExecutor(NamedTuple):
+    """A layout built on the host: its Python ints, and the four moves in a few ``split``/``cat`` ops.
 
-    Empty rows (length 0, e.g. a row capacity's padding rows) add no piece: the input's skipped
-    stretches and the padding between valid runs are merged, so the pieces are about twice the
-    non-empty rows whatever ``B`` is.
+    ``bounds`` (:class:`HostBounds`, the one read's ints), ``seq_lengths [B]`` the lengths tensor the
+    layout was built from (None: from boundaries), ``token``: the fingerprint of a layout a pack built,
+    which every tensor this executor packs or shards carries (:data:`TOKEN_ATTR`, :func:`check_token`), or
+    None. Each method takes ``(layout, tensor, ...)`` and runs the device executor's while ``torch.compile``
+    traces (the ints would be baked into the graph) and in the cases it names.
+
+    Example: ``PackSequences(4)`` on lengths ``[3, 0, 5]``, S 5, eagerly -> ``HostExecutor(HostBounds([3, 0,
+    5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3), seq_lengths, token)``.
     """
-    bounds = layout.host
-    trailing, row_len = x.shape[2:], x.shape[1]
-    pads = pads_of(bounds)
-    pad = _padding((sum(pads), *trailing), fill, x)  # [T - sum(L), *]
-    lengths = bounds.lengths[: bounds.active]
-    if not any(lengths):  # nothing valid: the packed tensor is all padding
-        out = pad.contiguous().unsqueeze(0)  # (materialised: fill may be a view)
-        # + the sum of an empty slice of x (exactly 0) keeps x in autograd's graph, as the device
-        # executor does: a backward through an all-empty microbatch gives x a zero gradient
-        return out + x[:0].sum().to(out.dtype) if x.requires_grad else out
-    runs, skips = _runs(lengths, [row_len - n for n in lengths])  # the input: skipped, valid, ..., skipped
-    skips[-1] += (x.shape[0] - bounds.active) * row_len  # the empty rows past the active ones
-    valid = _run_views(x.reshape(x.shape[0] * row_len, *trailing), skips, runs)  # the valid runs
-    _, gaps = _runs(lengths, pads)  # the output: padding before each valid run, and after the last
-    return torch.cat(_between(valid, gaps, pad)).unsqueeze(0)  # [1, T, *]
+
+    bounds: HostBounds
+    seq_lengths: Optional[torch.Tensor] = None
+    token: Optional[object] = None
+
+    def pack(self, layout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
+        """``x [B, S, *] -> [1, T, *]``: valid prefixes and ``fill`` padding, one ``cat``.
+
+        Empty rows (length 0, e.g. a row capacity's padding rows) add no piece: the input's skipped
+        stretches and the padding between valid runs are merged, so the pieces are about twice the
+        non-empty rows whatever ``B`` is.
+        """
+        if torch.compiler.is_compiling():
+            return DeviceExecutor(self.seq_lengths).pack(layout, x, fill)
+        bounds = self.bounds
+        trailing, row_len = x.shape[2:], x.shape[1]
+        pads = pads_of(bounds)
+        pad = _padding((sum(pads), *trailing), fill, x)  # [T - sum(L), *]
+        lengths = bounds.lengths[: bounds.active]
+        if not any(lengths):  # nothing valid: the packed tensor is all padding
+            out = pad.contiguous().unsqueeze(0)  # (materialised: fill may be a view)
+            # + the sum of an empty slice of x (exactly 0) keeps x in autograd's graph, as the device
+            # executor does: a backward through an all-empty microbatch gives x a zero gradient
+            return self._tag(out + x[:0].sum().to(out.dtype) if x.requires_grad else out)
+        runs, skips = _runs(lengths, [row_len - n for n in lengths])  # the input: skipped, valid, ..., skipped
+        skips[-1] += (x.shape[0] - bounds.active) * row_len  # the empty rows past the active ones
+        valid = _run_views(x.reshape(x.shape[0] * row_len, *trailing), skips, runs)  # the valid runs
+        _, gaps = _runs(lengths, pads)  # the output: padding before each valid run, and after the last
+        return self._tag(torch.cat(_between(valid, gaps, pad)).unsqueeze(0))  # [1, T, *]
+
+    def shard(self, layout, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+        """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: its two pieces of every segment
+        (:func:`~nn_data.layout.rules.zigzag_pieces`, in Python ints).
+
+        Up to :data:`SHARD_VIEWS_MAX_SEGMENTS` segments: one ``split`` and one ``cat`` of the pieces.
+        More: one ``index_select`` along a map built from the same pieces by one scan (the split's
+        Python-side cost per piece outgrows a scan over ``T/C`` positions). Example: cu_pad
+        ``[0, 16, 40]``, C 2, rank 0 -> packed positions ``0..3, 12..21, 34..39``.
+        """
+        if torch.compiler.is_compiling():
+            return DeviceExecutor(self.seq_lengths).shard(layout, packed, cp_size, cp_rank)
+        starts, lengths = _pieces(self.bounds, cp_size, cp_rank)
+        flat = packed[0]  # [T, *]
+        if len(lengths) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
+            return self._tag(_shard_views(starts, lengths, flat).unsqueeze(0))
+        source = _shard_source(starts, lengths, flat.shape[0] // cp_size, flat.device)  # [T/C]
+        return self._tag(flat.index_select(0, source).unsqueeze(0))  # [1, T/C, *]
+
+    def unshard(self, layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
+        """``[C, T/C, *] -> [1, T, *]``: every rank's shard split at ``[k, k]`` per segment, one ``cat`` in
+        packed order (chunk ``c`` of a segment from rank ``min(c, 2C-1-c)``). Above
+        :data:`SHARD_VIEWS_MAX_SEGMENTS` non-empty segments the device executor's one gather (a split per
+        piece would cost more; the boundaries are on the device: no sync).
+
+        Example: C 2, one segment of 8 (k 2): rank 0 holds chunks 0, 3, rank 1 chunks 1, 2 -> pieces
+        ``r0[0:2], r1[0:2], r1[2:4], r0[2:4]``.
+        """
+        _, chunks = _chunks(self.bounds, cp_size)
+        if torch.compiler.is_compiling() or len(chunks) > SHARD_VIEWS_MAX_SEGMENTS:
+            return DeviceExecutor(self.seq_lengths).unshard(layout, shards, cp_size)
+        halves = [k for k in chunks for _ in (0, 1)]  # each rank: [k, k] per segment
+        parts = [shards[q].split(halves) for q in range(cp_size)]  # C x 2B views
+        pieces, sizes = [], []
+        for b, k in enumerate(chunks):
+            for c in range(2 * cp_size):
+                pieces.append(parts[chunk_owner(c, cp_size)][2 * b + (c >= cp_size)])
+                sizes.append(k)
+        return _cat(pieces, sizes, shards[0]).unsqueeze(0)  # [1, T, *]
+
+    def unpack(self, layout, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -> torch.Tensor:
+        """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[cu_pad[b] + s - shift]`` for ``shift <= s < L[b]``,
+        ``fill`` elsewhere; one ``split`` of the packed tensor, one of an expanded fill row, one ``cat``
+        (``T >= 1``). The fill between two valid runs is one piece, however many empty rows it spans.
+        With no row (``B = 0``), or no token to move while autograd records (every length ``<= shift``),
+        the device executor's gather, which keeps the output in autograd's graph.
+
+        Example: cu_pad ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: the packed tensor splits at
+        ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``.
+        """
+        bounds = self.bounds
+        if torch.compiler.is_compiling() or not (
+                layout.rows and (not packed.requires_grad or any(n > shift for n in bounds.lengths))):
+            return DeviceExecutor(self.seq_lengths).unpack(layout, packed, seq_len, fill, shift)
+        trailing, rows, lengths = packed.shape[2:], len(bounds.lengths), bounds.lengths[: bounds.active]
+        lead = [shift if n else 0 for n in lengths]  # fill before each row's run (shift 1: column 0)
+        row_runs = [n - a for n, a in zip(lengths, lead)]
+        runs, src_gaps = _runs(row_runs, [seg - r for seg, r in zip(bounds.segments, row_runs)])
+        src_gaps[-1] += packed.shape[1] - sum(bounds.segments)  # past the last boundary (unpadded offsets only)
+        valid = _run_views(packed[0], src_gaps, runs)  # the non-empty runs [*]
+        gaps, gap = [], 0
+        for a, run, n in zip(lead, row_runs, lengths):  # the fill before each run, and after the last
+            gap += a
+            if run:
+                gaps.append(gap)
+                gap = 0
+            gap += seq_len - n
+        gaps.append(gap + (rows - bounds.active) * seq_len)  # the empty rows past the active ones: fill
+        fills = packed.new_full((1, *trailing), fill).expand(sum(gaps), *trailing)  # one row, no copy
+        pieces = _between(valid, gaps, fills)
+        flat = torch.cat(pieces) if pieces else packed.new_empty((0, *trailing))  # [B*S, *] (empty when S = 0)
+        return flat.view(rows, seq_len, *trailing)  # [B, S, *]
+
+    def _tag(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, marked as packed (or sharded) on this executor's layout when it has a token."""
+        if self.token is not None:
+            setattr(t, TOKEN_ATTR, self.token)
+        return t
 
 
 def _runs(lengths: list, others: list) -> tuple[list, list]:
@@ -115,21 +244,6 @@ def _runs(lengths: list, others: list) -> tuple[list, list]:
         gap += o
     gaps.append(gap)
     return runs, gaps
-
-
-def shard(layout, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: its two pieces of every segment
-    (:func:`~nn_data.layout.rules.zigzag_pieces`, in Python ints).
-
-    Up to :data:`SHARD_VIEWS_MAX_SEGMENTS` segments: one ``split`` and one ``cat`` of the pieces.
-    More: one ``index_select`` along a map built from the same pieces by one scan (the split's
-    Python-side cost per piece outgrows a scan over ``T/C`` positions).
-    """
-    starts, lengths = _pieces(layout.host, cp_size, cp_rank)
-    flat = packed[0]  # [T, *]
-    if len(lengths) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
-        return _shard_views(starts, lengths, flat).unsqueeze(0)
-    return flat.index_select(0, _shard_source(starts, lengths, flat.shape[0] // cp_size, flat.device)).unsqueeze(0)
 
 
 def _chunks(bounds, cp_size: int) -> tuple[list, list]:
@@ -192,66 +306,9 @@ def _shard_source(starts: list, lengths: list, local: int, device_) -> torch.Ten
     return delta.cumsum(0)  # [T/C]
 
 
-def unshard(layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
-    """``[C, T/C, *] -> [1, T, *]``: every rank's shard split at ``[k, k]`` per segment, one ``cat`` in
-    packed order (chunk ``c`` of a segment from rank ``min(c, 2C-1-c)``). Up to
-    :data:`SHARD_VIEWS_MAX_SEGMENTS` segments (:func:`views_fit`; above, the layout runs the device
-    map: :func:`~nn_data.layout.pack_layout.executor`).
-
-    Example: C 2, one segment of 8 (k 2): rank 0 holds chunks 0, 3, rank 1 chunks 1, 2 -> pieces
-    ``r0[0:2], r1[0:2], r1[2:4], r0[2:4]``.
-    """
-    _, chunks = _chunks(layout.host, cp_size)
-    halves = [k for k in chunks for _ in (0, 1)]  # each rank: [k, k] per segment
-    parts = [shards[q].split(halves) for q in range(cp_size)]  # C x 2B views
-    pieces, sizes = [], []
-    for b, k in enumerate(chunks):
-        for c in range(2 * cp_size):
-            pieces.append(parts[chunk_owner(c, cp_size)][2 * b + (c >= cp_size)])
-            sizes.append(k)
-    return _cat(pieces, sizes, shards[0]).unsqueeze(0)  # [1, T, *]
-
-
-def views_fit(layout) -> bool:
-    """Whether the host unshard's views serve ``layout``: at most :data:`SHARD_VIEWS_MAX_SEGMENTS` non-empty
-    segments (more: a split per piece costs more than the device map's one gather)."""
-    bounds = layout.host
-    return sum(1 for n in bounds.segments[: bounds.active] if n) <= SHARD_VIEWS_MAX_SEGMENTS
-
-
-def unpack(layout, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -> torch.Tensor:
-    """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[cu_pad[b] + s - shift]`` for ``shift <= s < L[b]``,
-    ``fill`` elsewhere; one ``split`` of the packed tensor, one of an expanded fill row, one ``cat``
-    (``B >= 1``, ``T >= 1``). The fill between two valid runs is one piece, however many empty rows
-    it spans.
-
-    Example: cu_pad ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: the packed tensor splits at
-    ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``.
-    """
-    bounds = layout.host
-    trailing, rows, lengths = packed.shape[2:], len(bounds.lengths), bounds.lengths[: bounds.active]
-    lead = [shift if n else 0 for n in lengths]  # fill before each row's run (shift 1: column 0)
-    row_runs = [n - a for n, a in zip(lengths, lead)]
-    runs, src_gaps = _runs(row_runs, [seg - r for seg, r in zip(bounds.segments, row_runs)])
-    src_gaps[-1] += packed.shape[1] - sum(bounds.segments)  # past the last boundary (unpadded offsets only)
-    valid = _run_views(packed[0], src_gaps, runs)  # the non-empty runs [*]
-    gaps, gap = [], 0
-    for a, run, n in zip(lead, row_runs, lengths):  # the fill before each run, and after the last
-        gap += a
-        if run:
-            gaps.append(gap)
-            gap = 0
-        gap += seq_len - n
-    gaps.append(gap + (rows - bounds.active) * seq_len)  # the empty rows past the active ones: fill
-    fills = packed.new_full((1, *trailing), fill).expand(sum(gaps), *trailing)  # one row, no copy
-    pieces = _between(valid, gaps, fills)
-    flat = torch.cat(pieces) if pieces else packed.new_empty((0, *trailing))  # [B*S, *] (empty when S = 0)
-    return flat.view(rows, seq_len, *trailing)  # [B, S, *]
-
-
 def _run_views(t: torch.Tensor, gaps: list, runs: list) -> list:
     """The views of ``t`` at the (non-empty) ``runs``, ``gaps[i]`` before run ``i`` and ``gaps[-1]`` after
-    the last: one ``split``, no empty view made (each costs about a microsecond). Example: gaps
+    the last: one ``split``, no empty view made. Example: gaps
     ``[0, 2, 1]``, runs ``[3, 4]`` -> ``t[0:3], t[5:9]``."""
     sizes, keep = [], []
     for g, r in zip(gaps, runs):
@@ -281,8 +338,8 @@ def _between(runs: list, gaps: list, filler: torch.Tensor) -> list:
 
 def _cat(pieces: list, sizes: list, like: torch.Tensor) -> torch.Tensor:
     """``cat`` of the non-empty ``pieces`` (``sizes`` their lengths): on the CPU an empty input moves
-    ``cat`` off its serial memcpy kernel (measured here: 512 pieces of which half empty took 5x
-    longer than the same pieces without the empty ones)."""
+    ``cat`` off its fast memcpy kernel. Example: pieces of sizes ``[2, 0, 2]`` -> ``cat`` of the first
+    and the last."""
     kept = list(compress(pieces, sizes))
     if not kept:
         return like.new_empty((0, *like.shape[1:]))

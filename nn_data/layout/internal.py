@@ -3,20 +3,23 @@
 :mod:`nn_data.layout` is the user's door (the layout type, its spec, the builders, the op helper, the
 rounding rule). What nn_data's own code needs beyond it comes through here, never from a submodule
 (``tests/ops/test_structure.py`` holds both rules): the layout rules' int32 limit and boundary
-rules (``rules``), the data checks with their one wording each (``checks``), the device executor's index
-maps and their records (``index``), the host-read rule and the builders for an op given a layout, for lengths
-already read or rows padded to their segments (``build``), the device pack form (``device``). Each name here has an importer in
-nn_data, profiling or scripts.
+rules (``rules``), the data checks with their one wording each (``checks``, the module: ``checks.<name>``),
+the device index maps and their records (``index``), and the builders' rule of which executor a layout gets
+and their forms for an op given a layout or rows padded to their segments (``build``). Each name here has
+an importer in nn_data, profiling or scripts.
+
+Example::
+
+    >>> from nn_data.layout.internal import checks, segment_bounds
+    >>> segment_bounds([16], 16)  # no sequence: the pseudo-segment [0, T]
+    [0, 16]
+    >>> checks.total_divisible(16, 4)  # T = 16 splits into 2C = 8 chunks; T = 12 would raise PackingError
 """
 
 from __future__ import annotations
 
+from nn_data.layout import checks
 from nn_data.layout.build import layout_from_read_lengths, padded_rows, reads_host, take_layout
-from nn_data.layout.checks import (
-    boundary_args, fixed_total_arg, lengths_device, lengths_host, natural_total_host, packed_tensor_length,
-    sequence_divisible, target_ids, target_ids_device, target_ids_host, total_divisible, total_limit_host,
-)
-from nn_data.layout.device import set_pack_form
 from nn_data.layout.index import (
     SegmentRows, Segments, ZigzagLocal, exclusive_cumsum, packed_segments, segment_ids, segment_rows,
 )
@@ -27,26 +30,14 @@ __all__ = [
     "SegmentRows",
     "Segments",
     "ZigzagLocal",
-    "boundary_args",
+    "checks",
     "exclusive_cumsum",
-    "fixed_total_arg",
     "layout_from_read_lengths",
-    "lengths_device",
-    "lengths_host",
-    "natural_total_host",
     "packed_segments",
-    "packed_tensor_length",
     "padded_rows",
     "reads_host",
     "segment_bounds",
     "segment_ids",
     "segment_rows",
-    "sequence_divisible",
-    "set_pack_form",
     "take_layout",
-    "target_ids",
-    "target_ids_device",
-    "target_ids_host",
-    "total_divisible",
-    "total_limit_host",
 ]

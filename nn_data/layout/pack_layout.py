@@ -1,4 +1,4 @@
-"""The layout type: one microbatch's packed layout, as the builders make it and both executors run it.
+"""The layout type: one microbatch's boundaries and the executor that moves data along them.
 
 Shape legend
     B   rows of the batch (R with row-capacity padding); ``B' = max(B, 1)`` segments
@@ -7,88 +7,34 @@ Shape legend
     C   context-parallel size
     *   trailing feature dims of a packed tensor
 
-A :class:`PackLayout` always holds the boundaries as tensors on the data's device
-(``cu_seqlens_padded``, and ``cu_seqlens`` when known) and the static sizes as Python ints (``T``,
-``B``, ``S``). A layout built on the host (:mod:`nn_data.layout.build`, the one read of the lengths or
-of the boundaries) also holds them as Python ints (:class:`HostBounds`): the host executor moves data
-with them. A layout built on the device holds the pack's index maps instead (``dest`` or
-``source``/``valid``, :mod:`nn_data.layout.device`). Its methods run it, on the executor
-:func:`executor` picks (on :func:`on_host`'s rule): the one place that decides (``docs/design.md``, "Layouts and executors"): a
-layout built on the host runs on the host executor (:mod:`nn_data.layout.host`: Python-int sizes, no
-further read) unless ``torch.compile`` is tracing; every other layout on the device executor
-(:mod:`nn_data.layout.device`: index maps, zero syncs), which is what compiled graphs and CUDA graphs
-capture. Whether a layout is built on the host is the builders' rule
-(:func:`nn_data.layout.build.reads_host`).
+A :class:`PackLayout` holds the boundaries as tensors on the data's device (``cu_seqlens_padded``, and
+``cu_seqlens`` when known), the static sizes as Python ints (``T``, ``B``, ``S``) and one of two executors
+(``docs/design.md``, "Layouts and executors"): a :class:`~nn_data.layout.host.HostExecutor` (built on the
+host after the one read of the lengths or boundaries: Python ints, a few ``split``/``cat`` ops per
+tensor) or a :class:`~nn_data.layout.device.DeviceExecutor` (built on the device: index maps, zero syncs,
+what compiled graphs and CUDA graphs capture). Both executors have the same four methods, ``pack``,
+``shard``, ``unshard`` and ``unpack``, each taking ``(layout, tensor, ...)``; the layout's own methods
+check their arguments and call the executor's. Which executor a layout holds is its builder's choice
+(:func:`nn_data.layout.build.reads_host`: ``host_reads`` and the compile state); a host executor runs the
+device executor's methods while ``torch.compile`` traces. Example: :class:`PackLayout`'s.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data import _checks
-from nn_data.layout import device, host, index
+from nn_data.layout import index
+from nn_data.layout.device import DeviceExecutor
+from nn_data.layout.host import HostBounds, HostExecutor, check_token
 from nn_data.layout.rules import Fill
 from nn_data.layout.rules import segment_bounds
 
-
-#: The attribute by which a tensor the host executor packed or sharded names its layout's ``token``.
-TOKEN_ATTR = "_nn_data_layout_token"
-
-
-def tag(t: torch.Tensor, layout: "PackLayout") -> torch.Tensor:
-    """``t``, marked as packed (or sharded) on ``layout`` when that is an eager host layout."""
-    if layout.token is not None and not torch.compiler.is_compiling():
-        setattr(t, TOKEN_ATTR, layout.token)
-    return t
-
-
-def check_token(name: str, t, layout: "PackLayout") -> None:
-    """Refuse ``t`` when the host executor packed it on a layout other than ``layout`` (eager; free).
-
-    Only tensors nn_data's host executor made carry a token: a model's output carries none, so it is
-    never checked here (nothing can tell which microbatch a model output belongs to)."""
-    if torch.compiler.is_compiling() or not isinstance(t, torch.Tensor):
-        return
-    token = getattr(t, TOKEN_ATTR, None)
-    if token is not None and token is not layout.token:
-        raise _checks.PackingError(
-            f"{name} was packed on another microbatch's layout: pass the layout it was packed on "
-            "(PackResult.layout of the same call); two microbatches of one packed length T look alike by shape")
-
-
-def _check_own(name: str, t, layout: "PackLayout") -> None:
-    """:func:`check_token` for a layout's own methods, where the layout has a token (one a pack made): a
-    layout without one (built from boundaries, or on the device) may be another view of ``t``'s very
-    microbatch (an op given boundaries builds one), so nothing can be told there."""
-    if layout.token is not None:
-        check_token(name, t, layout)
-
-
-class HostBounds(NamedTuple):
-    """One microbatch's layout as Python ints, from the one host read.
-
-    ``lengths [B]`` valid tokens per row (None when an op was given boundaries only), ``cu [B+1]``
-    (``cu_seqlens``; None when not known), ``cu_pad [B+1]`` the final boundaries (``[T]`` when
-    ``B = 0``), ``segments [B']`` the padded segment lengths (``[T]`` for ``B = 0``: the padding
-    pseudo-segment), ``max_seqlen`` the longest of them, and ``active``: the rows that may hold
-    tokens or padding (rows past it are a row capacity's empty rows with empty segments, which the
-    host executor moves in bulk instead of row by row).
-
-    Example: lengths ``[3, 0, 5]``, m 4, T 16 -> cu ``[0, 3, 3, 8]``, cu_pad ``[0, 4, 4, 16]``,
-    segments ``[4, 0, 12]``, max_seqlen 12, active 3; with one padding row of a capacity of 4
-    (num_rows 3): cu_pad ``[0, 4, 4, 16, 16]``, segments ``[4, 0, 12, 0]``, active 3.
-    """
-
-    lengths: Optional[list]
-    cu: Optional[list]
-    cu_pad: list
-    segments: list
-    max_seqlen: int
-    active: int
+__all__ = ["HostBounds", "PackLayout", "pack_with_layout"]
 
 
 class PackLayout(NamedTuple):
@@ -97,18 +43,21 @@ class PackLayout(NamedTuple):
     ``cu_seqlens [B+1]`` and ``cu_seqlens_padded [B+1]`` (int32, on the data's device; the latter is
     the final boundaries, ``[T]`` when ``B = 0``), ``max_seqlen`` (0-d int32: the longest padded
     segment), ``total`` (T), ``rows`` (B), ``row_len`` (S; None for a layout built from boundaries
-    alone, which can shard and unpack but not pack); ``host`` (:class:`HostBounds`, built on the
-    host) or the device pack maps: scatter form ``dest [B, S]`` int64 (the packed position of token
-    ``(b, s)``, or ``T`` for ``s >= L[b]``), gather form ``source [T]`` int64 (the flat input
-    position ``b*S + s`` each packed position reads, clamped) and ``valid [T]`` bool;
-    ``seq_lengths`` the lengths tensor the layout was built from; ``token``: an eager host layout's
-    fingerprint, which the tensors its host executor packs and shards carry (:data:`TOKEN_ATTR`), so an
-    op or a method (``shard``, ``unshard``, ``unpack``) given one of them with *another* microbatch's
-    layout refuses (:func:`check_token`).
+    alone, which can shard and unpack but not pack), and ``executor``: a
+    :class:`~nn_data.layout.host.HostExecutor` or a :class:`~nn_data.layout.device.DeviceExecutor`, which
+    moves the data (``pack``, ``shard``, ``unshard``, ``unpack``).
 
-    Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter form
-    dest ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]``; gather form source
-    ``[0, 1, 2, 3, 10, 11, 12, 13, 14, 14, 14, 14]``, valid ``[T,T,T,F,T,T,T,T,T,F,F,F]``.
+    A tensor a host executor packed or sharded carries its layout's ``token``, so a method (``shard``,
+    ``unshard``, ``unpack``) or an op given it with *another* microbatch's layout refuses
+    (:func:`~nn_data.layout.host.check_token`).
+
+    Example::
+
+        >>> r = PackSequences(4)(torch.tensor([[1, 2, 3, 0, 0], [0] * 5, [4, 5, 6, 7, 8]]), torch.tensor([3, 0, 5]))
+        >>> r.layout.total, r.layout.cu_seqlens_padded.tolist(), type(r.layout.executor).__name__
+        (12, [0, 4, 4, 12], 'HostExecutor')
+        >>> r.layout.pack(torch.ones(3, 5, 2)).shape
+        torch.Size([1, 12, 2])
     """
 
     cu_seqlens: Optional[torch.Tensor]
@@ -117,49 +66,58 @@ class PackLayout(NamedTuple):
     total: int
     rows: int
     row_len: Optional[int]
-    host: Optional[HostBounds] = None
-    dest: Optional[torch.Tensor] = None
-    source: Optional[torch.Tensor] = None
-    valid: Optional[torch.Tensor] = None
-    seq_lengths: Optional[torch.Tensor] = None
-    token: Optional[object] = None
+    executor: Union[HostExecutor, DeviceExecutor]
+
+    @property
+    def host(self) -> Optional[HostBounds]:
+        """The host executor's ints (:class:`~nn_data.layout.host.HostBounds`), None for a device executor."""
+        return self.executor.bounds if isinstance(self.executor, HostExecutor) else None
+
+    @property
+    def on_host(self) -> bool:
+        """Whether this layout's moves run on its host executor now: a host executor, and no compile tracing."""
+        return isinstance(self.executor, HostExecutor) and not torch.compiler.is_compiling()
+
+    @property
+    def seq_lengths(self) -> Optional[torch.Tensor]:
+        """The ``[B]`` lengths tensor the layout was built from (None: built from boundaries)."""
+        return self.executor.seq_lengths
+
+    @property
+    def token(self) -> Optional[object]:
+        """The fingerprint the tensors this layout's host executor packs carry, or None."""
+        return self.executor.token if isinstance(self.executor, HostExecutor) else None
 
     def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
         """Pack another ``[B, S, *]`` tensor of the same batch into ``[1, T, *]``; padding gets ``fill``
         (a scalar, or a tensor broadcastable to ``x.shape[2:]``: ``torch.arange(topk)`` for routed
         experts, a valid route in every padding row)."""
         _check_packable(self, x)
-        return tag(executor(self, "pack").pack(self, x, fill), self)
-
-    @property
-    def on_host(self) -> bool:
-        """Whether this layout runs on the host executor: :func:`on_host`, the one rule."""
-        return on_host(self)
+        return self.executor.pack(self, x, fill)
 
     def shard(self, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
         """This CP rank's zigzag shard ``[1, T, *] -> [1, T/C, *]`` (``packed`` itself when ``C = 1``)."""
         _check_own("packed", packed, self)
         if cp_size == 1:
             return packed
-        return tag(executor(self, "shard").shard(self, packed, cp_size, cp_rank), self)
+        return self.executor.shard(self, packed, cp_size, cp_rank)
 
     def unshard(self, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
         """Every rank's shard, rank-major ``[C, T/C, *]``, back to the packed ``[1, T, *]``."""
         _check_own("shards", shards, self)
         if cp_size == 1:
             return shards
-        return executor(self, "unshard").unshard(self, shards, cp_size)
+        return self.executor.unshard(self, shards, cp_size)
 
     def unpack(self, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
         """``[1, T, *] -> [B, S, *]`` with ``S = seq_len``: each row's valid tokens, ``fill`` elsewhere
         (``shift=1``: the log-prob layout, token ``s`` from packed position ``start + s - 1``)."""
         _check_own("packed", packed, self)
-        rows, total, trailing = self.rows, packed.shape[1], packed.shape[2:]
-        if guard_or_false(total == 0):  # nothing to read: all fill
-            out = packed.new_full((rows, seq_len, *trailing), fill)
+        if guard_or_false(packed.shape[1] == 0):  # nothing to read: all fill
+            out = packed.new_full((self.rows, seq_len, *packed.shape[2:]), fill)
             # + the sum of the empty packed tensor (exactly 0) keeps a backward through an empty microbatch
             return out + packed.sum().to(out.dtype) if packed.requires_grad else out
-        return executor(self, "unpack", packed, shift).unpack(self, packed, seq_len, fill, shift)
+        return self.executor.unpack(self, packed, seq_len, fill, shift)
 
     def bounds(self) -> torch.Tensor:
         """``[B'+1]`` int64 boundaries to index segments by (``[0, T]`` when ``B = 0``)."""
@@ -201,7 +159,7 @@ class PackLayout(NamedTuple):
         """``[1, T/C]`` bool, this CP rank's positions in the order of its shard, True at padding: each
         segment's slack and the extended last segment's tail (all True for ``B = 0``). What
         megatron-core's ``GPTModel.forward(padding_mask=)`` takes to keep padding out of MoE routing
-        statistics. Index maps on the plan's boundary tensors, one gather, no host read on either
+        statistics. Index maps on the layout's boundary tensors, one gather, no host read on either
         executor; pass this rank's ``places`` when they are at hand.
 
         Example: lengths ``[3, 0, 5]``, m 4, T 12 -> cu_seqlens_padded ``[0, 4, 4, 12]`` ->
@@ -218,41 +176,17 @@ class PackLayout(NamedTuple):
         return torch.arange(self.total, device=bounds.device) - bounds[self.segment_ids()]
 
 
+def _check_own(name: str, t, layout: PackLayout) -> None:
+    """:func:`~nn_data.layout.host.check_token` where the layout has a token (one a pack made): one without
+    (from boundaries, or on the device) may be another view of ``t``'s very microbatch."""
+    if layout.token is not None:
+        check_token(name, t, layout)
+
+
 def pack_with_layout(layout: PackLayout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
-    """Pack ``x [B, S, *]`` into ``[1, T, *]`` along ``layout``: :meth:`PackLayout.pack`.
-
-    Raises :class:`~nn_data.errors.PackingError` if ``x`` is not ``[B, S, *]`` for the layout's
-    ``B`` and ``S``, or lives on another device.
-    """
+    """:meth:`PackLayout.pack`: ``x [B, S, *] -> [1, T, *]``, :class:`~nn_data.errors.PackingError` if ``x``
+    is not ``[B, S, *]`` for the layout's ``B`` and ``S`` or lives on another device."""
     return layout.pack(x, fill)
-
-
-def on_host(layout: PackLayout) -> bool:
-    """Whether ``layout`` runs on the host executor: built on the host, and no compile tracing."""
-    return layout.host is not None and not torch.compiler.is_compiling()
-
-
-def executor(layout: PackLayout, op: str, packed: Optional[torch.Tensor] = None, shift: int = 0):
-    """The executor (the module :mod:`~nn_data.layout.host` or :mod:`~nn_data.layout.device`) that runs
-    ``op`` (``"pack"``, ``"shard"``, ``"unshard"``, ``"unpack"``) of ``layout``: the one place that decides.
-    Each executor function takes ``(layout, tensor, ...)``.
-
-    * a layout not :func:`on_host` (built on the device, or compile tracing): the device executor;
-    * ``unshard`` above ``host.SHARD_VIEWS_MAX_SEGMENTS`` non-empty segments (:func:`host.views_fit`): the
-      device map (no sync: the boundaries are on the device);
-    * ``unpack`` of ``packed`` with no row (``B = 0``), or with no token to move while autograd records
-      (every length ``<= shift``): the device's gather form, which keeps the output in autograd's graph
-      (the host form would be fill only);
-    * otherwise the host executor (Python-int sizes, no further read).
-    """
-    if not on_host(layout):
-        return device
-    if op == "unshard" and not host.views_fit(layout):
-        return device
-    if op == "unpack" and not (layout.rows and (not packed.requires_grad or
-                                                any(n > shift for n in layout.host.lengths))):
-        return device
-    return host
 
 
 def _check_packable(layout: PackLayout, x) -> None:

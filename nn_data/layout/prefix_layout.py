@@ -1,4 +1,4 @@
-"""Shared-prefix packing: each group's prompt packed once, then its responses (issue 36).
+"""Shared-prefix packing: each group's prompt packed once, then its responses.
 
 Shape legend
     B   rollouts (rows of the batch; R with row-capacity padding); S their row length
@@ -29,32 +29,21 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data import _checks
-from nn_data.layout import checks, device, index
+from nn_data.layout import checks, index
 from nn_data.layout.build import PackSpec, layout_from_lengths, layout_from_read_lengths, reads_host
-from nn_data.layout.pack_layout import PackLayout, on_host
+from nn_data.layout.device import GatherMaps, gather_pack
+from nn_data.layout.pack_layout import PackLayout
 from nn_data.layout.rules import Fill
 from nn_data.masks import PrefixRule
 
 OP = "shared_prefix_layout"
 
 
-class RolloutMaps(NamedTuple):
-    """The pack's index maps from the rollouts ``[B, S, *]`` to the packed row, in the gather form
-    :func:`nn_data.layout.device.pack` runs: ``source [T]`` (the flat rollout position ``b*S + s``
-    each packed position reads, clamped) and ``valid [T]``."""
-
-    rows: int
-    row_len: int
-    total: int
-    source: torch.Tensor
-    valid: torch.Tensor
-    dest: None = None
-
-
 class SharedPrefixLayout(NamedTuple):
     """A shared-prefix microbatch's layout: ``layout`` the slots' :class:`PackLayout` (``2B`` rows),
     ``seq_lengths [B]``, ``prefix_lengths [B]``, ``leader [B]`` (int64, on the data's device),
-    ``row_len`` S, ``maps`` (:class:`RolloutMaps`: where each packed position reads the rollouts),
+    ``row_len`` S, ``maps`` (:class:`~nn_data.layout.device.GatherMaps`: where each packed position
+    reads the flat rollouts ``[B*S]``, the pack's one gather),
     ``host_lengths``: the rollout lengths as Python ints when the builder read them (else None).
     """
 
@@ -63,7 +52,7 @@ class SharedPrefixLayout(NamedTuple):
     prefix_lengths: torch.Tensor
     leader: torch.Tensor
     row_len: int
-    maps: RolloutMaps
+    maps: GatherMaps
     host_lengths: Optional[list] = None
 
     @property
@@ -86,9 +75,8 @@ class SharedPrefixLayout(NamedTuple):
                                        f"[{int(self.rows)}, {int(self.row_len)}, *]")
         if guard_or_false(x.shape[0] * x.shape[1] == 0):  # no rollout token: all padding
             x = x.new_zeros((1, 1, *x.shape[2:]))  # one row to gather from; every position is fill
-            one_row = RolloutMaps(1, 1, self.maps.total, self.maps.source * 0, self.maps.valid)  # every source row 0
-            return device.pack(one_row, x, fill)
-        return device.pack(self.maps, x, fill)
+            return gather_pack(x, GatherMaps(self.maps.source * 0, self.maps.valid), fill)
+        return gather_pack(x, self.maps, fill)
 
     def segment_ids(self) -> torch.Tensor:
         """``[T]`` int64: the slot of every packed position (:meth:`PackLayout.segment_ids`)."""
@@ -194,7 +182,7 @@ class SharedPrefixLayout(NamedTuple):
 
     def check_rows(self, seq_len) -> None:
         """Every rollout fits rows of ``seq_len`` (nothing is cut off): the builder's ints, or a device assert."""
-        if self.host_lengths is not None and on_host(self.layout):  # the executor's rule: its ints
+        if self.host_lengths is not None and self.layout.on_host:  # the executor's rule: its ints
             checks.row_length_host(self.host_lengths, seq_len)
         elif self.rows:
             checks.row_length_device("SharedPrefixLayout.unpack", self.seq_lengths, seq_len)
@@ -275,11 +263,12 @@ def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor
     [B]`` (each rollout's prompt) and ``group_ids [B]`` (rollouts of one group share one prompt).
 
     ``input_ids [B, S, *]`` (optional): checked to share each group's prompt tokens. ``num_rows`` (a 0-d
-    integer tensor): rows at or past it are padding rows (length 0, no group). Validation (``docs/design.md``,
-    "Validation"): eager with ``validate`` and ``host_reads``, **one** host read (the lengths, the
-    prefix lengths, the group ids, the leaders, the slot lengths and the prompt comparison together), then
-    :class:`~nn_data.errors.PackingError` naming the argument and value; otherwise (compiled, or
-    ``host_reads=False``) device asserts, no read (with a fixed ``T``).
+    integer tensor): rows at or past it are padding rows (length 0, no group). Eager with ``host_reads``
+    (the slots get a host executor), **one** host read (the lengths, the prefix lengths, the group ids, the
+    leaders, the slot lengths and the prompt comparison together), then, with ``validate``
+    (``docs/design.md``, "Validation"), :class:`~nn_data.errors.PackingError` naming the argument and
+    value; otherwise (compiled, or ``host_reads=False``) a device executor, device asserts when ``validate``,
+    no read (with a fixed ``T``).
     """
     rows = _check_args(seq_lengths, prefix_lengths, group_ids, row_len, input_ids, num_rows)
     lengths, prefix, groups = (t.to(torch.int64) for t in (seq_lengths, prefix_lengths, group_ids))
@@ -289,9 +278,9 @@ def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor
     mismatch = prompt_mismatch(input_ids, prefix, leader) if validate and input_ids is not None else None
     slot_rows = None if num_rows is None else 2 * num_rows.to(torch.int64)
     host_lengths = None
-    if reads_host(validate, host_reads, lengths):
+    if reads_host(host_reads, lengths):
         layout, host_lengths = _on_host(lengths, prefix, groups, leader, slot_lengths, mismatch, num_rows, row_len,
-                                        spec)
+                                        spec, validate)
     else:
         if validate:
             real = torch.arange(rows, device=lengths.device) < (rows if num_rows is None else num_rows)  # [B]
@@ -302,12 +291,12 @@ def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor
     seg = layout.segment_ids()  # [T]
     offset = torch.arange(layout.total, device=seg.device) - layout.bounds()[seg]  # [T]
     source = (tables.read[seg] + offset).clamp(max=rows * row_len - 1).clamp(min=0)  # [T] into [B*S]
-    maps = RolloutMaps(rows, row_len, layout.total, source, offset < tables.length[seg])
+    maps = GatherMaps(source, offset < tables.length[seg])
     return SharedPrefixLayout(layout, lengths, prefix, leader, row_len, maps, host_lengths)
 
 
-def _on_host(lengths, prefix, groups, leader, slot_lengths, mismatch, num_rows, row_len, spec):
-    """The one read and every check on its ints, then the slots' host layout."""
+def _on_host(lengths, prefix, groups, leader, slot_lengths, mismatch, num_rows, row_len, spec, validate):
+    """The one read and (when ``validate``) every check on its ints, then the slots' host layout."""
     rows = lengths.shape[0]
     parts = [lengths, prefix, groups, leader, slot_lengths]
     if mismatch is not None:
@@ -319,9 +308,11 @@ def _on_host(lengths, prefix, groups, leader, slot_lengths, mismatch, num_rows, 
     slots = values[4 * rows:6 * rows]
     flags = values[6 * rows:7 * rows] if mismatch is not None else None
     n = values[-1] if num_rows is not None else None
-    checks.lengths_host(ints[0], row_len, n)
-    checks.prefix_lengths_host(ints[0], ints[1], ints[2], ints[3], flags, n)
-    layout = layout_from_read_lengths(slots, slot_lengths, row_len, spec, None if n is None else 2 * n)
+    if validate:
+        checks.lengths_host(ints[0], row_len, n)
+        checks.prefix_lengths_host(ints[0], ints[1], ints[2], ints[3], flags, n)
+    layout = layout_from_read_lengths(slots, slot_lengths, row_len, spec, None if n is None else 2 * n,
+                                      validate=validate)
     return layout, ints[0]
 
 

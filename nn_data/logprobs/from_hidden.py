@@ -120,7 +120,7 @@ class TokenLogProbsFromHidden(nn.Module):
         (self.cp_rank, self.cp_size, cp_group), (self.tp_rank, self.tp_size, self.tp_group) = cp, tp
         self.sequence_parallel = bool(sequence_parallel)
         self.validate, self.host_reads = bool(validate), bool(host_reads)
-        self.gather = GatherFromContextParallel(cp_group, validate=False) if self.cp_size > 1 else None
+        self.gather = GatherFromContextParallel(cp_group, validate=False, host_reads=False) if self.cp_size > 1 else None
 
     def extra_repr(self) -> str:
         return (f"seq_len={self.seq_len}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, tp_size={self.tp_size}, "

@@ -27,9 +27,7 @@ from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
 from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries, op_layout
-from nn_data.layout.internal import (
-    ZigzagLocal, boundary_args, reads_host, target_ids, target_ids_device, target_ids_host
-)
+from nn_data.layout.internal import ZigzagLocal, checks, reads_host
 from nn_data.logprobs.kernels import token_logprobs_local
 from nn_data.targets import next_token_at
 
@@ -81,7 +79,7 @@ class TokenLogProbs(nn.Module):
         self.cp_rank, self.cp_size, cp_group = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
         self.tp_rank, self.tp_size, tp_group = given_group_info(tp_group, pg_collection=pg_collection, field="tp")
         self.tp_group, self.validate = tp_group, bool(validate)
-        self.gather = GatherFromContextParallel(cp_group, validate=False) if self.cp_size > 1 else None
+        self.gather = GatherFromContextParallel(cp_group, validate=False, host_reads=False) if self.cp_size > 1 else None
 
     def extra_repr(self) -> str:
         return (f"seq_len={self.seq_len}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
@@ -168,22 +166,22 @@ def logprob_layout(op: str, packed_ids, total: int, vocab: int, cu_seqlens, cu_s
     if layout is None:
         if cu_seqlens is None or cu_seqlens_padded is None:
             raise _checks.PackingError(f"{op} needs cu_seqlens and cu_seqlens_padded, or layout=")
-        boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, cp_size, cu_seqlens)
+        checks.boundary_args("packed_ids", packed_ids, total, cu_seqlens_padded, cp_size, cu_seqlens)
     elif layout.cu_seqlens is None:
         raise _checks.PackingError(f"{op} needs a layout with cu_seqlens (PackResult.layout)")
     bad_ids = None
     if validate:
         if layout is None:  # a layout of the boundaries built on the device (no read): their segments
             view = layout_from_boundaries(Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens), op=op,
-                                          validate=False)
+                                          validate=False, host_reads=False)
         bounds, lengths = (layout if layout is not None else view).segments()
-        bad_ids = target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
-    if layout is not None or not reads_host(validate, host_reads, packed_ids):
+        bad_ids = checks.target_ids(packed_ids[0], bounds, lengths, total, vocab)  # [T]
+    if layout is not None or not validate or not reads_host(host_reads, packed_ids):
         layout = op_layout(op, "packed_ids", packed_ids, total, cp_size, cu_seqlens_padded, layout,
                            validate=validate, host_reads=host_reads, cu_seqlens=cu_seqlens, seq_len=seq_len)
         if bad_ids is not None:
-            target_ids_device(op, bad_ids, vocab)
+            checks.target_ids_device(op, bad_ids, vocab)
         return layout
-    ids_ok = (~bad_ids.any(), lambda: target_ids_host(bad_ids, packed_ids[0], vocab))
+    ids_ok = (~bad_ids.any(), lambda: checks.target_ids_host(bad_ids, packed_ids[0], vocab))
     bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens, also_check=ids_ok)
     return layout_from_boundaries(bounds, op=op, seq_len=seq_len, cp_size=cp_size)

@@ -35,7 +35,7 @@ from nn_data import _checks
 from nn_data.cp_comm import all_gather_rows
 from nn_data.groups import given_group_info
 from nn_data.layout import SharedPrefixLayout
-from nn_data.layout.internal import take_layout, target_ids, target_ids_device
+from nn_data.layout.internal import checks, take_layout
 from nn_data.logprobs.from_hidden import checked_rows
 from nn_data.logprobs.from_logits import check_full_ids, targets_on_rank
 from nn_data.logprobs.kernels import hidden_logprobs_local, token_logprobs_local
@@ -70,7 +70,7 @@ def rollout_targets(op: str, layout, packed_ids: torch.Tensor, total: int, vocab
     slots = take_layout(layout.layout, total, op=op, cp_size=groups.cp_size, validate=validate)
     if validate:
         bounds, lengths = slots.segments()
-        target_ids_device(op, target_ids(packed_ids[0], bounds, lengths, total, vocab), vocab)
+        checks.target_ids_device(op, checks.target_ids(packed_ids[0], bounds, lengths, total, vocab), vocab)
     target, keep = targets_on_rank(slots, packed_ids, total, places, groups.cp_size, groups.cp_rank)  # [T/C] each
     edge = layout.boundary_places(groups.cp_size, groups.cp_rank)  # [B] each
     boundary_target = packed_ids[0].index_select(0, edge.first).to(torch.int64)  # [B]

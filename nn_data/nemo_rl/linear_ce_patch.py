@@ -142,7 +142,7 @@ def _gather_labels(labels: torch.Tensor, params, cp) -> torch.Tensor:
     """This CP rank's labels -> every rank's, in order: packed ``[1, T/C] -> [1, T]`` (the zigzag of the
     packed segments) or rows ``[B, S/C] -> [B, S]`` (each row's zigzag); one all-gather of ints."""
     if _is_thd(params):
-        gather = GatherFromContextParallel(cp.group, validate=False)
+        gather = GatherFromContextParallel(cp.group, validate=False, host_reads=False)
         return gather(labels[..., None], _boundaries(params))[..., 0]  # [1, T]
     layout = row_layout(1, labels.shape[1] * cp.size, labels.device, op="GPTModel.forward (linear CE fusion)")
     return gather_cp(labels.T, layout, cp)[0].T  # [S/C, B] -> [1, S, B] -> [B, S]: each row one segment [0, S]

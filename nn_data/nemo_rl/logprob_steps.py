@@ -58,14 +58,15 @@ def packed_layout(cu_seqlens_padded: torch.Tensor, total: int, cp: ParallelInfo,
     with ``validate=False``. Its valid tokens are the whole padded segments: NeMo-RL scores every position
     of a padded segment, its padding included."""
     bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens_padded)
-    return layout_from_boundaries(bounds, op=op, cp_size=cp.size, validate=validate)
+    # NeMo-RL's validate=False means no read at all: the drop-in asks for the device executor then
+    return layout_from_boundaries(bounds, op=op, cp_size=cp.size, validate=validate, host_reads=validate)
 
 
 def row_layout(rows: int, row_len: int, device, *, op: str) -> PackLayout:
     """The layout of ``rows`` unpacked rows of ``row_len`` positions back to back, one segment each (no
     read, nothing to check). Example: 2 rows of 4 -> cu_seqlens_padded ``[0, 4, 8]``."""
     bounds = torch.arange(rows + 1, device=device) * row_len  # [B+1]
-    return layout_from_boundaries(Boundaries(bounds, rows * row_len), op=op, validate=False)
+    return layout_from_boundaries(Boundaries(bounds, rows * row_len), op=op, validate=False, host_reads=False)
 
 
 def packed_targets(target, pre_rolled: bool, layout: PackLayout, cp: ParallelInfo, seq_len: int):
@@ -126,7 +127,7 @@ def gather_cp(values: torch.Tensor, layout: PackLayout, cp: ParallelInfo) -> tor
     (NeMo-RL's ``C``-times gradient)."""
     if cp.size == 1:
         return values[None]
-    return GatherFromContextParallel(cp.group, grad_mode="sum", validate=False)(values[None], layout=layout)
+    return GatherFromContextParallel(cp.group, grad_mode="sum", validate=False, host_reads=False)(values[None], layout=layout)
 
 
 def nemo_rl_rows(packed: torch.Tensor, layout: PackLayout, seq_len: int) -> torch.Tensor:
@@ -135,4 +136,4 @@ def nemo_rl_rows(packed: torch.Tensor, layout: PackLayout, seq_len: int) -> torc
     -> rows of 3 and 5 values."""
     cu = layout.cu_seqlens_padded
     lengths = (layout.lengths() - 1).clamp(0, seq_len - 1)  # [B] min(n_b - 1, S - 1): the padded segments
-    return unpack_sequences(packed, lengths, cu, seq_len - 1, 0, validate=False)  # [B, S-1]
+    return unpack_sequences(packed, lengths, cu, seq_len - 1, 0, validate=False, host_reads=False)  # [B, S-1]

@@ -28,7 +28,7 @@ import warnings
 from typing import Any, Mapping, Optional
 
 from nn_data.layout import round_up
-from nn_data.layout.internal import INT32_MAX, fixed_total_arg
+from nn_data.layout.internal import INT32_MAX, checks
 from nn_data.errors import PackingError
 
 _RECIPE_DIVISORS = {"blockwise": 128, "mxfp8": 32}  # any other FP8 recipe: 16 (NeMo-RL's rule)
@@ -135,7 +135,7 @@ class Parallelism:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PackingError(f"{name}={value!r} is invalid; expected an int >= 1, a multiple of "
                                f"{self.total_multiple}")
-        fixed_total_arg(name, value)  # cu_seqlens are int32
+        checks.fixed_total_arg(name, value)  # cu_seqlens are int32
         unit = self.total_multiple
         if value % unit:
             raise PackingError(

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 
 from nn_data.layout import round_up
-from nn_data.layout.internal import fixed_total_arg
+from nn_data.layout.internal import checks
 from nn_data.errors import PackingError
 
 
@@ -57,7 +57,7 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDBins:
     """
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise PackingError(f"max_tokens_per_microbatch={capacity!r} is invalid; expected an int >= 1")
-    fixed_total_arg("max_tokens_per_microbatch", capacity)  # a bin is one packed microbatch
+    checks.fixed_total_arg("max_tokens_per_microbatch", capacity)  # a bin is one packed microbatch
     arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
     bad = np.flatnonzero((arr < 0) | (arr > capacity))
     if bad.size:

@@ -89,8 +89,8 @@ def build_paths(args, inp: Inputs, cp, tp, nemo) -> dict:
     """``{name: fn(hidden, weight, inference_only) -> log-probs}``."""
     r, seq_len, vocab = inp.pack, inp.seq_len, inp.vocab
     groups = dict(cp_group=cp.group, tp_group=tp.group)
-    fused = TokenLogProbsFromHidden(seq_len, chunk_tokens=args.chunk, validate=False, **groups)
-    unfused = TokenLogProbs(seq_len, chunk_tokens=args.chunk, validate=False, **groups)
+    fused = TokenLogProbsFromHidden(seq_len, chunk_tokens=args.chunk, validate=False, host_reads=False, **groups)
+    unfused = TokenLogProbs(seq_len, chunk_tokens=args.chunk, validate=False, host_reads=False, **groups)
     packed = (r.packed, r.cu_seqlens_padded, seq_len, *vocab, tp.group)
     logits = lambda h, w: (h.squeeze(1) @ w.T)[None]  # noqa: E731  the output layer: [T/C, 1, H] -> [1, T/C, V/TP]
     paths = {

@@ -124,12 +124,13 @@ def nemo_cpu_shim():
 
 def naive_logprobs(x, ids, cu_pad, seq_len, cp_group):
     """NeMo-RL's layout the plain way: gather ``[1, T, V]``, log-softmax, next tokens, unpack to ``[B, S-1]``."""
-    full = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False)(x, cu_pad)[0]  # [T, V]
+    full = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False, host_reads=False)(x, cu_pad)[0]  # [T, V]
     lp = torch.log_softmax(full.float() if full.dtype != torch.float64 else full, dim=-1)  # [T, V]
     picked = lp.gather(1, ids[0].roll(-1)[:, None]).squeeze(1)  # [T]; a segment's last position is never kept
     cu = cu_pad.to(torch.int64)
     lengths = (cu[1:] - cu[:-1] - 1).clamp(0, seq_len - 1)  # [B]
-    return unpack_sequences(picked[None], lengths, cu_pad, seq_len - 1, 0, validate=False)  # [B, S-1]
+    return unpack_sequences(picked[None], lengths, cu_pad, seq_len - 1, 0, validate=False,
+                            host_reads=False)  # [B, S-1]
 
 
 def peak_allocated(fn) -> int:
@@ -167,7 +168,8 @@ def make_inputs(args, cp_rank: int, tp_rank: int, vocab: int, dtype):
 def build_paths(args, r, seq_len, cp, tp, nemo, cols):
     ids, cu, cu_pad = r.packed, r.cu_seqlens, r.cu_seqlens_padded
     vocab = (tp.rank * cols, (tp.rank + 1) * cols, tp.group)
-    op = TokenLogProbs(seq_len, cp_group=cp.group, tp_group=tp.group, chunk_tokens=args.chunk, validate=False)
+    op = TokenLogProbs(seq_len, cp_group=cp.group, tp_group=tp.group, chunk_tokens=args.chunk, validate=False,
+                       host_reads=False)
     paths = {
         "drop-in": lambda x, inf: model_utils.from_parallel_logits_to_logprobs_packed_sequences(
             x, ids, cu_pad, seq_len, *vocab, inference_only=inf, cp_group=cp.group, validate=False),

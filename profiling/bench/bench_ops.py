@@ -47,7 +47,6 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nn_data.layout.internal import set_pack_form
 from nn_data import PackSequences, ShardForContextParallel, UnpackSequences, UnshardFromContextParallel
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
@@ -130,12 +129,13 @@ def _tuned(fn):
     return call
 
 
-def op_callables(case: Case, m: int, cp: int, rank: int, ops, baselines: dict) -> tuple[dict, dict]:
+def op_callables(case: Case, m: int, cp: int, rank: int, ops, baselines: dict,
+                 pack_form: str = "auto") -> tuple[dict, dict]:
     """``({op: {mode: fn}}, {op: instrumented compiled fn})``: closures over one case, for the ops asked
-    for; the second maps pack+shard to its kernel-counting twin."""
+    for; the second maps pack+shard to its kernel-counting twin. ``pack_form``: the device pack's form."""
     T, S, x, lengths = case.total, case.seq_len, case.x, case.lengths
     cuda = x.is_cuda
-    pack, shard = PackSequences(m, pad_full_seq_to=T), ShardForContextParallel(cp, rank)
+    pack, shard = PackSequences(m, pad_full_seq_to=T, pack_form=pack_form), ShardForContextParallel(cp, rank)
     unshard, unpack = UnshardFromContextParallel(cp), UnpackSequences(S)
     r = pack(x, lengths)
     cu_pad = r.cu_seqlens_padded
@@ -251,13 +251,14 @@ def _time_modes_one_by_one(modes: dict, reps: int) -> tuple[dict, dict]:
 
 
 def run(rows_list, tokens: int, m: int, cp: int, rank: int, hidden: int, reps: int, seed: int, ops=OPS,
-        baselines: Optional[dict] = None, device="cpu", on_op: Optional[Callable[[list], None]] = None) -> list[dict]:
+        baselines: Optional[dict] = None, device="cpu", on_op: Optional[Callable[[list], None]] = None,
+        pack_form: str = "auto") -> list[dict]:
     """One row per op, B and mode (``floor`` included); ``on_op(results)`` after each op."""
     cuda = torch.device(device).type == "cuda"
     results = []
     for rows in rows_list:
         case = make_case(rows, tokens, m, hidden, seed, device)
-        table, counted = op_callables(case, m, cp, rank, ops, baselines or {})
+        table, counted = op_callables(case, m, cp, rank, ops, baselines or {}, pack_form)
         for op, modes in table.items():
             nbytes = bytes_written(op, case, cp)
             modes["floor"] = torch.empty(nbytes, dtype=torch.uint8, device=device).clone
@@ -353,7 +354,7 @@ def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
                     help="reuse: glibc keeps freed memory (no page faults on new outputs, as torch's "
                          "CUDA caching allocator; default); default: glibc's own behaviour")
     ap.add_argument("--pack-form", choices=("auto", "scatter", "gather"), default="auto",
-                    help="force the device pack's form for the whole run (default auto: the shape rule)")
+                    help="the device pack's form (PackSequences(pack_form=); default auto: the shape rule)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows to this JSON file (rewritten after every op)")
     args = ap.parse_args(argv)
@@ -363,7 +364,6 @@ def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
     reps = args.reps or (50 if cuda else 30)
     torch.set_num_threads(args.threads)
     reuse = args.allocator == "reuse" and reuse_freed_memory()
-    set_pack_form(args.pack_form)  # before anything compiles: the form is chosen while tracing
     load = os.getloadavg()
     print(f"machine: {machine_description()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"pack form {args.pack_form}; allocator {'reuse (mallopt)' if reuse else 'default'}")
@@ -375,7 +375,7 @@ def main(argv=None, baselines: Optional[dict] = None) -> list[dict]:
                            "targets": lines}, f, indent=1)
 
     results = run(args.rows, args.tokens, args.multiple, args.cp, args.rank, args.hidden, reps, args.seed,
-                  args.ops, baselines, args.device, on_op=write_json)
+                  args.ops, baselines, args.device, on_op=write_json, pack_form=args.pack_form)
     print_table(results)
     lines = targets(results)
     print("\n".join(lines))

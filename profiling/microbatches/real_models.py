@@ -50,8 +50,8 @@ class AdapterStandIn(nn.Module):
                                "reads the CP size from parallel_state, which one process cannot simulate; use "
                                "--cp-size 1 (scripts/packed_forward_example.py --model megatron --cp 2 runs real CP)")
         self.kind, self.out_features, self.cp_size, self.cp_rank = kind, out_features, cp_size, cp_rank
-        self.shard = ShardForContextParallel(cp_size, cp_rank, validate=False)
-        self.unshard = UnshardFromContextParallel(cp_size, validate=False)
+        self.shard = ShardForContextParallel(cp_size, cp_rank, validate=False, host_reads=False)
+        self.unshard = UnshardFromContextParallel(cp_size, validate=False, host_reads=False)
         self._owns_dist = False
         kv_heads, ffn = max(1, heads // 2), 2 * hidden
         if kind == "hf":

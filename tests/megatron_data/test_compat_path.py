@@ -41,7 +41,7 @@ def _stack_at_the_executor(monkeypatch):
     """For each call of the host executor's pack, the frames from process_microbatch (inclusive) down to
     it (exclusive), outermost first, as ``(function name, record types among its locals then)``."""
     seen = []
-    real = host.pack
+    real = host.HostExecutor.pack
 
     def recording(*args, **kwargs):
         frames = [f.frame for f in inspect.stack()[1:]]
@@ -50,7 +50,7 @@ def _stack_at_the_executor(monkeypatch):
                      for f in frames[: top + 1][::-1]])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(host, "pack", recording)
+    monkeypatch.setattr(host.HostExecutor, "pack", recording)
     md.process_microbatch(_batch(), "input_lengths", M, 1, FULL, pack_sequences=True)
     return seen
 

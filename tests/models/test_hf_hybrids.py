@@ -123,7 +123,7 @@ def test_a_microbatch_of_no_sequence(kind):
 def _info(lengths, row_len, total, multiple=4, device="cpu"):
     """PackedInfo of a device-planned microbatch (no read), as the compiled packing hands it over."""
     layout = layout_from_lengths(torch.tensor(lengths, device=device), row_len, PackSpec(multiple, fixed_total=total),
-                               validate=False)
+                               validate=False, host_reads=False)
     places = layout.local_places(1, 0)
     info = PackedInfo(layout.cu_seqlens_padded, layout.max_seqlen, layout.segment_ids(), places.source, 1, 0, None,
                       None, max_length=total, row_len=row_len)

@@ -109,13 +109,13 @@ def test_no_python_data_copied_to_the_device():
     empty = torch.zeros(0, dtype=torch.int64, device="meta")
     with HostSyncCounter() as syncs:
         padded = pad_to_row_capacity(ids, lengths, 8)
-        r = PackSequences(4, pad_full_seq_to=32, validate=False)(padded.x, padded.seq_lengths, padded.num_rows)
-        none = PackSequences(4, pad_full_seq_to=32, validate=False)(ids[:0], empty)  # B = 0: [0, T] on the device
+        r = PackSequences(4, pad_full_seq_to=32, validate=False, host_reads=False)(padded.x, padded.seq_lengths, padded.num_rows)
+        none = PackSequences(4, pad_full_seq_to=32, validate=False, host_reads=False)(ids[:0], empty)  # B = 0: [0, T] on the device
         for result in (r, none):
-            local = ShardForContextParallel(2, 1, validate=False)(result.packed, result.cu_seqlens_padded)
-            UnshardFromContextParallel(2, validate=False)(local.expand(2, -1), result.cu_seqlens_padded)
-            PositionIds(2, 1, validate=False)(result.packed, result.cu_seqlens_padded)
-        UnpackSequences(6, validate=False)(r.packed, padded.seq_lengths, r.cu_seqlens_padded)
+            local = ShardForContextParallel(2, 1, validate=False, host_reads=False)(result.packed, result.cu_seqlens_padded)
+            UnshardFromContextParallel(2, validate=False, host_reads=False)(local.expand(2, -1), result.cu_seqlens_padded)
+            PositionIds(2, 1, validate=False, host_reads=False)(result.packed, result.cu_seqlens_padded)
+        UnpackSequences(6, validate=False, host_reads=False)(r.packed, padded.seq_lengths, r.cu_seqlens_padded)
     assert syncs.count == 0, syncs.calls
 
 

@@ -151,13 +151,15 @@ def test_groups_from_a_process_group_collection():
     assert (op.cp_size, op.tp_size) == (1, 1)
 
 
-def test_no_host_sync_without_validation_and_one_with_it():
+def test_no_host_sync_on_the_device_plan_and_one_on_the_host_plan():
+    """``host_reads`` picks the plan (and so the syncs); ``validate`` only checks."""
     inp = head_inputs([5, 0, 16, 3], 1, pad_full_seq_to=48)
-    for validate, expected in ((False, []), (True, ["tolist"])):
-        op = TokenLogProbsFromHidden(S, validate=validate)
+    for validate, host_reads, expected in ((False, False, []), (True, False, []), (False, True, ["tolist"]),
+                                           (True, True, ["tolist"])):
+        op = TokenLogProbsFromHidden(S, validate=validate, host_reads=host_reads)
         with HostSyncCounter() as syncs:
             _run(op, inp)
-        assert syncs.calls == expected, (validate, syncs.calls)
+        assert syncs.calls == expected, (validate, host_reads, syncs.calls)
 
 
 def test_runs_on_meta_tensors_so_it_never_reads_values_on_the_host():
@@ -165,7 +167,7 @@ def test_runs_on_meta_tensors_so_it_never_reads_values_on_the_host():
     w = torch.empty(VOCAB, HIDDEN, device="meta", requires_grad=True)
     ids = torch.empty(1, 64, dtype=torch.int64, device="meta")
     cu = torch.empty(5, dtype=torch.int32, device="meta")
-    out = TokenLogProbsFromHidden(S, validate=False, chunk_tokens=16)(h, w, ids, cu, cu)
+    out = TokenLogProbsFromHidden(S, validate=False, host_reads=False, chunk_tokens=16)(h, w, ids, cu, cu)
     assert out.shape == (4, S)
     out.sum().backward()
     assert h.grad.shape == h.shape and w.grad.shape == w.shape

@@ -168,22 +168,25 @@ def test_static_path_runs_on_meta_tensors():
     """Meta tensors have no values: any value-dependent op in the static path would fail here."""
     x = torch.empty(R, S, dtype=torch.int64, device="meta")
     lengths = torch.empty(R, dtype=torch.int64, device="meta")
-    r = PackSequences(M, pad_full_seq_to=T, validate=False)(x, lengths, torch.empty((), dtype=torch.int64, device="meta"))
+    num_rows = torch.empty((), dtype=torch.int64, device="meta")
+    r = PackSequences(M, pad_full_seq_to=T, validate=False, host_reads=False)(x, lengths, num_rows)
     assert r.packed.shape == (1, T) and r.cu_seqlens_padded.shape == (R + 1,)
-    local = ShardForContextParallel(C, 1, validate=False)(r.packed, r.cu_seqlens_padded)
+    local = ShardForContextParallel(C, 1, validate=False, host_reads=False)(r.packed, r.cu_seqlens_padded)
     assert local.shape == (1, T // C)
-    restored = UnshardFromContextParallel(C, validate=False)(local.expand(C, -1), r.cu_seqlens_padded)
+    restored = UnshardFromContextParallel(C, validate=False, host_reads=False)(local.expand(C, -1), r.cu_seqlens_padded)
     assert restored.shape == (1, T)
-    out = UnpackSequences(S, validate=False)(restored, lengths, r.cu_seqlens_padded)
+    out = UnpackSequences(S, validate=False, host_reads=False)(restored, lengths, r.cu_seqlens_padded)
     assert out.shape == (R, S)
 
 
-@pytest.mark.parametrize("validate, expected", [(False, 0), (True, 1)])
-def test_eager_sync_count(validate, expected):
+@pytest.mark.parametrize("host_reads, expected", [(False, 0), (True, 1)])
+def test_eager_sync_count(host_reads, expected):
+    """Eagerly an op given boundaries reads them once on the host executor (its validation), never on the
+    device executor (``host_reads=False``); ``validate`` plays no part in the count."""
     x, lengths, padded, _ = _microbatch(torch.Generator().manual_seed(4), 6)
-    pack = PackSequences(M, pad_full_seq_to=T, validate=validate)
-    shard = ShardForContextParallel(C, 0, validate=validate)
-    unpack = UnpackSequences(S, validate=validate)
+    pack = PackSequences(M, pad_full_seq_to=T, host_reads=host_reads)
+    shard = ShardForContextParallel(C, 0, host_reads=host_reads)
+    unpack = UnpackSequences(S, host_reads=host_reads)
     for op in ("pack", "shard", "unpack"):
         with HostSyncCounter() as syncs:
             r = pack(padded.x, padded.seq_lengths, padded.num_rows)
@@ -195,7 +198,7 @@ def test_eager_sync_count(validate, expected):
                 unpack(r.packed, padded.seq_lengths, r.cu_seqlens_padded)
         assert syncs.count == expected, (op, syncs.count)
     with HostSyncCounter() as syncs:  # without pad_full_seq_to: T and the checks share one sync
-        PackSequences(M, validate=validate)(x, lengths)
+        PackSequences(M, host_reads=host_reads)(x, lengths)
     assert syncs.count == 1
 
 

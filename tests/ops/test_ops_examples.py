@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from nn_data import (
+    PackingError,
     PackSequences,
     ShardForContextParallel,
     UnpackSequences,
     UnshardFromContextParallel,
     pad_to_row_capacity,
 )
-from nn_data.layout.pack_layout import HostBounds
+from nn_data.diagnostics import HostSyncCounter
+from nn_data.layout.host import HostBounds
 from nn_data.testing.reference import reference_pack
 
 
@@ -35,16 +37,33 @@ def test_zero_length_row_and_multiple_4():
     assert r.packed.tolist() == [[11, 12, 13, 0, 31, 32, 33, 34, 35, 0, 0, 0]]
     assert r.max_seqlen.item() == 8
     assert r.cu_seqlens.dtype == r.cu_seqlens_padded.dtype == torch.int32
-    # Eagerly the plan is made on the host (one read of the lengths): its Python ints move the data.
+    # Eagerly the layout gets a host executor (one read of the lengths): its Python ints move the data.
     assert r.layout.host == HostBounds([3, 0, 5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3)
-    assert r.layout.dest is None and r.layout.source is None
+    assert type(r.layout.executor).__name__ == "HostExecutor"
     assert r.layout.positions().tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
     assert r.layout.segment_ids().tolist() == [0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2]
-    # On the device (compiled, or host_reads=False) the plan is index maps: B*S <= 16T, the scatter form.
+    # On the device (compiled, or host_reads=False) the executor holds index maps: B*S <= 16T, the scatter form.
     d = PackSequences(pad_individual_seqs_to_multiple_of=4, host_reads=False)(x, torch.tensor([3, 0, 5]))
     assert d.layout.host is None
-    assert d.layout.dest.tolist() == [[0, 1, 2, 12, 12], [12] * 5, [4, 5, 6, 7, 8]]
+    assert d.layout.executor.dest.tolist() == [[0, 1, 2, 12, 12], [12] * 5, [4, 5, 6, 7, 8]]
     assert torch.equal(d.packed, r.packed) and torch.equal(d.cu_seqlens_padded, r.cu_seqlens_padded)
+
+
+def test_host_reads_picks_the_executor_and_validate_only_validates():
+    """The executor follows ``host_reads`` (and the compile state), never ``validate``: eagerly a host executor
+    after one read whatever ``validate`` says, a device executor with no read for ``host_reads=False``."""
+    x = _ids([[11, 12, 13], [], [31, 32, 33, 34, 35]])
+    expected = PackSequences(4)(x, torch.tensor([3, 0, 5])).packed
+    for validate in (True, False):
+        for host_reads in (True, False):
+            pack = PackSequences(4, pad_full_seq_to=16, validate=validate, host_reads=host_reads)
+            with HostSyncCounter() as syncs:
+                r = pack(x, torch.tensor([3, 0, 5]))
+            assert type(r.layout.executor).__name__ == ("HostExecutor" if host_reads else "DeviceExecutor")
+            assert syncs.count == int(host_reads), (validate, host_reads, syncs.calls)
+            assert torch.equal(r.packed[:, :12], expected) and not r.packed[:, 12:].any()
+    with pytest.raises(PackingError, match=r"seq_lengths\[0\] = 9"):
+        PackSequences(4, pad_full_seq_to=16)(x, torch.tensor([9, 0, 5]))  # validate: checked on the host executor
 
 
 def test_gather_form_layout_when_the_batch_is_mostly_padding():
@@ -52,9 +71,9 @@ def test_gather_form_layout_when_the_batch_is_mostly_padding():
     x = torch.zeros(3, 80, dtype=torch.int64)
     x[0, :3], x[2, :5] = torch.tensor([11, 12, 13]), torch.tensor([31, 32, 33, 34, 35])
     r = PackSequences(pad_individual_seqs_to_multiple_of=4, host_reads=False)(x, torch.tensor([3, 0, 5]))
-    assert r.layout.dest is None
-    assert r.layout.source.tolist() == [0, 1, 2, 3, 160, 161, 162, 163, 164, 165, 166, 167]
-    assert r.layout.valid.tolist() == [True] * 3 + [False] + [True] * 5 + [False] * 3
+    assert r.layout.executor.dest is None
+    assert r.layout.executor.gather.source.tolist() == [0, 1, 2, 3, 160, 161, 162, 163, 164, 165, 166, 167]
+    assert r.layout.executor.gather.valid.tolist() == [True] * 3 + [False] + [True] * 5 + [False] * 3
     assert r.packed.tolist() == [[11, 12, 13, 0, 31, 32, 33, 34, 35, 0, 0, 0]]
     assert torch.equal(r.layout.pack(x.bool()), r.packed.bool())
 

@@ -62,17 +62,16 @@ def executor(name: str):
     """Run the ops on one executor and form (``docs/design.md``, "Layouts and executors"):
     ``host`` (eager default: one host read, split/cat views), ``host-index`` (the host executor's
     index_select form of shard and unshard), ``device-scatter`` / ``device-gather`` (``host_reads=False``:
-    index maps on the device, the scatter or the gather form of pack and unpack forced). Yields the
-    ``host_reads`` switch."""
-    saved = (device.SCATTER_MAX_RATIO, device.UNPACK_SCATTER_MIN_RATIO, host.SHARD_VIEWS_MAX_SEGMENTS)
+    index maps on the device, the scatter or the gather form of pack (``pack_form=``) and unpack forced).
+    Yields ``(host_reads, pack_form)``."""
+    saved = (device.UNPACK_SCATTER_MIN_RATIO, host.SHARD_VIEWS_MAX_SEGMENTS)
     form = name.split("-")[1] if name.startswith("device") else "auto"
-    device.SCATTER_MAX_RATIO = {"auto": saved[0], "scatter": 10**9, "gather": 0}[form]
-    device.UNPACK_SCATTER_MIN_RATIO = {"auto": saved[1], "scatter": 0, "gather": 10**9}[form]
-    host.SHARD_VIEWS_MAX_SEGMENTS = 0 if name == "host-index" else saved[2]
+    device.UNPACK_SCATTER_MIN_RATIO = {"auto": saved[0], "scatter": 0, "gather": 10**9}[form]
+    host.SHARD_VIEWS_MAX_SEGMENTS = 0 if name == "host-index" else saved[1]
     try:
-        yield not name.startswith("device")
+        yield not name.startswith("device"), form
     finally:
-        device.SCATTER_MAX_RATIO, device.UNPACK_SCATTER_MIN_RATIO, host.SHARD_VIEWS_MAX_SEGMENTS = saved
+        device.UNPACK_SCATTER_MIN_RATIO, host.SHARD_VIEWS_MAX_SEGMENTS = saved
 
 
 EXECUTORS = ["host", "host-index", "device-scatter", "device-gather"]
@@ -86,8 +85,8 @@ def test_pack_shard_unshard_unpack_match_reference_on_both_executors(case, name,
     lengths = torch.tensor(case["lengths"], dtype=torch.int64)
     x = coded_batch(case["lengths"], case["seq_len"], case["trailing"], case["dtype"])
     cp, m, p, full, seq_len = case["cp"], case["m"], case["p"], case["full"], case["seq_len"]
-    with executor(name) as host_reads:
-        r = PackSequences(m, p, full, host_reads=host_reads)(x, lengths)
+    with executor(name) as (host_reads, form):
+        r = PackSequences(m, p, full, host_reads=host_reads, pack_form=form)(x, lengths)
         on = dict(layout=r.layout) if travel else dict(cu_seqlens_padded=r.cu_seqlens_padded)
         shards = [ShardForContextParallel(cp, k, host_reads=host_reads)(r.packed, **on) for k in range(cp)]
         restored = UnshardFromContextParallel(cp, host_reads=host_reads)(torch.cat(shards), **on)
@@ -95,7 +94,7 @@ def test_pack_shard_unshard_unpack_match_reference_on_both_executors(case, name,
         out = UnpackSequences(seq_len, host_reads=host_reads)(r.packed, **unpack_on)
     assert (r.layout.host is not None) == host_reads
     if not host_reads and x.shape[0] * x.shape[1] and r.packed.shape[1]:
-        assert (r.layout.dest is not None) == (name == "device-scatter")
+        assert (r.layout.executor.dest is not None) == (name == "device-scatter")
     ref = reference_pack(x, case["lengths"], m, p, full)
     assert torch.equal(r.packed, ref.packed)
     assert torch.equal(r.cu_seqlens, ref.cu_seqlens)
@@ -154,7 +153,7 @@ def test_unpack_of_a_batch_without_rows_in_every_form(form, seq_len):
     packed = torch.arange(8).view(1, 8)
     no_lengths = torch.zeros(0, dtype=torch.int64)
     for total, bounds in ((8, [8]), (0, [0])):
-        with executor(form) as host_reads:
+        with executor(form) as (host_reads, _):
             out = UnpackSequences(seq_len, host_reads=host_reads)(packed[:, :total], no_lengths, torch.tensor(bounds))
         assert out.shape == (0, seq_len) and out.dtype == packed.dtype
 

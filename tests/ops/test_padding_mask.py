@@ -59,8 +59,8 @@ def cases(draw):
 def test_padding_mask_is_true_exactly_at_the_padding_of_the_shard(case):
     lengths, seq_len, cp, rank = case["lengths"], case["seq_len"], case["cp"], case["rank"]
     x, lens = coded_batch(lengths, seq_len), torch.tensor(lengths, dtype=torch.int64)
-    # validate=False plans on the device (index maps, no read); the default plans on the host.
-    pack = PackSequences(case["m"], pad_full_seq_to=case["full"], validate=not case["device_plan"])
+    # host_reads=False plans on the device (index maps, no read); the default plans on the host.
+    pack = PackSequences(case["m"], pad_full_seq_to=case["full"], host_reads=not case["device_plan"])
     num_rows = None
     if case["capacity"] is not None:
         x, lens, num_rows = pad_to_row_capacity(x, lens, case["capacity"])
@@ -82,7 +82,7 @@ def test_worked_example_and_no_sequence():
 
 
 def test_device_plan_builds_it_with_no_host_sync_and_compiles_into_one_graph():
-    pack = PackSequences(4, pad_full_seq_to=32, validate=False)
+    pack = PackSequences(4, pad_full_seq_to=32, validate=False, host_reads=False)
 
     def mask(x, lens, num_rows):
         return pack(x, lens, num_rows).layout.padding_mask(2, 1)

@@ -190,7 +190,7 @@ def test_nothing_edits_sys_path_or_cites_files_outside_the_repository():
 
 PLANNING = sorted(m for m in MODULES if m == "nn_data.planning" or m.startswith("nn_data.planning."))
 PLANNING_NAMES = {"nn_data.layout", "nn_data.layout.round_up", "nn_data.layout.internal",
-                  "nn_data.layout.internal.INT32_MAX", "nn_data.layout.internal.fixed_total_arg", "nn_data.errors",
+                  "nn_data.layout.internal.INT32_MAX", "nn_data.layout.internal.checks", "nn_data.errors",
                   "nn_data.errors.PackingError"}
 
 
@@ -248,13 +248,13 @@ def test_code_outside_the_layout_enters_it_by_its_two_doors(path):
 
 def test_the_users_door_is_narrow_and_the_internal_door_holds_no_dead_name():
     """``nn_data.layout.__all__``: at most 16 names, each taught to users (README.md or a docs page other
-    than the design map names it), none also in the internal door; every name of the internal door has an
-    importer in nn_data, profiling or scripts (a name nothing imports is deleted, not kept)."""
+    than the design map names it), none also in the internal door; the internal door at most 15, every one
+    with an importer in nn_data, profiling or scripts (a name nothing imports is deleted, not kept)."""
     import nn_data.layout
     import nn_data.layout.internal
 
     user, internal = set(nn_data.layout.__all__), set(nn_data.layout.internal.__all__)
-    assert len(user) <= 16 and not user & internal, (len(user), user & internal)
+    assert len(user) <= 16 and len(internal) <= 15 and not user & internal, (len(user), len(internal), user & internal)
     taught = (ROOT / "README.md").read_text() + "".join(
         p.read_text() for p in (ROOT / "docs").glob("*.md") if p.name != "design.md")
     assert not [n for n in user if not re.search(rf"\b{n}\b", taught)], "not taught to users"
@@ -443,26 +443,44 @@ EXECUTOR_OPS = ("pack", "shard", "unshard", "unpack")
 
 
 def test_one_executor_protocol_chosen_in_one_place():
-    """Every executor function (``layout/host.py``, ``layout/device.py``) takes ``(layout, tensor, ...)``;
-    ``pack_layout.executor`` alone picks between them (the shared-prefix layout's rollout maps always
-    gather on the device: ``device.pack`` is its one form, no choice)."""
+    """A layout holds one of two executors, ``HostExecutor`` (``layout/host.py``) and ``DeviceExecutor``
+    (``layout/device.py``), each with ``pack``, ``shard``, ``unshard`` and ``unpack`` taking
+    ``(layout, tensor, ...)``; each ``PackLayout`` method calls its executor's (no dispatcher), and nothing
+    outside the layout builds one; the shared-prefix layout packs through ``device.gather_pack`` and
+    its ``GatherMaps``, the one declared way maps enter a pack (no layout impostor)."""
     import inspect
 
-    from nn_data.layout import device, host
+    from nn_data.layout import PackLayout, device, host
 
-    for module in (host, device):
+    for executor in (host.HostExecutor, device.DeviceExecutor):
         for op in EXECUTOR_OPS:
-            params = list(inspect.signature(getattr(module, op)).parameters)
-            assert params[0] == "layout" and params[1] in ("x", "packed", "shards"), (module.__name__, op, params)
+            params = list(inspect.signature(getattr(executor, op)).parameters)
+            assert params[:3] == ["self", "layout", params[2]] and params[2] in ("x", "packed", "shards"), (executor, op)
+    assert PackLayout._fields[-1] == "executor" and len(PackLayout._fields) <= 7, PackLayout._fields
+    text = _code_only((PKG / "layout" / "pack_layout.py").read_text())
+    for op in EXECUTOR_OPS:
+        assert text.count(f"self.executor.{op}(self, ") == 1, op
     callers = {}
     for path in PKG.rglob("*.py"):
         text = _code_only(path.read_text())
-        for module in ("host", "device"):
-            if re.search(rf"\b{module}\.({'|'.join(EXECUTOR_OPS)})\(", text):
-                callers.setdefault(str(path.relative_to(ROOT)), set()).add(module)
-    assert callers == {"nn_data/layout/prefix_layout.py": {"device"}}, callers
-    text = _code_only((PKG / "layout" / "pack_layout.py").read_text())
-    assert text.count("executor(self, ") == len(EXECUTOR_OPS)  # each PackLayout method asks it
+        if re.search(r"\b(HostExecutor|DeviceExecutor)\(", text):
+            callers.setdefault(str(path.relative_to(ROOT)), set()).add("executor")
+        if re.search(r"\bgather_pack\(", text):
+            callers.setdefault(str(path.relative_to(ROOT)), set()).add("gather_pack")
+    assert callers == {"nn_data/layout/build.py": {"executor"}, "nn_data/layout/host.py": {"executor"},
+                       "nn_data/layout/device.py": {"executor", "gather_pack"},
+                       "nn_data/layout/prefix_layout.py": {"gather_pack"}}, callers
+
+
+def test_no_module_global_changes_what_compiles():
+    """The device pack's form is a spec field (``PackSequences(pack_form=)``), never a module-level switch:
+    the layout package has no function that rebinds a module global."""
+    from nn_data import PackingError, PackSequences
+
+    for path in (PKG / "layout").glob("*.py"):
+        assert not re.search(r"^\s+global\s", _code_only(path.read_text()), re.M), path.name
+    with pytest.raises(PackingError, match=r"pack_form='dense' is invalid; expected one of \('auto', 'scatter', 'gather'\)"):
+        PackSequences(pack_form="dense")
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -162,6 +162,6 @@ def test_compiled_positions_and_targets_match_eager_with_one_frame():
 def test_ops_run_on_meta_tensors_so_they_never_read_values_on_the_host():
     ids = torch.empty(1, 80, dtype=torch.int64, device="meta")
     cu = torch.empty(5, dtype=torch.int32, device="meta")
-    assert PositionIds(2, 1, validate=False)(ids, cu).shape == (1, 40)
-    t = NextTokenTargets(4, 3, validate=False)(ids, cu, cu)
+    assert PositionIds(2, 1, validate=False, host_reads=False)(ids, cu).shape == (1, 40)
+    t = NextTokenTargets(4, 3, validate=False, host_reads=False)(ids, cu, cu)
     assert t.targets.shape == t.loss_mask.shape == (1, 20)

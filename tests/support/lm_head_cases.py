@@ -128,7 +128,7 @@ def case_core(sequence_parallel: bool):
 
 
 def case_counts(sequence_parallel: bool):
-    """No host sync with ``validate=False`` (one with validation); the collectives of one call:
+    """No host sync on the device plan (``host_reads=False``), one on the host plan; the collectives of one call:
     forward one CP all-gather of the values (plus, under TP, one ``[2, N]`` all-gather and with sequence
     parallelism one all-gather of the hidden states), backward the hidden states' TP reduction (and the
     re-gather with sequence parallelism)."""
@@ -137,7 +137,8 @@ def case_counts(sequence_parallel: bool):
     found = {}
     for validate in (False, True):
         op = TokenLogProbsFromHidden(SEQ_LEN, cp_group=cp.group, tp_group=tp.group,
-                                     sequence_parallel=sequence_parallel, chunk_tokens=8, validate=validate)
+                                     sequence_parallel=sequence_parallel, chunk_tokens=8, validate=validate,
+                                     host_reads=validate)
         hidden, weight = local_parts(inp, cp, tp, sequence_parallel)
         with HostSyncCounter() as syncs, CollectiveCounter() as forward:
             out = op(hidden, weight, inp.ids, inp.cu_seqlens, inp.cu_seqlens_padded)

@@ -39,8 +39,8 @@ def compiled_pack_shard(spec: PackSpec, total: int, cp_rank: int, options: PackO
     key = (spec.m, spec.p, total, spec.cp_size, cp_rank, options.backend, options.mode)
     fn = _COMPILED.get(key)
     if fn is None:
-        module = PackShard(PackSequences(spec.m, spec.p, total, validate=False), spec.cp_size, cp_rank, routes=ROUTES,
-                           name="input_ids")
+        pack = PackSequences(spec.m, spec.p, total, validate=False, host_reads=False)
+        module = PackShard(pack, spec.cp_size, cp_rank, routes=ROUTES, name="input_ids")
         kwargs = {"mode": options.mode} if options.mode else {}
         fn = torch.compile(module, backend=options.backend, fullgraph=True, **kwargs)
         _COMPILED[key] = fn

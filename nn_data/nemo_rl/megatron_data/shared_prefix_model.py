@@ -114,7 +114,7 @@ def packed_info(record, microbatch, cp_group):
                                     "rank(s); pass the group it was sharded over (pg_collection.cp)")
     gather = None
     if record.cp_size > 1:
-        op = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False)  # keys/values: gradients sum
+        op = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False, host_reads=False)  # keys/values: gradients sum
 
         def gather(local):
             return op(local, layout=slots)  # [1, T/C, *] -> [1, T, *]
