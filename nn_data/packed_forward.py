@@ -14,7 +14,8 @@ local tokens -> gather across the CP group -> unpack.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+import sys
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 from torch import nn
@@ -22,13 +23,12 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
-from nn_data.pack import PackSequences, PackShard, check_pack_args
-from nn_data.layout import PackLayout, SharedPrefixLayout
+from nn_data.pack import PackSequences, check_pack_args
+from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
 from nn_data.masks import PrefixRule
-from nn_data import packed_shared_prefix as _shared
 from nn_data.planning.alignment import Parallelism
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
-from nn_data.unpack import check_unpack_args, unpack_sequences
+from nn_data.unpack import unpack_sequences
 
 
 class PackedInfo(NamedTuple):
@@ -76,13 +76,10 @@ class PackedInfo(NamedTuple):
 
 class PackedInput(NamedTuple):
     """:meth:`PackedForward.prepare`'s result: the model's arguments ``input_ids [1, T/C]``,
-    ``position_ids [1, T/C]``, ``packed``, and what :meth:`PackedForward.finish` needs
-    (``seq_lengths [R]`` after row padding, the caller's ``rows`` B, ``row_ids [R, S]``, the
-    row-padded ids whose dim 1 gives the row length S, a symbolic size under compile, and, eagerly,
-    the pack's ``layout``: the output gather and the unpack run on it without reading the
-    boundaries again; None from the compiled packing side). A shared-prefix call also keeps its
-    ``shared`` layout (eagerly) and ``shared_args`` (``prefix_lengths``, ``group_ids``, ``num_rows``, for
-    the compiled unpacking side)."""
+    ``position_ids [1, T/C]``, ``packed``, and what :meth:`PackedForward.finish` needs: ``seq_lengths [R]``
+    after row padding, the caller's ``rows`` B, ``row_ids [R, S]`` (the row-padded ids, whose dim 1 gives
+    the row length S, a symbolic size under compile) and the ``microbatch`` (:class:`Microbatch`: its kind,
+    its own arguments and, eagerly, its layout)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -90,9 +87,146 @@ class PackedInput(NamedTuple):
     seq_lengths: torch.Tensor
     rows: int
     row_ids: torch.Tensor
-    layout: Optional[PackLayout] = None
-    shared: Optional[SharedPrefixLayout] = None
-    shared_args: Optional[tuple] = None
+    microbatch: "Microbatch"
+
+    @property
+    def layout(self):
+        """The microbatch's layout built by the packing side: a :class:`~nn_data.layout.PackLayout`, or the
+        kind's own (a :class:`~nn_data.layout.SharedPrefixLayout`); None from a compiled packing side (its
+        index maps stay inside the graph: :meth:`PackedForward.layout_of` builds it again, with no read)."""
+        return self.microbatch.layout
+
+
+class Microbatch(NamedTuple):
+    """One call's kind of microbatch (:class:`PlainKind`, or
+    :class:`~nn_data.packed_shared_prefix.SharedPrefixKind`), its own per-row arguments ``args`` (None for
+    a plain microbatch; row-padded), ``num_rows`` (0-d, with ``row_capacity``; else None) and, eagerly, the
+    ``layout`` the packing side built (None out of a compiled graph)."""
+
+    kind: "MicrobatchKind"
+    args: Optional[tuple]
+    num_rows: Optional[torch.Tensor]
+    layout: object = None
+
+
+class PackedSide(NamedTuple):
+    """What the packing side returns (:class:`PackingSide`): this rank's ``input_ids`` and ``position_ids``
+    ``[1, T/C]``, the :class:`PackedInfo` before the caller's parts (CP gather, ``PackedSeqParams``, ``S``)
+    and, eagerly, the ``layout`` (None out of a compiled graph)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    packed: PackedInfo
+    layout: object = None
+
+
+class MicrobatchKind(Protocol):
+    """What a kind of microbatch brings to :class:`PackedForward`'s one pipeline (the strategy): the plain
+    microbatch (:class:`PlainKind`, one segment per row) and the shared prefix
+    (:class:`~nn_data.packed_shared_prefix.SharedPrefixKind`, each group's prompt once) are two; a new
+    kind of microbatch is a new strategy. Its ``layout`` has ``pack(x)``, ``segment_ids()`` and
+    ``unpack(packed, seq_len)`` (:class:`~nn_data.layout.PackLayout`'s methods), ``slots(layout)`` the
+    :class:`~nn_data.layout.PackLayout` its tokens are packed, sharded and padded on."""
+
+    name: str
+
+    def pad_rows(self, args, capacity: int): ...
+
+    def layout(self, input_ids, seq_lengths, args, *, spec, num_rows, validate=True, host_reads=True): ...
+
+    def slots(self, layout) -> PackLayout: ...
+
+    def positions(self, layout, places) -> torch.Tensor: ...
+
+    def attention(self, layout) -> dict: ...
+
+    def unpack(self, full, *, seq_lengths, cu_seqlens_padded, args, num_rows, like, spec) -> torch.Tensor: ...
+
+
+class PlainKind:
+    """The plain microbatch: one packed segment per row (no arguments of its own).
+
+    Example: lengths ``[3, 0, 5]``, m 4 -> segments ``[0, 4, 4, 12]``; this rank's positions restart at
+    each segment start: places ``0..3, 4..11`` -> positions ``0..3, 0..7``.
+    """
+
+    name = "plain"
+
+    def pad_rows(self, args, capacity: int):
+        return args
+
+    def layout(self, input_ids, seq_lengths, args, *, spec, num_rows, validate=True, host_reads=True) -> PackLayout:
+        return layout_from_lengths(seq_lengths, input_ids.shape[1], spec, num_rows=num_rows, validate=validate,
+                                   host_reads=host_reads)
+
+    def slots(self, layout: PackLayout) -> PackLayout:
+        return layout
+
+    def positions(self, layout: PackLayout, places) -> torch.Tensor:
+        # places: bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39 -> positions
+        # 0..3, 12..15, 0..5, 18..23 (the offset in each segment)
+        return (places.source - layout.bounds()[places.segment]).unsqueeze(0)  # [1, T/C]
+
+    def attention(self, layout: PackLayout) -> dict:
+        return {}
+
+    def unpack(self, full, *, seq_lengths, cu_seqlens_padded, args, num_rows, like, spec) -> torch.Tensor:
+        """The compiled unpacking side: on the boundaries the packing side computed (``T = full.shape[1]``,
+        no rebuild from the lengths, which would need ``T``)."""
+        return unpack_sequences(full, seq_lengths, cu_seqlens_padded, like.shape[1])
+
+
+PLAIN = PlainKind()
+
+
+class PackingSide(nn.Module):
+    """:class:`PackedForward`'s packing side for one kind of microbatch, the region
+    ``compile_packing=True`` compiles: build the layout, pack the ids, take this CP rank's places, and the
+    position ids, segment ids, padding mask and the kind's attention fields of :class:`PackedInfo`.
+
+    ``forward(input_ids [R, S], seq_lengths [R], num_rows=None, args=None) -> PackedSide``. Eagerly the
+    layout is built on the host after one read; under ``torch.compile`` on the device (no read).
+    """
+
+    def __init__(self, kind: MicrobatchKind, spec: PackSpec, cp_size: int = 1, cp_rank: int = 0):
+        super().__init__()
+        _checks.check_cp(cp_size, cp_rank)
+        self.kind, self.spec, self.cp_size, self.cp_rank = kind, spec, cp_size, cp_rank
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind.name}, cp_size={self.cp_size}, cp_rank={self.cp_rank}"
+
+    def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, num_rows: Optional[torch.Tensor] = None,
+                args=None) -> PackedSide:
+        kind = self.kind
+        layout = kind.layout(input_ids, seq_lengths, args, spec=self.spec, num_rows=num_rows)
+        slots = kind.slots(layout)
+        places = slots.local_places(self.cp_size, self.cp_rank)  # [T/C] each, once for every tensor
+        packed = layout.pack(input_ids)  # [1, T]
+        local = packed if self.cp_size == 1 else packed.index_select(1, places.source)  # [1, T] -> [1, T/C]
+        compiling = torch.compiler.is_compiling()
+        longest = slots.host.max_seqlen if slots.host is not None and not compiling else slots.total
+        info = PackedInfo(cu_seqlens_padded=slots.cu_seqlens_padded, max_seqlen=slots.max_seqlen,
+                          segment_ids=layout.segment_ids(), query_index=places.source, cp_size=self.cp_size,
+                          cp_rank=self.cp_rank, gather=None, padding_mask=slots.padding_mask(places=places),
+                          max_length=longest, cu_seqlens=slots.cu_seqlens, **kind.attention(layout))
+        return PackedSide(input_ids=local, position_ids=kind.positions(layout, places), packed=info,
+                          layout=None if compiling else layout)
+
+
+class UnpackingSide(nn.Module):
+    """:class:`PackedForward`'s compiled unpacking side for one kind of microbatch: ``full [1, T, *]`` back
+    to ``[R, S, *]`` rows from the lengths and boundaries (the layout's index maps stayed in the packing
+    graph). ``forward(full, seq_lengths, cu_seqlens_padded, like [R, S], num_rows=None, args=None)``."""
+
+    def __init__(self, kind: MicrobatchKind, spec: PackSpec):
+        super().__init__()
+        self.kind, self.spec = kind, spec
+
+    def forward(self, full: torch.Tensor, seq_lengths: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+                like: torch.Tensor, num_rows: Optional[torch.Tensor] = None, args=None) -> torch.Tensor:
+        return self.kind.unpack(full, seq_lengths=seq_lengths, cu_seqlens_padded=cu_seqlens_padded, args=args,
+                                num_rows=num_rows, like=like, spec=self.spec)  # [R, S, *]
 
 
 class PackedForward(nn.Module):
@@ -105,6 +239,7 @@ class PackedForward(nn.Module):
     With ``prefix_lengths [B]`` and ``group_ids [B]`` (both or neither) each group's prompt is packed
     once and each rollout's row comes back as if it had been run alone
     (:mod:`nn_data.packed_shared_prefix`; the model must honour ``packed.prefix``: both adapters do).
+    One pipeline serves both: what differs is the kind of microbatch (:class:`MicrobatchKind`).
 
     The model contract: ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
     **model_kwargs) -> [1, T/C, *]`` for the same local tokens in the same order. Position ids
@@ -115,11 +250,12 @@ class PackedForward(nn.Module):
     Under CP, ``pad_individual_seqs_to_multiple_of`` and ``pad_full_seq_to`` (or
     ``pad_packed_seq_to_multiple_of`` without it) must be multiples of ``2C`` (checked here, so no
     data check is needed per call). ``compile_packing=True`` compiles the packing and unpacking
-    sides with ``fullgraph=True`` (``compile_kwargs`` go to ``torch.compile``); with
+    sides with ``fullgraph=True`` (``compile_kwargs`` go to ``torch.compile``), each kind of microbatch's
+    on its first call (announced on stderr: a first compile takes seconds to minutes); with
     ``pad_full_seq_to`` and ``row_capacity`` set they compile once (two graphs) for a stream of any
     lengths, row counts and row lengths ``S`` (``S`` is a symbolic size:
     :func:`nn_data.rows.with_dynamic_row_length`). The model and the
-    collectives run eagerly unless you compile the model yourself.
+    collectives run eagerly unless you compile the model yourself (docs/compile-contract.md).
 
     Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops, plus the CP
     multiples above), when ``input_ids`` is not ``[B, S]`` or ``seq_lengths`` not a ``[B]`` integer
@@ -143,31 +279,18 @@ class PackedForward(nn.Module):
     ):
         super().__init__()
         self.model = model
-        pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
+        self.pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
         self.cp_rank, self.cp_size, self._cp_group = given_group_info(cp_group, pg_collection=pg_collection,
                                                                       field="cp")
-        _check_cp_config(self.cp_size, pack)
-        self.pack_shard = PackShard(pack, self.cp_size, self.cp_rank, positions=True, padding=True)
+        _check_cp_config(self.cp_size, self.pack)
         self.row_capacity = None if row_capacity is None else _checks.positive_int("row_capacity", row_capacity)
         self.make_packed_seq_params = bool(make_packed_seq_params)
         if self.cp_size > 1:  # outputs: the loss is replicated over the group ("own"); keys/values: "sum"
             self.gather_output = GatherFromContextParallel(self._cp_group, grad_mode="own", validate=False)
             self.gather_kv = GatherFromContextParallel(self._cp_group, grad_mode="sum", validate=False)
         self.compile_packing = bool(compile_packing)
-        self.shared_pack_shard = _shared.SharedPrefixPackShard(pack.spec, self.cp_size, self.cp_rank)
-        if self.compile_packing:
-            kwargs = {"fullgraph": True, **(compile_kwargs or {})}
-            self._prepare_fn = torch.compile(self.pack_shard, **kwargs)
-            self._finish_fn = torch.compile(_finish, **kwargs)
-            self._shared_prepare_fn = torch.compile(self.shared_pack_shard, **kwargs)
-            self._shared_finish_fn = torch.compile(_shared.shared_finish, **kwargs)
-        else:
-            self._prepare_fn, self._finish_fn = self.pack_shard, _finish
-            self._shared_prepare_fn, self._shared_finish_fn = self.shared_pack_shard, _shared.shared_finish
-
-    @property
-    def pack(self) -> PackSequences:
-        return self.pack_shard.pack
+        self.compile_kwargs = {"fullgraph": True, **(compile_kwargs or {})}
+        self._sides: dict = {}  # (kind name, "pack" | "unpack") -> the side, built (and compiled) on first use
 
     @property
     def cp_group(self):
@@ -181,7 +304,7 @@ class PackedForward(nn.Module):
         return self.finish(local_out, inp)
 
     def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None,
-                group_ids=None) -> "PackedInput":
+                group_ids=None) -> PackedInput:
         """The first half of :meth:`forward`: pack, shard, position ids and :class:`PackedInfo`
         for ``input_ids [B, S]``, ``seq_lengths [B]`` (and ``prefix_lengths``/``group_ids``, a
         shared-prefix call), without calling the model. For a caller
@@ -190,32 +313,72 @@ class PackedForward(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise _checks.PackingError(f"input_ids must be a [B, S] tensor, got {shape}")
-        shared = prefix_lengths is not None or group_ids is not None
-        if shared:
-            _shared.check_shared_args(input_ids, seq_lengths, prefix_lengths, group_ids)
-        rows = input_ids.shape[0]
-        num_rows = None
+        if not isinstance(seq_lengths, torch.Tensor):  # a list, tuple or numpy array of ints: one copy
+            seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, input_ids.shape[0]).to(input_ids.device)
+        kind, args = microbatch_kind(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids)
+        rows, num_rows = input_ids.shape[0], None
         if self.row_capacity is not None:
-            padded = pad_to_row_capacity(input_ids, seq_lengths, self.row_capacity, name="row_capacity")
-            input_ids, seq_lengths, num_rows = padded
-            if shared:
-                prefix_lengths, group_ids = _shared.pad_shared_rows(prefix_lengths, group_ids, self.row_capacity)
-        if shared:
-            return self._prepare_shared(input_ids, seq_lengths, prefix_lengths, group_ids, num_rows, rows)
-        if self.compile_packing:  # metadata errors raise PackingError here, before the compiled region
-            check_pack_args(input_ids, seq_lengths, num_rows)
+            input_ids, seq_lengths, num_rows = pad_to_row_capacity(input_ids, seq_lengths, self.row_capacity,
+                                                                   name="row_capacity")
+            args = kind.pad_rows(args, self.row_capacity)
+        check_pack_args(input_ids, seq_lengths, num_rows)  # metadata errors before any compiled region
+        if self.compile_packing:
             input_ids = with_dynamic_row_length(input_ids)  # one graph for every S, 0 and 1 included
-        prep = self._prepare_fn(input_ids, seq_lengths, num_rows)  # PackShardResult
-        cu_pad, layout = prep.pack.cu_seqlens_padded, prep.pack.layout
-        gather_kv = self._kv_gather(layout, cu_pad)
-        total = prep.segment_ids.shape[0]
-        longest = layout.host.max_seqlen if layout is not None and layout.host is not None else total
-        info = PackedInfo(
-            cu_pad, prep.pack.max_seqlen, prep.segment_ids, prep.places.source,
-            self.cp_size, self.cp_rank, gather_kv, self._packed_seq_params(cu_pad, total), prep.padding_mask,
-            max_length=longest, row_len=int(input_ids.shape[1]), cu_seqlens=prep.pack.cu_seqlens,
-        )
-        return PackedInput(prep.local["x"], prep.positions, info, seq_lengths, rows, input_ids, layout)
+        side = self._side(kind, "pack")(input_ids, seq_lengths, num_rows, args)
+        info = side.packed
+        gather_kv = self._kv_gather(None if side.layout is None else kind.slots(side.layout), info.cu_seqlens_padded)
+        total = info.segment_ids.shape[0]
+        info = info._replace(gather=gather_kv, packed_seq_params=self._packed_seq_params(info.cu_seqlens_padded, total),
+                             row_len=_row_len(input_ids))
+        return PackedInput(input_ids=side.input_ids, position_ids=side.position_ids, packed=info,
+                           seq_lengths=seq_lengths, rows=rows, row_ids=input_ids,
+                           microbatch=Microbatch(kind=kind, args=args, num_rows=num_rows, layout=side.layout))
+
+    def finish(self, local_out: torch.Tensor, inp: PackedInput) -> torch.Tensor:
+        """The second half of :meth:`forward`: the model's ``[1, T/C, *]`` output for ``inp``
+        (from :meth:`prepare`) -> gathered over the CP group -> rows ``[B, S, *]``."""
+        _check_model_output(local_out, inp.input_ids)
+        mb = inp.microbatch
+        if mb.layout is not None:  # eager: the packing side's layout, no read of the boundaries
+            full = local_out if self.cp_size == 1 else self.gather_output(local_out, layout=mb.kind.slots(mb.layout))
+            return mb.layout.unpack(full, inp.row_ids.shape[1])[: inp.rows]  # [1, T, *] -> [B, S, *]
+        cu_pad = inp.packed.cu_seqlens_padded
+        full = local_out if self.cp_size == 1 else self.gather_output(local_out, cu_pad)  # [1, T, *]
+        out = self._side(mb.kind, "unpack")(full, inp.seq_lengths, cu_pad, inp.row_ids, mb.num_rows, mb.args)
+        return out[: inp.rows]  # [R, S, *] -> [B, S, *]
+
+    def layout_of(self, inp: PackedInput):
+        """The layout of ``inp``'s microbatch: the packing side's (eager), else built again from the lengths on
+        the device, with no host read (``compile_packing=True``, where the packing graph keeps its index
+        maps). For what needs the layout beside the model's output, e.g. a shared-prefix microbatch's
+        log-probs without ``[B, S, V]`` logits::
+
+            inp = wrapped.prepare(ids, lengths, prefix_lengths=P, group_ids=g)
+            logits = model(inp.input_ids, inp.position_ids, inp.packed)          # [1, T/C, V]
+            shared = wrapped.layout_of(inp)                                      # a SharedPrefixLayout
+            logprobs = SharedPrefixLogProbs()(logits, shared.pack(inp.row_ids), shared)[: inp.rows]
+        """
+        mb = inp.microbatch
+        if mb.layout is not None:
+            return mb.layout
+        return mb.kind.layout(inp.row_ids, inp.seq_lengths, mb.args, spec=self.pack.spec, num_rows=mb.num_rows,
+                              validate=False, host_reads=False)
+
+    def _side(self, kind: MicrobatchKind, which: str):
+        """The packing (``"pack"``) or compiled unpacking (``"unpack"``) side of ``kind``, built on first
+        use; compiled then with ``compile_packing=True`` (announced: the first call compiles)."""
+        key = (kind.name, which)
+        side = self._sides.get(key)
+        if side is None:
+            spec = self.pack.spec
+            side = PackingSide(kind, spec, self.cp_size, self.cp_rank) if which == "pack" else UnpackingSide(kind, spec)
+            if self.compile_packing:
+                print(f"nn_data.PackedForward: compiling the {which}ing side of a {kind.name} microbatch on its first "
+                      "call (seconds to minutes; nn_data.compile_cache keeps the work for the next process)",
+                      file=sys.stderr, flush=True)
+                side = torch.compile(side, **self.compile_kwargs)
+            self._sides[key] = side
+        return side
 
     def _kv_gather(self, layout: Optional[PackLayout], cu_pad: torch.Tensor):
         """``PackedInfo.gather`` (None without CP): on the layout when there is one (no read of the
@@ -229,52 +392,6 @@ class PackedForward(nn.Module):
             return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
         return gather_kv
 
-    def _prepare_shared(self, input_ids, seq_lengths, prefix_lengths, group_ids, num_rows, rows) -> "PackedInput":
-        """:meth:`prepare` for a shared-prefix call (:class:`~nn_data.packed_shared_prefix.SharedPrefixPackShard`)."""
-        if self.compile_packing:  # metadata errors raise PackingError here, before the compiled region
-            check_pack_args(input_ids, seq_lengths, num_rows)
-            input_ids = with_dynamic_row_length(input_ids)  # one graph for every S
-        prep = self._shared_prepare_fn(input_ids, seq_lengths, prefix_lengths, group_ids, num_rows)
-        layout = None if prep.shared is None else prep.shared.layout
-        gather_kv = self._kv_gather(layout, prep.cu_seqlens_padded)
-        total = prep.segment_ids.shape[0]
-        longest = layout.host.max_seqlen if layout is not None and layout.host is not None else total
-        info = PackedInfo(
-            prep.cu_seqlens_padded, prep.max_seqlen, prep.segment_ids, prep.query_index, self.cp_size, self.cp_rank,
-            gather_kv, self._packed_seq_params(prep.cu_seqlens_padded, total), prep.padding_mask,
-            max_length=longest, row_len=int(input_ids.shape[1]), cu_seqlens=prep.cu_seqlens, prefix=prep.prefix,
-            prefix_lengths=prep.prefix_lengths, leader=prep.leader,
-        )
-        return PackedInput(prep.input_ids, prep.positions, info, seq_lengths, rows, input_ids, layout, prep.shared,
-                           (prefix_lengths, group_ids, num_rows))
-
-    def finish(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
-        """The second half of :meth:`forward`: the model's ``[1, T/C, *]`` output for ``inp``
-        (from :meth:`prepare`) -> gathered over the CP group -> rows ``[B, S, *]``."""
-        _check_model_output(local_out, inp.input_ids)
-        if inp.shared_args is not None:
-            return self._finish_shared(local_out, inp)
-        cu_pad = inp.packed.cu_seqlens_padded
-        if inp.layout is not None:  # eager: the pack's layout, no read of the boundaries
-            full = local_out if self.cp_size == 1 else self.gather_output(local_out, layout=inp.layout)  # [1, T, *]
-            return unpack_sequences(full, None, None, inp.row_ids.shape[1], layout=inp.layout)[: inp.rows]
-        full = local_out if self.cp_size == 1 else self.gather_output(local_out, cu_pad)  # [1, T, *]
-        if self.compile_packing:  # metadata errors before the compiled region
-            check_unpack_args(full, inp.seq_lengths, cu_pad)
-        out = self._finish_fn(full, inp.seq_lengths, cu_pad, inp.row_ids)  # [R, S, *]
-        return out[: inp.rows]
-
-    def _finish_shared(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
-        """:meth:`finish` for a shared-prefix call: rollout b's row as if it had been packed alone."""
-        if inp.shared is not None:  # eager: the layout, no read of the boundaries
-            full = local_out if self.cp_size == 1 else self.gather_output(local_out, layout=inp.shared.layout)
-            return inp.shared.unpack(full, inp.row_ids.shape[1])[: inp.rows]  # [1, T, *] -> [B, S, *]
-        full = local_out if self.cp_size == 1 else self.gather_output(local_out, inp.packed.cu_seqlens_padded)
-        prefix_lengths, group_ids, num_rows = inp.shared_args
-        out = self._shared_finish_fn(full, inp.seq_lengths, prefix_lengths, group_ids, inp.row_ids, self.pack.spec,
-                                     num_rows)  # [R, S, *]
-        return out[: inp.rows]
-
     def _packed_seq_params(self, cu_seqlens_padded: torch.Tensor, total: int):
         if not self.make_packed_seq_params:
             return None
@@ -285,11 +402,22 @@ class PackedForward(nn.Module):
                                       cp_group=self._cp_group)
 
 
-def _finish(full: torch.Tensor, seq_lengths: torch.Tensor, cu_pad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Unpack ``full [1, T, *]`` to ``[R, S, *]`` with ``S = like.shape[1]`` (the packed batch's
-    ``[R, S]`` ids): ``S`` arrives as a tensor size, symbolic under compile, not as an int argument
-    (which the compiler would specialise, 0 and 1 always)."""
-    return unpack_sequences(full, seq_lengths, cu_pad, like.shape[1])
+def microbatch_kind(input_ids: torch.Tensor, seq_lengths: torch.Tensor, *, prefix_lengths=None,
+                    group_ids=None) -> tuple:
+    """``(kind, args)``: the kind of microbatch a call is (:class:`MicrobatchKind`) and its own arguments,
+    checked (metadata only): plain without ``prefix_lengths`` and ``group_ids``, shared prefix with both."""
+    if prefix_lengths is None and group_ids is None:
+        return PLAIN, None
+    from nn_data.packed_shared_prefix import SHARED_PREFIX
+
+    return SHARED_PREFIX, SHARED_PREFIX.args(input_ids, seq_lengths, prefix_lengths=prefix_lengths,
+                                             group_ids=group_ids)
+
+
+def _row_len(row_ids: torch.Tensor):
+    """``S``, a Python int eagerly (a symbolic size while a caller's compile traces the whole wrapper)."""
+    row_len = row_ids.shape[1]
+    return row_len if isinstance(row_len, torch.SymInt) else int(row_len)
 
 
 def _check_model_output(out, local_ids: torch.Tensor) -> None:
@@ -307,10 +435,10 @@ def _check_cp_config(cp_size: int, pack: PackSequences) -> None:
     guaranteed by configuration so that no data check (and no sync) is needed per call."""
     if cp_size == 1:
         return
-    layout = Parallelism(dp=1, cp=cp_size)  # the one alignment rule: 2C per sequence and per total
-    two_c = layout.sequence_multiple
+    parallelism = Parallelism(dp=1, cp=cp_size)  # the one alignment rule: 2C per sequence and per total
+    two_c = parallelism.sequence_multiple
     total_unit = pack.pad_full_seq_to if pack.pad_full_seq_to is not None else pack.p
-    if pack.m % two_c or total_unit % layout.total_multiple:
+    if pack.m % two_c or total_unit % parallelism.total_multiple:
         what = "pad_full_seq_to" if pack.pad_full_seq_to is not None else "pad_packed_seq_to_multiple_of"
         raise _checks.PackingError(
             f"with cp_size={cp_size}, pad_individual_seqs_to_multiple_of={pack.m} and {what}={total_unit} "

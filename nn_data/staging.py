@@ -143,8 +143,8 @@ class StagedMicrobatch:
         res = self._pack_shard(self.rows_ids, self.rows_lengths, self.num_rows)
         layout = res.pack.layout
         segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, self.total)
-        token, has_target = next_token_at(res.full["x"][0], segments, res.places, self.total)  # [T/C] each
-        self.copy_(input_ids=res.local["x"], position_ids=res.positions,
+        token, has_target = next_token_at(res.pack.packed[0], segments, res.places, self.total)  # [T/C] each
+        self.copy_(input_ids=res.local, position_ids=res.positions,
                    targets=torch.where(has_target, token, self.ignore_index).unsqueeze(0),
                    padding_mask=res.padding_mask, cu_seqlens_padded=res.pack.cu_seqlens_padded,
                    segment_ids=res.segment_ids, query_index=res.places.source, max_seqlen=res.pack.max_seqlen)

@@ -84,7 +84,7 @@ class RoundPack(nn.Module):
         segments = packed_segments(r.cu_seqlens, r.cu_seqlens_padded, self.total)
         token, has_target = next_token_at(r.packed[0], segments, places, self.total)  # [tpr] each
         targets = torch.where(has_target, token, self.ignore_index).unsqueeze(0)  # [1, tpr]
-        return RoundLocal(out.local["x"], out.positions, targets, has_target.to(torch.float32).unsqueeze(0),
+        return RoundLocal(out.local, out.positions, targets, has_target.to(torch.float32).unsqueeze(0),
                           r.cu_seqlens_padded, r.max_seqlen, out.segment_ids, places.source, r.packed,
                           out.padding_mask)
 
