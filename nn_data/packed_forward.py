@@ -25,53 +25,86 @@ from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
 from nn_data.pack import PackSequences, check_pack_args
 from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
-from nn_data.masks import PrefixRule
+from nn_data.packed_shared_prefix import SHARED_PREFIX, SharedPrefixInfo
 from nn_data.planning.alignment import Parallelism
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 from nn_data.unpack import unpack_sequences
 
 
-class PackedInfo(NamedTuple):
-    """What a wrapped model receives besides its local tokens and position ids.
+class PackedBounds(NamedTuple):
+    """The packed layout's boundaries, global (before the CP split): ``cu_seqlens_padded [N+1]`` int32
+    (``N`` segments: B, or the 2B slots of a shared-prefix microbatch), ``max_seqlen`` (0-d int32, the
+    longest padded segment), ``cu_seqlens [N+1]`` the real (unpadded) boundaries, for a model that scores
+    next tokens itself (each sequence's last token has none). Two Python-int bounds, known without a host
+    read: ``max_length``, the longest padded segment (``max_seqlen``'s value when the layout was built on
+    the host, else ``T``: what a variable-length attention kernel's ``max_seqlen`` needs), and ``row_len``,
+    the batch's row length ``S``, which bounds every sequence's valid length.
 
-    ``cu_seqlens_padded [B+1]`` int32 and ``max_seqlen`` (0-d int32) describe the packed
-    layout (global, before the CP split); ``segment_ids [T]`` is the sequence of every
-    packed position; ``query_index [T/C]`` the packed position of each local token
-    (``arange(T)`` without CP); ``cp_size``/``cp_rank`` the split; ``gather`` (None
-    without CP) turns a local ``[1, T/C, *]`` tensor into the packed ``[1, T, *]`` (one
-    all-gather, autograd-aware: use it for keys and values); ``packed_seq_params`` a
-    megatron-core ``PackedSeqParams`` when requested (``max_seqlen_q = T``: the only
-    value known without a host sync; ``total_tokens = T/C``, ``cp_group`` the group given to
-    :class:`PackedForward`; :func:`nn_data.megatron_parallel.make_packed_seq_params`);
-    ``padding_mask [1, T/C]`` bool, True at this rank's padding positions (each segment's slack
-    and the extended last segment: :meth:`nn_data.layout.PackLayout.padding_mask`), in the local
-    tokens' order: megatron-core's ``GPTModel.forward(padding_mask=)``.
-    Two Python-int bounds, known without a host read: ``max_length``, the longest padded segment
-    (``max_seqlen``'s value when the layout was built on the host, else ``T``: what a variable-length
-    attention kernel's ``max_seqlen`` needs), and ``row_len``, the batch's row length ``S``, which
-    bounds every sequence's valid length. ``cu_seqlens [B+1]`` the real (unpadded) boundaries, for a
-    model that scores next tokens itself (each sequence's last token has none).
-    A shared-prefix call (``prefix_lengths``/``group_ids``, :mod:`nn_data.packed_shared_prefix`) packs
-    ``2B`` slots (the boundaries above are theirs) and sets ``prefix`` (the attention's
-    :class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors, never sharded), ``prefix_lengths [B]``
-    and ``leader [B]`` (the rollout whose prompt slot each rollout's response continues); None otherwise.
+    Example: lengths ``[3, 0, 5]``, m 4, T 16 -> cu_seqlens ``[0, 3, 3, 8]``, cu_seqlens_padded
+    ``[0, 4, 4, 16]``, max_seqlen 12, max_length 12 (eager) or 16 (compiled).
     """
 
     cu_seqlens_padded: torch.Tensor
     max_seqlen: torch.Tensor
-    segment_ids: torch.Tensor
-    query_index: torch.Tensor
-    cp_size: int
-    cp_rank: int
-    gather: Optional[Callable[[torch.Tensor], torch.Tensor]]
-    packed_seq_params: object = None
-    padding_mask: Optional[torch.Tensor] = None
+    cu_seqlens: Optional[torch.Tensor] = None
     max_length: Optional[int] = None
     row_len: Optional[int] = None
-    cu_seqlens: Optional[torch.Tensor] = None
-    prefix: Optional[PrefixRule] = None
-    prefix_lengths: Optional[torch.Tensor] = None
-    leader: Optional[torch.Tensor] = None
+
+
+class CPShare(NamedTuple):
+    """This rank's share of the context-parallel group: ``size`` C, ``rank``, and ``gather`` (None without
+    CP), which turns a local ``[1, T/C, *]`` tensor into the packed ``[1, T, *]`` (one all-gather,
+    autograd-aware: use it for keys and values)."""
+
+    size: int = 1
+    rank: int = 0
+    gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+
+class PackedInfo(NamedTuple):
+    """What a wrapped model receives besides its local tokens and position ids.
+
+    ``bounds`` (:class:`PackedBounds`: the boundaries, global); ``segment_ids [T]`` the segment of every
+    packed position; ``query_index [T/C]`` the packed position of each local token (``arange(T)``
+    without CP); ``cp`` (:class:`CPShare`: size, rank and the keys' and values' ``gather``);
+    ``padding_mask [1, T/C]`` bool, True at this rank's padding positions (each segment's slack and the
+    extended last segment: :meth:`nn_data.layout.PackLayout.padding_mask`), in the local tokens' order:
+    megatron-core's ``GPTModel.forward(padding_mask=)``; ``packed_seq_params`` a megatron-core
+    ``PackedSeqParams`` when requested (``max_seqlen_q = T``: the only value known without a host sync;
+    ``total_tokens = T/C``, ``cp_group`` the group given to :class:`PackedForward`;
+    :func:`nn_data.megatron_parallel.make_packed_seq_params`); ``prefix`` (:class:`SharedPrefixInfo`) for
+    a shared-prefix microbatch (whose ``2B`` slots the boundaries are), None otherwise. The 0.1.x names
+    ``cu_seqlens_padded``, ``max_seqlen`` (the bounds'), ``cp_size``, ``cp_rank`` and ``gather`` (the CP
+    share's) read the same values.
+    """
+
+    bounds: PackedBounds
+    segment_ids: torch.Tensor
+    query_index: torch.Tensor
+    cp: CPShare = CPShare()
+    padding_mask: Optional[torch.Tensor] = None
+    packed_seq_params: object = None
+    prefix: Optional[SharedPrefixInfo] = None
+
+    @property
+    def cu_seqlens_padded(self) -> torch.Tensor:
+        return self.bounds.cu_seqlens_padded
+
+    @property
+    def max_seqlen(self) -> torch.Tensor:
+        return self.bounds.max_seqlen
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp.size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp.rank
+
+    @property
+    def gather(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        return self.cp.gather
 
 
 class PackedInput(NamedTuple):
@@ -138,7 +171,7 @@ class MicrobatchKind(Protocol):
 
     def positions(self, layout, places) -> torch.Tensor: ...
 
-    def attention(self, layout) -> dict: ...
+    def attention(self, layout) -> Optional[tuple]: ...
 
     def unpack(self, full, *, seq_lengths, cu_seqlens_padded, args, num_rows, like, spec) -> torch.Tensor: ...
 
@@ -167,8 +200,8 @@ class PlainKind:
         # 0..3, 12..15, 0..5, 18..23 (the offset in each segment)
         return (places.source - layout.bounds()[places.segment]).unsqueeze(0)  # [1, T/C]
 
-    def attention(self, layout: PackLayout) -> dict:
-        return {}
+    def attention(self, layout: PackLayout) -> None:
+        return None
 
     def unpack(self, full, *, seq_lengths, cu_seqlens_padded, args, num_rows, like, spec) -> torch.Tensor:
         """The compiled unpacking side: on the boundaries the packing side computed (``T = full.shape[1]``,
@@ -177,6 +210,8 @@ class PlainKind:
 
 
 PLAIN = PlainKind()
+#: The kinds of microbatch :class:`PackedForward` serves (a new kind is a new strategy here).
+KINDS = (PLAIN, SHARED_PREFIX)
 
 
 class PackingSide(nn.Module):
@@ -206,10 +241,11 @@ class PackingSide(nn.Module):
         local = packed if self.cp_size == 1 else packed.index_select(1, places.source)  # [1, T] -> [1, T/C]
         compiling = torch.compiler.is_compiling()
         longest = slots.host.max_seqlen if slots.host is not None and not compiling else slots.total
-        info = PackedInfo(cu_seqlens_padded=slots.cu_seqlens_padded, max_seqlen=slots.max_seqlen,
-                          segment_ids=layout.segment_ids(), query_index=places.source, cp_size=self.cp_size,
-                          cp_rank=self.cp_rank, gather=None, padding_mask=slots.padding_mask(places=places),
-                          max_length=longest, cu_seqlens=slots.cu_seqlens, **kind.attention(layout))
+        bounds = PackedBounds(cu_seqlens_padded=slots.cu_seqlens_padded, max_seqlen=slots.max_seqlen,
+                              cu_seqlens=slots.cu_seqlens, max_length=longest)
+        info = PackedInfo(bounds=bounds, segment_ids=layout.segment_ids(), query_index=places.source,
+                          cp=CPShare(size=self.cp_size, rank=self.cp_rank),
+                          padding_mask=slots.padding_mask(places=places), prefix=kind.attention(layout))
         return PackedSide(input_ids=local, position_ids=kind.positions(layout, places), packed=info,
                           layout=None if compiling else layout)
 
@@ -289,8 +325,14 @@ class PackedForward(nn.Module):
             self.gather_output = GatherFromContextParallel(self._cp_group, grad_mode="own", validate=False)
             self.gather_kv = GatherFromContextParallel(self._cp_group, grad_mode="sum", validate=False)
         self.compile_packing = bool(compile_packing)
-        self.compile_kwargs = {"fullgraph": True, **(compile_kwargs or {})}
-        self._sides: dict = {}  # (kind name, "pack" | "unpack") -> the side, built (and compiled) on first use
+        kwargs = {"fullgraph": True, **(compile_kwargs or {})}
+        spec = self.pack.spec
+        self._sides = {}  # (kind name, "pack" | "unpack") -> the side; torch.compile compiles on the first call
+        for kind in KINDS:
+            for which, side in (("pack", PackingSide(kind, spec, self.cp_size, self.cp_rank)),
+                                ("unpack", UnpackingSide(kind, spec))):
+                self._sides[kind.name, which] = torch.compile(side, **kwargs) if self.compile_packing else side
+        self._compiled: set = set()  # the sides whose first call was announced
 
     @property
     def cp_group(self):
@@ -328,8 +370,8 @@ class PackedForward(nn.Module):
         info = side.packed
         gather_kv = self._kv_gather(None if side.layout is None else kind.slots(side.layout), info.cu_seqlens_padded)
         total = info.segment_ids.shape[0]
-        info = info._replace(gather=gather_kv, packed_seq_params=self._packed_seq_params(info.cu_seqlens_padded, total),
-                             row_len=_row_len(input_ids))
+        info = info._replace(bounds=info.bounds._replace(row_len=_row_len(input_ids)), cp=info.cp._replace(gather=gather_kv),
+                             packed_seq_params=self._packed_seq_params(info.cu_seqlens_padded, total))
         return PackedInput(input_ids=side.input_ids, position_ids=side.position_ids, packed=info,
                            seq_lengths=seq_lengths, rows=rows, row_ids=input_ids,
                            microbatch=Microbatch(kind=kind, args=args, num_rows=num_rows, layout=side.layout))
@@ -365,20 +407,15 @@ class PackedForward(nn.Module):
                               validate=False, host_reads=False)
 
     def _side(self, kind: MicrobatchKind, which: str):
-        """The packing (``"pack"``) or compiled unpacking (``"unpack"``) side of ``kind``, built on first
-        use; compiled then with ``compile_packing=True`` (announced: the first call compiles)."""
+        """The packing (``"pack"``) or compiled unpacking (``"unpack"``) side of ``kind``; with
+        ``compile_packing=True`` its first call compiles it, announced on stderr."""
         key = (kind.name, which)
-        side = self._sides.get(key)
-        if side is None:
-            spec = self.pack.spec
-            side = PackingSide(kind, spec, self.cp_size, self.cp_rank) if which == "pack" else UnpackingSide(kind, spec)
-            if self.compile_packing:
-                print(f"nn_data.PackedForward: compiling the {which}ing side of a {kind.name} microbatch on its first "
-                      "call (seconds to minutes; nn_data.compile_cache keeps the work for the next process)",
-                      file=sys.stderr, flush=True)
-                side = torch.compile(side, **self.compile_kwargs)
-            self._sides[key] = side
-        return side
+        if self.compile_packing and key not in self._compiled:
+            print(f"nn_data.PackedForward: compiling the {which}ing side of a {kind.name} microbatch on its first "
+                  "call (seconds to minutes; nn_data.compile_cache keeps the work for the next process)",
+                  file=sys.stderr, flush=True)
+            self._compiled.add(key)
+        return self._sides[key]
 
     def _kv_gather(self, layout: Optional[PackLayout], cu_pad: torch.Tensor):
         """``PackedInfo.gather`` (None without CP): on the layout when there is one (no read of the
@@ -408,8 +445,6 @@ def microbatch_kind(input_ids: torch.Tensor, seq_lengths: torch.Tensor, *, prefi
     checked (metadata only): plain without ``prefix_lengths`` and ``group_ids``, shared prefix with both."""
     if prefix_lengths is None and group_ids is None:
         return PLAIN, None
-    from nn_data.packed_shared_prefix import SHARED_PREFIX
-
     return SHARED_PREFIX, SHARED_PREFIX.args(input_ids, seq_lengths, prefix_lengths=prefix_lengths,
                                              group_ids=group_ids)
 

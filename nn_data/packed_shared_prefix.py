@@ -1,6 +1,7 @@
-"""The shared-prefix side of :class:`~nn_data.packed_forward.PackedForward`: each group's prompt packed
-once, then its responses (:mod:`nn_data.layout.prefix_layout`), and the model's output back to one
-row per rollout as if each had been packed alone.
+"""The shared-prefix microbatch, a kind of :class:`~nn_data.packed_forward.PackedForward`'s one pipeline
+(:class:`SharedPrefixKind`): each group's prompt packed once, then its responses
+(:mod:`nn_data.layout.prefix_layout`), and the model's output back to one row per rollout as if each had
+been packed alone.
 
 Shape legend
     B   rollouts (rows); R >= B with ``row_capacity``
@@ -10,8 +11,8 @@ Shape legend
 
 ``PackedForward(model, ...)(input_ids [B, S], seq_lengths [B], prefix_lengths=P [B], group_ids=g [B])``
 -> ``[B, S, *]``: the same model contract as the plain path, with ``packed.prefix`` (a
-:class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors) for the attention, ``packed.prefix_lengths``
-and ``packed.leader`` for layers that run one rollout per row, and position ids that continue from
+:class:`SharedPrefixInfo`: the attention's :class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors, and
+``prefix_lengths`` / ``leader`` for layers that run one rollout per row), and position ids that continue from
 the prompt into each response (``SharedPrefixLayout.positions``, this rank's places).
 """
 
@@ -23,6 +24,7 @@ import torch
 
 from nn_data import _checks
 from nn_data.layout import PackLayout, PackSpec, SharedPrefixLayout, shared_prefix_layout
+from nn_data.masks import PrefixRule
 from nn_data.rows import pad_rows
 
 
@@ -34,12 +36,22 @@ class RolloutGroups(NamedTuple):
     group_ids: torch.Tensor
 
 
+class SharedPrefixInfo(NamedTuple):
+    """What a shared-prefix microbatch adds to :class:`~nn_data.packed_forward.PackedInfo` (``packed.prefix``): the attention's
+    ``rule`` (a :class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors, never sharded), and for layers
+    that run one rollout per row ``prefix_lengths [B]`` and ``leader [B]`` (the rollout whose prompt slot
+    each rollout's response continues)."""
+
+    rule: PrefixRule
+    prefix_lengths: torch.Tensor
+    leader: torch.Tensor
+
+
 class SharedPrefixKind:
     """The shared-prefix microbatch, a kind of :class:`~nn_data.packed_forward.PackedForward`'s one pipeline
     (:class:`~nn_data.packed_forward.MicrobatchKind`): each group's prompt packed once, then its responses,
     on a :class:`~nn_data.layout.SharedPrefixLayout` over ``2B`` slots; positions continue from the prompt
-    into each response; :class:`~nn_data.packed_forward.PackedInfo` gets ``prefix``, ``prefix_lengths`` and
-    ``leader``.
+    into each response; :class:`~nn_data.packed_forward.PackedInfo` gets ``prefix`` (:class:`SharedPrefixInfo`).
 
     Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> packed ``[p0 p0 r0 r0 | r1 | p2 |
     r2 r2]``, positions ``[0, 1, 2, 3, 2, 0, 1, 2]``.
@@ -66,8 +78,9 @@ class SharedPrefixKind:
     def positions(self, layout: SharedPrefixLayout, places) -> torch.Tensor:
         return layout.positions().index_select(0, places.source).unsqueeze(0)  # [T] -> [1, T/C]
 
-    def attention(self, layout: SharedPrefixLayout) -> dict:
-        return {"prefix": layout.prefix_rule(), "prefix_lengths": layout.prefix_lengths, "leader": layout.leader}
+    def attention(self, layout: SharedPrefixLayout):
+        """``PackedInfo.prefix``: the attention's rule and, per rollout, its prompt length and leader."""
+        return SharedPrefixInfo(rule=layout.prefix_rule(), prefix_lengths=layout.prefix_lengths, leader=layout.leader)
 
     def unpack(self, full, *, seq_lengths, cu_seqlens_padded, args: RolloutGroups, num_rows, like,
                spec: PackSpec) -> torch.Tensor:
