@@ -25,7 +25,7 @@ from nn_data.models import TinyCausalLM
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data import pack as pack_module, packed_forward, packed_shared_prefix
 from nn_data.packed_forward import PackedForward
-from nn_data.rows import with_dynamic_row_length
+from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 from tests.models import shared_prefix_cases as cases
 
 PACKAGE = str(Path(nn_data.__file__).parent)
@@ -84,8 +84,9 @@ def test_both_kinds_of_microbatch_run_one_pipeline():
 
 @pytest.mark.compile
 def test_the_whole_wrapper_compiles_once_over_row_lengths(tiny):
-    """torch.compile(PackedForward(..., row_capacity=R), fullgraph=True) with the row length marked
-    (with_dynamic_row_length): one graph for every S, 0 and 1 included, equal to the eager call."""
+    """torch.compile(PackedForward(..., row_capacity=R), fullgraph=True) given R rows (pad_to_row_capacity
+    outside) with the row length marked (with_dynamic_row_length): one graph for every row count and every
+    S, 0 and 1 included, equal to the eager call."""
     torch._dynamo.reset()
     wrapped = PackedForward(tiny, pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=64, row_capacity=8)
     counter = CompileCounterWithBackend("aot_eager")
@@ -96,7 +97,8 @@ def test_the_whole_wrapper_compiles_once_over_row_lengths(tiny):
             ids = torch.randint(1, VOCAB, (rows, row_len), generator=gen)
             lens = torch.randint(0, row_len + 1, (rows,), generator=gen)
             ids = torch.where(torch.arange(row_len) < lens[:, None], ids, 0)
-            out = compiled(with_dynamic_row_length(ids), lens)
+            padded = pad_to_row_capacity(ids, lens, 8)
+            out = compiled(with_dynamic_row_length(padded.x), padded.seq_lengths)[:rows]
             torch.testing.assert_close(out, wrapped(ids, lens), rtol=0, atol=1e-6)
     assert counter.frame_count == 1, counter.frame_count
     torch._dynamo.reset()
