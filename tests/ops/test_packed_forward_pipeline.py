@@ -23,7 +23,7 @@ from nn_data.layout import device, host
 from nn_data.logprobs import SharedPrefixLogProbs
 from nn_data.models import TinyCausalLM
 from nn_data.models.tiny_hf import tiny_hf_model
-from nn_data import pack as pack_module, packed_forward, packed_shared_prefix
+from nn_data import pack as pack_module, packed_forward, packed_shared_prefix, packed_sides
 from nn_data.packed_forward import PackedForward
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 from tests.models import shared_prefix_cases as cases
@@ -70,14 +70,15 @@ def test_a_shared_prefix_forward_reaches_its_kernel_in_at_most_four_frames(monke
 
 def test_records_have_at_most_seven_fields():
     records = [packed_forward.PackedInfo, packed_forward.PackedInput, packed_forward.PackedBounds,
-               packed_forward.CPShare, packed_forward.Microbatch, packed_forward.PackedSide,
+               packed_forward.CPShare, packed_forward.Microbatch, packed_sides.PackedSide,
                packed_shared_prefix.SharedPrefixInfo, packed_shared_prefix.RolloutGroups,
                pack_module.PackShardResult, pack_module.Shard, pack_module.PackResult]
     assert {r.__name__: len(r._fields) for r in records if len(r._fields) > 7} == {}
 
 
 def test_both_kinds_of_microbatch_run_one_pipeline():
-    """The kind is a strategy of PackingSide / UnpackingSide: the shared prefix has no module of its own."""
+    """The kind is a strategy of PackingSide / UnpackingSide: the shared prefix has no module of its own,
+    and the pipeline's sides are one class each whatever the kind."""
     assert {kind.name for kind in packed_forward.KINDS} == {"plain", "shared-prefix"}
     assert not [n for n, v in vars(packed_shared_prefix).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)]
 

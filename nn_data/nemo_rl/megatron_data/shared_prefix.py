@@ -152,7 +152,7 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``.
     """
     from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
-    from nn_data.packed_forward import PackingSide
+    from nn_data.packed_sides import PackingSide
     from nn_data.packed_shared_prefix import SHARED_PREFIX, RolloutGroups
 
     if not pack_sequences:
