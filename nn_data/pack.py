@@ -198,12 +198,17 @@ class PackShard(nn.Module):
             res = res._replace(layout=None)
         if not self.positions:
             return PackShardResult(pack=res, local=local, companions=companions, padding_mask=padding_mask)
-        bounds = layout.bounds()  # [B+1] ([0, T] if B = 0)
-        # places: bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39 -> positions
-        # 0..3, 12..15, 0..5, 18..23 (the offset in each segment)
-        positions = (places.source - bounds[places.segment]).unsqueeze(0)  # [1, T/C]
-        return PackShardResult(pack=res, local=local, companions=companions, places=places, positions=positions,
-                               segment_ids=layout.segment_ids(), padding_mask=padding_mask)
+        return PackShardResult(pack=res, local=local, companions=companions, places=places,
+                               positions=local_positions(layout, places), segment_ids=layout.segment_ids(),
+                               padding_mask=padding_mask)
+
+
+def local_positions(layout: PackLayout, places: ZigzagLocal) -> torch.Tensor:
+    """``[1, T/C]`` position ids of this rank's places: the offset of each in its segment (0 at each sequence
+    start). Example: bounds ``[0, 16, 40]``, C 2, rank 0 -> source ``0..3, 12..15, 16..21, 34..39`` ->
+    positions ``0..3, 12..15, 0..5, 18..23``."""
+    bounds = layout.bounds()  # [B+1] ([0, T] if B = 0)
+    return (places.source - bounds[places.segment]).unsqueeze(0)  # [T/C] -> [1, T/C]
 
 
 def _local(layout: PackLayout, full: torch.Tensor, cp_size: int, cp_rank: int,

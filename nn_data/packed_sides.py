@@ -24,6 +24,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
+from nn_data.pack import local_positions
 from nn_data.unpack import unpack_sequences
 
 class PackedBounds(NamedTuple):
@@ -156,9 +157,7 @@ class PlainKind:
         return layout
 
     def positions(self, layout: PackLayout, places) -> torch.Tensor:
-        # places: bounds [0, 16, 40], C 2, rank 0 -> source 0..3, 12..15, 16..21, 34..39 -> positions
-        # 0..3, 12..15, 0..5, 18..23 (the offset in each segment)
-        return (places.source - layout.bounds()[places.segment]).unsqueeze(0)  # [1, T/C]
+        return local_positions(layout, places)  # [1, T/C]: 0 at each sequence start
 
     def attention(self, layout: PackLayout) -> None:
         return None
