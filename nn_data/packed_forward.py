@@ -180,7 +180,8 @@ class PackedForward(nn.Module):
         info = side.packed
         gather_kv = self._kv_gather(None if side.layout is None else kind.slots(side.layout), info.cu_seqlens_padded)
         total = info.segment_ids.shape[0]
-        info = info._replace(bounds=info.bounds._replace(row_len=_row_len(input_ids)), cp=info.cp._replace(gather=gather_kv),
+        info = info._replace(bounds=info.bounds._replace(row_len=_row_len(input_ids)),
+                             cp=info.cp._replace(gather=gather_kv),
                              packed_seq_params=self._packed_seq_params(info.cu_seqlens_padded, total))
         return PackedInput(input_ids=side.input_ids, position_ids=side.position_ids, packed=info,
                            seq_lengths=seq_lengths, rows=rows, row_ids=input_ids,
@@ -201,8 +202,9 @@ class PackedForward(nn.Module):
 
     def layout_of(self, inp: PackedInput):
         """The layout of ``inp``'s microbatch: the packing side's (eager), else built again from the lengths on
-        the device, with no host read (``compile_packing=True``, where the packing graph keeps its index
-        maps). For what needs the layout beside the model's output, e.g. a shared-prefix microbatch's
+        the device (``compile_packing=True``, where the packing graph keeps its index maps), with no host read
+        when ``pad_full_seq_to`` is set (else one, for ``T``). For what needs the layout beside the model's
+        output, e.g. a shared-prefix microbatch's
         log-probs without ``[B, S, V]`` logits::
 
             inp = wrapped.prepare(ids, lengths, prefix_lengths=P, group_ids=g)

@@ -37,9 +37,9 @@ class RolloutGroups(NamedTuple):
 
 
 class SharedPrefixInfo(NamedTuple):
-    """What a shared-prefix microbatch adds to :class:`~nn_data.packed_forward.PackedInfo` (``packed.prefix``): the attention's
-    ``rule`` (a :class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors, never sharded), and for layers
-    that run one rollout per row ``prefix_lengths [B]`` and ``leader [B]`` (the rollout whose prompt slot
+    """What a shared-prefix microbatch adds to :class:`~nn_data.packed_forward.PackedInfo` (``packed.prefix``): the
+    attention's ``rule`` (a :class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors, never sharded), and for
+    layers that run one rollout per row ``prefix_lengths [B]`` and ``leader [B]`` (the rollout whose prompt slot
     each rollout's response continues)."""
 
     rule: PrefixRule

@@ -115,12 +115,20 @@ class PackedSide(NamedTuple):
 
 
 class MicrobatchKind(Protocol):
-    """What a kind of microbatch brings to :class:`~nn_data.packed_forward.PackedForward`'s one pipeline (the strategy): the plain
-    microbatch (:class:`PlainKind`, one segment per row) and the shared prefix
-    (:class:`~nn_data.packed_shared_prefix.SharedPrefixKind`, each group's prompt once) are two; a new
-    kind of microbatch is a new strategy. Its ``layout`` has ``pack(x)``, ``segment_ids()`` and
-    ``unpack(packed, seq_len)`` (:class:`~nn_data.layout.PackLayout`'s methods), ``slots(layout)`` the
-    :class:`~nn_data.layout.PackLayout` its tokens are packed, sharded and padded on."""
+    """What a kind of microbatch brings to :class:`~nn_data.packed_forward.PackedForward`'s one pipeline (the
+    strategy); the pipeline itself (row padding, the packing side, the CP gathers, the unpack) is the same for
+    every kind. :class:`PlainKind` (one segment per row) and
+    :class:`~nn_data.packed_shared_prefix.SharedPrefixKind` (each group's prompt once) are two; a new kind of
+    microbatch (rollout trees, say) is a new strategy listed in ``nn_data.packed_forward.KINDS``.
+
+    ``name``: how messages name it. ``pad_rows(args, capacity)``: its own per-row arguments padded to the row
+    capacity. ``layout(input_ids, seq_lengths, args, *, spec, num_rows, validate, host_reads)``: the
+    microbatch's layout, with ``pack(x)``, ``segment_ids()`` and ``unpack(packed, seq_len)`` as
+    :class:`~nn_data.layout.PackLayout` has them; ``slots(layout)``: the :class:`~nn_data.layout.PackLayout`
+    its tokens are sharded, gathered and padded on; ``positions(layout, places)``: this rank's position ids
+    ``[1, T/C]``; ``attention(layout)``: its record for ``PackedInfo.prefix`` (None for none);
+    ``unpack(full, ...)``: the compiled unpacking side, from the lengths and boundaries.
+    """
 
     name: str
 
@@ -208,9 +216,9 @@ class PackingSide(nn.Module):
 
 
 class UnpackingSide(nn.Module):
-    """:class:`~nn_data.packed_forward.PackedForward`'s compiled unpacking side for one kind of microbatch: ``full [1, T, *]`` back
-    to ``[R, S, *]`` rows from the lengths and boundaries (the layout's index maps stayed in the packing
-    graph). ``forward(full, seq_lengths, cu_seqlens_padded, like [R, S], num_rows=None, args=None)``."""
+    """:class:`~nn_data.packed_forward.PackedForward`'s compiled unpacking side for one kind of microbatch: ``full [1,
+    T, *]`` back to ``[R, S, *]`` rows from the lengths and boundaries (the layout's index maps stayed in the
+    packing graph). ``forward(full, seq_lengths, cu_seqlens_padded, like [R, S], num_rows=None, args=None)``."""
 
     def __init__(self, kind: MicrobatchKind, spec: PackSpec):
         super().__init__()
