@@ -14,13 +14,12 @@ local tokens -> gather across the CP group -> unpack.
 
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
-from nn_data import _checks
+from nn_data import _checks, compile_cache
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
 from nn_data.pack import PackSequences, check_pack_args
@@ -223,9 +222,7 @@ class PackedForward(nn.Module):
         ``compile_packing=True`` its first call compiles it, announced on stderr."""
         key = (kind.name, which)
         if self.compile_packing and key not in self._compiled:
-            print(f"nn_data.PackedForward: compiling the {which}ing side of a {kind.name} microbatch on its first "
-                  "call (seconds to minutes; nn_data.compile_cache keeps the work for the next process)",
-                  file=sys.stderr, flush=True)
+            compile_cache.announce(f"PackedForward's {which}ing side of a {kind.name} microbatch")
             self._compiled.add(key)
         return self._sides[key]
 

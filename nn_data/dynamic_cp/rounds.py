@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nn_data import compile_cache
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.dynamic_cp.block_groups import DynamicCPGroups
 from nn_data.errors import PackingError
@@ -145,6 +146,8 @@ class DynamicCPRunner:
         if key not in self._packs:
             op = RoundPack(c, self.groups.pool_rank - self.groups.block_start(c), self.tokens_per_rank, multiple,
                            ignore_index=self.ignore_index)
+            if self.compile:
+                compile_cache.announce(f"dynamic CP's round pack for blocks of {c} ranks")
             self._packs[key] = torch.compile(op, **self.compile_kwargs) if self.compile else op
         return self._packs[key]
 
