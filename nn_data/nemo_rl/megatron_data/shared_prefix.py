@@ -176,7 +176,7 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     if cp_size == 1:
         kv = shared_prefix_kv(shared.layout.cu_seqlens_padded, shared.prefix_lengths, shared.leader, total=shared.total,
                               kv_capacity=kv_capacity(shared))
-    record = SharedPrefixRecord(shared, info.prefix, info.segment_ids, info.query_index, cp_size, cp_rank, kv)
+    record = SharedPrefixRecord(shared, info.prefix.rule, info.segment_ids, info.query_index, cp_size, cp_rank, kv)
     return ProcessedInputs(
         input_ids=full, input_ids_cp_sharded=shard.input_ids, attention_mask=None, position_ids=shard.position_ids,
         packed_seq_params=shared_prefix_params(record), cu_seqlens_padded=shared.layout.cu_seqlens_padded,
