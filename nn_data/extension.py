@@ -47,7 +47,8 @@ from nn_data.logprobs.from_hidden import hidden_rows
 from nn_data.masks import PrefixRule
 from nn_data.megatron_parallel import gpt_model_class, make_packed_seq_params
 from nn_data.pack import PackShard, pack_shard
-from nn_data.packed_shared_prefix import SharedPrefixPackShard
+from nn_data.packed_shared_prefix import SHARED_PREFIX, RolloutGroups, SharedPrefixInfo
+from nn_data.packed_sides import CPShare, PackedBounds, PackingSide
 from nn_data.planning import Parallelism, plan_step, plan_step_shared_prefix
 from nn_data.planning.ffd import first_fit_decreasing, round_up_lengths
 from nn_data.rows import with_dynamic_row_length
@@ -63,7 +64,7 @@ __all__ = [
     "natural_total_host", "padded_rows", "segment_ids", "sequence_divisible", "total_divisible", "total_limit_host",
     # the ops' steps
     "PackShard", "pack_shard", "unpack_sequences", "with_dynamic_row_length", "next_token_at", "PrefixRule",
-    "SharedPrefixPackShard",
+    "PackingSide", "SHARED_PREFIX", "RolloutGroups", "SharedPrefixInfo", "CPShare", "PackedBounds",
     # process groups, collectives, megatron-core's PackedSeqParams
     "ParallelInfo", "SINGLE", "as_process_group", "given_group_info", "group_info", "is_group_form",
     "megatron_state", "all_gather_dim0", "gpt_model_class", "make_packed_seq_params",

@@ -36,6 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from nn_data import compile_cache
 from nn_data.errors import PackingError
 
 #: ``kind="auto"`` keeps the dense mask while it has fewer elements than this (4 Mi: T = 2048 without
@@ -126,6 +127,7 @@ def _block_mask_uncompiled(query_index: torch.Tensor, segment_ids: torch.Tensor,
 
 @functools.lru_cache(maxsize=1)
 def _compiled_block_mask():
+    compile_cache.announce("the flex block mask")
     return torch.compile(_block_mask_uncompiled, fullgraph=True)
 
 
@@ -133,6 +135,7 @@ def _compiled_block_mask():
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
+    compile_cache.announce("flex attention")
     # Static shapes: a second shape (another model's heads, another T) compiles a graph of its own.
     # With symbolic sizes inductor's CPU flex template generated C++ that does not compile here
     # (torch 2.13: "'cur_kvSplitSize8' was not declared"), seen after a second model's call.

@@ -1,6 +1,7 @@
-"""The shared-prefix side of :class:`~nn_data.packed_forward.PackedForward`: each group's prompt packed
-once, then its responses (:mod:`nn_data.layout.prefix_layout`), and the model's output back to one
-row per rollout as if each had been packed alone.
+"""The shared-prefix microbatch, a kind of :class:`~nn_data.packed_forward.PackedForward`'s one pipeline
+(:class:`SharedPrefixKind`): each group's prompt packed once, then its responses
+(:mod:`nn_data.layout.prefix_layout`), and the model's output back to one row per rollout as if each had
+been packed alone.
 
 Shape legend
     B   rollouts (rows); R >= B with ``row_capacity``
@@ -10,86 +11,86 @@ Shape legend
 
 ``PackedForward(model, ...)(input_ids [B, S], seq_lengths [B], prefix_lengths=P [B], group_ids=g [B])``
 -> ``[B, S, *]``: the same model contract as the plain path, with ``packed.prefix`` (a
-:class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors) for the attention, ``packed.prefix_lengths``
-and ``packed.leader`` for layers that run one rollout per row, and position ids that continue from
+:class:`SharedPrefixInfo`: the attention's :class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors, and
+``prefix_lengths`` / ``leader`` for layers that run one rollout per row), and position ids that continue from
 the prompt into each response (``SharedPrefixLayout.positions``, this rank's places).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from nn_data import _checks
-from nn_data.layout import PackSpec, SharedPrefixLayout, shared_prefix_layout
+from nn_data.layout import PackLayout, PackSpec, SharedPrefixLayout, shared_prefix_layout
 from nn_data.masks import PrefixRule
-from nn_data.pack import pack_shard
 from nn_data.rows import pad_rows
 
 
-class SharedPrefixShard(NamedTuple):
-    """:class:`SharedPrefixPackShard`'s result: this rank's ``input_ids [1, T/C]``, ``positions [1, T/C]``,
-    ``padding_mask [1, T/C]``, ``query_index [T/C]`` (packed positions of the local tokens), the slots'
-    ``segment_ids [T]``, ``cu_seqlens [2B+1]`` / ``cu_seqlens_padded [2B+1]`` (over the 2B slots),
-    ``max_seqlen`` (0-d), the ``prefix`` rule, ``prefix_lengths [R]`` and ``leader [R]``; ``shared``, the
-    layout itself, None out of a compiled graph (its index maps stay inside it)."""
+class RolloutGroups(NamedTuple):
+    """A shared-prefix microbatch's own arguments: ``prefix_lengths [B]`` (each rollout's prompt) and
+    ``group_ids [B]`` (rollouts of one group share one prompt)."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    padding_mask: torch.Tensor
-    query_index: torch.Tensor
-    segment_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_padded: torch.Tensor
-    max_seqlen: torch.Tensor
-    prefix: PrefixRule
+    prefix_lengths: torch.Tensor
+    group_ids: torch.Tensor
+
+
+class SharedPrefixInfo(NamedTuple):
+    """What a shared-prefix microbatch adds to :class:`~nn_data.packed_forward.PackedInfo` (``packed.prefix``): the
+    attention's ``rule`` (a :class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors, never sharded), and for
+    layers that run one rollout per row ``prefix_lengths [B]`` and ``leader [B]`` (the rollout whose prompt slot
+    each rollout's response continues)."""
+
+    rule: PrefixRule
     prefix_lengths: torch.Tensor
     leader: torch.Tensor
-    shared: Optional[SharedPrefixLayout] = None
 
 
-class SharedPrefixPackShard(nn.Module):
-    """Build the shared-prefix layout of a batch of rollouts, pack the ids, take this CP rank's places:
-    the packing side ``PackedForward`` runs (and compiles, ``compile_packing=True``) for a call given
-    ``prefix_lengths`` and ``group_ids``.
+class SharedPrefixKind:
+    """The shared-prefix microbatch, a kind of :class:`~nn_data.packed_forward.PackedForward`'s one pipeline
+    (:class:`~nn_data.packed_forward.MicrobatchKind`): each group's prompt packed once, then its responses,
+    on a :class:`~nn_data.layout.SharedPrefixLayout` over ``2B`` slots; positions continue from the prompt
+    into each response; :class:`~nn_data.packed_forward.PackedInfo` gets ``prefix`` (:class:`SharedPrefixInfo`).
 
-    ``forward(input_ids [R, S], seq_lengths [R], prefix_lengths [R], group_ids [R], num_rows=None) ->
-    SharedPrefixShard``. Eagerly the layout is built on the host after the builder's one read; under
-    ``torch.compile`` on the device with device-side asserts (:func:`nn_data.layout.shared_prefix_layout`).
+    Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> packed ``[p0 p0 r0 r0 | r1 | p2 |
+    r2 r2]``, positions ``[0, 1, 2, 3, 2, 0, 1, 2]``.
     """
 
-    def __init__(self, spec: PackSpec, cp_size: int = 1, cp_rank: int = 0):
-        super().__init__()
-        _checks.check_cp(cp_size, cp_rank)
-        self.spec, self.cp_size, self.cp_rank = spec, cp_size, cp_rank
+    name = "shared-prefix"
 
-    def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor,
-                group_ids: torch.Tensor, num_rows: Optional[torch.Tensor] = None) -> SharedPrefixShard:
-        shared = shared_prefix_layout(seq_lengths, prefix_lengths, group_ids, row_len=input_ids.shape[1],
-                                      spec=self.spec, input_ids=input_ids, num_rows=num_rows)
-        layout = shared.layout
-        places = layout.local_places(self.cp_size, self.cp_rank)  # [T/C] each, once for every tensor
-        _, local = pack_shard(layout, {"x": shared.pack(input_ids)}, cp_size=self.cp_size, cp_rank=self.cp_rank,
-                              source=places.source, packed=("x",))
-        positions = shared.positions().index_select(0, places.source).unsqueeze(0)  # [T] -> [1, T/C]
-        padding_mask = layout.padding_mask(places=places)  # [1, T/C] bool
-        keep = None if torch.compiler.is_compiling() else shared
-        return SharedPrefixShard(local["x"], positions, padding_mask, places.source, shared.segment_ids(),
-                                 layout.cu_seqlens, layout.cu_seqlens_padded, layout.max_seqlen, shared.prefix_rule(),
-                                 shared.prefix_lengths, shared.leader, keep)
+    def args(self, input_ids: torch.Tensor, seq_lengths, *, prefix_lengths, group_ids) -> RolloutGroups:
+        check_shared_args(input_ids, seq_lengths, prefix_lengths, group_ids)
+        return RolloutGroups(prefix_lengths, group_ids)
+
+    def pad_rows(self, args: RolloutGroups, capacity: int) -> RolloutGroups:
+        return RolloutGroups(*pad_shared_rows(args.prefix_lengths, args.group_ids, capacity))
+
+    def layout(self, input_ids, seq_lengths, args: RolloutGroups, *, spec: PackSpec, num_rows, validate=True,
+               host_reads=True) -> SharedPrefixLayout:
+        return shared_prefix_layout(seq_lengths, args.prefix_lengths, args.group_ids, row_len=input_ids.shape[1],
+                                    spec=spec, input_ids=input_ids if validate else None, num_rows=num_rows,
+                                    validate=validate, host_reads=host_reads)
+
+    def slots(self, layout: SharedPrefixLayout) -> PackLayout:
+        return layout.layout
+
+    def positions(self, layout: SharedPrefixLayout, places) -> torch.Tensor:
+        return layout.positions().index_select(0, places.source).unsqueeze(0)  # [T] -> [1, T/C]
+
+    def attention(self, layout: SharedPrefixLayout):
+        """``PackedInfo.prefix``: the attention's rule and, per rollout, its prompt length and leader."""
+        return SharedPrefixInfo(rule=layout.prefix_rule(), prefix_lengths=layout.prefix_lengths, leader=layout.leader)
+
+    def unpack(self, full, *, seq_lengths, cu_seqlens_padded, args: RolloutGroups, num_rows, like,
+               spec: PackSpec) -> torch.Tensor:
+        """The compiled unpacking side: the layout rebuilt on the device from the lengths (no check: the
+        packing side checked them), then rollout b's row as if it had been packed alone."""
+        shared = self.layout(like, seq_lengths, args, spec=spec, num_rows=num_rows, validate=False, host_reads=False)
+        return shared.unpack(full, like.shape[1])  # [R, S, *]
 
 
-def shared_finish(full: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor,
-                  group_ids: torch.Tensor, like: torch.Tensor, spec: PackSpec,
-                  num_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Unpack ``full [1, T, *]`` to ``[R, S, *]`` (``S = like.shape[1]``, symbolic under compile) on the
-    shared-prefix layout rebuilt on the device from the lengths (no check: the packing side checked
-    them): the compiled unpacking side of ``PackedForward``."""
-    shared = shared_prefix_layout(seq_lengths, prefix_lengths, group_ids, row_len=like.shape[1], spec=spec,
-                                  num_rows=num_rows, validate=False, host_reads=False)
-    return shared.unpack(full, like.shape[1])
+SHARED_PREFIX = SharedPrefixKind()
 
 
 def check_shared_args(input_ids: torch.Tensor, seq_lengths, prefix_lengths, group_ids) -> None:

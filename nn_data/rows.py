@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from nn_data import _checks
 from nn_data.errors import PackingError
@@ -59,10 +60,11 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
 
     torch gives an empty tensor the strides of a size-1 dim (``[8, 0]`` -> ``(1, 1)``); a graph
     compiled with a symbolic row length ``S`` guards ``stride(0) == S`` and would recompile for
-    ``S = 0``. An empty tensor holds no data, so only its strides change; others come back as is.
+    ``S = 0``. An empty tensor holds no data, so only its strides change; others come back as is, and so
+    does a tensor whose size is symbolic (inside a compiled region, where its strides are the graph's own).
     Example: ``[8, 0, 4, 2]`` -> strides ``(0, 8, 2, 1)``.
     """
-    if t.numel() or t.dim() == 0:
+    if t.dim() == 0 or guard_or_true(t.numel() != 0):  # an unbacked S: not known empty
         return t
     strides, step = [], 1
     for size in reversed(t.shape):

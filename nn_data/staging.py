@@ -40,7 +40,7 @@ from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.layout.internal import checks, packed_segments
 from nn_data.pack import PackSequences, PackShard
-from nn_data.packed_forward import PackedForward, PackedInfo
+from nn_data.packed_forward import CPShare, PackedBounds, PackedForward, PackedInfo
 from nn_data.targets import next_token_at
 
 
@@ -86,9 +86,10 @@ class StagedMicrobatch:
         self.segment_ids = torch.zeros(t, dtype=torch.int64, device=device)  # [T]
         self.query_index = torch.arange(local, dtype=torch.int64, device=device)  # [T/C]
         self.max_seqlen = torch.full((), t, dtype=torch.int32, device=device)
-        self.info = PackedInfo(self.cu_seqlens_padded, self.max_seqlen, self.segment_ids, self.query_index,
-                               self.cp_size, self.cp_rank, self._gather(), self._packed_seq_params(),
-                               self.padding_mask)
+        self.info = PackedInfo(bounds=PackedBounds(cu_seqlens_padded=self.cu_seqlens_padded, max_seqlen=self.max_seqlen),
+                               segment_ids=self.segment_ids, query_index=self.query_index,
+                               cp=CPShare(size=self.cp_size, rank=self.cp_rank, gather=self._gather()),
+                               padding_mask=self.padding_mask, packed_seq_params=self._packed_seq_params())
 
     # -- the rows -----------------------------------------------------------------------------------------
 
@@ -143,8 +144,8 @@ class StagedMicrobatch:
         res = self._pack_shard(self.rows_ids, self.rows_lengths, self.num_rows)
         layout = res.pack.layout
         segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, self.total)
-        token, has_target = next_token_at(res.full["x"][0], segments, res.places, self.total)  # [T/C] each
-        self.copy_(input_ids=res.local["x"], position_ids=res.positions,
+        token, has_target = next_token_at(res.pack.packed[0], segments, res.places, self.total)  # [T/C] each
+        self.copy_(input_ids=res.local, position_ids=res.positions,
                    targets=torch.where(has_target, token, self.ignore_index).unsqueeze(0),
                    padding_mask=res.padding_mask, cu_seqlens_padded=res.pack.cu_seqlens_padded,
                    segment_ids=res.segment_ids, query_index=res.places.source, max_seqlen=res.pack.max_seqlen)

@@ -173,12 +173,12 @@ class HFCausalLMAdapter(nn.Module):
             return self._no_tokens(input_ids)
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
-        prefix = getattr(packed, "prefix", None)  # a shared-prefix row: one rollout (prompt + response) per row
+        prefix = packed.prefix  # a shared-prefix row: one rollout (prompt + response) per row
         if self.layers.mixers:
             rows = hf_mixers.mixer_rows(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
                                         gather=packed.gather, query_index=packed.query_index,
-                                        prefix_lengths=None if prefix is None else packed.prefix_lengths,
-                                        leader=None if prefix is None else packed.leader)
+                                        prefix_lengths=None if prefix is None else prefix.prefix_lengths,
+                                        leader=None if prefix is None else prefix.leader)
             per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None or prefix is not None
             mixer, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
         kernels = bool(self.layers.mixers) and mixer is None
@@ -206,7 +206,8 @@ class HFCausalLMAdapter(nn.Module):
     def _call_with_mask(self, input_ids, position_ids, packed, kwargs: dict, model_kwargs: dict) -> torch.Tensor:
         """The model under nn_data's attention function and document mask."""
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=self.model.dtype,
-                             gather=packed.gather, window=self.layers.window, prefix=getattr(packed, "prefix", None))
+                             gather=packed.gather, window=self.layers.window,
+                             prefix=None if packed.prefix is None else packed.prefix.rule)
         kwargs[_MASK_KWARG] = mask
         check = not self._checked and not torch.compiler.is_compiling()
         if check:
@@ -273,7 +274,7 @@ def boundary_kwargs(packed, *, seq_idx: bool) -> dict:
     total, cp = packed.segment_ids.shape[0], packed.cp_size
     bounds = segment_bounds(packed.cu_seqlens_padded, total)  # [B'+1]: [0, T] when B = 0
     cu = (bounds // cp).to(torch.int32)  # [B'+1] local boundaries (each segment splits into 2C chunks)
-    longest = getattr(packed, "max_length", None)
+    longest = packed.bounds.max_length
     longest = (total if longest is None else longest) // cp
     out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     if seq_idx:
@@ -286,8 +287,8 @@ def _row_width(packed) -> int:
     """Slots per row for the per-sequence mixers: a Python-int bound on every valid length (the batch's
     row length ``S``, and the longest segment), ``T`` when the packed info carries neither."""
     total = packed.segment_ids.shape[0]
-    longest = None if getattr(packed, "prefix", None) is not None else getattr(packed, "max_length", None)
-    bounds = [b for b in (longest, getattr(packed, "row_len", None)) if b is not None]  # (a rollout spans 2 slots)
+    longest = None if packed.prefix is not None else packed.bounds.max_length
+    bounds = [b for b in (longest, packed.bounds.row_len) if b is not None]  # (a rollout spans 2 slots)
     return min(bounds) if bounds else total
 
 

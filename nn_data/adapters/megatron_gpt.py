@@ -217,9 +217,9 @@ class MegatronGPTAdapter(nn.Module):
             raise PackingError("MegatronGPTAdapter needs THD PackedSeqParams: wrap it in "
                                "PackedForward(..., make_packed_seq_params=True)")
         dtype = next(self.model.parameters()).dtype
-        prefix = getattr(packed, "prefix", None)
+        prefix = packed.prefix
         mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=dtype,
-                             gather=packed.gather, prefix=prefix)
+                             gather=packed.gather, prefix=None if prefix is None else prefix.rule)
         params = rotary_from_sequence_start(params, packed.segment_ids.shape[0])
         if self.takes_padding_mask and "padding_mask" not in model_kwargs:
             model_kwargs["padding_mask"] = packed.padding_mask  # [1, Tq] bool, True at padding
@@ -273,8 +273,8 @@ class MegatronGPTAdapter(nn.Module):
     def _logprobs(self, input_ids, position_ids, mask, params, packed, model_kwargs) -> torch.Tensor:
         """The last stage's log-probs ``[1, Tq]``: megatron-core's ``GPTModel`` returns the decoder's
         (final-normed) hidden states when ``post_process`` is off, then the fused head."""
-        if packed.cu_seqlens is None:
-            raise PackingError("output='logprobs' needs packed.cu_seqlens (the real boundaries): run the "
+        if packed.bounds.cu_seqlens is None:
+            raise PackingError("output='logprobs' needs packed.bounds.cu_seqlens (the real boundaries): run the "
                                "adapter inside PackedForward")
         self.model.post_process = False
         try:
@@ -285,7 +285,7 @@ class MegatronGPTAdapter(nn.Module):
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
             else model.output_layer.weight
         ids = input_ids if packed.gather is None else packed.gather(input_ids[..., None])[..., 0]  # [1, T]
-        return self.head.local(hidden, weight, ids, packed.cu_seqlens, packed.cu_seqlens_padded)  # [1, Tq]
+        return self.head.local(hidden, weight, ids, packed.bounds.cu_seqlens, packed.cu_seqlens_padded)  # [1, Tq]
 
     @property
     def module(self) -> nn.Module:

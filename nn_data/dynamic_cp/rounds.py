@@ -34,12 +34,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from nn_data import compile_cache
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.dynamic_cp.block_groups import DynamicCPGroups
 from nn_data.errors import PackingError
 from nn_data.layout.internal import packed_segments
 from nn_data.pack import PackSequences, PackShard
-from nn_data.packed_forward import PackedInfo
+from nn_data.packed_forward import CPShare, PackedBounds, PackedInfo
 from nn_data.rows import with_dynamic_row_length
 from nn_data.targets import next_token_at
 
@@ -84,7 +85,7 @@ class RoundPack(nn.Module):
         segments = packed_segments(r.cu_seqlens, r.cu_seqlens_padded, self.total)
         token, has_target = next_token_at(r.packed[0], segments, places, self.total)  # [tpr] each
         targets = torch.where(has_target, token, self.ignore_index).unsqueeze(0)  # [1, tpr]
-        return RoundLocal(out.local["x"], out.positions, targets, has_target.to(torch.float32).unsqueeze(0),
+        return RoundLocal(out.local, out.positions, targets, has_target.to(torch.float32).unsqueeze(0),
                           r.cu_seqlens_padded, r.max_seqlen, out.segment_ids, places.source, r.packed,
                           out.padding_mask)
 
@@ -145,6 +146,8 @@ class DynamicCPRunner:
         if key not in self._packs:
             op = RoundPack(c, self.groups.pool_rank - self.groups.block_start(c), self.tokens_per_rank, multiple,
                            ignore_index=self.ignore_index)
+            if self.compile:
+                compile_cache.announce(f"dynamic CP's round pack for blocks of {c} ranks")
             self._packs[key] = torch.compile(op, **self.compile_kwargs) if self.compile else op
         return self._packs[key]
 
@@ -259,13 +262,12 @@ class DynamicCPStep:
         gather_kv = None if gather is None else (lambda x, g=gather, cu=local.cu_seqlens_padded: g(x, cu))
         params = self._packed_seq_params(local, c, group) if runner.make_packed_seq_params else None
         cp_rank = runner.groups.pool_rank - block.start
-        # PackedInfo's newer fields where it has them: this rank's padding, T (the bound known without a read), S
-        extra = {name: value for name, value in (("padding_mask", local.padding_mask),
-                                                 ("max_length", c * self.plan.tokens_per_rank),
-                                                 ("row_len", rows.shape[1])) if name in PackedInfo._fields}
-        info = PackedInfo(cu_seqlens_padded=local.cu_seqlens_padded, max_seqlen=local.max_seqlen,
-                          segment_ids=local.segment_ids, query_index=local.query_index, cp_size=c, cp_rank=cp_rank,
-                          gather=gather_kv, packed_seq_params=params, **extra)
+        # max_length: T, the bound known without a read
+        bounds = PackedBounds(cu_seqlens_padded=local.cu_seqlens_padded, max_seqlen=local.max_seqlen,
+                              max_length=c * self.plan.tokens_per_rank, row_len=rows.shape[1])
+        info = PackedInfo(bounds=bounds, segment_ids=local.segment_ids, query_index=local.query_index,
+                          cp=CPShare(size=c, rank=cp_rank, gather=gather_kv), padding_mask=local.padding_mask,
+                          packed_seq_params=params)
         return RoundInputs(local.input_ids, local.position_ids, local.targets, local.loss_mask, info, block, cp_rank,
                            group, local.packed_ids)
 

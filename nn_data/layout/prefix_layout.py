@@ -33,7 +33,7 @@ from nn_data.layout import checks, index
 from nn_data.layout.build import PackSpec, layout_from_lengths, layout_from_read_lengths, reads_host
 from nn_data.layout.device import GatherMaps, gather_pack
 from nn_data.layout.pack_layout import PackLayout
-from nn_data.layout.rules import Fill
+from nn_data.layout.rules import Fill, round_up_all
 from nn_data.masks import PrefixRule
 
 OP = "shared_prefix_layout"
@@ -286,6 +286,7 @@ def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor
             real = torch.arange(rows, device=lengths.device) < (rows if num_rows is None else num_rows)  # [B]
             checks.lengths_device(OP, lengths, row_len, num_rows)
             checks.prefix_lengths_device(OP, lengths, prefix, leader, mismatch, real)
+            checks.shared_total_device(OP, slot_lengths, spec.m, spec.fixed_total, spec.arg_name)
         layout = layout_from_lengths(slot_lengths, row_len, spec, num_rows=slot_rows, validate=validate,
                                      host_reads=False, op=OP)
     seg = layout.segment_ids()  # [T]
@@ -311,6 +312,8 @@ def _on_host(lengths, prefix, groups, leader, slot_lengths, mismatch, num_rows, 
     if validate:
         checks.lengths_host(ints[0], row_len, n)
         checks.prefix_lengths_host(ints[0], ints[1], ints[2], ints[3], flags, n)
+        checks.shared_total_host(sum(round_up_all(slots, spec.m)), sum(ints[0]), spec.m, spec.fixed_total,
+                                 "pad_full_seq_to")
     layout = layout_from_read_lengths(slots, slot_lengths, row_len, spec, None if n is None else 2 * n,
                                       validate=validate)
     return layout, ints[0]

@@ -31,7 +31,7 @@ from torch import nn
 from nn_data import ShardForContextParallel, UnshardFromContextParallel, pad_to_row_capacity
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
-from nn_data.packed_forward import PackedInfo
+from nn_data.packed_forward import CPShare, PackedBounds, PackedInfo
 
 REAL_MODELS = ("hf", "megatron")
 
@@ -95,8 +95,9 @@ class AdapterStandIn(nn.Module):
             takes_length = "packed_length" in inspect.signature(make_packed_seq_params).parameters
             known = {"packed_length": total} if takes_length else {}
             params = make_packed_seq_params(cu_seqlens_padded, total, total, **known)
-        info = PackedInfo(cu_seqlens_padded, torch.tensor(total), segment_ids, query_index, self.cp_size,
-                          self.cp_rank, gather, params)
+        info = PackedInfo(bounds=PackedBounds(cu_seqlens_padded=cu_seqlens_padded, max_seqlen=torch.tensor(total)),
+                          segment_ids=segment_ids, query_index=query_index,
+                          cp=CPShare(size=self.cp_size, rank=self.cp_rank, gather=gather), packed_seq_params=params)
         return position_ids, info
 
     def forward(self, ids: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:

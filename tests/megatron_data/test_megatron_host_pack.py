@@ -19,7 +19,7 @@ from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
 from nn_data.nemo_rl.megatron_data.dispatch import pack_microbatch
-from nn_data.nemo_rl.megatron_data.graph import ROUTES
+from nn_data.nemo_rl.megatron_data.graph import ROUTES, as_dicts
 from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
 from nn_data.pack import PackSequences, PackShard
 from nn_data.layout import host
@@ -81,10 +81,10 @@ def test_host_path_equals_the_reference_and_the_device_graph(case, views_max):
         assert torch.equal(out.local["input_ids"], reference_shard(ref.packed, ref.cu_seqlens_padded, cp_size, rank))
     if layout.total:  # the device-executor graph (the compiled path's, run eagerly) agrees tensor by tensor
         graph = PackShard(PackSequences(m, p, layout.total, validate=False, host_reads=False), cp_size, rank,
-                          routes=ROUTES, name="input_ids")(ids, lengths_t, None, **extras)
+                          routes=ROUTES)(ids, lengths_t, None, **extras)
         assert not graph.pack.layout.on_host
-        for side, ours in (("full", out.full), ("local", out.local)):
-            theirs = getattr(graph, side)
+        for side, ours in zip(("full", "local"), (out.full, out.local)):
+            theirs = dict(zip(("full", "local"), as_dicts(graph)))[side]
             assert set(ours) == set(theirs), side
             for name in ours:
                 assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), (side, name)

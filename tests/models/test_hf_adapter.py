@@ -72,7 +72,7 @@ class _IdentityGather(torch.nn.Module):
         self.adapter = HFCausalLMAdapter(model, mask_kind="dense")
 
     def forward(self, input_ids, position_ids, packed):
-        return self.adapter(input_ids, position_ids, packed._replace(gather=lambda kv: kv))
+        return self.adapter(input_ids, position_ids, packed._replace(cp=packed.cp._replace(gather=lambda kv: kv)))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

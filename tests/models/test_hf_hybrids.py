@@ -20,7 +20,7 @@ from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, layout_from_lengths
 from nn_data.models.tiny_hf import HYBRIDS, KINDS, tiny_hf_model
-from nn_data.packed_forward import PackedForward, PackedInfo
+from nn_data.packed_forward import CPShare, PackedBounds, PackedForward, PackedInfo
 from tests.models.adapter_cases import FLOAT32_STEP_TOL, coded_ids, token_loss
 
 LENGTHS = [5, 0, 12, 3, 9]
@@ -125,8 +125,9 @@ def _info(lengths, row_len, total, multiple=4, device="cpu"):
     layout = layout_from_lengths(torch.tensor(lengths, device=device), row_len, PackSpec(multiple, fixed_total=total),
                                validate=False, host_reads=False)
     places = layout.local_places(1, 0)
-    info = PackedInfo(layout.cu_seqlens_padded, layout.max_seqlen, layout.segment_ids(), places.source, 1, 0, None,
-                      None, max_length=total, row_len=row_len)
+    bounds = PackedBounds(cu_seqlens_padded=layout.cu_seqlens_padded, max_seqlen=layout.max_seqlen, max_length=total,
+                          row_len=row_len)
+    info = PackedInfo(bounds=bounds, segment_ids=layout.segment_ids(), query_index=places.source)
     return info, layout.positions()[None]
 
 
@@ -134,7 +135,7 @@ def test_boundaries_the_model_receives():
     """cu_seq_lens_q/k int32 on the device, max_length_q/k Python ints, seq_idx for models with mixers;
     B = 0 gives the pseudo-segment [0, T]."""
     info, _ = _info([3, 0, 5], 5, 16)
-    kw = boundary_kwargs(info._replace(max_length=12), seq_idx=True)
+    kw = boundary_kwargs(info._replace(bounds=info.bounds._replace(max_length=12)), seq_idx=True)
     assert kw["cu_seq_lens_q"].dtype == torch.int32 and kw["cu_seq_lens_q"].tolist() == [0, 4, 4, 16]
     assert kw["cu_seq_lens_k"] is kw["cu_seq_lens_q"] and kw["max_length_q"] == kw["max_length_k"] == 12
     assert type(kw["max_length_q"]) is int
@@ -142,7 +143,8 @@ def test_boundaries_the_model_receives():
     assert "seq_idx" not in boundary_kwargs(info, seq_idx=False)
     empty, _ = _info([], 5, 16)
     assert boundary_kwargs(empty, seq_idx=False)["cu_seq_lens_q"].tolist() == [0, 16]
-    cp = info._replace(cp_size=2, gather=lambda x: x, query_index=torch.arange(8), max_length=12)
+    cp = info._replace(cp=CPShare(size=2, gather=lambda x: x), query_index=torch.arange(8),
+                       bounds=info.bounds._replace(max_length=12))
     kw = boundary_kwargs(cp, seq_idx=True)
     assert kw["cu_seq_lens_q"].tolist() == [0, 2, 2, 8] and kw["max_length_q"] == 6
     assert kw["seq_idx"].tolist() == [[0] * 4 + [2] * 4]

@@ -279,13 +279,16 @@ def test_device_side_checks_have_one_home():
     assert users == ["nn_data/_checks.py"], users
 
 
-def test_pack_and_shard_has_one_compile_wrapper():
-    """The core's PackShard is the pack + shard that PackedForward, the NeMo-RL layer and dynamic CP's
-    rounds compile."""
-    for path in ("nn_data/packed_forward.py", "nn_data/nemo_rl/megatron_data/graph.py", "nn_data/dynamic_cp/rounds.py"):
-        text = _code_only((ROOT / path).read_text())
-        assert "PackShard(" in text, path
-    assert not [p for p in PKG.rglob("*.py") if re.search(r"class \w*Graph\(nn\.Module\)", p.read_text())]
+def test_pack_and_shard_has_one_compile_wrapper_per_caller_kind():
+    """The core's PackShard is the pack + shard of a batch with companions that the NeMo-RL layer and
+    dynamic CP's rounds compile; PackedForward's one pipeline compiles its PackingSide, one per kind of
+    microbatch (no sibling pipeline: the shared prefix is a strategy, not a second module)."""
+    for path in ("nn_data/nemo_rl/megatron_data/graph.py", "nn_data/dynamic_cp/rounds.py"):
+        assert "PackShard(" in _code_only((ROOT / path).read_text()), path
+    pipeline = _code_only((ROOT / "nn_data/packed_forward.py").read_text())
+    assert "PackingSide(" in pipeline and "UnpackingSide(" in pipeline
+    modules = [m for p in PKG.rglob("*.py") for m in re.findall(r"class (\w*)\(nn\.Module\)", p.read_text())]
+    assert not [m for m in modules if m.endswith("Graph") or "SharedPrefix" in m and "Pack" in m], modules
 
 
 def test_the_alignment_rule_has_one_home():

@@ -40,7 +40,7 @@ def compiled_pack_shard(spec: PackSpec, total: int, cp_rank: int, options: PackO
     fn = _COMPILED.get(key)
     if fn is None:
         pack = PackSequences(spec.m, spec.p, total, validate=False, host_reads=False)
-        module = PackShard(pack, spec.cp_size, cp_rank, routes=ROUTES, name="input_ids")
+        module = PackShard(pack, spec.cp_size, cp_rank, routes=ROUTES)
         kwargs = {"mode": options.mode} if options.mode else {}
         fn = torch.compile(module, backend=options.backend, fullgraph=True, **kwargs)
         _COMPILED[key] = fn
@@ -65,7 +65,15 @@ def run_graph(input_ids, lengths, extras: dict, *, spec: PackSpec, total: int, c
     limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit):
         out = fn(_row_pad(input_ids, capacity), pad_rows(lengths, capacity), num_rows, **padded)
-    return out.full, out.local
+    return as_dicts(out)
+
+
+def as_dicts(out) -> tuple[dict, dict]:
+    """``(full, local)`` by NeMo-RL's names from a :class:`~nn_data.pack.PackShardResult`: the ids under
+    ``"input_ids"``, each companion under its own."""
+    full = {"input_ids": out.pack.packed, **{name: s.full for name, s in out.companions.items()}}
+    local = {"input_ids": out.local, **{name: s.local for name, s in out.companions.items()}}
+    return full, local
 
 
 def _row_pad(x: torch.Tensor, capacity: int) -> torch.Tensor:

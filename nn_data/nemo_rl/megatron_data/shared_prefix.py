@@ -130,7 +130,7 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``.
     """
     from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
-    from nn_data.extension import SharedPrefixPackShard
+    from nn_data.extension import SHARED_PREFIX, PackingSide, RolloutGroups
 
     if not pack_sequences:
         raise _needs_packing()
@@ -146,18 +146,18 @@ def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_seque
     cp_rank, cp_size = cp_rank_and_size(pg_collection)
     spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
                         name="pad_full_seq_to")
-    shard = SharedPrefixPackShard(spec, cp_size, cp_rank)(input_ids, lengths, prefix, groups)
-    shared = shard.shared
+    shard = PackingSide(SHARED_PREFIX, spec, cp_size, cp_rank)(input_ids, lengths, args=RolloutGroups(prefix, groups))
+    shared, info = shard.layout, shard.packed
     full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
     kv = None
     if cp_size == 1:
         kv = shared_prefix_kv(shared.layout.cu_seqlens_padded, shared.prefix_lengths, shared.leader, total=shared.total,
                               kv_capacity=kv_capacity(shared))
-    record = SharedPrefixRecord(shared, shard.prefix, shard.segment_ids, shard.query_index, cp_size, cp_rank, kv)
+    record = SharedPrefixRecord(shared, info.prefix.rule, info.segment_ids, info.query_index, cp_size, cp_rank, kv)
     return ProcessedInputs(
-        input_ids=full, input_ids_cp_sharded=shard.input_ids, attention_mask=None, position_ids=shard.positions,
+        input_ids=full, input_ids_cp_sharded=shard.input_ids, attention_mask=None, position_ids=shard.position_ids,
         packed_seq_params=shared_prefix_params(record), cu_seqlens_padded=shared.layout.cu_seqlens_padded,
-        padding_mask=shard.padding_mask, shared_prefix=record,
+        padding_mask=info.padding_mask, shared_prefix=record,
     )
 
 

@@ -104,8 +104,8 @@ def packed_info(record, microbatch, cp_group):
     """The record as :class:`~nn_data.packed_forward.PackedInfo` (what the adapter reads): the slots'
     boundaries, the places, the prefix rule, the padding mask, and under CP a key/value gather over
     ``cp_group`` on the layout (no read of the boundaries)."""
-    from nn_data import GatherFromContextParallel
-    from nn_data import PackedInfo
+    from nn_data import GatherFromContextParallel, PackedInfo
+    from nn_data.extension import CPShare, PackedBounds, SharedPrefixInfo
 
     slots = record.layout.layout
     size = 1 if cp_group is None else cp_group.size()
@@ -119,11 +119,14 @@ def packed_info(record, microbatch, cp_group):
         def gather(local):
             return op(local, layout=slots)  # [1, T/C, *] -> [1, T, *]
     shared = record.layout
+    bounds = PackedBounds(cu_seqlens_padded=slots.cu_seqlens_padded, max_seqlen=slots.max_seqlen,
+                          cu_seqlens=slots.cu_seqlens, row_len=shared.row_len,
+                          max_length=slots.host.max_seqlen if slots.host is not None else shared.total)
     return PackedInfo(
-        slots.cu_seqlens_padded, slots.max_seqlen, record.segment_ids, record.query_index, record.cp_size,
-        record.cp_rank, gather, microbatch.packed_seq_params, microbatch.padding_mask,
-        max_length=slots.host.max_seqlen if slots.host is not None else shared.total, row_len=shared.row_len,
-        cu_seqlens=slots.cu_seqlens, prefix=record.prefix, prefix_lengths=shared.prefix_lengths, leader=shared.leader,
+        bounds=bounds, segment_ids=record.segment_ids, query_index=record.query_index,
+        cp=CPShare(size=record.cp_size, rank=record.cp_rank, gather=gather),
+        packed_seq_params=microbatch.packed_seq_params, padding_mask=microbatch.padding_mask,
+        prefix=SharedPrefixInfo(rule=record.prefix, prefix_lengths=shared.prefix_lengths, leader=shared.leader),
     )
 
 
