@@ -286,7 +286,7 @@ def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor
             real = torch.arange(rows, device=lengths.device) < (rows if num_rows is None else num_rows)  # [B]
             checks.lengths_device(OP, lengths, row_len, num_rows)
             checks.prefix_lengths_device(OP, lengths, prefix, leader, mismatch, real)
-            checks.shared_total_device(OP, slot_lengths, spec.m, spec.fixed_total, spec.arg_name)
+            checks.shared_total_device(OP, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to")
         layout = layout_from_lengths(slot_lengths, row_len, spec, num_rows=slot_rows, validate=validate,
                                      host_reads=False, op=OP)
     seg = layout.segment_ids()  # [T]
