@@ -25,6 +25,7 @@ from nn_data.groups import given_group_info
 from nn_data.pack import PackSequences, PackShard, check_pack_args
 from nn_data.layout import PackLayout, SharedPrefixLayout
 from nn_data.masks import PrefixRule
+from nn_data.model_check import ModelGuard
 from nn_data import packed_shared_prefix as _shared
 from nn_data.planning.alignment import Parallelism
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
@@ -121,6 +122,10 @@ class PackedForward(nn.Module):
     :func:`nn_data.rows.with_dynamic_row_length`). The model and the
     collectives run eagerly unless you compile the model yourself.
 
+    ``verify`` (:class:`~nn_data.model_check.ModelGuard`): ``True``/``"first"`` (default) proves the model
+    keeps packed sequences apart on its first call (a small microbatch of its own, docs/models.md) and
+    again when the model changes; ``N`` also checks every Nth microbatch itself; ``False`` skips both.
+
     Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops, plus the CP
     multiples above), when ``input_ids`` is not ``[B, S]`` or ``seq_lengths`` not a ``[B]`` integer
     tensor on its device (before any compiled region), and when the model does not return
@@ -140,9 +145,11 @@ class PackedForward(nn.Module):
         compile_packing: bool = False,
         compile_kwargs: Optional[dict] = None,
         make_packed_seq_params: bool = False,
+        verify=True,
     ):
         super().__init__()
         self.model = model
+        self.guard = ModelGuard(verify)  # the packing check (nn_data.model_check): first call, and on a change
         pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
         self.cp_rank, self.cp_size, self._cp_group = given_group_info(cp_group, pg_collection=pg_collection,
                                                                       field="cp")
@@ -176,9 +183,13 @@ class PackedForward(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None, group_ids=None,
                 **model_kwargs) -> torch.Tensor:
+        verify = self.guard.before(self, input_ids) and prefix_lengths is None and group_ids is None
         inp = self.prepare(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids)
         local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
-        return self.finish(local_out, inp)
+        out = self.finish(local_out, inp)
+        if verify:  # verify=N: this microbatch run again, with a sequence changed and one alone
+            self.guard.after(self, input_ids, seq_lengths)
+        return out
 
     def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None,
                 group_ids=None) -> "PackedInput":

@@ -78,7 +78,8 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
     hf_support.check_call(module, attention_mask, kwargs)  # keywords and mask within the lists, else refused
     mask = _for_window(mask, hf_support.call_window(module, kwargs), module)
     if calls is not None:
-        calls.append(type(module).__name__)
+        info = hf_support.layer_info(module)
+        calls.append(info.name if info is not None else type(module).__name__)
     if mask.gather is not None:  # context parallel: every rank's keys and values, in packed order
         heads = key.shape[1]
         kv = rearrange(torch.stack([key, value]), "two 1 h t d -> 1 t (two h d)")  # [1, Tq, 2*Hk*D]
@@ -146,17 +147,31 @@ class HFCausalLMAdapter(nn.Module):
             raise PackingError(f"model={type(model).__name__} is not a transformers PreTrainedModel (no config)")
         self.model = model
         self.mask_kind = mask_kind
+        self.mixers = mixers
+        self._attention = register_packed_attention()
+        self._slot = hf_mixers.slot_for(model)
+        self.revalidate()
+
+    def revalidate(self) -> None:
+        """Classify the model's layers and run the allow-list (:mod:`nn_data.adapters.hf_support`) on the model
+        as it is now: when the adapter is built, and again when ``PackedForward``'s guard finds the model
+        changed (:mod:`nn_data.model_identity`); raises :class:`PackingError` for what it refuses."""
+        model = self.model
         self.layers = hf_layers.inspect_model(model)
         window = hf_support.check_model(model, self.layers.model_type)  # what it keeps exact, else refused
         if window is not None:
             self.layers = self.layers._replace(window=window)
-        self.mixers = mixers
-        self.mixer_path = hf_layers.mixer_path(self.layers, mixers, _device_type(model))
-        self._attention = register_packed_attention()
-        self._slot = hf_mixers.slot_for(model)
+        self.longrope = hf_support.longrope_limit(model)
+        self.mixer_path = hf_layers.mixer_path(self.layers, self.mixers, _device_type(model))
         for _, module, _ in self.layers.mixers:
             hf_mixers.install(module, self._slot)  # no-ops outside this adapter's calls
         self._checked = False
+
+    def reference(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's own unpacked forward of one sequence ``input_ids [1, L] -> logits [1, L, V]``: its
+        attention implementation, windows and mixers, no cache, no nn_data mask (the packing check's
+        reference, :mod:`nn_data.model_check`)."""
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
         if self.model.training and torch.is_grad_enabled() and _layer_checkpointing(self.model):
@@ -168,6 +183,8 @@ class HFCausalLMAdapter(nn.Module):
                 "seq_lengths, use_reentrant=False))")
         if input_ids.shape[1] == 0:  # no token on this rank (a microbatch of no sequence, or only empty ones)
             return self._no_tokens(input_ids)
+        if self.longrope is not None:
+            hf_support.check_longrope(self.layers.model_type, self.longrope, packed)
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
         prefix = getattr(packed, "prefix", None)  # a shared-prefix row: one rollout (prompt + response) per row
@@ -217,12 +234,14 @@ class HFCausalLMAdapter(nn.Module):
 
     def _check_attention_calls(self, calls: list) -> None:
         """First call: every attention module went through the attention interface (saw nn_data's mask)."""
-        expected = self.layers.attention_layers
-        if len(calls) < expected:
+        expected = [name for name, _ in hf_support.attention_modules(self.model)]
+        missing = [name for name in expected if name not in calls]
+        if missing:
             raise PackingError(
-                f"model_type={self.layers.model_type!r}: {expected} attention layers but only {len(calls)} "
-                "called transformers' attention interface, so the others would not see nn_data's document mask; "
-                "this model's attention cannot be packed by nn_data")
+                f"model_type={self.layers.model_type!r}: layer {missing[0]!r}: {len(expected)} attention layers but "
+                f"{len(missing)} did not call transformers' attention interface, so they attend without nn_data's "
+                "document mask (across packed sequences); run this model unpacked, or make that layer's attention "
+                "call ALL_ATTENTION_FUNCTIONS[config._attn_implementation] as transformers' layers do")
         self._checked = True
 
 
