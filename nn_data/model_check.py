@@ -77,6 +77,8 @@ def document_lengths(wrapped) -> list:
             sizes += [getattr(config, k, None) for k in _WINDOW_KEYS] + _original_lengths(config)
         reach = max([reach] + [s for s in sizes if isinstance(s, int) and not isinstance(s, bool)])
     longest = min(MAX_DOC_TOKENS, max(MIN_DOC_TOKENS * 2, reach + 2))
+    limit = getattr(wrapped.model, "longest_sequence", None)  # what the adapter packs at most (longrope)
+    longest = longest if limit is None else max(3, min(longest, limit))
     pack = getattr(wrapped, "pack", None)
     multiple, total = getattr(pack, "m", 1), getattr(pack, "pad_full_seq_to", None)
     docs = CHECK_DOCS if wrapped.row_capacity is None else min(CHECK_DOCS, wrapped.row_capacity)
@@ -248,7 +250,7 @@ def locate(wrapped, run, verdict, ids, other, lens, lengths, kept) -> str:
 
 def verify_microbatch(wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tensor, *, run) -> None:
     """The caller's own microbatch checked as :func:`check_packing` checks its own (eval mode, no_grad,
-    RNG kept): the first sequence's tokens rolled must leave every other row bit-identical, and the last
+    RNG kept): the first sequence's tokens changed (each id one lower, 0 -> 1) must leave every other row bit-identical, and the last
     non-empty sequence packed alone must give its row to the dtype's rounding. Three more forwards."""
     lengths = seq_lengths.tolist()  # sync: a verified microbatch reads its lengths once
     docs = [b for b, n in enumerate(lengths) if n > 0]
@@ -259,7 +261,8 @@ def verify_microbatch(wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tenso
     with quiet(wrapped.model, input_ids.device):
         out = run(input_ids, seq_lengths)  # [B, S, *]
         other = input_ids.clone()
-        other[first, : lengths[first]] = input_ids[first, : lengths[first]].roll(1)
+        head = input_ids[first, : lengths[first]]
+        other[first, : lengths[first]] = torch.where(head > 0, head - 1, 1)  # other ids, inside the vocabulary
         verdict, detail = _compare(run, input_ids, other, seq_lengths, out, kept)
         if verdict == 0:
             alone = run(input_ids[last:last + 1], seq_lengths[last:last + 1])  # [1, S, *]

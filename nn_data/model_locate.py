@@ -133,7 +133,9 @@ def first_difference(model, run_a: Callable, run_b: Callable, *, docs: list, exa
         if _differs(out_a, out_b, ia, ib, len(keys_a), len(keys_b), exact) is True:
             first = index if first is None else first
             if _differs(in_a, in_b, ia, ib, len(keys_a), len(keys_b), exact) is not True:
-                if first != index:  # the mix happens in its own code, before the first differing child
+                if first != index and not rec_a[index][0].startswith("(the wrapped"):
+                    pass  # a layer: its own name says where
+                elif first != index:  # the wrapped model's own code mixes: say which output shows it first
                     labels = labels[:index] + [f"{labels[index]} (first differing output inside: {labels[first]})"]
                 return index, labels  # its inputs agree and its output does not: this module mixes
     return first, labels

@@ -167,6 +167,12 @@ class HFCausalLMAdapter(nn.Module):
             hf_mixers.install(module, self._slot)  # no-ops outside this adapter's calls
         self._checked = False
 
+    @property
+    def longest_sequence(self) -> Optional[int]:
+        """The longest sequence this adapter packs (``longrope``'s original length: longer rows are refused);
+        None: no bound."""
+        return None if self.longrope is None else self.longrope[1]
+
     def reference(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The model's own unpacked forward of one sequence ``input_ids [1, L] -> logits [1, L, V]``: its
         attention implementation, windows and mixers, no cache, no nn_data mask (the packing check's
