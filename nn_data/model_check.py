@@ -7,7 +7,8 @@ Shape legend
 
 Before the first packed microbatch trains, :func:`check_packing` runs a small packed microbatch of
 random ids (its own ``torch.Generator``; the caller's RNG state is restored) through the wrapped model
-itself, under ``torch.no_grad`` and in eval mode (each module's mode restored after), and compares:
+itself, the model under ``torch.no_grad`` (:func:`runner`) and in eval mode (each module's mode restored
+after), and compares:
 
 * **tokens** (no tolerance): the same microbatch with the first and the last documents' tokens
   re-drawn must leave every other document's outputs bit-identical (same shapes, so the same kernels:
@@ -119,35 +120,63 @@ def _vocab(model, like: torch.Tensor) -> int:
 
 @contextlib.contextmanager
 def quiet(model, device: torch.device):
-    """Eval mode (each module's mode restored after), ``torch.no_grad`` and the caller's RNG state kept."""
+    """Eval mode (each module's mode restored after) and the caller's RNG state kept."""
     modes = [(m, m.training) for m in _modules(model)]
     devices = [device] if device.type == "cuda" else []
     try:
         for m, _ in modes:
             m.training = False
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices):
             yield
     finally:
         for m, mode in modes:
             m.training = mode
 
 
+def compiled(model) -> bool:
+    """Whether the model holds a module the caller compiled (``torch.compile(module)`` or ``module.compile()``)."""
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or
+               getattr(m, "_compiled_call_impl", None) is not None for m in _modules(model))
+
+
+def runner(wrapped, **model_kwargs):
+    """``run(input_ids [B, S], seq_lengths [B]) -> [B, S, *]`` (detached): ``wrapped``'s packing and unpacking
+    in the caller's grad mode (so that compiled packing reuses its graphs), the model under ``torch.no_grad``
+    (in the caller's grad mode for a model the caller compiled, whose graphs guard on it)."""
+    def run(input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> torch.Tensor:
+        inp = wrapped.prepare(input_ids, seq_lengths)
+        grad = contextlib.nullcontext() if compiled(wrapped.model) else torch.no_grad()
+        with grad:
+            local = wrapped.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
+        return wrapped.finish(local, inp).detach()
+    return run
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0  # sync: the check
 
 
-def check_packing(wrapped, *, device: torch.device, run) -> None:
+def check_packing(wrapped, *, device: torch.device, run, row_width: int = 0) -> None:
     """Prove ``wrapped.model`` keeps packed documents apart (see the module docstring); raises
     :class:`PackingError` naming the model type, the first differing layer, the reason and the fix.
-    ``run(input_ids [k, S], seq_lengths [k]) -> [k, S, *]`` is the wrapped forward (without the guard)."""
+    ``run(input_ids [k, S], seq_lengths [k]) -> [k, S, *]`` is the wrapped forward (:func:`runner`);
+    ``row_width``: the caller's row length ``S``, the check's rows' where longer than its documents (the
+    same shapes for a model the caller compiled, whose documents it also bounds).
+
+    Example::
+
+        check_packing(wrapped, device=torch.device("cpu"), run=runner(wrapped))  # None, or PackingError
+    """
     lengths = document_lengths(wrapped)
+    if row_width and compiled(wrapped.model):  # the caller's row length: no new graph for the check
+        lengths = [min(n, row_width) for n in lengths]
     if len(lengths) < 2:  # a microbatch that holds one document cannot mix
         return
     model = wrapped.model
     gen = torch.Generator().manual_seed(SEED)
     with quiet(model, device):
         vocab = _vocab(model, torch.zeros(0))
-        k, width = len(lengths), max(lengths)
+        k, width = len(lengths), max(max(lengths), row_width)  # the caller's row length where it is longer
         lens = torch.tensor(lengths)
         valid = torch.arange(width) < lens[:, None]  # [k, S]
         ids = torch.where(valid, torch.randint(0, vocab, (k, width), generator=gen), 0)  # [k, S]
@@ -164,7 +193,8 @@ def check_packing(wrapped, *, device: torch.device, run) -> None:
                 verdict, detail = 2, f"max |difference| {_max_diff(moved, out):.3g}, allowed {tolerance(out):.3g}"
         reference = getattr(model, "reference", None)
         if verdict == 0 and callable(reference):
-            alone = reference(ids[1:2, : lengths[1]])  # [1, L, *]: the model's own unpacked path
+            with torch.no_grad():
+                alone = reference(ids[1:2, : lengths[1]])  # [1, L, *]: the model's own unpacked path
             mine = out[1:2, : lengths[1]]
             if alone.shape != mine.shape or _max_diff(alone.to(mine.dtype), mine) > tolerance(alone):
                 diff = _max_diff(alone.to(mine.dtype), mine) if alone.shape == mine.shape else float("nan")
@@ -233,7 +263,8 @@ def locate(wrapped, run, verdict, ids, other, lens, lengths, kept) -> str:
                                  docs=list(range(k)), exact=False, lengths_a=lengths, lengths_b=lengths[::-1],
                                  second_docs=[k - 1 - j for j in range(k)])
     else:
-        found = first_difference(model, lambda: run(ids, lens), lambda: model.reference(ids[1:2, : lengths[1]]),
+        found = first_difference(model, lambda: run(ids, lens),
+                                 lambda: torch.no_grad()(model.reference)(ids[1:2, : lengths[1]]),
                                  docs=[1], exact=False, lengths_a=lengths, second_alone=lengths[1])
     index, names = found
     if getattr(wrapped, "cp_size", 1) > 1 and wrapped.cp_group is not None:
@@ -316,14 +347,14 @@ class ModelGuard:
             if self.seen is not None and callable(revalidate):
                 revalidate()  # the adapter's allow-list, on the model as it is now
             with self.running():
-                check_packing(wrapped, device=input_ids.device, run=wrapped)
+                check_packing(wrapped, device=input_ids.device, run=runner(wrapped), row_width=input_ids.shape[1])
             self.seen = fingerprint(wrapped.model)
         return bool(self.every) and self.calls % self.every == 0
 
-    def after(self, wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> None:
+    def after(self, wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> None:
         """Verify this microbatch (:func:`verify_microbatch`)."""
         with self.running():
-            verify_microbatch(wrapped, input_ids, seq_lengths, run=wrapped)
+            verify_microbatch(wrapped, input_ids, seq_lengths, run=runner(wrapped, **model_kwargs))
 
     @contextlib.contextmanager
     def running(self):

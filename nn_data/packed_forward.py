@@ -188,7 +188,7 @@ class PackedForward(nn.Module):
         local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
         out = self.finish(local_out, inp)
         if verify:  # verify=N: this microbatch run again, with a sequence changed and one alone
-            self.guard.after(self, input_ids, seq_lengths)
+            self.guard.after(self, input_ids, seq_lengths, **model_kwargs)
         return out
 
     def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None,
