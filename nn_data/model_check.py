@@ -340,6 +340,8 @@ class ModelGuard:
         """Run before a call's packing; returns whether :meth:`after` should verify this microbatch."""
         if self.every is None or self.busy or torch.compiler.is_compiling():
             return False
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            return False  # the packing refuses it by name
         self.calls += 1
         now = fingerprint(wrapped.model)
         if now != self.seen:

@@ -19,6 +19,7 @@ from nn_data.errors import PackingError
 from nn_data.model_identity import fingerprint
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data.packed_forward import PackedForward
+from tests.support.megatron_release import needs_megatron_models
 
 LENGTHS = [12, 5, 9]
 FIX = r"run this model unpacked"
@@ -434,3 +435,101 @@ def test_verify_every_nth_microbatch_checks_the_callers_own_microbatches():
 def test_an_invalid_verify_is_refused_by_name(bad):
     with pytest.raises(PackingError, match=rf"verify={bad!r} is invalid; expected False/'off', True/'first'"):
         PackedForward(_Contract("exact"), verify=bad)
+
+
+# -- the fingerprint --------------------------------------------------------------------------------------------
+
+
+def _edits():
+    """Each edit after wrapping that the fingerprint must see, as a function of a fresh tiny Llama."""
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    def layer_types_in_place(m):
+        m.config.layer_types[1] = "sliding_attention"
+
+    def patched_forward(m):
+        attn = m.model.layers[0].self_attn
+        attn.forward = attn.forward
+
+    return {
+        "sliding_window": lambda m: setattr(m.config, "sliding_window", 5),
+        "layer_types in place": layer_types_in_place,
+        "bidirectional": lambda m: setattr(m.config, "use_bidirectional_attention", True),
+        "rope_type": lambda m: setattr(m.model.rotary_emb, "rope_type", "dynamic"),
+        "rope_parameters": lambda m: m.config.rope_parameters.update(rope_type="linear", factor=2.0),
+        "module replaced": lambda m: setattr(m.model.layers[1], "mlp", LlamaMLP(m.config)),
+        "forward patched": patched_forward,
+        "attention implementation": lambda m: setattr(m.config, "_attn_implementation", "eager"),
+        "function registered under the selected name": lambda m: AttentionInterface.register("sdpa", _registered_attention),
+    }
+
+
+@pytest.mark.parametrize("edit", list(_edits()))
+def test_the_fingerprint_sees_each_edit_and_holds_across_calls(edit):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = tiny_hf_model("llama")
+    model.config.layer_types = ["full_attention", "full_attention"]
+    wrapped = _wrapped(model)
+    ids, lens = _batch()
+    wrapped(ids, lens)
+    seen = fingerprint(wrapped.model)
+    wrapped(ids, lens)
+    assert fingerprint(wrapped.model) == seen  # a call changes nothing it holds
+    try:
+        _edits()[edit](model)
+        assert fingerprint(wrapped.model) != seen
+    finally:
+        AttentionInterface.register("sdpa", sdpa_attention_forward)
+
+
+def test_the_fingerprint_reads_no_device_value():
+    from nn_data.diagnostics import HostSyncCounter
+
+    wrapped = _wrapped(tiny_hf_model("qwen3_next"))
+    with HostSyncCounter() as syncs:
+        fingerprint(wrapped.model)
+    assert syncs.count == 0, syncs.calls
+
+
+# -- megatron-core ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def megatron_state():
+    from tests.support.megatron_release import one_rank_parallel_state
+
+    with one_rank_parallel_state():
+        yield
+
+
+class _ShiftedMegatronMLP(nn.Module):
+    """megatron-core's MLP on ``[s, b, h]`` hidden states, each token also seeing the previous one of the row."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.inner = mlp
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.inner(hidden_states + F.pad(hidden_states, (0, 0, 0, 0, 1, 0))[:-1], *args, **kwargs)
+
+
+@needs_megatron_models
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_megatron_gpt_model_passes_the_check_and_an_edit_after_wrapping_is_refused(megatron_state):
+    from nn_data.adapters import MegatronGPTAdapter
+    from nn_data.models.tiny_megatron import forward_alone, tiny_gpt_config, tiny_gpt_model
+
+    model = tiny_gpt_model(tiny_gpt_config()).eval()
+    wrapped = PackedForward(MegatronGPTAdapter(model), make_packed_seq_params=True)
+    ids, lens = _batch()
+    out = wrapped(ids, lens)
+    with torch.no_grad():
+        for b, n in enumerate(lens.tolist()):
+            torch.testing.assert_close(out[b, :n], forward_alone(model, ids[b:b + 1, :n])[0], rtol=0, atol=1e-5)
+    model.decoder.layers[1].mlp = _ShiftedMegatronMLP(model.decoder.layers[1].mlp)
+    with pytest.raises(PackingError, match=rf"model_type='GPTModel': layer 'model.decoder.layers.1.mlp' "
+                                           rf"\(_ShiftedMegatronMLP\): {TOKENS}.*{FIX}"):
+        wrapped(ids, lens)
