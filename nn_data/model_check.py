@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from nn_data.errors import PackingError
+from nn_data.layout import round_up
 from nn_data.model_identity import fingerprint
 from nn_data.model_locate import first_difference, tolerance
 
@@ -85,7 +86,7 @@ def document_lengths(wrapped) -> list:
     docs = CHECK_DOCS if wrapped.row_capacity is None else min(CHECK_DOCS, wrapped.row_capacity)
     while True:
         lengths = [max(3, longest // 4), longest, max(3, longest // 2 + 1), max(3, longest - 1)][:docs]
-        if total is None or sum(-(-n // multiple) * multiple for n in lengths) <= total:
+        if total is None or sum(round_up(n, multiple) for n in lengths) <= total:
             return lengths
         if longest > 3:
             longest = max(3, longest * 3 // 4)

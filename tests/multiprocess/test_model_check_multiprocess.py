@@ -49,7 +49,7 @@ def case_verdict(kind: str):
 
     group = dist.group.WORLD
     model = HFCausalLMAdapter(tiny_hf_model("llama")) if kind == "llama" else _RowMean(mix=kind == "mixes")
-    wrapped = PackedForward(model, cp_group=group, pad_individual_seqs_to_multiple_of=4)
+    wrapped = PackedForward(model, cp_group=group, pad_individual_seqs_to_multiple_of=4, pad_packed_seq_to_multiple_of=4)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor([9, 4, 11])
     ids = torch.where(torch.arange(11) < lengths[:, None], torch.randint(1, 50, (3, 11), generator=gen), 0)
