@@ -95,8 +95,9 @@ def _for_window(mask: DocumentMask, window, module: nn.Module) -> DocumentMask:
         return mask
     if mask.sliding is None or mask.sliding.window != window:
         built = None if mask.sliding is None else mask.sliding.window
-        raise PackingError(f"{type(module).__name__} attends with sliding_window={window!r}, but the adapter built "
-                           f"its sliding mask for window={built!r} (config.sliding_window); they must agree")
+        raise PackingError(f"{hf_support.where(module)} attends with sliding_window={window!r}, but the adapter built "
+                           f"its sliding mask for window={built!r} (config.sliding_window); they must agree: set one "
+                           "window in the config (PackedForward reads it again on its next call), or run it unpacked")
     return mask.sliding
 
 

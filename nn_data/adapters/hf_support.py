@@ -266,7 +266,7 @@ def layer_info(module: nn.Module) -> Optional[LayerInfo]:
 
 
 
-def _where(module: nn.Module) -> str:
+def where(module: nn.Module) -> str:
     """``model_type='...': layer '...' (Class)`` for a call-time refusal."""
     info = layer_info(module)
     model_type = info.model_type if info else getattr(getattr(module, "config", None), "model_type", "?")
@@ -283,8 +283,9 @@ def call_window(module: nn.Module, kwargs: dict) -> Optional[int]:
         return passed if info is None or info.window is None else info.window
     if info.window is None:
         return passed  # the call windows a layer the config did not: the call's window applies
-    raise PackingError(f"{_where(module)} attends with sliding_window={passed!r}, but its layer's window is "
-                       f"{info.window!r} (module.sliding_window / config); they must agree")
+    raise PackingError(f"{where(module)} attends with sliding_window={passed!r}, but its layer's window is "
+                       f"{info.window!r} (module.sliding_window / config); they must agree: set one window in the "
+                       "config (PackedForward reads it again on its next call), or run it unpacked")
 
 
 def check_call(module: nn.Module, attention_mask, kwargs: dict) -> None:
@@ -292,19 +293,19 @@ def check_call(module: nn.Module, attention_mask, kwargs: dict) -> None:
     only Python-level metadata (no device value), on every call, compiled or not."""
     for name, what in UNSUPPORTED.items():
         if kwargs.get(name) is not None:
-            raise PackingError(f"{_where(module)}: {name}={_describe(kwargs[name])}: nn_data's packed attention "
+            raise PackingError(f"{where(module)}: {name}={_describe(kwargs[name])}: nn_data's packed attention "
                                f"supports causal attention with an optional sliding window only ({what} are not); "
                                "build the model without it, or run it unpacked")
     for name, value in kwargs.items():
         if name not in ATTENTION_KWARGS and name not in UNSUPPORTED and value is not None:
-            raise PackingError(f"{_where(module)} attends with keyword {name}={_describe(value)}, which is not in "
+            raise PackingError(f"{where(module)} attends with keyword {name}={_describe(value)}, which is not in "
                                "nn_data's list of what keeps attention exact (hf_support.ATTENTION_KWARGS); run this "
                                "model unpacked")
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
-        raise PackingError(f"{_where(module)}: attention is not causal (is_causal=False), and nn_data's document "
+        raise PackingError(f"{where(module)}: attention is not causal (is_causal=False), and nn_data's document "
                            "mask is; run this model unpacked")
     if attention_mask is not None and not _is_placeholder(attention_mask):
-        raise PackingError(f"{_where(module)} attends with its own attention mask ({_describe(attention_mask)}, "
+        raise PackingError(f"{where(module)} attends with its own attention mask ({_describe(attention_mask)}, "
                            f"{attention_mask.dtype}) instead of the adapter's: a mask the model computes from its "
                            "inputs (a dynamic mask) is not nn_data's document mask; run this model unpacked")
 
