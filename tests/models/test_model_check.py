@@ -9,6 +9,8 @@ naming the model type, the layer, the reason and the fix.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,13 +79,30 @@ def test_the_check_runs_once_until_the_model_changes(monkeypatch):
     for _ in range(3):
         wrapped(ids, lens)
     assert len(runs) == 1
-    model.config.sliding_window = 4  # an edit: the next call checks again
-    with pytest.raises(PackingError):  # Llama ignores config.sliding_window, the allow-list applies it: refused
-        wrapped(ids, lens)
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    model.model.layers[1].mlp = LlamaMLP(model.config)  # an edit: the next call checks again (and passes)
+    wrapped(ids, lens)
+    wrapped(ids, lens)
     assert len(runs) == 2
 
 
 # -- edits after wrapping -----------------------------------------------------------------------------------
+
+
+def test_a_window_the_model_ignores_but_the_list_would_apply_is_refused_by_its_own_path():
+    model = tiny_hf_model("llama")  # Llama's attention ignores config.sliding_window
+    wrapped = _wrapped(model)
+    ids, lens = _batch()
+    wrapped(ids, lens)
+    model.config.sliding_window = 3
+    try:
+        out = wrapped(ids, lens)
+    except PackingError as e:
+        assert re.search(rf"model_type='llama': layer 'model.model.layers.0.self_attn' \(LlamaAttention\): "
+                         rf"{OWN_PATH}.*{FIX}", str(e)), str(e)
+    else:
+        _assert_exact(model, out, ids, lens)
 
 
 def test_a_window_changed_after_wrapping_is_read_again_and_runs_exact():
