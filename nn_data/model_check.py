@@ -316,8 +316,8 @@ class ModelGuard:
 
     ``verify``: ``"off"`` (or False): never (the model's exactness is the caller's); ``"first"`` (or
     True, the default): :func:`check_packing` on the first call, and again on any call that finds the
-    model's :func:`~nn_data.model_identity.fingerprint` changed (after the adapter's ``revalidate()``,
-    its allow-list, where it has one); an int ``N``: that, and every Nth microbatch also
+    model's :func:`~nn_data.model_identity.fingerprint` changed, each time after the adapter's
+    ``revalidate()`` (its allow-list, where it has one); an int ``N``: that, and every Nth microbatch also
     :func:`verify_microbatch`. Nothing runs while compiling or inside the check's own calls.
 
     Example::
@@ -347,8 +347,8 @@ class ModelGuard:
         now = fingerprint(wrapped.model)
         if now != self.seen:
             revalidate = getattr(wrapped.model, "revalidate", None)
-            if self.seen is not None and callable(revalidate):
-                revalidate()  # the adapter's allow-list, on the model as it is now
+            if callable(revalidate):  # the adapter's allow-list on the model as it is now (an edit since it was built)
+                revalidate()
             with self.running():
                 check_packing(wrapped, device=input_ids.device, run=runner(wrapped), row_width=input_ids.shape[1])
             self.seen = fingerprint(wrapped.model)

@@ -2,7 +2,7 @@
 
 :func:`fingerprint` reads Python objects only (no tensor value, so no host-device sync): every module
 reachable from the model, by type and identity, with any ``forward`` set on the instance (a patched
-method); the attributes the adapters read on a module (:data:`MODULE_KEYS`: windows, causality, rotary
+method) and the identity of its parameter and hook dicts (new when its ``__init__`` runs again); the attributes the adapters read on a module (:data:`MODULE_KEYS`: windows, causality, rotary
 types); the config values the allow-list reads (:data:`CONFIG_KEYS`, the selected attention
 implementation included); the rotary module's state (its frequency buffer's identity, its cached
 length); and, when transformers is imported, the function registered under the selected attention
@@ -30,8 +30,9 @@ CONFIG_KEYS = ("sliding_window", "use_sliding_window", "layer_types", "use_bidir
                "original_max_position_embeddings", "attention_chunk_size", "position_embedding_type", "alibi",
                "use_alibi", "_attn_implementation_internal", "_attn_implementation")
 #: Attributes of a module (its instance ``__dict__``) that decide how it mixes tokens.
-MODULE_KEYS = ("sliding_window", "is_causal", "rope_type", "layer_type", "attention_type", "window_size",
-               "max_seq_len_cached", "original_max_seq_len", "scaling", "config")
+MODULE_KEYS = ("sliding_window", "is_sliding", "is_causal", "use_bidirectional_attention", "rope_type", "layer_type",
+               "attention_type", "attention_chunk_size", "window_size", "max_seq_len_cached", "original_max_seq_len",
+               "scaling", "config")
 _BUFFERS = ("inv_freq", "original_inv_freq", "long_inv_freq")
 
 
@@ -43,7 +44,9 @@ def fingerprint(model: Any) -> tuple:
     for module in _roots(model):
         for sub in module.modules():
             state = sub.__dict__
-            out += (type(sub), id(sub), id(state.get("forward")))
+            # a module re-initialised in place (its __init__ run again) has new parameter and hook dicts
+            out += (type(sub), id(sub), id(state.get("forward")), id(state.get("_parameters")),
+                    id(state.get("_forward_pre_hooks")))
             for key in MODULE_KEYS:
                 value = state.get(key)
                 if value is not None:

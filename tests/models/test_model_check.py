@@ -263,6 +263,25 @@ def test_a_function_registered_over_transformers_own_name_is_refused():
         AttentionInterface.register("sdpa", sdpa_attention_forward)
 
 
+def test_a_mamba2_mixer_reinitialised_in_place_after_wrapping_runs_exact():
+    model = tiny_hf_model("mamba2")
+    wrapped = _wrapped(model)
+    ids, lens = _batch()
+    wrapped(ids, lens)
+    mixer = model.backbone.layers[1].mixer
+    type(mixer).__init__(mixer, model.config, layer_idx=1)  # the same object, its __init__ run again (no hooks)
+    _assert_exact(model, wrapped(ids, lens), ids, lens)
+
+
+def test_an_edit_between_building_the_adapter_and_its_first_call_is_read():
+    model = tiny_hf_model("mistral", window=3)
+    wrapped = _wrapped(model)
+    model.config.sliding_window = 6  # before the first call
+    ids, lens = _batch()
+    _assert_exact(model, wrapped(ids, lens), ids, lens)
+    assert wrapped.model.layers.window == 6
+
+
 def test_a_mamba2_mixer_reinitialised_after_wrapping_runs_exact():
     from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
