@@ -78,8 +78,7 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
     hf_support.check_call(module, attention_mask, kwargs)  # keywords and mask within the lists, else refused
     mask = _for_window(mask, hf_support.call_window(module, kwargs), module)
     if calls is not None:
-        info = hf_support.layer_info(module)
-        calls.append(info.name if info is not None else type(module).__name__)
+        calls.append(module)
     if mask.gather is not None:  # context parallel: every rank's keys and values, in packed order
         heads = key.shape[1]
         kv = rearrange(torch.stack([key, value]), "two 1 h t d -> 1 t (two h d)")  # [1, Tq, 2*Hk*D]
@@ -241,8 +240,9 @@ class HFCausalLMAdapter(nn.Module):
 
     def _check_attention_calls(self, calls: list) -> None:
         """First call: every attention module went through the attention interface (saw nn_data's mask)."""
-        expected = [name for name, _ in hf_support.attention_modules(self.model)]
-        missing = [name for name in expected if name not in calls]
+        called = {id(m) for m in calls}
+        expected = hf_support.attention_modules(self.model)  # a layer calls if it or a module inside it did
+        missing = [name for name, layer in expected if not any(id(m) in called for m in layer.modules())]
         if missing:
             raise PackingError(
                 f"model_type={self.layers.model_type!r}: layer {missing[0]!r}: {len(expected)} attention layers but "
