@@ -189,6 +189,7 @@ def check_packing(wrapped, *, device: torch.device, run, row_width: int = 0) -> 
         out = run(ids, lens)  # [k, S, *]
         kept = [j for j in range(k) if j not in changed]
         verdict, detail = _compare(run, ids, other, lens, out, kept, model, lengths)
+        verdict = agree(verdict, wrapped, out.device)  # every rank takes the next step together
         if verdict == 0:
             moved = run(ids.flip(0), lens.flip(0)).flip(0)  # each document at another offset of the row
             if _max_diff(moved, out) > tolerance(out):
@@ -308,6 +309,7 @@ def verify_microbatch(wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tenso
         head = input_ids[first, : lengths[first]]
         other[first, : lengths[first]] = torch.where(head > 0, head - 1, 1)  # other ids, inside the vocabulary
         verdict, detail = _compare(run, input_ids, other, seq_lengths, out, kept, wrapped.model, lengths)
+        verdict = agree(verdict, wrapped, out.device)  # every rank takes the next step together
         if verdict == 0:
             alone = run(input_ids[last:last + 1], seq_lengths[last:last + 1])  # [1, S, *]
             if _max_diff(alone, out[last:last + 1]) > tolerance(out):
