@@ -47,6 +47,7 @@ from nn_data.adapters import hf_layers, hf_mixers, hf_support
 from nn_data.errors import PackingError
 from nn_data.layout.internal import segment_bounds
 from nn_data.masks import DocumentMask, document_attention, document_mask
+from nn_data.model_identity import fingerprint
 
 #: The name nn_data's attention function is registered under (``transformers.AttentionInterface``).
 ATTENTION_NAME = "nn_data_packed"
@@ -155,8 +156,11 @@ class HFCausalLMAdapter(nn.Module):
     def revalidate(self) -> None:
         """Classify the model's layers and run the allow-list (:mod:`nn_data.adapters.hf_support`) on the model
         as it is now: when the adapter is built, and again when ``PackedForward``'s guard finds the model
-        changed (:mod:`nn_data.model_identity`); raises :class:`PackingError` for what it refuses."""
+        changed (:mod:`nn_data.model_identity`; nothing to do when the model is as last read); raises
+        :class:`PackingError` for what it refuses."""
         model = self.model
+        if fingerprint(model) == self.__dict__.get("_validated"):
+            return
         self.layers = hf_layers.inspect_model(model)
         window = hf_support.check_model(model, self.layers.model_type)  # what it keeps exact, else refused
         if window is not None:
@@ -166,6 +170,7 @@ class HFCausalLMAdapter(nn.Module):
         for _, module, _ in self.layers.mixers:
             hf_mixers.install(module, self._slot)  # no-ops outside this adapter's calls
         self._checked = False
+        self._validated = fingerprint(model)
 
     @property
     def longest_sequence(self) -> Optional[int]:
