@@ -9,7 +9,7 @@ Shape legend
 NeMo-RL's names, signatures and values (HEAD 7ea279a), its conventions kept: ``ChunkedDistributedEntropy`` and
 the distillation's ``H_all`` are ``sum_v p_v log p_v`` (the *negative* entropy); ``chunk_size`` counts positions
 of a row; a global id outside ``[0, V)`` gets the log-prob 0 and the gradient ``-softmax``; CP gathers give the
-``C``-times gradient (:func:`~nn_data.nemo_rl.model_utils.allgather_cp_sharded_tensor`). What is nn_data's:
+``C``-times gradient (:func:`~nn_data.nemo_rl.vocab_parallel.allgather_cp_sharded_tensor`). What is nn_data's:
 float64 stays float64 (NeMo-RL computes in float32), the log-softmax, softmax and their gradient are never
 ``[B, S, Vt]`` float32 tensors (one chunk at a time), the top-k log-probs and the entropy come from one read of
 the logits, ``None`` groups mean "not split", and ``pg_collection=`` (megatron-core's ``ProcessGroupCollection``)
@@ -28,6 +28,7 @@ from nn_data.groups import given_group_info
 from nn_data.logprobs.outputs import combine_topk, head_outputs_local, local_ids
 from nn_data.logprobs.soft_targets import soft_cross_entropy_local
 from nn_data.nemo_rl.logprob_steps import DEFAULT_CHUNK_TOKENS, grad_mode, in_vocab, out_of_vocab_as_nemo_rl
+from nn_data.nemo_rl.vocab_parallel import _get_tokens_on_this_cp_rank, allgather_cp_sharded_tensor
 
 
 def _tp(group, pg_collection):
@@ -158,8 +159,6 @@ def gather_logits_at_global_indices(vocab_parallel_logits: torch.Tensor, global_
 
     Example (TP 1, C 1): logits ``[[[1., 5., 3.]]]``, ids ``[[[2, 0]]]`` -> ``[[[3., 1.]]]``.
     """
-    from nn_data.nemo_rl.model_utils import _get_tokens_on_this_cp_rank, allgather_cp_sharded_tensor
-
     tp, cp = _tp(tp_group, pg_collection), _cp(cp_group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, V // TP]", 3)
     _checks.positive_int("chunk_size", chunk_size, allow_none=True)
@@ -183,6 +182,21 @@ def gather_logits_at_global_indices(vocab_parallel_logits: torch.Tensor, global_
     if cp.size > 1:
         out = allgather_cp_sharded_tensor(out, cp.group, seq_dim=1)  # [B, S_cp * C, K]
     return out[:, : out.shape[1] - pad]  # [B, S_full, K]
+
+
+def vocab_parallel_gather_columns(logits: torch.Tensor, column_indices: torch.Tensor, *, tp_group=None,
+                                  pg_collection=None) -> torch.Tensor:
+    """The logits ``[B, T, K]`` (float32 or wider) at the global columns ``column_indices [K]`` shared by every
+    position, from this rank's ``[B, T, Vt]``; differentiable (each rank's own columns). Example (TP 1):
+    ``[[[1., 5., 3.]]]``, columns ``[2, 0]`` -> ``[[[3., 1.]]]``."""
+    tp = _tp(tp_group, pg_collection)
+    logits = logits.to_local() if type(logits).__name__ == "DTensor" else logits
+    if tp.size == 1:
+        return logits[..., column_indices].to(torch.promote_types(logits.dtype, torch.float32))
+    rows, seq, cols = logits.shape
+    ids = column_indices.view(1, 1, -1).expand(rows, seq, -1)  # [B, T, K]
+    return gather_logits_at_global_indices(logits, ids, tp.group, vocab_start_index=tp.rank * cols,
+                                           vocab_end_index=(tp.rank + 1) * cols)
 
 
 def get_distillation_topk_logprobs_from_logits(student_logits: torch.Tensor, teacher_topk_logits: torch.Tensor,
@@ -219,8 +233,6 @@ def get_distillation_topk_logprobs_from_logits(student_logits: torch.Tensor, tea
     indices = teacher_topk_indices.to(student_logits.device)
     neg_entropy = None
     if zero_outside_topk or calculate_entropy:
-        from nn_data.nemo_rl.model_utils import _get_tokens_on_this_cp_rank, allgather_cp_sharded_tensor
-
         pad = student_logits.shape[1] * cp.size - indices.shape[1]
         local = torch.nn.functional.pad(indices, (0, 0, 0, pad)) if pad > 0 else indices
         local = _get_tokens_on_this_cp_rank(local, cp.rank, cp.size, seq_dim=1)  # [B, S_cp, K]

@@ -16,13 +16,14 @@ collectives are nn_data's functional ones (no in-place ``torch.distributed`` cal
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
 from nn_data import _checks
 from nn_data.cp_comm import all_gather_dim0, all_gather_rows, all_reduce_sum, all_to_all_dim0
 from nn_data.groups import given_group_info
+from nn_data.layout.internal import sequence_divisible
+from nn_data.nemo_rl.logprob_steps import gather_cp, row_layout
 
 
 def _tp(group, pg_collection):
@@ -103,22 +104,6 @@ def vocab_parallel_full_log_softmax(logits: torch.Tensor, temperature: float, *,
     return every.movedim(0, -1)  # [*, V]
 
 
-def vocab_parallel_gather_columns(logits: torch.Tensor, column_indices: torch.Tensor, *, tp_group=None,
-                                  pg_collection=None) -> torch.Tensor:
-    """The logits ``[B, T, K]`` (float32 or wider) at the global columns ``column_indices [K]`` shared by every
-    position, from this rank's ``[B, T, Vt]``; differentiable (each rank's own columns). Example (TP 1):
-    ``[[[1., 5., 3.]]]``, columns ``[2, 0]`` -> ``[[[3., 1.]]]``."""
-    from nn_data.nemo_rl.distillation import gather_logits_at_global_indices
-
-    tp, logits = _tp(tp_group, pg_collection), _local(logits)
-    if tp.size == 1:
-        return logits[..., column_indices].to(torch.promote_types(logits.dtype, torch.float32))
-    rows, seq, cols = logits.shape
-    ids = column_indices.view(1, 1, -1).expand(rows, seq, -1)  # [B, T, K]
-    return gather_logits_at_global_indices(logits, ids, tp.group, vocab_start_index=tp.rank * cols,
-                                           vocab_end_index=(tp.rank + 1) * cols)
-
-
 @torch.no_grad()
 def vocab_parallel_argmax(logits: torch.Tensor, *, tp_group=None, pg_collection=None) -> torch.Tensor:
     """The global id of each position's largest logit, ``[*]`` int64, from this rank's ``[*, Vt]``: one chunked
@@ -131,6 +116,47 @@ def vocab_parallel_argmax(logits: torch.Tensor, *, tp_group=None, pg_collection=
     out = head_outputs_local(logits.reshape(-1, cols), argmax=True, vocab_start=tp.rank * cols, tp_group=tp.group,
                              tp_size=tp.size)
     return out.argmax.view(logits.shape[:-1])
+
+
+def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group, seq_dim: int = 1, *,
+                                pg_collection=None):
+    """This rank's zigzag shard of one sequence along ``seq_dim`` -> the whole sequence, on every rank.
+
+    ``tensor [..., S_loc, ...]`` holds chunks ``r`` and ``2C-1-r`` of ``2C``; the result has
+    ``S_loc * C`` positions in order. Differentiable: the gradient of a shard is the sum over the
+    ranks of the gradients they computed for it (NeMo-RL's all-reduce then slice, as a
+    reduce-scatter), so ``C`` times the single-process gradient when every rank computes the same
+    loss. ``cp_group=None``: the identity (``pg_collection.cp`` when a collection is given). One
+    all-gather; no host sync.
+
+    Example (C 2): rank 0 ``[0, 1, 6, 7]``, rank 1 ``[2, 3, 4, 5]`` -> ``[0, 1, 2, 3, 4, 5, 6, 7]``.
+    """
+    cp = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
+    if cp.size == 1:
+        return tensor
+    seq_dim = seq_dim % tensor.dim()
+    _checks.check_even_shard("tensor", tensor.shape[seq_dim], cp.size, f"sequence (dim {seq_dim})")
+    layout = row_layout(1, tensor.shape[seq_dim] * cp.size, tensor.device, op="allgather_cp_sharded_tensor")
+    full = gather_cp(tensor.movedim(seq_dim, 0), layout, cp)  # [S_loc, ...] -> [1, S_loc*C, ...]
+    return full.squeeze(0).movedim(0, seq_dim)
+
+
+def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1):
+    """Rank ``cp_rank``'s zigzag shard of one sequence along ``seq_dim``: chunks ``r`` and ``2C-1-r`` of
+    ``2C`` (``[..., n, ...] -> [..., n/C, ...]``; one gather). ``cp_size == 1``: ``input_ids`` itself.
+
+    Example: ``[0..7]``, C 2, rank 1 -> ``[2, 3, 4, 5]``.
+
+    Raises :class:`~nn_data.errors.PackingError` for a bad ``cp_size`` / ``cp_rank`` and a length not a
+    multiple of ``2 * cp_size`` (NeMo-RL drops the remainder).
+    """
+    if cp_size == 1:
+        return input_ids
+    _checks.check_cp(cp_size, cp_rank)
+    length = input_ids.shape[seq_dim]
+    sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
+    layout = row_layout(1, length, input_ids.device, op="_get_tokens_on_this_cp_rank")  # [0, n]: one segment
+    return input_ids.index_select(seq_dim, layout.local_places(cp_size, cp_rank).source)
 
 
 def cp_shift_next(x: torch.Tensor, cp_group=None, *, fill: float, pg_collection=None) -> torch.Tensor:
@@ -150,10 +176,8 @@ def cp_shift_next(x: torch.Tensor, cp_group=None, *, fill: float, pg_collection=
 def cp_load_balanced_to_contiguous(x: torch.Tensor, *, cp_group=None, seq_dim: int = 1,
                                    pg_collection=None) -> torch.Tensor:
     """This rank's zigzag shard along ``seq_dim`` -> its contiguous window ``[rank*L, (rank+1)*L)`` of the
-    whole sequence (one all-gather, :func:`~nn_data.nemo_rl.model_utils.allgather_cp_sharded_tensor`).
+    whole sequence (one all-gather, :func:`allgather_cp_sharded_tensor`).
     Example (C 2, rank 1): ``[2, 3, 4, 5]`` of ``[0..7]`` -> ``[4, 5, 6, 7]``."""
-    from nn_data.nemo_rl.model_utils import allgather_cp_sharded_tensor
-
     cp = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
     if cp.size <= 1:
         return x
@@ -164,12 +188,10 @@ def cp_load_balanced_to_contiguous(x: torch.Tensor, *, cp_group=None, seq_dim: i
 
 class AllGatherCPTensor:
     """``apply(tensor, cp_group, seq_dim=1)``: NeMo-RL's autograd class, as
-    :func:`~nn_data.nemo_rl.model_utils.allgather_cp_sharded_tensor`."""
+    :func:`allgather_cp_sharded_tensor`."""
 
     @staticmethod
     def apply(tensor, cp_group, seq_dim=1, *, pg_collection=None):
-        from nn_data.nemo_rl.model_utils import allgather_cp_sharded_tensor
-
         return allgather_cp_sharded_tensor(tensor, cp_group, seq_dim, pg_collection=pg_collection)
 
 
