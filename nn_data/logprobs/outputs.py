@@ -71,26 +71,34 @@ def local_ids(ids: torch.Tensor, vocab_start: int, cols: int):
     return local.clamp(0, max(cols - 1, 0)), owned
 
 
-def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool, want_argmax: bool):
+def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool, want_argmax: bool, *,
+                fresh: bool = False):
     """One chunk's per-rank statistics from its logits ``z [c, Vt]`` (read once, any dtype):
     ``(stats [4, c], picked [c, J] or None, topk (values [c, k'], local columns [c, k']) or None,
     argmax local column [c] or None)``. ``stats``: the local log-sum-exp, the local softmax's mean of ``z``
-    (when ``want_entropy``), the local max; ``picked``: ``z`` at ``local`` (0 where not ``owned``)."""
+    (when ``want_entropy``), the local max; ``picked``: ``z`` at ``local`` (0 where not ``owned``).
+    ``fresh``: ``z`` may be overwritten (the exponentials then take its place: one chunk fewer)."""
     x = z.to(dtype)  # [c, Vt] (z itself when the dtype matches)
-    top = x.amax(dim=-1)  # [c]
+    arg = None
+    if want_argmax:  # the max and its first column in one pass
+        top, arg = x.max(dim=-1)  # [c] each
+    else:
+        top = x.amax(dim=-1)  # [c]
     picked = None
     if local is not None:
         picked = torch.where(owned, x.gather(1, local), 0.0)  # [c, J]
     topk = torch.topk(x, min(k, x.shape[1]), dim=-1) if k else None  # [c, k'] each
-    arg = x.argmax(dim=-1) if want_argmax else None  # [c]
+    stats = torch.zeros(_STATS, x.shape[0], dtype=dtype, device=x.device)  # [4, c]
+    stats[2] = top
+    if not want_entropy:
+        e = x.sub_(top[:, None]) if fresh or x is not z else x - top[:, None]  # [c, Vt] z - m
+        stats[0] = e.exp_().sum(dim=-1).log_() + top
+        return stats, picked, topk, arg
     shifted = x - top[:, None]  # [c, Vt] z - m
     e = shifted.exp()  # [c, Vt]
     s = e.sum(dim=-1)  # [c]
-    stats = torch.zeros(_STATS, x.shape[0], dtype=dtype, device=x.device)  # [4, c]
     stats[0] = s.log() + top
-    if want_entropy:
-        stats[1] = (e.mul_(shifted)).sum(dim=-1) / s + top  # [c] the local softmax's mean of z
-    stats[2] = top
+    stats[1] = (e.mul_(shifted)).sum(dim=-1) / s + top  # [c] the local softmax's mean of z
     return stats, picked, topk, arg
 
 
@@ -167,7 +175,8 @@ class _HeadOutputs(torch.autograd.Function):
             j = i + chunk
             z = _chunk(full, weight, i, j, temperature)  # [c, Vt]
             st, pk, tk, am = chunk_stats(z, dtype, None if local is None else local[i:j],
-                                         None if owned is None else owned[i:j], k, want_entropy, want_argmax)
+                                         None if owned is None else owned[i:j], k, want_entropy, want_argmax,
+                                         fresh=weight is not None or temperature != 1.0)
             stats[:, i:j] = st
             if pk is not None:
                 picked[i:j] = pk
