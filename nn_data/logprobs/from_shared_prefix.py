@@ -21,7 +21,9 @@ values summed over ranks), with the gradient of every rank's own rows (``grad_mo
 rank computes the same loss). Memory: beyond the kernels', the logits path's backward adds the ``B``
 boundary rows' gradient through one ``[T/C, Vt]`` buffer (the index gather's); the hidden path's one
 ``[n + B, H]`` copy of its rows with the boundary rows appended (one kernel call: under sequence
-parallelism one TP gather of both).
+parallelism one TP gather of both). ``outputs()`` adds the entropy, top-k and argmax of each rollout's
+positions (:func:`distribution_rows`: no boundary rows needed, the prompt's last position holds the one
+distribution every rollout of its group sees there).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from nn_data.layout import PackSpec, shared_prefix_layout
 from nn_data.shared_prefix_logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
 from nn_data.testing.reference import reference_shard
 from tests.support.hypothesis_profiles import examples
-from tests.support.shared_prefix_reference import V, alone, logprob_case as _case, reference, rollouts
+from tests.support.shared_prefix_reference import V, alone, alone_outputs, logprob_case as _case, reference, rollouts
 
 TOL = dict(rtol=0, atol=1e-10)
 H = 5
@@ -174,26 +174,6 @@ def test_one_compiled_graph_forward_and_backward_over_a_stream(source):
     torch._dynamo.reset()
 
 
-def _alone_outputs(per_position, groups, prefix, lengths, seq_len, token, k):
-    """The oracle of ``outputs()``: each rollout alone, entry ``s < L - 1`` from the log-softmax of its token
-    ``s``'s logits (``per_position``), else 0: entropy ``[B, S-1]``, top-``k`` log-probs and ids, argmax."""
-    from tests.support.shared_prefix_reference import places
-
-    place, width = places(groups, prefix, token), max(seq_len - 1, 0)
-    ent, top, ids, arg = [], [], [], []
-    for b, n in enumerate(lengths):
-        e, t = torch.zeros(width, dtype=torch.float64), torch.zeros(width, k, dtype=torch.float64)
-        i, a = torch.zeros(width, k, dtype=torch.int64), torch.zeros(width, dtype=torch.int64)
-        if n > 1:
-            lp = torch.log_softmax(per_position(torch.tensor([place[(b, s)] for s in range(n - 1)])), dim=-1)
-            best = torch.topk(lp, k)
-            e = torch.cat([-(lp.exp() * lp).sum(-1), e[n - 1:]])
-            t, i = torch.cat([best.values, t[n - 1:]]), torch.cat([best.indices, i[n - 1:]])
-            a = torch.cat([lp.argmax(-1), a[n - 1:]])
-        ent.append(e), top.append(t), ids.append(i), arg.append(a)
-    return torch.stack(ent), torch.stack(top), torch.stack(ids), torch.stack(arg)
-
-
 @pytest.mark.parametrize("groups, prefix, lengths, seq_len", CASES[:2] + CASES[3:])
 def test_entropy_top_k_and_argmax_equal_every_rollout_alone(groups, prefix, lengths, seq_len):
     """``outputs()`` of both ops: the distributions at each rollout's tokens (the prompt's last position shared by
@@ -202,7 +182,7 @@ def test_entropy_top_k_and_argmax_equal_every_rollout_alone(groups, prefix, leng
     hidden = torch.randn(1, sp.total, H, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
     w_top = torch.randn(len(lengths), seq_len - 1, 3, generator=gen, dtype=torch.float64)
-    ent, top, top_ids, arg = _alone_outputs(lambda i: hidden[0, i] @ weight.T / 0.7, groups, prefix, lengths,
+    ent, top, top_ids, arg = alone_outputs(lambda i: hidden[0, i] @ weight.T / 0.7, groups, prefix, lengths,
                                             seq_len, token, 3)
     ((ent * weights).sum() + (top * w_top).sum() + 0 * hidden.sum()).backward()
     want_h, want_w = hidden.grad, weight.grad
