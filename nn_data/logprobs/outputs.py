@@ -20,7 +20,7 @@ With ``z`` the (temperature-scaled) logits of one position and ``L = logsumexp(z
 Each is opt-in; the logits of a chunk are computed (or read) once in forward and once in backward, and every
 asked output comes from that one read. Per TP rank and chunk: the local max ``m``, ``s = sum exp(z - m)``,
 ``e = sum exp(z - m) (z - m) / s`` (the local softmax's mean of ``z - m``), the local top-k' and argmax; one
-all-gather of ``[4, N]`` statistics (plus ``[N, k']`` values and ids for top-k) combines them:
+all-gather of ``[3, N]`` statistics (plus ``[N, k']`` values and ids for top-k) combines them:
 ``L = logsumexp_r(m_r + log s_r)``, ``sum_v p_v z_v = sum_r exp(m_r + log s_r - L) (m_r + e_r)``.
 
 Backward, with ``x = z - L`` (log p) and ``p = exp(x)``, one formula for every output's gradient:
@@ -44,7 +44,7 @@ from nn_data import _checks
 from nn_data.cp_comm import all_gather_dim0
 from nn_data.logprobs.kernels import _gather_rows, _reduce_rows, chunk_logits
 
-_STATS = 4  # per-rank statistics gathered over TP: log-sum-exp, softmax mean of z, max, (unused slot kept 0)
+_STATS = 3  # per-rank statistics gathered over TP: log-sum-exp, softmax mean of z, max
 
 
 class HeadOutputs(NamedTuple):
@@ -74,7 +74,7 @@ def local_ids(ids: torch.Tensor, vocab_start: int, cols: int):
 def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool, want_argmax: bool, *,
                 fresh: bool = False):
     """One chunk's per-rank statistics from its logits ``z [c, Vt]`` (read once, any dtype):
-    ``(stats [4, c], picked [c, J] or None, topk (values [c, k'], local columns [c, k']) or None,
+    ``(stats [3, c], picked [c, J] or None, topk (values [c, k'], local columns [c, k']) or None,
     argmax local column [c] or None)``. ``stats``: the local log-sum-exp, the local softmax's mean of ``z``
     (when ``want_entropy``), the local max; ``picked``: ``z`` at ``local`` (0 where not ``owned``).
     ``fresh``: ``z`` may be overwritten (the exponentials then take its place: one chunk fewer)."""
@@ -88,7 +88,7 @@ def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool
     if local is not None:
         picked = torch.where(owned, x.gather(1, local), 0.0)  # [c, J]
     topk = torch.topk(x, min(k, x.shape[1]), dim=-1) if k else None  # [c, k'] each
-    stats = torch.zeros(_STATS, x.shape[0], dtype=dtype, device=x.device)  # [4, c]
+    stats = torch.zeros(_STATS, x.shape[0], dtype=dtype, device=x.device)  # [3, c]
     stats[2] = top
     if not want_entropy:
         e = x.sub_(top[:, None]) if fresh or x is not z else x - top[:, None]  # [c, Vt] z - m
@@ -103,10 +103,10 @@ def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool
 
 
 def combine_stats(stats: torch.Tensor, tp_group, tp_size: int):
-    """``(lse [N], mean [N], every [TP, 4, N])``: the whole vocabulary's log-sum-exp and softmax mean of ``z``
-    from every TP rank's statistics ``[4, N]`` (one all-gather). Example (TP 2): local lse ``[log 2, log 6]``,
+    """``(lse [N], mean [N], every [TP, 3, N])``: the whole vocabulary's log-sum-exp and softmax mean of ``z``
+    from every TP rank's statistics ``[3, N]`` (one all-gather). Example (TP 2): local lse ``[log 2, log 6]``,
     means ``[0, 1]`` -> lse ``log 8``, mean ``2/8 * 0 + 6/8 * 1 = 0.75``."""
-    every = stats[None] if tp_size == 1 else all_gather_dim0(stats[None], tp_group)  # [TP, 4, N]
+    every = stats[None] if tp_size == 1 else all_gather_dim0(stats[None], tp_group)  # [TP, 3, N]
     lse = torch.logsumexp(every[:, 0], dim=0)  # [N]
     weight = (every[:, 0] - lse).exp()  # [TP, N] each rank's share of the probability mass
     return lse, (weight * every[:, 1]).sum(0), every
@@ -165,7 +165,7 @@ class _HeadOutputs(torch.autograd.Function):
         dtype = torch.promote_types(rows.dtype, torch.float32)
         n, cols = full.shape[0], (rows.shape[1] if weight is None else weight.shape[0])
         local, owned = local_ids(ids, vocab_start, cols) if ids is not None else (None, None)  # [N, J] each
-        stats = full.new_empty((_STATS, n), dtype=dtype)  # [4, N]
+        stats = full.new_empty((_STATS, n), dtype=dtype)  # [3, N]
         picked = full.new_zeros((n, ids.shape[1] if ids is not None else 0), dtype=dtype)  # [N, J]
         kk = min(k, cols)
         cand = full.new_empty((n, kk), dtype=dtype)  # [N, k'] this rank's top-k' logits
@@ -185,7 +185,7 @@ class _HeadOutputs(torch.autograd.Function):
             if am is not None:
                 arg[i:j] = am + vocab_start
             del z, st, pk, tk, am  # one chunk's temporaries alive at a time
-        lse, mean, every = combine_stats(stats, tp_group, tp_size)  # [N], [N], [TP, 4, N]
+        lse, mean, every = combine_stats(stats, tp_group, tp_size)  # [N], [N], [TP, 3, N]
         empty = lse.new_empty(0)
         logprobs = empty
         if ids is not None:
