@@ -232,7 +232,7 @@ def check_longrope(model_type: str, limit: tuple, packed) -> None:
     the row length ``S`` and the longest padded segment, Python ints: no host read)."""
     name, original = limit
     total = packed.segment_ids.shape[0]
-    bounds = [b for b in (getattr(packed, "max_length", None), getattr(packed, "row_len", None)) if b is not None]
+    bounds = [b for b in (packed.bounds.max_length, packed.bounds.row_len) if b is not None]
     longest = min(bounds) if bounds else total
     if longest > original:
         raise _refuse(model_type, name, f"rotary type 'longrope' switches every position of a call to its long "
