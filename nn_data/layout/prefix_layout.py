@@ -281,8 +281,8 @@ def tree_layout(seq_lengths: torch.Tensor, parent: torch.Tensor, branch_at: torc
     after its child, a cycle, ``branch_at`` outside ``(branch_at[parent], L[parent]]``, shared tokens that
     differ, too few slots); otherwise (compiled, or ``host_reads=False``) device asserts naming the field.
 
-    Example: L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, m 1 -> slots ``[0,3) [3,5) | [] [3,4)``
-    of rollouts 0, 0, 1, 1 (2 leading empty slots with N 6); packed ``[x0 x1 x2 | x3 x4 | y3]``.
+    Example: L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, m 1 -> N 4 slots ``[0,3) [3,5) | [] [3,4)``
+    of rollouts 0, 0, 1, 1; packed ``[x0 x1 x2 | x3 x4 | y3]``, positions ``[0,1,2, 3,4, 3]``.
     """
     rows = _check_args(seq_lengths, {"parent": parent, "branch_at": branch_at}, row_len, input_ids, num_rows)
     capacity = max(3 * rows - 2, 2 * rows) if node_capacity is None else node_capacity
