@@ -103,7 +103,8 @@ class PackedForward(nn.Module):
     ids, ``model`` on the local tokens, gather across ``cp_group`` (None: no CP; ``pg_collection``,
     megatron-core's ``ProcessGroupCollection``, stands for it with its ``cp`` group), unpack.
     With ``prefix_lengths [B]`` and ``group_ids [B]`` (both or neither) each group's prompt is packed
-    once and each rollout's row comes back as if it had been run alone
+    once and each rollout's row comes back as if it had been run alone; with ``parent [B]`` and
+    ``branch_at [B]`` instead, every shared prefix of a rollout tree, at any depth, once
     (:mod:`nn_data.packed_shared_prefix`; the model must honour ``packed.prefix``: both adapters do).
 
     The model contract: ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
@@ -175,13 +176,14 @@ class PackedForward(nn.Module):
         return self._cp_group
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None, group_ids=None,
-                **model_kwargs) -> torch.Tensor:
-        inp = self.prepare(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids)
+                parent=None, branch_at=None, **model_kwargs) -> torch.Tensor:
+        inp = self.prepare(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids, parent=parent,
+                           branch_at=branch_at)
         local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
         return self.finish(local_out, inp)
 
     def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None,
-                group_ids=None) -> "PackedInput":
+                group_ids=None, parent=None, branch_at=None) -> "PackedInput":
         """The first half of :meth:`forward`: pack, shard, position ids and :class:`PackedInfo`
         for ``input_ids [B, S]``, ``seq_lengths [B]`` (and ``prefix_lengths``/``group_ids``, a
         shared-prefix call), without calling the model. For a caller
@@ -190,18 +192,20 @@ class PackedForward(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise _checks.PackingError(f"input_ids must be a [B, S] tensor, got {shape}")
-        shared = prefix_lengths is not None or group_ids is not None
-        if shared:
-            _shared.check_shared_args(input_ids, seq_lengths, prefix_lengths, group_ids)
+        shared = any(t is not None for t in (prefix_lengths, group_ids, parent, branch_at))
+        if shared:  # a rollout tree (parent, branch_at) or its depth-1 spelling (prefix_lengths, group_ids)
+            prefix_lengths, group_ids, tree = _shared.check_shared_args(input_ids, seq_lengths, prefix_lengths,
+                                                                        group_ids, parent, branch_at)
         rows = input_ids.shape[0]
         num_rows = None
         if self.row_capacity is not None:
             padded = pad_to_row_capacity(input_ids, seq_lengths, self.row_capacity, name="row_capacity")
             input_ids, seq_lengths, num_rows = padded
             if shared:
-                prefix_lengths, group_ids = _shared.pad_shared_rows(prefix_lengths, group_ids, self.row_capacity)
+                pad = _shared.pad_tree_rows if tree else _shared.pad_shared_rows
+                prefix_lengths, group_ids = pad(prefix_lengths, group_ids, self.row_capacity)
         if shared:
-            return self._prepare_shared(input_ids, seq_lengths, prefix_lengths, group_ids, num_rows, rows)
+            return self._prepare_shared(input_ids, seq_lengths, prefix_lengths, group_ids, num_rows, rows, tree)
         if self.compile_packing:  # metadata errors raise PackingError here, before the compiled region
             check_pack_args(input_ids, seq_lengths, num_rows)
             input_ids = with_dynamic_row_length(input_ids)  # one graph for every S, 0 and 1 included
@@ -229,12 +233,13 @@ class PackedForward(nn.Module):
             return self.gather_kv(local, cu_pad)  # [1, T/C, *] -> [1, T, *]
         return gather_kv
 
-    def _prepare_shared(self, input_ids, seq_lengths, prefix_lengths, group_ids, num_rows, rows) -> "PackedInput":
+    def _prepare_shared(self, input_ids, seq_lengths, prefix_lengths, group_ids, num_rows, rows,
+                        tree=False) -> "PackedInput":
         """:meth:`prepare` for a shared-prefix call (:class:`~nn_data.packed_shared_prefix.SharedPrefixPackShard`)."""
         if self.compile_packing:  # metadata errors raise PackingError here, before the compiled region
             check_pack_args(input_ids, seq_lengths, num_rows)
             input_ids = with_dynamic_row_length(input_ids)  # one graph for every S
-        prep = self._shared_prepare_fn(input_ids, seq_lengths, prefix_lengths, group_ids, num_rows)
+        prep = self._shared_prepare_fn(input_ids, seq_lengths, prefix_lengths, group_ids, num_rows, tree)
         layout = None if prep.shared is None else prep.shared.layout
         gather_kv = self._kv_gather(layout, prep.cu_seqlens_padded)
         total = prep.segment_ids.shape[0]
@@ -246,7 +251,7 @@ class PackedForward(nn.Module):
             prefix_lengths=prep.prefix_lengths, leader=prep.leader,
         )
         return PackedInput(prep.input_ids, prep.positions, info, seq_lengths, rows, input_ids, layout, prep.shared,
-                           (prefix_lengths, group_ids, num_rows))
+                           (prefix_lengths, group_ids, num_rows, tree))
 
     def finish(self, local_out: torch.Tensor, inp: "PackedInput") -> torch.Tensor:
         """The second half of :meth:`forward`: the model's ``[1, T/C, *]`` output for ``inp``
@@ -270,9 +275,9 @@ class PackedForward(nn.Module):
             full = local_out if self.cp_size == 1 else self.gather_output(local_out, layout=inp.shared.layout)
             return inp.shared.unpack(full, inp.row_ids.shape[1])[: inp.rows]  # [1, T, *] -> [B, S, *]
         full = local_out if self.cp_size == 1 else self.gather_output(local_out, inp.packed.cu_seqlens_padded)
-        prefix_lengths, group_ids, num_rows = inp.shared_args
+        prefix_lengths, group_ids, num_rows, tree = inp.shared_args
         out = self._shared_finish_fn(full, inp.seq_lengths, prefix_lengths, group_ids, inp.row_ids, self.pack.spec,
-                                     num_rows)  # [R, S, *]
+                                     num_rows, tree)  # [R, S, *]
         return out[: inp.rows]
 
     def _packed_seq_params(self, cu_seqlens_padded: torch.Tensor, total: int):

@@ -1,18 +1,19 @@
-"""The shared-prefix side of :class:`~nn_data.packed_forward.PackedForward`: each group's prompt packed
-once, then its responses (:mod:`nn_data.layout.prefix_layout`), and the model's output back to one
-row per rollout as if each had been packed alone.
+"""The rollout-tree side of :class:`~nn_data.packed_forward.PackedForward`: every shared prefix packed
+once (:mod:`nn_data.layout.prefix_layout`; a GRPO group's prompt is the depth-1 case), and the model's
+output back to one row per rollout as if each had been packed alone.
 
 Shape legend
     B   rollouts (rows); R >= B with ``row_capacity``
     S   padded row length of the input batch
-    T   packed tokens (``pad_full_seq_to``); the row holds ``2B`` slots (prompt, response per rollout)
+    T   packed tokens (``pad_full_seq_to``); the row holds N node slots (``2B``: prompt, response per rollout)
     C   context-parallel size; the model sees ``T/C`` local tokens
 
-``PackedForward(model, ...)(input_ids [B, S], seq_lengths [B], prefix_lengths=P [B], group_ids=g [B])``
--> ``[B, S, *]``: the same model contract as the plain path, with ``packed.prefix`` (a
-:class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors) for the attention, ``packed.prefix_lengths``
-and ``packed.leader`` for layers that run one rollout per row, and position ids that continue from
-the prompt into each response (``SharedPrefixLayout.positions``, this rank's places).
+``PackedForward(model, ...)(input_ids [B, S], seq_lengths [B], parent=[B], branch_at=[B])`` (a tree) or
+``(..., prefix_lengths=P [B], group_ids=g [B])`` (the shared prompt) -> ``[B, S, *]``: the same model
+contract as the plain path, with ``packed.prefix`` (a :class:`~nn_data.masks.PrefixRule`) for the
+attention, position ids that continue along each path (``TreeLayout.positions``, this rank's places),
+and for the shared prompt ``packed.prefix_lengths`` and ``packed.leader`` for layers that run one rollout
+per row (None for a tree: such layers refuse it by name).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.layout import PackSpec, SharedPrefixLayout, shared_prefix_layout
+from nn_data.layout import PackSpec, SharedPrefixLayout, shared_prefix_layout, tree_layout
 from nn_data.masks import PrefixRule
 from nn_data.pack import pack_shard
 from nn_data.rows import pad_rows
@@ -66,9 +67,10 @@ class SharedPrefixPackShard(nn.Module):
         self.spec, self.cp_size, self.cp_rank = spec, cp_size, cp_rank
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor,
-                group_ids: torch.Tensor, num_rows: Optional[torch.Tensor] = None) -> SharedPrefixShard:
-        shared = shared_prefix_layout(seq_lengths, prefix_lengths, group_ids, row_len=input_ids.shape[1],
-                                      spec=self.spec, input_ids=input_ids, num_rows=num_rows)
+                group_ids: torch.Tensor, num_rows: Optional[torch.Tensor] = None, tree: bool = False
+                ) -> SharedPrefixShard:
+        shared = rollout_layout(seq_lengths, prefix_lengths, group_ids, tree=tree, row_len=input_ids.shape[1],
+                                spec=self.spec, input_ids=input_ids, num_rows=num_rows)
         layout = shared.layout
         places = layout.local_places(self.cp_size, self.cp_rank)  # [T/C] each, once for every tensor
         _, local = pack_shard(layout, {"x": shared.pack(input_ids)}, cp_size=self.cp_size, cp_rank=self.cp_rank,
@@ -78,32 +80,56 @@ class SharedPrefixPackShard(nn.Module):
         keep = None if torch.compiler.is_compiling() else shared
         return SharedPrefixShard(local["x"], positions, padding_mask, places.source, shared.segment_ids(),
                                  layout.cu_seqlens, layout.cu_seqlens_padded, layout.max_seqlen, shared.prefix_rule(),
-                                 shared.prefix_lengths, shared.leader, keep)
+                                 None if tree else shared.prefix_lengths, None if tree else shared.leader, keep)
+
+
+def rollout_layout(seq_lengths, first, second, *, tree: bool, **kwargs) -> SharedPrefixLayout:
+    """The tree layout of a call: ``(parent, branch_at)`` with ``tree``, else ``(prefix_lengths,
+    group_ids)`` (the shared prompt, :func:`~nn_data.layout.shared_prefix_layout`)."""
+    build = tree_layout if tree else shared_prefix_layout
+    return build(seq_lengths, first, second, **kwargs)
 
 
 def shared_finish(full: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor,
                   group_ids: torch.Tensor, like: torch.Tensor, spec: PackSpec,
-                  num_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  num_rows: Optional[torch.Tensor] = None, tree: bool = False) -> torch.Tensor:
     """Unpack ``full [1, T, *]`` to ``[R, S, *]`` (``S = like.shape[1]``, symbolic under compile) on the
-    shared-prefix layout rebuilt on the device from the lengths (no check: the packing side checked
-    them): the compiled unpacking side of ``PackedForward``."""
-    shared = shared_prefix_layout(seq_lengths, prefix_lengths, group_ids, row_len=like.shape[1], spec=spec,
-                                  num_rows=num_rows, validate=False, host_reads=False)
+    tree layout rebuilt on the device from the lengths (no check: the packing side checked them): the
+    compiled unpacking side of ``PackedForward``."""
+    shared = rollout_layout(seq_lengths, prefix_lengths, group_ids, tree=tree, row_len=like.shape[1], spec=spec,
+                            num_rows=num_rows, validate=False, host_reads=False)
     return shared.unpack(full, like.shape[1])
 
 
-def check_shared_args(input_ids: torch.Tensor, seq_lengths, prefix_lengths, group_ids) -> None:
-    """Both of ``prefix_lengths`` and ``group_ids`` or neither; each a ``[B]`` integer tensor on the
-    batch's device (the metadata checks, before any compiled region)."""
-    if (prefix_lengths is None) != (group_ids is None):
-        given, missing = ("prefix_lengths", "group_ids") if group_ids is None else ("group_ids", "prefix_lengths")
-        raise _checks.PackingError(f"{given} was given without {missing}: a shared-prefix call needs both "
-                                   "(the prompt length each rollout shares and the group it shares it with)")
+def check_shared_args(input_ids: torch.Tensor, seq_lengths, prefix_lengths, group_ids, parent=None,
+                      branch_at=None) -> tuple:
+    """``(first, second, tree)``: both of ``prefix_lengths`` and ``group_ids``, or both of ``parent`` and
+    ``branch_at`` (a tree), each a ``[B]`` integer tensor on the batch's device (the metadata checks,
+    before any compiled region)."""
+    tree = parent is not None or branch_at is not None
+    if tree and (prefix_lengths is not None or group_ids is not None):
+        raise _checks.PackingError("parent/branch_at (a rollout tree) and prefix_lengths/group_ids (a shared prompt) "
+                                   "were both given: pass one spelling (a shared prompt is the tree with parent = the "
+                                   "group's first rollout, branch_at = the prompt length)")
+    pair = ("parent", "branch_at") if tree else ("prefix_lengths", "group_ids")
+    first, second = (parent, branch_at) if tree else (prefix_lengths, group_ids)
+    if (first is None) != (second is None):
+        given, missing = (pair[0], pair[1]) if second is None else (pair[1], pair[0])
+        what = ("the rollout each shares its beginning with and how many tokens" if tree else
+                "the prompt length each rollout shares and the group it shares it with")
+        raise _checks.PackingError(f"{given} was given without {missing}: a {'tree' if tree else 'shared-prefix'} "
+                                   f"call needs both ({what})")
     rows = input_ids.shape[0]
-    _checks.check_int_vector("prefix_lengths", prefix_lengths, rows)
-    _checks.check_int_vector("group_ids", group_ids, rows)
-    _checks.check_same_device(input_ids=input_ids, seq_lengths=seq_lengths, prefix_lengths=prefix_lengths,
-                              group_ids=group_ids)
+    _checks.check_int_vector(pair[0], first, rows)
+    _checks.check_int_vector(pair[1], second, rows)
+    _checks.check_same_device(input_ids=input_ids, seq_lengths=seq_lengths, **{pair[0]: first, pair[1]: second})
+    return first, second, tree
+
+
+def pad_tree_rows(parent: torch.Tensor, branch_at: torch.Tensor, capacity: int):
+    """``parent`` and ``branch_at`` padded to ``capacity`` rows: each padding row a root (-1, 0)."""
+    padded = pad_rows(parent + 1, capacity, name="row_capacity") - 1  # [R]: -1 past the rows
+    return padded, pad_rows(branch_at, capacity, name="row_capacity")
 
 
 def pad_shared_rows(prefix_lengths: torch.Tensor, group_ids: torch.Tensor, capacity: int):

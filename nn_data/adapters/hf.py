@@ -171,6 +171,13 @@ class HFCausalLMAdapter(nn.Module):
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
         prefix = getattr(packed, "prefix", None)  # a shared-prefix row: one rollout (prompt + response) per row
+        if self.layers.mixers and prefix is not None and packed.leader is None:
+            names = sorted({type(module).__name__ for _, module, _ in self.layers.mixers})
+            raise PackingError(f"model_type={self.layers.model_type!r} has layers with a recurrent state or short "
+                               f"convolution ({', '.join(names)}) and this call packs a rollout tree (parent, "
+                               "branch_at): nn_data runs such layers one rollout per row only for a shared prompt "
+                               "(prefix_lengths, group_ids); pass the tree's depth-1 groups that way, or the rollouts "
+                               "unshared")
         if self.layers.mixers:
             rows = hf_mixers.mixer_rows(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
                                         gather=packed.gather, query_index=packed.query_index,

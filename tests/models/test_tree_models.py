@@ -1,0 +1,60 @@
+"""Tier: pure CPU, single process (tiny models built from a config, nothing downloaded; a one-rank gloo
+group on 127.0.0.1 for megatron-core's parallel_state). Under CP (C = 2 and 4, gloo):
+tests/multiprocess/test_tree_models_multiprocess.py. Cases: tests/models/tree_cases.py.
+
+Rollout trees through the models: ``PackedForward(...)(ids, L, parent=, branch_at=)`` (every shared
+prefix packed once, trees of depth 1 to 4) equals every rollout run alone on its full row, logits and
+parameter gradients (float64), through the HF adapter (Llama) and the megatron-core adapter (the tiny
+GPTModel); a hybrid (recurrent or convolution layers) is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nn_data.adapters import HFCausalLMAdapter
+from nn_data.errors import PackingError
+from nn_data.models.tiny_hf import tiny_hf_model
+from nn_data.packed_forward import PackedForward
+from tests.models import tree_cases as cases
+from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state
+
+
+def test_llama_tree_equals_each_rollout_alone_float64():
+    result = cases.case_hf("llama")
+    assert result["out"] < 1e-10 and result["grad"] < 1e-10, result
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "mamba2"])
+def test_a_hybrid_refuses_a_tree_by_name(kind):
+    model = tiny_hf_model(kind, dtype=torch.float64, moe=False)
+    tree = cases.TREES[1]
+    wrapped = PackedForward(HFCausalLMAdapter(model), pad_full_seq_to=cases.tree_total(tree, 1))
+    ids = cases.tree_ids(tree, torch.Generator().manual_seed(0))
+    with pytest.raises(PackingError, match=rf"model_type='{kind}' has layers with a recurrent state or short "
+                                           r"convolution \(\w+.*\) and this call packs a rollout tree"):
+        wrapped(ids, torch.tensor(tree.lengths), parent=torch.tensor(tree.parent),
+                branch_at=torch.tensor(tree.branch_at))
+
+
+def test_the_call_takes_one_spelling():
+    wrapped = PackedForward(lambda ids, pos, packed: ids[..., None].float(), pad_full_seq_to=8)
+    ids, lens, one = torch.ones(2, 4, dtype=torch.int64), torch.tensor([4, 4]), torch.tensor([-1, 0])
+    with pytest.raises(PackingError, match=r"parent/branch_at \(a rollout tree\) and prefix_lengths/group_ids"):
+        wrapped(ids, lens, prefix_lengths=one, group_ids=one, parent=one, branch_at=one)
+    with pytest.raises(PackingError, match=r"parent was given without branch_at: a tree call needs both"):
+        wrapped(ids, lens, parent=one)
+
+
+@pytest.fixture(scope="module")
+def megatron_state():
+    with one_rank_parallel_state():
+        yield
+
+
+@needs_megatron_models
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_tiny_gpt_model_tree_equals_each_rollout_alone_float64(megatron_state):
+    result = cases.case_megatron()
+    assert result["out"] < 1e-10 and result["grad"] < 1e-10, result
