@@ -331,7 +331,9 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
     rows = lengths.shape[0]
     nodes = tree_nodes.node_tables(lengths, parent, branch_at, extra, row_len, capacity)
     slot_lengths = nodes.length[:capacity]  # [N]
-    slot_rows = None if num_rows is None else nodes.offsets[num_rows.to(torch.int64).clamp(0, rows)]
+    slot_rows = None  # the slot where the padding rows' slots begin (a 0-d tensor, no read)
+    if num_rows is not None:
+        slot_rows = nodes.offsets.index_select(0, num_rows.to(torch.int64).clamp(0, rows).view(1)).view(())
     host_lengths = None
     if reads_host(validate, host_reads):
         layout, host_lengths = _on_host(lengths, parent, branch_at, nodes, slot_lengths, slot_rows, num_rows, row_len,

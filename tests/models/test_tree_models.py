@@ -13,7 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch._dynamo.testing import CompileCounterWithBackend
+
 from nn_data.adapters import HFCausalLMAdapter
+from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data.packed_forward import PackedForward
@@ -45,6 +48,31 @@ def test_the_call_takes_one_spelling():
         wrapped(ids, lens, prefix_lengths=one, group_ids=one, parent=one, branch_at=one)
     with pytest.raises(PackingError, match=r"parent was given without branch_at: a tree call needs both"):
         wrapped(ids, lens, parent=one)
+
+
+@pytest.mark.compile
+def test_compiled_packing_one_graph_each_side_and_no_host_sync_over_a_stream_of_trees():
+    """compile_packing=True with a fixed T and a row capacity: the tree packing and unpacking compile once
+    each (2 frames) over trees whose shapes, depths and lengths vary; no host read in a call after the
+    first; every output equals the eager tree path."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model = tiny_hf_model("llama")
+    common = dict(pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=160)
+    compiled = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), row_capacity=6, compile_packing=True,
+                             compile_kwargs={"backend": counter}, **common)
+    eager = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), **common)
+    syncs = []
+    with torch.no_grad():
+        for ids, lens, call, total in cases.tree_batches(4):
+            assert total <= 160
+            with HostSyncCounter() as counted:
+                out = compiled(ids, lens, **call)
+            syncs.append(counted.count)
+            torch.testing.assert_close(out, eager(ids, lens, **call), rtol=0, atol=2e-6)
+    assert counter.frame_count == 2, counter.frame_count
+    assert syncs[1:] == [0] * (len(cases.TREES) - 1), syncs
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")
