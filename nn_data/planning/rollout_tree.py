@@ -43,7 +43,8 @@ def find_rollout_tree(input_ids, seq_lengths, *, chunk: int = 512) -> RolloutTre
         raise PackingError(f"input_ids must be [B, S] and seq_lengths [B]; got {ids.shape} and {lengths.shape}")
     if lengths.size and (lengths.min() < 0 or lengths.max() > ids.shape[1]):
         i = int(np.flatnonzero((lengths < 0) | (lengths > ids.shape[1]))[0])
-        raise PackingError(f"seq_lengths[{i}] = {int(lengths[i])} is outside [0, S={ids.shape[1]}]")
+        raise PackingError(f"seq_lengths[{i}] = {int(lengths[i])} is invalid; a rollout's length lies in [0, S], "
+                           f"S = {ids.shape[1]} (input_ids' row length)")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise PackingError(f"chunk={chunk!r} is invalid; expected a positive int")
     rows = ids.shape[0]

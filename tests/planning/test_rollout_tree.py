@@ -56,7 +56,7 @@ def test_the_longest_common_prefix_with_an_earlier_rollout(data, rows, chunk):
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(PackingError, match=r"seq_lengths\[1\] = 7 is outside \[0, S=4\]"):
+    with pytest.raises(PackingError, match=r"seq_lengths\[1\] = 7 is invalid; a rollout's length lies in \[0, S\], S = 4"):
         find_rollout_tree(np.zeros((2, 4)), [1, 7])
     with pytest.raises(PackingError, match=r"input_ids must be \[B, S\] and seq_lengths \[B\]"):
         find_rollout_tree(np.zeros(4), [1])
