@@ -12,8 +12,8 @@ Shape legend
 ``(..., prefix_lengths=P [B], group_ids=g [B])`` (the shared prompt) -> ``[B, S, *]``: the same model
 contract as the plain path, with ``packed.prefix`` (a :class:`~nn_data.masks.PrefixRule`) for the
 attention, position ids that continue along each path (``TreeLayout.positions``, this rank's places),
-and for the shared prompt ``packed.prefix_lengths`` and ``packed.leader`` for layers that run one rollout
-per row (None for a tree: such layers refuse it by name).
+and for the shared prompt ``packed.prefix_lengths`` and ``packed.leader`` (None for a tree; layers that run
+one rollout per row take the rule: :func:`nn_data.adapters.hf_mixers.path_rows`).
 """
 
 from __future__ import annotations

@@ -170,19 +170,11 @@ class HFCausalLMAdapter(nn.Module):
             return self._no_tokens(input_ids)
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
-        prefix = getattr(packed, "prefix", None)  # a shared-prefix row: one rollout (prompt + response) per row
-        if self.layers.mixers and prefix is not None and packed.leader is None:
-            names = sorted({type(module).__name__ for _, module, _ in self.layers.mixers})
-            raise PackingError(f"model_type={self.layers.model_type!r} has layers with a recurrent state or short "
-                               f"convolution ({', '.join(names)}) and this call packs a rollout tree (parent, "
-                               "branch_at): nn_data runs such layers one rollout per row only for a shared prompt "
-                               "(prefix_lengths, group_ids); pass the tree's depth-1 groups that way, or the rollouts "
-                               "unshared")
+        prefix = getattr(packed, "prefix", None)  # a rollout-tree row: one rollout (its whole path) per row
         if self.layers.mixers:
             rows = hf_mixers.mixer_rows(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
                                         gather=packed.gather, query_index=packed.query_index,
-                                        prefix_lengths=None if prefix is None else packed.prefix_lengths,
-                                        leader=None if prefix is None else packed.leader)
+                                        prefix=prefix)
             per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None or prefix is not None
             mixer, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
         kernels = bool(self.layers.mixers) and mixer is None
