@@ -30,7 +30,6 @@ The target: >= 1.3x. Timings on a loaded machine mean little: say so beside them
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Optional
 
 import numpy as np
@@ -181,14 +180,12 @@ def finder_lines(args) -> list[str]:
     group = agentic_group(rng, length // 4, rows, 0.7, turns=(6, 6), turn_len=(length // 8, length // 8))
     ids, lengths = token_ids(group, 2)
     ids, lengths = ids[:, :length], np.minimum(lengths, length)
-    times = []
-    for _ in range(args.reps):
-        start = time.perf_counter()
-        found = find_rollout_tree(ids, lengths)
-        times.append(time.perf_counter() - start)
+    found = find_rollout_tree(ids, lengths)
+    timing = time_side_by_side({"find": lambda: find_rollout_tree(ids, lengths)}, warmup=0, reps=args.reps)["find"]
     shared = int(found.branch_at.sum())
     return [f"find_rollout_tree: {rows} rollouts of {length:,} tokens ({shared:,} shared tokens found): median "
-            f"{np.median(times) * 1e3:.1f} ms over {args.reps} calls (min {min(times) * 1e3:.1f})"]
+            f"{timing.median_s * 1e3:.1f} ms over {args.reps} calls (p10-p90 {timing.p10_s * 1e3:.1f}-"
+            f"{timing.p90_s * 1e3:.1f})"]
 
 
 def main(argv: Optional[list] = None) -> list[str]:
