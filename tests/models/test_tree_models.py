@@ -29,6 +29,11 @@ def test_llama_tree_equals_each_rollout_alone_float64():
     assert result["out"] < 1e-10 and result["grad"] < 1e-10, result
 
 
+def test_flex_block_mask_on_a_tree():
+    """mask_kind="block": the path rule in flex attention's mask_mod (CPU: forward only, float32)."""
+    assert cases.case_hf_flex_forward()["worst"] < 2e-5
+
+
 @pytest.mark.parametrize("kind", ["lfm2", "qwen3_next", "mamba2"])
 def test_hybrids_run_each_rollout_along_its_path(kind):
     """Short convolution, gated delta net, Mamba-2: each such layer runs one row per rollout, its whole path

@@ -62,6 +62,27 @@ def case_hf(kind: str = "llama", exact_norms: bool = True) -> dict:
                                                batches=tree_batches(2 * cp.size))
 
 
+def case_hf_flex_forward() -> dict:
+    """The tiny Llama (float32) with ``mask_kind="block"`` (flex attention's mask_mod with the path rule;
+    forward only on a CPU) under this rank's CP group, no grad: the largest difference from each rollout alone."""
+    from nn_data.adapters import HFCausalLMAdapter
+    from nn_data.models.tiny_hf import tiny_hf_model
+    from nn_data.packed_forward import PackedForward
+
+    cp = context_parallel_info()
+    model = tiny_hf_model("llama")
+    worst = 0.0
+    with torch.no_grad():
+        for ids, lens, call, total in tree_batches(2 * cp.size, TREES[1:3]):
+            wrapped = PackedForward(HFCausalLMAdapter(model, mask_kind="block"), pad_full_seq_to=total,
+                                    pad_individual_seqs_to_multiple_of=2 * cp.size, cp_group=cp.group)
+            out = wrapped(ids, lens, **call)
+            for b, n in enumerate(lens.tolist()):
+                alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+                worst = max(worst, float((out[b, :n] - alone).abs().max()))
+    return dict(worst=worst)
+
+
 def case_megatron() -> dict:
     """MegatronGPTAdapter on the tiny GPTModel (float64), trees, against each rollout through megatron-core's
     stock unpacked path."""

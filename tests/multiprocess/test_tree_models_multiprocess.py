@@ -35,6 +35,15 @@ def test_llama_tree_under_cp_equals_each_rollout_alone(rank_pool, cp):
     _check(rank_pool.run("tests.models.tree_cases:case_hf", "llama", cp=cp), cp)
 
 
+def test_hybrid_tree_under_cp2(rank_pool):
+    """LFM2 (short convolution + attention), C = 2: each rank runs the path rows on the gathered tokens and
+    keeps its places; gradients at transformers' float32 norms (tests/models/test_tree_models.py)."""
+    results = rank_pool.run("tests.models.tree_cases:case_hf", "lfm2", False, cp=2)
+    assert [(r["cp_rank"], r["cp_size"]) for r in results] == [(i % 2, 2) for i in range(4)]
+    for r in results:
+        assert r["out"] < 1e-10 and r["grad"] < 1e-4, r
+
+
 @needs_megatron_models
 @pytest.mark.parametrize("cp", [2, 4], ids=lambda c: f"C{c}")
 def test_megatron_tree_under_cp_equals_each_rollout_alone(rank_pool, cp):
