@@ -246,27 +246,6 @@ class BoundaryPlaces(NamedTuple):
     owned: torch.Tensor
 
 
-def leaders(group_ids: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64: the first rollout of each rollout's group (a ``[B, B]`` comparison; B is small).
-
-    Example: group_ids ``[7, 9, 7, 9, 4]`` -> ``[0, 1, 0, 1, 4]``.
-    """
-    rows = group_ids.shape[0]
-    rollout = torch.arange(rows, device=group_ids.device)  # [B]
-    if rows == 0:
-        return rollout
-    same = group_ids[:, None] == group_ids[None, :]  # [B, B]
-    return torch.where(same, rollout[None, :], rows).amin(dim=1)  # [B]
-
-
-def prefix_mismatch(input_ids: torch.Tensor, shared: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """``[B]`` bool: rollout ``b``'s first ``shared[b]`` tokens differ from rollout ``other[b]``'s."""
-    ids = input_ids.flatten(2) if input_ids.dim() > 2 else input_ids.unsqueeze(2)  # [B, S, F]
-    s = torch.arange(ids.shape[1], device=ids.device)  # [S]
-    differs = (ids != ids[other]).any(dim=2)  # [B, S]
-    return (differs & (s[None, :] < shared[:, None])).any(dim=1)
-
-
 def tree_layout(seq_lengths: torch.Tensor, parent: torch.Tensor, branch_at: torch.Tensor, *, row_len: int,
                 spec: PackSpec, input_ids: Optional[torch.Tensor] = None, num_rows=None,
                 node_capacity: Optional[int] = None, validate: bool = True, host_reads: bool = True) -> TreeLayout:
@@ -292,7 +271,7 @@ def tree_layout(seq_lengths: torch.Tensor, parent: torch.Tensor, branch_at: torc
     lengths, up, at = (t.to(torch.int64) for t in (seq_lengths, parent, branch_at))
     mismatch = None
     if validate and input_ids is not None and rows:
-        mismatch = prefix_mismatch(input_ids, at, up.clamp(min=0)) & (up >= 0)
+        mismatch = tree_nodes.prefix_mismatch(input_ids, at, up.clamp(min=0)) & (up >= 0)
     return _build(lengths, up, at, torch.zeros_like(at), row_len, spec, capacity, num_rows, validate, host_reads,
                   tree_checks=(mismatch,))
 
@@ -312,14 +291,14 @@ def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor
     rows = _check_args(seq_lengths, {"prefix_lengths": prefix_lengths, "group_ids": group_ids}, row_len, input_ids,
                        num_rows)
     lengths, prefix, groups = (t.to(torch.int64) for t in (seq_lengths, prefix_lengths, group_ids))
-    leader = leaders(groups)
+    leader = tree_nodes.leaders(groups)
     rollout = torch.arange(rows, device=lengths.device)  # [B]
     parent = torch.where((leader != rollout) & (prefix > 0), leader, -1)  # [B]
     branch_at = torch.where(parent >= 0, prefix, 0)  # [B]
     extra = torch.where(leader == rollout, prefix, 0)  # [B]: a leader's prompt is a node even without a follower
     mismatch = None
     if validate and input_ids is not None and rows:
-        mismatch = prefix_mismatch(input_ids, torch.minimum(prefix, prefix[leader]), leader)
+        mismatch = tree_nodes.prefix_mismatch(input_ids, torch.minimum(prefix, prefix[leader]), leader)
     return _build(lengths, parent, branch_at, extra, row_len, spec, 2 * rows, num_rows, validate, host_reads,
                   group_checks=(prefix, groups, leader, mismatch))
 

@@ -165,3 +165,24 @@ def node_of(nodes: NodeTables, owner: torch.Tensor, position: torch.Tensor, row_
     before = torch.searchsorted(keys, (owner * wide + position).reshape(-1), right=True).view(owner.shape)
     inner = before - nodes.first_split[owner]  # splits of the owner at or before the position
     return nodes.offsets[owner] + torch.where(nodes.splits[owner] == 0, 1, inner)
+
+
+def leaders(group_ids: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64: the first rollout of each rollout's group (a ``[B, B]`` comparison; B is small).
+
+    Example: group_ids ``[7, 9, 7, 9, 4]`` -> ``[0, 1, 0, 1, 4]``.
+    """
+    rows = group_ids.shape[0]
+    rollout = torch.arange(rows, device=group_ids.device)  # [B]
+    if rows == 0:
+        return rollout
+    same = group_ids[:, None] == group_ids[None, :]  # [B, B]
+    return torch.where(same, rollout[None, :], rows).amin(dim=1)  # [B]
+
+
+def prefix_mismatch(input_ids: torch.Tensor, shared: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: rollout ``b``'s first ``shared[b]`` tokens differ from rollout ``other[b]``'s."""
+    ids = input_ids.flatten(2) if input_ids.dim() > 2 else input_ids.unsqueeze(2)  # [B, S, F]
+    s = torch.arange(ids.shape[1], device=ids.device)  # [S]
+    differs = (ids != ids[other]).any(dim=2)  # [B, S]
+    return (differs & (s[None, :] < shared[:, None])).any(dim=1)
