@@ -318,7 +318,7 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
                 checks.prefix_lengths_device(op, lengths, prefix, leader, mismatch, real)
             else:
                 checks.tree_device(op, lengths, parent, branch_at, tree_checks[0], real, nodes.used, capacity)
-            checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, spec.arg_name)
+            checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to")
         layout = layout_from_lengths(slot_lengths, row_len, spec, num_rows=slot_rows, validate=validate,
                                      host_reads=False, op=op)
     seg = layout.segment_ids()  # [T]

@@ -19,7 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import nn_data
 from nn_data.adapters import HFCausalLMAdapter
 from nn_data.errors import PackingError
-from nn_data.layout import device, host
+from nn_data.layout import host, prefix_layout
 from nn_data.logprobs import SharedPrefixLogProbs
 from nn_data.models import TinyCausalLM
 from nn_data.models.tiny_hf import tiny_hf_model
@@ -38,9 +38,10 @@ def tiny():
     return TinyCausalLM(vocab=VOCAB, dim=32, heads=4, layers=2).eval()
 
 
-def _kernel_stacks(monkeypatch, module, call):
-    """The nn_data frames from PackedForward.forward (inclusive) down to ``module.pack`` (exclusive)."""
-    seen, real = [], module.pack
+def _kernel_stacks(monkeypatch, owner, name, call):
+    """The nn_data frames from PackedForward.forward (inclusive) down to the pack kernel ``owner.name``
+    (exclusive)."""
+    seen, real = [], getattr(owner, name)
 
     def recording(*args, **kwargs):
         frames = [f.frame for f in inspect.stack()[1:]]
@@ -48,7 +49,7 @@ def _kernel_stacks(monkeypatch, module, call):
         seen.append(ours[ours.index("forward"):])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(module, "pack", recording)
+    monkeypatch.setattr(owner, name, recording)
     call()
     return seen
 
@@ -56,14 +57,15 @@ def _kernel_stacks(monkeypatch, module, call):
 def test_forward_reaches_the_pack_kernel_in_at_most_four_frames(tiny, monkeypatch):
     ids, lens = torch.randint(1, VOCAB, (3, 6)), torch.tensor([4, 0, 6])
     wrapped = PackedForward(tiny, pad_individual_seqs_to_multiple_of=4)
-    stacks = _kernel_stacks(monkeypatch, host, lambda: wrapped(ids, lens))
+    stacks = _kernel_stacks(monkeypatch, host.HostExecutor, "pack", lambda: wrapped(ids, lens))
     assert stacks == [["forward", "prepare", "forward", "pack"]], stacks
 
 
 def test_a_shared_prefix_forward_reaches_its_kernel_in_at_most_four_frames(monkeypatch):
     ids, lens, pre, gid = cases.rollouts([7, 7, 9], [2, 2, 1], [4, 3, 3], torch.Generator().manual_seed(0))
     wrapped = PackedForward(HFCausalLMAdapter(tiny_hf_model("llama"), mask_kind="dense"), pad_full_seq_to=16)
-    stacks = _kernel_stacks(monkeypatch, device, lambda: wrapped(ids, lens, prefix_lengths=pre, group_ids=gid))
+    stacks = _kernel_stacks(monkeypatch, prefix_layout, "gather_pack",
+                            lambda: wrapped(ids, lens, prefix_lengths=pre, group_ids=gid))
     assert stacks and all(len(s) <= 4 for s in stacks), stacks
     assert stacks[0] == ["forward", "prepare", "forward", "pack"], stacks
 
@@ -76,10 +78,11 @@ def test_records_have_at_most_seven_fields():
     assert {r.__name__: len(r._fields) for r in records if len(r._fields) > 7} == {}
 
 
-def test_both_kinds_of_microbatch_run_one_pipeline():
-    """The kind is a strategy of PackingSide / UnpackingSide: the shared prefix has no module of its own,
-    and the pipeline's sides are one class each whatever the kind."""
-    assert {kind.name for kind in packed_forward.KINDS} == {"plain", "shared-prefix"}
+def test_every_kind_of_microbatch_runs_one_pipeline():
+    """The kind is a strategy of PackingSide / UnpackingSide: the rollout tree and its depth-1 spelling (the
+    shared prefix) have no module of their own, and the pipeline's sides are one class each whatever the kind."""
+    assert {kind.name for kind in packed_forward.KINDS} == {"plain", "shared-prefix", "rollout-tree"}
+    assert isinstance(packed_shared_prefix.SHARED_PREFIX, packed_shared_prefix.RolloutTreeKind)
     assert not [n for n, v in vars(packed_shared_prefix).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)]
 
 
