@@ -59,8 +59,8 @@ class PackedInput(NamedTuple):
 
 
 class Microbatch(NamedTuple):
-    """One call's kind of microbatch (:class:`~nn_data.packed_sides.PlainKind`, or
-    :class:`~nn_data.packed_shared_prefix.SharedPrefixKind`), its own per-row arguments ``args`` (None for
+    """One call's kind of microbatch (:class:`~nn_data.packed_sides.PlainKind`,
+    :class:`~nn_data.packed_shared_prefix.RolloutTreeKind` or its depth-1 spelling ``SharedPrefixKind``), its own per-row arguments ``args`` (None for
     a plain microbatch; row-padded), ``num_rows`` (0-d, with ``row_capacity``; else None) and, eagerly, the
     ``layout`` the packing side built (None out of a compiled graph)."""
 
