@@ -27,6 +27,7 @@ import torch
 from nn_data import _checks
 from nn_data.layout import PackLayout, PackSpec, SharedPrefixLayout, shared_prefix_layout, tree_layout
 from nn_data.masks import PrefixRule
+from nn_data.planning import RolloutTree
 from nn_data.rows import pad_rows
 
 
@@ -49,14 +50,6 @@ class SharedPrefixInfo(NamedTuple):
     leader: torch.Tensor
 
 
-class RolloutTree(NamedTuple):
-    """A rollout-tree microbatch's own arguments: ``parent [B]`` (the earlier rollout each shares its
-    beginning with, or -1) and ``branch_at [B]`` (how many leading tokens it shares)."""
-
-    parent: torch.Tensor
-    branch_at: torch.Tensor
-
-
 class RolloutTreeKind:
     """The rollout-tree microbatch, a kind of :class:`~nn_data.packed_forward.PackedForward`'s one pipeline
     (:class:`~nn_data.packed_sides.MicrobatchKind`): every shared prefix packed once, ancestors before
@@ -72,7 +65,8 @@ class RolloutTreeKind:
     fields = ("parent", "branch_at")
 
     def args(self, input_ids: torch.Tensor, seq_lengths, first, second) -> RolloutTree:
-        """The call's two per-row tensors (checked by :func:`check_shared_args`) as this kind's record."""
+        """The call's two per-row tensors (checked by :func:`check_shared_args`) as this kind's record
+        (:class:`~nn_data.planning.RolloutTree`, here of ``[B]`` tensors)."""
         return RolloutTree(first, second)
 
     def pad_rows(self, args: RolloutTree, capacity: int) -> RolloutTree:

@@ -25,10 +25,12 @@ from nn_data.errors import PackingError
 
 
 class RolloutTree(NamedTuple):
-    """``parent [B]`` and ``branch_at [B]`` int64 (numpy): each rollout's tree entry."""
+    """``parent [B]`` and ``branch_at [B]`` int64: each rollout's tree entry (numpy from
+    :func:`find_rollout_tree`; ``[B]`` tensors as the rollout-tree microbatch's own arguments in
+    ``PackedForward``)."""
 
-    parent: np.ndarray
-    branch_at: np.ndarray
+    parent: object
+    branch_at: object
 
 
 def find_rollout_tree(input_ids, seq_lengths, *, chunk: int = 512) -> RolloutTree:
