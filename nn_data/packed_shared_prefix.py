@@ -7,7 +7,8 @@ strategy, its own arguments).
 Shape legend
     B   rollouts (rows); R >= B with ``row_capacity``
     S   padded row length of the input batch
-    T   packed tokens (``pad_full_seq_to``); the row holds N node slots (``2B``: prompt, response per rollout)
+    T   packed tokens (``pad_full_seq_to``); the row holds N node slots (``2B`` for the shared prompt, at most
+        ``3B - 2`` for a tree)
     C   context-parallel size; the model sees ``T/C`` local tokens
 
 ``PackedForward(model, ...)(input_ids [B, S], seq_lengths [B], parent=[B], branch_at=[B])`` (a tree) or
