@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 from nn_data import _checks as checks  # the argument checks: check_cp, positive_int, check_int_vector, ...
-from nn_data.cp_comm import all_gather_dim0
+from nn_data.cp_comm import all_gather_dim0, all_gather_rows, all_reduce_sum, all_to_all_dim0
 from nn_data.groups import (
     SINGLE, ParallelInfo, as_process_group, given_group_info, group_info, is_group_form, megatron_state,
 )
@@ -44,6 +44,8 @@ from nn_data.logprobs import (
     token_logprobs_local,
 )
 from nn_data.logprobs.from_hidden import hidden_rows
+from nn_data.logprobs.outputs import combine_topk, head_outputs_local, local_ids
+from nn_data.logprobs.soft_targets import soft_cross_entropy_local
 from nn_data.masks import PrefixRule
 from nn_data.megatron_parallel import gpt_model_class, make_packed_seq_params
 from nn_data.pack import PackShard, pack_shard
@@ -67,10 +69,11 @@ __all__ = [
     "PackingSide", "SHARED_PREFIX", "RolloutGroups", "SharedPrefixInfo", "CPShare", "PackedBounds",
     # process groups, collectives, megatron-core's PackedSeqParams
     "ParallelInfo", "SINGLE", "as_process_group", "given_group_info", "group_info", "is_group_form",
-    "megatron_state", "all_gather_dim0", "gpt_model_class", "make_packed_seq_params",
+    "megatron_state", "all_gather_dim0", "all_gather_rows", "all_reduce_sum", "all_to_all_dim0", "gpt_model_class", "make_packed_seq_params",
     # planning
     "Parallelism", "plan_step", "plan_step_shared_prefix", "first_fit_decreasing", "round_up_lengths",
     # log-probs
     "SharedPrefixLogProbs", "SharedPrefixLogProbsFromHidden", "hidden_logprobs_local", "hidden_rows",
-    "sampling_filter", "token_logprobs_local",
+    "sampling_filter", "token_logprobs_local", "combine_topk", "head_outputs_local", "local_ids",
+    "soft_cross_entropy_local",
 ]

@@ -24,6 +24,7 @@ from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
 from nn_data.pack import PackSequences, check_pack_args
 from nn_data.layout import PackLayout
+from nn_data.model_check import ModelGuard
 from nn_data.packed_shared_prefix import ROLLOUT_TREE, SHARED_PREFIX, SharedPrefixInfo, check_shared_args
 from nn_data.packed_sides import (CPShare, MicrobatchKind, PackedBounds, PackedInfo, PackingSide, PLAIN,
                                   UnpackingSide)
@@ -103,6 +104,10 @@ class PackedForward(nn.Module):
     :func:`nn_data.rows.with_dynamic_row_length`). The model and the
     collectives run eagerly unless you compile the model yourself (docs/compile-contract.md).
 
+    ``verify`` (:class:`~nn_data.model_check.ModelGuard`): ``True``/``"first"`` (default) proves the model
+    keeps packed sequences apart on its first call (a small microbatch of its own, docs/models.md) and
+    again when the model changes; ``N`` also checks every Nth microbatch itself; ``False`` skips both.
+
     Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops, plus the CP
     multiples above), when ``input_ids`` is not ``[B, S]`` or ``seq_lengths`` not a ``[B]`` integer
     tensor on its device (before any compiled region), and when the model does not return
@@ -122,9 +127,11 @@ class PackedForward(nn.Module):
         compile_packing: bool = False,
         compile_kwargs: Optional[dict] = None,
         make_packed_seq_params: bool = False,
+        verify=True,
     ):
         super().__init__()
         self.model = model
+        self.guard = ModelGuard(verify)  # the packing check (nn_data.model_check): first call, and on a change
         self.pack = PackSequences(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_full_seq_to)
         self.cp_rank, self.cp_size, self._cp_group = given_group_info(cp_group, pg_collection=pg_collection,
                                                                       field="cp")
@@ -157,10 +164,15 @@ class PackedForward(nn.Module):
         if taken:  # the adapter's own arguments, made from the layout
             raise _checks.PackingError(f"{taken[0]}= is made by PackedForward from the packed layout and passed to the adapter "
                                f"itself; leave out {', '.join(taken)} (model keywords pass through to the model)")
+        verify = self.guard.before(self, input_ids) and all(
+            t is None for t in (prefix_lengths, group_ids, parent, branch_at))
         inp = self.prepare(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids, parent=parent,
                            branch_at=branch_at)
         local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
-        return self.finish(local_out, inp)
+        out = self.finish(local_out, inp)
+        if verify:  # verify=N: this microbatch run again, with a sequence changed and one alone
+            self.guard.after(self, input_ids, seq_lengths, **model_kwargs)
+        return out
 
     def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None,
                 group_ids=None, parent=None, branch_at=None) -> PackedInput:

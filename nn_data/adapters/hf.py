@@ -47,6 +47,7 @@ from nn_data.adapters import hf_layers, hf_mixers, hf_support
 from nn_data.errors import PackingError
 from nn_data.layout.internal import segment_bounds
 from nn_data.masks import DocumentMask, document_attention, document_mask
+from nn_data.model_identity import fingerprint
 
 #: The name nn_data's attention function is registered under (``transformers.AttentionInterface``).
 ATTENTION_NAME = "nn_data_packed"
@@ -78,7 +79,7 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
     hf_support.check_call(module, attention_mask, kwargs)  # keywords and mask within the lists, else refused
     mask = _for_window(mask, hf_support.call_window(module, kwargs), module)
     if calls is not None:
-        calls.append(type(module).__name__)
+        calls.append(module)
     if mask.gather is not None:  # context parallel: every rank's keys and values, in packed order
         heads = key.shape[1]
         kv = rearrange(torch.stack([key, value]), "two 1 h t d -> 1 t (two h d)")  # [1, Tq, 2*Hk*D]
@@ -94,8 +95,9 @@ def _for_window(mask: DocumentMask, window, module: nn.Module) -> DocumentMask:
         return mask
     if mask.sliding is None or mask.sliding.window != window:
         built = None if mask.sliding is None else mask.sliding.window
-        raise PackingError(f"{type(module).__name__} attends with sliding_window={window!r}, but the adapter built "
-                           f"its sliding mask for window={built!r} (config.sliding_window); they must agree")
+        raise PackingError(f"{hf_support.where(module)} attends with sliding_window={window!r}, but the adapter built "
+                           f"its sliding mask for window={built!r} (config.sliding_window); they must agree: set one "
+                           "window in the config (PackedForward reads it again on its next call), or run it unpacked")
     return mask.sliding
 
 
@@ -148,17 +150,41 @@ class HFCausalLMAdapter(nn.Module):
             raise PackingError(f"model={type(model).__name__} is not a transformers PreTrainedModel (no config)")
         self.model = model
         self.mask_kind = mask_kind
+        self.mixers = mixers
+        self._attention = register_packed_attention()
+        self._slot = hf_mixers.slot_for(model)
+        self.revalidate()
+
+    def revalidate(self) -> None:
+        """Classify the model's layers and run the allow-list (:mod:`nn_data.adapters.hf_support`) on the model
+        as it is now: when the adapter is built, and again when ``PackedForward``'s guard finds the model
+        changed (:mod:`nn_data.model_identity`; nothing to do when the model is as last read); raises
+        :class:`PackingError` for what it refuses."""
+        model = self.model
+        if fingerprint(model) == self.__dict__.get("_validated"):
+            return
         self.layers = hf_layers.inspect_model(model)
         window = hf_support.check_model(model, self.layers.model_type)  # what it keeps exact, else refused
         if window is not None:
             self.layers = self.layers._replace(window=window)
-        self.mixers = mixers
-        self.mixer_path = hf_layers.mixer_path(self.layers, mixers, _device_type(model))
-        self._attention = register_packed_attention()
-        self._slot = hf_mixers.slot_for(model)
+        self.longrope = hf_support.longrope_limit(model)
+        self.mixer_path = hf_layers.mixer_path(self.layers, self.mixers, _device_type(model))
         for _, module, _ in self.layers.mixers:
             hf_mixers.install(module, self._slot)  # no-ops outside this adapter's calls
         self._checked = False
+        self._validated = fingerprint(model)
+
+    @property
+    def longest_sequence(self) -> Optional[int]:
+        """The longest sequence this adapter packs (``longrope``'s original length: longer rows are refused);
+        None: no bound."""
+        return None if self.longrope is None else self.longrope[1]
+
+    def reference(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's own unpacked forward of one sequence ``input_ids [1, L] -> logits [1, L, V]``: its
+        attention implementation, windows and mixers, no cache, no nn_data mask (the packing check's
+        reference, :mod:`nn_data.model_check`)."""
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
         if self.model.training and torch.is_grad_enabled() and _layer_checkpointing(self.model):
@@ -171,6 +197,8 @@ class HFCausalLMAdapter(nn.Module):
         model_kwargs = _model_kwargs(model_kwargs, self.layers.model_type)
         if input_ids.shape[1] == 0:  # no token on this rank (a microbatch of no sequence, or only empty ones)
             return self._no_tokens(input_ids)
+        if self.longrope is not None:
+            hf_support.check_longrope(self.layers.model_type, self.longrope, packed)
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
         prefix = packed.prefix  # a rollout-tree row: one rollout (its whole path) per row
@@ -220,12 +248,15 @@ class HFCausalLMAdapter(nn.Module):
 
     def _check_attention_calls(self, calls: list) -> None:
         """First call: every attention module went through the attention interface (saw nn_data's mask)."""
-        expected = self.layers.attention_layers
-        if len(calls) < expected:
+        called = {id(m) for m in calls}
+        expected = hf_support.attention_modules(self.model)  # a layer calls if it or a module inside it did
+        missing = [name for name, layer in expected if not any(id(m) in called for m in layer.modules())]
+        if missing:
             raise PackingError(
-                f"model_type={self.layers.model_type!r}: {expected} attention layers but only {len(calls)} "
-                "called transformers' attention interface, so the others would not see nn_data's document mask; "
-                "this model's attention cannot be packed by nn_data")
+                f"model_type={self.layers.model_type!r}: layer {missing[0]!r}: {len(expected)} attention layers but "
+                f"{len(missing)} did not call transformers' attention interface, so they attend without nn_data's "
+                "document mask (across packed sequences); run this model unpacked, or make that layer's attention "
+                "call ALL_ATTENTION_FUNCTIONS[config._attn_implementation] as transformers' layers do")
         self._checked = True
 
 

@@ -54,6 +54,9 @@ CAUSAL_SWITCHES = (None, False, "vision")
 #: Attention features nn_data's mask does not apply: refused when a call sets them.
 UNSUPPORTED = {"softcap": "soft-capped attention scores", "s_aux": "attention sinks", "sinks": "attention sinks",
                "position_bias": "a position bias added to the scores"}
+#: Attention implementations the adapter replaces by its packed attention (or, without CP, keeps: flash).
+ATTENTION_IMPLEMENTATIONS = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+                                       "flash_attention_4"})
 #: Rotary types whose frequencies are fixed when the model is built (``longrope``: see the module docstring).
 ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional", "longrope"})
 #: What the source of an attention module's class holds when it calls transformers' attention interface.
@@ -109,6 +112,7 @@ def check_model(model: nn.Module, model_type: str) -> Optional[int]:
     """The build-time checks (see the module docstring); returns the one sliding window of the model's
     layers (None: none) and marks each attention module with its own window for :func:`call_window`."""
     config = model.config
+    _check_attention_function(model, model_type)
     _check_position_bias(model, model_type)
     _check_rotary(model, model_type)
     _check_positions(model, model_type)
@@ -150,6 +154,29 @@ def _calls_interface(cls: type) -> bool:
     return False
 
 
+def _check_attention_function(model: nn.Module, model_type: str) -> None:
+    """The selected attention implementation is one of :data:`ATTENTION_IMPLEMENTATIONS`, with transformers'
+    own function registered under its name: the adapter replaces it by its packed attention, which
+    computes what those compute (softmax attention under the mask), and nothing else."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl is None:
+        return
+    if impl not in ATTENTION_IMPLEMENTATIONS:
+        raise _refuse(model_type, "(config._attn_implementation)", f"attention implementation {impl!r} is not one "
+                      f"nn_data routes through ({sorted(ATTENTION_IMPLEMENTATIONS)}): packed, the adapter would replace "
+                      "it by its own attention function, which computes standard softmax attention, not this one",
+                      "select one of those (attn_implementation=) if it computes standard attention, or run the "
+                      "model unpacked")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    function = ALL_ATTENTION_FUNCTIONS[impl] if impl in ALL_ATTENTION_FUNCTIONS else None
+    if function is not None and not str(getattr(function, "__module__", "")).startswith("transformers."):
+        raise _refuse(model_type, "(config._attn_implementation)", f"the function registered under {impl!r} "
+                      f"({getattr(function, '__qualname__', function)!r} from {function.__module__!r}) is not "
+                      "transformers' own: packed, the adapter would replace it by its own attention function",
+                      f"register nothing under {impl!r}, or run the model unpacked")
+
+
 def _check_position_bias(model: nn.Module, model_type: str) -> None:
     """ALiBi (or any bias added by position) is not in nn_data's mask: refused."""
     config = model.config
@@ -181,6 +208,40 @@ def _check_rotary(model: nn.Module, model_type: str) -> None:
                               "max_position_embeddings <= original_max_position_embeddings, or run it unpacked")
 
 
+def longrope_limit(model: nn.Module) -> Optional[tuple]:
+    """``(name, original length)`` of the model's ``longrope`` rotary module with the shortest original
+    length (None: no longrope): a call whose rows can hold a longer sequence is refused
+    (:func:`check_longrope`)."""
+    found = []
+    for name, module in model.named_modules():
+        rope = getattr(module, "rope_type", None)
+        kinds = rope if isinstance(rope, dict) else {None: rope}
+        for layer_type, kind in kinds.items():
+            if kind != "longrope":
+                continue
+            params = getattr(getattr(module, "config", model.config), "rope_parameters", None) or {}
+            params = params.get(layer_type, params) if layer_type is not None else params
+            original = params.get("original_max_position_embeddings") if isinstance(params, dict) else None
+            found.append((name, original or getattr(model.config, "original_max_position_embeddings", None) or 0))
+    return min(found, key=lambda item: item[1]) if found else None
+
+
+def check_longrope(model_type: str, limit: tuple, packed) -> None:
+    """transformers' ``longrope`` takes its long factors for every position of a call whose longest position
+    passes the original length: refused when this microbatch's rows could hold such a sequence (the bound is
+    the row length ``S`` and the longest padded segment, Python ints: no host read)."""
+    name, original = limit
+    total = packed.segment_ids.shape[0]
+    bounds = [b for b in (packed.bounds.max_length, packed.bounds.row_len) if b is not None]
+    longest = min(bounds) if bounds else total
+    if longest > original:
+        raise _refuse(model_type, name, f"rotary type 'longrope' switches every position of a call to its long "
+                      f"factors once the call's longest position passes original_max_position_embeddings={original}, "
+                      f"and this microbatch's rows can hold sequences of {longest} tokens (one long sequence would "
+                      "change every other sequence packed with it)", f"pack sequences of at most {original} tokens "
+                      f"(rows of at most {original}), or run it unpacked")
+
+
 def _longrope_switches(config) -> bool:
     params = getattr(config, "rope_parameters", None) or {}
     original = params.get("original_max_position_embeddings") if isinstance(params, dict) else None
@@ -198,13 +259,16 @@ def _check_positions(model: nn.Module, model_type: str) -> None:
                           "run it unpacked")
 
 
-def _layer(module: nn.Module) -> Optional[LayerInfo]:
+def layer_info(module: nn.Module) -> Optional[LayerInfo]:
+    """The :class:`LayerInfo` :func:`check_model` set on an attention module (None: not one it saw)."""
     return module.__dict__.get(_LAYER_ATTR)
 
 
-def _where(module: nn.Module) -> str:
+
+
+def where(module: nn.Module) -> str:
     """``model_type='...': layer '...' (Class)`` for a call-time refusal."""
-    info = _layer(module)
+    info = layer_info(module)
     model_type = info.model_type if info else getattr(getattr(module, "config", None), "model_type", "?")
     name = f"{info.name!r} " if info else ""
     return f"model_type={model_type!r}: layer {name}({type(module).__name__})"
@@ -214,13 +278,14 @@ def call_window(module: nn.Module, kwargs: dict) -> Optional[int]:
     """The window this attention call applies: the layer's own (:func:`check_model`), whatever the call
     passes; a call passing another window is refused."""
     passed = kwargs.get("sliding_window")
-    info = _layer(module)
+    info = layer_info(module)
     if info is None or passed is None or info.window == passed:
         return passed if info is None or info.window is None else info.window
     if info.window is None:
         return passed  # the call windows a layer the config did not: the call's window applies
-    raise PackingError(f"{_where(module)} attends with sliding_window={passed!r}, but its layer's window is "
-                       f"{info.window!r} (module.sliding_window / config); they must agree")
+    raise PackingError(f"{where(module)} attends with sliding_window={passed!r}, but its layer's window is "
+                       f"{info.window!r} (module.sliding_window / config); they must agree: set one window in the "
+                       "config (PackedForward reads it again on its next call), or run it unpacked")
 
 
 def check_call(module: nn.Module, attention_mask, kwargs: dict) -> None:
@@ -228,19 +293,19 @@ def check_call(module: nn.Module, attention_mask, kwargs: dict) -> None:
     only Python-level metadata (no device value), on every call, compiled or not."""
     for name, what in UNSUPPORTED.items():
         if kwargs.get(name) is not None:
-            raise PackingError(f"{_where(module)}: {name}={_describe(kwargs[name])}: nn_data's packed attention "
+            raise PackingError(f"{where(module)}: {name}={_describe(kwargs[name])}: nn_data's packed attention "
                                f"supports causal attention with an optional sliding window only ({what} are not); "
                                "build the model without it, or run it unpacked")
     for name, value in kwargs.items():
         if name not in ATTENTION_KWARGS and name not in UNSUPPORTED and value is not None:
-            raise PackingError(f"{_where(module)} attends with keyword {name}={_describe(value)}, which is not in "
+            raise PackingError(f"{where(module)} attends with keyword {name}={_describe(value)}, which is not in "
                                "nn_data's list of what keeps attention exact (hf_support.ATTENTION_KWARGS); run this "
                                "model unpacked")
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
-        raise PackingError(f"{_where(module)}: attention is not causal (is_causal=False), and nn_data's document "
+        raise PackingError(f"{where(module)}: attention is not causal (is_causal=False), and nn_data's document "
                            "mask is; run this model unpacked")
     if attention_mask is not None and not _is_placeholder(attention_mask):
-        raise PackingError(f"{_where(module)} attends with its own attention mask ({_describe(attention_mask)}, "
+        raise PackingError(f"{where(module)} attends with its own attention mask ({_describe(attention_mask)}, "
                            f"{attention_mask.dtype}) instead of the adapter's: a mask the model computes from its "
                            "inputs (a dynamic mask) is not nn_data's document mask; run this model unpacked")
 

@@ -2,6 +2,9 @@
 
 * :mod:`~nn_data.logprobs.kernels`: the chunked, vocabulary-parallel kernels, from logits
   (:func:`token_logprobs_local`) and from hidden states and the output weight (:func:`hidden_logprobs_local`);
+* :mod:`~nn_data.logprobs.outputs`: the head's outputs in one chunked pass (:func:`head_outputs_local`:
+  log-probs at given ids, entropy, top-k log-probs and ids, argmax; :class:`HeadOutputs`), from the
+  logits or from hidden states, behind ``TokenLogProbs.outputs`` and ``TokenLogProbsFromHidden.outputs``;
 * :mod:`~nn_data.logprobs.filters`: top-k / top-p as one threshold per row (:class:`SamplingFilter`);
 * :mod:`~nn_data.logprobs.from_logits`: :class:`TokenLogProbs`, and the steps every op here shares (the
   call's layout, each rank's targets, the rows from the gathered values);
@@ -20,13 +23,16 @@ from nn_data.logprobs.from_hidden import TokenLogProbsFromHidden
 from nn_data.logprobs.from_logits import TokenLogProbs
 from nn_data.logprobs.from_shared_prefix import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
 from nn_data.logprobs.kernels import hidden_logprobs_local, token_logprobs_local
+from nn_data.logprobs.outputs import HeadOutputs, head_outputs_local
 
 __all__ = [
+    "HeadOutputs",
     "SamplingFilter",
     "SharedPrefixLogProbs",
     "SharedPrefixLogProbsFromHidden",
     "TokenLogProbs",
     "TokenLogProbsFromHidden",
+    "head_outputs_local",
     "hidden_logprobs_local",
     "sampling_filter",
     "token_logprobs_local",

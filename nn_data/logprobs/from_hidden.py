@@ -32,8 +32,11 @@ from nn_data.groups import context_parallel_info, group_info, tensor_parallel_in
 from nn_data.layout import PackLayout
 from nn_data.layout.internal import ZigzagLocal
 from nn_data.logprobs.filters import sampling_filter
-from nn_data.logprobs.from_logits import logprob_layout, resolve_seq_len, rows_from_local, targets_on_rank
+from nn_data.logprobs.from_logits import (
+    check_outputs_asked, check_top_k_output, logprob_layout, output_rows, resolve_seq_len, rows_from_local, targets_on_rank
+)
 from nn_data.logprobs.kernels import hidden_logprobs_local
+from nn_data.logprobs.outputs import HeadOutputs, head_outputs_local
 
 HIDDEN_SHAPE = "[1, T/C, H] (or megatron-core's sequence-first [T/C, 1, H])"
 
@@ -144,8 +147,56 @@ class TokenLogProbsFromHidden(nn.Module):
         ``layout=``; the argument checks as :meth:`forward`, no ``seq_len`` needed)."""
         return self._local(hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded, places, layout, None)[0][None]
 
+    def outputs(self, hidden: torch.Tensor, weight: torch.Tensor, packed_ids: torch.Tensor,
+                cu_seqlens: Optional[torch.Tensor] = None, cu_seqlens_padded: Optional[torch.Tensor] = None,
+                places: Optional[ZigzagLocal] = None, *, seq_len=None, layout: Optional[PackLayout] = None,
+                logprobs: bool = True, entropy: bool = False, top_k: int = 0, argmax: bool = False) -> HeadOutputs:
+        """Every asked output of the head in one chunked pass, as ``[B, S]`` rows (``[B, S, K]`` for top-k):
+        a :class:`~nn_data.logprobs.outputs.HeadOutputs` (``lse`` None, outputs not asked None).
+
+        Row ``b``, column ``s`` holds what the distribution at the position before token ``s`` gives (the
+        one whose ``logprobs`` is :meth:`forward`'s ``out[b, s]``), for ``1 <= s < L[b]``, else 0: the
+        ``entropy``, the ``top_k`` largest log-probs and their global ids, the ``argmax`` id. Differentiable
+        (hidden states and weight) through the log-probs, the entropy and the top-k log-probs; one CP
+        all-gather per output. With ``sampling_params`` only the log-probs are available.
+
+        Example (C 1, V 3, zero weight): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``, seq_len 4,
+        ``entropy=True`` -> entropy ``[[0, log 3, log 3, 0]]``.
+
+        Raises :class:`~nn_data.errors.PackingError` as :meth:`forward`, for a negative ``top_k`` or one above
+        ``V``, no output asked, and ``entropy`` / ``top_k`` / ``argmax`` with ``sampling_params``.
+        """
+        seq_len = resolve_seq_len("TokenLogProbsFromHidden", seq_len, self.seq_len)
+        check_outputs_asked(logprobs, entropy, top_k, argmax, self.sampling)
+        rows, layout, total, target, keep = self._prepared(hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded,
+                                                           places, layout, seq_len, top_k)
+        if not (entropy or top_k or argmax):  # the log-prob alone: the kernel with top-k / top-p filters
+            local = HeadOutputs(logprobs=self._kernel(rows, weight, target, keep))
+        else:
+            local = head_outputs_local(
+                rows, weight, ids=target if logprobs else None, keep=keep if logprobs else None, entropy=entropy,
+                top_k=top_k, argmax=argmax, vocab_start=self.tp_rank * weight.shape[0], tp_group=self.tp_group,
+                tp_size=self.tp_size, sequence_parallel=self.sequence_parallel, chunk_tokens=self.chunk_tokens,
+                temperature=self.temperature,
+            )  # [T/C, *] each
+        return output_rows(local, layout, self.gather, total, seq_len)
+
     def _local(self, hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded, places, layout, seq_len):
         """``(values [T/C], layout, T)`` after every check."""
+        rows, layout, total, target, keep = self._prepared(hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded,
+                                                           places, layout, seq_len, 0)
+        return self._kernel(rows, weight, target, keep), layout, total
+
+    def _kernel(self, rows, weight, target, keep):
+        """The target log-probs ``[T/C]`` (top-k / top-p filtered when configured)."""
+        return hidden_logprobs_local(
+            rows, weight, target, keep, vocab_start=self.tp_rank * weight.shape[0], tp_group=self.tp_group,
+            tp_size=self.tp_size, sequence_parallel=self.sequence_parallel, chunk_tokens=self.chunk_tokens,
+            temperature=self.temperature, sampling=self.sampling,
+        )  # [T/C]
+
+    def _prepared(self, hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded, places, layout, seq_len, top_k):
+        """``(rows [n, H], layout, T, target [T/C], keep [T/C])`` after every check."""
         rows, total = checked_rows(hidden, weight, packed_ids, self.cp_size, self.tp_size, self.sequence_parallel)
         vocab = weight.shape[0] * self.tp_size
         if self.vocab_size is not None and vocab != self.vocab_size:
@@ -155,13 +206,9 @@ class TokenLogProbsFromHidden(nn.Module):
             )
         if self.sampling is not None:
             _checks.check_top_k(self.sampling.top_k, vocab)
+        check_top_k_output(top_k, vocab)
         layout = logprob_layout("TokenLogProbsFromHidden", packed_ids, total, vocab, cu_seqlens, cu_seqlens_padded,
                                seq_len, layout, cp_size=self.cp_size, validate=self.validate,
                                host_reads=self.host_reads)
         target, keep = targets_on_rank(layout, packed_ids, total, places, self.cp_size, self.cp_rank)  # [T/C] each
-        values = hidden_logprobs_local(
-            rows, weight, target, keep, vocab_start=self.tp_rank * weight.shape[0], tp_group=self.tp_group,
-            tp_size=self.tp_size, sequence_parallel=self.sequence_parallel, chunk_tokens=self.chunk_tokens,
-            temperature=self.temperature, sampling=self.sampling,
-        )  # [T/C]
-        return values, layout, total
+        return rows, layout, total, target, keep

@@ -29,6 +29,7 @@ from nn_data.groups import given_group_info
 from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries, op_layout
 from nn_data.layout.internal import ZigzagLocal, checks, reads_host
 from nn_data.logprobs.kernels import token_logprobs_local
+from nn_data.logprobs.outputs import HeadOutputs, head_outputs_local
 from nn_data.targets import next_token_at
 
 
@@ -97,20 +98,57 @@ class TokenLogProbs(nn.Module):
         layout: Optional[PackLayout] = None,
     ) -> torch.Tensor:
         seq_len = resolve_seq_len("TokenLogProbs", seq_len, self.seq_len)
-        _checks.check_packed("logits", logits)
-        if logits.dim() != 3 or not logits.dtype.is_floating_point:
-            raise _checks.PackingError(f"logits must be floating point [1, T/C, V], got shape "
-                                       f"{tuple(logits.shape)} and dtype {logits.dtype}")
-        local_total, cols = logits.shape[1], logits.shape[2]
-        total = check_full_ids("logits", logits, packed_ids, local_total, self.cp_size)
-        layout = logprob_layout("TokenLogProbs", packed_ids, total, cols * self.tp_size, cu_seqlens, cu_seqlens_padded,
-                               seq_len, layout, cp_size=self.cp_size, validate=self.validate, host_reads=self.host_reads)
-        target, keep = targets_on_rank(layout, packed_ids, total, places, self.cp_size, self.cp_rank)  # [T/C] each
+        cols, total, layout, target, keep = self._prepared(logits, packed_ids, cu_seqlens, cu_seqlens_padded, places,
+                                                           layout, seq_len, 0)
         local = token_logprobs_local(
             logits.squeeze(0), target, keep, vocab_start=self.tp_rank * cols, tp_group=self.tp_group,
             tp_size=self.tp_size, chunk_tokens=self.chunk_tokens,
         )  # [T/C]
         return rows_from_local(local, layout, self.gather, total, seq_len)  # [B, S]
+
+    def outputs(self, logits: torch.Tensor, packed_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                cu_seqlens_padded: Optional[torch.Tensor] = None, places: Optional[ZigzagLocal] = None, *,
+                seq_len=None, layout: Optional[PackLayout] = None, logprobs: bool = True, entropy: bool = False,
+                top_k: int = 0, argmax: bool = False) -> HeadOutputs:
+        """Every asked output of the logits in one chunked pass, as ``[B, S]`` rows (``[B, S, K]`` for top-k),
+        row ``b``, column ``s`` from the position before token ``s`` (``1 <= s < L[b]``, else 0): the
+        ``logprobs`` (:meth:`forward`'s), the ``entropy``, the ``top_k`` largest log-probs and their global
+        ids, the ``argmax`` id; a :class:`~nn_data.logprobs.outputs.HeadOutputs` (``lse`` and the outputs not
+        asked None). Differentiable through the log-probs, the entropy and the top-k log-probs; one CP
+        all-gather per output. The same values as
+        :meth:`nn_data.TokenLogProbsFromHidden.outputs` on ``hidden @ weight.T``.
+
+        Example (C 1, V 3, uniform logits): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``, seq_len 4,
+        ``entropy=True`` -> entropy ``[[0, log 3, log 3, 0]]``.
+
+        Raises :class:`~nn_data.errors.PackingError` as :meth:`forward`, for a negative ``top_k`` or one above
+        ``V`` and for no output asked.
+        """
+        seq_len = resolve_seq_len("TokenLogProbs", seq_len, self.seq_len)
+        check_outputs_asked(logprobs, entropy, top_k, argmax, None)
+        cols, total, layout, target, keep = self._prepared(logits, packed_ids, cu_seqlens, cu_seqlens_padded, places,
+                                                           layout, seq_len, top_k)
+        local = head_outputs_local(
+            logits.squeeze(0), ids=target if logprobs else None, keep=keep if logprobs else None, entropy=entropy,
+            top_k=top_k, argmax=argmax, vocab_start=self.tp_rank * cols, tp_group=self.tp_group, tp_size=self.tp_size,
+            chunk_tokens=self.chunk_tokens,
+        )  # [T/C, *] each
+        return output_rows(local, layout, self.gather, total, seq_len)
+
+
+    def _prepared(self, logits, packed_ids, cu_seqlens, cu_seqlens_padded, places, layout, seq_len, top_k: int):
+        """``(Vt, T, layout, target [T/C], keep [T/C])`` of a call, after every check."""
+        _checks.check_packed("logits", logits)
+        if logits.dim() != 3 or not logits.dtype.is_floating_point:
+            raise _checks.PackingError(f"logits must be floating point [1, T/C, V], got shape "
+                                       f"{tuple(logits.shape)} and dtype {logits.dtype}")
+        local_total, cols = logits.shape[1], logits.shape[2]
+        check_top_k_output(top_k, cols * self.tp_size)
+        total = check_full_ids("logits", logits, packed_ids, local_total, self.cp_size)
+        layout = logprob_layout("TokenLogProbs", packed_ids, total, cols * self.tp_size, cu_seqlens, cu_seqlens_padded,
+                               seq_len, layout, cp_size=self.cp_size, validate=self.validate, host_reads=self.host_reads)
+        target, keep = targets_on_rank(layout, packed_ids, total, places, self.cp_size, self.cp_rank)  # [T/C] each
+        return cols, total, layout, target, keep
 
 
 def resolve_seq_len(op: str, seq_len, configured: Optional[int]):
@@ -149,14 +187,41 @@ def targets_on_rank(layout: PackLayout, packed_ids: torch.Tensor, total: int, pl
 
 
 def rows_from_local(local: torch.Tensor, layout: PackLayout, gather, total: int, seq_len) -> torch.Tensor:
-    """This rank's ``[T/C]`` log-probs -> ``[B, S]`` rows: one all-gather over the CP group (``gather``,
+    """This rank's ``[T/C, *]`` values -> ``[B, S, *]`` rows: one all-gather over the CP group (``gather``,
     None without CP), then the unpack shifted by one."""
     packed = local if gather is None else gather(local[None], layout=layout).squeeze(0)  # [T]
     if total == 0:  # nothing was packed (every row empty, no pad_full_seq_to): all zeros, still in the graph
-        return packed.sum().expand(layout.rows, seq_len).clone()
+        return packed.sum().expand(layout.rows, seq_len, *packed.shape[1:]).clone()
     # out[b, s] = packed[cu_seqlens_padded[b] + s - 1] for 1 <= s < L[b], else 0: the log-prob of token s
     # is scored at position s - 1. Example: [a0, a1, a2, pad], L 3, S 4 -> [0, lp(a0->a1), lp(a1->a2), 0].
     return layout.unpack(packed[None], seq_len, 0.0, shift=1)  # [B, S]
+
+
+def output_rows(local: HeadOutputs, layout: PackLayout, gather, total: int, seq_len) -> HeadOutputs:
+    """Each asked output's ``[T/C, *]`` values -> ``[B, S, *]`` rows (:func:`rows_from_local`, one CP
+    all-gather each); ``lse`` is dropped (None)."""
+    rows = {name: rows_from_local(value, layout, gather, total, seq_len)
+            for name, value in local._asdict().items() if value is not None and name != "lse"}
+    return HeadOutputs(**rows)
+
+
+def check_outputs_asked(logprobs: bool, entropy: bool, top_k, argmax: bool, sampling) -> None:
+    """An ``outputs`` call asks for at least one output, ``top_k`` is an int ``>= 0``, and with a top-k /
+    top-p sampling filter only the log-probs (the filter is defined for them alone)."""
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise _checks.PackingError(f"top_k must be an int >= 0 (0: no top-k output), got {top_k!r}")
+    if not (logprobs or entropy or top_k or argmax):
+        raise _checks.PackingError("outputs() asked for nothing: set logprobs, entropy, top_k or argmax")
+    if sampling is not None and (entropy or top_k or argmax):
+        raise _checks.PackingError("sampling_params (top-k / top-p filtering) apply to the log-probs only; "
+                                   "entropy, top_k and argmax need an op without sampling_params")
+
+
+def check_top_k_output(top_k: int, vocab: int) -> None:
+    """The top-k output asks for at most the whole vocabulary."""
+    if top_k > vocab:
+        raise _checks.PackingError(f"top_k={top_k} is more than the vocabulary of {vocab} tokens; expected "
+                                   f"0 <= top_k <= {vocab}")
 
 
 def logprob_layout(op: str, packed_ids, total: int, vocab: int, cu_seqlens, cu_seqlens_padded, seq_len, layout, *,

@@ -22,7 +22,9 @@ the ``[N]`` boundary values cross the CP group in one all-gather (the boundary v
 with the gradient of every rank's own rows (``grad_mode="own"``: every CP rank computes the same loss).
 Memory: beyond the kernels', the logits path's backward adds the ``N`` boundary rows' gradient through one
 ``[T/C, Vt]`` buffer (the index gather's); the hidden path's one ``[n + N, H]`` copy of its rows with the
-boundary rows appended (one kernel call: under sequence parallelism one TP gather of both).
+boundary rows appended (one kernel call: under sequence parallelism one TP gather of both). ``outputs()``
+adds the entropy, top-k and argmax of each rollout's positions (:func:`distribution_rows`: no boundary rows
+needed, the token before a node's first holds the one distribution every rollout through it sees there).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from nn_data.groups import given_group_info
 from nn_data.layout import SharedPrefixLayout
 from nn_data.layout.internal import checks, take_layout
 from nn_data.logprobs.from_hidden import checked_rows
-from nn_data.logprobs.from_logits import check_full_ids, targets_on_rank
+from nn_data.logprobs.from_logits import check_full_ids, check_outputs_asked, check_top_k_output, targets_on_rank
 from nn_data.logprobs.kernels import hidden_logprobs_local, token_logprobs_local
+from nn_data.logprobs.outputs import HeadOutputs, head_outputs_local
 
 
 class RolloutTargets(NamedTuple):
@@ -111,6 +114,61 @@ def rollout_rows(layout: SharedPrefixLayout, local: torch.Tensor, boundary: torc
     return torch.where(real, values, 0.0)
 
 
+def distribution_rows(layout: SharedPrefixLayout, local: HeadOutputs, groups: _Groups, seq_len) -> HeadOutputs:
+    """The outputs of each position's distribution (entropy, top-k, argmax: ``[T/C, *]`` on this rank) ->
+    ``[B, S-1, *]`` on every CP rank: entry ``s`` of rollout ``b`` from the packed position of its token ``s``
+    (its leader's prompt slot for ``s < P``, the prompt's last position included: the same distribution for
+    every rollout of the group; its response slot after), for ``s < L[b] - 1``, else 0. One CP all-gather
+    per output (``grad_mode="own"``).
+
+    Example (the layout module's batch, S 4): rollout 1 (leader 0, P 2, L 3) reads packed positions 0 and 1
+    (the prompt's), then 0 (``s = 2 = L - 1``)."""
+    total, rows = layout.total, layout.rows
+    layout.check_rows(seq_len)
+    width = max(seq_len - 1, 0)
+    where, _ = layout.row_places(width)  # [B, S-1] the packed position of token s
+    valid = torch.arange(width, device=where.device) < layout.seq_lengths[:, None] - 1  # [B, S-1]
+    out = {}
+    for name, value in local._asdict().items():
+        if value is None or name in ("logprobs", "lse"):
+            continue
+        trailing = value.shape[1:]
+        if total == 0:  # nothing was packed: zeros, still in the graph
+            out[name] = value.sum().expand(rows, width, *trailing).clone()
+            continue
+        packed = value  # [T, *]
+        if groups.cp_size > 1:
+            every = all_gather_rows(value, groups.cp_group, groups.cp_rank, groups.cp_size)  # [C*T/C, *]
+            packed = layout.unshard(every.view(groups.cp_size, -1, *trailing), groups.cp_size)[0]  # [T, *]
+        picked = packed.index_select(0, where.clamp(0, total - 1).reshape(-1)).view(rows, width, *trailing)
+        out[name] = torch.where(valid.view(rows, width, *[1] * len(trailing)), picked, 0)
+    return HeadOutputs(**out)
+
+
+def shared_prefix_outputs(op, z, weight, packed_ids, layout, seq_len, places, asked: dict, logprob_call) -> HeadOutputs:
+    """Both ops' ``outputs()``: the log-probs from ``logprob_call()`` (the op's forward), the distributions'
+    outputs from one :func:`~nn_data.logprobs.outputs.head_outputs_local` pass over this rank's rows ``z``
+    (logits, or hidden states with ``weight``)."""
+    logprobs, entropy, top_k, argmax = (asked.get(k, d) for k, d in
+                                        (("logprobs", True), ("entropy", False), ("top_k", 0), ("argmax", False)))
+    check_outputs_asked(logprobs, entropy, top_k, argmax, None)
+    g = op.groups
+    cols = z.shape[-1] if weight is None else weight.shape[0]
+    check_top_k_output(top_k, cols * g.tp_size)
+    seq_len = layout.row_len if seq_len is None else seq_len
+    if not logprobs:  # the layout's and the ids' checks, as the log-probs' call makes them
+        rollout_targets(type(op).__name__, layout, packed_ids, packed_ids.shape[1], cols * g.tp_size, g, places,
+                        op.validate)
+    rest = HeadOutputs()
+    if entropy or top_k or argmax:
+        split = weight is not None and op.sequence_parallel and g.tp_size > 1
+        local = head_outputs_local(z, weight, entropy=entropy, top_k=top_k, argmax=argmax, vocab_start=g.tp_rank * cols,
+                                   tp_group=g.tp_group, tp_size=g.tp_size, sequence_parallel=split,
+                                   chunk_tokens=op.chunk_tokens, temperature=getattr(op, "temperature", 1.0))
+        rest = distribution_rows(layout, local, g, seq_len)  # [B, S-1, *] each
+    return rest._replace(logprobs=logprob_call(seq_len) if logprobs else None)
+
+
 class SharedPrefixLogProbs(nn.Module):
     """Rollout token log-probs ``[B, S-1]`` from a shared-prefix microbatch's CP-local packed logits.
 
@@ -149,6 +207,18 @@ class SharedPrefixLogProbs(nn.Module):
         boundary = token_logprobs_local(flat.index_select(0, t.rows), t.boundary_target, t.boundary_keep,
                                         **kernel)  # [N]
         return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)
+
+    def outputs(self, logits: torch.Tensor, packed_ids: torch.Tensor, layout: SharedPrefixLayout, *, seq_len=None,
+                places=None, **asked) -> HeadOutputs:
+        """``logprobs`` (:meth:`forward`'s), ``entropy``, ``top_k`` log-probs and ids, ``argmax`` of every
+        rollout's positions as ``[B, S-1]`` rows (``[B, S-1, K]``), each opt-in (keywords as
+        :meth:`nn_data.TokenLogProbs.outputs`): entry ``s`` from the distribution at the rollout's token ``s``
+        (:func:`distribution_rows`). Raises :class:`~nn_data.errors.PackingError` as :meth:`forward` and
+        for the outputs asked (a negative ``top_k`` or one above ``V``, none at all)."""
+        _checks.check_float_logits("logits", logits, "[1, T/C, V]", 3)
+        check_full_ids("logits", logits, packed_ids, logits.shape[1], self.groups.cp_size)
+        return shared_prefix_outputs(self, logits.squeeze(0), None, packed_ids, layout, seq_len, places, asked,
+                                     lambda s: self(logits, packed_ids, layout, seq_len=s, places=places))
 
 
 def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks: int):
@@ -210,3 +280,12 @@ class SharedPrefixLogProbsFromHidden(nn.Module):
         n = rows.shape[0]
         local, boundary = values[:, :n].reshape(-1), values[:, n:].sum(0)  # [T/C], [B]: the holder's value
         return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)
+
+    def outputs(self, hidden: torch.Tensor, weight: torch.Tensor, packed_ids: torch.Tensor,
+                layout: SharedPrefixLayout, *, seq_len=None, places=None, **asked) -> HeadOutputs:
+        """:meth:`SharedPrefixLogProbs.outputs` from the hidden states and the output weight, no ``[T, V]``
+        logits (the distributions' outputs in one chunked pass over this rank's rows)."""
+        g = self.groups
+        rows, _ = checked_rows(hidden, weight, packed_ids, g.cp_size, g.tp_size, self.sequence_parallel)  # [n, H]
+        return shared_prefix_outputs(self, rows, weight, packed_ids, layout, seq_len, places, asked,
+                                     lambda s: self(hidden, weight, packed_ids, layout, seq_len=s, places=places))

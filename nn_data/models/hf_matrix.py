@@ -54,6 +54,13 @@ REASONS = (
     ("differ between layers", "several sliding windows"),
     ("does not call transformers' attention interface", "attention bypasses the interface"),
     ("called transformers' attention interface", "attention bypasses the interface"),
+    ("did not call transformers' attention interface", "attention bypasses the interface"),
+    ("is not one nn_data routes through", "attention function of its own"),
+    ("is not transformers' own", "attention function of its own"),
+    ("switches every position", "longrope past its original length"),
+    ("tokens of one sequence reach another", "the packing check: tokens reach another sequence"),
+    ("takes positions from the row", "the packing check: positions from the row"),
+    ("the model's own unpacked run", "the packing check: not the model's own path"),
     ("has layer type", "layer type outside the list"),
     ("mixes tokens", "token mixer nn_data does not know"),
 )
@@ -126,8 +133,9 @@ def compare(model, wrapped, lengths=LENGTHS, grads: bool = True) -> tuple:
     return worst / max(1.0, scale), grad / max(1.0, grad_scale)
 
 
-def run_family(family, *, dtype: torch.dtype = torch.float32, model=None) -> Result:
-    """One family through the adapter (``model``: one already built, else :func:`~nn_data.models.hf_families.build`)."""
+def run_family(family, *, dtype: torch.dtype = torch.float32, model=None, verify=True) -> Result:
+    """One family through the adapter (``model``: one already built, else :func:`~nn_data.models.hf_families.build`);
+    ``verify``: ``PackedForward``'s (the packing check, on by default)."""
     from nn_data.adapters import HFCausalLMAdapter
     from nn_data.models.hf_families import Unbuilt, build
     from nn_data.packed_forward import PackedForward
@@ -137,7 +145,7 @@ def run_family(family, *, dtype: torch.dtype = torch.float32, model=None) -> Res
     except Unbuilt as e:
         return Result(family.name, "not built", _stable(str(e)))
     try:
-        wrapped = PackedForward(HFCausalLMAdapter(model), pad_individual_seqs_to_multiple_of=4)
+        wrapped = PackedForward(HFCausalLMAdapter(model), pad_individual_seqs_to_multiple_of=4, verify=verify)
         out, grad = compare(model, wrapped, grads=TOLERANCE[dtype][1] is not None)
     except PackingError as e:
         return Result(family.name, "refused", reason(e))

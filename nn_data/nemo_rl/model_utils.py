@@ -51,25 +51,69 @@ from nn_data.nemo_rl.logprob_steps import (
     DEFAULT_CHUNK_TOKENS, chunk_and_filter, gather_cp, grad_mode, groups, in_vocab, nemo_rl_rows,
     out_of_vocab_as_nemo_rl, packed_logprobs, row_layout,
 )
+from nn_data.nemo_rl.distillation import (  # the head's other outputs: entropy, log-probs at ids, top-k, soft CE
+    ChunkedDistributedEntropy,
+    ChunkedDistributedGatherLogprob,
+    DistributedCrossEntropy,
+    distributed_vocab_topk,
+    gather_logits_at_global_indices,
+    get_distillation_topk_logprobs_from_logits,
+    vocab_parallel_gather_columns,
+)
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
 from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
+from nn_data.nemo_rl.vocab_parallel import (  # the CP helpers, the draft and cross-tokenizer losses' helpers
+    AllGatherCPTensor,
+    _get_tokens_on_this_cp_rank,
+    allgather_cp_sharded_tensor,
+    _compute_distributed_log_softmax_with_grad,
+    _compute_distributed_softmax,
+    all_to_all_sq2vp,
+    all_to_all_vp2sq,
+    cp_load_balanced_to_contiguous,
+    cp_shift_next,
+    group_all_reduce_sum,
+    group_all_reduce_sum_with_grad,
+    vocab_parallel_argmax,
+    vocab_parallel_full_log_softmax,
+    vocab_parallel_log_softmax,
+)
 
 __all__ = [
+    "AllGatherCPTensor",
+    "ChunkedDistributedEntropy",
+    "ChunkedDistributedGatherLogprob",
     "ChunkedDistributedHiddenStatesToLogprobs",
     "ChunkedDistributedLogprob",
     "ChunkedDistributedLogprobWithSampling",
+    "DistributedCrossEntropy",
     "DistributedLogprob",
     "DistributedLogprobWithSampling",
     "TrainingSamplingParams",
     "_compute_distributed_log_softmax",
+    "_compute_distributed_log_softmax_with_grad",
+    "_compute_distributed_softmax",
     "_get_tokens_on_this_cp_rank",
+    "all_to_all_sq2vp",
+    "all_to_all_vp2sq",
     "allgather_cp_sharded_tensor",
+    "cp_load_balanced_to_contiguous",
+    "cp_shift_next",
+    "distributed_vocab_topk",
+    "gather_logits_at_global_indices",
+    "get_distillation_topk_logprobs_from_logits",
+    "group_all_reduce_sum",
+    "group_all_reduce_sum_with_grad",
     "from_parallel_hidden_states_to_logprobs",
     "from_parallel_hidden_states_to_logprobs_packed_sequences",
     "from_parallel_logits_to_logprobs",
     "from_parallel_logits_to_logprobs_packed_sequences",
     "get_next_token_logprobs_from_logits",
     "patch_gpt_model_forward_for_linear_ce_fusion",
+    "vocab_parallel_argmax",
+    "vocab_parallel_full_log_softmax",
+    "vocab_parallel_gather_columns",
+    "vocab_parallel_log_softmax",
 ]
 
 
@@ -230,47 +274,6 @@ def get_next_token_logprobs_from_logits(
     cols = next_token_logits.shape[-1]
     return from_parallel_logits_to_logprobs(next_token_logits, input_ids, 0, cols, None,
                                             sampling_params=sampling_params)
-
-
-def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group: Optional["dist.ProcessGroup"], seq_dim: int = 1, *,
-                                pg_collection=None):
-    """This rank's zigzag shard of one sequence along ``seq_dim`` -> the whole sequence, on every rank.
-
-    ``tensor [..., S_loc, ...]`` holds chunks ``r`` and ``2C-1-r`` of ``2C``; the result has
-    ``S_loc * C`` positions in order. Differentiable: the gradient of a shard is the sum over the
-    ranks of the gradients they computed for it (NeMo-RL's all-reduce then slice, as a
-    reduce-scatter), so ``C`` times the single-process gradient when every rank computes the same
-    loss. ``cp_group=None``: the identity (``pg_collection.cp`` when a collection is given). One
-    all-gather; no host sync.
-
-    Example (C 2): rank 0 ``[0, 1, 6, 7]``, rank 1 ``[2, 3, 4, 5]`` -> ``[0, 1, 2, 3, 4, 5, 6, 7]``.
-    """
-    cp = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
-    if cp.size == 1:
-        return tensor
-    seq_dim = seq_dim % tensor.dim()
-    checks.check_even_shard("tensor", tensor.shape[seq_dim], cp.size, f"sequence (dim {seq_dim})")
-    layout = row_layout(1, tensor.shape[seq_dim] * cp.size, tensor.device, op="allgather_cp_sharded_tensor")
-    full = gather_cp(tensor.movedim(seq_dim, 0), layout, cp)  # [S_loc, ...] -> [1, S_loc*C, ...]
-    return full.squeeze(0).movedim(0, seq_dim)
-
-
-def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1):
-    """Rank ``cp_rank``'s zigzag shard of one sequence along ``seq_dim``: chunks ``r`` and ``2C-1-r`` of
-    ``2C`` (``[..., n, ...] -> [..., n/C, ...]``; one gather). ``cp_size == 1``: ``input_ids`` itself.
-
-    Example: ``[0..7]``, C 2, rank 1 -> ``[2, 3, 4, 5]``.
-
-    Raises :class:`~nn_data.errors.PackingError` for a bad ``cp_size`` / ``cp_rank`` and a length not a
-    multiple of ``2 * cp_size`` (NeMo-RL drops the remainder).
-    """
-    if cp_size == 1:
-        return input_ids
-    checks.check_cp(cp_size, cp_rank)
-    length = input_ids.shape[seq_dim]
-    sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
-    layout = row_layout(1, length, input_ids.device, op="_get_tokens_on_this_cp_rank")  # [0, n]: one segment
-    return input_ids.index_select(seq_dim, layout.local_places(cp_size, cp_rank).source)
 
 
 # --- NeMo-RL's autograd functions, called as ``Class.apply(...)`` with its argument order ----------------------

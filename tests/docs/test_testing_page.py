@@ -125,5 +125,8 @@ def test_the_tier_table_names_the_tiers_and_the_registered_markers():
 
 def test_the_readme_says_what_ran_where():
     readme = (ROOT / "README.md").read_text()
-    assert "never run on a GPU" in readme  # the CUDA paths: prepared, dry-run on the CPU only
+    where = readme.split("**Where it has run.**")[1].split("\n\n")[0]
+    assert "2-core CPU" in where and "dry run" in where  # the suite; the GPU check's dry run in CI
+    assert "H200" in where and "results/gpu.md" in where  # the GPU check's runs, figures on their page
+    assert "NCCL has not run" in where  # what a one-GPU machine cannot show
     assert "Tested: torch 2.13.0" in readme and "only" in readme.split("Tested: torch 2.13.0")[1][:200]

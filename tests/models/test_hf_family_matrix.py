@@ -75,11 +75,14 @@ def test_bfloat16_on_the_representative_set(name):
 
 
 def test_the_matrix_would_see_a_silent_mix(monkeypatch):
-    """The matrix can fail: with the layer's own window ignored (the call's window only), Qwen2-MoE
-    with a window known only from its config ends MIXED, not exact."""
+    """The matrix can fail: with the layer's own window ignored (the call's only) and the
+    packing check off, Qwen2-MoE with a window known only from its config ends MIXED, not exact; with the check
+    on (the default) the same adapter is refused by its comparison with the model's own unpacked path."""
     from nn_data.adapters import hf_support
 
     monkeypatch.setattr(hf_support, "call_window", lambda module, kwargs: kwargs.get("sliding_window"))
     with _quiet():
-        result = run_family(find("qwen2_moe:sliding"))
+        result = run_family(find("qwen2_moe:sliding"), verify=False)
+        checked = run_family(find("qwen2_moe:sliding"))
     assert result.status == "MIXED" and result.out > 1e-3, result
+    assert checked.status == "refused" and checked.detail == "the packing check: not the model's own path", checked

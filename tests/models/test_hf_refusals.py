@@ -126,8 +126,9 @@ def test_attention_that_bypasses_the_attention_interface_is_refused_when_built_o
     model.model.layers[1].self_attn = _SaysItCallsAttention()
     adapter = HFCausalLMAdapter(model)
     ids = coded_ids([5, 3], torch.Generator().manual_seed(0))
-    with pytest.raises(PackingError, match=r"model_type='llama': 2 attention layers but only 1 called transformers' "
-                                           r"attention interface"):
+    with pytest.raises(PackingError, match=r"model_type='llama': layer 'model.layers.1.self_attn': 2 attention layers "
+                                           r"but 1 did not call transformers' attention interface.*run this model "
+                                           r"unpacked, or make that layer's attention call ALL_ATTENTION_FUNCTIONS"):
         PackedForward(adapter, pad_full_seq_to=16)(ids, torch.tensor([5, 3]))
 
 

@@ -57,3 +57,11 @@ def test_nemo_rl_drop_in_from_hidden_states_packed_and_rows(ranks, split):
 
 def test_hidden_states_that_are_not_this_ranks_share_are_refused(ranks, split):
     _run(ranks, "errors", split=split)
+
+
+def test_every_output_equals_the_oracle_from_hidden_states_and_from_logits(ranks, split):
+    _run(ranks, "outputs", split[2], split=split)
+
+
+def test_every_output_equals_the_oracle_at_cp_4(ranks):
+    assert sorted(ranks.run(CASES + "outputs", False, cp=4, tp=1)) == [(r, 0) for r in range(4)]

@@ -5,7 +5,9 @@
 Each rank's values equal the NeMo-RL-semantics loop oracle on every position and its local gradient
 equals ``C`` times its shard of the single-process one, to 1e-10 in float64, chunked and not, with
 and without top-k / top-p, targets rolled inside or pre-rolled; plus the host-sync and collective
-counts and the errors that need a CP group. Cases: ``tests/support/model_utils_cases.py``.
+counts and the errors that need a CP group. Cases: ``tests/support/model_utils_cases.py``. NeMo-RL's entropy,
+distillation and vocabulary-parallel helpers against oracles of its semantics on the full logits: cases in
+``tests/support/distillation_cases.py``.
 """
 
 from __future__ import annotations
@@ -65,3 +67,14 @@ def test_no_host_sync_one_cp_all_gather_and_one_reduce_scatter(ranks, layout):
 
 def test_errors_that_need_a_cp_group(ranks, layout):
     _run(ranks, "errors", layout=layout)
+
+
+HEAD = "tests.support.distillation_cases:case_"
+
+
+@pytest.mark.parametrize("case", ["entropy_and_gather_logprob", "cross_entropy_and_topk",
+                                  "gather_logits_and_distillation", "vocab_parallel_helpers", "errors"])
+def test_entropy_distillation_and_vocab_parallel_helpers_equal_nemo_rls_semantics(ranks, layout, case):
+    cp, tp = layout
+    results = ranks.run(HEAD + case, cp=cp, tp=tp)
+    assert sorted(set(results)) == [(c, t) for c in range(cp) for t in range(tp)]

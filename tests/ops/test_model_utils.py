@@ -266,3 +266,80 @@ def test_uniform_logits_docstring_example():
     out = PACKED(torch.zeros(1, 4, 3, dtype=torch.float64), torch.tensor([[1, 2, 0, 0]]), torch.tensor([0, 4]),
                  3, 0, 3, None)
     torch.testing.assert_close(out, torch.full((1, 2), math.log(1 / 3), dtype=torch.float64), **TOL)
+
+
+# --- NeMo-RL's entropy, distillation and vocabulary-parallel helpers (cases: tests/support/distillation_cases.py) ---
+
+# NeMo-RL's public names of nemo_rl/distributed/model_utils.py (HEAD 7ea279a) and where each stands here: every
+# one is importable from nn_data.nemo_rl.model_utils but the DTensor path's, left out in docs/logprobs.md.
+NEMO_RL_NAMES = [
+    "AllGatherCPTensor", "ChunkedDistributedEntropy", "ChunkedDistributedGatherLogprob",
+    "ChunkedDistributedHiddenStatesToLogprobs", "ChunkedDistributedLogprob", "ChunkedDistributedLogprobWithSampling",
+    "DistributedCrossEntropy", "DistributedLogprob", "DistributedLogprobWithSampling",
+    "_compute_distributed_log_softmax", "_compute_distributed_log_softmax_with_grad", "_compute_distributed_softmax",
+    "_get_tokens_on_this_cp_rank", "all_to_all_sq2vp", "all_to_all_vp2sq", "allgather_cp_sharded_tensor",
+    "cp_load_balanced_to_contiguous", "cp_shift_next", "distributed_vocab_topk", "from_parallel_hidden_states_to_logprobs",
+    "from_parallel_logits_to_logprobs", "from_parallel_logits_to_logprobs_packed_sequences",
+    "gather_logits_at_global_indices", "get_distillation_topk_logprobs_from_logits", "get_next_token_logprobs_from_logits",
+    "group_all_reduce_sum", "group_all_reduce_sum_with_grad", "patch_gpt_model_forward_for_linear_ce_fusion",
+    "vocab_parallel_argmax", "vocab_parallel_full_log_softmax", "vocab_parallel_gather_columns",
+    "vocab_parallel_log_softmax",
+]
+LEFT_OUT = ["dtensor_from_parallel_logits_to_logprobs", "get_logprobs_from_vocab_parallel_logits"]
+
+
+def test_nemo_rls_names_are_here_and_each_absent_one_is_documented():
+    from pathlib import Path
+
+    missing = [n for n in NEMO_RL_NAMES if not hasattr(mu, n)]
+    assert missing == [] and set(NEMO_RL_NAMES) <= set(mu.__all__)
+    doc = (Path(__file__).parents[2] / "docs" / "logprobs.md").read_text()
+    for name in LEFT_OUT:
+        assert not hasattr(mu, name) and f"`{name}`" in doc, name
+
+
+@pytest.mark.parametrize("case", ["entropy_and_gather_logprob", "cross_entropy_and_topk",
+                                  "gather_logits_and_distillation", "vocab_parallel_helpers", "errors"])
+def test_entropy_distillation_and_vocab_parallel_helpers_equal_nemo_rls_semantics(case):
+    from tests.support.distillation_cases import CASES
+
+    assert CASES[case]() == (0, 0)
+
+
+def test_entropy_docstring_examples_and_nemo_rls_sign():
+    z = torch.zeros(1, 1, 4, dtype=torch.float64)
+    assert torch.allclose(mu.ChunkedDistributedEntropy.apply(z, 1, None), torch.tensor([[-math.log(4)]]).double())
+    ce = mu.DistributedCrossEntropy.apply(torch.tensor([[0.0, math.log(3)]]), torch.tensor([[0.0, 0.0]]), None)
+    assert abs(ce.item() - 0.8370) < 1e-4
+    vals, ids = mu.distributed_vocab_topk(torch.tensor([[[1.0, 5.0, 3.0]]]), 2, None, vocab_start_index=0,
+                                          vocab_end_index=3)
+    assert vals.tolist() == [[[5.0, 3.0]]] and ids.tolist() == [[[1, 2]]]
+    assert mu.vocab_parallel_argmax(torch.tensor([[[1.0, 5.0, 5.0]]])).tolist() == [[1]]
+    assert mu.gather_logits_at_global_indices(torch.tensor([[[1.0, 5.0, 3.0]]]), torch.tensor([[[2, 0]]]),
+                                              vocab_start_index=0, vocab_end_index=3).tolist() == [[[3.0, 1.0]]]
+    assert mu.cp_shift_next(torch.tensor([[1, 2, 3]]), fill=0).tolist() == [[2, 3, 0]]
+
+
+def test_bfloat16_logits_give_float32_entropy_and_a_bfloat16_gradient():
+    z = torch.randn(2, 6, 16).to(torch.bfloat16).requires_grad_()
+    out = mu.ChunkedDistributedEntropy.apply(z, 2, None)
+    out.sum().backward()
+    ref = torch.log_softmax(z.detach().float(), -1)
+    assert out.dtype == torch.float32 and z.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out, (ref.exp() * ref).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_and_gather_logprob_hold_no_float32_copy_of_the_logits():
+    """NeMo-RL's functions hold ``[B, S, V]`` float32 log-softmax / softmax per chunk of positions of every row;
+    here one ``[chunk, V]`` block at a time, forward and backward (the logits' gradient aside)."""
+    rows, seq, vocab, chunk = 2, 32, 101, 2
+    z = torch.randn(rows, seq, vocab, dtype=torch.float32, requires_grad=True)
+    ids = torch.randint(0, vocab, (rows, seq, 3))
+    with Allocations() as fwd:
+        h = mu.ChunkedDistributedEntropy.apply(z, chunk, None)
+        g = mu.ChunkedDistributedGatherLogprob.apply(z, ids, 0, vocab, chunk, None)
+    assert max(fwd.sizes) <= rows * chunk * vocab
+    with Allocations() as bwd:
+        (h.sum() + g.sum()).backward()
+    # each op's logits gradient and autograd's sum of the two into z.grad
+    assert sorted(n for n in bwd.sizes if n > rows * chunk * vocab) == [z.numel()] * 3

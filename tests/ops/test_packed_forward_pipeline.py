@@ -40,7 +40,7 @@ def tiny():
 
 def _kernel_stacks(monkeypatch, owner, name, call):
     """The nn_data frames from PackedForward.forward (inclusive) down to the pack kernel ``owner.name``
-    (exclusive)."""
+    (exclusive): the host executor's ``pack``, or the gather the shared-prefix layout packs with."""
     seen, real = [], getattr(owner, name)
 
     def recording(*args, **kwargs):

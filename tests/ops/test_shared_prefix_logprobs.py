@@ -22,7 +22,7 @@ from nn_data.layout import PackSpec, shared_prefix_layout
 from nn_data.logprobs.from_shared_prefix import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
 from nn_data.testing.reference import reference_shard
 from tests.support.hypothesis_profiles import examples
-from tests.support.shared_prefix_reference import V, alone, logprob_case as _case, reference, rollouts
+from tests.support.shared_prefix_reference import V, alone, alone_outputs, logprob_case as _case, reference, rollouts
 
 TOL = dict(rtol=0, atol=1e-10)
 H = 5
@@ -173,3 +173,33 @@ def test_one_compiled_graph_forward_and_backward_over_a_stream(source):
         torch.testing.assert_close(logits.grad, want_grad, **TOL)
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(STREAM)} microbatches"
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("groups, prefix, lengths, seq_len", CASES[:2] + CASES[3:])
+def test_entropy_top_k_and_argmax_equal_every_rollout_alone(groups, prefix, lengths, seq_len):
+    """``outputs()`` of both ops: the distributions at each rollout's tokens (the prompt's last position shared by
+    the group), values and gradients of the hidden states and the weight / the logits, 1e-10."""
+    sp, ids, token, weights, gen = _case(groups, prefix, lengths, seq_len, seed=2)
+    hidden = torch.randn(1, sp.total, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    w_top = torch.randn(len(lengths), seq_len - 1, 3, generator=gen, dtype=torch.float64)
+    ent, top, top_ids, arg = alone_outputs(lambda i: hidden[0, i] @ weight.T / 0.7, groups, prefix, lengths,
+                                            seq_len, token, 3)
+    ((ent * weights).sum() + (top * w_top).sum() + 0 * hidden.sum()).backward()
+    want_h, want_w = hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+    op = SharedPrefixLogProbsFromHidden(chunk_tokens=4, temperature=0.7)
+    got = op.outputs(hidden, weight, sp.pack(ids), sp, entropy=True, top_k=3, argmax=True)
+    torch.testing.assert_close(got.logprobs, op(hidden, weight, sp.pack(ids), sp))
+    torch.testing.assert_close(got.entropy, ent.detach(), **TOL)
+    torch.testing.assert_close(got.topk_logprobs, top.detach(), **TOL)
+    assert torch.equal(got.topk_indices, top_ids) and torch.equal(got.argmax, arg)
+    ((got.entropy * weights).sum() + (got.topk_logprobs * w_top).sum()).backward()
+    torch.testing.assert_close(hidden.grad, want_h, **TOL)
+    torch.testing.assert_close(weight.grad, want_w, **TOL)
+    logits = (hidden.detach() @ weight.detach().T / 0.7).requires_grad_()
+    from_logits = SharedPrefixLogProbs(chunk_tokens=5).outputs(logits, sp.pack(ids), sp, logprobs=False, entropy=True)
+    assert from_logits.logprobs is None and from_logits.argmax is None
+    torch.testing.assert_close(from_logits.entropy, ent.detach(), **TOL)
+    with pytest.raises(PackingError, match="asked for nothing"):
+        op.outputs(hidden, weight, sp.pack(ids), sp, logprobs=False)

@@ -27,5 +27,20 @@ def test_targets_compare_the_fused_path_with_the_unfused_one():
                     f"forward+backward|{path}|cpu": time, f"forward+backward|{path}|syncs": 0})
     text = "\n".join(bench_lm_head.targets(res))
     assert "1/16 of the unfused path's (less the weight gradient both): 16 (met)" in text  # (900-100)/(150-100)
-    assert "wall time <= 1.35x the unfused path's: 1.3 (met)" in text
-    assert "float64 values and both gradients vs unfused <= 1e-10: 3e-11 (met)" in text
+    assert "wall time <= 1.15x the unfused path's: 1.3 (MISSED)" in text
+    assert "float64 values and both gradients, fused vs unfused, <= 1e-10: 3e-11 (met)" in text
+    assert "entropy" not in text  # those paths did not run
+
+
+def test_targets_with_entropy_and_top_8_compare_with_both_unfused_paths():
+    res = {"weight grad|bytes|": 100.0, "forward|fused|syncs": 0}
+    for path, peak, time in (("fused", 150.0, 1.1), ("unfused", 900.0, 1.0), ("fused +entropy+top8", 160.0, 1.25),
+                             ("unfused +entropy+top8", 1000.0, 1.2)):
+        res.update({f"forward+backward|{path}|peak": peak, f"forward+backward|{path}|time": time,
+                    f"forward+backward|{path}|cpu": time, f"forward+backward|{path}|syncs": 0})
+    text = "\n".join(bench_lm_head.targets(res))
+    assert "wall time <= 1.15x the unfused path's: 1.1 (met)" in text
+    assert "less the weight gradient): 15 (MISSED)" in text  # (1000-100)/(160-100)
+    assert "with entropy + top-8: forward+backward wall time <= 1.3x the unfused path's (log-prob only): 1.25 (met)" \
+        in text
+    assert "vs the unfused path with them: 1.04 (met)" in text

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from nn_data import TokenLogProbsFromHidden
+from nn_data import TokenLogProbs, TokenLogProbsFromHidden
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.groups import context_parallel_info, tensor_parallel_info
@@ -94,6 +94,67 @@ def summed_over(grad: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+TOP_K = 5
+
+
+def reference_outputs(logits: torch.Tensor, inp: HeadInputs, top_k: int = TOP_K) -> dict:
+    """The oracle of ``outputs()``, one sequence at a time from the full logits ``[1, T, V]`` (float64): row
+    ``b``, column ``s`` (``1 <= s < L[b]``) from the log-softmax of position ``start_b + s - 1``, else 0:
+    ``logprobs`` of the next token, ``entropy``, ``topk_logprobs`` / ``topk_indices`` (``torch.topk``),
+    ``argmax``. Differentiable w.r.t. ``logits``."""
+    cu, starts = [int(v) for v in inp.cu_seqlens], [int(v) for v in inp.cu_seqlens_padded]
+    rows = len(cu) - 1
+    out = {"logprobs": logits.new_zeros(rows, SEQ_LEN), "entropy": logits.new_zeros(rows, SEQ_LEN),
+           "topk_logprobs": logits.new_zeros(rows, SEQ_LEN, top_k),
+           "topk_indices": torch.zeros(rows, SEQ_LEN, top_k, dtype=torch.int64),
+           "argmax": torch.zeros(rows, SEQ_LEN, dtype=torch.int64)}
+    for b in range(rows):
+        for s in range(1, cu[b + 1] - cu[b]):
+            lp = torch.log_softmax(logits[0, starts[b] + s - 1], dim=-1)  # [V]
+            top = torch.topk(lp, top_k)
+            out["logprobs"] = out["logprobs"].index_put((torch.tensor(b), torch.tensor(s)),
+                                                        lp[inp.ids[0, starts[b] + s]])
+            out["entropy"] = out["entropy"].index_put((torch.tensor(b), torch.tensor(s)), -(lp.exp() * lp).sum())
+            out["topk_logprobs"] = out["topk_logprobs"].index_put((torch.tensor(b), torch.tensor(s)), top.values)
+            out["topk_indices"][b, s] = top.indices
+            out["argmax"][b, s] = lp.argmax()
+    return out
+
+
+def asked_fields(asked: dict) -> set:
+    """The fields of ``HeadOutputs`` an ``outputs(**asked)`` call fills."""
+    fields = {"logprobs"} if asked.get("logprobs", True) else set()
+    fields |= {"entropy"} if asked.get("entropy") else set()
+    fields |= {"topk_logprobs", "topk_indices"} if asked.get("top_k") else set()
+    return fields | ({"argmax"} if asked.get("argmax") else set())
+
+
+def outputs_loss(out, weights) -> torch.Tensor:
+    """The tests' loss of every differentiable output: ``sum(logprobs * a + entropy * b + topk * c)``."""
+    get = out.get if isinstance(out, dict) else out._asdict().get
+    return sum((get(name) * weights[name]).sum() for name in ("logprobs", "entropy", "topk_logprobs")
+               if get(name) is not None)
+
+
+def output_weights(rows: int, seed: int = 11, top_k: int = TOP_K) -> dict:
+    """Random float64 weights of :func:`outputs_loss`."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"logprobs": torch.randn(rows, SEQ_LEN, generator=gen, dtype=torch.float64),
+            "entropy": torch.randn(rows, SEQ_LEN, generator=gen, dtype=torch.float64),
+            "topk_logprobs": torch.randn(rows, SEQ_LEN, top_k, generator=gen, dtype=torch.float64)}
+
+
+def assert_outputs_equal(got, want: dict, what: str) -> None:
+    """Every field ``got`` holds equals the oracle's (1e-10; ids exactly)."""
+    for name, value in got._asdict().items():
+        if value is None:
+            continue
+        if value.dtype == torch.int64:
+            assert torch.equal(value, want[name]), f"{what} {name}"
+        else:
+            torch.testing.assert_close(value, want[name].detach(), **TOL, msg=lambda m: f"{what} {name}: {m}")
+
+
 # --- cases (every rank of the pool) ---------------------------------------------------------------------------
 
 
@@ -125,6 +186,51 @@ def case_core(sequence_parallel: bool):
                                            msg=lambda m: f"{what} d weight: {m}")
                 checked += 1
     return (cp.rank, tp.rank, checked)
+
+
+def case_outputs(sequence_parallel: bool):
+    """``TokenLogProbsFromHidden.outputs`` (every output at once, and the entropy alone) and
+    ``TokenLogProbs.outputs`` on this rank's logits under this split: the oracle's rows on every rank, the
+    single-process gradients (hidden states, weight summed over CP; the logits' for the unfused op)."""
+    cp, tp = context_parallel_info(), tensor_parallel_info()
+    inp = head_inputs([5, 0, 16, 3], cp.size * (tp.size if sequence_parallel else 1), pad_full_seq_to=96, seed=6)
+    weights = output_weights(4)
+    cols = VOCAB // tp.size
+    for temperature, chunk, asked in ((1.0, 256, dict(entropy=True, top_k=TOP_K, argmax=True)),
+                                      (0.7, 5, dict(entropy=True, top_k=TOP_K, argmax=True)),
+                                      (1.0, 7, dict(logprobs=False, entropy=True))):
+        h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
+        logits = h @ w.T / temperature  # [1, T, V]
+        want = reference_outputs(logits, inp)
+        want = {k: v for k, v in want.items() if k in asked_fields(asked)}
+        outputs_loss(want, weights).backward()
+        want_h, want_w = expected_grads(inp, h.grad, w.grad, cp, tp, sequence_parallel)
+        what = f"t {temperature} chunk {chunk} {asked}"
+        op = TokenLogProbsFromHidden(SEQ_LEN, cp_group=cp.group, tp_group=tp.group,
+                                     sequence_parallel=sequence_parallel, chunk_tokens=chunk, temperature=temperature)
+        hidden, weight = local_parts(inp, cp, tp, sequence_parallel)
+        got = op.outputs(hidden, weight, inp.ids, inp.cu_seqlens, inp.cu_seqlens_padded, **asked)
+        assert sorted(k for k, v in got._asdict().items() if v is not None) == sorted(want), what
+        outputs_loss(got, weights).backward()
+        assert_outputs_equal(got, want, what)
+        torch.testing.assert_close(hidden.grad, want_h, **TOL, msg=lambda m: f"{what} d hidden: {m}")
+        torch.testing.assert_close(summed_over(weight.grad, cp.group), want_w, **TOL,
+                                   msg=lambda m: f"{what} d weight: {m}")
+        # from this rank's logits: the same rows, the logits' gradient the single-process one
+        full = (inp.hidden @ inp.weight.T / temperature).requires_grad_()  # [1, T, V]
+        shard = reference_shard(full.detach(), inp.cu_seqlens_padded, cp.size, cp.rank)[..., tp.rank * cols:
+                                                                                         (tp.rank + 1) * cols]
+        local = shard.clone().requires_grad_()
+        got = TokenLogProbs(SEQ_LEN, cp_group=cp.group, tp_group=tp.group, chunk_tokens=chunk).outputs(
+            local, inp.ids, inp.cu_seqlens, inp.cu_seqlens_padded, **asked)
+        outputs_loss(got, weights).backward()
+        assert_outputs_equal(got, want, what + " from logits")
+        ref = full.detach().requires_grad_()
+        outputs_loss({k: v for k, v in reference_outputs(ref, inp).items() if k in want}, weights).backward()
+        want_z = reference_shard(ref.grad, inp.cu_seqlens_padded, cp.size, cp.rank)[..., tp.rank * cols:
+                                                                                     (tp.rank + 1) * cols]
+        torch.testing.assert_close(local.grad, want_z, **TOL, msg=lambda m: f"{what} d logits: {m}")
+    return (cp.rank, tp.rank)
 
 
 def case_counts(sequence_parallel: bool):
@@ -248,6 +354,7 @@ def case_errors():
 CASES = {
     "core": case_core,
     "counts": case_counts,
+    "outputs": case_outputs,
     "dropin_packed": case_dropin_packed,
     "dropin_rows": case_dropin_rows,
     "errors": case_errors,

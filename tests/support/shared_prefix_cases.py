@@ -19,7 +19,7 @@ import torch.distributed as dist
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.groups import context_parallel_info, tensor_parallel_info
 from nn_data.logprobs.from_shared_prefix import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
-from tests.support.shared_prefix_reference import V, alone, logprob_case
+from tests.support.shared_prefix_reference import V, alone, alone_outputs, logprob_case
 
 TOL = dict(rtol=0, atol=1e-10)
 H = 6
@@ -93,4 +93,36 @@ def case_hidden(sequence_parallel: bool = False):
         (out * weights).sum().backward()
         torch.testing.assert_close(local_h.grad, mine(sp.shard(hidden.grad, cp.size, cp.rank)), **TOL)
         torch.testing.assert_close(_summed(local_w.grad, cp.group), _columns(weight.grad, tp, 0), **TOL)
+    return (cp.rank, tp.rank)
+
+
+def case_outputs(sequence_parallel: bool = False):
+    """``SharedPrefixLogProbsFromHidden.outputs`` (entropy, top-3, argmax) and ``SharedPrefixLogProbs.outputs``
+    (entropy) on this rank's part: each rollout alone's values on every rank, the single-process gradients."""
+    cp, tp = context_parallel_info(), tensor_parallel_info()
+    for i in range(len(BATCHES)):
+        sp, ids, token, weights, gen, (groups, prefix, lengths, seq_len) = _case(i, cp.size)
+        hidden = torch.randn(1, sp.total, H, generator=gen, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
+        w_top = torch.randn(len(lengths), seq_len - 1, 3, generator=gen, dtype=torch.float64)
+        ent, top, top_ids, arg = alone_outputs(lambda k: hidden[0, k] @ weight.T / 0.8, groups, prefix, lengths,
+                                               seq_len, token, 3)
+        ((ent * weights).sum() + (top * w_top).sum()).backward()
+        mine = (lambda t: _columns(t, tp, 1)) if sequence_parallel else (lambda t: t)  # this TP rank's token rows
+        local_h = mine(sp.shard(hidden.detach(), cp.size, cp.rank)).clone().requires_grad_()
+        local_w = _columns(weight.detach(), tp, 0).clone().requires_grad_()
+        op = SharedPrefixLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8,
+                                            sequence_parallel=sequence_parallel)
+        got = op.outputs(local_h, local_w, sp.pack(ids), sp, logprobs=False, entropy=True, top_k=3, argmax=True)
+        torch.testing.assert_close(got.entropy, ent.detach(), **TOL)
+        torch.testing.assert_close(got.topk_logprobs, top.detach(), **TOL)
+        assert torch.equal(got.topk_indices, top_ids) and torch.equal(got.argmax, arg)
+        ((got.entropy * weights).sum() + (got.topk_logprobs * w_top).sum()).backward()
+        torch.testing.assert_close(local_h.grad, mine(sp.shard(hidden.grad, cp.size, cp.rank)), **TOL)
+        torch.testing.assert_close(_summed(local_w.grad, cp.group), _columns(weight.grad, tp, 0), **TOL)
+        logits = hidden.detach() @ weight.detach().T / 0.8  # [1, T, V]
+        local = _columns(sp.shard(logits, cp.size, cp.rank), tp, 2)
+        got = SharedPrefixLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5).outputs(
+            local, sp.pack(ids), sp, entropy=True)
+        torch.testing.assert_close(got.entropy, ent.detach(), **TOL)
     return (cp.rank, tp.rank)

@@ -80,6 +80,24 @@ def alone(per_position, groups, prefix, lengths, ids, token, seq_len):
     return torch.stack(rows) if rows else torch.zeros(0, max(seq_len - 1, 0), dtype=torch.float64)
 
 
+def alone_outputs(per_position, groups, prefix, lengths, seq_len, token, k):
+    """The oracle of ``outputs()``: each rollout alone, entry ``s < L - 1`` from the log-softmax of its token
+    ``s``'s logits (``per_position``), else 0: entropy ``[B, S-1]``, top-``k`` log-probs and ids, argmax."""
+    place, width = places(groups, prefix, token), max(seq_len - 1, 0)
+    ent, top, ids, arg = [], [], [], []
+    for b, n in enumerate(lengths):
+        e, t = torch.zeros(width, dtype=torch.float64), torch.zeros(width, k, dtype=torch.float64)
+        i, a = torch.zeros(width, k, dtype=torch.int64), torch.zeros(width, dtype=torch.int64)
+        if n > 1:
+            lp = torch.log_softmax(per_position(torch.tensor([place[(b, s)] for s in range(n - 1)])), dim=-1)
+            best = torch.topk(lp, k)
+            e = torch.cat([-(lp.exp() * lp).sum(-1), e[n - 1:]])
+            t, i = torch.cat([best.values, t[n - 1:]]), torch.cat([best.indices, i[n - 1:]])
+            a = torch.cat([lp.argmax(-1), a[n - 1:]])
+        ent.append(e), top.append(t), ids.append(i), arg.append(a)
+    return torch.stack(ent), torch.stack(top), torch.stack(ids), torch.stack(arg)
+
+
 def logprob_case(groups, prefix, lengths, seq_len, *, m=2, fixed_total=None, cp_size=1, seed=0):
     """``(layout, ids [B, S], token, weights [B, S-1], generator)``: rollouts with ids in ``[0, V)``, their
     shared-prefix layout (slots rounded up to ``m``), the reference's token of each packed position and

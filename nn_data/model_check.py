@@ -1,0 +1,386 @@
+"""The packing check: the model a :class:`~nn_data.packed_forward.PackedForward` wraps, proven against itself.
+
+Shape legend
+    k   documents of the check's microbatch (4, fewer when the row capacity or ``pad_full_seq_to`` is smaller)
+    S   their row length (the longest document)
+    *   the model's trailing output dims (vocab ``V`` for logits)
+
+Before the first packed microbatch trains, :func:`check_packing` runs a small packed microbatch of
+random ids (its own ``torch.Generator``; the caller's RNG state is restored) through the wrapped model
+itself, the model under ``torch.no_grad`` (:func:`runner`) and in eval mode (each module's mode restored
+after), and compares:
+
+* **tokens** (no tolerance): the same microbatch with the first and the last documents' tokens
+  re-drawn must leave every other document's outputs bit-identical (same shapes, so the same kernels:
+  any path from one document's tokens to another's outputs shows, in any dtype);
+* **positions** (to the dtype's rounding): the documents in reverse order (same row, each one at
+  another offset) must give each document's outputs (a model taking positions from the row fails);
+* **the model's own path**, where the adapter has one (``reference(input_ids [1, L]) -> [1, L, *]``:
+  :class:`~nn_data.adapters.HFCausalLMAdapter` runs the plain model, its own attention function,
+  windows and mixers, unpacked): the longest document, which starts mid-row, against its run there
+  (to the dtype's rounding).
+
+Document lengths come from the model: past every window or convolution its configs and modules declare
+and past the rotary original length where one is set (:func:`document_lengths`), capped at
+:data:`MAX_DOC_TOKENS` and by ``pad_full_seq_to``. A failure re-runs the failing pair with forward
+hooks on every module and refuses the model with a :class:`~nn_data.errors.PackingError` naming the
+model type, the first layer whose output differs, the reason and what to do. Under context
+parallelism every rank runs the check in lockstep and the verdict is all-reduced over the CP group:
+refused on every rank or on none. :class:`ModelGuard` decides when it runs (``PackedForward(verify=)``)
+and re-runs it when the model's :func:`~nn_data.model_identity.fingerprint` changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import torch
+from torch import nn
+
+from nn_data.errors import PackingError
+from nn_data.layout import round_up
+from nn_data.model_identity import fingerprint
+from nn_data.model_locate import first_difference, tolerance
+
+CHECK_DOCS = 4  # documents of the check's microbatch
+MIN_DOC_TOKENS = 8
+MAX_DOC_TOKENS = 1024  # a window or rotary original length past this is not reached by the check
+SEED = 20_241
+_WINDOW_KEYS = ("sliding_window", "attention_chunk_size", "window_size", "conv_kernel", "conv_L_cache", "d_conv")
+
+
+def _modules(model) -> list:
+    return [m for m in ([model] if isinstance(model, nn.Module) else []) for m in m.modules()]
+
+
+def model_type(model) -> str:
+    """The model's name in refusals: its config's ``model_type``, else the inner model's class name."""
+    for m in _modules(model):
+        name = getattr(m.__dict__.get("config"), "model_type", None)
+        if isinstance(name, str) and name:
+            return name
+    inner = getattr(model, "model", model)
+    return type(inner).__name__ if isinstance(inner, nn.Module) else getattr(model, "__name__", type(model).__name__)
+
+
+def document_lengths(wrapped) -> list:
+    """The check's document lengths for the model ``wrapped`` holds: the longest past every declared
+    window, convolution and rotary original length (capped), fitted to the row capacity and
+    ``pad_full_seq_to``. Example: no window, no cap -> ``[4, 16, 9, 15]``; window 20 -> ``[5, 22, 12, 21]``."""
+    reach = 0
+    for m in _modules(wrapped.model):
+        state = m.__dict__
+        sizes = [state.get(k) for k in _WINDOW_KEYS]
+        if isinstance(m, nn.Conv1d):
+            sizes.append(m.kernel_size[0])
+        config = state.get("config")
+        if config is not None:
+            sizes += [getattr(config, k, None) for k in _WINDOW_KEYS] + _original_lengths(config)
+        reach = max([reach] + [s for s in sizes if isinstance(s, int) and not isinstance(s, bool)])
+    longest = min(MAX_DOC_TOKENS, max(MIN_DOC_TOKENS * 2, reach + 2))
+    limit = getattr(wrapped.model, "longest_sequence", None)  # what the adapter packs at most (longrope)
+    longest = longest if limit is None else max(3, min(longest, limit))
+    pack = getattr(wrapped, "pack", None)
+    multiple, total = getattr(pack, "m", 1), getattr(pack, "pad_full_seq_to", None)
+    docs = CHECK_DOCS if wrapped.row_capacity is None else min(CHECK_DOCS, wrapped.row_capacity)
+    while True:
+        lengths = [max(3, longest // 4), longest, max(3, longest // 2 + 1), max(3, longest - 1)][:docs]
+        if total is None or sum(round_up(n, multiple) for n in lengths) <= total:
+            return lengths
+        if longest > 3:
+            longest = max(3, longest * 3 // 4)
+        elif docs > 1:
+            docs, longest = docs - 1, MAX_DOC_TOKENS
+        else:
+            return []
+
+
+def _original_lengths(config) -> list:
+    out = [getattr(config, "original_max_position_embeddings", None)]
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    stack = [params]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            out.append(item.get("original_max_position_embeddings"))
+            stack += [v for v in item.values() if isinstance(v, dict)]
+    return out
+
+
+def _vocab(model, like: torch.Tensor) -> int:
+    for m in _modules(model):
+        size = getattr(m.__dict__.get("config"), "vocab_size", None) or m.__dict__.get("vocab_size")
+        if isinstance(size, int) and size > 1:
+            return size
+    for name, m in (model.named_modules() if isinstance(model, nn.Module) else ()):
+        if isinstance(m, nn.Embedding) and "pos" not in name.rsplit(".", 1)[-1]:
+            return m.num_embeddings
+    return int(like.max()) + 1 if like.numel() else 2  # sync: once, for a model whose vocabulary nothing declares
+
+
+@contextlib.contextmanager
+def quiet(model, device: torch.device):
+    """Eval mode (each module's mode restored after) and the caller's RNG state kept."""
+    modes = [(m, m.training) for m in _modules(model)]
+    devices = [device] if device.type == "cuda" else []
+    try:
+        for m, _ in modes:
+            m.training = False
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def compiled(model) -> bool:
+    """Whether the model holds a module the caller compiled (``torch.compile(module)`` or ``module.compile()``)."""
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or
+               getattr(m, "_compiled_call_impl", None) is not None for m in _modules(model))
+
+
+def runner(wrapped, **model_kwargs):
+    """``run(input_ids [B, S], seq_lengths [B]) -> [B, S, *]`` (detached): ``wrapped``'s packing and unpacking
+    in the caller's grad mode (so that compiled packing reuses its graphs), the model under ``torch.no_grad``
+    (in the caller's grad mode for a model the caller compiled, whose graphs guard on it)."""
+    def run(input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> torch.Tensor:
+        inp = wrapped.prepare(input_ids, seq_lengths)
+        grad = contextlib.nullcontext() if compiled(wrapped.model) else torch.no_grad()
+        with grad:
+            local = wrapped.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
+        return wrapped.finish(local, inp).detach()
+    return run
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0  # sync: the check
+
+
+def check_packing(wrapped, *, device: torch.device, run, row_width: int = 0) -> None:
+    """Prove ``wrapped.model`` keeps packed documents apart (see the module docstring); raises
+    :class:`PackingError` naming the model type, the first differing layer, the reason and the fix.
+    ``run(input_ids [k, S], seq_lengths [k]) -> [k, S, *]`` is the wrapped forward (:func:`runner`);
+    ``row_width``: the caller's row length ``S``, the check's rows' where longer than its documents (the
+    same shapes for a model the caller compiled, whose documents it also bounds).
+
+    Example::
+
+        check_packing(wrapped, device=torch.device("cpu"), run=runner(wrapped))  # None, or PackingError
+    """
+    if device.type == "meta":  # no values to compare: nothing is proven, nothing is trained either
+        return
+    lengths = document_lengths(wrapped)
+    if row_width and compiled(wrapped.model):  # the caller's row length: no new graph for the check
+        lengths = [min(n, row_width) for n in lengths]
+    if len(lengths) < 2:  # a microbatch that holds one document cannot mix
+        return
+    model = wrapped.model
+    gen = torch.Generator().manual_seed(SEED)
+    with quiet(model, device):
+        vocab = _vocab(model, torch.zeros(0))
+        k, width = len(lengths), max(max(lengths), row_width)  # the caller's row length where it is longer
+        lens = torch.tensor(lengths)
+        valid = torch.arange(width) < lens[:, None]  # [k, S]
+        ids = torch.where(valid, torch.randint(0, vocab, (k, width), generator=gen), 0)  # [k, S]
+        changed = [0, k - 1] if k > 2 else [0]
+        other = ids.clone()
+        other[changed] = torch.where(valid[changed], torch.randint(0, vocab, (len(changed), width), generator=gen), 0)
+        ids, other, lens = ids.to(device), other.to(device), lens.to(device)
+        out = run(ids, lens)  # [k, S, *]
+        kept = [j for j in range(k) if j not in changed]
+        verdict, detail = _compare(run, ids, other, lens, out, kept, model, lengths,
+                                   split=getattr(wrapped, "cp_size", 1) > 1)
+        verdict = agree(verdict, wrapped, out.device)  # every rank takes the next step together
+        if verdict == 0:
+            moved = run(ids.flip(0), lens.flip(0)).flip(0)  # each document at another offset of the row
+            if _max_diff(moved, out) > tolerance(out):
+                verdict, detail = 2, f"max |difference| {_max_diff(moved, out):.3g}, allowed {tolerance(out):.3g}"
+        reference = getattr(model, "reference", None)
+        if verdict == 0 and callable(reference):
+            with torch.no_grad():
+                alone = reference(ids[1:2, : lengths[1]])  # [1, L, *]: the model's own unpacked path
+            mine = out[1:2, : lengths[1]]
+            if alone.shape != mine.shape or _max_diff(alone.to(mine.dtype), mine) > tolerance(alone):
+                diff = _max_diff(alone.to(mine.dtype), mine) if alone.shape == mine.shape else float("nan")
+                verdict, detail = 3, f"max |difference| {diff:.3g}, allowed {tolerance(alone):.3g}"
+        verdict = agree(verdict, wrapped, out.device)
+        if verdict:
+            layer = locate(wrapped, run, verdict, ids, other, lens, lengths, kept)
+            raise refusal(model, layer, verdict, detail)
+
+
+ROUTED = re.compile(r"Expert|MoE|Moe|SparseMlp|SparseMLP")
+"""Layers whose kernels' shapes follow the tokens (a mixture of experts groups the tokens of each expert): changing
+other documents' tokens moves the rounding of the kept ones there, without a path between documents."""
+
+
+def _compare(run, ids, other, lens, out, kept, model=None, lengths=None, split=False) -> tuple:
+    """The tokens comparison: ``(0, "")`` when the kept documents are bit-identical, or within the rounding
+    where the first layer whose bits move is a routed one (:data:`ROUTED`), or, for a model whose runs differ
+    from one another, within its own run-to-run spread; else ``(1, detail)``."""
+    out_other = run(other, lens)
+    if torch.equal(out_other[kept], out[kept]):  # sync: the check
+        return 0, ""
+    again = run(ids, lens)
+    diff = _max_diff(out_other[kept], out[kept])
+    if torch.equal(again, out):  # deterministic: a difference is a path between documents, or a routed layer
+        if model is not None and diff <= tolerance(out):
+            index, labels = first_difference(model, lambda: run(ids, lens), lambda: run(other, lens), docs=kept,
+                                             exact=True, lengths_a=lengths)
+            if index is not None and ROUTED.search(labels[index].split("(")[-1]):
+                return 0, ""
+            if index is None and split:  # this rank's tokens did not move: the ranks that hold them judge
+                return 0, ""
+        return 1, f"max |difference| {diff:.3g} where 0 is required"
+    spread = _max_diff(again, out)  # a nondeterministic model (atomics): its own spread, rounded up
+    return (0, "") if diff <= max(4 * spread, tolerance(out)) else (1, f"max |difference| {diff:.3g}, its own "
+                                                                       f"run-to-run spread {spread:.3g}")
+
+
+def agree(verdict: int, wrapped, device: torch.device) -> int:
+    """The verdict all ranks of the CP group share (the largest): refused everywhere or nowhere."""
+    if getattr(wrapped, "cp_size", 1) == 1 or wrapped.cp_group is None:
+        return verdict
+    import torch.distributed as dist
+
+    flag = torch.tensor([verdict], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=wrapped.cp_group)
+    return int(flag)  # sync: the check
+
+
+REASONS = {
+    1: "the outputs of documents it did not change changed when other documents of the same packed row changed "
+       "(tokens of one sequence reach another)",
+    2: "a document's outputs changed when it moved to another offset of the same packed row (it takes positions "
+       "from the row, not from the position ids)",
+    3: "a document packed differs from the model's own unpacked run of it (what the adapter computes packed is "
+       "not what this model computes: an attention function, window or mask of its own)",
+}
+
+
+def refusal(model, layer: str, verdict: int, detail: str) -> PackingError:
+    return PackingError(
+        f"model_type={model_type(model)!r}: layer {layer}: {REASONS[verdict]} ({detail}); run this model unpacked "
+        "(one sequence per row), or make that layer keep packed sequences apart (attention through transformers' "
+        "attention interface or nn_data.masks.document_attention, positions from the position ids, no state or "
+        "convolution carried across tokens of the row); PackedForward(verify=False) skips this check and leaves "
+        "exactness to you")
+
+
+def locate(wrapped, run, verdict, ids, other, lens, lengths, kept) -> str:
+    """The first module (in call order) whose output differs on the compared tokens, as ``'name' (Class)``;
+    agreed over the CP group (the earliest any rank saw)."""
+    model = wrapped.model
+    if verdict == 1:
+        found = first_difference(model, lambda: run(ids, lens), lambda: run(other, lens), docs=kept, exact=True,
+                                 lengths_a=lengths)
+    elif verdict == 2:
+        k = len(lengths)
+        found = first_difference(model, lambda: run(ids, lens), lambda: run(ids.flip(0), lens.flip(0)),
+                                 docs=list(range(k)), exact=False, lengths_a=lengths, lengths_b=lengths[::-1],
+                                 second_docs=[k - 1 - j for j in range(k)])
+    else:
+        found = first_difference(model, lambda: run(ids, lens),
+                                 lambda: torch.no_grad()(model.reference)(ids[1:2, : lengths[1]]),
+                                 docs=[1], exact=False, lengths_a=lengths, second_alone=lengths[1])
+    index, names = found
+    if getattr(wrapped, "cp_size", 1) > 1 and wrapped.cp_group is not None:
+        import torch.distributed as dist
+
+        where = torch.tensor([-(index if index is not None else 1 << 30)], device=ids.device)
+        dist.all_reduce(where, op=dist.ReduceOp.MAX, group=wrapped.cp_group)
+        index = -int(where)  # sync: the check
+        index = None if index >= 1 << 30 else index
+    if index is None or index >= len(names):
+        return "(not located: only the model's output differs)"
+    return names[index]
+
+
+def verify_microbatch(wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tensor, *, run) -> None:
+    """The caller's own microbatch checked as :func:`check_packing` checks its own (eval mode, no_grad,
+    RNG kept): the first sequence's tokens changed (each id one lower, 0 -> 1) must leave every other row bit-identical, and the last
+    non-empty sequence packed alone must give its row to the dtype's rounding. Three more forwards."""
+    lengths = seq_lengths.tolist()  # sync: a verified microbatch reads its lengths once
+    docs = [b for b, n in enumerate(lengths) if n > 0]
+    if len(docs) < 2:
+        return
+    first, last = docs[0], docs[-1]
+    kept = docs[1:]
+    with quiet(wrapped.model, input_ids.device):
+        out = run(input_ids, seq_lengths)  # [B, S, *]
+        other = input_ids.clone()
+        head = input_ids[first, : lengths[first]]
+        other[first, : lengths[first]] = torch.where(head > 0, head - 1, 1)  # other ids, inside the vocabulary
+        verdict, detail = _compare(run, input_ids, other, seq_lengths, out, kept, wrapped.model, lengths,
+                                   split=getattr(wrapped, "cp_size", 1) > 1)
+        verdict = agree(verdict, wrapped, out.device)  # every rank takes the next step together
+        if verdict == 0:
+            alone = run(input_ids[last:last + 1], seq_lengths[last:last + 1])  # [1, S, *]
+            if _max_diff(alone, out[last:last + 1]) > tolerance(out):
+                verdict = 2
+                detail = f"row {last} alone: max |difference| {_max_diff(alone, out[last:last + 1]):.3g}, " \
+                         f"allowed {tolerance(out):.3g}"
+        verdict = agree(verdict, wrapped, out.device)
+        if verdict:
+            raise refusal(wrapped.model, "(not located on a verified microbatch)", verdict,
+                          f"on the caller's microbatch: {detail}")
+
+
+VERIFY_MODES = "False/'off', True/'first' (the default) or a positive int N (the first call and every Nth microbatch)"
+
+
+class ModelGuard:
+    """When :class:`~nn_data.packed_forward.PackedForward` proves its model (its ``verify=``).
+
+    ``verify``: ``"off"`` (or False): never (the model's exactness is the caller's); ``"first"`` (or
+    True, the default): :func:`check_packing` on the first call, and again on any call that finds the
+    model's :func:`~nn_data.model_identity.fingerprint` changed, each time after the adapter's
+    ``revalidate()`` (its allow-list, where it has one); an int ``N``: that, and every Nth microbatch also
+    :func:`verify_microbatch`. Nothing runs while compiling or inside the check's own calls.
+
+    Example::
+
+        guard = ModelGuard("first")
+        guard.before(wrapped, input_ids)      # first call: the check; later calls: the fingerprint only
+    """
+
+    def __init__(self, verify=True):
+        if verify is True or verify == "first":
+            every = 0
+        elif verify is False or verify == "off" or verify is None:
+            every = None
+        elif isinstance(verify, int) and not isinstance(verify, bool) and verify > 0:
+            every = verify
+        else:
+            raise PackingError(f"verify={verify!r} is invalid; expected {VERIFY_MODES}")
+        self.every, self.calls, self.seen, self.busy = every, 0, None, False
+
+    def before(self, wrapped, input_ids: torch.Tensor) -> bool:
+        """Run before a call's packing; returns whether :meth:`after` should verify this microbatch."""
+        if self.every is None or self.busy or torch.compiler.is_compiling():
+            return False
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            return False  # the packing refuses it by name
+        self.calls += 1
+        now = fingerprint(wrapped.model)
+        if now != self.seen:
+            revalidate = getattr(wrapped.model, "revalidate", None)
+            if callable(revalidate):  # the adapter's allow-list on the model as it is now (an edit since it was built)
+                revalidate()
+            with self.running():
+                check_packing(wrapped, device=input_ids.device, run=runner(wrapped), row_width=input_ids.shape[1])
+            self.seen = fingerprint(wrapped.model)
+        return bool(self.every) and self.calls % self.every == 0
+
+    def after(self, wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> None:
+        """Verify this microbatch (:func:`verify_microbatch`)."""
+        with self.running():
+            verify_microbatch(wrapped, input_ids, seq_lengths, run=runner(wrapped, **model_kwargs))
+
+    @contextlib.contextmanager
+    def running(self):
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False

@@ -1,0 +1,113 @@
+"""A model's identity as the packing check and the adapters' allow-lists saw it: a cheap fingerprint.
+
+:func:`fingerprint` reads Python objects only (no tensor value, so no host-device sync): every module
+reachable from the model, by type and identity, with any ``forward`` set on the instance (a patched
+method) and the identity of its parameter and hook dicts (new when its ``__init__`` runs again); the attributes the adapters read on a module (:data:`MODULE_KEYS`: windows, causality, rotary
+types); the config values the allow-list reads (:data:`CONFIG_KEYS`, the selected attention
+implementation included); the rotary module's state (its frequency buffer's identity, its cached
+length); and, when transformers is imported, the function registered under the selected attention
+implementation. Two fingerprints compare with ``==``: a changed one means the model is not the one
+that was checked (a window, a layer type, a rotary module, an attention module or its ``forward``,
+a mixer swapped after wrapping).
+
+Example::
+
+    seen = fingerprint(model)
+    model.config.sliding_window = 5       # an edit after wrapping
+    assert fingerprint(model) != seen
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+#: Config values an adapter's allow-list reads (windows, layer kinds, causality, rotary parameters).
+CONFIG_KEYS = ("sliding_window", "use_sliding_window", "layer_types", "use_bidirectional_attention", "is_causal",
+               "rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
+               "original_max_position_embeddings", "attention_chunk_size", "position_embedding_type", "alibi",
+               "use_alibi", "_attn_implementation_internal", "_attn_implementation")
+#: Attributes of a module (its instance ``__dict__``) that decide how it mixes tokens.
+MODULE_KEYS = ("sliding_window", "is_sliding", "is_causal", "use_bidirectional_attention", "rope_type", "layer_type",
+               "attention_type", "attention_chunk_size", "window_size", "max_seq_len_cached", "original_max_seq_len",
+               "scaling", "config")
+_BUFFERS = ("inv_freq", "original_inv_freq", "long_inv_freq")
+
+
+def fingerprint(model: Any) -> tuple:
+    """What the model is made of, as a tuple of Python values (see the module docstring); ``model`` is
+    an ``nn.Module`` or any callable (a bound method's module and the modules a closure holds count)."""
+    out = [type(model), id(model)]
+    configs = {}
+    for module in _roots(model):
+        for sub in module.modules():
+            state = sub.__dict__
+            # a module re-initialised in place (its __init__ run again) has new parameter and hook dicts
+            out += (type(sub), id(sub), id(state.get("forward")), id(state.get("_parameters")),
+                    id(state.get("_forward_pre_hooks")))
+            for key in MODULE_KEYS:
+                value = state.get(key)
+                if value is not None:
+                    if key == "config":
+                        configs[id(value)] = value
+                        value = id(value)
+                    out += (key, _frozen(value))
+            buffers = state.get("_buffers")
+            if buffers:
+                out += tuple(id(buffers.get(name)) for name in _BUFFERS if name in buffers)
+    for config in configs.values():
+        out += _config_values(config)
+    return tuple(out)
+
+
+def _roots(model: Any) -> list:
+    """The modules a callable runs: itself, a bound method's owner, the modules its closure holds."""
+    if isinstance(model, nn.Module):
+        return [model]
+    found = [getattr(model, "__self__", None)]
+    found += [cell.cell_contents for cell in (getattr(model, "__closure__", None) or ())
+              if _filled(cell)]
+    return [m for m in found if isinstance(m, nn.Module)]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _config_values(config) -> tuple:
+    state = vars(config)
+    out = tuple(_frozen(state.get(key)) for key in CONFIG_KEYS)
+    impl = state.get("_attn_implementation_internal")
+    for sub in ("text_config", "decoder"):  # a composite model's text part
+        if sub in state and state[sub] is not None and hasattr(state[sub], "__dict__"):
+            out += _config_values(state[sub])
+    return out + (_registered(impl),)
+
+
+def _registered(impl) -> int:
+    """Identity of the function transformers would call for attention implementation ``impl`` (0: none)."""
+    transformers = sys.modules.get("transformers.modeling_utils")
+    if transformers is None or not isinstance(impl, str):
+        return 0
+    functions = getattr(transformers, "ALL_ATTENTION_FUNCTIONS", None)
+    try:
+        return id(functions[impl]) if functions is not None and impl in functions else 0
+    except (KeyError, TypeError):
+        return 0
+
+
+def _frozen(value) -> Any:
+    """A comparable copy of ``value``: lists and dicts (mutable in place) become tuples."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    return (type(value).__name__, id(value))

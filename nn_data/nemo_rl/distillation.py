@@ -1,0 +1,252 @@
+"""NeMo-RL's distillation and entropy functions of ``nemo_rl.distributed.model_utils`` on nn_data's one-pass head
+(:mod:`nn_data.logprobs.outputs`): re-exported by :mod:`nn_data.nemo_rl.model_utils`, one import switches.
+
+Shape legend
+    B   rows; S positions of a row on this rank (``S_cp``: this rank's zigzag shard under CP), S_full all of them
+    Vt  this tensor-parallel rank's vocabulary slice (``V/TP``), starting at ``vocab_start_index``
+    K   token ids per position (a teacher's top-k)
+
+NeMo-RL's names, signatures and values (HEAD 7ea279a), its conventions kept: ``ChunkedDistributedEntropy`` and
+the distillation's ``H_all`` are ``sum_v p_v log p_v`` (the *negative* entropy); ``chunk_size`` counts positions
+of a row; a global id outside ``[0, V)`` gets the log-prob 0 and the gradient ``-softmax``; CP gathers give the
+``C``-times gradient (:func:`~nn_data.nemo_rl.vocab_parallel.allgather_cp_sharded_tensor`). What is nn_data's:
+float64 stays float64 (NeMo-RL computes in float32), the log-softmax, softmax and their gradient are never
+``[B, S, Vt]`` float32 tensors (one chunk at a time), the top-k log-probs and the entropy come from one read of
+the logits, ``None`` groups mean "not split", and ``pg_collection=`` (megatron-core's ``ProcessGroupCollection``)
+stands for the groups not given. The differences are in docs/nemo-rl.md.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nn_data.extension import (
+    all_gather_dim0, checks as _checks, combine_topk, given_group_info, head_outputs_local, local_ids,
+    soft_cross_entropy_local,
+)
+from nn_data.nemo_rl.logprob_steps import DEFAULT_CHUNK_TOKENS, grad_mode, in_vocab, out_of_vocab_as_nemo_rl
+from nn_data.nemo_rl.vocab_parallel import _get_tokens_on_this_cp_rank, allgather_cp_sharded_tensor
+
+
+def _tp(group, pg_collection):
+    return given_group_info(group, pg_collection=pg_collection, field="tp")
+
+
+def _cp(group, pg_collection):
+    return given_group_info(group, pg_collection=pg_collection, field="cp")
+
+
+def _rows_chunk(logits: torch.Tensor, chunk_size) -> int:
+    """Tokens per chunk of the flattened ``[B*S, Vt]`` logits: ``chunk_size`` positions of each of the ``B``
+    rows (NeMo-RL's unit), or :data:`DEFAULT_CHUNK_TOKENS` for None."""
+    if chunk_size is None:
+        return DEFAULT_CHUNK_TOKENS
+    return _checks.positive_int("chunk_size", chunk_size) * (logits.shape[0] if logits.dim() == 3 else 1)
+
+
+class ChunkedDistributedEntropy:
+    """``apply(vocab_parallel_logits [B, S, Vt], chunk_size, tp_group, inference_only=False) -> [B, S]``:
+    ``sum_v p_v log p_v`` over the TP-split vocabulary (NeMo-RL's sign: the negative entropy),
+    differentiable w.r.t. the logits (``p (log p + H)``), ``chunk_size`` positions per row at a time.
+
+    Example: logits ``[[[0., 0., 0., 0.]]]`` -> ``[[-log 4]]``."""
+
+    @staticmethod
+    def apply(vocab_parallel_logits, chunk_size, tp_group, inference_only=False, *, pg_collection=None):
+        tp = _tp(tp_group, pg_collection)
+        _checks.check_min_dims("vocab_parallel_logits", vocab_parallel_logits, 1, "[B, S, V // TP]")
+        chunk = _rows_chunk(vocab_parallel_logits, chunk_size)
+        with grad_mode(inference_only):
+            flat = vocab_parallel_logits.reshape(-1, vocab_parallel_logits.shape[-1])  # [B*S, Vt]
+            out = head_outputs_local(flat, entropy=True, tp_group=tp.group, tp_size=tp.size, chunk_tokens=chunk)
+            return out.entropy.neg().view(vocab_parallel_logits.shape[:-1])  # [B, S]
+
+
+class ChunkedDistributedGatherLogprob:
+    """``apply(vocab_parallel_logits [B, S, Vt], global_indices [B, S, K], vocab_start_index, vocab_end_index,
+    chunk_size, tp_group, inference_only=False) -> [B, S, K]``: the log-probs (over the whole vocabulary) at
+    the given global ids, differentiable w.r.t. the logits; an id outside ``[0, V)`` gets 0 and the gradient
+    ``-softmax`` (NeMo-RL's)."""
+
+    @staticmethod
+    def apply(vocab_parallel_logits, global_indices, vocab_start_index, vocab_end_index, chunk_size, tp_group,
+              inference_only=False, *, pg_collection=None):
+        tp = _tp(tp_group, pg_collection)
+        return _logprobs_at(vocab_parallel_logits, global_indices, vocab_start_index, vocab_end_index,
+                            _rows_chunk(vocab_parallel_logits, chunk_size), tp, inference_only, entropy=False)[0]
+
+
+def _logprobs_at(logits, indices, vocab_start_index, vocab_end_index, chunk: int, tp, inference_only: bool, *,
+                 entropy: bool):
+    """``(log-probs [B, S, K], negative entropy [B, S] or None)`` of ``logits [B, S, Vt]`` at ``indices``, one pass."""
+    _checks.check_float_logits("vocab_parallel_logits", logits, "[B, S, V // TP]", 3)
+    cols, k = logits.shape[-1], indices.shape[-1]
+    _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
+    if indices.shape[:-1] != logits.shape[:-1] or indices.dtype.is_floating_point:
+        raise _checks.PackingError(f"global_indices must be integer [B, S, K] with [B, S] = "
+                                   f"{list(logits.shape[:-1])}, got shape {tuple(indices.shape)} and dtype {indices.dtype}")
+    with grad_mode(inference_only):
+        ids = indices.reshape(-1, k).to(torch.int64)  # [B*S, K]
+        out = head_outputs_local(logits.reshape(-1, cols), ids=ids, entropy=entropy, vocab_start=vocab_start_index,
+                                 tp_group=tp.group, tp_size=tp.size, chunk_tokens=chunk)
+        values = out_of_vocab_as_nemo_rl(out.logprobs, in_vocab(ids, cols * tp.size)).view(indices.shape)
+        neg_entropy = out.entropy.neg().view(logits.shape[:-1]) if entropy else None
+        return values, neg_entropy
+
+
+class DistributedCrossEntropy:
+    """``apply(student_logits [*, Vt], target_logits [*, Vt], group, inference_only=False) -> [*]``:
+    ``H(softmax(target), softmax(student))`` over the TP-split vocabulary, differentiable w.r.t. the student's
+    logits only (``q - p``), chunked (no ``[*, Vt]`` float32 softmax kept).
+
+    Example: target ``[[0., 0.]]``, student ``[[0., log 3]]`` -> ``[0.8370]``."""
+
+    @staticmethod
+    def apply(student_logits, target_logits, group, inference_only=False, *, pg_collection=None):
+        if student_logits.shape != target_logits.shape:
+            raise _checks.PackingError(f"student_logits and target_logits must have the same shape, got "
+                                       f"{tuple(student_logits.shape)} and {tuple(target_logits.shape)}")
+        _checks.check_min_dims("student_logits", student_logits, 1, "[*, V // TP]")
+        tp = _tp(group, pg_collection)
+        cols = student_logits.shape[-1]
+        with grad_mode(inference_only):
+            out = soft_cross_entropy_local(student_logits.reshape(-1, cols), target_logits.reshape(-1, cols),
+                                           tp_group=tp.group, tp_size=tp.size, chunk_tokens=DEFAULT_CHUNK_TOKENS)
+            return out.view(student_logits.shape[:-1])
+
+
+@torch.no_grad()
+def distributed_vocab_topk(vocab_parallel_logits: torch.Tensor, k: int, tp_group, *, vocab_start_index: int,
+                           vocab_end_index: int, chunk_size: Optional[int] = None, pg_collection=None):
+    """The global top-``k`` logits ``[B, S, K]`` (float32 or wider, ``K = min(k, V)``) and their global ids
+    ``[B, S, K]`` of this rank's ``[B, S, Vt]`` slice: each rank's top-``min(k, Vt)`` per position, one
+    all-gather of values and one of ids over ``tp_group``, the top-``K`` of those. No gradient.
+
+    Example (TP 1): ``[[[1., 5., 3.]]]``, k 2 -> ``[[[5., 3.]]]``, ``[[[1, 2]]]``.
+
+    Raises :class:`~nn_data.errors.PackingError`: ``k`` below 1, logits not ``[B, S, Vt]`` floating point, a
+    vocabulary slice that is not this rank's, a bad ``chunk_size``.
+    """
+    tp = _tp(tp_group, pg_collection)
+    _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S, V // TP]", 3)
+    k = _checks.positive_int("k", k)
+    rows, seq, cols = vocab_parallel_logits.shape
+    _checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
+    chunk = _rows_chunk(vocab_parallel_logits, chunk_size)
+    flat = vocab_parallel_logits.reshape(rows * seq, cols)  # [N, Vt]
+    dtype, kk = torch.promote_types(flat.dtype, torch.float32), min(k, cols)
+    cand = flat.new_empty((flat.shape[0], kk), dtype=dtype)  # [N, k'] this rank's candidates
+    cand_ids = torch.empty((flat.shape[0], kk), dtype=torch.int64, device=flat.device)  # [N, k'] their global ids
+    for i in range(0, flat.shape[0], chunk):
+        top = torch.topk(flat[i : i + chunk].to(dtype), kk, dim=-1)  # [c, k'] each
+        cand[i : i + chunk], cand_ids[i : i + chunk] = top.values, top.indices + vocab_start_index
+    values, ids = combine_topk(cand, cand_ids, k, tp.group, tp.size)  # [N, K] each
+    return values.view(rows, seq, -1), ids.view(rows, seq, -1)
+
+
+def gather_logits_at_global_indices(vocab_parallel_logits: torch.Tensor, global_indices: torch.Tensor,
+                                    tp_group=None, cp_group=None, *, vocab_start_index: int, vocab_end_index: int,
+                                    chunk_size: Optional[int] = None, pg_collection=None) -> torch.Tensor:
+    """The logits at global ids, ``[B, S_full, K]`` (float32 or wider), from this rank's ``[B, S_cp, Vt]``:
+    ``global_indices [B, S_full, K]`` are padded to ``S_cp * C`` positions and zigzag-sharded over ``cp_group``,
+    each TP rank reads the ids it holds (0 for the others), one all-gather sums them over ``tp_group``, and
+    under CP the shards are gathered back (NeMo-RL's ``C``-times gradient). Differentiable w.r.t. the logits
+    (each rank's own columns). ``chunk_size`` is accepted for NeMo-RL's signature: the gather reads only
+    ``K`` columns per position, so nothing is chunked.
+
+    Example (TP 1, C 1): logits ``[[[1., 5., 3.]]]``, ids ``[[[2, 0]]]`` -> ``[[[3., 1.]]]``.
+    """
+    tp, cp = _tp(tp_group, pg_collection), _cp(cp_group, pg_collection)
+    _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, V // TP]", 3)
+    _checks.positive_int("chunk_size", chunk_size, allow_none=True)
+    rows, local_len, cols = vocab_parallel_logits.shape
+    pad = local_len * cp.size - global_indices.shape[1]
+    if global_indices.dim() != 3 or global_indices.shape[0] != rows or pad < 0:
+        raise _checks.PackingError(f"global_indices must be [B, S, K] with B={rows} and S <= {local_len * cp.size} "
+                                   f"(the logits' {local_len} positions on cp_size={cp.size} ranks), got "
+                                   f"{tuple(global_indices.shape)}")
+    ids = torch.nn.functional.pad(global_indices, (0, 0, 0, pad)) if pad else global_indices  # [B, S_cp * C, K]
+    if cp.size > 1:
+        ids = _get_tokens_on_this_cp_rank(ids, cp.rank, cp.size, seq_dim=1)  # [B, S_cp, K]
+    k = ids.shape[-1]
+    local, owned = local_ids(ids.reshape(-1, k).to(torch.int64), vocab_start_index, cols)  # [N, K] each
+    flat = vocab_parallel_logits.reshape(rows * local_len, cols)  # [N, Vt]
+    dtype = torch.promote_types(flat.dtype, torch.float32)
+    values = torch.where(owned, flat.gather(1, local).to(dtype), 0.0)  # [N, K]
+    if tp.size > 1:  # the owner's value on every rank; the gradient of each rank's own columns
+        values = values + (all_gather_dim0(values.detach()[None], tp.group).sum(0) - values.detach())
+    out = values.view(rows, local_len, k)
+    if cp.size > 1:
+        out = allgather_cp_sharded_tensor(out, cp.group, seq_dim=1)  # [B, S_cp * C, K]
+    return out[:, : out.shape[1] - pad]  # [B, S_full, K]
+
+
+def vocab_parallel_gather_columns(logits: torch.Tensor, column_indices: torch.Tensor, *, tp_group=None,
+                                  pg_collection=None) -> torch.Tensor:
+    """The logits ``[B, T, K]`` (float32 or wider) at the global columns ``column_indices [K]`` shared by every
+    position, from this rank's ``[B, T, Vt]``; differentiable (each rank's own columns). Example (TP 1):
+    ``[[[1., 5., 3.]]]``, columns ``[2, 0]`` -> ``[[[3., 1.]]]``."""
+    tp = _tp(tp_group, pg_collection)
+    logits = logits.to_local() if type(logits).__name__ == "DTensor" else logits
+    if tp.size == 1:
+        return logits[..., column_indices].to(torch.promote_types(logits.dtype, torch.float32))
+    rows, seq, cols = logits.shape
+    ids = column_indices.view(1, 1, -1).expand(rows, seq, -1)  # [B, T, K]
+    return gather_logits_at_global_indices(logits, ids, tp.group, vocab_start_index=tp.rank * cols,
+                                           vocab_end_index=(tp.rank + 1) * cols)
+
+
+def get_distillation_topk_logprobs_from_logits(student_logits: torch.Tensor, teacher_topk_logits: torch.Tensor,
+                                               teacher_topk_indices: torch.Tensor, zero_outside_topk: bool,
+                                               calculate_entropy: bool, vocab_parallel_rank: Optional[int] = None,
+                                               vocab_parallel_group=None, context_parallel_group=None, *,
+                                               pg_collection=None):
+    """``(student [B, S-1, K], teacher [B, S-1, K], H_all [B, S-1] or None)``: the student's log-probs at the
+    teacher's top-``K`` ids and the teacher's log-softmax over its ``K`` logits, next-token aligned (the last
+    position dropped). ``zero_outside_topk``: the student's log-probs over the whole vocabulary (with
+    ``calculate_entropy``, ``H_all = sum p log p`` from the same read of the logits); else the log-softmax of
+    the student's logits at the ``K`` ids. ``student_logits [B, S_cp, Vt]`` are this rank's slice
+    (``vocab_parallel_group`` / ``vocab_parallel_rank``; None: the whole vocabulary) and zigzag shard
+    (``context_parallel_group``), the teacher's tensors ``[B, S_full, K]``. ``pg_collection``: its ``tp`` /
+    ``cp`` stand for the groups passed as None (its TP rank for ``vocab_parallel_rank``).
+
+    Raises :class:`~nn_data.errors.PackingError`: ``K`` below 1, DTensor logits (NeMo-RL's DTensor path is not
+    provided), a ``vocab_parallel_group`` without ``vocab_parallel_rank``, shapes as
+    :func:`gather_logits_at_global_indices`.
+    """
+    k = teacher_topk_indices.shape[-1]
+    if k <= 0:
+        raise _checks.PackingError(f"topk must be positive, got {k}: teacher_topk_indices has shape "
+                                   f"{tuple(teacher_topk_indices.shape)}")
+    if type(student_logits).__name__ == "DTensor":
+        raise _checks.PackingError("student_logits is a DTensor: nn_data.nemo_rl.model_utils covers the Megatron "
+                                   "(vocab-parallel) and plain-tensor paths")
+    tp, cp = _tp(vocab_parallel_group, pg_collection), _cp(context_parallel_group, pg_collection)
+    if vocab_parallel_group is not None and vocab_parallel_rank is None:
+        raise _checks.PackingError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
+    rank = tp.rank if vocab_parallel_rank is None else vocab_parallel_rank
+    cols = student_logits.shape[-1]
+    start, end = rank * cols, (rank + 1) * cols
+    indices = teacher_topk_indices.to(student_logits.device)
+    neg_entropy = None
+    if zero_outside_topk or calculate_entropy:
+        pad = student_logits.shape[1] * cp.size - indices.shape[1]
+        local = torch.nn.functional.pad(indices, (0, 0, 0, pad)) if pad > 0 else indices
+        local = _get_tokens_on_this_cp_rank(local, cp.rank, cp.size, seq_dim=1)  # [B, S_cp, K]
+        chunk = max(1, min(student_logits.shape[1], 1024)) * student_logits.shape[0]  # NeMo-RL's 1024 positions
+        student, neg_entropy = _logprobs_at(student_logits, local, start, end, chunk, tp, False,
+                                            entropy=calculate_entropy)
+        if cp.size > 1:
+            student = allgather_cp_sharded_tensor(student, cp.group, seq_dim=1)
+            if neg_entropy is not None:
+                neg_entropy = allgather_cp_sharded_tensor(neg_entropy, cp.group, seq_dim=1)
+        student = student[:, : indices.shape[1]]  # [B, S_full, K]
+        neg_entropy = None if neg_entropy is None else neg_entropy[:, : indices.shape[1]]
+    if not zero_outside_topk:
+        at = gather_logits_at_global_indices(student_logits, indices, tp.group, cp.group, vocab_start_index=start,
+                                             vocab_end_index=end)  # [B, S_full, K]
+        student = torch.log_softmax(at, dim=-1)
+    teacher = torch.log_softmax(teacher_topk_logits.to(student.device, dtype=student.dtype), dim=-1)
+    return student[:, :-1], teacher[:, :-1], None if neg_entropy is None else neg_entropy[:, :-1]
