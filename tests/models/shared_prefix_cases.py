@@ -178,7 +178,8 @@ def case_compiled_cp() -> dict:
     model = tiny_hf_model("llama")
     wrapped = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), pad_individual_seqs_to_multiple_of=2 * cp.size,
                             pad_full_seq_to=96, row_capacity=6, compile_packing=True,
-                            compile_kwargs={"backend": counter}, cp_group=cp.group)
+                            compile_kwargs={"backend": counter}, cp_group=cp.group,
+                            verify=False)  # the shared-prefix side's graphs only (the check's microbatch is plain)
     gen = torch.Generator().manual_seed(6)
     worst, frames = 0.0, []
     with torch.no_grad():
