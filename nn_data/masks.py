@@ -7,11 +7,12 @@ Shape legend
 
 A query at packed position ``i`` may see key ``j`` iff both lie in the same segment and
 ``j <= i`` (and, with a sliding ``window``, ``i - j < window``: transformers' sliding-window rule
-``kv_idx > q_idx - sliding_window``). A shared-prefix microbatch (each group's prompt packed once,
-then its responses: :func:`nn_data.layout.shared_prefix_layout`) widens "the same segment" by a
-:class:`PrefixRule`: query ``i`` also sees the real prompt tokens of the segment ``context_ids[i]``,
-and the window counts rollout positions (``positions[i] - positions[j] < window``); :func:`sees` is
-the rule, once. Two forms of the same mask:
+``kv_idx > q_idx - sliding_window``). A rollout-tree microbatch (every shared prefix packed once:
+:func:`nn_data.layout.tree_layout`; the shared prompt of :func:`nn_data.layout.shared_prefix_layout`
+is its depth-1 case) widens "the same segment" by a :class:`PrefixRule`: query ``i`` also sees every
+real key ``j`` on its rollout's path (``positions[j] <= positions[i]`` and ``positions[j] <
+shared[rollout_ids[i], rollout_ids[j]]``: one look-up per pair), and the window counts rollout
+positions (``positions[i] - positions[j] < window``); :func:`sees` is the rule, once. Two forms of the same mask:
 
 * **dense**: a boolean ``[Tq, T]`` tensor for SDPA. ``Tq * T`` bytes (1 GiB at T = 32768,
   no CP), any dtype, forward and backward;
@@ -66,34 +67,37 @@ class DocumentMask(NamedTuple):
 
 
 class PrefixRule(NamedTuple):
-    """What a shared-prefix microbatch adds to the document mask, per packed position (all ``[T]``, the
-    whole packed row, never sharded): ``context_ids`` int64, the segment (slot) whose prompt this
-    position's segment may also see (its own segment where there is none); ``visible`` bool, a real
-    prompt token (a key other segments may see; False on padding and on response tokens);
-    ``positions`` int64, the position in its rollout (what a sliding window measures).
-    :meth:`nn_data.layout.SharedPrefixLayout.prefix_rule` builds it.
+    """What a rollout-tree microbatch adds to the document mask: ``rollout_ids [T]`` int64, the rollout
+    whose node each packed position lies in (``B`` outside every node); ``visible [T]`` bool, a real token
+    (a key other nodes may see; False on padding); ``positions [T]`` int64, its position in that rollout
+    (what a sliding window measures); ``shared [B+1, B+1]`` int64, the tokens of rollout ``r`` that rollout
+    ``q`` shares (``q``'s ancestors: its branch point below them; ``q`` itself: all; row and column ``B``:
+    none). The whole packed row, never sharded. :meth:`nn_data.layout.TreeLayout.prefix_rule` builds it.
 
     Example: groups ``[7, 7]``, prefix ``[2, 2]``, lengths ``[4, 3]`` -> packed ``[p p r0 r0 r1]``,
-    segment_ids ``[0,0,1,1,3]``, context_ids ``[0,0,0,0,0]``, visible ``[T,T,F,F,F]``, positions
-    ``[0,1,2,3,2]``.
+    segment_ids ``[0,0,1,1,3]``, rollout_ids ``[0,0,0,0,1]``, visible all True, positions ``[0,1,2,3,2]``,
+    shared ``[[E,0,0], [2,E,0], [0,0,0]]`` (E: every token): the query ``r1`` sees ``p p`` (positions 0, 1
+    below 2).
     """
 
-    context_ids: torch.Tensor
+    rollout_ids: torch.Tensor
     visible: torch.Tensor
     positions: torch.Tensor
+    shared: torch.Tensor
 
 
 def sees(q: torch.Tensor, kv: torch.Tensor, segment_ids: torch.Tensor, window: Optional[int] = None,
          prefix: Optional[PrefixRule] = None) -> torch.Tensor:
     """The attention rule, once: whether the query at packed position ``q`` may see the key at ``kv``
     (index tensors that broadcast: ``[Tq, 1]`` against ``[1, T]`` for the dense mask, scalars in a flex
-    ``mask_mod``). ``kv <= q`` and the same segment, or (with ``prefix``) ``kv`` a visible prompt token
-    of ``q``'s context segment; with a ``window``, ``q - kv < window`` (rollout positions with ``prefix``).
+    ``mask_mod``). ``kv <= q`` and the same segment, or (with ``prefix``) ``kv`` a real token on the path
+    of ``q``'s rollout; with a ``window``, ``q - kv < window`` (rollout positions with ``prefix``).
     """
-    seg_k = segment_ids[kv]
-    same = segment_ids[q] == seg_k
+    same = segment_ids[q] == segment_ids[kv]
     if prefix is not None:
-        same = same | ((prefix.context_ids[q] == seg_k) & prefix.visible[kv])
+        p_q, p_kv = prefix.positions[q], prefix.positions[kv]
+        on_path = p_kv < prefix.shared[prefix.rollout_ids[q], prefix.rollout_ids[kv]]
+        same = same | (prefix.visible[kv] & (p_kv <= p_q) & on_path)
     allowed = same & (kv <= q)
     if window is None:
         return allowed
@@ -217,12 +221,16 @@ def _check_prefix(prefix, segment_ids: torch.Tensor) -> None:
     if prefix is None:
         return
     if not isinstance(prefix, PrefixRule):
-        raise PackingError(f"prefix must be a PrefixRule (SharedPrefixLayout.prefix_rule()) or None, got "
+        raise PackingError(f"prefix must be a PrefixRule (TreeLayout.prefix_rule()) or None, got "
                            f"{type(prefix).__name__}")
-    for name, t in zip(PrefixRule._fields, prefix):
-        if t.dim() != 1 or t.shape[0] != segment_ids.shape[0]:
+    total = segment_ids.shape[0]
+    for name, t in zip(PrefixRule._fields[:3], prefix[:3]):
+        if t.dim() != 1 or t.shape[0] != total:
             raise PackingError(f"prefix.{name} has shape {tuple(int(d) for d in t.shape)}; expected "
-                               f"[{int(segment_ids.shape[0])}], one entry per packed position like segment_ids")
+                               f"[{int(total)}], one entry per packed position like segment_ids")
+    if prefix.shared.dim() != 2 or prefix.shared.shape[0] != prefix.shared.shape[1]:
+        raise PackingError(f"prefix.shared has shape {tuple(int(d) for d in prefix.shared.shape)}; expected "
+                           "[B+1, B+1], the tokens each rollout shares with each other (TreeLayout.prefix_rule())")
 
 
 def causal_mask(length: int, device=None) -> DocumentMask:

@@ -25,7 +25,7 @@ from nn_data.groups import given_group_info
 from nn_data.pack import PackSequences, check_pack_args
 from nn_data.layout import PackLayout
 from nn_data.model_check import ModelGuard
-from nn_data.packed_shared_prefix import SHARED_PREFIX, SharedPrefixInfo
+from nn_data.packed_shared_prefix import ROLLOUT_TREE, SHARED_PREFIX, SharedPrefixInfo, check_shared_args
 from nn_data.packed_sides import (CPShare, MicrobatchKind, PackedBounds, PackedInfo, PackingSide, PLAIN,
                                   UnpackingSide)
 from nn_data.planning.alignment import Parallelism
@@ -60,8 +60,8 @@ class PackedInput(NamedTuple):
 
 
 class Microbatch(NamedTuple):
-    """One call's kind of microbatch (:class:`~nn_data.packed_sides.PlainKind`, or
-    :class:`~nn_data.packed_shared_prefix.SharedPrefixKind`), its own per-row arguments ``args`` (None for
+    """One call's kind of microbatch (:class:`~nn_data.packed_sides.PlainKind`,
+    :class:`~nn_data.packed_shared_prefix.RolloutTreeKind` or its depth-1 spelling ``SharedPrefixKind``), its own per-row arguments ``args`` (None for
     a plain microbatch; row-padded), ``num_rows`` (0-d, with ``row_capacity``; else None) and, eagerly, the
     ``layout`` the packing side built (None out of a compiled graph)."""
 
@@ -72,20 +72,21 @@ class Microbatch(NamedTuple):
 
 
 #: The kinds of microbatch :class:`PackedForward` serves (a new kind is a new strategy here).
-KINDS = (PLAIN, SHARED_PREFIX)
+KINDS = (PLAIN, SHARED_PREFIX, ROLLOUT_TREE)
 
 
 class PackedForward(nn.Module):
     """Run ``model`` on packed, context-parallel-sharded tokens; return ``[B, S, *]`` rows.
 
-    ``forward(input_ids [B, S] int, seq_lengths [B] int, prefix_lengths=None, group_ids=None,
-    **model_kwargs) -> [B, S, *]``, 0 past each row's length: pack, take this rank's places, position
+    ``forward(input_ids [B, S] int, seq_lengths [B] int, prefix_lengths=None, group_ids=None, parent=None,
+    branch_at=None, **model_kwargs) -> [B, S, *]``, 0 past each row's length: pack, take this rank's places, position
     ids, ``model`` on the local tokens, gather across ``cp_group`` (None: no CP; ``pg_collection``,
     megatron-core's ``ProcessGroupCollection``, stands for it with its ``cp`` group), unpack.
     With ``prefix_lengths [B]`` and ``group_ids [B]`` (both or neither) each group's prompt is packed
-    once and each rollout's row comes back as if it had been run alone
+    once and each rollout's row comes back as if it had been run alone; with ``parent [B]`` and
+    ``branch_at [B]`` instead, every shared prefix of a rollout tree, at any depth, once
     (:mod:`nn_data.packed_shared_prefix`; the model must honour ``packed.prefix``: both adapters do).
-    One pipeline serves both: what differs is the kind of microbatch (:class:`MicrobatchKind`).
+    One pipeline serves all three: what differs is the kind of microbatch (:class:`MicrobatchKind`).
 
     The model contract: ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
     **model_kwargs) -> [1, T/C, *]`` for the same local tokens in the same order. Position ids
@@ -158,13 +159,15 @@ class PackedForward(nn.Module):
         return self._cp_group
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None, group_ids=None,
-                **model_kwargs) -> torch.Tensor:
+                parent=None, branch_at=None, **model_kwargs) -> torch.Tensor:
         taken = [k for k in ("position_ids", "packed") if k in model_kwargs]
         if taken:  # the adapter's own arguments, made from the layout
             raise _checks.PackingError(f"{taken[0]}= is made by PackedForward from the packed layout and passed to the adapter "
                                f"itself; leave out {', '.join(taken)} (model keywords pass through to the model)")
-        verify = self.guard.before(self, input_ids) and prefix_lengths is None and group_ids is None
-        inp = self.prepare(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids)
+        verify = self.guard.before(self, input_ids) and all(
+            t is None for t in (prefix_lengths, group_ids, parent, branch_at))
+        inp = self.prepare(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids, parent=parent,
+                           branch_at=branch_at)
         local_out = self.model(inp.input_ids, inp.position_ids, inp.packed, **model_kwargs)  # [1, T/C, *]
         out = self.finish(local_out, inp)
         if verify:  # verify=N: this microbatch run again, with a sequence changed and one alone
@@ -172,10 +175,10 @@ class PackedForward(nn.Module):
         return out
 
     def prepare(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, prefix_lengths=None,
-                group_ids=None) -> PackedInput:
+                group_ids=None, parent=None, branch_at=None) -> PackedInput:
         """The first half of :meth:`forward`: pack, shard, position ids and :class:`PackedInfo`
         for ``input_ids [B, S]``, ``seq_lengths [B]`` (and ``prefix_lengths``/``group_ids``, a
-        shared-prefix call), without calling the model. For a caller
+        shared-prefix call, or ``parent``/``branch_at``, a rollout tree), without calling the model. For a caller
         that drives the model itself (a pipeline schedule: only the last stage outputs
         ``[1, T/C, *]``); :meth:`finish` turns that output into rows."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -183,7 +186,8 @@ class PackedForward(nn.Module):
             raise _checks.PackingError(f"input_ids must be a [B, S] tensor, got {shape}")
         if not isinstance(seq_lengths, torch.Tensor):  # a list, tuple or numpy array of ints: one copy
             seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, input_ids.shape[0]).to(input_ids.device)
-        kind, args = microbatch_kind(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids)
+        kind, args = microbatch_kind(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids,
+                                     parent=parent, branch_at=branch_at)
         rows, num_rows = input_ids.shape[0], None
         if self.row_capacity is not None:
             input_ids, seq_lengths, num_rows = pad_to_row_capacity(input_ids, seq_lengths, self.row_capacity,
@@ -268,13 +272,16 @@ class PackedForward(nn.Module):
 
 
 def microbatch_kind(input_ids: torch.Tensor, seq_lengths: torch.Tensor, *, prefix_lengths=None,
-                    group_ids=None) -> tuple:
+                    group_ids=None, parent=None, branch_at=None) -> tuple:
     """``(kind, args)``: the kind of microbatch a call is (:class:`MicrobatchKind`) and its own arguments,
-    checked (metadata only): plain without ``prefix_lengths`` and ``group_ids``, shared prefix with both."""
-    if prefix_lengths is None and group_ids is None:
+    checked (metadata only): plain with none of them, a rollout tree with ``parent`` and ``branch_at``, its
+    depth-1 spelling (the shared prompt) with ``prefix_lengths`` and ``group_ids``
+    (:func:`~nn_data.packed_shared_prefix.check_shared_args`)."""
+    if all(t is None for t in (prefix_lengths, group_ids, parent, branch_at)):
         return PLAIN, None
-    return SHARED_PREFIX, SHARED_PREFIX.args(input_ids, seq_lengths, prefix_lengths=prefix_lengths,
-                                             group_ids=group_ids)
+    first, second, tree = check_shared_args(input_ids, seq_lengths, prefix_lengths, group_ids, parent, branch_at)
+    kind = ROLLOUT_TREE if tree else SHARED_PREFIX
+    return kind, kind.args(input_ids, seq_lengths, first, second)
 
 
 def _row_len(row_ids: torch.Tensor):

@@ -2,7 +2,7 @@
 microbatch, and the records a wrapped model receives (:class:`PackedInfo`).
 
 Shape legend
-    B   sequences (rows); R >= B with ``row_capacity``; N packed segments (B, or 2B slots)
+    B   sequences (rows); R >= B with ``row_capacity``; N packed segments (B, or a tree's node slots)
     S   padded row length of the input batch
     T   packed tokens (``pad_full_seq_to`` when set)
     C   context-parallel size; the model sees ``T/C`` local tokens
@@ -12,7 +12,7 @@ The packing side (:class:`PackingSide`) builds a microbatch's layout, packs the 
 places and the position ids, segment ids and padding mask; the unpacking side (:class:`UnpackingSide`)
 turns the gathered ``[1, T, *]`` output back into ``[R, S, *]`` rows in a compiled call. What differs
 between kinds of microbatch is a strategy (:class:`MicrobatchKind`): :class:`PlainKind` here,
-:class:`~nn_data.packed_shared_prefix.SharedPrefixKind` beside it.
+:class:`~nn_data.packed_shared_prefix.RolloutTreeKind` (and its depth-1 spelling, ``SharedPrefixKind``) beside it.
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ class MicrobatchKind(Protocol):
     """What a kind of microbatch brings to :class:`~nn_data.packed_forward.PackedForward`'s one pipeline (the
     strategy); the pipeline itself (row padding, the packing side, the CP gathers, the unpack) is the same for
     every kind. :class:`PlainKind` (one segment per row) and
-    :class:`~nn_data.packed_shared_prefix.SharedPrefixKind` (each group's prompt once) are two; a new kind of
-    microbatch (rollout trees, say) is a new strategy listed in ``nn_data.packed_forward.KINDS``.
+    :class:`~nn_data.packed_shared_prefix.RolloutTreeKind` (every shared prefix once; ``SharedPrefixKind``, each
+    group's prompt once, its depth-1 spelling) are two; a new kind of microbatch is a new strategy listed in
+    ``nn_data.packed_forward.KINDS``.
 
     ``name``: how messages name it. ``pad_rows(args, capacity)``: its own per-row arguments padded to the row
     capacity. ``layout(input_ids, seq_lengths, args, *, spec, num_rows, validate, host_reads)``: the

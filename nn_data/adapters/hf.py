@@ -201,12 +201,11 @@ class HFCausalLMAdapter(nn.Module):
             hf_support.check_longrope(self.layers.model_type, self.longrope, packed)
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
-        prefix = packed.prefix  # a shared-prefix row: one rollout (prompt + response) per row
+        prefix = packed.prefix  # a rollout-tree row: one rollout (its whole path) per row
         if self.layers.mixers:
             rows = hf_mixers.mixer_rows(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
                                         gather=packed.gather, query_index=packed.query_index,
-                                        prefix_lengths=None if prefix is None else prefix.prefix_lengths,
-                                        leader=None if prefix is None else prefix.leader)
+                                        prefix=None if prefix is None else prefix.rule)
             per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None or prefix is not None
             mixer, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
         kernels = bool(self.layers.mixers) and mixer is None

@@ -22,9 +22,9 @@ which a causal layer never reads back), so every valid output equals the sequenc
 positions inside a segment are computed as part of it (they come after its valid tokens); positions
 past ``W`` in a segment (padding only, since ``W`` bounds every valid length) read 0.
 
-A shared-prefix row (each group's prompt packed once, then its responses: ``packed.prefix``) gets one
-row per rollout instead, its leader's prompt then its own response (:func:`shared_prefix_rows`), so
-the state carries from the prompt into every response, as for the rollout run alone.
+A rollout-tree row (every shared prefix packed once, ``packed.prefix``; a GRPO group's prompt is its
+depth-1 case) gets one row per rollout instead, its whole path (:func:`path_rows`), so the state
+carries from every shared node into each rollout's own tokens, as for the rollout run alone.
 
 The two index maps are computed once per microbatch on the device from the boundaries
 (:func:`nn_data.layout.index.segment_rows`): one ``index_select`` each way, no host read. Cost: the
@@ -50,7 +50,8 @@ import torch
 from torch import nn
 
 from nn_data.errors import PackingError
-from nn_data.layout.internal import SegmentRows, segment_bounds, segment_ids, segment_rows
+from nn_data.layout.internal import SegmentRows, segment_bounds, segment_rows
+from nn_data.masks import PrefixRule
 
 # Keywords the layer must not see on the per-sequence rows: the packed row's boundaries (transformers'
 # fallbacks refuse them), its masks and positions ([1, Tq] shapes, not [B', W]).
@@ -71,11 +72,10 @@ class MixerRows(NamedTuple):
 
 
 def mixer_rows(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gather=None,
-               query_index: Optional[torch.Tensor] = None, prefix_lengths: Optional[torch.Tensor] = None,
-               leader: Optional[torch.Tensor] = None) -> MixerRows:
+               query_index: Optional[torch.Tensor] = None, prefix: Optional[PrefixRule] = None) -> MixerRows:
     """The :class:`MixerRows` of a packed microbatch: boundaries ``[B+1]`` (``[T]`` for ``B = 0``),
-    ``total`` (T) and ``width`` (W, clamped into ``[1, T]``); with ``prefix_lengths`` and ``leader``
-    (a shared-prefix row) one row per rollout, its prompt then its response (:func:`shared_prefix_rows`).
+    ``total`` (T) and ``width`` (W, clamped into ``[1, T]``); with a rollout tree's ``prefix`` rule one row
+    per rollout, its whole path (:func:`path_rows`).
 
     Example: cu_seqlens_padded ``[0, 3, 8]``, T 8, W 5 -> rows ``[[0..4], [3..7]]`` (row 0's slots 3
     and 4 outside its segment).
@@ -83,44 +83,35 @@ def mixer_rows(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gathe
     width = max(1, min(int(width), max(total, 1)))
     if query_index is None:
         query_index = torch.arange(total, device=cu_seqlens_padded.device)  # [T]
-    if prefix_lengths is not None:
-        return MixerRows(shared_prefix_rows(cu_seqlens_padded, prefix_lengths, leader, total, width), gather,
-                         query_index)
+    if prefix is not None and prefix.shared.shape[0] > 1:
+        return MixerRows(path_rows(prefix, total, width), gather, query_index)
     bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]: [0, T] when B = 0
     return MixerRows(segment_rows(bounds, total, width), gather, query_index)
 
 
-def shared_prefix_rows(cu_seqlens_padded: torch.Tensor, prefix_lengths: torch.Tensor, leader: torch.Tensor,
-                       total: int, width: int) -> SegmentRows:
-    """Row maps for a shared-prefix row (``2B`` slots: rollout b's prompt slot ``2b``, filled only when b
-    leads its group, and its response slot ``2b+1``): row b is rollout b as it runs alone, the ``P[b]``
-    real prompt tokens of its leader's prompt slot then its response slot, so a mixer's state carries
-    from the prompt into each response. Back to packed order, a prompt position reads its leader's
-    row (the same values in every row of the group) and a prompt slot's padding reads 0.
+def path_rows(prefix: PrefixRule, total: int, width: int) -> SegmentRows:
+    """Row maps for a rollout-tree row: row ``q`` is rollout ``q`` as it runs alone, every real token on its
+    path at its position (``prefix.shared[q, rollout_ids[t]] > positions[t]``), zeros past its length. Back
+    to packed order a token reads its own rollout's row (the same values in every row below it); padding
+    reads 0. One scatter of ``[B, T]`` candidates, each (row, position) hit by exactly one token.
 
-    Example: slot bounds ``[0,2,4,4,5,6,8]``, P ``[2,2,1]``, leader ``[0,0,2]``, T 8, W 4 ->
-    row_source ``[[0,1,2,3], [0,1,4,5], [5,6,7,7]]`` (row 1: the prompt of rollout 0, then slot 3),
-    packed_source ``[0,1, 2,3, 6, 8, 9,10]``.
+    Example: the shared prompt of groups ``[7, 7]``, P ``[2, 2]``, L ``[4, 3]`` (packed ``[p p r0 r0 r1]``,
+    rollout_ids ``[0,0,0,0,1]``, positions ``[0,1,2,3,2]``), W 4 -> row_source ``[[0,1,2,3], [0,1,4,0]]``,
+    row_valid ``[[T,T,T,T], [T,T,T,F]]``, packed_source ``[0,1,2,3,6]``.
     """
-    rollouts = int(prefix_lengths.shape[0])
-    if rollouts == 0:  # one padding pseudo-segment
-        return segment_rows(segment_bounds(cu_seqlens_padded, total), total, width)
-    bounds = cu_seqlens_padded.to(torch.int64)  # [2B+1]
-    prefix = prefix_lengths.to(torch.int64)  # [B]
-    offsets = torch.arange(width, device=bounds.device)  # [W]
-    prompt_start = bounds[2 * leader.to(torch.int64)]  # [B]
-    response_start, response_len = bounds[1::2][:rollouts], bounds[2::2] - bounds[1::2][:rollouts]  # [B] each
-    in_prompt = offsets[None, :] < prefix[:, None]  # [B, W]
-    row_source = torch.where(in_prompt, prompt_start[:, None] + offsets[None, :],
-                             response_start[:, None] + offsets[None, :] - prefix[:, None])
-    row_valid = in_prompt | (offsets[None, :] - prefix[:, None] < response_len[:, None])  # [B, W]
-    seg = segment_ids(bounds, total)  # [T] slot of each packed position
-    rollout, is_response = seg // 2, seg % 2 == 1  # [T] each
-    offset = torch.arange(total, device=bounds.device) - bounds[seg]  # [T] offset in its slot
-    slot = offset + torch.where(is_response, prefix[rollout], 0)  # [T] offset in the rollout's row
-    packed_valid = (slot < width) & (is_response | (offset < prefix[rollout]))
-    packed_source = rollout * width + slot.clamp(max=width - 1)  # [T]
-    return SegmentRows(row_source.clamp(0, max(total - 1, 0)), row_valid, packed_source, packed_valid)
+    rollouts = prefix.shared.shape[0] - 1
+    owner, position, real = prefix.rollout_ids, prefix.positions, prefix.visible  # [T] each
+    places = torch.arange(total, device=owner.device)  # [T]
+    row = torch.arange(rollouts, device=owner.device)[:, None]  # [B, 1]
+    on_path = real & (position < width) & (position < prefix.shared[:rollouts].index_select(1, owner))  # [B, T]
+    slot = torch.where(on_path, row * width + position, rollouts * width)  # [B, T]: (row, position), or the dump
+    source = torch.zeros(rollouts * width + 1, dtype=torch.int64, device=owner.device)
+    source = source.scatter(0, slot.reshape(-1), places.expand(rollouts, total).reshape(-1))[:-1]  # [B*W]
+    valid = torch.zeros(rollouts * width + 1, dtype=torch.bool, device=owner.device)
+    valid = valid.scatter(0, slot.reshape(-1), on_path.reshape(-1))[:-1]  # [B*W]
+    packed_source = owner.clamp(max=rollouts - 1) * width + position.clamp(0, width - 1)  # [T]
+    return SegmentRows(source.view(rollouts, width), valid.view(rollouts, width), packed_source,
+                       real & (position < width))
 
 
 def to_rows(hidden: torch.Tensor, mixer: MixerRows) -> torch.Tensor:

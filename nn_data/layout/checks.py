@@ -351,3 +351,51 @@ def row_length_device(op: str, lengths: torch.Tensor, seq_len) -> None:
     """:func:`row_length_host` as a device assert (``seq_len`` named, never formatted)."""
     _checks.device_assert((lengths <= seq_len).all(),
                           f"nn_data.{op}: seq_lengths must be in [0, seq_len] (the row length S of the output)")
+
+
+def tree_host(lengths: list, parent: list, branch_at: list, mismatch: Optional[list], num_rows: Optional[int],
+              used: int, capacity: int) -> None:
+    """A rollout tree (:mod:`nn_data.layout.tree_nodes`), on the ints of its one read: each rollout's
+    ``parent`` an earlier rollout or -1 (so no cycle), a root's ``branch_at`` 0, a child's in
+    ``(branch_at[parent], min(L[parent], L[b])]``, its shared tokens equal to its parent's (``mismatch``),
+    padding rows (at or past ``num_rows``) roots; the tree fits ``node_capacity`` slots."""
+    real = len(lengths) if num_rows is None else num_rows
+    for i, (p, a) in enumerate(zip(parent, branch_at)):  # host ints: the error path reads nothing more
+        if not -1 <= p < (i if i < real else 0):
+            valid = f"an earlier rollout, in [0, {i}), or -1 for none" if i < real else "-1 (a padding row)"
+            raise PackingError(f"parent[{i}] = {p} is invalid; rollout {i}'s parent must be {valid} (a parent comes "
+                               "before its children, so the tree has no cycle)")
+        if p == -1 and a != 0:
+            raise PackingError(f"branch_at[{i}] = {a} but parent[{i}] = -1: a rollout without a parent shares no "
+                               "token; give it branch_at 0")
+        if p >= 0 and not branch_at[p] < a <= min(lengths[p], lengths[i]):
+            raise PackingError(
+                f"branch_at[{i}] = {a} is outside (branch_at[{p}] = {branch_at[p]}, min(seq_lengths[{p}], "
+                f"seq_lengths[{i}]) = {min(lengths[p], lengths[i])}]: rollout {i} shares at most the tokens it and its "
+                f"parent {p} both have, and more than {p} shares with its own parent (else name that ancestor)")
+        if mismatch is not None and mismatch[i]:
+            raise PackingError(f"input_ids[{i}, :{a}] differs from input_ids[{p}, :{a}]: rollout {i} must share its "
+                               f"first branch_at[{i}] = {a} tokens with its parent {p} (parent[{i}])")
+    if used > capacity:
+        raise PackingError(f"node_capacity={capacity} is too small for this tree: it needs {used} node slots "
+                           "(each rollout takes 1 + max(its split points, 1)); at most 3B - 2 are ever needed")
+
+
+def tree_device(op: str, lengths: torch.Tensor, parent: torch.Tensor, branch_at: torch.Tensor,
+                mismatch: Optional[torch.Tensor], real: torch.Tensor, used: torch.Tensor, capacity: int) -> None:
+    """:func:`tree_host` as device asserts (the rollout is not named: that would read the device)."""
+    rows = lengths.shape[0]
+    if rows == 0:
+        return
+    index = torch.arange(rows, device=lengths.device)
+    up = parent.clamp(min=0)
+    _checks.device_assert(((parent >= -1) & (parent < index) & (real | (parent == -1))).all(),
+                          f"nn_data.{op}: every parent must be an earlier rollout or -1 (padding rows: -1)")
+    root_ok = (parent >= 0) | (branch_at == 0)
+    child_ok = (parent < 0) | ((branch_at > branch_at[up]) & (branch_at <= torch.minimum(lengths[up], lengths)))
+    _checks.device_assert((root_ok & child_ok).all(), f"nn_data.{op}: every branch_at must be 0 for a root, else in "
+                          "(branch_at[parent], min(seq_lengths[parent], seq_lengths[b])]")
+    if mismatch is not None:
+        _checks.device_assert(~mismatch.any(), f"nn_data.{op}: every rollout must share its first branch_at tokens "
+                              "of input_ids with its parent")
+    _checks.device_assert(used <= capacity, f"nn_data.{op}: node_capacity={capacity} is too small for this tree")

@@ -1,24 +1,27 @@
-"""Shared-prefix packing: each group's prompt packed once, then its responses.
+"""Rollout trees: every shared prefix packed once, at any depth; the GRPO shared prompt is the depth-1 tree.
 
 Shape legend
     B   rollouts (rows of the batch; R with row-capacity padding); S their row length
-    2B  slots: slot ``2b`` is rollout ``b``'s prompt (empty unless ``b`` leads its group), slot ``2b+1``
-        its response
+    N   node slots (``node_capacity``: ``2B`` for the shared-prompt spelling, ``3B - 2`` by default)
     T   packed tokens; C context-parallel size
     *   trailing feature dims
 
-A shared-prefix microbatch is an ordinary :class:`~nn_data.layout.pack_layout.PackLayout` over ``2B``
-slots (``docs/ops.md``, "Shared-prefix packing"): rollouts ``input_ids [B, S]`` with lengths ``L``,
-prefix (prompt) lengths ``P`` and ``group_ids g``; ``leader[b]`` is the first rollout of ``b``'s group
-(the smallest index with ``g[leader[b]] == g[b]``). Slot ``2b`` holds ``input_ids[b, :P[b]]`` when
-``leader[b] == b`` (else nothing), slot ``2b+1`` holds ``input_ids[b, P[b]:L[b]]``. The caller's
-:class:`~nn_data.layout.build.PackSpec` lays the slots out (each rounded up to ``m``, a fixed ``T``,
-"extend last"), so shard, unshard, local places and the padding mask are the slot layout's own; with
-groups contiguous in the batch each group's prompt comes right before its responses.
+A tree microbatch is an ordinary :class:`~nn_data.layout.pack_layout.PackLayout` over ``N`` node slots
+(``docs/ops.md``, "Rollout trees"): rollouts ``input_ids [B, S]`` with lengths ``L``, ``parent [B]`` (the
+earlier rollout each shares its beginning with, or -1) and ``branch_at [B]`` (how many leading tokens it
+shares). Each rollout's own tokens ``[branch_at[b], L[b])`` are split where its children branch into
+nodes (:mod:`nn_data.layout.tree_nodes`), each node one slot, packed once, ancestors before descendants.
+The caller's :class:`~nn_data.layout.build.PackSpec` lays the slots out (each rounded up to ``m``, a
+fixed ``T``, "extend last"), so shard, unshard, local places and the padding mask are the slot layout's
+own; positions continue from the node's place in its rollout; a token sees its own rollout's earlier
+tokens and the shared ones of its ancestors (:class:`~nn_data.masks.PrefixRule`); unpack gathers each
+rollout's row from its path's nodes.
 
-Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> slot lengths ``[2,2, 0,1, 1,2]``,
-cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``, packed ``[p0 p0 r0 r0 | r1 | p2 | r2 r2]``; positions
-``[0,1, 2,3, 2, 0, 1,2]``.
+The shared-prompt case (:func:`shared_prefix_layout`: ``group_ids``, ``prefix_lengths``) is the depth-1
+tree in ``2B`` slots: slot ``2b`` is rollout ``b``'s prompt (empty unless ``b`` leads its group), ``2b+1``
+its response. Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> parent ``[-1, 0,
+-1]``, branch_at ``[0, 2, 0]``, slot lengths ``[2,2, 0,1, 1,2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6,
+8]``, packed ``[p0 p0 r0 r0 | r1 | p2 | r2 r2]``; positions ``[0,1, 2,3, 2, 0, 1,2]``.
 """
 
 from __future__ import annotations
@@ -29,30 +32,32 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nn_data import _checks
-from nn_data.layout import checks, index
+from nn_data.layout import checks, index, tree_nodes
 from nn_data.layout.build import PackSpec, layout_from_lengths, layout_from_read_lengths, reads_host
 from nn_data.layout.device import GatherMaps, gather_pack
 from nn_data.layout.pack_layout import PackLayout
 from nn_data.layout.rules import Fill, round_up_all
 from nn_data.masks import PrefixRule
 
-OP = "shared_prefix_layout"
+OP = "tree_layout"
 
 
-class SharedPrefixLayout(NamedTuple):
-    """A shared-prefix microbatch's layout: ``layout`` the slots' :class:`PackLayout` (``2B`` rows),
-    ``seq_lengths [B]``, ``prefix_lengths [B]``, ``leader [B]`` (int64, on the data's device),
-    ``row_len`` S, ``maps`` (:class:`~nn_data.layout.device.GatherMaps`: where each packed position
-    reads the flat rollouts ``[B*S]``, the pack's one gather),
-    ``host_lengths``: the rollout lengths as Python ints when the builder read them (else None).
-    """
+class TreeLayout(NamedTuple):
+    """A tree microbatch's layout: ``layout`` the node slots' :class:`PackLayout` (``N`` rows),
+    ``seq_lengths``, ``parent``, ``branch_at`` (``[B]`` int64, on the data's device), ``row_len`` S,
+    ``maps`` (:class:`~nn_data.layout.device.GatherMaps`: where each packed position reads the flat
+    rollouts ``[B*S]``, the pack's one gather), ``nodes`` (:class:`~nn_data.layout.tree_nodes.NodeTables`),
+    ``paths`` (:class:`~nn_data.layout.tree_nodes.Paths`), ``host_lengths``: the rollout lengths as
+    Python ints when the builder read them (else None). ``SharedPrefixLayout`` is this class."""
 
     layout: PackLayout
     seq_lengths: torch.Tensor
-    prefix_lengths: torch.Tensor
-    leader: torch.Tensor
+    parent: torch.Tensor
+    branch_at: torch.Tensor
     row_len: int
     maps: GatherMaps
+    nodes: tree_nodes.NodeTables
+    paths: tree_nodes.Paths
     host_lengths: Optional[list] = None
 
     @property
@@ -65,12 +70,31 @@ class SharedPrefixLayout(NamedTuple):
         """B, the rollouts."""
         return self.seq_lengths.shape[0]
 
+    @property
+    def leader(self) -> torch.Tensor:
+        """``[B]``: each rollout's root (the shared-prompt spelling's group leader)."""
+        if self.rows == 0:
+            return self.parent.clone()
+        start = torch.zeros(self.rows, 1, dtype=torch.int64, device=self.parent.device)  # [B, 1]
+        return tree_nodes.owners(self.paths.ancestor, self.branch_at, start)[:, 0]
+
+    @property
+    def prefix_lengths(self) -> torch.Tensor:
+        """``[B]``: where each rollout's first node after its head begins (its branch point, or its first
+        split point when it has one): the shared-prompt spelling's prompt lengths."""
+        nodes, wide = self.nodes, self.row_len + 1
+        if self.rows == 0:
+            return self.branch_at.clone()
+        first = nodes.split_keys[nodes.first_split.clamp(max=max(2 * self.rows - 1, 0))]  # [B]
+        rollout = torch.arange(self.rows, device=first.device)
+        return torch.where(nodes.splits > 0, first - rollout * wide, self.branch_at)
+
     def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
-        """``x [B, S, *] -> [1, T, *]``: every group's prompt once (read from its leader's row), then
-        each rollout's response; padding gets ``fill`` (as :meth:`PackLayout.pack`). One gather."""
+        """``x [B, S, *] -> [1, T, *]``: every node once (read from its rollout's row), padding ``fill``
+        (as :meth:`PackLayout.pack`). One gather."""
         _checks.check_min_dims("x", x, 2, "[B, S, *]")
         if x.shape[0] != self.rows or guard_or_false(x.shape[1] != self.row_len):
-            raise _checks.PackingError(f"x has shape {_checks.dims(x)}; the shared-prefix layout was built for "
+            raise _checks.PackingError(f"x has shape {_checks.dims(x)}; the tree layout was built for "
                                        f"[B, S] = [{int(self.rows)}, {int(self.row_len)}], so x must be "
                                        f"[{int(self.rows)}, {int(self.row_len)}, *]")
         if guard_or_false(x.shape[0] * x.shape[1] == 0):  # no rollout token: all padding
@@ -79,31 +103,27 @@ class SharedPrefixLayout(NamedTuple):
         return gather_pack(x, self.maps, fill)
 
     def segment_ids(self) -> torch.Tensor:
-        """``[T]`` int64: the slot of every packed position (:meth:`PackLayout.segment_ids`)."""
+        """``[T]`` int64: the node slot of every packed position (:meth:`PackLayout.segment_ids`)."""
         return self.layout.segment_ids()
 
     def positions(self) -> torch.Tensor:
-        """``[T]`` int64 position ids: a prompt's tokens ``0..P-1``, a response's ``P..L-1`` (what each
-        rollout has alone). Padding keeps counting from its slot's start (at most ``T + S``: finite
-        for rotary embeddings). Example: see the module docstring."""
-        tables = self._slot_tables()
+        """``[T]`` int64 position ids: each token's position in its rollout (what it has alone). Padding
+        keeps counting from its slot's start (at most ``T + S``: finite for rotary embeddings)."""
         seg, offset = self._offsets()
-        return tables.base[seg] + offset  # [T]
+        return self.nodes.begin[seg] + offset  # [T]
 
     def prefix_rule(self) -> PrefixRule:
-        """The :class:`~nn_data.masks.PrefixRule` for the document masks (``prefix=``): each response's
-        context is its leader's prompt slot (itself when ``P = 0``); the visible keys are the prompt
-        slots' real tokens."""
-        tables = self._slot_tables()
+        """The :class:`~nn_data.masks.PrefixRule` for the document masks (``prefix=``): each packed
+        position's rollout, whether it is a real token, its position, and the ``[B+1, B+1]`` shared-token
+        table."""
         seg, offset = self._offsets()
-        prompt_slot = seg % 2 == 0
-        visible = prompt_slot & (offset < tables.length[seg])  # [T]: a real prompt token
-        return PrefixRule(tables.context[seg], visible, tables.base[seg] + offset)
+        return PrefixRule(self.nodes.owner[seg], offset < self.nodes.length[seg], self.nodes.begin[seg] + offset,
+                          tree_nodes.shared_table(self.paths))
 
     def unpack(self, packed: torch.Tensor, seq_len=None, fill=0) -> torch.Tensor:
         """``[1, T, *] -> [B, S, *]`` (``S = seq_len``, default the row length): rollout ``b``'s row as if
-        it had been packed alone, its prompt read from its leader's prompt slot, its response from its
-        own slot; ``fill`` at ``s >= L[b]``. One gather (its backward sums a shared prompt's rows)."""
+        it had been packed alone, read from its path's nodes; ``fill`` at ``s >= L[b]``. One gather (its
+        backward sums a shared node's rows)."""
         _checks.check_packed("packed", packed)
         seq_len = self.row_len if seq_len is None else seq_len
         self.check_rows(seq_len)
@@ -116,42 +136,55 @@ class SharedPrefixLayout(NamedTuple):
         out = out.view(rows, seq_len, *trailing)  # [B, S, *]
         return out.masked_fill(~keep.view(rows, seq_len, *([1] * len(trailing))), fill)
 
+    def places(self, rollout: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(where, slot)``, shaped as ``position [M, K]``: the packed position holding token ``position``
+        of rollout ``rollout [M]`` (read from the node of its path that holds it; unclamped), and that
+        node's slot. Positions below 0 read token 0."""
+        position = position.clamp(min=0)
+        owner = tree_nodes.owners(self.paths.ancestor[rollout], self.branch_at, position)  # [M, K]
+        slot = tree_nodes.node_of(self.nodes, owner, position, self.row_len)  # [M, K]
+        return self.layout.bounds()[slot] + position - self.nodes.begin[slot], slot
+
     def row_places(self, seq_len) -> tuple[torch.Tensor, torch.Tensor]:
         """``(where, keep)``, both ``[B, S]``: the packed position holding token ``s`` of rollout ``b``
         (unclamped), and ``s < L[b]``.
 
         Example (the module docstring's batch): slot starts ``[0, 2, 4, 4, 5, 6]``, S 4 -> rollout 1
-        (leader 0, P 2): ``[0, 1, 4, 5]`` (the prompt from slot 0, the response from slot 3 at 4),
-        keep ``[T, T, T, F]``.
+        (parent 0, branch_at 2): ``[0, 1, 4, 5]`` (its first 2 tokens from slot 0, then its own slot 3 at
+        4), keep ``[T, T, T, F]``.
         """
-        lengths, prefix, leader = self.seq_lengths, self.prefix_lengths, self.leader
-        starts = self.layout.bounds()[:-1]  # [2B] slot starts ([0] alone when B = 0)
+        lengths = self.seq_lengths
         s = torch.arange(seq_len, device=lengths.device)  # [S]
+        if self.rows == 0:
+            return s.expand(0, seq_len), s.expand(0, seq_len) < 0
         rollout = torch.arange(self.rows, device=lengths.device)  # [B]
-        prompt_start = starts[2 * leader][:, None]  # [B, 1]
-        response_start = (starts[2 * rollout + 1] - prefix)[:, None]  # [B, 1]: where response token P would be
-        where = torch.where(s < prefix[:, None], prompt_start + s, response_start + s)  # [B, S]
+        where, _ = self.places(rollout, s.expand(self.rows, seq_len))  # [B, S]
         return where, s < lengths[:, None]
 
     def boundary_places(self, cp_size: int = 1, cp_rank: int = 0) -> "BoundaryPlaces":
-        """Where each rollout's prompt-to-response score lies (:class:`BoundaryPlaces`, ``[B]`` each): the
-        last prompt position (its leader's) scores the response's first token, once per rollout.
+        """Where each node's first token is scored (:class:`BoundaryPlaces`, ``[N]`` each): from the token
+        before it on its path, in its parent node (one extra row per branch, as the shared prompt's last
+        position scoring each response's first token).
 
-        Example (the module docstring's batch, C 1): last ``[1, 1, 5]``, first ``[2, 4, 6]``, has
-        ``[T, T, T]``; with C 2 the places come from the zigzag inverse of the slot layout.
+        Example (the module docstring's batch, C 1): slot 1 (rollout 0's response) ``last`` 1, ``first`` 2;
+        slot 3 (rollout 1's) ``last`` 1, ``first`` 4; ``has`` only for slots 1, 3 and 5 (the others empty
+        or at position 0); with C 2 the places come from the zigzag inverse of the slot layout.
         """
-        rows, total = self.rows, self.total
-        lengths, prefix, leader = self.seq_lengths, self.prefix_lengths, self.leader
-        starts = self.layout.bounds()[:-1]  # [2B] slot starts ([0] alone when B = 0)
-        rollout = torch.arange(rows, device=lengths.device)  # [B]
+        total, nodes = self.total, self.nodes
+        slots = nodes.owner.shape[0] - 1  # N
+        owner, begin = nodes.owner[:slots], nodes.begin[:slots]  # [N]
         hi = max(total - 1, 0)
-        last = (starts[2 * leader] + prefix - 1).clamp(0, hi)  # [B]
-        first = starts[2 * rollout + 1].clamp(0, hi)  # [B]
-        has = (prefix > 0) & (lengths > prefix) & (total > 0)  # [B]
+        first = self.layout.bounds()[:slots].clamp(0, hi)  # [N]
+        if self.rows == 0:
+            has = owner < 0
+            return BoundaryPlaces(first, first, has, first, ~has)
+        rollout = owner.clamp(max=self.rows - 1)
+        last = self.places(rollout, (begin - 1)[:, None])[0][:, 0].clamp(0, hi)  # [N]
+        has = (owner < self.rows) & (begin > 0) & (nodes.length[:slots] > 0) & (total > 0)  # [N]
         if cp_size == 1 or total == 0:
             return BoundaryPlaces(last, first, has, last, torch.ones_like(has))
         # zigzag_inverse: the place of every packed position in the rank-major stack [C * T/C]
-        place = index.zigzag_inverse(self.layout.bounds(), total, cp_size)[last]  # [B]
+        place = index.zigzag_inverse(self.layout.bounds(), total, cp_size)[last]  # [N]
         local_total = total // cp_size
         return BoundaryPlaces(last, first, has, place % local_total, place // local_total == cp_rank)
 
@@ -177,21 +210,22 @@ class SharedPrefixLayout(NamedTuple):
         seg = self.layout.segment_ids()  # [T]
         return seg, torch.arange(self.total, device=seg.device) - self.layout.bounds()[seg]
 
-    def _slot_tables(self) -> "SlotTables":
-        return slot_tables(self.seq_lengths, self.prefix_lengths, self.leader, self.row_len)
-
     def check_rows(self, seq_len) -> None:
         """Every rollout fits rows of ``seq_len`` (nothing is cut off): the builder's ints, or a device assert."""
         if self.host_lengths is not None and self.layout.on_host:  # the executor's rule: its ints
             checks.row_length_host(self.host_lengths, seq_len)
         elif self.rows:
-            checks.row_length_device("SharedPrefixLayout.unpack", self.seq_lengths, seq_len)
+            checks.row_length_device("TreeLayout.unpack", self.seq_lengths, seq_len)
+
+
+#: The shared-prompt spelling's name for the layout (a depth-1 tree).
+SharedPrefixLayout = TreeLayout
 
 
 class BoundaryPlaces(NamedTuple):
-    """Each rollout's boundary score, ``[B]`` each: ``last`` the packed position of its prompt's last token
-    (its leader's prompt slot), ``first`` that of its response's first token (the target), ``has``: the
-    rollout has both (``P > 0`` and ``L > P``); ``local``: the place of ``last`` in this CP rank's shard,
+    """Each node's boundary score, ``[N]`` each: ``last`` the packed position of the token before the
+    node's first on its path, ``first`` that of the node's first token (the target), ``has``: the node
+    has one (non-empty, not at position 0); ``local``: the place of ``last`` in this CP rank's shard,
     ``owned``: this rank holds it (positions clamped into ``[0, T)``)."""
 
     last: torch.Tensor
@@ -201,132 +235,145 @@ class BoundaryPlaces(NamedTuple):
     owned: torch.Tensor
 
 
-class SlotTables(NamedTuple):
-    """Per-slot tables, ``[2B+1]`` each (one trailing 0 entry, which the ``B = 0`` pseudo-segment reads):
-    ``length`` (tokens), ``read`` (the flat rollout position ``b*S + s`` of the slot's first token),
-    ``base`` (its rollout position: 0 for a prompt, ``P`` for a response), ``context`` (the slot whose
-    prompt it may see: its leader's prompt slot for a response with ``P > 0``, else itself).
+def tree_layout(seq_lengths: torch.Tensor, parent: torch.Tensor, branch_at: torch.Tensor, *, row_len: int,
+                spec: PackSpec, input_ids: Optional[torch.Tensor] = None, num_rows=None,
+                node_capacity: Optional[int] = None, validate: bool = True, host_reads: bool = True) -> TreeLayout:
+    """The :class:`TreeLayout` of rollouts ``[B, S]`` with ``seq_lengths [B]``, ``parent [B]`` (an earlier
+    rollout whose first ``branch_at[b]`` tokens rollout ``b`` shares, or -1) and ``branch_at [B]``.
 
-    Example: groups ``[7, 7]``, P ``[2, 2]``, L ``[4, 3]``, S 4 -> length ``[2, 2, 0, 1, 0]``, read
-    ``[0, 2, 4, 6, 0]``, base ``[0, 2, 0, 2, 0]``, context ``[0, 0, 2, 0, 0]``.
+    ``input_ids [B, S, *]`` (optional): checked to hold each shared token equal to its parent's.
+    ``num_rows`` (a 0-d integer tensor): rows at or past it are padding rows (length 0, roots).
+    ``node_capacity`` (a Python int, default ``max(3B - 2, 2B)``, always enough): the node slots.
+    Eager with ``host_reads`` (the slots get a host executor), **one** host read, then, with ``validate``
+    (``docs/design.md``, "Validation"), :class:`~nn_data.errors.PackingError` naming the rollout, the field
+    and its value (a parent after its child, a cycle, ``branch_at`` outside ``(branch_at[parent],
+    L[parent]]``, shared tokens that differ, too few slots, a packed total past ``pad_full_seq_to``);
+    otherwise (compiled, or ``host_reads=False``) a device executor, device asserts naming the field when
+    ``validate``, no read (with a fixed ``T``).
+
+    Example: L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, m 1 -> N 4 slots ``[0,3) [3,5) | [] [3,4)``
+    of rollouts 0, 0, 1, 1; packed ``[x0 x1 x2 | x3 x4 | y3]``, positions ``[0,1,2, 3,4, 3]``.
     """
-
-    length: torch.Tensor
-    read: torch.Tensor
-    base: torch.Tensor
-    context: torch.Tensor
-
-
-def slot_tables(lengths: torch.Tensor, prefix: torch.Tensor, leader: torch.Tensor, row_len) -> SlotTables:
-    rows = lengths.shape[0]
-    rollout = torch.arange(rows, device=lengths.device)  # [B]
-    zero = torch.zeros_like(prefix)
-
-    def slots(prompt, response):  # [B] and [B] -> [2B+1]: interleaved, one trailing 0
-        both = torch.stack([prompt, response], dim=1).reshape(2 * rows)  # [2B]
-        return torch.cat([both, both.new_zeros(1)])
-
-    prompt_length = torch.where(leader == rollout, prefix, zero)  # [B]: only a group's leader packs its prompt
-    own_context = 2 * rollout + 1
-    return SlotTables(length=slots(prompt_length, lengths - prefix),
-                      read=slots(rollout * row_len, rollout * row_len + prefix),
-                      base=slots(zero, prefix),
-                      context=slots(2 * rollout, torch.where(prefix > 0, 2 * leader, own_context)))
-
-
-def leaders(group_ids: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64: the first rollout of each rollout's group (a ``[B, B]`` comparison; B is small).
-
-    Example: group_ids ``[7, 9, 7, 9, 4]`` -> ``[0, 1, 0, 1, 4]``.
-    """
-    rows = group_ids.shape[0]
-    rollout = torch.arange(rows, device=group_ids.device)  # [B]
-    if rows == 0:
-        return rollout
-    same = group_ids[:, None] == group_ids[None, :]  # [B, B]
-    return torch.where(same, rollout[None, :], rows).amin(dim=1)  # [B]
-
-
-def prompt_mismatch(input_ids: torch.Tensor, prefix: torch.Tensor, leader: torch.Tensor) -> torch.Tensor:
-    """``[B]`` bool: rollout ``b``'s first ``min(P[b], P[leader[b]])`` tokens differ from its leader's."""
-    ids = input_ids.flatten(2) if input_ids.dim() > 2 else input_ids.unsqueeze(2)  # [B, S, F]
-    s = torch.arange(ids.shape[1], device=ids.device)  # [S]
-    inside = s[None, :] < torch.minimum(prefix, prefix[leader])[:, None]  # [B, S]
-    differs = (ids != ids[leader]).any(dim=2)  # [B, S]
-    return (differs & inside).any(dim=1)
+    rows = _check_args(seq_lengths, {"parent": parent, "branch_at": branch_at}, row_len, input_ids, num_rows)
+    capacity = max(3 * rows - 2, 2 * rows) if node_capacity is None else node_capacity
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2 * rows:
+        raise _checks.PackingError(f"node_capacity={node_capacity!r} is invalid; expected an int >= 2B = "
+                                   f"{2 * rows} (or None: 3B - 2, always enough)")
+    lengths, up, at = (t.to(torch.int64) for t in (seq_lengths, parent, branch_at))
+    mismatch = None
+    if validate and input_ids is not None and rows:
+        mismatch = tree_nodes.prefix_mismatch(input_ids, at, up.clamp(min=0)) & (up >= 0)
+    return _build(lengths, up, at, torch.zeros_like(at), row_len, spec, capacity, num_rows, validate, host_reads,
+                  tree_checks=(mismatch,))
 
 
 def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor, group_ids: torch.Tensor, *,
                          row_len: int, spec: PackSpec, input_ids: Optional[torch.Tensor] = None, num_rows=None,
-                         validate: bool = True, host_reads: bool = True) -> SharedPrefixLayout:
-    """The :class:`SharedPrefixLayout` of rollouts ``[B, S]`` with ``seq_lengths [B]``, ``prefix_lengths
-    [B]`` (each rollout's prompt) and ``group_ids [B]`` (rollouts of one group share one prompt).
+                         validate: bool = True, host_reads: bool = True) -> TreeLayout:
+    """The depth-1 :class:`TreeLayout` (``SharedPrefixLayout``) of rollouts ``[B, S]`` with ``seq_lengths
+    [B]``, ``prefix_lengths [B]`` (each rollout's prompt) and ``group_ids [B]`` (rollouts of one group share
+    one prompt): each rollout's parent is its group's first rollout (its leader), ``branch_at`` its prompt
+    length; ``2B`` slots (module docstring).
 
     ``input_ids [B, S, *]`` (optional): checked to share each group's prompt tokens. ``num_rows`` (a 0-d
-    integer tensor): rows at or past it are padding rows (length 0, no group). Eager with ``host_reads``
-    (the slots get a host executor), **one** host read (the lengths, the prefix lengths, the group ids, the
-    leaders, the slot lengths and the prompt comparison together), then, with ``validate``
-    (``docs/design.md``, "Validation"), :class:`~nn_data.errors.PackingError` naming the argument and
-    value; otherwise (compiled, or ``host_reads=False``) a device executor, device asserts when ``validate``,
-    no read (with a fixed ``T``).
+    integer tensor): rows at or past it are padding rows (length 0, no group). Validation as
+    :func:`tree_layout`, with the group's words (equal prefix lengths and prompts within a group).
     """
-    rows = _check_args(seq_lengths, prefix_lengths, group_ids, row_len, input_ids, num_rows)
+    rows = _check_args(seq_lengths, {"prefix_lengths": prefix_lengths, "group_ids": group_ids}, row_len, input_ids,
+                       num_rows)
     lengths, prefix, groups = (t.to(torch.int64) for t in (seq_lengths, prefix_lengths, group_ids))
-    leader = leaders(groups)
-    tables = slot_tables(lengths, prefix, leader, row_len)
-    slot_lengths = tables.length[: 2 * rows]  # [2B]
-    mismatch = prompt_mismatch(input_ids, prefix, leader) if validate and input_ids is not None else None
-    slot_rows = None if num_rows is None else 2 * num_rows.to(torch.int64)
+    leader = tree_nodes.leaders(groups)
+    rollout = torch.arange(rows, device=lengths.device)  # [B]
+    parent = torch.where((leader != rollout) & (prefix > 0), leader, -1)  # [B]
+    branch_at = torch.where(parent >= 0, prefix, 0)  # [B]
+    extra = torch.where(leader == rollout, prefix, 0)  # [B]: a leader's prompt is a node even without a follower
+    mismatch = None
+    if validate and input_ids is not None and rows:
+        mismatch = tree_nodes.prefix_mismatch(input_ids, torch.minimum(prefix, prefix[leader]), leader)
+    return _build(lengths, parent, branch_at, extra, row_len, spec, 2 * rows, num_rows, validate, host_reads,
+                  group_checks=(prefix, groups, leader, mismatch))
+
+
+def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows, validate, host_reads, *,
+           tree_checks=None, group_checks=None) -> TreeLayout:
+    """The layout, after the checks of one spelling (``tree_checks``: the tree's mismatch flags;
+    ``group_checks``: the shared-prompt spelling's prefix lengths, groups, leaders and mismatch flags)."""
+    rows = lengths.shape[0]
+    nodes = tree_nodes.node_tables(lengths, parent, branch_at, extra, row_len, capacity)
+    slot_lengths = nodes.length[:capacity]  # [N]
+    slot_rows = None  # the slot where the padding rows' slots begin (a 0-d tensor, no read)
+    if num_rows is not None:
+        slot_rows = nodes.offsets.index_select(0, num_rows.to(torch.int64).clamp(0, rows).view(1)).view(())
     host_lengths = None
     if reads_host(host_reads, lengths):
-        layout, host_lengths = _on_host(lengths, prefix, groups, leader, slot_lengths, mismatch, num_rows, row_len,
-                                        spec, validate)
+        layout, host_lengths = _on_host(lengths, parent, branch_at, nodes, slot_lengths, slot_rows, num_rows, row_len,
+                                        spec, validate, tree_checks, group_checks)
     else:
+        op = OP if group_checks is None else "shared_prefix_layout"
         if validate:
             real = torch.arange(rows, device=lengths.device) < (rows if num_rows is None else num_rows)  # [B]
-            checks.lengths_device(OP, lengths, row_len, num_rows)
-            checks.prefix_lengths_device(OP, lengths, prefix, leader, mismatch, real)
-            checks.shared_total_device(OP, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to")
+            checks.lengths_device(op, lengths, row_len, num_rows)
+            if group_checks is not None:
+                prefix, _, leader, mismatch = group_checks
+                checks.prefix_lengths_device(op, lengths, prefix, leader, mismatch, real)
+            else:
+                checks.tree_device(op, lengths, parent, branch_at, tree_checks[0], real, nodes.used, capacity)
+            checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to")
         layout = layout_from_lengths(slot_lengths, row_len, spec, num_rows=slot_rows, validate=validate,
-                                     host_reads=False, op=OP)
+                                     host_reads=False, op=op)
     seg = layout.segment_ids()  # [T]
     offset = torch.arange(layout.total, device=seg.device) - layout.bounds()[seg]  # [T]
-    source = (tables.read[seg] + offset).clamp(max=rows * row_len - 1).clamp(min=0)  # [T] into [B*S]
-    maps = GatherMaps(source, offset < tables.length[seg])
-    return SharedPrefixLayout(layout, lengths, prefix, leader, row_len, maps, host_lengths)
+    read = nodes.owner.clamp(max=max(rows - 1, 0)) * row_len + nodes.begin  # [N+1]: a node's first token in [B*S]
+    source = (read[seg] + offset).clamp(max=rows * row_len - 1).clamp(min=0)  # [T] into [B*S]
+    maps = GatherMaps(source, offset < nodes.length[seg])
+    path = tree_nodes.paths(parent, branch_at)
+    return TreeLayout(layout, lengths, parent, branch_at, row_len, maps, nodes, path, host_lengths)
 
 
-def _on_host(lengths, prefix, groups, leader, slot_lengths, mismatch, num_rows, row_len, spec, validate):
+def _on_host(lengths, parent, branch_at, nodes, slot_lengths, slot_rows, num_rows, row_len, spec, validate,
+             tree_checks, group_checks):
     """The one read and (when ``validate``) every check on its ints, then the slots' host layout."""
-    rows = lengths.shape[0]
-    parts = [lengths, prefix, groups, leader, slot_lengths]
-    if mismatch is not None:
-        parts.append(mismatch.to(torch.int64))
+    rows, slots = lengths.shape[0], slot_lengths.shape[0]
+    flags = tree_checks[0] if tree_checks is not None else group_checks[3]
+    parts = [lengths, parent, branch_at, slot_lengths, nodes.used.view(1)]
+    if group_checks is not None:
+        parts += [group_checks[0], group_checks[1], group_checks[2]]
+    if flags is not None:
+        parts.append(flags.to(torch.int64))
     if num_rows is not None:
-        parts.append(num_rows.to(torch.int64).view(1))
-    values = torch.cat(parts).tolist()  # sync: the one host read of the shared-prefix layout (and its checks)
-    ints = [values[i * rows:(i + 1) * rows] for i in range(4)]
-    slots = values[4 * rows:6 * rows]
-    flags = values[6 * rows:7 * rows] if mismatch is not None else None
-    n = values[-1] if num_rows is not None else None
+        parts += [num_rows.to(torch.int64).view(1), slot_rows.view(1)]
+    values = torch.cat(parts).tolist()  # sync: the one host read of the tree layout (and its checks)
+    cursor = [0]
+
+    def read(n):  # the next n values of the read
+        cursor[0] += n
+        return values[cursor[0] - n:cursor[0]]
+
+    ints = [read(rows) for _ in range(3)]
+    slot_ints, used = read(slots), read(1)[0]
+    group_ints = [read(rows) for _ in range(3)] if group_checks is not None else None
+    flag_ints = read(rows) if flags is not None else None
+    n, n_slots = read(2) if num_rows is not None else (None, None)
     if validate:
         checks.lengths_host(ints[0], row_len, n)
-        checks.prefix_lengths_host(ints[0], ints[1], ints[2], ints[3], flags, n)
-        checks.shared_total_host(sum(round_up_all(slots, spec.m)), sum(ints[0]), spec.m, spec.fixed_total,
+        if group_ints is not None:
+            checks.prefix_lengths_host(ints[0], group_ints[0], group_ints[1], group_ints[2], flag_ints, n)
+        else:
+            checks.tree_host(ints[0], ints[1], ints[2], flag_ints, n, used, slots)
+        checks.shared_total_host(sum(round_up_all(slot_ints, spec.m)), sum(ints[0]), spec.m, spec.fixed_total,
                                  "pad_full_seq_to")
-    layout = layout_from_read_lengths(slots, slot_lengths, row_len, spec, None if n is None else 2 * n,
-                                      validate=validate)
+    layout = layout_from_read_lengths(slot_ints, slot_lengths, row_len, spec, n_slots, validate=validate)
     return layout, ints[0]
 
 
-def _check_args(seq_lengths, prefix_lengths, group_ids, row_len, input_ids, num_rows) -> int:
-    """Metadata (free): three 1-D integer tensors of ``B`` entries on one device, ``S`` an int, ``input_ids``
-    ``[B, S, *]``, ``num_rows`` a 0-d integer tensor. Returns B."""
+def _check_args(seq_lengths, fields: dict, row_len, input_ids, num_rows) -> int:
+    """Metadata (free): ``seq_lengths`` and each of ``fields`` 1-D integer tensors of ``B`` entries on one
+    device, ``S`` an int, ``input_ids`` ``[B, S, *]``, ``num_rows`` a 0-d integer tensor. Returns B."""
     _checks.check_int_vector("seq_lengths", seq_lengths)
     rows = seq_lengths.shape[0]
     why = f" (one per rollout: seq_lengths has {int(rows)})"
-    _checks.check_int_vector("prefix_lengths", prefix_lengths, rows, why)
-    _checks.check_int_vector("group_ids", group_ids, rows, why)
+    for name, t in fields.items():
+        _checks.check_int_vector(name, t, rows, why)
     if not isinstance(row_len, torch.SymInt):
         _checks.row_length("row_len", row_len)
     _checks.check_num_rows(num_rows, rows)
@@ -335,6 +382,5 @@ def _check_args(seq_lengths, prefix_lengths, group_ids, row_len, input_ids, num_
         if input_ids.shape[0] != rows or guard_or_false(input_ids.shape[1] != row_len):
             raise _checks.PackingError(f"input_ids has shape {_checks.dims(input_ids)}; expected [B, S, *] = "
                                        f"[{int(rows)}, {int(row_len)}, *] (B from seq_lengths, S = row_len)")
-    _checks.check_same_device(seq_lengths=seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids,
-                              input_ids=input_ids)
+    _checks.check_same_device(seq_lengths=seq_lengths, input_ids=input_ids, **fields)
     return rows

@@ -1,29 +1,30 @@
-"""Per-rollout token log-probs ``[B, S-1]`` of a shared-prefix microbatch, from packed logits or hidden states.
+"""Per-rollout token log-probs ``[B, S-1]`` of a rollout-tree microbatch (the shared prompt: its depth-1
+case), from packed logits or hidden states.
 
 Shape legend
     B   rollouts; S their row length (``seq_len``, default the layout's)
-    T   packed tokens; C context-parallel size; N = T/C positions on a rank
+    N   node slots of the tree (``2B`` for the shared prompt)
+    T   packed tokens; C context-parallel size; M = T/C positions on a rank
     V   vocabulary; ``Vt = V / TP`` on a tensor-parallel rank; H hidden size
-    n   hidden-state rows on this rank: ``N``, or ``N/TP`` with sequence parallelism
+    n   hidden-state rows on this rank: ``M``, or ``M/TP`` with sequence parallelism
 
 Entry ``s`` of rollout ``b`` scores token ``s + 1`` from position ``s`` (NeMo-RL's ``[B, S-1]``), as if
-the rollout had run alone (``docs/ops.md``, "Shared-prefix packing"): for ``s < P - 1`` at a position
-of its leader's prompt slot (the next token in that slot: scored once for the whole group), for
-``P <= s < L - 1`` inside its own response slot, and for ``s = P - 1`` (the prompt's last position
-against the response's first token ``input_ids[b, P]``) one **boundary** score per rollout: the ``B``
-boundary rows (``[B, Vt]`` logits rows, or ``[B, H]`` hidden rows) are gathered and scored by the same
-kernel as the ``T`` packed positions (:func:`nn_data.logprobs.kernels.token_logprobs_local`,
-:func:`~nn_data.logprobs.kernels.hidden_logprobs_local`); 0 at ``s >= L - 1``. No ``[B, S, V]`` tensor.
+the rollout had run alone (``docs/ops.md``, "Rollout trees"): inside a node, at the next packed position
+(a shared node's positions are scored once for every rollout below it); where token ``s + 1`` opens a
+node (a child's first own token, or the first token after a split), one **boundary** score per node,
+from the last token before it on its path: the ``N`` boundary rows (``[N, Vt]`` logits rows, or ``[N, H]``
+hidden rows) are gathered and scored by the same kernel as the ``T`` packed positions
+(:func:`nn_data.logprobs.kernels.token_logprobs_local`, :func:`~nn_data.logprobs.kernels.hidden_logprobs_local`);
+0 at ``s >= L - 1``. No ``[B, S, V]`` tensor.
 
-Under CP the rank holding a prompt's last position scores its boundary rows (0 elsewhere); the
-``[T/C]`` values and the ``[B]`` boundary values cross the CP group in one all-gather (the boundary
-values summed over ranks), with the gradient of every rank's own rows (``grad_mode="own"``: every CP
-rank computes the same loss). Memory: beyond the kernels', the logits path's backward adds the ``B``
-boundary rows' gradient through one ``[T/C, Vt]`` buffer (the index gather's); the hidden path's one
-``[n + B, H]`` copy of its rows with the boundary rows appended (one kernel call: under sequence
-parallelism one TP gather of both). ``outputs()`` adds the entropy, top-k and argmax of each rollout's
-positions (:func:`distribution_rows`: no boundary rows needed, the prompt's last position holds the one
-distribution every rollout of its group sees there).
+Under CP the rank holding a boundary's scoring position scores it (0 elsewhere); the ``[T/C]`` values and
+the ``[N]`` boundary values cross the CP group in one all-gather (the boundary values summed over ranks),
+with the gradient of every rank's own rows (``grad_mode="own"``: every CP rank computes the same loss).
+Memory: beyond the kernels', the logits path's backward adds the ``N`` boundary rows' gradient through one
+``[T/C, Vt]`` buffer (the index gather's); the hidden path's one ``[n + N, H]`` copy of its rows with the
+boundary rows appended (one kernel call: under sequence parallelism one TP gather of both). ``outputs()``
+adds the entropy, top-k and argmax of each rollout's positions (:func:`distribution_rows`: no boundary rows
+needed, the token before a node's first holds the one distribution every rollout through it sees there).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from nn_data.logprobs.outputs import HeadOutputs, head_outputs_local
 
 class RolloutTargets(NamedTuple):
     """One call's targets: ``target``, ``keep`` ``[T/C]`` (each local position's next token in its slot);
-    ``rows``, ``boundary_target``, ``boundary_keep`` ``[B]`` (the local row of each rollout's prompt-last
-    position, its response's first token, and whether this rank scores it)."""
+    ``rows``, ``boundary_target``, ``boundary_keep`` ``[N]`` (the local row scoring each node's first
+    token, that token, and whether this rank scores it)."""
 
     target: torch.Tensor
     keep: torch.Tensor
@@ -75,18 +76,18 @@ def rollout_targets(op: str, layout, packed_ids: torch.Tensor, total: int, vocab
         bounds, lengths = slots.segments()
         checks.target_ids_device(op, checks.target_ids(packed_ids[0], bounds, lengths, total, vocab), vocab)
     target, keep = targets_on_rank(slots, packed_ids, total, places, groups.cp_size, groups.cp_rank)  # [T/C] each
-    edge = layout.boundary_places(groups.cp_size, groups.cp_rank)  # [B] each
-    boundary_target = packed_ids[0].index_select(0, edge.first).to(torch.int64)  # [B]
+    edge = layout.boundary_places(groups.cp_size, groups.cp_rank)  # [N] each
+    boundary_target = packed_ids[0].index_select(0, edge.first).to(torch.int64)  # [N]
     return RolloutTargets(target, keep, edge.local, boundary_target, edge.has & edge.owned)
 
 
 def rollout_rows(layout: SharedPrefixLayout, local: torch.Tensor, boundary: torch.Tensor, groups: _Groups,
                  seq_len) -> torch.Tensor:
-    """This rank's ``[T/C]`` in-slot values and ``[B]`` boundary values -> ``[B, S-1]`` on every CP rank.
+    """This rank's ``[T/C]`` in-slot values and ``[N]`` boundary values -> ``[B, S-1]`` on every CP rank.
 
-    Example (the layout module's batch, S 4): rollout 1 (leader 0, P 2, L 3) reads the in-slot value of
-    packed position 0 (prompt token 0 -> 1), its boundary value (position 1 -> its response token 2 at
-    packed 4), then 0 (``s = 2 = L - 1``).
+    Example (the layout module's batch, S 4): rollout 1 (parent 0, branch_at 2, L 3) reads the in-slot
+    value of packed position 0 (token 0 -> 1), the boundary value of its slot 3 (position 1 -> its token 2
+    at packed 4), then 0 (``s = 2 = L - 1``).
     """
     total, n, rows = layout.total, local.shape[0], layout.rows
     layout.check_rows(seq_len)
@@ -94,17 +95,23 @@ def rollout_rows(layout: SharedPrefixLayout, local: torch.Tensor, boundary: torc
     if total == 0:  # nothing was packed (on any rank): zeros, still in the graph
         return (local.sum() + boundary.sum()).expand(rows, width).clone()
     if groups.cp_size > 1:
-        both = torch.cat([local, boundary])  # [T/C + B]: one all-gather for both
+        both = torch.cat([local, boundary])  # [T/C + N]: one all-gather for both
         every = all_gather_rows(both, groups.cp_group, groups.cp_rank, groups.cp_size).view(groups.cp_size, -1)
         packed = layout.unshard(every[:, :n], groups.cp_size)[0]  # [T]
-        boundary = every[:, n:].sum(0)  # [B]: the owning rank's value, 0 elsewhere
+        boundary = every[:, n:].sum(0)  # [N]: the owning rank's value, 0 elsewhere
     else:
         packed = local  # [T]
-    where, real = layout.row_places(width)  # [B, S-1] each
+    if rows == 0:
+        return (local.sum() + boundary.sum()).expand(0, width).clone()
+    rollout = torch.arange(rows, device=local.device)  # [B]
+    s = torch.arange(width, device=rollout.device)  # [S-1]
+    where, _ = layout.places(rollout, s.expand(rows, width))  # [B, S-1]: position s's packed place
+    _, slot = layout.places(rollout, (s + 1).expand(rows, width))  # [B, S-1]: the node of token s + 1
     values = packed.index_select(0, where.clamp(0, total - 1).reshape(-1)).view(rows, width)  # [B, S-1]
-    values = torch.where(real, values, 0.0)
-    at_boundary = torch.arange(width, device=values.device) == layout.prefix_lengths[:, None] - 1  # [B, S-1]
-    return torch.where(at_boundary, boundary[:, None].to(values.dtype), values)
+    real = s < (layout.seq_lengths[:, None] - 1)  # [B, S-1]: token s + 1 is the rollout's
+    at_boundary = layout.nodes.begin[slot] == s + 1  # [B, S-1]: token s + 1 opens a node (one of the boundaries)
+    values = torch.where(at_boundary, boundary.to(values.dtype)[slot], values)
+    return torch.where(real, values, 0.0)
 
 
 def distribution_rows(layout: SharedPrefixLayout, local: HeadOutputs, groups: _Groups, seq_len) -> HeadOutputs:
@@ -198,7 +205,7 @@ class SharedPrefixLogProbs(nn.Module):
                       chunk_tokens=self.chunk_tokens)
         local = token_logprobs_local(flat, t.target, t.keep, **kernel)  # [T/C]
         boundary = token_logprobs_local(flat.index_select(0, t.rows), t.boundary_target, t.boundary_keep,
-                                        **kernel)  # [B]
+                                        **kernel)  # [N]
         return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)
 
     def outputs(self, logits: torch.Tensor, packed_ids: torch.Tensor, layout: SharedPrefixLayout, *, seq_len=None,
@@ -215,7 +222,7 @@ class SharedPrefixLogProbs(nn.Module):
 
 
 def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks: int):
-    """``(rows [n + B, H], target, keep [blocks * (n + B)])``: this rank's hidden rows followed by the ``B``
+    """``(rows [n + N, H], target, keep [blocks * (n + N)])``: this rank's hidden rows followed by the ``N``
     boundary rows it holds, and the targets in the kernel's gathered order, so that one kernel call (one
     sequence-parallel gather) scores both. ``blocks``: TP with sequence parallelism (rank ``block`` holds
     local rows ``[block*n, (block+1)*n)``), else 1 (``block`` 0, all ``N`` rows).
@@ -225,10 +232,10 @@ def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks
     of block 0's boundary part ``[F, T]`` (row 5 is block 1's), of block 1's ``[T, F]`` (and ``boundary_keep``).
     """
     n, (b, width) = rows.shape[0], (t.rows.shape[0], rows.shape[1])
-    here = (t.rows - block * n).clamp(0, max(n - 1, 0))  # [B] the boundary row's place in this rank's rows
-    edge = rows.index_select(0, here) if n else rows.new_zeros(b, width)  # [B, H] (T = 0: nothing to score)
-    holder = torch.div(t.rows, max(n, 1), rounding_mode="floor")  # [B] the block holding each boundary row
-    mine = torch.arange(blocks, device=rows.device)[:, None] == holder  # [blocks, B]
+    here = (t.rows - block * n).clamp(0, max(n - 1, 0))  # [N] the boundary row's place in this rank's rows
+    edge = rows.index_select(0, here) if n else rows.new_zeros(b, width)  # [N, H] (T = 0: nothing to score)
+    holder = torch.div(t.rows, max(n, 1), rounding_mode="floor")  # [N] the block holding each boundary row
+    mine = torch.arange(blocks, device=rows.device)[:, None] == holder  # [blocks, N]
     target = torch.cat([t.target.view(blocks, n), t.boundary_target.expand(blocks, b)], 1).reshape(-1)  # [blocks*(n+B)]
     keep = torch.cat([t.keep.view(blocks, n), mine & t.boundary_keep], 1).reshape(-1)  # [blocks*(n+B)]
     return torch.cat([rows, edge]), target, keep
@@ -242,7 +249,7 @@ class SharedPrefixLogProbsFromHidden(nn.Module):
     ``forward(hidden [1, T/C, H] (or [T/C, 1, H]), weight [V/TP, H], packed_ids [1, T] int, layout, *,
     seq_len=None, places=None) -> [B, S-1]``; groups, ``chunk_tokens``, ``temperature`` and
     ``sequence_parallel`` (``hidden`` is then this TP rank's ``[1, T/(C*TP), H]`` rows of the CP shard) as
-    :class:`~nn_data.TokenLogProbsFromHidden`: the rows and the ``B`` boundary rows are scored in one
+    :class:`~nn_data.TokenLogProbsFromHidden`: the rows and the ``N`` boundary rows are scored in one
     kernel call, so with sequence parallelism they are gathered over the TP group once, inside
     (:func:`with_boundary_rows`).
 

@@ -14,6 +14,10 @@
   every rank, work balanced across ranks (:mod:`nn_data.planning.balance`); O(n log n) on the host.
 * :func:`plan_step_shared_prefix` (:mod:`nn_data.planning.shared_prefix_plan`): the same plan over GRPO groups,
   each group kept together and its prompt packed once per microbatch it lands in.
+* :func:`plan_step_rollout_tree` (:mod:`nn_data.planning.tree_plan`): the same plan over rollout trees, each
+  tree kept together where it fits and every shared node packed once per microbatch it lands in.
+* :func:`find_rollout_tree` (:mod:`nn_data.planning.rollout_tree`): a batch's rollout tree (each rollout's
+  parent and branch point) from its token ids, for a data loader whose rollouts carry none.
 * :mod:`nn_data.planning.ffd`: first-fit-decreasing in O(n log n) and NeMo-RL's bin rules.
 * :func:`plan_step_dynamic_cp` (:mod:`nn_data.planning.dynamic_cp_plan`) -> :class:`DynamicCPPlan`: dynamic
   context parallelism, every sequence sharded over only as many ranks as it needs, planned over the
@@ -27,11 +31,13 @@ Host-side planning: numpy and Python ints, no tensor op, no megatron-core.
 from nn_data.planning.alignment import INT32_MAX, Parallelism
 from nn_data.planning.cp_cost import AttentionOnlyCost, CPCost
 from nn_data.planning.dynamic_cp_plan import CPBlock, DynamicCPPlan, plan_step_dynamic_cp
+from nn_data.planning.rollout_tree import RolloutTree, find_rollout_tree
 from nn_data.planning.shared_prefix_plan import plan_step_shared_prefix
+from nn_data.planning.tree_plan import plan_step_rollout_tree, subtree
 from nn_data.planning.step import BALANCE_MODES, StepPlan, evaluate_plan, plan_step, sequence_work
 
 __all__ = ["AttentionOnlyCost", "BALANCE_MODES", "CPBlock", "CPCost", "DynamicCPPlan", "INT32_MAX", "Parallelism",
-           "StepPlan", "evaluate_plan", "plan_step", "plan_step_dynamic_cp", "plan_step_shared_prefix", "sequence_work"]
+           "RolloutTree", "StepPlan", "find_rollout_tree", "plan_step_rollout_tree", "subtree", "evaluate_plan", "plan_step", "plan_step_dynamic_cp", "plan_step_shared_prefix", "sequence_work"]
 
 
 def __getattr__(name: str):

@@ -214,9 +214,10 @@ def _definitions():
 
 def test_layout_names_one_type():
     """"layout" is PackLayout: no other class's name says Layout (the deprecated names are aliases), but
-    SharedPrefixLayout, which is a PackLayout over a shared-prefix microbatch's slots (its ``layout``)."""
+    TreeLayout, which is a PackLayout over a rollout tree's node slots (its ``layout``; SharedPrefixLayout,
+    the shared prompt's name for it, is an alias)."""
     classes = sorted(n.name for _, n in _definitions() if isinstance(n, ast.ClassDef) and "Layout" in n.name)
-    assert classes == ["PackLayout", "SharedPrefixLayout"], classes
+    assert classes == ["PackLayout", "TreeLayout"], classes
     import typing
 
     from nn_data.layout import PackLayout, SharedPrefixLayout

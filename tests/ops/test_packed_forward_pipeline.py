@@ -56,7 +56,7 @@ def _kernel_stacks(monkeypatch, owner, name, call):
 
 def test_forward_reaches_the_pack_kernel_in_at_most_four_frames(tiny, monkeypatch):
     ids, lens = torch.randint(1, VOCAB, (3, 6)), torch.tensor([4, 0, 6])
-    wrapped = PackedForward(tiny, pad_individual_seqs_to_multiple_of=4)
+    wrapped = PackedForward(tiny, pad_individual_seqs_to_multiple_of=4, verify=False)  # the call's own pack only
     stacks = _kernel_stacks(monkeypatch, host.HostExecutor, "pack", lambda: wrapped(ids, lens))
     assert stacks == [["forward", "prepare", "forward", "pack"]], stacks
 
@@ -78,10 +78,11 @@ def test_records_have_at_most_seven_fields():
     assert {r.__name__: len(r._fields) for r in records if len(r._fields) > 7} == {}
 
 
-def test_both_kinds_of_microbatch_run_one_pipeline():
-    """The kind is a strategy of PackingSide / UnpackingSide: the shared prefix has no module of its own,
-    and the pipeline's sides are one class each whatever the kind."""
-    assert {kind.name for kind in packed_forward.KINDS} == {"plain", "shared-prefix"}
+def test_every_kind_of_microbatch_runs_one_pipeline():
+    """The kind is a strategy of PackingSide / UnpackingSide: the rollout tree and its depth-1 spelling (the
+    shared prefix) have no module of their own, and the pipeline's sides are one class each whatever the kind."""
+    assert {kind.name for kind in packed_forward.KINDS} == {"plain", "shared-prefix", "rollout-tree"}
+    assert isinstance(packed_shared_prefix.SHARED_PREFIX, packed_shared_prefix.RolloutTreeKind)
     assert not [n for n, v in vars(packed_shared_prefix).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)]
 
 

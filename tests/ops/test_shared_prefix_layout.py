@@ -57,8 +57,9 @@ def test_the_contracts_example():
     assert sp.positions().tolist() == [0, 1, 2, 3, 2, 0, 1, 2]
     assert sp.segment_ids().tolist() == [0, 0, 1, 1, 3, 4, 5, 5]
     rule = sp.prefix_rule()
-    assert rule.context_ids.tolist() == [0, 0, 0, 0, 0, 4, 4, 4]
-    assert rule.visible.tolist() == [True, True, False, False, False, True, False, False]
+    assert rule.rollout_ids.tolist() == [0, 0, 0, 0, 1, 2, 2, 2] and rule.visible.all()
+    every = torch.iinfo(torch.int64).max
+    assert rule.shared.tolist() == [[every, 0, 0, 0], [2, every, 0, 0], [0, 0, every, 0], [0, 0, 0, 0]]
     assert torch.equal(sp.unpack(sp.pack(x), fill=-7), x)
 
 
@@ -198,7 +199,7 @@ def test_unpack_refuses_rows_shorter_than_a_rollout():
     with pytest.raises(PackingError, match=r"seq_lengths\[0\] = 4 is outside \[0, seq_len=3\]"):
         sp.unpack(torch.zeros(1, 32), seq_len=3)
     on_device = _build([4, 3], [1, 1], [0, 1], host_reads=False)
-    with pytest.raises(RuntimeError, match=r"SharedPrefixLayout.unpack: seq_lengths must be in \[0, seq_len\]"):
+    with pytest.raises(RuntimeError, match=r"TreeLayout.unpack: seq_lengths must be in \[0, seq_len\]"):
         on_device.unpack(torch.zeros(1, 32), seq_len=3)
     assert on_device.unpack(torch.zeros(1, 32), seq_len=5).shape == (2, 5)
 
@@ -217,8 +218,10 @@ def test_no_prefix_is_todays_rule_bit_for_bit():
 
 def test_document_mask_checks_the_rule_it_is_given():
     seg = torch.zeros(4, dtype=torch.int64)
-    with pytest.raises(PackingError, match=r"prefix.visible has shape \(3,\); expected \[4\]"):
-        document_mask(torch.arange(4), seg, prefix=PrefixRule(seg, torch.ones(3, dtype=torch.bool), seg))
+    with pytest.raises(PackingError, match=r"prefix.positions has shape \(3,\); expected \[4\]"):
+        document_mask(torch.arange(4), seg, prefix=PrefixRule(seg, seg > 0, seg[:3], seg.view(2, 2)))
+    with pytest.raises(PackingError, match=r"prefix.shared has shape \(4,\); expected \[B\+1, B\+1\]"):
+        document_mask(torch.arange(4), seg, prefix=PrefixRule(seg, seg > 0, seg, seg))
     with pytest.raises(PackingError, match=r"prefix must be a PrefixRule"):
         document_mask(torch.arange(4), seg, prefix=(seg, seg, seg))
 

@@ -1,0 +1,94 @@
+"""Tier: pure CPU, single process (tiny models built from a config, nothing downloaded; a one-rank gloo
+group on 127.0.0.1 for megatron-core's parallel_state). Under CP (C = 2 and 4, gloo):
+tests/multiprocess/test_tree_models_multiprocess.py. Cases: tests/models/tree_cases.py.
+
+Rollout trees through the models: ``PackedForward(...)(ids, L, parent=, branch_at=)`` (every shared
+prefix packed once, trees of depth 1 to 4) equals every rollout run alone on its full row, logits and
+parameter gradients (float64), through the HF adapter (Llama) and the megatron-core adapter (the tiny
+GPTModel); the hybrids (recurrent or convolution layers) run each rollout along its path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from nn_data.adapters import HFCausalLMAdapter
+from nn_data.diagnostics import HostSyncCounter
+from nn_data.errors import PackingError
+from nn_data.models.tiny_hf import tiny_hf_model
+from nn_data.packed_forward import PackedForward
+from tests.models import tree_cases as cases
+from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state
+
+
+def test_llama_tree_equals_each_rollout_alone_float64():
+    result = cases.case_hf("llama")
+    assert result["out"] < 1e-10 and result["grad"] < 1e-10, result
+
+
+def test_flex_block_mask_on_a_tree():
+    """mask_kind="block": the path rule in flex attention's mask_mod (CPU: forward only, float32)."""
+    assert cases.case_hf_flex_forward()["worst"] < 2e-5
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_next", "mamba2"])
+def test_hybrids_run_each_rollout_along_its_path(kind):
+    """Short convolution, gated delta net, Mamba-2: each such layer runs one row per rollout, its whole path
+    (every shared node, then its own tokens). Tolerances as the shared prompt's hybrids
+    (test_shared_prefix_models.py): Mamba-2's float32 chunked scan rounds differently over a row of S
+    slots; gradients at transformers' float32 norms."""
+    result = cases.case_hf(kind, exact_norms=False)
+    out_tol = 1e-5 if kind == "mamba2" else 1e-10
+    assert result["out"] < out_tol and result["grad"] < 1e-4, result
+
+
+def test_the_call_takes_one_spelling():
+    wrapped = PackedForward(lambda ids, pos, packed: ids[..., None].float(), pad_full_seq_to=8)
+    ids, lens, one = torch.ones(2, 4, dtype=torch.int64), torch.tensor([4, 4]), torch.tensor([-1, 0])
+    with pytest.raises(PackingError, match=r"parent/branch_at \(a rollout tree\) and prefix_lengths/group_ids"):
+        wrapped(ids, lens, prefix_lengths=one, group_ids=one, parent=one, branch_at=one)
+    with pytest.raises(PackingError, match=r"parent was given without branch_at: a tree call needs both"):
+        wrapped(ids, lens, parent=one)
+
+
+@pytest.mark.compile
+def test_compiled_packing_one_graph_each_side_and_no_host_sync_over_a_stream_of_trees():
+    """compile_packing=True with a fixed T and a row capacity: the tree packing and unpacking compile once
+    each (2 frames) over trees whose shapes, depths and lengths vary; no host read in a call after the
+    first; every output equals the eager tree path."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model = tiny_hf_model("llama")
+    common = dict(pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=160)
+    # verify=False: the packing check runs its own (plain) microbatch, which compiles the plain packing's two
+    # graphs once more (docs/models.md); these are the tree side's
+    compiled = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), row_capacity=6, compile_packing=True,
+                             compile_kwargs={"backend": counter}, verify=False, **common)
+    eager = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), **common)
+    syncs = []
+    with torch.no_grad():
+        for ids, lens, call, total in cases.tree_batches(4):
+            assert total <= 160
+            with HostSyncCounter() as counted:
+                out = compiled(ids, lens, **call)
+            syncs.append(counted.count)
+            torch.testing.assert_close(out, eager(ids, lens, **call), rtol=0, atol=2e-6)
+    assert counter.frame_count == 2, counter.frame_count
+    assert syncs[1:] == [0] * (len(cases.TREES) - 1), syncs
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def megatron_state():
+    with one_rank_parallel_state():
+        yield
+
+
+@needs_megatron_models
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_tiny_gpt_model_tree_equals_each_rollout_alone_float64(megatron_state):
+    result = cases.case_megatron()
+    assert result["out"] < 1e-10 and result["grad"] < 1e-10, result

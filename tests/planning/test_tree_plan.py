@@ -1,0 +1,83 @@
+"""Tier: pure CPU, single process (numpy; tree_layout for the cross-check).
+
+plan_step_rollout_tree: plan_step's guarantees over random trees (every rollout once, every microbatch at
+most T, one microbatch count on every rank), each microbatch's tokens equal to the packed total of
+tree_layout on subtree's tree of its rollouts, trees kept whole where they fit, the docstring's split, the
+shared prompt's tokens as plan_step_shared_prefix counts them; bad trees refused by field.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nn_data.errors import PackingError
+from nn_data.layout import PackSpec, tree_layout
+from nn_data.planning import Parallelism, plan_step_rollout_tree, plan_step_shared_prefix, subtree
+from tests.support.hypothesis_profiles import examples
+from tests.support.tree_reference import random_tree
+
+
+def test_the_docstring_example():
+    plan = plan_step_rollout_tree([10, 12, 9], Parallelism(dp=1), parent=[-1, 0, 1], branch_at=[0, 6, 8],
+                                  pad_full_seq_to=17)
+    assert plan.ranks == [[[0, 1, 2]]] and plan.microbatch_tokens == [[17]]
+    plan = plan_step_rollout_tree([10, 12, 9], Parallelism(dp=1), parent=[-1, 0, 1], branch_at=[0, 6, 8],
+                                  pad_full_seq_to=16)
+    assert sorted(map(tuple, plan.ranks[0])) == [(0, 1), (2,)] and sorted(plan.microbatch_tokens[0]) == [9, 16]
+    assert [x.tolist() for x in subtree([-1, 0, 1], [0, 6, 8], [0, 2])] == [[-1, 0], [0, 6]]
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(seed=st.integers(0, 10 ** 6), dp=st.sampled_from([1, 2, 3]), cp=st.sampled_from([1, 2]))
+def test_plan_step_guarantees_and_the_layouts_tokens(seed, dp, cp):
+    rng = random.Random(seed)
+    trees = [random_tree(rng, rng.randint(1, 6), 40) for _ in range(rng.randint(1, 5))]
+    lengths, parent, branch_at = [], [], []
+    for tree in trees:  # a forest: each tree's indices shifted after the ones before
+        base = len(lengths)
+        lengths += tree.lengths
+        parent += [p + base if p >= 0 else -1 for p in tree.parent]
+        branch_at += tree.branch_at
+    parallelism = Parallelism(dp=dp, cp=cp)
+    total = 2 * cp * 40
+    plan = plan_step_rollout_tree(lengths, parallelism, parent=parent, branch_at=branch_at, pad_full_seq_to=total,
+                                  hidden_size=8)
+    assert sorted(b for rank in plan.ranks for mb in rank for b in mb) == list(range(len(lengths)))
+    assert len({len(rank) for rank in plan.ranks}) == 1 and len(plan.ranks) == dp
+    for rank, tokens in zip(plan.ranks, plan.microbatch_tokens):
+        for rows, need in zip(rank, tokens):
+            assert need <= total
+            if not rows:
+                continue
+            sub_parent, sub_at = subtree(parent, branch_at, rows)
+            layout = tree_layout(torch.tensor([lengths[b] for b in rows]), torch.from_numpy(sub_parent),
+                                 torch.from_numpy(sub_at), row_len=40, spec=PackSpec(parallelism.pad_multiple))
+            assert layout.total == need
+
+
+def test_the_shared_prompt_costs_what_plan_step_shared_prefix_counts():
+    lengths, prefix, groups = [10, 12, 9, 6, 7], [8, 8, 8, 2, 2], [5, 5, 5, 3, 3]
+    parent, branch_at = [-1, 0, 0, -1, 3], [0, 8, 8, 0, 2]
+    shared = plan_step_shared_prefix(lengths, Parallelism(dp=1), group_ids=groups, prefix_lengths=prefix,
+                                     pad_full_seq_to=64)
+    tree = plan_step_rollout_tree(lengths, Parallelism(dp=1), parent=parent, branch_at=branch_at, pad_full_seq_to=64)
+    assert sum(map(sum, tree.microbatch_tokens)) == sum(map(sum, shared.microbatch_tokens)) == 8 + 2 + 4 + 1 + 2 + 4 + 5
+    assert tree.real_tokens == shared.real_tokens
+    np.testing.assert_allclose(sum(map(sum, tree.microbatch_work)), sum(map(sum, shared.microbatch_work)), rtol=1e-12)
+
+
+def test_bad_trees_are_refused():
+    with pytest.raises(PackingError, match=r"parent\[1\] = 1 is invalid; rollout 1's parent must be an earlier"):
+        plan_step_rollout_tree([4, 4], Parallelism(dp=1), parent=[-1, 1], branch_at=[0, 2], pad_full_seq_to=16)
+    with pytest.raises(PackingError, match=r"branch_at\[1\] = 5 is invalid for parent\[1\] = 0"):
+        plan_step_rollout_tree([4, 6], Parallelism(dp=1), parent=[-1, 0], branch_at=[0, 5], pad_full_seq_to=16)
+    with pytest.raises(PackingError, match=r"parent has 1 entries for 2 rollouts"):
+        plan_step_rollout_tree([4, 6], Parallelism(dp=1), parent=[-1], branch_at=[0, 5], pad_full_seq_to=16)
+    with pytest.raises(PackingError, match=r"lengths\[0\] = 20 takes 20 tokens alone"):
+        plan_step_rollout_tree([20], Parallelism(dp=1), parent=[-1], branch_at=[0], pad_full_seq_to=16)
