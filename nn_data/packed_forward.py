@@ -186,6 +186,11 @@ class PackedForward(nn.Module):
             raise _checks.PackingError(f"input_ids must be a [B, S] tensor, got {shape}")
         if not isinstance(seq_lengths, torch.Tensor):  # a list, tuple or numpy array of ints: one copy
             seq_lengths = _checks.as_int_vector("seq_lengths", seq_lengths, input_ids.shape[0]).to(input_ids.device)
+        # the per-rollout arguments likewise (find_rollout_tree gives numpy): each one copy to the ids' device
+        given = {"prefix_lengths": prefix_lengths, "group_ids": group_ids, "parent": parent, "branch_at": branch_at}
+        given = {k: v if v is None or isinstance(v, torch.Tensor)
+                 else _checks.as_int_vector(k, v, input_ids.shape[0]).to(input_ids.device) for k, v in given.items()}
+        prefix_lengths, group_ids, parent, branch_at = given.values()
         kind, args = microbatch_kind(input_ids, seq_lengths, prefix_lengths=prefix_lengths, group_ids=group_ids,
                                      parent=parent, branch_at=branch_at)
         rows, num_rows = input_ids.shape[0], None

@@ -92,3 +92,23 @@ def megatron_state():
 def test_tiny_gpt_model_tree_equals_each_rollout_alone_float64(megatron_state):
     result = cases.case_megatron()
     assert result["out"] < 1e-10 and result["grad"] < 1e-10, result
+
+
+def test_the_found_tree_goes_straight_into_the_wrapper():
+    """find_rollout_tree's numpy tree is taken as it is (one copy to the ids' device), giving what [B] tensors give."""
+    from nn_data.planning import find_rollout_tree
+
+    model = tiny_hf_model("llama").double().eval()
+    wrapped = PackedForward(HFCausalLMAdapter(model), pad_individual_seqs_to_multiple_of=2, verify=False)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 3, 3, 3], [5, 6, 2, 0, 0, 0], [4, 4, 0, 0, 0, 0]])
+    lens = torch.tensor([5, 6, 3, 2])
+    tree = find_rollout_tree(ids, lens)
+    assert tree.parent.tolist() == [-1, 0, 0, -1] and tree.branch_at.tolist() == [0, 3, 2, 0]
+    with torch.no_grad():
+        from_numpy = wrapped(ids, lens, parent=tree.parent, branch_at=tree.branch_at)
+        from_tensors = wrapped(ids, lens, parent=torch.as_tensor(tree.parent), branch_at=torch.as_tensor(tree.branch_at))
+        alone = [model(ids[b:b + 1, :lens[b]]).logits[0] for b in range(4)]
+    assert torch.equal(from_numpy, from_tensors)
+    assert max((from_numpy[b, :lens[b]] - alone[b]).abs().max().item() for b in range(4)) < 1e-10
+    with pytest.raises(PackingError, match=r"parent=\[-1.0, 0.5, 0, -1\] is invalid: not all integers"):
+        wrapped(ids, lens, parent=[-1.0, 0.5, 0, -1], branch_at=tree.branch_at)
