@@ -223,7 +223,7 @@ def _compare(run, ids, other, lens, out, kept, model=None, lengths=None, split=F
         return 0, ""
     again = run(ids, lens)
     diff = _max_diff(out_other[kept], out[kept])
-    if torch.equal(again, out):  # deterministic: a difference is a path between documents, or a routed layer
+    if torch.equal(again, out):  # sync: the check; deterministic: a difference is a path between documents, or a routed layer
         if model is not None and diff <= tolerance(out):
             index, labels = first_difference(model, lambda: run(ids, lens), lambda: run(other, lens), docs=kept,
                                              exact=True, lengths_a=lengths)

@@ -116,8 +116,8 @@ def first_difference(model, run_a: Callable, run_b: Callable, *, docs: list, exa
         runs.append((rec.records, keys))
     (rec_a, keys_a), (rec_b, keys_b) = runs
     labels = [record[0] for record in rec_a]
-    where_b = {int(key): i for i, key in enumerate(keys_b.tolist()) if key >= 0 and key // KEY_STRIDE in docs}
-    pairs = [(i, where_b[int(key)]) for i, key in enumerate(keys_a.tolist()) if int(key) in where_b]
+    where_b = {int(key): i for i, key in enumerate(keys_b.tolist()) if key >= 0 and key // KEY_STRIDE in docs}  # sync: the check's diagnosis, once per refusal
+    pairs = [(i, where_b[int(key)]) for i, key in enumerate(keys_a.tolist()) if int(key) in where_b]  # sync: the check's diagnosis, once per refusal
     if not pairs:
         return None, labels
     ia, ib = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
@@ -150,9 +150,9 @@ def _differs(ta, tb, ia, ib, na: int, nb: int, exact: bool) -> Optional[bool]:
         return None
     xa, xb = ta.index_select(dim, ia.to(ta.device)), tb.index_select(dim, ib.to(tb.device)).to(ta.dtype)
     if exact:
-        return not torch.equal(xa, xb)
+        return not torch.equal(xa, xb)  # sync: the check's diagnosis, once per refusal
     if not ta.is_floating_point():
-        return not torch.equal(xa, xb)
+        return not torch.equal(xa, xb)  # sync: the check's diagnosis, once per refusal
     return float((xa.double() - xb.double()).abs().max()) > tolerance(xa) if xa.numel() else False
 
 
