@@ -134,9 +134,9 @@ def plan_step_rollout_tree(lengths, parallelism: Parallelism, *, parent, branch_
     root = np.arange(arr.size)
     for b in range(arr.size):
         root[b] = root[up[b]] if up[b] >= 0 else b
-    for r in np.unique(root).tolist():
+    for r in np.unique(root).tolist():  # sync: none, numpy host data (the planner is host code)
         part: list = []
-        for b in np.flatnonzero(root == r).tolist():
+        for b in np.flatnonzero(root == r).tolist():  # sync: none, numpy host data
             if part and cost(part + [b])[0] > total:
                 items.append(part)
                 part = []
