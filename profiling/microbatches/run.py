@@ -254,7 +254,8 @@ def main(argv=None) -> dict:
                   model_alone=alone, data_path_share=share)
     summary = write_summary(str(run_dir / "summary.json"), header=header, results=results, ratios=ratios, checks=checks)
     subtitle = (f"{machine}, load {load[0]:.1f}\nS={info['S']} T={lengths} R={info['R']} C={args.cp_size}; a stream "
-                f"of {info['microbatches']} microbatches ({info['steps']} complete step(s)), timed {args.passes} times")
+                f"of {info['microbatches']} microbatches ({info['steps']} complete step(s)), timed {args.passes} times: "
+                f"{max(info['steps'] * args.passes - 1, 0)} timed steps, the first (compiling) left out")
     write_chart(str(run_dir / "chart.png"), results, subtitle, rows=info["rows_per_microbatch"], passes=args.passes,
                 ratios=ratios, step_of=[mb.step for mb in stream.microbatches])
     print(f"run folder: {run_dir} (summary.json, chart.png, one trace folder per mode)")
