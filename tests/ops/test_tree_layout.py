@@ -3,7 +3,7 @@
 Rollout trees (nn_data.layout.tree_layout, nn_data.masks.PrefixRule): every rollout's own tokens packed
 once as the nodes of the tree, against a loop reference built rollout by rollout (tests/support/
 tree_reference.py): the packed row and slots, positions, unpack to every rollout's own row, the attention
-rule equal to each rollout alone (dense and block), log-probs per rollout; bad trees refused naming the
+rule equal to each rollout alone (dense and block), log-probs and the head's other outputs per rollout; bad trees refused naming the
 rollout and the field (one host read) or by a device assert; the shared-prompt spelling is the depth-1 tree.
 """
 
@@ -21,7 +21,8 @@ from nn_data.layout import PackSpec, TreeLayout, shared_prefix_layout, tree_layo
 from nn_data.logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
 from nn_data.masks import document_causal_mask
 from tests.support.hypothesis_profiles import examples
-from tests.support.tree_reference import Tree, owner, path_place, random_tree, reference, token_ids
+from tests.support.tree_reference import (BY_DEPTH, Tree, alone_outputs, depth, owner, path_place, random_tree,
+                                         reference, token_ids)
 
 
 def build(tree: Tree, seq_len: int, m: int = 1, total=None, **kw) -> TreeLayout:
@@ -112,6 +113,47 @@ def test_logprobs_per_rollout_equal_each_rollout_alone(from_hidden):
                 row = logits[0, path_place(tree, ref, b, s)].log_softmax(-1)
                 want[b, s] = row[ids[b, s + 1]]
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+OUTPUTS = ("logprobs", "entropy", "topk_logprobs", "topk_indices", "argmax")
+
+
+@pytest.mark.parametrize("tree", BY_DEPTH, ids=[f"depth{depth(t)}" for t in BY_DEPTH])
+def test_every_head_output_per_rollout_equals_each_rollout_alone(tree):
+    """``outputs()`` on trees of depth 1 to 4, from hidden states (temperature 0.7) and from logits: the
+    log-prob, entropy, top-3 log-probs and ids and argmax of every rollout as ``[B, S-1]`` rows equal each
+    rollout alone through the full logits; the gradients of a loss on the log-prob, the entropy and the top-3
+    log-probs, of the hidden states and the weight (and of the logits), too (float64, 1e-10)."""
+    vocab, hidden_size, seq_len, total = 11, 5, 19, 120
+    ids = token_ids(tree, seq_len).clamp(min=0) % vocab
+    layout = build(tree, seq_len, 2, total, input_ids=ids)
+    ref = reference(tree, layout.nodes.owner.shape[0] - 1, 2, total)
+    gen = torch.Generator().manual_seed(depth(tree))
+    hidden = torch.randn(1, total, hidden_size, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = {k: torch.randn(len(tree.lengths), seq_len - 1, *([3] if k == "topk_logprobs" else []), dtype=torch.float64,
+                        generator=gen) for k in ("logprobs", "entropy", "topk_logprobs")}
+
+    def loss(out):
+        return sum((out[k] * w[k]).sum() for k in w) + 0 * hidden.sum()
+
+    want = alone_outputs(tree, ref, ids, lambda k: hidden[0, k] @ weight.T / 0.7, seq_len, 3)
+    want_h, want_w = torch.autograd.grad(loss(want), (hidden, weight))
+    op = SharedPrefixLogProbsFromHidden(chunk_tokens=7, temperature=0.7)
+    got = op.outputs(hidden, weight, layout.pack(ids), layout, entropy=True, top_k=3, argmax=True)._asdict()
+    for name in OUTPUTS:
+        torch.testing.assert_close(got[name], want[name].detach(), rtol=0, atol=1e-10, msg=name)
+    got_h, got_w = torch.autograd.grad(loss(got), (hidden, weight))
+    torch.testing.assert_close(got_h, want_h, rtol=0, atol=1e-10)
+    torch.testing.assert_close(got_w, want_w, rtol=0, atol=1e-10)
+    logits = (hidden.detach() @ weight.detach().T / 0.7).requires_grad_()  # [1, T, V]
+    want = alone_outputs(tree, ref, ids, lambda k: logits[0, k], seq_len, 3)
+    got = SharedPrefixLogProbs(chunk_tokens=5).outputs(logits, layout.pack(ids), layout, entropy=True, top_k=3,
+                                                       argmax=True)._asdict()
+    for name in OUTPUTS:
+        torch.testing.assert_close(got[name], want[name].detach(), rtol=0, atol=1e-10, msg=name)
+    torch.testing.assert_close(torch.autograd.grad(loss(got), logits)[0], torch.autograd.grad(loss(want), logits)[0],
+                               rtol=0, atol=1e-10)
 
 
 def test_the_shared_prompt_is_the_depth_1_tree():
