@@ -4,7 +4,7 @@ A step of the GPU check (``scripts/gpu_check.sh``: the CUDA tier). Not run on a 
 
 Shared-prefix attention through the real variable-length kernels, with the distinct query and
 key/value boundaries of nn_data.adapters.shared_prefix_kv and each response's prompt keys gathered into
-the buffer: torch's ``varlen_attn`` (flash-attention, bottom-right causal) and, where it imports,
+the buffer (a rollout tree's nodes, depth 1 to 4, their path's keys: ``tree_kv``): torch's ``varlen_attn`` (flash-attention, bottom-right causal) and, where it imports,
 TransformerEngine's ``DotProductAttention`` (THD, ``padding_causal_bottom_right``) over megatron-core's
 ``PackedSeqParams``; each against the packed row under nn_data's dense prefix mask. Also the whole
 shared-prefix forward of a tiny Llama on the device against each rollout alone.
@@ -23,6 +23,7 @@ from nn_data.models.tiny_hf import tiny_hf_model
 from tests.cuda.stream import DEVICE, ON_CUDA, TIER
 from tests.models import shared_prefix_cases
 from tests.support import shared_prefix_kv_cases as kv_cases
+from tests.support.tree_reference import BY_DEPTH, depth
 
 pytestmark = TIER
 
@@ -54,6 +55,19 @@ def test_varlen_kernel_over_the_prompt_buffer_equals_the_prefix_mask(row):
     got = _varlen(q, kv.gather(k), kv.gather(v), kv)
     want = kv_cases.dense_reference(q.float(), k.float(), v.float(), shared)
     real = kv_cases.real_queries(shared)
+    worst = float((got.float()[real] - want[real]).abs().max())
+    assert worst < TOL, worst
+
+
+@pytest.mark.parametrize("tree", BY_DEPTH, ids=[f"depth{depth(t)}" for t in BY_DEPTH])
+def test_varlen_kernel_over_a_trees_path_buffer_equals_the_tree_mask(tree):
+    if ON_CUDA and importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        pytest.skip("torch.nn.attention.varlen not installed (torch too old)")
+    layout, kv, total = kv_cases.tree_row(tree, 4, device=DEVICE)
+    q, k, v = _qkv(total)
+    got = _varlen(q, kv.gather(k), kv.gather(v), kv)
+    want = kv_cases.dense_reference(q.float(), k.float(), v.float(), layout)
+    real = kv_cases.real_queries(layout)
     worst = float((got.float()[real] - want[real]).abs().max())
     assert worst < TOL, worst
 

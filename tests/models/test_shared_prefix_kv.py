@@ -85,10 +85,7 @@ def test_varlen_attention_over_a_trees_buffer_equals_the_tree_mask(tree, m):
     """Float64: every real query of a tree of depth 1 to 4 (nodes padded to ``m``), through the buffer (its
     path's tokens before its node, then the node, bottom-right causal), equals the packed row under the dense
     tree mask (each rollout alone), to 1e-12; the buffer needs at most ``T + N * S`` keys."""
-    total = 4 * (sum(tree.lengths) + 3 * len(tree.lengths) * m) // 4 + 8
-    layout = _tree(tree, m, total)
-    slots = layout.nodes.owner.shape[0] - 1
-    kv = tree_kv(layout, kv_capacity=total + slots * max(tree.lengths))
+    layout, kv, total = kv_cases.tree_row(tree, m)
     gen = torch.Generator().manual_seed(m)
     q, k, v = (torch.randn(total, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     got = kv_cases.varlen_reference(q, kv.gather(k), kv.gather(v), kv.cu_seqlens_q, kv.cu_seqlens_kv)
