@@ -5,7 +5,8 @@ tests/multiprocess/test_tree_models_multiprocess.py. Cases: tests/models/tree_ca
 Rollout trees through the models: ``PackedForward(...)(ids, L, parent=, branch_at=)`` (every shared
 prefix packed once, trees of depth 1 to 4) equals every rollout run alone on its full row, logits and
 parameter gradients (float64), through the HF adapter (Llama) and the megatron-core adapter (the tiny
-GPTModel), and the head's outputs per rollout from the packed logits (``prepare``, ``layout_of``); the hybrids (recurrent or convolution layers) run each rollout along its path.
+GPTModel), and the head's outputs per rollout from the packed logits (``prepare``, ``layout_of``); the
+hybrids (recurrent or convolution layers) run each rollout along its path.
 """
 
 from __future__ import annotations

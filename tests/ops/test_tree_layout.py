@@ -3,8 +3,9 @@
 Rollout trees (nn_data.layout.tree_layout, nn_data.masks.PrefixRule): every rollout's own tokens packed
 once as the nodes of the tree, against a loop reference built rollout by rollout (tests/support/
 tree_reference.py): the packed row and slots, positions, unpack to every rollout's own row, the attention
-rule equal to each rollout alone (dense and block), log-probs and the head's other outputs per rollout; bad trees refused naming the
-rollout and the field (one host read) or by a device assert; the shared-prompt spelling is the depth-1 tree.
+rule equal to each rollout alone (dense and block), log-probs and the head's other outputs per rollout; bad
+trees refused naming the rollout and the field (one host read) or by a device assert; the shared-prompt
+spelling is the depth-1 tree.
 """
 
 from __future__ import annotations
