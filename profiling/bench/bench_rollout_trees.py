@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from nn_data.planning import find_rollout_tree
-from profiling.bench.bench_shared_prefix import side_by_side_lines
+from profiling.bench.bench_shared_prefix import add_model_arguments, side_by_side_lines
 from profiling.timing import machine_description, time_side_by_side
 
 TOKEN_TARGET, WALL_TARGET = 1.5, 1.3
@@ -193,10 +193,7 @@ def main(argv: Optional[list] = None) -> list[str]:
     ap.add_argument("--wall-group-size", type=int, nargs=2, default=(8, 16), help="(b) G range")
     ap.add_argument("--wall-q", type=float, default=0.7, help="(b) branching probability")
     ap.add_argument("--wall-turn", type=int, default=256, help="(b) the longest turn (dense attention on a CPU)")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=1)
+    add_model_arguments(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.groups, args.wall_groups, args.wall_prompt, args.wall_group_size = 2, 2, (32, 48), (3, 4)

@@ -142,6 +142,14 @@ def wall_microbatch(*, groups: int, prompt: int, group_size: int, response_media
     return ids, lengths_t, torch.as_tensor(prefix), group
 
 
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The wall part's tiny model (``--hidden``, ``--layers``), repetitions and threads."""
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+
+
 def forward_backward(model, microbatches: list):
     """A callable that runs one step's forward + backward through ``PackedForward(HFCausalLMAdapter(model))``
     over ``microbatches`` (``[(ids [B, S], lengths [B], call kwargs)]``, each its own call, as a planner's
@@ -218,10 +226,7 @@ def main(argv: Optional[list] = None) -> list[str]:
     ap.add_argument("--wall-prompt", type=int, default=512)
     ap.add_argument("--wall-group-size", type=int, default=8)
     ap.add_argument("--wall-response", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=1)
+    add_model_arguments(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.groups, args.wall_groups, args.wall_prompt, args.wall_group_size = 8, 2, 24, 3  # a group per rank

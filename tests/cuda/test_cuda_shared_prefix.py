@@ -46,28 +46,21 @@ def _varlen(q, k, v, kv):
                        window_size=(-1, 0))
 
 
-@pytest.mark.parametrize("row", kv_cases.ROWS, ids=lambda r: f"P{r[1]}-m{r[3]}")
-def test_varlen_kernel_over_the_prompt_buffer_equals_the_prefix_mask(row):
+ROWS = [pytest.param(kv_cases.shared_row, row, id=f"P{row[1]}-m{row[3]}") for row in kv_cases.ROWS]
+TREES = [pytest.param(kv_cases.tree_row, (tree, 4), id=f"tree-depth{depth(tree)}") for tree in BY_DEPTH]
+
+
+@pytest.mark.parametrize("build, args", ROWS + TREES)
+def test_varlen_kernel_over_the_prompt_buffer_equals_the_prefix_mask(build, args):
+    """The shared prompt's rows (``shared_prefix_kv``) and trees of depth 1 to 4 (``tree_kv``: each node's
+    path before it)."""
     if ON_CUDA and importlib.util.find_spec("torch.nn.attention.varlen") is None:
         pytest.skip("torch.nn.attention.varlen not installed (torch too old)")
-    shared, kv, total = kv_cases.shared_row(*row, device=DEVICE)
+    shared, kv, total = build(*args, device=DEVICE)
     q, k, v = _qkv(total)
     got = _varlen(q, kv.gather(k), kv.gather(v), kv)
     want = kv_cases.dense_reference(q.float(), k.float(), v.float(), shared)
     real = kv_cases.real_queries(shared)
-    worst = float((got.float()[real] - want[real]).abs().max())
-    assert worst < TOL, worst
-
-
-@pytest.mark.parametrize("tree", BY_DEPTH, ids=[f"depth{depth(t)}" for t in BY_DEPTH])
-def test_varlen_kernel_over_a_trees_path_buffer_equals_the_tree_mask(tree):
-    if ON_CUDA and importlib.util.find_spec("torch.nn.attention.varlen") is None:
-        pytest.skip("torch.nn.attention.varlen not installed (torch too old)")
-    layout, kv, total = kv_cases.tree_row(tree, 4, device=DEVICE)
-    q, k, v = _qkv(total)
-    got = _varlen(q, kv.gather(k), kv.gather(v), kv)
-    want = kv_cases.dense_reference(q.float(), k.float(), v.float(), layout)
-    real = kv_cases.real_queries(layout)
     worst = float((got.float()[real] - want[real]).abs().max())
     assert worst < TOL, worst
 
