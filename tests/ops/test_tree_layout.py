@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, TreeLayout, shared_prefix_layout, tree_layout
 from nn_data.logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
@@ -124,7 +125,7 @@ def test_every_head_output_per_rollout_equals_each_rollout_alone(tree):
     """``outputs()`` on trees of depth 1 to 4, from hidden states (temperature 0.7) and from logits: the
     log-prob, entropy, top-3 log-probs and ids and argmax of every rollout as ``[B, S-1]`` rows equal each
     rollout alone through the full logits; the gradients of a loss on the log-prob, the entropy and the top-3
-    log-probs, of the hidden states and the weight (and of the logits), too (float64, 1e-10)."""
+    log-probs, of the hidden states and the weight (and of the logits), too (float64, 1e-10); no host sync."""
     vocab, hidden_size, seq_len, total = 11, 5, 19, 120
     ids = token_ids(tree, seq_len).clamp(min=0) % vocab
     layout = build(tree, seq_len, 2, total, input_ids=ids)
@@ -141,7 +142,10 @@ def test_every_head_output_per_rollout_equals_each_rollout_alone(tree):
     want = alone_outputs(tree, ref, ids, lambda k: hidden[0, k] @ weight.T / 0.7, seq_len, 3)
     want_h, want_w = torch.autograd.grad(loss(want), (hidden, weight))
     op = SharedPrefixLogProbsFromHidden(chunk_tokens=7, temperature=0.7)
-    got = op.outputs(hidden, weight, layout.pack(ids), layout, entropy=True, top_k=3, argmax=True)._asdict()
+    packed_ids = layout.pack(ids)
+    with HostSyncCounter() as syncs:
+        got = op.outputs(hidden, weight, packed_ids, layout, entropy=True, top_k=3, argmax=True)._asdict()
+    assert syncs.count == 0, syncs.calls
     for name in OUTPUTS:
         torch.testing.assert_close(got[name], want[name].detach(), rtol=0, atol=1e-10, msg=name)
     got_h, got_w = torch.autograd.grad(loss(got), (hidden, weight))
@@ -149,8 +153,10 @@ def test_every_head_output_per_rollout_equals_each_rollout_alone(tree):
     torch.testing.assert_close(got_w, want_w, rtol=0, atol=1e-10)
     logits = (hidden.detach() @ weight.detach().T / 0.7).requires_grad_()  # [1, T, V]
     want = alone_outputs(tree, ref, ids, lambda k: logits[0, k], seq_len, 3)
-    got = SharedPrefixLogProbs(chunk_tokens=5).outputs(logits, layout.pack(ids), layout, entropy=True, top_k=3,
-                                                       argmax=True)._asdict()
+    with HostSyncCounter() as syncs:
+        got = SharedPrefixLogProbs(chunk_tokens=5).outputs(logits, packed_ids, layout, entropy=True, top_k=3,
+                                                           argmax=True)._asdict()
+    assert syncs.count == 0, syncs.calls
     for name in OUTPUTS:
         torch.testing.assert_close(got[name], want[name].detach(), rtol=0, atol=1e-10, msg=name)
     torch.testing.assert_close(torch.autograd.grad(loss(got), logits)[0], torch.autograd.grad(loss(want), logits)[0],
