@@ -8,7 +8,8 @@ Shape legend
         leads its group; slot 2b+1: its response), :mod:`nn_data.layout.prefix_layout`
     T   packed tokens (queries)
     K   the key/value buffer's length, ``kv_capacity`` (a Python int)
-    N   sequences handed to the kernel: ``2B + 1`` (the 2B slots and one slack sequence)
+    N   slots: the 2B slots (a rollout tree's node slots, ``node_capacity``, for :func:`tree_kv`); the
+        kernel gets ``N + 1`` sequences (the slots and one slack sequence)
 
 Sequence ``s < 2B`` has the queries of slot ``s`` (its padded length ``n_s``) and the keys and
 values:
@@ -57,7 +58,7 @@ __all__ = ["SharedPrefixKV", "shared_prefix_kv", "shared_prefix_packed_seq_param
 
 
 class SharedPrefixKV(NamedTuple):
-    """The kernel's view of a shared-prefix row: ``cu_seqlens_q [N+1]`` and ``cu_seqlens_kv [N+1]``
+    """The kernel's view of a shared-prefix row: ``cu_seqlens_q [N+2]`` and ``cu_seqlens_kv [N+2]``
     int32 (rising to ``T`` and ``K``), ``kv_source [K]`` int64 (the packed position each buffer
     key reads; 0 in the slack), ``kv_valid [K]`` bool (False in the slack), and the Python-int bounds
     ``max_seqlen_q`` (``T``) and ``max_seqlen_kv`` (``K``) a kernel's launch needs without a host read."""
