@@ -184,7 +184,8 @@ def _kv_buffer(bounds: torch.Tensor, before: torch.Tensor, source, total: int, k
 
 
 def shared_prefix_packed_seq_params(kv: SharedPrefixKV):
-    """megatron-core's THD ``PackedSeqParams`` for TransformerEngine over a :class:`SharedPrefixKV`:
+    """megatron-core's THD ``PackedSeqParams`` for TransformerEngine over a :class:`SharedPrefixKV` (a shared
+    prompt's or a rollout tree's, :func:`tree_kv`):
     ``cu_seqlens_q(_padded)`` the query boundaries, ``cu_seqlens_kv(_padded)`` the buffer's (the
     padded fields the same objects: no padding between sequences), ``max_seqlen_q = T``,
     ``max_seqlen_kv = K``. Run the attention with ``attn_mask_type`` bottom-right causal
