@@ -3,7 +3,8 @@
 Rollout trees (nn_data.layout.tree_layout, nn_data.masks.PrefixRule): every rollout's own tokens packed
 once as the nodes of the tree, against a loop reference built rollout by rollout (tests/support/
 tree_reference.py): the packed row and slots, positions, unpack to every rollout's own row, the attention
-rule equal to each rollout alone (dense and block), log-probs and the head's other outputs per rollout; bad
+rule equal to each rollout alone (dense and block), log-probs and the head's other outputs per rollout (also
+compiled: one graph over a stream of trees, marker ``compile``); bad
 trees refused naming the rollout and the field (one host read) or by a device assert; the shared-prompt
 spelling is the depth-1 tree.
 """
@@ -161,6 +162,49 @@ def test_every_head_output_per_rollout_equals_each_rollout_alone(tree):
         torch.testing.assert_close(got[name], want[name].detach(), rtol=0, atol=1e-10, msg=name)
     torch.testing.assert_close(torch.autograd.grad(loss(got), logits)[0], torch.autograd.grad(loss(want), logits)[0],
                                rtol=0, atol=1e-10)
+
+
+#: Trees of six rollouts and depths 4, 3 and 1 (a forest with an empty rollout): one shape for the graph.
+STREAM = (Tree([10, 12, 13, 14, 15, 11], [-1, 0, 1, 2, 3, 0], [0, 3, 6, 9, 12, 3]),
+          Tree([9, 13, 15, 18, 6, 4], [-1, 0, 1, 2, 0, -1], [0, 4, 9, 15, 2, 0]),
+          Tree([8, 5, 11, 0, 7, 9], [-1, 0, 0, -1, -1, 4], [0, 5, 5, 0, 0, 3]))
+
+
+@pytest.mark.compile
+def test_the_layout_and_every_head_output_compile_into_one_graph_over_a_stream_of_trees():
+    """``tree_layout`` (no host read) and ``outputs()`` from hidden states in one ``fullgraph`` graph over trees
+    whose depths and lengths vary: no host sync after the first call; values and the hidden states' gradient
+    equal each rollout alone (float64, 1e-10)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    vocab, hidden_size, seq_len, total = 11, 5, 19, 120
+    op = SharedPrefixLogProbsFromHidden(chunk_tokens=7)
+
+    def step(hidden, weight, ids, lengths, parent, branch_at):
+        layout = tree_layout(lengths, parent, branch_at, row_len=seq_len, spec=PackSpec(2, fixed_total=total),
+                             input_ids=ids, host_reads=False)
+        return op.outputs(hidden, weight, layout.pack(ids), layout, entropy=True, top_k=3, argmax=True)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for k, tree in enumerate(STREAM):
+        ids = token_ids(tree, seq_len).clamp(min=0) % vocab
+        ref = reference(tree, 3 * len(tree.lengths) - 2, 2, total)
+        gen = torch.Generator().manual_seed(k)
+        hidden = torch.randn(1, total, hidden_size, dtype=torch.float64, generator=gen, requires_grad=True)
+        weight = torch.randn(vocab, hidden_size, dtype=torch.float64, generator=gen)
+        want = alone_outputs(tree, ref, ids, lambda i: hidden[0, i] @ weight.T, seq_len, 3)
+        want_h, = torch.autograd.grad(want["entropy"].sum() + want["topk_logprobs"].sum() + 0 * hidden.sum(), hidden)
+        with HostSyncCounter() as syncs:
+            got = compiled(hidden, weight, ids, *(torch.tensor(x) for x in tree))._asdict()
+        assert k == 0 or syncs.count == 0, syncs.calls
+        for name in OUTPUTS:
+            torch.testing.assert_close(got[name], want[name].detach(), rtol=0, atol=1e-10, msg=name)
+        got_h, = torch.autograd.grad(got["entropy"].sum() + got["topk_logprobs"].sum(), hidden)
+        torch.testing.assert_close(got_h, want_h, rtol=0, atol=1e-10)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(STREAM)} trees"
+    torch._dynamo.reset()
 
 
 def test_the_shared_prompt_is_the_depth_1_tree():
