@@ -24,7 +24,8 @@ Memory: beyond the kernels', the logits path's backward adds the ``N`` boundary 
 ``[T/C, Vt]`` buffer (the index gather's); the hidden path's one ``[n + N, H]`` copy of its rows with the
 boundary rows appended (one kernel call: under sequence parallelism one TP gather of both). ``outputs()``
 adds the entropy, top-k and argmax of each rollout's positions (:func:`distribution_rows`: no boundary rows
-needed, the token before a node's first holds the one distribution every rollout through it sees there).
+needed, the token before a node's first holds the one distribution every rollout through it sees there), at
+any depth of the tree.
 """
 
 from __future__ import annotations
@@ -117,12 +118,12 @@ def rollout_rows(layout: SharedPrefixLayout, local: torch.Tensor, boundary: torc
 def distribution_rows(layout: SharedPrefixLayout, local: HeadOutputs, groups: _Groups, seq_len) -> HeadOutputs:
     """The outputs of each position's distribution (entropy, top-k, argmax: ``[T/C, *]`` on this rank) ->
     ``[B, S-1, *]`` on every CP rank: entry ``s`` of rollout ``b`` from the packed position of its token ``s``
-    (its leader's prompt slot for ``s < P``, the prompt's last position included: the same distribution for
-    every rollout of the group; its response slot after), for ``s < L[b] - 1``, else 0. One CP all-gather
-    per output (``grad_mode="own"``).
+    on its path (:meth:`~nn_data.layout.TreeLayout.row_places`: a shared node's positions, its last included,
+    give every rollout through the node the same distribution; at any depth), for ``s < L[b] - 1``, else 0.
+    One CP all-gather per output (``grad_mode="own"``).
 
-    Example (the layout module's batch, S 4): rollout 1 (leader 0, P 2, L 3) reads packed positions 0 and 1
-    (the prompt's), then 0 (``s = 2 = L - 1``)."""
+    Example (the layout module's batch, S 4): rollout 1 (parent 0, branch_at 2, L 3) reads packed positions 0
+    and 1 (rollout 0's shared prompt slot), then 0 (``s = 2 = L - 1``)."""
     total, rows = layout.total, layout.rows
     layout.check_rows(seq_len)
     width = max(seq_len - 1, 0)
@@ -170,7 +171,8 @@ def shared_prefix_outputs(op, z, weight, packed_ids, layout, seq_len, places, as
 
 
 class SharedPrefixLogProbs(nn.Module):
-    """Rollout token log-probs ``[B, S-1]`` from a shared-prefix microbatch's CP-local packed logits.
+    """Rollout token log-probs ``[B, S-1]`` from a rollout tree's (any depth; the shared prompt's) CP-local
+    packed logits.
 
     ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, layout: SharedPrefixLayout, *, seq_len=None,
     places=None) -> [B, S-1]`` (float32; float64 for float64 logits): ``out[b, s] = log p(x[b, s+1] |
@@ -236,15 +238,16 @@ def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks
     edge = rows.index_select(0, here) if n else rows.new_zeros(b, width)  # [N, H] (T = 0: nothing to score)
     holder = torch.div(t.rows, max(n, 1), rounding_mode="floor")  # [N] the block holding each boundary row
     mine = torch.arange(blocks, device=rows.device)[:, None] == holder  # [blocks, N]
-    target = torch.cat([t.target.view(blocks, n), t.boundary_target.expand(blocks, b)], 1).reshape(-1)  # [blocks*(n+B)]
-    keep = torch.cat([t.keep.view(blocks, n), mine & t.boundary_keep], 1).reshape(-1)  # [blocks*(n+B)]
+    target = torch.cat([t.target.view(blocks, n), t.boundary_target.expand(blocks, b)], 1).reshape(-1)  # [blocks*(n+N)]
+    keep = torch.cat([t.keep.view(blocks, n), mine & t.boundary_keep], 1).reshape(-1)  # [blocks*(n+N)]
     return torch.cat([rows, edge]), target, keep
 
 
 class SharedPrefixLogProbsFromHidden(nn.Module):
-    """Rollout token log-probs ``[B, S-1]`` straight from a shared-prefix microbatch's CP-local hidden states
-    and the output weight: what :class:`SharedPrefixLogProbs` gives from the logits ``hidden @ weight.T /
-    temperature``, values and gradients (of ``hidden`` and ``weight``), without ``[T, V]`` logits.
+    """Rollout token log-probs ``[B, S-1]`` straight from a rollout tree's (any depth; the shared prompt's)
+    CP-local hidden states and the output weight: what :class:`SharedPrefixLogProbs` gives from the logits
+    ``hidden @ weight.T / temperature``, values and gradients (of ``hidden`` and ``weight``), without ``[T, V]``
+    logits.
 
     ``forward(hidden [1, T/C, H] (or [T/C, 1, H]), weight [V/TP, H], packed_ids [1, T] int, layout, *,
     seq_len=None, places=None) -> [B, S-1]``; groups, ``chunk_tokens``, ``temperature`` and
@@ -272,13 +275,13 @@ class SharedPrefixLogProbsFromHidden(nn.Module):
         t = rollout_targets("SharedPrefixLogProbsFromHidden", layout, packed_ids, total, weight.shape[0] * g.tp_size,
                             g, places, self.validate)
         blocks = g.tp_size if split else 1
-        both, target, keep = with_boundary_rows(rows, t, g.tp_rank if split else 0, blocks)  # [n + B, H], [..]
+        both, target, keep = with_boundary_rows(rows, t, g.tp_rank if split else 0, blocks)  # [n + N, H], [..]
         values = hidden_logprobs_local(
             both, weight, target, keep, vocab_start=g.tp_rank * weight.shape[0], tp_group=g.tp_group,
             tp_size=g.tp_size, sequence_parallel=split, chunk_tokens=self.chunk_tokens, temperature=self.temperature,
-        ).view(blocks, -1)  # [blocks, n + B]
+        ).view(blocks, -1)  # [blocks, n + N]
         n = rows.shape[0]
-        local, boundary = values[:, :n].reshape(-1), values[:, n:].sum(0)  # [T/C], [B]: the holder's value
+        local, boundary = values[:, :n].reshape(-1), values[:, n:].sum(0)  # [T/C], [N]: the holder's value
         return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)
 
     def outputs(self, hidden: torch.Tensor, weight: torch.Tensor, packed_ids: torch.Tensor,

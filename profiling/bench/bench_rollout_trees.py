@@ -2,7 +2,7 @@
 model's CPU forward + backward side by side, and the cost of finding the tree from the token ids.
 
     python -m profiling.bench.bench_rollout_trees                           # (a) tokens, every workload
-    python -m profiling.bench.bench_rollout_trees --part wall --threads 1   # (b) CPU wall time, side by side
+    python -m profiling.bench.bench_rollout_trees --part wall --threads 1   # (b) CPU wall time, side by side (minutes)
     python -m profiling.bench.bench_rollout_trees --part finder             # (c) find_rollout_tree, 64 x 8K
     python -m profiling.bench.bench_rollout_trees --part all --smoke        # all three, tiny sizes (the test)
 
@@ -16,12 +16,15 @@ turns) gives ``k`` samples, each a prefix of the next. Real tokens packed: end t
 the tree ``find_rollout_tree`` finds from the tokens; the tree's tokens ``sum L - sum branch_at``). The target:
 real tokens on the agentic workloads >= 1.5x fewer than prompt-only.
 
-(b) **CPU wall time**: a tiny Llama-style model (``--hidden`` 128, ``--layers`` 2) runs forward + backward
-through ``PackedForward(HFCausalLMAdapter(model))`` on one agentic microbatch (``--wall-groups`` 1 group,
-prompt ``--wall-prompt`` 512, G 8, turns of 64-256, ``q`` 0.7), prompt-only (``prefix_lengths=, group_ids=``)
-and as a tree (``parent=, branch_at=``), side by side in one run (profiling.timing.time_side_by_side);
-printed: median ms (p10-p90), prompt-only / tree, the largest |logits tree - prompt-only| (they must agree).
-The target: >= 1.3x. Timings on a loaded machine mean little: say so beside them.
+(b) **CPU wall time**: a tiny Llama-style model (``--hidden`` 128, ``--layers`` 2) runs one step's forward +
+backward through ``PackedForward(HFCausalLMAdapter(model))`` over ``--wall-groups`` 4 agentic groups from the
+high-sharing end of (a) (prompt 512-1,024, G 8-16, ``q`` 0.7; turns of 64-256 tokens, ``--wall-turn``: the
+CPU's dense attention mask is ``[T, T]``), one microbatch per group, prompt-only (``prefix_lengths=,
+group_ids=``) and as a tree (``parent=, branch_at=``), side by side in one run
+(``bench_shared_prefix.side_by_side_lines``); printed: each mode's real tokens and median ms (p10-p90),
+prompt-only / tree as a time ratio beside the real-token ratio of the timed set, and the largest
+|logits tree - prompt-only| (they must agree). The target: >= 1.3x. Timings on a loaded machine mean
+little: say so beside them.
 
 (c) **Finding the tree**: ``find_rollout_tree`` on 64 rollouts of 8,192 tokens (one agentic group: a prompt of
 2,048, turns re-sampled as in (a)); median of ``--reps`` calls, in ms.
@@ -36,6 +39,7 @@ import numpy as np
 import torch
 
 from nn_data.planning import find_rollout_tree
+from profiling.bench.bench_shared_prefix import add_model_arguments, side_by_side_lines
 from profiling.timing import machine_description, time_side_by_side
 
 TOKEN_TARGET, WALL_TARGET = 1.5, 1.3
@@ -125,49 +129,39 @@ def token_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def wall_microbatch(args, vocab: int):
+def wall_microbatches(args, vocab: int) -> list:
+    """``--wall-groups`` agentic groups (prompt, G in the ``--wall-prompt`` / ``--wall-group-size`` ranges,
+    ``--wall-q``, turns of 64 to ``--wall-turn`` tokens), seeded: ``[(ids [G, S], lengths [G], prompt,
+    parent [G], branch_at [G])]``, one microbatch per group, its tree found from its tokens."""
     rng = np.random.default_rng(1)
-    group = agentic_group(rng, args.wall_prompt, args.wall_group_size, 0.7, turn_len=(64, args.wall_turn))
-    ids, lengths = token_ids(group, 1)
-    ids = torch.as_tensor(ids % (vocab - 1) + 1) * (torch.arange(ids.shape[1]) < torch.as_tensor(lengths)[:, None])
-    found = find_rollout_tree(ids, lengths)
-    lengths = torch.as_tensor(lengths)
-    n = len(lengths)
-    return ids, lengths, torch.as_tensor(found.parent), torch.as_tensor(found.branch_at), n
+    out = []
+    for i in range(args.wall_groups):
+        prompt = int(rng.integers(args.wall_prompt[0], args.wall_prompt[1] + 1))
+        size = int(rng.integers(args.wall_group_size[0], args.wall_group_size[1] + 1))
+        ids, lengths = token_ids(agentic_group(rng, prompt, size, args.wall_q, turn_len=(64, args.wall_turn)), 1 + i)
+        lengths_t = torch.as_tensor(lengths)
+        ids = torch.as_tensor(ids % (vocab - 1) + 1) * (torch.arange(ids.shape[1]) < lengths_t[:, None])
+        found = find_rollout_tree(ids, lengths)
+        out.append((ids, lengths_t, prompt, torch.as_tensor(found.parent), torch.as_tensor(found.branch_at)))
+    return out
 
 
 def wall_lines(args) -> list[str]:
-    from nn_data.adapters import HFCausalLMAdapter
     from nn_data.models.tiny_hf import tiny_hf_model
-    from nn_data.packed_forward import PackedForward
 
     model = tiny_hf_model("llama", hidden=args.hidden, layers=args.layers, ffn=2 * args.hidden)
-    ids, lengths, parent, branch_at, n = wall_microbatch(args, model.config.vocab_size)
-    prefix = torch.full((n,), args.wall_prompt)
-    wrapped = PackedForward(HFCausalLMAdapter(model))
-    valid = (torch.arange(ids.shape[1]) < lengths[:, None]).unsqueeze(-1)  # [B, S, 1]
-
-    def step(**call):
-        model.zero_grad(set_to_none=True)
-        out = wrapped(ids, lengths, **call)  # [B, S, V]
-        (out * valid).square().mean().backward()
-        return out.detach()
-
-    fns = {"prompt-only": lambda: step(prefix_lengths=prefix, group_ids=torch.zeros(n, dtype=torch.int64)),
-           "tree": lambda: step(parent=parent, branch_at=branch_at)}
-    outs = {name: fn() for name, fn in fns.items()}
-    error = float(((outs["tree"] - outs["prompt-only"]) * valid).abs().max())
-    timings = time_side_by_side(fns, warmup=1, reps=args.reps)
-    real = {"prompt-only": int(lengths.sum()) - args.wall_prompt * (n - 1),
-            "tree": int(lengths.sum() - branch_at.sum())}
-    lines = [f"wall: one agentic group, {n} rollouts (prompt {args.wall_prompt}, turns 64-{args.wall_turn}, q 0.7), "
-             f"tiny llama hidden {args.hidden}, {args.layers} layers, {torch.get_num_threads()} thread(s), "
-             "forward + backward"]
-    for name, t in timings.items():
-        lines.append(f"  {name:<11} {real[name]:>7,} tokens  {t.median_s * 1e3:9.1f} ms  "
-                     f"(p10-p90 {t.p10_s * 1e3:.1f}-{t.p90_s * 1e3:.1f})")
-    speedup = timings["prompt-only"].median_s / timings["tree"].median_s
-    lines.append(f"  prompt-only / tree: {speedup:.2f}x; max |logits tree - prompt-only| {error:.1e}")
+    groups = wall_microbatches(args, model.config.vocab_size)
+    modes = {"prompt-only": [(ids, n, dict(prefix_lengths=torch.full(n.shape, p), group_ids=torch.zeros_like(n)))
+                             for ids, n, p, _, _ in groups],
+             "tree": [(ids, n, dict(parent=parent, branch_at=at)) for ids, n, _, parent, at in groups]}
+    real = {"prompt-only": sum(int(n.sum()) - p * (len(n) - 1) for _, n, p, _, _ in groups),
+            "tree": sum(int((n - at).sum()) for _, n, _, _, at in groups)}
+    timed, speedup = side_by_side_lines(model, modes, real, reps=args.reps)
+    rollouts = sum(len(n) for _, n, _, _, _ in groups)
+    lines = [f"wall: {args.wall_groups} agentic groups, one microbatch each, {rollouts} rollouts (prompt "
+             f"{args.wall_prompt[0]}-{args.wall_prompt[1]}, G {args.wall_group_size[0]}-{args.wall_group_size[1]}, "
+             f"turns 64-{args.wall_turn}, q {args.wall_q}), tiny llama hidden {args.hidden}, {args.layers} layers, "
+             f"{torch.get_num_threads()} thread(s), forward + backward of the whole set"] + timed
     if not args.smoke:
         lines.append(f"target: forward + backward >= {WALL_TARGET}x faster as a tree: {speedup:.2f}x "
                      f"{'target met' if speedup >= WALL_TARGET else 'target MISSED'}")
@@ -194,16 +188,16 @@ def main(argv: Optional[list] = None) -> list[str]:
     ap.add_argument("--part", choices=("tokens", "wall", "finder", "all"), default="tokens")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (the test's run)")
     ap.add_argument("--groups", type=int, default=32, help="(a) groups (or conversations) per workload")
-    ap.add_argument("--wall-prompt", type=int, default=512)
-    ap.add_argument("--wall-group-size", type=int, default=8)
-    ap.add_argument("--wall-turn", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--wall-groups", type=int, default=4, help="(b) agentic groups timed, one microbatch each")
+    ap.add_argument("--wall-prompt", type=int, nargs=2, default=(512, 1024), help="(b) prompt length range")
+    ap.add_argument("--wall-group-size", type=int, nargs=2, default=(8, 16), help="(b) G range")
+    ap.add_argument("--wall-q", type=float, default=0.7, help="(b) branching probability")
+    ap.add_argument("--wall-turn", type=int, default=256, help="(b) the longest turn (dense attention on a CPU)")
+    add_model_arguments(ap)
     args = ap.parse_args(argv)
     if args.smoke:
-        args.groups, args.wall_prompt, args.wall_group_size, args.wall_turn = 2, 32, 3, 72
+        args.groups, args.wall_groups, args.wall_prompt, args.wall_group_size = 2, 2, (32, 48), (3, 4)
+        args.wall_turn = 72
         args.hidden, args.layers, args.reps = 32, 1, 2
     torch.set_num_threads(args.threads)
     lines = [f"machine: {machine_description()}"]

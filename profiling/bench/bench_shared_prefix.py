@@ -142,21 +142,56 @@ def wall_microbatch(*, groups: int, prompt: int, group_size: int, response_media
     return ids, lengths_t, torch.as_tensor(prefix), group
 
 
-def wall_modes(model, ids, lengths, prefix, group) -> dict:
-    """The two callables, each a forward + backward returning the ``[B, S, V]`` logits (detached)."""
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The wall part's tiny model (``--hidden``, ``--layers``), repetitions and threads."""
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+
+
+def forward_backward(model, microbatches: list):
+    """A callable that runs one step's forward + backward through ``PackedForward(HFCausalLMAdapter(model))``
+    over ``microbatches`` (``[(ids [B, S], lengths [B], call kwargs)]``, each its own call, as a planner's
+    microbatches: the keywords say how it is packed), returning each one's ``[B, S, V]`` logits (detached)."""
     from nn_data.adapters import HFCausalLMAdapter
     from nn_data.packed_forward import PackedForward
 
     wrapped = PackedForward(HFCausalLMAdapter(model))
-    valid = (torch.arange(ids.shape[1]) < lengths[:, None]).unsqueeze(-1)  # [B, S, 1]
 
-    def step(**shared):
+    def step():
         model.zero_grad(set_to_none=True)
-        out = wrapped(ids, lengths, **shared)  # [B, S, V]
-        (out * valid).square().mean().backward()
-        return out.detach()
+        outs = []
+        for ids, lengths, call in microbatches:
+            out = wrapped(ids, lengths, **call)  # [B, S, V]
+            valid = (torch.arange(ids.shape[1]) < lengths[:, None]).unsqueeze(-1)  # [B, S, 1]
+            (out * valid).square().mean().backward()
+            outs.append(out.detach())
+        return outs
 
-    return {"end to end": lambda: step(), "shared": lambda: step(prefix_lengths=prefix, group_ids=group)}
+    return step
+
+
+def side_by_side_lines(model, modes: dict, real: dict, *, reps: int) -> tuple[list[str], float]:
+    """Time ``modes`` (name -> its microbatches, as :func:`forward_backward`; the first the baseline, the
+    second the packing under test, over the same rollouts) side by side in one run
+    (profiling.timing.time_side_by_side). ``(lines, speedup)``: per mode its real tokens (``real``) and
+    median ms (p10-p90); then baseline / other as a time ratio beside the token ratio, and the largest
+    |logits other - baseline| over the rollouts' tokens (they must agree)."""
+    fns = {name: forward_backward(model, batches) for name, batches in modes.items()}
+    outs = {name: fn() for name, fn in fns.items()}
+    base, other = list(modes)
+    error = 0.0
+    for (ids, lengths, _), a, b in zip(modes[base], outs[base], outs[other]):
+        valid = (torch.arange(ids.shape[1]) < lengths[:, None]).unsqueeze(-1)  # [B, S, 1]
+        error = max(error, float(((b - a) * valid).abs().max()))
+    timings = time_side_by_side(fns, warmup=1, reps=reps)
+    lines = [f"  {name:<11} {real[name]:>7,} tokens  {t.median_s * 1e3:9.1f} ms  "
+             f"(p10-p90 {t.p10_s * 1e3:.1f}-{t.p90_s * 1e3:.1f})" for name, t in timings.items()]
+    speedup = timings[base].median_s / timings[other].median_s
+    lines.append(f"  {base} / {other}: {speedup:.2f}x time, {real[base] / max(real[other], 1):.2f}x real tokens; "
+                 f"max |logits {other} - {base}| {error:.1e}")
+    return lines, speedup
 
 
 def wall_lines(args) -> list[str]:
@@ -166,21 +201,14 @@ def wall_lines(args) -> list[str]:
     ids, lengths, prefix, group = wall_microbatch(groups=args.wall_groups, prompt=args.wall_prompt,
                                                   group_size=args.wall_group_size, response_median=args.wall_response,
                                                   vocab=model.config.vocab_size)
-    fns = wall_modes(model, ids, lengths, prefix, group)
-    outs = {name: fn() for name, fn in fns.items()}
-    valid = (torch.arange(ids.shape[1]) < lengths[:, None]).unsqueeze(-1)
-    error = float(((outs["shared"] - outs["end to end"]) * valid).abs().max())
-    timings = time_side_by_side(fns, warmup=1, reps=args.reps)
+    modes = {"end to end": [(ids, lengths, {})],
+             "shared": [(ids, lengths, dict(prefix_lengths=prefix, group_ids=group))]}
     real = {"end to end": int(lengths.sum()),
             "shared": int((lengths - prefix).sum()) + args.wall_prompt * args.wall_groups}
+    timed, speedup = side_by_side_lines(model, modes, real, reps=args.reps)
     lines = [f"wall: {len(lengths)} rollouts ({args.wall_groups} groups, prompt {args.wall_prompt}, G "
              f"{args.wall_group_size}, responses ~{args.wall_response}), tiny llama hidden {args.hidden}, "
-             f"{args.layers} layers, {torch.get_num_threads()} thread(s), forward + backward"]
-    for name, t in timings.items():
-        lines.append(f"  {name:<11} {real[name]:>7,} tokens  {t.median_s * 1e3:9.1f} ms  "
-                     f"(p10-p90 {t.p10_s * 1e3:.1f}-{t.p90_s * 1e3:.1f})")
-    speedup = timings["end to end"].median_s / timings["shared"].median_s
-    lines.append(f"  end to end / shared: {speedup:.2f}x; max |logits shared - end to end| {error:.1e}")
+             f"{args.layers} layers, {torch.get_num_threads()} thread(s), forward + backward"] + timed
     if not args.smoke:  # the issue's target is at the default sizes
         lines.append(f"target: forward + backward >= {WALL_TARGET}x faster shared: {speedup:.2f}x "
                      f"{'target met' if speedup >= WALL_TARGET else 'target MISSED'}")
@@ -198,10 +226,7 @@ def main(argv: Optional[list] = None) -> list[str]:
     ap.add_argument("--wall-prompt", type=int, default=512)
     ap.add_argument("--wall-group-size", type=int, default=8)
     ap.add_argument("--wall-response", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=1)
+    add_model_arguments(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.groups, args.wall_groups, args.wall_prompt, args.wall_group_size = 8, 2, 24, 3  # a group per rank

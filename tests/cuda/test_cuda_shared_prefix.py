@@ -4,7 +4,7 @@ A step of the GPU check (``scripts/gpu_check.sh``: the CUDA tier). Not run on a 
 
 Shared-prefix attention through the real variable-length kernels, with the distinct query and
 key/value boundaries of nn_data.adapters.shared_prefix_kv and each response's prompt keys gathered into
-the buffer: torch's ``varlen_attn`` (flash-attention, bottom-right causal) and, where it imports,
+the buffer (a rollout tree's nodes, depth 1 to 4, their path's keys: ``tree_kv``): torch's ``varlen_attn`` (flash-attention, bottom-right causal) and, where it imports,
 TransformerEngine's ``DotProductAttention`` (THD, ``padding_causal_bottom_right``) over megatron-core's
 ``PackedSeqParams``; each against the packed row under nn_data's dense prefix mask. Also the whole
 shared-prefix forward of a tiny Llama on the device against each rollout alone.
@@ -23,6 +23,7 @@ from nn_data.models.tiny_hf import tiny_hf_model
 from tests.cuda.stream import DEVICE, ON_CUDA, TIER
 from tests.models import shared_prefix_cases
 from tests.support import shared_prefix_kv_cases as kv_cases
+from tests.support.tree_reference import BY_DEPTH, depth
 
 pytestmark = TIER
 
@@ -45,11 +46,17 @@ def _varlen(q, k, v, kv):
                        window_size=(-1, 0))
 
 
-@pytest.mark.parametrize("row", kv_cases.ROWS, ids=lambda r: f"P{r[1]}-m{r[3]}")
-def test_varlen_kernel_over_the_prompt_buffer_equals_the_prefix_mask(row):
+ROWS = [pytest.param(kv_cases.shared_row, row, id=f"P{row[1]}-m{row[3]}") for row in kv_cases.ROWS]
+TREES = [pytest.param(kv_cases.tree_row, (tree, 4), id=f"tree-depth{depth(tree)}") for tree in BY_DEPTH]
+
+
+@pytest.mark.parametrize("build, args", ROWS + TREES)
+def test_varlen_kernel_over_the_prompt_buffer_equals_the_prefix_mask(build, args):
+    """The shared prompt's rows (``shared_prefix_kv``) and trees of depth 1 to 4 (``tree_kv``: each node's
+    path before it)."""
     if ON_CUDA and importlib.util.find_spec("torch.nn.attention.varlen") is None:
         pytest.skip("torch.nn.attention.varlen not installed (torch too old)")
-    shared, kv, total = kv_cases.shared_row(*row, device=DEVICE)
+    shared, kv, total = build(*args, device=DEVICE)
     q, k, v = _qkv(total)
     got = _varlen(q, kv.gather(k), kv.gather(v), kv)
     want = kv_cases.dense_reference(q.float(), k.float(), v.float(), shared)

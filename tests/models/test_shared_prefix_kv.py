@@ -2,8 +2,10 @@
 buffers): tests/cuda/test_cuda_shared_prefix.py, a step of the GPU check.
 
 The distinct query and key/value boundaries for TransformerEngine / flash-attention's varlen kernel
-(nn_data.adapters.shared_prefix_kv): the index maps on the worked example, and attention sequence by
-sequence over the gathered buffer (bottom-right causal) == the packed row under nn_data's prefix mask.
+(nn_data.adapters.shared_prefix_kv): the index maps on the worked examples, and attention sequence by
+sequence over the gathered buffer (bottom-right causal) == the packed row under nn_data's prefix mask, for the
+shared prompt and for rollout trees of depth 1 to 4 (``tree_kv``); a deeper tree given to ``shared_prefix_kv``
+is refused naming ``tree_kv``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
+from nn_data.adapters.shared_prefix_kv import shared_prefix_kv, tree_kv
 from nn_data.errors import PackingError
+from nn_data.layout import PackSpec, tree_layout
 from tests.support import shared_prefix_kv_cases as kv_cases
+from tests.support.tree_reference import BY_DEPTH, Tree, depth
 from tests.support.megatron_release import needs_megatron_models
 
 EXAMPLE = dict(cu_seqlens_padded=torch.tensor([0, 2, 4, 4, 5, 6, 8], dtype=torch.int32),
@@ -60,6 +64,61 @@ def test_varlen_attention_over_the_buffer_equals_the_prefix_mask(row):
     repeated = sum(p for b, (g, p) in enumerate(zip(groups, prefix)) if groups.index(g) != b)  # non-leaders' prompts
     assert int(real.sum()) == sum(lengths) - repeated  # each group's prompt once
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-12)
+
+
+def _tree(tree: Tree, m: int, total: int, **kw):
+    return tree_layout(torch.tensor(tree.lengths), torch.tensor(tree.parent), torch.tensor(tree.branch_at),
+                       row_len=max(tree.lengths), spec=PackSpec(m, fixed_total=total), **kw)
+
+
+def test_tree_worked_example():
+    kv = tree_kv(_tree(Tree([6, 5], [-1, 0], [0, 2]), 1, 9), kv_capacity=14)
+    assert kv.cu_seqlens_q.tolist() == [0, 2, 6, 6, 9, 9]
+    assert kv.cu_seqlens_kv.tolist() == [0, 2, 8, 8, 13, 14]
+    assert kv.kv_source.tolist() == [0, 1, 0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 8, 0]
+    assert kv.kv_valid.tolist() == [True] * 13 + [False]
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("tree", BY_DEPTH, ids=[f"depth{depth(t)}" for t in BY_DEPTH])
+def test_varlen_attention_over_a_trees_buffer_equals_the_tree_mask(tree, m):
+    """Float64: every real query of a tree of depth 1 to 4 (nodes padded to ``m``), through the buffer (its
+    path's tokens before its node, then the node, bottom-right causal), equals the packed row under the dense
+    tree mask (each rollout alone), to 1e-12; the buffer needs at most ``T + N * S`` keys."""
+    layout, kv, total = kv_cases.tree_row(tree, m)
+    gen = torch.Generator().manual_seed(m)
+    q, k, v = (torch.randn(total, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    got = kv_cases.varlen_reference(q, kv.gather(k), kv.gather(v), kv.cu_seqlens_q, kv.cu_seqlens_kv)
+    want = kv_cases.dense_reference(q, k, v, layout)
+    real = kv_cases.real_queries(layout)
+    assert int(real.sum()) == sum(n - a for n, a in zip(tree.lengths, tree.branch_at))  # every shared token once
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("row", kv_cases.ROWS, ids=lambda r: f"P{r[1]}-m{r[3]}")
+def test_a_shared_prompts_tree_kv_is_its_shared_prefix_kv(row):
+    shared, kv, total = kv_cases.shared_row(*row)
+    for a, b in zip(tree_kv(shared, kv_capacity=kv.max_seqlen_kv), kv):
+        assert a == b if isinstance(a, int) else torch.equal(a, b)
+
+
+def test_a_deeper_tree_is_refused_by_the_shared_prompt_spelling_naming_tree_kv():
+    chain = Tree([6, 8, 10], [-1, 0, 1], [0, 2, 5])  # depth 2
+    fit = _tree(chain, 1, 24, node_capacity=6)  # 2B slots: the boundaries have the shared prompt's shape
+    with pytest.raises(RuntimeError, match=r"shared_prefix_kv: a rollout's prefix_lengths differs from its leader's: "
+                                           r"this is a deeper rollout tree .* build its boundaries with "
+                                           r"tree_kv\(layout, kv_capacity=...\)"):
+        shared_prefix_kv(fit.layout.cu_seqlens_padded, fit.prefix_lengths, fit.leader, total=24, kv_capacity=64)
+    wide = _tree(chain, 1, 24)  # 3B - 2 slots
+    with pytest.raises(PackingError, match=r"expected \[7\] \(the 2B slots of B=3 rollouts\); a rollout tree's "
+                                           r"node slots take tree_kv\(layout, kv_capacity=...\)"):
+        shared_prefix_kv(wide.layout.cu_seqlens_padded, wide.prefix_lengths, wide.leader, total=24, kv_capacity=64)
+    with pytest.raises(PackingError, match=r"tree_kv: layout must be a TreeLayout \(tree_layout\(...\) or "
+                                           r"shared_prefix_layout\(...\)\), got PackLayout"):
+        tree_kv(wide.layout, kv_capacity=64)
+    with pytest.raises(RuntimeError, match=r"tree_kv: kv_capacity=24 is too small for this row \(it needs T \+ "
+                                           r"the path tokens before every non-empty node\)"):
+        tree_kv(wide, kv_capacity=24)
 
 
 @needs_megatron_models

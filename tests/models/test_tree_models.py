@@ -5,7 +5,8 @@ tests/multiprocess/test_tree_models_multiprocess.py. Cases: tests/models/tree_ca
 Rollout trees through the models: ``PackedForward(...)(ids, L, parent=, branch_at=)`` (every shared
 prefix packed once, trees of depth 1 to 4) equals every rollout run alone on its full row, logits and
 parameter gradients (float64), through the HF adapter (Llama) and the megatron-core adapter (the tiny
-GPTModel); the hybrids (recurrent or convolution layers) run each rollout along its path.
+GPTModel), and the head's outputs per rollout from the packed logits (``prepare``, ``layout_of``); the
+hybrids (recurrent or convolution layers) run each rollout along its path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from nn_data.adapters import HFCausalLMAdapter
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
+from nn_data.logprobs import SharedPrefixLogProbs
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data.packed_forward import PackedForward
 from tests.models import tree_cases as cases
@@ -78,6 +80,36 @@ def test_compiled_packing_one_graph_each_side_and_no_host_sync_over_a_stream_of_
             torch.testing.assert_close(out, eager(ids, lens, **call), rtol=0, atol=2e-6)
     assert counter.frame_count == 2, counter.frame_count
     assert syncs[1:] == [0] * (len(cases.TREES) - 1), syncs
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compile_packing", [False, True], ids=["eager", "layout_rebuilt"])
+def test_head_outputs_through_packed_forward_equal_each_rollout_alone(compile_packing):
+    """``prepare(ids, L, parent=, branch_at=)``, the model on the packed row, ``layout_of``, then
+    ``SharedPrefixLogProbs.outputs``: every rollout's log-prob, entropy, top-3 and argmax rows equal those of
+    its logits run alone (float64; with ``compile_packing=True`` the layout is built again on the device)."""
+    model = tiny_hf_model("llama").double().eval()
+    wrapped = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), pad_individual_seqs_to_multiple_of=2,
+                            pad_full_seq_to=96, compile_packing=compile_packing, compile_kwargs={"backend": "eager"},
+                            verify=False)
+    with torch.no_grad():
+        for ids, lens, call, _ in cases.tree_batches(2, cases.TREES[1:3]):  # depth 2 and 3 (branchings)
+            inp = wrapped.prepare(ids, lens, **call)
+            assert (inp.microbatch.layout is None) == compile_packing
+            logits = wrapped.model(inp.input_ids, inp.position_ids, inp.packed)  # [1, T, V]
+            layout = wrapped.layout_of(inp)
+            got = SharedPrefixLogProbs().outputs(logits, layout.pack(inp.row_ids), layout, entropy=True, top_k=3,
+                                                 argmax=True)
+            width = ids.shape[1] - 1
+            for b, n in enumerate(lens.tolist()):
+                lp = model(ids[b:b + 1, :n]).logits[0, :-1].log_softmax(-1)  # [L-1, V]: rollout b alone
+                best = lp.topk(3)
+                want = (lp.gather(1, ids[b, 1:n, None])[:, 0], -(lp.exp() * lp).sum(-1), best.values, best.indices,
+                        lp.argmax(-1))
+                for name, value in zip(("logprobs", "entropy", "topk_logprobs", "topk_indices", "argmax"), want):
+                    row = getattr(got, name)[b]
+                    torch.testing.assert_close(row[: n - 1], value, rtol=0, atol=1e-10, msg=name)
+                    assert not row[max(n - 1, 0): width].any(), name
     torch._dynamo.reset()
 
 

@@ -3,8 +3,10 @@
 Rollout trees (nn_data.layout.tree_layout, nn_data.masks.PrefixRule): every rollout's own tokens packed
 once as the nodes of the tree, against a loop reference built rollout by rollout (tests/support/
 tree_reference.py): the packed row and slots, positions, unpack to every rollout's own row, the attention
-rule equal to each rollout alone (dense and block), log-probs per rollout; bad trees refused naming the
-rollout and the field (one host read) or by a device assert; the shared-prompt spelling is the depth-1 tree.
+rule equal to each rollout alone (dense and block), log-probs and the head's other outputs per rollout (also
+compiled: one graph over a stream of trees, marker ``compile``); bad
+trees refused naming the rollout and the field (one host read) or by a device assert; the shared-prompt
+spelling is the depth-1 tree.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, TreeLayout, shared_prefix_layout, tree_layout
 from nn_data.logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
 from nn_data.masks import document_causal_mask
 from tests.support.hypothesis_profiles import examples
-from tests.support.tree_reference import Tree, owner, path_place, random_tree, reference, token_ids
+from tests.support.tree_reference import (BY_DEPTH, Tree, alone_outputs, depth, owner, path_place, random_tree,
+                                         reference, token_ids)
 
 
 def build(tree: Tree, seq_len: int, m: int = 1, total=None, **kw) -> TreeLayout:
@@ -112,6 +116,95 @@ def test_logprobs_per_rollout_equal_each_rollout_alone(from_hidden):
                 row = logits[0, path_place(tree, ref, b, s)].log_softmax(-1)
                 want[b, s] = row[ids[b, s + 1]]
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+OUTPUTS = ("logprobs", "entropy", "topk_logprobs", "topk_indices", "argmax")
+
+
+@pytest.mark.parametrize("tree", BY_DEPTH, ids=[f"depth{depth(t)}" for t in BY_DEPTH])
+def test_every_head_output_per_rollout_equals_each_rollout_alone(tree):
+    """``outputs()`` on trees of depth 1 to 4, from hidden states (temperature 0.7) and from logits: the
+    log-prob, entropy, top-3 log-probs and ids and argmax of every rollout as ``[B, S-1]`` rows equal each
+    rollout alone through the full logits; the gradients of a loss on the log-prob, the entropy and the top-3
+    log-probs, of the hidden states and the weight (and of the logits), too (float64, 1e-10); no host sync."""
+    vocab, hidden_size, seq_len, total = 11, 5, 19, 120
+    ids = token_ids(tree, seq_len).clamp(min=0) % vocab
+    layout = build(tree, seq_len, 2, total, input_ids=ids)
+    ref = reference(tree, layout.nodes.owner.shape[0] - 1, 2, total)
+    gen = torch.Generator().manual_seed(depth(tree))
+    hidden = torch.randn(1, total, hidden_size, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = {k: torch.randn(len(tree.lengths), seq_len - 1, *([3] if k == "topk_logprobs" else []), dtype=torch.float64,
+                        generator=gen) for k in ("logprobs", "entropy", "topk_logprobs")}
+
+    def loss(out):
+        return sum((out[k] * w[k]).sum() for k in w) + 0 * hidden.sum()
+
+    want = alone_outputs(tree, ref, ids, lambda k: hidden[0, k] @ weight.T / 0.7, seq_len, 3)
+    want_h, want_w = torch.autograd.grad(loss(want), (hidden, weight))
+    op = SharedPrefixLogProbsFromHidden(chunk_tokens=7, temperature=0.7)
+    packed_ids = layout.pack(ids)
+    with HostSyncCounter() as syncs:
+        got = op.outputs(hidden, weight, packed_ids, layout, entropy=True, top_k=3, argmax=True)._asdict()
+    assert syncs.count == 0, syncs.calls
+    for name in OUTPUTS:
+        torch.testing.assert_close(got[name], want[name].detach(), rtol=0, atol=1e-10, msg=name)
+    got_h, got_w = torch.autograd.grad(loss(got), (hidden, weight))
+    torch.testing.assert_close(got_h, want_h, rtol=0, atol=1e-10)
+    torch.testing.assert_close(got_w, want_w, rtol=0, atol=1e-10)
+    logits = (hidden.detach() @ weight.detach().T / 0.7).requires_grad_()  # [1, T, V]
+    want = alone_outputs(tree, ref, ids, lambda k: logits[0, k], seq_len, 3)
+    with HostSyncCounter() as syncs:
+        got = SharedPrefixLogProbs(chunk_tokens=5).outputs(logits, packed_ids, layout, entropy=True, top_k=3,
+                                                           argmax=True)._asdict()
+    assert syncs.count == 0, syncs.calls
+    for name in OUTPUTS:
+        torch.testing.assert_close(got[name], want[name].detach(), rtol=0, atol=1e-10, msg=name)
+    torch.testing.assert_close(torch.autograd.grad(loss(got), logits)[0], torch.autograd.grad(loss(want), logits)[0],
+                               rtol=0, atol=1e-10)
+
+
+#: Trees of six rollouts and depths 4, 3 and 1 (a forest with an empty rollout): one shape for the graph.
+STREAM = (Tree([10, 12, 13, 14, 15, 11], [-1, 0, 1, 2, 3, 0], [0, 3, 6, 9, 12, 3]),
+          Tree([9, 13, 15, 18, 6, 4], [-1, 0, 1, 2, 0, -1], [0, 4, 9, 15, 2, 0]),
+          Tree([8, 5, 11, 0, 7, 9], [-1, 0, 0, -1, -1, 4], [0, 5, 5, 0, 0, 3]))
+
+
+@pytest.mark.compile
+def test_the_layout_and_every_head_output_compile_into_one_graph_over_a_stream_of_trees():
+    """``tree_layout`` (no host read) and ``outputs()`` from hidden states in one ``fullgraph`` graph over trees
+    whose depths and lengths vary: no host sync after the first call; values and the hidden states' gradient
+    equal each rollout alone (float64, 1e-10)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    vocab, hidden_size, seq_len, total = 11, 5, 19, 120
+    op = SharedPrefixLogProbsFromHidden(chunk_tokens=7)
+
+    def step(hidden, weight, ids, lengths, parent, branch_at):
+        layout = tree_layout(lengths, parent, branch_at, row_len=seq_len, spec=PackSpec(2, fixed_total=total),
+                             input_ids=ids, host_reads=False)
+        return op.outputs(hidden, weight, layout.pack(ids), layout, entropy=True, top_k=3, argmax=True)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for k, tree in enumerate(STREAM):
+        ids = token_ids(tree, seq_len).clamp(min=0) % vocab
+        ref = reference(tree, 3 * len(tree.lengths) - 2, 2, total)
+        gen = torch.Generator().manual_seed(k)
+        hidden = torch.randn(1, total, hidden_size, dtype=torch.float64, generator=gen, requires_grad=True)
+        weight = torch.randn(vocab, hidden_size, dtype=torch.float64, generator=gen)
+        want = alone_outputs(tree, ref, ids, lambda i: hidden[0, i] @ weight.T, seq_len, 3)
+        want_h, = torch.autograd.grad(want["entropy"].sum() + want["topk_logprobs"].sum() + 0 * hidden.sum(), hidden)
+        with HostSyncCounter() as syncs:
+            got = compiled(hidden, weight, ids, *(torch.tensor(x) for x in tree))._asdict()
+        assert k == 0 or syncs.count == 0, syncs.calls
+        for name in OUTPUTS:
+            torch.testing.assert_close(got[name], want[name].detach(), rtol=0, atol=1e-10, msg=name)
+        got_h, = torch.autograd.grad(got["entropy"].sum() + got["topk_logprobs"].sum(), hidden)
+        torch.testing.assert_close(got_h, want_h, rtol=0, atol=1e-10)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(STREAM)} trees"
+    torch._dynamo.reset()
 
 
 def test_the_shared_prompt_is_the_depth_1_tree():

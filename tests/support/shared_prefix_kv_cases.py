@@ -3,8 +3,8 @@
 
 ``varlen_reference`` is a variable-length attention written out sequence by sequence (the semantics of
 flash-attention's varlen kernel with ``causal=True``: the mask aligned to the bottom right), so the
-boundaries and index maps :func:`nn_data.adapters.shared_prefix_kv.shared_prefix_kv` builds can be
-checked on a CPU; on a GPU the same inputs go to the real kernel.
+boundaries and index maps :func:`nn_data.adapters.shared_prefix_kv.shared_prefix_kv` (and ``tree_kv``, for
+rollout trees) builds can be checked on a CPU; on a GPU the same inputs go to the real kernel.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
-from nn_data.layout import PackSpec, shared_prefix_layout
+from nn_data.adapters.shared_prefix_kv import shared_prefix_kv, tree_kv
+from nn_data.layout import PackSpec, shared_prefix_layout, tree_layout
 from nn_data.masks import document_causal_mask
 
 #: ``(group_ids, prefix_lengths, seq_lengths, m)``: groups of 3 and 1, an empty response, a prompt of 0,
@@ -38,6 +38,16 @@ def shared_row(groups, prefix, lengths, multiple: int, device="cpu"):
     kv = shared_prefix_kv(shared.layout.cu_seqlens_padded, shared.prefix_lengths, shared.leader, total=total,
                           kv_capacity=total + len(lengths) * SEQ_LEN)
     return shared, kv, total
+
+
+def tree_row(tree, multiple: int, device="cpu"):
+    """``(tree layout, kv maps, T)`` for a rollout tree (tests/support/tree_reference.py's ``Tree``), nodes
+    rounded up to ``multiple``, slack to spare, and a buffer of the always-sufficient ``T + N * S`` keys."""
+    total = sum(tree.lengths) + 3 * len(tree.lengths) * multiple + 8
+    layout = tree_layout(*(torch.tensor(x, device=device) for x in tree), row_len=max(tree.lengths),
+                         spec=PackSpec(multiple, fixed_total=total))
+    slots = layout.nodes.owner.shape[0] - 1
+    return layout, tree_kv(layout, kv_capacity=total + slots * max(tree.lengths)), total
 
 
 def varlen_reference(q, k, v, cu_q, cu_kv, scale=None):

@@ -19,24 +19,26 @@ from nn_data.diagnostics import HostSyncCounter
 from nn_data.groups import context_parallel_info, tensor_parallel_info
 from nn_data.layout import PackSpec, tree_layout
 from nn_data.logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
-from tests.support.tree_reference import path_place, random_tree, reference, token_ids
+from tests.support.tree_reference import BY_DEPTH, alone_outputs, path_place, random_tree, reference, token_ids
 
 V, H, SEQ_LEN = 12, 6, 12
 TOL = dict(rtol=0, atol=1e-10)
 
 
-def _case(seed: int, cp_size: int):
+def _case(seed: int, cp_size: int, tree=None, seq_len: int = SEQ_LEN):
+    """``(tree, layout, ref, ids, weights [B, S-1], gen)``: ``tree`` (a random one of ``seed`` when None)
+    packed for ``cp_size`` ranks, every node slot rounded up to ``2C``, at a ``T`` with room to spare."""
     rng = random.Random(seed)
-    tree = random_tree(rng, rng.randint(2, 7), SEQ_LEN)
+    tree = random_tree(rng, rng.randint(2, 7), seq_len) if tree is None else tree
     rows = len(tree.lengths)
     capacity = max(3 * rows - 2, 2 * rows)
-    total = 2 * cp_size * (capacity * 7 + 2)
-    ids = token_ids(tree, SEQ_LEN).clamp(min=0) % V
+    total = 2 * cp_size * (capacity * (seq_len + 2) // 2 + 2)
+    ids = token_ids(tree, seq_len).clamp(min=0) % V
     layout = tree_layout(torch.tensor(tree.lengths), torch.tensor(tree.parent), torch.tensor(tree.branch_at),
-                         row_len=SEQ_LEN, spec=PackSpec(2 * cp_size, fixed_total=total), input_ids=ids)
+                         row_len=seq_len, spec=PackSpec(2 * cp_size, fixed_total=total), input_ids=ids)
     ref = reference(tree, capacity, 2 * cp_size, total)
     gen = torch.Generator().manual_seed(seed)
-    weights = torch.randn(rows, SEQ_LEN - 1, generator=gen, dtype=torch.float64)
+    weights = torch.randn(rows, seq_len - 1, generator=gen, dtype=torch.float64)
     return tree, layout, ref, ids, weights, gen
 
 
@@ -84,4 +86,46 @@ def case_hidden():
         torch.testing.assert_close(out, want.detach(), **TOL)
         (out * weights).sum().backward()
         torch.testing.assert_close(local.grad, layout.shard(hidden.grad, cp.size, cp.rank), **TOL)
+    return (cp.rank, tp.rank)
+
+
+def case_outputs(sequence_parallel: bool = False):
+    """``SharedPrefixLogProbsFromHidden.outputs`` (log-prob, entropy, top-3, argmax; temperature 0.8; with
+    ``sequence_parallel`` this TP rank's rows of the CP shard) and ``SharedPrefixLogProbs.outputs`` on trees of
+    depth 3 and 4: every rank's rows equal each rollout alone's, the hidden states' and the weight's gradients
+    (of a loss on the log-prob, the entropy and the top-3 log-probs) its part of the single-process ones."""
+    cp, tp = context_parallel_info(), tensor_parallel_info()
+    seq_len = 19
+    for seed, tree in enumerate(BY_DEPTH[2:]):
+        tree, layout, ref, ids, weights, gen = _case(seed, cp.size, tree, seq_len)
+        hidden = torch.randn(1, layout.total, H, generator=gen, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
+        w_top = torch.randn(len(tree.lengths), seq_len - 1, 3, generator=gen, dtype=torch.float64)
+
+        def loss(out):
+            return (out["logprobs"] * weights).sum() + (out["entropy"] * weights.flip(0)).sum() + \
+                (out["topk_logprobs"] * w_top).sum() + 0 * hidden.sum()
+
+        want = alone_outputs(tree, ref, ids, lambda k: hidden[0, k] @ weight.T / 0.8, seq_len, 3)
+        loss(want).backward()
+        mine = (lambda t: t.chunk(tp.size, dim=1)[tp.rank]) if sequence_parallel else (lambda t: t)
+        local_h = mine(layout.shard(hidden.detach(), cp.size, cp.rank)).clone().requires_grad_()
+        local_w = weight.detach().chunk(tp.size, dim=0)[tp.rank].clone().requires_grad_()
+        op = SharedPrefixLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8,
+                                            sequence_parallel=sequence_parallel)
+        got = op.outputs(local_h, local_w, layout.pack(ids), layout, entropy=True, top_k=3, argmax=True)._asdict()
+        for name in ("logprobs", "entropy", "topk_logprobs", "topk_indices", "argmax"):
+            torch.testing.assert_close(got[name], want[name].detach(), **TOL, msg=name)
+        loss(got).backward()
+        torch.testing.assert_close(local_h.grad, mine(layout.shard(hidden.grad, cp.size, cp.rank)), **TOL)
+        grad_w = local_w.grad.clone()
+        if cp.group is not None:
+            torch.distributed.all_reduce(grad_w, group=cp.group)  # each CP rank's tokens' part
+        torch.testing.assert_close(grad_w, weight.grad.chunk(tp.size, dim=0)[tp.rank], **TOL)
+        logits = hidden.detach() @ weight.detach().T / 0.8  # [1, T, V]
+        local = layout.shard(logits, cp.size, cp.rank).chunk(tp.size, dim=2)[tp.rank]
+        got = SharedPrefixLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5).outputs(
+            local, layout.pack(ids), layout, entropy=True, top_k=3, argmax=True)._asdict()
+        for name in ("logprobs", "entropy", "topk_logprobs", "topk_indices", "argmax"):
+            torch.testing.assert_close(got[name], want[name].detach(), **TOL, msg=name)
     return (cp.rank, tp.rank)
