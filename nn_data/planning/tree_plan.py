@@ -1,5 +1,7 @@
 """The step plan over rollout trees: each tree in one microbatch where it fits, every shared node charged once
-per microbatch it lands in.
+per microbatch it lands in. The one planner of both spellings: :func:`plan_step_rollout_tree` and the GRPO
+groups' :func:`~nn_data.planning.shared_prefix_plan.plan_step_shared_prefix` (the depth-1 tree) call
+:func:`plan_trees`.
 
 Vocabulary
     n   rollouts of the step; ``L[b]`` their lengths; ``parent[b]`` (an earlier rollout, or -1) and
@@ -7,8 +9,8 @@ Vocabulary
     m   ``parallelism.pad_multiple``; T ``pad_full_seq_to``; h ``hidden_size``
     item    what the planner places whole: a tree, or a part of a tree too large for one microbatch
 
-A microbatch packs the tree of the rollouts it holds (:func:`subtree`: each rollout's parent the nearest
-ancestor present, sharing what it shares with that one), as ``tree_layout`` lays it out: each rollout's own
+A microbatch packs the tree of the rollouts it holds (:func:`subtree`: each rollout's parent the earlier one
+present it shares the most tokens with by the tree), as ``tree_layout`` lays it out: each rollout's own
 tokens split where its children branch, every node rounded up to ``m``. So a set of rollouts costs
 
     need = sum over its nodes of round_up(node, m)
@@ -18,8 +20,10 @@ tokens split where its children branch, every node rounded up to ``m``. So a set
 and causally their own). A rollout alone costs ``sequence_work(L)``; a GRPO group (the depth-1 tree) the
 prompt once and each response, as :func:`~nn_data.planning.shared_prefix_plan.plan_step_shared_prefix`.
 
-A tree whose need is above T is split greedily in index order into parts of at most T, each part packing
-again the ancestors its rollouts need (a part's first rollout re-rooted with all its tokens). The items are
+A tree whose need is above T is split by first-fit-decreasing of its rollouts' own tokens into parts of at
+most T, each part packing again what its rollouts share (a part's first rollout re-rooted with all its tokens;
+for a GRPO group: the prompt in each part); a step with fewer items than ranks has its widest items halved
+rather than leave ranks idle (:func:`split_for_idle_ranks`). The items are
 placed by :func:`~nn_data.planning.step.place`, :func:`~nn_data.planning.plan_step`'s rules; parts of
 one tree that meet in a microbatch share their ancestors there, so a microbatch costs at most the sum of
 its items' needs: ``plan_step``'s guarantees hold (every rollout once, every microbatch at most T, the
@@ -27,7 +31,8 @@ same microbatch count on every rank, the ranks' work balanced).
 
 Example: lengths ``[10, 12, 9]``, parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, m 1: nodes ``[0,6)
 [6,10)`` of rollout 0, ``[6,8) [8,12)`` of 1, ``[8,9)`` of 2: need ``6 + 4 + 2 + 4 + 1 = 17`` (31 end to
-end); with T 16 the tree is split in index order: ``[0, 1]`` (``6 + 4 + 6 = 16``) and ``[2]`` (9, re-rooted).
+end); with T 16 the tree is split (own tokens 10, 6, 1): ``[0, 1]`` (``6 + 4 + 6 = 16``) and ``[2]`` (9,
+re-rooted).
 """
 
 from __future__ import annotations
@@ -44,36 +49,140 @@ from nn_data.planning.step import StepPlan, check_args, host_lengths, imbalance_
 
 
 def subtree(parent, branch_at, rows) -> tuple[np.ndarray, np.ndarray]:
-    """``(parent, branch_at)`` of the rollouts ``rows`` (ascending indices) alone, indices into ``rows``:
-    each one's nearest ancestor in ``rows``, with the tokens it shares with it (the smallest ``branch_at``
-    on the way up), or -1 and 0. Example: parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, rows ``[0, 2]``
-    -> ``[-1, 0]``, ``[0, 6]`` (rollout 2 shares 6 tokens of rollout 0 through rollout 1)."""
-    where = {int(r): i for i, r in enumerate(rows)}
+    """``(parent, branch_at)`` of the rollouts ``rows`` (ascending indices) alone, indices into ``rows``: each
+    one's parent the earlier rollout of ``rows`` it shares the most tokens with by the tree (the smallest index
+    among equals), with that count, or -1 and 0. Two rollouts share the fewest ``branch_at`` on the tree path
+    between them (their own tokens stop where the path leaves them); choosing the smallest index among the
+    longest makes every branch point exceed its parent's, as ``tree_layout`` takes it.
+
+    Example: parent ``[-1, 0, 1, 0]``, branch_at ``[0, 6, 8, 4]``, rows ``[0, 2]`` -> ``[-1, 0]``, ``[0, 6]``
+    (rollout 2 shares 6 tokens of rollout 0 through rollout 1); rows ``[2, 3]`` -> ``[-1, 0]``, ``[0, 4]``
+    (siblings through their absent parent); a GRPO group without its first rollout: its next one leads.
+    """
+    rows = list(rows)
+    chains = [_chain(parent, branch_at, int(r)) for r in rows]
     out_parent, out_at = np.full(len(rows), -1, dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
-    for i, r in enumerate(rows):  # host ints: a walk up each path
-        shared, p = int(branch_at[r]), int(parent[r])
-        while p >= 0 and p not in where:
-            shared, p = min(shared, int(branch_at[p])), int(parent[p])
-        if p >= 0 and shared > 0:
-            out_parent[i], out_at[i] = where[p], shared
+    by_root: dict = {}  # root -> the positions in rows of its tree's rollouts so far
+    for i, chain in enumerate(chains):  # host ints: a pass over each pair of one tree's rollouts
+        root = next(reversed(chain))
+        best, at = -1, 0
+        for j in by_root.setdefault(root, []):
+            other = chains[j]
+            shared = max(min(v, other[a]) for a, v in chain.items() if a in other)
+            if shared > at:
+                best, at = j, shared
+        out_parent[i], out_at[i] = best, at
+        by_root[root].append(i)
     return out_parent, out_at
 
 
+def _chain(parent, branch_at, r: int) -> dict:
+    """``{ancestor: tokens it shares with r}`` from ``r`` (every token, an unbounded count) up to its root, in
+    that order. Example: parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, r 2 -> ``{2: inf, 1: 8, 0: 6}``."""
+    chain, shared = {r: float("inf")}, float("inf")
+    while int(parent[r]) >= 0:
+        shared, r = min(shared, int(branch_at[r])), int(parent[r])
+        chain[r] = shared
+    return chain
+
+
 def tree_cost(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, rows, *, multiple: int,
-              hidden_size: int) -> tuple[int, int, float]:
-    """``(packed tokens, real tokens, work)`` of a microbatch of ``rows`` (module docstring)."""
-    rows = list(rows)
+              hidden_size: int, extra: Optional[np.ndarray] = None) -> tuple[int, int, float]:
+    """``(packed tokens, real tokens, work)`` of a microbatch of ``rows`` (any order; module docstring), as
+    ``tree_layout`` packs :func:`subtree`'s tree of them. ``extra [n]``: a split point of each rollout's own
+    tokens besides its children's (the GRPO spelling's prompt slot: ``shared_prefix_layout`` packs the first
+    rollout of a group in a microbatch as prompt, then response)."""
+    rows = sorted(int(r) for r in rows)
     sub_parent, sub_at = subtree(parent, branch_at, rows)
+    children: dict = {}
+    for c, p in enumerate(sub_parent.tolist()):  # sync: none, numpy on the host
+        children.setdefault(p, set()).add(int(sub_at[c]))
     tokens = real = 0
     work = 0.0
     for i, r in enumerate(rows):
-        splits = sorted({int(sub_at[c]) for c in range(len(rows)) if sub_parent[c] == i})
-        points = [int(sub_at[i])] + [s for s in splits if s > sub_at[i]] + [int(lengths[r])]
+        cuts = children.get(i, set()) | ({int(extra[r])} if extra is not None else set())
+        begin, end = int(sub_at[i]), int(lengths[r])
+        points = [begin] + sorted(s for s in cuts if begin < s < end) + [end]
         for d, e in zip(points, points[1:]):
             tokens += int(round_up(e - d, multiple))
             real += e - d
             work += float(e * e - d * d) + 6.0 * hidden_size * (e - d)
     return tokens, real, work
+
+
+def tree_items(trees: list, cost, own: np.ndarray, *, total: int, ranks: int) -> list:
+    """What the planner places whole, each a list of rollout indices (ascending), in the order of their first
+    rollout: a tree (``trees``: each tree's rollouts, ascending) whose ``cost(rows)[0]`` fits ``total``; a larger
+    one split by first-fit-decreasing of its rollouts' ``own`` padded tokens (longest first, ties in index
+    order), each into the first part it fits with (the part's cost, the ancestors it needs packed again).
+    Fewer items than ``ranks``: :func:`split_for_idle_ranks`.
+
+    Example (a GRPO group, prompt 8, responses ``[2, 4, 1]``, m 1, T 12): parts ``[1]`` (12) and ``[0, 2]``
+    (11), the prompt in each.
+    """
+    items = []
+    for rows in trees:
+        if cost(rows)[0] <= total:
+            items.append(list(rows))
+            continue
+        parts: list = []
+        for b in sorted(rows, key=lambda b: -int(own[b])):  # stable: ties in index order
+            part = next((p for p in parts if cost(p + [b])[0] <= total), None)
+            if part is None:
+                parts.append([b])
+            else:
+                part.append(b)
+        items += [sorted(p) for p in parts]
+    return sorted(split_for_idle_ranks(items, own, ranks=ranks), key=lambda rows: rows[0])
+
+
+def split_for_idle_ranks(members: list, own: np.ndarray, *, ranks: int) -> list:
+    """Fewer items than ranks would leave ranks idle: the item with the most ``own`` tokens (of those with two
+    rollouts or more) is halved, what its halves share packed in both, until every rank can have one. The
+    halves: its rollouts by own tokens, longest first, each to the half with fewer tokens (then rollouts).
+    Example: one GRPO group, responses ``[5, 1, 4, 2]``, 2 ranks -> ``[0, 1]`` (6) and ``[2, 3]`` (6)."""
+    members = [list(rows) for rows in members]
+    while len(members) < ranks:
+        size = [int(own[rows].sum()) if len(rows) > 1 else -1 for rows in members]
+        widest = max(range(len(members)), key=size.__getitem__, default=-1)
+        if widest < 0 or size[widest] < 0:
+            break
+        halves, load = ([], []), [0, 0]
+        for b in sorted(members[widest], key=lambda b: (-int(own[b]), b)):
+            side = 0 if (load[0], len(halves[0])) <= (load[1], len(halves[1])) else 1  # fewer tokens, then rollouts
+            halves[side].append(b)
+            load[side] += int(own[b])
+        members[widest:widest + 1] = [sorted(halves[0]), sorted(halves[1])]
+    return members
+
+
+def plan_trees(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, parallelism: Parallelism, *,
+               total: int, balance: str, hidden_size: int, microbatches_per_rank: Optional[int],
+               extra: Optional[np.ndarray] = None, order=None) -> StepPlan:
+    """The planner of both spellings, on a checked tree (host arrays): the items (:func:`tree_items`), placed by
+    :func:`~nn_data.planning.step.place`, each microbatch's rollouts listed by ``order(items)`` (default:
+    ascending), its costs by :func:`tree_cost` (``extra``: as there)."""
+    m = parallelism.pad_multiple
+    cost = lambda rows: tree_cost(lengths, parent, branch_at, rows, multiple=m, hidden_size=hidden_size,  # noqa: E731
+                                  extra=extra)
+    start = branch_at if extra is None else np.maximum(branch_at, extra)
+    own = round_up(lengths - start, m)  # [n] each rollout's own tokens, padded (a GRPO rollout's response)
+    root = np.arange(lengths.size)
+    for b in range(lengths.size):
+        root[b] = root[parent[b]] if parent[b] >= 0 else b
+    trees = [np.flatnonzero(root == r).tolist() for r in np.unique(root).tolist()]  # sync: none, numpy host data
+    items = tree_items(trees, cost, own, total=total, ranks=parallelism.dp)
+    costs = [cost(rows) for rows in items]
+    work = np.asarray([c[2] for c in costs], dtype=np.float64)
+    placed, steps = place(np.asarray([c[0] for c in costs], dtype=np.int64), work, total=total, dp=parallelism.dp,
+                          balance=balance, given=microbatches_per_rank)
+    order = order or (lambda parts: sorted(b for rows in parts for b in rows))
+    ranks = [[order([items[j] for j in mb]) for mb in rank] for rank in placed]
+    mb_costs = [[cost(mb) for mb in rank] for rank in ranks]
+    return StepPlan(pad_full_seq_to=total, ranks=ranks, microbatch_tokens=[[c[0] for c in r] for r in mb_costs],
+                    microbatch_work=[[c[2] for c in r] for r in mb_costs],
+                    real_tokens=sum(c[1] for r in mb_costs for c in r), balance=balance, steps=steps,
+                    imbalance_bound=imbalance_bound(work, parallelism.dp))
 
 
 def host_ints(values, name: str) -> np.ndarray:
@@ -129,26 +238,5 @@ def plan_step_rollout_tree(lengths, parallelism: Parallelism, *, parent, branch_
         i = int(long[0])
         raise PackingError(f"lengths[{i}] = {int(arr[i])} takes {int(round_up(arr[i], m))} tokens alone (padded to a "
                            f"multiple of {m}), more than pad_full_seq_to={total}; raise pad_full_seq_to")
-    cost = lambda rows: tree_cost(arr, up, at, rows, multiple=m, hidden_size=hidden_size)  # noqa: E731
-    items = []
-    root = np.arange(arr.size)
-    for b in range(arr.size):
-        root[b] = root[up[b]] if up[b] >= 0 else b
-    for r in np.unique(root).tolist():  # sync: none, numpy host data (the planner is host code)
-        part: list = []
-        for b in np.flatnonzero(root == r).tolist():  # sync: none, numpy host data
-            if part and cost(part + [b])[0] > total:
-                items.append(part)
-                part = []
-            part.append(b)
-        items.append(part)
-    costs = [cost(rows) for rows in items]
-    placed, steps = place(np.asarray([c[0] for c in costs], dtype=np.int64),
-                          np.asarray([c[2] for c in costs], dtype=np.float64), total=total, dp=parallelism.dp,
-                          balance=balance, given=microbatches_per_rank)
-    ranks = [[sorted(b for j in mb for b in items[j]) for mb in rank] for rank in placed]
-    mb_costs = [[cost(mb) for mb in rank] for rank in ranks]
-    return StepPlan(pad_full_seq_to=total, ranks=ranks, microbatch_tokens=[[c[0] for c in r] for r in mb_costs],
-                    microbatch_work=[[c[2] for c in r] for r in mb_costs],
-                    real_tokens=sum(c[1] for r in mb_costs for c in r), balance=balance, steps=steps,
-                    imbalance_bound=imbalance_bound(np.asarray([c[2] for c in costs]), parallelism.dp))
+    return plan_trees(arr, up, at, parallelism, total=total, balance=balance, hidden_size=hidden_size,
+                      microbatches_per_rank=microbatches_per_rank)
