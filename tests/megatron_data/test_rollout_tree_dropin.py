@@ -19,7 +19,7 @@ from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.nemo_rl.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
 from nn_data.nemo_rl.megatron_data.options import RolloutTreeKeys
 from nn_data.nemo_rl.megatron_data.shared_prefix_model import forward_shared_prefix
-from nn_data.planning import Parallelism, plan_step_rollout_tree
+from nn_data.planning import Parallelism, plan_step_rollout_tree, subtree
 from tests.support.megatron_config import megatron_cfg
 from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state
 
@@ -67,15 +67,20 @@ def planned_microbatches(cp: int = 1):
 
 
 def reference_subtree(rows: list) -> tuple[list, list]:
-    """Loop reference: each row's nearest ancestor among ``rows`` (its index there) and the fewest tokens shared
-    on the way up, or (-1, 0)."""
+    """Loop reference from the tokens (unique codes: two rollouts share exactly what the tree says): each row's
+    parent is the earliest earlier row of ``rows`` with the longest common prefix, and that prefix, or (-1, 0)."""
+    ids = tree_batch(unique=True)["input_ids"].tolist()
     parent, branch_at = [], []
-    for r in rows:
-        shared, p = BRANCH_AT[r], PARENT[r]
-        while p >= 0 and p not in rows:
-            shared, p = min(shared, BRANCH_AT[p]), PARENT[p]
-        parent.append(rows.index(p) if p >= 0 and shared > 0 else -1)
-        branch_at.append(shared if p >= 0 and shared > 0 else 0)
+    for i, r in enumerate(rows):
+        best, at = -1, 0
+        for j, q in enumerate(rows[:i]):
+            n = 0
+            while n < min(LENGTHS[r], LENGTHS[q]) and ids[r][n] == ids[q][n]:
+                n += 1
+            if n > at:
+                best, at = j, n
+        parent.append(best)
+        branch_at.append(at)
     return parent, branch_at
 
 
@@ -114,9 +119,11 @@ def test_sharding_plans_trees_and_rewrites_their_fields_per_microbatch(shards):
             assert torch.equal(mb["input_ids"], data["input_ids"][rows])
             packed = process_microbatch(mb, "input_lengths", M, 1, None, pack_sequences=True, options=options)
             assert packed.input_ids.shape[1] == tokens <= BUDGET  # the plan's tokens are the layout's
-    # tree A (44 tokens padded to 4) is split: rollout 7 packs again what it shares with 0 and 3
+    # tree A (44 tokens padded to 4) is split: one part packs again what it shares with the other
     holding = [rows for rank in plan.ranks for rows in rank if {0, 3, 7, 9} & set(rows)]
     assert len(holding) == 2 and sorted(b for rows in holding for b in rows if b in (0, 3, 7, 9)) == [0, 3, 7, 9]
+    for rows in ([3, 9], [7, 9], [5, 8], [3, 7, 9, 10]):  # siblings share through an absent parent
+        assert [x.tolist() for x in subtree(PARENT, BRANCH_AT, rows)] == list(reference_subtree(rows))
 
 
 def test_find_builds_the_tree_from_the_token_ids():

@@ -2,8 +2,9 @@
 
 plan_step_rollout_tree: plan_step's guarantees over random trees (every rollout once, every microbatch at
 most T, one microbatch count on every rank), each microbatch's tokens equal to the packed total of
-tree_layout on subtree's tree of its rollouts, trees kept whole where they fit, the docstring's split, the
-shared prompt's tokens as plan_step_shared_prefix counts them; bad trees refused by field.
+tree_layout on subtree's tree of its rollouts, trees kept whole where they fit, the docstring's split, rollouts
+sharing through an absent ancestor, a split GRPO star planned as plan_step_shared_prefix plans it (one planner), a
+single tree halved rather than leave a rank idle; bad trees refused by field.
 """
 
 from __future__ import annotations
@@ -70,6 +71,26 @@ def test_the_shared_prompt_costs_what_plan_step_shared_prefix_counts():
     assert sum(map(sum, tree.microbatch_tokens)) == sum(map(sum, shared.microbatch_tokens)) == 8 + 2 + 4 + 1 + 2 + 4 + 5
     assert tree.real_tokens == shared.real_tokens
     np.testing.assert_allclose(sum(map(sum, tree.microbatch_work)), sum(map(sum, shared.microbatch_work)), rtol=1e-12)
+
+
+def test_rollouts_share_through_an_absent_ancestor_and_a_split_group_shares_its_prompt_in_each_part():
+    # parent [-1, 0, 1, 0]: 2 and 3 share 4 tokens through 0 (2's path: 8 with 1, then 6 with 0)
+    assert [x.tolist() for x in subtree([-1, 0, 1, 0], [0, 6, 8, 4], [2, 3])] == [[-1, 0], [0, 4]]
+    assert [x.tolist() for x in subtree([-1, 0, 1, 0], [0, 6, 8, 4], [1, 2, 3])] == [[-1, 0, 0], [0, 8, 4]]
+    # a GRPO star (prompt 8, responses 2, 4, 1) split at T 12: each part packs the prompt once, its rollouts share it
+    plan = plan_step_rollout_tree([10, 12, 9], Parallelism(dp=1), parent=[-1, 0, 0], branch_at=[0, 8, 8],
+                                  pad_full_seq_to=12)
+    assert sorted(map(tuple, plan.ranks[0])) == [(0, 2), (1,)] and sorted(plan.microbatch_tokens[0]) == [11, 12]
+    shared = plan_step_shared_prefix([10, 12, 9], Parallelism(dp=1), group_ids=[4, 4, 4], prefix_lengths=[8, 8, 8],
+                                     pad_full_seq_to=12)
+    assert shared.ranks == plan.ranks and shared.microbatch_tokens == plan.microbatch_tokens
+
+
+def test_a_single_tree_is_halved_rather_than_leave_a_rank_idle():
+    plan = plan_step_rollout_tree([10, 12, 9, 11], Parallelism(dp=2), parent=[-1, 0, 1, 0], branch_at=[0, 6, 8, 4],
+                                  pad_full_seq_to=64)
+    assert all(len(rank) == 1 and rank[0] for rank in plan.ranks)
+    assert sorted(b for rank in plan.ranks for b in rank[0]) == [0, 1, 2, 3]
 
 
 def test_bad_trees_are_refused():
