@@ -206,6 +206,17 @@ def test_the_microbatch_checks_the_tree_and_its_fields():
         get_microbatch_iterator(tree_batch(), _cfg(), 1, None, dynamic_cp=(None, None))
 
 
+def test_one_host_read_per_microbatch():
+    from nn_data.diagnostics import HostSyncCounter
+
+    shards, _ = tree_batch().shard_by_batch_size(1, sequence_packing_args=_args())
+    for mb in shards[0].get_batch(0).make_microbatch_iterator_for_packable_sequences():
+        with HostSyncCounter() as syncs:
+            process_microbatch(mb, "input_lengths", M, 1, None, pack_sequences=True,
+                               options=PackOptions(rollout_tree=True))
+        assert syncs.count == 1, syncs.calls
+
+
 @pytest.fixture(scope="module")
 def megatron_state():
     with one_rank_parallel_state():
