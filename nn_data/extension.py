@@ -55,6 +55,7 @@ from nn_data.planning import (
     Parallelism, RolloutTree, find_rollout_tree, plan_step, plan_step_rollout_tree, plan_step_shared_prefix, subtree,
 )
 from nn_data.planning.ffd import first_fit_decreasing, round_up_lengths
+from nn_data.planning.tree_plan import check_tree
 from nn_data.rows import with_dynamic_row_length
 from nn_data.targets import next_token_at
 from nn_data.unpack import unpack_sequences
@@ -73,7 +74,7 @@ __all__ = [
     "ParallelInfo", "SINGLE", "as_process_group", "given_group_info", "group_info", "is_group_form",
     "megatron_state", "all_gather_dim0", "all_gather_rows", "all_reduce_sum", "all_to_all_dim0", "gpt_model_class", "make_packed_seq_params",
     # planning
-    "Parallelism", "plan_step", "plan_step_rollout_tree", "plan_step_shared_prefix", "find_rollout_tree", "subtree", "first_fit_decreasing", "round_up_lengths",
+    "Parallelism", "plan_step", "plan_step_rollout_tree", "plan_step_shared_prefix", "find_rollout_tree", "subtree", "check_tree", "first_fit_decreasing", "round_up_lengths",
     # log-probs
     "SharedPrefixLogProbs", "SharedPrefixLogProbsFromHidden", "hidden_logprobs_local", "hidden_rows",
     "sampling_filter", "token_logprobs_local", "combine_topk", "head_outputs_local", "local_ids",

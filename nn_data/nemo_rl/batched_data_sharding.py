@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.options import FIND, rollout_tree_keys, shared_prefix_keys
 from nn_data.extension import (
-    Parallelism, RolloutTree, find_rollout_tree, plan_step, plan_step_rollout_tree, plan_step_shared_prefix,
-    round_up_lengths, subtree,
+    Parallelism, RolloutTree, check_tree, find_rollout_tree, plan_step, plan_step_rollout_tree,
+    plan_step_shared_prefix, round_up_lengths, subtree,
 )
 
 # NeMo-RL's packer names (nn_data plans every one with NeMo-RL's first-fit-decreasing and deal), and
@@ -339,6 +339,7 @@ class _BatchTree:
         if not find:
             what = "parents and branch points (parent, branch_at)"
             self.whole = [np.asarray(_host_lengths(_field(data, key, keys, what), key), dtype=np.int64) for key in keys]
+            check_tree(np.asarray(lengths, dtype=np.int64), *self.whole)  # the batch's tree as given, by field
 
     def chunk(self, start: int, stop: int) -> RolloutTree:
         """The global batch ``[start, stop)``'s tree (kept until the next global batch's)."""

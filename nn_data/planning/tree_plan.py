@@ -81,9 +81,17 @@ def _chain(parent, branch_at, r: int) -> dict:
     that order. Example: parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, r 2 -> ``{2: inf, 1: 8, 0: 6}``."""
     chain, shared = {r: float("inf")}, float("inf")
     while int(parent[r]) >= 0:
+        check_parent(r, int(parent[r]))  # each step goes to an earlier rollout: the walk ends
         shared, r = min(shared, int(branch_at[r])), int(parent[r])
         chain[r] = shared
     return chain
+
+
+def check_parent(b: int, p: int) -> None:
+    """:class:`PackingError` unless rollout ``b``'s parent ``p`` is an earlier rollout or -1."""
+    if not -1 <= p < b:
+        raise PackingError(f"parent[{b}] = {p} is invalid; rollout {b}'s parent must be an earlier rollout, in "
+                           f"[0, {b}), or -1 for none")
 
 
 def tree_cost(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, rows, *, multiple: int,
@@ -204,9 +212,7 @@ def check_tree(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray) -
             raise PackingError(f"{name} has {arr.size} entries for {n} rollouts (lengths); expected one per rollout")
     for b in range(n):
         p, a = int(parent[b]), int(branch_at[b])
-        if not -1 <= p < b:
-            raise PackingError(f"parent[{b}] = {p} is invalid; rollout {b}'s parent must be an earlier rollout, in "
-                               f"[0, {b}), or -1 for none")
+        check_parent(b, p)
         lo, hi = (int(branch_at[p]), min(int(lengths[p]), int(lengths[b]))) if p >= 0 else (-1, 0)
         if (p < 0 and a != 0) or (p >= 0 and not lo < a <= hi):
             raise PackingError(f"branch_at[{b}] = {a} is invalid for parent[{b}] = {p}: a root shares nothing (0), a "

@@ -164,6 +164,18 @@ def test_sharding_refusals(extra, match):
         tree_batch().shard_by_batch_size(1, sequence_packing_args=_args(**extra))
 
 
+@pytest.mark.parametrize("field, row, value, match", [
+    ("parent", 3, 5, r"^parent\[3\] = 5 is invalid; rollout 3's parent must be an earlier rollout"),
+    ("parent", 0, 0, r"^parent\[0\] = 0 is invalid"),  # its own parent: a cycle
+    ("branch_at", 7, 6, r"^branch_at\[7\] = 6 is invalid for parent\[7\] = 3"),  # not past its parent's 6
+])
+def test_the_planner_refuses_a_bad_tree_by_field(field, row, value, match):
+    data = tree_batch()
+    data[field][row] = value
+    with pytest.raises(PackingError, match=match):
+        data.shard_by_batch_size(1, sequence_packing_args=_args())
+
+
 def test_the_microbatch_checks_the_tree_and_its_fields():
     shards, _ = tree_batch().shard_by_batch_size(1, sequence_packing_args=_args())
     batch = shards[0].get_batch(0)
