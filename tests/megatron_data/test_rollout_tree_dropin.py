@@ -134,6 +134,9 @@ def test_find_builds_the_tree_from_the_token_ids():
     for a, b in zip(explicit, found):
         assert a["names"] == b["names"] and a.micro_batch_lengths == b.micro_batch_lengths
         assert torch.equal(a["parent"], b["parent"]) and torch.equal(a["branch_at"], b["branch_at"])
+    iterator, count, _, _, _ = get_microbatch_iterator(found[0].get_batch(0), _cfg(rollout_tree="find"), 1, None)
+    packed = [mb.input_ids.shape[1] for mb in iterator]
+    assert len(packed) == count and packed == found[0].micro_batch_lengths[0]  # the planned tokens, packed
 
 
 def test_custom_batch_keys():
