@@ -2,8 +2,8 @@
 
 plan_step_rollout_tree: plan_step's guarantees over random trees (every rollout once, every microbatch at
 most T, one microbatch count on every rank), each microbatch's tokens equal to the packed total of
-tree_layout on subtree's tree of its rollouts, trees kept whole where they fit, the docstring's split, rollouts
-sharing through an absent ancestor, a split GRPO star planned as plan_step_shared_prefix plans it (one planner), a
+tree_layout on subtree's tree of its rollouts, its real tokens and work those of its distinct tokens (trees split
+as parts grow), trees kept whole where they fit, the docstring's split, rollouts sharing through an absent ancestor, a split GRPO star planned as plan_step_shared_prefix plans it (one planner), a
 single tree halved rather than leave a rank idle; bad trees refused by field.
 """
 
@@ -21,7 +21,7 @@ from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, tree_layout
 from nn_data.planning import Parallelism, plan_step_rollout_tree, plan_step_shared_prefix, subtree
 from tests.support.hypothesis_profiles import examples
-from tests.support.tree_reference import random_tree
+from tests.support.tree_reference import random_tree, token_ids
 
 
 def test_the_docstring_example():
@@ -60,6 +60,31 @@ def test_plan_step_guarantees_and_the_layouts_tokens(seed, dp, cp):
             layout = tree_layout(torch.tensor([lengths[b] for b in rows]), torch.from_numpy(sub_parent),
                                  torch.from_numpy(sub_at), row_len=40, spec=PackSpec(parallelism.pad_multiple))
             assert layout.total == need
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(seed=st.integers(0, 10 ** 6), dp=st.sampled_from([1, 2]), multiple=st.sampled_from([1, 4]))
+def test_each_microbatch_costs_its_distinct_tokens(seed, dp, multiple):
+    # a microbatch's real tokens are the distinct tokens of its rollouts (a unique code per own token), its work
+    # (2s + 1 + 6h) per distinct token at position s, its tokens the layout's; a small T splits trees, so parts
+    # are costed as they grow
+    rng = random.Random(seed)
+    tree = random_tree(rng, rng.randint(1, 14), 40)
+    ids = token_ids(tree, 40)
+    plan = plan_step_rollout_tree(tree.lengths, Parallelism(dp=dp, make_sequence_length_divisible_by=multiple),
+                                  parent=tree.parent, branch_at=tree.branch_at, pad_full_seq_to=48, hidden_size=8)
+    total_real = 0
+    for rank, works, needs in zip(plan.ranks, plan.microbatch_work, plan.microbatch_tokens):
+        for rows, work, need in zip(rank, works, needs):
+            codes = {int(ids[b, s]) for b in rows for s in range(tree.lengths[b])}
+            assert work == sum(2 * (code % 1000) + 1 + 6 * 8 for code in codes)
+            total_real += len(codes)
+            if rows:
+                sub_parent, sub_at = subtree(tree.parent, tree.branch_at, rows)
+                layout = tree_layout(torch.tensor([tree.lengths[b] for b in rows]), torch.from_numpy(sub_parent),
+                                     torch.from_numpy(sub_at), row_len=40, spec=PackSpec(multiple))
+                assert layout.total == need <= 48
+    assert plan.real_tokens == total_real
 
 
 def test_the_shared_prompt_costs_what_plan_step_shared_prefix_counts():
