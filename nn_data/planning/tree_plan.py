@@ -206,11 +206,16 @@ class _Forest:
     def first_fit(self, rows: list, own: np.ndarray, total: int) -> list:
         """A tree too large for ``total`` split by first-fit-decreasing of its rollouts' ``own`` tokens, each part's
         cost grown one rollout at a time (:meth:`_grown`: what the rollout adds to a part's tree)."""
-        shared = self.table(int(self.root[rows[0]])).tolist()  # sync: none, numpy host data
+        table = self.table(int(self.root[rows[0]]))  # [k, k]
+        most = np.where(np.eye(len(rows), dtype=bool), 0, table).max(axis=1)  # [k] the most b shares with another
+        floor = round_up(self.lengths[rows] - most, self.multiple).tolist()  # sync: none; b adds at least this
+        shared = table.tolist()  # sync: none, numpy host data
         parts: list = []  # [rollouts, places in the tree, (tokens, real, work)]
         for b in sorted(rows, key=lambda b: -int(own[b])):  # stable: ties in index order
             i = int(self.index[b])
             for part in parts:
+                if part[2][0] + floor[i] > total:
+                    continue
                 grown = self._grown(shared, part, b, i, limit=total)
                 if grown[0] <= total:
                     part[0].append(b), part[1].append(i)
@@ -262,8 +267,10 @@ def tree_items(forest: _Forest, own: np.ndarray, *, total: int, ranks: int) -> l
     (11), the prompt in each.
     """
     items = []
-    for rows in forest.trees.values():
-        items += [rows] if forest.cost(rows)[0] <= total else forest.first_fit(rows, own, total)
+    real = np.bincount(forest.root, weights=forest.lengths - forest.branch_at, minlength=forest.root.size)  # [n]
+    for root, rows in forest.trees.items():  # a tree's real tokens (its own tokens, each once) bound its need
+        fits = real[root] <= total and forest.cost(rows)[0] <= total
+        items += [rows] if fits else forest.first_fit(rows, own, total)
     return sorted(split_for_idle_ranks(items, own, ranks=ranks), key=lambda rows: rows[0])
 
 
