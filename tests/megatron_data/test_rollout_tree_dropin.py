@@ -3,7 +3,8 @@
 Rollout trees in the NeMo-RL megatron drop-in: cfg["nn_data"]["rollout_tree"] (PackOptions) and its forms, the
 planning through shard_by_batch_size(sequence_packing_args={"rollout_tree": ...}) with
 nn_data.planning.plan_step_rollout_tree (each microbatch's parent / branch_at rewritten for its own rollouts, or
-found from the token ids with "find"), the packed record, and a step of trees of depth 1 to 3 through
+found from the token ids with "find"; without the sharding planner process_microbatch finds a microbatch's own
+tree), the packed record, and a step of trees of depth 1 to 3 through
 get_microbatch_iterator, forward_shared_prefix on the tiny GPTModel (float64) and the log-prob functions: logits,
 log-probs and parameter gradients equal every rollout run alone (1e-10). Bad config, fields and trees are refused by
 name, and so is a model whose attention cannot take a tree.
@@ -269,3 +270,21 @@ def test_a_model_without_nn_datas_attention_is_refused_for_a_tree_naming_the_fix
                                            r"key/value run per query sequence, which a tree's nodes have not .*: build "
                                            r"the GPTModel with nn_data.adapters.megatron_gpt_layer_spec\(\.\.\.\)"):
         forward_shared_prefix(stock, mbs[0])
+
+
+def test_find_without_the_sharding_planner_finds_the_microbatchs_tree():
+    # no planner wrote parent / branch_at: process_microbatch finds the tree from the microbatch's own token ids,
+    # and packs what the true tree packs
+    plain = tree_batch(unique=True)
+    given = process_microbatch(plain, "input_lengths", M, 1, None, pack_sequences=True,
+                               options=PackOptions(rollout_tree=True))
+    del plain["parent"], plain["branch_at"]
+    found = process_microbatch(plain, "input_lengths", M, 1, None, pack_sequences=True,
+                               options=PackOptions(rollout_tree="find"))
+    assert torch.equal(found.input_ids, given.input_ids) and torch.equal(found.position_ids, given.position_ids)
+    assert found.shared_prefix.layout.parent.tolist() == PARENT
+    assert found.shared_prefix.layout.branch_at.tolist() == BRANCH_AT
+    with pytest.raises(PackingError, match=r"^'parent' not found in the batch .* needs the \[B\] parents and branch "
+                                           r"points"):  # True names the keys it needs
+        process_microbatch(plain, "input_lengths", M, 1, None, pack_sequences=True,
+                           options=PackOptions(rollout_tree=True))

@@ -50,6 +50,14 @@ class RolloutTreeKeys(NamedTuple):
     branch_at: str = "branch_at"
 
 
+class FoundTreeKeys(RolloutTreeKeys):
+    """:class:`RolloutTreeKeys` of ``cfg["nn_data"]["rollout_tree"] = "find"``: the keys the sharding planner
+    writes the tree it found under; a microbatch without them (no sharding planner) has its tree found from its
+    own token ids in ``process_microbatch``."""
+
+    __slots__ = ()
+
+
 #: ``cfg["nn_data"]["rollout_tree"] = FIND``: the sharding planner finds each global batch's tree from its token
 #: ids (:func:`nn_data.planning.find_rollout_tree`) and writes it to the batch under :class:`RolloutTreeKeys`' keys.
 FIND = "find"
@@ -57,12 +65,15 @@ FIND = "find"
 
 def rollout_tree_keys(value, name: str = "cfg['nn_data']['rollout_tree']") -> Optional[RolloutTreeKeys]:
     """``value`` as :class:`RolloutTreeKeys`: None or False -> None (off); True or ``"find"`` -> the default keys
-    (``"parent"``, ``"branch_at"``; with ``"find"`` the sharding planner writes them, :data:`FIND`); a mapping
+    (``"parent"``, ``"branch_at"``; with ``"find"`` :class:`FoundTreeKeys`: the sharding planner writes them,
+    :data:`FIND`); a mapping
     with ``"parent_key"`` and / or ``"branch_at_key"`` -> those keys; a :class:`RolloutTreeKeys` as it is.
     Anything else: :class:`PackingError` naming ``name``. Example: ``{"parent_key": "up"}`` -> ``("up", "branch_at")``."""
     if value is None or value is False:
         return None
-    if value is True or value == FIND:
+    if isinstance(value, str) and value == FIND:
+        return FoundTreeKeys()
+    if value is True:
         return RolloutTreeKeys()
     return _keys(value, RolloutTreeKeys, {"parent_key": "parent", "branch_at_key": "branch_at"}, name,
                  "True (the batch keys 'parent' and 'branch_at'), 'find' (the sharding planner finds the tree from "

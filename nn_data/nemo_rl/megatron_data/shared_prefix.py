@@ -20,6 +20,9 @@ share its prompt) and ``prefix_lengths [B]`` (that prompt's length):
   batch with :func:`nn_data.planning.plan_step_rollout_tree` (:func:`~nn_data.planning.plan_step_shared_prefix`:
   its GRPO spelling), each tree in one microbatch where it fits; a tree's ``parent`` / ``branch_at`` are
   rewritten for the rollouts of each microbatch (:func:`nn_data.planning.subtree`), the groups carried row for row;
+  with ``rollout_tree: "find"`` it finds each global batch's tree from the token ids and writes the fields; a
+  microbatch that reaches ``process_microbatch`` without them (no sharding planner) has its own tree found there
+  (:func:`found_tree`, one more host read);
 * **packing**: ``process_microbatch`` (and so the microbatch iterators) packs each microbatch with
   the tree kind of ``PackedForward``'s pipeline (``nn_data.layout.tree_layout``, or
   ``shared_prefix_layout`` for the groups: one host read, as the plain path, checking the tree, the shared
@@ -47,7 +50,7 @@ from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.extension import make_packed_seq_params, SharedPrefixLayout
 from nn_data.nemo_rl.megatron_data.common import require
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
-from nn_data.nemo_rl.megatron_data.options import PackOptions, SharedPrefixKeys, nemo_rl_spec
+from nn_data.nemo_rl.megatron_data.options import FoundTreeKeys, PackOptions, SharedPrefixKeys, nemo_rl_spec
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, SharedPrefixRecord
 
@@ -82,6 +85,24 @@ def tree_fields(data: Any, keys) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
+def finds(data: Any, keys) -> bool:
+    """``cfg["nn_data"]["rollout_tree"] = "find"`` (:class:`FoundTreeKeys`) on a batch that carries neither key:
+    no sharding planner wrote the tree, so the microbatch's own tree is found (:func:`found_tree`)."""
+    return isinstance(keys, FoundTreeKeys) and not any(key in data for key in keys)
+
+
+def found_tree(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(parent, branch_at)`` ``[B]`` on ``input_ids``' device: :func:`~nn_data.planning.find_rollout_tree` of the
+    microbatch's rollouts ``input_ids [B, S]`` with ``lengths [B]`` (each one's longest common prefix with an
+    earlier one). One host read of the ids. Example: rollouts ``[1 2 3]``, ``[1 2 9 9]`` -> ``[-1, 0]``, ``[0, 2]``."""
+    from nn_data.extension import find_rollout_tree
+
+    host = torch.cat([input_ids.to(torch.int64), lengths.to(torch.int64)[:, None]], dim=1)  # [B, S+1]
+    host = host.cpu()  # sync: "find" without the sharding planner reads the microbatch's ids once
+    tree = find_rollout_tree(host[:, :-1].numpy(), host[:, -1].numpy())
+    return tuple(torch.from_numpy(t).to(input_ids.device) for t in tree)
+
+
 def _describe(value) -> str:
     if torch.is_tensor(value):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
@@ -101,7 +122,8 @@ def check_tree_key(data: Any, cfg: dict, packing: bool):
         return None
     if not packing:
         raise _needs_packing(keys)
-    tree_fields(data, keys)
+    if not finds(data, keys):
+        tree_fields(data, keys)
     return keys
 
 
@@ -163,9 +185,9 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     require(seq_length_key in data_dict, f"{seq_length_key} not found in data_dict")
     _refuse_unsupported(data_dict, delegate=delegate, model_slices=model_slices, options=options)
     input_ids = data_dict["input_ids"]
-    first, second = tree_fields(data_dict, keys)
     device = input_ids.device
     lengths = as_lengths(data_dict[seq_length_key], input_ids.shape[0], device)
+    first, second = found_tree(input_ids, lengths) if finds(data_dict, keys) else tree_fields(data_dict, keys)
     first, second = (on_device(name, t, "input_ids", device) for name, t in zip(keys._fields, (first, second)))
     star = isinstance(keys, SharedPrefixKeys)
     kind, args = (SHARED_PREFIX, RolloutGroups(second, first)) if star else (ROLLOUT_TREE, RolloutTree(first, second))
