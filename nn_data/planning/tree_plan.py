@@ -47,9 +47,11 @@ import torch
 
 from nn_data.errors import PackingError
 from nn_data.layout import round_up
-from nn_data.layout.tree_nodes import EVERY
 from nn_data.planning.alignment import Parallelism
 from nn_data.planning.step import StepPlan, check_args, host_lengths, imbalance_bound, place
+
+#: ``shared_tokens``' diagonal: a rollout shares every token with itself (above any length).
+EVERY = np.iinfo(np.int64).max
 
 
 def subtree(parent, branch_at, rows) -> tuple[np.ndarray, np.ndarray]:
