@@ -126,24 +126,15 @@ def check_parent(b: int, p: int) -> None:
                            f"[0, {b}), or -1 for none")
 
 
-def tree_cost(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, rows, *, multiple: int,
-              hidden_size: int, extra: Optional[np.ndarray] = None) -> tuple[int, int, float]:
-    """``(packed tokens, real tokens, work)`` of a microbatch of ``rows`` (any order; module docstring), as
-    ``tree_layout`` packs :func:`subtree`'s tree of them. ``extra [n]``: a split point of each rollout's own
-    tokens besides its children's (the GRPO spelling's prompt slot: ``shared_prefix_layout`` packs the first
-    rollout of a group in a microbatch as prompt, then response)."""
-    rows = sorted(int(r) for r in rows)
-    sub_parent, sub_at = subtree(parent, branch_at, rows)
-    return _cost(lengths[rows], sub_parent, sub_at, None if extra is None else extra[rows], multiple, hidden_size)
-
-
 def _cost(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, extra, multiple: int,
           hidden: int) -> tuple[int, int, float]:
     """``(packed tokens, real tokens, work)`` of the tree ``(parent, branch_at)`` of rollouts of ``lengths [k]``
-    (``extra [k]`` or None: :func:`tree_cost`). Each rollout's own tokens ``[branch_at, L)`` cut at its
-    children's branch points and its ``extra``: the cut points keyed ``owner * width + position``, sorted, and
-    each gap between two of one owner a node. Work and real tokens need no cuts: a rollout's nodes end to end
-    are its own tokens. Example: L ``[10, 12, 9]``, parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, m 1 ->
+    (module docstring), as ``tree_layout`` packs it; ``extra [k]`` or None: a split point of each rollout's own
+    tokens besides its children's (the GRPO spelling's prompt slot: ``shared_prefix_layout`` packs the first
+    rollout of a group in a microbatch as prompt, then response). Each rollout's own tokens ``[branch_at, L)``
+    cut at its children's branch points and its ``extra``: the cut points keyed ``owner * width + position``,
+    sorted, and each gap between two of one owner a node. Work and real tokens need no cuts: a rollout's nodes
+    end to end are its own tokens. Example: L ``[10, 12, 9]``, parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, m 1 ->
     points ``0 6 10 | 6 8 12 | 8 9`` -> nodes ``6 4 2 4 1``: 17 tokens."""
     k = lengths.size
     mine = np.arange(k)
@@ -187,7 +178,7 @@ class _Forest:
         return self.tables[root]
 
     def cost(self, rows: list) -> tuple:
-        """:func:`tree_cost` of ``rows`` (ascending), all of one tree."""
+        """The cost (:func:`_cost`) of ``rows`` (ascending, all of one tree) on :func:`subtree`'s tree of them."""
         key = tuple(rows)
         if key not in self.known:
             idx = self.index[rows]
@@ -301,7 +292,7 @@ def plan_trees(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, p
                extra: Optional[np.ndarray] = None, order=None) -> StepPlan:
     """The planner of both spellings, on a checked tree (host arrays): the items (:func:`tree_items`), placed by
     :func:`~nn_data.planning.step.place`, each microbatch's rollouts listed by ``order(items)`` (default:
-    ascending), its costs by :func:`tree_cost` (``extra``: as there)."""
+    ascending), its costs by :func:`_cost` (``extra``: as there)."""
     m = parallelism.pad_multiple
     forest = _Forest(lengths, parent, branch_at, extra, multiple=m, hidden=hidden_size)
     start = branch_at if extra is None else np.maximum(branch_at, extra)
