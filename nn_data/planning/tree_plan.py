@@ -66,10 +66,24 @@ def subtree(parent, branch_at, rows) -> tuple[np.ndarray, np.ndarray]:
     (siblings through their absent parent); a GRPO group without its first rollout: its next one leads.
     """
     rows = [int(r) for r in rows]
-    members = _closure(parent, branch_at, rows)
-    at = {b: i for i, b in enumerate(members)}
-    idx = np.asarray([at[r] for r in rows], dtype=np.int64)
-    return _parents(shared_tokens(parent, branch_at, members)[np.ix_(idx, idx)])
+    root: dict = {}
+    for b in _closure(parent, branch_at, rows):  # ascending: a parent's root is known before its child's
+        root[b] = root[int(parent[b])] if int(parent[b]) >= 0 else b
+    trees: dict = {}  # root -> (the positions in rows of its rollouts, its closure)
+    for i, r in enumerate(rows):
+        trees.setdefault(root[r], ([], []))[0].append(i)
+    for b in root:
+        if root[b] in trees:
+            trees[root[b]][1].append(b)
+    out_parent, out_at = np.full(len(rows), -1, dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
+    for places, members in trees.values():  # one table per tree: rollouts of two trees share nothing
+        at = {b: i for i, b in enumerate(members)}
+        idx = np.asarray([at[rows[i]] for i in places], dtype=np.int64)
+        sub_parent, sub_at = _parents(shared_tokens(parent, branch_at, members)[np.ix_(idx, idx)])
+        places = np.asarray(places, dtype=np.int64)
+        out_parent[places] = np.where(sub_parent >= 0, places[sub_parent], -1)
+        out_at[places] = sub_at
+    return out_parent, out_at
 
 
 def _parents(shared: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
