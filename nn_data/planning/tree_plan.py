@@ -306,7 +306,8 @@ def plan_trees(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, p
                extra: Optional[np.ndarray] = None, order=None) -> StepPlan:
     """The planner of both spellings, on a checked tree (host arrays): the items (:func:`tree_items`), placed by
     :func:`~nn_data.planning.step.place`, each microbatch's rollouts listed by ``order(items)`` (default:
-    ascending), its costs by :func:`_cost` (``extra``: as there)."""
+    ascending), its costs by :func:`_cost` (``extra``: as there; the GRPO spelling's prompt lengths, the same for
+    a tree's rollouts and at most what two of them share, so a part grown rollout by rollout costs the same)."""
     m = parallelism.pad_multiple
     forest = _Forest(lengths, parent, branch_at, extra, multiple=m, hidden=hidden_size)
     start = branch_at if extra is None else np.maximum(branch_at, extra)
