@@ -49,10 +49,13 @@ from nn_data.logprobs.soft_targets import soft_cross_entropy_local
 from nn_data.masks import PrefixRule
 from nn_data.megatron_parallel import gpt_model_class, make_packed_seq_params
 from nn_data.pack import PackShard, pack_shard
-from nn_data.packed_shared_prefix import SHARED_PREFIX, RolloutGroups, SharedPrefixInfo
+from nn_data.packed_shared_prefix import ROLLOUT_TREE, SHARED_PREFIX, RolloutGroups, SharedPrefixInfo
 from nn_data.packed_sides import CPShare, PackedBounds, PackingSide
-from nn_data.planning import Parallelism, plan_step, plan_step_shared_prefix
+from nn_data.planning import (
+    Parallelism, RolloutTree, find_rollout_tree, plan_step, plan_step_rollout_tree, plan_step_shared_prefix, subtree,
+)
 from nn_data.planning.ffd import first_fit_decreasing, round_up_lengths
+from nn_data.planning.tree_plan import check_tree
 from nn_data.rows import with_dynamic_row_length
 from nn_data.targets import next_token_at
 from nn_data.unpack import unpack_sequences
@@ -66,12 +69,12 @@ __all__ = [
     "natural_total_host", "padded_rows", "segment_ids", "sequence_divisible", "total_divisible", "total_limit_host",
     # the ops' steps
     "PackShard", "pack_shard", "unpack_sequences", "with_dynamic_row_length", "next_token_at", "PrefixRule",
-    "PackingSide", "SHARED_PREFIX", "RolloutGroups", "SharedPrefixInfo", "CPShare", "PackedBounds",
+    "PackingSide", "ROLLOUT_TREE", "SHARED_PREFIX", "RolloutGroups", "RolloutTree", "SharedPrefixInfo", "CPShare", "PackedBounds",
     # process groups, collectives, megatron-core's PackedSeqParams
     "ParallelInfo", "SINGLE", "as_process_group", "given_group_info", "group_info", "is_group_form",
     "megatron_state", "all_gather_dim0", "all_gather_rows", "all_reduce_sum", "all_to_all_dim0", "gpt_model_class", "make_packed_seq_params",
     # planning
-    "Parallelism", "plan_step", "plan_step_shared_prefix", "first_fit_decreasing", "round_up_lengths",
+    "Parallelism", "plan_step", "plan_step_rollout_tree", "plan_step_shared_prefix", "find_rollout_tree", "subtree", "check_tree", "first_fit_decreasing", "round_up_lengths",
     # log-probs
     "SharedPrefixLogProbs", "SharedPrefixLogProbsFromHidden", "hidden_logprobs_local", "hidden_rows",
     "sampling_filter", "token_logprobs_local", "combine_topk", "head_outputs_local", "local_ids",

@@ -388,7 +388,7 @@ def tree_device(op: str, lengths: torch.Tensor, parent: torch.Tensor, branch_at:
     if rows == 0:
         return
     index = torch.arange(rows, device=lengths.device)
-    up = parent.clamp(min=0)
+    up = parent.clamp(0, rows - 1)  # [B] in range for the reads below; the assert names a parent outside
     _checks.device_assert(((parent >= -1) & (parent < index) & (real | (parent == -1))).all(),
                           f"nn_data.{op}: every parent must be an earlier rollout or -1 (padding rows: -1)")
     root_ok = (parent >= 0) | (branch_at == 0)

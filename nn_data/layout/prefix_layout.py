@@ -249,7 +249,8 @@ def tree_layout(seq_lengths: torch.Tensor, parent: torch.Tensor, branch_at: torc
     and its value (a parent after its child, a cycle, ``branch_at`` outside ``(branch_at[parent],
     L[parent]]``, shared tokens that differ, too few slots, a packed total past ``pad_full_seq_to``);
     otherwise (compiled, or ``host_reads=False``) a device executor, device asserts naming the field when
-    ``validate``, no read (with a fixed ``T``).
+    ``validate``, no read (with a fixed ``T``). A ``parent`` past the rollouts is refused as any later one;
+    the index maps read it clamped to the last rollout, so they stay in range even unvalidated.
 
     Example: L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, m 1 -> N 4 slots ``[0,3) [3,5) | [] [3,4)``
     of rollouts 0, 0, 1, 1; packed ``[x0 x1 x2 | x3 x4 | y3]``, positions ``[0,1,2, 3,4, 3]``.
@@ -259,12 +260,13 @@ def tree_layout(seq_lengths: torch.Tensor, parent: torch.Tensor, branch_at: torc
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2 * rows:
         raise _checks.PackingError(f"node_capacity={node_capacity!r} is invalid; expected an int >= 2B = "
                                    f"{2 * rows} (or None: 3B - 2, always enough)")
-    lengths, up, at = (t.to(torch.int64) for t in (seq_lengths, parent, branch_at))
+    lengths, given, at = (t.to(torch.int64) for t in (seq_lengths, parent, branch_at))
+    up = given.clamp(max=max(rows - 1, 0))  # [B] a parent past the rollouts reads none (the checks see ``given``)
     mismatch = None
     if validate and input_ids is not None and rows:
         mismatch = tree_nodes.prefix_mismatch(input_ids, at, up.clamp(min=0)) & (up >= 0)
     return _build(lengths, up, at, torch.zeros_like(at), row_len, spec, capacity, num_rows, validate, host_reads,
-                  tree_checks=(mismatch,))
+                  tree_checks=(mismatch, given))
 
 
 def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor, group_ids: torch.Tensor, *,
@@ -296,8 +298,8 @@ def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor
 
 def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows, validate, host_reads, *,
            tree_checks=None, group_checks=None) -> TreeLayout:
-    """The layout, after the checks of one spelling (``tree_checks``: the tree's mismatch flags;
-    ``group_checks``: the shared-prompt spelling's prefix lengths, groups, leaders and mismatch flags)."""
+    """The layout, after the checks of one spelling (``tree_checks``: the tree's mismatch flags and its parents
+    as given, ``parent`` those clamped into the rollouts; ``group_checks``: the shared-prompt spelling's prefix lengths, groups, leaders and mismatch flags)."""
     rows = lengths.shape[0]
     nodes = tree_nodes.node_tables(lengths, parent, branch_at, extra, row_len, capacity)
     slot_lengths = nodes.length[:capacity]  # [N]
@@ -306,7 +308,8 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
         slot_rows = nodes.offsets.index_select(0, num_rows.to(torch.int64).clamp(0, rows).view(1)).view(())
     host_lengths = None
     if reads_host(host_reads, lengths):
-        layout, host_lengths = _on_host(lengths, parent, branch_at, nodes, slot_lengths, slot_rows, num_rows, row_len,
+        given = parent if tree_checks is None else tree_checks[1]
+        layout, host_lengths = _on_host(lengths, given, branch_at, nodes, slot_lengths, slot_rows, num_rows, row_len,
                                         spec, validate, tree_checks, group_checks)
     else:
         op = OP if group_checks is None else "shared_prefix_layout"
@@ -317,7 +320,8 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
                 prefix, _, leader, mismatch = group_checks
                 checks.prefix_lengths_device(op, lengths, prefix, leader, mismatch, real)
             else:
-                checks.tree_device(op, lengths, parent, branch_at, tree_checks[0], real, nodes.used, capacity)
+                checks.tree_device(op, lengths, tree_checks[1], branch_at, tree_checks[0], real, nodes.used,
+                                   capacity)
             checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to")
         layout = layout_from_lengths(slot_lengths, row_len, spec, num_rows=slot_rows, validate=validate,
                                      host_reads=False, op=op)

@@ -20,8 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.nemo_rl.megatron_data.options import shared_prefix_keys
-from nn_data.extension import Parallelism, plan_step, plan_step_shared_prefix, round_up_lengths
+from nn_data.nemo_rl.megatron_data.options import FIND, rollout_tree_keys, shared_prefix_keys
+from nn_data.extension import (
+    Parallelism, RolloutTree, check_tree, find_rollout_tree, plan_step, plan_step_rollout_tree,
+    plan_step_shared_prefix, round_up_lengths, subtree,
+)
 
 # NeMo-RL's packer names (nn_data plans every one with NeMo-RL's first-fit-decreasing and deal), and
 # nn_data's work-balanced plan (nn_data.planning.plan_step).
@@ -244,8 +247,9 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
                                     f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
     layout, options = _packing_layout(args, shards)
     layout.check_fixed_total(budget, "max_tokens_per_microbatch")
-    planner = _planner(data, args, lengths, layout, budget, options)
+    planner, tree = _planner(data, args, lengths, layout, budget, options)
     rows = [[] for _ in range(shards)]
+    rewritten = [{} for _ in range(shards)]  # a tree's fields per shard, rewritten for each microbatch's rollouts
     indices = [[] for _ in range(shards)]
     loads = [[] for _ in range(shards)]
     for start in range(0, len(padded), batch_size):
@@ -259,6 +263,9 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
                 at = len(rows[i]) - first
                 bounds.append([at, at + len(b)])
                 rows[i] += [start + j for j in b]
+                if tree is not None:
+                    for key, values in zip(tree.keys, tree.local(start, b)):
+                        rewritten[i].setdefault(key, []).extend(values)
             indices[i].append(bounds)
             loads[i].append([load for _, load in mine])
     out = []
@@ -266,6 +273,8 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
         shard = make()
         for key, value in data.items():
             shard[key] = _take(value, rows[i])
+        for key, values in rewritten[i].items():
+            shard[key] = torch.tensor(values, dtype=torch.int64)
         shard.micro_batch_indices, shard.micro_batch_lengths = indices[i], loads[i]
         shard.elem_counts_per_gb = [c[-1][1] if c else 0 for c in indices[i]]
         out.append(shard)
@@ -273,27 +282,83 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
 
 
 def _planner(data, args: dict, lengths: list, layout: Parallelism, budget: int, options: dict):
-    """``plan(start, stop)``: the :class:`~nn_data.planning.StepPlan` of rows ``[start, stop)``: ``plan_step``,
-    or with ``sequence_packing_args["shared_prefix"]`` (``cfg["nn_data"]["shared_prefix"]``'s value: True or
-    the batch keys) ``plan_step_shared_prefix`` over the batch's group ids and prefix lengths, each group
-    kept together and its prompt counted once per microbatch (``micro_batch_lengths`` are then the
-    shared-prefix packed tokens)."""
-    keys = shared_prefix_keys(args.get("shared_prefix"), "sequence_packing_args['shared_prefix']")
-    if keys is None:
-        return lambda start, stop: plan_step(lengths[start:stop], layout, pad_full_seq_to=budget, **options)
+    """``(plan(start, stop), tree)``: ``plan`` the :class:`~nn_data.planning.StepPlan` of rows ``[start, stop)``,
+    ``plan_step``'s; with ``sequence_packing_args["rollout_tree"]`` (``cfg["nn_data"]["rollout_tree"]``'s value)
+    ``plan_step_rollout_tree`` over the batch's tree (:class:`_BatchTree`, returned as ``tree``: the fields of each
+    microbatch are rewritten for its rollouts); with ``sequence_packing_args["shared_prefix"]`` (its GRPO
+    spelling) ``plan_step_shared_prefix`` over the group ids and prefix lengths (carried row for row; ``tree``
+    None). Either way ``micro_batch_lengths`` are the packed tokens with every shared prefix once per microbatch."""
+    groups = shared_prefix_keys(args.get("shared_prefix"), "sequence_packing_args['shared_prefix']")
+    found = args.get("rollout_tree")
+    tree_keys = rollout_tree_keys(found, "sequence_packing_args['rollout_tree']")
+    if groups is None and tree_keys is None:
+        return (lambda start, stop: plan_step(lengths[start:stop], layout, pad_full_seq_to=budget, **options)), None
+    name = "rollout_tree" if groups is None else "shared_prefix"
+    if groups is not None and tree_keys is not None:
+        raise PackingAssertionError("sequence_packing_args['shared_prefix'] and ['rollout_tree'] are both set: a GRPO "
+                                    "group is the depth-1 rollout tree, set one of them")
     if args["algorithm"] != "nn_data_balanced":
-        raise PackingAssertionError(f"sequence_packing_args['shared_prefix'] plans with nn_data's planner; set "
+        raise PackingAssertionError(f"sequence_packing_args['{name}'] plans with nn_data's planner; set "
                                     f"sequence_packing_args['algorithm']='nn_data_balanced' (got {args['algorithm']!r})")
-    fields = {}
-    for key in keys:
-        if key not in data:
-            raise PackingAssertionError(f"{key!r} not found in the batch (keys: {list(data)}); shared-prefix packing "
-                                        f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
-        fields[key] = _host_lengths(data, key)
-    groups, prefix = fields[keys.group_ids], fields[keys.prefix_lengths]
-    return lambda start, stop: plan_step_shared_prefix(
-        lengths[start:stop], layout, group_ids=groups[start:stop], prefix_lengths=prefix[start:stop],
-        pad_full_seq_to=budget, **options)
+    if tree_keys is not None:
+        tree = _BatchTree(data, tree_keys, find=isinstance(found, str) and found == FIND, lengths=lengths,
+                          ids_key=args.get("input_key", "input_ids"))
+        return (lambda start, stop: plan_step_rollout_tree(
+            lengths[start:stop], layout, parent=tree.chunk(start, stop).parent,
+            branch_at=tree.chunk(start, stop).branch_at, pad_full_seq_to=budget, **options)), tree
+    first, second = (_host_lengths(_field(data, key, groups, "group ids and prefix lengths"), key) for key in groups)
+    return (lambda start, stop: plan_step_shared_prefix(
+        lengths[start:stop], layout, group_ids=first[start:stop], prefix_lengths=second[start:stop],
+        pad_full_seq_to=budget, **options)), None
+
+
+def _field(data, key: str, keys, what: str):
+    """``data`` itself once ``key`` is found in it; :class:`PackingError` naming the key otherwise."""
+    if key not in data:
+        raise PackingAssertionError(f"{key!r} not found in the batch (keys: {list(data)}); shared-prefix packing "
+                                    f"needs the [B] {what} (keys {list(keys)})")
+    return data
+
+
+class _BatchTree:
+    """A step's rollout tree on the host, for the sharding planner: the batch's ``parent`` / ``branch_at`` (rows
+    of the whole batch), or, with ``find``, none: each global batch's tree is found from its token ids
+    (:func:`~nn_data.planning.find_rollout_tree`). ``chunk(start, stop)`` is the tree of a global batch (indices
+    into it: :func:`~nn_data.planning.subtree`, a rollout whose parent is in another global batch shares through
+    its nearest ancestor inside); ``local(start, rows)`` the ``(parent, branch_at)`` lists of a microbatch's
+    rollouts (``rows``: indices into the global batch at ``start``, ascending), indices into the microbatch:
+    what ``process_microbatch`` takes.
+
+    Example: parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, a microbatch of rows ``[0, 2]`` -> ``[-1, 0]``,
+    ``[0, 6]``.
+    """
+
+    def __init__(self, data, keys, *, find: bool, lengths: list, ids_key: str):
+        self.keys, self.data, self.lengths, self.ids_key = keys, data, lengths, ids_key
+        self.span, self.tree, self.whole = None, None, None
+        if not find:
+            what = "parents and branch points (parent, branch_at)"
+            self.whole = [np.asarray(_host_lengths(_field(data, key, keys, what), key), dtype=np.int64) for key in keys]
+            check_tree(np.asarray(lengths, dtype=np.int64), *self.whole)  # the batch's tree as given, by field
+
+    def chunk(self, start: int, stop: int) -> RolloutTree:
+        """The global batch ``[start, stop)``'s tree (kept until the next global batch's)."""
+        if self.span != (start, stop):
+            if self.whole is None:
+                ids = self.data[self.ids_key]
+                ids = ids[start:stop].cpu() if torch.is_tensor(ids) else np.asarray(ids)[start:stop]  # sync: host planner
+                self.tree = find_rollout_tree(ids, self.lengths[start:stop])
+            else:
+                self.tree = RolloutTree(*subtree(self.whole[0], self.whole[1], range(start, stop)))
+            self.span = (start, stop)
+        return self.tree
+
+    def local(self, start: int, rows: list) -> tuple:
+        """A microbatch's ``(parent, branch_at)`` lists (the plan lists its rollouts ascending, as ``subtree``
+        takes them) in the global batch at ``start`` (:meth:`chunk`'s last)."""
+        assert self.span[0] == start and list(rows) == sorted(rows), (self.span, start, rows)  # the planner's order
+        parent, at = subtree(self.tree.parent, self.tree.branch_at, rows)
+        return parent.tolist(), at.tolist()  # sync: none, numpy on the host
 
 
 def _packing_layout(args: dict, shards: int):

@@ -1,6 +1,7 @@
 """The shared-prefix drop-in step as a case run on every spawned rank (tests/support/cp_harness.py;
-tests/multiprocess/test_shared_prefix_dropin_multiprocess.py): the planned GRPO step of
-tests/megatron_data/test_shared_prefix_dropin_model.py through ``get_microbatch_iterator`` under this rank's
+tests/multiprocess/test_shared_prefix_dropin_multiprocess.py), and in one process: the planned GRPO step of
+tests/megatron_data/test_shared_prefix_dropin_model.py (or the rollout-tree step of
+tests/megatron_data/test_rollout_tree_dropin.py: ``module``) through ``get_microbatch_iterator`` under this rank's
 CP group (megatron-core's ``parallel_state``), ``forward_shared_prefix`` on the tiny GPTModel (float64) and
 ``from_parallel_logits_to_logprobs_shared_prefix`` (and the hidden-state sibling), against every rollout run alone on this rank: the
 largest differences of the logits, the log-probs and the parameter gradients (summed over the CP group, as
@@ -17,7 +18,9 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def case_dropin_step() -> dict:
+def case_dropin_step(module: str = "tests.megatron_data.test_shared_prefix_dropin_model") -> dict:
+    import importlib
+
     from megatron.core import parallel_state
 
     from nn_data.cp_comm import GatherFromContextParallel
@@ -26,7 +29,9 @@ def case_dropin_step() -> dict:
         forward_shared_prefix, from_parallel_hidden_states_to_logprobs_shared_prefix,
         from_parallel_logits_to_logprobs_shared_prefix,
     )
-    from tests.megatron_data import test_shared_prefix_dropin_model as step
+    from tests.megatron_data.test_shared_prefix_dropin_model import _next_token_logprobs
+
+    step = importlib.import_module(module)
 
     cp_group = parallel_state.get_context_parallel_group()
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
@@ -55,7 +60,7 @@ def case_dropin_step() -> dict:
         hidden_loss = hidden_loss + (from_hidden * w).sum()
         for b, n in enumerate(lengths):
             ref = forward_alone(model, ids[b : b + 1, :n])[0]  # [n, V]
-            ref_lp = step._next_token_logprobs(ref, ids[b, :n])  # [n - 1]
+            ref_lp = _next_token_logprobs(ref, ids[b, :n])  # [n - 1]
             worst_logits = max(worst_logits, float((rows[b, :n] - ref).detach().abs().max()))
             worst_lp = max(worst_lp, float((lp[b, : n - 1] - ref_lp).detach().abs().max()))
             alone_loss = alone_loss + (ref_lp * w[b, : n - 1]).sum()
@@ -73,4 +78,4 @@ def case_dropin_step() -> dict:
     assert hidden.keys() == alone.keys()
     worst_grad = max(float((g[k] - alone[k]).abs().max()) for g in (packed, hidden) for k in g)
     return dict(cp_rank=cp_rank, cp_size=cp_size, logits=worst_logits, logprobs=max(worst_lp, worst_hidden),
-                grad=worst_grad)
+                grad=worst_grad, microbatches=len(mbs), kinds=sorted({mb.shared_prefix.kind for mb in mbs}))

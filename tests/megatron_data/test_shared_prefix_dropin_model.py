@@ -223,7 +223,7 @@ def test_refusals_name_what_has_no_shared_prefix_form():
     with pytest.raises(PackingError, match=r"does not pack \['mtp_loss_mask'\] yet"):
         process(masked)
     with pytest.raises(PackingError, match=r"^get_microbatch_iterator\(\.\.\., dynamic_cp=\) packs each round's "
-                                           r"sequences end to end and cannot share a group's prompt"):
+                                           r"sequences end to end and cannot share a prefix: unset cfg\['nn_data'\]\['shared_prefix'\]"):
         get_microbatch_iterator(grpo_batch(), _cfg(), 1, None, dynamic_cp=(None, None))
     with pytest.raises(PackingError, match=r"^microbatch has no shared_prefix record"):
         forward_shared_prefix(torch.nn.Linear(1, 1), process(mb, options=None))

@@ -231,6 +231,9 @@ BAD = [
     (Tree([4, 4], [-1, 1], [0, 2]), r"parent\[1\] = 1 is invalid; rollout 1's parent must be an earlier rollout, "
                                     r"in \[0, 1\)"),
     (Tree([4, 4], [-1, -2], [0, 0]), r"parent\[1\] = -2 is invalid"),
+    (Tree([4, 4], [-1, 2], [0, 2]), r"parent\[1\] = 2 is invalid; rollout 1's parent must be an earlier rollout, "
+                                   r"in \[0, 1\)"),  # past the rollouts: refused, never read
+    (Tree([4, 4], [5, -1], [2, 0]), r"parent\[0\] = 5 is invalid; rollout 0's parent must be an earlier rollout"),
     (Tree([4, 4], [-1, -1], [0, 2]), r"branch_at\[1\] = 2 but parent\[1\] = -1: a rollout without a parent"),
     (Tree([4, 6], [-1, 0], [0, 5]), r"branch_at\[1\] = 5 is outside \(branch_at\[0\] = 0, min\(seq_lengths\[0\], "
                                     r"seq_lengths\[1\]\) = 4\]"),
@@ -245,6 +248,16 @@ def test_bad_trees_are_refused_naming_the_rollout_and_the_field(tree, message):
         build(tree, 6)
     with pytest.raises(RuntimeError, match=r"nn_data.tree_layout: every (parent|branch_at)"):
         build(tree, 6, host_reads=False)
+
+
+def test_a_parent_past_the_rollouts_reads_in_range_without_validation():
+    tree = Tree([4, 4, 3], [-1, 7, 0], [0, 2, 1])
+    x = token_ids(Tree([4, 4, 3], [-1, 0, 0], [0, 2, 1]), 4)
+    with pytest.raises(PackingError, match=r"parent\[1\] = 7 is invalid; rollout 1's parent must be an earlier"):
+        build(tree, 4, input_ids=x)
+    layout = build(tree, 4, input_ids=x, validate=False, host_reads=False, node_capacity=7)
+    assert 0 <= int(layout.maps.source.min()) and int(layout.maps.source.max()) < 3 * 4
+    assert int(layout.parent.max()) < 3 and layout.pack(x).shape[1] == layout.total
 
 
 def test_shared_tokens_that_differ_are_refused():

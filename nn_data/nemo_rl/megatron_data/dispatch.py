@@ -33,9 +33,9 @@ from nn_data.nemo_rl.megatron_data.options import PackOptions
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
 #: Why this door never packs a shared-prefix microbatch (it has no group ids to share a prompt by).
-END_TO_END = ("this call packs rollouts end to end, so with PackOptions.shared_prefix (cfg['nn_data']['shared_prefix']) "
-              "it would repeat every group's prompt; process_microbatch (and the microbatch iterators) pack a "
-              "shared-prefix microbatch from its batch's group ids and prefix lengths: call those, or unset the key")
+END_TO_END = ("this call packs rollouts end to end, so with PackOptions.shared_prefix / rollout_tree (cfg['nn_data']"
+              "['shared_prefix'] / ['rollout_tree']) it would repeat every shared prefix; process_microbatch (and the "
+              "microbatch iterators) pack such a microbatch from its batch's tree fields: call those, or unset the key")
 
 
 class PackedMicrobatch(NamedTuple):
@@ -89,7 +89,7 @@ def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, opt
     experts, whose padding rows are ``arange(topk)`` (a valid top-k route). Every tensor's shape and
     device are checked here, once, before any compiled region; ``name`` is the caller's spelling of
     the fixed packed length (:func:`lay_out`)."""
-    if options.shared_prefix is not None:  # never packed end to end in its place
+    if options.tree is not None:  # never packed end to end in its place
         raise PackingAssertionError(END_TO_END)
     unknown = [k for k in extras if k not in EXTRAS]
     if unknown:

@@ -23,7 +23,7 @@ from nn_data.extension import as_process_group, is_group_form, megatron_state, P
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
-from nn_data.nemo_rl.megatron_data.shared_prefix import check_shared_prefix, refuse_with_dynamic_cp
+from nn_data.nemo_rl.megatron_data.shared_prefix import check_tree_key, refuse_with_dynamic_cp
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -159,7 +159,7 @@ def get_microbatch_iterator(
     packing = cfg["sequence_packing"]["enabled"]
     if seq_length_key is None and packing:
         seq_length_key = "input_lengths"
-    check_shared_prefix(data, cfg, packing)
+    check_tree_key(data, cfg, packing)
     if (cfg.get("dynamic_batching") or {}).get("enabled", False):
         raw_iterator = data.make_microbatch_iterator_with_dynamic_shapes()
         data_iterator_len = data.get_microbatch_iterator_dynamic_shapes_len()

@@ -17,7 +17,7 @@ from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.packed import packed_inputs
 from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, ProcessedMicrobatch  # noqa: F401
 from nn_data.nemo_rl.megatron_data.r3 import r3_verify_forward_enabled
-from nn_data.nemo_rl.megatron_data.shared_prefix import shared_prefix_inputs
+from nn_data.nemo_rl.megatron_data.shared_prefix import rollout_tree_inputs
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is imported lazily
     from megatron.core.utils import StragglerDetector
@@ -114,8 +114,8 @@ def process_microbatch(
     call, one layout, one host sync (NeMo-RL: ``2B + 1`` per packed tensor;
     :mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
     (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.nemo_rl.megatron_data.options.PackOptions`);
-    with ``options.shared_prefix`` each GRPO group's prompt is packed once
-    (:func:`~nn_data.nemo_rl.megatron_data.shared_prefix.shared_prefix_inputs`).
+    with ``options.rollout_tree`` (or its GRPO spelling ``options.shared_prefix``) every shared prefix is packed
+    once (:func:`~nn_data.nemo_rl.megatron_data.shared_prefix.rollout_tree_inputs`).
 
     Self-packing model (``delegate_pack_to_model``): :func:`_prepare_vlm_batch_for_megatron`;
     an ``mtp_loss_mask`` is refused unless ``delegate_mtp_loss_mask_to_model`` (the model packs
@@ -135,12 +135,12 @@ def process_microbatch(
         if routed is not None and routed.dim() != 4:
             raise PackingAssertionError("routed_experts must have shape [batch, seq, num_moe_layers, topk] before "
                                         f"Megatron packing; got {tuple(routed.shape)}")
-        if options is not None and options.shared_prefix is not None:  # each group's prompt once
-            return shared_prefix_inputs(data_dict, seq_length_key=seq_length_key, pack_sequences=pack_sequences,
-                                        m=pad_individual_seqs_to_multiple_of, p=pad_packed_seq_to_multiple_of,
-                                        pad_full_seq_to=pad_full_seq_to, delegate=delegate_pack_to_model,
-                                        model_slices=model_slices_context_parallel_inputs, options=options,
-                                        pg_collection=pg_collection)
+        if options is not None and options.tree is not None:  # every shared prefix once
+            return rollout_tree_inputs(data_dict, seq_length_key=seq_length_key, pack_sequences=pack_sequences,
+                                       m=pad_individual_seqs_to_multiple_of, p=pad_packed_seq_to_multiple_of,
+                                       pad_full_seq_to=pad_full_seq_to, delegate=delegate_pack_to_model,
+                                       model_slices=model_slices_context_parallel_inputs, options=options,
+                                       pg_collection=pg_collection)
         if not pack_sequences:
             return ProcessedInputs(**_unpacked_inputs(data_dict, input_ids, routed))
         require(seq_length_key is not None, "seq_length_key must be provided for packed sequences")

@@ -36,15 +36,59 @@ def shared_prefix_keys(value, name: str = "cfg['nn_data']['shared_prefix']") -> 
         return None
     if value is True:
         return SharedPrefixKeys()
-    if isinstance(value, SharedPrefixKeys):
+    return _keys(value, SharedPrefixKeys, {"group_ids_key": "group_ids", "prefix_lengths_key": "prefix_lengths"},
+                 name, "True (the batch keys 'group_ids' and 'prefix_lengths'), False / None (off) or a dict with "
+                 "'group_ids_key' and / or 'prefix_lengths_key' naming the batch's keys")
+
+
+class RolloutTreeKeys(NamedTuple):
+    """Where a batch carries its rollout tree (``cfg["nn_data"]["rollout_tree"]``): ``parent`` the key of its
+    ``[B]`` parents (the earlier rollout of the same microbatch each one shares its beginning with, or -1),
+    ``branch_at`` the key of its ``[B]`` shared token counts (``nn_data.layout.tree_layout``'s fields)."""
+
+    parent: str = "parent"
+    branch_at: str = "branch_at"
+
+
+class FoundTreeKeys(RolloutTreeKeys):
+    """:class:`RolloutTreeKeys` of ``cfg["nn_data"]["rollout_tree"] = "find"``: the keys the sharding planner
+    writes the tree it found under; a microbatch without them (no sharding planner) has its tree found from its
+    own token ids in ``process_microbatch``."""
+
+    __slots__ = ()
+
+
+#: ``cfg["nn_data"]["rollout_tree"] = FIND``: the sharding planner finds each global batch's tree from its token
+#: ids (:func:`nn_data.planning.find_rollout_tree`) and writes it to the batch under :class:`RolloutTreeKeys`' keys.
+FIND = "find"
+
+
+def rollout_tree_keys(value, name: str = "cfg['nn_data']['rollout_tree']") -> Optional[RolloutTreeKeys]:
+    """``value`` as :class:`RolloutTreeKeys`: None or False -> None (off); True or ``"find"`` -> the default keys
+    (``"parent"``, ``"branch_at"``; with ``"find"`` :class:`FoundTreeKeys`: the sharding planner writes them,
+    :data:`FIND`); a mapping
+    with ``"parent_key"`` and / or ``"branch_at_key"`` -> those keys; a :class:`RolloutTreeKeys` as it is.
+    Anything else: :class:`PackingError` naming ``name``. Example: ``{"parent_key": "up"}`` -> ``("up", "branch_at")``."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value == FIND:
+        return FoundTreeKeys()
+    if value is True:
+        return RolloutTreeKeys()
+    return _keys(value, RolloutTreeKeys, {"parent_key": "parent", "branch_at_key": "branch_at"}, name,
+                 "True (the batch keys 'parent' and 'branch_at'), 'find' (the sharding planner finds the tree from "
+                 "the token ids and writes those keys), False / None (off) or a dict with 'parent_key' and / or "
+                 "'branch_at_key' naming the batch's keys")
+
+
+def _keys(value, keys: type, fields: dict, name: str, valid: str):
+    """The batch keys a mapping names (``fields``: its keys -> the NamedTuple's), else :class:`PackingError`."""
+    if isinstance(value, keys):
         return value
-    fields = {"group_ids_key": "group_ids", "prefix_lengths_key": "prefix_lengths"}
     named = isinstance(value, Mapping) and all(isinstance(v, str) and v for v in value.values())
     if named and set(value) <= set(fields):
-        return SharedPrefixKeys(**{fields[k]: v for k, v in value.items()})
-    raise PackingAssertionError(f"{name}={value!r} is invalid; expected True (the batch keys 'group_ids' and "
-                                "'prefix_lengths'), False / None (off) or a dict with 'group_ids_key' and / or "
-                                "'prefix_lengths_key' naming the batch's keys")
+        return keys(**{fields[k]: v for k, v in value.items()})
+    raise PackingAssertionError(f"{name}={value!r} is invalid; expected {valid}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +114,11 @@ class PackOptions:
         so every microbatch of the run has one shape (one graph; fixed PP receive buffers). Not
         with ``buckets``.
     ``shared_prefix``: GRPO groups share their prompt (:func:`shared_prefix_keys`: True or the batch
-        keys of the group ids and prefix lengths); normalised to :class:`SharedPrefixKeys` or None.
+        keys of the group ids and prefix lengths); normalised to :class:`SharedPrefixKeys` or None: the
+        depth-1 spelling of ``rollout_tree``.
+    ``rollout_tree``: every shared prefix of a rollout tree packed once, at any depth
+        (:func:`rollout_tree_keys`: True, ``"find"`` or the batch keys of ``parent`` and ``branch_at``);
+        normalised to :class:`RolloutTreeKeys` or None. Not with ``shared_prefix`` (one spelling).
 
     Built from a config with :meth:`from_cfg` (``cfg["nn_data"]``, docs/nemo-rl.md, "nn_data options").
     """
@@ -82,10 +130,16 @@ class PackOptions:
     mode: Optional[str] = None
     pad_full_seq_to: Optional[int] = None
     shared_prefix: Any = None
+    rollout_tree: Any = None
 
     def __post_init__(self):
         checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
+        if self.rollout_tree is not None and self.rollout_tree is not False and self.shared_prefix not in (None, False):
+            raise PackingAssertionError(f"cfg['nn_data']['shared_prefix']={self.shared_prefix!r} and cfg['nn_data']"
+                                        f"['rollout_tree']={self.rollout_tree!r} are both set: a GRPO group is the "
+                                        "depth-1 rollout tree, set one of them")
         object.__setattr__(self, "shared_prefix", shared_prefix_keys(self.shared_prefix))
+        object.__setattr__(self, "rollout_tree", rollout_tree_keys(self.rollout_tree))
         fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
         if self.pad_full_seq_to is not None and self.buckets is not None:
             raise PackingAssertionError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
@@ -98,6 +152,12 @@ class PackOptions:
         for v in b:
             fixed_total_arg("buckets entry", v)
         object.__setattr__(self, "buckets", tuple(sorted(set(b))))
+
+    @property
+    def tree(self):
+        """The rollout-tree spelling in use: :class:`SharedPrefixKeys` (the GRPO star), :class:`RolloutTreeKeys`, or
+        None (no shared prefix)."""
+        return self.shared_prefix if self.shared_prefix is not None else self.rollout_tree
 
     def fixed_total(self, given: Optional[int], name: str = "pad_full_seq_to") -> Optional[int]:
         """The run-level ``pad_full_seq_to`` when set (a ``given`` above it raises), else ``given``.

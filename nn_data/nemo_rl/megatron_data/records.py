@@ -19,9 +19,9 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
 
 
 class SharedPrefixRecord(NamedTuple):
-    """nn_data's part of a shared-prefix microbatch's record (``ProcessedInputs.shared_prefix``).
+    """nn_data's part of a rollout-tree or shared-prefix microbatch's record (``ProcessedInputs.shared_prefix``).
 
-    ``layout``: the :class:`~nn_data.layout.SharedPrefixLayout` (the loss side's unpack and log-probs:
+    ``layout``: the :class:`~nn_data.layout.TreeLayout` (``SharedPrefixLayout``; the loss side's unpack and log-probs:
     :func:`~nn_data.nemo_rl.megatron_data.shared_prefix_model.from_parallel_logits_to_logprobs_shared_prefix`);
     ``prefix``: the attention's :class:`~nn_data.masks.PrefixRule` (global ``[T]`` tensors);
     ``segment_ids [T]`` (the slot of every packed position) and ``query_index [T/C]`` (the packed
@@ -29,7 +29,10 @@ class SharedPrefixRecord(NamedTuple):
     ``C = 1`` the :class:`~nn_data.adapters.shared_prefix_kv.SharedPrefixKV` of a variable-length kernel
     (TransformerEngine's THD attention): each response's keys and values are its prompt's then its own,
     ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` exact (``T`` plus each non-empty response's
-    prompt: :func:`~nn_data.nemo_rl.megatron_data.shared_prefix.kv_capacity`); None under CP."""
+    prompt: :func:`~nn_data.nemo_rl.megatron_data.shared_prefix.kv_capacity`); None under CP and for a rollout
+    tree (TransformerEngine's kernel takes one key/value run per query sequence, which a tree's nodes have not);
+    ``kind``: the kind of microbatch (``"shared-prefix"``: GRPO groups, ``cfg["nn_data"]["shared_prefix"]``;
+    ``"rollout-tree"``: ``cfg["nn_data"]["rollout_tree"]``)."""
 
     layout: SharedPrefixLayout
     prefix: PrefixRule
@@ -38,6 +41,7 @@ class SharedPrefixRecord(NamedTuple):
     cp_size: int
     cp_rank: int
     kv: Optional["SharedPrefixKV"] = None
+    kind: str = "shared-prefix"
 
 
 @dataclass

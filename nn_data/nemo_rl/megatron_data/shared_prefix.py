@@ -1,32 +1,43 @@
-"""Shared-prefix GRPO groups in the megatron drop-in: ``cfg["nn_data"]["shared_prefix"]``.
+"""Rollout trees in the megatron drop-in: ``cfg["nn_data"]["rollout_tree"]`` and its depth-1 spelling, the GRPO
+groups of ``cfg["nn_data"]["shared_prefix"]``: every shared prefix packed once.
 
 Shape legend
     B   rollouts of a microbatch (rows of its ``BatchedDataDict``); S their padded row length
-    T   packed tokens; the row holds ``2B`` slots (slot ``2b`` rollout b's prompt, empty unless b leads
-        its group; slot ``2b+1`` its response, :mod:`nn_data.layout.prefix_layout`)
+    T   packed tokens; the row holds N node slots (``2B`` for the shared prompt: slot ``2b`` rollout b's
+        prompt, empty unless b leads its group, slot ``2b+1`` its response; at most ``3B - 2`` for a tree:
+        :mod:`nn_data.layout.prefix_layout`)
     C   context-parallel size; the model sees ``T/C`` local tokens
-    K   keys of TransformerEngine's per-response key/value buffer (``C = 1``)
+    K   keys of TransformerEngine's per-response key/value buffer (the shared prompt at ``C = 1``)
 
-With the key set (True, or the batch keys: :func:`~nn_data.nemo_rl.megatron_data.options.shared_prefix_keys`),
-a step's batch carries ``group_ids [B]`` (rollouts of a GRPO group share its prompt) and
-``prefix_lengths [B]`` (that prompt's length) beside ``input_ids`` / ``input_lengths``:
+With a key set (:func:`~nn_data.nemo_rl.megatron_data.options.rollout_tree_keys`,
+:func:`~nn_data.nemo_rl.megatron_data.options.shared_prefix_keys`) a step's batch carries, beside ``input_ids`` /
+``input_lengths``, either ``parent [B]`` (the earlier rollout of the same microbatch each one shares its beginning
+with, or -1) and ``branch_at [B]`` (how many tokens it shares), or ``group_ids [B]`` (rollouts of a GRPO group
+share its prompt) and ``prefix_lengths [B]`` (that prompt's length):
 
 * **planning**: ``shard_by_batch_size(..., sequence_packing_args={"algorithm": "nn_data_balanced",
-  "shared_prefix": cfg["nn_data"]["shared_prefix"], ...})`` plans each global batch with
-  :func:`nn_data.planning.plan_step_shared_prefix` (whole groups per microbatch, the two fields carried
-  row for row);
+  "rollout_tree": cfg["nn_data"]["rollout_tree"], ...})`` (or ``"shared_prefix": ...``) plans each global
+  batch with :func:`nn_data.planning.plan_step_rollout_tree` (:func:`~nn_data.planning.plan_step_shared_prefix`:
+  its GRPO spelling), each tree in one microbatch where it fits; a tree's ``parent`` / ``branch_at`` are
+  rewritten for the rollouts of each microbatch (:func:`nn_data.planning.subtree`), the groups carried row for row;
+  with ``rollout_tree: "find"`` it finds each global batch's tree from the token ids and writes the fields; a
+  microbatch that reaches ``process_microbatch`` without them (no sharding planner) has its own tree found there
+  (:func:`found_tree`, one more host read);
 * **packing**: ``process_microbatch`` (and so the microbatch iterators) packs each microbatch with
-  :func:`nn_data.layout.shared_prefix_layout` (one host read, as the plain path) and returns
-  NeMo-RL's record with ``position_ids`` continuing from the prompt into each response, the padding
-  mask, a ``PackedSeqParams`` and nn_data's :class:`SharedPrefixRecord` (``shared_prefix``: the layout,
-  the prefix rule, the local places) for the model call and the loss
+  the tree kind of ``PackedForward``'s pipeline (``nn_data.layout.tree_layout``, or
+  ``shared_prefix_layout`` for the groups: one host read, as the plain path, checking the tree, the shared
+  tokens included) and returns NeMo-RL's record with ``position_ids`` continuing along each rollout's path,
+  the padding mask, a ``PackedSeqParams`` and nn_data's :class:`SharedPrefixRecord` (``shared_prefix``: the
+  layout, the prefix rule, the local places) for the model call and the loss
   (:mod:`nn_data.nemo_rl.megatron_data.shared_prefix_model`).
 
-Refused by name: the key without sequence packing; companions that would have to ride the shared
-prompt (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a self-packing model
+Refused by name: a key without sequence packing; companions that would have to ride a shared
+prefix (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a self-packing model
 (``delegate_pack_to_model``), ``model_slices_context_parallel_inputs``, the compiled pack
 (``cfg["nn_data"]["compile"]``) and ``T`` buckets (``cfg["nn_data"]["buckets"]``), none of which has a
-shared-prefix form yet.
+shared-prefix form yet. TransformerEngine's variable-length kernel takes one key/value run per query sequence:
+the record carries one (``kv``) for the GRPO groups at ``C = 1`` only; a tree's model call needs nn_data's
+attention (``forward_shared_prefix`` refuses a model without it, naming the fix).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.extension import make_packed_seq_params, SharedPrefixLayout
 from nn_data.nemo_rl.megatron_data.common import require
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
-from nn_data.nemo_rl.megatron_data.options import PackOptions, SharedPrefixKeys, nemo_rl_spec
+from nn_data.nemo_rl.megatron_data.options import FoundTreeKeys, PackOptions, SharedPrefixKeys, nemo_rl_spec
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, SharedPrefixRecord
 
@@ -47,16 +58,25 @@ from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, SharedPrefixR
 COMPANIONS = ("mtp_loss_mask", "routed_experts", "media_token_validity_mask")
 
 
-def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(group_ids [B], prefix_lengths [B])`` of a batch, each present and a 1-D integer tensor of ``B``
-    entries (no value is read: the planner and the layout check the values); :class:`PackingError`
-    naming the key otherwise."""
+def config_key(keys) -> str:
+    """How messages name the config key of a spelling: ``cfg['nn_data']['shared_prefix']`` for
+    :class:`SharedPrefixKeys`, ``cfg['nn_data']['rollout_tree']`` otherwise."""
+    return f"cfg['nn_data']['{'shared_prefix' if isinstance(keys, SharedPrefixKeys) else 'rollout_tree'}']"
+
+
+def tree_fields(data: Any, keys) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two ``[B]`` fields of a batch under ``keys`` (:class:`SharedPrefixKeys`: group ids and prefix lengths;
+    :class:`~nn_data.nemo_rl.megatron_data.options.RolloutTreeKeys`: parent and branch_at), each present and a
+    1-D integer tensor of ``B`` entries (no value is read: the planner and the layout check the values);
+    :class:`PackingError` naming the key otherwise."""
     rows = data["input_ids"].shape[0]
+    what = ("group ids and prefix lengths" if isinstance(keys, SharedPrefixKeys) else
+            "parents and branch points (parent, branch_at)")
     out = []
     for key in keys:
         if key not in data:
-            raise PackingAssertionError(f"{key!r} not found in the batch (keys: {list(data)}); cfg['nn_data']['shared_prefix'] "
-                                        f"needs the [B] group ids and prefix lengths (keys {list(keys)})")
+            raise PackingAssertionError(f"{key!r} not found in the batch (keys: {list(data)}); {config_key(keys)} "
+                                        f"needs the [B] {what} (keys {list(keys)})")
         value = data[key]
         ok = torch.is_tensor(value) and value.dim() == 1 and value.shape[0] == rows
         if not ok or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
@@ -65,95 +85,124 @@ def shared_prefix_fields(data: Any, keys: SharedPrefixKeys) -> tuple[torch.Tenso
     return out[0], out[1]
 
 
+def finds(data: Any, keys) -> bool:
+    """``cfg["nn_data"]["rollout_tree"] = "find"`` (:class:`FoundTreeKeys`) on a batch that carries neither key:
+    no sharding planner wrote the tree, so the microbatch's own tree is found (:func:`found_tree`)."""
+    return isinstance(keys, FoundTreeKeys) and not any(key in data for key in keys)
+
+
+def found_tree(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(parent, branch_at)`` ``[B]`` on ``input_ids``' device: :func:`~nn_data.planning.find_rollout_tree` of the
+    microbatch's rollouts ``input_ids [B, S]`` with ``lengths [B]`` (each one's longest common prefix with an
+    earlier one). One host read of the ids. Example: rollouts ``[1 2 3]``, ``[1 2 9 9]`` -> ``[-1, 0]``, ``[0, 2]``."""
+    from nn_data.extension import find_rollout_tree
+
+    host = torch.cat([input_ids.to(torch.int64), lengths.to(torch.int64)[:, None]], dim=1)  # [B, S+1]
+    host = host.cpu()  # sync: "find" without the sharding planner reads the microbatch's ids once
+    tree = find_rollout_tree(host[:, :-1].numpy(), host[:, -1].numpy())
+    return tuple(torch.from_numpy(t).to(input_ids.device) for t in tree)
+
+
 def _describe(value) -> str:
     if torch.is_tensor(value):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
 
 
-def _needs_packing() -> PackingAssertionError:
-    return PackingAssertionError("cfg['nn_data']['shared_prefix'] packs each group's prompt once and needs "
+def _needs_packing(keys) -> PackingAssertionError:
+    return PackingAssertionError(f"{config_key(keys)} packs every shared prefix once and needs "
                                  "cfg['sequence_packing']['enabled'] = True")
 
 
-def check_shared_prefix(data: Any, cfg: dict, packing: bool) -> Optional[SharedPrefixKeys]:
-    """The keys, None when ``cfg["nn_data"]["shared_prefix"]`` is unset. Set: sequence packing must be on
-    and the keys are checked against ``data`` (:func:`shared_prefix_fields`)."""
-    keys = PackOptions.from_cfg(cfg).shared_prefix
+def check_tree_key(data: Any, cfg: dict, packing: bool):
+    """The spelling's keys, None when neither ``cfg["nn_data"]["shared_prefix"]`` nor ``["rollout_tree"]`` is
+    set. Set: sequence packing must be on and the keys are checked against ``data`` (:func:`tree_fields`)."""
+    keys = PackOptions.from_cfg(cfg).tree
     if keys is None:
         return None
     if not packing:
-        raise _needs_packing()
-    shared_prefix_fields(data, keys)
+        raise _needs_packing(keys)
+    if not finds(data, keys):
+        tree_fields(data, keys)
     return keys
 
 
 def refuse_with_dynamic_cp(cfg: dict) -> None:
-    """A dynamic-CP plan packs its rounds end to end: with ``cfg["nn_data"]["shared_prefix"]`` set it would
-    not share the prompts it was asked to, so :class:`PackingError`."""
-    if PackOptions.from_cfg(cfg).shared_prefix is not None:
+    """A dynamic-CP plan packs its rounds end to end: with a shared-prefix key set it would not share the
+    prefixes it was asked to, so :class:`PackingError`."""
+    keys = PackOptions.from_cfg(cfg).tree
+    if keys is not None:
         raise PackingAssertionError("get_microbatch_iterator(..., dynamic_cp=) packs each round's sequences end to end and "
-                                    "cannot share a group's prompt: unset cfg['nn_data']['shared_prefix'] for a dynamic-CP "
-                                    "step, or drop dynamic_cp= to pack the shared-prefix plan's microbatches")
+                                    f"cannot share a prefix: unset {config_key(keys)} for a dynamic-CP step, or drop "
+                                    "dynamic_cp= to pack the planned microbatches with their shared prefixes")
 
 
 def _refuse_unsupported(data_dict, *, delegate: bool, model_slices: bool, options: PackOptions) -> None:
     """The module docstring's refusals, each naming what to change."""
+    key = config_key(options.tree)
     given = [k for k in COMPANIONS if k in data_dict]
     if given:
-        raise PackingAssertionError(f"cfg['nn_data']['shared_prefix'] does not pack {given} yet (a shared prompt's tokens "
-                                    f"would carry them once for the whole group); drop them from the batch or unset the key")
+        raise PackingAssertionError(f"{key} does not pack {given} yet (a shared prefix's tokens would carry them once "
+                                    f"for every rollout through it); drop them from the batch or unset the key")
     flags = {"delegate_pack_to_model": delegate, "model_slices_context_parallel_inputs": model_slices,
              "cfg['nn_data']['compile']": options.compile}
     for name, on in flags.items():
         if on:
-            raise PackingAssertionError(f"{name}=True is not supported with cfg['nn_data']['shared_prefix'] (the shared-prefix "
-                                        "pack runs eagerly in process_microbatch, for a model that takes its CP share); "
-                                        "set it to False or unset the key")
+            raise PackingAssertionError(f"{name}=True is not supported with {key} (the shared-prefix pack runs eagerly "
+                                        "in process_microbatch, for a model that takes its CP share); set it to False "
+                                        "or unset the key")
     if options.buckets is not None:
-        raise PackingAssertionError(f"cfg['nn_data']['buckets']={options.buckets!r} is not supported with "
-                                    "cfg['nn_data']['shared_prefix'] (a shared-prefix microbatch's T is the data's, or "
-                                    "cfg['nn_data']['pad_full_seq_to'] for one shape); unset one of them")
+        raise PackingAssertionError(f"cfg['nn_data']['buckets']={options.buckets!r} is not supported with {key} (a "
+                                    "shared-prefix microbatch's T is the data's, or cfg['nn_data']['pad_full_seq_to'] "
+                                    "for one shape); unset one of them")
 
 
-def shared_prefix_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequences: bool, m: int, p: int,
-                         pad_full_seq_to: Optional[int], delegate: bool, model_slices: bool, options: PackOptions,
-                         pg_collection=None) -> ProcessedInputs:
-    """``process_microbatch`` for a shared-prefix microbatch: :class:`ProcessedInputs` with the packed ids
-    ``input_ids [1, T]`` / ``input_ids_cp_sharded [1, T/C]``, ``position_ids [1, T/C]`` (rollout positions:
-    a response continues from its prompt), ``attention_mask`` None (the model call builds nn_data's mask
-    from ``shared_prefix.prefix``), ``packed_seq_params`` (:func:`shared_prefix_params`),
-    ``cu_seqlens_padded [2B+1]`` (the slots'), ``padding_mask [1, T/C]`` and ``shared_prefix``
-    (:class:`SharedPrefixRecord`). One host read (the layout builder's, covering every check).
+def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequences: bool, m: int, p: int,
+                        pad_full_seq_to: Optional[int], delegate: bool, model_slices: bool, options: PackOptions,
+                        pg_collection=None) -> ProcessedInputs:
+    """``process_microbatch`` for a microbatch of rollout trees (``options.rollout_tree``) or GRPO groups
+    (``options.shared_prefix``, the depth-1 spelling: the same kind of ``PackedForward``'s pipeline,
+    ``SharedPrefixKind``): :class:`ProcessedInputs` with the packed ids ``input_ids [1, T]`` /
+    ``input_ids_cp_sharded [1, T/C]``, ``position_ids [1, T/C]`` (rollout positions: a node continues from
+    its path), ``attention_mask`` None (the model call builds nn_data's mask from ``shared_prefix.prefix``),
+    ``packed_seq_params`` (:func:`shared_prefix_params`), ``cu_seqlens_padded [N+1]`` (the node slots'),
+    ``padding_mask [1, T/C]`` and ``shared_prefix`` (:class:`SharedPrefixRecord`). One host read (the layout
+    builder's, covering every check: a parent after its child, ``branch_at`` past the parent, shared tokens
+    that differ, each naming the rollout and the field).
 
     Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> ids ``[p0 p0 r0 r0 | r1 | p2 |
-    r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``.
+    r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``; the tree
+    L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]`` -> ids ``[x0 x1 x2 | x3 x4 | y3]``, positions
+    ``[0, 1, 2, 3, 4, 3]``.
     """
     from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
-    from nn_data.extension import SHARED_PREFIX, PackingSide, RolloutGroups
+    from nn_data.extension import ROLLOUT_TREE, SHARED_PREFIX, PackingSide, RolloutGroups, RolloutTree
 
+    keys = options.tree
     if not pack_sequences:
-        raise _needs_packing()
+        raise _needs_packing(keys)
     require(seq_length_key is not None, "seq_length_key must be provided for packed sequences")
     require(seq_length_key in data_dict, f"{seq_length_key} not found in data_dict")
     _refuse_unsupported(data_dict, delegate=delegate, model_slices=model_slices, options=options)
     input_ids = data_dict["input_ids"]
-    group_ids, prefix_lengths = shared_prefix_fields(data_dict, options.shared_prefix)
     device = input_ids.device
     lengths = as_lengths(data_dict[seq_length_key], input_ids.shape[0], device)
-    prefix = on_device("prefix_lengths", prefix_lengths, "input_ids", device)
-    groups = on_device("group_ids", group_ids, "input_ids", device)
+    first, second = found_tree(input_ids, lengths) if finds(data_dict, keys) else tree_fields(data_dict, keys)
+    first, second = (on_device(name, t, "input_ids", device) for name, t in zip(keys._fields, (first, second)))
+    star = isinstance(keys, SharedPrefixKeys)
+    kind, args = (SHARED_PREFIX, RolloutGroups(second, first)) if star else (ROLLOUT_TREE, RolloutTree(first, second))
     cp_rank, cp_size = cp_rank_and_size(pg_collection)
     spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
                         name="pad_full_seq_to")
-    shard = PackingSide(SHARED_PREFIX, spec, cp_size, cp_rank)(input_ids, lengths, args=RolloutGroups(prefix, groups))
+    shard = PackingSide(kind, spec, cp_size, cp_rank)(input_ids, lengths, args=args)
     shared, info = shard.layout, shard.packed
     full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
     kv = None
-    if cp_size == 1:
+    if cp_size == 1 and star:  # TransformerEngine's q/kv boundaries: one key/value run per slot (depth 1)
         kv = shared_prefix_kv(shared.layout.cu_seqlens_padded, shared.prefix_lengths, shared.leader, total=shared.total,
                               kv_capacity=kv_capacity(shared))
-    record = SharedPrefixRecord(shared, info.prefix.rule, info.segment_ids, info.query_index, cp_size, cp_rank, kv)
+    record = SharedPrefixRecord(shared, info.prefix.rule, info.segment_ids, info.query_index, cp_size, cp_rank, kv,
+                                kind.name)
     return ProcessedInputs(
         input_ids=full, input_ids_cp_sharded=shard.input_ids, attention_mask=None, position_ids=shard.position_ids,
         packed_seq_params=shared_prefix_params(record), cu_seqlens_padded=shared.layout.cu_seqlens_padded,
@@ -176,13 +225,14 @@ def kv_capacity(shared: SharedPrefixLayout) -> int:
 
 
 def shared_prefix_params(record: SharedPrefixRecord):
-    """The record's THD ``PackedSeqParams``. ``C = 1``: TransformerEngine's distinct query and key/value
+    """The record's THD ``PackedSeqParams``. GRPO groups at ``C = 1``: TransformerEngine's distinct query and key/value
     boundaries over ``record.kv`` (:func:`~nn_data.adapters.shared_prefix_kv.shared_prefix_packed_seq_params`,
     ``N = 2B + 1`` sequences, ``max_seqlen_q = T``, ``max_seqlen_kv = K``), for a kernel run bottom-right
     causal over ``record.kv.gather(key)`` / ``(value)``: a stock model, which hands the kernel its ``T`` keys,
     must not take them. Under CP (whose keys and values TransformerEngine would split as the queries): the
     slots' padded boundaries (``max_seqlen`` the longest slot, ``total_tokens = T/C``). nn_data's attention
-    reads neither (it takes the prefix rule: ``shared_prefix_model``)."""
+    reads neither (it takes the prefix rule: ``shared_prefix_model``). A rollout tree (any ``C``): the node slots'
+    padded boundaries, which no variable-length kernel can run a tree on (its model call needs nn_data's attention)."""
     from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
 
     shared = record.layout

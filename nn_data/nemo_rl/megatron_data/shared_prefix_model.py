@@ -1,6 +1,7 @@
-"""A shared-prefix microbatch (``cfg["nn_data"]["shared_prefix"]``) through a megatron-core ``GPTModel`` and
-NeMo-RL's log-prob function: the model call and the loss side of
-:mod:`nn_data.nemo_rl.megatron_data.shared_prefix`'s record.
+"""A rollout-tree or shared-prefix microbatch (``cfg["nn_data"]["rollout_tree"]`` / ``["shared_prefix"]``, its
+depth-1 spelling) through a megatron-core ``GPTModel`` and NeMo-RL's log-prob function: the model call and the
+loss side of :mod:`nn_data.nemo_rl.megatron_data.shared_prefix`'s record (one path for both: the record's layout
+is a :class:`~nn_data.layout.TreeLayout` either way).
 
 Shape legend
     B   rollouts; S their row length (``unpacked_seqlen``)
@@ -10,8 +11,8 @@ Shape legend
 The model must be built with :func:`nn_data.adapters.megatron_gpt_layer_spec` (nn_data's core attention,
 which takes the prefix rule): :func:`forward_shared_prefix` runs it through
 :class:`~nn_data.adapters.MegatronGPTAdapter`, which applies the rotary embedding at the rollout positions
-(a response continues from its prompt; megatron-core's THD rotary embedding restarts every segment at 0)
-and the attention under the prefix rule. A stock model (TransformerEngine's or the local
+(a node continues from its path: a response from its prompt; megatron-core's THD rotary embedding restarts
+every segment at 0) and the attention under the prefix rule. A stock model (TransformerEngine's or the local
 ``DotProductAttention``) would let a response miss its prompt, or see other rollouts: refused by name.
 :func:`from_parallel_logits_to_logprobs_shared_prefix` is ``from_parallel_logits_to_logprobs_packed_sequences``
 with the record's layout in place of ``cu_seqlens_padded``: ``[B, S-1]`` per rollout, as if each had run alone;
@@ -34,7 +35,8 @@ def _record(microbatch):
     record = getattr(microbatch, "shared_prefix", None)
     if record is None:
         raise PackingAssertionError("microbatch has no shared_prefix record: it was not packed with "
-                                    "cfg['nn_data']['shared_prefix'] (run the model on it as on any packed microbatch)")
+                                    "cfg['nn_data']['shared_prefix'] or ['rollout_tree'] (run the model on it as on any "
+                                    "packed microbatch)")
     return record
 
 
@@ -45,19 +47,29 @@ def gpt_model(model):
     return model
 
 
-def check_prefix_attention(model) -> None:
+def check_prefix_attention(model, kind: str = "shared-prefix") -> None:
     """:class:`PackingError` unless every attention layer of ``model`` runs nn_data's core attention (the
-    one that honours the prefix rule), naming the class found."""
+    one that honours the prefix rule), naming the class found and, for a rollout tree (``kind``, the record's),
+    why TransformerEngine's variable-length kernel cannot stand in."""
     from nn_data.adapters import PackedDotProductAttention
 
     cores = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
     stock = sorted({type(c).__name__ for c in cores if not isinstance(c, PackedDotProductAttention)})
-    if stock or not cores:
-        found = stock or ["no attention layer"]
-        raise PackingAssertionError(f"a shared-prefix microbatch needs nn_data's attention (each response sees its group's "
-                                    f"prompt, which the packed row holds once); model={type(model).__name__} has core "
-                                    f"attention {', '.join(found)}, which cannot honour the prefix rule: build the GPTModel "
-                                    "with nn_data.adapters.megatron_gpt_layer_spec(...), or unset cfg['nn_data']['shared_prefix']")
+    if not stock and cores:
+        return
+    found = ", ".join(stock or ["no attention layer"])
+    fix = "build the GPTModel with nn_data.adapters.megatron_gpt_layer_spec(...)"
+    if kind == "rollout-tree":
+        raise PackingAssertionError(
+            f"a rollout-tree microbatch needs nn_data's attention (each node sees the shared tokens of every ancestor, "
+            f"which the packed row holds once); model={type(model).__name__} has core attention {found}, which cannot "
+            "honour the prefix rule, and a variable-length kernel (TransformerEngine's THD attention) takes one "
+            "key/value run per query sequence, which a tree's nodes have not (SharedPrefixKV covers the depth-1 "
+            f"tree: cfg['nn_data']['shared_prefix'] at CP 1): {fix}, or unset cfg['nn_data']['rollout_tree']")
+    raise PackingAssertionError(f"a shared-prefix microbatch needs nn_data's attention (each response sees its group's "
+                                f"prompt, which the packed row holds once); model={type(model).__name__} has core "
+                                f"attention {found}, which cannot honour the prefix rule: {fix}, or unset "
+                                "cfg['nn_data']['shared_prefix']")
 
 
 #: What :func:`forward_shared_prefix` returns.
@@ -86,7 +98,7 @@ def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = 
         raise PackingAssertionError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
     record = _record(microbatch)
     inner = gpt_model(model)
-    check_prefix_attention(inner)
+    check_prefix_attention(inner, record.kind)
     adapter = MegatronGPTAdapter(inner, mask_kind=mask_kind)
     group = cp_group if cp_group is not None else getattr(adapter.pg_collection, "cp", None)
     info = packed_info(record, microbatch, group)
