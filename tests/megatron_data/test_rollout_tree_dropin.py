@@ -6,11 +6,15 @@ nn_data.planning.plan_step_rollout_tree (each microbatch's parent / branch_at re
 found from the token ids with "find"; without the sharding planner process_microbatch finds a microbatch's own
 tree), the packed record, and a step of trees of depth 1 to 3 through
 get_microbatch_iterator, forward_shared_prefix on the tiny GPTModel (float64) and the log-prob functions: logits,
-log-probs and parameter gradients equal every rollout run alone (1e-10). Bad config, fields and trees are refused by
-name, and so is a model whose attention cannot take a tree.
+log-probs and parameter gradients equal every rollout run alone (1e-10); at CP 1 the record's key/value buffer and
+PackedSeqParams under a variable-length kernel (a CPU loop reference) give every rollout's attention alone (float64).
+Bad config, fields and trees are refused by name, and so is a model whose attention cannot take a tree (naming the
+buffer at CP 1, and that there is none under CP).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -150,7 +154,7 @@ def test_custom_batch_keys():
     mb = next(iter(out[0].get_batch(0).make_microbatch_iterator_for_packable_sequences()))
     record = process_microbatch(mb, "input_lengths", M, 1, None, pack_sequences=True,
                                 options=PackOptions(rollout_tree=keys)).shared_prefix
-    assert record.kind == "rollout-tree" and record.kv is None
+    assert record.kind == "rollout-tree" and record.kv is not None
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -264,12 +268,23 @@ def test_a_model_without_nn_datas_attention_is_refused_for_a_tree_naming_the_fix
     stock = GPTModel(tiny_gpt_config(), get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
                      max_sequence_length=64)
     _, mbs = planned_microbatches()
-    with pytest.raises(PackingError, match=r"^a rollout-tree microbatch needs nn_data's attention .* core attention "
-                                           r"DotProductAttention, which cannot honour the prefix rule, and a "
-                                           r"variable-length kernel \(TransformerEngine's THD attention\) takes one "
-                                           r"key/value run per query sequence, which a tree's nodes have not .*: build "
-                                           r"the GPTModel with nn_data.adapters.megatron_gpt_layer_spec\(\.\.\.\)"):
+    with pytest.raises(PackingError, match=r"^a rollout-tree microbatch needs nn_data's attention \(each node sees "
+                                           r"the shared tokens of every ancestor, .* core attention "
+                                           r"DotProductAttention, which cannot honour the prefix rule: build the "
+                                           r"GPTModel with nn_data.adapters.megatron_gpt_layer_spec\(\.\.\.\), or "
+                                           r"unset cfg\['nn_data'\]\['rollout_tree'\]; a variable-length kernel of "
+                                           r"the model's own runs it exactly on the record's key/value buffer "
+                                           r"\(microbatch.shared_prefix.kv.gather\(key\) / .gather\(value\) with "
+                                           r"microbatch.packed_seq_params, bottom-right causal: docs/nemo-rl.md\), "
+                                           r"never on the T packed keys$"):
         forward_shared_prefix(stock, mbs[0])
+    # Under CP the record has no buffer (TransformerEngine's CP splits keys as queries): nn_data's attention only.
+    sharded = dataclasses.replace(mbs[0], shared_prefix=mbs[0].shared_prefix._replace(cp_size=2, cp_rank=1, kv=None))
+    with pytest.raises(PackingError, match=r"^a rollout-tree microbatch needs nn_data's attention .*; at cp_size=2 "
+                                           r"there is no key/value buffer for a variable-length kernel "
+                                           r"\(TransformerEngine's context parallelism splits keys and values as it "
+                                           r"splits the queries\), so nn_data's attention is the only way$"):
+        forward_shared_prefix(stock, sharded)
 
 
 def test_find_without_the_sharding_planner_finds_the_microbatchs_tree():
@@ -288,3 +303,60 @@ def test_find_without_the_sharding_planner_finds_the_microbatchs_tree():
                                            r"points"):  # True names the keys it needs
         process_microbatch(plain, "input_lengths", M, 1, None, pack_sequences=True,
                            options=PackOptions(rollout_tree=True))
+
+
+def test_the_records_te_fields_give_each_rollout_its_attention_alone_float64():
+    """Float64: attention through a tree microbatch's key/value buffer (``shared_prefix.kv.gather``) on its
+    PackedSeqParams' q/kv boundaries, bottom-right causal (tests/support/shared_prefix_kv_cases.py's loop reference
+    for TransformerEngine's THD kernel), equals each rollout's causal attention run alone at every one of its tokens
+    (1e-12), for trees of depth 1 to 3."""
+    import torch.nn.functional as F
+
+    from tests.support import shared_prefix_kv_cases as kv_cases
+
+    _, mbs = planned_microbatches()
+    gen = torch.Generator().manual_seed(3)
+    deepest = 0
+    for mb in mbs:
+        record, params = mb.shared_prefix, mb.packed_seq_params
+        layout, kv = record.layout, record.kv
+        assert params.cu_seqlens_kv is kv.cu_seqlens_kv and params.cu_seqlens_q is kv.cu_seqlens_q
+        assert params.max_seqlen_q == layout.total and params.max_seqlen_kv == kv.max_seqlen_kv
+        q, k, v = (torch.randn(layout.total, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+        got = kv_cases.varlen_reference(q, kv.gather(k), kv.gather(v), params.cu_seqlens_q, params.cu_seqlens_kv)
+        where, _ = layout.row_places(layout.row_len)  # [B, S] packed place of each rollout token
+        for b, n in enumerate(layout.seq_lengths.tolist()):
+            at = where[b, :n]
+            alone = F.scaled_dot_product_attention(*(x[at].transpose(0, 1)[None] for x in (q, k, v)),
+                                                   is_causal=True)[0].transpose(0, 1)  # [n, 2, 8]
+            torch.testing.assert_close(got[at], alone, rtol=0, atol=1e-12)
+        parent = layout.parent.tolist()
+        for b in range(len(parent)):
+            d, up = 0, b
+            while parent[up] >= 0:
+                d, up = d + 1, parent[up]
+            deepest = max(deepest, d)
+    assert deepest >= 2  # a node below a node below a root, not only the GRPO-like star
+
+
+def test_the_buffer_capacity_is_a_host_bound_for_a_tree_and_exact_for_groups():
+    """``kv_capacity`` from the builder's ints, no read: a tree's ``T + sum over non-empty slots of (max L -
+    length)`` covers its path keys (the docstring's example: 15 for a need of 12); the GRPO groups' is their need
+    exactly; a layout built without a host read is refused by name."""
+    from nn_data.layout import PackSpec, shared_prefix_layout, tree_layout
+    from nn_data.nemo_rl.megatron_data.shared_prefix import kv_capacity
+    from nn_data.adapters.shared_prefix_kv import tree_kv
+
+    tree = tree_layout(torch.tensor([5, 4]), torch.tensor([-1, 0]), torch.tensor([0, 3]), row_len=5,
+                       spec=PackSpec(1))
+    assert kv_capacity(tree, exact=False) == 15
+    assert tree_kv(tree, kv_capacity=15).cu_seqlens_kv[-2].item() == 12  # the path keys before the slack
+    groups = shared_prefix_layout(torch.tensor([4, 3, 3]), torch.tensor([2, 2, 1]), torch.tensor([7, 7, 9]),
+                                  row_len=4, spec=PackSpec(1))
+    kv = tree_kv(groups, kv_capacity=kv_capacity(groups, exact=True))
+    assert kv.max_seqlen_kv == 13 == kv.cu_seqlens_kv[-2].item() and bool(kv.kv_valid.all())
+    unread = tree_layout(torch.tensor([5, 4]), torch.tensor([-1, 0]), torch.tensor([0, 3]), row_len=5,
+                         spec=PackSpec(1, fixed_total=8), host_reads=False)
+    with pytest.raises(PackingError, match=r"^kv_capacity needs a rollout-tree layout built on the host \(tree_layout "
+                                           r"or shared_prefix_layout with host_reads=True\)$"):
+        kv_capacity(unread, exact=False)

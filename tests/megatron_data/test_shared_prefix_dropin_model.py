@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
@@ -104,6 +105,11 @@ def test_the_record_packs_each_prompt_once_with_rollout_positions():
         assert params.cu_seqlens_q[-1] == planned and params.max_seqlen_q == planned
         kv = mb.shared_prefix.kv
         assert params.max_seqlen_kv == ref_kv == kv.max_seqlen_kv  # exact: the slack is empty
+        shared = mb.shared_prefix.layout  # the tree's buffer (tree_kv) is the shared prompt's, field for field
+        star = shared_prefix_kv(shared.layout.cu_seqlens_padded, shared.prefix_lengths, shared.leader,
+                                total=shared.total, kv_capacity=ref_kv)
+        for mine, theirs in zip(kv, star):
+            assert mine == theirs if isinstance(mine, int) else torch.equal(mine, theirs)
         assert params.cu_seqlens_kv[-2] == params.cu_seqlens_kv[-1] == ref_kv and bool(kv.kv_valid.all())
         assert params.cu_seqlens_kv is kv.cu_seqlens_kv and params.cu_seqlens_q is kv.cu_seqlens_q
         assert torch.equal(mb.shared_prefix.prefix.positions, torch.tensor(ref_pos))
@@ -197,7 +203,10 @@ def test_a_stock_megatron_model_is_refused_by_name(megatron_state):
                      max_sequence_length=64)
     _, mbs = planned_microbatches()
     with pytest.raises(PackingError, match=r"^a shared-prefix microbatch needs nn_data's attention .* core attention "
-                                           r"DotProductAttention, which cannot honour the prefix rule"):
+                                           r"DotProductAttention, which cannot honour the prefix rule: build the "
+                                           r"GPTModel with .*, or unset cfg\['nn_data'\]\['shared_prefix'\]; a "
+                                           r"variable-length kernel of the model's own runs it exactly on the "
+                                           r"record's key/value buffer .*, never on the T packed keys$"):
         forward_shared_prefix(stock, mbs[0])
 
 

@@ -27,10 +27,11 @@ class SharedPrefixRecord(NamedTuple):
     ``segment_ids [T]`` (the slot of every packed position) and ``query_index [T/C]`` (the packed
     position of each local token); ``cp_size`` / ``cp_rank`` the split it was packed for; ``kv``: at
     ``C = 1`` the :class:`~nn_data.adapters.shared_prefix_kv.SharedPrefixKV` of a variable-length kernel
-    (TransformerEngine's THD attention): each response's keys and values are its prompt's then its own,
-    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` exact (``T`` plus each non-empty response's
-    prompt: :func:`~nn_data.nemo_rl.megatron_data.shared_prefix.kv_capacity`); None under CP and for a rollout
-    tree (TransformerEngine's kernel takes one key/value run per query sequence, which a tree's nodes have not);
+    (TransformerEngine's THD attention, :func:`~nn_data.adapters.shared_prefix_kv.tree_kv`): each node slot's keys
+    and values are those of its rollout's path before it (a response's: its prompt's), then its own,
+    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` (``T`` plus those path keys: exact for GRPO
+    groups, a bound for a tree: :func:`~nn_data.nemo_rl.megatron_data.shared_prefix.kv_capacity`); None under CP
+    (TransformerEngine's CP splits keys and values as it splits the queries, which the buffer is not);
     ``kind``: the kind of microbatch (``"shared-prefix"``: GRPO groups, ``cfg["nn_data"]["shared_prefix"]``;
     ``"rollout-tree"``: ``cfg["nn_data"]["rollout_tree"]``)."""
 

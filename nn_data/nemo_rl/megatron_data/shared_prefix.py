@@ -36,8 +36,11 @@ prefix (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a
 (``delegate_pack_to_model``), ``model_slices_context_parallel_inputs``, the compiled pack
 (``cfg["nn_data"]["compile"]``) and ``T`` buckets (``cfg["nn_data"]["buckets"]``), none of which has a
 shared-prefix form yet. TransformerEngine's variable-length kernel takes one key/value run per query sequence:
-the record carries one (``kv``) for the GRPO groups at ``C = 1`` only; a tree's model call needs nn_data's
-attention (``forward_shared_prefix`` refuses a model without it, naming the fix).
+at ``C = 1`` the record carries that buffer (``kv``: each node slot's path keys, then its own, for trees and
+GRPO groups alike, :func:`~nn_data.adapters.shared_prefix_kv.tree_kv`) and ``packed_seq_params`` holds its
+boundaries, which are exact only over ``kv.gather(key)`` / ``kv.gather(value)``: a stock model handing the
+kernel its ``T`` keys is wrong (docs/nemo-rl.md); under CP there is no buffer and the model call needs
+nn_data's attention (``forward_shared_prefix`` refuses a model without it, naming the fix).
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]`` -> ids ``[x0 x1 x2 | x3 x4 | y3]``, positions
     ``[0, 1, 2, 3, 4, 3]``.
     """
-    from nn_data.adapters.shared_prefix_kv import shared_prefix_kv
+    from nn_data.adapters.shared_prefix_kv import tree_kv
     from nn_data.extension import ROLLOUT_TREE, SHARED_PREFIX, PackingSide, RolloutGroups, RolloutTree
 
     keys = options.tree
@@ -198,9 +201,8 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     shared, info = shard.layout, shard.packed
     full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
     kv = None
-    if cp_size == 1 and star:  # TransformerEngine's q/kv boundaries: one key/value run per slot (depth 1)
-        kv = shared_prefix_kv(shared.layout.cu_seqlens_padded, shared.prefix_lengths, shared.leader, total=shared.total,
-                              kv_capacity=kv_capacity(shared))
+    if cp_size == 1:  # a variable-length kernel's q/kv boundaries: each node slot's path keys, then its own
+        kv = tree_kv(shared, kv_capacity=kv_capacity(shared, exact=star))
     record = SharedPrefixRecord(shared, info.prefix.rule, info.segment_ids, info.query_index, cp_size, cp_rank, kv,
                                 kind.name)
     return ProcessedInputs(
@@ -210,29 +212,40 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     )
 
 
-def kv_capacity(shared: SharedPrefixLayout) -> int:
-    """``K = T + sum of P[b]`` over the rollouts whose response is not empty, from the builder's host ints
-    (``P[b] = L[b]`` minus its response slot's length): no read.
+def kv_capacity(shared: SharedPrefixLayout, *, exact: bool) -> int:
+    """``K`` of the record's key/value buffer (:func:`~nn_data.adapters.shared_prefix_kv.tree_kv`): ``T`` plus
+    the path tokens ahead of every non-empty node slot, from the builder's host ints (no read). ``exact``
+    (the GRPO groups, the depth-1 tree in ``2B`` slots): each response's prompt ``P[b] = L[b]`` minus its
+    response slot's real tokens, the buffer's length exactly. A tree: a node's path before it is at most
+    the longest rollout less the node's own tokens (its begin plus its length is its rollout's length), so
+    ``T + sum over the non-empty slots of (max L - length)``, a bound (the slack sequence takes the rest).
 
-    Example: L ``[4, 3, 3]``, response slots ``[2, 1, 2]``, T 8 -> P ``[2, 2, 1]``, K ``8 + 5 = 13``.
+    Example: L ``[4, 3, 3]``, response slots ``[2, 1, 2]``, T 8 -> exact: P ``[2, 2, 1]``, K ``8 + 5 = 13``;
+    the tree L ``[5, 4]``, slots ``[3, 2, 0, 1]``, T 6 -> K ``6 + (5-3) + (5-2) + (5-1) = 15`` (its exact
+    need: ``6 + 0 + 3 + 3 = 12``).
     """
     host = shared.layout.host
     if host is None or shared.host_lengths is None:
-        raise PackingAssertionError("kv_capacity needs a shared-prefix layout built on the host (shared_prefix_layout with "
-                                    "host_reads=True)")
-    responses = host.lengths[1::2]  # [B] real response tokens
-    return shared.total + sum(n - r for n, r in zip(shared.host_lengths, responses) if r > 0)
+        raise PackingAssertionError("kv_capacity needs a rollout-tree layout built on the host (tree_layout or "
+                                    "shared_prefix_layout with host_reads=True)")
+    slots = zip(host.lengths, host.segments)  # [N] each: a slot's real tokens, its padded length
+    if exact:  # slot 2b+1: rollout b's response, after its prompt's P[b] = L[b] - r keys
+        responses = list(slots)[1::2]  # [B]
+        return shared.total + sum(n - r for n, (r, padded) in zip(shared.host_lengths, responses) if padded > 0)
+    longest = max(shared.host_lengths, default=0)
+    return shared.total + sum(longest - r for r, padded in slots if padded > 0)
 
 
 def shared_prefix_params(record: SharedPrefixRecord):
-    """The record's THD ``PackedSeqParams``. GRPO groups at ``C = 1``: TransformerEngine's distinct query and key/value
-    boundaries over ``record.kv`` (:func:`~nn_data.adapters.shared_prefix_kv.shared_prefix_packed_seq_params`,
-    ``N = 2B + 1`` sequences, ``max_seqlen_q = T``, ``max_seqlen_kv = K``), for a kernel run bottom-right
-    causal over ``record.kv.gather(key)`` / ``(value)``: a stock model, which hands the kernel its ``T`` keys,
-    must not take them. Under CP (whose keys and values TransformerEngine would split as the queries): the
-    slots' padded boundaries (``max_seqlen`` the longest slot, ``total_tokens = T/C``). nn_data's attention
-    reads neither (it takes the prefix rule: ``shared_prefix_model``). A rollout tree (any ``C``): the node slots'
-    padded boundaries, which no variable-length kernel can run a tree on (its model call needs nn_data's attention)."""
+    """The record's THD ``PackedSeqParams``. At ``C = 1`` (a rollout tree or GRPO groups): TransformerEngine's
+    distinct query and key/value boundaries over ``record.kv``
+    (:func:`~nn_data.adapters.shared_prefix_kv.shared_prefix_packed_seq_params`, ``N + 1`` sequences: the node
+    slots and a slack one, ``max_seqlen_q = T``, ``max_seqlen_kv = K``), for a kernel run bottom-right causal over
+    ``record.kv.gather(key)`` / ``(value)``: a stock model, which hands the kernel its ``T`` keys, must not take
+    them (no boundaries over ``T`` keys can be exact: a node's path keys are not next to it in the row). Under CP
+    (whose keys and values TransformerEngine would split as the queries): the slots' padded boundaries
+    (``max_seqlen`` the longest slot, ``total_tokens = T/C``), for nn_data's attention, which reads neither (it
+    takes the prefix rule: ``shared_prefix_model``)."""
     from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
 
     shared = record.layout

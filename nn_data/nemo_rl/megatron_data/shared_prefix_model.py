@@ -47,10 +47,11 @@ def gpt_model(model):
     return model
 
 
-def check_prefix_attention(model, kind: str = "shared-prefix") -> None:
+def check_prefix_attention(model, record) -> None:
     """:class:`PackingError` unless every attention layer of ``model`` runs nn_data's core attention (the
-    one that honours the prefix rule), naming the class found and, for a rollout tree (``kind``, the record's),
-    why TransformerEngine's variable-length kernel cannot stand in."""
+    one that honours the prefix rule), naming the class found and the other way to run the ``record``'s
+    microbatch: at ``C = 1`` a variable-length kernel over its key/value buffer (``record.kv``, a tree's or
+    GRPO groups' alike); under CP none (no buffer: TransformerEngine's CP splits keys and values as queries)."""
     from nn_data.adapters import PackedDotProductAttention
 
     cores = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
@@ -58,18 +59,21 @@ def check_prefix_attention(model, kind: str = "shared-prefix") -> None:
     if not stock and cores:
         return
     found = ", ".join(stock or ["no attention layer"])
-    fix = "build the GPTModel with nn_data.adapters.megatron_gpt_layer_spec(...)"
-    if kind == "rollout-tree":
-        raise PackingAssertionError(
-            f"a rollout-tree microbatch needs nn_data's attention (each node sees the shared tokens of every ancestor, "
-            f"which the packed row holds once); model={type(model).__name__} has core attention {found}, which cannot "
-            "honour the prefix rule, and a variable-length kernel (TransformerEngine's THD attention) takes one "
-            "key/value run per query sequence, which a tree's nodes have not (SharedPrefixKV covers the depth-1 "
-            f"tree: cfg['nn_data']['shared_prefix'] at CP 1): {fix}, or unset cfg['nn_data']['rollout_tree']")
-    raise PackingAssertionError(f"a shared-prefix microbatch needs nn_data's attention (each response sees its group's "
-                                f"prompt, which the packed row holds once); model={type(model).__name__} has core "
-                                f"attention {found}, which cannot honour the prefix rule: {fix}, or unset "
-                                "cfg['nn_data']['shared_prefix']")
+    tree = record.kind == "rollout-tree"
+    sees = ("each node sees the shared tokens of every ancestor" if tree else "each response sees its group's prompt")
+    key = "cfg['nn_data']['rollout_tree']" if tree else "cfg['nn_data']['shared_prefix']"
+    if record.kv is not None:
+        other = ("; a variable-length kernel of the model's own runs it exactly on the record's key/value buffer "
+                 "(microbatch.shared_prefix.kv.gather(key) / .gather(value) with microbatch.packed_seq_params, "
+                 "bottom-right causal: docs/nemo-rl.md), never on the T packed keys")
+    else:
+        other = (f"; at cp_size={record.cp_size} there is no key/value buffer for a variable-length kernel "
+                 "(TransformerEngine's context parallelism splits keys and values as it splits the queries), so "
+                 "nn_data's attention is the only way")
+    raise PackingAssertionError(f"a {record.kind} microbatch needs nn_data's attention ({sees}, which the packed row "
+                                f"holds once); model={type(model).__name__} has core attention {found}, which cannot "
+                                "honour the prefix rule: build the GPTModel with "
+                                f"nn_data.adapters.megatron_gpt_layer_spec(...), or unset {key}{other}")
 
 
 #: What :func:`forward_shared_prefix` returns.
@@ -98,7 +102,7 @@ def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = 
         raise PackingAssertionError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
     record = _record(microbatch)
     inner = gpt_model(model)
-    check_prefix_attention(inner, record.kind)
+    check_prefix_attention(inner, record)
     adapter = MegatronGPTAdapter(inner, mask_kind=mask_kind)
     group = cp_group if cp_group is not None else getattr(adapter.pg_collection, "cp", None)
     info = packed_info(record, microbatch, group)
