@@ -65,7 +65,10 @@ def test_varlen_kernel_over_the_prompt_buffer_equals_the_prefix_mask(build, args
     assert worst < TOL, worst
 
 
-def test_transformer_engine_thd_attention_over_the_packed_seq_params():
+@pytest.mark.parametrize("build, args", [ROWS[1], TREES[-1]])
+def test_transformer_engine_thd_attention_over_the_packed_seq_params(build, args):
+    """The shared prompt's row and the deepest tree (depth 4: ``tree_kv``, what the NeMo-RL drop-in's tree record
+    carries at CP 1): TransformerEngine's THD attention over the buffer on the PackedSeqParams equals the mask."""
     if not ON_CUDA:
         pytest.skip("dry run: TransformerEngine's attention needs CUDA")
     if importlib.util.find_spec("transformer_engine") is None or importlib.util.find_spec("megatron") is None:
@@ -74,7 +77,7 @@ def test_transformer_engine_thd_attention_over_the_packed_seq_params():
 
     from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
 
-    shared, kv, total = kv_cases.shared_row(*kv_cases.ROWS[1], device=DEVICE)
+    shared, kv, total = build(*args, device=DEVICE)
     params = shared_prefix_packed_seq_params(kv)
     q, k, v = _qkv(total)
     attention = DotProductAttention(HEADS, DIM, qkv_format="thd", attn_mask_type="padding_causal_bottom_right")

@@ -13,7 +13,9 @@ which takes the prefix rule): :func:`forward_shared_prefix` runs it through
 :class:`~nn_data.adapters.MegatronGPTAdapter`, which applies the rotary embedding at the rollout positions
 (a node continues from its path: a response from its prompt; megatron-core's THD rotary embedding restarts
 every segment at 0) and the attention under the prefix rule. A stock model (TransformerEngine's or the local
-``DotProductAttention``) would let a response miss its prompt, or see other rollouts: refused by name.
+``DotProductAttention``) would let a response miss its prompt, or see other rollouts: refused by name (at ``C = 1``
+the message names the record's key/value buffer, ``record.kv``, on which a variable-length kernel of the model's
+own is exact).
 :func:`from_parallel_logits_to_logprobs_shared_prefix` is ``from_parallel_logits_to_logprobs_packed_sequences``
 with the record's layout in place of ``cu_seqlens_padded``: ``[B, S-1]`` per rollout, as if each had run alone;
 :func:`from_parallel_hidden_states_to_logprobs_shared_prefix` the same from the hidden states
