@@ -360,3 +360,32 @@ def test_the_buffer_capacity_is_a_host_bound_for_a_tree_and_exact_for_groups():
     with pytest.raises(PackingError, match=r"^kv_capacity needs a rollout-tree layout built on the host \(tree_layout "
                                            r"or shared_prefix_layout with host_reads=True\)$"):
         kv_capacity(unread, exact=False)
+
+
+@pytest.mark.parametrize("options, fields", [
+    (PackOptions(shared_prefix=True), {"group_ids": [7, 7], "prefix_lengths": [2, 2]}),
+    (PackOptions(rollout_tree=True), {"parent": [-1, 0], "branch_at": [0, 2]}),
+], ids=["groups", "tree"])
+def test_a_last_rollout_without_own_tokens_under_pad_full_seq_to_gets_its_buffer(options, fields):
+    """The last rollout shares all its tokens and ``pad_full_seq_to`` extends its empty slot with padding: the
+    record's buffer still holds that slot's path keys (``kv_capacity`` counts every non-empty padded slot), and
+    every real query's attention over it equals its rollout's alone (float64)."""
+    import torch.nn.functional as F
+
+    from tests.support import shared_prefix_kv_cases as kv_cases
+
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0]])
+    data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([4, 2]),
+                           **{k: torch.tensor(v) for k, v in fields.items()})
+    mb = process_microbatch(data, "input_lengths", 1, 1, 10, pack_sequences=True, options=options)
+    layout, kv, params = mb.shared_prefix.layout, mb.shared_prefix.kv, mb.packed_seq_params
+    assert layout.total == 10 and kv.cu_seqlens_kv.tolist()[-2] == 14 <= kv.max_seqlen_kv  # 10 + 2 + the slot's 2
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(10, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    got = kv_cases.varlen_reference(q, kv.gather(k), kv.gather(v), params.cu_seqlens_q, params.cu_seqlens_kv)
+    where, _ = layout.row_places(4)
+    for b, n in enumerate([4, 2]):
+        at = where[b, :n]
+        alone = F.scaled_dot_product_attention(*(x[at].transpose(0, 1)[None] for x in (q, k, v)),
+                                               is_causal=True)[0].transpose(0, 1)  # [n, 2, 8]
+        torch.testing.assert_close(got[at], alone, rtol=0, atol=1e-12)
