@@ -17,7 +17,6 @@ from typing import Optional, Union
 
 import torch
 
-from nn_data.errors import PackingError
 
 #: A padding value: a scalar, or a tensor broadcastable to a packed tensor's trailing dims.
 Fill = Union[int, float, bool, torch.Tensor]

@@ -244,9 +244,9 @@ class _Forest:
         m, lengths, extra = self.multiple, self.lengths, self.extra
         rollouts, places, (tokens, real, work) = part
         d, x, at, mine = 0, -1, -1, shared[i]
-        for member, place in zip(rollouts, places):
-            if mine[place] > d:
-                d, x, at = mine[place], member, place
+        for member, slot in zip(rollouts, places):
+            if mine[slot] > d:
+                d, x, at = mine[slot], member, slot
         n = int(lengths[b])
         ends = sorted({d, n} | ({int(extra[b])} if extra is not None and d < int(extra[b]) < n else set()))
         tokens += sum(round_up(e - s, m) for s, e in zip(ends, ends[1:]))

@@ -25,6 +25,7 @@ with the record's layout in place of ``cu_seqlens_padded``: ``[B, S-1]`` per rol
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -133,9 +134,7 @@ def packed_info(record, microbatch, cp_group):
     gather = None
     if record.cp_size > 1:
         op = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False, host_reads=False)  # keys/values: gradients sum
-
-        def gather(local):
-            return op(local, layout=slots)  # [1, T/C, *] -> [1, T, *]
+        gather = functools.partial(op, layout=slots)  # [1, T/C, *] -> [1, T, *]
     shared = record.layout
     bounds = PackedBounds(cu_seqlens_padded=slots.cu_seqlens_padded, max_seqlen=slots.max_seqlen,
                           cu_seqlens=slots.cu_seqlens, row_len=shared.row_len,
