@@ -48,7 +48,9 @@ class TreeLayout(NamedTuple):
     ``maps`` (:class:`~nn_data.layout.device.GatherMaps`: where each packed position reads the flat
     rollouts ``[B*S]``, the pack's one gather), ``nodes`` (:class:`~nn_data.layout.tree_nodes.NodeTables`),
     ``paths`` (:class:`~nn_data.layout.tree_nodes.Paths`), ``host_lengths``: the rollout lengths as
-    Python ints when the builder read them (else None). ``SharedPrefixLayout`` is this class."""
+    Python ints when the builder read them (else None), ``host_begins``: likewise each node slot's place in
+    its rollout (``nodes.begin``; 0 for a slot of no rollout), from the same read. ``SharedPrefixLayout`` is
+    this class."""
 
     layout: PackLayout
     seq_lengths: torch.Tensor
@@ -59,6 +61,7 @@ class TreeLayout(NamedTuple):
     nodes: tree_nodes.NodeTables
     paths: tree_nodes.Paths
     host_lengths: Optional[list] = None
+    host_begins: Optional[list] = None
 
     @property
     def total(self) -> int:
@@ -306,10 +309,10 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
     slot_rows = None  # the slot where the padding rows' slots begin (a 0-d tensor, no read)
     if num_rows is not None:
         slot_rows = nodes.offsets.index_select(0, num_rows.to(torch.int64).clamp(0, rows).view(1)).view(())
-    host_lengths = None
+    host_lengths = host_begins = None
     if reads_host(host_reads, lengths):
         given = parent if tree_checks is None else tree_checks[1]
-        layout, host_lengths = _on_host(lengths, given, branch_at, nodes, slot_lengths, slot_rows, num_rows, row_len,
+        layout, host_lengths, host_begins = _on_host(lengths, given, branch_at, nodes, slot_lengths, slot_rows, num_rows, row_len,
                                         spec, validate, tree_checks, group_checks)
     else:
         op = OP if group_checks is None else "shared_prefix_layout"
@@ -331,15 +334,17 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
     source = (read[seg] + offset).clamp(max=rows * row_len - 1).clamp(min=0)  # [T] into [B*S]
     maps = GatherMaps(source, offset < nodes.length[seg])
     path = tree_nodes.paths(parent, branch_at)
-    return TreeLayout(layout, lengths, parent, branch_at, row_len, maps, nodes, path, host_lengths)
+    return TreeLayout(layout, lengths, parent, branch_at, row_len, maps, nodes, path, host_lengths, host_begins)
 
 
 def _on_host(lengths, parent, branch_at, nodes, slot_lengths, slot_rows, num_rows, row_len, spec, validate,
              tree_checks, group_checks):
-    """The one read and (when ``validate``) every check on its ints, then the slots' host layout."""
+    """The one read and (when ``validate``) every check on its ints, then the slots' host layout, the rollout
+    lengths and the slots' begins (0 for a slot of no rollout) as ints."""
     rows, slots = lengths.shape[0], slot_lengths.shape[0]
     flags = tree_checks[0] if tree_checks is not None else group_checks[3]
-    parts = [lengths, parent, branch_at, slot_lengths, nodes.used.view(1)]
+    begins = torch.where(nodes.owner[:slots] < rows, nodes.begin[:slots], 0)  # [N]
+    parts = [lengths, parent, branch_at, slot_lengths, begins, nodes.used.view(1)]
     if group_checks is not None:
         parts += [group_checks[0], group_checks[1], group_checks[2]]
     if flags is not None:
@@ -354,7 +359,7 @@ def _on_host(lengths, parent, branch_at, nodes, slot_lengths, slot_rows, num_row
         return values[cursor[0] - n:cursor[0]]
 
     ints = [read(rows) for _ in range(3)]
-    slot_ints, used = read(slots), read(1)[0]
+    slot_ints, begin_ints, used = read(slots), read(slots), read(1)[0]
     group_ints = [read(rows) for _ in range(3)] if group_checks is not None else None
     flag_ints = read(rows) if flags is not None else None
     n, n_slots = read(2) if num_rows is not None else (None, None)
@@ -367,7 +372,7 @@ def _on_host(lengths, parent, branch_at, nodes, slot_lengths, slot_rows, num_row
         checks.shared_total_host(sum(round_up_all(slot_ints, spec.m)), sum(ints[0]), spec.m, spec.fixed_total,
                                  "pad_full_seq_to")
     layout = layout_from_read_lengths(slot_ints, slot_lengths, row_len, spec, n_slots, validate=validate)
-    return layout, ints[0]
+    return layout, ints[0], begin_ints
 
 
 def _check_args(seq_lengths, fields: dict, row_len, input_ids, num_rows) -> int:

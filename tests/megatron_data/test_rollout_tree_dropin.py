@@ -339,36 +339,13 @@ def test_the_records_te_fields_give_each_rollout_its_attention_alone_float64():
     assert deepest >= 2  # a node below a node below a root, not only the GRPO-like star
 
 
-def test_the_buffer_capacity_is_a_host_bound_for_a_tree_and_exact_for_groups():
-    """``kv_capacity`` from the builder's ints, no read: a tree's ``T + sum over non-empty slots of (max L -
-    length)`` covers its path keys (the docstring's example: 15 for a need of 12); the GRPO groups' is their need
-    exactly; a layout built without a host read is refused by name."""
-    from nn_data.layout import PackSpec, shared_prefix_layout, tree_layout
-    from nn_data.nemo_rl.megatron_data.shared_prefix import kv_capacity
-    from nn_data.adapters.shared_prefix_kv import tree_kv
-
-    tree = tree_layout(torch.tensor([5, 4]), torch.tensor([-1, 0]), torch.tensor([0, 3]), row_len=5,
-                       spec=PackSpec(1))
-    assert kv_capacity(tree, exact=False) == 15
-    assert tree_kv(tree, kv_capacity=15).cu_seqlens_kv[-2].item() == 12  # the path keys before the slack
-    groups = shared_prefix_layout(torch.tensor([4, 3, 3]), torch.tensor([2, 2, 1]), torch.tensor([7, 7, 9]),
-                                  row_len=4, spec=PackSpec(1))
-    kv = tree_kv(groups, kv_capacity=kv_capacity(groups, exact=True))
-    assert kv.max_seqlen_kv == 13 == kv.cu_seqlens_kv[-2].item() and bool(kv.kv_valid.all())
-    unread = tree_layout(torch.tensor([5, 4]), torch.tensor([-1, 0]), torch.tensor([0, 3]), row_len=5,
-                         spec=PackSpec(1, fixed_total=8), host_reads=False)
-    with pytest.raises(PackingError, match=r"^kv_capacity needs a rollout-tree layout built on the host \(tree_layout "
-                                           r"or shared_prefix_layout with host_reads=True\)$"):
-        kv_capacity(unread, exact=False)
-
-
 @pytest.mark.parametrize("options, fields", [
     (PackOptions(shared_prefix=True), {"group_ids": [7, 7], "prefix_lengths": [2, 2]}),
     (PackOptions(rollout_tree=True), {"parent": [-1, 0], "branch_at": [0, 2]}),
 ], ids=["groups", "tree"])
 def test_a_last_rollout_without_own_tokens_under_pad_full_seq_to_gets_its_buffer(options, fields):
     """The last rollout shares all its tokens and ``pad_full_seq_to`` extends its empty slot with padding: the
-    record's buffer still holds that slot's path keys (``kv_capacity`` counts every non-empty padded slot), and
+    record's buffer still holds that slot's path keys (the need counts every non-empty padded slot), and
     every real query's attention over it equals its rollout's alone (float64)."""
     import torch.nn.functional as F
 
@@ -377,9 +354,10 @@ def test_a_last_rollout_without_own_tokens_under_pad_full_seq_to_gets_its_buffer
     ids = torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0]])
     data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([4, 2]),
                            **{k: torch.tensor(v) for k, v in fields.items()})
+    options = dataclasses.replace(options, kv_capacity=16)  # the run's K, required under pad_full_seq_to
     mb = process_microbatch(data, "input_lengths", 1, 1, 10, pack_sequences=True, options=options)
     layout, kv, params = mb.shared_prefix.layout, mb.shared_prefix.kv, mb.packed_seq_params
-    assert layout.total == 10 and kv.cu_seqlens_kv.tolist()[-2] == 14 <= kv.max_seqlen_kv  # 10 + 2 + the slot's 2
+    assert layout.total == 10 and kv.cu_seqlens_kv.tolist()[-2] == 14 and kv.max_seqlen_kv == 16  # 10 + 2 + 2
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(10, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     got = kv_cases.varlen_reference(q, kv.gather(k), kv.gather(v), params.cu_seqlens_q, params.cu_seqlens_kv)

@@ -119,6 +119,12 @@ class PackOptions:
     ``rollout_tree``: every shared prefix of a rollout tree packed once, at any depth
         (:func:`rollout_tree_keys`: True, ``"find"`` or the batch keys of ``parent`` and ``branch_at``);
         normalised to :class:`RolloutTreeKeys` or None. Not with ``shared_prefix`` (one spelling).
+    ``kv_capacity``: the run's length ``K`` of a shared-prefix or rollout-tree microbatch's key/value
+        buffer at CP 1 (``SharedPrefixRecord.kv``, for TransformerEngine's THD attention), one int for every
+        microbatch; required under a fixed packed length (``pad_full_seq_to``), without which each
+        microbatch's buffer is exactly its need. A microbatch needing more (``T`` plus the path tokens
+        before its nodes) is refused naming its need. Needs ``shared_prefix`` or ``rollout_tree``; at least
+        ``pad_full_seq_to``; unused under CP (no buffer).
 
     Built from a config with :meth:`from_cfg` (``cfg["nn_data"]``, docs/nemo-rl.md, "nn_data options").
     """
@@ -131,9 +137,11 @@ class PackOptions:
     pad_full_seq_to: Optional[int] = None
     shared_prefix: Any = None
     rollout_tree: Any = None
+    kv_capacity: Optional[int] = None
 
     def __post_init__(self):
         checks.positive_int("row_capacity", self.row_capacity, allow_none=True)
+        checks.positive_int("kv_capacity", self.kv_capacity, allow_none=True)
         if self.rollout_tree is not None and self.rollout_tree is not False and self.shared_prefix not in (None, False):
             raise PackingAssertionError(f"cfg['nn_data']['shared_prefix']={self.shared_prefix!r} and cfg['nn_data']"
                                         f"['rollout_tree']={self.rollout_tree!r} are both set: a GRPO group is the "
@@ -141,6 +149,7 @@ class PackOptions:
         object.__setattr__(self, "shared_prefix", shared_prefix_keys(self.shared_prefix))
         object.__setattr__(self, "rollout_tree", rollout_tree_keys(self.rollout_tree))
         fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
+        self._check_kv_capacity()
         if self.pad_full_seq_to is not None and self.buckets is not None:
             raise PackingAssertionError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
                                         "set: buckets only choose T when there is no fixed packed length; drop one")
@@ -152,6 +161,17 @@ class PackOptions:
         for v in b:
             fixed_total_arg("buckets entry", v)
         object.__setattr__(self, "buckets", tuple(sorted(set(b))))
+
+    def _check_kv_capacity(self) -> None:
+        k, run = self.kv_capacity, self.pad_full_seq_to
+        if k is not None and self.tree is None:
+            raise PackingAssertionError(f"cfg['nn_data']['kv_capacity']={k} sizes the key/value buffer of a shared-"
+                                        "prefix or rollout-tree microbatch; set cfg['nn_data']['shared_prefix'] or "
+                                        "['rollout_tree'], or drop kv_capacity")
+        if k is not None and run is not None and k < run:
+            raise PackingAssertionError(f"cfg['nn_data']['kv_capacity']={k} is below pad_full_seq_to={run}: the "
+                                        "buffer holds every packed token's keys and the path tokens before each "
+                                        f"node; set kv_capacity to at least {run}")
 
     @property
     def tree(self):

@@ -29,8 +29,9 @@ class SharedPrefixRecord(NamedTuple):
     ``C = 1`` the :class:`~nn_data.adapters.shared_prefix_kv.SharedPrefixKV` of a variable-length kernel
     (TransformerEngine's THD attention, :func:`~nn_data.adapters.shared_prefix_kv.tree_kv`): each node slot's keys
     and values are those of its rollout's path before it (a response's: its prompt's), then its own,
-    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` (``T`` plus those path keys: exact for GRPO
-    groups, a bound for a tree: :func:`~nn_data.nemo_rl.megatron_data.shared_prefix.kv_capacity`); None under CP
+    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` (``T`` plus those path keys, exactly, or
+    the run's ``cfg["nn_data"]["kv_capacity"]``, required under ``pad_full_seq_to`` so that the buffer has one
+    shape per run: :func:`~nn_data.nemo_rl.megatron_data.shared_prefix.kv_capacity`); None under CP
     (TransformerEngine's CP splits keys and values as it splits the queries, which the buffer is not);
     ``kind``: the kind of microbatch (``"shared-prefix"``: GRPO groups, ``cfg["nn_data"]["shared_prefix"]``;
     ``"rollout-tree"``: ``cfg["nn_data"]["rollout_tree"]``)."""

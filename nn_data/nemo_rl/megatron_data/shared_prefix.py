@@ -202,7 +202,8 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
     kv = None
     if cp_size == 1:  # a variable-length kernel's q/kv boundaries: each node slot's path keys, then its own
-        kv = tree_kv(shared, kv_capacity=kv_capacity(shared, exact=star))
+        fixed = spec.fixed_total is not None
+        kv = tree_kv(shared, kv_capacity=kv_capacity(shared, run_capacity=options.kv_capacity, fixed=fixed))
     record = SharedPrefixRecord(shared, info.prefix.rule, info.segment_ids, info.query_index, cp_size, cp_rank, kv,
                                 kind.name)
     return ProcessedInputs(
@@ -212,28 +213,39 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     )
 
 
-def kv_capacity(shared: SharedPrefixLayout, *, exact: bool) -> int:
-    """``K`` of the record's key/value buffer (:func:`~nn_data.adapters.shared_prefix_kv.tree_kv`): ``T`` plus
-    the path tokens ahead of every non-empty node slot, from the builder's host ints (no read). ``exact``
-    (the GRPO groups, the depth-1 tree in ``2B`` slots): each response's prompt ``P[b] = L[b]`` minus its
-    response slot's real tokens, the buffer's length exactly. A tree: a node's path before it is at most
-    the longest rollout less the node's own tokens (its begin plus its length is its rollout's length), so
-    ``T + sum over the non-empty slots of (max L - length)``, a bound (the slack sequence takes the rest).
+def kv_capacity(shared: SharedPrefixLayout, *, run_capacity: Optional[int] = None, fixed: bool = False) -> int:
+    """``K`` of the record's key/value buffer (:func:`~nn_data.adapters.shared_prefix_kv.tree_kv`) from the
+    builder's host ints (no read): the microbatch's need, ``T`` plus the path tokens ahead of every non-empty
+    node slot (its begin in its rollout), exactly, for GRPO groups and trees alike; or, with ``run_capacity``
+    (``cfg["nn_data"]["kv_capacity"]``), that one length for every microbatch of the run, the slack sequence
+    taking what the microbatch does not need. ``fixed`` (a fixed ``T``, ``pad_full_seq_to``) requires
+    ``run_capacity``: a per-microbatch ``K`` would change the buffer's shape under a static ``T``.
 
-    Example: L ``[4, 3, 3]``, response slots ``[2, 1, 2]``, T 8 -> exact: P ``[2, 2, 1]``, K ``8 + 5 = 13``;
-    the tree L ``[5, 4]``, slots ``[3, 2, 0, 1]``, T 6 -> K ``6 + (5-3) + (5-2) + (5-1) = 15`` (its exact
-    need: ``6 + 0 + 3 + 3 = 12``).
+    Example: the tree L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, m 1: slots ``[0,3) [3,5) [5,5)
+    [5,6)`` (begins ``0, 3, 0, 3``), T 6 -> K ``6 + 3 + 3 = 12``; groups L ``[4, 3, 3]``, P ``[2, 2, 1]``, T 8 ->
+    K ``8 + 2 + 2 + 1 = 13``; ``run_capacity=16`` -> 16, ``run_capacity=12`` -> :class:`PackingError` (needs 13).
     """
     host = shared.layout.host
-    if host is None or shared.host_lengths is None:
+    if host is None or shared.host_begins is None:
         raise PackingAssertionError("kv_capacity needs a rollout-tree layout built on the host (tree_layout or "
                                     "shared_prefix_layout with host_reads=True)")
-    slots = zip(host.lengths, host.segments)  # [N] each: a slot's real tokens, its padded length
-    if exact:  # slot 2b+1: rollout b's response, after its prompt's P[b] = L[b] - r keys
-        responses = list(slots)[1::2]  # [B]
-        return shared.total + sum(n - r for n, (r, padded) in zip(shared.host_lengths, responses) if padded > 0)
-    longest = max(shared.host_lengths, default=0)
-    return shared.total + sum(longest - r for r, padded in slots if padded > 0)
+    path = sum(begin for begin, padded in zip(shared.host_begins, host.segments) if padded > 0)
+    need = shared.total + path
+    if run_capacity is None:
+        if fixed:
+            raise PackingAssertionError(
+                f"pad_full_seq_to={shared.total} fixes the packed length, but the key/value buffer of a "
+                "shared-prefix or rollout-tree microbatch at CP 1 would change length with each microbatch (this "
+                f"one needs K={need}: T={shared.total} plus {path} path tokens before its nodes); set "
+                "cfg['nn_data']['kv_capacity'] (PackOptions(kv_capacity=...)) to one length "
+                f"for the run, at least {need}")
+        return need
+    if need > run_capacity:
+        raise PackingAssertionError(
+            f"cfg['nn_data']['kv_capacity']={run_capacity} is too small for this microbatch: its key/value buffer "
+            f"needs K={need} (T={shared.total} plus {path} path tokens before its nodes); raise kv_capacity to at "
+            f"least {need}")
+    return run_capacity
 
 
 def shared_prefix_params(record: SharedPrefixRecord):
