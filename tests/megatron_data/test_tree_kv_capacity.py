@@ -125,8 +125,9 @@ def test_one_buffer_shape_for_a_stream_of_different_trees_under_pad_full_seq_to_
 @pytest.mark.parametrize("options", [PackOptions(rollout_tree=True, kv_capacity=40),
                                      PackOptions(shared_prefix=True, kv_capacity=40)], ids=["tree", "groups"])
 def test_the_run_capacity_costs_no_host_read(options):
-    """The need comes from the builder's one read: still one host read per microbatch, a stream of them under
-    ``pad_full_seq_to`` (the call's) with the run's ``kv_capacity``."""
+    """The need comes from the builder's one read: still one host read per microbatch under ``pad_full_seq_to``
+    (the call's) with the run's ``kv_capacity``; set, the capacity is the buffer's length without a fixed ``T``
+    too."""
     from nn_data.diagnostics import HostSyncCounter
 
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 3, 0, 0], [5, 6, 7, 4, 4]])
@@ -138,3 +139,5 @@ def test_the_run_capacity_costs_no_host_read(options):
         mb = process_microbatch(data, "input_lengths", M, 1, 24, pack_sequences=True, options=options)
     assert syncs.count == 1, syncs.calls
     assert mb.shared_prefix.kv.max_seqlen_kv == 40 == mb.packed_seq_params.max_seqlen_kv
+    unfixed = process_microbatch(data, "input_lengths", M, 1, None, pack_sequences=True, options=options)
+    assert unfixed.shared_prefix.layout.total < 24 and unfixed.shared_prefix.kv.max_seqlen_kv == 40  # K without T

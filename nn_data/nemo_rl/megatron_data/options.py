@@ -121,7 +121,7 @@ class PackOptions:
         normalised to :class:`RolloutTreeKeys` or None. Not with ``shared_prefix`` (one spelling).
     ``kv_capacity``: the run's length ``K`` of a shared-prefix or rollout-tree microbatch's key/value
         buffer at CP 1 (``SharedPrefixRecord.kv``, for TransformerEngine's THD attention), one int for every
-        microbatch; required under a fixed packed length (``pad_full_seq_to``), without which each
+        microbatch; required under a fixed packed length (``pad_full_seq_to``). Unset (no fixed ``T``), each
         microbatch's buffer is exactly its need. A microbatch needing more (``T`` plus the path tokens
         before its nodes) is refused naming its need. Needs ``shared_prefix`` or ``rollout_tree``; at least
         ``pad_full_seq_to``; unused under CP (no buffer).

@@ -7,7 +7,8 @@ Shape legend
         prompt, empty unless b leads its group, slot ``2b+1`` its response; at most ``3B - 2`` for a tree:
         :mod:`nn_data.layout.prefix_layout`)
     C   context-parallel size; the model sees ``T/C`` local tokens
-    K   keys of TransformerEngine's per-response key/value buffer (the shared prompt at ``C = 1``)
+    K   keys of TransformerEngine's per-node key/value buffer at ``C = 1``: the microbatch's need, or under
+        ``pad_full_seq_to`` the run's ``cfg["nn_data"]["kv_capacity"]`` (:func:`kv_capacity`)
 
 With a key set (:func:`~nn_data.nemo_rl.megatron_data.options.rollout_tree_keys`,
 :func:`~nn_data.nemo_rl.megatron_data.options.shared_prefix_keys`) a step's batch carries, beside ``input_ids`` /
@@ -37,7 +38,8 @@ prefix (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a
 (``cfg["nn_data"]["compile"]``) and ``T`` buckets (``cfg["nn_data"]["buckets"]``), none of which has a
 shared-prefix form yet. TransformerEngine's variable-length kernel takes one key/value run per query sequence:
 at ``C = 1`` the record carries that buffer (``kv``: each node slot's path keys, then its own, for trees and
-GRPO groups alike, :func:`~nn_data.adapters.shared_prefix_kv.tree_kv`) and ``packed_seq_params`` holds its
+GRPO groups alike, :func:`~nn_data.adapters.shared_prefix_kv.tree_kv`; one length per run under a fixed ``T``,
+whose absence is refused by name) and ``packed_seq_params`` holds its
 boundaries, which are exact only over ``kv.gather(key)`` / ``kv.gather(value)``: a stock model handing the
 kernel its ``T`` keys is wrong (docs/nemo-rl.md); under CP there is no buffer and the model call needs
 nn_data's attention (``forward_shared_prefix`` refuses a model without it, naming the fix).
