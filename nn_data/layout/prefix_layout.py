@@ -312,8 +312,8 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
     host_lengths = host_begins = None
     if reads_host(host_reads, lengths):
         given = parent if tree_checks is None else tree_checks[1]
-        layout, host_lengths, host_begins = _on_host(lengths, given, branch_at, nodes, slot_lengths, slot_rows, num_rows, row_len,
-                                        spec, validate, tree_checks, group_checks)
+        layout, host_lengths, host_begins = _on_host(lengths, given, branch_at, nodes, slot_lengths, slot_rows,
+                                                     num_rows, row_len, spec, validate, tree_checks, group_checks)
     else:
         op = OP if group_checks is None else "shared_prefix_layout"
         if validate:
