@@ -5,8 +5,8 @@ megatron drop-in (``SharedPrefixRecord.kv``, for TransformerEngine's THD attenti
 each microbatch's exact need from the layout builder's host ints (``T`` plus the path tokens before its nodes); under
 ``pad_full_seq_to``, the run's ``cfg["nn_data"]["kv_capacity"]``, one buffer shape for every microbatch of a stream of
 different trees and GRPO groups, with every rollout's attention through it (a CPU loop reference of the kernel) equal
-to its attention alone (float64). A missing or too small capacity is refused by name with the need and the fix, on
-the host, in the builder's one read.
+to its attention alone (float64), and a compiled dense stand-in of the kernel over the stream's buffers is one graph.
+A missing or too small capacity is refused by name with the need and the fix, on the host, in the builder's one read.
 """
 
 from __future__ import annotations
@@ -141,3 +141,44 @@ def test_the_run_capacity_costs_no_host_read(options):
     assert mb.shared_prefix.kv.max_seqlen_kv == 40 == mb.packed_seq_params.max_seqlen_kv
     unfixed = process_microbatch(data, "input_lengths", M, 1, None, pack_sequences=True, options=options)
     assert unfixed.shared_prefix.layout.total < 24 and unfixed.shared_prefix.kv.max_seqlen_kv == 40  # K without T
+
+
+def _dense_varlen(q, k, v, kv_source, cu_q, cu_kv):
+    """A variable-length kernel as one dense masked attention (bottom-right causal per sequence, from the
+    boundaries; no host read): ``q [T, H, D]``, ``k, v [T, H, D]`` gathered to ``[K, H, D]`` by ``kv_source [K]``
+    -> ``[T, H, D]``. Each query sees at least its own key, so no row is all masked."""
+    keys, values = k.index_select(0, kv_source), v.index_select(0, kv_source)  # [K, H, D]
+    q_pos = torch.arange(q.shape[0], device=q.device)  # [T]
+    k_pos = torch.arange(keys.shape[0], device=q.device)  # [K]
+    sq = torch.searchsorted(cu_q[1:], q_pos.to(cu_q.dtype), right=True)  # [T] the sequence of each query
+    sk = torch.searchsorted(cu_kv[1:], k_pos.to(cu_kv.dtype), right=True)  # [K]
+    shift = (cu_kv[1:] - cu_kv[:-1]) - (cu_q[1:] - cu_q[:-1])  # [N+1] keys minus queries per sequence
+    q_off, k_off = q_pos - cu_q[sq], k_pos - cu_kv[sk]  # [T], [K]
+    allowed = (sq[:, None] == sk[None, :]) & (k_off[None, :] <= (q_off + shift[sq])[:, None])  # [T, K]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                         values.transpose(0, 1)[None], attn_mask=allowed)  # [1, H, T, D]
+    return out[0].transpose(0, 1)
+
+
+def test_one_graph_over_the_stream_of_buffers_under_pad_full_seq_to_float64():
+    """A compiled attention over the record's buffer (``fullgraph=True``; the boundaries' ``N + 2`` entries, which
+    follow the rollout count, marked dynamic) compiles once for the stream: ``K`` is the run's; and it equals the
+    kernel's loop reference (1e-12)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(_dense_varlen, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(6)
+    torch._dynamo.reset()
+    mbs = _stream(pad_full_seq_to=BUDGET, kv_capacity=72)
+    assert len({mb.shared_prefix.kv.cu_seqlens_q.shape[0] for mb in mbs}) > 1  # different rollout counts
+    for mb in mbs:
+        kv = mb.shared_prefix.kv
+        q, k, v = (torch.randn(BUDGET, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+        cu_q, cu_kv = kv.cu_seqlens_q.clone(), kv.cu_seqlens_kv.clone()
+        torch._dynamo.mark_dynamic(cu_q, 0)
+        torch._dynamo.mark_dynamic(cu_kv, 0)
+        got = compiled(q, k, v, kv.kv_source, cu_q, cu_kv)
+        want = kv_cases.varlen_reference(q, kv.gather(k), kv.gather(v), kv.cu_seqlens_q, kv.cu_seqlens_kv)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert counter.frame_count == 1
