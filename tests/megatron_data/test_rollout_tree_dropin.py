@@ -285,6 +285,13 @@ def test_a_model_without_nn_datas_attention_is_refused_for_a_tree_naming_the_fix
                                            r"\(TransformerEngine's context parallelism splits keys and values as it "
                                            r"splits the queries\), so nn_data's attention is the only way$"):
         forward_shared_prefix(stock, sharded)
+    # At CP 1 under pad_full_seq_to without kv_capacity: no buffer either, and the message names the key.
+    unsized = dataclasses.replace(mbs[0], shared_prefix=mbs[0].shared_prefix._replace(kv=None))
+    with pytest.raises(PackingError, match=r"^a rollout-tree microbatch needs nn_data's attention .*; the microbatch "
+                                           r"has no key/value buffer for a variable-length kernel: under "
+                                           r"pad_full_seq_to set cfg\['nn_data'\]\['kv_capacity'\] to the buffer's "
+                                           r"one length for the run \(docs/nemo-rl.md\)$"):
+        forward_shared_prefix(stock, unsized)
 
 
 def test_find_without_the_sharding_planner_finds_the_microbatchs_tree():

@@ -6,7 +6,8 @@ each microbatch's exact need from the layout builder's host ints (``T`` plus the
 ``pad_full_seq_to``, the run's ``cfg["nn_data"]["kv_capacity"]``, one buffer shape for every microbatch of a stream of
 different trees and GRPO groups, with every rollout's attention through it (a CPU loop reference of the kernel) equal
 to its attention alone (float64), and a compiled dense stand-in of the kernel over the stream's buffers is one graph.
-A missing or too small capacity is refused by name with the need and the fix, on the host, in the builder's one read.
+A too small capacity is refused by name with the need and the fix, on the host, in the builder's one read; without
+one under ``pad_full_seq_to`` the microbatch has no buffer, and a stock model is refused naming the key.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def test_the_need_is_exact_from_the_builders_ints_for_trees_and_groups():
         assert kv_capacity(layout) == need == _need(layout)
         kv = tree_kv(layout, kv_capacity=need)  # exactly enough: the slack sequence is empty
         assert kv.cu_seqlens_kv.tolist()[-2:] == [need, need] and bool(kv.kv_valid.all())
-        assert kv_capacity(layout, run_capacity=20, fixed=True) == 20
+        assert kv_capacity(layout, run_capacity=20) == 20
     unread = tree_layout(torch.tensor([5, 4]), torch.tensor([-1, 0]), torch.tensor([0, 3]), row_len=5,
                          spec=PackSpec(1, fixed_total=8), host_reads=False)
     with pytest.raises(PackingError, match=r"^kv_capacity needs a rollout-tree layout built on the host \(tree_layout "
@@ -57,17 +58,11 @@ def test_the_need_is_exact_from_the_builders_ints_for_trees_and_groups():
         kv_capacity(unread)
 
 
-def test_a_too_small_or_missing_run_capacity_is_refused_with_the_need():
+def test_a_too_small_run_capacity_is_refused_with_the_need():
     with pytest.raises(PackingError, match=r"^cfg\['nn_data'\]\['kv_capacity'\]=12 is too small for this microbatch: "
                                            r"its key/value buffer needs K=13 \(T=8 plus 5 path tokens before its "
                                            r"nodes\); raise kv_capacity to at least 13$"):
-        kv_capacity(_groups(), run_capacity=12, fixed=True)
-    with pytest.raises(PackingError, match=r"^pad_full_seq_to=6 fixes the packed length, but the key/value buffer of "
-                                           r"a shared-prefix or rollout-tree microbatch at CP 1 would change length "
-                                           r"with each microbatch \(this one needs K=12: T=6 plus 6 path tokens before "
-                                           r"its nodes\); set cfg\['nn_data'\]\['kv_capacity'\] \(PackOptions\("
-                                           r"kv_capacity=...\)\) to one length for the run, at least 12$"):
-        kv_capacity(_tree(), fixed=True)
+        kv_capacity(_groups(), run_capacity=12)
 
 
 def test_the_config_key_is_checked():
@@ -101,9 +96,10 @@ def test_one_buffer_shape_for_a_stream_of_different_trees_under_pad_full_seq_to_
     needs = {mb.shared_prefix.kv.max_seqlen_kv for mb in _stream()}  # without a fixed T: each one's exact need
     assert len(needs) > 1
     run_k = max(needs) + 8
-    with pytest.raises(PackingError, match=r"^pad_full_seq_to=32 fixes the packed length, .* set cfg\['nn_data'\]"
-                                           r"\['kv_capacity'\]"):
-        _stream(pad_full_seq_to=BUDGET)
+    # Without kv_capacity a fixed T gets no buffer (its length would vary), and the record's boundaries are the slots'
+    for mb in _stream(pad_full_seq_to=BUDGET):
+        slots = mb.shared_prefix.layout.layout.cu_seqlens_padded
+        assert mb.shared_prefix.kv is None and torch.equal(mb.packed_seq_params.cu_seqlens_kv, slots)
     gen = torch.Generator().manual_seed(5)
     shapes = set()
     for mb in _stream(pad_full_seq_to=BUDGET, kv_capacity=run_k):

@@ -203,9 +203,11 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     shared, info = shard.layout, shard.packed
     full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
     kv = None
-    if cp_size == 1:  # a variable-length kernel's q/kv boundaries: each node slot's path keys, then its own
-        fixed = spec.fixed_total is not None
-        kv = tree_kv(shared, kv_capacity=kv_capacity(shared, run_capacity=options.kv_capacity, fixed=fixed))
+    # A variable-length kernel's q/kv boundaries (each node slot's path keys, then its own) at CP 1: one length per
+    # run where kv_capacity sets it, each microbatch's need without a fixed T; under a fixed T without kv_capacity
+    # none (its length would change the shapes pad_full_seq_to fixes; check_prefix_attention names the key).
+    if cp_size == 1 and (options.kv_capacity is not None or spec.fixed_total is None):
+        kv = tree_kv(shared, kv_capacity=kv_capacity(shared, run_capacity=options.kv_capacity))
     record = SharedPrefixRecord(shared, info.prefix.rule, info.segment_ids, info.query_index, cp_size, cp_rank, kv,
                                 kind.name)
     return ProcessedInputs(
@@ -215,13 +217,13 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     )
 
 
-def kv_capacity(shared: SharedPrefixLayout, *, run_capacity: Optional[int] = None, fixed: bool = False) -> int:
+def kv_capacity(shared: SharedPrefixLayout, *, run_capacity: Optional[int] = None) -> int:
     """``K`` of the record's key/value buffer (:func:`~nn_data.adapters.shared_prefix_kv.tree_kv`) from the
     builder's host ints (no read): the microbatch's need, ``T`` plus the path tokens ahead of every non-empty
     node slot (its begin in its rollout), exactly, for GRPO groups and trees alike; or, with ``run_capacity``
     (``cfg["nn_data"]["kv_capacity"]``), that one length for every microbatch of the run, the slack sequence
-    taking what the microbatch does not need. ``fixed`` (a fixed ``T``, ``pad_full_seq_to``) requires
-    ``run_capacity``: a per-microbatch ``K`` would change the buffer's shape under a static ``T``.
+    taking what the microbatch does not need (under ``pad_full_seq_to`` the drop-in builds a buffer only with it: a
+    per-microbatch ``K`` would change the buffer's shape under a static ``T``).
 
     Example: the tree L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, m 1: slots ``[0,3) [3,5) [5,5)
     [5,6)`` (begins ``0, 3, 0, 3``), T 6 -> K ``6 + 3 + 3 = 12``; groups L ``[4, 3, 3]``, P ``[2, 2, 1]``, T 8 ->
@@ -234,13 +236,6 @@ def kv_capacity(shared: SharedPrefixLayout, *, run_capacity: Optional[int] = Non
     path = sum(begin for begin, padded in zip(shared.host_begins, host.segments) if padded > 0)
     need = shared.total + path
     if run_capacity is None:
-        if fixed:
-            raise PackingAssertionError(
-                f"pad_full_seq_to={shared.total} fixes the packed length, but the key/value buffer of a "
-                "shared-prefix or rollout-tree microbatch at CP 1 would change length with each microbatch (this "
-                f"one needs K={need}: T={shared.total} plus {path} path tokens before its nodes); set "
-                "cfg['nn_data']['kv_capacity'] (PackOptions(kv_capacity=...)) to one length "
-                f"for the run, at least {need}")
         return need
     if need > run_capacity:
         raise PackingAssertionError(

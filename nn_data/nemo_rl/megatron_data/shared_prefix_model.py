@@ -69,6 +69,9 @@ def check_prefix_attention(model, record) -> None:
         other = ("; a variable-length kernel of the model's own runs it exactly on the record's key/value buffer "
                  "(microbatch.shared_prefix.kv.gather(key) / .gather(value) with microbatch.packed_seq_params, "
                  "bottom-right causal: docs/nemo-rl.md), never on the T packed keys")
+    elif record.cp_size == 1:
+        other = ("; the microbatch has no key/value buffer for a variable-length kernel: under pad_full_seq_to set "
+                 "cfg['nn_data']['kv_capacity'] to the buffer's one length for the run (docs/nemo-rl.md)")
     else:
         other = (f"; at cp_size={record.cp_size} there is no key/value buffer for a variable-length kernel "
                  "(TransformerEngine's context parallelism splits keys and values as it splits the queries), so "
