@@ -47,7 +47,8 @@ import torch.distributed as dist
 from nn_data.cp_comm import all_gather_dim0, all_reduce_sum, reduce_scatter_dim0
 from nn_data.logprobs.filters import row_thresholds, vocab_parallel_thresholds
 
-_BLOCK = 16  # rows of the entropy's backward temporaries: [16, Vt] beside the chunk, not a second chunk
+_BLOCK = 16  # rows of the entropy's exponentials: a [16, Vt] block beside the chunk, never a second chunk
+_FLOOR = -1e4  # below every log-probability whose exp is nonzero in float32 and float64: exp(-1e4) = 0
 
 
 def _stat_rows(want_entropy: bool, want_argmax: bool) -> int:
@@ -116,11 +117,18 @@ def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool
     if stats.shape[0] > 1:
         stats[2] = top
     shift = top.nan_to_num(neginf=0.0)  # [c] a row all -inf on this rank (filtered) is shifted by 0
-    e = (x.sub_(shift[:, None]) if fresh or x is not z else x - shift[:, None]).exp_()  # [c, Vt] exp(z - m)
-    s = e.sum(dim=-1)  # [c]
+    x = x.sub_(shift[:, None]) if fresh or x is not z else x - shift[:, None]  # [c, Vt] z - m, may be -inf
+    if not want_entropy:
+        s = x.exp_().sum(dim=-1)  # [c]
+    else:  # s and sum exp(z - m) (z - m), a [16, Vt] block of exponentials at a time beside the chunk
+        x.clamp_min_(_FLOOR)  # -inf (filtered) -> a finite value whose exp is 0: no 0 * -inf
+        s, dot = x.new_empty(x.shape[0]), x.new_empty(x.shape[0])  # [c] each
+        for r in range(0, x.shape[0], _BLOCK):  # static: Python ints
+            e = x[r:r + _BLOCK].exp()  # [b, Vt]
+            s[r:r + _BLOCK] = e.sum(dim=-1)
+            dot[r:r + _BLOCK] = e.mul_(x[r:r + _BLOCK]).sum(dim=-1)
+        stats[1] = torch.where(s > 0, dot / s, 0.0) + shift  # [c] the local softmax's mean of z
     stats[0] = s.log() + shift
-    if want_entropy:  # sum e (z - m) / s as sum e log e / s: xlogy is 0 where e is (filtered), never 0 * -inf
-        stats[1] = torch.where(s > 0, e.xlogy_(e).sum(dim=-1) / s, 0.0) + shift
     return stats, picked, topk, arg
 
 
@@ -174,15 +182,14 @@ def chunk_grad(z: torch.Tensor, dtype, lse, entropy, g_sum, g_entropy, local, g_
     None without the entropy output. ``fresh``: ``z`` may be overwritten."""
     x = z.to(dtype)  # [c, Vt], a copy when the dtype changes
     x = x.sub_(lse[:, None]) if fresh or z.dtype != dtype else x.sub(lse[:, None])  # [c, Vt] log p
-    d = x.exp_()  # [c, Vt] p
     if g_entropy is None:
-        d.mul_(-g_sum[:, None])
-    else:  # -p (G + g_H H) - g_H p log p, a [16, Vt] block at a time; xlogy(0, 0) = 0 where filtered
+        d = x.exp_().mul_(-g_sum[:, None])  # [c, Vt]
+    else:  # p (a + b x) with a = -(g_sum + g_H H), b = -g_H: a [16, Vt] block of exponentials at a time
         a, b = -(g_sum + g_entropy * entropy), -g_entropy  # [c] each
+        d = x.clamp_min_(_FLOOR)  # -inf (filtered) -> a finite value whose exp is 0: no 0 * -inf
         for r in range(0, d.shape[0], _BLOCK):  # static: Python ints
-            p = d[r:r + _BLOCK]  # [b, Vt] a view
-            p_log_p = torch.xlogy(p, p)  # [b, Vt]
-            p.mul_(a[r:r + _BLOCK, None]).add_(p_log_p.mul_(b[r:r + _BLOCK, None]))
+            p = d[r:r + _BLOCK].exp()  # [b, Vt]
+            d[r:r + _BLOCK].mul_(b[r:r + _BLOCK, None]).add_(a[r:r + _BLOCK, None]).mul_(p)
     if local is not None:
         d.scatter_add_(1, local, g_local)
     return d
