@@ -100,9 +100,10 @@ def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool
     """One chunk's per-rank statistics from its logits ``z [c, Vt]`` (read once, any dtype):
     ``(stats [R, c], picked [c, J] or None, topk (values [c, k'], local columns [c, k']) or None,
     argmax local column [c] or None)``. ``stats``: the local log-sum-exp and, with the entropy or the argmax
-    (``R`` 3), the local softmax's mean of ``z`` (when ``want_entropy``) and the local max; ``picked``: ``z`` at ``local`` (0 where not ``owned``).
-    ``fresh``: ``z`` may be overwritten (the exponentials then take its place: no second chunk). Entries
-    of ``-inf`` (filtered) weigh 0; a row with none left on this rank has log-sum-exp ``-inf``."""
+    (``R`` 3), the local softmax's mean of ``z`` (when ``want_entropy``) and the local max; ``picked``: ``z``
+    at ``local`` (0 where not ``owned``). ``fresh``: ``z`` may be overwritten (the exponentials then take its
+    place: no second chunk). Entries of ``-inf`` (filtered) weigh 0; a row with none left on this rank has
+    log-sum-exp ``-inf``."""
     x = z.to(dtype)  # [c, Vt] (z itself when the dtype matches)
     arg = None
     if want_argmax:  # the max and its first column in one pass

@@ -25,7 +25,9 @@ from nn_data.errors import PackingError
 from nn_data.groups import context_parallel_info, tensor_parallel_info
 from nn_data.nemo_rl import model_utils
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
-from nn_data.testing.nemo_reference import reference_filter, reference_packed_logprobs, reference_roll_per_segment, reference_row_logprobs
+from nn_data.testing.nemo_reference import (
+    reference_filter, reference_packed_logprobs, reference_roll_per_segment, reference_row_logprobs,
+)
 from nn_data.testing.reference import reference_shard, reference_token_logprobs
 from tests.support.cp_cases import make_microbatch, pack_single
 
@@ -120,7 +122,8 @@ def reference_outputs(logits: torch.Tensor, inp: HeadInputs, top_k: int = TOP_K,
             top = torch.topk(lp, top_k)
             out["logprobs"] = out["logprobs"].index_put((torch.tensor(b), torch.tensor(s)),
                                                         lp[inp.ids[0, starts[b] + s]])
-            out["entropy"] = out["entropy"].index_put((torch.tensor(b), torch.tensor(s)), -(lp.exp() * lp.masked_fill(~kept, 0.0)).sum())
+            entropy = -(lp.exp() * lp.masked_fill(~kept, 0.0)).sum()  # a filtered logit weighs 0
+            out["entropy"] = out["entropy"].index_put((torch.tensor(b), torch.tensor(s)), entropy)
             out["topk_logprobs"] = out["topk_logprobs"].index_put((torch.tensor(b), torch.tensor(s)), top.values)
             out["topk_indices"][b, s] = top.indices
             out["argmax"][b, s] = lp.argmax()
