@@ -5,7 +5,9 @@ The head's outputs in one chunked pass (``nn_data.logprobs.outputs``; ``TokenLog
 ``TokenLogProbs.outputs``): the log-probs, the entropy, the top-k log-probs and ids, the argmax against a float64
 oracle on the full logits, values and every gradient (hidden states, weight, logits) at 1e-10, chunked and with
 a temperature; tied input / output embeddings; float32 within its rounding; no logits-sized tensor with every
-output on; no host sync; one compiled graph; every error message.
+output on; no host sync; one compiled graph; every error message. Under a top-k / top-p sampling filter: every
+output against the oracle on the filtered full logits (float64, values and gradients), from hidden states and
+from logits, one compiled graph.
 """
 
 from __future__ import annotations
@@ -224,3 +226,28 @@ def test_filtered_outputs_from_logits_equal_those_from_hidden_states(sampling):
     for out in (got, fused):
         assert_filtered_outputs_equal(out._replace(lse=None), want, str(sampling))
     torch.testing.assert_close(z.grad, zr.grad, **TOL)
+
+
+def test_compiled_filtered_outputs_are_one_graph_and_equal_eager():
+    """Every output under a top-k / top-p filter, forward and backward, compiled with inductor: one graph,
+    eager's values (``-inf`` included) and gradients."""
+    op = TokenLogProbsFromHidden(SEQ_LEN, chunk_tokens=16, validate=False, sampling_params=FILTERS[2])
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lambda *a, **k: op.outputs(*a, **k), fullgraph=True, backend=counter)
+    inp = head_inputs([5, 0, 16, 3], 1, pad_full_seq_to=64, seed=22, dtype=torch.float32)
+    weights = {k: v.float() for k, v in output_weights(4).items()}
+    results = []
+    for fn in (compiled, op.outputs):
+        h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
+        out = fn(h, w, inp.ids, layout=inp.layout, **ALL)
+        outputs_loss(out, weights).backward()
+        results.append((out, h.grad, w.grad))
+    (a, ah, aw), (b, bh, bw) = results
+    assert torch.isinf(b.topk_logprobs).any()
+    for name in ("logprobs", "entropy", "topk_logprobs", "argmax"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ah, bh, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aw, bw, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs"
+    torch._dynamo.reset()
