@@ -1,10 +1,11 @@
 """Token log-probs, in one home (``docs/logprobs.md``): the vocabulary-parallel kernels and the ops on them.
 
-* :mod:`~nn_data.logprobs.kernels`: the chunked, vocabulary-parallel kernels, from logits
-  (:func:`token_logprobs_local`) and from hidden states and the output weight (:func:`hidden_logprobs_local`);
+* :mod:`~nn_data.logprobs.kernels`: the one chunked, vocabulary-parallel head kernel, from logits or from
+  hidden states and the output weight; :func:`token_logprobs_local` and :func:`hidden_logprobs_local` are
+  it with only the target's log-prob asked;
 * :mod:`~nn_data.logprobs.outputs`: the head's outputs in one chunked pass (:func:`head_outputs_local`:
-  log-probs at given ids, entropy, top-k log-probs and ids, argmax; :class:`HeadOutputs`), from the
-  logits or from hidden states, behind ``TokenLogProbs.outputs`` and ``TokenLogProbsFromHidden.outputs``;
+  log-probs at given ids, entropy, top-k log-probs and ids, argmax, under an optional sampling filter;
+  :class:`HeadOutputs`), behind ``TokenLogProbs.outputs`` and ``TokenLogProbsFromHidden.outputs``;
 * :mod:`~nn_data.logprobs.filters`: top-k / top-p as one threshold per row (:class:`SamplingFilter`);
 * :mod:`~nn_data.logprobs.from_logits`: :class:`TokenLogProbs`, and the steps every op here shares (the
   call's layout, each rank's targets, the rows from the gathered values);

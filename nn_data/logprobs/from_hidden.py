@@ -158,27 +158,25 @@ class TokenLogProbsFromHidden(nn.Module):
         one whose ``logprobs`` is :meth:`forward`'s ``out[b, s]``), for ``1 <= s < L[b]``, else 0: the
         ``entropy``, the ``top_k`` largest log-probs and their global ids, the ``argmax`` id. Differentiable
         (hidden states and weight) through the log-probs, the entropy and the top-k log-probs; one CP
-        all-gather per output. With ``sampling_params`` only the log-probs are available.
+        all-gather per output. With ``sampling_params`` every output is the filtered, renormalised distribution's
+        (its entropy, its top-k, ``-inf`` for a filtered id; the argmax unchanged), as the log-probs are.
 
         Example (C 1, V 3, zero weight): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``, seq_len 4,
         ``entropy=True`` -> entropy ``[[0, log 3, log 3, 0]]``.
 
         Raises :class:`~nn_data.errors.PackingError` as :meth:`forward`, for a negative ``top_k`` or one above
-        ``V``, no output asked, and ``entropy`` / ``top_k`` / ``argmax`` with ``sampling_params``.
+        ``V`` and for no output asked.
         """
         seq_len = resolve_seq_len("TokenLogProbsFromHidden", seq_len, self.seq_len)
-        check_outputs_asked(logprobs, entropy, top_k, argmax, self.sampling)
+        check_outputs_asked(logprobs, entropy, top_k, argmax)
         rows, layout, total, target, keep = self._prepared(hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded,
                                                            places, layout, seq_len, top_k)
-        if not (entropy or top_k or argmax):  # the log-prob alone: the kernel with top-k / top-p filters
-            local = HeadOutputs(logprobs=self._kernel(rows, weight, target, keep))
-        else:
-            local = head_outputs_local(
-                rows, weight, ids=target if logprobs else None, keep=keep if logprobs else None, entropy=entropy,
-                top_k=top_k, argmax=argmax, vocab_start=self.tp_rank * weight.shape[0], tp_group=self.tp_group,
-                tp_size=self.tp_size, sequence_parallel=self.sequence_parallel, chunk_tokens=self.chunk_tokens,
-                temperature=self.temperature,
-            )  # [T/C, *] each
+        local = head_outputs_local(
+            rows, weight, ids=target if logprobs else None, keep=keep if logprobs else None, entropy=entropy,
+            top_k=top_k, argmax=argmax, vocab_start=self.tp_rank * weight.shape[0], tp_group=self.tp_group,
+            tp_size=self.tp_size, sequence_parallel=self.sequence_parallel, chunk_tokens=self.chunk_tokens,
+            temperature=self.temperature, sampling=self.sampling,
+        )  # [T/C, *] each
         return output_rows(local, layout, self.gather, total, seq_len)
 
     def _local(self, hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded, places, layout, seq_len):

@@ -125,7 +125,7 @@ class TokenLogProbs(nn.Module):
         ``V`` and for no output asked.
         """
         seq_len = resolve_seq_len("TokenLogProbs", seq_len, self.seq_len)
-        check_outputs_asked(logprobs, entropy, top_k, argmax, None)
+        check_outputs_asked(logprobs, entropy, top_k, argmax)
         cols, total, layout, target, keep = self._prepared(logits, packed_ids, cu_seqlens, cu_seqlens_padded, places,
                                                            layout, seq_len, top_k)
         local = head_outputs_local(
@@ -205,16 +205,12 @@ def output_rows(local: HeadOutputs, layout: PackLayout, gather, total: int, seq_
     return HeadOutputs(**rows)
 
 
-def check_outputs_asked(logprobs: bool, entropy: bool, top_k, argmax: bool, sampling) -> None:
-    """An ``outputs`` call asks for at least one output, ``top_k`` is an int ``>= 0``, and with a top-k /
-    top-p sampling filter only the log-probs (the filter is defined for them alone)."""
+def check_outputs_asked(logprobs: bool, entropy: bool, top_k, argmax: bool) -> None:
+    """An ``outputs`` call asks for at least one output and ``top_k`` is an int ``>= 0``."""
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise _checks.PackingError(f"top_k must be an int >= 0 (0: no top-k output), got {top_k!r}")
     if not (logprobs or entropy or top_k or argmax):
         raise _checks.PackingError("outputs() asked for nothing: set logprobs, entropy, top_k or argmax")
-    if sampling is not None and (entropy or top_k or argmax):
-        raise _checks.PackingError("sampling_params (top-k / top-p filtering) apply to the log-probs only; "
-                                   "entropy, top_k and argmax need an op without sampling_params")
 
 
 def check_top_k_output(top_k: int, vocab: int) -> None:

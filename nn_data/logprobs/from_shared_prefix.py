@@ -152,7 +152,7 @@ def shared_prefix_outputs(op, z, weight, packed_ids, layout, seq_len, places, as
     (logits, or hidden states with ``weight``)."""
     logprobs, entropy, top_k, argmax = (asked.get(k, d) for k, d in
                                         (("logprobs", True), ("entropy", False), ("top_k", 0), ("argmax", False)))
-    check_outputs_asked(logprobs, entropy, top_k, argmax, None)
+    check_outputs_asked(logprobs, entropy, top_k, argmax)
     g = op.groups
     cols = z.shape[-1] if weight is None else weight.shape[0]
     check_top_k_output(top_k, cols * g.tp_size)

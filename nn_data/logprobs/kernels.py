@@ -1,39 +1,40 @@
-"""The vocabulary-parallel log-prob kernels: ``log softmax(z)[target]`` per token, ``z`` read or computed one
-chunk of tokens at a time, the vocabulary split over the tensor-parallel group.
+"""The LM head's one chunked, vocabulary-parallel kernel: from the logits, or from the hidden states and the
+output weight (whose logits never exist), every asked output of ``softmax(z)`` per token in one pass.
 
 Shape legend
     N   tokens this rank scores (``T/C`` under context parallelism)
     n   rows of hidden states this rank holds: ``N``, or ``N/TP`` with sequence parallelism (gathered inside)
     H   hidden size
     Vt  this tensor-parallel rank's vocabulary slice (``V/TP``): columns of the logits, rows of the weight
+    J   token ids scored per position (1 for the next token; ``K`` for a teacher's top-k ids)
+    k   top-k asked; K = min(k, V) returned, k' = min(k, Vt) candidates per TP rank
     c   tokens per chunk (``chunk_tokens``)
 
-Two kernels share the chunk steps (:func:`chunk_lse_and_target`, :func:`combine_vocab_parallel`,
-:func:`chunk_logit_grad`): :func:`token_logprobs_local` from the logits ``[N, Vt]`` and
-:func:`hidden_logprobs_local` from the hidden states and the output weight, whose logits never exist.
+``z = logits / temperature`` or ``z = hidden @ weight.T / temperature``, one ``[c, Vt]`` chunk at a time;
+the outputs (:mod:`nn_data.logprobs.outputs` says what each is) all come from the one read of each chunk:
+per TP rank and chunk the max ``m``, ``s = sum exp(z - m)``, ``sum exp(z - m) (z - m) / s`` (for the entropy),
+the top-k' and the argmax; one all-gather of ``[3, N]`` statistics combines them over the TP group (plus
+``[N, J]`` picked logits and ``[N, k']`` candidates when asked). The log-prob of the target alone
+(:func:`token_logprobs_local`, :func:`hidden_logprobs_local`) is this kernel with ``J = 1`` and nothing else
+asked.
 
-From the logits: beyond them (and, in backward, their gradient) the kernel holds ``O(N)`` values plus
-one ``[c, Vt]`` float32 chunk.
+Backward recomputes each chunk's ``z`` (from hidden states: the fourth ``N x H x Vt`` matmul, where the
+unfused path has three) and, with ``x = z - L`` (log p) and ``p = exp(x)``, applies one formula for every
+output's gradient: ``dz = -p * (G + g_H * (x + H)) + scatter(ids, g_ids)``, ``G`` the sum of the gradients of
+every log-prob output of the position, ``g_H`` the entropy's, the scatter adding each log-prob's gradient at
+its id's column on the TP rank that owns it. From hidden states the chunk's ``dz`` gives the hidden states'
+gradient (``dz @ weight``; summed over the TP group, a reduce-scatter with sequence parallelism, as
+megatron-core's column-parallel output layer does) and the weight's (``dz.T @ hidden``, accumulated in place
+in float32 or wider). Beyond its inputs and their gradients the kernel holds ``O(N)`` values and one
+``[c, Vt]`` chunk in float32 or wider (plus ``[16, Vt]`` blocks when the entropy is asked).
 
-From hidden states: ``log p(target[i]) = z[i, target[i]] - logsumexp_v z[i, v]`` with
-``z = hidden @ weight.T / temperature``. Forward computes ``z`` for ``c`` tokens at a time and keeps, per
-token, the log-sum-exp and the target's logit (``[N]`` each); backward recomputes each chunk's ``z`` and
-turns its gradient ``dz = g * (onehot - softmax)`` into the gradients of the hidden states
-(``dz @ weight``) and of the weight (``dz.T @ hidden``, accumulated over the chunks in place). Beyond its
-inputs and the two gradients the op holds ``O(N)`` values and one or two ``[c, Vt]`` float32 chunks: the
-``[N, Vt]`` logits, their log-softmax and their gradient never exist. The price is one more matmul (the
-recompute): four ``N x H x Vt`` matmuls for forward + backward where the unfused path has three.
-
-Tensor parallelism (rank ``k`` holding vocabulary ids ``[k*Vt, (k+1)*Vt)``): the per-rank log-sum-exp
-and target logit are combined over the TP group with one ``[2, N]`` all-gather
-(:func:`combine_vocab_parallel`: the log-sum-exp over ranks, the target's logit from the rank that owns
-it); the logits' gradient needs no communication. From hidden states, each rank's ``dz @ weight`` is its
-vocabulary slice's share of the hidden states' gradient: summed over the TP group (an all-reduce; a
-reduce-scatter of the gathered rows with sequence parallelism), as megatron-core's column-parallel output
-layer does.
+A sampling filter (:mod:`nn_data.logprobs.filters`, top-k / top-p as one threshold ``tau`` per token, found
+from each chunk's logits) sets the logits below ``tau`` to ``-inf`` before anything is read: every output is
+then the filtered, renormalised distribution's (the argmax is unchanged, the largest logit is always kept),
+a filtered id's log-prob is ``-inf`` with no one-hot term in the gradient, filtered logits get no gradient.
 
 Worked example (V 3, uniform logits, N 2): ``z = 0`` -> ``lse = log 3``, ``log p = -log 3`` for both
-tokens, whatever ``hidden`` and ``weight`` (zero) are.
+tokens, entropy ``log 3``, whatever ``hidden`` and ``weight`` (zero) are.
 """
 
 from __future__ import annotations
@@ -46,71 +47,23 @@ import torch.distributed as dist
 from nn_data.cp_comm import all_gather_dim0, all_reduce_sum, reduce_scatter_dim0
 from nn_data.logprobs.filters import row_thresholds, vocab_parallel_thresholds
 
-
-class _TargetLogProb(torch.autograd.Function):
-    """``log softmax(logits[i])[target[i]]`` where ``keep[i]``, else 0: ``[N, Vt] -> [N]`` (float32 or wider).
-
-    Vocab-parallel (``tp_size > 1``): each TP rank holds columns ``[vocab_start,
-    vocab_start + Vt)``; the per-rank log-sum-exp and the target's logit (0 on ranks that
-    do not own it) are all-gathered as ``[2, N]`` and combined. Backward needs no
-    communication: ``d/dz_v = [v = target] - softmax_v``, with the global log-sum-exp saved.
-
-    ``sampling`` (a :class:`~nn_data.logprobs.filters.SamplingFilter`, or None): the softmax runs over the
-    logits the filter keeps (``>= tau``, one threshold per row, :mod:`nn_data.logprobs.filters`); a target
-    it drops gets ``-inf`` and no one-hot term in the gradient, filtered logits get no gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, keep, vocab_start: int, tp_group, tp_size: int, chunk: int, sampling=None):
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        local, owned = target_columns(target, vocab_start, logits.shape[1])
-        lse, picked, owned, tau = chunked_lse_and_target(logits, None, 1.0, local, owned, dtype, chunk, sampling,
-                                                         tp_group, tp_size)
-        ctx.save_for_backward(logits, local, owned, keep, lse, tau)
-        ctx.chunk, ctx.sampled = chunk, sampling is not None
-        return torch.where(keep, picked - lse, 0.0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, local, owned, keep, lse, tau = ctx.saved_tensors
-        g = torch.where(keep, grad, 0.0).to(lse.dtype)  # [N]
-        g_owned = torch.where(owned, g, 0.0)  # [N] the one-hot term, on the owning TP rank only
-        out = torch.empty_like(logits)
-        for i in range(0, logits.shape[0], ctx.chunk):
-            j = i + ctx.chunk
-            x = logits[i:j].to(lse.dtype)  # [c, Vt]
-            out[i:j] = chunk_logit_grad(x, lse[i:j], tau[i:j] if ctx.sampled else None, g[i:j], g_owned[i:j],
-                                        local[i:j], fresh=False)
-        return out, None, None, None, None, None, None, None
+_BLOCK = 16  # rows of the entropy's exponentials: a [16, Vt] block beside the chunk, never a second chunk
+_FLOOR = -1e4  # below every log-probability whose exp is nonzero in float32 and float64: exp(-1e4) = 0
 
 
-def target_columns(target: torch.Tensor, vocab_start: int, cols: int):
-    """``(local [N], owned [N])``: each target's column on this TP rank (clamped into ``[0, Vt)``) and whether
-    this rank holds it. Example: target ``[1, 5, 9]``, vocab_start 4, cols 4 -> local ``[0, 1, 3]``, owned
-    ``[F, T, F]``."""
-    local = target - vocab_start  # [N] column on this rank
-    owned = (local >= 0) & (local < cols)  # [N]
+def _stat_rows(want_entropy: bool, want_argmax: bool) -> int:
+    """Per-rank statistics gathered over TP: the log-sum-exp; with the entropy or the argmax also the softmax
+    mean of ``z`` and the max (3 rows)."""
+    return 3 if want_entropy or want_argmax else 1
+
+
+def local_ids(ids: torch.Tensor, vocab_start: int, cols: int):
+    """``(local [N, J], owned [N, J])``: each global id's column on this TP rank (clamped into ``[0, Vt)``)
+    and whether this rank holds it. Example: ids ``[[1], [5], [9]]``, vocab_start 4, cols 4 -> local
+    ``[[0], [1], [3]]``, owned ``[[F], [T], [F]]``."""
+    local = ids - vocab_start  # [N, J]
+    owned = (local >= 0) & (local < cols)  # [N, J]
     return local.clamp(0, max(cols - 1, 0)), owned
-
-
-def chunk_lse_and_target(raw: torch.Tensor, dtype: torch.dtype, local: torch.Tensor, sampling, tp_group,
-                         tp_size: int, *, fresh: bool = False):
-    """``(lse [c], picked [c], tau [c] or None)`` of one chunk of this rank's logits ``raw [c, Vt]``: the
-    log-sum-exp over its columns and the logit at ``local`` (in ``dtype``, float32 or wider), over the
-    columns the filter keeps when ``sampling`` is set (``tau`` the thresholds, in ``raw``'s dtype).
-    ``fresh``: ``raw`` may be overwritten (the log-sum-exp is then taken in place: no second chunk)."""
-    x = raw.to(dtype)  # [c, Vt], a copy when the dtype changes
-    fresh = fresh or raw.dtype != dtype
-    tau = None
-    if sampling is not None:
-        tau = _thresholds(raw, sampling, tp_group, tp_size)
-        x, fresh = _filtered(x, tau), True
-    picked = x.gather(1, local[:, None]).squeeze(1)  # [c]
-    if not fresh:  # x is the caller's tensor
-        return torch.logsumexp(x, dim=-1), picked, tau
-    # [c]; a row with no column kept on this TP rank (filtered) is all -inf: shift it by 0, its lse is -inf
-    top = x.amax(dim=-1).nan_to_num(neginf=0.0)
-    return x.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top), picked, tau
 
 
 def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -120,137 +73,127 @@ def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float)
     return z if temperature == 1.0 else z.div_(temperature)
 
 
-def chunked_lse_and_target(rows, weight, temperature: float, local, owned, dtype, chunk: int, sampling, tp_group,
-                           tp_size: int):
-    """Both kernels' forward over ``N`` tokens, ``chunk`` at a time: ``(lse [N], picked [N], owned [N], tau)``
-    for the whole vocabulary (:func:`chunk_lse_and_target` per chunk, then :func:`combine_vocab_parallel`).
-
-    ``rows`` is the logits ``[N, Vt]`` (``weight`` None), or the hidden states ``[N, H]`` whose chunk of
-    logits ``rows[i:j] @ weight.T / temperature`` is made here and overwritten by its log-sum-exp. ``tau``:
-    the thresholds ``[N]`` with a filter, else ``[0]``."""
-    n = rows.shape[0]
-    lse = rows.new_empty(n, dtype=dtype)
-    picked = rows.new_empty(n, dtype=dtype)
-    tau = rows.new_empty(n if sampling is not None else 0, dtype=dtype)  # [N] thresholds when filtering
-    for i in range(0, n, chunk):  # static: n and chunk are Python ints
-        j = i + chunk
-        raw = rows[i:j] if weight is None else chunk_logits(rows[i:j], weight, temperature)  # [c, Vt]
-        lse[i:j], picked[i:j], tau_c = chunk_lse_and_target(raw, dtype, local[i:j], sampling, tp_group, tp_size,
-                                                            fresh=weight is not None)
-        if tau_c is not None:
-            tau[i:j] = tau_c
-        del raw, tau_c  # one [c, Vt] chunk alive at a time: freed before the next matmul allocates
-    lse, picked, owned = combine_vocab_parallel(lse, picked, owned, tp_group, tp_size, sampling is not None)
-    return lse, picked, owned, tau
+def _chunk(full: torch.Tensor, weight, i: int, j: int, temperature: float):
+    """``(z [c, Vt], fresh)``: rows ``i:j`` of the logits, read (``weight`` None; divided by ``temperature``
+    into a new tensor when it is not 1) or computed, ``full[i:j] @ weight.T / temperature``; ``fresh``: a new
+    tensor the caller may overwrite."""
+    if weight is not None:
+        return chunk_logits(full[i:j], weight, temperature), True  # [c, Vt]
+    return (full[i:j], False) if temperature == 1.0 else (full[i:j] / temperature, True)
 
 
-def combine_vocab_parallel(lse, picked, owned, tp_group, tp_size: int, sampled: bool):
-    """The whole vocabulary's ``(lse [N], picked [N], owned [N])`` from every TP rank's: one all-gather of
-    ``[2, N]`` (the log-sum-exp over ranks; the target logit from the rank that owns it, 0 elsewhere).
-    With a filter, a target it dropped (``picked = -inf``) loses its one-hot term."""
-    picked = torch.where(owned, picked, 0.0)
+def _filter(z: torch.Tensor, tau: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """``z [c, Vt]`` with the entries below their row's ``tau [c]`` set to ``-inf``: in place when ``fresh``."""
+    below = z < tau[:, None].to(z.dtype)  # [c, Vt]
+    return z.masked_fill_(below, float("-inf")) if fresh else z.masked_fill(below, float("-inf"))
+
+
+def _thresholds(z: torch.Tensor, sampling, tp_group, tp_size: int) -> torch.Tensor:
+    """The filter's threshold of each row of ``z [c, Vt]``, in the logits' own dtype (as NeMo-RL filters)."""
     if tp_size > 1:
-        n = lse.shape[0]
-        every = all_gather_dim0(torch.stack([lse, picked]), tp_group).view(tp_size, 2, n)  # [TP, 2, N]
-        lse, picked = torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)  # [N] each
-    if sampled:
-        owned = owned & (picked > float("-inf"))  # a filtered target: no one-hot term
-    return lse, picked, owned
+        return vocab_parallel_thresholds(z, sampling, tp_group, tp_size)
+    return row_thresholds(z, sampling)
 
 
-def chunk_logit_grad(x, lse, tau, g, g_owned, local, *, fresh: bool) -> torch.Tensor:
-    """The gradient of one chunk's logits, ``[c, Vt]`` in ``lse``'s dtype: ``-softmax * g`` plus ``g_owned``
-    at the target column (``softmax`` over the kept columns when ``tau`` is given; 0 where filtered).
-    ``x [c, Vt]`` holds the chunk's logits in that dtype; ``fresh``: ``x`` may be overwritten."""
-    if tau is not None:
-        x = _filtered(x, tau).sub_(lse[:, None])
+def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool, want_argmax: bool, *,
+                fresh: bool = False):
+    """One chunk's per-rank statistics from its logits ``z [c, Vt]`` (read once, any dtype):
+    ``(stats [R, c], picked [c, J] or None, topk (values [c, k'], local columns [c, k']) or None,
+    argmax local column [c] or None)``. ``stats``: the local log-sum-exp and, with the entropy or the argmax
+    (``R`` 3), the local softmax's mean of ``z`` (when ``want_entropy``) and the local max; ``picked``: ``z``
+    at ``local`` (0 where not ``owned``). ``fresh``: ``z`` may be overwritten (the exponentials then take its
+    place: no second chunk). Entries of ``-inf`` (filtered) weigh 0; a row with none left on this rank has
+    log-sum-exp ``-inf``."""
+    x = z.to(dtype)  # [c, Vt] (z itself when the dtype matches)
+    arg = None
+    if want_argmax:  # the max and its first column in one pass
+        top, arg = x.max(dim=-1)  # [c] each
     else:
-        x = x.sub_(lse[:, None]) if fresh else x.sub(lse[:, None])
-    d = x.exp_()  # [c, Vt] softmax (0 where filtered)
-    return d.mul_(-g[:, None]).scatter_add_(1, local[:, None], g_owned[:, None])
+        top = x.amax(dim=-1)  # [c]
+    picked = None
+    if local is not None:
+        picked = torch.where(owned, x.gather(1, local), 0.0)  # [c, J]
+    topk = torch.topk(x, min(k, x.shape[1]), dim=-1) if k else None  # [c, k'] each
+    stats = torch.zeros(_stat_rows(want_entropy, want_argmax), x.shape[0], dtype=dtype, device=x.device)  # [R, c]
+    if stats.shape[0] > 1:
+        stats[2] = top
+    shift = top.nan_to_num(neginf=0.0)  # [c] a row all -inf on this rank (filtered) is shifted by 0
+    x = x.sub_(shift[:, None]) if fresh or x is not z else x - shift[:, None]  # [c, Vt] z - m, may be -inf
+    if not want_entropy:
+        s = x.exp_().sum(dim=-1)  # [c]
+    else:  # s and sum exp(z - m) (z - m), a [16, Vt] block of exponentials at a time beside the chunk
+        x.clamp_min_(_FLOOR)  # -inf (filtered) -> a finite value whose exp is 0: no 0 * -inf
+        s, dot = x.new_empty(x.shape[0]), x.new_empty(x.shape[0])  # [c] each
+        for r in range(0, x.shape[0], _BLOCK):  # static: Python ints
+            e = x[r:r + _BLOCK].exp()  # [b, Vt]
+            s[r:r + _BLOCK] = e.sum(dim=-1)
+            dot[r:r + _BLOCK] = e.mul_(x[r:r + _BLOCK]).sum(dim=-1)
+        stats[1] = torch.where(s > 0, dot / s, 0.0) + shift  # [c] the local softmax's mean of z
+    stats[0] = s.log() + shift
+    return stats, picked, topk, arg
 
 
-def _thresholds(raw: torch.Tensor, sampling, tp_group, tp_size: int) -> torch.Tensor:
-    """The filter's threshold of each row of ``raw [c, Vt]``, in the logits' own dtype (as NeMo-RL filters)."""
+def combine_stats(stats: torch.Tensor, picked, tp_group, tp_size: int):
+    """``(lse [N], mean [N] or None, top [TP, N] or None, picked [N, J] or None)`` over the whole vocabulary
+    from every TP rank's statistics ``stats [R, N]`` (``R`` 1: the log-sum-exp; 3: with the softmax mean of
+    ``z`` and the max) and picked logits ``picked [N, J]`` (0 where another rank owns the id): one all-gather
+    of both. Example (TP 2): local lse ``[log 2, log 6]``, means ``[0, 1]`` -> lse ``log 8``, mean
+    ``2/8 * 0 + 6/8 * 1 = 0.75``."""
+    r = stats.shape[0]
     if tp_size > 1:
-        return vocab_parallel_thresholds(raw, sampling, tp_group, tp_size)
-    return row_thresholds(raw, sampling)
+        both = stats if picked is None else torch.cat([stats, picked.T])  # [R + J, N]
+        every = all_gather_dim0(both[None], tp_group)  # [TP, R + J, N]
+        picked = None if picked is None else every[:, r:].sum(0).T  # [N, J] from the owning rank
+    else:
+        every = stats[None]  # [1, R, N]
+    lse = torch.logsumexp(every[:, 0], dim=0)  # [N]
+    if r == 1:
+        return lse, None, None, picked
+    weight = (every[:, 0] - lse).exp()  # [TP, N] each rank's share of the probability mass
+    return lse, (weight * every[:, 1]).sum(0), every[:, 2], picked
 
 
-def _filtered(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """A new ``[c, Vt]`` tensor: ``x`` with the entries below their row's ``tau [c]`` set to ``-inf``."""
-    return x.masked_fill(x < tau[:, None], float("-inf"))
+def combine_topk(values: torch.Tensor, ids: torch.Tensor, k: int, tp_group, tp_size: int):
+    """The global top-``k`` ``(values [N, K], ids [N, K])`` from every TP rank's candidates ``values [N, k']``
+    and their global ``ids [N, k']`` (one all-gather of each): ``K = min(k, k' * TP)``. Example (TP 2, k 2):
+    rank 0 ``[5, 1]`` ids ``[0, 3]``, rank 1 ``[4, 2]`` ids ``[6, 4]`` -> ``[5, 4]`` ids ``[0, 6]``."""
+    if tp_size > 1:
+        n, kk = values.shape
+        values = all_gather_dim0(values[None], tp_group).permute(1, 0, 2).reshape(n, tp_size * kk)  # [N, TP*k']
+        ids = all_gather_dim0(ids[None], tp_group).permute(1, 0, 2).reshape(n, tp_size * kk)  # [N, TP*k']
+    best, pos = torch.topk(values, min(k, values.shape[1]), dim=-1)  # [N, K]
+    return best, ids.gather(1, pos)
 
 
-def token_logprobs_local(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    keep: torch.Tensor,
-    *,
-    vocab_start: int = 0,
-    tp_group: Optional["dist.ProcessGroup"] = None,
-    tp_size: int = 1,
-    chunk_tokens: int = 256,
-    sampling=None,
-) -> torch.Tensor:
-    """Log-prob of ``target`` at each row of ``logits [N, Vt]`` where ``keep [N]``, else 0: ``[N]``.
-
-    Differentiable w.r.t. ``logits``; memory beyond the logits is ``O(N)`` plus one
-    ``[chunk_tokens, Vt]`` chunk. ``target`` holds vocabulary ids in ``[0, V)`` where ``keep``.
-    ``sampling``: an optional :class:`~nn_data.logprobs.filters.SamplingFilter` (top-k / top-p); the
-    log-softmax then runs over the kept logits only (under TP, one all-to-all and one all-gather
-    per chunk find each row's threshold).
-    """
-    return _TargetLogProb.apply(logits, target, keep, vocab_start, tp_group, tp_size, chunk_tokens, sampling)
+def combine_argmax(top: torch.Tensor, ids: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor:
+    """The global argmax id ``[N]`` from every TP rank's max ``top [TP, N]`` (already gathered) and local
+    argmax ``ids [N]`` (global ids; one all-gather): the first rank with the largest value, so the lowest id
+    among equal logits. Example (TP 2): maxima ``[[3, 7], [3, 2]]``, ids ``[[1, 0], [5, 6]]`` -> ``[1, 0]``."""
+    if tp_size > 1:
+        ids = all_gather_dim0(ids[None], tp_group)  # [TP, N]
+        return ids.gather(0, top.argmax(dim=0, keepdim=True)).squeeze(0)
+    return ids
 
 
-class _LinearTargetLogProb(torch.autograd.Function):
-    """``log softmax(hidden @ weight.T / t)[i, target[i]]`` where ``keep[i]``, else 0: ``[N]`` (float32 or wider).
-
-    ``hidden [n, H]`` (``n = N/TP`` rows with ``sequence_parallel``, gathered over the TP group here and
-    again in backward, never kept gathered), ``weight [Vt, H]`` this rank's vocabulary rows starting at
-    ``vocab_start``. ``sampling``: as :func:`token_logprobs_local` (top-k / top-p, one
-    threshold per token, computed from each chunk's logits).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, keep, vocab_start: int, tp_group, tp_size: int, sequence_parallel: bool,
-                chunk: int, temperature: float, sampling=None):
-        full = _gather_rows(hidden, tp_group, tp_size, sequence_parallel)  # [N, H]
-        dtype = torch.promote_types(weight.dtype, torch.float32)
-        local, owned = target_columns(target, vocab_start, weight.shape[0])
-        lse, picked, owned, tau = chunked_lse_and_target(full, weight, temperature, local, owned, dtype, chunk,
-                                                         sampling, tp_group, tp_size)
-        ctx.save_for_backward(hidden, weight, local, owned, keep, lse, tau)
-        ctx.parallel = (tp_group, tp_size, sequence_parallel)
-        ctx.chunk, ctx.temperature, ctx.sampled = chunk, temperature, sampling is not None
-        return torch.where(keep, picked - lse, 0.0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, local, owned, keep, lse, tau = ctx.saved_tensors
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        full = _gather_rows(hidden, *ctx.parallel)  # [N, H]
-        g = torch.where(keep, grad, 0.0).to(lse.dtype)  # [N]
-        g_owned = torch.where(owned, g, 0.0)  # [N] the one-hot term, on the owning TP rank only
-        acc = torch.promote_types(weight.dtype, torch.float32)  # the weight gradient accumulates in float32 or wider
-        grad_full = torch.empty_like(full) if want_hidden else None  # [N, H]
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_weight else None  # [Vt, H]
-        for i in range(0, full.shape[0], ctx.chunk):
-            j = i + ctx.chunk
-            x = chunk_logits(full[i:j], weight, ctx.temperature).to(lse.dtype)  # [c, Vt], a new tensor
-            dz = chunk_logit_grad(x, lse[i:j], tau[i:j] if ctx.sampled else None, g[i:j], g_owned[i:j], local[i:j],
-                                  fresh=True)  # [c, Vt] the gradient of the scaled logits
-            if ctx.temperature != 1.0:
-                dz.div_(ctx.temperature)  # [c, Vt] the gradient of hidden @ weight.T
-            if want_hidden:
-                grad_full[i:j] = dz.to(weight.dtype) @ weight  # [c, H]
-            if want_weight:
-                grad_weight.addmm_(dz.T, full[i:j].to(acc))  # [Vt, H] += [Vt, c] @ [c, H]
-            del x, dz  # one [c, Vt] chunk alive at a time: freed before the next matmul allocates
-        grad_hidden = _reduce_rows(grad_full, *ctx.parallel) if want_hidden else None
-        grad_weight = grad_weight.to(weight.dtype) if want_weight else None
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+def chunk_grad(z: torch.Tensor, dtype, lse, entropy, g_sum, g_entropy, local, g_local, *,
+               fresh: bool) -> torch.Tensor:
+    """The gradient of one chunk's logits ``z [c, Vt]`` in ``dtype``: ``-p * (g_sum + g_entropy * (x +
+    entropy))`` plus ``g_local [c, M]`` at the columns ``local [c, M]`` (0 where another rank owns the id),
+    with ``x = z - lse`` and ``p = exp(x)`` (0 where ``z`` is ``-inf``, filtered); ``entropy``/``g_entropy``
+    None without the entropy output. ``fresh``: ``z`` may be overwritten."""
+    x = z.to(dtype)  # [c, Vt], a copy when the dtype changes
+    x = x.sub_(lse[:, None]) if fresh or z.dtype != dtype else x.sub(lse[:, None])  # [c, Vt] log p
+    if g_entropy is None:
+        d = x.exp_().mul_(-g_sum[:, None])  # [c, Vt]
+    else:  # p (a + b x) with a = -(g_sum + g_H H), b = -g_H: a [16, Vt] block of exponentials at a time
+        a, b = -(g_sum + g_entropy * entropy), -g_entropy  # [c] each
+        d = x.clamp_min_(_FLOOR)  # -inf (filtered) -> a finite value whose exp is 0: no 0 * -inf
+        for r in range(0, d.shape[0], _BLOCK):  # static: Python ints
+            p = d[r:r + _BLOCK].exp()  # [b, Vt]
+            d[r:r + _BLOCK].mul_(b[r:r + _BLOCK, None]).add_(a[r:r + _BLOCK, None]).mul_(p)
+    if local is not None:
+        d.scatter_add_(1, local, g_local)
+    return d
 
 
 def _gather_rows(hidden: torch.Tensor, tp_group, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
@@ -270,6 +213,143 @@ def _reduce_rows(grad_full: torch.Tensor, tp_group, tp_size: int, sequence_paral
     return all_reduce_sum(grad_full, tp_group)  # [N, H]
 
 
+class _HeadOutputs(torch.autograd.Function):
+    """Every asked output in one pass: ``rows`` is the logits ``[N, Vt]`` (``weight`` None) or the hidden
+    states ``[n, H]`` with ``weight [Vt, H]``. Returns six tensors (an output not asked for is empty):
+    logprobs ``[N, J]``, entropy ``[N]``, top-k log-probs and ids ``[N, K]``, argmax ``[N]``, lse ``[N]``."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, ids, keep, vocab_start: int, tp_group, tp_size: int, sequence_parallel: bool,
+                chunk: int, temperature: float, k: int, want_entropy: bool, want_argmax: bool, sampling=None):
+        full = rows if weight is None else _gather_rows(rows, tp_group, tp_size, sequence_parallel)  # [N, *]
+        dtype = torch.promote_types(rows.dtype, torch.float32)
+        n, cols = full.shape[0], (rows.shape[1] if weight is None else weight.shape[0])
+        local, owned = local_ids(ids, vocab_start, cols) if ids is not None else (None, None)  # [N, J] each
+        stats = full.new_empty((_stat_rows(want_entropy, want_argmax), n), dtype=dtype)  # [R, N]
+        picked = full.new_zeros((n, ids.shape[1] if ids is not None else 0), dtype=dtype)  # [N, J]
+        kk = min(k, cols)
+        cand = full.new_empty((n, kk), dtype=dtype)  # [N, k'] this rank's top-k' logits
+        cand_ids = torch.empty((n, kk), dtype=torch.int64, device=full.device)  # [N, k'] their global ids
+        arg = torch.empty((n if want_argmax else 0), dtype=torch.int64, device=full.device)  # [N]
+        tau = full.new_empty((n if sampling is not None else 0), dtype=dtype)  # [N] the filter's thresholds
+        for i in range(0, n, chunk):  # static: n and chunk are Python ints
+            j = i + chunk
+            z, fresh = _chunk(full, weight, i, j, temperature)  # [c, Vt]
+            if sampling is not None:
+                tau[i:j] = _thresholds(z, sampling, tp_group, tp_size)
+                z, fresh = _filter(z, tau[i:j], fresh), True
+            st, pk, tk, am = chunk_stats(z, dtype, None if local is None else local[i:j],
+                                         None if owned is None else owned[i:j], k, want_entropy, want_argmax,
+                                         fresh=fresh)
+            stats[:, i:j] = st
+            if pk is not None:
+                picked[i:j] = pk
+            if tk is not None:
+                cand[i:j], cand_ids[i:j] = tk.values, tk.indices + vocab_start
+            if am is not None:
+                arg[i:j] = am + vocab_start
+            del z, st, pk, tk, am  # one chunk alive at a time: freed before the next matmul allocates
+        lse, mean, top, picked = combine_stats(stats, None if ids is None else picked, tp_group, tp_size)
+        # an output not asked for: a new empty tensor each (outputs sharing one tensor break torch.compile)
+        logprobs = lse.new_empty(0)
+        if ids is not None:
+            if sampling is not None:
+                owned = owned & (picked > float("-inf"))  # a filtered id: no one-hot term
+            logprobs = torch.where(keep[:, None], picked - lse[:, None], 0.0)  # [N, J]
+        entropy = lse - mean if want_entropy else lse.new_empty(0)  # [N]
+        top_lp, top_ids = lse.new_empty(0), torch.empty(0, dtype=torch.int64, device=full.device)
+        top_local = top_owned = top_ids  # empty without top-k (a saved None breaks torch.compile's backward)
+        if k:
+            best, top_ids = combine_topk(cand, cand_ids, k, tp_group, tp_size)  # [N, K] each
+            top_lp = best - lse[:, None]  # [N, K]
+            top_local, top_owned = local_ids(top_ids, vocab_start, cols)  # [N, K] each
+            if sampling is not None:
+                top_owned = top_owned & (best > float("-inf"))  # a filtered id (K above the kept count)
+        argmax = combine_argmax(top, arg, tp_group, tp_size) if want_argmax else arg  # [N]
+        ctx.save_for_backward(rows, weight, local, owned, keep, lse, entropy, top_local, top_owned, tau)
+        ctx.parallel = (tp_group, tp_size, sequence_parallel)
+        ctx.chunk, ctx.temperature, ctx.sampled = chunk, temperature, sampling is not None
+        ctx.mark_non_differentiable(top_ids, argmax, lse)
+        return logprobs, entropy, top_lp, top_ids, argmax, lse
+
+    @staticmethod
+    def backward(ctx, g_lp, g_entropy, g_top, _ids, _argmax, _lse):
+        rows, weight, local, owned, keep, lse, entropy, top_local, top_owned, tau = ctx.saved_tensors
+        from_hidden = weight is not None
+        full = _gather_rows(rows, *ctx.parallel) if from_hidden else rows  # [N, *]
+        dtype, n = lse.dtype, lse.shape[0]
+        g_sum = torch.zeros_like(lse)  # [N] the gradients of every log-prob output of a position
+        cols, grads = [], []  # [N, M] columns on this rank and their gradients (0 where another rank owns the id)
+        if local is not None:
+            g = torch.where(keep[:, None], g_lp, 0.0).to(dtype)  # [N, J]
+            g_sum += g.sum(1)
+            cols.append(local)
+            grads.append(torch.where(owned, g, 0.0))
+        if top_local.numel():
+            g = g_top.to(dtype)  # [N, K]
+            g_sum += g.sum(1)
+            cols.append(top_local)
+            grads.append(torch.where(top_owned, g, 0.0))
+        col = None if not cols else cols[0] if len(cols) == 1 else torch.cat(cols, 1)  # [N, M]
+        g_col = None if not cols else grads[0] if len(cols) == 1 else torch.cat(grads, 1)  # [N, M]
+        g_h = g_entropy.to(dtype) if entropy.numel() else None  # [N]
+        if not from_hidden:
+            out = torch.empty_like(rows)  # [N, Vt]
+        else:
+            want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            grad_full = torch.empty_like(full) if want_hidden else None  # [N, H]
+            grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_weight else None
+        for i in range(0, n, ctx.chunk):
+            j = i + ctx.chunk
+            z, fresh = _chunk(full, weight, i, j, ctx.temperature)  # [c, Vt]
+            if ctx.sampled:
+                z, fresh = _filter(z, tau[i:j], fresh), True
+            dz = chunk_grad(z, dtype, lse[i:j], entropy[i:j] if g_h is not None else None, g_sum[i:j],
+                            None if g_h is None else g_h[i:j], None if col is None else col[i:j],
+                            None if col is None else g_col[i:j], fresh=fresh)  # [c, Vt]
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)  # [c, Vt] the gradient of the unscaled logits
+            if not from_hidden:
+                out[i:j] = dz
+            else:
+                if want_hidden:
+                    grad_full[i:j] = dz.to(weight.dtype) @ weight  # [c, H]
+                if want_weight:
+                    grad_weight.addmm_(dz.T, full[i:j].to(dtype))  # [Vt, H] += [Vt, c] @ [c, H]
+            del z, dz  # one chunk alive at a time
+        if not from_hidden:
+            return (out,) + (None,) * 13
+        grad_hidden = _reduce_rows(grad_full, *ctx.parallel) if want_hidden else None
+        grad_weight = grad_weight.to(weight.dtype) if want_weight else None
+        return (grad_hidden, grad_weight) + (None,) * 12
+
+
+def token_logprobs_local(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    tp_group: Optional["dist.ProcessGroup"] = None,
+    tp_size: int = 1,
+    chunk_tokens: int = 256,
+    sampling=None,
+) -> torch.Tensor:
+    """Log-prob of ``target [N]`` at each row of ``logits [N, Vt]`` where ``keep [N]``, else 0: ``[N]``, the
+    head kernel with only this output asked (:func:`~nn_data.logprobs.outputs.head_outputs_local`'s pass).
+
+    Differentiable w.r.t. ``logits``; memory beyond the logits is ``O(N)`` plus one
+    ``[chunk_tokens, Vt]`` chunk. ``target`` holds vocabulary ids in ``[0, V)`` where ``keep``.
+    ``sampling``: an optional :class:`~nn_data.logprobs.filters.SamplingFilter` (top-k / top-p); the
+    log-softmax then runs over the kept logits only (under TP, one all-to-all and one all-gather
+    per chunk find each row's threshold).
+
+    Example: logits ``[[0., 0., 0.]]``, target ``[2]``, keep ``[True]`` -> ``[-log 3]``.
+    """
+    return _HeadOutputs.apply(logits, None, target[:, None].to(torch.int64), keep, int(vocab_start), tp_group,
+                              int(tp_size), False, int(chunk_tokens), 1.0, 0, False, False, sampling)[0].squeeze(1)
+
+
 def hidden_logprobs_local(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -285,7 +365,8 @@ def hidden_logprobs_local(
     sampling=None,
 ) -> torch.Tensor:
     """Log-prob of ``target [N]`` under ``softmax(hidden @ weight.T / temperature)`` where ``keep [N]``, else
-    0: ``[N]``, the logits one ``[chunk_tokens, Vt]`` chunk at a time.
+    0: ``[N]``, the head kernel with only this output asked, the logits one ``[chunk_tokens, Vt]`` chunk at a
+    time.
 
     ``hidden [n, H]`` (``n = N``, or ``N/TP`` with ``sequence_parallel``), ``weight [Vt, H]`` in the same
     dtype (this TP rank's vocabulary rows from ``vocab_start``); ``target`` vocabulary ids where ``keep``.
@@ -293,6 +374,9 @@ def hidden_logprobs_local(
     on the logits ``hidden @ weight.T / temperature`` (values and gradients). ``sampling``: an optional
     :class:`~nn_data.logprobs.filters.SamplingFilter` (top-k / top-p over each token's logits, exact: one threshold
     per token from its chunk).
+
+    Example: ``hidden [2, H]`` and ``weight [3, H]`` of zeros, target ``[0, 2]`` -> ``[-log 3, -log 3]``.
     """
-    return _LinearTargetLogProb.apply(hidden, weight, target, keep, vocab_start, tp_group, tp_size,
-                                      bool(sequence_parallel), chunk_tokens, float(temperature), sampling)
+    return _HeadOutputs.apply(hidden, weight, target[:, None].to(torch.int64), keep, int(vocab_start), tp_group,
+                              int(tp_size), bool(sequence_parallel), int(chunk_tokens), float(temperature), 0, False,
+                              False, sampling)[0].squeeze(1)

@@ -6,7 +6,8 @@ with and without sequence parallelism. ``TokenLogProbsFromHidden``: every rank's
 single-process oracle's, its hidden-state gradient is its part of the single-process one and its weight
 gradient, summed over the CP group, its rows of the single-process one (1e-10, float64); the host syncs
 and collectives of one call. The NeMo-RL drop-in from hidden states, packed and unpacked: NeMo-RL's
-values and ``C``-times gradients. Cases: ``tests/support/lm_head_cases.py``.
+values and ``C``-times gradients. Every output of the head (log-probs, entropy, top-k, argmax), also under a
+top-k / top-p sampling filter. Cases: ``tests/support/lm_head_cases.py``.
 """
 
 from __future__ import annotations
@@ -65,3 +66,8 @@ def test_every_output_equals_the_oracle_from_hidden_states_and_from_logits(ranks
 
 def test_every_output_equals_the_oracle_at_cp_4(ranks):
     assert sorted(ranks.run(CASES + "outputs", False, cp=4, tp=1)) == [(r, 0) for r in range(4)]
+
+
+def test_every_output_under_a_top_k_top_p_filter_equals_the_oracle(ranks, split):
+    results = _run(ranks, "filtered_outputs", split[2], split=split)
+    assert all(r[2] > 0 and r[3] > 0 for r in results)  # some top-k entries and some targets filtered out

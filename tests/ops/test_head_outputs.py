@@ -5,7 +5,9 @@ The head's outputs in one chunked pass (``nn_data.logprobs.outputs``; ``TokenLog
 ``TokenLogProbs.outputs``): the log-probs, the entropy, the top-k log-probs and ids, the argmax against a float64
 oracle on the full logits, values and every gradient (hidden states, weight, logits) at 1e-10, chunked and with
 a temperature; tied input / output embeddings; float32 within its rounding; no logits-sized tensor with every
-output on; no host sync; one compiled graph; every error message.
+output on; no host sync; one compiled graph; every error message. Under a top-k / top-p sampling filter: every
+output against the oracle on the filtered full logits (float64, values and gradients), from hidden states and
+from logits, one compiled graph.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import torch._dynamo.testing
 
 from nn_data import PackingError, TokenLogProbs, TokenLogProbsFromHidden
 from nn_data.diagnostics import Allocations, HostSyncCounter
-from nn_data.logprobs import HeadOutputs, head_outputs_local
+from nn_data.logprobs import HeadOutputs, head_outputs_local, sampling_filter
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
+from nn_data.testing.nemo_reference import reference_filter
 from tests.support.lm_head_cases import (
-    SEQ_LEN, TOP_K, assert_outputs_equal, case_outputs, head_inputs, output_weights, outputs_loss, reference_outputs,
+    FILTERS, SEQ_LEN, TOP_K, assert_filtered_outputs_equal, assert_outputs_equal, case_filtered_outputs, case_outputs,
+    head_inputs, output_weights, outputs_loss, reference_outputs,
 )
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -168,8 +172,6 @@ def test_bad_arguments_name_the_argument_and_the_valid_values():
         (lambda: op.outputs(h, w, ids, cu, cu_pad, top_k=vocab + 1),
          f"top_k={vocab + 1} is more than the vocabulary of {vocab} tokens"),
         (lambda: op.outputs(h, w, ids, cu, cu_pad, logprobs=False), "outputs() asked for nothing"),
-        (lambda: TokenLogProbsFromHidden(SEQ_LEN, sampling_params=TrainingSamplingParams(top_k=3)).outputs(
-            h, w, ids, cu, cu_pad, entropy=True), "sampling_params (top-k / top-p filtering) apply to the log-probs"),
         (lambda: TokenLogProbs(SEQ_LEN).outputs(h @ w.T, ids, cu, cu_pad, top_k=2.5), "top_k must be an int >= 0"),
         (lambda: head_outputs_local(h[0], w, ids=ids[0, :3]), "ids must be integer [N] or [N, J] with N=16"),
         (lambda: head_outputs_local(h[0], w, keep=torch.ones(16, dtype=torch.bool)), "keep selects which ids"),
@@ -190,3 +192,62 @@ def test_the_log_prob_alone_is_the_filtered_kernels_and_every_field_is_a_head_ou
     got = op.outputs(inp.hidden, inp.weight, inp.ids, inp.cu_seqlens, inp.cu_seqlens_padded)
     assert isinstance(got, HeadOutputs) and got.entropy is None
     assert torch.equal(got.logprobs, op(inp.hidden, inp.weight, inp.ids, inp.cu_seqlens, inp.cu_seqlens_padded))
+
+
+def test_every_output_under_a_top_k_top_p_filter_equals_the_oracle_on_the_filtered_logits():
+    """The single-process split of the multi-process case: top-k, top-p, both; some top-k entries and some
+    targets are filtered (``-inf``), their gradients still the autograd ones through the filtered
+    log-softmax."""
+    _, _, short, dropped = case_filtered_outputs(False)
+    assert short > 0 and dropped > 0
+
+
+@pytest.mark.parametrize("sampling", FILTERS, ids=["top-k", "top-p", "both"])
+def test_filtered_outputs_from_logits_equal_those_from_hidden_states(sampling):
+    """``head_outputs_local`` on the logits (read, not recomputed) with a filter: the same values and the
+    logits' gradient the oracle's."""
+    inp = head_inputs([5, 0, 16, 3], 1, pad_full_seq_to=48, seed=10)
+    filt = sampling_filter(sampling)
+    ids = inp.ids[0].roll(-1)  # [T] the next token of each position (the last one wraps; still an id)
+    ask = dict(ids=ids, entropy=True, top_k=TOP_K, argmax=True, chunk_tokens=6, sampling=filt)
+    weights = {"logprobs": torch.randn(48, dtype=torch.float64), "entropy": torch.randn(48, dtype=torch.float64),
+               "topk_logprobs": torch.randn(48, TOP_K, dtype=torch.float64)}
+    z = (inp.hidden[0] @ inp.weight.T).requires_grad_()  # [T, V]
+    got = head_outputs_local(z, **ask)
+    outputs_loss(got, weights).backward()
+    fused = head_outputs_local(inp.hidden[0], inp.weight, **ask)
+    zr = z.detach().clone().requires_grad_()
+    kept = torch.stack([reference_filter(row, sampling.top_k, sampling.top_p) for row in zr.detach()])  # [T, V]
+    lp = torch.log_softmax(torch.where(kept, zr, float("-inf")), dim=-1)  # [T, V]
+    top = torch.topk(lp, TOP_K)
+    want = {"logprobs": lp.gather(1, ids[:, None]).squeeze(1), "entropy": -(lp.exp() * lp.masked_fill(~kept, 0)).sum(1),
+            "topk_logprobs": top.values, "topk_indices": top.indices, "argmax": zr.argmax(1)}
+    outputs_loss(want, weights).backward()
+    for out in (got, fused):
+        assert_filtered_outputs_equal(out._replace(lse=None), want, str(sampling))
+    torch.testing.assert_close(z.grad, zr.grad, **TOL)
+
+
+def test_compiled_filtered_outputs_are_one_graph_and_equal_eager():
+    """Every output under a top-k / top-p filter, forward and backward, compiled with inductor: one graph,
+    eager's values (``-inf`` included) and gradients."""
+    op = TokenLogProbsFromHidden(SEQ_LEN, chunk_tokens=16, validate=False, sampling_params=FILTERS[2])
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lambda *a, **k: op.outputs(*a, **k), fullgraph=True, backend=counter)
+    inp = head_inputs([5, 0, 16, 3], 1, pad_full_seq_to=64, seed=22, dtype=torch.float32)
+    weights = {k: v.float() for k, v in output_weights(4).items()}
+    results = []
+    for fn in (compiled, op.outputs):
+        h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
+        out = fn(h, w, inp.ids, layout=inp.layout, **ALL)
+        outputs_loss(out, weights).backward()
+        results.append((out, h.grad, w.grad))
+    (a, ah, aw), (b, bh, bw) = results
+    assert torch.isinf(b.topk_logprobs).any()
+    for name in ("logprobs", "entropy", "topk_logprobs", "argmax"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ah, bh, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aw, bw, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs"
+    torch._dynamo.reset()

@@ -90,9 +90,11 @@ def test_megatron_layout_and_executors_and_a_travelling_layout_agree():
 
 @pytest.mark.parametrize("sampling", [TrainingSamplingParams(top_k=6), TrainingSamplingParams(top_p=0.8),
                                       TrainingSamplingParams(top_k=12, top_p=0.7)], ids=["top-k", "top-p", "both"])
-def test_top_k_top_p_equal_the_unfused_kernel_on_the_logits(sampling):
+def test_top_k_top_p_from_hidden_states_equal_those_read_from_the_logits(sampling):
     """The filter is one threshold per token, computed from each chunk's logits: exact, values (``-inf`` for
-    a filtered target) and gradients, against ``token_logprobs_local`` on the logits."""
+    a filtered target) and gradients, from hidden states (recomputed in backward) against the same kernel
+    reading the logits (``token_logprobs_local``); the oracle on the filtered full logits:
+    ``tests/ops/test_head_outputs.py``."""
     inp = head_inputs([5, 0, 16, 3], 1, pad_full_seq_to=48, seed=4)
     targets = NextTokenTargets()(inp.ids, layout=inp.layout)
     target, keep = targets.targets[0].clamp(min=0), targets.loss_mask[0].bool()

@@ -25,7 +25,9 @@ from nn_data.errors import PackingError
 from nn_data.groups import context_parallel_info, tensor_parallel_info
 from nn_data.nemo_rl import model_utils
 from nn_data.nemo_rl.sampling import TrainingSamplingParams
-from nn_data.testing.nemo_reference import reference_packed_logprobs, reference_roll_per_segment, reference_row_logprobs
+from nn_data.testing.nemo_reference import (
+    reference_filter, reference_packed_logprobs, reference_roll_per_segment, reference_row_logprobs,
+)
 from nn_data.testing.reference import reference_shard, reference_token_logprobs
 from tests.support.cp_cases import make_microbatch, pack_single
 
@@ -97,11 +99,13 @@ def summed_over(grad: torch.Tensor, group) -> torch.Tensor:
 TOP_K = 5
 
 
-def reference_outputs(logits: torch.Tensor, inp: HeadInputs, top_k: int = TOP_K) -> dict:
+def reference_outputs(logits: torch.Tensor, inp: HeadInputs, top_k: int = TOP_K, sampling=None) -> dict:
     """The oracle of ``outputs()``, one sequence at a time from the full logits ``[1, T, V]`` (float64): row
     ``b``, column ``s`` (``1 <= s < L[b]``) from the log-softmax of position ``start_b + s - 1``, else 0:
     ``logprobs`` of the next token, ``entropy``, ``topk_logprobs`` / ``topk_indices`` (``torch.topk``),
-    ``argmax``. Differentiable w.r.t. ``logits``."""
+    ``argmax``. Differentiable w.r.t. ``logits``. ``sampling`` (``top_k`` / ``top_p`` attributes): the
+    log-softmax of the filtered row (``-inf`` where ``reference_filter`` drops a logit), the entropy over the
+    kept logits."""
     cu, starts = [int(v) for v in inp.cu_seqlens], [int(v) for v in inp.cu_seqlens_padded]
     rows = len(cu) - 1
     out = {"logprobs": logits.new_zeros(rows, SEQ_LEN), "entropy": logits.new_zeros(rows, SEQ_LEN),
@@ -110,11 +114,16 @@ def reference_outputs(logits: torch.Tensor, inp: HeadInputs, top_k: int = TOP_K)
            "argmax": torch.zeros(rows, SEQ_LEN, dtype=torch.int64)}
     for b in range(rows):
         for s in range(1, cu[b + 1] - cu[b]):
-            lp = torch.log_softmax(logits[0, starts[b] + s - 1], dim=-1)  # [V]
+            row = logits[0, starts[b] + s - 1]  # [V]
+            kept = torch.ones_like(row, dtype=torch.bool)
+            if sampling is not None:
+                kept = reference_filter(row.detach(), sampling.top_k, sampling.top_p)  # [V]
+            lp = torch.log_softmax(torch.where(kept, row, float("-inf")), dim=-1)  # [V]
             top = torch.topk(lp, top_k)
             out["logprobs"] = out["logprobs"].index_put((torch.tensor(b), torch.tensor(s)),
                                                         lp[inp.ids[0, starts[b] + s]])
-            out["entropy"] = out["entropy"].index_put((torch.tensor(b), torch.tensor(s)), -(lp.exp() * lp).sum())
+            entropy = -(lp.exp() * lp.masked_fill(~kept, 0.0)).sum()  # a filtered logit weighs 0
+            out["entropy"] = out["entropy"].index_put((torch.tensor(b), torch.tensor(s)), entropy)
             out["topk_logprobs"] = out["topk_logprobs"].index_put((torch.tensor(b), torch.tensor(s)), top.values)
             out["topk_indices"][b, s] = top.indices
             out["argmax"][b, s] = lp.argmax()
@@ -231,6 +240,55 @@ def case_outputs(sequence_parallel: bool):
                                                                                      (tp.rank + 1) * cols]
         torch.testing.assert_close(local.grad, want_z, **TOL, msg=lambda m: f"{what} d logits: {m}")
     return (cp.rank, tp.rank)
+
+
+FILTERS = (TrainingSamplingParams(top_k=6), TrainingSamplingParams(top_p=0.8),
+           TrainingSamplingParams(top_k=12, top_p=0.7))
+
+
+def assert_filtered_outputs_equal(got, want: dict, what: str) -> None:
+    """:func:`assert_outputs_equal` where a filter leaves fewer than ``K`` logits: those top-k entries are
+    ``-inf`` on both sides and their ids (any of the filtered ones) are not compared."""
+    for name, value in got._asdict().items():
+        if value is None:
+            continue
+        if name == "topk_indices":
+            finite = torch.isfinite(got.topk_logprobs)
+            assert torch.equal(value[finite], want[name][finite]), f"{what} {name}"
+        elif value.dtype == torch.int64:
+            assert torch.equal(value, want[name]), f"{what} {name}"
+        else:
+            torch.testing.assert_close(value, want[name].detach(), **TOL, msg=lambda m: f"{what} {name}: {m}")
+
+
+def case_filtered_outputs(sequence_parallel: bool):
+    """``TokenLogProbsFromHidden(sampling_params=...).outputs`` with every output under this split: the
+    filtered, renormalised distribution's log-probs (``-inf`` for a filtered target), entropy, top-k and
+    argmax equal the oracle's on the filtered full logits, and so do both gradients. Returns how many
+    top-k entries were ``-inf`` (the filter left fewer than ``K``) and how many targets were filtered."""
+    cp, tp = context_parallel_info(), tensor_parallel_info()
+    inp = head_inputs([5, 0, 16, 3], cp.size * (tp.size if sequence_parallel else 1), pad_full_seq_to=96, seed=8)
+    weights = output_weights(4)
+    asked = dict(entropy=True, top_k=TOP_K, argmax=True)
+    short = dropped = 0
+    for sampling, temperature, chunk in zip(FILTERS, (1.0, 0.7, 1.0), (256, 5, 7)):
+        h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
+        want = reference_outputs(h @ w.T / temperature, inp, sampling=sampling)
+        outputs_loss(want, weights).backward()  # -inf values: their gradients are finite
+        want_h, want_w = expected_grads(inp, h.grad, w.grad, cp, tp, sequence_parallel)
+        what = f"{sampling} t {temperature} chunk {chunk}"
+        op = TokenLogProbsFromHidden(SEQ_LEN, cp_group=cp.group, tp_group=tp.group, sampling_params=sampling,
+                                     sequence_parallel=sequence_parallel, chunk_tokens=chunk, temperature=temperature)
+        hidden, weight = local_parts(inp, cp, tp, sequence_parallel)
+        got = op.outputs(hidden, weight, inp.ids, inp.cu_seqlens, inp.cu_seqlens_padded, **asked)
+        outputs_loss(got, weights).backward()
+        assert_filtered_outputs_equal(got, want, what)
+        torch.testing.assert_close(hidden.grad, want_h, **TOL, msg=lambda m: f"{what} d hidden: {m}")
+        torch.testing.assert_close(summed_over(weight.grad, cp.group), want_w, **TOL,
+                                   msg=lambda m: f"{what} d weight: {m}")
+        short += int(torch.isinf(got.topk_logprobs).sum())  # sync: test bookkeeping
+        dropped += int(torch.isinf(got.logprobs).sum())  # sync: test bookkeeping
+    return (cp.rank, tp.rank, short, dropped)
 
 
 def case_counts(sequence_parallel: bool):
