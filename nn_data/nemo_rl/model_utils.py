@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from nn_data.extension import (
-    all_gather_dim0, checks, given_group_info, ParallelInfo, sampling_filter, sequence_divisible, token_logprobs_local,
+    all_gather_dim0, checks, given_group_info, ParallelInfo, sampling_filter, token_logprobs_local,
 )
 from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs from hidden states), with CP
     ChunkedDistributedHiddenStatesToLogprobs,
