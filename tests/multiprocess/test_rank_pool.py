@@ -8,6 +8,7 @@ waits in a collective), hangs past its budget, or loses a rank fails alone, says
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -68,3 +69,23 @@ def test_the_budget_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(cp_harness.TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match=r"NN_DATA_RANK_TIMEOUT_S='soon' is invalid; expected a number of seconds > 0"):
         cp_harness.case_budget_s()
+
+
+def test_a_port_taken_before_the_ranks_bind_it_is_retried_with_a_new_one(monkeypatch):
+    """Another process may take free_port()'s port before rank 0 listens on it (two suites on one machine): the
+    start-up spawns the ranks again on a new port instead of failing the case."""
+    monkeypatch.setattr(cp_harness, "FAIL_GRACE_S", 5.0)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = cp_harness.free_port
+    monkeypatch.setattr(cp_harness, "free_port", lambda: next(ports, None) or real())
+    try:
+        ranks = RankPool(2, megatron=False, timeout_s=BUDGET_S)
+        try:
+            assert [total for total, _ in ranks.run(f"{CASES}:case_sum_and_pid", 5, cp=None)] == [10, 10]
+        finally:
+            ranks.close()
+    finally:
+        taken.close()

@@ -58,6 +58,12 @@ def case_budget_s() -> float:
     return value
 
 
+def _port_lost(failure: str) -> bool:
+    """Whether a start-up failure is the rendezvous port taken by another process (torch words it
+    "Address already in use" or "... EADDRINUSE, message: address already in use")."""
+    return "address already in use" in failure.lower() or "EADDRINUSE" in failure
+
+
 class RankPool:
     """``world`` spawned ranks taking cases from per-rank queues.
 
@@ -114,7 +120,7 @@ class RankPool:
                 self._starting = False
                 return
             except AssertionError as err:
-                if attempt + 1 == _STARTUP_TRIES or "Address already in use" not in str(err):
+                if attempt + 1 == _STARTUP_TRIES or not _port_lost(str(err)):
                     raise
                 self._spawn()
 
