@@ -1,14 +1,8 @@
 """The LM head's outputs in one chunked, vocabulary-parallel pass: log-probs at given token ids, the entropy,
 the top-k log-probs with their global ids, the argmax, from the logits or from hidden states and the weight.
 
-Shape legend
-    N   tokens this rank scores (``T/C`` under context parallelism)
-    n   rows of hidden states this rank holds: ``N``, or ``N/TP`` with sequence parallelism (gathered inside)
-    H   hidden size
-    Vt  this tensor-parallel rank's vocabulary slice (``V/TP``): columns of the logits, rows of the weight
-    J   token ids scored per position (1 for the next token; ``K`` for a teacher's top-k ids)
-    k   top-k asked; K = min(k, V) returned, k' = min(k, Vt) candidates per TP rank
-    c   tokens per chunk (``chunk_tokens``)
+Shapes: the legend of :mod:`nn_data.logprobs.kernels` (``N`` tokens, ``Vt`` the rank's vocabulary slice, ``J``
+ids per position, ``k`` / ``K`` top-k asked / returned).
 
 With ``z`` the (temperature-scaled) logits of one position and ``L = logsumexp(z)`` over the whole vocabulary:
 

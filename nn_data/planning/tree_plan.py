@@ -178,6 +178,7 @@ class _Forest:
             self.root[b] = self.root[parent[b]]
         order = np.argsort(self.root, kind="stable")  # [n] tree by tree, each ascending
         cuts = np.flatnonzero(np.diff(self.root[order])) + 1  # e.g. root [0 0 2 0] -> order [0 1 3 2] -> [3]
+        # sync: none, numpy host data (each tree's rollouts as Python ints)
         self.trees = {int(rows[0]): rows.tolist() for rows in np.split(order, cuts)} if lengths.size else {}
         self.index = np.zeros(lengths.size, dtype=np.int64)  # [n] each rollout's place in its tree
         for rows in self.trees.values():
