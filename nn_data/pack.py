@@ -17,14 +17,13 @@ device (:mod:`nn_data.layout`).
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from nn_data import _checks
 from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
-from nn_data.layout.internal import ZigzagLocal
 
 
 class PackResult(NamedTuple):
@@ -132,116 +131,3 @@ def check_pack_args(x, seq_lengths, num_rows=None) -> None:
     _checks.check_int_vector("seq_lengths", seq_lengths, x.shape[0])
     _checks.check_num_rows(num_rows, x.shape[0])
     _checks.check_same_device(x=x, seq_lengths=seq_lengths, num_rows=num_rows)
-
-
-class Shard(NamedTuple):
-    """One tensor of a batch packed and sharded: ``full [1, T, *]`` and this rank's ``local [1, T/C, *]``
-    (``full`` itself when ``C = 1``)."""
-
-    full: torch.Tensor
-    local: torch.Tensor
-
-
-class PackShardResult(NamedTuple):
-    """What :class:`PackShard` returns: the batch's :class:`PackResult` ``pack`` (``pack.packed [1, T]``;
-    its ``layout`` None out of a compiled graph: the device layout's index maps stay inside it) and this
-    rank's ``local [1, T/C]`` (``pack.packed`` when ``C = 1``); the ``companions`` by name, each a
-    :class:`Shard`; with ``positions=True`` also this rank's ``places``
-    (:class:`~nn_data.layout.internal.ZigzagLocal`), ``positions [1, T/C]`` (0 at each sequence start) and
-    ``segment_ids [T]``; with ``padding=True`` this rank's ``padding_mask [1, T/C]`` bool (True at padding:
-    :meth:`~nn_data.layout.PackLayout.padding_mask`)."""
-
-    pack: PackResult
-    local: torch.Tensor
-    companions: dict
-    places: Optional[ZigzagLocal] = None
-    positions: Optional[torch.Tensor] = None
-    segment_ids: Optional[torch.Tensor] = None
-    padding_mask: Optional[torch.Tensor] = None
-
-
-class PackShard(nn.Module):
-    """Pack a batch and the tensors that ride its layout, and take this CP rank's zigzag share: the one
-    pack + shard that eager code runs and ``torch.compile`` captures for a batch with companions (the
-    NeMo-RL layer's compiled graph, staging, dynamic CP's rounds).
-
-    ``PackShard(pack: PackSequences, cp_size=1, cp_rank=0, *, routes=(), positions=False, padding=False)``;
-    ``forward(x [B, S], seq_lengths [B], num_rows=None, **companions) -> PackShardResult``: every
-    companion (``[B, S, *]`` or None, skipped) is packed on ``x``'s layout with 0 padding, except those
-    named in ``routes``, whose padding rows are ``arange(last dim)`` (a valid top-k route for routed
-    experts). The layout and this rank's places are computed once: on the host executor each tensor
-    is cut by Python ints; on the device executor (under compile) one ``index_select`` per tensor
-    along the places. ``padding=True`` adds this rank's padding mask (one gather on the places).
-    """
-
-    def __init__(self, pack: PackSequences, cp_size: int = 1, cp_rank: int = 0, *, routes=(), positions: bool = False,
-                 padding: bool = False):
-        super().__init__()
-        _checks.check_cp(cp_size, cp_rank)
-        self.pack, self.cp_size, self.cp_rank = pack, cp_size, cp_rank
-        self.routes, self.positions = frozenset(routes), bool(positions)
-        self.padding = bool(padding)
-
-    def extra_repr(self) -> str:
-        return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, routes={sorted(self.routes)}, positions={self.positions}"
-
-    def forward(self, x: torch.Tensor, seq_lengths: torch.Tensor, num_rows: Optional[torch.Tensor] = None,
-                **companions: Optional[torch.Tensor]) -> PackShardResult:
-        res = self.pack(x, seq_lengths, num_rows)
-        layout = res.layout
-        places = None
-        if self.positions or self.padding or (self.cp_size > 1 and not layout.on_host):
-            places = layout.local_places(self.cp_size, self.cp_rank)  # [T/C] each, once for every tensor
-        source = None if places is None else places.source
-        local = _local(layout, res.packed, self.cp_size, self.cp_rank, source)  # [1, T/C]
-        full, shards = pack_shard(layout, companions, cp_size=self.cp_size, cp_rank=self.cp_rank, routes=self.routes,
-                                  source=source)
-        companions = {name: Shard(full=full[name], local=shards[name]) for name in full}
-        padding_mask = layout.padding_mask(places=places) if self.padding else None  # [1, T/C] bool
-        if torch.compiler.is_compiling():  # the device layout's index maps stay inside the graph
-            # built by its class, not res._replace: torch 2.11's dynamo cannot rebuild the tuple _replace makes
-            res = PackResult(res.packed, res.cu_seqlens, res.cu_seqlens_padded, res.max_seqlen, layout=None)
-        if not self.positions:
-            return PackShardResult(pack=res, local=local, companions=companions, padding_mask=padding_mask)
-        return PackShardResult(pack=res, local=local, companions=companions, places=places,
-                               positions=local_positions(layout, places), segment_ids=layout.segment_ids(),
-                               padding_mask=padding_mask)
-
-
-def local_positions(layout: PackLayout, places: ZigzagLocal) -> torch.Tensor:
-    """``[1, T/C]`` position ids of this rank's places: the offset of each in its segment (0 at each sequence
-    start). Example: bounds ``[0, 16, 40]``, C 2, rank 0 -> source ``0..3, 12..15, 16..21, 34..39`` ->
-    positions ``0..3, 12..15, 0..5, 18..23``."""
-    bounds = layout.bounds()  # [B+1] ([0, T] if B = 0)
-    return (places.source - bounds[places.segment]).unsqueeze(0)  # [T/C] -> [1, T/C]
-
-
-def _local(layout: PackLayout, full: torch.Tensor, cp_size: int, cp_rank: int,
-           source: Optional[torch.Tensor]) -> torch.Tensor:
-    """This rank's shard of ``full [1, T, *]``: itself when ``C = 1``, one ``index_select`` along this rank's
-    places ``source [T/C]`` when given, else ``layout.shard`` (the executor's cut)."""
-    if cp_size == 1:
-        return full
-    if source is not None:
-        return full.index_select(1, source)  # [1, T/C, *]
-    return layout.shard(full, cp_size, cp_rank)  # [1, T/C, *]
-
-
-def pack_shard(layout: PackLayout, tensors: Mapping[str, Optional[torch.Tensor]], *, cp_size: int, cp_rank: int,
-               routes=frozenset(), source: Optional[torch.Tensor] = None, packed=()) -> tuple[dict, dict]:
-    """``(full, local)``: each tensor of ``tensors`` (``[B, S, *]``; None skipped; those named in
-    ``packed`` already ``[1, T, *]``) packed along ``layout`` and this rank's shard of it. Padding is 0,
-    except for the names in ``routes``, whose padding rows are ``arange(last dim)``. ``source``
-    (``[T/C]``, this rank's places) shards with one ``index_select``; without it ``layout.shard``
-    picks the executor."""
-    full, local = {}, {}
-    for name, x in tensors.items():
-        if x is None:
-            continue
-        if name in packed:
-            full[name] = x  # [1, T, *]
-        else:
-            fill = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype) if name in routes else 0  # [topk]
-            full[name] = layout.pack(x, fill)  # [1, T, *]
-        local[name] = _local(layout, full[name], cp_size, cp_rank, source)  # [1, T/C, *]
-    return full, local

@@ -205,11 +205,8 @@ class PackedForward(nn.Module):
         info = side.packed
         gather_kv = self._kv_gather(None if side.layout is None else kind.slots(side.layout), info.cu_seqlens_padded)
         total = info.segment_ids.shape[0]
-        # records built by their classes, never by _replace: torch 2.11's dynamo cannot return what _replace makes
-        bounds = PackedBounds(**{**info.bounds._asdict(), "row_len": _row_len(input_ids)})
-        info = PackedInfo(**{**info._asdict(), "bounds": bounds,
-                             "cp": CPShare(size=info.cp.size, rank=info.cp.rank, gather=gather_kv),
-                             "packed_seq_params": self._packed_seq_params(info.cu_seqlens_padded, total)})
+        info = info.finished(gather=gather_kv, packed_seq_params=self._packed_seq_params(info.cu_seqlens_padded, total),
+                             row_len=_row_len(input_ids))
         return PackedInput(input_ids=side.input_ids, position_ids=side.position_ids, packed=info,
                            seq_lengths=seq_lengths, rows=rows, row_ids=input_ids,
                            microbatch=Microbatch(kind=kind, args=args, num_rows=num_rows, layout=side.layout))

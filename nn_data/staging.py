@@ -39,8 +39,9 @@ import torch
 from nn_data import _checks
 from nn_data.errors import PackingError
 from nn_data.layout.internal import checks, packed_segments
-from nn_data.pack import PackSequences, PackShard
-from nn_data.packed_forward import CPShare, PackedBounds, PackedForward, PackedInfo
+from nn_data.layout import PackSpec
+from nn_data.packed_forward import PackedForward
+from nn_data.packed_sides import PLAIN, PackingSide
 from nn_data.targets import next_token_at
 
 
@@ -70,26 +71,22 @@ class StagedMicrobatch:
         self.cp_size, self.cp_rank = packing.cp_size, packing.cp_rank
         self.ignore_index, self.validate = int(ignore_index), bool(validate)
         device = torch.device("cpu") if device is None else torch.device(device)
-        device_pack = PackSequences(pack.m, pack.p, self.total, validate=validate, host_reads=False)
-        self._pack_shard = PackShard(device_pack, self.cp_size, self.cp_rank, positions=True, padding=True)
-        r, t, local = self.rows, self.total, self.total // self.cp_size
+        spec = PackSpec(pack.m, pack.p, fixed_total=self.total)
+        self._side = PackingSide(PLAIN, spec, self.cp_size, self.cp_rank, validate=validate, host_reads=False)
+        r, local = self.rows, self.total // self.cp_size
         self.rows_ids = torch.zeros(r, self.seq_len, dtype=ids_dtype, device=device)  # [R, S]
         self.rows_lengths = torch.zeros(r, dtype=torch.int64, device=device)  # [R]
         self.num_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.row_width = torch.full((), self.seq_len, dtype=torch.int64, device=device)  # S' of the rows loaded
-        self.input_ids = torch.zeros(1, local, dtype=ids_dtype, device=device)  # [1, T/C]
-        self.position_ids = torch.zeros(1, local, dtype=torch.int64, device=device)  # [1, T/C]
         self.targets = torch.full((1, local), self.ignore_index, dtype=torch.int64, device=device)  # [1, T/C]
-        self.padding_mask = torch.ones(1, local, dtype=torch.bool, device=device)  # [1, T/C]
-        self.cu_seqlens_padded = torch.full((r + 1,), t, dtype=torch.int32, device=device)  # [R+1]
-        self.cu_seqlens_padded[0] = 0
-        self.segment_ids = torch.zeros(t, dtype=torch.int64, device=device)  # [T]
-        self.query_index = torch.arange(local, dtype=torch.int64, device=device)  # [T/C]
-        self.max_seqlen = torch.full((), t, dtype=torch.int32, device=device)
-        self.info = PackedInfo(bounds=PackedBounds(cu_seqlens_padded=self.cu_seqlens_padded, max_seqlen=self.max_seqlen),
-                               segment_ids=self.segment_ids, query_index=self.query_index,
-                               cp=CPShare(size=self.cp_size, rank=self.cp_rank, gather=self._gather()),
-                               padding_mask=self.padding_mask, packed_seq_params=self._packed_seq_params())
+        # the packed tensors: the runtime's own results for the empty microbatch, kept as the staged tensors
+        side = self._side(self.rows_ids, self.rows_lengths, self.num_rows)
+        info = side.packed
+        self.input_ids, self.position_ids = side.input_ids, side.position_ids  # [1, T/C] each
+        self.padding_mask, self.query_index = info.padding_mask, info.query_index  # [1, T/C], [T/C]
+        self.cu_seqlens_padded, self.max_seqlen = info.cu_seqlens_padded, info.max_seqlen  # [R+1], 0-d
+        self.segment_ids = info.segment_ids  # [T]
+        self.info = info.finished(gather=self._gather(), packed_seq_params=self._packed_seq_params())
 
     # -- the rows -----------------------------------------------------------------------------------------
 
@@ -141,14 +138,14 @@ class StagedMicrobatch:
         if self.validate:
             checks.lengths_device("StagedMicrobatch.prepare", self.rows_lengths, self.row_width, None,
                            row_len_name="the rows loaded: input_ids.shape[1] of load")
-        res = self._pack_shard(self.rows_ids, self.rows_lengths, self.num_rows)
-        layout = res.pack.layout
-        segments = packed_segments(layout.cu_seqlens, layout.cu_seqlens_padded, self.total)
-        token, has_target = next_token_at(res.pack.packed[0], segments, res.places, self.total)  # [T/C] each
-        self.copy_(input_ids=res.local, position_ids=res.positions,
+        side = self._side(self.rows_ids, self.rows_lengths, self.num_rows)
+        info = side.packed
+        segments = packed_segments(info.bounds.cu_seqlens, info.cu_seqlens_padded, self.total)
+        token, has_target = next_token_at(side.packed_ids[0], segments, side.places, self.total)  # [T/C] each
+        self.copy_(input_ids=side.input_ids, position_ids=side.position_ids,
                    targets=torch.where(has_target, token, self.ignore_index).unsqueeze(0),
-                   padding_mask=res.padding_mask, cu_seqlens_padded=res.pack.cu_seqlens_padded,
-                   segment_ids=res.segment_ids, query_index=res.places.source, max_seqlen=res.pack.max_seqlen)
+                   padding_mask=info.padding_mask, cu_seqlens_padded=info.cu_seqlens_padded,
+                   segment_ids=info.segment_ids, query_index=info.query_index, max_seqlen=info.max_seqlen)
         return self
 
     def copy_(self, **values: torch.Tensor) -> "StagedMicrobatch":

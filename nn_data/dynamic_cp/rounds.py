@@ -39,31 +39,30 @@ from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.dynamic_cp.block_groups import DynamicCPGroups
 from nn_data.errors import PackingError
 from nn_data.layout.internal import packed_segments
-from nn_data.pack import PackSequences, PackShard
-from nn_data.packed_forward import CPShare, PackedBounds, PackedInfo
+from nn_data.layout import PackSpec
+from nn_data.packed_sides import PLAIN, PackedInfo, PackingSide
 from nn_data.rows import with_dynamic_row_length
 from nn_data.targets import next_token_at
 
 
 class RoundLocal(NamedTuple):
-    """:class:`RoundPack`'s result: this rank's ``[1, tpr]`` tensors and the block's THD boundaries."""
+    """:class:`RoundPack`'s result: this rank's ``[1, tpr]`` tensors and the runtime's
+    :class:`~nn_data.packed_forward.PackedInfo` of the block (its boundaries, segment ids, this rank's places
+    and padding mask; the round adds the gather and ``PackedSeqParams``)."""
 
     input_ids: torch.Tensor  # [1, tpr]
     position_ids: torch.Tensor  # [1, tpr]
     targets: torch.Tensor  # [1, tpr] int64, ignore_index where no target
     loss_mask: torch.Tensor  # [1, tpr] float32
-    cu_seqlens_padded: torch.Tensor  # [Bc+1] int32
-    max_seqlen: torch.Tensor  # 0-d int32
-    segment_ids: torch.Tensor  # [T]
-    query_index: torch.Tensor  # [tpr]: the packed position of each local token
+    packed: PackedInfo
     packed_ids: torch.Tensor  # [1, T]: the whole block packed (every rank of the block holds it)
-    padding_mask: torch.Tensor  # [1, tpr] bool: True at this rank's padding positions
 
 
 class RoundPack(nn.Module):
-    """Pack one block's rows ``[Bc, S]`` to ``T = c * tpr`` and take CP rank ``cp_rank``'s zigzag shard:
-    :class:`RoundLocal`, every shape fixed by ``(c, tpr, Bc)``; no host read (device planner,
-    ``validate=False``), so ``torch.compile(fullgraph=True)`` captures it whole, once per ``c``.
+    """Pack one block's rows ``[Bc, S]`` to ``T = c * tpr`` and take CP rank ``cp_rank``'s zigzag shard
+    (the pack-and-shard runtime, :class:`~nn_data.packed_sides.PackingSide`, plain kind): :class:`RoundLocal`,
+    every shape fixed by ``(c, tpr, Bc)``; no host read (device executor, ``validate=False``), so
+    ``torch.compile(fullgraph=True)`` captures it whole, once per ``c``.
 
     ``forward(rows [Bc, S], lengths [Bc], num_rows 0-d) -> RoundLocal``. Targets are the next token
     within each sequence (:func:`nn_data.targets.next_token_at`); padding, each sequence's last token
@@ -73,21 +72,20 @@ class RoundPack(nn.Module):
     def __init__(self, cp_size: int, cp_rank: int, tokens_per_rank: int, multiple: int, *, ignore_index: int = -100):
         super().__init__()
         self.cp_size, self.cp_rank, self.total, self.ignore_index = cp_size, cp_rank, cp_size * tokens_per_rank, ignore_index
-        pack = PackSequences(multiple, 1, self.total, validate=False, host_reads=False)
-        self.pack_shard = PackShard(pack, cp_size, cp_rank, positions=True, padding=True)  # the one pack + shard
+        spec = PackSpec(multiple, 1, fixed_total=self.total)
+        self.side = PackingSide(PLAIN, spec, cp_size, cp_rank, validate=False, host_reads=False)
 
     def extra_repr(self) -> str:
         return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, T={self.total}"
 
     def forward(self, rows: torch.Tensor, lengths: torch.Tensor, num_rows: torch.Tensor) -> RoundLocal:
-        out = self.pack_shard(rows, lengths, num_rows)  # packed [1, T], this rank's [1, tpr] and places
-        r, places = out.pack, out.places
-        segments = packed_segments(r.cu_seqlens, r.cu_seqlens_padded, self.total)
-        token, has_target = next_token_at(r.packed[0], segments, places, self.total)  # [tpr] each
+        side = self.side(rows, lengths, num_rows)  # packed [1, T], this rank's [1, tpr], places, PackedInfo
+        info = side.packed
+        segments = packed_segments(info.bounds.cu_seqlens, info.cu_seqlens_padded, self.total)
+        token, has_target = next_token_at(side.packed_ids[0], segments, side.places, self.total)  # [tpr] each
         targets = torch.where(has_target, token, self.ignore_index).unsqueeze(0)  # [1, tpr]
-        return RoundLocal(out.local, out.positions, targets, has_target.to(torch.float32).unsqueeze(0),
-                          r.cu_seqlens_padded, r.max_seqlen, out.segment_ids, places.source, r.packed,
-                          out.padding_mask)
+        return RoundLocal(side.input_ids, side.position_ids, targets, has_target.to(torch.float32).unsqueeze(0),
+                          info, side.packed_ids)
 
 
 class RoundInputs(NamedTuple):
@@ -259,15 +257,11 @@ class DynamicCPStep:
         local = runner.pack_for(c, self.plan.sequence_multiples[c])(rows, row[1 + cap:], row[0])
         gather = runner.gather_for(c)
         group = runner.groups.group(c)
-        gather_kv = None if gather is None else (lambda x, g=gather, cu=local.cu_seqlens_padded: g(x, cu))
+        gather_kv = None if gather is None else (lambda x, g=gather, cu=local.packed.cu_seqlens_padded: g(x, cu))
         params = self._packed_seq_params(local, c, group) if runner.make_packed_seq_params else None
         cp_rank = runner.groups.pool_rank - block.start
-        # max_length: T, the bound known without a read
-        bounds = PackedBounds(cu_seqlens_padded=local.cu_seqlens_padded, max_seqlen=local.max_seqlen,
-                              max_length=c * self.plan.tokens_per_rank, row_len=rows.shape[1])
-        info = PackedInfo(bounds=bounds, segment_ids=local.segment_ids, query_index=local.query_index,
-                          cp=CPShare(size=c, rank=cp_rank, gather=gather_kv), padding_mask=local.padding_mask,
-                          packed_seq_params=params)
+        info = local.packed.finished(gather=gather_kv, packed_seq_params=params, row_len=rows.shape[1],
+                                     max_length=c * self.plan.tokens_per_rank)  # max_length: T, known without a read
         return RoundInputs(local.input_ids, local.position_ids, local.targets, local.loss_mask, info, block, cp_rank,
                            group, local.packed_ids)
 
@@ -278,5 +272,5 @@ class DynamicCPStep:
         from nn_data.megatron_parallel import make_packed_seq_params
 
         total = c * self.plan.tokens_per_rank
-        return make_packed_seq_params(local.cu_seqlens_padded, total, self.plan.tokens_per_rank, total=total,
+        return make_packed_seq_params(local.packed.cu_seqlens_padded, total, self.plan.tokens_per_rank, total=total,
                                       cp_group=group, local_cp_size=c)

@@ -21,15 +21,15 @@ def test_worked_example_rank_5_of_8_holds_chunks_5_and_10_of_the_long_sequence()
     ids = torch.arange(1, 30001).view(1, 30000)
     local = RoundPack(8, 5, 4096, 16)(ids, torch.tensor([30000]), torch.tensor(1))
     expected = torch.cat([torch.arange(5 * 2048, 6 * 2048), torch.arange(10 * 2048, 11 * 2048)])
-    assert torch.equal(local.query_index, expected) and local.input_ids.shape == (1, 4096)
+    assert torch.equal(local.packed.query_index, expected) and local.input_ids.shape == (1, 4096)
     assert torch.equal(local.position_ids[0], expected)  # one sequence: positions are packed positions
     real = expected < 30000
     assert torch.equal(local.input_ids[0], torch.where(real, expected + 1, 0))
     has_next = expected + 1 < 30000
     assert torch.equal(local.loss_mask[0].bool(), has_next)
     assert torch.equal(local.targets[0], torch.where(has_next, expected + 2, -100))
-    assert local.cu_seqlens_padded.tolist() == [0, 32768] and local.packed_ids.shape == (1, 32768)
-    assert torch.equal(local.padding_mask[0], ~real)
+    assert local.packed.cu_seqlens_padded.tolist() == [0, 32768] and local.packed_ids.shape == (1, 32768)
+    assert torch.equal(local.packed.padding_mask[0], ~real)
 
 
 @pytest.mark.parametrize("c, cp_rank", [(1, 0), (2, 1), (4, 2)])
@@ -41,8 +41,8 @@ def test_a_round_reads_nothing_on_the_host(c, cp_rank):
     with HostSyncCounter() as syncs:
         local = op(rows, lengths, torch.zeros((), dtype=torch.long, device="meta"))
     assert syncs.count == 0, syncs.calls
-    assert local.input_ids.shape == local.targets.shape == (1, 16) and local.segment_ids.shape == (c * 16,)
-    assert local.cu_seqlens_padded.shape == (5,)
+    assert local.input_ids.shape == local.targets.shape == (1, 16) and local.packed.segment_ids.shape == (c * 16,)
+    assert local.packed.cu_seqlens_padded.shape == (5,)
 
 
 def test_a_stream_of_rounds_compiles_once_whatever_the_lengths_and_row_length():

@@ -1,4 +1,4 @@
-"""The compat layer's compiled pack + shard graph (the core's :class:`~nn_data.pack.PackShard`), its cache
+"""The compat layer's compiled pack + shard graph (the core's :class:`~nn_data.packed_sides.PackingSide` (plain kind)), its cache
 and the recompile-limit patch.
 
 Shape legend
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from nn_data.extension import checks, PackShard, PackSpec, with_dynamic_row_length
+from nn_data.extension import checks, PLAIN, PackingSide, PackSpec, with_dynamic_row_length
 from nn_data.nemo_rl.megatron_data.options import PackOptions
-from nn_data import PackSequences, pad_rows
+from nn_data import pad_rows
 
-# Every PackShard shares one forward code object, and dynamo caps the graphs per code object
+# Every PackingSide shares one forward code object, and dynamo caps the graphs per code object
 # (recompile_limit, 8 by default); each (T, R, C, rank, ...) needs its own graph, so the compiled
 # calls lift the cap to this (never lowering a higher user setting).
 _RECOMPILE_LIMIT = 64
@@ -34,13 +34,13 @@ _COMPILED: dict = {}
 
 
 def compiled_pack_shard(spec: PackSpec, total: int, cp_rank: int, options: PackOptions):
-    """The compiled :class:`~nn_data.pack.PackShard` for this configuration, ``T`` and rank, compiled with
+    """The compiled :class:`~nn_data.packed_sides.PackingSide` (plain kind) for this configuration, ``T`` and rank, compiled with
     ``options``' backend and mode (cached; the backend object itself is part of the key)."""
     key = (spec.m, spec.p, total, spec.cp_size, cp_rank, options.backend, options.mode)
     fn = _COMPILED.get(key)
     if fn is None:
-        pack = PackSequences(spec.m, spec.p, total, validate=False, host_reads=False)
-        module = PackShard(pack, spec.cp_size, cp_rank, routes=ROUTES)
+        module = PackingSide(PLAIN, PackSpec(spec.m, spec.p, fixed_total=total), spec.cp_size, cp_rank, routes=ROUTES,
+                             validate=False, host_reads=False)
         kwargs = {"mode": options.mode} if options.mode else {}
         fn = torch.compile(module, backend=options.backend, fullgraph=True, **kwargs)
         _COMPILED[key] = fn
@@ -69,10 +69,10 @@ def run_graph(input_ids, lengths, extras: dict, *, spec: PackSpec, total: int, c
 
 
 def as_dicts(out) -> tuple[dict, dict]:
-    """``(full, local)`` by NeMo-RL's names from a :class:`~nn_data.pack.PackShardResult`: the ids under
+    """``(full, local)`` by NeMo-RL's names from a :class:`~nn_data.packed_sides.PackedSide`: the ids under
     ``"input_ids"``, each companion under its own."""
-    full = {"input_ids": out.pack.packed, **{name: s.full for name, s in out.companions.items()}}
-    local = {"input_ids": out.local, **{name: s.local for name, s in out.companions.items()}}
+    full = {"input_ids": out.packed_ids, **{name: s.full for name, s in out.companions.items()}}
+    local = {"input_ids": out.input_ids, **{name: s.local for name, s in out.companions.items()}}
     return full, local
 
 
