@@ -1,5 +1,5 @@
 """The extension surface: what a package built on nn_data (its NeMo-RL drop-in, ``nn_data.nemo_rl``) uses
-beyond the public API (``nn_data.__all__``, the ``nn_data.adapters`` door and its ``shared_prefix_kv`` module).
+beyond the public API (``nn_data.__all__``, the ``nn_data.adapters`` door and its ``tree_kv`` module).
 
 A drop-in re-implements another library's functions with that library's signatures, so it needs nn_data's
 steps one level below the ops a user calls: the argument checks (``checks``, the module, so messages keep
@@ -26,7 +26,7 @@ from nn_data.groups import (
     SINGLE, ParallelInfo, as_process_group, given_group_info, group_info, is_group_form, megatron_state,
 )
 from nn_data.layout import (
-    Boundaries, PackSpec, SharedPrefixLayout, layout_from_boundaries, layout_from_lengths, round_up,
+    Boundaries, PackSpec, TreeLayout, layout_from_boundaries, layout_from_lengths, round_up,
 )
 from nn_data.layout.internal import checks as _layout_checks
 from nn_data.layout.internal import exclusive_cumsum, layout_from_read_lengths, padded_rows, segment_ids
@@ -40,17 +40,15 @@ sequence_divisible = _layout_checks.sequence_divisible
 total_divisible = _layout_checks.total_divisible
 total_limit_host = _layout_checks.total_limit_host
 from nn_data.logprobs import (
-    SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden, hidden_logprobs_local, sampling_filter,
+    TreeLogProbs, TreeLogProbsFromHidden, hidden_logprobs_local, sampling_filter,
     token_logprobs_local,
 )
 from nn_data.logprobs.from_hidden import hidden_rows
 from nn_data.logprobs.outputs import combine_topk, head_outputs_local, local_ids
 from nn_data.logprobs.soft_targets import soft_cross_entropy_local
-from nn_data.masks import PrefixRule
 from nn_data.megatron_parallel import gpt_model_class, make_packed_seq_params
-from nn_data.pack import PackShard, pack_shard
-from nn_data.packed_shared_prefix import ROLLOUT_TREE, SHARED_PREFIX, RolloutGroups, SharedPrefixInfo
-from nn_data.packed_sides import CPShare, PackedBounds, PackingSide
+from nn_data.packed_tree import TREE, RolloutGroups
+from nn_data.packed_sides import PLAIN, PackingSide, pack_shard
 from nn_data.planning import (
     Parallelism, RolloutTree, find_rollout_tree, plan_step, plan_step_rollout_tree, plan_step_shared_prefix, subtree,
 )
@@ -64,19 +62,19 @@ __all__ = [
     # the argument checks (a module)
     "checks",
     # the layout: its user's door, then its internal door
-    "Boundaries", "PackSpec", "SharedPrefixLayout", "layout_from_boundaries", "layout_from_lengths", "round_up",
+    "Boundaries", "PackSpec", "TreeLayout", "layout_from_boundaries", "layout_from_lengths", "round_up",
     "boundary_args", "exclusive_cumsum", "fixed_total_arg", "layout_from_read_lengths", "lengths_host",
     "natural_total_host", "padded_rows", "segment_ids", "sequence_divisible", "total_divisible", "total_limit_host",
     # the ops' steps
-    "PackShard", "pack_shard", "unpack_sequences", "with_dynamic_row_length", "next_token_at", "PrefixRule",
-    "PackingSide", "ROLLOUT_TREE", "SHARED_PREFIX", "RolloutGroups", "RolloutTree", "SharedPrefixInfo", "CPShare", "PackedBounds",
+    "pack_shard", "unpack_sequences", "with_dynamic_row_length", "next_token_at",
+    "PackingSide", "PLAIN", "TREE", "RolloutGroups", "RolloutTree",
     # process groups, collectives, megatron-core's PackedSeqParams
     "ParallelInfo", "SINGLE", "as_process_group", "given_group_info", "group_info", "is_group_form",
     "megatron_state", "all_gather_dim0", "all_gather_rows", "all_reduce_sum", "all_to_all_dim0", "gpt_model_class", "make_packed_seq_params",
     # planning
     "Parallelism", "plan_step", "plan_step_rollout_tree", "plan_step_shared_prefix", "find_rollout_tree", "subtree", "check_tree", "first_fit_decreasing", "round_up_lengths",
     # log-probs
-    "SharedPrefixLogProbs", "SharedPrefixLogProbsFromHidden", "hidden_logprobs_local", "hidden_rows",
+    "TreeLogProbs", "TreeLogProbsFromHidden", "hidden_logprobs_local", "hidden_rows",
     "sampling_filter", "token_logprobs_local", "combine_topk", "head_outputs_local", "local_ids",
     "soft_cross_entropy_local",
 ]

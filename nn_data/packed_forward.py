@@ -25,7 +25,7 @@ from nn_data.groups import given_group_info
 from nn_data.pack import PackSequences, check_pack_args
 from nn_data.layout import PackLayout
 from nn_data.model_check import ModelGuard
-from nn_data.packed_shared_prefix import ROLLOUT_TREE, SHARED_PREFIX, SharedPrefixInfo, check_shared_args
+from nn_data.packed_tree import TREE, TreeInfo, tree_args
 from nn_data.packed_sides import (CPShare, MicrobatchKind, PackedBounds, PackedInfo, PackingSide, PLAIN,
                                   UnpackingSide)
 from nn_data.planning.alignment import Parallelism
@@ -33,7 +33,7 @@ from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 
 # the records a wrapped model receives, at the door of the pipeline that makes them
 __all__ = ["KINDS", "CPShare", "Microbatch", "PackedBounds", "PackedForward", "PackedInfo", "PackedInput",
-           "SharedPrefixInfo", "microbatch_kind"]
+           "TreeInfo", "microbatch_kind"]
 
 
 class PackedInput(NamedTuple):
@@ -54,14 +54,14 @@ class PackedInput(NamedTuple):
     @property
     def layout(self):
         """The microbatch's layout built by the packing side: a :class:`~nn_data.layout.PackLayout`, or the
-        kind's own (a :class:`~nn_data.layout.SharedPrefixLayout`); None from a compiled packing side (its
+        kind's own (a :class:`~nn_data.layout.TreeLayout`); None from a compiled packing side (its
         index maps stay inside the graph: :meth:`PackedForward.layout_of` builds it again, with no read)."""
         return self.microbatch.layout
 
 
 class Microbatch(NamedTuple):
     """One call's kind of microbatch (:class:`~nn_data.packed_sides.PlainKind`,
-    :class:`~nn_data.packed_shared_prefix.RolloutTreeKind` or its depth-1 spelling ``SharedPrefixKind``), its own per-row arguments ``args`` (None for
+    :class:`~nn_data.packed_tree.TreeKind`), its own per-row arguments ``args`` (None for
     a plain microbatch; row-padded), ``num_rows`` (0-d, with ``row_capacity``; else None) and, eagerly, the
     ``layout`` the packing side built (None out of a compiled graph)."""
 
@@ -72,7 +72,7 @@ class Microbatch(NamedTuple):
 
 
 #: The kinds of microbatch :class:`PackedForward` serves (a new kind is a new strategy here).
-KINDS = (PLAIN, SHARED_PREFIX, ROLLOUT_TREE)
+KINDS = (PLAIN, TREE)
 
 
 class PackedForward(nn.Module):
@@ -85,7 +85,7 @@ class PackedForward(nn.Module):
     With ``prefix_lengths [B]`` and ``group_ids [B]`` (both or neither) each group's prompt is packed
     once and each rollout's row comes back as if it had been run alone; with ``parent [B]`` and
     ``branch_at [B]`` instead, every shared prefix of a rollout tree, at any depth, once
-    (:mod:`nn_data.packed_shared_prefix`; the model must honour ``packed.prefix``: both adapters do).
+    (:mod:`nn_data.packed_tree`; the model must honour ``packed.prefix``: both adapters do).
     One pipeline serves all three: what differs is the kind of microbatch (:class:`MicrobatchKind`).
 
     The model contract: ``model(input_ids [1, T/C], position_ids [1, T/C], packed: PackedInfo,
@@ -233,8 +233,8 @@ class PackedForward(nn.Module):
 
             inp = wrapped.prepare(ids, lengths, prefix_lengths=P, group_ids=g)
             logits = model(inp.input_ids, inp.position_ids, inp.packed)          # [1, T/C, V]
-            shared = wrapped.layout_of(inp)                                      # a SharedPrefixLayout
-            logprobs = SharedPrefixLogProbs()(logits, shared.pack(inp.row_ids), shared)[: inp.rows]
+            shared = wrapped.layout_of(inp)                                      # a TreeLayout
+            logprobs = TreeLogProbs()(logits, shared.pack(inp.row_ids), shared)[: inp.rows]
         """
         mb = inp.microbatch
         if mb.layout is not None:
@@ -278,12 +278,10 @@ def microbatch_kind(input_ids: torch.Tensor, seq_lengths: torch.Tensor, *, prefi
     """``(kind, args)``: the kind of microbatch a call is (:class:`MicrobatchKind`) and its own arguments,
     checked (metadata only): plain with none of them, a rollout tree with ``parent`` and ``branch_at``, its
     depth-1 spelling (the shared prompt) with ``prefix_lengths`` and ``group_ids``
-    (:func:`~nn_data.packed_shared_prefix.check_shared_args`)."""
+    (:func:`~nn_data.packed_tree.tree_args`)."""
     if all(t is None for t in (prefix_lengths, group_ids, parent, branch_at)):
         return PLAIN, None
-    first, second, tree = check_shared_args(input_ids, seq_lengths, prefix_lengths, group_ids, parent, branch_at)
-    kind = ROLLOUT_TREE if tree else SHARED_PREFIX
-    return kind, kind.args(input_ids, seq_lengths, first, second)
+    return TREE, tree_args(input_ids, seq_lengths, prefix_lengths, group_ids, parent, branch_at)
 
 
 def _row_len(row_ids: torch.Tensor):

@@ -16,7 +16,7 @@ caller adds only its own parts (:meth:`PackedInfo.finished`: the CP gather, ``Pa
 turns the gathered ``[1, T, *]`` output back into ``[R, S, *]`` rows in a compiled call. What differs
 between kinds of microbatch is a strategy (:class:`MicrobatchKind`): :class:`PlainKind` here,
 :class:`~nn_data.packed_tree.TreeKind` beside it (GRPO groups are its depth-1 tree, converted where they
-enter: :func:`~nn_data.packed_tree.groups_as_tree`).
+enter: :func:`~nn_data.layout.shared_prefix_layout`).
 """
 
 from __future__ import annotations
@@ -145,8 +145,7 @@ class MicrobatchKind(Protocol):
     """What a kind of microbatch brings to :class:`~nn_data.packed_forward.PackedForward`'s one pipeline (the
     strategy); the pipeline itself (row padding, the packing side, the CP gathers, the unpack) is the same for
     every kind. :class:`PlainKind` (one segment per row) and
-    :class:`~nn_data.packed_shared_prefix.RolloutTreeKind` (every shared prefix once; ``SharedPrefixKind``, each
-    group's prompt once, its depth-1 spelling) are two; a new kind of microbatch is a new strategy listed in
+    :class:`~nn_data.packed_tree.TreeKind` (every shared prefix once, GRPO groups its depth-1 tree) are two; a new kind of microbatch is a new strategy listed in
     ``nn_data.packed_forward.KINDS``.
 
     ``name``: how messages name it. ``pad_rows(args, capacity)``: its own per-row arguments padded to the row
@@ -237,8 +236,10 @@ class PackingSide(nn.Module):
                              host_reads=self.host_reads)
         slots = kind.slots(layout)
         places = slots.local_places(self.cp_size, self.cp_rank)  # [T/C] each, once for every tensor
-        full, local = pack_shard(layout, {"input_ids": input_ids, **companions}, cp_size=self.cp_size,
-                                 cp_rank=self.cp_rank, routes=self.routes, source=places.source)
+        packed = layout.pack(input_ids)  # [1, T]
+        local = packed if self.cp_size == 1 else packed.index_select(1, places.source)  # [1, T] -> [1, T/C]
+        full, shards = pack_shard(layout, companions, cp_size=self.cp_size, cp_rank=self.cp_rank, routes=self.routes,
+                                  source=places.source)
         compiling = torch.compiler.is_compiling()
         longest = slots.host.max_seqlen if slots.host is not None and not compiling else slots.total
         bounds = PackedBounds(cu_seqlens_padded=slots.cu_seqlens_padded, max_seqlen=slots.max_seqlen,
@@ -246,10 +247,9 @@ class PackingSide(nn.Module):
         info = PackedInfo(bounds=bounds, segment_ids=layout.segment_ids(), query_index=places.source,
                           cp=CPShare(size=self.cp_size, rank=self.cp_rank),
                           padding_mask=slots.padding_mask(places=places), prefix=kind.attention(layout))
-        shards = {name: Shard(full[name], local[name]) for name in full if name != "input_ids"}
-        return PackedSide(input_ids=local["input_ids"], position_ids=kind.positions(layout, places), packed=info,
-                          layout=None if compiling else layout, packed_ids=full["input_ids"], companions=shards,
-                          places=places)
+        return PackedSide(input_ids=local, position_ids=kind.positions(layout, places), packed=info,
+                          layout=None if compiling else layout, packed_ids=packed,
+                          companions={name: Shard(full[name], shards[name]) for name in full}, places=places)
 
 
 def local_positions(layout: PackLayout, places: ZigzagLocal) -> torch.Tensor:

@@ -6,7 +6,7 @@
 * :func:`pipeline_forward_step` (``nn_data.adapters.megatron_pipeline``): a ``forward_step_func``
   for megatron-core's pipeline schedules that packs every microbatch to one ``T``;
   :func:`dynamic_cp_forward_step` the same for the rounds of a dynamic-CP step;
-* ``nn_data.adapters.shared_prefix_kv`` (a module, its ``__all__``): TransformerEngine's separate query and
+* ``nn_data.adapters.tree_kv`` (a module, its ``__all__``): TransformerEngine's separate query and
   key/value boundaries of a shared-prefix microbatch.
 
 Importing this package imports neither transformers nor megatron-core (each costs seconds);

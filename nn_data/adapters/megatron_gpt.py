@@ -161,7 +161,7 @@ class MegatronGPTAdapter(nn.Module):
     own CP group. ``packed.padding_mask`` goes to the model as ``padding_mask`` when its forward takes
     one (``takes_padding_mask``; megatron-core 0.16 and 0.19 do) and ``model_kwargs`` does not.
 
-    A shared-prefix row (``packed.prefix``, :mod:`nn_data.packed_shared_prefix`): the mask takes the
+    A shared-prefix row (``packed.prefix``, :mod:`nn_data.packed_tree`): the mask takes the
     prefix rule, and the model runs without ``PackedSeqParams`` with its rotary embedding taken at the
     rollout positions (:func:`rotary_at_positions`: a response continues from its prompt, which
     megatron-core's THD rotary embedding, restarting every segment at 0, would not do).
@@ -238,7 +238,7 @@ class MegatronGPTAdapter(nn.Module):
         if self.head is not None:
             raise PackingError("output='logprobs' scores each packed segment's next tokens, but a shared-prefix "
                                "row's prompt is scored against every response of its group: use output='logits' "
-                               "(or nn_data.logprobs.SharedPrefixLogProbsFromHidden on the hidden "
+                               "(or nn_data.logprobs.TreeLogProbsFromHidden on the hidden "
                                "states)")
         with rotary_at_positions(self.model, position_ids[0], packed.segment_ids.shape[0]):
             return self.model(input_ids, position_ids, mask, packed_seq_params=None, **model_kwargs)

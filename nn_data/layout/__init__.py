@@ -10,9 +10,9 @@ entry point of nn_data packs, shards, unshards and unpacks through it:
 * building one (``build``): :class:`PackSpec` (what a pack is asked for) and
   :func:`layout_from_lengths`; :class:`Boundaries` and :func:`layout_from_boundaries` for an op given
   boundaries; :func:`pack_with_layout` (:meth:`PackLayout.pack`);
-* a rollout-tree microbatch (``prefix_layout``, its index tables ``tree_nodes``): :class:`TreeLayout`,
+* a rollout-tree microbatch (``tree``, its index tables ``tree_nodes``): :class:`TreeLayout`,
   :func:`tree_layout` (a :class:`PackLayout` over node slots); the GRPO shared prompt is its depth-1
-  spelling, :class:`SharedPrefixLayout` (:class:`TreeLayout`) and :func:`shared_prefix_layout`;
+  spelling, :func:`shared_prefix_layout` (GRPO groups as the tree);
 * :class:`RankOp` and :func:`op_layout` (``op``): the base of the ops configured with a CP rank, and
   how an op gets its call's layout;
 * :func:`round_up`, the rounding rule (``rules``: every layout rule, written once for Python ints and
@@ -32,7 +32,7 @@ from __future__ import annotations
 from nn_data.layout.build import Boundaries, PackSpec, layout_from_boundaries, layout_from_lengths
 from nn_data.layout.op import RankOp, op_layout
 from nn_data.layout.pack_layout import PackLayout, pack_with_layout
-from nn_data.layout.prefix_layout import SharedPrefixLayout, TreeLayout, shared_prefix_layout, tree_layout
+from nn_data.layout.tree import TreeLayout, shared_prefix_layout, tree_layout
 from nn_data.layout.rules import round_up
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "PackLayout",
     "PackSpec",
     "RankOp",
-    "SharedPrefixLayout",
     "TreeLayout",
     "layout_from_boundaries",
     "layout_from_lengths",

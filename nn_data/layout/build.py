@@ -128,7 +128,7 @@ def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: 
     """The host-executor layout of lengths already read to the host (``lengths``: Python ints, the values of
     the ``seq_lengths [B]`` tensor, ``num_rows`` an int or None), checked when ``validate``: for
     :func:`layout_from_lengths` and a builder whose one read brought them with other values
-    (:mod:`nn_data.layout.prefix_layout`); no further read. Example: ``[3, 0, 5]``, S 5, m 4 ->
+    (:mod:`nn_data.layout.tree`); no further read. Example: ``[3, 0, 5]``, S 5, m 4 ->
     ``HostBounds([3, 0, 5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3)``."""
     n = num_rows
     if validate:

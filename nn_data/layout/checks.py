@@ -229,7 +229,7 @@ def row_length_host(lengths: list, seq_len: int, name: str = "seq_lengths") -> N
 
 def prefix_lengths_host(lengths: list, prefixes: list, groups: list, leader: list, mismatch: Optional[list],
                         num_rows: Optional[int] = None) -> None:
-    """A shared-prefix microbatch (:mod:`nn_data.layout.prefix_layout`), on the ints of its one read:
+    """A shared-prefix microbatch (:mod:`nn_data.layout.tree`), on the ints of its one read:
     ``0 <= P[b] <= L[b]``; every rollout of a group (equal ``group_ids``) has the prefix length and, when
     ``input_ids`` were given (``mismatch [B]``: its prompt tokens differ from its leader's), the prompt
     tokens of the group's first rollout ``leader[b]``. Rows at or past ``num_rows`` (empty padding rows)

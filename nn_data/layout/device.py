@@ -51,7 +51,7 @@ class GatherMaps(NamedTuple):
     position reads (clamped into ``[0, B*S)``), ``valid`` whether it is a token (else ``fill``).
 
     The one way maps enter :func:`gather_pack`: a device executor's gather form and a shared-prefix layout's
-    rollout maps (:class:`~nn_data.layout.SharedPrefixLayout`) are both this record. Example: the module's.
+    rollout maps (:class:`~nn_data.layout.TreeLayout`) are both this record. Example: the module's.
     """
 
     source: torch.Tensor

@@ -10,8 +10,8 @@
 * :mod:`~nn_data.logprobs.from_logits`: :class:`TokenLogProbs`, and the steps every op here shares (the
   call's layout, each rank's targets, the rows from the gathered values);
 * :mod:`~nn_data.logprobs.from_hidden`: :class:`TokenLogProbsFromHidden` (the LM head fused in);
-* :mod:`~nn_data.logprobs.from_shared_prefix`: :class:`SharedPrefixLogProbs` and
-  :class:`SharedPrefixLogProbsFromHidden`, per rollout of a shared-prefix microbatch.
+* :mod:`~nn_data.logprobs.from_tree`: :class:`TreeLogProbs` and
+  :class:`TreeLogProbsFromHidden`, per rollout of a shared-prefix microbatch.
 
 The NeMo-RL functions (:mod:`nn_data.nemo_rl.model_utils`, :mod:`nn_data.nemo_rl.linear_ce`) call these. The
 0.1.x path ``nn_data.sampling`` is :mod:`~nn_data.logprobs.filters` (``nn_data._alias.OLD_PATHS``, with a warning).
@@ -22,15 +22,15 @@ from __future__ import annotations
 from nn_data.logprobs.filters import SamplingFilter, sampling_filter
 from nn_data.logprobs.from_hidden import TokenLogProbsFromHidden
 from nn_data.logprobs.from_logits import TokenLogProbs
-from nn_data.logprobs.from_shared_prefix import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from nn_data.logprobs.from_tree import TreeLogProbs, TreeLogProbsFromHidden
 from nn_data.logprobs.kernels import hidden_logprobs_local, token_logprobs_local
 from nn_data.logprobs.outputs import HeadOutputs, head_outputs_local
 
 __all__ = [
     "HeadOutputs",
     "SamplingFilter",
-    "SharedPrefixLogProbs",
-    "SharedPrefixLogProbsFromHidden",
+    "TreeLogProbs",
+    "TreeLogProbsFromHidden",
     "TokenLogProbs",
     "TokenLogProbsFromHidden",
     "head_outputs_local",

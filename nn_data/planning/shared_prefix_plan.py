@@ -9,7 +9,7 @@ Vocabulary
     m   ``parallelism.pad_multiple``; T ``pad_full_seq_to``; h ``hidden_size``
 
 A microbatch packs, per group it holds, the prompt once and then each rollout's response, every
-slot rounded up to ``m`` (the shared-prefix layout, ``nn_data.layout.prefix_layout``: a prompt slot
+slot rounded up to ``m`` (the shared-prefix layout, ``nn_data.layout.tree``: a prompt slot
 per group, a response slot per rollout; the tree planner's ``extra`` split at ``P``). So a group costs
 
     need = round_up(P, m) + sum over its rollouts of round_up(L - P, m)     (tokens of a microbatch)

@@ -3,7 +3,7 @@
 A step of the GPU check (``scripts/gpu_check.sh``: the CUDA tier). Not run on a GPU yet.
 
 Shared-prefix attention through the real variable-length kernels, with the distinct query and
-key/value boundaries of nn_data.adapters.shared_prefix_kv and each response's prompt keys gathered into
+key/value boundaries of nn_data.adapters.tree_kv and each response's prompt keys gathered into
 the buffer (a rollout tree's nodes, depth 1 to 4, their path's keys: ``tree_kv``): torch's ``varlen_attn`` (flash-attention, bottom-right causal) and, where it imports,
 TransformerEngine's ``DotProductAttention`` (THD, ``padding_causal_bottom_right``) over megatron-core's
 ``PackedSeqParams``; each against the packed row under nn_data's dense prefix mask. Also the whole
@@ -75,10 +75,10 @@ def test_transformer_engine_thd_attention_over_the_packed_seq_params(build, args
         pytest.skip("transformer_engine / megatron-core not installed")
     from transformer_engine.pytorch import DotProductAttention
 
-    from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
+    from nn_data.adapters.tree_kv import tree_packed_seq_params
 
     shared, kv, total = build(*args, device=DEVICE)
-    params = shared_prefix_packed_seq_params(kv)
+    params = tree_packed_seq_params(kv)
     q, k, v = _qkv(total)
     attention = DotProductAttention(HEADS, DIM, qkv_format="thd", attn_mask_type="padding_causal_bottom_right")
     got = attention(q, kv.gather(k), kv.gather(v), cu_seqlens_q=params.cu_seqlens_q,

@@ -214,15 +214,15 @@ def _definitions():
 
 def test_layout_names_one_type():
     """"layout" is PackLayout: no other class's name says Layout (the deprecated names are aliases), but
-    TreeLayout, which is a PackLayout over a rollout tree's node slots (its ``layout``; SharedPrefixLayout,
+    TreeLayout, which is a PackLayout over a rollout tree's node slots (its ``layout``; TreeLayout,
     the shared prompt's name for it, is an alias)."""
     classes = sorted(n.name for _, n in _definitions() if isinstance(n, ast.ClassDef) and "Layout" in n.name)
     assert classes == ["PackLayout", "TreeLayout"], classes
     import typing
 
-    from nn_data.layout import PackLayout, SharedPrefixLayout
+    from nn_data.layout import PackLayout, TreeLayout
 
-    assert typing.get_type_hints(SharedPrefixLayout)["layout"] is PackLayout
+    assert typing.get_type_hints(TreeLayout)["layout"] is PackLayout
 
 
 LAYOUT_SIDE = [PKG / "layout", *(PKG / f"{m}.py" for m in ("pack", "unpack", "context_parallel", "targets", "logprobs",

@@ -25,7 +25,7 @@ def case_dropin_step(module: str = "tests.megatron_data.test_shared_prefix_dropi
 
     from nn_data.cp_comm import GatherFromContextParallel
     from nn_data.models.tiny_megatron import forward_alone, tiny_gpt_config, tiny_gpt_model
-    from nn_data.nemo_rl.megatron_data.shared_prefix_model import (
+    from nn_data.nemo_rl.megatron_data.tree_model import (
         forward_shared_prefix, from_parallel_hidden_states_to_logprobs_shared_prefix,
         from_parallel_logits_to_logprobs_shared_prefix,
     )

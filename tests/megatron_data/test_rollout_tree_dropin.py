@@ -23,7 +23,7 @@ from nn_data.errors import PackingError
 from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.nemo_rl.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
 from nn_data.nemo_rl.megatron_data.options import RolloutTreeKeys
-from nn_data.nemo_rl.megatron_data.shared_prefix_model import forward_shared_prefix
+from nn_data.nemo_rl.megatron_data.tree_model import forward_shared_prefix
 from nn_data.planning import Parallelism, plan_step_rollout_tree, subtree
 from tests.support.megatron_config import megatron_cfg
 from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state

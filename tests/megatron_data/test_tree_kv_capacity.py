@@ -1,7 +1,7 @@
 """Tier: pure CPU, single process.
 
 The length ``K`` of the key/value buffer a shared-prefix or rollout-tree microbatch carries at CP 1 in the NeMo-RL
-megatron drop-in (``SharedPrefixRecord.kv``, for TransformerEngine's THD attention): without a fixed packed length,
+megatron drop-in (``TreeRecord.kv``, for TransformerEngine's THD attention): without a fixed packed length,
 each microbatch's exact need from the layout builder's host ints (``T`` plus the path tokens before its nodes); under
 ``pad_full_seq_to``, the run's ``cfg["nn_data"]["kv_capacity"]``, one buffer shape for every microbatch of a stream of
 different trees and GRPO groups, with every rollout's attention through it (a CPU loop reference of the kernel) equal
@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nn_data.adapters.shared_prefix_kv import tree_kv
+from nn_data.adapters.tree_kv import tree_kv
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, shared_prefix_layout, tree_layout
 from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
 from nn_data.nemo_rl.megatron_data import PackOptions, get_microbatch_iterator, process_microbatch
-from nn_data.nemo_rl.megatron_data.shared_prefix import kv_capacity
+from nn_data.nemo_rl.megatron_data.tree_inputs import kv_capacity
 from tests.megatron_data.test_rollout_tree_dropin import BUDGET, M, _args, _cfg, tree_batch
 from tests.support import shared_prefix_kv_cases as kv_cases
 

@@ -2,10 +2,9 @@
 buffers): tests/cuda/test_cuda_shared_prefix.py, a step of the GPU check.
 
 The distinct query and key/value boundaries for TransformerEngine / flash-attention's varlen kernel
-(nn_data.adapters.shared_prefix_kv): the index maps on the worked examples, and attention sequence by
+(nn_data.adapters.tree_kv): the index maps on the worked examples, and attention sequence by
 sequence over the gathered buffer (bottom-right causal) == the packed row under nn_data's prefix mask, for the
-shared prompt and for rollout trees of depth 1 to 4 (``tree_kv``); a deeper tree given to ``shared_prefix_kv``
-is refused naming ``tree_kv``.
+GRPO groups (the depth-1 tree) and for rollout trees of depth 1 to 4 (``tree_kv``).
 """
 
 from __future__ import annotations
@@ -13,41 +12,42 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nn_data.adapters.shared_prefix_kv import shared_prefix_kv, tree_kv
+from nn_data.adapters.tree_kv import tree_kv
 from nn_data.errors import PackingError
-from nn_data.layout import PackSpec, tree_layout
+from nn_data.layout import PackSpec, shared_prefix_layout, tree_layout
 from tests.support import shared_prefix_kv_cases as kv_cases
 from tests.support.tree_reference import BY_DEPTH, Tree, depth
 from tests.support.megatron_release import needs_megatron_models
 
-EXAMPLE = dict(cu_seqlens_padded=torch.tensor([0, 2, 4, 4, 5, 6, 8], dtype=torch.int32),
-               prefix_lengths=torch.tensor([2, 2, 1]), leader=torch.tensor([0, 0, 2]))
+def _groups(groups, prefix, lengths, total: int):
+    return shared_prefix_layout(torch.tensor(lengths), torch.tensor(prefix), torch.tensor(groups),
+                                row_len=max(lengths, default=1), spec=PackSpec(1, fixed_total=total))
+
+
+EXAMPLE = _groups([7, 7, 9], [2, 2, 1], [4, 3, 3], 8)  # slot bounds [0, 2, 4, 4, 5, 6, 8]
 
 
 def test_worked_example_boundaries_and_index_maps():
-    kv = shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=16)
+    assert EXAMPLE.layout.cu_seqlens_padded.tolist() == [0, 2, 4, 4, 5, 6, 8]
+    kv = tree_kv(EXAMPLE, kv_capacity=16)
     assert kv.cu_seqlens_q.tolist() == [0, 2, 4, 4, 5, 6, 8, 8] and kv.cu_seqlens_q.dtype == torch.int32
     assert kv.cu_seqlens_kv.tolist() == [0, 2, 6, 6, 9, 10, 13, 16]  # the slack: 3 unused keys
     assert kv.kv_source.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 5, 6, 7, 0, 0, 0]
     assert kv.kv_valid.tolist() == [True] * 13 + [False] * 3
     assert (kv.max_seqlen_q, kv.max_seqlen_kv) == (8, 16)
-    assert shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=13).cu_seqlens_kv.tolist()[-2:] == [13, 13]
+    assert tree_kv(EXAMPLE, kv_capacity=13).cu_seqlens_kv.tolist()[-2:] == [13, 13]
 
 
 def test_no_rollout_is_one_padding_sequence():
-    kv = shared_prefix_kv(torch.tensor([8], dtype=torch.int32), torch.zeros(0, dtype=torch.long),
-                          torch.zeros(0, dtype=torch.long), total=8, kv_capacity=8)
+    kv = tree_kv(_groups([], [], [], 8), kv_capacity=8)
     assert kv.cu_seqlens_q.tolist() == [0, 8, 8] and kv.cu_seqlens_kv.tolist() == [0, 8, 8]
 
 
-def test_capacity_and_boundaries_are_checked():
+def test_capacity_is_checked():
     with pytest.raises(RuntimeError, match="kv_capacity=12 is too small"):  # a device-side assert
-        shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=12)
+        tree_kv(EXAMPLE, kv_capacity=12)
     with pytest.raises(PackingError, match=r"kv_capacity=7 is invalid; expected an int >= total=8"):
-        shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=7)
-    with pytest.raises(PackingError, match=r"expected \[7\] \(the 2B slots of B=3 rollouts\)"):
-        shared_prefix_kv(EXAMPLE["cu_seqlens_padded"][:4], EXAMPLE["prefix_lengths"], EXAMPLE["leader"], total=8,
-                         kv_capacity=16)
+        tree_kv(EXAMPLE, kv_capacity=7)
 
 
 @pytest.mark.parametrize("row", kv_cases.ROWS, ids=lambda r: f"P{r[1]}-m{r[3]}")
@@ -95,24 +95,9 @@ def test_varlen_attention_over_a_trees_buffer_equals_the_tree_mask(tree, m):
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("row", kv_cases.ROWS, ids=lambda r: f"P{r[1]}-m{r[3]}")
-def test_a_shared_prompts_tree_kv_is_its_shared_prefix_kv(row):
-    shared, kv, total = kv_cases.shared_row(*row)
-    for a, b in zip(tree_kv(shared, kv_capacity=kv.max_seqlen_kv), kv):
-        assert a == b if isinstance(a, int) else torch.equal(a, b)
-
-
-def test_a_deeper_tree_is_refused_by_the_shared_prompt_spelling_naming_tree_kv():
+def test_a_layout_that_is_not_a_trees_is_refused_and_the_capacity_checked():
     chain = Tree([6, 8, 10], [-1, 0, 1], [0, 2, 5])  # depth 2
-    fit = _tree(chain, 1, 24, node_capacity=6)  # 2B slots: the boundaries have the shared prompt's shape
-    with pytest.raises(RuntimeError, match=r"shared_prefix_kv: a rollout's prefix_lengths differs from its leader's: "
-                                           r"this is a deeper rollout tree .* build its boundaries with "
-                                           r"tree_kv\(layout, kv_capacity=...\)"):
-        shared_prefix_kv(fit.layout.cu_seqlens_padded, fit.prefix_lengths, fit.leader, total=24, kv_capacity=64)
     wide = _tree(chain, 1, 24)  # 3B - 2 slots
-    with pytest.raises(PackingError, match=r"expected \[7\] \(the 2B slots of B=3 rollouts\); a rollout tree's "
-                                           r"node slots take tree_kv\(layout, kv_capacity=...\)"):
-        shared_prefix_kv(wide.layout.cu_seqlens_padded, wide.prefix_lengths, wide.leader, total=24, kv_capacity=64)
     with pytest.raises(PackingError, match=r"tree_kv: layout must be a TreeLayout \(tree_layout\(...\) or "
                                            r"shared_prefix_layout\(...\)\), got PackLayout"):
         tree_kv(wide.layout, kv_capacity=64)
@@ -123,10 +108,10 @@ def test_a_deeper_tree_is_refused_by_the_shared_prompt_spelling_naming_tree_kv()
 
 @needs_megatron_models
 def test_packed_seq_params_carry_the_distinct_boundaries():
-    from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
+    from nn_data.adapters.tree_kv import tree_packed_seq_params
 
-    kv = shared_prefix_kv(**EXAMPLE, total=8, kv_capacity=16)
-    params = shared_prefix_packed_seq_params(kv)
+    kv = tree_kv(EXAMPLE, kv_capacity=16)
+    params = tree_packed_seq_params(kv)
     assert params.qkv_format == "thd" and params.cu_seqlens_q is kv.cu_seqlens_q
     assert params.cu_seqlens_kv is kv.cu_seqlens_kv and params.cu_seqlens_kv_padded is kv.cu_seqlens_kv
     assert (params.max_seqlen_q, params.max_seqlen_kv) == (8, 16)

@@ -19,7 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from nn_data.adapters import HFCausalLMAdapter
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
-from nn_data.logprobs import SharedPrefixLogProbs
+from nn_data.logprobs import TreeLogProbs
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data.packed_forward import PackedForward
 from tests.models import tree_cases as cases
@@ -86,7 +86,7 @@ def test_compiled_packing_one_graph_each_side_and_no_host_sync_over_a_stream_of_
 @pytest.mark.parametrize("compile_packing", [False, True], ids=["eager", "layout_rebuilt"])
 def test_head_outputs_through_packed_forward_equal_each_rollout_alone(compile_packing):
     """``prepare(ids, L, parent=, branch_at=)``, the model on the packed row, ``layout_of``, then
-    ``SharedPrefixLogProbs.outputs``: every rollout's log-prob, entropy, top-3 and argmax rows equal those of
+    ``TreeLogProbs.outputs``: every rollout's log-prob, entropy, top-3 and argmax rows equal those of
     its logits run alone (float64; with ``compile_packing=True`` the layout is built again on the device)."""
     model = tiny_hf_model("llama").double().eval()
     wrapped = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), pad_individual_seqs_to_multiple_of=2,
@@ -98,7 +98,7 @@ def test_head_outputs_through_packed_forward_equal_each_rollout_alone(compile_pa
             assert (inp.microbatch.layout is None) == compile_packing
             logits = wrapped.model(inp.input_ids, inp.position_ids, inp.packed)  # [1, T, V]
             layout = wrapped.layout_of(inp)
-            got = SharedPrefixLogProbs().outputs(logits, layout.pack(inp.row_ids), layout, entropy=True, top_k=3,
+            got = TreeLogProbs().outputs(logits, layout.pack(inp.row_ids), layout, entropy=True, top_k=3,
                                                  argmax=True)
             width = ids.shape[1] - 1
             for b, n in enumerate(lens.tolist()):

@@ -19,11 +19,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import nn_data
 from nn_data.adapters import HFCausalLMAdapter
 from nn_data.errors import PackingError
-from nn_data.layout import host, prefix_layout
-from nn_data.logprobs import SharedPrefixLogProbs
+from nn_data.layout import host, tree as tree_module
+from nn_data.logprobs import TreeLogProbs
 from nn_data.models import TinyCausalLM
 from nn_data.models.tiny_hf import tiny_hf_model
-from nn_data import pack as pack_module, packed_forward, packed_shared_prefix, packed_sides
+from nn_data import pack as pack_module, packed_forward, packed_tree, packed_sides
 from nn_data.packed_forward import PackedForward
 from nn_data.rows import pad_to_row_capacity, with_dynamic_row_length
 from tests.models import shared_prefix_cases as cases
@@ -64,7 +64,7 @@ def test_forward_reaches_the_pack_kernel_in_at_most_four_frames(tiny, monkeypatc
 def test_a_shared_prefix_forward_reaches_its_kernel_in_at_most_four_frames(monkeypatch):
     ids, lens, pre, gid = cases.rollouts([7, 7, 9], [2, 2, 1], [4, 3, 3], torch.Generator().manual_seed(0))
     wrapped = PackedForward(HFCausalLMAdapter(tiny_hf_model("llama"), mask_kind="dense"), pad_full_seq_to=16)
-    stacks = _kernel_stacks(monkeypatch, prefix_layout, "gather_pack",
+    stacks = _kernel_stacks(monkeypatch, tree_module, "gather_pack",
                             lambda: wrapped(ids, lens, prefix_lengths=pre, group_ids=gid))
     assert stacks and all(len(s) <= 4 for s in stacks), stacks
     assert stacks[0] == ["forward", "prepare", "forward", "pack"], stacks
@@ -73,17 +73,15 @@ def test_a_shared_prefix_forward_reaches_its_kernel_in_at_most_four_frames(monke
 def test_records_have_at_most_seven_fields():
     records = [packed_forward.PackedInfo, packed_forward.PackedInput, packed_forward.PackedBounds,
                packed_forward.CPShare, packed_forward.Microbatch, packed_sides.PackedSide,
-               packed_shared_prefix.SharedPrefixInfo, packed_shared_prefix.RolloutGroups,
-               pack_module.PackShardResult, pack_module.Shard, pack_module.PackResult]
+               packed_tree.TreeInfo, packed_tree.RolloutGroups, packed_sides.Shard, pack_module.PackResult]
     assert {r.__name__: len(r._fields) for r in records if len(r._fields) > 7} == {}
 
 
 def test_every_kind_of_microbatch_runs_one_pipeline():
-    """The kind is a strategy of PackingSide / UnpackingSide: the rollout tree and its depth-1 spelling (the
-    shared prefix) have no module of their own, and the pipeline's sides are one class each whatever the kind."""
-    assert {kind.name for kind in packed_forward.KINDS} == {"plain", "shared-prefix", "rollout-tree"}
-    assert isinstance(packed_shared_prefix.SHARED_PREFIX, packed_shared_prefix.RolloutTreeKind)
-    assert not [n for n, v in vars(packed_shared_prefix).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)]
+    """The kind is a strategy of PackingSide / UnpackingSide: the tree (GRPO groups its depth-1 spelling, one
+    kind) has no module of its own, and the pipeline's sides are one class each whatever the kind."""
+    assert {kind.name for kind in packed_forward.KINDS} == {"plain", "rollout-tree"}
+    assert not [n for n, v in vars(packed_tree).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)]
 
 
 @pytest.mark.compile
@@ -132,7 +130,7 @@ def test_compiled_shared_prefix_logprobs_without_vocab_rows_and_the_first_compil
             assert inp.layout is None  # the compiled packing side keeps its index maps
             logits = adapter(inp.input_ids, inp.position_ids, inp.packed)  # [1, T, V]
             shared = compiled.layout_of(inp)
-            got = SharedPrefixLogProbs()(logits, shared.pack(inp.row_ids), shared)[: inp.rows]  # [B, S-1]
+            got = TreeLogProbs()(logits, shared.pack(inp.row_ids), shared)[: inp.rows]  # [B, S-1]
             want = _token_logprobs(eager(ids, lens, prefix_lengths=pre, group_ids=gid), ids, lens)
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
         if step == 0:

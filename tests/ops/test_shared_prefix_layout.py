@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
-from nn_data.layout import PackSpec, SharedPrefixLayout, shared_prefix_layout
+from nn_data.layout import PackSpec, TreeLayout, shared_prefix_layout
 from nn_data.masks import PrefixRule, document_causal_mask, document_mask
 from tests.support.hypothesis_profiles import examples
 from tests.support.shared_prefix_reference import places, reference, rollouts
@@ -51,7 +51,7 @@ def test_the_contracts_example():
     x = rollouts(**CASE, seq_len=4)
     sp = shared_prefix_layout(torch.tensor(CASE["lengths"]), torch.tensor(CASE["prefix"]),
                               torch.tensor(CASE["groups"]), row_len=4, spec=PackSpec(1), input_ids=x)
-    assert isinstance(sp, SharedPrefixLayout) and sp.layout.rows == 6 and sp.total == 8
+    assert isinstance(sp, TreeLayout) and sp.layout.rows == 6 and sp.total == 8
     assert sp.layout.cu_seqlens_padded.tolist() == [0, 2, 4, 4, 5, 6, 8]
     assert sp.pack(x).tolist() == [[1000, 1001, 1502, 1503, 2502, 3000, 3501, 3502]]
     assert sp.positions().tolist() == [0, 1, 2, 3, 2, 0, 1, 2]

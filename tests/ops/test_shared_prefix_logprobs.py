@@ -2,8 +2,8 @@
 hidden states). The multi-process CP / TP cases are
 tests/multiprocess/test_shared_prefix_multiprocess.py.
 
-Rollout log-probs ``[B, S-1]`` of a shared-prefix microbatch (SharedPrefixLogProbs from packed logits,
-SharedPrefixLogProbsFromHidden from hidden states and the output weight) against every rollout run
+Rollout log-probs ``[B, S-1]`` of a shared-prefix microbatch (TreeLogProbs from packed logits,
+TreeLogProbsFromHidden from hidden states and the output weight) against every rollout run
 alone through a plain log_softmax: values and gradients (logits; hidden states and weight), 1e-10. The
 CP shard of the shared-prefix row: every rank's shard equals the loop reference's zigzag shard of
 each slot, and unsharding every rank's gives the row back (CP 1, 2, 4).
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, shared_prefix_layout
-from nn_data.logprobs.from_shared_prefix import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from nn_data.logprobs.from_tree import TreeLogProbs, TreeLogProbsFromHidden
 from nn_data.testing.reference import reference_shard
 from tests.support.hypothesis_profiles import examples
 from tests.support.shared_prefix_reference import V, alone, alone_outputs, logprob_case as _case, reference, rollouts
@@ -43,7 +43,7 @@ def test_from_logits_equals_every_rollout_alone(groups, prefix, lengths, seq_len
     ((want * weights).sum() + 0 * packed_logits.sum()).backward()  # + 0: a gradient (zeros) when B = 0
     want_grad, packed_logits.grad = packed_logits.grad, None
     with HostSyncCounter() as syncs:
-        got = SharedPrefixLogProbs(chunk_tokens=chunk)(packed_logits, sp.pack(ids), sp)
+        got = TreeLogProbs(chunk_tokens=chunk)(packed_logits, sp.pack(ids), sp)
     assert syncs.count == 0, syncs.calls
     assert got.shape == (len(lengths), seq_len - 1) and got.dtype == torch.float64
     torch.testing.assert_close(got, want.detach(), **TOL)
@@ -61,7 +61,7 @@ def test_from_hidden_equals_every_rollout_alone(groups, prefix, lengths, seq_len
     ((want * weights).sum() + 0 * (hidden.sum() + weight.sum())).backward()
     want_h, want_w = hidden.grad, weight.grad
     hidden.grad = weight.grad = None
-    op = SharedPrefixLogProbsFromHidden(chunk_tokens=4, temperature=temperature)
+    op = TreeLogProbsFromHidden(chunk_tokens=4, temperature=temperature)
     got = op(hidden, weight, sp.pack(ids), sp)
     torch.testing.assert_close(got, want.detach(), **TOL)
     (got * weights).sum().backward()
@@ -75,17 +75,17 @@ def test_from_hidden_equals_every_rollout_alone(groups, prefix, lengths, seq_len
 def test_errors_name_the_argument():
     sp, ids, *_ = _case(*CASES[0])
     logits = torch.zeros(1, sp.total, V, dtype=torch.float64)
-    with pytest.raises(PackingError, match=r"layout must be a SharedPrefixLayout"):
-        SharedPrefixLogProbs()(logits, sp.pack(ids), sp.layout)
+    with pytest.raises(PackingError, match=r"layout must be a TreeLayout"):
+        TreeLogProbs()(logits, sp.pack(ids), sp.layout)
     with pytest.raises(PackingError, match=r"packed_ids has shape \(1, 3\)"):
-        SharedPrefixLogProbs()(logits, sp.pack(ids)[:, :3], sp)
+        TreeLogProbs()(logits, sp.pack(ids)[:, :3], sp)
     with pytest.raises(PackingError, match=r"seq_lengths\[0\] = 7 is outside \[0, seq_len=5\]"):
-        SharedPrefixLogProbs()(logits, sp.pack(ids), sp, seq_len=5)
+        TreeLogProbs()(logits, sp.pack(ids), sp, seq_len=5)
     with pytest.raises(RuntimeError, match=r"token ids must be in \[0, vocab=4\)"):
-        SharedPrefixLogProbs()(logits[..., :4], sp.pack(ids), sp)
+        TreeLogProbs()(logits[..., :4], sp.pack(ids), sp)
     hidden, weight = torch.zeros(1, sp.total, H, dtype=torch.float64), torch.zeros(V, H, dtype=torch.float64)
     with pytest.raises(PackingError, match=rf"hidden hold 3 tokens but this rank's share of the T={sp.total} "):
-        SharedPrefixLogProbsFromHidden()(hidden[:, :3], weight, sp.pack(ids), sp)
+        TreeLogProbsFromHidden()(hidden[:, :3], weight, sp.pack(ids), sp)
 
 
 def test_sequence_parallel_is_accepted_and_without_a_tp_group_changes_nothing():
@@ -96,7 +96,7 @@ def test_sequence_parallel_is_accepted_and_without_a_tp_group_changes_nothing():
     hidden = torch.randn(1, sp.total, H, generator=gen, dtype=torch.float64)
     weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
     want = alone(lambda i: hidden[0, i] @ weight.T, groups, prefix, lengths, ids, token, seq_len)
-    op = SharedPrefixLogProbsFromHidden(chunk_tokens=4, sequence_parallel=True)
+    op = TreeLogProbsFromHidden(chunk_tokens=4, sequence_parallel=True)
     assert op.sequence_parallel
     torch.testing.assert_close(op(hidden, weight, sp.pack(ids), sp), want, **TOL)
 
@@ -144,9 +144,9 @@ def test_one_compiled_graph_forward_and_backward_over_a_stream(source):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     seq_len, total = 8, 48
-    head = SharedPrefixLogProbsFromHidden(chunk_tokens=8)
+    head = TreeLogProbsFromHidden(chunk_tokens=8)
     weight = torch.randn(V, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    op = SharedPrefixLogProbs(chunk_tokens=8) if source == "logits" else lambda h, ids, sp: head(h, weight, ids, sp)
+    op = TreeLogProbs(chunk_tokens=8) if source == "logits" else lambda h, ids, sp: head(h, weight, ids, sp)
     per_position = (lambda x: lambda i: x[0, i]) if source == "logits" else (lambda x: lambda i: x[0, i] @ weight.T)
 
     def step(x, ids, lengths, prefix, groups):
@@ -188,7 +188,7 @@ def test_entropy_top_k_and_argmax_equal_every_rollout_alone(groups, prefix, leng
     ((ent * weights).sum() + (top * w_top).sum() + 0 * hidden.sum()).backward()
     want_h, want_w = hidden.grad, weight.grad
     hidden.grad = weight.grad = None
-    op = SharedPrefixLogProbsFromHidden(chunk_tokens=4, temperature=0.7)
+    op = TreeLogProbsFromHidden(chunk_tokens=4, temperature=0.7)
     got = op.outputs(hidden, weight, sp.pack(ids), sp, entropy=True, top_k=3, argmax=True)
     torch.testing.assert_close(got.logprobs, op(hidden, weight, sp.pack(ids), sp))
     torch.testing.assert_close(got.entropy, ent.detach(), **TOL)
@@ -198,7 +198,7 @@ def test_entropy_top_k_and_argmax_equal_every_rollout_alone(groups, prefix, leng
     torch.testing.assert_close(hidden.grad, want_h, **TOL)
     torch.testing.assert_close(weight.grad, want_w, **TOL)
     logits = (hidden.detach() @ weight.detach().T / 0.7).requires_grad_()
-    from_logits = SharedPrefixLogProbs(chunk_tokens=5).outputs(logits, sp.pack(ids), sp, logprobs=False, entropy=True)
+    from_logits = TreeLogProbs(chunk_tokens=5).outputs(logits, sp.pack(ids), sp, logprobs=False, entropy=True)
     assert from_logits.logprobs is None and from_logits.argmax is None
     torch.testing.assert_close(from_logits.entropy, ent.detach(), **TOL)
     with pytest.raises(PackingError, match="asked for nothing"):

@@ -90,9 +90,9 @@ def test_core_imports_nothing_from_the_nemo_rl_drop_in(module):
 
 
 # The drop-in enters nn_data by the public API (nn_data's __all__, the lazy nn_data.adapters door and its
-# documented shared_prefix_kv module) and one declared extension surface (nn_data.extension) alone, so a
+# documented tree_kv module) and one declared extension surface (nn_data.extension) alone, so a
 # rename inside nn_data touches that one module and the drop-in could leave the package as a folder.
-DROP_IN_DOORS = ("nn_data", "nn_data.adapters", "nn_data.adapters.shared_prefix_kv", "nn_data.extension")
+DROP_IN_DOORS = ("nn_data", "nn_data.adapters", "nn_data.adapters.tree_kv", "nn_data.extension")
 DROP_IN_FILES = sorted((PKG / "nemo_rl").rglob("*.py"))
 
 
@@ -279,16 +279,26 @@ def test_device_side_checks_have_one_home():
     assert users == ["nn_data/_checks.py"], users
 
 
-def test_pack_and_shard_has_one_compile_wrapper_per_caller_kind():
-    """The core's PackShard is the pack + shard of a batch with companions that the NeMo-RL layer and
-    dynamic CP's rounds compile; PackedForward's one pipeline compiles its PackingSide, one per kind of
-    microbatch (no sibling pipeline: the shared prefix is a strategy, not a second module)."""
-    for path in ("nn_data/nemo_rl/megatron_data/graph.py", "nn_data/dynamic_cp/rounds.py"):
-        assert "PackShard(" in _code_only((ROOT / path).read_text()), path
-    pipeline = _code_only((ROOT / "nn_data/packed_forward.py").read_text())
-    assert "PackingSide(" in pipeline and "UnpackingSide(" in pipeline
+def test_pack_and_shard_has_one_runtime_every_caller_uses():
+    """PackingSide (nn_data/packed_sides.py) is the one pack-and-shard runtime: PackedForward, staging, dynamic
+    CP's rounds and the drop-in (its compiled graph and its tree microbatches) hand it a kind and get the
+    finished PackedInfo; no other module builds a PackedInfo (the callers add their parts with
+    PackedInfo.finished), and no sibling pipeline exists (the tree is a strategy, not a second module)."""
+    for path in ("nn_data/packed_forward.py", "nn_data/staging.py", "nn_data/dynamic_cp/rounds.py",
+                 "nn_data/nemo_rl/megatron_data/graph.py", "nn_data/nemo_rl/megatron_data/tree_inputs.py"):
+        assert "PackingSide(" in _code_only((ROOT / path).read_text()), path
+    assert "UnpackingSide(" in _code_only((ROOT / "nn_data/packed_forward.py").read_text())
+    builders = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
+                      if re.search(r"\bPackedInfo\(", _code_only(p.read_text())))
+    assert builders == ["nn_data/packed_sides.py"], builders
     modules = [m for p in PKG.rglob("*.py") for m in re.findall(r"class (\w*)\(nn\.Module\)", p.read_text())]
-    assert not [m for m in modules if m.endswith("Graph") or "SharedPrefix" in m and "Pack" in m], modules
+    assert "PackShard" not in modules and not [m for m in modules if m.endswith("Graph")], modules
+
+
+def test_at_most_one_module_is_named_for_the_shared_prefix():
+    """The tree is the general case: modules are named for it; GRPO groups are its depth-1 spelling."""
+    named = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if "shared_prefix" in p.name)
+    assert len(named) <= 1, named
 
 
 def test_the_alignment_rule_has_one_home():
@@ -472,7 +482,7 @@ def test_one_executor_protocol_chosen_in_one_place():
             callers.setdefault(str(path.relative_to(ROOT)), set()).add("gather_pack")
     assert callers == {"nn_data/layout/build.py": {"executor"}, "nn_data/layout/host.py": {"executor"},
                        "nn_data/layout/device.py": {"executor", "gather_pack"},
-                       "nn_data/layout/prefix_layout.py": {"gather_pack"}}, callers
+                       "nn_data/layout/tree.py": {"gather_pack"}}, callers
 
 
 def test_no_module_global_changes_what_compiles():

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.errors import PackingError
 from nn_data.layout import PackSpec, TreeLayout, shared_prefix_layout, tree_layout
-from nn_data.logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from nn_data.logprobs import TreeLogProbs, TreeLogProbsFromHidden
 from nn_data.masks import document_causal_mask
 from tests.support.hypothesis_profiles import examples
 from tests.support.tree_reference import (BY_DEPTH, Tree, alone_outputs, depth, owner, path_place, random_tree,
@@ -106,9 +106,9 @@ def test_logprobs_per_rollout_equal_each_rollout_alone(from_hidden):
         weight = torch.randn(vocab, hidden_size, dtype=torch.float64, generator=gen)
         logits = hidden @ weight.T  # [1, T, V]
         if from_hidden:
-            got = SharedPrefixLogProbsFromHidden(chunk_tokens=7)(hidden, weight, packed_ids, layout)
+            got = TreeLogProbsFromHidden(chunk_tokens=7)(hidden, weight, packed_ids, layout)
         else:
-            got = SharedPrefixLogProbs(chunk_tokens=7)(logits, packed_ids, layout)
+            got = TreeLogProbs(chunk_tokens=7)(logits, packed_ids, layout)
         ref = reference(tree, layout.nodes.owner.shape[0] - 1, 2, 160)
         want = torch.zeros(len(tree.lengths), seq_len - 1, dtype=torch.float64)
         for b, n in enumerate(tree.lengths):
@@ -142,7 +142,7 @@ def test_every_head_output_per_rollout_equals_each_rollout_alone(tree):
 
     want = alone_outputs(tree, ref, ids, lambda k: hidden[0, k] @ weight.T / 0.7, seq_len, 3)
     want_h, want_w = torch.autograd.grad(loss(want), (hidden, weight))
-    op = SharedPrefixLogProbsFromHidden(chunk_tokens=7, temperature=0.7)
+    op = TreeLogProbsFromHidden(chunk_tokens=7, temperature=0.7)
     packed_ids = layout.pack(ids)
     with HostSyncCounter() as syncs:
         got = op.outputs(hidden, weight, packed_ids, layout, entropy=True, top_k=3, argmax=True)._asdict()
@@ -155,7 +155,7 @@ def test_every_head_output_per_rollout_equals_each_rollout_alone(tree):
     logits = (hidden.detach() @ weight.detach().T / 0.7).requires_grad_()  # [1, T, V]
     want = alone_outputs(tree, ref, ids, lambda k: logits[0, k], seq_len, 3)
     with HostSyncCounter() as syncs:
-        got = SharedPrefixLogProbs(chunk_tokens=5).outputs(logits, packed_ids, layout, entropy=True, top_k=3,
+        got = TreeLogProbs(chunk_tokens=5).outputs(logits, packed_ids, layout, entropy=True, top_k=3,
                                                            argmax=True)._asdict()
     assert syncs.count == 0, syncs.calls
     for name in OUTPUTS:
@@ -178,7 +178,7 @@ def test_the_layout_and_every_head_output_compile_into_one_graph_over_a_stream_o
     from torch._dynamo.testing import CompileCounterWithBackend
 
     vocab, hidden_size, seq_len, total = 11, 5, 19, 120
-    op = SharedPrefixLogProbsFromHidden(chunk_tokens=7)
+    op = TreeLogProbsFromHidden(chunk_tokens=7)
 
     def step(hidden, weight, ids, lengths, parent, branch_at):
         layout = tree_layout(lengths, parent, branch_at, row_len=seq_len, spec=PackSpec(2, fixed_total=total),
@@ -221,7 +221,6 @@ def test_the_shared_prompt_is_the_depth_1_tree():
     assert torch.equal(shared.positions(), as_tree.positions())
     for a, b in zip(shared.prefix_rule(), as_tree.prefix_rule()):
         assert torch.equal(a, b)
-    assert shared.prefix_lengths.tolist() == prefix and shared.leader.tolist() == leader
 
 
 # ---- bad trees ---------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from nn_data.diagnostics import CollectiveCounter, HostSyncCounter
 from nn_data.groups import context_parallel_info, tensor_parallel_info
-from nn_data.logprobs.from_shared_prefix import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from nn_data.logprobs.from_tree import TreeLogProbs, TreeLogProbsFromHidden
 from tests.support.shared_prefix_reference import V, alone, alone_outputs, logprob_case
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -56,7 +56,7 @@ def case_logits():
         want = alone(lambda k: full[0, k], groups, prefix, lengths, ids, token, seq_len)
         (want * weights).sum().backward()
         local = _columns(sp.shard(full.detach(), cp.size, cp.rank), tp, 2).clone().requires_grad_()
-        op = SharedPrefixLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5)
+        op = TreeLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5)
         with HostSyncCounter() as syncs, CollectiveCounter() as forward:
             out = op(local, sp.pack(ids), sp)
         assert syncs.count == 0, syncs.calls
@@ -81,7 +81,7 @@ def case_hidden(sequence_parallel: bool = False):
         mine = (lambda t: _columns(t, tp, 1)) if sequence_parallel else (lambda t: t)  # this TP rank's token rows
         local_h = mine(sp.shard(hidden.detach(), cp.size, cp.rank)).clone().requires_grad_()
         local_w = _columns(weight.detach(), tp, 0).clone().requires_grad_()
-        op = SharedPrefixLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8,
+        op = TreeLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8,
                                             sequence_parallel=sequence_parallel)
         with CollectiveCounter() as forward:
             out = op(local_h, local_w, sp.pack(ids), sp)
@@ -97,7 +97,7 @@ def case_hidden(sequence_parallel: bool = False):
 
 
 def case_outputs(sequence_parallel: bool = False):
-    """``SharedPrefixLogProbsFromHidden.outputs`` (entropy, top-3, argmax) and ``SharedPrefixLogProbs.outputs``
+    """``TreeLogProbsFromHidden.outputs`` (entropy, top-3, argmax) and ``TreeLogProbs.outputs``
     (entropy) on this rank's part: each rollout alone's values on every rank, the single-process gradients."""
     cp, tp = context_parallel_info(), tensor_parallel_info()
     for i in range(len(BATCHES)):
@@ -111,7 +111,7 @@ def case_outputs(sequence_parallel: bool = False):
         mine = (lambda t: _columns(t, tp, 1)) if sequence_parallel else (lambda t: t)  # this TP rank's token rows
         local_h = mine(sp.shard(hidden.detach(), cp.size, cp.rank)).clone().requires_grad_()
         local_w = _columns(weight.detach(), tp, 0).clone().requires_grad_()
-        op = SharedPrefixLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8,
+        op = TreeLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8,
                                             sequence_parallel=sequence_parallel)
         got = op.outputs(local_h, local_w, sp.pack(ids), sp, logprobs=False, entropy=True, top_k=3, argmax=True)
         torch.testing.assert_close(got.entropy, ent.detach(), **TOL)
@@ -122,7 +122,7 @@ def case_outputs(sequence_parallel: bool = False):
         torch.testing.assert_close(_summed(local_w.grad, cp.group), _columns(weight.grad, tp, 0), **TOL)
         logits = hidden.detach() @ weight.detach().T / 0.8  # [1, T, V]
         local = _columns(sp.shard(logits, cp.size, cp.rank), tp, 2)
-        got = SharedPrefixLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5).outputs(
+        got = TreeLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5).outputs(
             local, sp.pack(ids), sp, entropy=True)
         torch.testing.assert_close(got.entropy, ent.detach(), **TOL)
     return (cp.rank, tp.rank)

@@ -3,8 +3,8 @@
 
 ``varlen_reference`` is a variable-length attention written out sequence by sequence (the semantics of
 flash-attention's varlen kernel with ``causal=True``: the mask aligned to the bottom right), so the
-boundaries and index maps :func:`nn_data.adapters.shared_prefix_kv.shared_prefix_kv` (and ``tree_kv``, for
-rollout trees) builds can be checked on a CPU; on a GPU the same inputs go to the real kernel.
+boundaries and index maps :func:`nn_data.adapters.tree_kv.tree_kv` builds (for GRPO groups and
+rollout trees) can be checked on a CPU; on a GPU the same inputs go to the real kernel.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nn_data.adapters.shared_prefix_kv import shared_prefix_kv, tree_kv
+from nn_data.adapters.tree_kv import tree_kv
 from nn_data.layout import PackSpec, shared_prefix_layout, tree_layout
 from nn_data.masks import document_causal_mask
 
@@ -35,8 +35,7 @@ def shared_row(groups, prefix, lengths, multiple: int, device="cpu"):
     prompts = dict(zip(groups, prefix))  # each group's prompt once
     total = up(sum(up(p) for p in prompts.values()) + sum(up(n - p) for n, p in zip(lengths, prefix)) + 8)
     shared = shared_prefix_layout(lens, pre, gid, row_len=SEQ_LEN, spec=PackSpec(multiple, 1, fixed_total=total))
-    kv = shared_prefix_kv(shared.layout.cu_seqlens_padded, shared.prefix_lengths, shared.leader, total=total,
-                          kv_capacity=total + len(lengths) * SEQ_LEN)
+    kv = tree_kv(shared, kv_capacity=total + len(lengths) * SEQ_LEN)
     return shared, kv, total
 
 

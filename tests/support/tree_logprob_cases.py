@@ -18,7 +18,7 @@ import torch
 from nn_data.diagnostics import HostSyncCounter
 from nn_data.groups import context_parallel_info, tensor_parallel_info
 from nn_data.layout import PackSpec, tree_layout
-from nn_data.logprobs import SharedPrefixLogProbs, SharedPrefixLogProbsFromHidden
+from nn_data.logprobs import TreeLogProbs, TreeLogProbsFromHidden
 from tests.support.tree_reference import BY_DEPTH, alone_outputs, path_place, random_tree, reference, token_ids
 
 V, H, SEQ_LEN = 12, 6, 12
@@ -60,7 +60,7 @@ def case_logits():
         want = _alone(tree, ref, ids, lambda k: full[0, k])
         ((want * weights).sum() + 0 * full.sum()).backward()  # (a tree of 1-token rollouts scores nothing)
         local = layout.shard(full.detach(), cp.size, cp.rank).chunk(tp.size, dim=2)[tp.rank].clone().requires_grad_()
-        op = SharedPrefixLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5)
+        op = TreeLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5)
         with HostSyncCounter() as syncs:
             out = op(local, layout.pack(ids), layout)
         assert syncs.count == 0, syncs.calls
@@ -81,7 +81,7 @@ def case_hidden():
         ((want * weights).sum() + 0 * hidden.sum()).backward()
         local = layout.shard(hidden.detach(), cp.size, cp.rank).clone().requires_grad_()
         rows = weight.chunk(tp.size, dim=0)[tp.rank]
-        op = SharedPrefixLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5)
+        op = TreeLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5)
         out = op(local, rows, layout.pack(ids), layout)
         torch.testing.assert_close(out, want.detach(), **TOL)
         (out * weights).sum().backward()
@@ -90,8 +90,8 @@ def case_hidden():
 
 
 def case_outputs(sequence_parallel: bool = False):
-    """``SharedPrefixLogProbsFromHidden.outputs`` (log-prob, entropy, top-3, argmax; temperature 0.8; with
-    ``sequence_parallel`` this TP rank's rows of the CP shard) and ``SharedPrefixLogProbs.outputs`` on trees of
+    """``TreeLogProbsFromHidden.outputs`` (log-prob, entropy, top-3, argmax; temperature 0.8; with
+    ``sequence_parallel`` this TP rank's rows of the CP shard) and ``TreeLogProbs.outputs`` on trees of
     depth 3 and 4: every rank's rows equal each rollout alone's, the hidden states' and the weight's gradients
     (of a loss on the log-prob, the entropy and the top-3 log-probs) its part of the single-process ones."""
     cp, tp = context_parallel_info(), tensor_parallel_info()
@@ -111,7 +111,7 @@ def case_outputs(sequence_parallel: bool = False):
         mine = (lambda t: t.chunk(tp.size, dim=1)[tp.rank]) if sequence_parallel else (lambda t: t)
         local_h = mine(layout.shard(hidden.detach(), cp.size, cp.rank)).clone().requires_grad_()
         local_w = weight.detach().chunk(tp.size, dim=0)[tp.rank].clone().requires_grad_()
-        op = SharedPrefixLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8,
+        op = TreeLogProbsFromHidden(cp_group=cp.group, tp_group=tp.group, chunk_tokens=4, temperature=0.8,
                                             sequence_parallel=sequence_parallel)
         got = op.outputs(local_h, local_w, layout.pack(ids), layout, entropy=True, top_k=3, argmax=True)._asdict()
         for name in ("logprobs", "entropy", "topk_logprobs", "topk_indices", "argmax"):
@@ -124,7 +124,7 @@ def case_outputs(sequence_parallel: bool = False):
         torch.testing.assert_close(grad_w, weight.grad.chunk(tp.size, dim=0)[tp.rank], **TOL)
         logits = hidden.detach() @ weight.detach().T / 0.8  # [1, T, V]
         local = layout.shard(logits, cp.size, cp.rank).chunk(tp.size, dim=2)[tp.rank]
-        got = SharedPrefixLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5).outputs(
+        got = TreeLogProbs(cp_group=cp.group, tp_group=tp.group, chunk_tokens=5).outputs(
             local, layout.pack(ids), layout, entropy=True, top_k=3, argmax=True)._asdict()
         for name in ("logprobs", "entropy", "topk_logprobs", "topk_indices", "argmax"):
             torch.testing.assert_close(got[name], want[name].detach(), **TOL, msg=name)

@@ -23,7 +23,7 @@ from nn_data.extension import as_process_group, is_group_form, megatron_state, P
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
-from nn_data.nemo_rl.megatron_data.shared_prefix import check_tree_key, refuse_with_dynamic_cp
+from nn_data.nemo_rl.megatron_data.tree_inputs import check_tree_key, refuse_with_dynamic_cp
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -17,7 +17,7 @@ from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.packed import packed_inputs
 from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, ProcessedMicrobatch  # noqa: F401
 from nn_data.nemo_rl.megatron_data.r3 import r3_verify_forward_enabled
-from nn_data.nemo_rl.megatron_data.shared_prefix import rollout_tree_inputs
+from nn_data.nemo_rl.megatron_data.tree_inputs import rollout_tree_inputs
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is imported lazily
     from megatron.core.utils import StragglerDetector
@@ -115,7 +115,7 @@ def process_microbatch(
     :mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
     (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.nemo_rl.megatron_data.options.PackOptions`);
     with ``options.rollout_tree`` (or its GRPO spelling ``options.shared_prefix``) every shared prefix is packed
-    once (:func:`~nn_data.nemo_rl.megatron_data.shared_prefix.rollout_tree_inputs`).
+    once (:func:`~nn_data.nemo_rl.megatron_data.tree_inputs.rollout_tree_inputs`).
 
     Self-packing model (``delegate_pack_to_model``): :func:`_prepare_vlm_batch_for_megatron`;
     an ``mtp_loss_mask`` is refused unless ``delegate_mtp_loss_mask_to_model`` (the model packs

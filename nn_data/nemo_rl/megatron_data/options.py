@@ -120,7 +120,7 @@ class PackOptions:
         (:func:`rollout_tree_keys`: True, ``"find"`` or the batch keys of ``parent`` and ``branch_at``);
         normalised to :class:`RolloutTreeKeys` or None. Not with ``shared_prefix`` (one spelling).
     ``kv_capacity``: the run's length ``K`` of a shared-prefix or rollout-tree microbatch's key/value
-        buffer at CP 1 (``SharedPrefixRecord.kv``, for TransformerEngine's THD attention), one int for every
+        buffer at CP 1 (``TreeRecord.kv``, for TransformerEngine's THD attention), one int for every
         microbatch; required under a fixed packed length (``pad_full_seq_to``). Unset (no fixed ``T``), each
         microbatch's buffer is exactly its need. A microbatch needing more (``T`` plus the path tokens
         before its nodes) is refused naming its need. Needs ``shared_prefix`` or ``rollout_tree``; at least

@@ -1,6 +1,6 @@
 """NeMo-RL's two records of a processed microbatch (its fields, in its order), plus nn_data's
 ``padding_mask`` (None unless packed) and ``shared_prefix`` (None unless the microbatch was packed with
-each group's prompt once: :class:`SharedPrefixRecord`) last."""
+each group's prompt once: :class:`TreeRecord`) last."""
 
 from __future__ import annotations
 
@@ -13,37 +13,53 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
-    from nn_data.adapters.shared_prefix_kv import SharedPrefixKV
-    from nn_data.extension import SharedPrefixLayout
-    from nn_data.extension import PrefixRule
+    from nn_data.adapters.tree_kv import TreeKV
+    from nn_data.extension import TreeLayout
 
 
-class SharedPrefixRecord(NamedTuple):
-    """nn_data's part of a rollout-tree or shared-prefix microbatch's record (``ProcessedInputs.shared_prefix``).
+class TreeRecord(NamedTuple):
+    """nn_data's part of a rollout-tree or GRPO-groups microbatch's record (``ProcessedInputs.shared_prefix``).
 
-    ``layout``: the :class:`~nn_data.layout.TreeLayout` (``SharedPrefixLayout``; the loss side's unpack and log-probs:
-    :func:`~nn_data.nemo_rl.megatron_data.shared_prefix_model.from_parallel_logits_to_logprobs_shared_prefix`);
-    ``prefix``: the attention's :class:`~nn_data.masks.PrefixRule` (global ``[T]`` tensors);
-    ``segment_ids [T]`` (the slot of every packed position) and ``query_index [T/C]`` (the packed
-    position of each local token); ``cp_size`` / ``cp_rank`` the split it was packed for; ``kv``: at
-    ``C = 1`` the :class:`~nn_data.adapters.shared_prefix_kv.SharedPrefixKV` of a variable-length kernel
-    (TransformerEngine's THD attention, :func:`~nn_data.adapters.shared_prefix_kv.tree_kv`): each node slot's keys
+    ``layout``: the :class:`~nn_data.layout.TreeLayout` (the loss side's unpack and log-probs:
+    :func:`~nn_data.nemo_rl.megatron_data.tree_model.from_parallel_logits_to_logprobs_shared_prefix`);
+    ``info``: the pack-and-shard runtime's :class:`~nn_data.PackedInfo` (the slots' boundaries, ``segment_ids
+    [T]``, ``query_index [T/C]``, the CP split, the prefix rule) before the model call's parts; ``kv``: at
+    ``C = 1`` the :class:`~nn_data.adapters.tree_kv.TreeKV` of a variable-length kernel
+    (TransformerEngine's THD attention, :func:`~nn_data.adapters.tree_kv.tree_kv`): each node slot's keys
     and values are those of its rollout's path before it (a response's: its prompt's), then its own,
     ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` (``T`` plus those path keys, exactly, or
     the run's ``cfg["nn_data"]["kv_capacity"]``, required under ``pad_full_seq_to`` so that the buffer has one
-    shape per run: :func:`~nn_data.nemo_rl.megatron_data.shared_prefix.kv_capacity`); None under CP
+    shape per run: :func:`~nn_data.nemo_rl.megatron_data.tree_inputs.kv_capacity`); None under CP
     (TransformerEngine's CP splits keys and values as it splits the queries, which the buffer is not);
-    ``kind``: the kind of microbatch (``"shared-prefix"``: GRPO groups, ``cfg["nn_data"]["shared_prefix"]``;
-    ``"rollout-tree"``: ``cfg["nn_data"]["rollout_tree"]``)."""
+    ``kind``: the config key's spelling (``"shared-prefix"``: GRPO groups, ``cfg["nn_data"]["shared_prefix"]``;
+    ``"rollout-tree"``: ``cfg["nn_data"]["rollout_tree"]``). ``prefix`` (the attention's
+    :class:`~nn_data.masks.PrefixRule`), ``segment_ids``, ``query_index``, ``cp_size`` and ``cp_rank`` read
+    ``info``'s."""
 
-    layout: SharedPrefixLayout
-    prefix: PrefixRule
-    segment_ids: torch.Tensor
-    query_index: torch.Tensor
-    cp_size: int
-    cp_rank: int
-    kv: Optional["SharedPrefixKV"] = None
+    layout: TreeLayout
+    info: object
+    kv: Optional["TreeKV"] = None
     kind: str = "shared-prefix"
+
+    @property
+    def prefix(self):
+        return self.info.prefix.rule
+
+    @property
+    def segment_ids(self) -> torch.Tensor:
+        return self.info.segment_ids
+
+    @property
+    def query_index(self) -> torch.Tensor:
+        return self.info.query_index
+
+    @property
+    def cp_size(self) -> int:
+        return self.info.cp.size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.info.cp.rank
 
 
 @dataclass
@@ -66,7 +82,7 @@ class ProcessedInputs:
     routed_experts_cp_sharded: Optional[torch.Tensor] = None
     media_token_validity_mask: Optional[torch.Tensor] = None
     padding_mask: Optional[torch.Tensor] = None
-    shared_prefix: Optional["SharedPrefixRecord"] = None
+    shared_prefix: Optional["TreeRecord"] = None
 
 
 @dataclass
@@ -87,4 +103,4 @@ class ProcessedMicrobatch:
     routed_experts_cp_sharded: Optional[torch.Tensor] = None
     media_token_validity_mask: Optional[torch.Tensor] = None
     padding_mask: Optional[torch.Tensor] = None
-    shared_prefix: Optional["SharedPrefixRecord"] = None
+    shared_prefix: Optional["TreeRecord"] = None

@@ -5,7 +5,7 @@ Shape legend
     B   rollouts of a microbatch (rows of its ``BatchedDataDict``); S their padded row length
     T   packed tokens; the row holds N node slots (``2B`` for the shared prompt: slot ``2b`` rollout b's
         prompt, empty unless b leads its group, slot ``2b+1`` its response; at most ``3B - 2`` for a tree:
-        :mod:`nn_data.layout.prefix_layout`)
+        :mod:`nn_data.layout.tree`)
     C   context-parallel size; the model sees ``T/C`` local tokens
     K   keys of TransformerEngine's per-node key/value buffer at ``C = 1``: the microbatch's need, or under
         ``pad_full_seq_to`` the run's ``cfg["nn_data"]["kv_capacity"]`` (:func:`kv_capacity`)
@@ -28,9 +28,9 @@ share its prompt) and ``prefix_lengths [B]`` (that prompt's length):
   the tree kind of ``PackedForward``'s pipeline (``nn_data.layout.tree_layout``, or
   ``shared_prefix_layout`` for the groups: one host read, as the plain path, checking the tree, the shared
   tokens included) and returns NeMo-RL's record with ``position_ids`` continuing along each rollout's path,
-  the padding mask, a ``PackedSeqParams`` and nn_data's :class:`SharedPrefixRecord` (``shared_prefix``: the
+  the padding mask, a ``PackedSeqParams`` and nn_data's :class:`TreeRecord` (``shared_prefix``: the
   layout, the prefix rule, the local places) for the model call and the loss
-  (:mod:`nn_data.nemo_rl.megatron_data.shared_prefix_model`).
+  (:mod:`nn_data.nemo_rl.megatron_data.tree_model`).
 
 Refused by name: a key without sequence packing; companions that would have to ride a shared
 prefix (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a self-packing model
@@ -38,7 +38,7 @@ prefix (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a
 (``cfg["nn_data"]["compile"]``) and ``T`` buckets (``cfg["nn_data"]["buckets"]``), none of which has a
 shared-prefix form yet. TransformerEngine's variable-length kernel takes one key/value run per query sequence:
 at ``C = 1`` the record carries that buffer (``kv``: each node slot's path keys, then its own, for trees and
-GRPO groups alike, :func:`~nn_data.adapters.shared_prefix_kv.tree_kv`; one length per run under a fixed ``T``,
+GRPO groups alike, :func:`~nn_data.adapters.tree_kv.tree_kv`; one length per run under a fixed ``T``,
 whose absence is refused by name) and ``packed_seq_params`` holds its
 boundaries, which are exact only over ``kv.gather(key)`` / ``kv.gather(value)``: a stock model handing the
 kernel its ``T`` keys is wrong (docs/nemo-rl.md); under CP there is no buffer and the model call needs
@@ -52,12 +52,12 @@ from typing import Any, Optional
 import torch
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.extension import make_packed_seq_params, SharedPrefixLayout
+from nn_data.extension import make_packed_seq_params, TreeLayout
 from nn_data.nemo_rl.megatron_data.common import require
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
 from nn_data.nemo_rl.megatron_data.options import FoundTreeKeys, PackOptions, SharedPrefixKeys, nemo_rl_spec
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
-from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, SharedPrefixRecord
+from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, TreeRecord
 
 #: Batch keys with no shared-prefix form: each would ride the packed row with the prompt once per group.
 COMPANIONS = ("mtp_loss_mask", "routed_experts", "media_token_validity_mask")
@@ -166,12 +166,12 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
                         pad_full_seq_to: Optional[int], delegate: bool, model_slices: bool, options: PackOptions,
                         pg_collection=None) -> ProcessedInputs:
     """``process_microbatch`` for a microbatch of rollout trees (``options.rollout_tree``) or GRPO groups
-    (``options.shared_prefix``, the depth-1 spelling: the same kind of ``PackedForward``'s pipeline,
-    ``SharedPrefixKind``): :class:`ProcessedInputs` with the packed ids ``input_ids [1, T]`` /
+    (``options.shared_prefix``, the depth-1 tree: the same kind of ``PackedForward``'s pipeline,
+    ``TreeKind``): :class:`ProcessedInputs` with the packed ids ``input_ids [1, T]`` /
     ``input_ids_cp_sharded [1, T/C]``, ``position_ids [1, T/C]`` (rollout positions: a node continues from
     its path), ``attention_mask`` None (the model call builds nn_data's mask from ``shared_prefix.prefix``),
     ``packed_seq_params`` (:func:`shared_prefix_params`), ``cu_seqlens_padded [N+1]`` (the node slots'),
-    ``padding_mask [1, T/C]`` and ``shared_prefix`` (:class:`SharedPrefixRecord`). One host read (the layout
+    ``padding_mask [1, T/C]`` and ``shared_prefix`` (:class:`TreeRecord`). One host read (the layout
     builder's, covering every check: a parent after its child, ``branch_at`` past the parent, shared tokens
     that differ, each naming the rollout and the field).
 
@@ -180,8 +180,8 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]`` -> ids ``[x0 x1 x2 | x3 x4 | y3]``, positions
     ``[0, 1, 2, 3, 4, 3]``.
     """
-    from nn_data.adapters.shared_prefix_kv import tree_kv
-    from nn_data.extension import ROLLOUT_TREE, SHARED_PREFIX, PackingSide, RolloutGroups, RolloutTree
+    from nn_data.adapters.tree_kv import tree_kv
+    from nn_data.extension import TREE, PackingSide, RolloutGroups, RolloutTree
 
     keys = options.tree
     if not pack_sequences:
@@ -194,31 +194,30 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     lengths = as_lengths(data_dict[seq_length_key], input_ids.shape[0], device)
     first, second = found_tree(input_ids, lengths) if finds(data_dict, keys) else tree_fields(data_dict, keys)
     first, second = (on_device(name, t, "input_ids", device) for name, t in zip(keys._fields, (first, second)))
-    star = isinstance(keys, SharedPrefixKeys)
-    kind, args = (SHARED_PREFIX, RolloutGroups(second, first)) if star else (ROLLOUT_TREE, RolloutTree(first, second))
+    groups = isinstance(keys, SharedPrefixKeys)
+    args = RolloutGroups(second, first) if groups else RolloutTree(first, second)  # GRPO groups: the depth-1 tree
     cp_rank, cp_size = cp_rank_and_size(pg_collection)
     spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
                         name="pad_full_seq_to")
-    shard = PackingSide(kind, spec, cp_size, cp_rank)(input_ids, lengths, args=args)
-    shared, info = shard.layout, shard.packed
-    full = shard.input_ids if cp_size == 1 else shared.pack(input_ids)  # [1, T]
+    side = PackingSide(TREE, spec, cp_size, cp_rank)(input_ids, lengths, args=args)
+    shared, info = side.layout, side.packed
     kv = None
     # A variable-length kernel's q/kv boundaries (each node slot's path keys, then its own) at CP 1: one length per
     # run where kv_capacity sets it, each microbatch's need without a fixed T; under a fixed T without kv_capacity
     # none (its length would change the shapes pad_full_seq_to fixes; check_prefix_attention names the key).
     if cp_size == 1 and (options.kv_capacity is not None or spec.fixed_total is None):
         kv = tree_kv(shared, kv_capacity=kv_capacity(shared, run_capacity=options.kv_capacity))
-    record = SharedPrefixRecord(shared, info.prefix.rule, info.segment_ids, info.query_index, cp_size, cp_rank, kv,
-                                kind.name)
+    record = TreeRecord(shared, info, kv, "shared-prefix" if groups else "rollout-tree")
     return ProcessedInputs(
-        input_ids=full, input_ids_cp_sharded=shard.input_ids, attention_mask=None, position_ids=shard.position_ids,
+        input_ids=side.packed_ids, input_ids_cp_sharded=side.input_ids, attention_mask=None,
+        position_ids=side.position_ids,
         packed_seq_params=shared_prefix_params(record), cu_seqlens_padded=shared.layout.cu_seqlens_padded,
         padding_mask=info.padding_mask, shared_prefix=record,
     )
 
 
-def kv_capacity(shared: SharedPrefixLayout, *, run_capacity: Optional[int] = None) -> int:
-    """``K`` of the record's key/value buffer (:func:`~nn_data.adapters.shared_prefix_kv.tree_kv`) from the
+def kv_capacity(shared: TreeLayout, *, run_capacity: Optional[int] = None) -> int:
+    """``K`` of the record's key/value buffer (:func:`~nn_data.adapters.tree_kv.tree_kv`) from the
     builder's host ints (no read): the microbatch's need, ``T`` plus the path tokens ahead of every non-empty
     node slot (its begin in its rollout), exactly, for GRPO groups and trees alike; or, with ``run_capacity``
     (``cfg["nn_data"]["kv_capacity"]``), that one length for every microbatch of the run, the slack sequence
@@ -245,21 +244,21 @@ def kv_capacity(shared: SharedPrefixLayout, *, run_capacity: Optional[int] = Non
     return run_capacity
 
 
-def shared_prefix_params(record: SharedPrefixRecord):
+def shared_prefix_params(record: TreeRecord):
     """The record's THD ``PackedSeqParams``. At ``C = 1`` (a rollout tree or GRPO groups): TransformerEngine's
     distinct query and key/value boundaries over ``record.kv``
-    (:func:`~nn_data.adapters.shared_prefix_kv.shared_prefix_packed_seq_params`, ``N + 1`` sequences: the node
+    (:func:`~nn_data.adapters.tree_kv.tree_packed_seq_params`, ``N + 1`` sequences: the node
     slots and a slack one, ``max_seqlen_q = T``, ``max_seqlen_kv = K``), for a kernel run bottom-right causal over
     ``record.kv.gather(key)`` / ``(value)``: a stock model, which hands the kernel its ``T`` keys, must not take
     them (no boundaries over ``T`` keys can be exact: a node's path keys are not next to it in the row). Under CP
     (whose keys and values TransformerEngine would split as the queries): the slots' padded boundaries
     (``max_seqlen`` the longest slot, ``total_tokens = T/C``), for nn_data's attention, which reads neither (it
     takes the prefix rule: ``shared_prefix_model``)."""
-    from nn_data.adapters.shared_prefix_kv import shared_prefix_packed_seq_params
+    from nn_data.adapters.tree_kv import tree_packed_seq_params
 
     shared = record.layout
     slots = shared.layout
     if record.kv is None:
         return make_packed_seq_params(slots.cu_seqlens_padded, slots.host.max_seqlen, shared.total // record.cp_size,
                                       total=shared.total)
-    return shared_prefix_packed_seq_params(record.kv)
+    return tree_packed_seq_params(record.kv)

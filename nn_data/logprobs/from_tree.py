@@ -38,7 +38,7 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import all_gather_rows
 from nn_data.groups import given_group_info
-from nn_data.layout import SharedPrefixLayout
+from nn_data.layout import TreeLayout
 from nn_data.layout.internal import checks, take_layout
 from nn_data.logprobs.from_hidden import checked_rows
 from nn_data.logprobs.from_logits import check_full_ids, check_outputs_asked, check_top_k_output, targets_on_rank
@@ -69,8 +69,8 @@ class _Groups:
 def rollout_targets(op: str, layout, packed_ids: torch.Tensor, total: int, vocab: int, groups: _Groups, places,
                     validate: bool) -> RolloutTargets:
     """Every check of the layout and ids (device asserts: nothing is read), then the targets."""
-    if not isinstance(layout, SharedPrefixLayout):
-        raise _checks.PackingError(f"{op}: layout must be a SharedPrefixLayout (shared_prefix_layout(...)), got "
+    if not isinstance(layout, TreeLayout):
+        raise _checks.PackingError(f"{op}: layout must be a TreeLayout (shared_prefix_layout(...)), got "
                                    f"{type(layout).__name__}")
     slots = take_layout(layout.layout, total, op=op, cp_size=groups.cp_size, validate=validate)
     if validate:
@@ -82,7 +82,7 @@ def rollout_targets(op: str, layout, packed_ids: torch.Tensor, total: int, vocab
     return RolloutTargets(target, keep, edge.local, boundary_target, edge.has & edge.owned)
 
 
-def rollout_rows(layout: SharedPrefixLayout, local: torch.Tensor, boundary: torch.Tensor, groups: _Groups,
+def rollout_rows(layout: TreeLayout, local: torch.Tensor, boundary: torch.Tensor, groups: _Groups,
                  seq_len) -> torch.Tensor:
     """This rank's ``[T/C]`` in-slot values and ``[N]`` boundary values -> ``[B, S-1]`` on every CP rank.
 
@@ -115,7 +115,7 @@ def rollout_rows(layout: SharedPrefixLayout, local: torch.Tensor, boundary: torc
     return torch.where(real, values, 0.0)
 
 
-def distribution_rows(layout: SharedPrefixLayout, local: HeadOutputs, groups: _Groups, seq_len) -> HeadOutputs:
+def distribution_rows(layout: TreeLayout, local: HeadOutputs, groups: _Groups, seq_len) -> HeadOutputs:
     """The outputs of each position's distribution (entropy, top-k, argmax: ``[T/C, *]`` on this rank) ->
     ``[B, S-1, *]`` on every CP rank: entry ``s`` of rollout ``b`` from the packed position of its token ``s``
     on its path (:meth:`~nn_data.layout.TreeLayout.row_places`: a shared node's positions, its last included,
@@ -146,7 +146,7 @@ def distribution_rows(layout: SharedPrefixLayout, local: HeadOutputs, groups: _G
     return HeadOutputs(**out)
 
 
-def shared_prefix_outputs(op, z, weight, packed_ids, layout, seq_len, places, asked: dict, logprob_call) -> HeadOutputs:
+def tree_outputs(op, z, weight, packed_ids, layout, seq_len, places, asked: dict, logprob_call) -> HeadOutputs:
     """Both ops' ``outputs()``: the log-probs from ``logprob_call()`` (the op's forward), the distributions'
     outputs from one :func:`~nn_data.logprobs.outputs.head_outputs_local` pass over this rank's rows ``z``
     (logits, or hidden states with ``weight``)."""
@@ -170,11 +170,11 @@ def shared_prefix_outputs(op, z, weight, packed_ids, layout, seq_len, places, as
     return rest._replace(logprobs=logprob_call(seq_len) if logprobs else None)
 
 
-class SharedPrefixLogProbs(nn.Module):
+class TreeLogProbs(nn.Module):
     """Rollout token log-probs ``[B, S-1]`` from a rollout tree's (any depth; the shared prompt's) CP-local
     packed logits.
 
-    ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, layout: SharedPrefixLayout, *, seq_len=None,
+    ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, layout: TreeLayout, *, seq_len=None,
     places=None) -> [B, S-1]`` (float32; float64 for float64 logits): ``out[b, s] = log p(x[b, s+1] |
     x[b, :s+1])`` for ``s < L[b] - 1``, else 0, equal to each rollout run alone. ``logits`` is this rank's
     zigzag shard of the slot layout (vocab-parallel over ``tp_group``, as :class:`~nn_data.TokenLogProbs`),
@@ -184,7 +184,7 @@ class SharedPrefixLogProbs(nn.Module):
 
     Raises :class:`~nn_data.errors.PackingError`: ``chunk_tokens`` below 1, a group this process is not in
     (``__init__``); logits not ``[1, T/C, Vt]`` floating point, ``packed_ids`` not ``[1, T]``, a layout that is
-    not a :class:`~nn_data.layout.SharedPrefixLayout` of this ``T`` (call).
+    not a :class:`~nn_data.layout.TreeLayout` of this ``T`` (call).
     """
 
     def __init__(self, *, cp_group=None, tp_group=None, pg_collection=None, chunk_tokens: int = 256,
@@ -193,14 +193,14 @@ class SharedPrefixLogProbs(nn.Module):
         self.chunk_tokens = _checks.positive_int("chunk_tokens", chunk_tokens)
         self.groups, self.validate = _Groups(cp_group, tp_group, pg_collection), bool(validate)
 
-    def forward(self, logits: torch.Tensor, packed_ids: torch.Tensor, layout: SharedPrefixLayout, *, seq_len=None,
+    def forward(self, logits: torch.Tensor, packed_ids: torch.Tensor, layout: TreeLayout, *, seq_len=None,
                 places=None) -> torch.Tensor:
         g = self.groups
         _checks.check_float_logits("logits", logits, "[1, T/C, V]", 3)
         _checks.check_packed("logits", logits)
         total = check_full_ids("logits", logits, packed_ids, logits.shape[1], g.cp_size)
         cols = logits.shape[2]
-        t = rollout_targets("SharedPrefixLogProbs", layout, packed_ids, total, cols * g.tp_size, g, places,
+        t = rollout_targets("TreeLogProbs", layout, packed_ids, total, cols * g.tp_size, g, places,
                             self.validate)
         flat = logits.squeeze(0)  # [T/C, Vt]
         kernel = dict(vocab_start=g.tp_rank * cols, tp_group=g.tp_group, tp_size=g.tp_size,
@@ -210,7 +210,7 @@ class SharedPrefixLogProbs(nn.Module):
                                         **kernel)  # [N]
         return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)
 
-    def outputs(self, logits: torch.Tensor, packed_ids: torch.Tensor, layout: SharedPrefixLayout, *, seq_len=None,
+    def outputs(self, logits: torch.Tensor, packed_ids: torch.Tensor, layout: TreeLayout, *, seq_len=None,
                 places=None, **asked) -> HeadOutputs:
         """``logprobs`` (:meth:`forward`'s), ``entropy``, ``top_k`` log-probs and ids, ``argmax`` of every
         rollout's positions as ``[B, S-1]`` rows (``[B, S-1, K]``), each opt-in (keywords as
@@ -219,7 +219,7 @@ class SharedPrefixLogProbs(nn.Module):
         for the outputs asked (a negative ``top_k`` or one above ``V``, none at all)."""
         _checks.check_float_logits("logits", logits, "[1, T/C, V]", 3)
         check_full_ids("logits", logits, packed_ids, logits.shape[1], self.groups.cp_size)
-        return shared_prefix_outputs(self, logits.squeeze(0), None, packed_ids, layout, seq_len, places, asked,
+        return tree_outputs(self, logits.squeeze(0), None, packed_ids, layout, seq_len, places, asked,
                                      lambda s: self(logits, packed_ids, layout, seq_len=s, places=places))
 
 
@@ -243,9 +243,9 @@ def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks
     return torch.cat([rows, edge]), target, keep
 
 
-class SharedPrefixLogProbsFromHidden(nn.Module):
+class TreeLogProbsFromHidden(nn.Module):
     """Rollout token log-probs ``[B, S-1]`` straight from a rollout tree's (any depth; the shared prompt's)
-    CP-local hidden states and the output weight: what :class:`SharedPrefixLogProbs` gives from the logits
+    CP-local hidden states and the output weight: what :class:`TreeLogProbs` gives from the logits
     ``hidden @ weight.T / temperature``, values and gradients (of ``hidden`` and ``weight``), without ``[T, V]``
     logits.
 
@@ -256,7 +256,7 @@ class SharedPrefixLogProbsFromHidden(nn.Module):
     kernel call, so with sequence parallelism they are gathered over the TP group once, inside
     (:func:`with_boundary_rows`).
 
-    Raises :class:`~nn_data.errors.PackingError`: as :class:`SharedPrefixLogProbs`, and for hidden states
+    Raises :class:`~nn_data.errors.PackingError`: as :class:`TreeLogProbs`, and for hidden states
     or a weight that are not an output head's, hidden states that are not this rank's share of ``T`` (call).
     """
 
@@ -269,10 +269,10 @@ class SharedPrefixLogProbsFromHidden(nn.Module):
         self.sequence_parallel = bool(sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, packed_ids: torch.Tensor,
-                layout: SharedPrefixLayout, *, seq_len=None, places=None) -> torch.Tensor:
+                layout: TreeLayout, *, seq_len=None, places=None) -> torch.Tensor:
         g, split = self.groups, self.sequence_parallel and self.groups.tp_size > 1
         rows, total = checked_rows(hidden, weight, packed_ids, g.cp_size, g.tp_size, self.sequence_parallel)  # [n, H]
-        t = rollout_targets("SharedPrefixLogProbsFromHidden", layout, packed_ids, total, weight.shape[0] * g.tp_size,
+        t = rollout_targets("TreeLogProbsFromHidden", layout, packed_ids, total, weight.shape[0] * g.tp_size,
                             g, places, self.validate)
         blocks = g.tp_size if split else 1
         both, target, keep = with_boundary_rows(rows, t, g.tp_rank if split else 0, blocks)  # [n + N, H], [..]
@@ -285,10 +285,10 @@ class SharedPrefixLogProbsFromHidden(nn.Module):
         return rollout_rows(layout, local, boundary, g, layout.row_len if seq_len is None else seq_len)
 
     def outputs(self, hidden: torch.Tensor, weight: torch.Tensor, packed_ids: torch.Tensor,
-                layout: SharedPrefixLayout, *, seq_len=None, places=None, **asked) -> HeadOutputs:
-        """:meth:`SharedPrefixLogProbs.outputs` from the hidden states and the output weight, no ``[T, V]``
+                layout: TreeLayout, *, seq_len=None, places=None, **asked) -> HeadOutputs:
+        """:meth:`TreeLogProbs.outputs` from the hidden states and the output weight, no ``[T, V]``
         logits (the distributions' outputs in one chunked pass over this rank's rows)."""
         g = self.groups
         rows, _ = checked_rows(hidden, weight, packed_ids, g.cp_size, g.tp_size, self.sequence_parallel)  # [n, H]
-        return shared_prefix_outputs(self, rows, weight, packed_ids, layout, seq_len, places, asked,
+        return tree_outputs(self, rows, weight, packed_ids, layout, seq_len, places, asked,
                                      lambda s: self(hidden, weight, packed_ids, layout, seq_len=s, places=places))

@@ -1,6 +1,6 @@
 """A rollout-tree or shared-prefix microbatch (``cfg["nn_data"]["rollout_tree"]`` / ``["shared_prefix"]``, its
 depth-1 spelling) through a megatron-core ``GPTModel`` and NeMo-RL's log-prob function: the model call and the
-loss side of :mod:`nn_data.nemo_rl.megatron_data.shared_prefix`'s record (one path for both: the record's layout
+loss side of :mod:`nn_data.nemo_rl.megatron_data.tree_inputs`'s record (one path for both: the record's layout
 is a :class:`~nn_data.layout.TreeLayout` either way).
 
 Shape legend
@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from nn_data.extension import checks, given_group_info, SharedPrefixLayout
+from nn_data.extension import checks, given_group_info, TreeLayout
 from nn_data.nemo_rl.assertions import PackingAssertionError
 
 
@@ -123,13 +123,11 @@ def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = 
 
 
 def packed_info(record, microbatch, cp_group):
-    """The record as :class:`~nn_data.packed_forward.PackedInfo` (what the adapter reads): the slots'
-    boundaries, the places, the prefix rule, the padding mask, and under CP a key/value gather over
-    ``cp_group`` on the layout (no read of the boundaries)."""
-    from nn_data import GatherFromContextParallel, PackedInfo
-    from nn_data.extension import CPShare, PackedBounds, SharedPrefixInfo
+    """The record's :class:`~nn_data.packed_forward.PackedInfo` (what the adapter reads) with the model call's
+    parts: under CP a key/value gather over ``cp_group`` on the layout (no read of the boundaries), the
+    microbatch's ``PackedSeqParams`` and the row length."""
+    from nn_data import GatherFromContextParallel
 
-    slots = record.layout.layout
     size = 1 if cp_group is None else cp_group.size()
     if size != record.cp_size:
         raise PackingAssertionError(f"the microbatch was packed for cp_size={record.cp_size} but cp_group has {size} "
@@ -137,17 +135,9 @@ def packed_info(record, microbatch, cp_group):
     gather = None
     if record.cp_size > 1:
         op = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False, host_reads=False)  # keys/values: gradients sum
-        gather = functools.partial(op, layout=slots)  # [1, T/C, *] -> [1, T, *]
-    shared = record.layout
-    bounds = PackedBounds(cu_seqlens_padded=slots.cu_seqlens_padded, max_seqlen=slots.max_seqlen,
-                          cu_seqlens=slots.cu_seqlens, row_len=shared.row_len,
-                          max_length=slots.host.max_seqlen if slots.host is not None else shared.total)
-    return PackedInfo(
-        bounds=bounds, segment_ids=record.segment_ids, query_index=record.query_index,
-        cp=CPShare(size=record.cp_size, rank=record.cp_rank, gather=gather),
-        packed_seq_params=microbatch.packed_seq_params, padding_mask=microbatch.padding_mask,
-        prefix=SharedPrefixInfo(rule=record.prefix, prefix_lengths=shared.prefix_lengths, leader=shared.leader),
-    )
+        gather = functools.partial(op, layout=record.layout.layout)  # [1, T/C, *] -> [1, T, *]
+    return record.info.finished(gather=gather, packed_seq_params=microbatch.packed_seq_params,
+                                row_len=record.layout.row_len)
 
 
 def from_parallel_logits_to_logprobs_shared_prefix(
@@ -166,25 +156,25 @@ def from_parallel_logits_to_logprobs_shared_prefix(
 ) -> torch.Tensor:
     """Rollout log-probs ``[B, S-1]`` of a shared-prefix microbatch from this rank's packed logits
     ``[1, T/C, Vt]``: ``from_parallel_logits_to_logprobs_packed_sequences``'s arguments, with
-    ``shared_prefix`` (the record ``microbatch.shared_prefix`` or its ``SharedPrefixLayout``) in place of
+    ``shared_prefix`` (the record ``microbatch.shared_prefix`` or its ``TreeLayout``) in place of
     ``cu_seqlens_padded``. ``target``: the packed ids ``[1, T]`` (``microbatch.input_ids``).
 
     ``out[b, s] = log p(x[b, s+1] | x[b, :s+1])`` for ``s < L[b] - 1``, else 0, as if rollout b had run
     alone (its prompt's last position scored against its own first response token):
-    :class:`nn_data.logprobs.SharedPrefixLogProbs`. Unlike NeMo-RL's packed function the
+    :class:`nn_data.logprobs.TreeLogProbs`. Unlike NeMo-RL's packed function the
     rows end at each rollout's length (0 past it) and under CP the gradient is the single-process one
     (every CP rank computes the same loss). No host read (the layout's ints and device asserts).
 
-    Raises :class:`PackingError` as :class:`~nn_data.logprobs.SharedPrefixLogProbs`, and for
+    Raises :class:`PackingError` as :class:`~nn_data.logprobs.TreeLogProbs`, and for
     ``unpacked_seqlen`` or ``chunk_size`` below 1 and a vocabulary slice that is not this TP rank's.
     """
-    from nn_data.extension import SharedPrefixLogProbs
+    from nn_data.extension import TreeLogProbs
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
     tp = given_group_info(group, pg_collection=pg_collection, field="tp")
     checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP]", 3)
     checks.check_vocab_range(vocab_start_index, vocab_end_index, vocab_parallel_logits.shape[-1], tp.rank)
-    op = SharedPrefixLogProbs(cp_group=cp_group, tp_group=group, pg_collection=pg_collection, chunk_tokens=chunk)
+    op = TreeLogProbs(cp_group=cp_group, tp_group=group, pg_collection=pg_collection, chunk_tokens=chunk)
     with torch.no_grad() if inference_only else contextlib.nullcontext():
         return op(vocab_parallel_logits, target, layout, seq_len=seq_len)
 
@@ -208,28 +198,28 @@ def from_parallel_hidden_states_to_logprobs_shared_prefix(
     (``forward_shared_prefix(..., output="hidden")``) and the output weight ``[V/TP, H]`` in place of the
     logits (``from_parallel_hidden_states_to_logprobs_packed_sequences``' arguments, the record in place of
     ``cu_seqlens_padded``): the same ``[B, S-1]``, values and gradients, without ``[T, V]`` logits
-    (:class:`nn_data.logprobs.SharedPrefixLogProbsFromHidden`; the hidden states gathered over
+    (:class:`nn_data.logprobs.TreeLogProbsFromHidden`; the hidden states gathered over
     TP first: no sequence parallelism).
 
     Raises :class:`PackingError` as that op, and as the logits function for the other arguments.
     """
-    from nn_data.extension import SharedPrefixLogProbsFromHidden
+    from nn_data.extension import TreeLogProbsFromHidden
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
     tp = given_group_info(group, pg_collection=pg_collection, field="tp")
     checks.check_vocab_range(vocab_start_index, vocab_end_index, output_weight_layer.shape[0], tp.rank,
                               against="output_weight_layer", unit="rows")
-    op = SharedPrefixLogProbsFromHidden(cp_group=cp_group, tp_group=group, pg_collection=pg_collection,
+    op = TreeLogProbsFromHidden(cp_group=cp_group, tp_group=group, pg_collection=pg_collection,
                                         chunk_tokens=chunk)
     with torch.no_grad() if inference_only else contextlib.nullcontext():
         return op(tensor_parallel_hidden_states, output_weight_layer, target, layout, seq_len=seq_len)
 
 
 def _call_args(shared_prefix, unpacked_seqlen, chunk_size) -> tuple:
-    """``(SharedPrefixLayout, S, tokens per chunk)`` of a log-prob call, each checked."""
-    layout = shared_prefix if isinstance(shared_prefix, SharedPrefixLayout) else getattr(shared_prefix, "layout", None)
-    if not isinstance(layout, SharedPrefixLayout):
-        raise PackingAssertionError(f"shared_prefix must be a microbatch's shared_prefix record or its SharedPrefixLayout, "
+    """``(TreeLayout, S, tokens per chunk)`` of a log-prob call, each checked."""
+    layout = shared_prefix if isinstance(shared_prefix, TreeLayout) else getattr(shared_prefix, "layout", None)
+    if not isinstance(layout, TreeLayout):
+        raise PackingAssertionError(f"shared_prefix must be a microbatch's shared_prefix record or its TreeLayout, "
                                     f"got {type(shared_prefix).__name__}")
     seq_len = checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     return layout, seq_len, checks.positive_int("chunk_size", chunk_size, allow_none=True) or 256

@@ -49,7 +49,7 @@ class TreeLayout(NamedTuple):
     rollouts ``[B*S]``, the pack's one gather), ``nodes`` (:class:`~nn_data.layout.tree_nodes.NodeTables`),
     ``paths`` (:class:`~nn_data.layout.tree_nodes.Paths`), ``host_lengths``: the rollout lengths as
     Python ints when the builder read them (else None), ``host_begins``: likewise each node slot's place in
-    its rollout (``nodes.begin``; 0 for a slot of no rollout), from the same read. ``SharedPrefixLayout`` is
+    its rollout (``nodes.begin``; 0 for a slot of no rollout), from the same read. ``TreeLayout`` is
     this class."""
 
     layout: PackLayout
@@ -72,25 +72,6 @@ class TreeLayout(NamedTuple):
     def rows(self) -> int:
         """B, the rollouts."""
         return self.seq_lengths.shape[0]
-
-    @property
-    def leader(self) -> torch.Tensor:
-        """``[B]``: each rollout's root (the shared-prompt spelling's group leader)."""
-        if self.rows == 0:
-            return self.parent.clone()
-        start = torch.zeros(self.rows, 1, dtype=torch.int64, device=self.parent.device)  # [B, 1]
-        return tree_nodes.owners(self.paths.ancestor, self.branch_at, start)[:, 0]
-
-    @property
-    def prefix_lengths(self) -> torch.Tensor:
-        """``[B]``: where each rollout's first node after its head begins (its branch point, or its first
-        split point when it has one): the shared-prompt spelling's prompt lengths."""
-        nodes, wide = self.nodes, self.row_len + 1
-        if self.rows == 0:
-            return self.branch_at.clone()
-        first = nodes.split_keys[nodes.first_split.clamp(max=max(2 * self.rows - 1, 0))]  # [B]
-        rollout = torch.arange(self.rows, device=first.device)
-        return torch.where(nodes.splits > 0, first - rollout * wide, self.branch_at)
 
     def pack(self, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
         """``x [B, S, *] -> [1, T, *]``: every node once (read from its rollout's row), padding ``fill``
@@ -221,10 +202,6 @@ class TreeLayout(NamedTuple):
             checks.row_length_device("TreeLayout.unpack", self.seq_lengths, seq_len)
 
 
-#: The shared-prompt spelling's name for the layout (a depth-1 tree).
-SharedPrefixLayout = TreeLayout
-
-
 class BoundaryPlaces(NamedTuple):
     """Each node's boundary score, ``[N]`` each: ``last`` the packed position of the token before the
     node's first on its path, ``first`` that of the node's first token (the target), ``has``: the node
@@ -275,7 +252,7 @@ def tree_layout(seq_lengths: torch.Tensor, parent: torch.Tensor, branch_at: torc
 def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor, group_ids: torch.Tensor, *,
                          row_len: int, spec: PackSpec, input_ids: Optional[torch.Tensor] = None, num_rows=None,
                          validate: bool = True, host_reads: bool = True) -> TreeLayout:
-    """The depth-1 :class:`TreeLayout` (``SharedPrefixLayout``) of rollouts ``[B, S]`` with ``seq_lengths
+    """The depth-1 :class:`TreeLayout` (GRPO groups converted to the tree) of rollouts ``[B, S]`` with ``seq_lengths
     [B]``, ``prefix_lengths [B]`` (each rollout's prompt) and ``group_ids [B]`` (rollouts of one group share
     one prompt): each rollout's parent is its group's first rollout (its leader), ``branch_at`` its prompt
     length; ``2B`` slots (module docstring).
