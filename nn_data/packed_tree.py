@@ -95,6 +95,22 @@ class TreeKind:
 TREE = TreeKind()
 
 
+#: The keywords that make a call a tree microbatch: a rollout tree's, then GRPO groups' (its depth-1 spelling).
+TREE_KEYS = ("parent", "branch_at", "prefix_lengths", "group_ids")
+
+
+def refuse_tree(where: str, given: dict, why: str) -> None:
+    """:class:`~nn_data.errors.PackingError` naming ``where`` and the tree keywords of ``given`` (a caller that
+    serves plain microbatches only, with ``why``); a keyword that is not a tree's is a ``TypeError``, as Python
+    raises for an unknown keyword."""
+    unknown = sorted(set(given) - set(TREE_KEYS))
+    if unknown:
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}")
+    if given:
+        raise _checks.PackingError(f"{where} serves plain microbatches; {sorted(given)} make this a tree microbatch "
+                                   f"(a rollout tree, or GRPO groups: its depth-1 spelling), which it refuses: {why}")
+
+
 def tree_args(input_ids: torch.Tensor, seq_lengths, prefix_lengths, group_ids, parent=None, branch_at=None):
     """A tree microbatch's arguments: :class:`RolloutGroups` from both of ``prefix_lengths`` and ``group_ids``,
     or a :class:`~nn_data.planning.RolloutTree` from both of ``parent`` and ``branch_at``, each a ``[B]`` integer

@@ -42,6 +42,7 @@ from nn_data.layout.internal import checks, packed_segments
 from nn_data.layout import PackSpec
 from nn_data.packed_forward import PackedForward
 from nn_data.packed_sides import PLAIN, PackingSide
+from nn_data.packed_tree import refuse_tree
 from nn_data.targets import next_token_at
 
 
@@ -90,12 +91,17 @@ class StagedMicrobatch:
 
     # -- the rows -----------------------------------------------------------------------------------------
 
-    def load(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor) -> "StagedMicrobatch":
+    def load(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **tree) -> "StagedMicrobatch":
         """Copy ``input_ids [B, S']`` and ``seq_lengths [B]`` (``B <= R``, ``S' <= S``, on the buffers'
         device) into the staged rows; rows and columns past them are zeroed. ``copy_``, ``zero_`` and
         ``fill_`` on views: nothing is allocated, nothing read on the host. With ``validate`` every length
         must fit the rows *loaded* (``S'``, not the staged ``S``: a longer one would pack the zeroed columns
-        as tokens); ``S'`` is staged too (``row_width``, 0-d) for :meth:`prepare`'s device assert."""
+        as tokens); ``S'`` is staged too (``row_width``, 0-d) for :meth:`prepare`'s device assert. A tree's
+        keywords (``parent``, ``branch_at``, ``prefix_lengths``, ``group_ids``) are refused by name: a tree's
+        branching token has one next-token target per child."""
+        refuse_tree("StagedMicrobatch.load", tree, "the staged targets [1, T/C] hold one next token per packed "
+                    "position, and a tree's branching token has one per child; run it through "
+                    "PackedForward.prepare with TreeLogProbs (docs/ops.md, \"Rollout trees\")")
         _checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
         if input_ids.dim() != 2:
             raise PackingError(f"input_ids must be [B, S], got {_checks.dims(input_ids)}")

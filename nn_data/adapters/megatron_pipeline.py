@@ -74,8 +74,8 @@ def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn, *, pg_collect
 
     def forward_step(data_iterator, model):
         check_p2p_config(getattr(model, "config", None), _backend())
-        input_ids, seq_lengths, shared = _microbatch(next(data_iterator))
-        inp = packing.prepare(input_ids, seq_lengths, **shared)
+        input_ids, seq_lengths, tree = _microbatch(next(data_iterator))
+        inp = packing.prepare(input_ids, seq_lengths, **tree)
         output = model(inp.input_ids, inp.position_ids, inp.packed)  # logits [1, T/C, V] (or log-probs [1, T/C]), hidden [T/C, 1, E]
 
         def loss_func(output_tensor: torch.Tensor):
@@ -89,12 +89,18 @@ def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn, *, pg_collect
     return forward_step
 
 
+#: The keywords of a tree microbatch (:meth:`~nn_data.packed_forward.PackedForward.prepare`'s): a rollout tree's
+#: ``parent`` / ``branch_at``, or GRPO groups' ``prefix_lengths`` / ``group_ids`` (its depth-1 spelling).
+TREE_KEYS = ("prefix_lengths", "group_ids", "parent", "branch_at")
+
+
 def _microbatch(item) -> tuple:
-    """One item of the data iterator as ``(input_ids, seq_lengths, shared)``, ``shared`` the keywords of a
-    shared-prefix call (``prefix_lengths``, ``group_ids``) or ``{}`` for a plain microbatch.
+    """One item of the data iterator as ``(input_ids, seq_lengths, tree)``, ``tree`` the keywords of a tree
+    microbatch (:data:`TREE_KEYS`) or ``{}`` for a plain one.
 
     Example: ``(ids, L)`` -> ``(ids, L, {})``; ``(ids, L, P, g)`` -> ``(ids, L, {"prefix_lengths": P,
-    "group_ids": g})``; ``(ids,)`` -> PackingError.
+    "group_ids": g})``; ``{"input_ids": ids, "seq_lengths": L, "parent": p, "branch_at": a}`` -> ``(ids, L,
+    {"parent": p, "branch_at": a})``; ``(ids,)`` -> PackingError.
     """
     from nn_data.errors import PackingError
 
@@ -102,10 +108,12 @@ def _microbatch(item) -> tuple:
         return item[0], item[1], {}
     if isinstance(item, (tuple, list)) and len(item) == 4:
         return item[0], item[1], {"prefix_lengths": item[2], "group_ids": item[3]}
+    if isinstance(item, dict) and {"input_ids", "seq_lengths"} <= set(item) <= {"input_ids", "seq_lengths", *TREE_KEYS}:
+        return item["input_ids"], item["seq_lengths"], {k: item[k] for k in TREE_KEYS if k in item}
     size = f"{len(item)} items" if isinstance(item, (tuple, list)) else type(item).__name__
     raise PackingError(f"pipeline_forward_step's data_iterator gave a microbatch of {size}; expected "
-                       "(input_ids, seq_lengths) or, with shared prefixes, (input_ids, seq_lengths, "
-                       "prefix_lengths, group_ids)")
+                       "(input_ids, seq_lengths), (input_ids, seq_lengths, prefix_lengths, group_ids) for GRPO "
+                       f"groups, or a dict of input_ids, seq_lengths and the tree's keywords {TREE_KEYS}")
 
 
 def check_p2p_config(config, backend) -> None:

@@ -41,6 +41,7 @@ from nn_data.errors import PackingError
 from nn_data.layout.internal import packed_segments
 from nn_data.layout import PackSpec
 from nn_data.packed_sides import PLAIN, PackedInfo, PackingSide
+from nn_data.packed_tree import refuse_tree
 from nn_data.rows import with_dynamic_row_length
 from nn_data.targets import next_token_at
 
@@ -159,9 +160,14 @@ class DynamicCPRunner:
                                                          host_reads=False)
         return self._gathers[c]
 
-    def step(self, plan, input_ids: torch.Tensor, *, rows: Optional[Sequence[int]] = None) -> "DynamicCPStep":
+    def step(self, plan, input_ids: torch.Tensor, *, rows: Optional[Sequence[int]] = None, **tree) -> "DynamicCPStep":
         """This rank's rounds of ``plan`` over ``input_ids [n, S]``: row ``j`` holds sequence ``rows[j]``
-        (default: sequence ``j``, every sequence of the plan). See :class:`DynamicCPStep`."""
+        (default: sequence ``j``, every sequence of the plan). See :class:`DynamicCPStep`. A tree's keywords
+        (``parent``, ``branch_at``, ``prefix_lengths``, ``group_ids``) are refused by name: the plan shards each
+        sequence alone."""
+        refuse_tree("DynamicCPRunner.step", tree, "its plan shards each sequence alone over the blocks of its rounds, "
+                    "so a tree's rollouts land in different blocks without the prefix they share; plan trees with "
+                    "plan_step_rollout_tree and run them through PackedForward (docs/ops.md, \"Rollout trees\")")
         return DynamicCPStep(self, plan, input_ids, rows)
 
 

@@ -279,7 +279,9 @@ def test_a_model_without_nn_datas_attention_is_refused_for_a_tree_naming_the_fix
                                            r"never on the T packed keys$"):
         forward_shared_prefix(stock, mbs[0])
     # Under CP the record has no buffer (TransformerEngine's CP splits keys as queries): nn_data's attention only.
-    sharded = dataclasses.replace(mbs[0], shared_prefix=mbs[0].shared_prefix._replace(cp_size=2, cp_rank=1, kv=None))
+    record = mbs[0].shared_prefix
+    info = record.info.finished()._replace(cp=record.info.cp._replace(size=2, rank=1))
+    sharded = dataclasses.replace(mbs[0], shared_prefix=record._replace(info=info, kv=None))
     with pytest.raises(PackingError, match=r"^a rollout-tree microbatch needs nn_data's attention .*; at cp_size=2 "
                                            r"there is no key/value buffer for a variable-length kernel "
                                            r"\(TransformerEngine's context parallelism splits keys and values as it "

@@ -20,7 +20,8 @@ from tests.support.tree_reference import BY_DEPTH, Tree, depth
 from tests.support.megatron_release import needs_megatron_models
 
 def _groups(groups, prefix, lengths, total: int):
-    return shared_prefix_layout(torch.tensor(lengths), torch.tensor(prefix), torch.tensor(groups),
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return shared_prefix_layout(as_long(lengths), as_long(prefix), as_long(groups),
                                 row_len=max(lengths, default=1), spec=PackSpec(1, fixed_total=total))
 
 

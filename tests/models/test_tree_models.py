@@ -144,3 +144,28 @@ def test_the_found_tree_goes_straight_into_the_wrapper():
     assert max((from_numpy[b, :lens[b]] - alone[b]).abs().max().item() for b in range(4)) < 1e-10
     with pytest.raises(PackingError, match=r"parent=\[-1.0, 0.5, 0, -1\] is invalid: not all integers"):
         wrapped(ids, lens, parent=[-1.0, 0.5, 0, -1], branch_at=tree.branch_at)
+
+
+def test_the_pipeline_step_runs_a_tree_microbatch_as_each_rollout_alone():
+    """pipeline_forward_step (one stage, the schedule's calls made by hand) over trees of depth 1 to 4 given
+    as dicts with ``parent`` / ``branch_at``: the rows its loss gets equal each rollout run alone (float64)."""
+    from nn_data.adapters import pipeline_forward_step
+
+    model = tiny_hf_model("llama", dtype=torch.float64, moe=False)
+    for ids, lens, call, total in cases.tree_batches(2):
+        packing = PackedForward(HFCausalLMAdapter(model, mask_kind="dense"), pad_full_seq_to=total, verify=False)
+        got = {}
+
+        def loss_fn(rows, input_ids, seq_lengths):
+            got["rows"] = rows
+            return rows.sum(), int(seq_lengths.sum())
+
+        step = pipeline_forward_step(packing, loss_fn)
+        with torch.no_grad():
+            output, loss_func = step(iter([{"input_ids": ids, "seq_lengths": lens, **call}]), packing.model)
+            loss_func(output)
+            for b, n in enumerate(lens.tolist()):
+                assert not got["rows"][b, n:].any()  # 0 past each rollout (all of an empty one)
+                if n:
+                    alone = model(input_ids=ids[b:b + 1, :n], use_cache=False).logits[0]  # [L, V]
+                    torch.testing.assert_close(got["rows"][b, :n], alone, rtol=0, atol=1e-10)

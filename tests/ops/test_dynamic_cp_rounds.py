@@ -75,3 +75,13 @@ def test_the_step_refuses_inputs_that_do_not_hold_the_plan():
     subset = runner.step(plan, torch.ones(3, 9, dtype=torch.long), rows=[2, 0, 1])  # rows in another order
     assert sum(int(r.loss_mask.sum()) for r in subset) == 4 + 8 + 2
     assert subset.target_tokens == 14
+
+
+def test_a_tree_microbatch_is_refused_by_name():
+    """Dynamic CP shards each sequence alone over its rounds' blocks: a tree's keywords are refused by name."""
+    plan = plan_step_dynamic_cp([5, 9, 3], Parallelism(dp=1), tokens_per_rank=16)
+    runner = DynamicCPRunner(dynamic_cp_groups(), tokens_per_rank=16)
+    with pytest.raises(PackingError, match=r"DynamicCPRunner.step serves plain microbatches; \['branch_at', "
+                                           r"'parent'\] make this a tree microbatch .* plan_step_rollout_tree"):
+        runner.step(plan, torch.ones(3, 9, dtype=torch.long), parent=torch.tensor([-1, 0, 0]),
+                    branch_at=torch.tensor([0, 2, 2]))

@@ -113,3 +113,18 @@ def test_a_staged_microbatch_refuses_lengths_past_the_rows_it_was_loaded_with(sm
     unvalidated.load(ids, lengths).prepare()  # validate=False: no check (the caller's choice)
     full = torch.zeros(4, 10, dtype=torch.int64)
     stage.load_rows(full, torch.tensor([10, 0, 0, 0]), torch.tensor(1)).prepare()  # rows of S: a length of S fits
+
+
+def test_a_tree_microbatch_is_refused_by_name(small_packing):
+    """The staged targets hold one next token per packed position; a tree's branching token has one per
+    child, so StagedMicrobatch refuses a tree's keywords (GRPO groups' too), naming them and why."""
+    stage = StagedMicrobatch(small_packing, 4)
+    ids, lens = torch.ones(2, 4, dtype=torch.long), torch.tensor([4, 4])
+    tree = dict(parent=torch.tensor([-1, 0]), branch_at=torch.tensor([0, 2]))
+    with pytest.raises(PackingError, match=r"StagedMicrobatch.load serves plain microbatches; \['branch_at', "
+                                           r"'parent'\] make this a tree microbatch .* one per child"):
+        stage.load(ids, lens, **tree)
+    with pytest.raises(PackingError, match=r"\['group_ids', 'prefix_lengths'\] make this a tree microbatch"):
+        stage.load(ids, lens, prefix_lengths=torch.tensor([2, 2]), group_ids=torch.tensor([0, 0]))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'parents'"):
+        stage.load(ids, lens, parents=tree["parent"])
