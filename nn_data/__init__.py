@@ -19,7 +19,7 @@ from nn_data.layout import PackLayout, pack_with_layout
 from nn_data.logprobs import TokenLogProbs, TokenLogProbsFromHidden
 from nn_data.pack import PackResult, PackSequences
 from nn_data.packed_forward import PackedForward, PackedInfo
-from nn_data.rows import RowPadded, pad_rows, pad_to_row_capacity
+from nn_data.rows import RowPadded, pad_rows, pad_to_row_capacity, with_dynamic_row_length
 from nn_data.targets import NextTokenTargets, PositionIds, Targets
 from nn_data.unpack import UnpackSequences
 
@@ -46,4 +46,5 @@ __all__ = [
     "pack_with_layout",
     "pad_rows",
     "pad_to_row_capacity",
+    "with_dynamic_row_length",
 ]

@@ -148,7 +148,7 @@ class PackedForward(nn.Module):
         spec = self.pack.spec
         self._sides = {}  # (kind name, "pack" | "unpack") -> the side; torch.compile compiles on the first call
         for kind in KINDS:
-            for which, side in (("pack", PackingSide(kind, spec, self.cp_size, self.cp_rank)),
+            for which, side in (("pack", PackingSide(spec, self.cp_size, self.cp_rank, kind=kind)),
                                 ("unpack", UnpackingSide(kind, spec))):
                 self._sides[kind.name, which] = torch.compile(side, **kwargs) if self.compile_packing else side
         self._compiled: set = set()  # the sides whose first call was announced

@@ -211,7 +211,7 @@ class PackingSide(nn.Module):
     compiles): build the layout, pack the ids and the companions, take this CP rank's places, and the
     position ids, segment ids, padding mask and the kind's attention record of :class:`PackedInfo`.
 
-    ``PackingSide(kind, spec, cp_size=1, cp_rank=0, *, routes=(), validate=True, host_reads=True)``;
+    ``PackingSide(spec, cp_size=1, cp_rank=0, *, kind=PLAIN, routes=(), validate=True, host_reads=True)``;
     ``forward(input_ids [R, S], seq_lengths [R], num_rows=None, args=None, **companions) -> PackedSide``.
     Every companion (``[R, S, *]`` or None, skipped) is packed on the ids' layout with 0 padding, except those
     named in ``routes``, whose padding rows are ``arange(last dim)`` (a valid top-k route for routed experts).
@@ -219,8 +219,8 @@ class PackingSide(nn.Module):
     ``torch.compile``, on the device (no read); ``validate=False`` skips the data checks.
     """
 
-    def __init__(self, kind: MicrobatchKind, spec: PackSpec, cp_size: int = 1, cp_rank: int = 0, *, routes=(),
-                 validate: bool = True, host_reads: bool = True):
+    def __init__(self, spec: PackSpec, cp_size: int = 1, cp_rank: int = 0, *, kind: MicrobatchKind = PLAIN,
+                 routes=(), validate: bool = True, host_reads: bool = True):
         super().__init__()
         _checks.check_cp(cp_size, cp_rank)
         self.kind, self.spec, self.cp_size, self.cp_rank = kind, spec, cp_size, cp_rank

@@ -41,7 +41,7 @@ from nn_data.errors import PackingError
 from nn_data.layout.internal import checks, packed_segments
 from nn_data.layout import PackSpec
 from nn_data.packed_forward import PackedForward
-from nn_data.packed_sides import PLAIN, PackingSide
+from nn_data.packed_sides import PackingSide
 from nn_data.packed_tree import refuse_tree
 from nn_data.targets import next_token_at
 
@@ -73,7 +73,7 @@ class StagedMicrobatch:
         self.ignore_index, self.validate = int(ignore_index), bool(validate)
         device = torch.device("cpu") if device is None else torch.device(device)
         spec = PackSpec(pack.m, pack.p, fixed_total=self.total)
-        self._side = PackingSide(PLAIN, spec, self.cp_size, self.cp_rank, validate=validate, host_reads=False)
+        self._side = PackingSide(spec, self.cp_size, self.cp_rank, validate=validate, host_reads=False)
         r, local = self.rows, self.total // self.cp_size
         self.rows_ids = torch.zeros(r, self.seq_len, dtype=ids_dtype, device=device)  # [R, S]
         self.rows_lengths = torch.zeros(r, dtype=torch.int64, device=device)  # [R]

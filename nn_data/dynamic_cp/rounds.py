@@ -40,7 +40,7 @@ from nn_data.dynamic_cp.block_groups import DynamicCPGroups
 from nn_data.errors import PackingError
 from nn_data.layout.internal import packed_segments
 from nn_data.layout import PackSpec
-from nn_data.packed_sides import PLAIN, PackedInfo, PackingSide
+from nn_data.packed_sides import PackedInfo, PackingSide
 from nn_data.packed_tree import refuse_tree
 from nn_data.rows import with_dynamic_row_length
 from nn_data.targets import next_token_at
@@ -74,7 +74,7 @@ class RoundPack(nn.Module):
         super().__init__()
         self.cp_size, self.cp_rank, self.total, self.ignore_index = cp_size, cp_rank, cp_size * tokens_per_rank, ignore_index
         spec = PackSpec(multiple, 1, fixed_total=self.total)
-        self.side = PackingSide(PLAIN, spec, cp_size, cp_rank, validate=False, host_reads=False)
+        self.side = PackingSide(spec, cp_size, cp_rank, validate=False, host_reads=False)
 
     def extra_repr(self) -> str:
         return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, T={self.total}"

@@ -308,20 +308,3 @@ def _other_total(expected: int, got: int) -> str:
                 "(GatherFromContextParallel, or UnshardFromContextParallel of every rank's shard); otherwise pass "
                 "the layout of this very microbatch")
     return message + "; pass the layout of this very microbatch"
-
-
-def padded_rows(layout: PackLayout, row_len: int) -> PackLayout:
-    """The layout that packs every row's whole padded segment: rows already padded to their segments
-    (``[B, P]``, the self-packing path's rows for the model) packed back to back, the same boundaries.
-    No read: a host layout's ints carry over; a device layout's lengths are its segment lengths.
-
-    Example: segments ``[4, 12]`` (lengths ``[3, 5]``, m 4, T 16), P 12 -> lengths ``[4, 12]``.
-    """
-    cu_pad = layout.cu_seqlens_padded
-    if layout.host is not None:
-        host = layout.host
-        view = HostBounds(host.segments, host.cu_pad, host.cu_pad, host.segments, host.max_seqlen, host.active)
-        return PackLayout(cu_pad, cu_pad, layout.max_seqlen, layout.total, layout.rows, row_len, HostExecutor(view))
-    segments = (cu_pad[1:] - cu_pad[:-1]).to(torch.int64)  # [B]
-    return layout_from_lengths(segments, row_len, PackSpec(fixed_total=layout.total or None), validate=False,
-                              host_reads=False)

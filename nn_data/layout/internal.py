@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 from nn_data.layout import checks
-from nn_data.layout.build import layout_from_read_lengths, padded_rows, reads_host, take_layout
+from nn_data.layout.build import layout_from_read_lengths, reads_host, take_layout
 from nn_data.layout.index import (
     SegmentRows, Segments, ZigzagLocal, exclusive_cumsum, packed_segments, segment_ids, segment_rows,
 )
@@ -34,7 +34,6 @@ __all__ = [
     "exclusive_cumsum",
     "layout_from_read_lengths",
     "packed_segments",
-    "padded_rows",
     "reads_host",
     "segment_bounds",
     "segment_ids",

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
-from nn_data.extension import as_process_group, is_group_form
+from nn_data.extension import process_groups
 from nn_data.nemo_rl import megatron_data
 from nn_data.nemo_rl.huggingface_common import get_flash_attention_kwargs, on_device, pack_sequences
 from nn_data.nemo_rl.megatron_data.common import require
@@ -171,7 +171,7 @@ def get_microbatch_iterator(data: Any, cfg: dict[str, Any], mbs: int, dp_mesh: A
 def _most_microbatches(count: int, dp_mesh: Any) -> int:
     """The largest microbatch count over the data-parallel ranks: ``dp_mesh``'s group when it is a
     ``DeviceMesh`` (or a ``ProcessGroup``), else the default group as NeMo-RL (which ignores it)."""
-    group = as_process_group(dp_mesh, "dp_mesh") if is_group_form(dp_mesh) else None
+    group = process_groups.as_process_group(dp_mesh, "dp_mesh") if process_groups.is_group_form(dp_mesh) else None
     initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not initialised and dp_mesh is None:
         return count

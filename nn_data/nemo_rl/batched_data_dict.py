@@ -27,7 +27,7 @@ import torch
 
 from nn_data.nemo_rl import batched_data_sharding as sharding
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.extension import first_fit_decreasing, round_up_lengths
+from nn_data.extension import first_fit_decreasing
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
 
@@ -220,7 +220,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         Raises :class:`PackingError` for a padded sequence longer than the budget, a bad
         multiple or budget, or a ``batch_size`` that does not divide the batch.
         """
-        padded = round_up_lengths(self._host_lengths(input_lengths_key), sequence_length_pad_multiple)
+        padded = sharding.round_up_lengths(self._host_lengths(input_lengths_key), sequence_length_pad_multiple)
         order, all_indices, all_lengths, counts = [], [], [], []
         for chunk in self._chunks(batch_size):
             plan = first_fit_decreasing(padded[chunk.start:chunk.stop], max_tokens_per_microbatch)
@@ -249,7 +249,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         """
         lengths = self._host_lengths(input_lengths_key)
         row_len = self.data[input_key].shape[1]
-        rounded = np.minimum(round_up_lengths(lengths, sequence_length_round), row_len)
+        rounded = np.minimum(sharding.round_up_lengths(lengths, sequence_length_round), row_len)
         order, all_indices, all_lengths, counts = [], [], [], []
         for chunk in self._chunks(batch_size):
             sub = np.argsort(lengths[chunk.start:chunk.stop], kind="stable").tolist()  # sync: none, numpy

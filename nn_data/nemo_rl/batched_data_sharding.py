@@ -21,15 +21,21 @@ import torch.nn.functional as F
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.options import FIND, rollout_tree_keys, shared_prefix_keys
-from nn_data.extension import (
-    Parallelism, RolloutTree, check_tree, find_rollout_tree, plan_step, plan_step_rollout_tree,
-    plan_step_shared_prefix, round_up_lengths, subtree,
-)
+from nn_data.planning import Parallelism, RolloutTree, find_rollout_tree, plan_step, plan_step_rollout_tree, plan_step_shared_prefix, subtree
+from nn_data.extension import check_tree
+from nn_data.layout import round_up
 
 # NeMo-RL's packer names (nn_data plans every one with NeMo-RL's first-fit-decreasing and deal), and
 # nn_data's work-balanced plan (nn_data.planning.plan_step).
 PACKING_ALGORITHMS = ("concatenative", "first_fit_decreasing", "first_fit_shuffle", "modified_first_fit_decreasing",
                       "nn_data_balanced")
+
+
+def round_up_lengths(lengths: Sequence[int], multiple: int) -> np.ndarray:
+    """``lengths`` rounded up to ``multiple`` (int64 numpy array). Example: ``[3, 8], 4 -> [4, 8]``."""
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise PackingAssertionError(f"sequence_length_pad_multiple={multiple!r} is invalid; expected an int >= 1")
+    return round_up(np.asarray(lengths, dtype=np.int64).reshape(-1), multiple)
 
 
 def rows_of(value) -> int:

@@ -22,20 +22,21 @@ from typing import Optional
 
 import torch
 
+from nn_data.logprobs import head_outputs_local
 from nn_data.extension import (
-    all_gather_dim0, checks as _checks, combine_topk, given_group_info, head_outputs_local, local_ids,
-    soft_cross_entropy_local,
+    checks as _checks, collectives, combine_topk, local_ids, process_groups,
 )
 from nn_data.nemo_rl.logprob_steps import DEFAULT_CHUNK_TOKENS, grad_mode, in_vocab, out_of_vocab_as_nemo_rl
+from nn_data.nemo_rl.soft_targets import soft_cross_entropy_local
 from nn_data.nemo_rl.vocab_parallel import _get_tokens_on_this_cp_rank, allgather_cp_sharded_tensor
 
 
 def _tp(group, pg_collection):
-    return given_group_info(group, pg_collection=pg_collection, field="tp")
+    return process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
 
 
 def _cp(group, pg_collection):
-    return given_group_info(group, pg_collection=pg_collection, field="cp")
+    return process_groups.given_group_info(group, pg_collection=pg_collection, field="cp")
 
 
 def _rows_chunk(logits: torch.Tensor, chunk_size) -> int:
@@ -176,7 +177,7 @@ def gather_logits_at_global_indices(vocab_parallel_logits: torch.Tensor, global_
     dtype = torch.promote_types(flat.dtype, torch.float32)
     values = torch.where(owned, flat.gather(1, local).to(dtype), 0.0)  # [N, K]
     if tp.size > 1:  # the owner's value on every rank; the gradient of each rank's own columns
-        values = values + (all_gather_dim0(values.detach()[None], tp.group).sum(0) - values.detach())
+        values = values + (collectives.all_gather_dim0(values.detach()[None], tp.group).sum(0) - values.detach())
     out = values.view(rows, local_len, k)
     if cp.size > 1:
         out = allgather_cp_sharded_tensor(out, cp.group, seq_dim=1)  # [B, S_cp * C, K]

@@ -35,10 +35,9 @@ from typing import Optional, Tuple, TypeVar
 
 import torch
 
-from nn_data.extension import (
-    checks, exclusive_cumsum, fixed_total_arg, layout_from_lengths, lengths_host, natural_total_host, PackSpec,
-    segment_ids, total_limit_host, unpack_sequences, with_dynamic_row_length,
-)
+from nn_data.layout import PackSpec, layout_from_lengths
+from nn_data import with_dynamic_row_length
+from nn_data.extension import checks, exclusive_cumsum, layout_checks, segment_ids, unpack_sequences
 from nn_data.nemo_rl.assertions import PackingAssertionError, spelled, translate_errors
 from nn_data.nemo_rl.buckets import bucket_total
 from nn_data import pad_rows
@@ -170,18 +169,18 @@ def _row_length(input_lengths, groups: list, row_len: int, min_seq_len: int, pad
     read, else NeMo-RL's rule after the one read of the lengths (which is also their validation)."""
     checks.row_length("min_seq_len", min_seq_len)
     if pad_full_seq_to is not None:
-        total = fixed_total_arg(name, pad_full_seq_to)
+        total = layout_checks.fixed_total_arg(name, pad_full_seq_to)
         if total < min_seq_len:
             raise PackingAssertionError(f"{name}={total} is below min_seq_len={min_seq_len}; the packed rows are at "
                                         f"least min_seq_len long, so {name} must be at least {min_seq_len}")
         return total, True, name
     lengths = input_lengths.tolist()  # sync: NeMo-RL's read; T depends on the data without pad_full_seq_to
-    lengths_host(lengths, row_len)
+    layout_checks.lengths_host(lengths, row_len)
     total = max([sum(lengths[a:b]) for a, b in groups] + [min_seq_len])
     buckets = getattr(options, "buckets", None)
     if buckets is not None and total:
         total = bucket_total(total, buckets, 1, 1)  # the megatron path's buckets, with p 1 and C 1
-    total_limit_host(total, "the longest packed row")
+    layout_checks.total_limit_host(total, "the longest packed row")
     return total, False, "the packed row length"
 
 
@@ -216,8 +215,8 @@ def unpack_tensor(tensor: torch.Tensor, input_lengths: torch.Tensor, *, max_seql
     if max_seqlen is None:
         host = input_lengths.tolist()  # sync: NeMo-RL's read; the unpacked width depends on the data
         width, validate = max(host, default=0), False
-        lengths_host(host, width)
-        natural_total_host(sum(host), 1, total, "tensor.shape[1]")
+        layout_checks.lengths_host(host, width)
+        layout_checks.natural_total_host(sum(host), 1, total, "tensor.shape[1]")
     else:
         width, validate = checks.row_length("max_seqlen", max_seqlen), True
     if total == 0 or lengths.shape[0] == 0:

@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from nn_data.extension import checks, given_group_info, hidden_logprobs_local, hidden_rows, ParallelInfo, SINGLE
+from nn_data.logprobs import hidden_logprobs_local
+from nn_data.extension import checks, hidden_rows, process_groups
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.logprob_steps import (
     DEFAULT_CHUNK_TOKENS, chunk_and_filter, gather_cp, grad_mode, groups, in_vocab, nemo_rl_rows,
@@ -129,7 +130,7 @@ def from_parallel_hidden_states_to_logprobs_packed_sequences(
 
 
 def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: int, vocab_start_index: int,
-                           vocab_end_index: int, cp: ParallelInfo, tp: ParallelInfo, *, chunk_size, sampling_params,
+                           vocab_end_index: int, cp: process_groups.ParallelInfo, tp: process_groups.ParallelInfo, *, chunk_size, sampling_params,
                            pre_rolled: bool, validate: bool, op: str):
     """``(packed [1, T], layout)`` on every rank from the hidden states: the checks of the hidden states and
     the weight, then :func:`~nn_data.nemo_rl.logprob_steps.packed_logprobs` (position ``t``, offset ``s`` in its
@@ -162,7 +163,7 @@ class ChunkedDistributedHiddenStatesToLogprobs:
     @staticmethod
     def apply(tensor_parallel_hidden_states, target, output_weight_layer, vocab_start_index, vocab_end_index,
               chunk_size, tp_group, inference_only=False, *, pg_collection=None):
-        tp = given_group_info(tp_group, pg_collection=pg_collection, field="tp")
+        tp = process_groups.given_group_info(tp_group, pg_collection=pg_collection, field="tp")
         hidden, weight = tensor_parallel_hidden_states, output_weight_layer
         checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, "[S, B, H] ([S // TP, B, H] with sequence "
                                                                   "parallelism)")
@@ -170,7 +171,7 @@ class ChunkedDistributedHiddenStatesToLogprobs:
         chunk = _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp, batch)
         checks.check_row_target(target, batch, target.shape[1] if isinstance(target, torch.Tensor) else 0)
         seq = target.shape[1]
-        sequence_parallel = _sequence_parallel(hidden.shape[0], seq, SINGLE, tp)
+        sequence_parallel = _sequence_parallel(hidden.shape[0], seq, process_groups.SINGLE, tp)
         with grad_mode(inference_only):
             token = target.to(torch.int64).T.reshape(-1)  # [S*B] position-major, as the hidden states
             keep = torch.ones_like(token, dtype=torch.bool)
@@ -179,7 +180,7 @@ class ChunkedDistributedHiddenStatesToLogprobs:
             return values.view(seq, batch).T  # [B, S]
 
 
-def _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp: ParallelInfo, batch: int) -> int:
+def _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp: process_groups.ParallelInfo, batch: int) -> int:
     """Tokens per chunk: NeMo-RL's ``chunk_size`` counts positions of every row (``chunk_size * B`` tokens);
     None: 256 tokens. Checks the vocabulary slice against the weight's rows."""
     chunk, _ = chunk_and_filter(chunk_size, None, vocab_start_index, vocab_end_index, weight.shape[0], tp,
@@ -187,7 +188,7 @@ def _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp: Pa
     return DEFAULT_CHUNK_TOKENS if chunk_size is None else chunk * max(batch, 1)
 
 
-def _sequence_parallel(rows: int, positions: int, cp: ParallelInfo, tp: ParallelInfo) -> bool:
+def _sequence_parallel(rows: int, positions: int, cp: process_groups.ParallelInfo, tp: process_groups.ParallelInfo) -> bool:
     """Whether ``rows`` hidden states are this rank's ``1/(C*TP)`` of ``positions`` (sequence parallelism)
     rather than its ``1/C``; anything else is refused, naming both shares.
 
@@ -205,7 +206,7 @@ def _sequence_parallel(rows: int, positions: int, cp: ParallelInfo, tp: Parallel
     )
 
 
-def _kernel(rows, weight, token, keep, vocab_start: int, tp: ParallelInfo, sequence_parallel: bool, chunk: int,
+def _kernel(rows, weight, token, keep, vocab_start: int, tp: process_groups.ParallelInfo, sequence_parallel: bool, chunk: int,
             filt=None) -> torch.Tensor:
     """The fused kernel's ``[N]`` values (:func:`nn_data.logprobs.hidden_logprobs_local`)."""
     return hidden_logprobs_local(rows, weight, token, keep, vocab_start=vocab_start, tp_group=tp.group,
@@ -213,7 +214,7 @@ def _kernel(rows, weight, token, keep, vocab_start: int, tp: ParallelInfo, seque
                                  sampling=filt)
 
 
-def _values(rows, weight, token, keep, vocab_start: int, tp: ParallelInfo, sequence_parallel: bool, chunk: int,
+def _values(rows, weight, token, keep, vocab_start: int, tp: process_groups.ParallelInfo, sequence_parallel: bool, chunk: int,
             filt=None) -> torch.Tensor:
     """The fused kernel's ``[N]`` values with NeMo-RL's rule for a target outside the vocabulary."""
     values = _kernel(rows, weight, token, keep, vocab_start, tp, sequence_parallel, chunk, filt)

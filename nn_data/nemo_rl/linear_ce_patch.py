@@ -32,7 +32,7 @@ import torch
 
 from nn_data import GatherFromContextParallel
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.extension import gpt_model_class, group_info
+from nn_data.extension import megatron, process_groups
 from nn_data.nemo_rl.linear_ce import from_parallel_hidden_states_to_logprobs, packed_hidden_logprobs
 from nn_data.nemo_rl.logprob_steps import gather_cp, grad_mode, row_layout
 
@@ -42,7 +42,7 @@ def patch_gpt_model_forward_for_linear_ce_fusion(*, chunk_size: int) -> None:
     ``return_logprobs_for_linear_ce_fusion=True`` returns log-probs instead of logits; ``chunk_size``
     positions per chunk (of every row). Calling it again updates the chunk size; a forward patched by
     NeMo-RL's own function is replaced by this one (the original stays the one restored from)."""
-    model_class = gpt_model_class()
+    model_class = megatron.gpt_model_class()
     if not getattr(model_class, "_linear_ce_fusion_forward_patched", False):
         model_class._original_forward_for_linear_ce_fusion = model_class.forward
         model_class._linear_ce_fusion_forward_patched = True
@@ -89,7 +89,7 @@ def _gpt_forward_with_linear_ce_fusion(
         return hidden  # an earlier pipeline stage: the hidden states go to the next one
     weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
         else self.output_layer.weight
-    cp, tp = group_info(self.cp_group, "context-parallel group"), group_info(self.pg_collection.tp,
+    cp, tp = process_groups.group_info(self.cp_group, "context-parallel group"), process_groups.group_info(self.pg_collection.tp,
                                                                              "tensor-parallel group")
     rows = weight.shape[0]
     vocab = (tp.rank * rows, (tp.rank + 1) * rows)  # this rank's slice: NeMo-RL's (vocab_size // TP) split

@@ -16,10 +16,9 @@ import contextlib
 
 import torch
 
-from nn_data.extension import (
-    Boundaries, boundary_args, checks, given_group_info, layout_from_boundaries, next_token_at, ParallelInfo,
-    sampling_filter, unpack_sequences,
-)
+from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.logprobs import sampling_filter
+from nn_data.extension import checks, layout_checks, next_token_at, process_groups, unpack_sequences
 from nn_data import GatherFromContextParallel, PackLayout
 
 #: Tokens per chunk of the log-sum-exp when NeMo-RL's ``chunk_size`` is None (NeMo-RL then holds
@@ -27,11 +26,11 @@ from nn_data import GatherFromContextParallel, PackLayout
 DEFAULT_CHUNK_TOKENS = 256
 
 
-def groups(cp_group, tp_group, pg_collection=None) -> tuple[ParallelInfo, ParallelInfo]:
+def groups(cp_group, tp_group, pg_collection=None) -> tuple[process_groups.ParallelInfo, process_groups.ParallelInfo]:
     """``(cp, tp)`` of a call: the groups given, else ``pg_collection``'s ``cp`` / ``tp``, else not split
     (:func:`nn_data.groups.given_group_info`)."""
-    return (given_group_info(cp_group, pg_collection=pg_collection, field="cp"),
-            given_group_info(tp_group, pg_collection=pg_collection, field="tp"))
+    return (process_groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp"),
+            process_groups.given_group_info(tp_group, pg_collection=pg_collection, field="tp"))
 
 
 def grad_mode(inference_only: bool):
@@ -39,7 +38,7 @@ def grad_mode(inference_only: bool):
     return torch.no_grad() if inference_only else contextlib.nullcontext()
 
 
-def chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols: int, tp: ParallelInfo,
+def chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_index, cols: int, tp: process_groups.ParallelInfo,
                      **vocab_wording):
     """Tokens per chunk and the sampling filter (or None), after the checks they share (``vocab_wording``:
     :func:`~nn_data._checks.check_vocab_range`'s ``against`` / ``unit``)."""
@@ -51,7 +50,7 @@ def chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_i
     return chunk, filt
 
 
-def packed_layout(cu_seqlens_padded: torch.Tensor, total: int, cp: ParallelInfo, *, op: str,
+def packed_layout(cu_seqlens_padded: torch.Tensor, total: int, cp: process_groups.ParallelInfo, *, op: str,
                   validate: bool) -> PackLayout:
     """The layout of a packed call, built once and used for the whole call: with ``validate`` one host read
     of ``cu_seqlens_padded`` eagerly (the call's validation) or device asserts when compiled; nothing read
@@ -69,7 +68,7 @@ def row_layout(rows: int, row_len: int, device, *, op: str) -> PackLayout:
     return layout_from_boundaries(Boundaries(bounds, rows * row_len), op=op, validate=False, host_reads=False)
 
 
-def packed_targets(target, pre_rolled: bool, layout: PackLayout, cp: ParallelInfo, seq_len: int):
+def packed_targets(target, pre_rolled: bool, layout: PackLayout, cp: process_groups.ParallelInfo, seq_len: int):
     """``(token [N], keep [N])`` for this rank's packed positions: the token each one scores and
     whether NeMo-RL's output holds it (offset ``s`` in its padded segment ``n``: ``s < min(n-1, S-1)``).
 
@@ -86,7 +85,7 @@ def packed_targets(target, pre_rolled: bool, layout: PackLayout, cp: ParallelInf
 
 
 def packed_logprobs(*, op: str, name: str, data: torch.Tensor, target: torch.Tensor, cu_seqlens_padded: torch.Tensor,
-                    total: int, seq_len: int, cp: ParallelInfo, pre_rolled: bool, validate: bool, vocab: int,
+                    total: int, seq_len: int, cp: process_groups.ParallelInfo, pre_rolled: bool, validate: bool, vocab: int,
                     score) -> tuple[torch.Tensor, PackLayout]:
     """The one body of NeMo-RL's packed log-prob functions, from logits or from hidden states (``data``, named
     ``name``): ``(packed [1, T], layout)``, position ``t`` (offset ``s`` in its padded segment ``n``) holding the
@@ -96,7 +95,7 @@ def packed_logprobs(*, op: str, name: str, data: torch.Tensor, target: torch.Ten
     ``[0, vocab)`` then gets NeMo-RL's value and gradient. Checks ``target`` and the boundaries first
     (:func:`packed_layout`: the one read, with ``validate``)."""
     checks.check_logprob_target(target, pre_rolled, total // cp.size, total)
-    boundary_args(name, data, total, cu_seqlens_padded, cp.size)
+    layout_checks.boundary_args(name, data, total, cu_seqlens_padded, cp.size)
     checks.check_same_device(**{name: data, "target": target})
     layout = packed_layout(cu_seqlens_padded, total, cp, op=op, validate=validate)
     token, keep = packed_targets(target, pre_rolled, layout, cp, seq_len)  # [N] each
@@ -122,7 +121,7 @@ def out_of_vocab_as_nemo_rl(values: torch.Tensor, token_in_vocab: torch.Tensor) 
     return torch.where(token_in_vocab, values, values - values.detach())
 
 
-def gather_cp(values: torch.Tensor, layout: PackLayout, cp: ParallelInfo) -> torch.Tensor:
+def gather_cp(values: torch.Tensor, layout: PackLayout, cp: process_groups.ParallelInfo) -> torch.Tensor:
     """``[N, *]`` on each rank -> ``[1, T, *]`` along ``layout``: one all-gather; backward a reduce-scatter
     (NeMo-RL's ``C``-times gradient)."""
     if cp.size == 1:

@@ -38,9 +38,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from nn_data.extension import (
-    all_gather_dim0, checks, given_group_info, ParallelInfo, sampling_filter, token_logprobs_local,
-)
+from nn_data.logprobs import sampling_filter, token_logprobs_local
+from nn_data.extension import checks, collectives, process_groups
 from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs from hidden states), with CP
     ChunkedDistributedHiddenStatesToLogprobs,
     from_parallel_hidden_states_to_logprobs,
@@ -258,10 +257,10 @@ def get_next_token_logprobs_from_logits(
     if sampling_filter(sampling_params) is not None and next_token_logits.is_floating_point():
         next_token_logits = next_token_logits.to(torch.promote_types(next_token_logits.dtype, torch.float32))
     if pg_collection is not None:
-        tp = given_group_info(vocab_parallel_group, pg_collection=pg_collection, field="tp")
+        tp = process_groups.given_group_info(vocab_parallel_group, pg_collection=pg_collection, field="tp")
         vocab_parallel_group = tp.group
         vocab_parallel_rank = tp.rank if vocab_parallel_rank is None else vocab_parallel_rank
-        context_parallel_group = given_group_info(context_parallel_group, pg_collection=pg_collection).group
+        context_parallel_group = process_groups.given_group_info(context_parallel_group, pg_collection=pg_collection).group
     if vocab_parallel_group is not None:
         if vocab_parallel_rank is None:
             raise PackingAssertionError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
@@ -328,17 +327,17 @@ def _compute_distributed_log_softmax(vocab_parallel_logits: torch.Tensor, group,
                                      pg_collection=None) -> torch.Tensor:
     """The log-softmax over the TP-split vocabulary, this rank's columns ``[*, Vt]`` (no autograd):
     one all-gather of the per-rank log-sum-exp ``[*]`` (``group`` None: ``pg_collection.tp`` if given)."""
-    tp = given_group_info(group, pg_collection=pg_collection, field="tp")
+    tp = process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
     lse = torch.logsumexp(vocab_parallel_logits, dim=-1)  # [*]
     if tp.size > 1:
-        lse = torch.logsumexp(all_gather_dim0(lse[None], tp.group), dim=0)  # [TP, *] -> [*]
+        lse = torch.logsumexp(collectives.all_gather_dim0(lse[None], tp.group), dim=0)  # [TP, *] -> [*]
     return vocab_parallel_logits - lse[..., None]
 
 
 # --- shared steps ------------------------------------------------------------------------------------------
 
 
-def _local_logprobs(logits, token, keep, vocab_start: int, tp: ParallelInfo, chunk: int, filt):
+def _local_logprobs(logits, token, keep, vocab_start: int, tp: process_groups.ParallelInfo, chunk: int, filt):
     return token_logprobs_local(logits, token, keep, vocab_start=vocab_start, tp_group=tp.group, tp_size=tp.size,
                                 chunk_tokens=chunk, sampling=filt)
 
@@ -348,7 +347,7 @@ def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, c
     """Log-probs of ``target [*]`` at every position of ``logits [*, Vt]`` (the autograd classes' body).
     ``chunk_size`` counts positions of a row, as NeMo-RL's: ``chunk_size * B`` tokens for ``[B, S, Vt]``;
     ``group`` None: ``pg_collection.tp`` when a collection is given."""
-    tp = given_group_info(group, pg_collection=pg_collection, field="tp")
+    tp = process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
     checks.check_min_dims("vocab_parallel_logits", logits, 1, "[*, V // TP]")
     cols = logits.shape[-1]
     checks.check_vocab_range(vocab_start_index, vocab_end_index, cols, tp.rank)
@@ -366,7 +365,7 @@ def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, c
 def _sampled(logits, target, tp_group, top_k, top_p, chunk_size, inference_only, pg_collection=None):
     """:class:`DistributedLogprobWithSampling`'s body: this TP rank's vocabulary slice is the standard one."""
     filt = sampling_filter(TrainingSamplingParams(top_k=top_k, top_p=top_p))
-    tp, cols = given_group_info(tp_group, pg_collection=pg_collection, field="tp"), logits.shape[-1]
+    tp, cols = process_groups.given_group_info(tp_group, pg_collection=pg_collection, field="tp"), logits.shape[-1]
     if filt is not None:
         checks.check_top_k(filt.top_k, cols * tp.size)
     return _token_logprobs(logits, target, tp.rank * cols, (tp.rank + 1) * cols, tp.group, chunk_size, filt,

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from nn_data.extension import (
-    all_gather_dim0, all_gather_rows, all_reduce_sum, all_to_all_dim0, checks as _checks, given_group_info,
-    sequence_divisible,
-)
+from nn_data.extension import checks as _checks, collectives, layout_checks, process_groups
 from nn_data.nemo_rl.logprob_steps import gather_cp, row_layout
 
 
 def _tp(group, pg_collection):
-    return given_group_info(group, pg_collection=pg_collection, field="tp")
+    return process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
 
 
 def _local(logits):
@@ -43,7 +40,7 @@ def _compute_distributed_log_softmax_with_grad(vocab_parallel_logits: torch.Tens
     tp = _tp(group, pg_collection)
     lse = torch.logsumexp(vocab_parallel_logits, dim=-1)  # [*]
     if tp.size > 1:
-        every = all_gather_rows(lse[None], tp.group, tp.rank, tp.size, grad_mode="sum")  # [TP, *]
+        every = collectives.all_gather_rows(lse[None], tp.group, tp.rank, tp.size, grad_mode="sum")  # [TP, *]
         lse = torch.logsumexp(every, dim=0)
     return vocab_parallel_logits - lse[..., None]
 
@@ -59,7 +56,7 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce_sum(x, group)
+        return collectives.all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -70,7 +67,7 @@ def group_all_reduce_sum_with_grad(x: torch.Tensor, group, *, pg_collection=None
     """``x`` summed over ``group`` (a new tensor), the gradient passed through unchanged (NeMo-RL's). ``group``
     None: ``pg_collection.<field>`` (``"tp"`` or ``"cp"``) when a collection is given, else ``x`` itself (as
     for a group of one rank). Example (2 ranks): ``[1.]``, ``[2.]`` -> ``[3.]`` on both."""
-    info = given_group_info(group, pg_collection=pg_collection, field=field)
+    info = process_groups.given_group_info(group, pg_collection=pg_collection, field=field)
     if info.size <= 1:
         return x
     return _AllReduceSum.apply(x, info.group)
@@ -100,7 +97,7 @@ def vocab_parallel_full_log_softmax(logits: torch.Tensor, temperature: float, *,
     shard = vocab_parallel_log_softmax(logits, temperature, tp_group=tp.group)  # [*, Vt]
     if tp.size == 1:
         return shard
-    every = all_gather_rows(shard.movedim(-1, 0).contiguous(), tp.group, tp.rank, tp.size)  # [TP*Vt, *]
+    every = collectives.all_gather_rows(shard.movedim(-1, 0).contiguous(), tp.group, tp.rank, tp.size)  # [TP*Vt, *]
     return every.movedim(0, -1)  # [*, V]
 
 
@@ -109,7 +106,7 @@ def vocab_parallel_argmax(logits: torch.Tensor, *, tp_group=None, pg_collection=
     """The global id of each position's largest logit, ``[*]`` int64, from this rank's ``[*, Vt]``: one chunked
     pass (:func:`~nn_data.logprobs.outputs.head_outputs_local`), the lowest id among equal logits. No gradient.
     Example (TP 1): ``[[[1., 5., 5.]]]`` -> ``[[1]]``."""
-    from nn_data.extension import head_outputs_local
+    from nn_data.logprobs import head_outputs_local
 
     tp, logits = _tp(tp_group, pg_collection), _local(logits)
     cols = logits.shape[-1]
@@ -131,7 +128,7 @@ def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group, seq_dim: int = 1
 
     Example (C 2): rank 0 ``[0, 1, 6, 7]``, rank 1 ``[2, 3, 4, 5]`` -> ``[0, 1, 2, 3, 4, 5, 6, 7]``.
     """
-    cp = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
+    cp = process_groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp")
     if cp.size == 1:
         return tensor
     seq_dim = seq_dim % tensor.dim()
@@ -154,7 +151,7 @@ def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: 
         return input_ids
     _checks.check_cp(cp_size, cp_rank)
     length = input_ids.shape[seq_dim]
-    sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
+    layout_checks.sequence_divisible("input_ids", length, cp_size, f"along seq_dim={seq_dim}")
     layout = row_layout(1, length, input_ids.device, op="_get_tokens_on_this_cp_rank")  # [0, n]: one segment
     return input_ids.index_select(seq_dim, layout.local_places(cp_size, cp_rank).source)
 
@@ -164,10 +161,10 @@ def cp_shift_next(x: torch.Tensor, cp_group=None, *, fill: float, pg_collection=
     rank's last position takes the next rank's first (one all-gather of ``x[:, 0]``), the sequence's last is
     ``fill``. Differentiable in ``x`` (the rank's own positions; the neighbour's value is a constant, as
     NeMo-RL's). Example (C 1): ``[[1, 2, 3]]``, fill 0 -> ``[[2, 3, 0]]``."""
-    cp = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
+    cp = process_groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp")
     last = torch.full_like(x[:, :1], fill)  # [B, 1, *]
     if cp.size > 1:
-        firsts = all_gather_dim0(x[:, :1].detach().movedim(1, 0), cp.group)  # [C, B, *] every rank's first
+        firsts = collectives.all_gather_dim0(x[:, :1].detach().movedim(1, 0), cp.group)  # [C, B, *] every rank's first
         nxt = firsts[min(cp.rank + 1, cp.size - 1)][:, None]  # [B, 1, *]
         last = nxt if cp.rank < cp.size - 1 else last
     return torch.cat([x[:, 1:], last], dim=1)
@@ -178,7 +175,7 @@ def cp_load_balanced_to_contiguous(x: torch.Tensor, *, cp_group=None, seq_dim: i
     """This rank's zigzag shard along ``seq_dim`` -> its contiguous window ``[rank*L, (rank+1)*L)`` of the
     whole sequence (one all-gather, :func:`allgather_cp_sharded_tensor`).
     Example (C 2, rank 1): ``[2, 3, 4, 5]`` of ``[0..7]`` -> ``[4, 5, 6, 7]``."""
-    cp = given_group_info(cp_group, pg_collection=pg_collection, field="cp")
+    cp = process_groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp")
     if cp.size <= 1:
         return x
     full = allgather_cp_sharded_tensor(_local(x), cp.group, seq_dim=seq_dim)
@@ -207,7 +204,7 @@ def all_to_all_vp2sq(vocab_parallel_logits: torch.Tensor, tp_group, *, pg_collec
         raise _checks.PackingError(f"BS={total} must be divisible by the tensor-parallel size {tp.size}")
     if tp.size == 1:
         return vocab_parallel_logits
-    got = all_to_all_dim0(vocab_parallel_logits, tp.group)  # [TP * BS/TP, Vt]: block j = rank j's columns
+    got = collectives.all_to_all_dim0(vocab_parallel_logits, tp.group)  # [TP * BS/TP, Vt]: block j = rank j's columns
     return got.view(tp.size, total // tp.size, cols).permute(1, 0, 2).reshape(total // tp.size, tp.size * cols)
 
 
@@ -223,4 +220,4 @@ def all_to_all_sq2vp(seq_parallel_logits: torch.Tensor, tp_group, *, pg_collecti
     if tp.size == 1:
         return seq_parallel_logits
     blocks = seq_parallel_logits.view(rows, tp.size, vocab // tp.size).permute(1, 0, 2).reshape(-1, vocab // tp.size)
-    return all_to_all_dim0(blocks, tp.group)  # [TP * BS/TP, Vt]
+    return collectives.all_to_all_dim0(blocks, tp.group)  # [TP * BS/TP, Vt]

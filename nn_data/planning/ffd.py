@@ -35,13 +35,6 @@ class FFDBins(NamedTuple):
     steps: int
 
 
-def round_up_lengths(lengths: Sequence[int], multiple: int) -> np.ndarray:
-    """``lengths`` rounded up to ``multiple`` (int64 numpy array). Example: ``[3, 8], 4 -> [4, 8]``."""
-    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
-        raise PackingError(f"sequence_length_pad_multiple={multiple!r} is invalid; expected an int >= 1")
-    return round_up(np.asarray(lengths, dtype=np.int64).reshape(-1), multiple)
-
-
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDBins:
     """Pack ``lengths`` into bins of ``capacity`` tokens with first-fit-decreasing.
 

@@ -22,7 +22,7 @@ from nn_data.nemo_rl.megatron_data.dispatch import pack_microbatch
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, as_dicts
 from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
 from nn_data.layout import PackSpec
-from nn_data.packed_sides import PLAIN, PackingSide
+from nn_data.packed_sides import PackingSide
 from nn_data.layout import host
 from nn_data.testing.reference import reference_pack, reference_shard
 from nn_data.testing.coded import PAD, coded_batch
@@ -81,7 +81,7 @@ def test_host_path_equals_the_reference_and_the_device_graph(case, views_max):
     if ref.packed.shape[1] and lengths:
         assert torch.equal(out.local["input_ids"], reference_shard(ref.packed, ref.cu_seqlens_padded, cp_size, rank))
     if layout.total:  # the device-executor graph (the compiled path's, run eagerly) agrees tensor by tensor
-        graph = PackingSide(PLAIN, PackSpec(m, p, fixed_total=layout.total), cp_size, rank, routes=ROUTES,
+        graph = PackingSide(PackSpec(m, p, fixed_total=layout.total), cp_size, rank, routes=ROUTES,
                             validate=False, host_reads=False)(ids, lengths_t, None, **extras)
         assert not graph.layout.on_host
         for side, ours in zip(("full", "local"), (out.full, out.local)):

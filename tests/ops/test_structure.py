@@ -11,6 +11,7 @@ the compat layer keeps no hidden state.
 from __future__ import annotations
 
 import ast
+import inspect
 import io
 import re
 import tokenize
@@ -89,10 +90,11 @@ def test_core_imports_nothing_from_the_nemo_rl_drop_in(module):
     assert not bad, f"{module} imports {bad}"
 
 
-# The drop-in enters nn_data by the public API (nn_data's __all__, the lazy nn_data.adapters door and its
-# documented tree_kv module) and one declared extension surface (nn_data.extension) alone, so a
+# The drop-in enters nn_data by the public API (nn_data's __all__, the user's doors nn_data.layout, .planning
+# and .logprobs, the lazy nn_data.adapters door and its documented tree_kv module) and one declared extension surface (nn_data.extension) alone, so a
 # rename inside nn_data touches that one module and the drop-in could leave the package as a folder.
-DROP_IN_DOORS = ("nn_data", "nn_data.adapters", "nn_data.adapters.tree_kv", "nn_data.extension")
+DROP_IN_DOORS = ("nn_data", "nn_data.adapters", "nn_data.adapters.tree_kv", "nn_data.layout", "nn_data.planning",
+                 "nn_data.logprobs", "nn_data.extension")
 DROP_IN_FILES = sorted((PKG / "nemo_rl").rglob("*.py"))
 
 
@@ -134,6 +136,26 @@ def test_the_extension_surface_is_declared_and_each_name_used():
     used = {name for p in DROP_IN_FILES for module, name in _nn_data_imports(p) if module == "nn_data.extension"}
     assert set(names) == used, (sorted(set(names) - used), sorted(used - set(names)))
     assert not [i for i in MODULES["nn_data.extension"] if _in_drop_in(i)]
+
+
+def test_the_extension_surface_is_narrow_and_each_name_has_a_caller_in_the_core():
+    """At most 20 names, each with a caller inside the core besides its own home (a name only the drop-in
+    needs lives in the drop-in), each said what it is for (a comment line above its group)."""
+    import nn_data.extension as extension
+
+    names = extension.__all__
+    assert len(names) <= 20, names
+    core = {p: _code_only(p.read_text()) for p in PKG.rglob("*.py")
+            if "nemo_rl" not in p.parts and p.name != "extension.py"}
+    for name in names:
+        obj = getattr(extension, name)
+        if inspect.ismodule(obj):  # a module: imported by another module of the core
+            home = Path(obj.__file__)
+            assert [p for p, code in core.items() if p != home and obj.__name__.rsplit(".", 1)[-1] in code], name
+            continue
+        uses = [line for code in core.values() for line in code.splitlines() if re.search(rf"\b{name}\b", line)
+                and not re.match(rf"\s*(def|class) {name}\b|\s*(from|import) ", line)]
+        assert uses, name
 
 
 # The model adapters are about megatron-core models themselves (nn_data.adapters, opt-in, never

@@ -15,7 +15,8 @@ import importlib
 from typing import Any
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.extension import megatron_state, round_up
+from nn_data.layout import round_up
+from nn_data.extension import process_groups
 
 
 def _round_up_to_multiple(value: int, multiple: int) -> int:
@@ -54,7 +55,7 @@ def public(name: str) -> Any:
 def megatron_cp_rank_and_size() -> tuple[int, int]:
     """``(cp_rank, cp_size)`` from an initialised ``parallel_state``, else ``(0, 1)``: what the
     NeMo-RL layer reads (megatron-core itself answers a world size of 0 when uninitialised)."""
-    state = megatron_state()
+    state = process_groups.megatron_state()
     if state is None:
         return 0, 1
     return int(state.get_context_parallel_rank()), int(state.get_context_parallel_world_size())

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 
 from nn_data import PackLayout
-from nn_data.extension import checks, layout_from_lengths, layout_from_read_lengths, pack_shard, PackSpec
+from nn_data.layout import PackSpec, layout_from_lengths
+from nn_data.extension import checks, layout_from_read_lengths, pack_shard
 from nn_data.nemo_rl.assertions import PackingAssertionError, spelled
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
 from nn_data.nemo_rl.buckets import bucket_total

@@ -24,7 +24,7 @@ from typing import Iterator, Tuple
 import torch
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.extension import make_packed_seq_params
+from nn_data.extension import megatron
 from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 
 
@@ -36,11 +36,11 @@ def dynamic_cp_microbatch_iterator(data, cfg: dict, runner, plan, *, device) -> 
     (megatron-core's schedule divides it by that size for its pipeline buffers: every round's ``tpr``).
 
     Raises :class:`PackingError` when the runner does not build ``PackedSeqParams``
-    (``make_packed_seq_params=True``) or ``data`` does not hold the plan's sequences.
+    (``megatron.make_packed_seq_params=True``) or ``data`` does not hold the plan's sequences.
     """
     if not runner.make_packed_seq_params:
         raise PackingAssertionError("a dynamic-CP microbatch needs PackedSeqParams: build the runner with "
-                                    "DynamicCPRunner(..., make_packed_seq_params=True)")
+                                    "DynamicCPRunner(..., megatron.make_packed_seq_params=True)")
     if data.size != len(plan.lengths):
         raise PackingAssertionError(f"data holds {data.size} sequences but the plan was made for {len(plan.lengths)}; plan "
                                     "the global batch's lengths (data['input_lengths'])")
@@ -57,7 +57,7 @@ def _rounds(step, data, target) -> Iterator[ProcessedMicrobatch]:
         rows = data.select_indices(list(inputs.block.sequences)).to(target)
         cu_pad = rows_boundaries(inputs.packed.cu_seqlens_padded, len(inputs.block.sequences))
         total = inputs.block.size * step.plan.tokens_per_rank  # T = c * tpr
-        params = make_packed_seq_params(cu_pad, total, step.plan.tokens_per_rank, total=total, cp_group=inputs.cp_group,
+        params = megatron.make_packed_seq_params(cu_pad, total, step.plan.tokens_per_rank, total=total, cp_group=inputs.cp_group,
                                         local_cp_size=inputs.block.size)
         yield ProcessedMicrobatch(data_dict=rows, input_ids=inputs.packed_ids, input_ids_cp_sharded=inputs.input_ids,
                                   attention_mask=None, position_ids=inputs.position_ids, packed_seq_params=params,

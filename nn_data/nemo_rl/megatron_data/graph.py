@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from nn_data.extension import checks, PLAIN, PackingSide, PackSpec, with_dynamic_row_length
+from nn_data.layout import PackSpec
+from nn_data import with_dynamic_row_length
+from nn_data.extension import checks, PackingSide
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data import pad_rows
 
@@ -39,7 +41,7 @@ def compiled_pack_shard(spec: PackSpec, total: int, cp_rank: int, options: PackO
     key = (spec.m, spec.p, total, spec.cp_size, cp_rank, options.backend, options.mode)
     fn = _COMPILED.get(key)
     if fn is None:
-        module = PackingSide(PLAIN, PackSpec(spec.m, spec.p, fixed_total=total), spec.cp_size, cp_rank, routes=ROUTES,
+        module = PackingSide(PackSpec(spec.m, spec.p, fixed_total=total), spec.cp_size, cp_rank, routes=ROUTES,
                              validate=False, host_reads=False)
         kwargs = {"mode": options.mode} if options.mode else {}
         fn = torch.compile(module, backend=options.backend, fullgraph=True, **kwargs)

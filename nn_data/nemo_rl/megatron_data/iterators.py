@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 import torch
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.extension import as_process_group, is_group_form, megatron_state, Parallelism
+from nn_data.planning import Parallelism
+from nn_data.extension import process_groups
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
@@ -98,7 +99,7 @@ def check_configured_cp(cfg: dict[str, Any], pg_collection=None) -> None:
         return
     if pg_collection is not None:
         source = "pg_collection.cp"
-    elif megatron_state() is not None:
+    elif process_groups.megatron_state() is not None:
         source = "megatron-core's parallel_state"
     else:
         source = "megatron-core's parallel_state is not initialised and no pg_collection= was given"
@@ -249,8 +250,8 @@ def process_global_batch(
     dtype = torch.promote_types(local_valid_seqs.dtype, local_valid_toks.dtype)
     to_reduce = torch.stack([local_valid_seqs.to(dtype), local_valid_toks.to(dtype)])  # [2]
     initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if is_group_form(dp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
-        dp_group = as_process_group(dp_group, "dp_group")
+    if process_groups.is_group_form(dp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
+        dp_group = process_groups.as_process_group(dp_group, "dp_group")
     if initialised or dp_group is not None:
         if initialised and "nccl" in str(torch.distributed.get_backend(dp_group)):
             to_reduce = to_reduce.to(torch.device("cuda", torch.cuda.current_device()))

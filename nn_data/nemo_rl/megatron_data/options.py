@@ -14,7 +14,8 @@ import dataclasses
 import functools
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
-from nn_data.extension import checks, fixed_total_arg, PackSpec
+from nn_data.layout import PackSpec
+from nn_data.extension import checks, layout_checks
 from nn_data.nemo_rl.assertions import PackingAssertionError
 
 
@@ -148,7 +149,7 @@ class PackOptions:
                                         "depth-1 rollout tree, set one of them")
         object.__setattr__(self, "shared_prefix", shared_prefix_keys(self.shared_prefix))
         object.__setattr__(self, "rollout_tree", rollout_tree_keys(self.rollout_tree))
-        fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
+        layout_checks.fixed_total_arg("pad_full_seq_to", self.pad_full_seq_to)
         self._check_kv_capacity()
         if self.pad_full_seq_to is not None and self.buckets is not None:
             raise PackingAssertionError(f"pad_full_seq_to={self.pad_full_seq_to} and buckets={self.buckets!r} cannot both be "
@@ -159,7 +160,7 @@ class PackOptions:
         if isinstance(b, str) or not isinstance(b, Sequence) or not b:
             raise PackingAssertionError(f"buckets={b!r} is invalid; expected None, 'pow2' or a non-empty list of ints")
         for v in b:
-            fixed_total_arg("buckets entry", v)
+            layout_checks.fixed_total_arg("buckets entry", v)
         object.__setattr__(self, "buckets", tuple(sorted(set(b))))
 
     def _check_kv_capacity(self) -> None:
@@ -216,7 +217,7 @@ def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (a bool multiple is refused)
 def _spec(m, p, fixed_total, cp_size, name) -> PackSpec:
-    fixed_total_arg(name, fixed_total)
+    layout_checks.fixed_total_arg(name, fixed_total)
     checks.positive_int("pad_packed_seq_to_multiple_of", p)
     if fixed_total is not None and fixed_total % p:
         raise PackingAssertionError(f"{name}={fixed_total} is not a multiple of pad_packed_seq_to_multiple_of={p}; "

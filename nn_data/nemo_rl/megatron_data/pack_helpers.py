@@ -15,9 +15,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nn_data.extension import (
-    Boundaries, checks, layout_from_boundaries, make_packed_seq_params, Parallelism, unpack_sequences,
-)
+from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.planning import Parallelism
+from nn_data.extension import checks, megatron, unpack_sequences
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.common import _round_up_to_multiple
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
@@ -74,7 +74,7 @@ def _pack_sequences_for_megatron(
     batch = pack_microbatch(input_ids, seq_lengths, spec=spec, cp_rank=cp_rank, options=options, extras={},
                             name="pad_packed_seq_to")
     layout = batch.layout
-    params = make_packed_seq_params(layout.cu_seqlens_padded, layout.host.max_seqlen, layout.total // cp_size,
+    params = megatron.make_packed_seq_params(layout.cu_seqlens_padded, layout.host.max_seqlen, layout.total // cp_size,
                                     total=layout.total)
     return batch.full["input_ids"], batch.local["input_ids"], params, layout.cu_seqlens, layout.cu_seqlens_padded
 

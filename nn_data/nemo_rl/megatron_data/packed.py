@@ -27,10 +27,8 @@ from typing import Any, Optional
 
 import torch
 
-from nn_data.extension import (
-    as_process_group, Boundaries, checks, fixed_total_arg, given_group_info, is_group_form, layout_from_boundaries,
-    make_packed_seq_params, total_divisible,
-)
+from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.extension import checks, layout_checks, megatron, process_groups
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.common import public
 from nn_data.nemo_rl.megatron_data.dispatch import pack_microbatch
@@ -66,9 +64,9 @@ def get_packed_seq_cp_partition_indices(
     checks.check_cp(cp_size, cp_rank)
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
         raise PackingAssertionError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
-    fixed_total_arg("total_tokens", total_tokens or None)
-    if is_group_form(cp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
-        cp_group = as_process_group(cp_group, "cp_group")
+    layout_checks.fixed_total_arg("total_tokens", total_tokens or None)
+    if process_groups.is_group_form(cp_group):  # a DeviceMesh (or (mesh, dim)) is its ProcessGroup
+        cp_group = process_groups.as_process_group(cp_group, "cp_group")
     if cp_group is not None and (cp_group.size() != cp_size or cp_group.rank() != cp_rank):
         raise PackingAssertionError(f"Context-parallel group has rank {cp_group.rank()} and size {cp_group.size()}, but "
                                     f"rank {cp_rank} and size {cp_size} were requested.")
@@ -77,7 +75,7 @@ def get_packed_seq_cp_partition_indices(
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     bounds = padded if padded is not None else packed_seq_params.cu_seqlens_q
     checks.check_int_vector("cu_seqlens_q_padded", bounds)
-    total_divisible(total_tokens, cp_size)
+    layout_checks.total_divisible(total_tokens, cp_size)
     layout = layout_from_boundaries(Boundaries(bounds.to(device), total_tokens),
                                     op="get_packed_seq_cp_partition_indices", cp_size=cp_size)  # the one read
     return layout.local_places(cp_size, cp_rank).source  # [T/C] int64, the device map on the layout
@@ -87,7 +85,7 @@ def cp_rank_and_size(pg_collection) -> tuple:
     """``(cp_rank, cp_size)``: from ``pg_collection.cp`` when a collection is given, else through the
     names NeMo-RL's module binds (megatron-core's ``parallel_state``; 0 of 1 when it is not set up)."""
     if pg_collection is not None:
-        cp = given_group_info(None, pg_collection=pg_collection, field="cp")
+        cp = process_groups.given_group_info(None, pg_collection=pg_collection, field="cp")
         return cp.rank, cp.size
     return public("get_context_parallel_rank")(), public("get_context_parallel_world_size")()
 
@@ -139,10 +137,10 @@ def _params(layout, cp_size: int, model_slices: bool):
     """The microbatch's ``PackedSeqParams`` from its host layout's ints (no read)."""
     host, total = layout.host, layout.total
     if not model_slices:
-        return make_packed_seq_params(layout.cu_seqlens_padded, host.max_seqlen, total // cp_size, total=total)
+        return megatron.make_packed_seq_params(layout.cu_seqlens_padded, host.max_seqlen, total // cp_size, total=total)
     # the model slices CP itself: full rows, valid and padded boundaries apart where they differ (one
     # boundary object tells TransformerEngine "no padding between sequences")
     pad_between = host.cu != host.cu_pad
-    return make_packed_seq_params(layout.cu_seqlens_padded, host.max_seqlen, total,
+    return megatron.make_packed_seq_params(layout.cu_seqlens_padded, host.max_seqlen, total,
                                   cu_seqlens=layout.cu_seqlens if pad_between else None,
                                   pad_between_seqs=pad_between, total=total)

@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from nn_data.extension import Boundaries, checks, layout_from_boundaries
+from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.extension import checks
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
 
     from nn_data.nemo_rl.batched_data_dict import BatchedDataDict
     from nn_data.adapters.tree_kv import TreeKV
-    from nn_data.extension import TreeLayout
+    from nn_data.layout import TreeLayout
 
 
 class TreeRecord(NamedTuple):

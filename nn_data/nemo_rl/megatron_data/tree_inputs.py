@@ -52,7 +52,8 @@ from typing import Any, Optional
 import torch
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.extension import make_packed_seq_params, TreeLayout
+from nn_data.layout import TreeLayout
+from nn_data.extension import megatron
 from nn_data.nemo_rl.megatron_data.common import require
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device
 from nn_data.nemo_rl.megatron_data.options import FoundTreeKeys, PackOptions, SharedPrefixKeys, nemo_rl_spec
@@ -100,7 +101,7 @@ def found_tree(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Te
     """``(parent, branch_at)`` ``[B]`` on ``input_ids``' device: :func:`~nn_data.planning.find_rollout_tree` of the
     microbatch's rollouts ``input_ids [B, S]`` with ``lengths [B]`` (each one's longest common prefix with an
     earlier one). One host read of the ids. Example: rollouts ``[1 2 3]``, ``[1 2 9 9]`` -> ``[-1, 0]``, ``[0, 2]``."""
-    from nn_data.extension import find_rollout_tree
+    from nn_data.planning import find_rollout_tree
 
     host = torch.cat([input_ids.to(torch.int64), lengths.to(torch.int64)[:, None]], dim=1)  # [B, S+1]
     host = host.cpu()  # sync: "find" without the sharding planner reads the microbatch's ids once
@@ -181,7 +182,8 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     ``[0, 1, 2, 3, 4, 3]``.
     """
     from nn_data.adapters.tree_kv import tree_kv
-    from nn_data.extension import TREE, PackingSide, RolloutGroups, RolloutTree
+    from nn_data.planning import RolloutTree
+    from nn_data.extension import PackingSide, RolloutGroups, TREE
 
     keys = options.tree
     if not pack_sequences:
@@ -199,7 +201,7 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     cp_rank, cp_size = cp_rank_and_size(pg_collection)
     spec = nemo_rl_spec(m, p, fixed_total=options.fixed_total(pad_full_seq_to), cp_rank=cp_rank, cp_size=cp_size,
                         name="pad_full_seq_to")
-    side = PackingSide(TREE, spec, cp_size, cp_rank)(input_ids, lengths, args=args)
+    side = PackingSide(spec, cp_size, cp_rank, kind=TREE)(input_ids, lengths, args=args)
     shared, info = side.layout, side.packed
     kv = None
     # A variable-length kernel's q/kv boundaries (each node slot's path keys, then its own) at CP 1: one length per
@@ -259,6 +261,6 @@ def shared_prefix_params(record: TreeRecord):
     shared = record.layout
     slots = shared.layout
     if record.kv is None:
-        return make_packed_seq_params(slots.cu_seqlens_padded, slots.host.max_seqlen, shared.total // record.cp_size,
+        return megatron.make_packed_seq_params(slots.cu_seqlens_padded, slots.host.max_seqlen, shared.total // record.cp_size,
                                       total=shared.total)
     return tree_packed_seq_params(record.kv)

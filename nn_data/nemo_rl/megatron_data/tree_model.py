@@ -30,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from nn_data.extension import checks, given_group_info, TreeLayout
+from nn_data.layout import TreeLayout
+from nn_data.extension import checks, process_groups
 from nn_data.nemo_rl.assertions import PackingAssertionError
 
 
@@ -168,10 +169,10 @@ def from_parallel_logits_to_logprobs_shared_prefix(
     Raises :class:`PackingError` as :class:`~nn_data.logprobs.TreeLogProbs`, and for
     ``unpacked_seqlen`` or ``chunk_size`` below 1 and a vocabulary slice that is not this TP rank's.
     """
-    from nn_data.extension import TreeLogProbs
+    from nn_data.logprobs import TreeLogProbs
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
-    tp = given_group_info(group, pg_collection=pg_collection, field="tp")
+    tp = process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
     checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP]", 3)
     checks.check_vocab_range(vocab_start_index, vocab_end_index, vocab_parallel_logits.shape[-1], tp.rank)
     op = TreeLogProbs(cp_group=cp_group, tp_group=group, pg_collection=pg_collection, chunk_tokens=chunk)
@@ -203,10 +204,10 @@ def from_parallel_hidden_states_to_logprobs_shared_prefix(
 
     Raises :class:`PackingError` as that op, and as the logits function for the other arguments.
     """
-    from nn_data.extension import TreeLogProbsFromHidden
+    from nn_data.logprobs import TreeLogProbsFromHidden
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
-    tp = given_group_info(group, pg_collection=pg_collection, field="tp")
+    tp = process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
     checks.check_vocab_range(vocab_start_index, vocab_end_index, output_weight_layer.shape[0], tp.rank,
                               against="output_weight_layer", unit="rows")
     op = TreeLogProbsFromHidden(cp_group=cp_group, tp_group=group, pg_collection=pg_collection,

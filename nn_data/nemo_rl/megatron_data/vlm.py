@@ -13,10 +13,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nn_data.extension import (
-    checks, fixed_total_arg, layout_from_lengths, layout_from_read_lengths, make_packed_seq_params, PackSpec,
-    padded_rows,
-)
+from nn_data.layout import PackSpec, layout_from_lengths
+from nn_data.extension import checks, layout_checks, layout_from_read_lengths, megatron
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths
 
@@ -57,12 +55,12 @@ def _prepare_vlm_batch_for_megatron(
     checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     rows, cols = input_ids.shape[:2]
     m = max(1, int(pad_individual_seqs_to_multiple_of))
-    fixed_total_arg("pad_full_seq_to", pad_full_seq_to)
+    layout_checks.fixed_total_arg("pad_full_seq_to", pad_full_seq_to)
     lengths = as_lengths(seq_lengths, rows, input_ids.device)
     if rows == 0:  # as NeMo-RL: the model packs nothing, so no slack either: [0] boundaries, no column
         cu_seqlens_padded = torch.zeros(1, dtype=torch.int32, device=input_ids.device)
         return (input_ids.new_zeros((1, 0)), input_ids[:, :0], torch.zeros(0, 0, dtype=torch.bool,
-                device=input_ids.device), make_packed_seq_params(cu_seqlens_padded, 0, None), None, cu_seqlens_padded)
+                device=input_ids.device), megatron.make_packed_seq_params(cu_seqlens_padded, 0, None), None, cu_seqlens_padded)
     layout = layout_from_lengths(lengths, cols, PackSpec(m), op="_prepare_vlm_batch_for_megatron")  # the one read
     if pad_full_seq_to is not None:  # the model pads every row itself: the slack must suit it (host ints)
         _check_deficit(layout.total, m, pad_full_seq_to)
@@ -77,8 +75,10 @@ def _prepare_vlm_batch_for_megatron(
     attention_mask = torch.arange(padded_max, device=input_ids.device)[None, :] < padded[:, None]  # [B, P]
     # The packed view holds exactly what the model packs: every row's first padded[b] columns, back to
     # back (the rows packed on the same layout with their padded lengths as lengths).
-    packed = padded_rows(layout, padded_max).pack(ids_2d)  # [1, T]
-    params = make_packed_seq_params(cu_seqlens_padded, padded_max, None)
+    whole = layout_from_read_lengths(layout.host.segments, padded, padded_max, PackSpec(fixed_total=layout.total),
+                                     validate=False)  # segments [4, 12] (lengths [3, 5], m 4, T 16) -> lengths [4, 12]
+    packed = whole.pack(ids_2d)  # [1, T]
+    params = megatron.make_packed_seq_params(cu_seqlens_padded, padded_max, None)
     return packed, ids_2d, attention_mask, params, None, cu_seqlens_padded
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from nn_data.cp_comm import all_gather_dim0
+from nn_data.extension import collectives
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
@@ -40,7 +40,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
             stats[1, i:j] = lse_t
             stats[2, i:j] = (t.sub(lse_t[:, None]).exp_().mul_(z)).sum(dim=-1)  # [c]
             del z, t, lse_t  # one chunk's temporaries alive at a time
-        every = stats[None] if tp_size == 1 else all_gather_dim0(stats[None], tp_group)  # [TP, 3, N]
+        every = stats[None] if tp_size == 1 else collectives.all_gather_dim0(stats[None], tp_group)  # [TP, 3, N]
         lse_z, lse_t = torch.logsumexp(every[:, 0], dim=0), torch.logsumexp(every[:, 1], dim=0)  # [N] each
         mean = ((every[:, 1] - lse_t).exp() * every[:, 2]).sum(0)  # [N] sum_v p_v z_v
         ctx.save_for_backward(student, teacher, lse_z, lse_t)
