@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from nn_data import _checks
-from nn_data.layout import PackLayout, RankOp, op_layout
+from nn_data.layout import PackLayout
+from nn_data.layout.internal import RankOp, op_layout
 
 
 class ShardForContextParallel(RankOp):

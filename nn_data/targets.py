@@ -21,7 +21,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from nn_data import _checks
-from nn_data.layout import PackLayout, RankOp
+from nn_data.layout import PackLayout
+from nn_data.layout.internal import RankOp
 from nn_data.layout.internal import Segments, ZigzagLocal, packed_segments
 
 

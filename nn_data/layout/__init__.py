@@ -13,8 +13,6 @@ entry point of nn_data packs, shards, unshards and unpacks through it:
 * a rollout-tree microbatch (``tree``, its index tables ``tree_nodes``): :class:`TreeLayout`,
   :func:`tree_layout` (a :class:`PackLayout` over node slots); the GRPO shared prompt is its depth-1
   spelling, :func:`shared_prefix_layout` (GRPO groups as the tree);
-* :class:`RankOp` and :func:`op_layout` (``op``): the base of the ops configured with a CP rank, and
-  how an op gets its call's layout;
 * :func:`round_up`, the rounding rule (``rules``: every layout rule, written once for Python ints and
   tensors); their checks (``checks``, one wording each), the device executor's index maps (``index``)
   and the rest of what nn_data's own code uses: :mod:`nn_data.layout.internal`.
@@ -30,7 +28,6 @@ Example::
 from __future__ import annotations
 
 from nn_data.layout.build import Boundaries, PackSpec, layout_from_boundaries, layout_from_lengths
-from nn_data.layout.op import RankOp, op_layout
 from nn_data.layout.pack_layout import PackLayout, pack_with_layout
 from nn_data.layout.tree import TreeLayout, shared_prefix_layout, tree_layout
 from nn_data.layout.rules import round_up
@@ -39,11 +36,9 @@ __all__ = [
     "Boundaries",
     "PackLayout",
     "PackSpec",
-    "RankOp",
     "TreeLayout",
     "layout_from_boundaries",
     "layout_from_lengths",
-    "op_layout",
     "pack_with_layout",
     "round_up",
     "shared_prefix_layout",

@@ -26,7 +26,8 @@ from torch import nn
 from nn_data import _checks
 from nn_data.cp_comm import GatherFromContextParallel
 from nn_data.groups import given_group_info
-from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries, op_layout
+from nn_data.layout import Boundaries, PackLayout, layout_from_boundaries
+from nn_data.layout.internal import op_layout
 from nn_data.layout.internal import ZigzagLocal, checks, reads_host
 from nn_data.logprobs.kernels import token_logprobs_local
 from nn_data.logprobs.outputs import HeadOutputs, head_outputs_local

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.options import FIND, rollout_tree_keys, shared_prefix_keys
-from nn_data.planning import Parallelism, RolloutTree, find_rollout_tree, plan_step, plan_step_rollout_tree, plan_step_shared_prefix, subtree
+from nn_data.planning import (
+    Parallelism, RolloutTree, find_rollout_tree, plan_step, plan_step_rollout_tree, plan_step_shared_prefix, subtree,
+)
 from nn_data.extension import check_tree
 from nn_data.layout import round_up
 
@@ -251,9 +253,9 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
     if over:
         raise PackingAssertionError(f"Sequence length {int(padded[over[0]])} exceeds bin capacity {budget} (row {over[0]}, "
                                     f"padded to a multiple of {multiple}; raise max_tokens_per_microbatch)")
-    layout, options = _packing_layout(args, shards)
-    layout.check_fixed_total(budget, "max_tokens_per_microbatch")
-    planner, tree = _planner(data, args, lengths, layout, budget, options)
+    parallelism, options = _packing_layout(args, shards)
+    parallelism.check_fixed_total(budget, "max_tokens_per_microbatch")
+    planner, tree = _planner(data, args, lengths, parallelism, budget, options)
     rows = [[] for _ in range(shards)]
     rewritten = [{} for _ in range(shards)]  # a tree's fields per shard, rewritten for each microbatch's rollouts
     indices = [[] for _ in range(shards)]
@@ -287,7 +289,7 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
     return out, [r for shard_rows in rows for r in shard_rows]
 
 
-def _planner(data, args: dict, lengths: list, layout: Parallelism, budget: int, options: dict):
+def _planner(data, args: dict, lengths: list, parallelism: Parallelism, budget: int, options: dict):
     """``(plan(start, stop), tree)``: ``plan`` the :class:`~nn_data.planning.StepPlan` of rows ``[start, stop)``,
     ``plan_step``'s; with ``sequence_packing_args["rollout_tree"]`` (``cfg["nn_data"]["rollout_tree"]``'s value)
     ``plan_step_rollout_tree`` over the batch's tree (:class:`_BatchTree`, returned as ``tree``: the fields of each
@@ -298,7 +300,7 @@ def _planner(data, args: dict, lengths: list, layout: Parallelism, budget: int, 
     found = args.get("rollout_tree")
     tree_keys = rollout_tree_keys(found, "sequence_packing_args['rollout_tree']")
     if groups is None and tree_keys is None:
-        return (lambda start, stop: plan_step(lengths[start:stop], layout, pad_full_seq_to=budget, **options)), None
+        return (lambda start, stop: plan_step(lengths[start:stop], parallelism, pad_full_seq_to=budget, **options)), None
     name = "rollout_tree" if groups is None else "shared_prefix"
     if groups is not None and tree_keys is not None:
         raise PackingAssertionError("sequence_packing_args['shared_prefix'] and ['rollout_tree'] are both set: a GRPO "
@@ -310,11 +312,11 @@ def _planner(data, args: dict, lengths: list, layout: Parallelism, budget: int, 
         tree = _BatchTree(data, tree_keys, find=isinstance(found, str) and found == FIND, lengths=lengths,
                           ids_key=args.get("input_key", "input_ids"))
         return (lambda start, stop: plan_step_rollout_tree(
-            lengths[start:stop], layout, parent=tree.chunk(start, stop).parent,
+            lengths[start:stop], parallelism, parent=tree.chunk(start, stop).parent,
             branch_at=tree.chunk(start, stop).branch_at, pad_full_seq_to=budget, **options)), tree
     first, second = (_host_lengths(_field(data, key, groups, "group ids and prefix lengths"), key) for key in groups)
     return (lambda start, stop: plan_step_shared_prefix(
-        lengths[start:stop], layout, group_ids=first[start:stop], prefix_lengths=second[start:stop],
+        lengths[start:stop], parallelism, group_ids=first[start:stop], prefix_lengths=second[start:stop],
         pad_full_seq_to=budget, **options)), None
 
 

@@ -44,7 +44,7 @@ def case_dropin_step(module: str = "tests.megatron_data.test_shared_prefix_dropi
     for mb in mbs:
         data = mb.data_dict
         ids, lengths = data["input_ids"], data["input_lengths"].tolist()
-        assert mb.shared_prefix.cp_size == cp_size and mb.input_ids_cp_sharded.shape[1] * cp_size == mb.input_ids.shape[1]
+        assert mb.shared_prefix.info.cp_size == cp_size and mb.input_ids_cp_sharded.shape[1] * cp_size == mb.input_ids.shape[1]
         logits = forward_shared_prefix(model, mb)  # [1, T/C, V]
         lp = from_parallel_logits_to_logprobs_shared_prefix(logits, mb.input_ids, mb.shared_prefix, step.S, 0,
                                                             step.VOCAB, None, cp_group=cp_group)  # [B, S-1]

@@ -106,7 +106,7 @@ def test_the_record_packs_each_prompt_once_with_rollout_positions():
         assert params.max_seqlen_kv == ref_kv == kv.max_seqlen_kv  # exact: the slack is empty
         assert params.cu_seqlens_kv[-2] == params.cu_seqlens_kv[-1] == ref_kv and bool(kv.kv_valid.all())
         assert params.cu_seqlens_kv is kv.cu_seqlens_kv and params.cu_seqlens_q is kv.cu_seqlens_q
-        assert torch.equal(mb.shared_prefix.prefix.positions, torch.tensor(ref_pos))
+        assert torch.equal(mb.shared_prefix.info.prefix.rule.positions, torch.tensor(ref_pos))
 
 
 def test_one_host_read_per_microbatch():

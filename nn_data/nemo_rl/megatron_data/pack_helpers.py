@@ -158,11 +158,11 @@ def _get_pack_sequence_parameters_for_megatron(
     Raises :class:`~nn_data.errors.PackingError` when the
     per-sequence multiple is not a multiple of the minimum pad factor.
     """
-    layout = Parallelism.from_megatron_cfg(
+    parallelism = Parallelism.from_megatron_cfg(
         megatron_cfg, make_sequence_length_divisible_by=pad_individual_seqs_to_multiple_of)
-    pad_packed_seq_to_multiple_of = layout.packed_multiple
+    pad_packed_seq_to_multiple_of = parallelism.packed_multiple
     pad_packed_seq_to = None
-    if layout.pp > 1:
+    if parallelism.pp > 1:
         pad_packed_seq_to = _round_up_to_multiple(max_seq_len_in_batch, pad_packed_seq_to_multiple_of)
     return pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to
 

@@ -32,34 +32,12 @@ class TreeRecord(NamedTuple):
     shape per run: :func:`~nn_data.nemo_rl.megatron_data.tree_inputs.kv_capacity`); None under CP
     (TransformerEngine's CP splits keys and values as it splits the queries, which the buffer is not);
     ``kind``: the config key's spelling (``"shared-prefix"``: GRPO groups, ``cfg["nn_data"]["shared_prefix"]``;
-    ``"rollout-tree"``: ``cfg["nn_data"]["rollout_tree"]``). ``prefix`` (the attention's
-    :class:`~nn_data.masks.PrefixRule`), ``segment_ids``, ``query_index``, ``cp_size`` and ``cp_rank`` read
-    ``info``'s."""
+    ``"rollout-tree"``: ``cfg["nn_data"]["rollout_tree"]``)."""
 
     layout: TreeLayout
     info: object
     kv: Optional["TreeKV"] = None
     kind: str = "shared-prefix"
-
-    @property
-    def prefix(self):
-        return self.info.prefix.rule
-
-    @property
-    def segment_ids(self) -> torch.Tensor:
-        return self.info.segment_ids
-
-    @property
-    def query_index(self) -> torch.Tensor:
-        return self.info.query_index
-
-    @property
-    def cp_size(self) -> int:
-        return self.info.cp.size
-
-    @property
-    def cp_rank(self) -> int:
-        return self.info.cp.rank
 
 
 @dataclass

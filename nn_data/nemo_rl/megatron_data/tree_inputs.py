@@ -170,7 +170,7 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
     (``options.shared_prefix``, the depth-1 tree: the same kind of ``PackedForward``'s pipeline,
     ``TreeKind``): :class:`ProcessedInputs` with the packed ids ``input_ids [1, T]`` /
     ``input_ids_cp_sharded [1, T/C]``, ``position_ids [1, T/C]`` (rollout positions: a node continues from
-    its path), ``attention_mask`` None (the model call builds nn_data's mask from ``shared_prefix.prefix``),
+    its path), ``attention_mask`` None (the model call builds nn_data's mask from ``shared_prefix.info.prefix``),
     ``packed_seq_params`` (:func:`shared_prefix_params`), ``cu_seqlens_padded [N+1]`` (the node slots'),
     ``padding_mask [1, T/C]`` and ``shared_prefix`` (:class:`TreeRecord`). One host read (the layout
     builder's, covering every check: a parent after its child, ``branch_at`` past the parent, shared tokens
@@ -261,6 +261,7 @@ def shared_prefix_params(record: TreeRecord):
     shared = record.layout
     slots = shared.layout
     if record.kv is None:
-        return megatron.make_packed_seq_params(slots.cu_seqlens_padded, slots.host.max_seqlen, shared.total // record.cp_size,
-                                      total=shared.total)
+        return megatron.make_packed_seq_params(slots.cu_seqlens_padded, slots.host.max_seqlen,
+                                               shared.total // record.info.cp_size,
+                                               total=shared.total)
     return tree_packed_seq_params(record.kv)

@@ -70,11 +70,11 @@ def check_prefix_attention(model, record) -> None:
         other = ("; a variable-length kernel of the model's own runs it exactly on the record's key/value buffer "
                  "(microbatch.shared_prefix.kv.gather(key) / .gather(value) with microbatch.packed_seq_params, "
                  "bottom-right causal: docs/nemo-rl.md), never on the T packed keys")
-    elif record.cp_size == 1:
+    elif record.info.cp_size == 1:
         other = ("; the microbatch has no key/value buffer for a variable-length kernel: under pad_full_seq_to set "
                  "cfg['nn_data']['kv_capacity'] to the buffer's one length for the run (docs/nemo-rl.md)")
     else:
-        other = (f"; at cp_size={record.cp_size} there is no key/value buffer for a variable-length kernel "
+        other = (f"; at cp_size={record.info.cp_size} there is no key/value buffer for a variable-length kernel "
                  "(TransformerEngine's context parallelism splits keys and values as it splits the queries), so "
                  "nn_data's attention is the only way")
     raise PackingAssertionError(f"a {record.kind} microbatch needs nn_data's attention ({sees}, which the packed row "
@@ -130,11 +130,11 @@ def packed_info(record, microbatch, cp_group):
     from nn_data import GatherFromContextParallel
 
     size = 1 if cp_group is None else cp_group.size()
-    if size != record.cp_size:
-        raise PackingAssertionError(f"the microbatch was packed for cp_size={record.cp_size} but cp_group has {size} "
+    if size != record.info.cp_size:
+        raise PackingAssertionError(f"the microbatch was packed for cp_size={record.info.cp_size} but cp_group has {size} "
                                     "rank(s); pass the group it was sharded over (pg_collection.cp)")
     gather = None
-    if record.cp_size > 1:
+    if record.info.cp_size > 1:
         op = GatherFromContextParallel(cp_group, grad_mode="sum", validate=False, host_reads=False)  # keys/values: gradients sum
         gather = functools.partial(op, layout=record.layout.layout)  # [1, T/C, *] -> [1, T, *]
     return record.info.finished(gather=gather, packed_seq_params=microbatch.packed_seq_params,
