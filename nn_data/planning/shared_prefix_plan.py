@@ -32,27 +32,12 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import torch
 
 from nn_data.errors import PackingError
 from nn_data.layout import round_up
 from nn_data.planning.alignment import Parallelism
-from nn_data.planning.step import StepPlan, check_args, host_lengths, short_repr
+from nn_data.planning.step import StepPlan, check_args, host_ints, host_lengths
 from nn_data.planning.tree_plan import plan_trees
-
-
-def host_group_ids(group_ids, n: int) -> np.ndarray:
-    """``group_ids`` (a list, tuple, numpy array or tensor of ``n`` ints; any value) as int64 numpy;
-    :class:`PackingError` naming the argument otherwise."""
-    if isinstance(group_ids, torch.Tensor):
-        group_ids = group_ids.tolist()  # sync: the planner runs on the host, once per step
-    arr = np.asarray(group_ids)
-    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)) or arr.dtype == np.bool_:
-        raise PackingError(f"group_ids={short_repr(group_ids)} is invalid; expected a 1-D "
-                           "sequence of ints, one per rollout (rollouts of one group share its id)")
-    if arr.size != n:
-        raise PackingError(f"group_ids has {arr.size} entries for {n} rollouts (lengths); expected one per rollout")
-    return arr.astype(np.int64)
 
 
 def check_groups(lengths: np.ndarray, prefix_lengths: np.ndarray, group_ids: np.ndarray, *, multiple: int,
@@ -110,7 +95,12 @@ def plan_step_shared_prefix(lengths, parallelism: Parallelism, *, group_ids, pre
     check_args(parallelism, balance, hidden_size, microbatches_per_rank)
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
-    prefix, ids = host_lengths(prefix_lengths, "prefix_lengths"), host_group_ids(group_ids, arr.size)
+    prefix = host_lengths(prefix_lengths, "prefix_lengths")
+    ids = host_ints(group_ids, "group_ids", "a 1-D sequence of ints, one per rollout (rollouts of one group share "
+                    "its id)").astype(np.int64)
+    if ids.size != arr.size:
+        raise PackingError(f"group_ids has {ids.size} entries for {arr.size} rollouts (lengths); expected one per "
+                           "rollout")
     leader = check_groups(arr, prefix, ids, multiple=parallelism.pad_multiple, total=total)
     star = (leader != np.arange(arr.size)) & (prefix > 0)  # [n] a follower shares its leader's prompt
     parent, branch_at = np.where(star, leader, -1), np.where(star, prefix, 0)  # the depth-1 tree

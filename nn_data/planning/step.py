@@ -128,15 +128,21 @@ def imbalance_bound(work, ranks: int) -> float:
     return max(1.0, float(windows.max()) / mean)
 
 
+def host_ints(values, name: str, expected: str = "a 1-D sequence of ints, one per rollout") -> np.ndarray:
+    """``values`` (a list, tuple, numpy array or tensor of ints) as a 1-D numpy array of their own dtype;
+    :class:`PackingError` naming ``name``, the value and ``expected`` otherwise (nothing is rounded)."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()  # sync: the planner runs on the host, once per step
+    arr = np.asarray(values)
+    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)) or arr.dtype == np.bool_:
+        raise PackingError(f"{name}={short_repr(values)} is invalid; expected {expected}")
+    return arr
+
+
 def host_lengths(lengths, name: str = "lengths") -> np.ndarray:
     """``lengths`` (a list, tuple, numpy array or tensor of ints >= 0) as a 1-D int64 numpy array;
     :class:`PackingError` naming ``name`` and the first bad entry otherwise (nothing is rounded)."""
-    if isinstance(lengths, torch.Tensor):
-        lengths = lengths.tolist()  # sync: the planner runs on the host, once per step
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)) or arr.dtype == np.bool_:
-        raise PackingError(f"{name}={short_repr(lengths)} is invalid; expected a 1-D sequence of ints >= 0 "
-                           "(nothing is rounded or truncated)")
+    arr = host_ints(lengths, name, "a 1-D sequence of ints >= 0 (nothing is rounded or truncated)")
     big = np.flatnonzero(arr > INT32_MAX)  # compared in the given dtype: an unsigned 2**63 does not wrap
     if big.size:
         i = int(big[0])

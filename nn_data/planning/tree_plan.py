@@ -43,12 +43,11 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import torch
 
 from nn_data.errors import PackingError
 from nn_data.layout import round_up
 from nn_data.planning.alignment import Parallelism
-from nn_data.planning.step import StepPlan, check_args, host_lengths, imbalance_bound, place
+from nn_data.planning.step import StepPlan, check_args, host_ints, host_lengths, imbalance_bound, place
 
 #: ``shared_tokens``' diagonal: a rollout shares every token with itself (above any length).
 EVERY = np.iinfo(np.int64).max
@@ -327,17 +326,6 @@ def plan_trees(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, p
                     imbalance_bound=imbalance_bound(work, parallelism.dp))
 
 
-def host_ints(values, name: str) -> np.ndarray:
-    """``values`` (a list, tuple, numpy array or tensor of ints) as 1-D int64 numpy; :class:`PackingError`
-    naming ``name`` otherwise."""
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()  # sync: the planner runs on the host, once per step
-    arr = np.asarray(values)
-    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)) or arr.dtype == np.bool_:
-        raise PackingError(f"{name} is invalid; expected a 1-D sequence of ints, one per rollout")
-    return arr.astype(np.int64)
-
-
 def check_tree(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray) -> None:
     """The tree's fields (one int per rollout; a parent earlier, a branch point as ``tree_layout`` takes)."""
     n = lengths.size
@@ -370,7 +358,7 @@ def plan_step_rollout_tree(lengths, parallelism: Parallelism, *, parent, branch_
     check_args(parallelism, balance, hidden_size, microbatches_per_rank)
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
-    up, at = host_ints(parent, "parent"), host_ints(branch_at, "branch_at")
+    up, at = host_ints(parent, "parent").astype(np.int64), host_ints(branch_at, "branch_at").astype(np.int64)
     check_tree(arr, up, at)
     m = parallelism.pad_multiple
     long = np.flatnonzero(round_up(arr, m) > total)

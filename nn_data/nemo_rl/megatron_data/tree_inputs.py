@@ -255,7 +255,7 @@ def shared_prefix_params(record: TreeRecord):
     them (no boundaries over ``T`` keys can be exact: a node's path keys are not next to it in the row). Under CP
     (whose keys and values TransformerEngine would split as the queries): the slots' padded boundaries
     (``max_seqlen`` the longest slot, ``total_tokens = T/C``), for nn_data's attention, which reads neither (it
-    takes the prefix rule: ``shared_prefix_model``)."""
+    takes the prefix rule: ``tree_model``)."""
     from nn_data.adapters.tree_kv import tree_packed_seq_params
 
     shared = record.layout
