@@ -43,8 +43,8 @@ def announce(what: str) -> None:
     is not taken for a hang: every compile nn_data starts itself (``PackedForward(compile_packing=True)``'s
     sides, dynamic CP's rounds, the flex mask) is announced once, here.
 
-    Example: ``announce("PackedForward's packing side of a shared-prefix microbatch")`` prints
-    ``nn_data: compiling PackedForward's packing side of a shared-prefix microbatch on its first call ...``.
+    Example: ``announce("PackedForward's packing side of a rollout-tree microbatch")`` prints
+    ``nn_data: compiling PackedForward's packing side of a rollout-tree microbatch on its first call ...``.
     """
     print(f"nn_data: compiling {what} on its first call (seconds to minutes; nn_data.compile_cache keeps the "
           "work for the next process)", file=sys.stderr, flush=True)

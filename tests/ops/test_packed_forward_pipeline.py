@@ -134,7 +134,7 @@ def test_compiled_shared_prefix_logprobs_without_vocab_rows_and_the_first_compil
             want = _token_logprobs(eager(ids, lens, prefix_lengths=pre, group_ids=gid), ids, lens)
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
         if step == 0:
-            assert "compiling PackedForward's packing side of a shared-prefix microbatch" in announced, announced
+            assert "compiling PackedForward's packing side of a rollout-tree microbatch" in announced, announced
         else:
             assert "compiling" not in announced, announced
     torch._dynamo.reset()
