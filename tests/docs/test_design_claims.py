@@ -417,6 +417,14 @@ def test_the_architecture_section_comes_first():
     assert HEADINGS[0] == "Architecture" and _section("Architecture").count("```") == 2, HEADINGS[:2]
 
 
+@pytest.mark.parametrize("page", [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"], ids=lambda p: p.name)
+def test_no_docs_page_holds_a_dated_figure(page):
+    """A measurement with its date (and its machine and load) lives on its subject's page in profiling/results/;
+    a docs page states the fact and links there."""
+    dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", page.read_text())
+    assert dates == [], f"{page.name}: move the figures of {dates} to profiling/results/<subject>.md"
+
+
 @pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
 def test_no_table_row_of_a_docs_page_is_over_400_characters(page):
     long = [(n, len(line)) for n, line in enumerate(page.read_text().splitlines(), 1)
