@@ -1,18 +1,21 @@
-"""The 0.1.x import paths of modules that moved (CHANGELOG.md, "One home for the NeMo-RL drop-in"), kept
-working with a ``DeprecationWarning`` once per old path.
+"""The one home of 0.1.x compatibility: :data:`MOVED`, every released name that moved -> its home, and the stubs
+that keep each old name working with one ``DeprecationWarning`` per old name and process.
 
-:data:`OLD_PATHS` is the one table of the released (0.1.x) module paths and their homes, :data:`OLD_NAMES`
-that of the 0.1.x attributes whose home moved. Names that only ever existed between releases have no alias.
-An old path has no file of its own. Each old path is the *same module object* as its home, for the package
-and every submodule below it, imported yet or not: :class:`AliasFinder` (first on ``sys.meta_path``) maps
-``old.sub`` to ``new.sub`` before Python's path finder could load ``new``'s file a second time under the old
-name. So ``mock.patch("nn_data.megatron_data.X")`` patches what the functions call, and every class is one
-class under both names. The first import through an old path (or the first use of an old name) warns.
+A row's old name is one of four kinds, told apart by its spelling:
 
-Example: ``import nn_data.megatron_data.iterators`` -> ``nn_data.nemo_rl.megatron_data.iterators`` (the longest
-old prefix, ``nn_data.megatron_data``, replaced by its home), warning once that ``nn_data.megatron_data`` is
-now ``nn_data.nemo_rl.megatron_data``; ``nn_data.megatron_data.batched_data_sharding`` ->
-``nn_data.nemo_rl.batched_data_sharding`` (its own row).
+* ``nn_data.model_utils``, a module path: it (and every submodule below it, imported yet or not) imports as the
+  *very module* of its home, so ``mock.patch("nn_data.megatron_data.X")`` patches what the functions call. A
+  module ``__getattr__`` cannot answer ``import a.b``, and a shim file would load the home's submodules a second
+  time under the old name: :class:`AliasFinder`, first on ``sys.meta_path``, maps ``old.sub`` to ``new.sub``
+  (the longest old prefix replaced). Example: ``import nn_data.megatron_data.iterators`` ->
+  ``nn_data.nemo_rl.megatron_data.iterators``.
+* ``module:Name``, an attribute of a module that stayed: the module sets
+  ``__getattr__ = moved_attribute(__name__)``.
+* ``module:Class.method``, a renamed method: the class sets ``method = renamed_method("module:Class.method")``.
+* ``module:function(keyword=)``, a renamed keyword: the function calls :func:`warn_moved` when it is given.
+
+Names that only existed between releases have no row. The warning is attributed to the caller's line (the first
+frame outside nn_data and the import machinery), where Python's default filters show it.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import importlib.util
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
-#: Every 0.1.x module path that moved -> the module it is now.
-OLD_PATHS = {
+#: Every 0.1.x name that moved -> its home (the module docstring says how each kind is spelled and served).
+MOVED = {
     "nn_data.megatron_data": "nn_data.nemo_rl.megatron_data",
     "nn_data.megatron_data.pack": "nn_data.nemo_rl.megatron_data.pack_helpers",
     "nn_data.megatron_data.batched_data_sharding": "nn_data.nemo_rl.batched_data_sharding",
@@ -35,27 +38,37 @@ OLD_PATHS = {
     "nn_data.batched_data_dict": "nn_data.nemo_rl.batched_data_dict",
     "nn_data.models.masks": "nn_data.masks",
     "nn_data.sampling": "nn_data.logprobs.filters",
+    "nn_data.sampling:TrainingSamplingParams": "nn_data.nemo_rl.sampling:TrainingSamplingParams",
+    "nn_data.planning:ParallelLayout": "nn_data.planning:Parallelism",
+    "nn_data.planning:Parallelism.check_packed_length": "nn_data.planning:Parallelism.check_fixed_total",
+    "nn_data.planning:Parallelism.round_packed_length": "nn_data.planning:Parallelism.round_fixed_total",
+    "nn_data.megatron_parallel:make_packed_seq_params(packed_length=)":
+        "nn_data.megatron_parallel:make_packed_seq_params(total=)",
+    **{f"nn_data.megatron_parallel:{name}": f"nn_data.groups:{name}" for name in (
+        "ParallelInfo", "SINGLE", "group_info", "context_parallel_info", "tensor_parallel_info", "megatron_state")},
 }
 
-#: Every 0.1.x attribute that moved where its module stayed -> the object's home.
-OLD_NAMES = {
-    "nn_data.sampling.TrainingSamplingParams": "nn_data.nemo_rl.sampling.TrainingSamplingParams",
-}
+#: The module paths among :data:`MOVED` (no ``:`` in the old name).
+MODULE_PATHS = {old: new for old, new in MOVED.items() if ":" not in old}
 
 _WARNED: set = set()
 
 
-def _warn_once(old: str, home: str) -> None:
-    """One ``DeprecationWarning`` per old path or name and process, attributed to the caller's line (the first
-    frame outside nn_data and the import machinery, so Python's default filters show it there)."""
+def _dotted(name: str) -> str:
+    return name.replace(":", ".")
+
+
+def warn_moved(old: str) -> None:
+    """One ``DeprecationWarning`` per process for the row ``old`` of :data:`MOVED`, at the caller's line."""
     if old not in _WARNED:
         _WARNED.add(old)
-        warnings.warn(f"{old} is the 0.1.x path of {home}; import {home} (CHANGELOG.md)", DeprecationWarning,
+        home = _dotted(MOVED[old])
+        warnings.warn(f"{_dotted(old)} is the 0.1.x name of {home}; use {home} (CHANGELOG.md)", DeprecationWarning,
                       stacklevel=_caller_level())
 
 
 def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame above :func:`_warn_once` that is neither nn_data's nor importlib's."""
+    """The ``stacklevel`` of the first frame above :func:`warn_moved` that is neither nn_data's nor importlib's."""
     package = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(2), 2
     while frame is not None:
@@ -69,16 +82,47 @@ def _caller_level() -> int:
     return 2
 
 
+def moved_attribute(module: str) -> Callable[[str], object]:
+    """The ``__getattr__`` of ``module``: its rows ``module:Name`` of :data:`MOVED`, as the home's object."""
+
+    def __getattr__(name: str):
+        old = f"{module}:{name}"
+        if old not in MOVED:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warn_moved(old)
+        where, _, attr = MOVED[old].partition(":")
+        return getattr(importlib.import_module(where), attr)
+
+    return __getattr__
+
+
+def renamed_method(old: str) -> Callable:
+    """The stub of the renamed method ``old`` (``module:Class.method``): it warns and calls the new method."""
+    new = MOVED[old].rpartition(".")[2]
+
+    def stub(self, *args, **kwargs):
+        warn_moved(old)
+        return getattr(self, new)(*args, **kwargs)
+
+    stub.__name__, stub.__doc__ = old.rpartition(".")[2], f"The 0.1.x name of :meth:`{new}` (warns once)."
+    return stub
+
+
 def home_of(name: str) -> Optional[str]:
-    """The home of the module path ``name`` (its longest old prefix replaced, until no old prefix is left),
-    or None if it is no old path."""
+    """The home of the module path ``name`` (its longest old prefix replaced, until no old prefix is left), or
+    None if it is no old path."""
     home = None
     while True:
-        prefixes = [old for old in OLD_PATHS if name == old or name.startswith(old + ".")]
-        if not prefixes:
+        old = _row(name)
+        if old is None:
             return home
-        old = max(prefixes, key=len)
-        name = home = OLD_PATHS[old] + name[len(old):]
+        name = home = MODULE_PATHS[old] + name[len(old):]
+
+
+def _row(name: str) -> Optional[str]:
+    """The longest old module path that ``name`` is or lies below, None if none."""
+    rows = [old for old in MODULE_PATHS if name == old or name.startswith(old + ".")]
+    return max(rows, key=len) if rows else None
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -95,14 +139,13 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class AliasFinder(importlib.abc.MetaPathFinder):
-    """Finds every old path (and anything below one) as its home (:func:`home_of`)."""
+    """Finds every old module path (and anything below one) as its home (:func:`home_of`)."""
 
     def find_spec(self, fullname, path=None, target=None):
         home = home_of(fullname)
         if home is None or not _exists(home):  # no such home: Python's own "No module named <old>"
             return None
-        row = max((old for old in OLD_PATHS if fullname == old or fullname.startswith(old + ".")), key=len)
-        _warn_once(row, OLD_PATHS[row])
+        warn_moved(_row(fullname))
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(home), is_package=False)
 
 
@@ -113,19 +156,5 @@ def _exists(name: str) -> bool:
         return False
 
 
-def _install() -> None:
-    if not any(isinstance(finder, AliasFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, AliasFinder())
-
-
-def old_name(module: str, name: str):
-    """``module.name`` for an attribute of :data:`OLD_NAMES` (a module's ``__getattr__`` calls this)."""
-    home = OLD_NAMES.get(f"{module}.{name}")
-    if home is None:
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    _warn_once(f"{module}.{name}", home)
-    where, _, attr = home.rpartition(".")
-    return getattr(importlib.import_module(where), attr)
-
-
-_install()
+if not any(isinstance(finder, AliasFinder) for finder in sys.meta_path):
+    sys.meta_path.insert(0, AliasFinder())

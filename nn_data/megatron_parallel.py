@@ -26,18 +26,9 @@ import torch
 import torch.distributed as dist
 
 from nn_data import groups as _groups
+from nn_data._alias import moved_attribute, warn_moved
 
-_MOVED_TO_GROUPS = ("ParallelInfo", "SINGLE", "group_info", "context_parallel_info", "tensor_parallel_info",
-                    "megatron_state")
-
-
-def __getattr__(name: str) -> Any:
-    """The process-group names that lived here before :mod:`nn_data.groups` (0.1.x), with a warning."""
-    if name in _MOVED_TO_GROUPS:
-        warnings.warn(f"nn_data.megatron_parallel.{name} moved to nn_data.groups.{name}", DeprecationWarning,
-                      stacklevel=2)
-        return getattr(_groups, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_attribute(__name__)  # the process-group names now in nn_data.groups (nn_data._alias)
 
 
 #: What to do when megatron-core is missing (the ``megatron`` extra of pyproject.toml).
@@ -138,8 +129,7 @@ def make_packed_seq_params(
     exist and stay unset (fields are detected, never assumed).
     """
     if packed_length is not None:
-        warnings.warn("make_packed_seq_params(packed_length=) is deprecated (0.2.0); pass total= (the layout's T)",
-                      DeprecationWarning, stacklevel=2)
+        warn_moved("nn_data.megatron_parallel:make_packed_seq_params(packed_length=)")
         total = packed_length if total is None else total
     if pg_collection is not None:  # cp_group alone is stored as given
         cp_group = _groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp").group

@@ -14,7 +14,7 @@
   :class:`TreeLogProbsFromHidden`, per rollout of a shared-prefix microbatch.
 
 The NeMo-RL functions (:mod:`nn_data.nemo_rl.model_utils`, :mod:`nn_data.nemo_rl.linear_ce`) call these. The
-0.1.x path ``nn_data.sampling`` is :mod:`~nn_data.logprobs.filters` (``nn_data._alias.OLD_PATHS``, with a warning).
+0.1.x path ``nn_data.sampling`` is :mod:`~nn_data.logprobs.filters` (``nn_data._alias.MOVED``, with a warning).
 """
 
 from __future__ import annotations

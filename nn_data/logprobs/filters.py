@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from nn_data._alias import moved_attribute
 from nn_data.cp_comm import all_gather_dim0, all_to_all_dim0
 
 
@@ -87,9 +88,4 @@ def vocab_parallel_thresholds(local: torch.Tensor, filt: SamplingFilter, group, 
     return all_gather_dim0(row_thresholds(full, filt), group)[:rows]  # [TP*M] -> [c]
 
 
-def __getattr__(name: str):
-    """The 0.1.x names of this module (``nn_data.sampling``, its old path) that moved (``nn_data._alias.OLD_NAMES``:
-    ``TrainingSamplingParams``, now :class:`nn_data.nemo_rl.sampling.TrainingSamplingParams`), resolved on first use."""
-    from nn_data._alias import old_name
-
-    return old_name("nn_data.sampling", name)
+__getattr__ = moved_attribute("nn_data.sampling")  # this module's 0.1.x path and its moved names

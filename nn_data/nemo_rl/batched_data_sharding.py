@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.nemo_rl.megatron_data.options import FIND, rollout_tree_keys, shared_prefix_keys
+from nn_data.nemo_rl.megatron_data.options import FIND, refuse_unknown_keys, rollout_tree_keys, shared_prefix_keys
 from nn_data.planning import (
     Parallelism, RolloutTree, find_rollout_tree, plan_step, plan_step_rollout_tree, plan_step_shared_prefix, subtree,
 )
@@ -31,6 +31,13 @@ from nn_data.layout import round_up
 # nn_data's work-balanced plan (nn_data.planning.plan_step).
 PACKING_ALGORITHMS = ("concatenative", "first_fit_decreasing", "first_fit_shuffle", "modified_first_fit_decreasing",
                       "nn_data_balanced")
+
+# sequence_packing_args: NeMo-RL's keys (its SequencePackingArgs), then nn_data's (read by "nn_data_balanced";
+# "shared_prefix" / "rollout_tree" carry cfg["nn_data"]'s spellings to the planner). Any other key is refused.
+NEMO_RL_PACKING_KEYS = ("max_tokens_per_microbatch", "input_key", "input_lengths_key", "algorithm",
+                        "sequence_length_pad_multiple", "microbatch_order")
+NN_DATA_PACKING_KEYS = ("parallelism", "balance", "hidden_size", "microbatches_per_rank", "shared_prefix",
+                        "rollout_tree")
 
 
 def round_up_lengths(lengths: Sequence[int], multiple: int) -> np.ndarray:
@@ -239,6 +246,7 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
     packer names plan as NeMo-RL does (``balance="nemo-rl"``: first-fit-decreasing bins of padded
     lengths, the count raised to at least ``shards`` and a multiple of it, dealt round-robin);
     ``"nn_data_balanced"`` plans with work balanced across the shards (:func:`_packing_layout`)."""
+    refuse_unknown_keys(args, NEMO_RL_PACKING_KEYS + NN_DATA_PACKING_KEYS, "sequence_packing_args")
     order_mode = args.get("microbatch_order")
     if order_mode not in (None, "packer", "largest_first"):
         raise PackingAssertionError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', got {order_mode!r}")
@@ -378,6 +386,11 @@ def _packing_layout(args: dict, shards: int):
     multiple becomes ``sequence_length_pad_multiple``)."""
     multiple = args["sequence_length_pad_multiple"]
     if args["algorithm"] != "nn_data_balanced":
+        ignored = [key for key in NN_DATA_PACKING_KEYS[:4] if args.get(key) is not None]
+        if ignored:
+            raise PackingAssertionError(f"sequence_packing_args[{ignored[0]!r}] is read by nn_data's planner only; set "
+                                        f"sequence_packing_args['algorithm']='nn_data_balanced' (got "
+                                        f"{args['algorithm']!r}) or drop {ignored[0]!r}")
         return Parallelism(dp=shards, make_sequence_length_divisible_by=multiple), {"balance": "nemo-rl"}
     key, parallelism = "parallelism", args.get("parallelism")
     if parallelism is None:

@@ -28,6 +28,7 @@
 Host-side planning: numpy and Python ints, no tensor op, no megatron-core.
 """
 
+from nn_data._alias import moved_attribute
 from nn_data.planning.alignment import INT32_MAX, Parallelism
 from nn_data.planning.cp_cost import AttentionOnlyCost, CPCost
 from nn_data.planning.dynamic_cp_plan import CPBlock, DynamicCPPlan, plan_step_dynamic_cp
@@ -40,12 +41,4 @@ __all__ = ["AttentionOnlyCost", "BALANCE_MODES", "CPBlock", "CPCost", "DynamicCP
            "RolloutTree", "StepPlan", "find_rollout_tree", "plan_step_rollout_tree", "subtree", "evaluate_plan", "plan_step", "plan_step_dynamic_cp", "plan_step_shared_prefix", "sequence_work"]
 
 
-def __getattr__(name: str):
-    """``ParallelLayout``, the 0.1.x name of :class:`Parallelism`, with a warning (CHANGELOG.md)."""
-    if name == "ParallelLayout":
-        import warnings
-
-        warnings.warn("nn_data.planning.ParallelLayout is deprecated (0.2.0); use nn_data.planning.Parallelism",
-                      DeprecationWarning, stacklevel=2)
-        return Parallelism
-    raise AttributeError(f"module 'nn_data.planning' has no attribute {name!r}")
+__getattr__ = moved_attribute(__name__)  # ParallelLayout, the 0.1.x name of Parallelism (nn_data._alias)

@@ -24,18 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any, Mapping, Optional
 
+from nn_data._alias import renamed_method
 from nn_data.layout import round_up
 from nn_data.layout.internal import INT32_MAX, checks
 from nn_data.errors import PackingError
 
 _RECIPE_DIVISORS = {"blockwise": 128, "mxfp8": 32}  # any other FP8 recipe: 16 (NeMo-RL's rule)
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"Parallelism.{old} is deprecated (0.2.0); use Parallelism.{new}", DeprecationWarning, stacklevel=3)
 
 
 def _positive(name: str, value) -> int:
@@ -144,15 +140,8 @@ class Parallelism:
             )
         return value
 
-    def check_packed_length(self, value, name: str = "pad_full_seq_to") -> int:
-        """0.1.x name of :meth:`check_fixed_total` (warns)."""
-        _deprecated("check_packed_length", "check_fixed_total")
-        return self.check_fixed_total(value, name)
-
-    def round_packed_length(self, tokens: int) -> int:
-        """0.1.x name of :meth:`round_fixed_total` (warns)."""
-        _deprecated("round_packed_length", "round_fixed_total")
-        return self.round_fixed_total(tokens)
+    check_packed_length = renamed_method("nn_data.planning:Parallelism.check_packed_length")
+    round_packed_length = renamed_method("nn_data.planning:Parallelism.round_packed_length")
 
     def round_fixed_total(self, tokens: int) -> int:
         """The smallest valid fixed packed length that holds ``tokens``: ``round_up(tokens, total_multiple)``."""

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tests.support.hypothesis_profiles import examples
 from nn_data.nemo_rl.batched_data_dict import BatchedDataDict, SlicedDataDict
+from nn_data.planning import Parallelism
 from nn_data.planning.ffd import adjust_bin_count, ffd_ties_last
 from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data import get_microbatch_iterator
@@ -144,6 +145,33 @@ def test_bin_count_is_raised_to_a_multiple_of_the_shards():
 def test_packing_errors(args, match):
     with pytest.raises(PackingError, match=match):
         _data([9, 1, 5, 2]).shard_by_batch_size(2, sequence_packing_args=args)
+
+
+@pytest.mark.parametrize("key, near", [("paralelism", "parallelism"), ("parallel_layout", "parallelism"),
+                                       ("rolout_tree", "rollout_tree"), ("balancing", "balance")])
+def test_an_unknown_packing_key_is_refused_naming_the_nearest(key, near):
+    """A misspelling or the old spelling of one of nn_data's keys would plan without it (no CP alignment)."""
+    args = _pack_args(algorithm="nn_data_balanced", **{key: None})
+    with pytest.raises(PackingError, match=rf"sequence_packing_args has an unknown key '{key}' \(did you mean "
+                                           rf"'{near}'\?\); valid keys: \[.*'sequence_length_pad_multiple'"):
+        _data([9, 1, 5, 2]).shard_by_batch_size(2, sequence_packing_args=args)
+
+
+def test_an_unknown_packing_key_far_from_every_key_names_the_valid_ones():
+    with pytest.raises(PackingError, match=r"unknown key 'zzz'; valid keys: \['algorithm', 'balance'"):
+        _data([9, 1, 5, 2]).shard_by_batch_size(2, sequence_packing_args=_pack_args(zzz=1))
+
+
+def test_nemo_rls_packing_keys_pass_untouched_and_nn_datas_need_its_planner():
+    """Every NeMo-RL key (``microbatch_order`` included) plans as before; an nn_data key under a NeMo-RL packer,
+    which would ignore it, is refused naming the packer to choose."""
+    data = _data([9, 1, 5, 2, 7, 3, 4, 12])
+    args = _pack_args(microbatch_order="packer")
+    shards, order = data.shard_by_batch_size(2, batch_size=4, sequence_packing_args=args)
+    assert order == [0, 3, 7, 6, 2, 1, 4, 5] and args == _pack_args(microbatch_order="packer")  # not rewritten
+    with pytest.raises(PackingError, match=r"sequence_packing_args\['parallelism'\] is read by nn_data's planner "
+                                           r"only; set sequence_packing_args\['algorithm'\]='nn_data_balanced'"):
+        data.shard_by_batch_size(2, batch_size=4, sequence_packing_args=_pack_args(parallelism=Parallelism(dp=2)))
 
 
 @settings(max_examples=examples(40), deadline=None)

@@ -104,10 +104,26 @@ def test_cfg_nn_data_section_becomes_pack_options(monkeypatch):
     it, *_ = get_microbatch_iterator(planned, cfg, 1, None)
     assert [mb.input_ids.shape[1] for mb in it] == [32, 32, 32]  # every T rounded up to the 32 bucket
     assert captured[0] == PackOptions(buckets=(32, 64))
-    with pytest.raises(PackingError, match=r"cfg\['nn_data'\] has unknown keys \['compiled'\]"):
-        PackOptions.from_cfg({"nn_data": {"compiled": True}})
     with pytest.raises(PackingError, match=r"buckets='auto' is invalid"):
         PackOptions(buckets="auto")
+
+
+@pytest.mark.parametrize("key, near", [("compiled", "compile"), ("rollout_trees", "rollout_tree"),
+                                       ("kv_capcity", "kv_capacity"), ("pad_full_seq", "pad_full_seq_to")])
+def test_an_unknown_nn_data_key_is_refused_naming_the_nearest(key, near):
+    with pytest.raises(PackingError, match=rf"cfg\['nn_data'\] has an unknown key '{key}' \(did you mean '{near}'\?\);"
+                                           r" valid keys: \['backend', 'buckets', 'compile', 'device', "):
+        PackOptions.from_cfg({"nn_data": {"device": "cpu", key: 1}})
+
+
+def test_nemo_rls_own_cfg_keys_pass_untouched():
+    """Only ``cfg["nn_data"]`` is nn_data's: the rest of NeMo-RL's policy config is read as NeMo-RL reads it."""
+    planned, _ = _data().plan_sequence_packing(16, sequence_length_pad_multiple=4)
+    cfg = _cfg(packing=True, nn_data={"device": "cpu"})
+    cfg["a_key_only_nemo_rl_knows"] = {"anything": 1}
+    cfg["sequence_packing"]["another_one"] = 2
+    it, *_ = get_microbatch_iterator(planned, cfg, 1, None)
+    assert len(list(it)) == 3 and PackOptions.from_cfg(cfg) == PackOptions() == PackOptions.from_cfg({})
 
 
 class LossType(enum.Enum):

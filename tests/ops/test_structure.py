@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from nn_data._alias import MODULE_PATHS
+
 ROOT = Path(__file__).resolve().parents[1]
 while not (ROOT / "pyproject.toml").exists():  # this file may live one folder deeper
     ROOT = ROOT.parent
@@ -55,18 +57,9 @@ MODULES = {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
 # Every import, TYPE_CHECKING blocks included: an annotation-only import is a dependency too.
 ALL_IMPORTS = {_module_name(p): _imports(p, annotations=True) for p in PKG.rglob("*.py")}
 # The drop-in's home and the old paths that alias it (nn_data._alias makes each old path the new module):
-# the rows of nn_data._alias.OLD_PATHS (read from its source) whose home is in the drop-in.
+# the module-path rows of nn_data._alias.MOVED whose home is in the drop-in.
 DROP_IN = "nn_data.nemo_rl"
-
-
-def _alias_table() -> dict:
-    tree = ast.parse((PKG / "_alias.py").read_text())
-    (table,) = [node.value for node in tree.body if isinstance(node, ast.AnnAssign | ast.Assign)
-                and ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target) == "OLD_PATHS"]
-    return ast.literal_eval(table)
-
-
-ALIASES = _alias_table()
+ALIASES = MODULE_PATHS
 OLD_PATHS = {old: new for old, new in ALIASES.items() if new.startswith(DROP_IN + ".")}
 
 
@@ -213,13 +206,14 @@ def test_nothing_edits_sys_path_or_cites_files_outside_the_repository():
 PLANNING = sorted(m for m in MODULES if m == "nn_data.planning" or m.startswith("nn_data.planning."))
 PLANNING_NAMES = {"nn_data.layout", "nn_data.layout.round_up", "nn_data.layout.internal",
                   "nn_data.layout.internal.INT32_MAX", "nn_data.layout.internal.checks", "nn_data.errors",
-                  "nn_data.errors.PackingError"}
+                  "nn_data.errors.PackingError", "nn_data._alias", "nn_data._alias.moved_attribute",
+                  "nn_data._alias.renamed_method"}  # the last three: its 0.1.x names (nn_data._alias imports no nn_data)
 
 
 @pytest.mark.parametrize("module", PLANNING)
 def test_the_step_planner_is_host_code_on_the_layout_rules_alone(module):
     """nn_data.planning plans on the host: within nn_data it uses the layout's rounding, int32 limit and
-    fixed-length check (through nn_data.layout's doors) and the error class, nothing of the ops, the
+    fixed-length check (through nn_data.layout's doors), the error class and the 0.1.x stubs, nothing of the ops, the
     NeMo-RL drop-in or megatron-core."""
     inner = {i for i in MODULES[module] if i.startswith("nn_data") and not i.startswith("nn_data.planning")}
     assert inner <= PLANNING_NAMES, inner - PLANNING_NAMES

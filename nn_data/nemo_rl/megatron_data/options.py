@@ -11,6 +11,7 @@ checked against the size), keeping the caller's spelling of the fixed packed len
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -195,12 +196,21 @@ class PackOptions:
     def from_cfg(cls, cfg: Optional[dict]) -> "PackOptions":
         """``PackOptions(**cfg["nn_data"])`` minus ``device`` (the iterators' key); defaults when absent."""
         section = dict((cfg or {}).get("nn_data") or {})
+        refuse_unknown_keys(section, [*(f.name for f in dataclasses.fields(cls)), "device"], "cfg['nn_data']")
         section.pop("device", None)
-        unknown = set(section) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise PackingAssertionError(f"cfg['nn_data'] has unknown keys {sorted(unknown)}; valid keys are "
-                                        f"{sorted(f.name for f in dataclasses.fields(cls))} and 'device'")
         return cls(**section)
+
+
+def refuse_unknown_keys(given: Mapping, valid: Sequence[str], where: str) -> None:
+    """:class:`PackingError` for the first key of ``given`` outside ``valid``, naming it, the nearest valid key
+    (a misspelling or an old spelling would otherwise be ignored: the run goes on without the option) and the
+    valid keys. Example: ``{"paralelism": p}`` in ``sequence_packing_args`` -> ``"sequence_packing_args has an
+    unknown key 'paralelism' (did you mean 'parallelism'?); valid keys: [...]"``."""
+    for key in given:
+        if key not in valid:
+            near = difflib.get_close_matches(str(key), list(valid), n=1, cutoff=0.6)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise PackingAssertionError(f"{where} has an unknown key {key!r}{hint}; valid keys: {sorted(valid)}")
 
 
 def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp_size: int, name: str) -> PackSpec:
