@@ -318,14 +318,16 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
         op = OP if group_checks is None else "shared_prefix_layout"
         if validate:
             real = torch.arange(rows, device=lengths.device) < (rows if num_rows is None else num_rows)  # [B]
-            checks.lengths_device(op, lengths, row_len, num_rows)
+            found = _checks.DeviceChecks()  # one check on the device for the microbatch's checks
+            checks.lengths_device(op, lengths, row_len, num_rows, into=found)
             if group_checks is not None:
                 prefix, _, leader, mismatch = group_checks
-                checks.prefix_lengths_device(op, lengths, prefix, leader, mismatch, real)
+                checks.prefix_lengths_device(op, lengths, prefix, leader, mismatch, real, into=found)
             else:
                 checks.tree_device(op, lengths, tree_checks[1], branch_at, tree_checks[0], real, nodes.used,
-                                   capacity)
-            checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to")
+                                   capacity, into=found)
+            checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to", into=found)
+            found.check()
         layout = layout_from_lengths(slot_lengths, row_len, spec, num_rows=slot_rows, validate=validate,
                                      host_reads=False, op=op)
     seg = layout.segment_ids()  # [T]

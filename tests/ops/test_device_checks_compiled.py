@@ -56,6 +56,46 @@ def test_eager_device_assert_raises_the_message_and_reduces_to_one_flag():
     _checks.device_assert(torch.zeros(0, dtype=torch.bool), "nn_data.test: never")  # no element: holds
 
 
+def test_the_checks_of_a_call_are_one_check_naming_the_first_that_failed():
+    found = _checks.DeviceChecks()
+    found.add(torch.tensor([True, True]), "nn_data.test: first")
+    found.add(torch.tensor(False), "nn_data.test: second")
+    found.add(torch.tensor(False), "nn_data.test: third")
+    with pytest.raises(RuntimeError, match=r"^nn_data.test: second$"):
+        found.check()
+    _checks.DeviceChecks().check()  # no check: nothing runs
+
+
+@pytest.mark.compile
+def test_a_compiled_pack_and_shard_makes_one_device_check_call():
+    """Pack + CP shard on the pack's travelling layout (m 4, T 32, C 2: the segments split into 2C by
+    configuration): the pack's data checks fold into one call, the shard adds none; a failure still names
+    the check that failed (the second of the two here: the packed total)."""
+    from nn_data import PackSequences, ShardForContextParallel
+
+    pack, shard = PackSequences(4, pad_full_seq_to=32), ShardForContextParallel(2, 1)
+
+    def pack_shard(x, lengths):
+        r = pack(x, lengths)
+        return shard(r.packed, layout=r.layout)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(pack_shard, fullgraph=True, dynamic=False, backend=counter)
+    x = torch.arange(1, 41).view(4, 10)
+    lengths = torch.tensor([3, 10, 0, 7])
+    out, code = run_and_get_code(compiled, x, lengths)
+    assert torch.equal(out, pack_shard(x, lengths))
+    assert "\n".join(code).count("torch.ops.nn_data.device_check.default(") == 1
+    with pytest.raises(RuntimeError, match=r"every seq_lengths value must be in \[0, S\]"):
+        compiled(x, torch.tensor([3, 11, 0, 7]))
+    with pytest.raises(RuntimeError, match=r"the packed total sum\(round_up\(seq_lengths, m\)\) exceeds "
+                                           r"pad_full_seq_to=32"):
+        compiled(x, torch.tensor([10, 10, 10, 10]))  # 4 * 12 = 48 > 32
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 _THREADS = r'''
 import torch
 from nn_data.packed_forward import PackedForward
