@@ -153,9 +153,10 @@ def _raise_first_failed(flags: torch.Tensor, messages: list) -> None:
         raise RuntimeError(messages[i]) from None
 
 
-#: Between the messages of the checks in the one string ``nn_data::device_check`` takes (the ASCII record
-#: separator: no message holds it).
-_SEPARATOR = "\x1e"
+#: Between the messages of the checks in the one string ``nn_data::device_check`` takes: printable ASCII that
+#: no message holds (inductor's C++ wrapper writes the string into a C++ literal line by line, so no control
+#: character: ``str.splitlines`` breaks at the ASCII separators too).
+_SEPARATOR = " || "
 
 
 @torch.library.custom_op("nn_data::device_check", mutates_args=())

@@ -24,7 +24,7 @@ from itertools import accumulate
 from typing import Callable, NamedTuple, Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from nn_data import _checks
 from nn_data.layout import checks, index
@@ -310,10 +310,17 @@ def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len
     found = _checks.DeviceChecks()  # the boundaries were checked where the layout was built: their split into 2C
     if cp_size > 1 and not _aligned(layout, 2 * cp_size):
         checks.segments_device(op, layout.cu_seqlens_padded, cp_size, into=found)
-    if seq_len is not None:
+    if seq_len is not None and not _fits_rows(layout, seq_len):
         checks.row_length_device(op, layout.lengths(), seq_len, into=found)
     found.check()
     return layout
+
+
+def _fits_rows(layout: PackLayout, seq_len) -> bool:
+    """Whether rows of ``seq_len`` are known, from shapes alone, to hold every length of a device layout: its
+    builder checked the lengths against its row length ``S`` (a pack's ``x.shape[1]``), and ``seq_len >= S``.
+    Example: a pack of ``[B, 2048]`` rows unpacked to ``seq_len`` 2048: nothing to check on the device."""
+    return layout.row_len is not None and statically_known_true(seq_len >= layout.row_len)
 
 
 def _aligned(layout: PackLayout, multiple: int) -> bool:

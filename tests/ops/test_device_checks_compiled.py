@@ -11,6 +11,7 @@ lives on (inductor's C++ kernels once threw inside their OpenMP parallel region,
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,8 +70,9 @@ def test_the_checks_of_a_call_are_one_check_naming_the_first_that_failed():
 @pytest.mark.compile
 def test_a_compiled_pack_and_shard_makes_one_device_check_call():
     """Pack + CP shard on the pack's travelling layout (m 4, T 32, C 2: the segments split into 2C by
-    configuration): the pack's data checks fold into one call, the shard adds none; a failure still names
-    the check that failed (the second of the two here: the packed total)."""
+    configuration): the pack's data checks fold into one call, the shard adds none; the pack's scatter and the
+    shard's gather are one generated kernel, at most 4 in all; a failure still names the check that failed
+    (the second of the two here: the packed total)."""
     from nn_data import PackSequences, ShardForContextParallel
 
     pack, shard = PackSequences(4, pad_full_seq_to=32), ShardForContextParallel(2, 1)
@@ -86,7 +88,12 @@ def test_a_compiled_pack_and_shard_makes_one_device_check_call():
     lengths = torch.tensor([3, 10, 0, 7])
     out, code = run_and_get_code(compiled, x, lengths)
     assert torch.equal(out, pack_shard(x, lengths))
-    assert "\n".join(code).count("torch.ops.nn_data.device_check.default(") == 1
+    call = "\n".join(code).split("def call(self, args)")[1]
+    assert call.count("torch.ops.nn_data.device_check.default(") == 1
+    kernels = re.findall(r"^\s*(cpp_fused_\w+)\(", call, flags=re.M)
+    # the lengths' checks | the cu_seqlens checks | the zigzag pieces | one pass over the tokens that packs and shards
+    assert len(kernels) <= 4, kernels
+    assert [k for k in kernels if "index_put" in k and "index_select" in k], kernels  # pack and shard fused
     with pytest.raises(RuntimeError, match=r"every seq_lengths value must be in \[0, S\]"):
         compiled(x, torch.tensor([3, 11, 0, 7]))
     with pytest.raises(RuntimeError, match=r"the packed total sum\(round_up\(seq_lengths, m\)\) exceeds "
