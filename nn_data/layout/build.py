@@ -107,7 +107,8 @@ def reads_host(host_reads: bool, data: Optional[torch.Tensor] = None) -> bool:
 
 
 def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, num_rows=None, validate: bool = True,
-                        host_reads: bool = True, op: str = "PackSequences") -> PackLayout:
+                        host_reads: bool = True, op: str = "PackSequences",
+                        into: Optional[_checks.DeviceChecks] = None) -> PackLayout:
     """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked): a
     host executor after one read of the lengths (and ``num_rows``) when :func:`reads_host`, else a device executor.
 
@@ -116,7 +117,7 @@ def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, n
     absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12.
     """
     if not reads_host(host_reads, seq_lengths):
-        return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op)
+        return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op, into)
     if num_rows is None:
         return layout_from_read_lengths(seq_lengths.tolist(), seq_lengths, row_len, spec,  # sync: the one read
                                         validate=validate)
@@ -158,18 +159,20 @@ def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: 
                       HostExecutor(host, seq_lengths, token=object()))
 
 
-def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate: bool, op: str) -> PackLayout:
+def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate: bool, op: str,
+                       into: Optional[_checks.DeviceChecks]) -> PackLayout:
     rows = seq_lengths.shape[0]
     lengths = seq_lengths.to(torch.int64)  # [B]
     cu = index.exclusive_cumsum(lengths)  # [B+1]
     cu_pad = index.exclusive_cumsum(round_up(lengths, spec.m))  # [B+1] before the slack
     natural = cu_pad[-1]
-    if validate:  # one check on the device for the call
-        found = _checks.DeviceChecks()
+    if validate:  # one check on the device for the call (the caller's, with its own checks, when it gives one)
+        found = _checks.DeviceChecks() if into is None else into
         checks.lengths_device(op, lengths, row_len, num_rows, into=found)
         checks.total_device(op, natural, packed_total(natural, spec.p), spec.fixed_total, "pad_full_seq_to",
                             into=found)
-        found.check()
+        if into is None:
+            found.check()
     if spec.fixed_total is not None:
         total = spec.fixed_total
     elif seq_lengths.device.type == "meta":
