@@ -162,9 +162,10 @@ _SEPARATOR = " || "
 @torch.library.custom_op("nn_data::device_check", mutates_args=())
 def _device_check(flags: torch.Tensor, messages: str) -> None:
     """Raise ``RuntimeError`` with the message of the first False flag of ``flags [N]`` (one per check;
-    ``messages``: theirs, joined by :data:`_SEPARATOR`). A custom op so that inductor calls it from its wrapper, between kernels:
-    never inside a generated kernel's parallel region (where a C++ throw ends the process) and never
-    written into a C++ string literal (the messages travel as Python strings: any character)."""
+    ``messages``: theirs, joined by :data:`_SEPARATOR`). A custom op so that inductor calls it from its
+    wrapper, between kernels: never inside a generated kernel's parallel region (where a C++ throw ends the
+    process); with the Python wrapper the messages travel as a Python string (any character; inductor's C++
+    wrapper, ``cpp_wrapper``, writes them into a C++ literal)."""
     _raise_first_failed(flags, messages.split(_SEPARATOR))
 
 
