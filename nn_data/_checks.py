@@ -139,46 +139,92 @@ def check_num_rows(num_rows, capacity: int) -> None:
         )
 
 
+def _raise_first_failed(flags: torch.Tensor, messages: list) -> None:
+    """Raise ``RuntimeError(messages[i])`` for the first ``i`` whose flag ``flags [N]`` is False; on the
+    CPU at once (``torch._assert_async`` reads the flag there), on CUDA a device assert (fatal, no sync)
+    whose message names every check. The failing one is found only after a failure (error path)."""
+    if flags.device.type != "cpu":
+        torch._assert_async(flags.all(), "; ".join(messages))
+        return
+    try:
+        torch._assert_async(flags.all(), "")
+    except RuntimeError:
+        i = first_index(~flags)  # error path only: which check failed
+        raise RuntimeError(messages[i]) from None
+
+
+#: Between the messages of the checks in the one string ``nn_data::device_check`` takes: printable ASCII that
+#: no message holds (inductor's C++ wrapper writes the string into a C++ literal line by line, so no control
+#: character: ``str.splitlines`` breaks at the ASCII separators too).
+_SEPARATOR = " || "
+
+
 @torch.library.custom_op("nn_data::device_check", mutates_args=())
-def _device_check(ok: torch.Tensor, message: str) -> None:
-    """Raise ``RuntimeError(message)`` unless the 0-d bool ``ok`` holds (CPU: at once; CUDA: a device
-    assert, no sync). A custom op so that inductor calls it from its wrapper, between kernels: never
-    inside a generated kernel's parallel region (where a C++ throw ends the process) and never
-    written into a C++ string literal (``message`` travels as a Python string: any character)."""
-    torch._assert_async(ok, message)
+def _device_check(flags: torch.Tensor, messages: str) -> None:
+    """Raise ``RuntimeError`` with the message of the first False flag of ``flags [N]`` (one per check;
+    ``messages``: theirs, joined by :data:`_SEPARATOR`). A custom op so that inductor calls it from its
+    wrapper, between kernels: never inside a generated kernel's parallel region (where a C++ throw ends the
+    process); with the Python wrapper the messages travel as a Python string (any character; inductor's C++
+    wrapper, ``cpp_wrapper``, writes them into a C++ literal)."""
+    _raise_first_failed(flags, messages.split(_SEPARATOR))
 
 
 @_device_check.register_fake
-def _(ok: torch.Tensor, message: str) -> None:
+def _(flags: torch.Tensor, messages: str) -> None:
     return None
 
 
 torch.fx.node.has_side_effect(torch.ops.nn_data.device_check.default)  # kept without users (returns nothing)
 
 
-def device_assert(cond: torch.Tensor, message: str) -> None:
-    """Assert on the device without a host sync: the one home of nn_data's device-side checks.
+class DeviceChecks:
+    """The data checks of one call, folded into one validity flag per check and **one** check on the
+    device: :meth:`add` each condition, then :meth:`check` once. Under ``torch.compile`` that is one
+    ``nn_data::device_check`` call (a catchable ``RuntimeError`` on the CPU whatever the thread count);
+    the message is the first failing check's, picked only after a failure. On CUDA a failed check is a
+    device assert, fatal to the process by design (``docs/compile-contract.md``, "Device-side checks:
+    catchable on the CPU, fatal on CUDA", says what to do instead).
 
-    ``cond`` (a bool tensor of any shape) is reduced to one 0-d validity flag; under
-    ``torch.compile`` the flag is checked by the ``nn_data::device_check`` op, which inductor
-    calls outside its kernels, so on the CPU a failed check raises a catchable ``RuntimeError``
-    with ``message`` whatever the thread count, and ``message`` may hold any character (quotes,
-    backslashes, braces, non-ASCII). Eagerly it is ``torch._assert_async``. On CUDA both are a
-    device assert, fatal to the process by design (``docs/compile-contract.md``, "Device-side
-    checks: catchable on the CPU, fatal on CUDA", says what to do instead).
+    A message is built on every call of the compiled op, so it may format configuration ints but never a
+    size taken from a tensor's shape: under ``torch.compile`` that size may be symbolic, and formatting it
+    either guards on its value (one graph per value) or fails to trace. Name such sizes instead
+    (``S = x.shape[1]``).
 
-    ``message`` is built on every call of the compiled op, so it may format configuration ints
-    but never a size taken from a tensor's shape: under ``torch.compile`` that size may be
-    symbolic, and formatting it either guards on its value (one graph per value) or fails to
-    trace. Name such sizes instead (``S = x.shape[1]``).
+    Example::
+
+        found = DeviceChecks()
+        found.add(lengths >= 0, "nn_data.op: every seq_lengths value must be >= 0")   # [B] -> one flag
+        found.add(total <= limit, "nn_data.op: the packed total exceeds pad_full_seq_to")
+        found.check()   # one device check; raises the first failing message
+    """
+
+    def __init__(self):
+        self.flags: list = []
+        self.messages: list = []
+
+    def add(self, cond: torch.Tensor, message: str) -> None:
+        """``cond`` (a bool tensor of any shape) must hold everywhere; reduced to one 0-d flag here."""
+        self.flags.append(cond if cond.dim() == 0 else cond.all())
+        self.messages.append(message)
+
+    def check(self) -> None:
+        """One device check of every flag added (none: nothing runs)."""
+        if self.flags:
+            torch.ops.nn_data.device_check(torch.stack(self.flags), _SEPARATOR.join(self.messages))
+
+
+def device_assert(cond: torch.Tensor, message: str, into: Optional[DeviceChecks] = None) -> None:
+    """Assert ``cond`` (a bool tensor of any shape) on the device without a host sync: added to ``into``
+    (a :class:`DeviceChecks` the caller checks once), or checked at once alone.
 
     Example: ``device_assert((lengths >= 0).all(), "nn_data.op: every seq_lengths value must be >= 0")``.
     """
-    ok = cond if cond.dim() == 0 else cond.all()  # []: one flag, reduced before it is checked
-    if torch.compiler.is_compiling():
-        torch.ops.nn_data.device_check(ok, message)
-    else:
-        torch._assert_async(ok, message)
+    if into is not None:
+        into.add(cond, message)
+        return
+    alone = DeviceChecks()
+    alone.add(cond, message)
+    alone.check()
 
 
 def check_packed_ids(name: str, t) -> None:

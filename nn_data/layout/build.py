@@ -19,17 +19,18 @@ the same with ``host_reads=False`` -> a device executor with the same boundaries
 from __future__ import annotations
 
 import dataclasses
+import math
 from itertools import accumulate
 from typing import Callable, NamedTuple, Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from nn_data import _checks
 from nn_data.layout import checks, index
 from nn_data.layout.device import PACK_FORMS, DeviceExecutor, pack_maps
 from nn_data.layout.host import HostBounds, HostExecutor, check_token, host_tensor
-from nn_data.layout.pack_layout import PackLayout
+from nn_data.layout.pack_layout import PackLayout, entered
 from nn_data.layout.rules import (
     extend_last, first_final, packed_total, round_up, round_up_all, segment_bounds,
 )
@@ -106,7 +107,8 @@ def reads_host(host_reads: bool, data: Optional[torch.Tensor] = None) -> bool:
 
 
 def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, num_rows=None, validate: bool = True,
-                        host_reads: bool = True, op: str = "PackSequences") -> PackLayout:
+                        host_reads: bool = True, op: str = "PackSequences",
+                        into: Optional[_checks.DeviceChecks] = None) -> PackLayout:
     """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked): a
     host executor after one read of the lengths (and ``num_rows``) when :func:`reads_host`, else a device executor.
 
@@ -115,7 +117,7 @@ def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, n
     absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12.
     """
     if not reads_host(host_reads, seq_lengths):
-        return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op)
+        return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op, into)
     if num_rows is None:
         return layout_from_read_lengths(seq_lengths.tolist(), seq_lengths, row_len, spec,  # sync: the one read
                                         validate=validate)
@@ -157,15 +159,20 @@ def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: 
                       HostExecutor(host, seq_lengths, token=object()))
 
 
-def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate: bool, op: str) -> PackLayout:
+def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate: bool, op: str,
+                       into: Optional[_checks.DeviceChecks]) -> PackLayout:
     rows = seq_lengths.shape[0]
     lengths = seq_lengths.to(torch.int64)  # [B]
     cu = index.exclusive_cumsum(lengths)  # [B+1]
     cu_pad = index.exclusive_cumsum(round_up(lengths, spec.m))  # [B+1] before the slack
     natural = cu_pad[-1]
-    if validate:
-        checks.lengths_device(op, lengths, row_len, num_rows)
-        checks.total_device(op, natural, packed_total(natural, spec.p), spec.fixed_total, "pad_full_seq_to")
+    if validate:  # one check on the device for the call (the caller's, with its own checks, when it gives one)
+        found = _checks.DeviceChecks() if into is None else into
+        checks.lengths_device(op, lengths, row_len, num_rows, into=found)
+        checks.total_device(op, natural, packed_total(natural, spec.p), spec.fixed_total, "pad_full_seq_to",
+                            into=found)
+        if into is None:
+            found.check()
     if spec.fixed_total is not None:
         total = spec.fixed_total
     elif seq_lengths.device.type == "meta":
@@ -181,8 +188,11 @@ def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate:
     else:  # no sequence: the packed tensor is one padding pseudo-segment [0, T]
         max_seqlen = torch.full((), total, dtype=torch.int64, device=seq_lengths.device)
     dest, gather = pack_maps(lengths, cu_pad, row_len, total, spec.pack_form)
+    # every segment is round_up(L, m), the last one extended to T, a multiple of pad_full_seq_to (or of p):
+    # each a multiple of gcd(m, that), known from the configuration alone (T may be an unbacked size here)
+    multiple = math.gcd(spec.m, spec.fixed_total if spec.fixed_total is not None else spec.p)
     return PackLayout(cu.to(torch.int32), cu_pad.to(torch.int32), max_seqlen.to(torch.int32), total, rows, row_len,
-                      DeviceExecutor(seq_lengths, dest, gather))
+                      DeviceExecutor(seq_lengths, dest, gather, multiple))
 
 
 def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq_len=None, row_len=None,
@@ -248,10 +258,17 @@ def _check_lengths_host(lengths, cu, segments: list, bounds_name: str, seq_len, 
 
 
 def _device_boundary_checks(op: str, bounds: Boundaries, seq_len, row_len, cp_size: int) -> None:
-    """:func:`layout_from_boundaries`' checks as device asserts."""
+    """:func:`layout_from_boundaries`' checks as device asserts, one check on the device."""
+    found = _checks.DeviceChecks()
+    _boundary_checks_into(found, op, bounds, seq_len, row_len, cp_size)
+    found.check()
+
+
+def _boundary_checks_into(found: _checks.DeviceChecks, op: str, bounds: Boundaries, seq_len, row_len,
+                          cp_size: int) -> None:
     cu_pad = bounds.cu_seqlens_padded
     checks.boundaries_device(op, cu_pad, bounds.total, cp_size, name=bounds.name,
-                             end_at_total=not bounds.valid_offsets)
+                             end_at_total=not bounds.valid_offsets, into=found)
     lengths = bounds.seq_lengths
     if lengths is None and bounds.cu_seqlens is not None:
         cu = bounds.cu_seqlens.to(torch.int64)
@@ -259,9 +276,9 @@ def _device_boundary_checks(op: str, bounds: Boundaries, seq_len, row_len, cp_si
     if lengths is None or cu_pad.shape[0] < 2:
         return
     edges = cu_pad.to(torch.int64)
-    checks.fit_device(op, lengths.to(torch.int64), edges[1:] - edges[:-1], seq_len)
+    checks.fit_device(op, lengths.to(torch.int64), edges[1:] - edges[:-1], seq_len, into=found)
     if row_len is not None:
-        checks.lengths_device(op, lengths.to(torch.int64), row_len, None)
+        checks.lengths_device(op, lengths.to(torch.int64), row_len, None, into=found)
 
 
 def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len=None, validate: bool = True,
@@ -281,6 +298,7 @@ def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len
         raise _checks.PackingError(_other_total(layout.total, int(total)))
     if data is not None:
         check_token(data[0], data[1], layout)
+    layout = entered(layout)  # the door: a host layout entering a traced region runs there on the device
     for name, tensor in given.items():
         if tensor is not None and tensor is not getattr(layout, name):
             raise _checks.PackingError(
@@ -292,11 +310,27 @@ def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len
         if seq_len is not None and layout.host.lengths is not None:
             checks.row_length_host(layout.host.lengths, seq_len)
         return layout
-    if cp_size > 1:
-        checks.boundaries_device(op, layout.cu_seqlens_padded, total, cp_size)
-    if seq_len is not None:
-        checks.row_length_device(op, layout.lengths(), seq_len)
+    found = _checks.DeviceChecks()  # the boundaries were checked where the layout was built: their split into 2C
+    if cp_size > 1 and not _aligned(layout, 2 * cp_size):
+        checks.segments_device(op, layout.cu_seqlens_padded, cp_size, into=found)
+    if seq_len is not None and not _fits_rows(layout, seq_len):
+        checks.row_length_device(op, layout.lengths(), seq_len, into=found)
+    found.check()
     return layout
+
+
+def _fits_rows(layout: PackLayout, seq_len) -> bool:
+    """Whether rows of ``seq_len`` are known, from shapes alone, to hold every length of a device layout: its
+    builder checked the lengths against its row length ``S`` (a pack's ``x.shape[1]``), and ``seq_len >= S``.
+    Example: a pack of ``[B, 2048]`` rows unpacked to ``seq_len`` 2048: nothing to check on the device."""
+    return layout.row_len is not None and statically_known_true(seq_len >= layout.row_len)
+
+
+def _aligned(layout: PackLayout, multiple: int) -> bool:
+    """Whether every segment of a device layout is known, from its builder's configuration alone, to be a
+    multiple of ``multiple`` (no check on the device needed). Example: m 4, pad_full_seq_to 64, C 2 -> gcd 4:
+    aligned; m 2 -> gcd 2: checked."""
+    return getattr(layout.executor, "multiple", 1) % multiple == 0
 
 
 def _other_total(expected: int, got: int) -> str:

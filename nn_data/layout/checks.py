@@ -10,9 +10,12 @@ Three kinds, all here:
 * **host checks** (``*_host``): the data checks on the Python ints the host executor's one read
   brought; they raise :class:`~nn_data.errors.PackingError` naming the argument, the first bad
   value and what would be valid, with no further read of the device;
-* **device checks** (``*_device``): the same conditions as device-side asserts
-  (``torch._assert_async``, no sync) where the device executor runs (under ``torch.compile``, or
-  ``host_reads=False``): the message names the argument and the valid range, never a value.
+* **device checks** (``*_device``): the same conditions as device-side asserts (no sync) where the
+  device executor runs (under ``torch.compile``, or ``host_reads=False``): the message names the
+  argument and the valid range, never a value. Each adds its conditions to the caller's
+  :class:`~nn_data._checks.DeviceChecks` (``into=``), so a builder's checks are one check on the
+  device (one ``nn_data::device_check`` call under compile) naming the first that failed; without
+  ``into`` a function's conditions are checked once on their own.
 
 Argument and metadata checks that know nothing of the layout (an int >= 1, a 1-D integer tensor,
 one device) are :mod:`nn_data._checks`'.
@@ -20,7 +23,8 @@ one device) are :mod:`nn_data._checks`'.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
@@ -62,6 +66,18 @@ def length_outside(i: int, value, limit: int, limit_name: str = "S", name: str =
 
 def _first(bad: Sequence[bool]) -> int:
     return next(i for i, b in enumerate(bad) if b)
+
+
+def _folded(check: Callable) -> Callable:
+    """A ``*_device`` function's conditions go into the caller's :class:`~nn_data._checks.DeviceChecks`
+    (``into=``, checked once with the call's other checks), or, without one, into its own, checked once."""
+    @functools.wraps(check)
+    def folded(*args, into: Optional[_checks.DeviceChecks] = None, **kwargs) -> None:
+        found = _checks.DeviceChecks() if into is None else into
+        check(*args, into=found, **kwargs)
+        if into is None:
+            found.check()
+    return folded
 
 
 # ---- packed-length limits and shape checks (no data) -------------------------------------------
@@ -158,13 +174,15 @@ def shared_total_host(natural: int, rollout_sum: int, m: int, fixed_total: Optio
                        "or split the microbatch (nn_data.planning.plan_step_shared_prefix plans microbatches that fit)")
 
 
-def shared_total_device(op: str, slot_lengths: torch.Tensor, m: int, fixed_total: Optional[int], name: str) -> None:
+@_folded
+def shared_total_device(op: str, slot_lengths: torch.Tensor, m: int, fixed_total: Optional[int], name: str, *,
+                        into: _checks.DeviceChecks) -> None:
     """:func:`shared_total_host` as a device assert: the value is not known without a read, so the message
     says how to compute it and the fix."""
     if fixed_total is None:
         return
     natural = ((slot_lengths + m - 1) // m * m).sum()  # sum(round_up(slot, m)): slots [20, 10, 0, 9], m 4 -> 48
-    _checks.device_assert(natural <= fixed_total, f"nn_data.{op}: {SHARED_TOTAL.format(m=m)} exceeds {name}="
+    into.add(natural <= fixed_total, f"nn_data.{op}: {SHARED_TOTAL.format(m=m)} exceeds {name}="
                           f"{fixed_total}; raise {name} to at least sum(round_up(P, m)) over the groups + "
                           "sum(round_up(L - P, m)) over the rollouts, or split the microbatch "
                           "(nn_data.planning.plan_step_shared_prefix plans microbatches that fit; an eager call names "
@@ -256,37 +274,41 @@ def prefix_lengths_host(lengths: list, prefixes: list, groups: list, leader: lis
 
 # ---- device checks: the same conditions as device asserts --------------------------------------
 
+@_folded
 def lengths_device(op: str, lengths: torch.Tensor, row_len, num_rows: Optional[torch.Tensor], *,
-                   row_len_name: str = "x.shape[1], the row length") -> None:
+                   row_len_name: str = "x.shape[1], the row length", into: _checks.DeviceChecks) -> None:
     """:func:`lengths_host` as device asserts (``S`` and ``B`` named, never formatted: they may be
     symbolic sizes under compile); ``row_len_name`` says what ``S`` is (a ``[R, S]`` buffer's caller: the
     width of the rows it loaded)."""
     rows = lengths.shape[0]
     if rows:
-        _checks.device_assert(((lengths >= 0) & (lengths <= row_len)).all(), f"nn_data.{op}: every seq_lengths "
+        into.add(((lengths >= 0) & (lengths <= row_len)).all(), f"nn_data.{op}: every seq_lengths "
                               f"value must be in [0, S] (S = {row_len_name})")
     if num_rows is None:
         return
     n = num_rows.to(torch.int64)
-    _checks.device_assert((n >= 0) & (n <= rows),
+    into.add((n >= 0) & (n <= rows),
                           f"nn_data.{op}: num_rows must be in [0, B] (B = x.shape[0], the rows)")
     if rows:
         tail = (lengths * (torch.arange(rows, device=lengths.device) >= n)).sum()
-        _checks.device_assert(tail == 0, f"nn_data.{op}: rows at or past num_rows must have length 0")
+        into.add(tail == 0, f"nn_data.{op}: rows at or past num_rows must have length 0")
 
 
-def total_device(op: str, natural: torch.Tensor, total, fixed_total: Optional[int], name: str) -> None:
+@_folded
+def total_device(op: str, natural: torch.Tensor, total, fixed_total: Optional[int], name: str, *,
+                 into: _checks.DeviceChecks) -> None:
     """:func:`natural_total_host` and :func:`total_limit_host` as device asserts (``total`` is
     ``round_up(natural, p)`` as a tensor when ``fixed_total`` is None)."""
     if fixed_total is not None:
-        _checks.device_assert(natural <= fixed_total, f"nn_data.{op}: the packed total sum(round_up(seq_lengths, "
+        into.add(natural <= fixed_total, f"nn_data.{op}: the packed total sum(round_up(seq_lengths, "
                               f"m)) exceeds {name}={fixed_total}")
     else:
-        _checks.device_assert(total <= INT32_MAX, f"nn_data.{op}: " + int32_limit("the packed total of seq_lengths"))
+        into.add(total <= INT32_MAX, f"nn_data.{op}: " + int32_limit("the packed total of seq_lengths"))
 
 
+@_folded
 def boundaries_device(op: str, cu_seqlens_padded: torch.Tensor, total, cp_size: int = 1, *,
-                      name: str = "cu_seqlens_padded", end_at_total: bool = True) -> None:
+                      name: str = "cu_seqlens_padded", end_at_total: bool = True, into: _checks.DeviceChecks) -> None:
     """:func:`boundaries_host` and :func:`segments_host` as device asserts."""
     bounds = cu_seqlens_padded.to(torch.int64)
     if bounds.shape[0] == 1:  # B = 0: [T] is the pseudo-segment [0, T]
@@ -295,21 +317,35 @@ def boundaries_device(op: str, cu_seqlens_padded: torch.Tensor, total, cp_size: 
     inside = ((cu_seqlens_padded >= 0) & (cu_seqlens_padded <= total)).all()
     ends = bounds[-1] == total if end_at_total else bounds[-1] <= total
     end = "end at T" if end_at_total else "end at most at T"
-    _checks.device_assert(inside & (bounds[0] == 0) & (seg >= 0).all() & ends,
+    into.add(inside & (bounds[0] == 0) & (seg >= 0).all() & ends,
                           f"nn_data.{op}: every boundary of {name} must lie in [0, T]; {name} must start at 0, "
                           f"never decrease and {end}")
     if cp_size > 1:
-        _checks.device_assert((seg % (2 * cp_size) == 0).all(),
+        into.add((seg % (2 * cp_size) == 0).all(),
                               f"nn_data.{op}: every segment of {name} must be a multiple of 2*cp_size={2 * cp_size}")
 
 
-def fit_device(op: str, lengths: torch.Tensor, segments: torch.Tensor, seq_len=None) -> None:
+@_folded
+def segments_device(op: str, cu_seqlens_padded: torch.Tensor, cp_size: int, *, into: _checks.DeviceChecks) -> None:
+    """:func:`segments_host` as a device assert (the boundaries themselves already checked where they were
+    built). Example: cu_seqlens_padded ``[0, 16, 40]``, C 2 -> segments ``[16, 24]``, both multiples of 4."""
+    if cp_size == 1:
+        return
+    bounds = cu_seqlens_padded.to(torch.int64)
+    seg = bounds[1:] - bounds[:-1] if bounds.shape[0] > 1 else bounds  # [B'] ([T] alone: B = 0's pseudo-segment)
+    into.add((seg % (2 * cp_size) == 0).all(),
+             f"nn_data.{op}: every segment of cu_seqlens_padded must be a multiple of 2*cp_size={2 * cp_size}")
+
+
+@_folded
+def fit_device(op: str, lengths: torch.Tensor, segments: torch.Tensor, seq_len=None, *,
+               into: _checks.DeviceChecks) -> None:
     """:func:`fit_host` (and, with ``seq_len``, :func:`row_length_host`) as device asserts; ``seq_len``
     may be a symbolic size, named and never formatted."""
     ok = ((lengths >= 0) & (lengths <= segments)).all()
-    _checks.device_assert(ok, f"nn_data.{op}: each sequence must fit its padded segment")
+    into.add(ok, f"nn_data.{op}: each sequence must fit its padded segment")
     if seq_len is not None:
-        row_length_device(op, lengths, seq_len)
+        row_length_device(op, lengths, seq_len, into=into)
 
 
 def target_ids(ids: torch.Tensor, bounds: torch.Tensor, lengths: torch.Tensor, total, vocab: int) -> torch.Tensor:
@@ -329,27 +365,31 @@ def target_ids_host(bad: torch.Tensor, ids: torch.Tensor, vocab: int) -> None:
     raise PackingError(f"packed token id {value} at position {i} is outside the vocabulary [0, {vocab}) of the logits")
 
 
-def target_ids_device(op: str, bad: torch.Tensor, vocab: int) -> None:
-    _checks.device_assert(~bad.any(), f"nn_data.{op}: token ids must be in [0, vocab={vocab})")
+@_folded
+def target_ids_device(op: str, bad: torch.Tensor, vocab: int, *, into: _checks.DeviceChecks) -> None:
+    into.add(~bad.any(), f"nn_data.{op}: token ids must be in [0, vocab={vocab})")
 
 
+@_folded
 def prefix_lengths_device(op: str, lengths: torch.Tensor, prefixes: torch.Tensor, leader: torch.Tensor,
-                          mismatch: Optional[torch.Tensor], real: torch.Tensor) -> None:
+                          mismatch: Optional[torch.Tensor], real: torch.Tensor, *,
+                          into: _checks.DeviceChecks) -> None:
     """:func:`prefix_lengths_host` as device asserts (``real [B]`` bool: the rows before ``num_rows``)."""
     if lengths.shape[0] == 0:
         return
-    _checks.device_assert(((prefixes >= 0) & (prefixes <= lengths)).all(),
+    into.add(((prefixes >= 0) & (prefixes <= lengths)).all(),
                           f"nn_data.{op}: every prefix_lengths value must be in [0, seq_lengths[b]]")
-    _checks.device_assert(((prefixes == prefixes[leader]) | ~real).all(),
+    into.add(((prefixes == prefixes[leader]) | ~real).all(),
                           f"nn_data.{op}: the rollouts of one group (equal group_ids) must have equal prefix_lengths")
     if mismatch is not None:
-        _checks.device_assert(~(mismatch & real).any(), f"nn_data.{op}: the rollouts of one group (equal group_ids) "
+        into.add(~(mismatch & real).any(), f"nn_data.{op}: the rollouts of one group (equal group_ids) "
                               "must share their prompt tokens input_ids[b, :prefix_lengths[b]]")
 
 
-def row_length_device(op: str, lengths: torch.Tensor, seq_len) -> None:
+@_folded
+def row_length_device(op: str, lengths: torch.Tensor, seq_len, *, into: _checks.DeviceChecks) -> None:
     """:func:`row_length_host` as a device assert (``seq_len`` named, never formatted)."""
-    _checks.device_assert((lengths <= seq_len).all(),
+    into.add((lengths <= seq_len).all(),
                           f"nn_data.{op}: seq_lengths must be in [0, seq_len] (the row length S of the output)")
 
 
@@ -381,21 +421,23 @@ def tree_host(lengths: list, parent: list, branch_at: list, mismatch: Optional[l
                            "(each rollout takes 1 + max(its split points, 1)); at most 3B - 2 are ever needed")
 
 
+@_folded
 def tree_device(op: str, lengths: torch.Tensor, parent: torch.Tensor, branch_at: torch.Tensor,
-                mismatch: Optional[torch.Tensor], real: torch.Tensor, used: torch.Tensor, capacity: int) -> None:
+                mismatch: Optional[torch.Tensor], real: torch.Tensor, used: torch.Tensor, capacity: int, *,
+                into: _checks.DeviceChecks) -> None:
     """:func:`tree_host` as device asserts (the rollout is not named: that would read the device)."""
     rows = lengths.shape[0]
     if rows == 0:
         return
     index = torch.arange(rows, device=lengths.device)
     up = parent.clamp(0, rows - 1)  # [B] in range for the reads below; the assert names a parent outside
-    _checks.device_assert(((parent >= -1) & (parent < index) & (real | (parent == -1))).all(),
+    into.add(((parent >= -1) & (parent < index) & (real | (parent == -1))).all(),
                           f"nn_data.{op}: every parent must be an earlier rollout or -1 (padding rows: -1)")
     root_ok = (parent >= 0) | (branch_at == 0)
     child_ok = (parent < 0) | ((branch_at > branch_at[up]) & (branch_at <= torch.minimum(lengths[up], lengths)))
-    _checks.device_assert((root_ok & child_ok).all(), f"nn_data.{op}: every branch_at must be 0 for a root, else in "
+    into.add((root_ok & child_ok).all(), f"nn_data.{op}: every branch_at must be 0 for a root, else in "
                           "(branch_at[parent], min(seq_lengths[parent], seq_lengths[b])]")
     if mismatch is not None:
-        _checks.device_assert(~mismatch.any(), f"nn_data.{op}: every rollout must share its first branch_at tokens "
+        into.add(~mismatch.any(), f"nn_data.{op}: every rollout must share its first branch_at tokens "
                               "of input_ids with its parent")
-    _checks.device_assert(used <= capacity, f"nn_data.{op}: node_capacity={capacity} is too small for this tree")
+    into.add(used <= capacity, f"nn_data.{op}: node_capacity={capacity} is too small for this tree")

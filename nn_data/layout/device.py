@@ -7,8 +7,8 @@ Shape legend
 
 A :class:`DeviceExecutor` is what ``torch.compile`` and CUDA graphs capture: every map is tensor arithmetic
 on the boundaries (:mod:`nn_data.layout.index`), every shape a Python int or a symbolic size, nothing
-read on the host (``docs/design.md``, "Layouts and executors"). A host executor runs its methods while
-compiling.
+read on the host (``docs/design.md``, "Layouts and executors"). A host layout entering a traced region
+runs on one (:func:`nn_data.layout.pack_layout.entered`).
 
 Pack, two forms chosen from the static shapes (never from data) or by ``PackSpec.pack_form``: a
 **scatter** along ``dest [B, S]`` (``B*S <= 16*T`` on static sizes: per-row tables inductor hoists out
@@ -112,7 +112,9 @@ class DeviceExecutor(NamedTuple):
 
     ``seq_lengths [B]`` the lengths tensor the layout was built from (None: from boundaries, whose lengths
     are ``cu_seqlens``' differences); ``dest [B, S]`` (the scatter form) or ``gather`` (:class:`GatherMaps`),
-    or neither (from boundaries, or a host executor traced by compile: built on demand, ``"auto"``).
+    or neither (from boundaries, or a host executor traced by compile: built on demand, ``"auto"``);
+    ``multiple``: every segment is known from the builder's configuration to be a multiple of it (a shard
+    then needs no data check that the segments split into ``2C`` chunks; 1: nothing known).
 
     Example: ``PackSequences(4, host_reads=False)`` on lengths ``[3, 0, 5]``, S 5 -> ``DeviceExecutor(
     seq_lengths, dest=[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]], gather=None)``.
@@ -121,6 +123,7 @@ class DeviceExecutor(NamedTuple):
     seq_lengths: Optional[torch.Tensor] = None
     dest: Optional[torch.Tensor] = None
     gather: Optional[GatherMaps] = None
+    multiple: int = 1
 
     def pack(self, layout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
         """``x [B, S, *] -> [1, T, *]`` along the maps: one scatter (``dest``) or one gather; padding gets

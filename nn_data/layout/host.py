@@ -9,8 +9,9 @@ Shape legend
 A :class:`HostExecutor` holds every boundary as a Python int (:class:`HostBounds`); each of its four
 methods is one ``split`` of its input into views at those ints and one ``cat``, a constant number of ops
 whatever ``B`` is, each byte written once, no index map (``docs/design.md``, "Layouts and executors").
-While ``torch.compile`` traces, and in the cases each method names, they run the device executor's
-(:class:`~nn_data.layout.device.DeviceExecutor`) instead. The crossover's timings behind
+In the cases a method names it runs the device executor's (:class:`~nn_data.layout.device.DeviceExecutor`)
+instead. A host executor never runs while ``torch.compile`` traces: a host layout entering a traced region
+becomes a device layout there, once (:func:`nn_data.layout.pack_layout.entered`). The crossover's timings behind
 :data:`SHARD_VIEWS_MAX_SEGMENTS`: ``profiling/results/ops.md``, "The executors' crossovers".
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; the input
@@ -111,8 +112,8 @@ class HostExecutor(NamedTuple):
     ``bounds`` (:class:`HostBounds`, the one read's ints), ``seq_lengths [B]`` the lengths tensor the
     layout was built from (None: from boundaries), ``token``: the fingerprint of a layout a pack built,
     which every tensor this executor packs or shards carries (:data:`TOKEN_ATTR`, :func:`check_token`), or
-    None. Each method takes ``(layout, tensor, ...)`` and runs the device executor's while ``torch.compile``
-    traces (the ints would be baked into the graph) and in the cases it names.
+    None. Each method takes ``(layout, tensor, ...)`` and runs the device executor's in the cases it names;
+    none runs while ``torch.compile`` traces (the layout entering a traced region is a device layout there).
 
     Example: ``PackSequences(4)`` on lengths ``[3, 0, 5]``, S 5, eagerly -> ``HostExecutor(HostBounds([3, 0,
     5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3), seq_lengths, token)``.
@@ -129,8 +130,6 @@ class HostExecutor(NamedTuple):
         stretches and the padding between valid runs are merged, so the pieces are about twice the
         non-empty rows whatever ``B`` is.
         """
-        if torch.compiler.is_compiling():
-            return DeviceExecutor(self.seq_lengths).pack(layout, x, fill)
         bounds = self.bounds
         trailing, row_len = x.shape[2:], x.shape[1]
         pads = pads_of(bounds)
@@ -156,8 +155,6 @@ class HostExecutor(NamedTuple):
         Python-side cost per piece outgrows a scan over ``T/C`` positions). Example: cu_pad
         ``[0, 16, 40]``, C 2, rank 0 -> packed positions ``0..3, 12..21, 34..39``.
         """
-        if torch.compiler.is_compiling():
-            return DeviceExecutor(self.seq_lengths).shard(layout, packed, cp_size, cp_rank)
         starts, lengths = _pieces(self.bounds, cp_size, cp_rank)
         flat = packed[0]  # [T, *]
         if len(lengths) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
@@ -175,7 +172,7 @@ class HostExecutor(NamedTuple):
         ``r0[0:2], r1[0:2], r1[2:4], r0[2:4]``.
         """
         _, chunks = _chunks(self.bounds, cp_size)
-        if torch.compiler.is_compiling() or len(chunks) > SHARD_VIEWS_MAX_SEGMENTS:
+        if len(chunks) > SHARD_VIEWS_MAX_SEGMENTS:
             return DeviceExecutor(self.seq_lengths).unshard(layout, shards, cp_size)
         halves = [k for k in chunks for _ in (0, 1)]  # each rank: [k, k] per segment
         parts = [shards[q].split(halves) for q in range(cp_size)]  # C x 2B views
@@ -197,8 +194,7 @@ class HostExecutor(NamedTuple):
         ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``.
         """
         bounds = self.bounds
-        if torch.compiler.is_compiling() or not (
-                layout.rows and (not packed.requires_grad or any(n > shift for n in bounds.lengths))):
+        if not (layout.rows and (not packed.requires_grad or any(n > shift for n in bounds.lengths))):
             return DeviceExecutor(self.seq_lengths).unpack(layout, packed, seq_len, fill, shift)
         trailing, rows, lengths = packed.shape[2:], len(bounds.lengths), bounds.lengths[: bounds.active]
         lead = [shift if n else 0 for n in lengths]  # fill before each row's run (shift 1: column 0)

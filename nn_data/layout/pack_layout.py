@@ -15,8 +15,10 @@ tensor) or a :class:`~nn_data.layout.device.DeviceExecutor` (built on the device
 what compiled graphs and CUDA graphs capture). Both executors have the same four methods, ``pack``,
 ``shard``, ``unshard`` and ``unpack``, each taking ``(layout, tensor, ...)``; the layout's own methods
 check their arguments and call the executor's. Which executor a layout holds is its builder's choice
-(:func:`nn_data.layout.build.reads_host`: ``host_reads`` and the compile state); a host executor runs the
-device executor's methods while ``torch.compile`` traces. Example: :class:`PackLayout`'s.
+(:func:`nn_data.layout.build.reads_host`: ``host_reads`` and the compile state). A host layout that
+travels into a region ``torch.compile`` traces becomes a device layout once, at the door by which it enters
+an op (:func:`entered`: an op given ``layout=``, or a method of the layout), so no executor asks whether it is
+being traced. Example: :class:`PackLayout`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from nn_data.layout.host import HostBounds, HostExecutor, check_token
 from nn_data.layout.rules import Fill
 from nn_data.layout.rules import segment_bounds
 
-__all__ = ["HostBounds", "PackLayout", "pack_with_layout"]
+__all__ = ["HostBounds", "PackLayout", "entered", "pack_with_layout"]
 
 
 class PackLayout(NamedTuple):
@@ -75,8 +77,9 @@ class PackLayout(NamedTuple):
 
     @property
     def on_host(self) -> bool:
-        """Whether this layout's moves run on its host executor now: a host executor, and no compile tracing."""
-        return isinstance(self.executor, HostExecutor) and not torch.compiler.is_compiling()
+        """Whether this layout's moves run on its host executor (an op's layout, past :func:`entered`: never
+        while ``torch.compile`` traces)."""
+        return isinstance(self.executor, HostExecutor)
 
     @property
     def seq_lengths(self) -> Optional[torch.Tensor]:
@@ -93,21 +96,24 @@ class PackLayout(NamedTuple):
         (a scalar, or a tensor broadcastable to ``x.shape[2:]``: ``torch.arange(topk)`` for routed
         experts, a valid route in every padding row)."""
         _check_packable(self, x)
-        return self.executor.pack(self, x, fill)
+        layout = entered(self)
+        return layout.executor.pack(layout, x, fill)
 
     def shard(self, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
         """This CP rank's zigzag shard ``[1, T, *] -> [1, T/C, *]`` (``packed`` itself when ``C = 1``)."""
         _check_own("packed", packed, self)
         if cp_size == 1:
             return packed
-        return self.executor.shard(self, packed, cp_size, cp_rank)
+        layout = entered(self)
+        return layout.executor.shard(layout, packed, cp_size, cp_rank)
 
     def unshard(self, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
         """Every rank's shard, rank-major ``[C, T/C, *]``, back to the packed ``[1, T, *]``."""
         _check_own("shards", shards, self)
         if cp_size == 1:
             return shards
-        return self.executor.unshard(self, shards, cp_size)
+        layout = entered(self)
+        return layout.executor.unshard(layout, shards, cp_size)
 
     def unpack(self, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
         """``[1, T, *] -> [B, S, *]`` with ``S = seq_len``: each row's valid tokens, ``fill`` elsewhere
@@ -117,7 +123,8 @@ class PackLayout(NamedTuple):
             out = packed.new_full((self.rows, seq_len, *packed.shape[2:]), fill)
             # + the sum of the empty packed tensor (exactly 0) keeps a backward through an empty microbatch
             return out + packed.sum().to(out.dtype) if packed.requires_grad else out
-        return self.executor.unpack(self, packed, seq_len, fill, shift)
+        layout = entered(self)
+        return layout.executor.unpack(layout, packed, seq_len, fill, shift)
 
     def bounds(self) -> torch.Tensor:
         """``[B'+1]`` int64 boundaries to index segments by (``[0, T]`` when ``B = 0``)."""
@@ -174,6 +181,21 @@ class PackLayout(NamedTuple):
         sequence start; padding keeps counting). Example: ``[0, 4, 4, 12]`` -> ``[0,1,2,3,0,1,...,7]``."""
         bounds = self.bounds()
         return torch.arange(self.total, device=bounds.device) - bounds[self.segment_ids()]
+
+
+def entered(layout: PackLayout) -> PackLayout:
+    """``layout`` as an op runs it: a host layout entering a region ``torch.compile`` traces becomes a device
+    layout on the same boundary tensors (its Python ints would otherwise be baked into the graph); any other
+    layout is returned as it is. The one place the executor is chosen for a travelling layout: an op's door
+    (:func:`~nn_data.layout.build.take_layout`) and the layout's own methods call it once.
+
+    Example: a host layout of lengths ``[3, 0, 5]`` passed into a compiled function -> a layout with a
+    ``DeviceExecutor(seq_lengths)`` and the same ``cu_seqlens_padded``; eagerly, the host layout itself.
+    """
+    if isinstance(layout.executor, HostExecutor) and torch.compiler.is_compiling():
+        return PackLayout(layout.cu_seqlens, layout.cu_seqlens_padded, layout.max_seqlen, layout.total, layout.rows,
+                          layout.row_len, DeviceExecutor(layout.executor.seq_lengths))
+    return layout
 
 
 def _check_own(name: str, t, layout: PackLayout) -> None:

@@ -295,16 +295,19 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
         op = OP if group_checks is None else "shared_prefix_layout"
         if validate:
             real = torch.arange(rows, device=lengths.device) < (rows if num_rows is None else num_rows)  # [B]
-            checks.lengths_device(op, lengths, row_len, num_rows)
+            found = _checks.DeviceChecks()  # the microbatch's checks, checked once below
+            checks.lengths_device(op, lengths, row_len, num_rows, into=found)
             if group_checks is not None:
                 prefix, _, leader, mismatch = group_checks
-                checks.prefix_lengths_device(op, lengths, prefix, leader, mismatch, real)
+                checks.prefix_lengths_device(op, lengths, prefix, leader, mismatch, real, into=found)
             else:
                 checks.tree_device(op, lengths, tree_checks[1], branch_at, tree_checks[0], real, nodes.used,
-                                   capacity)
-            checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to")
+                                   capacity, into=found)
+            checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to", into=found)
         layout = layout_from_lengths(slot_lengths, row_len, spec, num_rows=slot_rows, validate=validate,
-                                     host_reads=False, op=op)
+                                     host_reads=False, op=op, into=found if validate else None)
+        if validate:
+            found.check()  # the rollouts' checks, then the slots' layout's: one check on the device
     seg = layout.segment_ids()  # [T]
     offset = torch.arange(layout.total, device=seg.device) - layout.bounds()[seg]  # [T]
     read = nodes.owner.clamp(max=max(rows - 1, 0)) * row_len + nodes.begin  # [N+1]: a node's first token in [B*S]

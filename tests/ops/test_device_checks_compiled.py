@@ -11,6 +11,7 @@ lives on (inductor's C++ kernels once threw inside their OpenMP parallel region,
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,52 @@ def test_eager_device_assert_raises_the_message_and_reduces_to_one_flag():
         _checks.device_assert(torch.tensor([True, False, True]), "nn_data.test: no")
     _checks.device_assert(torch.ones(2, 3, dtype=torch.bool), "nn_data.test: never")
     _checks.device_assert(torch.zeros(0, dtype=torch.bool), "nn_data.test: never")  # no element: holds
+
+
+def test_the_checks_of_a_call_are_one_check_naming_the_first_that_failed():
+    found = _checks.DeviceChecks()
+    found.add(torch.tensor([True, True]), "nn_data.test: first")
+    found.add(torch.tensor(False), "nn_data.test: second")
+    found.add(torch.tensor(False), "nn_data.test: third")
+    with pytest.raises(RuntimeError, match=r"^nn_data.test: second$"):
+        found.check()
+    _checks.DeviceChecks().check()  # no check: nothing runs
+
+
+@pytest.mark.compile
+def test_a_compiled_pack_and_shard_makes_one_device_check_call():
+    """Pack + CP shard on the pack's travelling layout (m 4, T 32, C 2: the segments split into 2C by
+    configuration): the pack's data checks fold into one call, the shard adds none; the pack's scatter and the
+    shard's gather are one generated kernel, at most 4 in all; a failure still names the check that failed
+    (the second of the two here: the packed total)."""
+    from nn_data import PackSequences, ShardForContextParallel
+
+    pack, shard = PackSequences(4, pad_full_seq_to=32), ShardForContextParallel(2, 1)
+
+    def pack_shard(x, lengths):
+        r = pack(x, lengths)
+        return shard(r.packed, layout=r.layout)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(pack_shard, fullgraph=True, dynamic=False, backend=counter)
+    x = torch.arange(1, 41).view(4, 10)
+    lengths = torch.tensor([3, 10, 0, 7])
+    out, code = run_and_get_code(compiled, x, lengths)
+    assert torch.equal(out, pack_shard(x, lengths))
+    call = "\n".join(code).split("def call(self, args)")[1]
+    assert call.count("torch.ops.nn_data.device_check.default(") == 1
+    kernels = re.findall(r"^\s*(cpp_fused_\w+)\(", call, flags=re.M)
+    # the lengths' checks | the cu_seqlens checks | the zigzag pieces | one pass over the tokens that packs and shards
+    assert len(kernels) <= 4, kernels
+    assert [k for k in kernels if "index_put" in k and "index_select" in k], kernels  # pack and shard fused
+    with pytest.raises(RuntimeError, match=r"every seq_lengths value must be in \[0, S\]"):
+        compiled(x, torch.tensor([3, 11, 0, 7]))
+    with pytest.raises(RuntimeError, match=r"the packed total sum\(round_up\(seq_lengths, m\)\) exceeds "
+                                           r"pad_full_seq_to=32"):
+        compiled(x, torch.tensor([10, 10, 10, 10]))  # 4 * 12 = 48 > 32
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
 
 
 _THREADS = r'''

@@ -255,3 +255,37 @@ def test_shard_and_unshard_compile_alone_once_per_stream():
         assert torch.equal(out[:rows], torch.where(torch.arange(S) < lengths[:, None], x, 0))
     assert [c.frame_count for c in counters] == [1, 1, 1]
     torch._dynamo.reset()
+
+
+def test_a_host_layout_entering_a_compiled_region_runs_on_the_device_executor(monkeypatch):
+    """The executor is chosen once, where a travelling host layout enters the traced region (an op's
+    ``layout=`` door, or the layout's own method): no host executor method runs while tracing, and the
+    compiled moves equal the eager ones. (Dynamo's eager backend: what is traced is the point here.)"""
+    from nn_data.layout import host
+
+    traced = []
+    for name in ("pack", "shard", "unshard", "unpack"):
+        real = getattr(host.HostExecutor, name)
+
+        def recording(self, *args, _real=real, _name=name, **kwargs):
+            traced.append((_name, torch.compiler.is_compiling()))
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(host.HostExecutor, name, recording)
+    lengths = torch.tensor([5, 0, 24, 13])
+    x = coded_batch(lengths, S)
+    r = PackSequences(M, pad_full_seq_to=T)(x, lengths)
+    assert isinstance(r.layout.executor, host.HostExecutor)
+    shard, unpack = ShardForContextParallel(C, 1), UnpackSequences(S)
+
+    def moves(packed, layout):
+        local = shard(packed, layout=layout)  # [1, T/C]: the op's door
+        return local, layout.shard(packed, C, 1), unpack(packed, layout=layout), layout.pack(x)  # the methods
+
+    eager = moves(r.packed, r.layout)
+    traced.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(moves, backend="eager", fullgraph=True)(r.packed, r.layout)
+    assert [t for t in traced if t[1]] == []
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()

@@ -14,6 +14,7 @@ import ast
 import inspect
 import io
 import re
+import textwrap
 import tokenize
 import warnings
 from pathlib import Path
@@ -488,7 +489,7 @@ def test_one_executor_protocol_chosen_in_one_place():
     assert PackLayout._fields[-1] == "executor" and len(PackLayout._fields) <= 7, PackLayout._fields
     text = _code_only((PKG / "layout" / "pack_layout.py").read_text())
     for op in EXECUTOR_OPS:
-        assert text.count(f"self.executor.{op}(self, ") == 1, op
+        assert text.count(f"layout.executor.{op}(layout, ") == 1, op
     callers = {}
     for path in PKG.rglob("*.py"):
         text = _code_only(path.read_text())
@@ -497,8 +498,24 @@ def test_one_executor_protocol_chosen_in_one_place():
         if re.search(r"\bgather_pack\(", text):
             callers.setdefault(str(path.relative_to(ROOT)), set()).add("gather_pack")
     assert callers == {"nn_data/layout/build.py": {"executor"}, "nn_data/layout/host.py": {"executor"},
+                       "nn_data/layout/pack_layout.py": {"executor"},
                        "nn_data/layout/device.py": {"executor", "gather_pack"},
                        "nn_data/layout/tree.py": {"gather_pack"}}, callers
+
+
+def test_the_executor_is_chosen_once_not_inside_its_methods():
+    """No executor method asks whether ``torch.compile`` is tracing: a host layout entering a traced region
+    becomes a device layout once, in ``pack_layout.entered``, which the op door (``take_layout``) and the
+    layout's own methods call."""
+    import inspect
+
+    from nn_data.layout import device, host
+
+    for executor in (host.HostExecutor, device.DeviceExecutor):
+        for op in EXECUTOR_OPS:
+            source = textwrap.dedent(inspect.getsource(getattr(executor, op)))
+            assert "is_compiling" not in _code_only(source), (executor, op)
+    assert "entered(layout)" in _code_only((PKG / "layout" / "build.py").read_text())
 
 
 def test_no_module_global_changes_what_compiles():
