@@ -8,17 +8,24 @@ Shape legend
 Before the first packed microbatch trains, :func:`check_packing` runs a small packed microbatch of
 random ids (its own ``torch.Generator``; the caller's RNG state is restored) through the wrapped model
 itself, the model under ``torch.no_grad`` (:func:`runner`) and in eval mode (each module's mode restored
-after), and compares:
+after), and judges the documents it leaves untouched (all but the first and the last):
 
-* **tokens** (no tolerance): the same microbatch with the first and the last documents' tokens
-  re-drawn must leave every other document's outputs bit-identical (same shapes, so the same kernels:
-  any path from one document's tokens to another's outputs shows, in any dtype);
-* **positions** (to the dtype's rounding): the documents in reverse order (same row, each one at
-  another offset) must give each document's outputs (a model taking positions from the row fails);
+* **other tokens** (the same shapes): every token of the first and last documents changed to another id must
+  leave the untouched documents' outputs within the model's own noise: :data:`NOISE` times its run-to-run
+  spread (the same microbatch again, its inputs at other addresses) or :data:`SAME_ULPS` epsilons of the
+  output's own dtype at their scale, the larger (a kernel whose rounding of a row depends on the other rows);
+* **other offsets, lengths and count**: the untouched documents reversed at the start of the row, the changed
+  ones cut into more documents of other lengths (:func:`_regrouped`), to the rounding of another summation
+  order (:func:`~nn_data.model_locate.tolerance`: float32's epsilon at least, for the float32 steps inside
+  float64 and bf16 models): positions from the row, or a path through the other documents' lengths or count;
 * **the model's own path**, where the adapter has one (``reference(input_ids [1, L]) -> [1, L, *]``:
   :class:`~nn_data.adapters.HFCausalLMAdapter` runs the plain model, its own attention function,
   windows and mixers, unpacked): the longest document, which starts mid-row, against its run there
-  (to the dtype's rounding).
+  (to the same rounding).
+
+A path between documents is judged on changes made large on purpose (every token, the lengths, the count), so
+it moves the untouched outputs by its own strength, far above the rounding an exact model shows: the verdict
+does not hinge on a tolerance near rounding (docs/models.md, "Why an exact model passes").
 
 Document lengths come from the model: past every window or convolution its configs and modules declare
 and past the rotary original length where one is set (:func:`document_lengths`), capped at
@@ -415,7 +422,7 @@ class ModelGuard:
     True, the default): :func:`check_packing` on the first call, and again on any call that finds the
     model's :func:`~nn_data.model_identity.fingerprint` changed, each time after the adapter's
     ``revalidate()`` (its allow-list, where it has one); an int ``N``: that, and every Nth microbatch also
-    :func:`verify_microbatch`. Nothing runs while compiling or inside the check's own calls.
+    :func:`verify_microbatch`, each turn with the next sequence changed and the one before it alone. Nothing runs while compiling or inside the check's own calls.
 
     Example::
 
