@@ -263,15 +263,17 @@ def check_packing(wrapped, *, device: torch.device, run, row_width: int = 0) -> 
         other = other.to(device)
         moved = _regrouped(wrapped, base, other, kept, changed, same_shapes)
         out = run(base.ids, base.lens)  # [k, S, *]
-        verdict, detail = _compare(run, base.ids, other, base.lens, out, kept, model, lengths,
-                                   split=getattr(wrapped, "cp_size", 1) > 1)
+        out_moved = run(moved.ids, moved.lens)  # [k', S, *]: other tokens, offsets, lengths and count at once
+        moved_diff = max(_max_diff(out_moved[r, :n], out[j, :n]) for r, (j, n) in
+                         enumerate(zip(moved.docs, moved.lengths)) if j in kept)
+        verdict, detail = 0, ""
+        if moved_diff > rounding(out[kept], SAME_ULPS, islands=False):  # which change moved them: the tokens alone?
+            verdict, detail, spread = _compare(run, base.ids, other, base.lens, out, kept, model, lengths,
+                                               split=getattr(wrapped, "cp_size", 1) > 1)
+            allowed = max(tolerance(out), NOISE * spread)
+            if verdict == 0 and moved_diff > allowed:
+                verdict, detail = 2, f"max |difference| {moved_diff:.3g}, allowed {allowed:.3g}"
         verdict = agree(verdict, wrapped, out.device)  # every rank takes the next step together
-        if verdict == 0:
-            out_moved = run(moved.ids, moved.lens)  # [k', S, *]
-            diff = max(_max_diff(out_moved[r, :n], out[j, :n]) for r, (j, n) in
-                       enumerate(zip(moved.docs, moved.lengths)) if j in kept)
-            if diff > tolerance(out):
-                verdict, detail = 2, f"max |difference| {diff:.3g}, allowed {tolerance(out):.3g}"
         reference = getattr(model, "reference", None)
         if verdict == 0 and callable(reference):
             with torch.no_grad():
@@ -292,29 +294,30 @@ other documents' tokens moves the rounding of the kept ones there, without a pat
 
 
 def _compare(run, ids, other, lens, out, kept, model=None, lengths=None, split=False) -> tuple:
-    """The tokens comparison (the same shapes, other documents' tokens changed): ``(0, "")`` when the kept
+    """The tokens comparison (the same shapes, other documents' tokens changed): ``(0, "", spread)`` when the kept
     documents' outputs stay within the model's own noise (:data:`NOISE` times the spread of the same input run again
     at other addresses, or :data:`SAME_ULPS` epsilons of the output's dtype at the kept outputs' scale, the larger),
     or within the rounding where the first layer whose bits move is a routed one (:data:`ROUTED`); else
-    ``(1, detail)``."""
+    ``(1, detail, spread)``; ``spread``: the model's run-to-run spread (0 when nothing moved: not measured)."""
     out_other = run(other, lens)
     diff = _max_diff(out_other[kept], out[kept])
     if diff == 0:
-        return 0, ""
+        return 0, "", 0.0
     spread = _max_diff(run(_elsewhere(ids), _elsewhere(lens)), out)  # the model's own run-to-run spread
     floor = rounding(out[kept], SAME_ULPS, islands=False)
     bound = max(NOISE * spread, floor)
     if diff <= bound:
-        return 0, ""
+        return 0, "", spread
     if model is not None and diff <= tolerance(out):
         index, labels = first_difference(model, lambda: run(ids, lens), lambda: run(other, lens), docs=kept,
                                          exact=True, lengths_a=lengths)
         if index is not None and ROUTED.search(labels[index].split("(")[-1]):
-            return 0, ""
+            return 0, "", spread
         if index is None and split:  # this rank's tokens did not move: the ranks that hold them judge
-            return 0, ""
+            return 0, "", spread
+    dtype = str(out.dtype).replace("torch.", "")
     return 1, (f"max |difference| {diff:.3g}, allowed {bound:.3g}: {NOISE} x its own run-to-run spread of "
-               f"{spread:.3g}, or {SAME_ULPS} {str(out.dtype).replace('torch.', '')} epsilons at its scale")
+               f"{spread:.3g}, or {SAME_ULPS} {dtype} epsilons at its scale"), spread
 
 
 def agree(verdict: int, wrapped, device: torch.device) -> int:
@@ -396,8 +399,8 @@ def verify_microbatch(wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tenso
         other = input_ids.clone()
         head = input_ids[changed, : lengths[changed]]
         other[changed, : lengths[changed]] = torch.where(head > 0, head - 1, 1)  # other ids, inside the vocabulary
-        verdict, detail = _compare(run, input_ids, other, seq_lengths, out, kept, wrapped.model, lengths,
-                                   split=getattr(wrapped, "cp_size", 1) > 1)
+        verdict, detail, _ = _compare(run, input_ids, other, seq_lengths, out, kept, wrapped.model, lengths,
+                                      split=getattr(wrapped, "cp_size", 1) > 1)
         detail = f"row {changed} changed: {detail}" if verdict else detail
         verdict = agree(verdict, wrapped, out.device)  # every rank takes the next step together
         if verdict == 0:
