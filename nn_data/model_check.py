@@ -10,12 +10,14 @@ random ids (its own ``torch.Generator``; the caller's RNG state is restored) thr
 itself, the model under ``torch.no_grad`` (:func:`runner`) and in eval mode (each module's mode restored
 after), and judges the documents it leaves untouched (all but the first and the last):
 
-* **other tokens** (the same shapes): every token of the first and last documents changed to another id must
-  leave the untouched documents' outputs within the model's own noise: :data:`NOISE` times its run-to-run
-  spread (the same microbatch again, its inputs at other addresses) or :data:`SAME_ULPS` epsilons of the
-  output's own dtype at their scale, the larger (a kernel whose rounding of a row depends on the other rows);
-* **other offsets, lengths and count**: the untouched documents reversed at the start of the row, the changed
-  ones cut into more documents of other lengths (:func:`_regrouped`), to the rounding of another summation
+* **other offsets, tokens, lengths and count** (one run, :func:`_regrouped`): the untouched documents reversed
+  at the start of the row, every token of the first and last changed to another id and cut into more documents
+  of other lengths; untouched outputs within :data:`SAME_ULPS` epsilons of the output's own dtype at their
+  scale pass at once (an exact model: this run alone);
+* **other tokens** (the same shapes), only when they moved more: only the changed documents' tokens changed
+  must leave the untouched outputs within the model's own noise, :data:`NOISE` times its run-to-run spread (the
+  same microbatch again, its inputs at other addresses) or the rounding above, the larger (a kernel whose
+  rounding of a row depends on the other rows); if so, the first run within the rounding of another summation
   order (:func:`~nn_data.model_locate.tolerance`: float32's epsilon at least, for the float32 steps inside
   float64 and bf16 models): positions from the row, or a path through the other documents' lengths or count;
 * **the model's own path**, where the adapter has one (``reference(input_ids [1, L]) -> [1, L, *]``:
