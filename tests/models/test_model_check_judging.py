@@ -162,8 +162,8 @@ class _DataTriggeredMix(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("source", ["first", "last"])
-def test_verify_1_catches_a_data_triggered_mix_in_either_direction_within_4_microbatches(source):
+@pytest.mark.parametrize("source, refused_at", [("first", 1), ("last", 2)])
+def test_verify_1_catches_a_data_triggered_mix_in_either_direction_within_4_microbatches(source, refused_at):
     gen = torch.Generator().manual_seed(1)
     wrapped = PackedForward(_DataTriggeredMix(source), verify=1)
     calls = 0
@@ -172,7 +172,7 @@ def test_verify_1_catches_a_data_triggered_mix_in_either_direction_within_4_micr
             ids, lens = batch(vocab=50, lengths=[24, 9, 14, 22], seed=int(torch.randint(0, 1000, (), generator=gen)))
             ids[0, 0] = ids[-1, 0] = TRIGGER  # the data that triggers the mix, at both ends
             wrapped(ids, lens)
-    assert 1 <= calls <= 4
+    assert calls == refused_at  # first into last: the first changed; last into first: the first alone, next
 
 
 def test_verify_turns_through_the_sequences():
