@@ -3,7 +3,8 @@
 How the packing check (nn_data.model_check) judges: against the model's own noise and its dtype. Exact models
 pass whatever their first microbatch is (every edge shape, float32 and bf16, 1 and 2 threads); a model with one
 float32 epsilon of run-to-run noise passes in every fresh wrapper and the same model mixing documents by 1e-6 of
-its scale is refused in every one; float64 and float32 mixes far below float32's rounding (through other documents'
+its scale is refused in every one; a deterministic model whose rounding depends on the whole row passes;
+float64 and float32 mixes far below float32's rounding (through other documents'
 tokens, or through their count) are refused; verify=N looks in both directions.
 """
 
@@ -103,6 +104,20 @@ def _count_mix(relative):
         sequences = (bounds[1:] > bounds[:-1]).sum()
         return logits + relative * model.scale * sequences.to(logits.dtype)
     return extra
+
+
+def _rounded_by_row(model, logits, input_ids, packed):
+    """Deterministic and exact, but each value's rounding depends on the whole row (as a matrix product's blocking
+    or kernel choice can): ``(logits + t) - t`` with ``t`` up to 0.35 of the scale chosen by the row's ids, about one
+    epsilon of the scale off ``logits``, differently for another row."""
+    t = model.scale * (0.1 + 0.02 * (input_ids.sum() % 13)).to(logits.dtype)
+    return (logits + t) - t
+
+
+def test_a_deterministic_model_whose_rounding_depends_on_the_row_passes():
+    ids, lens = batch(vocab=50)
+    for seed in range(5):
+        PackedForward(_Head(_rounded_by_row, seed=seed))(ids, lens)
 
 
 def test_one_epsilon_of_run_to_run_noise_is_never_refused():
