@@ -197,26 +197,27 @@ class Microbatch(NamedTuple):
 def _regrouped(wrapped, base: Microbatch, other: torch.Tensor, kept: list, changed: list,
                same_shapes: bool) -> Microbatch:
     """The kept documents in reverse order at the start of the row (each at another offset), then the changed
-    documents' re-drawn tokens (``other``) cut into up to :data:`PIECES` documents of other lengths (more documents,
-    the same packed total where the padding allows; as many rows as fit the row capacity and ``pad_full_seq_to``).
-    ``same_shapes`` (a model the caller compiled): the changed documents as they were, after the kept ones.
+    documents' re-drawn tokens (``other``) cut into up to :data:`PIECES` documents of other lengths: more
+    documents in the same padded tokens, so the packed total ``T`` stays (no new shape for a kernel compiled
+    per ``T``), as many rows as the row capacity holds. ``same_shapes`` (a model the caller compiled): the
+    changed documents as they were, after the kept ones.
 
-    Example: lengths ``[4, 16, 9, 15]``, kept ``[1, 2]`` -> ``[9, 16, 4, 3, 3, 3, 3, 3]``, docs ``[2, 1, 4, ..., 9]``.
+    Example: lengths ``[4, 16, 9, 15]``, m 1, kept ``[1, 2]`` -> ``[9, 16, 4, 3, 3, 3, 3, 3]``, docs
+    ``[2, 1, 4, ..., 9]``; m 4: the changed documents' 20 padded tokens as 5 blocks of 4 -> ``[9, 16, 4, 3, 2, 1, 4]``.
     """
-    stream = torch.cat([other[j, : base.lengths[j]] for j in changed])  # [N]: the changed documents' tokens
-    total = stream.shape[0]
-    pack = getattr(wrapped, "pack", None)
-    multiple, fixed = getattr(pack, "m", 1), getattr(pack, "pad_full_seq_to", None)
-    rows = wrapped.row_capacity
-    width = base.ids.shape[1]
+    multiple = getattr(getattr(wrapped, "pack", None), "m", 1)
+    rows, width = wrapped.row_capacity, base.ids.shape[1]
     front = [base.lengths[j] for j in kept[::-1]]
     pieces = [base.lengths[j] for j in changed]
+    blocks = sum(round_up(base.lengths[j], multiple) for j in changed) // multiple  # their padded tokens / m
     for count in range(1 if same_shapes else PIECES + len(changed) - 1, len(changed), -1):
-        cut = [total // count + (i < total % count) for i in range(count)]  # [4, 3, 3, 3, 3, 3] for 19 in 6
-        fits = fixed is None or sum(round_up(n, multiple) for n in front + cut) <= fixed
-        if min(cut) > 0 and max(cut) <= width and fits and (rows is None or len(front) + count <= rows):
+        sizes = [(blocks // count + (i < blocks % count)) * multiple for i in range(count)]  # padded, same sum
+        cut = [size - i % multiple for i, size in enumerate(sizes)]  # each rounds up to its size again
+        if count <= blocks and max(cut) <= width and (rows is None or len(front) + count <= rows):
             pieces = cut
             break
+    stream = torch.cat([other[j, : base.lengths[j]] for j in changed])  # [N]: the changed documents' tokens
+    stream = stream.repeat(-(-sum(pieces) // max(stream.shape[0], 1)))  # as many as the pieces take
     lengths = front + pieces
     ids = torch.zeros(len(lengths), width, dtype=base.ids.dtype, device=base.ids.device)
     for r, j in enumerate(kept[::-1]):
