@@ -8,17 +8,26 @@ Shape legend
 Before the first packed microbatch trains, :func:`check_packing` runs a small packed microbatch of
 random ids (its own ``torch.Generator``; the caller's RNG state is restored) through the wrapped model
 itself, the model under ``torch.no_grad`` (:func:`runner`) and in eval mode (each module's mode restored
-after), and compares:
+after), and judges the documents it leaves untouched (all but the first and the last):
 
-* **tokens** (no tolerance): the same microbatch with the first and the last documents' tokens
-  re-drawn must leave every other document's outputs bit-identical (same shapes, so the same kernels:
-  any path from one document's tokens to another's outputs shows, in any dtype);
-* **positions** (to the dtype's rounding): the documents in reverse order (same row, each one at
-  another offset) must give each document's outputs (a model taking positions from the row fails);
+* **other offsets, tokens, lengths and count** (one run, :func:`_regrouped`): the untouched documents reversed
+  at the start of the row, every token of the first and last changed to another id and cut into more documents
+  of other lengths; untouched outputs within :data:`SAME_ULPS` epsilons of the output's own dtype at their
+  scale pass at once (an exact model: this run alone);
+* **other tokens** (the same shapes), only when they moved more: only the changed documents' tokens changed
+  must leave the untouched outputs within the model's own noise, :data:`NOISE` times its run-to-run spread (the
+  same microbatch again, its inputs at other addresses) or the rounding above, the larger (a kernel whose
+  rounding of a row depends on the other rows); if so, the first run within the rounding of another summation
+  order (:func:`~nn_data.model_locate.tolerance`: float32's epsilon at least, for the float32 steps inside
+  float64 and bf16 models): positions from the row, or a path through the other documents' lengths or count;
 * **the model's own path**, where the adapter has one (``reference(input_ids [1, L]) -> [1, L, *]``:
   :class:`~nn_data.adapters.HFCausalLMAdapter` runs the plain model, its own attention function,
   windows and mixers, unpacked): the longest document, which starts mid-row, against its run there
-  (to the dtype's rounding).
+  (to the same rounding).
+
+A path between documents is judged on changes made large on purpose (every token, the lengths, the count), so
+it moves the untouched outputs by its own strength, far above the rounding an exact model shows: the verdict
+does not hinge on a tolerance near rounding (docs/models.md, "Why an exact model passes").
 
 Document lengths come from the model: past every window or convolution its configs and modules declare
 and past the rotary original length where one is set (:func:`document_lengths`), capped at
@@ -34,15 +43,25 @@ from __future__ import annotations
 
 import contextlib
 import re
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from nn_data.errors import PackingError
 from nn_data.layout import round_up
 from nn_data.model_identity import fingerprint
-from nn_data.model_locate import first_difference, tolerance
+from nn_data.model_locate import first_difference, rounding, tolerance
 
 CHECK_DOCS = 4  # documents of the check's microbatch
+PIECES = 5  # the changed documents are cut into up to this many more documents (other lengths and count)
+NOISE = 4
+"""A kept document may move by this many times the model's own run-to-run spread (the same microbatch run again,
+its inputs at other addresses): atomics on a GPU."""
+SAME_ULPS = 4
+"""... or by this many epsilons of the output's own dtype times the kept outputs' largest magnitude: a kernel whose
+rounding of one row depends on the other rows (a matrix product's blocking, alignment or the kernel chosen) moves a
+value by about one epsilon of it; a path between documents whose other tokens all changed moves it by far more."""
 MIN_DOC_TOKENS = 8
 MAX_DOC_TOKENS = 1024  # a window or rotary original length past this is not reached by the check
 SEED = 20_241
@@ -156,6 +175,61 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0  # sync: the check
 
 
+def _elsewhere(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` at another address (one element into a new buffer): the model's run-to-run spread includes
+    what its kernels' rounding takes from alignment."""
+    buffer = t.new_zeros(t.numel() + 1)
+    copy = buffer[1:].view(t.shape)
+    copy.copy_(t)
+    return copy
+
+
+class Microbatch(NamedTuple):
+    """One of the check's microbatches: ``ids [R, S]``, ``lens [R]``, their ``lengths`` as ints and ``docs``, the
+    document each row holds (the base microbatch's number for a kept one, a new number for a piece)."""
+
+    ids: torch.Tensor
+    lens: torch.Tensor
+    lengths: list
+    docs: list
+
+
+def _regrouped(wrapped, base: Microbatch, other: torch.Tensor, kept: list, changed: list,
+               same_shapes: bool) -> Microbatch:
+    """The kept documents in reverse order at the start of the row (each at another offset), then the changed
+    documents' re-drawn tokens (``other``) cut into up to :data:`PIECES` documents of other lengths: more
+    documents in the same padded tokens, so the packed total ``T`` stays (no new shape for a kernel compiled
+    per ``T``), as many rows as the row capacity holds. ``same_shapes`` (a model the caller compiled): the
+    changed documents as they were, after the kept ones.
+
+    Example: lengths ``[4, 16, 9, 15]``, m 1, kept ``[1, 2]`` -> ``[9, 16, 4, 3, 3, 3, 3, 3]``, docs
+    ``[2, 1, 4, ..., 9]``; m 4: the changed documents' 20 padded tokens as 5 blocks of 4 -> ``[9, 16, 4, 3, 2, 1, 4]``.
+    """
+    multiple = getattr(getattr(wrapped, "pack", None), "m", 1)
+    rows, width = wrapped.row_capacity, base.ids.shape[1]
+    front = [base.lengths[j] for j in kept[::-1]]
+    pieces = [base.lengths[j] for j in changed]
+    blocks = sum(round_up(base.lengths[j], multiple) for j in changed) // multiple  # their padded tokens / m
+    for count in range(1 if same_shapes else PIECES + len(changed) - 1, len(changed), -1):
+        sizes = [(blocks // count + (i < blocks % count)) * multiple for i in range(count)]  # padded, same sum
+        cut = [size - i % multiple for i, size in enumerate(sizes)]  # each rounds up to its size again
+        if count <= blocks and max(cut) <= width and (rows is None or len(front) + count <= rows):
+            pieces = cut
+            break
+    stream = torch.cat([other[j, : base.lengths[j]] for j in changed])  # [N]: the changed documents' tokens
+    stream = stream.repeat(-(-sum(pieces) // max(stream.shape[0], 1)))  # as many as the pieces take
+    lengths = front + pieces
+    ids = torch.zeros(len(lengths), width, dtype=base.ids.dtype, device=base.ids.device)
+    for r, j in enumerate(kept[::-1]):
+        ids[r] = base.ids[j]
+    start = 0
+    for r, n in enumerate(pieces, start=len(front)):
+        ids[r, :n] = stream[start:start + n]
+        start += n
+    lens = torch.tensor(lengths, device=base.lens.device)
+    return Microbatch(ids, lens, lengths, kept[::-1] + [len(base.lengths) + i for i in range(len(pieces))])
+
+
 def check_packing(wrapped, *, device: torch.device, run, row_width: int = 0) -> None:
     """Prove ``wrapped.model`` keeps packed documents apart (see the module docstring); raises
     :class:`PackingError` naming the model type, the first differing layer, the reason and the fix.
@@ -170,7 +244,8 @@ def check_packing(wrapped, *, device: torch.device, run, row_width: int = 0) -> 
     if device.type == "meta":  # no values to compare: nothing is proven, nothing is trained either
         return
     lengths = document_lengths(wrapped)
-    if row_width and compiled(wrapped.model):  # the caller's row length: no new graph for the check
+    same_shapes = bool(row_width) and compiled(wrapped.model)
+    if same_shapes:  # the caller's row length: no new graph for the check
         lengths = [min(n, row_width) for n in lengths]
     if len(lengths) < 2:  # a microbatch that holds one document cannot mix
         return
@@ -183,29 +258,36 @@ def check_packing(wrapped, *, device: torch.device, run, row_width: int = 0) -> 
         valid = torch.arange(width) < lens[:, None]  # [k, S]
         ids = torch.where(valid, torch.randint(0, vocab, (k, width), generator=gen), 0)  # [k, S]
         changed = [0, k - 1] if k > 2 else [0]
-        other = ids.clone()
-        other[changed] = torch.where(valid[changed], torch.randint(0, vocab, (len(changed), width), generator=gen), 0)
-        ids, other, lens = ids.to(device), other.to(device), lens.to(device)
-        out = run(ids, lens)  # [k, S, *]
         kept = [j for j in range(k) if j not in changed]
-        verdict, detail = _compare(run, ids, other, lens, out, kept, model, lengths,
-                                   split=getattr(wrapped, "cp_size", 1) > 1)
+        shift = torch.randint(1, max(vocab, 2), (k, width), generator=gen)  # every token of a changed document moves
+        other = torch.where(valid, (ids + shift) % max(vocab, 2), 0)
+        other[kept] = ids[kept]
+        base = Microbatch(ids.to(device), lens.to(device), lengths, list(range(k)))
+        other = other.to(device)
+        moved = _regrouped(wrapped, base, other, kept, changed, same_shapes)
+        out = run(base.ids, base.lens)  # [k, S, *]
+        out_moved = run(moved.ids, moved.lens)  # [k', S, *]: other tokens, offsets, lengths and count at once
+        moved_diff = max(_max_diff(out_moved[r, :n], out[j, :n]) for r, (j, n) in
+                         enumerate(zip(moved.docs, moved.lengths)) if j in kept)
+        verdict, detail = 0, ""
+        if moved_diff > rounding(out[kept], SAME_ULPS, islands=False):  # which change moved them: the tokens alone?
+            verdict, detail, spread = _compare(run, base.ids, other, base.lens, out, kept, model, lengths,
+                                               split=getattr(wrapped, "cp_size", 1) > 1)
+            allowed = max(tolerance(out), NOISE * spread)
+            if verdict == 0 and moved_diff > allowed:
+                verdict, detail = 2, f"max |difference| {moved_diff:.3g}, allowed {allowed:.3g}"
         verdict = agree(verdict, wrapped, out.device)  # every rank takes the next step together
-        if verdict == 0:
-            moved = run(ids.flip(0), lens.flip(0)).flip(0)  # each document at another offset of the row
-            if _max_diff(moved, out) > tolerance(out):
-                verdict, detail = 2, f"max |difference| {_max_diff(moved, out):.3g}, allowed {tolerance(out):.3g}"
         reference = getattr(model, "reference", None)
         if verdict == 0 and callable(reference):
             with torch.no_grad():
-                alone = reference(ids[1:2, : lengths[1]])  # [1, L, *]: the model's own unpacked path
+                alone = reference(base.ids[1:2, : lengths[1]])  # [1, L, *]: the model's own unpacked path
             mine = out[1:2, : lengths[1]]
             if alone.shape != mine.shape or _max_diff(alone.to(mine.dtype), mine) > tolerance(alone):
                 diff = _max_diff(alone.to(mine.dtype), mine) if alone.shape == mine.shape else float("nan")
                 verdict, detail = 3, f"max |difference| {diff:.3g}, allowed {tolerance(alone):.3g}"
         verdict = agree(verdict, wrapped, out.device)
         if verdict:
-            layer = locate(wrapped, run, verdict, ids, other, lens, lengths, kept)
+            layer = locate(wrapped, run, verdict, base, other, moved, kept)
             raise refusal(model, layer, verdict, detail)
 
 
@@ -215,26 +297,30 @@ other documents' tokens moves the rounding of the kept ones there, without a pat
 
 
 def _compare(run, ids, other, lens, out, kept, model=None, lengths=None, split=False) -> tuple:
-    """The tokens comparison: ``(0, "")`` when the kept documents are bit-identical, or within the rounding
-    where the first layer whose bits move is a routed one (:data:`ROUTED`), or, for a model whose runs differ
-    from one another, within its own run-to-run spread; else ``(1, detail)``."""
+    """The tokens comparison (the same shapes, other documents' tokens changed): ``(0, "", spread)`` when the kept
+    documents' outputs stay within the model's own noise (:data:`NOISE` times the spread of the same input run again
+    at other addresses, or :data:`SAME_ULPS` epsilons of the output's dtype at the kept outputs' scale, the larger),
+    or within the rounding where the first layer whose bits move is a routed one (:data:`ROUTED`); else
+    ``(1, detail, spread)``; ``spread``: the model's run-to-run spread (0 when nothing moved: not measured)."""
     out_other = run(other, lens)
-    if torch.equal(out_other[kept], out[kept]):  # sync: the check
-        return 0, ""
-    again = run(ids, lens)
     diff = _max_diff(out_other[kept], out[kept])
-    if torch.equal(again, out):  # sync: the check; deterministic: a difference is a path between documents, or a routed layer
-        if model is not None and diff <= tolerance(out):
-            index, labels = first_difference(model, lambda: run(ids, lens), lambda: run(other, lens), docs=kept,
-                                             exact=True, lengths_a=lengths)
-            if index is not None and ROUTED.search(labels[index].split("(")[-1]):
-                return 0, ""
-            if index is None and split:  # this rank's tokens did not move: the ranks that hold them judge
-                return 0, ""
-        return 1, f"max |difference| {diff:.3g} where 0 is required"
-    spread = _max_diff(again, out)  # a nondeterministic model (atomics): its own spread, rounded up
-    return (0, "") if diff <= max(4 * spread, tolerance(out)) else (1, f"max |difference| {diff:.3g}, its own "
-                                                                       f"run-to-run spread {spread:.3g}")
+    if diff == 0:
+        return 0, "", 0.0
+    spread = _max_diff(run(_elsewhere(ids), _elsewhere(lens)), out)  # the model's own run-to-run spread
+    floor = rounding(out[kept], SAME_ULPS, islands=False)
+    bound = max(NOISE * spread, floor)
+    if diff <= bound:
+        return 0, "", spread
+    if model is not None and diff <= tolerance(out):
+        index, labels = first_difference(model, lambda: run(ids, lens), lambda: run(other, lens), docs=kept,
+                                         exact=True, lengths_a=lengths)
+        if index is not None and ROUTED.search(labels[index].split("(")[-1]):
+            return 0, "", spread
+        if index is None and split:  # this rank's tokens did not move: the ranks that hold them judge
+            return 0, "", spread
+    dtype = str(out.dtype).replace("torch.", "")
+    return 1, (f"max |difference| {diff:.3g}, allowed {bound:.3g}: {NOISE} x its own run-to-run spread of "
+               f"{spread:.3g}, or {SAME_ULPS} {dtype} epsilons at its scale"), spread
 
 
 def agree(verdict: int, wrapped, device: torch.device) -> int:
@@ -251,10 +337,13 @@ def agree(verdict: int, wrapped, device: torch.device) -> int:
 REASONS = {
     1: "the outputs of documents it did not change changed when other documents of the same packed row changed "
        "(tokens of one sequence reach another)",
-    2: "a document's outputs changed when it moved to another offset of the same packed row (it takes positions "
-       "from the row, not from the position ids)",
+    2: "a document's outputs changed when it moved to another offset of the same packed row, beside documents of "
+       "other lengths and count (it takes positions from the row, not from the position ids, or reads the other "
+       "documents' lengths or count)",
     3: "a document packed differs from the model's own unpacked run of it (what the adapter computes packed is "
        "not what this model computes: an attention function, window or mask of its own)",
+    4: "a sequence packed alone differs from the same sequence packed with the others (tokens of one sequence "
+       "reach another)",
 }
 
 
@@ -267,18 +356,16 @@ def refusal(model, layer: str, verdict: int, detail: str) -> PackingError:
         "exactness to you")
 
 
-def locate(wrapped, run, verdict, ids, other, lens, lengths, kept) -> str:
+def locate(wrapped, run, verdict, base: Microbatch, other, moved: Microbatch, kept) -> str:
     """The first module (in call order) whose output differs on the compared tokens, as ``'name' (Class)``;
     agreed over the CP group (the earliest any rank saw)."""
-    model = wrapped.model
+    model, ids, lens, lengths = wrapped.model, base.ids, base.lens, base.lengths
     if verdict == 1:
         found = first_difference(model, lambda: run(ids, lens), lambda: run(other, lens), docs=kept, exact=True,
                                  lengths_a=lengths)
     elif verdict == 2:
-        k = len(lengths)
-        found = first_difference(model, lambda: run(ids, lens), lambda: run(ids.flip(0), lens.flip(0)),
-                                 docs=list(range(k)), exact=False, lengths_a=lengths, lengths_b=lengths[::-1],
-                                 second_docs=[k - 1 - j for j in range(k)])
+        found = first_difference(model, lambda: run(ids, lens), lambda: run(moved.ids, moved.lens), docs=kept,
+                                 exact=False, lengths_a=lengths, lengths_b=moved.lengths, second_docs=moved.docs)
     else:
         found = first_difference(model, lambda: run(ids, lens),
                                  lambda: torch.no_grad()(model.reference)(ids[1:2, : lengths[1]]),
@@ -296,29 +383,34 @@ def locate(wrapped, run, verdict, ids, other, lens, lengths, kept) -> str:
     return names[index]
 
 
-def verify_microbatch(wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tensor, *, run) -> None:
-    """The caller's own microbatch checked as :func:`check_packing` checks its own (eval mode, no_grad,
-    RNG kept): the first sequence's tokens changed (each id one lower, 0 -> 1) must leave every other row bit-identical, and the last
-    non-empty sequence packed alone must give its row to the dtype's rounding. Three more forwards."""
+def verify_microbatch(wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tensor, *, run, turn: int = 0) -> None:
+    """The caller's own microbatch checked as :func:`check_packing` checks its own (eval mode, no_grad, RNG kept),
+    in both directions over the turns: of its ``n`` non-empty sequences, sequence ``turn % n`` gets other tokens
+    (each id one lower, 0 -> 1) and every other row must stay within the model's noise, and sequence
+    ``(turn - 1) % n`` packed alone must give its row to the rounding. Turn 0: the first changed, the last alone;
+    turn 1: the second changed, the first alone; ... so a path from any sequence into any other shows within
+    ``n`` verified microbatches, between the first and the last within 2. Three more forwards (four when the
+    outputs move and the model's spread is measured)."""
     lengths = seq_lengths.tolist()  # sync: a verified microbatch reads its lengths once
     docs = [b for b, n in enumerate(lengths) if n > 0]
     if len(docs) < 2:
         return
-    first, last = docs[0], docs[-1]
-    kept = docs[1:]
+    changed, single = docs[turn % len(docs)], docs[(turn - 1) % len(docs)]
+    kept = [b for b in docs if b != changed]
     with quiet(wrapped.model, input_ids.device):
         out = run(input_ids, seq_lengths)  # [B, S, *]
         other = input_ids.clone()
-        head = input_ids[first, : lengths[first]]
-        other[first, : lengths[first]] = torch.where(head > 0, head - 1, 1)  # other ids, inside the vocabulary
-        verdict, detail = _compare(run, input_ids, other, seq_lengths, out, kept, wrapped.model, lengths,
-                                   split=getattr(wrapped, "cp_size", 1) > 1)
+        head = input_ids[changed, : lengths[changed]]
+        other[changed, : lengths[changed]] = torch.where(head > 0, head - 1, 1)  # other ids, inside the vocabulary
+        verdict, detail, _ = _compare(run, input_ids, other, seq_lengths, out, kept, wrapped.model, lengths,
+                                      split=getattr(wrapped, "cp_size", 1) > 1)
+        detail = f"row {changed} changed: {detail}" if verdict else detail
         verdict = agree(verdict, wrapped, out.device)  # every rank takes the next step together
         if verdict == 0:
-            alone = run(input_ids[last:last + 1], seq_lengths[last:last + 1])  # [1, S, *]
-            if _max_diff(alone, out[last:last + 1]) > tolerance(out):
-                verdict = 2
-                detail = f"row {last} alone: max |difference| {_max_diff(alone, out[last:last + 1]):.3g}, " \
+            alone = run(input_ids[single:single + 1], seq_lengths[single:single + 1])  # [1, S, *]
+            if _max_diff(alone, out[single:single + 1]) > tolerance(out):
+                verdict = 4
+                detail = f"row {single} alone: max |difference| {_max_diff(alone, out[single:single + 1]):.3g}, " \
                          f"allowed {tolerance(out):.3g}"
         verdict = agree(verdict, wrapped, out.device)
         if verdict:
@@ -336,7 +428,7 @@ class ModelGuard:
     True, the default): :func:`check_packing` on the first call, and again on any call that finds the
     model's :func:`~nn_data.model_identity.fingerprint` changed, each time after the adapter's
     ``revalidate()`` (its allow-list, where it has one); an int ``N``: that, and every Nth microbatch also
-    :func:`verify_microbatch`. Nothing runs while compiling or inside the check's own calls.
+    :func:`verify_microbatch`, each turn with the next sequence changed and the one before it alone. Nothing runs while compiling or inside the check's own calls.
 
     Example::
 
@@ -353,7 +445,7 @@ class ModelGuard:
             every = verify
         else:
             raise PackingError(f"verify={verify!r} is invalid; expected {VERIFY_MODES}")
-        self.every, self.calls, self.seen, self.busy = every, 0, None, False
+        self.every, self.calls, self.turn, self.seen, self.busy = every, 0, 0, None, False
 
     def before(self, wrapped, input_ids: torch.Tensor) -> bool:
         """Run before a call's packing; returns whether :meth:`after` should verify this microbatch."""
@@ -373,9 +465,11 @@ class ModelGuard:
         return bool(self.every) and self.calls % self.every == 0
 
     def after(self, wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **model_kwargs) -> None:
-        """Verify this microbatch (:func:`verify_microbatch`)."""
+        """Verify this microbatch (:func:`verify_microbatch`), each time with the next sequence changed and the one
+        before it alone."""
         with self.running():
-            verify_microbatch(wrapped, input_ids, seq_lengths, run=runner(wrapped, **model_kwargs))
+            verify_microbatch(wrapped, input_ids, seq_lengths, run=runner(wrapped, **model_kwargs), turn=self.turn)
+        self.turn += 1
 
     @contextlib.contextmanager
     def running(self):

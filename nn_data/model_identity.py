@@ -1,8 +1,9 @@
 """A model's identity as the packing check and the adapters' allow-lists saw it: a cheap fingerprint.
 
 :func:`fingerprint` reads Python objects only (no tensor value, so no host-device sync): every module
-reachable from the model, by type and identity, with any ``forward`` set on the instance (a patched
-method) and the identity of its parameter and hook dicts (new when its ``__init__`` runs again); the attributes the adapters read on a module (:data:`MODULE_KEYS`: windows, causality, rotary
+reachable from the model, by type and identity, with the ``forward`` it runs (one set on the instance, else
+its class's: a method patched on either), its forward hooks (the handles registered on it and on every
+module) and the identity of its parameter and hook dicts (new when its ``__init__`` runs again); the attributes the adapters read on a module (:data:`MODULE_KEYS`: windows, causality, rotary
 types); the config values the allow-list reads (:data:`CONFIG_KEYS`, the selected attention
 implementation included); the rotary module's state (its frequency buffer's identity, its cached
 length); and, when transformers is imported, the function registered under the selected attention
@@ -45,8 +46,11 @@ def fingerprint(model: Any) -> tuple:
         for sub in module.modules():
             state = sub.__dict__
             # a module re-initialised in place (its __init__ run again) has new parameter and hook dicts
-            out += (type(sub), id(sub), id(state.get("forward")), id(state.get("_parameters")),
-                    id(state.get("_forward_pre_hooks")))
+            # the forward that runs: one set on the instance, else the class's (a class patched after wrapping);
+            # the hooks by their handles' ids (a hook registered since), the dicts by identity (a new __init__)
+            out += (type(sub), id(sub), id(state.get("forward") or getattr(type(sub), "forward", None)),
+                    id(state.get("_parameters")), id(state.get("_forward_pre_hooks")),
+                    tuple(state.get("_forward_pre_hooks") or ()), tuple(state.get("_forward_hooks") or ()))
             for key in MODULE_KEYS:
                 value = state.get(key)
                 if value is not None:
@@ -59,7 +63,8 @@ def fingerprint(model: Any) -> tuple:
                 out += tuple(id(buffers.get(name)) for name in _BUFFERS if name in buffers)
     for config in configs.values():
         out += _config_values(config)
-    return tuple(out)
+    hooks = nn.modules.module  # hooks registered for every module (register_module_forward_hook)
+    return tuple(out) + (tuple(hooks._global_forward_pre_hooks), tuple(hooks._global_forward_hooks))
 
 
 def _roots(model: Any) -> list:

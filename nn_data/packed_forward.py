@@ -106,7 +106,8 @@ class PackedForward(nn.Module):
 
     ``verify`` (:class:`~nn_data.model_check.ModelGuard`): ``True``/``"first"`` (default) proves the model
     keeps packed sequences apart on its first call (a small microbatch of its own, docs/models.md) and
-    again when the model changes; ``N`` also checks every Nth microbatch itself; ``False`` skips both.
+    again when the model changes; ``N`` also checks every Nth microbatch itself (a different sequence changed and
+    one alone each time: both directions); ``False`` skips both.
 
     Raises :class:`~nn_data.errors.PackingError` for a bad configuration (as the ops, plus the CP
     multiples above), when ``input_ids`` is not ``[B, S]`` or ``seq_lengths`` not a ``[B]`` integer

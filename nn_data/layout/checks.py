@@ -157,35 +157,47 @@ def natural_total_host(natural: int, m: int, fixed_total: Optional[int], name: s
 
 SHARED_TOTAL = ("the shared-prefix packed total (each group's prompt once, then every response, each slot rounded up "
                 "to m={m})")
+TREE_TOTAL = "the rollout tree's packed total (each shared token once, each node's slot rounded up to m={m})"
 
 
-def shared_total_host(natural: int, rollout_sum: int, m: int, fixed_total: Optional[int], name: str) -> None:
-    """A shared-prefix microbatch must fit the fixed packed length: ``natural`` is the slots' total
-    ``sum(round_up(slot, m))``, each group's prompt once, not the rollouts' own lengths (``rollout_sum``,
-    named beside it so the two are not confused).
+def _total_wording(tree: bool, m: int) -> tuple:
+    """(what the total is, what packs once, the planner that fits it) for a tree or a GRPO group's shared prompt."""
+    if tree:
+        return TREE_TOTAL.format(m=m), "each shared prefix is packed once", "plan_step_rollout_tree"
+    return SHARED_TOTAL.format(m=m), "each prompt is packed once", "plan_step_shared_prefix"
+
+
+def shared_total_host(natural: int, rollout_sum: int, m: int, fixed_total: Optional[int], name: str, *,
+                      tree: bool = False) -> None:
+    """A shared-prefix microbatch (``tree``: a rollout tree, else GRPO groups) must fit the fixed packed length:
+    ``natural`` is the slots' total ``sum(round_up(slot, m))``, each shared token once, not the rollouts' own
+    lengths (``rollout_sum``, named beside it so the two are not confused).
 
     Example: two rollouts of one group, P 20, L ``[30, 29]`` (sum 59), m 1 -> slots ``[20, 10, 0, 9]``,
     natural 39: ``pad_full_seq_to=32`` is refused, naming 39 and the fix.
     """
     if fixed_total is None or natural <= fixed_total:
         return
-    raise PackingError(f"{SHARED_TOTAL.format(m=m)} = {natural} exceeds {name}={fixed_total}; {name} must be at "
-                       f"least {natural} (the rollouts' own lengths sum to {rollout_sum}: each prompt is packed once), "
-                       "or split the microbatch (nn_data.planning.plan_step_shared_prefix plans microbatches that fit)")
+    what, once, planner = _total_wording(tree, m)
+    raise PackingError(f"{what} = {natural} exceeds {name}={fixed_total}; {name} must be at "
+                       f"least {natural} (the rollouts' own lengths sum to {rollout_sum}: {once}), "
+                       f"or split the microbatch (nn_data.planning.{planner} plans microbatches that fit)")
 
 
 @_folded
 def shared_total_device(op: str, slot_lengths: torch.Tensor, m: int, fixed_total: Optional[int], name: str, *,
-                        into: _checks.DeviceChecks) -> None:
+                        into: _checks.DeviceChecks, tree: bool = False) -> None:
     """:func:`shared_total_host` as a device assert: the value is not known without a read, so the message
     says how to compute it and the fix."""
     if fixed_total is None:
         return
+    what, _, planner = _total_wording(tree, m)
+    need = ("sum(round_up(slot, m)) over the tree's nodes (each shared prefix once)" if tree else
+            "sum(round_up(P, m)) over the groups + sum(round_up(L - P, m)) over the rollouts")
     natural = ((slot_lengths + m - 1) // m * m).sum()  # sum(round_up(slot, m)): slots [20, 10, 0, 9], m 4 -> 48
-    into.add(natural <= fixed_total, f"nn_data.{op}: {SHARED_TOTAL.format(m=m)} exceeds {name}="
-                          f"{fixed_total}; raise {name} to at least sum(round_up(P, m)) over the groups + "
-                          "sum(round_up(L - P, m)) over the rollouts, or split the microbatch "
-                          "(nn_data.planning.plan_step_shared_prefix plans microbatches that fit; an eager call names "
+    into.add(natural <= fixed_total, f"nn_data.{op}: {what} exceeds {name}="
+             f"{fixed_total}; raise {name} to at least {need}, or split the microbatch "
+             f"(nn_data.planning.{planner} plans microbatches that fit; an eager call names "
                           "the value)")
 
 

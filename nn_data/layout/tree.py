@@ -303,7 +303,8 @@ def _build(lengths, parent, branch_at, extra, row_len, spec, capacity, num_rows,
             else:
                 checks.tree_device(op, lengths, tree_checks[1], branch_at, tree_checks[0], real, nodes.used,
                                    capacity, into=found)
-            checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to", into=found)
+            checks.shared_total_device(op, slot_lengths, spec.m, spec.fixed_total, "pad_full_seq_to", into=found,
+                                       tree=group_checks is None)
         layout = layout_from_lengths(slot_lengths, row_len, spec, num_rows=slot_rows, validate=validate,
                                      host_reads=False, op=op, into=found if validate else None)
         if validate:
@@ -350,7 +351,7 @@ def _on_host(lengths, parent, branch_at, nodes, slot_lengths, slot_rows, num_row
         else:
             checks.tree_host(ints[0], ints[1], ints[2], flag_ints, n, used, slots)
         checks.shared_total_host(sum(round_up_all(slot_ints, spec.m)), sum(ints[0]), spec.m, spec.fixed_total,
-                                 "pad_full_seq_to")
+                                 "pad_full_seq_to", tree=group_checks is None)
     layout = layout_from_read_lengths(slot_ints, slot_lengths, row_len, spec, n_slots, validate=validate)
     return layout, ints[0], begin_ints
 

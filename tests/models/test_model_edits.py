@@ -232,7 +232,14 @@ def _edits():
         attn = m.model.layers[0].self_attn
         attn.forward = attn.forward
 
+    def class_forward(m):
+        LlamaMLP.forward = _shifted(LlamaMLP.forward)
+
     return {
+        "class forward patched": class_forward,
+        "hook registered": lambda m: m.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out),
+        "hook registered on every module": lambda m: nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: out),
         "sliding_window": lambda m: setattr(m.config, "sliding_window", 5),
         "layer_types in place": layer_types_in_place,
         "bidirectional": lambda m: setattr(m.config, "use_bidirectional_attention", True),
@@ -245,11 +252,30 @@ def _edits():
     }
 
 
-@pytest.mark.parametrize("edit", list(_edits()))
-def test_the_fingerprint_sees_each_edit_and_holds_across_calls(edit):
+def _shifted(forward):
+    """``forward`` with each token also seeing the previous token of the row (a path between packed sequences)."""
+    def mixing_forward(self, x):
+        return forward(self, x + F.pad(x, (0, 0, 1, 0))[:, :-1])
+    return mixing_forward
+
+
+@pytest.fixture
+def restored():
+    """Whatever a test patches on classes or registers globally is put back after it."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama.modeling_llama import LlamaMLP
 
+    forward, hooks = LlamaMLP.forward, dict(nn.modules.module._global_forward_hooks)
+    yield
+    LlamaMLP.forward = forward
+    nn.modules.module._global_forward_hooks.clear()
+    nn.modules.module._global_forward_hooks.update(hooks)
+    AttentionInterface.register("sdpa", sdpa_attention_forward)
+
+
+@pytest.mark.parametrize("edit", list(_edits()))
+def test_the_fingerprint_sees_each_edit_and_holds_across_calls(edit, restored):
     model = tiny_hf_model("llama")
     model.config.layer_types = ["full_attention", "full_attention"]
     wrapped = wrapped_hf(model)
@@ -258,11 +284,33 @@ def test_the_fingerprint_sees_each_edit_and_holds_across_calls(edit):
     seen = fingerprint(wrapped.model)
     wrapped(ids, lens)
     assert fingerprint(wrapped.model) == seen  # a call changes nothing it holds
-    try:
-        _edits()[edit](model)
-        assert fingerprint(wrapped.model) != seen
-    finally:
-        AttentionInterface.register("sdpa", sdpa_attention_forward)
+    _edits()[edit](model)
+    assert fingerprint(wrapped.model) != seen
+
+
+def test_a_class_forward_patched_after_some_calls_is_refused_on_the_next_call(restored):
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    model = tiny_hf_model("llama")
+    wrapped = wrapped_hf(model)
+    ids, lens = batch()
+    for _ in range(3):
+        wrapped(ids, lens)
+    LlamaMLP.forward = _shifted(LlamaMLP.forward)  # every LlamaMLP, the wrapped model's included
+    with pytest.raises(PackingError, match=rf"model_type='llama': layer 'model.model.layers.0.mlp' \(LlamaMLP\): "
+                                           rf"{TOKENS}.*{FIX}"):
+        wrapped(ids, lens)
+
+
+def test_a_hook_that_mixes_registered_after_wrapping_is_refused(restored):
+    model = tiny_hf_model("llama")
+    wrapped = wrapped_hf(model)
+    ids, lens = batch()
+    wrapped(ids, lens)
+    model.model.layers[1].mlp.register_forward_hook(lambda mod, args, out: out + F.pad(out, (0, 0, 1, 0))[:, :-1])
+    with pytest.raises(PackingError, match=rf"model_type='llama': layer 'model.model.layers.1.mlp' \(LlamaMLP\): "
+                                           rf"{TOKENS}.*{FIX}"):
+        wrapped(ids, lens)
 
 
 def test_the_fingerprint_reads_no_device_value():

@@ -147,8 +147,29 @@ def test_a_shared_prefix_microbatch_too_long_names_the_shared_total():
     wrapped = PackedForward(TinyCausalLM(vocab=VOCAB, dim=8, heads=2, layers=1), pad_full_seq_to=32)
     with pytest.raises(PackingError, match=r"the shared-prefix packed total \(each group's prompt once, then every "
                                            r"response, each slot rounded up to m=1\) = 39 exceeds pad_full_seq_to=32; "
-                                           r"pad_full_seq_to must be at least 39 \(the rollouts' own lengths sum to 59"):
+                                           r"pad_full_seq_to must be at least 39 \(the rollouts' own lengths sum to 59: "
+                                           r"each prompt is packed once\).*plan_step_shared_prefix"):
         wrapped(ids, lens, prefix_lengths=pre, group_ids=gid)
+
+
+def test_a_rollout_tree_too_long_names_the_trees_packed_total_and_its_planner():
+    """A root of 6 tokens, two children branching at 4 and one grandchild at 5: lengths [6, 7, 8, 9] (sum 30);
+    the tree holds 6 + 3 + 4 + 4 = 17 tokens, each shared one once; pad_full_seq_to=16 is refused naming 17."""
+    lens = torch.tensor([6, 7, 8, 9])
+    parent, branch_at = torch.tensor([-1, 0, 0, 2]), torch.tensor([0, 4, 4, 5])
+    ids = torch.randint(1, VOCAB, (4, 9), generator=torch.Generator().manual_seed(3))
+    for b in (1, 2):  # each child shares its parent's first 4 tokens
+        ids[b, :4] = ids[0, :4]
+    ids[3, :5] = ids[2, :5]
+    ids = torch.where(torch.arange(9) < lens[:, None], ids, 0)
+    wrapped = PackedForward(TinyCausalLM(vocab=VOCAB, dim=8, heads=2, layers=1), pad_full_seq_to=16)
+    with pytest.raises(PackingError, match=r"the rollout tree's packed total \(each shared token once, each node's "
+                                           r"slot rounded up to m=1\) = 17 exceeds pad_full_seq_to=16; "
+                                           r"pad_full_seq_to must be at least 17 \(the rollouts' own lengths sum to "
+                                           r"30: each shared prefix is packed once\).*plan_step_rollout_tree"):
+        wrapped(ids, lens, parent=parent, branch_at=branch_at)
+    PackedForward(TinyCausalLM(vocab=VOCAB, dim=8, heads=2, layers=1), pad_full_seq_to=17)(
+        ids, lens, parent=parent, branch_at=branch_at)  # 17 fits
 
 
 @pytest.mark.compile
