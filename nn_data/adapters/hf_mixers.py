@@ -99,7 +99,7 @@ def mixer_rows(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gathe
     if query_index is None:
         query_index = torch.arange(total, device=cu_seqlens_padded.device)  # [T]
     if prefix is not None and prefix.shared.shape[0] > 1:
-        return TreeMixer(tree_state.tree_steps(prefix, chunk), gather, query_index)
+        return TreeMixer(tree_state.tree_steps(prefix, chunk, cu_seqlens_padded.shape[0] - 1), gather, query_index)
     bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]: [0, T] when B = 0
     return MixerRows(segment_rows(bounds, total, width), gather, query_index)
 

@@ -4,7 +4,7 @@ its parent node's state at the branch point.
 Shape legend
     T   packed tokens (the whole row; under CP the adapter gathers it first)
     B   rollouts (``prefix.shared`` is ``[B+1, B+1]``)
-    c   slots per chunk (a Python int); Nc chunk rows (``min(T, T // c + 3B)``, a Python int)
+    c   slots per chunk (a Python int); N the layout's node slots; Nc chunk rows (``min(T, T // c + N)``)
     H   heads; K the state's key side (the gated delta rule's key dim, SSD's state size), V its value side
     k   a convolution's taps
 
@@ -23,8 +23,8 @@ first token, its parent's token at the branch point), from which everything here
   it). The parent's final state at the branch point is its last chunk's; gradients flow back through the
   same maps into the parent's tokens.
 
-Static shapes: ``Nc`` from ``T``, ``c`` and ``B`` (a node holds at most ``ceil(len / c)`` chunks and a tree
-of ``B`` rollouts at most ``3B`` nodes), no host read, any depth. Work: the projections and the
+Static shapes: ``Nc`` from ``T``, ``c`` and ``N`` (a node holds at most ``ceil(len / c)`` chunks; the layout
+holds at most ``N`` nodes, ``2B`` for a depth-1 tree, at most ``3B``), no host read, any depth. Work: the projections and the
 convolution on ``T`` tokens; the chunked recurrence on ``Nc * c`` slots (each node padded to a multiple of
 ``c``), plus the scan's ``[Nc, H, K, K]`` products (the gated delta rule also carries ``K`` identity
 columns beside its values, to read its transition ``M``).
@@ -58,11 +58,12 @@ class TreeSteps(NamedTuple):
     chunk_prev: torch.Tensor
 
 
-def tree_steps(prefix: PrefixRule, chunk: int) -> TreeSteps:
-    """The :class:`TreeSteps` of a tree row with chunks of ``chunk`` slots, on the device, no host read.
+def tree_steps(prefix: PrefixRule, chunk: int, nodes: int) -> TreeSteps:
+    """The :class:`TreeSteps` of a tree row with chunks of ``chunk`` slots and at most ``nodes`` nodes (the
+    layout's node slots), on the device, no host read.
 
     Example: rollouts ``[p p r0 r0 r1]`` (rollout 1 branches from rollout 0 at position 2; positions
-    ``[0,1,2,3,2]``), c 2 -> pred ``[5,0,1,2,1]`` (T = 5: none), chunks ``[p p] [r0 r0] [r1 -]``,
+    ``[0,1,2,3,2]``), c 2, N 4 -> pred ``[5,0,1,2,1]`` (T = 5: none), chunks ``[p p] [r0 r0] [r1 -]``,
     chunk_prev ``[3, 0, 0]`` (Nc = 3: none; both rollouts start from the prompt's chunk).
     """
     owner, position, real = prefix.rollout_ids, prefix.positions, prefix.visible  # [T] each
@@ -88,7 +89,7 @@ def tree_steps(prefix: PrefixRule, chunk: int) -> TreeSteps:
     node_start = torch.cummax(torch.where(starts, places, 0), dim=0).values  # [T]
     offset = places - node_start  # [T]: the token's place in its node
     new_chunk = real & (starts | (offset % chunk == 0))  # [T]
-    rows = min(total, total // chunk + 3 * rollouts) if total else 1
+    rows = max(1, min(total, total // chunk + nodes))
     chunk_id = torch.where(real, torch.cumsum(new_chunk.to(torch.int64), 0) - 1, rows).clamp(max=rows)  # [T]
     packed_slot = torch.where(chunk_id < rows, chunk_id * chunk + offset % chunk, rows * chunk)  # [T]
     source = torch.full((rows * chunk + 1,), total, dtype=torch.int64, device=device)
@@ -227,6 +228,15 @@ def gated_delta_forward(layer, hidden: torch.Tensor, steps: TreeSteps, delta_rul
     out = from_chunks(out, steps)  # [T, Hv, V]
     out = layer.norm(out.reshape(-1, vd), z.reshape(-1, vd)).reshape(1, -1, heads * vd)
     return layer.out_proj(out)
+
+
+def chunk_for(layer) -> int:
+    """Slots per chunk row for ``layer``: a Mamba-2 mixer's own ``chunk_size`` (its scan's block); a gated delta
+    net's key head size clamped into ``[16, DEFAULT_CHUNK]`` (the chunk's own work grows with ``c``, the scan's
+    ``K x K`` products with the number of chunks); a convolution reads no chunks."""
+    if hasattr(layer, "ssm_state_size"):
+        return int(layer.chunk_size)
+    return max(16, min(DEFAULT_CHUNK, int(getattr(layer, "head_k_dim", DEFAULT_CHUNK))))
 
 
 def tree_forward(layer, hidden: torch.Tensor, steps: TreeSteps) -> torch.Tensor:

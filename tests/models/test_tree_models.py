@@ -49,6 +49,18 @@ def test_hybrids_fork_each_node_from_its_parents_state(kind):
     assert result["out"] < out_tol and result["grad"] < 1e-4, result
 
 
+@pytest.mark.parametrize("kind", ["llama", "lfm2", "qwen3_next", "mamba2"])
+def test_a_tree_costs_its_tokens_in_every_layer(kind):
+    """torch's flop counter over the packed tree's forward / every rollout alone is at most 1.35 x the token
+    ratio + 0.02, on a GRPO group and a two-level tree (profiling/bench/bench_hybrid_trees.py; flop counts
+    are deterministic): recurrent and convolution layers compute each shared token once too."""
+    from profiling.bench.bench_hybrid_trees import grpo_group, two_level, work_ratio
+
+    for tree in (grpo_group(), two_level()):
+        tokens, work = work_ratio(kind, tree)
+        assert work <= 1.35 * tokens + 0.02, (kind, tokens, work)
+
+
 def test_the_call_takes_one_spelling():
     wrapped = PackedForward(lambda ids, pos, packed: ids[..., None].float(), pad_full_seq_to=8)
     ids, lens, one = torch.ones(2, 4, dtype=torch.int64), torch.tensor([4, 4]), torch.tensor([-1, 0])
