@@ -97,6 +97,34 @@ def test_compiled_packing_one_graph_each_side_and_no_host_sync_over_a_stream_of_
     torch._dynamo.reset()
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("kind", ["qwen3_next", "mamba2"])
+def test_a_compiled_hybrid_is_one_graph_over_a_stream_of_trees(kind):
+    """torch.compile(fullgraph=True) of the adapter around a hybrid, fed by the compiled packing under one
+    pad_full_seq_to: one graph for a stream of trees of depth 1 to 4 and different node counts, no host read
+    in a call after the first, every rollout equal to it alone (float32 steps: FLOAT32_STEP_TOL)."""
+    torch._dynamo.reset()
+    model = tiny_hf_model(kind, moe=False)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(HFCausalLMAdapter(model, mask_kind="dense"), backend=counter, fullgraph=True)
+    wrapped = PackedForward(compiled, pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=160, row_capacity=6,
+                            compile_packing=True, compile_kwargs={"backend": "aot_eager"}, verify=False)
+    syncs, worst = [], 0.0
+    with torch.no_grad():
+        for ids, lens, call, total in cases.tree_batches(4, cases.TREES + cases.TREES[:1]):
+            assert total <= 160
+            with HostSyncCounter() as counted:
+                out = wrapped(ids, lens, **call)
+            syncs.append(counted.count)
+            for b, n in enumerate(lens.tolist()):
+                if n:
+                    alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+                    worst = max(worst, float((out[b, :n] - alone).abs().max()))
+    torch._dynamo.reset()
+    assert counter.frame_count == 1 and worst < FLOAT32_STEP_TOL, (counter.frame_count, worst)
+    assert syncs[1:] == [0] * len(cases.TREES), syncs
+
+
 @pytest.mark.parametrize("compile_packing", [False, True], ids=["eager", "layout_rebuilt"])
 def test_head_outputs_through_packed_forward_equal_each_rollout_alone(compile_packing):
     """``prepare(ids, L, parent=, branch_at=)``, the model on the packed row, ``layout_of``, then
