@@ -15,7 +15,7 @@ Shape legend
 ``(..., prefix_lengths=P [B], group_ids=g [B])`` (the shared prompt) -> ``[B, S, *]``: the same model
 contract as the plain path, with ``packed.prefix`` (a :class:`SharedPrefixInfo`: the attention's
 :class:`~nn_data.masks.PrefixRule`, global ``[T]`` tensors; for the shared prompt also ``prefix_lengths`` /
-``leader``; layers that run one rollout per row take the rule: :func:`nn_data.adapters.hf_mixers.path_rows`),
+``leader``; recurrent and convolution layers take the rule: :mod:`nn_data.adapters.tree_state`),
 and position ids that continue along each path (``TreeLayout.positions``, this rank's places).
 """
 

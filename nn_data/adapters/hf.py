@@ -203,7 +203,7 @@ class HFCausalLMAdapter(nn.Module):
             hf_support.check_longrope(self.layers.model_type, self.longrope, packed)
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
-        prefix = packed.prefix  # a rollout-tree row: one rollout (its whole path) per row
+        prefix = packed.prefix  # a rollout-tree row: each node once, from its parent's state (tree_state)
         if self.layers.mixers:
             rows = hf_mixers.mixer_rows(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
                                         gather=packed.gather, query_index=packed.query_index,
