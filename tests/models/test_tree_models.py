@@ -61,6 +61,30 @@ def test_a_tree_costs_its_tokens_in_every_layer(kind):
         assert work <= 1.35 * tokens + 0.02, (kind, tokens, work)
 
 
+@pytest.mark.parametrize("kind, name", [("qwen3_next", "torch_chunk_gated_delta_rule"), ("mamba2", "mamba2_chunk_scan")])
+def test_the_tree_hands_the_models_own_chunked_function_its_states(kind, name, monkeypatch):
+    """The tree forward calls the model module's chunked function (the name transformers binds to
+    flash-linear-attention's or mamba-ssm's kernel where installed) with one initial state per chunk row and
+    asks for the final states; a stand-in recording the call delegates to the torch path."""
+    import sys
+
+    model = tiny_hf_model(kind, moe=False)
+    module = sys.modules[type(model).__module__]
+    original, calls = getattr(module, name), []
+
+    def stand_in(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, stand_in)
+    ids, lens, call, total = next(cases.tree_batches(2, cases.TREES[1:2]))
+    with torch.no_grad():
+        PackedForward(HFCausalLMAdapter(model), pad_full_seq_to=total, verify=False)(ids, lens, **call)
+    assert calls and all(kw.get("output_final_state", kw.get("return_final_states")) for kw in calls)
+    if kind == "qwen3_next":  # an identity beside a zero state per chunk row
+        assert all(kw["initial_state"].shape[0] > 1 for kw in calls)
+
+
 def test_the_call_takes_one_spelling():
     wrapped = PackedForward(lambda ids, pos, packed: ids[..., None].float(), pad_full_seq_to=8)
     ids, lens, one = torch.ones(2, 4, dtype=torch.int64), torch.tensor([4, 4]), torch.tensor([-1, 0])
