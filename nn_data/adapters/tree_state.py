@@ -24,10 +24,10 @@ first token, its parent's token at the branch point), from which everything here
   same maps into the parent's tokens.
 
 Static shapes: ``Nc`` from ``T``, ``c`` and ``N`` (a node holds at most ``ceil(len / c)`` chunks; the layout
-holds at most ``N`` nodes, ``2B`` for a depth-1 tree, at most ``3B``), no host read, any depth. Work: the projections and the
-convolution on ``T`` tokens; the chunked recurrence on ``Nc * c`` slots (each node padded to a multiple of
-``c``), plus the scan's ``[Nc, H, K, K]`` products (the gated delta rule also carries ``K`` identity
-columns beside its values, to read its transition ``M``).
+holds at most ``N`` nodes, ``2B`` for a depth-1 tree, at most ``3B``), no host read, any depth. Work: the
+projections and the convolution on ``T`` tokens; the chunked recurrence on ``Nc * c`` slots (each node padded to
+a multiple of ``c``), plus the scan's ``[Nc, H, K, K]`` products (the gated delta rule also carries ``K``
+identity columns beside its values, to read its transition ``M``).
 """
 
 from __future__ import annotations

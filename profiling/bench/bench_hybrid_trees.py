@@ -131,8 +131,9 @@ def wall_lines(kinds, prompt: int, group: int, rollout: int, reps: int) -> list:
             total.backward()
 
         times = time_side_by_side({"tree": packed, "alone": alone}, reps=reps)
-        lines.append(f"{kind}: " + ", ".join(f"{name} {t.median_s * 1e3:.1f} ms ({t.p10_s * 1e3:.1f}-{t.p90_s * 1e3:.1f})"
-                                             for name, t in times.items())
+        spans = (f"{name} {t.median_s * 1e3:.1f} ms ({t.p10_s * 1e3:.1f}-{t.p90_s * 1e3:.1f})"
+                 for name, t in times.items())
+        lines.append(f"{kind}: " + ", ".join(spans)
                      + f", alone / tree {times['alone'].median_s / times['tree'].median_s:.2f}x")
     return lines
 

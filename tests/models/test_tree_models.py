@@ -61,7 +61,8 @@ def test_a_tree_costs_its_tokens_in_every_layer(kind):
         assert work <= 1.35 * tokens + 0.02, (kind, tokens, work)
 
 
-@pytest.mark.parametrize("kind, name", [("qwen3_next", "torch_chunk_gated_delta_rule"), ("mamba2", "mamba2_chunk_scan")])
+@pytest.mark.parametrize("kind, name", [("qwen3_next", "torch_chunk_gated_delta_rule"),
+                                        ("mamba2", "mamba2_chunk_scan")])
 def test_the_tree_hands_the_models_own_chunked_function_its_states(kind, name, monkeypatch):
     """The tree forward calls the model module's chunked function (the name transformers binds to
     flash-linear-attention's or mamba-ssm's kernel where installed) with one initial state per chunk row and
