@@ -204,11 +204,11 @@ def _tree_back(out: torch.Tensor, mixer: TreeMixer) -> torch.Tensor:
     return out if mixer.gather is None else out.index_select(1, mixer.query_index)
 
 
-def _forward(slot: MixerSlot, module: nn.Module, original: Callable, *args, **kwargs):
-    """The layer's forward: its family's tree forward during a rollout-tree call, else its own."""
+def _forward(slot: MixerSlot, module: nn.Module, *args, **kwargs):
+    """The layer's forward: its family's tree forward during a rollout-tree call, else its class's own."""
     if isinstance(slot.mixer, TreeMixer):
         return tree_state.tree_forward(module, args[0], slot.mixer.steps)
-    return original(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
 
 
 def install(module: nn.Module, slot: MixerSlot) -> None:
@@ -218,6 +218,6 @@ def install(module: nn.Module, slot: MixerSlot) -> None:
     for hook in module._forward_pre_hooks.values():
         if isinstance(hook, functools.partial) and hook.func is _before and hook.args[0] is slot:
             return
-    module.forward = functools.partial(_forward, slot, module, module.forward)
+    module.forward = functools.partial(_forward, slot, module)  # (no bound method held: a deep copy stays its own)
     module.register_forward_pre_hook(functools.partial(_before, slot), with_kwargs=True)
     module.register_forward_hook(functools.partial(_after, slot), with_kwargs=True)
