@@ -43,7 +43,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from nn_data.adapters import hf_layers, hf_mixers, hf_support
+from nn_data.adapters import hf_layers, hf_mixers, hf_support, tree_state
 from nn_data.errors import PackingError
 from nn_data.layout.internal import segment_bounds
 from nn_data.masks import DocumentMask, document_attention, document_mask
@@ -171,6 +171,8 @@ class HFCausalLMAdapter(nn.Module):
         self.mixer_path = hf_layers.mixer_path(self.layers, self.mixers, _device_type(model))
         for _, module, _ in self.layers.mixers:
             hf_mixers.install(module, self._slot)  # no-ops outside this adapter's calls
+        self._tree_chunk = min((tree_state.chunk_for(m) for _, m, _ in self.layers.mixers),
+                               default=tree_state.DEFAULT_CHUNK)  # a rollout tree's chunk rows
         self._checked = False
         self._validated = fingerprint(model)
 
@@ -201,11 +203,11 @@ class HFCausalLMAdapter(nn.Module):
             hf_support.check_longrope(self.layers.model_type, self.longrope, packed)
         kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
         mixer = fallback = None
-        prefix = packed.prefix  # a rollout-tree row: one rollout (its whole path) per row
+        prefix = packed.prefix  # a rollout-tree row: each node once, from its parent's state (tree_state)
         if self.layers.mixers:
             rows = hf_mixers.mixer_rows(packed.cu_seqlens_padded, packed.segment_ids.shape[0], _row_width(packed),
                                         gather=packed.gather, query_index=packed.query_index,
-                                        prefix=None if prefix is None else prefix.rule)
+                                        prefix=None if prefix is None else prefix.rule, chunk=self._tree_chunk)
             per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None or prefix is not None
             mixer, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
         kernels = bool(self.layers.mixers) and mixer is None

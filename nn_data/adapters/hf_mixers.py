@@ -23,8 +23,12 @@ positions inside a segment are computed as part of it (they come after its valid
 past ``W`` in a segment (padding only, since ``W`` bounds every valid length) read 0.
 
 A rollout-tree row (every shared prefix packed once, ``packed.prefix``; a GRPO group's prompt is its
-depth-1 case) gets one row per rollout instead, its whole path (:func:`path_rows`), so the state
-carries from every shared node into each rollout's own tokens, as for the rollout run alone.
+depth-1 case) is not re-laid: the layer runs once over the packed row, each node's tokens once, every node
+starting from its parent node's state at the branch point (:mod:`nn_data.adapters.tree_state`: the
+convolution reads each token's predecessors on its path, the recurrence runs on chunk rows and hands each
+chunk its predecessor's final state). The layer's ``forward`` is switched for the family's tree forward
+during such a call only (:func:`install` wraps it), with the layer's own parameters and its own chunked
+function (transformers' torch path, or the installed kernel it dispatches to).
 
 The two index maps are computed once per microbatch on the device from the boundaries
 (:func:`nn_data.layout.index.segment_rows`): one ``index_select`` each way, no host read. Cost: the
@@ -49,6 +53,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
+from nn_data.adapters import tree_state
 from nn_data.errors import PackingError
 from nn_data.layout.internal import SegmentRows, segment_bounds, segment_rows
 from nn_data.masks import PrefixRule
@@ -71,11 +76,21 @@ class MixerRows(NamedTuple):
     query_index: torch.Tensor
 
 
+class TreeMixer(NamedTuple):
+    """One rollout-tree microbatch's :class:`~nn_data.adapters.tree_state.TreeSteps` (the whole row), the CP
+    ``gather`` (None without CP) and ``query_index [Tq]``."""
+
+    steps: tree_state.TreeSteps
+    gather: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    query_index: torch.Tensor
+
+
 def mixer_rows(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gather=None,
-               query_index: Optional[torch.Tensor] = None, prefix: Optional[PrefixRule] = None) -> MixerRows:
+               query_index: Optional[torch.Tensor] = None, prefix: Optional[PrefixRule] = None,
+               chunk: int = tree_state.DEFAULT_CHUNK):
     """The :class:`MixerRows` of a packed microbatch: boundaries ``[B+1]`` (``[T]`` for ``B = 0``),
-    ``total`` (T) and ``width`` (W, clamped into ``[1, T]``); with a rollout tree's ``prefix`` rule one row
-    per rollout, its whole path (:func:`path_rows`).
+    ``total`` (T) and ``width`` (W, clamped into ``[1, T]``); with a rollout tree's ``prefix`` rule its
+    :class:`TreeMixer` instead (chunks of ``chunk`` slots).
 
     Example: cu_seqlens_padded ``[0, 3, 8]``, T 8, W 5 -> rows ``[[0..4], [3..7]]`` (row 0's slots 3
     and 4 outside its segment).
@@ -84,34 +99,9 @@ def mixer_rows(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gathe
     if query_index is None:
         query_index = torch.arange(total, device=cu_seqlens_padded.device)  # [T]
     if prefix is not None and prefix.shared.shape[0] > 1:
-        return MixerRows(path_rows(prefix, total, width), gather, query_index)
+        return TreeMixer(tree_state.tree_steps(prefix, chunk, cu_seqlens_padded.shape[0] - 1), gather, query_index)
     bounds = segment_bounds(cu_seqlens_padded, total)  # [B'+1]: [0, T] when B = 0
     return MixerRows(segment_rows(bounds, total, width), gather, query_index)
-
-
-def path_rows(prefix: PrefixRule, total: int, width: int) -> SegmentRows:
-    """Row maps for a rollout-tree row: row ``q`` is rollout ``q`` as it runs alone, every real token on its
-    path at its position (``prefix.shared[q, rollout_ids[t]] > positions[t]``), zeros past its length. Back
-    to packed order a token reads its own rollout's row (the same values in every row below it); padding
-    reads 0. One scatter of ``[B, T]`` candidates, each (row, position) hit by exactly one token.
-
-    Example: the shared prompt of groups ``[7, 7]``, P ``[2, 2]``, L ``[4, 3]`` (packed ``[p p r0 r0 r1]``,
-    rollout_ids ``[0,0,0,0,1]``, positions ``[0,1,2,3,2]``), W 4 -> row_source ``[[0,1,2,3], [0,1,4,0]]``,
-    row_valid ``[[T,T,T,T], [T,T,T,F]]``, packed_source ``[0,1,2,3,6]``.
-    """
-    rollouts = prefix.shared.shape[0] - 1
-    owner, position, real = prefix.rollout_ids, prefix.positions, prefix.visible  # [T] each
-    places = torch.arange(total, device=owner.device)  # [T]
-    row = torch.arange(rollouts, device=owner.device)[:, None]  # [B, 1]
-    on_path = real & (position < width) & (position < prefix.shared[:rollouts].index_select(1, owner))  # [B, T]
-    slot = torch.where(on_path, row * width + position, rollouts * width)  # [B, T]: (row, position), or the dump
-    source = torch.zeros(rollouts * width + 1, dtype=torch.int64, device=owner.device)
-    source = source.scatter(0, slot.reshape(-1), places.expand(rollouts, total).reshape(-1))[:-1]  # [B*W]
-    valid = torch.zeros(rollouts * width + 1, dtype=torch.bool, device=owner.device)
-    valid = valid.scatter(0, slot.reshape(-1), on_path.reshape(-1))[:-1]  # [B*W]
-    packed_source = owner.clamp(max=rollouts - 1) * width + position.clamp(0, width - 1)  # [T]
-    return SegmentRows(source.view(rollouts, width), valid.view(rollouts, width), packed_source,
-                       real & (position < width))
 
 
 def to_rows(hidden: torch.Tensor, mixer: MixerRows) -> torch.Tensor:
@@ -193,6 +183,8 @@ def _before(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict):
         kwargs = dict(kwargs)
         hidden, rest = kwargs.pop("hidden_states"), ()
     kwargs = {k: v for k, v in kwargs.items() if k not in _PACKED_ONLY}
+    if isinstance(mixer, TreeMixer):  # the whole row to the tree forward (_forward)
+        return (hidden if mixer.gather is None else mixer.gather(hidden), *rest), kwargs
     return (to_rows(hidden, mixer), *rest), kwargs
 
 
@@ -201,15 +193,31 @@ def _after(slot: MixerSlot, module: nn.Module, args: tuple, kwargs: dict, output
     mixer = slot.mixer if slot.mixer is not None else kwargs.get(_ROWS_KWARG)
     if mixer is None:
         return None
+    back = _tree_back if isinstance(mixer, TreeMixer) else to_packed
     if isinstance(output, tuple):
-        return (to_packed(output[0], mixer), *output[1:])
-    return to_packed(output, mixer)
+        return (back(output[0], mixer), *output[1:])
+    return back(output, mixer)
+
+
+def _tree_back(out: torch.Tensor, mixer: TreeMixer) -> torch.Tensor:
+    """``[1, T, D'] -> [1, Tq, D']``: this rank's places under CP."""
+    return out if mixer.gather is None else out.index_select(1, mixer.query_index)
+
+
+def _forward(slot: MixerSlot, module: nn.Module, *args, **kwargs):
+    """The layer's forward: its family's tree forward during a rollout-tree call, else its class's own."""
+    if isinstance(slot.mixer, TreeMixer):
+        return tree_state.tree_forward(module, args[0], slot.mixer.steps)
+    return type(module).forward(module, *args, **kwargs)
 
 
 def install(module: nn.Module, slot: MixerSlot) -> None:
-    """Register the per-sequence hooks of ``slot`` on ``module`` (once; a second call is a no-op)."""
+    """Register the per-sequence hooks of ``slot`` on ``module`` and wrap its ``forward`` for rollout trees (an
+    attribute of this module only, which calls the class's own forward outside a tree call); once, a second
+    call is a no-op."""
     for hook in module._forward_pre_hooks.values():
         if isinstance(hook, functools.partial) and hook.func is _before and hook.args[0] is slot:
             return
+    module.forward = functools.partial(_forward, slot, module)  # (no bound method held: a deep copy stays its own)
     module.register_forward_pre_hook(functools.partial(_before, slot), with_kwargs=True)
     module.register_forward_hook(functools.partial(_after, slot), with_kwargs=True)

@@ -17,7 +17,8 @@ tokens split where its children branch, every node rounded up to ``m``. So a set
     work = sum over its nodes starting at position d, n tokens long, of (d + n)^2 - d^2 + 6hn
 
 (:func:`~nn_data.planning.step.sequence_work`'s model: a node's queries see its ``d`` ancestors' tokens
-and causally their own). A rollout alone costs ``sequence_work(L)``; a GRPO group (the depth-1 tree) the
+and causally their own; a hybrid's recurrent and convolution layers also run each node once, from its parent's
+state, :mod:`nn_data.adapters.tree_state`, so the linear term charges them once per node too). A rollout alone costs ``sequence_work(L)``; a GRPO group (the depth-1 tree) the
 prompt once and each response, as :func:`~nn_data.planning.shared_prefix_plan.plan_step_shared_prefix`.
 
 A tree whose need is above T is split by first-fit-decreasing of its rollouts' own tokens into parts of at

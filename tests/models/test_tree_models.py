@@ -23,6 +23,7 @@ from nn_data.logprobs import TreeLogProbs
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data.packed_forward import PackedForward
 from tests.models import tree_cases as cases
+from tests.models.adapter_cases import FLOAT32_STEP_TOL
 from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state
 
 
@@ -36,15 +37,53 @@ def test_flex_block_mask_on_a_tree():
     assert cases.case_hf_flex_forward()["worst"] < 2e-5
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "qwen3_next", "mamba2"])
-def test_hybrids_run_each_rollout_along_its_path(kind):
-    """Short convolution, gated delta net, Mamba-2: each such layer runs one row per rollout, its whole path
-    (every shared node, then its own tokens). Tolerances as the shared prompt's hybrids
-    (test_shared_prefix_models.py): Mamba-2's float32 chunked scan rounds differently over a row of S
-    slots; gradients at transformers' float32 norms."""
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_next", "mamba2", "bamba", "qwen3_5"])
+def test_hybrids_fork_each_node_from_its_parents_state(kind):
+    """Short convolution, gated delta net, Mamba-2: each node's tokens run once from its parent node's state
+    at the branch point (nn_data.adapters.tree_state), equal to each rollout alone. The convolution is exact
+    in float64; the gated delta rule and the SSD compute in float32 whatever the model's dtype and here chunk
+    the row at other places than the rollout alone does: float32 rounding (FLOAT32_STEP_TOL); gradients at
+    transformers' float32 norms."""
     result = cases.case_hf(kind, exact_norms=False)
-    out_tol = 1e-5 if kind == "mamba2" else 1e-10
+    out_tol = 1e-10 if kind == "lfm2" else FLOAT32_STEP_TOL
     assert result["out"] < out_tol and result["grad"] < 1e-4, result
+
+
+@pytest.mark.parametrize("kind", ["llama", "lfm2", "qwen3_next", "mamba2"])
+def test_a_tree_costs_its_tokens_in_every_layer(kind):
+    """torch's flop counter over the packed tree's forward / every rollout alone is at most 1.35 x the token
+    ratio + 0.02, on a GRPO group and a two-level tree (profiling/bench/bench_hybrid_trees.py; flop counts
+    are deterministic): recurrent and convolution layers compute each shared token once too."""
+    from profiling.bench.bench_hybrid_trees import grpo_group, two_level, work_ratio
+
+    for tree in (grpo_group(), two_level()):
+        tokens, work = work_ratio(kind, tree)
+        assert work <= 1.35 * tokens + 0.02, (kind, tokens, work)
+
+
+@pytest.mark.parametrize("kind, name", [("qwen3_next", "torch_chunk_gated_delta_rule"),
+                                        ("mamba2", "mamba2_chunk_scan")])
+def test_the_tree_hands_the_models_own_chunked_function_its_states(kind, name, monkeypatch):
+    """The tree forward calls the model module's chunked function (the name transformers binds to
+    flash-linear-attention's or mamba-ssm's kernel where installed) with one initial state per chunk row and
+    asks for the final states; a stand-in recording the call delegates to the torch path."""
+    import sys
+
+    model = tiny_hf_model(kind, moe=False)
+    module = sys.modules[type(model).__module__]
+    original, calls = getattr(module, name), []
+
+    def stand_in(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, stand_in)
+    ids, lens, call, total = next(cases.tree_batches(2, cases.TREES[1:2]))
+    with torch.no_grad():
+        PackedForward(HFCausalLMAdapter(model), pad_full_seq_to=total, verify=False)(ids, lens, **call)
+    assert calls and all(kw.get("output_final_state", kw.get("return_final_states")) for kw in calls)
+    if kind == "qwen3_next":  # an identity beside a zero state per chunk row
+        assert all(kw["initial_state"].shape[0] > 1 for kw in calls)
 
 
 def test_the_call_takes_one_spelling():
@@ -81,6 +120,34 @@ def test_compiled_packing_one_graph_each_side_and_no_host_sync_over_a_stream_of_
     assert counter.frame_count == 2, counter.frame_count
     assert syncs[1:] == [0] * (len(cases.TREES) - 1), syncs
     torch._dynamo.reset()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind", ["qwen3_next", "mamba2"])
+def test_a_compiled_hybrid_is_one_graph_over_a_stream_of_trees(kind):
+    """torch.compile(fullgraph=True) of the adapter around a hybrid, fed by the compiled packing under one
+    pad_full_seq_to: one graph for a stream of trees of depth 1 to 4 and different node counts, no host read
+    in a call after the first, every rollout equal to it alone (float32 steps: FLOAT32_STEP_TOL)."""
+    torch._dynamo.reset()
+    model = tiny_hf_model(kind, moe=False)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(HFCausalLMAdapter(model, mask_kind="dense"), backend=counter, fullgraph=True)
+    wrapped = PackedForward(compiled, pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=160, row_capacity=6,
+                            compile_packing=True, compile_kwargs={"backend": "aot_eager"}, verify=False)
+    syncs, worst = [], 0.0
+    with torch.no_grad():
+        for ids, lens, call, total in cases.tree_batches(4, cases.TREES + cases.TREES[:1]):
+            assert total <= 160
+            with HostSyncCounter() as counted:
+                out = wrapped(ids, lens, **call)
+            syncs.append(counted.count)
+            for b, n in enumerate(lens.tolist()):
+                if n:
+                    alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+                    worst = max(worst, float((out[b, :n] - alone).abs().max()))
+    torch._dynamo.reset()
+    assert counter.frame_count == 1 and worst < FLOAT32_STEP_TOL, (counter.frame_count, worst)
+    assert syncs[1:] == [0] * len(cases.TREES), syncs
 
 
 @pytest.mark.parametrize("compile_packing", [False, True], ids=["eager", "layout_rebuilt"])
