@@ -14,8 +14,7 @@ Shape legend
 ``PackedForward(model, ...)(input_ids [B, S], seq_lengths [B], parent=[B], branch_at=[B])`` (a tree) or
 ``(..., prefix_lengths=P [B], group_ids=g [B])`` (GRPO groups) -> ``[B, S, *]``: the same model contract as the
 plain path, with ``packed.prefix`` (a :class:`TreeInfo`: the attention's :class:`~nn_data.masks.PrefixRule`,
-global ``[T]`` tensors; layers that run one rollout per row take the rule:
-:func:`nn_data.adapters.hf_mixers.path_rows`), and position ids that continue along each path
+global ``[T]`` tensors; recurrent and convolution layers take the rule: :mod:`nn_data.adapters.tree_state`), and position ids that continue along each path
 (``TreeLayout.positions``, this rank's places).
 """
 
