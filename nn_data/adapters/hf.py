@@ -125,7 +125,7 @@ class HFCausalLMAdapter(nn.Module):
     inside a ``*ForCausalLM``) runs and the output layer does not, so no ``[Tq, V]`` logits are made; feed
     them with ``model.get_output_embeddings().weight`` to :class:`~nn_data.TokenLogProbsFromHidden`
     (docs/models.md). A family whose ``*ForCausalLM`` changes the logits after the output layer (a soft
-    cap or scale of its config) needs that change applied by the caller.
+    cap or scale of its config) needs that change on the head's side (docs/models.md).
     ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the form of nn_data's attention mask
     (:func:`nn_data.masks.document_mask`). ``mixers`` (``"auto"``, ``"per_sequence"``,
     ``"kernels"``) chooses how non-attention mixers keep sequences apart
