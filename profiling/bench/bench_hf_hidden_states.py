@@ -17,8 +17,9 @@ log-probs ``log p(x[s] | x[:s])``:
 Modes: ``forward`` (``torch.no_grad``) and ``forward+backward`` (the log-probs' sum, backward to every
 parameter). Printed: the peak of bytes allocated during one call (profiler allocator events, inputs and
 parameters excluded, parameter gradients included: the output layer's ``[V, H]`` gradient is allocated by
-every path alike; after a first call, in which the adapter's flex attention compiles at this ``T``) and the median wall time (paths interleaved, ``profiling.timing``); before that, the
-float64 check that the three paths give the same log-probs.
+every path alike; after a first call, in which the adapter's flex attention compiles at this ``T``) and the
+median wall time (paths interleaved, ``profiling.timing``); before that, the float64 check that the three
+paths give the same log-probs.
 """
 
 from __future__ import annotations
