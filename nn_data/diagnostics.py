@@ -1,7 +1,7 @@
 """Diagnostics for users, tests and benchmarks, every counter in one home: host-device syncs in Python
 code (:class:`HostSyncCounter`) and on CUDA (:class:`SyncCounter`, :func:`forbid_syncs`), collectives
-(:class:`CollectiveCounter`), fresh allocations (:class:`Allocations`) and inductor's CUDA graphs
-(:class:`CudaGraphCounter`).
+(:class:`CollectiveCounter`), fresh allocations (:class:`Allocations`), the graphs and recompiles of
+``torch.compile`` (:class:`GraphCounter`) and inductor's CUDA graphs (:class:`CudaGraphCounter`).
 
 On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the authoritative check (in ``"warn"`` mode,
 :func:`cuda_sync_warnings` picks the syncs out of the recorded warnings);
@@ -137,6 +137,59 @@ class CollectiveCounter(TorchDispatchMode):
         if namespace in _COLLECTIVE_NAMESPACES and name not in _NOT_COLLECTIVES:
             self.calls.append(name)
         return func(*args, **(kwargs or {}))
+
+
+# ---- torch.compile: graphs and recompiles ---------------------------------------------------------
+# GraphCounter reads two things torch 2.11 and 2.13 have alike: dynamo's counter of the graphs it hands a
+# backend (counters["stats"]["unique_graphs"], what torch._dynamo.testing.CompileCounter's frame_count counts
+# with its own backend) and its compile-start callback (torch._dynamo.callback), whose compile id
+# "frame/n" says which compilation of a frame this is (n >= 1: a recompile, the frame's guards failed).
+
+class GraphCounter:
+    """Count what ``torch.compile`` compiles inside the block, with any backend (inductor included):
+    ``graphs`` (graphs handed to the backend: one per compilation under ``fullgraph=True``, more where a
+    graph breaks), ``compiles`` (frames dynamo compiled) and ``recompiles`` (those compiled again because
+    the guards of every earlier compilation of the frame failed: a new shape, dtype, int attribute, grad
+    mode). Why a frame recompiled: run with ``TORCH_LOGS=recompiles``.
+
+    Example (the graphs of a compiled wrapper over a stream; docs/compile-contract.md)::
+
+        with GraphCounter() as counted:
+            for input_ids, seq_lengths in stream:
+                wrapped(input_ids, seq_lengths)
+        counted.graphs, counted.recompiles  # (2, 0): PackedForward(compile_packing=True, ...) over any stream
+    """
+
+    def __init__(self):
+        self.graphs = 0
+        self.compiles = 0
+        self.recompiles = 0
+
+    def _started(self, args) -> None:
+        from torch._dynamo.callback import CallbackTrigger
+        from torch._guards import CompileId
+
+        if args.callback_trigger != CallbackTrigger.DYNAMO:  # a deferred backward, a CUDA-graph recording
+            return
+        self.compiles += 1
+        compile_id = CompileId.from_string(args.compile_id)
+        if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:
+            self.recompiles += 1
+
+    def __enter__(self) -> "GraphCounter":
+        from torch._dynamo.callback import callback_handler
+        from torch._dynamo.utils import counters
+
+        self._before = int(counters["stats"]["unique_graphs"])
+        callback_handler.register_start_callback(self._started)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch._dynamo.callback import callback_handler
+        from torch._dynamo.utils import counters
+
+        callback_handler.remove_start_callback(self._started)
+        self.graphs = int(counters["stats"]["unique_graphs"]) - self._before
 
 
 # ---- CUDA: the sync debug mode and inductor's CUDA graphs (CPU fallbacks where there is none) ----

@@ -15,9 +15,16 @@ megatron-core ``GPTModel`` built with ``nn_data.adapters.megatron_gpt_layer_spec
 with a causal mask.
 
 Prints, for each microbatch, the largest difference between the packed outputs and the
-per-sequence outputs, and the time of both paths (wall clock on this machine, after one
-untimed warm-up call). The packed path runs all T = pad_full_seq_to positions, padding
-included: it shows exactness, not speed.
+per-sequence outputs, and the time of three paths (wall clock on this machine): ``packed`` (one
+``PackedForward`` with a constant ``T = pad_full_seq_to``, as a compiled or pipeline-parallel run
+needs), ``fitted`` (``T`` = the microbatch's own padded tokens) and ``alone`` (each sequence by
+itself). Each wrapper is built once for the stream and first called in an untimed warm-up, which
+also runs its packing check (``verify``, several forwards of a small microbatch of its own: built
+anew per microbatch, a wrapper would pay it on every call). ``packed`` runs all ``T`` positions,
+padding included, and its attention computes every ``T x T`` score under the dense document mask
+(the masked ones too), where the sequences alone compute ``sum L^2``: on the tiny CPU models that
+can make it slower than ``alone``; ``fitted`` is the same packed forward without the padding. It
+shows exactness, not the speed of a GPU kernel that skips masked blocks.
 """
 
 from __future__ import annotations
@@ -49,13 +56,12 @@ def padding(args) -> tuple[int, int]:
 
 
 def make_batches(args, gen: torch.Generator):
-    """Microbatches of random lengths (zero-length rows included) and a constant pad_full_seq_to."""
-    multiple, full = padding(args)
+    """Microbatches ``(input_ids [B, S], seq_lengths [B])`` of random lengths, zero-length rows included."""
     for _ in range(args.microbatches):
         rows = int(torch.randint(1, args.rows + 1, (), generator=gen))
         lengths = torch.randint(0, args.seq_len + 1, (rows,), generator=gen)
         ids = torch.randint(1, args.vocab, (rows, args.seq_len), generator=gen)
-        yield torch.where(torch.arange(args.seq_len) < lengths[:, None], ids, 0), lengths, multiple, full
+        yield torch.where(torch.arange(args.seq_len) < lengths[:, None], ids, 0), lengths
 
 
 def build(args):
@@ -89,32 +95,42 @@ def run(args, rank: int = 0, group=None) -> float:
     from nn_data.packed_forward import PackedForward
 
     model, alone, packed_seq_params = build(args)
+    multiple, full = padding(args)
+    common = dict(pad_individual_seqs_to_multiple_of=multiple, cp_group=group, make_packed_seq_params=packed_seq_params)
+    wrappers = {"packed": PackedForward(model, pad_full_seq_to=full, **common),  # one T for the whole stream
+                "fitted": PackedForward(model, pad_packed_seq_to_multiple_of=multiple, **common)}  # T per microbatch
     gen = torch.Generator().manual_seed(args.seed + 1)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"model {args.model} ({args.dtype}), C = {args.cp}")
-    say(f"{'mb':>3} {'rows':>4} {'tokens':>6} {'T':>5} {'max |packed - alone|':>21} {'packed ms':>10} {'alone ms':>9}")
+    say(f"model {args.model} ({args.dtype}), C = {args.cp}, T = {full} (pad_full_seq_to)")
+    say(f"{'mb':>3} {'rows':>4} {'tokens':>6} {'max |packed - alone|':>21} {'packed ms':>10} {'fitted ms':>10} "
+        f"{'alone ms':>9}")
     overall = 0.0
-    for i, (ids, lengths, multiple, full) in enumerate(make_batches(args, gen)):
-        packed = PackedForward(model, pad_individual_seqs_to_multiple_of=multiple, pad_full_seq_to=full,
-                               cp_group=group, make_packed_seq_params=packed_seq_params)
+    for i, (ids, lengths) in enumerate(make_batches(args, gen)):
         with torch.no_grad():
-            if i == 0:  # warm-up (first-call allocations, gloo connection set-up), not timed
-                packed(ids, lengths)
+            if i == 0:  # warm-up: each wrapper's packing check, first-call allocations, gloo set-up; not timed
+                for wrapped in wrappers.values():
+                    wrapped(ids, lengths)
                 alone(ids[:1, :1])
-            start = time.perf_counter()
-            out = packed(ids, lengths)
-            t_packed = time.perf_counter() - start
+            outs, times = {}, {}
+            for name, wrapped in wrappers.items():
+                start = time.perf_counter()
+                outs[name] = wrapped(ids, lengths)
+                times[name] = time.perf_counter() - start
             start = time.perf_counter()
             worst = 0.0
             for b, n in enumerate(lengths.tolist()):
                 if n:
-                    worst = max(worst, (out[b, :n] - alone(ids[b : b + 1, :n])[0]).abs().max().item())
-            t_alone = time.perf_counter() - start
+                    one = alone(ids[b : b + 1, :n])[0]
+                    worst = max([worst] + [(out[b, :n] - one).abs().max().item() for out in outs.values()])
+            times["alone"] = time.perf_counter() - start
         overall = max(overall, worst)
-        say(f"{i:>3} {len(lengths):>4} {int(lengths.sum()):>6} {full:>5} {worst:>21.2e} "
-            f"{t_packed * 1e3:>10.1f} {t_alone * 1e3:>9.1f}")
-    collectives = "; 'packed' includes the CP collectives" if group else ""
-    say("the 'alone' column runs each sequence separately" + collectives)
+        say(f"{i:>3} {len(lengths):>4} {int(lengths.sum()):>6} {worst:>21.2e} {times['packed'] * 1e3:>10.1f} "
+            f"{times['fitted'] * 1e3:>10.1f} {times['alone'] * 1e3:>9.1f}")
+    collectives = " ('packed' and 'fitted' include the CP collectives)" if group else ""
+    say(f"packed: T = {full} positions per microbatch, padding included (one shape for the stream, as a compiled\n"
+        "  or pipeline-parallel run needs); its attention computes every T x T score under the document mask")
+    say("fitted: the same packed forward, T = the microbatch's own padded tokens")
+    say("alone: each sequence separately" + collectives)
     return overall
 
 

@@ -25,7 +25,8 @@ global names), and each sequence alone through megatron-core's stock unpacked pa
 the sum of next-token cross-entropies over every valid token (``calculate_per_token_loss``).
 
 Printed: per-microbatch losses of PP = 2 and PP = 1, and the largest differences of losses and
-parameter gradients between PP = 2, PP = 1 and the per-sequence runs (float64 by default).
+parameter gradients between PP = 2, PP = 1 and the per-sequence runs (float64 by default). It shows
+exactness, not speed: nothing is timed.
 """
 
 from __future__ import annotations
@@ -258,6 +259,9 @@ def report(per_rank: list) -> str:
         lines.append(f"stage {r['rank']} ({len(r['stage_parameters'])} parameters) gradients PP=2 vs PP=1: max |diff| "
                      f"{r['grads_pp2_vs_pp1']:.1e} (bit for bit: {r['grads_bitwise']})")
     lines.append(f"all gradients PP=1 vs each sequence alone: max |diff| {last['grads_pp1_vs_alone']:.1e}")
+    lines.append("shown: exactness (packed microbatches through megatron-core's PP=2 schedule give PP=1's losses and "
+                 "gradients,\n  and each sequence's alone); nothing is timed: two CPU processes over gloo say nothing "
+                 "of a GPU pipeline's speed")
     return "\n".join(lines)
 
 

@@ -51,6 +51,8 @@ from nn_data.model_identity import fingerprint
 
 #: The name nn_data's attention function is registered under (``transformers.AttentionInterface``).
 ATTENTION_NAME = "nn_data_packed"
+#: What :class:`HFCausalLMAdapter` returns: the output layer's logits, or the final hidden states it reads.
+OUTPUTS = ("logits", "hidden_states")
 _MASK_KWARG = "nn_data_mask"
 _CALLS_KWARG = "nn_data_calls"  # a list the attention function appends to: the adapter's first-call check
 
@@ -117,7 +119,13 @@ class HFCausalLMAdapter(nn.Module):
     """A transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, Qwen3-Next, Mamba-2, LFM2,
     ...) as a :class:`~nn_data.packed_forward.PackedForward` model.
 
-    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs) -> logits [1, Tq, V]``.
+    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs) -> logits [1, Tq, V]``, or with
+    ``output="hidden_states"`` the final hidden states ``[1, Tq, H]`` (after the last norm: what the output
+    layer reads): the model's base (``model.base_model``, transformers' name for the ``model`` / ``backbone``
+    inside a ``*ForCausalLM``) runs and the output layer does not, so no ``[Tq, V]`` logits are made; feed
+    them with ``model.get_output_embeddings().weight`` to :class:`~nn_data.TokenLogProbsFromHidden`
+    (docs/models.md). A family whose ``*ForCausalLM`` changes the logits after the output layer (a soft
+    cap or scale of its config) needs that change on the head's side (docs/models.md).
     ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the form of nn_data's attention mask
     (:func:`nn_data.masks.document_mask`). ``mixers`` (``"auto"``, ``"per_sequence"``,
     ``"kernels"``) chooses how non-attention mixers keep sequences apart
@@ -135,7 +143,7 @@ class HFCausalLMAdapter(nn.Module):
     nn_data's attention and per-sequence rows); on the first call,
     when an attention layer does not go through transformers' attention interface or attends with
     keywords, features or a mask of its own outside that list. A microbatch with no token returns
-    ``[1, 0, V]`` without calling the model.
+    ``[1, 0, V]`` (``[1, 0, H]``) without calling the model; an ``output`` outside :data:`OUTPUTS` is refused.
 
     Example::
 
@@ -144,11 +152,14 @@ class HFCausalLMAdapter(nn.Module):
         logits = wrapped(input_ids, seq_lengths)  # [B, S, V]
     """
 
-    def __init__(self, model: nn.Module, *, mask_kind: str = "auto", mixers: str = "auto"):
+    def __init__(self, model: nn.Module, *, mask_kind: str = "auto", mixers: str = "auto", output: str = "logits"):
         super().__init__()
         if not hasattr(model, "config") or not hasattr(model.config, "_attn_implementation"):
             raise PackingError(f"model={type(model).__name__} is not a transformers PreTrainedModel (no config)")
+        if output not in OUTPUTS:
+            raise PackingError(f"output={output!r} is invalid; expected one of {OUTPUTS}")
         self.model = model
+        self.output = output
         self.mask_kind = mask_kind
         self.mixers = mixers
         self._attention = register_packed_attention()
@@ -183,10 +194,17 @@ class HFCausalLMAdapter(nn.Module):
         return None if self.longrope is None else self.longrope[1]
 
     def reference(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The model's own unpacked forward of one sequence ``input_ids [1, L] -> logits [1, L, V]``: its
-        attention implementation, windows and mixers, no cache, no nn_data mask (the packing check's
-        reference, :mod:`nn_data.model_check`)."""
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        """The model's own unpacked forward of one sequence ``input_ids [1, L] -> logits [1, L, V]`` (or the
+        hidden states ``[1, L, H]``): its attention implementation, windows and mixers, no cache, no nn_data
+        mask (the packing check's reference, :mod:`nn_data.model_check`)."""
+        return self._run(input_ids=input_ids, use_cache=False)
+
+    def _run(self, **kwargs) -> torch.Tensor:
+        """The model called with ``kwargs``: its logits ``[1, Tq, V]``, or its base's last hidden states
+        ``[1, Tq, H]`` (``output="hidden_states"``: the output layer is not called)."""
+        if self.output == "logits":
+            return self.model(**kwargs).logits
+        return self.model.base_model(**kwargs).last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed, **model_kwargs) -> torch.Tensor:
         if self.model.training and torch.is_grad_enabled() and _layer_checkpointing(self.model):
@@ -214,22 +232,25 @@ class HFCausalLMAdapter(nn.Module):
         with hf_mixers.active(self._slot, mixer, require_boundaries=kernels, fallback=fallback):
             if packed.gather is None and prefix is None and \
                     str(self.model.config._attn_implementation).startswith("flash_attention"):
-                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs,
-                                 **model_kwargs)  # flash-attention's variable-length kernel takes the boundaries
-                logits = out.logits  # [1, T, V]
+                out = self._run(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs,
+                                **model_kwargs)  # [1, T, V or H]: flash-attention's varlen kernel takes the boundaries
             else:
-                logits = self._call_with_mask(input_ids, position_ids, packed, kwargs, model_kwargs)
+                out = self._call_with_mask(input_ids, position_ids, packed, kwargs, model_kwargs)
             if self._slot.fell_back:  # the model's forward drops the boundaries: per sequence from now on
                 self.mixer_path = "per_sequence"
-        return logits
+        return out
 
     def _no_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[1, 0, V]`` logits, through the output layer so that backward has a graph to run (and
-        nothing to add): transformers' layers cannot reshape 0 tokens."""
+        """``[1, 0, V]`` logits through the output layer (``[1, 0, H]`` hidden states: a slice of its
+        weight), so that backward has a graph to run (and nothing to add): transformers' layers cannot
+        reshape 0 tokens."""
         head = self.model.get_output_embeddings()
         weight = getattr(head, "weight", None)
         if weight is None:
-            return torch.zeros(1, 0, self.model.config.vocab_size, device=input_ids.device, dtype=self.model.dtype)
+            width = self.model.config.vocab_size if self.output == "logits" else self.model.config.hidden_size
+            return torch.zeros(1, 0, width, device=input_ids.device, dtype=self.model.dtype)
+        if self.output == "hidden_states":
+            return weight[:0].unsqueeze(0)  # [V, H] -> [0, H] -> [1, 0, H]
         return head(weight.new_zeros(1, 0, weight.shape[1]))  # [1, 0, V]
 
     def _call_with_mask(self, input_ids, position_ids, packed, kwargs: dict, model_kwargs: dict) -> torch.Tensor:
@@ -242,11 +263,11 @@ class HFCausalLMAdapter(nn.Module):
         if check:
             kwargs[_CALLS_KWARG] = []
         with _attention_implementation(self.model.config, self._attention):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=_as_4d(packed),
-                             use_cache=False, **kwargs, **model_kwargs)
+            out = self._run(input_ids=input_ids, position_ids=position_ids, attention_mask=_as_4d(packed),
+                            use_cache=False, **kwargs, **model_kwargs)  # [1, Tq, V or H]
         if check:
             self._check_attention_calls(kwargs[_CALLS_KWARG])
-        return out.logits  # [1, Tq, V]
+        return out
 
     def _check_attention_calls(self, calls: list) -> None:
         """First call: every attention module went through the attention interface (saw nn_data's mask)."""

@@ -273,3 +273,51 @@ def case_megatron_errors() -> list:
         megatron_gpt_layer_spec(multi_latent_attention=True)
     messages.append(str(e.value))
     return messages
+
+
+def case_hf_hidden_states_logprobs() -> dict:
+    """``HFCausalLMAdapter(output="hidden_states")`` on a tiny Llama (float64) under this CP layout: ``prepare``,
+    this rank's hidden states ``[1, T/C, H]``, ``TokenLogProbsFromHidden`` over the CP group with the output
+    layer's weight; against each sequence's logits alone, log-softmax at the next tokens: values, and the
+    parameter gradients of their sum (summed over the CP group)."""
+    from nn_data import TokenLogProbsFromHidden
+    from nn_data.adapters import HFCausalLMAdapter
+    from nn_data.models.tiny_hf import tiny_hf_model
+
+    cp = context_parallel_info()
+    model = tiny_hf_model("llama", dtype=torch.float64)
+    weight = model.get_output_embeddings().weight  # [V, H]
+    gen = torch.Generator().manual_seed(2)
+    worst_out = worst_grad = 0.0
+    for lengths, full in batches(cp.size):
+        ids, lens = coded_ids(lengths, gen), torch.tensor(lengths)
+        wrapped = PackedForward(HFCausalLMAdapter(model, output="hidden_states"), pad_full_seq_to=full,
+                                pad_individual_seqs_to_multiple_of=2 * cp.size, cp_group=cp.group, verify=False)
+        inp = wrapped.prepare(ids, lens)
+        hidden = wrapped.model(inp.input_ids, inp.position_ids, inp.packed)  # [1, T/C, H]
+        assert hidden.shape == (1, full // cp.size, model.config.hidden_size)
+        layout = wrapped.layout_of(inp)
+        head = TokenLogProbsFromHidden(SEQ_LEN, cp_group=cp.group)
+        got = head(hidden, weight, layout.pack(inp.row_ids), layout=layout)[: inp.rows]  # [B, S]
+        model.zero_grad(set_to_none=True)
+        got.sum().backward()
+        packed_grads = _grads(model)
+        for g in packed_grads.values():
+            dist.all_reduce(g, group=cp.group)
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for b, n in enumerate(lengths):
+            if n > 1:
+                lp = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0, :-1].log_softmax(-1)  # [n-1, V]
+                want = lp.gather(-1, ids[b, 1:n, None])[:, 0]
+                worst_out = max(worst_out, float((got[b, 1:n] - want).detach().abs().max()))
+                total = total + want.sum()
+            assert not got[b, max(n, 1):].any() and not got[b, 0].any()
+        if isinstance(total, float):  # no token pair to score (lengths [1]): nothing has a gradient
+            assert not any(g.any() for g in packed_grads.values())
+            continue
+        total.backward()
+        alone_grads = _grads(model)
+        assert packed_grads.keys() == alone_grads.keys() and packed_grads
+        worst_grad = max([worst_grad] + [float((g - alone_grads[k]).abs().max()) for k, g in packed_grads.items()])
+    return dict(cp_rank=cp.rank, cp_size=cp.size, out=worst_out, grad=worst_grad)

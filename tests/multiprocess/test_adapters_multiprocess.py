@@ -34,6 +34,16 @@ def test_hf_adapter_cp_matches_each_sequence_alone(rank_pool, kind, cp):
         assert r["out"] < 1e-12 and r["grad"] < 1e-12, r
 
 
+@pytest.mark.parametrize("cp", [2, 4], ids=lambda c: f"C{c}")
+def test_hf_hidden_states_into_the_fused_head_under_cp_equal_each_sequence_alone(rank_pool, cp):
+    """``HFCausalLMAdapter(output="hidden_states")``, this rank's hidden states into ``TokenLogProbsFromHidden``
+    over the CP group: each sequence's log-probs alone, values and parameter gradients."""
+    results = rank_pool.run("tests.models.adapter_cases:case_hf_hidden_states_logprobs", cp=cp)
+    assert [(r["cp_rank"], r["cp_size"]) for r in results] == [(i % cp, cp) for i in range(4)]
+    for r in results:
+        assert r["out"] < 1e-12 and r["grad"] < 1e-12, r
+
+
 @pytest.mark.parametrize("kind", ["mistral", "qwen3_next", "mamba2", "lfm2"])
 def test_hf_adapter_cp2_on_sliding_windows_and_hybrids(rank_pool, kind):
     """C = 2: the sliding-window mask under CP, and the hybrids' gated delta net / Mamba-2 / short conv

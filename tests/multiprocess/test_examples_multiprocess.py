@@ -28,7 +28,7 @@ def test_packed_forward_example_runs_with_cp(cp):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert f"C = {cp}" in run.stdout and len(rows) == 2, run.stdout
-    assert all(float(r[4]) < 1e-5 for r in rows), run.stdout
+    assert all(float(r[3]) < 1e-5 for r in rows), run.stdout  # max |packed - alone|
 
 
 @needs_megatron_models

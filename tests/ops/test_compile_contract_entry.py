@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data import PackingError
+from nn_data.diagnostics import GraphCounter
 from nn_data.packed_forward import PackedForward
 from profiling.microbatches.stream import MicrobatchPipeline, ModelStandIn, compile_pipeline
 from nn_data.testing.coded import coded_batch
@@ -59,21 +60,50 @@ def test_packed_forward_one_graph_per_side_for_a_stream_of_row_lengths(packed_fo
     compiled, compiled_model, eager, eager_model, counter = packed_forward
     gen = torch.Generator().manual_seed(0)
     assert len({s for s, _ in STREAM}) >= 12 and {b for _, b in STREAM} == set(range(R + 1))
-    for seq_len, rows in STREAM:
-        ids, lengths = _batch(gen, seq_len, rows)
-        out = compiled(ids, lengths)
-        want = eager(ids, lengths)
-        assert out.shape == want.shape == (rows, seq_len, 2) and torch.equal(out, want)
-        valid = torch.arange(seq_len) < lengths[:, None]
-        assert torch.equal(out[..., 0], torch.where(valid, ids, 0).float())
-        assert torch.equal(out[..., 1], torch.where(valid, torch.arange(seq_len).float(), 0.0))
-        (ids_c, pos_c, info_c), (ids_e, pos_e, info_e) = compiled_model.seen[-1], eager_model.seen[-1]
-        assert torch.equal(ids_c, ids_e) and torch.equal(pos_c, pos_e)
-        for field in ("cu_seqlens_padded", "max_seqlen", "segment_ids", "query_index"):
-            a, b = getattr(info_c, field), getattr(info_e, field)
-            assert a.dtype == b.dtype and torch.equal(a, b), field
-        assert (info_c.cp_size, info_c.cp_rank, info_c.gather) == (info_e.cp_size, info_e.cp_rank, info_e.gather)
+    with GraphCounter() as counted:  # the eager wrapper compiles nothing
+        for seq_len, rows in STREAM:
+            ids, lengths = _batch(gen, seq_len, rows)
+            out = compiled(ids, lengths)
+            want = eager(ids, lengths)
+            assert out.shape == want.shape == (rows, seq_len, 2) and torch.equal(out, want)
+            valid = torch.arange(seq_len) < lengths[:, None]
+            assert torch.equal(out[..., 0], torch.where(valid, ids, 0).float())
+            assert torch.equal(out[..., 1], torch.where(valid, torch.arange(seq_len).float(), 0.0))
+            (ids_c, pos_c, info_c), (ids_e, pos_e, info_e) = compiled_model.seen[-1], eager_model.seen[-1]
+            assert torch.equal(ids_c, ids_e) and torch.equal(pos_c, pos_e)
+            for field in ("cu_seqlens_padded", "max_seqlen", "segment_ids", "query_index"):
+                a, b = getattr(info_c, field), getattr(info_e, field)
+                assert a.dtype == b.dtype and torch.equal(a, b), field
+            assert (info_c.cp_size, info_c.cp_rank, info_c.gather) == (info_e.cp_size, info_e.cp_rank,
+                                                                        info_e.gather)
     assert counter.frame_count == 2, f"{counter.frame_count} graphs (one packing, one unpacking side expected)"
+    assert (counted.graphs, counted.compiles, counted.recompiles) == (2, 2, 0), vars(counted)
+
+
+def test_graph_counter_counts_graphs_compilations_and_recompiles():
+    """nn_data.diagnostics.GraphCounter agrees with torch's test counter (``frame_count``) on the graphs, counts
+    a graph break's two graphs as one frame's compilation plus its resume function's, and a recompile for
+    each compilation of a frame after its first (a new shape under ``dynamic=False``, a new dtype)."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    double = torch.compile(lambda x: x * 2 + 1, backend=counter, dynamic=False, fullgraph=True)
+    with GraphCounter() as counted:
+        for x in (torch.ones(3), torch.ones(4), torch.ones(4), torch.ones(3, dtype=torch.float64), torch.ones(3)):
+            double(x)
+    assert (counted.graphs, counted.compiles, counted.recompiles) == (3, 3, 2) and counter.frame_count == 3
+
+    def broken(x):
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return y.cos()
+
+    with GraphCounter() as counted:
+        torch.compile(broken, backend="eager")(torch.ones(2))
+    assert (counted.graphs, counted.compiles, counted.recompiles) == (2, 2, 0)
+    with GraphCounter() as counted:
+        double(torch.ones(4))  # compiled already: nothing new
+    assert (counted.graphs, counted.compiles, counted.recompiles) == (0, 0, 0)
+    torch._dynamo.reset()
 
 
 def _both_raise(compiled, eager, *args) -> str:
