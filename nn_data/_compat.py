@@ -19,14 +19,14 @@ _RECURRENT_MASK_METHODS = ("_update_linear_attn_mask", "_update_mamba_mask")
 
 
 def _is_placeholder(mask) -> bool:
-    """The adapter's 4-D placeholder: one bool broadcast (every stride 0), from its shape alone."""
-    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool \
-        and all(s == 0 for s in mask.stride())
+    """A 4-D bool mask, as the adapter's placeholder, known from its metadata alone. transformers 5.6 hands its
+    recurrent layers a 2-D padding mask only (a 4-D one fails in their ``apply_mask_to_padding_states``)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool
 
 
 def _without_host_read(original):
     def update(attention_mask, *args, **kwargs):
-        if _is_placeholder(attention_mask):  # one value, True: transformers would answer None after a read
+        if _is_placeholder(attention_mask):  # nn_data's: transformers would answer None after a read
             return None
         return original(attention_mask, *args, **kwargs)
 

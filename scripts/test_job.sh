@@ -24,8 +24,7 @@ export NN_DATA_JOB="$job"
 for arg in "$@"; do  # a test path among the arguments (tests/models, a::node id) replaces the job's
     case "$arg" in -*) ;; *) if [ -e "${arg%%::*}" ]; then job_paths=() job_marks=(); fi ;; esac
 done
-echo "test_job: $job: $(python -c 'import sys, torch, transformers; from importlib import metadata as m
-print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, megatron-core {m.version(\"megatron-core\")}")')"
+echo "test_job: $job: $(cd "$root" && python -m scripts.stack)"
 status=0
 python -m pytest -q "${job_marks[@]}" "$@" "${job_paths[@]}" || status=$?
 echo "test_job: $job took $((SECONDS - started)) s (set-up included; exit status $status)"
