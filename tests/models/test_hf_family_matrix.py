@@ -69,7 +69,8 @@ def test_docs_table_is_what_the_matrix_gives(results):
     """docs/models.md's families table is generated from these results on the main CI job's transformers
     (constraints.txt): a family whose outcome changes fails here until the page is regenerated (python -m
     scripts.hf_family_table). On another release (the NeMo-RL and newest jobs), which has other families, every
-    family both releases have has the page's row: its outcome and its reason."""
+    family both releases have has the page's row, or is refused by name there (transformers 5.6's GPT-J, CodeGen,
+    CTRL and DiffLlama attention bypasses the attention interface that 5.24's calls)."""
     import transformers
 
     page = docs_section(PAGE.read_text())
@@ -80,7 +81,8 @@ def test_docs_table_is_what_the_matrix_gives(results):
     ours, docs = _rows(table(results)), _rows(page)
     both = ours.keys() & docs.keys()
     assert len(both) >= 50, sorted(both)
-    assert {n: ours[n] for n in both} == {n: docs[n] for n in both}
+    differ = {n: (docs[n], ours[n]) for n in both if ours[n] != docs[n] and " | refused | " not in ours[n]}
+    assert differ == {}
 
 
 @pytest.mark.parametrize("name", BF16_FAMILIES)
