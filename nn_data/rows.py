@@ -49,10 +49,9 @@ def pad_rows(t: torch.Tensor, capacity: int, fill=0, *, name: str = "capacity") 
     _checks.check_min_dims("t", t, 1, "[B, *]")
     rows = t.shape[0]
     _checks.check_row_capacity(rows, capacity, name)
-    out = t.new_empty((capacity, *t.shape[1:]))
-    out[:rows] = t
-    out[rows:] = fill  # only the padding rows are filled: one pass over the batch, not two
-    return row_major(out)
+    # one pass over the batch; a concatenation, not a fill of out[rows:] (torch 2.11's inductor cannot vectorise
+    # that masked fill on the CPU: CppCompileError)
+    return row_major(torch.cat([t, t.new_full((capacity - rows, *t.shape[1:]), fill)]))
 
 
 def row_major(t: torch.Tensor) -> torch.Tensor:

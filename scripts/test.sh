@@ -1,5 +1,4 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv if needed, then run the whole suite on the CPU.
+# The README's test command: set up .venv if needed, then run the whole suite on the CPU (the main CI job).
 set -euo pipefail
-. "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-python -m pytest -q "$@"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/test_job.sh" main "$@"

@@ -46,8 +46,8 @@ import types
 import torch
 
 #: The megatron-core release series the patches are tested on: 0.16.x (Python 3.11, the main
-#: test job) and 0.19.x (Python 3.12, scripts/test_mcore019.sh). The spots above are the
-#: same in both.
+#: test job) and 0.19.x (Python 3.12 and 3.13, the newest and NeMo-RL jobs: scripts/test_job.sh). The spots
+#: above are the same in both.
 SUPPORTED_RELEASES = ("0.16.", "0.19.")
 
 _PATCHED_MODULES = (
@@ -132,7 +132,7 @@ def unsupported_reason() -> "str | None":
     tested = " and ".join([", ".join(series[:-1]), series[-1]] if len(series) > 1 else series)
     return (f"megatron-core {version} on a CPU-only torch: nn_data's CPU patches (nn_data/adapters/_megatron_cpu.py) "
             f"are tested on megatron-core {tested} only; run on a GPU or install megatron-core==0.16.1 "
-            "(Python 3.11) or 0.19.2 (Python 3.12)")
+            "(Python 3.11) or 0.19.2 (Python 3.12 or newer)")
 
 
 def apply_cpu_patches() -> bool:

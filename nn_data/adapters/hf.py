@@ -43,6 +43,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from nn_data import _compat
 from nn_data.adapters import hf_layers, hf_mixers, hf_support, tree_state
 from nn_data.errors import PackingError
 from nn_data.layout.internal import segment_bounds
@@ -184,6 +185,7 @@ class HFCausalLMAdapter(nn.Module):
             hf_mixers.install(module, self._slot)  # no-ops outside this adapter's calls
         self._tree_chunk = min((tree_state.chunk_for(m) for _, m, _ in self.layers.mixers),
                                default=tree_state.DEFAULT_CHUNK)  # a rollout tree's chunk rows
+        _compat.quiet_recurrent_masks(model)
         self._checked = False
         self._validated = fingerprint(model)
 
@@ -219,7 +221,7 @@ class HFCausalLMAdapter(nn.Module):
             return self._no_tokens(input_ids)
         if self.longrope is not None:
             hf_support.check_longrope(self.layers.model_type, self.longrope, packed)
-        kwargs = boundary_kwargs(packed, seq_idx=bool(self.layers.mixers))
+        kwargs = boundary_kwargs(packed, seq_idx=len(self.layers.mixers) > 0)  # not bool(): Dynamo 2.11
         mixer = fallback = None
         prefix = packed.prefix  # a rollout-tree row: each node once, from its parent's state (tree_state)
         if self.layers.mixers:
@@ -228,7 +230,7 @@ class HFCausalLMAdapter(nn.Module):
                                         prefix=None if prefix is None else prefix.rule, chunk=self._tree_chunk)
             per_sequence = self.mixer_path == "per_sequence" or packed.gather is not None or prefix is not None
             mixer, fallback = (rows, None) if per_sequence else (None, rows if self.mixers == "auto" else None)
-        kernels = bool(self.layers.mixers) and mixer is None
+        kernels = len(self.layers.mixers) > 0 and mixer is None
         with hf_mixers.active(self._slot, mixer, require_boundaries=kernels, fallback=fallback):
             if packed.gather is None and prefix is None and \
                     str(self.model.config._attn_implementation).startswith("flash_attention"):

@@ -167,7 +167,8 @@ def tree_outputs(op, z, weight, packed_ids, layout, seq_len, places, asked: dict
                                    tp_group=g.tp_group, tp_size=g.tp_size, sequence_parallel=split,
                                    chunk_tokens=op.chunk_tokens, temperature=getattr(op, "temperature", 1.0))
         rest = distribution_rows(layout, local, g, seq_len)  # [B, S-1, *] each
-    return rest._replace(logprobs=logprob_call(seq_len) if logprobs else None)
+    # a new tuple, not ``rest._replace``: Dynamo 2.11 cannot return a NamedTuple that ``_make`` built in the graph
+    return HeadOutputs(**{**rest._asdict(), "logprobs": logprob_call(seq_len) if logprobs else None})
 
 
 class TreeLogProbs(nn.Module):

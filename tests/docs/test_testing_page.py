@@ -129,4 +129,8 @@ def test_the_readme_says_what_ran_where():
     assert "2-core CPU" in where and "dry run" in where  # the suite; the GPU check's dry run in CI
     assert "H200" in where and "results/gpu.md" in where  # the GPU check's runs, figures on their page
     assert "NCCL has not run" in where  # what a one-GPU machine cannot show
-    assert "Tested: torch 2.13.0" in readme and "only" in readme.split("Tested: torch 2.13.0")[1][:200]
+    ci_table = readme.split("What CI runs")[1].split("\n\n")[1]  # the README's table of the CI jobs
+    for constraints in ("constraints.txt", "constraints-nemo-rl.txt", "constraints-newest.txt"):
+        pins = dict(line.split("==") for line in (ROOT / constraints).read_text().splitlines() if "==" in line)
+        assert any(all(f"| {pins[n]}" in row for n in ("torch", "transformers", "megatron-core"))
+                   for row in ci_table.splitlines()), (constraints, ci_table)

@@ -60,10 +60,29 @@ def test_the_matrix_covers_the_families_and_proves_something(results):
     assert {"llama", "mistral", "qwen2_moe:sliding", "phimoe:sliding", "qwen3_next"} <= {r.name for r in exact}
 
 
+def _rows(section: str) -> dict:
+    """``{family: its table row}`` of a generated section."""
+    return {line.split(" | ")[0][2:]: line for line in section.splitlines() if line.startswith("| ")}
+
+
 def test_docs_table_is_what_the_matrix_gives(results):
-    """docs/models.md's families table is generated from these results: a family whose outcome changes
-    fails here until the page is regenerated (python -m scripts.hf_family_table)."""
-    assert docs_section(PAGE.read_text()) == table(results)
+    """docs/models.md's families table is generated from these results on the main CI job's transformers
+    (constraints.txt): a family whose outcome changes fails here until the page is regenerated (python -m
+    scripts.hf_family_table). On another release (the NeMo-RL and newest jobs), which has other families, every
+    family both releases have has the page's row, or is refused by name there (transformers 5.6's GPT-J, CodeGen,
+    CTRL and DiffLlama attention bypasses the attention interface that 5.24's calls)."""
+    import transformers
+
+    page = docs_section(PAGE.read_text())
+    pins = (PAGE.parents[1] / "constraints.txt").read_text().splitlines()
+    if f"transformers=={transformers.__version__}" in pins:
+        assert page == table(results)
+        return
+    ours, docs = _rows(table(results)), _rows(page)
+    both = ours.keys() & docs.keys()
+    assert len(both) >= 50, sorted(both)
+    differ = {n: (docs[n], ours[n]) for n in both if ours[n] != docs[n] and " | refused | " not in ours[n]}
+    assert differ == {}
 
 
 @pytest.mark.parametrize("name", BF16_FAMILIES)

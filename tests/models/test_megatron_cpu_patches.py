@@ -61,7 +61,8 @@ def test_other_megatron_core_releases_are_refused(monkeypatch, version):
     monkeypatch.setattr(_megatron_cpu, "megatron_version", lambda: version)
     message = (rf"megatron-core {re.escape(version)} on a CPU-only torch: nn_data's CPU patches "
                r"\(nn_data/adapters/_megatron_cpu.py\) are tested on megatron-core 0\.16\.x and 0\.19\.x only; "
-               r"run on a GPU or install megatron-core==0\.16\.1 \(Python 3\.11\) or 0\.19\.2 \(Python 3\.12\)")
+               r"run on a GPU or install megatron-core==0\.16\.1 \(Python 3\.11\) or 0\.19\.2 "
+               r"\(Python 3\.12 or newer\)")
     assert re.fullmatch(message, _megatron_cpu.unsupported_reason())
     with pytest.raises(RuntimeError, match=message):
         _megatron_cpu.apply_cpu_patches()

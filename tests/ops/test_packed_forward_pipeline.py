@@ -106,6 +106,23 @@ def test_the_whole_wrapper_compiles_once_over_row_lengths(tiny):
     torch._dynamo.reset()
 
 
+@pytest.mark.compile
+def test_the_whole_wrapper_compiles_with_inductor(tiny):
+    """docs/compile-contract.md's whole-wrapper compile with the default backend (inductor's C++ on the CPU; torch
+    2.11's could not build the row padding's kernel): equal to the eager call."""
+    torch._dynamo.reset()
+    wrapped = PackedForward(tiny, pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=64, row_capacity=8)
+    compiled = torch.compile(wrapped, fullgraph=True)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        ids, lens = torch.randint(1, VOCAB, (3, 10), generator=gen), torch.tensor([10, 4, 7])
+        ids = torch.where(torch.arange(10) < lens[:, None], ids, 0)
+        padded = pad_to_row_capacity(ids, lens, 8)
+        out = compiled(with_dynamic_row_length(padded.x), padded.seq_lengths)[:3]
+        torch.testing.assert_close(out, wrapped(ids, lens), rtol=0, atol=1e-5)
+    torch._dynamo.reset()
+
+
 def _token_logprobs(rows_logits: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """``[B, S-1]``: log p(ids[b, s+1]) from the rows' logits, 0 at ``s >= L - 1`` (the loop reference)."""
     out = torch.log_softmax(rows_logits[:, :-1].double(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]

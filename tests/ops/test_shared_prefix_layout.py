@@ -237,7 +237,9 @@ def test_block_mask_equals_the_dense_one_where_flex_runs_on_the_cpu():
         mask = document_mask(q, seg, kind="block", window=50, prefix=rule)
         dense = document_mask(q, seg, kind="dense", window=50, prefix=rule)
         for block, full in ((mask.block, dense.dense), (mask.sliding.block, dense.sliding.dense)):
-            assert torch.equal(create_mask(block.mask_mod, None, None, q.shape[0], sp.total)[0, 0], full)
+            # the device named: without it a CUDA build of torch (2.11's, say) picks CUDA, driver or not
+            assert torch.equal(create_mask(block.mask_mod, None, None, q.shape[0], sp.total, device=q.device)[0, 0],
+                               full)
             blocks = full.view(1, 128, sp.total // 128, 128).any(3).any(1)  # [1, T/128]: a block with a True
             assert torch.equal(block.to_dense()[0, 0].bool(), blocks)  # the non-empty blocks
 

@@ -348,6 +348,12 @@ ORACLE = PKG / "testing"
 OUTSIDE_PLAN = sorted(p for p in PKG.rglob("*.py") if PLAN not in p.parents and ORACLE not in p.parents)
 
 
+#: comments and literal text; from Python 3.12 on an f-string is tokens, its literal parts FSTRING_MIDDLE
+_NOT_CODE = {tokenize.COMMENT, tokenize.STRING} | {getattr(tokenize, name) for name in
+                                                   ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END")
+                                                   if hasattr(tokenize, name)}
+
+
 def _code_only(text: str) -> str:
     """``text`` with comments and string literals blanked (their line breaks kept): rules are code."""
     starts = [0]
@@ -355,7 +361,7 @@ def _code_only(text: str) -> str:
         starts.append(starts[-1] + len(line))
     chars = list(text)
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type in (tokenize.COMMENT, tokenize.STRING):
+        if tok.type in _NOT_CODE:
             for k in range(starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1]):
                 chars[k] = chars[k] if chars[k] == "\n" else " "
     return "".join(chars)
