@@ -98,6 +98,28 @@ def test_the_tree_microbatch_computes_each_shared_token_once(kind):
     assert tree / alone <= 1.35 * ratio + 0.02, (kind, ratio, tree / alone)
 
 
+def test_a_planned_step_through_the_iterator_runs_every_rollout_as_if_alone():
+    """The sharding planner (shard_by_batch_size with "nn_data_balanced" and "rollout_tree": each microbatch's
+    parent / branch_at rewritten for its own rollouts) and the AutoModel iterator: every microbatch a tree
+    microbatch, each rollout's logits through a tiny Mamba-2 (every layer a mixer) equal to it run alone."""
+    from tests.megatron_data.test_rollout_tree_dropin import BUDGET, _args, tree_batch
+
+    model = tiny_hf_model("mamba2", dtype=torch.float64, moe=False)
+    shards, _ = tree_batch().shard_by_batch_size(1, sequence_packing_args=_args())
+    batch = shards[0].get_batch(0)
+    iterator, count = automodel_data.get_microbatch_iterator(batch, _cfg(total=BUDGET), 1, None, _tokenizer())
+    seen = 0
+    for mb in iterator:
+        ids, lengths = mb.data_dict["input_ids"], mb.data_dict["input_lengths"].tolist()
+        with torch.no_grad():
+            rows = mb.processed_inputs.shared_prefix.layout.unpack(forward_rollout_tree(model, mb), ids.shape[1])
+            for b, n in enumerate(lengths):
+                alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+                torch.testing.assert_close(rows[b, :n], alone, rtol=0, atol=FLOAT32_STEP_TOL)
+        seen += len(lengths)
+    assert count > 1 and seen == batch["input_ids"].shape[0]
+
+
 def test_every_spelling_packs_the_same_tree_with_no_host_read():
     """True (the batch keys parent / branch_at), a dict naming other keys, "find" (the tree found from the ids:
     one read) and the GRPO spelling shared_prefix of a depth-1 tree give the same packed row and positions."""
