@@ -157,6 +157,12 @@ def test_what_the_tree_path_refuses_by_name():
     with pytest.raises(PackingError, match=r"'branch_at' not found in the batch"):
         automodel_data.process_microbatch(BatchedDataDict(input_ids=mb["input_ids"], input_lengths=mb["input_lengths"],
                                                           parent=mb["parent"]), _tokenizer(), True, _cfg(), 1)
+    with pytest.raises(RuntimeError, match=r"packed total .* exceeds pad_full_seq_to=16"):  # a device assert: 23 tokens
+        automodel_data.process_microbatch(mb, _tokenizer(), True, _cfg(total=16), cp_size=1)
+    mb["branch_at"] = torch.tensor([0, 5, 13])  # rollout 2 (10 tokens) cannot share 13
+    with pytest.raises(RuntimeError, match=r"every branch_at must be 0 for a root, else in \(branch_at\[parent\]"):
+        automodel_data.process_microbatch(mb, _tokenizer(), True, _cfg(), cp_size=1)
+    mb["branch_at"] = torch.tensor(TREES[1].branch_at)
     plain = automodel_data.process_microbatch(mb, _tokenizer(), True, _cfg(rollout_tree=None), cp_size=1)
     assert plain.shared_prefix is None
     with pytest.raises(PackingError, match=r"no shared_prefix record: it was not packed with cfg\['nn_data'\]"):
