@@ -39,10 +39,12 @@ from torch import nn
 
 from nn_data.nemo_rl.assertions import PackingAssertionError, translate_errors
 from nn_data.extension import process_groups
-from nn_data.nemo_rl import megatron_data
+from nn_data.nemo_rl import automodel_tree, megatron_data
 from nn_data.nemo_rl.huggingface_common import get_flash_attention_kwargs, on_device, pack_sequences
 from nn_data.nemo_rl.megatron_data.common import require
 from nn_data.nemo_rl.megatron_data.iterators import resolve_device
+from nn_data.nemo_rl.megatron_data.records import TreeRecord
+from nn_data.nemo_rl.megatron_data.tree_inputs import check_tree_key
 from nn_data.nemo_rl.megatron_data import PackOptions
 
 __all__ = [
@@ -98,7 +100,8 @@ class ProcessedInputs:
     """A microbatch ready for the model's forward: ``input_ids``, ``seq_len`` and, when they apply,
     ``attention_mask``, ``position_ids``, ``flash_attn_kwargs`` (a ``FlashAttentionKwargs`` with
     sequence packing), ``vlm_kwargs``, and the context-parallel buffers for torch's
-    ``context_parallel()`` (``cp_buffers``, ``seq_index``)."""
+    ``context_parallel()`` (``cp_buffers``, ``seq_index``); nn_data's ``shared_prefix`` last: a tree
+    microbatch's record (``cfg["nn_data"]["rollout_tree"]``: :mod:`nn_data.nemo_rl.automodel_tree`), else None."""
 
     input_ids: torch.Tensor
     seq_len: int
@@ -108,6 +111,7 @@ class ProcessedInputs:
     vlm_kwargs: dict[str, Any] = field(default_factory=dict)
     cp_buffers: list[torch.Tensor] = field(default_factory=list)
     seq_index: Optional[torch.Tensor] = None
+    shared_prefix: Optional[TreeRecord] = None
 
     @property
     def has_context_parallel(self) -> bool:
@@ -221,10 +225,21 @@ def process_microbatch(mb: Any, tokenizer: Any, enable_seq_packing: bool, cfg: d
 
     Raises :class:`PackingError` (an ``AssertionError``, with NeMo-RL's message first) for multimodal
     inputs with packing, with sequence parallelism or with CP, and for packing under CP.
+
+    With ``cfg["nn_data"]["rollout_tree"]`` (or ``["shared_prefix"]``) a packed microbatch is a tree microbatch:
+    every shared token once, ``position_ids`` continuing along each rollout's path, no ``flash_attn_kwargs`` and
+    the record ``shared_prefix`` for :func:`~nn_data.nemo_rl.automodel_tree.forward_rollout_tree`
+    (:mod:`nn_data.nemo_rl.automodel_tree`, its refusals there).
     """
     options = PackOptions.from_cfg(cfg)
     input_ids = mb.get("input_ids").to(resolve_device(cfg=cfg))
-    if enable_seq_packing:
+    tree = None
+    if check_tree_key(mb, cfg, enable_seq_packing) is not None:  # every shared token once (automodel_tree)
+        lengths = on_device(mb["input_lengths"], input_ids.device)
+        input_ids, position_ids, tree = automodel_tree.tree_microbatch(
+            mb, input_ids, lengths, total=fixed_total(cfg, options), options=options, cp_size=cp_size)
+        seq_len, attention_mask, flash_attn_kwargs = input_ids.shape[1], None, {}
+    elif enable_seq_packing:
         lengths = on_device(mb["input_lengths"], input_ids.device)
         input_ids, position_ids, _ = pack_sequences(
             input_ids=input_ids, input_lengths=lengths, packed_sequence_size=[len(mb["input_lengths"])],
@@ -258,7 +273,7 @@ def process_microbatch(mb: Any, tokenizer: Any, enable_seq_packing: bool, cfg: d
         cp_buffers = [input_ids, position_ids, seq_index] + _student_aligned(mb)
     return ProcessedInputs(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            flash_attn_kwargs=flash_attn_kwargs, vlm_kwargs=vlm_kwargs, cp_buffers=cp_buffers,
-                           seq_index=seq_index, seq_len=seq_len)
+                           seq_index=seq_index, seq_len=seq_len, shared_prefix=tree)
 
 
 def _multimodal(mb: Any, device) -> dict:

@@ -127,3 +127,23 @@ def test_bad_trees_are_refused():
         plan_step_rollout_tree([4, 6], Parallelism(dp=1), parent=[-1], branch_at=[0, 5], pad_full_seq_to=16)
     with pytest.raises(PackingError, match=r"lengths\[0\] = 20 takes 20 tokens alone"):
         plan_step_rollout_tree([20], Parallelism(dp=1), parent=[-1], branch_at=[0], pad_full_seq_to=16)
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(seed=st.integers(0, 10 ** 6))
+def test_a_tree_microbatch_costs_its_packed_tokens_in_the_per_token_layers_too(seed):
+    # the work's per-token term (6h per token: linear layers, and a hybrid's recurrent and convolution layers,
+    # which run each node once from its parent's state) charges the tree's packed tokens, the node lengths
+    # tree_layout packs, not its rollouts' full paths: two hidden sizes differ by 6 dh per packed token
+    rng = random.Random(seed)
+    tree = random_tree(rng, rng.randint(1, 10), 40)
+    lengths = torch.tensor(tree.lengths)
+    packed = tree_layout(lengths, torch.tensor(tree.parent), torch.tensor(tree.branch_at), row_len=40,
+                         spec=PackSpec(1)).total  # every node once, no padding (m 1)
+    works = [plan_step_rollout_tree(tree.lengths, Parallelism(dp=1), parent=tree.parent, branch_at=tree.branch_at,
+                                    pad_full_seq_to=512, hidden_size=h) for h in (8, 72)]
+    assert [p.ranks for p in works] == [[[list(range(len(tree.lengths)))]]] * 2  # one microbatch, the whole tree
+    per_token = works[1].microbatch_work[0][0] - works[0].microbatch_work[0][0]
+    assert per_token == 6 * 64 * packed == 6 * 64 * works[0].real_tokens
+    if packed < int(lengths.sum()):  # a shared node: its full paths would cost more
+        assert per_token < 6 * 64 * int(lengths.sum())
