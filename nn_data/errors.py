@@ -17,5 +17,5 @@ class PackingError(ValueError):
     """
 
     def __init__(self, *args, argument: Optional[str] = None):
-        super().__init__(*args)
+        ValueError.__init__(self, *args)  # not super(): torch.compile traces this where an op raises
         self.argument = argument
