@@ -28,8 +28,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
-from nn_data.layout import checks as layout_checks
-from nn_data.layout.internal import ZigzagLocal
+from nn_data.layout.internal import ZigzagLocal, checks as layout_checks
 from nn_data.unpack import unpack_sequences
 
 class PackedBounds(NamedTuple):
