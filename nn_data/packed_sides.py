@@ -28,7 +28,7 @@ from torch import nn
 
 from nn_data import _checks
 from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
-from nn_data.layout.internal import ZigzagLocal
+from nn_data.layout.internal import ZigzagLocal, checks as layout_checks
 from nn_data.unpack import unpack_sequences
 
 class PackedBounds(NamedTuple):
@@ -235,6 +235,8 @@ class PackingSide(nn.Module):
         layout = kind.layout(input_ids, seq_lengths, args, spec=self.spec, num_rows=num_rows, validate=self.validate,
                              host_reads=self.host_reads)
         slots = kind.slots(layout)
+        if self.validate and self.cp_size > 1 and slots.host is not None:
+            layout_checks.segments_host(slots.host.segments, self.cp_size)  # each splits into 2C zigzag chunks
         places = slots.local_places(self.cp_size, self.cp_rank)  # [T/C] each, once for every tensor
         packed = layout.pack(input_ids)  # [1, T]
         local = packed if self.cp_size == 1 else packed.index_select(1, places.source)  # [1, T] -> [1, T/C]

@@ -6,29 +6,14 @@ Shape legend
     R   row capacity; S the staged row length (the widest row the stream holds)
     T   packed tokens (``pad_full_seq_to``); C context-parallel size, a rank holds ``T/C``
 
-A captured graph replays the kernels it recorded on the addresses it recorded: its inputs must be
-copied into the same tensors before every replay, and whatever it hands the model (the packed ids,
-the boundaries, ``PackedSeqParams``) must be those same tensors too (megatron-core's
-``full_cuda_graph.StaticBufferLoader`` does the first half for raw batches). :class:`StagedMicrobatch`
-holds both halves for one :class:`~nn_data.PackedForward` configuration (its ``row_capacity`` R, its
-``pad_full_seq_to`` T, its CP size C and rank), allocated once:
-
-* the **rows** the data path reads: ``rows_ids [R, S]``, ``rows_lengths [R]``, ``num_rows`` and
-  ``row_width`` (0-d: ``S'``, which every length must fit);
-  :meth:`StagedMicrobatch.load` copies a microbatch ``[B, S']`` into them (``copy_`` and ``zero_``
-  on views: no allocation, no host sync);
-* the **packed** tensors the model reads: ``input_ids``, ``position_ids``, ``targets`` (the next token
-  within the sequence, else ``ignore_index``), ``padding_mask`` (True at padding), all ``[1, T/C]``,
-  the boundaries ``cu_seqlens_padded [R+1]``, ``segment_ids [T]``, ``query_index [T/C]`` and
-  ``max_seqlen`` (0-d); :meth:`StagedMicrobatch.prepare` runs the data path (pack, this rank's zigzag
-  places, positions, targets, padding mask) on the device executor, which reads nothing on the host,
-  and ``copy_``\\ s the results in. ``info`` (a :class:`~nn_data.PackedInfo`) and ``packed_seq_params``
-  (megatron-core's, ``max_seqlen = T`` fixed) are made once over these tensors.
-
-Capture ``stage.prepare()`` followed by the model's forward on ``stage.input_ids``,
-``stage.position_ids``, ``stage.info``; then per microbatch ``stage.load(ids, lengths)`` and
-``graph.replay()`` (profiling/gpu_check runs exactly this on a GPU). Without a graph the same calls
-run eagerly and give the unstaged path's values (tests/ops/test_staging.py).
+A captured graph replays the kernels it recorded on the addresses it recorded, so its inputs must be copied
+into the same tensors before every replay and whatever it hands the model must be those tensors too.
+:class:`StagedMicrobatch` allocates both once for one :class:`~nn_data.PackedForward` configuration: the
+**rows** the data path reads (``rows_ids [R, S]``, ``rows_lengths [R]``, ``num_rows``, ``row_width``; filled by
+:meth:`StagedMicrobatch.load`, no allocation, no host sync) and the **packed** tensors the model reads
+(``[1, T/C]`` ids, positions, targets, padding mask, the boundaries; refreshed by
+:meth:`StagedMicrobatch.prepare` on the device executor), with ``info`` and ``packed_seq_params`` made once over
+them. How to capture and replay: docs/models.md, "A microbatch for CUDA graphs".
 """
 
 from __future__ import annotations

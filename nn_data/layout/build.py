@@ -43,10 +43,9 @@ class PackSpec:
 
     ``m`` / ``p``: the per-sequence and the packed multiple; ``fixed_total`` (keyword-only): the fixed
     packed length ``T`` or None (``T`` from the data; the resolved ``T`` is the layout's ``total``);
-    messages name it ``pad_full_seq_to``, the ops' argument); ``cp_size``: with ``C > 1`` the builder
-    checks that every segment splits into ``2C`` chunks (for a caller that packs and shards in one call;
-    the core pack does not know ``C``); ``pack_form``: the device executor's pack form (``"auto"``: by the
-    static sizes; ``"scatter"`` / ``"gather"``: always that one, :func:`~nn_data.layout.device.pack_maps`).
+    messages name it ``pad_full_seq_to``, the ops' argument); ``pack_form``: the device executor's pack
+    form (``"auto"``: by the static sizes; ``"scatter"`` / ``"gather"``: always that one,
+    :func:`~nn_data.layout.device.pack_maps`).
 
     Example: ``PackSpec(4, 8, fixed_total=64)`` -> every sequence rounded up to 4, ``T = 64``;
     ``PackSpec(4, 8, fixed_total=60)`` raises (60 is not a multiple of 8).
@@ -56,7 +55,6 @@ class PackSpec:
     p: int = 1
     _: dataclasses.KW_ONLY
     fixed_total: Optional[int] = None
-    cp_size: int = 1
     pack_form: str = "auto"
 
     def __post_init__(self):
@@ -65,12 +63,10 @@ class PackSpec:
         _checks.positive_int("pad_individual_seqs_to_multiple_of", self.m)
         _checks.positive_int("pad_packed_seq_to_multiple_of", self.p)
         checks.fixed_total_arg("pad_full_seq_to", self.fixed_total)
-        _checks.check_cp(self.cp_size)
         if self.fixed_total is not None and self.fixed_total % self.p:
             raise _checks.PackingError(
                 f"pad_full_seq_to={self.fixed_total} is not a multiple of "
-                f"pad_packed_seq_to_multiple_of={self.p}; choose a multiple of {self.p}"
-            )
+                f"pad_packed_seq_to_multiple_of={self.p}; choose a multiple of {self.p}", argument="pad_full_seq_to")
 
 
 class Boundaries(NamedTuple):
@@ -150,8 +146,6 @@ def layout_from_read_lengths(lengths: list, seq_lengths: torch.Tensor, row_len: 
     cu_pad = extend_last(cu_pad + [natural] * tail, total, active) if rows else [total]
     bounds = segment_bounds(cu_pad[: active + 1], total)
     segments = [b - a for a, b in zip(bounds, bounds[1:])]  # [B'] (the active rows' segments)
-    if validate:
-        checks.segments_host(segments, spec.cp_size)
     max_seqlen = max(segments)
     both = host_tensor(cu + cu_pad + [max_seqlen], torch.int32, seq_lengths.device)  # one copy: [B+1 | B+1 | 1]
     host = HostBounds(lengths, cu, cu_pad, segments + [0] * tail, max_seqlen, max(active, 1))
@@ -178,7 +172,8 @@ def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate:
     elif seq_lengths.device.type == "meta":
         raise _checks.PackingError(
             f"{op}: seq_lengths is on the meta device (no values), so the packed length T, the padded sum of the "
-            "lengths, cannot be learned from it; set pad_full_seq_to (a fixed T) to run on the meta device")
+            "lengths, cannot be learned from it; set pad_full_seq_to (a fixed T) to run on the meta device",
+            argument="pad_full_seq_to")
     else:
         total = int(packed_total(natural, spec.p).item())  # sync: T is data-dependent without a fixed packed length
         torch._check(total >= 0)

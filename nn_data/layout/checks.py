@@ -87,7 +87,7 @@ def fixed_total_arg(name: str, value) -> Optional[int]:
     budget): None or an int in ``[1, 2**31 - 1]``; ``name`` is the caller's spelling."""
     value = _checks.positive_int(name, value, allow_none=True)
     if value is not None and value > INT32_MAX:
-        raise PackingError(int32_limit(f"{name}={value}"))
+        raise PackingError(int32_limit(f"{name}={value}"), argument=name)
     return value
 
 
@@ -103,8 +103,7 @@ def total_divisible(total: int, cp_size: int) -> None:
     if cp_size > 1 and total % (2 * cp_size):
         raise PackingError(
             f"the packed length T={total} is not a multiple of 2*cp_size={2 * cp_size}; "
-            "choose pad_full_seq_to (or the padding multiples) so that T is one"
-        )
+            "choose pad_full_seq_to (or the padding multiples) so that T is one", argument="pad_full_seq_to")
 
 
 def sequence_divisible(name: str, length: int, cp_size: int, where: str) -> None:
@@ -152,7 +151,7 @@ def natural_total_host(natural: int, m: int, fixed_total: Optional[int], name: s
     if fixed_total is not None and natural > fixed_total:
         raise PackingError(f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds "
                            f"{name}={fixed_total}; {name} must be at least {natural} (NeMo-RL silently truncates the "
-                           "packed tensor here and drops the tail tokens)")
+                           "packed tensor here and drops the tail tokens)", argument=name)
 
 
 SHARED_TOTAL = ("the shared-prefix packed total (each group's prompt once, then every response, each slot rounded up "
@@ -181,7 +180,7 @@ def shared_total_host(natural: int, rollout_sum: int, m: int, fixed_total: Optio
     what, once, planner = _total_wording(tree, m)
     raise PackingError(f"{what} = {natural} exceeds {name}={fixed_total}; {name} must be at "
                        f"least {natural} (the rollouts' own lengths sum to {rollout_sum}: {once}), "
-                       f"or split the microbatch (nn_data.planning.{planner} plans microbatches that fit)")
+                       f"or split the microbatch (nn_data.planning.{planner} plans microbatches that fit)", argument=name)
 
 
 @_folded
@@ -215,7 +214,7 @@ def segments_host(segments: list, cp_size: int) -> None:
     two_c = 2 * cp_size
     if any(n % two_c for n in segments):
         i = _first([n % two_c != 0 for n in segments])
-        raise PackingError(segment_not_divisible(i, segments[i], two_c))
+        raise PackingError(segment_not_divisible(i, segments[i], two_c), argument="pad_full_seq_to")
 
 
 def boundaries_host(values: list, total: int, name: str = "cu_seqlens_padded", *, end_at_total: bool = True,

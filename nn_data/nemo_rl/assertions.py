@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import re
 from typing import Callable
 
 from nn_data import PackingError
@@ -42,7 +41,7 @@ def at_the_edge(fn: Callable) -> Callable:
         except PackingAssertionError:
             raise
         except PackingError as error:
-            raise PackingAssertionError(*error.args) from error
+            raise PackingAssertionError(*error.args, argument=error.argument) from error
 
     translated.at_the_edge = True
     return translated
@@ -58,9 +57,9 @@ def translate_errors(namespace: dict) -> None:
 
 @contextlib.contextmanager
 def spelled(name: str):
-    """Inside, the core's errors name the fixed packed length ``name`` (NeMo-RL's ``pad_packed_seq_to``, an
-    AutoModel setting) where the core names it ``pad_full_seq_to``, the ops' argument; raised as
-    :class:`PackingAssertionError` with the core's error as its cause.
+    """Inside, the core's errors about the fixed packed length (``PackingError.argument`` is
+    ``"pad_full_seq_to"``, the ops' argument) name it ``name`` (NeMo-RL's ``pad_packed_seq_to``, an AutoModel
+    setting); every core error leaves as :class:`PackingAssertionError` with the core's error as its cause.
 
     Example: ``with spelled("pad_packed_seq_to"):`` a core ``"... exceeds pad_full_seq_to=16; ..."`` leaves as
     ``"... exceeds pad_packed_seq_to=16; ..."``.
@@ -70,5 +69,6 @@ def spelled(name: str):
     except PackingError as error:
         if name == "pad_full_seq_to":
             raise
-        text = re.sub(r"(?<![\w'\[])pad_full_seq_to\b", lambda _: name, str(error))
-        raise PackingAssertionError(text) from error
+        if error.argument != "pad_full_seq_to":
+            raise PackingAssertionError(*error.args, argument=error.argument) from error
+        raise PackingAssertionError(str(error).replace("pad_full_seq_to", name), argument=name) from error

@@ -42,7 +42,7 @@ from nn_data.extension import process_groups
 from nn_data.nemo_rl import automodel_tree, megatron_data
 from nn_data.nemo_rl.huggingface_common import get_flash_attention_kwargs, on_device, pack_sequences
 from nn_data.nemo_rl.megatron_data.common import require
-from nn_data.nemo_rl.megatron_data.iterators import resolve_device
+from nn_data.nemo_rl.megatron_data.iterators import raw_microbatches, resolve_device
 from nn_data.nemo_rl.megatron_data.records import TreeRecord
 from nn_data.nemo_rl.megatron_data.tree_inputs import check_tree_key
 from nn_data.nemo_rl.megatron_data import PackOptions
@@ -155,19 +155,11 @@ def get_microbatch_iterator(data: Any, cfg: dict[str, Any], mbs: int, dp_mesh: A
     packing (padded with repeated microbatches up to the largest count over the data-parallel ranks:
     one all-reduce, one read of its result per global batch) or ``mbs`` rows at a time."""
     enable_seq_packing = (cfg.get("sequence_packing") or {}).get("enabled", False)
+    mb_iterator, iterator_len, longest = raw_microbatches(data, cfg, mbs, enable_seq_packing)
     dummy: Iterator[Any] = iter([])
-    if (cfg.get("dynamic_batching") or {}).get("enabled", False):
-        mb_iterator = data.make_microbatch_iterator_with_dynamic_shapes()
-        iterator_len = data.get_microbatch_iterator_dynamic_shapes_len()
-    elif enable_seq_packing:
-        mb_iterator = data.make_microbatch_iterator_for_packable_sequences()
-        iterator_len, _ = data.get_microbatch_iterator_for_packable_sequences_len()
+    if longest is not None:  # the packable plan: every rank runs as many microbatches
         dummy = itertools.islice(itertools.cycle(data.make_microbatch_iterator_for_packable_sequences()),
                                  _most_microbatches(iterator_len, dp_mesh) - iterator_len)
-    else:
-        require(isinstance(mbs, int) and mbs >= 1, f"mbs={mbs!r} is invalid; expected a microbatch size >= 1")
-        mb_iterator = data.make_microbatch_iterator(mbs)
-        iterator_len = data.size // mbs
     processed = make_processed_microbatch_iterator(itertools.chain(mb_iterator, dummy), tokenizer, cfg, cp_size)
     return processed, iterator_len
 

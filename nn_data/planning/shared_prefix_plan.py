@@ -36,7 +36,7 @@ import numpy as np
 from nn_data.errors import PackingError
 from nn_data.layout import round_up
 from nn_data.planning.alignment import Parallelism
-from nn_data.planning.step import StepPlan, check_args, host_ints, host_lengths
+from nn_data.planning.step import StepPlan, check_args, first_over, host_ints, host_lengths
 from nn_data.planning.tree_plan import plan_trees
 
 
@@ -55,9 +55,8 @@ def check_groups(lengths: np.ndarray, prefix_lengths: np.ndarray, group_ids: np.
         raise PackingError(f"prefix_lengths[{i}] = {int(prefix_lengths[i])} is invalid; it is past the rollout's "
                            f"length lengths[{i}] = {int(lengths[i])} (a prompt is part of its rollout)")
     alone = round_up(prefix_lengths, multiple) + round_up(lengths - prefix_lengths, multiple)  # [n] its prompt with it
-    long = np.flatnonzero(alone > total)
-    if long.size:
-        i = int(long[0])
+    i = first_over(alone, total)
+    if i is not None:
         raise PackingError(f"lengths[{i}] = {int(lengths[i])} with prefix_lengths[{i}] = {int(prefix_lengths[i])} "
                            f"takes {int(alone[i])} tokens alone (prompt and response each padded to a multiple of "
                            f"{multiple}), more than pad_full_seq_to={total}; raise pad_full_seq_to")

@@ -156,6 +156,13 @@ def host_lengths(lengths, name: str = "lengths") -> np.ndarray:
     return arr
 
 
+def first_over(need: np.ndarray, total: int) -> Optional[int]:
+    """The first rollout whose padded tokens alone ``need [n]`` exceed the microbatch's ``total``, or None.
+    Example: need ``[8, 24, 40]``, total 16 -> 1."""
+    over = np.flatnonzero(need > total)
+    return int(over[0]) if over.size else None
+
+
 def short_repr(value) -> str:
     """``repr(value)``, cut to 80 characters for a message."""
     text = repr(value)
@@ -196,9 +203,8 @@ def plan_step(lengths, parallelism: Parallelism, *, pad_full_seq_to: int, microb
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
     need = round_up(arr, parallelism.pad_multiple)
-    long = np.flatnonzero(need > total)
-    if long.size:
-        i = int(long[0])
+    i = first_over(need, total)
+    if i is not None:
         raise PackingError(f"lengths[{i}] = {int(arr[i])} (padded to {int(need[i])}, a multiple of "
                            f"{parallelism.pad_multiple}) is longer than pad_full_seq_to={total}; raise pad_full_seq_to "
                            f"to at least {parallelism.round_fixed_total(int(need[i]))}")

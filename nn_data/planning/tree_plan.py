@@ -48,7 +48,7 @@ import numpy as np
 from nn_data.errors import PackingError
 from nn_data.layout import round_up
 from nn_data.planning.alignment import Parallelism
-from nn_data.planning.step import StepPlan, check_args, host_ints, host_lengths, imbalance_bound, place
+from nn_data.planning.step import StepPlan, check_args, first_over, host_ints, host_lengths, imbalance_bound, place
 
 #: ``shared_tokens``' diagonal: a rollout shares every token with itself (above any length).
 EVERY = np.iinfo(np.int64).max
@@ -362,9 +362,8 @@ def plan_step_rollout_tree(lengths, parallelism: Parallelism, *, parent, branch_
     up, at = host_ints(parent, "parent").astype(np.int64), host_ints(branch_at, "branch_at").astype(np.int64)
     check_tree(arr, up, at)
     m = parallelism.pad_multiple
-    long = np.flatnonzero(round_up(arr, m) > total)
-    if long.size:
-        i = int(long[0])
+    i = first_over(round_up(arr, m), total)
+    if i is not None:
         raise PackingError(f"lengths[{i}] = {int(arr[i])} takes {int(round_up(arr[i], m))} tokens alone (padded to a "
                            f"multiple of {m}), more than pad_full_seq_to={total}; raise pad_full_seq_to")
     return plan_trees(arr, up, at, parallelism, total=total, balance=balance, hidden_size=hidden_size,

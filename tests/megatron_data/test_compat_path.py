@@ -65,7 +65,7 @@ def test_the_path_from_process_microbatch_to_the_executor_is_at_most_five_frames
 
 def test_at_most_three_record_types_travel_down_to_the_executor(monkeypatch):
     types = {t for stack in _stack_at_the_executor(monkeypatch) for _, kinds in stack for t in kinds}
-    assert types <= {"PackOptions", "PackSpec", "PackLayout"}, types
+    assert types <= {"PackOptions", "DropInSpec", "PackLayout"}, types
     assert len(types) <= 3
 
 

@@ -23,8 +23,7 @@ from nn_data import (
 from nn_data.diagnostics import HostSyncCounter, cuda_sync_warnings
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron, _unpack_sequences_from_megatron
 from nn_data.nemo_rl.megatron_data.graph import run_graph
-from nn_data.layout import PackSpec
-from nn_data.nemo_rl.megatron_data.options import PackOptions
+from nn_data.nemo_rl.megatron_data.options import DropInSpec, PackOptions
 from nn_data.rows import with_dynamic_row_length
 from nn_data.testing.coded import coded_batch
 
@@ -126,7 +125,7 @@ def test_compat_compiled_path_copies_no_python_data():
     ids = torch.zeros(3, 6, dtype=torch.int64, device="meta")
     lengths = torch.zeros(3, dtype=torch.int64, device="meta")
     options = PackOptions(compile=True, row_capacity=4, backend="eager")
-    kw = dict(spec=PackSpec(4, 1, cp_size=2), total=32, cp_rank=0, options=options)
+    kw = dict(spec=DropInSpec(4, 1, cp_size=2), total=32, cp_rank=0, options=options)
     run_graph(ids, lengths, {}, **kw)
     with HostSyncCounter() as syncs:
         full, local = run_graph(ids, lengths, {}, **kw)

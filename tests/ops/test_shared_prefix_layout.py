@@ -138,7 +138,7 @@ def test_unpack_keeps_gradients_and_sums_a_shared_prompt():
 def test_shard_unshard_and_padding_mask_delegate_to_the_slot_layout():
     x = rollouts(**CASE, seq_len=4)
     sp = shared_prefix_layout(torch.tensor(CASE["lengths"]), torch.tensor(CASE["prefix"]),
-                              torch.tensor(CASE["groups"]), row_len=4, spec=PackSpec(4, cp_size=2, fixed_total=32))
+                              torch.tensor(CASE["groups"]), row_len=4, spec=PackSpec(4, fixed_total=32))
     packed = sp.pack(x)
     shards = torch.cat([sp.shard(packed, 2, r) for r in range(2)])
     assert torch.equal(sp.unshard(shards, 2), packed)
@@ -231,7 +231,7 @@ def test_block_mask_equals_the_dense_one_where_flex_runs_on_the_cpu():
 
     groups, prefix, lengths = [0, 0, 0, 1, 1], [40, 40, 40, 9, 9], [70, 41, 90, 60, 9]
     sp = shared_prefix_layout(torch.tensor(lengths), torch.tensor(prefix), torch.tensor(groups), row_len=90,
-                              spec=PackSpec(6, cp_size=3, fixed_total=384))
+                              spec=PackSpec(6, fixed_total=384))
     q, seg, rule = sp.local_places(3, 1).source, sp.segment_ids(), sp.prefix_rule()  # a CP rank's 128 queries
     with torch.no_grad():
         mask = document_mask(q, seg, kind="block", window=50, prefix=rule)

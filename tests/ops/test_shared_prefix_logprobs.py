@@ -117,7 +117,7 @@ def test_cp_shard_is_the_zigzag_of_every_slot_and_unshards_back(sizes, seed, cp,
     total = 2 * cp * 48
     sp = shared_prefix_layout(torch.tensor(lengths, dtype=torch.int64), torch.tensor(prefix, dtype=torch.int64),
                               torch.tensor(groups, dtype=torch.int64), row_len=seq_len,
-                              spec=PackSpec(2 * cp, cp_size=cp, fixed_total=total), host_reads=host_reads)
+                              spec=PackSpec(2 * cp, fixed_total=total), host_reads=host_reads)
     ref, *_ = reference(groups, prefix, lengths, x, 2 * cp, total)
     packed = sp.pack(x)
     assert torch.equal(packed, ref.packed)

@@ -30,8 +30,7 @@ BATCHES = [([0, 0, 0, 1], [5, 5, 5, 2], [9, 5, 12, 7], 12),
 
 def _case(i: int, cp_size: int):
     groups, prefix, lengths, seq_len = BATCHES[i]
-    sp, ids, token, weights, gen = logprob_case(groups, prefix, lengths, seq_len, m=2 * cp_size, cp_size=cp_size,
-                                                seed=i)
+    sp, ids, token, weights, gen = logprob_case(groups, prefix, lengths, seq_len, m=2 * cp_size, seed=i)
     return sp, ids, token, weights, gen, (groups, prefix, lengths, seq_len)
 
 

@@ -98,7 +98,7 @@ def alone_outputs(per_position, groups, prefix, lengths, seq_len, token, k):
     return torch.stack(ent), torch.stack(top), torch.stack(ids), torch.stack(arg)
 
 
-def logprob_case(groups, prefix, lengths, seq_len, *, m=2, fixed_total=None, cp_size=1, seed=0):
+def logprob_case(groups, prefix, lengths, seq_len, *, m=2, fixed_total=None, seed=0):
     """``(layout, ids [B, S], token, weights [B, S-1], generator)``: rollouts with ids in ``[0, V)``, their
     shared-prefix layout (slots rounded up to ``m``), the reference's token of each packed position and
     the weights of a test loss ``sum(out * weights)``."""
@@ -107,7 +107,7 @@ def logprob_case(groups, prefix, lengths, seq_len, *, m=2, fixed_total=None, cp_
     ids = torch.where(x >= 0, x % V, 0)  # token ids in [0, V); padding 0
     sp = shared_prefix_layout(torch.tensor(lengths, dtype=torch.int64), torch.tensor(prefix, dtype=torch.int64),
                               torch.tensor(groups, dtype=torch.int64), row_len=seq_len,
-                              spec=PackSpec(m, fixed_total=fixed_total, cp_size=cp_size), input_ids=ids)
+                              spec=PackSpec(m, fixed_total=fixed_total), input_ids=ids)
     _, _, token, _ = reference(groups, prefix, lengths, x, m, fixed_total)
     weights = torch.randn(len(lengths), max(seq_len - 1, 0), generator=gen, dtype=torch.float64)
     return sp, ids, token, weights, gen

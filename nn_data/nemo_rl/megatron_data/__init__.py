@@ -12,25 +12,11 @@ when CP is not set up) and ``get_packed_seq_cp_partition_indices`` (megatron-bri
 without megatron-bridge). The functions call each other through this module's names at call
 time, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")`` reaches the call as it does in NeMo-RL (the packed
 branch excepted: it packs every tensor in one call, not one per helper).
-Differences (docs/nemo-rl.md's "Differences from NeMo-RL" table lists all of them):
-
-* one layout per microbatch (:mod:`nn_data.layout`), built after one read of the lengths, packs
-  and CP-shards the ids and every companion (``mtp_loss_mask``, the media mask, ``routed_experts``)
-  with a constant number of ops (eagerly) or one compiled graph, not a Python loop per sequence: one
-  host sync per microbatch (NeMo-RL: ``2B + 1``);
-* where NeMo-RL silently produces wrong data, nn_data raises or is right: a packed total
-  above ``pad_full_seq_to`` raises (NeMo-RL truncates); a segment not divisible by
-  ``2 * cp_size`` raises (NeMo-RL drops tokens); unpacking always uses the padded
-  offsets (NeMo-RL misplaces sequences when CP is 1 and the multiple is > 1);
-* errors are :class:`~nn_data.nemo_rl.assertions.PackingAssertionError`, nn_data's ``PackingError`` (a
-  ``ValueError``) that is also an ``AssertionError``, so code that catches NeMo-RL's asserts keeps working;
-* extra keyword-only arguments, all optional: ``options=PackOptions(...)`` on
-  :func:`process_microbatch` / :func:`_pack_sequences_for_megatron` (compiled graph,
-  row capacity, ``T`` buckets; the iterators read them from ``cfg["nn_data"]``) and
-  ``device=`` on the iterators;
-* megatron-core is imported lazily (``PackedSeqParams`` on the first pack), and
-  ``get_ltor_masks_and_position_ids`` is implemented here (megatron.training is not in the
-  megatron-core wheel).
+One layout per microbatch packs and CP-shards the ids and every companion after one read of the lengths;
+where NeMo-RL silently produces wrong data nn_data raises (errors are
+:class:`~nn_data.nemo_rl.assertions.PackingAssertionError`, also an ``AssertionError``); extra arguments are
+keyword-only and optional; megatron-core is imported lazily (``PackedSeqParams`` on the first pack). Every
+difference: docs/nemo-rl.md, "Differences from NeMo-RL".
 """
 
 from __future__ import annotations

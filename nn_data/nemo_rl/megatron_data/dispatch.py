@@ -25,12 +25,12 @@ from typing import NamedTuple
 import torch
 
 from nn_data import PackLayout
-from nn_data.layout import PackSpec, layout_from_lengths
-from nn_data.extension import checks, layout_from_read_lengths, pack_shard
+from nn_data.layout import layout_from_lengths
+from nn_data.extension import checks, layout_checks, layout_from_read_lengths, pack_shard
 from nn_data.nemo_rl.assertions import PackingAssertionError, spelled
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
 from nn_data.nemo_rl.buckets import bucket_total
-from nn_data.nemo_rl.megatron_data.options import PackOptions
+from nn_data.nemo_rl.megatron_data.options import DropInSpec, PackOptions
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
 #: Why this door never packs a shared-prefix microbatch (it has no group ids to share a prompt by).
@@ -83,7 +83,7 @@ def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
         checks.check_same_device(input_ids=input_ids, **{name: value})
 
 
-def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, options: PackOptions,
+def pack_microbatch(input_ids, seq_lengths, *, spec: DropInSpec, cp_rank: int, options: PackOptions,
                     extras: dict, name: str = "pad_full_seq_to") -> PackedMicrobatch:
     """Lay out (one sync) and pack ``input_ids [B, S]`` plus the ``extras`` given (a dict over
     :data:`EXTRAS`: ``[B, S, *]`` tensors or None) for this CP rank. Padding is 0, except routed
@@ -108,7 +108,7 @@ def pack_microbatch(input_ids, seq_lengths, *, spec: PackSpec, cp_rank: int, opt
     return PackedMicrobatch(layout, full, local)
 
 
-def lay_out(lengths: torch.Tensor, row_len: int, spec: PackSpec, *, buckets, name: str) -> PackLayout:
+def lay_out(lengths: torch.Tensor, row_len: int, spec: DropInSpec, *, buckets, name: str) -> PackLayout:
     """The microbatch's host layout (the one read of ``lengths [B]``), its ``T`` rounded up to a bucket
     when ``buckets`` are set and no packed length is fixed (:func:`bucket_total`, then the layout of the
     lengths already read with that ``T``: no second read); errors name the fixed packed length ``name``,
@@ -119,10 +119,11 @@ def lay_out(lengths: torch.Tensor, row_len: int, spec: PackSpec, *, buckets, nam
     """
     with spelled(name):
         layout = layout_from_lengths(lengths, row_len, spec, op="_pack_sequences_for_megatron")
-        if buckets is None or spec.fixed_total is not None:
-            return layout
-        total = bucket_total(layout.total, buckets, spec.p, spec.cp_size)
-        if total == layout.total:
-            return layout
-        return layout_from_read_lengths(layout.host.lengths, lengths, row_len,
-                                        dataclasses.replace(spec, fixed_total=total))
+        if buckets is not None and spec.fixed_total is None:
+            total = bucket_total(layout.total, buckets, spec.p, spec.cp_size)
+            if total != layout.total:
+                layout = layout_from_read_lengths(layout.host.lengths, lengths, row_len,
+                                                  dataclasses.replace(spec, fixed_total=total))
+        if layout.on_host:
+            layout_checks.segments_host(layout.host.segments, spec.cp_size)  # each splits into 2C zigzag chunks
+        return layout

@@ -161,20 +161,12 @@ def get_microbatch_iterator(
     if seq_length_key is None and packing:
         seq_length_key = "input_lengths"
     check_tree_key(data, cfg, packing)
-    if (cfg.get("dynamic_batching") or {}).get("enabled", False):
-        raw_iterator = data.make_microbatch_iterator_with_dynamic_shapes()
-        data_iterator_len = data.get_microbatch_iterator_dynamic_shapes_len()
-    elif packing:
-        raw_iterator = data.make_microbatch_iterator_for_packable_sequences()
-        data_iterator_len, pack_seq_dim_size = data.get_microbatch_iterator_for_packable_sequences_len()
+    raw_iterator, data_iterator_len, pack_seq_dim_size = raw_microbatches(data, cfg, mbs, packing)
+    if pack_seq_dim_size is not None:  # the packable plan
         pad_factor, pad_packed, pad_full_seq_to = public("_get_pack_sequence_parameters_for_megatron")(
             cfg["megatron_cfg"], cfg["make_sequence_length_divisible_by"], pack_seq_dim_size)
         pad_full_seq_to = run_fixed_total(cfg, pack_seq_dim_size, pad_full_seq_to)
         micro_batch_size = 1
-    else:
-        require(isinstance(mbs, int) and mbs >= 1, f"mbs={mbs!r} is invalid; expected an int >= 1")
-        raw_iterator = data.make_microbatch_iterator(mbs)
-        data_iterator_len = data.size // mbs
     extra = {"device": device} if device is not None else {}  # nn_data's keywords, only when given
     if pg_collection is not None:
         extra["pg_collection"] = pg_collection
@@ -193,6 +185,20 @@ def get_microbatch_iterator(
     )
     padded_seq_length = pad_full_seq_to if pad_full_seq_to is not None else seq_dim_size
     return iterator, data_iterator_len, micro_batch_size, seq_dim_size, padded_seq_length
+
+
+def raw_microbatches(data: Any, cfg: dict[str, Any], mbs: int, packing: bool
+                     ) -> tuple[Iterator[Any], int, Optional[int]]:
+    """``(data's microbatch iterator, their count, the packable plan's longest microbatch or None)``: its
+    dynamic-shape plan (``cfg["dynamic_batching"]``), its packable plan (``packing``), else ``mbs`` rows at a time."""
+    if (cfg.get("dynamic_batching") or {}).get("enabled", False):
+        iterator = data.make_microbatch_iterator_with_dynamic_shapes()
+        return iterator, data.get_microbatch_iterator_dynamic_shapes_len(), None
+    if packing:
+        iterator = data.make_microbatch_iterator_for_packable_sequences()
+        return (iterator, *data.get_microbatch_iterator_for_packable_sequences_len())
+    require(isinstance(mbs, int) and mbs >= 1, f"mbs={mbs!r} is invalid; expected an int >= 1 (rows per microbatch)")
+    return data.make_microbatch_iterator(mbs), data.size // mbs, None
 
 
 def run_fixed_total(cfg: dict[str, Any], longest: int, step_length: Optional[int]) -> Optional[int]:

@@ -2,7 +2,7 @@
 
 NeMo-RL's positional arguments reach nn_data here, once: :func:`nemo_rl_spec` turns
 ``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, <fixed packed length>,
-cp_size)`` into the layout's :class:`~nn_data.layout.PackSpec` (checked when built; ``cp_rank``
+cp_size)`` into a :class:`DropInSpec`, the layout's spec and ``cp_size`` (checked when built; ``cp_rank``
 checked against the size), keeping the caller's spelling of the fixed packed length (``pad_packed_seq_to`` or
 ``pad_full_seq_to``) for the messages. Inside, the fixed packed length has one name,
 ``fixed_total``, passed keyword-only; the packed length a layout resolves to is its ``total``.
@@ -213,8 +213,21 @@ def refuse_unknown_keys(given: Mapping, valid: Sequence[str], where: str) -> Non
             raise PackingAssertionError(f"{where} has an unknown key {key!r}{hint}; valid keys: {sorted(valid)}")
 
 
-def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp_size: int, name: str) -> PackSpec:
-    """NeMo-RL's packing arguments as the layout's :class:`~nn_data.layout.PackSpec`, with ``cp_rank`` checked
+@dataclasses.dataclass(frozen=True)
+class DropInSpec(PackSpec):
+    """The layout's :class:`~nn_data.layout.PackSpec` and the CP size the drop-in packs and shards for in one
+    call (``cp_size``; it checks each segment splits into ``2*cp_size`` chunks where it lays out the lengths)."""
+
+    _: dataclasses.KW_ONLY
+    cp_size: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        checks.check_cp(self.cp_size)
+
+
+def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp_size: int, name: str) -> DropInSpec:
+    """NeMo-RL's packing arguments as a :class:`DropInSpec`, with ``cp_rank`` checked
     against ``cp_size`` and the fixed packed length checked under the caller's spelling of it (``name``:
     ``pad_packed_seq_to`` or ``pad_full_seq_to``); checked once per distinct configuration (a training run
     repeats a few), an unhashable argument uncached."""
@@ -226,10 +239,10 @@ def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (a bool multiple is refused)
-def _spec(m, p, fixed_total, cp_size, name) -> PackSpec:
+def _spec(m, p, fixed_total, cp_size, name) -> DropInSpec:
     layout_checks.fixed_total_arg(name, fixed_total)
     checks.positive_int("pad_packed_seq_to_multiple_of", p)
     if fixed_total is not None and fixed_total % p:
         raise PackingAssertionError(f"{name}={fixed_total} is not a multiple of pad_packed_seq_to_multiple_of={p}; "
                                     f"choose a multiple of {p}")
-    return PackSpec(m, p, fixed_total=fixed_total, cp_size=cp_size)
+    return DropInSpec(m, p, fixed_total=fixed_total, cp_size=cp_size)

@@ -4,6 +4,7 @@ each group's prompt once: :class:`TreeRecord`) last."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
@@ -63,22 +64,10 @@ class ProcessedInputs:
     shared_prefix: Optional["TreeRecord"] = None
 
 
-@dataclass
-class ProcessedMicrobatch:
-    """A processed microbatch ready for the model forward: the raw ``data_dict`` plus the
-    :class:`ProcessedInputs` fields (packed tensors, ``PackedSeqParams`` ... or, unpacked,
-    the causal mask and position ids; nn_data's ``padding_mask`` as in :class:`ProcessedInputs`)."""
-
-    data_dict: "BatchedDataDict[Any]"
-    input_ids: torch.Tensor
-    input_ids_cp_sharded: torch.Tensor
-    attention_mask: Optional[torch.Tensor]
-    position_ids: Optional[torch.Tensor]
-    packed_seq_params: Optional["PackedSeqParams"]
-    cu_seqlens_padded: Optional[torch.Tensor]
-    mtp_loss_mask: Optional[torch.Tensor] = None
-    routed_experts: Optional[torch.Tensor] = None
-    routed_experts_cp_sharded: Optional[torch.Tensor] = None
-    media_token_validity_mask: Optional[torch.Tensor] = None
-    padding_mask: Optional[torch.Tensor] = None
-    shared_prefix: Optional["TreeRecord"] = None
+ProcessedMicrobatch = dataclasses.make_dataclass(  # NeMo-RL's field order: data_dict, then ProcessedInputs'
+    "ProcessedMicrobatch", [("data_dict", "BatchedDataDict[Any]")] + [
+        (f.name, f.type) if f.default is dataclasses.MISSING else (f.name, f.type, dataclasses.field(default=f.default))
+        for f in dataclasses.fields(ProcessedInputs)],
+    namespace={"__module__": __name__, "__doc__": "A processed microbatch ready for the model forward: the raw "
+               "``data_dict`` plus the :class:`ProcessedInputs` fields (packed tensors, ``PackedSeqParams`` ... or, "
+               "unpacked, the causal mask and position ids), in NeMo-RL's order."})

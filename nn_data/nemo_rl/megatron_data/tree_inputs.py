@@ -11,38 +11,13 @@ Shape legend
         ``pad_full_seq_to`` the run's ``cfg["nn_data"]["kv_capacity"]`` (:func:`kv_capacity`)
 
 With a key set (:func:`~nn_data.nemo_rl.megatron_data.options.rollout_tree_keys`,
-:func:`~nn_data.nemo_rl.megatron_data.options.shared_prefix_keys`) a step's batch carries, beside ``input_ids`` /
-``input_lengths``, either ``parent [B]`` (the earlier rollout of the same microbatch each one shares its beginning
-with, or -1) and ``branch_at [B]`` (how many tokens it shares), or ``group_ids [B]`` (rollouts of a GRPO group
-share its prompt) and ``prefix_lengths [B]`` (that prompt's length):
-
-* **planning**: ``shard_by_batch_size(..., sequence_packing_args={"algorithm": "nn_data_balanced",
-  "rollout_tree": cfg["nn_data"]["rollout_tree"], ...})`` (or ``"shared_prefix": ...``) plans each global
-  batch with :func:`nn_data.planning.plan_step_rollout_tree` (:func:`~nn_data.planning.plan_step_shared_prefix`:
-  its GRPO spelling), each tree in one microbatch where it fits; a tree's ``parent`` / ``branch_at`` are
-  rewritten for the rollouts of each microbatch (:func:`nn_data.planning.subtree`), the groups carried row for row;
-  with ``rollout_tree: "find"`` it finds each global batch's tree from the token ids and writes the fields; a
-  microbatch that reaches ``process_microbatch`` without them (no sharding planner) has its own tree found there
-  (:func:`found_tree`, one more host read);
-* **packing**: ``process_microbatch`` (and so the microbatch iterators) packs each microbatch with
-  the tree kind of ``PackedForward``'s pipeline (``nn_data.layout.tree_layout``, or
-  ``shared_prefix_layout`` for the groups: one host read, as the plain path, checking the tree, the shared
-  tokens included) and returns NeMo-RL's record with ``position_ids`` continuing along each rollout's path,
-  the padding mask, a ``PackedSeqParams`` and nn_data's :class:`TreeRecord` (``shared_prefix``: the
-  layout, the prefix rule, the local places) for the model call and the loss
-  (:mod:`nn_data.nemo_rl.megatron_data.tree_model`).
-
-Refused by name: a key without sequence packing; companions that would have to ride a shared
-prefix (``mtp_loss_mask``, ``routed_experts``, ``media_token_validity_mask``), a self-packing model
-(``delegate_pack_to_model``), ``model_slices_context_parallel_inputs``, the compiled pack
-(``cfg["nn_data"]["compile"]``) and ``T`` buckets (``cfg["nn_data"]["buckets"]``), none of which has a
-shared-prefix form yet. TransformerEngine's variable-length kernel takes one key/value run per query sequence:
-at ``C = 1`` the record carries that buffer (``kv``: each node slot's path keys, then its own, for trees and
-GRPO groups alike, :func:`~nn_data.adapters.tree_kv.tree_kv`; one length per run under a fixed ``T``,
-whose absence is refused by name) and ``packed_seq_params`` holds its
-boundaries, which are exact only over ``kv.gather(key)`` / ``kv.gather(value)``: a stock model handing the
-kernel its ``T`` keys is wrong (docs/nemo-rl.md); under CP there is no buffer and the model call needs
-nn_data's attention (``forward_shared_prefix`` refuses a model without it, naming the fix).
+:func:`~nn_data.nemo_rl.megatron_data.options.shared_prefix_keys`) a step's batch carries ``parent [B]`` /
+``branch_at [B]`` (or ``group_ids [B]`` / ``prefix_lengths [B]``) beside ``input_ids`` / ``input_lengths``;
+``process_microbatch`` packs each microbatch with the tree kind of the pack-and-shard runtime (one host read,
+checking the tree) and returns NeMo-RL's record with nn_data's :class:`TreeRecord` for the model call and the
+loss (:mod:`nn_data.nemo_rl.megatron_data.tree_model`); a microbatch without the fields has its tree found here
+(:func:`found_tree`). What is planned, packed and refused by name, and why a stock model must not get
+``packed_seq_params``: docs/nemo-rl.md, "Rollout trees and GRPO groups".
 """
 
 from __future__ import annotations
