@@ -64,7 +64,14 @@ def fingerprint(model: Any) -> tuple:
     for config in configs.values():
         out += _config_values(config)
     hooks = nn.modules.module  # hooks registered for every module (register_module_forward_hook)
-    return tuple(out) + (tuple(hooks._global_forward_pre_hooks), tuple(hooks._global_forward_hooks))
+    return tuple(out) + (_hook_code(hooks._global_forward_pre_hooks), _hook_code(hooks._global_forward_hooks))
+
+
+def _hook_code(hooks: dict) -> tuple:
+    """Hooks registered for every module, by the code they run: a hook of new code is an edit, while a tool that
+    registers the same hook again on entry (torch's ``FlopCounterMode`` and profiler's module tracker: a new handle,
+    the same method) changes nothing the model computes."""
+    return tuple(id(getattr(getattr(hook, "__func__", hook), "__code__", hook)) for hook in hooks.values())
 
 
 def _roots(model: Any) -> list:

@@ -322,3 +322,18 @@ def test_the_fingerprint_reads_no_device_value():
     assert syncs.count == 0, syncs.calls
 
 
+
+
+def test_a_tool_that_registers_the_same_global_hooks_again_is_no_edit():
+    """torch's flop counter registers its module tracker's hooks for every module on each entry (new handles, the
+    same code): the fingerprint inside one counter equals the fingerprint inside the next, and differs from the
+    fingerprint outside (a hook of new code is an edit)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = HFCausalLMAdapter(tiny_hf_model("llama", moe=False))
+    outside = fingerprint(model)
+    with FlopCounterMode(display=False):
+        first = fingerprint(model)
+    with FlopCounterMode(display=False):
+        second = fingerprint(model)
+    assert first == second and first != outside
