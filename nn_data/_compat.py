@@ -7,6 +7,11 @@ end tested in CI: docs/testing.md, "The CI jobs"). Every branch on a release liv
   (``__bool__``; ``Tensor.item()`` on meta tensors). nn_data hands transformers a placeholder, one True
   broadcast to ``[1, 1, Tq, T]`` (the adapter's ``_as_4d``), and masks attention through its own keyword, so the
   answer is known without a read: no mask for the recurrent layers, as on the later releases.
+* **transformers 5.6** has no module-level chunked SSD (``mamba2_chunk_scan``, later releases' Mamba-2 and
+  Bamba modules): its scan is written inside the mixer's ``torch_forward``, and the module holds mamba-ssm's
+  ``mamba_chunk_scan_combined`` (the same call) only where that kernel loads. :func:`ssd_chunk_scan` answers
+  the module's function where it has one, else the kernel, else :func:`_ssd_one_chunk` (the torch scan for
+  the tree's chunk rows, one chunk each, on the module's own ``segment_sum``).
 """
 
 from __future__ import annotations
@@ -41,3 +46,38 @@ def quiet_recurrent_masks(model: nn.Module) -> None:
         for name in _RECURRENT_MASK_METHODS:
             if hasattr(type(module), name) and name not in vars(module):
                 setattr(module, name, _without_host_read(getattr(module, name)))
+
+
+def ssd_chunk_scan(module):
+    """The chunked SSD of a Mamba-2 family's ``module``, called as ``scan(x, dt, A, B, C, chunk_size=c,
+    D=None, return_final_states=True)`` on rows of one chunk each (module docstring)."""
+    scan = getattr(module, "mamba2_chunk_scan", None) or getattr(module, "mamba_chunk_scan_combined", None)
+    if scan is not None:
+        return scan
+
+    def one_chunk(x, dt, A, B, C, chunk_size, D=None, return_final_states=True):
+        if D is not None or not return_final_states:
+            raise ValueError("the torch one-chunk scan takes D=None and return_final_states=True")
+        return _ssd_one_chunk(module.segment_sum, x, dt, A, B, C, chunk_size)
+
+    return one_chunk
+
+
+def _ssd_one_chunk(segment_sum, x, dt, A, B, C, chunk_size):
+    """The SSD of rows of one chunk each from a zero state: ``x [Nc, c, H, P]``, ``dt [Nc, c, H]``, ``A [H]``,
+    ``B, C [Nc, c, G, N]`` -> ``y [Nc, c, H, P]``, final state ``[Nc, H, P, N]`` (float32, as the later
+    releases' function). ``y_l = sum_{s<=l} (C_l . B_s) exp(a_{s+1} + ... + a_l) dt_s x_s`` with ``a = A dt``;
+    the final state ``sum_s exp(a_{s+1} + ... + a_c) dt_s x_s B_s^T``."""
+    if x.shape[1] != chunk_size:
+        raise ValueError(f"rows of {x.shape[1]} slots, chunk_size {chunk_size}: the scan takes one chunk a row")
+    heads, groups = x.shape[2], B.shape[2]
+    B, C = (t.float().repeat_interleave(heads // groups, dim=2, output_size=heads) for t in (B, C))  # [Nc, c, H, N]
+    x = x.float() * dt.float()[..., None]  # [Nc, c, H, P]
+    log_a = (A.float() * dt.float()).transpose(1, 2)  # [Nc, H, c]
+    decay = segment_sum(log_a).exp()  # [Nc, H, c(l), c(s)]: 0 above the diagonal
+    weights = torch.einsum("nlhk,nshk->nhls", C, B) * decay  # [Nc, H, c(l), c(s)]
+    y = torch.einsum("nhls,nshp->nlhp", weights, x)  # [Nc, c, H, P]
+    cum = log_a.cumsum(-1)  # [Nc, H, c]
+    to_end = (cum[..., -1:] - cum).exp()  # [Nc, H, c]
+    final = torch.einsum("nhs,nshk,nshp->nhpk", to_end, B, x)  # [Nc, H, P, N]
+    return y, final

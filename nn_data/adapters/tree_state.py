@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from nn_data import _compat
 from nn_data.masks import PrefixRule
 
 #: Slots per chunk row: the chunk of transformers' gated delta rule and of the flash-linear-attention kernel.
@@ -215,8 +216,9 @@ def gated_delta_forward(layer, hidden: torch.Tensor, steps: TreeSteps, delta_rul
     heads = beta.shape[-1]
     eye = torch.eye(kd, dtype=v.dtype, device=v.device)
     values = torch.cat([v.reshape(-1, heads, vd), v.new_zeros(v.shape[0], heads, kd)], dim=-1)  # [T, Hv, V+K]
-    q_r, k_r = to_chunks(q.reshape(-1, layer.num_k_heads, kd), steps), to_chunks(k.reshape(-1, layer.num_k_heads, kd),
-                                                                                 steps)
+    # each key head serves Hv / Hk consecutive value heads; repeated here, as transformers 5.6's function
+    # expects (later releases repeat inside theirs, a no-op once the heads match)
+    q_r, k_r = (to_chunks(_per_value_head(t.reshape(-1, layer.num_k_heads, kd), heads), steps) for t in (q, k))
     rows = steps.chunk_source.shape[0]
     start = torch.cat([v.new_zeros(rows, heads, kd, vd), eye.expand(rows, heads, kd, kd)], dim=-1)  # [Nc, Hv, K, V+K]
     out, final = delta_rule(q_r, k_r, to_chunks(values, steps), g=to_chunks(g, steps), beta=to_chunks(beta, steps),
@@ -228,6 +230,14 @@ def gated_delta_forward(layer, hidden: torch.Tensor, steps: TreeSteps, delta_rul
     out = from_chunks(out, steps)  # [T, Hv, V]
     out = layer.norm(out.reshape(-1, vd), z.reshape(-1, vd)).reshape(1, -1, heads * vd)
     return layer.out_proj(out)
+
+
+def _per_value_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[T, Hk, K] -> [T, Hv, K]``: key head ``h`` repeated for value heads ``h * Hv/Hk ... (h+1) * Hv/Hk - 1``.
+
+    Example: Hk 2, Hv 4 -> heads ``[k0, k0, k1, k1]``."""
+    tokens, key_heads, dim = x.shape
+    return x[:, :, None].expand(tokens, key_heads, heads // key_heads, dim).reshape(tokens, heads, dim)  # [T, Hv, K]
 
 
 def chunk_for(layer) -> int:
@@ -246,7 +256,7 @@ def tree_forward(layer, hidden: torch.Tensor, steps: TreeSteps) -> torch.Tensor:
     if name == "Lfm2ShortConv":
         return short_conv_forward(layer, hidden, steps)
     if name in ("Mamba2Mixer", "BambaMixer"):
-        return ssd_forward(layer, hidden, steps, module.mamba2_chunk_scan)
+        return ssd_forward(layer, hidden, steps, _compat.ssd_chunk_scan(module))
     if name in ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet"):
         return gated_delta_forward(layer, hidden, steps, module.torch_chunk_gated_delta_rule)
     raise ValueError(f"no tree forward for {name}")  # hf_layers.MIXERS lists only the classes above
