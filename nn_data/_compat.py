@@ -7,12 +7,21 @@ end tested in CI: docs/testing.md, "The CI jobs"). Every branch on a release liv
   (``__bool__``; ``Tensor.item()`` on meta tensors). nn_data hands transformers a placeholder, one True
   broadcast to ``[1, 1, Tq, T]`` (the adapter's ``_as_4d``), and masks attention through its own keyword, so the
   answer is known without a read: no mask for the recurrent layers, as on the later releases.
+* **torch 2.11** (NeMo-RL's pin): inductor's compiled CPU flex-attention kernel corrupts the heap when OpenMP
+  runs it on more than one thread (``malloc(): unaligned tcache chunk detected``, then ``Fatal Python error:
+  Aborted``; measured with a document-causal block mask of 4 documents, T = 2820, 2 threads; one thread runs it
+  exact). Flex on the CPU needs torch 2.13 (the release CI runs; 2.12 is not tested): before it,
+  :func:`flex_on_cpu` is False, so ``kind="auto"`` keeps the dense mask and ``kind="block"`` on the CPU is refused
+  by name (nn_data.masks.document_mask).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+#: the first torch release whose compiled CPU flex attention nn_data runs (module docstring)
+FLEX_CPU_TORCH = "2.13"
 
 #: transformers 5.6's methods that read the mask on the host (module docstring)
 _RECURRENT_MASK_METHODS = ("_update_linear_attn_mask", "_update_mamba_mask")
@@ -41,3 +50,9 @@ def quiet_recurrent_masks(model: nn.Module) -> None:
         for name in _RECURRENT_MASK_METHODS:
             if hasattr(type(module), name) and name not in vars(module):
                 setattr(module, name, _without_host_read(getattr(module, name)))
+
+
+def flex_on_cpu() -> bool:
+    """Whether this torch runs compiled flex attention on the CPU (torch >= :data:`FLEX_CPU_TORCH`; module
+    docstring)."""
+    return torch.__version__ >= FLEX_CPU_TORCH  # TorchVersion compares by release: "2.11.0+cu130" < "2.13"
