@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from nn_data import compile_cache
+from nn_data import _compat, compile_cache
 from nn_data.errors import PackingError
 
 #: ``kind="auto"`` keeps the dense mask while it has fewer elements than this (4 Mi: T = 2048 without
@@ -158,10 +158,12 @@ def document_block_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, *,
 
 
 def flex_supported(device: torch.device, dtype: torch.dtype, needs_grad: bool) -> bool:
-    """Whether flex attention runs this call: on CUDA always; on a CPU forward only, in float32/16/bf16."""
+    """Whether flex attention runs this call: on CUDA always; on a CPU forward only, in float32/16/bf16, with
+    torch >= :data:`nn_data._compat.FLEX_CPU_TORCH` (torch 2.11's CPU kernel aborts: :mod:`nn_data._compat`)."""
     if torch.device(device).type == "cuda":
         return True
-    return torch.device(device).type == "cpu" and not needs_grad and dtype in _FLEX_CPU_DTYPES
+    return (torch.device(device).type == "cpu" and not needs_grad and dtype in _FLEX_CPU_DTYPES
+            and _compat.flex_on_cpu())
 
 
 def document_mask(
@@ -185,7 +187,8 @@ def document_mask(
     microbatch's :class:`PrefixRule` (``[T]`` tensors), applied to both forms and to ``.sliding``.
 
     Raises :class:`~nn_data.errors.PackingError` for an unknown ``kind``, or ``kind="block"``
-    where flex attention cannot run (a CPU with grad enabled, or float64).
+    where flex attention cannot run (a CPU with grad enabled, float64, or torch before
+    :data:`nn_data._compat.FLEX_CPU_TORCH`).
 
     Example: ``document_mask(torch.tensor([1, 2]), torch.tensor([0, 0, 1, 1])).dense`` is
     ``[[T,T,F,F], [F,F,T,F]]``.
@@ -197,7 +200,8 @@ def document_mask(
     if kind == "block" and not supported:
         raise PackingError(
             f"kind='block' needs flex attention, which on {device.type} does not run dtype={dtype} with "
-            f"grad enabled={needs_grad} (CPU: forward only, float32/float16/bfloat16); use kind='dense' or 'auto'"
+            f"grad enabled={needs_grad} with torch {torch.__version__} (CPU: forward only, float32/float16/bfloat16, "
+            f"torch >= {_compat.FLEX_CPU_TORCH}); use kind='dense' or 'auto'"
         )
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise PackingError(f"window={window!r} is invalid; expected a sliding window of at least 1 position, or None")

@@ -22,6 +22,7 @@ from nn_data.layout import PackSpec, layout_from_lengths
 from nn_data.models.tiny_hf import HYBRIDS, KINDS, tiny_hf_model
 from nn_data.packed_forward import CPShare, PackedBounds, PackedForward, PackedInfo
 from tests.models.adapter_cases import FLOAT32_STEP_TOL, coded_ids, token_loss
+from tests.support.flex_release import needs_cpu_flex
 
 LENGTHS = [5, 0, 12, 3, 9]
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -219,6 +220,7 @@ def test_the_adapter_and_model_compile_once_over_a_stream():
     assert counter.frame_count == 1 and worst < 2e-5, (counter.frame_count, worst)
 
 
+@needs_cpu_flex
 @pytest.mark.compile
 @pytest.mark.parametrize("kind", ["mistral", "qwen3_next"])
 def test_the_flex_block_mask_too(kind):

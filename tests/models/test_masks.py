@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nn_data._compat import FLEX_CPU_TORCH, flex_on_cpu
 from nn_data.errors import PackingError
 from nn_data.models import TinyCausalLM
 from nn_data.masks import document_causal_mask, document_mask, flex_supported
 from nn_data.packed_forward import PackedForward
+from tests.support.flex_release import needs_cpu_flex
 
 
 def _loop_mask(query_index, segment_ids):
@@ -39,7 +41,7 @@ def test_auto_keeps_dense_where_flex_cannot_run_or_the_mask_is_small():
     assert document_mask(q, s, dense_limit=1).kind == "dense"  # grad enabled on a CPU: flex has no backward
     with torch.no_grad():
         assert document_mask(q, s, dtype=torch.float64, dense_limit=1).kind == "dense"  # no float64 flex on CPU
-    assert flex_supported(torch.device("cpu"), torch.float32, needs_grad=False)
+    assert flex_supported(torch.device("cpu"), torch.float32, needs_grad=False) == flex_on_cpu()
     assert not flex_supported(torch.device("cpu"), torch.float32, needs_grad=True)
     assert flex_supported(torch.device("cuda"), torch.float64, needs_grad=True)
 
@@ -54,6 +56,18 @@ def test_bad_kind_and_unsupported_block_raise():
         document_mask(q, s, kind="block", dtype=torch.float64)
 
 
+@pytest.mark.skipif(flex_on_cpu(), reason=f"torch {torch.__version__} runs flex on the CPU")
+def test_block_on_the_cpu_is_refused_by_name_before_the_release_that_runs_it():
+    """torch 2.11's compiled CPU flex kernel aborts the process (nn_data._compat): ``kind="block"`` on the CPU is
+    refused naming the release needed and the alternative, and ``auto`` keeps the dense mask however large."""
+    q, s = torch.arange(4), torch.zeros(4, dtype=torch.long)
+    with torch.no_grad():
+        with pytest.raises(PackingError, match=rf"torch >= {FLEX_CPU_TORCH}\); use kind='dense' or 'auto'"):
+            document_mask(q, s, kind="block")
+        assert document_mask(q, s, dense_limit=1).kind == "dense"
+
+
+@needs_cpu_flex
 def test_block_mask_forward_equals_dense_and_is_smaller():
     """TinyCausalLM with the flex BlockMask == with the dense mask (inference, float32), and
     ``auto`` picks the block mask for a large enough mask under no_grad."""

@@ -22,6 +22,7 @@ from nn_data.packed_forward import PackedForward
 from tests.models import shared_prefix_cases as cases
 from tests.models.adapter_cases import FLOAT32_STEP_TOL
 from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state
+from tests.support.flex_release import needs_cpu_flex
 
 
 def test_llama_shared_prefix_equals_each_rollout_alone_float64():
@@ -145,6 +146,7 @@ def test_compiled_packing_one_graph_each_side_and_no_host_sync_over_a_stream():
     torch._dynamo.reset()
 
 
+@needs_cpu_flex
 def test_flex_block_mask_under_shared_prefix():
     """mask_kind="block": the prefix rule in flex attention's mask_mod (CPU: forward only, float32)."""
     model = tiny_hf_model("llama")

@@ -26,6 +26,7 @@ from nn_data.packed_forward import PackedForward
 from tests.models import tree_cases as cases
 from tests.models.adapter_cases import FLOAT32_STEP_TOL
 from tests.support.megatron_release import needs_megatron_models, one_rank_parallel_state
+from tests.support.flex_release import needs_cpu_flex
 
 
 def test_llama_tree_equals_each_rollout_alone_float64():
@@ -33,6 +34,7 @@ def test_llama_tree_equals_each_rollout_alone_float64():
     assert result["out"] < 1e-10 and result["grad"] < 1e-10, result
 
 
+@needs_cpu_flex
 def test_flex_block_mask_on_a_tree():
     """mask_kind="block": the path rule in flex attention's mask_mod (CPU: forward only, float32)."""
     assert cases.case_hf_flex_forward()["worst"] < 2e-5

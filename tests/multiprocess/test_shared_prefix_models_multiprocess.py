@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.cp_harness import RankPool
 from tests.support.megatron_release import needs_megatron_models
+from tests.support.flex_release import needs_cpu_flex
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,6 +44,7 @@ def test_sliding_window_shared_prefix_under_cp2(rank_pool):
     _check(rank_pool.run("tests.models.shared_prefix_cases:case_hf_exact_norms", "mistral", cp=2), 2, 1e-10, 1e-10)
 
 
+@needs_cpu_flex
 def test_flex_block_mask_shared_prefix_under_cp2(rank_pool):
     """mask_kind="block" (flex attention's mask_mod with the prefix rule over the gathered keys), C = 2,
     forward only (a CPU's flex attention has no backward), float32."""

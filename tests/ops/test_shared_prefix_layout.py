@@ -21,6 +21,7 @@ from nn_data.layout import PackSpec, TreeLayout, shared_prefix_layout
 from nn_data.masks import PrefixRule, document_causal_mask, document_mask
 from tests.support.hypothesis_profiles import examples
 from tests.support.shared_prefix_reference import places, reference, rollouts
+from tests.support.flex_release import needs_cpu_flex
 
 
 # ---- the attention rule, from each rollout alone ------------------------------------------------
@@ -226,6 +227,7 @@ def test_document_mask_checks_the_rule_it_is_given():
         document_mask(torch.arange(4), seg, prefix=(seg, seg, seg))
 
 
+@needs_cpu_flex
 def test_block_mask_equals_the_dense_one_where_flex_runs_on_the_cpu():
     from torch.nn.attention.flex_attention import create_mask
 
