@@ -7,20 +7,17 @@ end tested in CI: docs/testing.md, "The CI jobs"). Every branch on a release liv
   (``__bool__``; ``Tensor.item()`` on meta tensors). nn_data hands transformers a placeholder, one True
   broadcast to ``[1, 1, Tq, T]`` (the adapter's ``_as_4d``), and masks attention through its own keyword, so the
   answer is known without a read: no mask for the recurrent layers, as on the later releases.
-<<<<<<< HEAD
 * **transformers 5.6** has no module-level chunked SSD (``mamba2_chunk_scan``, later releases' Mamba-2 and
   Bamba modules): its scan is written inside the mixer's ``torch_forward``, and the module holds mamba-ssm's
   ``mamba_chunk_scan_combined`` (the same call) only where that kernel loads. :func:`ssd_chunk_scan` answers
   the module's function where it has one, else the kernel, else :func:`_ssd_one_chunk` (the torch scan for
   the tree's chunk rows, one chunk each, on the module's own ``segment_sum``).
-=======
 * **torch 2.11** (NeMo-RL's pin): inductor's compiled CPU flex-attention kernel corrupts the heap when OpenMP
   runs it on more than one thread (``malloc(): unaligned tcache chunk detected``, then ``Fatal Python error:
   Aborted``; measured with a document-causal block mask of 4 documents, T = 2820, 2 threads; one thread runs it
   exact). Flex on the CPU needs torch 2.13 (the release CI runs; 2.12 is not tested): before it,
   :func:`flex_on_cpu` is False, so ``kind="auto"`` keeps the dense mask and ``kind="block"`` on the CPU is refused
   by name (nn_data.masks.document_mask).
->>>>>>> fix2
 """
 
 from __future__ import annotations
@@ -60,7 +57,6 @@ def quiet_recurrent_masks(model: nn.Module) -> None:
                 setattr(module, name, _without_host_read(getattr(module, name)))
 
 
-<<<<<<< HEAD
 def ssd_chunk_scan(module):
     """The chunked SSD of a Mamba-2 family's ``module``, called as ``scan(x, dt, A, B, C, chunk_size=c,
     D=None, return_final_states=True)`` on rows of one chunk each (module docstring)."""
@@ -94,9 +90,9 @@ def _ssd_one_chunk(segment_sum, x, dt, A, B, C, chunk_size):
     to_end = (cum[..., -1:] - cum).exp()  # [Nc, H, c]
     final = torch.einsum("nhs,nshk,nshp->nhpk", to_end, B, x)  # [Nc, H, P, N]
     return y, final
-=======
+
+
 def flex_on_cpu() -> bool:
     """Whether this torch runs compiled flex attention on the CPU (torch >= :data:`FLEX_CPU_TORCH`; module
     docstring)."""
     return torch.__version__ >= FLEX_CPU_TORCH  # TorchVersion compares by release: "2.11.0+cu130" < "2.13"
->>>>>>> fix2
