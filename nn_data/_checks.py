@@ -29,7 +29,7 @@ def positive_int(name: str, value, *, allow_none: bool = False) -> Optional[int]
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         valid = "an int >= 1" + (" or None" if allow_none else "")
-        raise PackingError(f"{name}={value!r} is invalid; expected {valid}", argument=name)
+        raise PackingError.about(name, f"{name}={value!r} is invalid; expected {valid}")
     return value
 
 

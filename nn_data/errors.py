@@ -10,12 +10,21 @@ class PackingError(ValueError):
     what would be valid; ``argument`` is that argument's name where a caller may spell it differently
     (the NeMo-RL drop-in renames ``pad_full_seq_to`` by it), else None.
 
-    Example: ``PackSequences(0)`` raises ``PackingError("pad_individual_seqs_to_multiple_of=0 is invalid;
-    expected an int >= 1", argument="pad_individual_seqs_to_multiple_of")``. The NeMo-RL drop-in raises its
+    The class has no ``__init__`` of its own: torch.compile traces the raise of a plain exception subclass on
+    every torch release nn_data supports (an ``__init__`` defeats Dynamo differently on each), and the message
+    survives in Dynamo's "Observed exception". :meth:`about` builds one that names its argument.
+
+    Example: ``PackSequences(0)`` raises ``PackingError.about("pad_individual_seqs_to_multiple_of",
+    "pad_individual_seqs_to_multiple_of=0 is invalid; expected an int >= 1")``. The NeMo-RL drop-in raises its
     subclass :class:`~nn_data.nemo_rl.assertions.PackingAssertionError`, also an ``AssertionError`` as
     NeMo-RL's asserts are.
     """
 
-    def __init__(self, *args, argument: Optional[str] = None):
-        ValueError.__init__(self, *args)  # not super(): torch.compile traces this where an op raises
-        self.argument = argument
+    argument: Optional[str] = None
+
+    @classmethod
+    def about(cls, argument: Optional[str], *args) -> "PackingError":
+        """The error with message ``args`` about the argument named ``argument``."""
+        error = cls(*args)
+        error.argument = argument
+        return error

@@ -64,9 +64,9 @@ class PackSpec:
         _checks.positive_int("pad_packed_seq_to_multiple_of", self.p)
         checks.fixed_total_arg("pad_full_seq_to", self.fixed_total)
         if self.fixed_total is not None and self.fixed_total % self.p:
-            raise _checks.PackingError(
+            raise _checks.PackingError.about("pad_full_seq_to",
                 f"pad_full_seq_to={self.fixed_total} is not a multiple of "
-                f"pad_packed_seq_to_multiple_of={self.p}; choose a multiple of {self.p}", argument="pad_full_seq_to")
+                f"pad_packed_seq_to_multiple_of={self.p}; choose a multiple of {self.p}")
 
 
 class Boundaries(NamedTuple):
@@ -170,10 +170,9 @@ def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate:
     if spec.fixed_total is not None:
         total = spec.fixed_total
     elif seq_lengths.device.type == "meta":
-        raise _checks.PackingError(
+        raise _checks.PackingError.about("pad_full_seq_to",
             f"{op}: seq_lengths is on the meta device (no values), so the packed length T, the padded sum of the "
-            "lengths, cannot be learned from it; set pad_full_seq_to (a fixed T) to run on the meta device",
-            argument="pad_full_seq_to")
+            "lengths, cannot be learned from it; set pad_full_seq_to (a fixed T) to run on the meta device")
     else:
         total = int(packed_total(natural, spec.p).item())  # sync: T is data-dependent without a fixed packed length
         torch._check(total >= 0)

@@ -87,7 +87,7 @@ def fixed_total_arg(name: str, value) -> Optional[int]:
     budget): None or an int in ``[1, 2**31 - 1]``; ``name`` is the caller's spelling."""
     value = _checks.positive_int(name, value, allow_none=True)
     if value is not None and value > INT32_MAX:
-        raise PackingError(int32_limit(f"{name}={value}"), argument=name)
+        raise PackingError.about(name, int32_limit(f"{name}={value}"))
     return value
 
 
@@ -101,9 +101,9 @@ def packed_tensor_length(name: str, total) -> None:
 def total_divisible(total: int, cp_size: int) -> None:
     """The packed length ``T`` must split into ``2*cp_size`` chunks (a shape check)."""
     if cp_size > 1 and total % (2 * cp_size):
-        raise PackingError(
-            f"the packed length T={total} is not a multiple of 2*cp_size={2 * cp_size}; "
-            "choose pad_full_seq_to (or the padding multiples) so that T is one", argument="pad_full_seq_to")
+        raise PackingError.about(
+            "pad_full_seq_to", f"the packed length T={total} is not a multiple of 2*cp_size={2 * cp_size}; "
+            "choose pad_full_seq_to (or the padding multiples) so that T is one")
 
 
 def sequence_divisible(name: str, length: int, cp_size: int, where: str) -> None:
@@ -149,9 +149,9 @@ def natural_total_host(natural: int, m: int, fixed_total: Optional[int], name: s
     """The natural total ``sum(round_up(L, m))`` must fit the fixed packed length (``name``: the
     caller's spelling of it). NeMo-RL's packer truncates the packed tensor instead."""
     if fixed_total is not None and natural > fixed_total:
-        raise PackingError(f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds "
-                           f"{name}={fixed_total}; {name} must be at least {natural} (NeMo-RL silently truncates the "
-                           "packed tensor here and drops the tail tokens)", argument=name)
+        raise PackingError.about(name, f"the packed total sum(round_up(seq_lengths, {m})) = {natural} exceeds "
+                                 f"{name}={fixed_total}; {name} must be at least {natural} (NeMo-RL silently "
+                                 "truncates the packed tensor here and drops the tail tokens)")
 
 
 SHARED_TOTAL = ("the shared-prefix packed total (each group's prompt once, then every response, each slot rounded up "
@@ -178,9 +178,9 @@ def shared_total_host(natural: int, rollout_sum: int, m: int, fixed_total: Optio
     if fixed_total is None or natural <= fixed_total:
         return
     what, once, planner = _total_wording(tree, m)
-    raise PackingError(f"{what} = {natural} exceeds {name}={fixed_total}; {name} must be at "
-                       f"least {natural} (the rollouts' own lengths sum to {rollout_sum}: {once}), "
-                       f"or split the microbatch (nn_data.planning.{planner} plans microbatches that fit)", argument=name)
+    raise PackingError.about(name, f"{what} = {natural} exceeds {name}={fixed_total}; {name} must be at "
+                             f"least {natural} (the rollouts' own lengths sum to {rollout_sum}: {once}), "
+                             f"or split the microbatch (nn_data.planning.{planner} plans microbatches that fit)")
 
 
 @_folded
@@ -214,7 +214,7 @@ def segments_host(segments: list, cp_size: int) -> None:
     two_c = 2 * cp_size
     if any(n % two_c for n in segments):
         i = _first([n % two_c != 0 for n in segments])
-        raise PackingError(segment_not_divisible(i, segments[i], two_c), argument="pad_full_seq_to")
+        raise PackingError.about("pad_full_seq_to", segment_not_divisible(i, segments[i], two_c))
 
 
 def boundaries_host(values: list, total: int, name: str = "cu_seqlens_padded", *, end_at_total: bool = True,

@@ -41,7 +41,7 @@ def at_the_edge(fn: Callable) -> Callable:
         except PackingAssertionError:
             raise
         except PackingError as error:
-            raise PackingAssertionError(*error.args, argument=error.argument) from error
+            raise PackingAssertionError.about(error.argument, *error.args) from error
 
     translated.at_the_edge = True
     return translated
@@ -70,5 +70,5 @@ def spelled(name: str):
         if name == "pad_full_seq_to":
             raise
         if error.argument != "pad_full_seq_to":
-            raise PackingAssertionError(*error.args, argument=error.argument) from error
-        raise PackingAssertionError(str(error).replace("pad_full_seq_to", name), argument=name) from error
+            raise PackingAssertionError.about(error.argument, *error.args) from error
+        raise PackingAssertionError.about(name, str(error).replace("pad_full_seq_to", name)) from error

@@ -76,12 +76,21 @@ def test_the_kernels_path_names_what_to_install():
     assert mixer_path(report, "auto", "cuda") == "per_sequence"  # kernels not importable here
 
 
+def _drop_packed_keywords(module, args, kwargs):
+    """A forward that forgets the boundaries: the mixer is called without seq_idx, cu_seq_lens_* and the rest."""
+    return args, {k: v for k, v in kwargs.items() if not k.startswith(("cu_seq", "max_length", "seq_idx"))}
+
+
 def test_kernels_that_would_not_receive_the_boundaries_are_never_run_on_a_packed_row():
-    """Mamba2ForCausalLM's forward does not pass extra keywords down to its mixers. On the kernels path
-    (forced here, as with mamba-ssm installed on a GPU): mixers='kernels' is refused on the first call;
-    'auto' runs such a mixer per sequence instead (exact) and stays per sequence."""
+    """A model whose forward does not pass the packed keywords down to its mixers (Mamba2ForCausalLM before
+    transformers 5.25; here a pre-hook registered first drops them, so the case holds on every release). On the
+    kernels path (forced here, as with mamba-ssm installed on a GPU): mixers='kernels' is refused on the first
+    call; 'auto' runs such a mixer per sequence instead (exact) and stays per sequence."""
     ids, lens = coded_ids([5, 3], torch.Generator().manual_seed(0)), torch.tensor([5, 3])
     model = tiny_hf_model("mamba2")
+    for module in model.modules():
+        if type(module).__name__ == "Mamba2Mixer":
+            module.register_forward_pre_hook(_drop_packed_keywords, with_kwargs=True)
     strict = HFCausalLMAdapter(model, mixers="per_sequence")
     strict.mixers, strict.mixer_path = "kernels", "kernels"
     with pytest.raises(PackingError, match=r"model_type='mamba2': Mamba2Mixer received no packed boundaries"):
