@@ -5,8 +5,8 @@ deterministic) and its CPU forward + backward time.
     python -m profiling.bench.bench_hybrid_trees --part wall --threads 1   # (b) CPU time, tree vs each rollout alone
 
 (a) **Work**: ``torch.utils.flop_counter.FlopCounterMode`` over one forward of
-``PackedForward(HFCausalLMAdapter(model))(ids, L, parent=, branch_at=)`` (a second call: the first also runs
-the packing check on a few probe sequences) divided by the forwards of every rollout
+``PackedForward(HFCausalLMAdapter(model), verify="off")(ids, L, parent=, branch_at=)`` (the packing check
+proves the model first, outside the counter) divided by the forwards of every rollout
 alone (``model(input_ids=ids[b:b+1, :L[b]])``), beside the token ratio r (the tree's tokens over ``sum L``), for
 tiny float32 models (``nn_data.models.tiny_hf``: hidden 64, 2 layers; Mamba-2 every layer a mixer) on
 :func:`grpo_group` (a 192-token prompt, 8 rollouts of 12-24) and :func:`two_level` (that prompt, 2 first turns of
@@ -73,7 +73,9 @@ def flops(fn) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
+    # grad mode on (a forward's flops are the same): under no_grad, torch's module tracker (the counter's) fails
+    # on a no-grad view of a parameter handed to a submodule, as transformers 5.25's hub-kernel layers are
+    with counter:
         fn()
     return counter.get_total_flops()
 
@@ -87,11 +89,13 @@ def work_ratio(kind: str, tree) -> tuple:
     lengths, parent, branch_at = tree
     model = tiny_hf_model(kind, moe=False)
     ids = tree_ids(lengths, parent, branch_at, model.config.vocab_size)
-    wrapped = PackedForward(HFCausalLMAdapter(model))
-    # the first call also runs the packing check; under a flop counter, whose module hooks are part of what the
-    # check's fingerprint reads (a hook of new code is an edit), so the counted call below does not check again
-    flops(lambda: wrapped(ids, lengths, parent=parent, branch_at=branch_at))
-    packed = flops(lambda: wrapped(ids, lengths, parent=parent, branch_at=branch_at))
+    adapter = HFCausalLMAdapter(model)
+    # the packing check proves the model once, outside the counter; the counted forward runs without it (the
+    # counter's module hooks are an edit the check's fingerprint sees, and the check's no-grad runs are not the
+    # forward's work)
+    PackedForward(adapter)(ids, lengths, parent=parent, branch_at=branch_at)
+    counted = PackedForward(adapter, verify="off")
+    packed = flops(lambda: counted(ids, lengths, parent=parent, branch_at=branch_at))
     alone = flops(lambda: [model(input_ids=ids[b : b + 1, :n], use_cache=False) for b, n in
                            enumerate(lengths.tolist())])
     tokens = int(lengths.sum() - branch_at.sum())
