@@ -87,7 +87,7 @@ def test_the_tree_microbatch_computes_each_shared_token_once(kind):
 
     def flops(fn) -> int:
         counter = FlopCounterMode(display=False)
-        with counter, torch.no_grad():
+        with counter:  # grad on: torch 2.15's module tracker fails on transformers 5.25's kernel layers in no_grad
             fn()
         return counter.get_total_flops()
 
