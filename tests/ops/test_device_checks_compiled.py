@@ -67,6 +67,22 @@ def test_the_checks_of_a_call_are_one_check_naming_the_first_that_failed():
     _checks.DeviceChecks().check()  # no check: nothing runs
 
 
+def test_a_device_check_call_runs_one_python_function_of_its_own():
+    """``nn_data::device_check`` (what every compiled call with data checks calls once) runs from the
+    dispatcher straight into its one kernel: the Python frames of a passing call are the op's ``__call__`` and
+    that kernel, nothing of ``torch.library``'s custom-op layers (autograd, redispatch)."""
+    frames = []
+    flags = torch.tensor([True, True])
+    sys.setprofile(lambda frame, event, arg: frames.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        torch.ops.nn_data.device_check.default(flags, "nn_data.test: a || nn_data.test: b")
+    finally:
+        sys.setprofile(None)
+    assert frames == ["__call__", "_device_check"], frames
+    with pytest.raises(RuntimeError, match=r"^nn_data.test: b$"):
+        torch.ops.nn_data.device_check.default(torch.tensor([True, False]), "nn_data.test: a || nn_data.test: b")
+
+
 @pytest.mark.compile
 def test_a_compiled_pack_and_shard_makes_one_device_check_call():
     """Pack + CP shard on the pack's travelling layout (m 4, T 32, C 2: the segments split into 2C by
