@@ -139,41 +139,34 @@ def check_num_rows(num_rows, capacity: int) -> None:
         )
 
 
-def _raise_first_failed(flags: torch.Tensor, messages: list) -> None:
-    """Raise ``RuntimeError(messages[i])`` for the first ``i`` whose flag ``flags [N]`` is False; on the
-    CPU at once (``torch._assert_async`` reads the flag there), on CUDA a device assert (fatal, no sync)
-    whose message names every check. The failing one is found only after a failure (error path)."""
-    if flags.device.type != "cpu":
-        torch._assert_async(flags.all(), "; ".join(messages))
-        return
-    try:
-        torch._assert_async(flags.all(), "")
-    except RuntimeError:
-        i = first_index(~flags)  # error path only: which check failed
-        raise RuntimeError(messages[i]) from None
-
-
 #: Between the messages of the checks in the one string ``nn_data::device_check`` takes: printable ASCII that
 #: no message holds (inductor's C++ wrapper writes the string into a C++ literal line by line, so no control
 #: character: ``str.splitlines`` breaks at the ASCII separators too).
 _SEPARATOR = " || "
 
 
-@torch.library.custom_op("nn_data::device_check", mutates_args=())
 def _device_check(flags: torch.Tensor, messages: str) -> None:
     """Raise ``RuntimeError`` with the message of the first False flag of ``flags [N]`` (one per check;
-    ``messages``: theirs, joined by :data:`_SEPARATOR`). A custom op so that inductor calls it from its
-    wrapper, between kernels: never inside a generated kernel's parallel region (where a C++ throw ends the
-    process); with the Python wrapper the messages travel as a Python string (any character; inductor's C++
-    wrapper, ``cpp_wrapper``, writes them into a C++ literal)."""
-    _raise_first_failed(flags, messages.split(_SEPARATOR))
+    ``messages``: theirs, joined by :data:`_SEPARATOR`, split only after a failure). An operator of its own
+    (``nn_data::device_check``) so that inductor calls it from its wrapper, between kernels: never inside a
+    generated kernel's parallel region (where a C++ throw ends the process); with the Python wrapper the
+    messages travel as a Python string (any character; inductor's C++ wrapper, ``cpp_wrapper``, writes them
+    into a C++ literal). Defined with ``torch.library.Library`` and one composite kernel rather than
+    ``torch.library.custom_op``: a call then runs this function straight from the dispatcher, without the
+    Python autograd and dispatch layers ``custom_op`` wraps around it (the op has no output to differentiate)."""
+    if flags.device.type != "cpu":
+        torch._assert_async(flags.all(), messages.replace(_SEPARATOR, "; "))
+        return
+    try:
+        torch._assert_async(flags.all(), "")
+    except RuntimeError:
+        raise RuntimeError(messages.split(_SEPARATOR)[first_index(~flags)]) from None  # error path only
 
 
-@_device_check.register_fake
-def _(flags: torch.Tensor, messages: str) -> None:
-    return None
-
-
+_LIBRARY = torch.library.Library("nn_data", "FRAGMENT")  # kept alive: the op lives as long as the module
+_LIBRARY.define("device_check(Tensor flags, str messages) -> ()")
+_LIBRARY.impl("device_check", _device_check, "CompositeExplicitAutograd")
+torch.library.register_fake("nn_data::device_check", lambda flags, messages: None, lib=_LIBRARY)
 torch.fx.node.has_side_effect(torch.ops.nn_data.device_check.default)  # kept without users (returns nothing)
 
 

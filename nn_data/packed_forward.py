@@ -151,7 +151,8 @@ class PackedForward(nn.Module):
         for kind in KINDS:
             for which, side in (("pack", PackingSide(spec, self.cp_size, self.cp_rank, kind=kind)),
                                 ("unpack", UnpackingSide(kind, spec))):
-                self._sides[kind.name, which] = torch.compile(side, **kwargs) if self.compile_packing else side
+                # the bound forward, not the module: no module call machinery (nor its hook guards) per call
+                self._sides[kind.name, which] = torch.compile(side.forward, **kwargs) if self.compile_packing else side
         self._compiled: set = set()  # the sides whose first call was announced
 
     @property

@@ -246,7 +246,9 @@ class PackingSide(nn.Module):
         longest = slots.host.max_seqlen if slots.host is not None and not compiling else slots.total
         bounds = PackedBounds(cu_seqlens_padded=slots.cu_seqlens_padded, max_seqlen=slots.max_seqlen,
                               cu_seqlens=slots.cu_seqlens, max_length=longest)
-        info = PackedInfo(bounds=bounds, segment_ids=layout.segment_ids(), query_index=places.source,
+        # without CP this rank's places are every position in order: their segments are the segment ids (one scan)
+        segment_ids = places.segment if self.cp_size == 1 and slots is layout else layout.segment_ids()  # [T]
+        info = PackedInfo(bounds=bounds, segment_ids=segment_ids, query_index=places.source,
                           cp=CPShare(size=self.cp_size, rank=self.cp_rank),
                           padding_mask=slots.padding_mask(places=places), prefix=kind.attention(layout))
         return PackedSide(input_ids=local, position_ids=kind.positions(layout, places), packed=info,

@@ -17,6 +17,12 @@ For each: the median wall time per call (calls interleaved side by side), then `
     alloc       allocations (``aten::empty*``)
     other       everything else (Python outside the region, argument checks)
 
+and the exact counts of one steady call (load-proof, unlike the times):
+
+    frames      Python frames the call runs (``sys.setprofile`` "call" events: wrappers, checks, the custom op)
+    modules     ``nn.Module`` calls among them (a backend's compiled graph module not counted)
+    guards      Dynamo's leaf guards over the compiled frames' cache entries (what the cache lookup evaluates)
+
 Run: ``python -m profiling.bench.bench_compiled_call [--rows 8] [--seq-len 4096] [--cp 2] [--json PATH]``.
 Figures: ``profiling/results/compiled_call.md``.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from typing import Callable
 
@@ -32,6 +39,7 @@ import torch
 from torch import nn
 
 from nn_data import PackedForward, PackSequences, ShardForContextParallel
+from nn_data.packed_sides import PackingSide, UnpackingSide
 from profiling.bench.bench_ops import make_case
 from profiling.timing import machine_description, time_side_by_side
 
@@ -71,6 +79,35 @@ def breakdown(fn: Callable[[], object], calls: int) -> dict:
             "profiled_us": round(sum(parts.values()), 1)}
 
 
+def call_counts(fn: Callable[[], object], code_objects=()) -> dict:
+    """Exact counts of one steady call of ``fn``: the Python ``frames`` it runs, the ``nn.Module`` calls among them
+    (``modules``) and the leaf ``guards`` of every cache entry of ``code_objects`` (the compiled frames)."""
+    fn()
+    frames, modules = [], []
+
+    def hook(frame, event, arg):
+        if event != "call":
+            return
+        frames.append(frame.f_code)
+        module = frame.f_locals.get("self") if frame.f_code is nn.Module._call_impl.__code__ else None
+        if isinstance(module, nn.Module) and not isinstance(module, torch.fx.GraphModule):
+            modules.append(type(module).__name__)
+
+    torch._dynamo.eval_frame.skip_code(hook.__code__)  # it runs inside compiled calls: never compile it
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+
+    def leaves(manager) -> int:
+        return len(manager.get_leaf_guards()) + sum(leaves(child) for child in manager.get_child_managers())
+
+    entries = [e for code in code_objects for e in torch._dynamo.eval_frame._debug_get_cache_entry_list(code)]
+    return {"frames": len(frames) - 1, "modules": len(modules),  # - 1: fn's own frame
+            "guards": sum(leaves(e.guard_manager.root) for e in entries)}
+
+
 class _Model(nn.Module):
     """An embedding and a linear layer per token: the main job's stand-in, in PackedForward's contract."""
 
@@ -82,8 +119,9 @@ class _Model(nn.Module):
         return self.out(self.embed(input_ids))  # [1, T/C, 1]
 
 
-def callables(rows: int, seq_len: int, cp: int, m: int) -> dict:
-    """``{(subject, mode): fn}`` for the subjects above, one case (seed 0)."""
+def callables(rows: int, seq_len: int, cp: int, m: int) -> tuple:
+    """``({(subject, mode): fn}, {subject: code objects})`` for the subjects above, one case (seed 0): the callables
+    and the code objects Dynamo compiles for each subject (whose guards :func:`call_counts` counts)."""
     case = make_case(rows, rows * seq_len, m, 1, 0)
     x, lengths, T = case.x, case.lengths, case.total
     pack, shard = PackSequences(m, pad_full_seq_to=T), ShardForContextParallel(cp, 0)
@@ -97,15 +135,19 @@ def callables(rows: int, seq_len: int, cp: int, m: int) -> dict:
     model = _Model()
     kwargs = dict(pad_individual_seqs_to_multiple_of=m, pad_full_seq_to=T, row_capacity=rows, verify=False)
     eager_fw, compiled_fw = PackedForward(model, **kwargs), PackedForward(model, compile_packing=True, **kwargs)
+    frames = {"pack+shard": (pack_shard.__code__,),
+              "PackedForward": (PackingSide.forward.__code__, UnpackingSide.forward.__code__,
+                                nn.Module._call_impl.__code__)}
     with torch.no_grad():
-        return {("pack+shard", "eager"): lambda: pack_shard(x, lengths),
-                ("pack+shard", "compiled"): lambda: c_pack_shard(x, lengths),
-                ("PackedForward", "eager"): lambda: eager_fw(x, lengths),
-                ("PackedForward", "compiled"): lambda: compiled_fw(x, lengths)}
+        fns = {("pack+shard", "eager"): lambda: pack_shard(x, lengths),
+               ("pack+shard", "compiled"): lambda: c_pack_shard(x, lengths),
+               ("PackedForward", "eager"): lambda: eager_fw(x, lengths),
+               ("PackedForward", "compiled"): lambda: compiled_fw(x, lengths)}
+    return fns, frames
 
 
 def run(rows: int, seq_len: int, cp: int, m: int, calls: int, reps: int) -> dict:
-    fns = callables(rows, seq_len, cp, m)
+    fns, frames = callables(rows, seq_len, cp, m)
     results = {"machine": machine_description(), "rows": rows, "seq_len": seq_len, "cp": cp, "subjects": {}}
     with torch.no_grad():
         for fn in fns.values():  # compile outside the timings
@@ -114,7 +156,8 @@ def run(rows: int, seq_len: int, cp: int, m: int, calls: int, reps: int) -> dict
             modes = {mode: fn for (s, mode), fn in fns.items() if s == subject}
             times = time_side_by_side(modes, warmup=3, reps=reps)
             results["subjects"][subject] = {
-                mode: {"median_us": round(times[mode].median_s * 1e6, 1), **breakdown(fn, calls)}
+                mode: {"median_us": round(times[mode].median_s * 1e6, 1), **breakdown(fn, calls),
+                       "counts": call_counts(fn, frames[subject] if mode == "compiled" else ())}
                 for mode, fn in modes.items()}
     return results
 
@@ -126,7 +169,8 @@ def print_results(results: dict) -> None:
     for subject, modes in results["subjects"].items():
         for mode, r in modes.items():
             cells = " ".join(f"{r['us'][p]:7.1f} ({r['calls'][p]:3.0f})" for p in PARTS)
-            print(f"{subject:14} {mode:9} {r['median_us']:7.1f} {cells}")
+            counts = ", ".join(f"{k} {v}" for k, v in r["counts"].items())
+            print(f"{subject:14} {mode:9} {r['median_us']:7.1f} {cells}  [{counts}]")
 
 
 def main(argv=None) -> dict:

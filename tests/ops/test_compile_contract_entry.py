@@ -10,12 +10,14 @@ message; data errors stay device asserts.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from nn_data import PackingError
-from nn_data.diagnostics import GraphCounter
+from nn_data.diagnostics import GraphCounter, HostSyncCounter
 from nn_data.packed_forward import PackedForward
 from profiling.microbatches.stream import MicrobatchPipeline, ModelStandIn, compile_pipeline
 from nn_data.testing.coded import coded_batch
@@ -78,6 +80,41 @@ def test_packed_forward_one_graph_per_side_for_a_stream_of_row_lengths(packed_fo
                                                                         info_e.gather)
     assert counter.frame_count == 2, f"{counter.frame_count} graphs (one packing, one unpacking side expected)"
     assert (counted.graphs, counted.compiles, counted.recompiles) == (2, 2, 0), vars(counted)
+
+
+def _module_calls(call) -> list:
+    """The modules ``call()`` calls (``nn.Module._call_impl`` frames on a module; a backend's compiled graph is
+    not one), by class name, from Python's profile hook."""
+    calls = []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code is torch.nn.Module._call_impl.__code__:
+            module = frame.f_locals.get("self")
+            if isinstance(module, torch.nn.Module) and not isinstance(module, torch.fx.GraphModule):
+                calls.append(type(module).__name__)
+
+    torch._dynamo.eval_frame.skip_code(hook.__code__)  # the hook runs inside compiled calls: never compile it
+    sys.setprofile(hook)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_compiled_packed_forward_call_is_two_graphs_and_enters_no_module_but_its_own(packed_forward):
+    """A steady call of ``PackedForward(compile_packing=True)`` runs its compiled sides as compiled functions,
+    not modules: two ``nn.Module`` calls in all (the wrapper's and the model's), no host sync, and it reuses
+    the two graphs (no new compilation)."""
+    compiled, _, _, _, counter = packed_forward
+    ids, lengths = coded_batch([3, 0, 5], 6), torch.tensor([3, 0, 5])
+    compiled(ids, lengths)
+    graphs = counter.frame_count
+    assert _module_calls(lambda: compiled(ids, lengths)) == ["PackedForward", "Probe"]
+    with HostSyncCounter() as syncs, GraphCounter() as counted:
+        compiled(ids, lengths)
+    assert syncs.count == 0, syncs.calls
+    assert (counted.graphs, counted.recompiles) == (0, 0) and counter.frame_count == graphs == 2
 
 
 def test_graph_counter_counts_graphs_compilations_and_recompiles():

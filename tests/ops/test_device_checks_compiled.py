@@ -1,4 +1,4 @@
-"""Tier: pure CPU, single process, torch.compile with the inductor backend (one small graph here, and one
+"""Tier: pure CPU, single process, torch.compile with the inductor backend (small graphs here, and one
 subprocess that compiles ``PackedForward(compile_packing=True)`` with 2 and 4 threads).
 
 Device-side checks under inductor (``nn_data._checks.device_assert``, the one home of them): any message
@@ -67,6 +67,22 @@ def test_the_checks_of_a_call_are_one_check_naming_the_first_that_failed():
     _checks.DeviceChecks().check()  # no check: nothing runs
 
 
+def test_a_device_check_call_runs_one_python_function_of_its_own():
+    """``nn_data::device_check`` (what every compiled call with data checks calls once) runs from the
+    dispatcher straight into its one kernel: the Python frames of a passing call are the op's ``__call__`` and
+    that kernel, nothing of ``torch.library``'s custom-op layers (autograd, redispatch)."""
+    frames = []
+    flags = torch.tensor([True, True])
+    sys.setprofile(lambda frame, event, arg: frames.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        torch.ops.nn_data.device_check.default(flags, "nn_data.test: a || nn_data.test: b")
+    finally:
+        sys.setprofile(None)
+    assert frames == ["__call__", "_device_check"], frames
+    with pytest.raises(RuntimeError, match=r"^nn_data.test: b$"):
+        torch.ops.nn_data.device_check.default(torch.tensor([True, False]), "nn_data.test: a || nn_data.test: b")
+
+
 @pytest.mark.compile
 def test_a_compiled_pack_and_shard_makes_one_device_check_call():
     """Pack + CP shard on the pack's travelling layout (m 4, T 32, C 2: the segments split into 2C by
@@ -100,6 +116,40 @@ def test_a_compiled_pack_and_shard_makes_one_device_check_call():
                                            r"pad_full_seq_to=32"):
         compiled(x, torch.tensor([10, 10, 10, 10]))  # 4 * 12 = 48 > 32
     assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.compile
+def test_a_compiled_packing_side_without_cp_scans_the_packed_positions_twice():
+    """``PackedForward(compile_packing=True)`` without CP: the packing side's graph makes one device check and two
+    scans over the ``T`` packed positions (a scatter of marks, then a cumsum: the segment ids, and the pack's
+    source map), the segment ids of ``PackedInfo`` being this rank's places' own (every position, in order) rather
+    than a second scan; the same segment ids as the eager wrapper; no sync and no new graph on the next call."""
+    from nn_data.diagnostics import HostSyncCounter
+    from nn_data.packed_forward import PackedForward
+
+    seen = []
+
+    def probe(input_ids, position_ids, packed):
+        seen.append(packed.segment_ids)
+        return input_ids.unsqueeze(-1).float()  # [1, T, 1]
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = PackedForward(probe, pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=64, row_capacity=4,
+                             compile_packing=True, compile_kwargs={"backend": counter}, verify=False)
+    ids, lengths = torch.arange(1, 49).view(4, 12), torch.tensor([5, 8, 12, 3])
+    out, code = run_and_get_code(compiled, ids, lengths)
+    eager = PackedForward(probe, pad_individual_seqs_to_multiple_of=4, pad_full_seq_to=64, verify=False)
+    assert torch.equal(out, eager(ids, lengths)) and torch.equal(seen[0], seen[1])
+    packing = code[0].split("def call(self, args)")[1]
+    assert packing.count("torch.ops.nn_data.device_check.default(") == 1
+    scatters = re.findall(r"^\s*aten\.scatter_reduce_", packing, flags=re.M)
+    scans = re.findall(r"torch\.ops\.aten\.cumsum\.default\(reinterpret_tensor", packing)  # over T; not the [R] lengths'
+    assert len(scatters) <= 2 and len(scans) <= 2, (scatters, scans)
+    with HostSyncCounter() as syncs:
+        compiled(ids, lengths)
+    assert syncs.count == 0 and counter.frame_count == 2  # the packing and the unpacking side, once each
     torch._dynamo.reset()
 
 
