@@ -1,5 +1,4 @@
-"""The compat layer's one packing call: lay the microbatch out on the host, then the host executor or the
-compiled graph.
+"""The drop-in's one packing call: lay the microbatch out on the host, then the host executor or the compiled graph.
 
 Shape legend
     B   sequences of the microbatch; S padded row length of the input batch
@@ -7,15 +6,9 @@ Shape legend
     C   context-parallel size; the local shard is ``T/C`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identity ``[3]``)
 
-:func:`pack_microbatch` packs exactly the tensors it is given (``input_ids`` and the companions
-passed in ``extras``) on **one** layout: the lengths are read to the host once (the microbatch's one
-sync, ``docs/design.md``, "Sync budget"), checked there, and every boundary computed in Python ints
-(:func:`nn_data.layout.layout_from_lengths`). Then eagerly (the default) the host executor moves every
-tensor with a constant number of ops (:func:`nn_data.pack.pack_shard`), or, with
-``PackOptions(compile=True)``, one compiled graph runs the device executor
-(:mod:`nn_data.nemo_rl.megatron_data.graph`). Either way the boundaries, ``T`` and ``max_seqlen`` are
-the host layout's. This is the one place that decides which runs.
-"""
+The lengths are read to the host once (docs/design.md, "Sync budget"); eagerly the host executor packs every
+tensor (:func:`nn_data.pack.pack_shard`), with ``PackOptions(compile=True)`` one compiled graph
+(:mod:`nn_data.nemo_rl.megatron_data.graph`). This is the one place that decides which runs."""
 
 from __future__ import annotations
 
@@ -58,11 +51,10 @@ def as_lengths(seq_lengths, rows: int, device, like: str = "input_ids") -> torch
 
 
 def on_device(name: str, t: torch.Tensor, like: str, device) -> torch.Tensor:
-    """``t`` on ``device`` (the device of the tensor ``like`` names). As NeMo-RL, which reads them on
-    the host, the layer takes boundaries and lengths from any device whose values can be copied; a
-    ``meta`` tensor on one side only has no values to copy and raises :class:`PackingError` naming
-    both devices. Example: lengths on ``meta``, ids on ``cpu`` -> "seq_lengths is on meta but
-    input_ids is on cpu"."""
+    """``t`` on ``device`` (the device of the tensor ``like`` names); a ``meta`` tensor on one side only has no values
+    to copy and raises :class:`PackingError`.
+
+    Example: lengths on ``meta``, ids on ``cpu`` -> "seq_lengths is on meta but input_ids is on cpu"."""
     device = torch.device(device)
     if t.device != device and "meta" in (t.device.type, device.type):
         raise PackingAssertionError(f"{name} is on {t.device} but {like} is on {device}; a meta tensor has no values "
@@ -85,11 +77,10 @@ def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
 
 def pack_microbatch(input_ids, seq_lengths, *, spec: DropInSpec, cp_rank: int, options: PackOptions,
                     extras: dict, name: str = "pad_full_seq_to") -> PackedMicrobatch:
-    """Lay out (one sync) and pack ``input_ids [B, S]`` plus the ``extras`` given (a dict over
-    :data:`EXTRAS`: ``[B, S, *]`` tensors or None) for this CP rank. Padding is 0, except routed
-    experts, whose padding rows are ``arange(topk)`` (a valid top-k route). Every tensor's shape and
-    device are checked here, once, before any compiled region; ``name`` is the caller's spelling of
-    the fixed packed length (:func:`lay_out`)."""
+    """Lay out (one sync) and pack ``input_ids [B, S]`` plus the ``extras`` (a dict over :data:`EXTRAS`) for this rank.
+
+    Padding is 0, except routed experts' ``arange(topk)``; every shape and device is checked here, before any compiled
+    region; ``name`` is the caller's spelling of the fixed packed length (:func:`lay_out`)."""
     if options.tree is not None:  # never packed end to end in its place
         raise PackingAssertionError(END_TO_END)
     unknown = [k for k in extras if k not in EXTRAS]
@@ -109,14 +100,10 @@ def pack_microbatch(input_ids, seq_lengths, *, spec: DropInSpec, cp_rank: int, o
 
 
 def lay_out(lengths: torch.Tensor, row_len: int, spec: DropInSpec, *, buckets, name: str) -> PackLayout:
-    """The microbatch's host layout (the one read of ``lengths [B]``), its ``T`` rounded up to a bucket
-    when ``buckets`` are set and no packed length is fixed (:func:`bucket_total`, then the layout of the
-    lengths already read with that ``T``: no second read); errors name the fixed packed length ``name``,
-    as the caller spelled it (:func:`~nn_data.nemo_rl.assertions.spelled`).
+    """The microbatch's host layout (the one read of ``lengths [B]``), ``T`` rounded up to a bucket when ``buckets`` are
+    set and no packed length is fixed; errors name the fixed packed length as the caller spelled it (``name``).
 
-    Example: lengths ``[3, 5]``, m 4, buckets ``(16, 32)`` -> natural T 12 -> T 16, cu_seqlens_padded
-    ``[0, 4, 16]``.
-    """
+    Example: lengths ``[3, 5]``, m 4, buckets ``(16, 32)`` -> natural T 12 -> T 16, cu_seqlens_padded ``[0, 4, 16]``."""
     with spelled(name):
         layout = layout_from_lengths(lengths, row_len, spec, op="_pack_sequences_for_megatron")
         if buckets is not None and spec.fixed_total is None:

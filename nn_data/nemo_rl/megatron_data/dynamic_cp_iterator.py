@@ -1,21 +1,8 @@
 """The NeMo-RL microbatch iterator over a dynamic-CP plan: one :class:`ProcessedMicrobatch` per round.
 
-``get_microbatch_iterator(data, cfg, mbs, straggler_timer, ..., dynamic_cp=(runner, plan))`` hands the
-global batch to :func:`dynamic_cp_microbatch_iterator`: ``data`` holds every sequence of the plan
-(``input_ids [n, S]``; ``plan`` was made from its lengths), each rank iterates its rounds of the plan
-(:class:`nn_data.dynamic_cp.DynamicCPRunner`), and each microbatch's fields are NeMo-RL's:
-``input_ids`` the block packed ``[1, c * tpr]``, ``input_ids_cp_sharded`` this rank's ``[1, tpr]``,
-``position_ids [1, tpr]``, ``cu_seqlens_padded [rows + 1]`` and ``packed_seq_params`` over them (the
-round's ``cp_group`` and ``local_cp_size``; rows + 1 boundaries, as ``process_microbatch`` gives, not the
-runner's static ``row_capacity + 1``: NeMo-RL's log-prob functions return one row per boundary pair) and
-``padding_mask`` (this rank's, the round's ``RoundInputs.packed.padding_mask``). A round with no row on
-this rank follows the compat layer's ``B = 0`` rule (docs/nemo-rl.md): ``cu_seqlens_padded`` is ``[T]``
-(no boundary pair: the log-prob functions return no row, as ``data_dict`` holds none) while the
-``PackedSeqParams`` carry the padding pseudo-segment ``[0, T]`` (megatron-core's THD code needs one);
-with rows both are one tensor. ``data_dict`` is the
-block's rows of ``data`` (in packing order), moved to the device as NeMo-RL moves each microbatch. No host
-read per microbatch.
-"""
+Each microbatch has NeMo-RL's fields for the round (``input_ids [1, c * tpr]``, ``input_ids_cp_sharded [1, tpr]``,
+``position_ids``, ``cu_seqlens_padded [rows + 1]`` and ``packed_seq_params`` over the round's ``cp_group``),
+``padding_mask`` and ``data_dict`` the block's rows; no host read per microbatch (docs/dynamic-cp.md)."""
 
 from __future__ import annotations
 
@@ -30,14 +17,11 @@ from nn_data.nemo_rl.megatron_data.microbatch import ProcessedMicrobatch
 
 def dynamic_cp_microbatch_iterator(data, cfg: dict, runner, plan, *, device) -> Tuple[Iterator[ProcessedMicrobatch],
                                                                                       int, int, int, int]:
-    """``(iterator, rounds, 1, S, padded_seq_length)`` as :func:`get_microbatch_iterator` returns them, the
-    microbatches on ``device`` (the iterator's ``resolve_device``);
-    ``padded_seq_length`` is ``tokens_per_rank`` times the static CP size of ``cfg["megatron_cfg"]``
-    (megatron-core's schedule divides it by that size for its pipeline buffers: every round's ``tpr``).
+    """``(iterator, rounds, 1, S, padded_seq_length)`` as :func:`get_microbatch_iterator` returns them, on ``device``;
+    ``padded_seq_length`` is ``tokens_per_rank`` times the static CP size of ``cfg["megatron_cfg"]``.
 
-    Raises :class:`PackingError` when the runner does not build ``PackedSeqParams``
-    (``megatron.make_packed_seq_params=True``) or ``data`` does not hold the plan's sequences.
-    """
+    Raises :class:`PackingError` when the runner does not build ``PackedSeqParams`` or ``data`` does not hold the
+    plan's sequences."""
     if not runner.make_packed_seq_params:
         raise PackingAssertionError("a dynamic-CP microbatch needs PackedSeqParams: build the runner with "
                                     "DynamicCPRunner(..., megatron.make_packed_seq_params=True)")
@@ -65,9 +49,8 @@ def _rounds(step, data, target) -> Iterator[ProcessedMicrobatch]:
 
 
 def rows_boundaries(cu_seqlens_padded: torch.Tensor, rows: int) -> torch.Tensor:
-    """NeMo-RL's ``[rows + 1]`` boundaries of a block's ``[Bc + 1]`` (rows past the block's are empty and
-    end at ``T``): a view, sliced by the plan's Python int; ``[T]`` for an empty block, as
-    ``process_microbatch`` gives for no row. Example: ``[0, 5, 16, 16, 16]``, 2 rows -> ``[0, 5, 16]``;
-    0 rows -> ``[16]``."""
+    """NeMo-RL's ``[rows + 1]`` boundaries of a block's ``[Bc + 1]`` (a view); ``[T]`` for an empty block.
+
+    Example: ``[0, 5, 16, 16, 16]``, 2 rows -> ``[0, 5, 16]``; 0 rows -> ``[16]``."""
     return cu_seqlens_padded[:rows + 1] if rows else cu_seqlens_padded[-1:]
 

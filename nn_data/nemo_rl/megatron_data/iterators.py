@@ -1,15 +1,8 @@
 """Global batch -> processed microbatch iterators, and the global batch's loss normalisers.
 
-Device-agnostic: nothing here hard-codes CUDA. The iterators move each microbatch to
-a device the caller chooses (``device=`` argument, else ``cfg["nn_data"]["device"]``,
-else ``"cuda"`` when available, as NeMo-RL, else CPU); :func:`process_global_batch`
-all-reduces where the process group's backend needs it (NCCL: the current CUDA device;
-gloo: where the data is).
-
-As in NeMo-RL, the functions call each other (and ``process_microbatch``,
-``get_and_validate_seqlen``, ``_get_pack_sequence_parameters_for_megatron``) through the
-names ``nn_data.nemo_rl.megatron_data`` binds at call time, so patching those names takes effect.
-"""
+The iterators move each microbatch to the caller's device (``device=``, else ``cfg["nn_data"]["device"]``, else
+``"cuda"`` when available, else CPU); the functions call each other through the names ``nn_data.nemo_rl.megatron_data``
+binds at call time, so patching those names takes effect."""
 
 from __future__ import annotations
 
@@ -58,20 +51,13 @@ def make_processed_microbatch_iterator(
     device=None,
     pg_collection=None,
 ) -> Iterator[ProcessedMicrobatch]:
-    """Wrap a raw microbatch iterator to yield :class:`ProcessedMicrobatch` objects.
+    """Wrap a raw microbatch iterator to yield :class:`ProcessedMicrobatch` objects (NeMo-RL's arguments).
 
-    Each raw ``BatchedDataDict`` is moved to the target device (``device``, else
-    ``cfg["nn_data"]["device"]``, else ``"cuda"`` when available, else CPU) and processed by
-    :func:`process_microbatch` with the same arguments NeMo-RL passes, packing when
-    ``cfg["sequence_packing"]["enabled"]``. The nn_data pack options (compiled graph, row
-    capacity, ``T`` buckets) are read from ``cfg["nn_data"]`` (:meth:`PackOptions.from_cfg`)
-    and passed as ``options=`` only when that section sets one; ``pg_collection`` (megatron-core's
-    ``ProcessGroupCollection``: the CP rank and size) is passed only when given.
+    Each raw batch is moved to the device (:func:`resolve_device`) and processed by :func:`process_microbatch`, with
+    ``options=`` from ``cfg["nn_data"]`` only when that section sets one and ``pg_collection`` only when given.
 
-    Raises :class:`~nn_data.errors.PackingError` (when called, before any microbatch) when
-    ``cfg["megatron_cfg"]["context_parallel_size"]`` is not the size of the CP group the microbatches would
-    be sharded for (``pg_collection.cp``, else ``parallel_state``'s, else 1 when it is not initialised).
-    """
+    Raises :class:`~nn_data.errors.PackingError` when ``cfg["megatron_cfg"]["context_parallel_size"]`` is not the size
+    of the CP group the microbatches would be sharded for (:func:`check_configured_cp`)."""
     check_configured_cp(cfg, pg_collection)
     pack_sequences = cfg["sequence_packing"]["enabled"]
     options = PackOptions.from_cfg(cfg)
@@ -133,23 +119,19 @@ def get_microbatch_iterator(
     pg_collection=None,
     dynamic_cp=None,
 ) -> Tuple[Iterator[ProcessedMicrobatch], int, int, int, int]:
-    """A processed microbatch iterator over ``data`` and its metadata.
+    """A processed microbatch iterator over ``data``: ``(iterator, data_iterator_len, micro_batch_size, seq_dim_size,
+    padded_seq_length)``.
 
-    Returns ``(iterator, data_iterator_len, micro_batch_size, seq_dim_size,
-    padded_seq_length)``. Dynamic batching (``cfg["dynamic_batching"]["enabled"]``) uses
-    ``data``'s dynamic-shape plan; sequence packing uses its packable plan (one packed
-    microbatch per plan entry, ``micro_batch_size`` 1, padding from
-    :func:`_get_pack_sequence_parameters_for_megatron` with
-    ``cfg["make_sequence_length_divisible_by"]`` and the longest planned microbatch, or a run-level
-    ``cfg["nn_data"]["pad_full_seq_to"]``: :func:`run_fixed_total`); otherwise fixed microbatches
-    of ``mbs`` rows. ``padded_seq_length``: ``pad_full_seq_to`` when set, else ``seq_dim_size``.
-    ``seq_length_key`` defaults to ``"input_lengths"`` when packing; the ``delegate_*`` and
-    ``model_slices_context_parallel_inputs`` flags go to :func:`process_microbatch` unchanged, and so
-    does ``pg_collection`` (nn_data's keyword: the CP rank and size from megatron-core's
-    ``ProcessGroupCollection`` instead of ``parallel_state``). ``dynamic_cp=(runner, plan)`` (nn_data's
-    keyword): one microbatch per round of a dynamic-CP plan over ``data``
-    (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp_iterator`).
-    """
+    Dynamic batching uses ``data``'s dynamic-shape plan; packing its packable plan (micro_batch_size 1, padding from
+    :func:`_get_pack_sequence_parameters_for_megatron` or a run-level ``pad_full_seq_to``: :func:`run_fixed_total`);
+    otherwise ``mbs`` rows at a time. The ``delegate_*`` and ``model_slices_context_parallel_inputs`` flags go to
+    :func:`process_microbatch` unchanged.
+
+    Args (nn_data's, keyword-only):
+        device: where each microbatch goes (:func:`resolve_device`).
+        pg_collection: megatron-core's ``ProcessGroupCollection`` (the CP rank and size).
+        dynamic_cp: ``(runner, plan)``: one microbatch per round of a dynamic-CP plan
+            (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp_iterator`)."""
     if dynamic_cp is not None:
         refuse_with_dynamic_cp(cfg)
         from nn_data.nemo_rl.megatron_data.dynamic_cp_iterator import dynamic_cp_microbatch_iterator
@@ -202,14 +184,11 @@ def raw_microbatches(data: Any, cfg: dict[str, Any], mbs: int, packing: bool
 
 
 def run_fixed_total(cfg: dict[str, Any], longest: int, step_length: Optional[int]) -> Optional[int]:
-    """The fixed packed length (``fixed_total``) of every microbatch of a step: the run-level
-    ``cfg["nn_data"]["pad_full_seq_to"]`` when set (checked against the run's
-    :class:`~nn_data.planning.Parallelism` and against the ``longest`` planned microbatch), else NeMo-RL's ``step_length``. One length for the whole run
-    keeps compiled graphs and pipeline receive buffers the same at every step.
+    """The fixed packed length of every microbatch of a step: the run-level ``cfg["nn_data"]["pad_full_seq_to"]`` when
+    set (checked against the run's :class:`~nn_data.planning.Parallelism` and the ``longest`` microbatch), else
+    ``step_length`` (docs/nemo-rl.md, "nn_data options").
 
-    Example: run-level 8192, a step whose longest planned microbatch holds 6100 padded tokens ->
-    8192 (NeMo-RL: 6100 rounded up, a new length almost every step); 8300 -> :class:`PackingError`.
-    """
+    Example: run-level 8192, longest 6100 -> 8192; longest 8300 -> :class:`PackingError`."""
     run = PackOptions.from_cfg(cfg).pad_full_seq_to
     if run is None:
         return step_length
@@ -231,19 +210,14 @@ def process_global_batch(
     batch_idx: int,
     batch_size: int,
 ) -> dict[str, Any]:
-    """Extract global batch ``batch_idx`` and its loss normalisers, summed over the DP group.
+    """Extract global batch ``batch_idx`` and its loss normalisers, summed over the DP group (no host sync).
 
-    Returns ``{"batch", "global_valid_seqs", "global_valid_toks"}``: the sum of
-    ``sample_mask``, and of ``token_mask[:, 1:] * sample_mask`` (or valid sequences times
-    ``S`` without a token mask), all-reduced over ``dp_group``. The reduction runs on the
-    current CUDA device for an NCCL group and where the data lives otherwise (gloo on CPU
-    works). With neither ``torch.distributed`` initialised nor a ``dp_group`` given there is
-    nothing to reduce over and the local sums are returned (NeMo-RL fails there). No host sync.
+    Returns ``{"batch", "global_valid_seqs", "global_valid_toks"}``: the sum of ``sample_mask`` and of
+    ``token_mask[:, 1:] * sample_mask`` (valid sequences times ``S`` without a token mask), all-reduced over
+    ``dp_group`` (on the CUDA device for NCCL); with neither ``torch.distributed`` nor a group, the local sums.
 
-    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's
-    messages first) when the batch has no ``sample_mask``, or the loss is token-level and the
-    batch has no ``token_mask``.
-    """
+    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's messages first) when the batch has no ``sample_mask``, or
+    the loss is token-level and the batch has no ``token_mask``."""
     batch = data.get_batch(batch_idx=batch_idx, batch_size=batch_size)
     require("sample_mask" in batch, "sample_mask must be present in the data! (the global batch needs a "
                                     "sample_mask [B] to count its valid sequences)")

@@ -26,26 +26,16 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
 
 
 def get_ltor_masks_and_position_ids(*args: Any, **kwargs: Any) -> Any:
-    """Left-to-right masks and position ids, as ``megatron.training.utils``' function (vectorised).
+    """Left-to-right masks and position ids, as ``megatron.training.utils``' function (not in the megatron-core wheel).
 
-    Signature: ``(data [B, S], eod_token, pad_token=None, reset_position_ids=False,
-    reset_attention_mask=False, eod_mask_loss=False, pad_mask_loss=False)``. Returns
-    ``(attention_mask, loss_mask [B, S] float32, position_ids [B, S] int64)``:
-    ``attention_mask`` is bool, ``True`` where attention is *masked*, ``[1, 1, S, S]``
-    (causal) or ``[B, 1, S, S]`` with ``reset_attention_mask`` (also no attention across an
-    EOD token: a document ends at its EOD). ``position_ids`` is ``arange(S)`` per row, or
-    restarts at 0 after each EOD with ``reset_position_ids``. ``loss_mask`` is 0 at EOD
-    tokens (``eod_mask_loss``) and pad tokens (``pad_mask_loss``), else 1.
+    Signature: ``(data [B, S], eod_token, pad_token=None, reset_position_ids=False, reset_attention_mask=False,
+    eod_mask_loss=False, pad_mask_loss=False)``. Returns ``(attention_mask, loss_mask [B, S] float32, position_ids
+    [B, S] int64)``: ``attention_mask`` is bool, True where masked, ``[1, 1, S, S]`` (causal) or ``[B, 1, S, S]`` with
+    ``reset_attention_mask`` (a document ends at its EOD); positions restart after each EOD with
+    ``reset_position_ids``; ``loss_mask`` is 0 at EOD (``eod_mask_loss``) and pad (``pad_mask_loss``) tokens.
 
-    Example: ``data [[5, 0, 7, 8]]``, eod 0, both resets -> positions ``[[0, 1, 0, 1]]``;
-    position 2 may not attend to positions 0..1.
-
-    megatron.training is not part of the megatron-core wheel, so this is implemented here
-    (no loop over rows or EOD tokens; nothing imported). Megatron-LM finds the reset
-    points as ``eod_positions & pad_positions`` (a bitwise AND of two index lists); here
-    the EOD tokens alone are the document ends, which is what that code means when
-    ``pad_token == eod_token`` (as NeMo-RL calls it).
-    """
+    Example: ``data [[5, 0, 7, 8]]``, eod 0, both resets -> positions ``[[0, 1, 0, 1]]``; position 2 may not attend to
+    positions 0..1."""
     return _ltor(*args, **kwargs)
 
 
@@ -97,38 +87,28 @@ def process_microbatch(
     options: Optional[PackOptions] = None,
     pg_collection=None,
 ) -> ProcessedInputs:
-    """Process a microbatch for the Megatron forward pass (NeMo-RL HEAD's arguments and results).
+    """Process a microbatch for the Megatron forward pass (NeMo-RL HEAD's arguments and results); one host sync.
 
-    ``data_dict``: any mapping read as NeMo-RL reads it (``in``, ``[]``). Helpers are called
-    through ``nn_data.nemo_rl.megatron_data`` (patching ``nn_data.nemo_rl.megatron_data.X`` reaches the call).
+    Packed: ids ``[1, T]`` and the CP-local ``[1, T/C]``, every companion packed on the same layout
+    (:mod:`~nn_data.nemo_rl.megatron_data.packed`). Self-packing model: :func:`_prepare_vlm_batch_for_megatron`.
+    Unpacked: the causal mask and position ids of :func:`get_ltor_masks_and_position_ids`.
 
-    Packed (``pack_sequences``, :mod:`nn_data.nemo_rl.megatron_data.packed`): ``input_ids`` ``[1, T]``,
-    ``input_ids_cp_sharded`` the CP-local ``[1, T/C]``; ``mtp_loss_mask`` and
-    ``media_token_validity_mask`` (bool) packed the same way, ``routed_experts [1, T, Ly, K]``
-    with ``arange(K)`` pad rows and its CP shard; masks and position ids None. With
-    ``model_slices_context_parallel_inputs`` the model gets the full row ``[1, T]`` (ids and
-    masks) and a ``PackedSeqParams`` with separate valid/padded boundaries. ``padding_mask``
-    (nn_data's field) is True at padding, in the layout of ``input_ids_cp_sharded``. CP rank and size
-    from ``pg_collection.cp`` (keyword-only: megatron-core's ``ProcessGroupCollection``) when given,
-    else :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One packing
-    call, one layout, one host sync (NeMo-RL: ``2B + 1`` per packed tensor;
-    :mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
-    (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.nemo_rl.megatron_data.options.PackOptions`);
-    with ``options.rollout_tree`` (or its GRPO spelling ``options.shared_prefix``) every shared prefix is packed
-    once (:func:`~nn_data.nemo_rl.megatron_data.tree_inputs.rollout_tree_inputs`).
+    Args:
+        data_dict: any mapping read as NeMo-RL reads it (``in``, ``[]``).
+        seq_length_key: the key of the ``[B]`` lengths (packed only).
+        pad_individual_seqs_to_multiple_of: each sequence's multiple.
+        pad_packed_seq_to_multiple_of: ``T``'s multiple.
+        pad_full_seq_to: a fixed ``T`` (a run-level ``options.pad_full_seq_to`` wins).
+        pack_sequences: pack into THD.
+        delegate_pack_to_model: the model packs and CP-shards itself (routed experts and a media mask refused).
+        delegate_mtp_loss_mask_to_model: such a model packs the ``mtp_loss_mask`` (else it is refused).
+        model_slices_context_parallel_inputs: the model takes the full row and selects its CP tokens.
+        straggler_timer: megatron-core's ``StragglerDetector`` or None.
+        options: nn_data only: :class:`~nn_data.nemo_rl.megatron_data.options.PackOptions` (compile, buckets, trees).
+        pg_collection: nn_data only: megatron-core's ``ProcessGroupCollection`` (the CP rank and size).
 
-    Self-packing model (``delegate_pack_to_model``): :func:`_prepare_vlm_batch_for_megatron`;
-    an ``mtp_loss_mask`` is refused unless ``delegate_mtp_loss_mask_to_model`` (the model packs
-    it), then it is cut/zero-padded to the model's columns and multiplied by the attention
-    mask; routed experts and a media-token mask raise ``NotImplementedError``.
-
-    Unpacked: causal ``attention_mask [1, 1, S, S]`` (True = masked) and ``position_ids`` from
-    :func:`get_ltor_masks_and_position_ids`; routed experts get ``arange(K)`` on their padding
-    (needs ``input_lengths``).
-
-    Raises (NeMo-RL's messages first) :class:`~nn_data.errors.PackingError` for a missing ``seq_length_key``, routed experts that are not 4-D, an
-    ``mtp_loss_mask`` a self-packing model did not claim, and every bad input of the pack path.
-    """
+    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's messages first) for a missing ``seq_length_key``, routed
+    experts that are not 4-D, an unclaimed ``mtp_loss_mask``, and every bad input of the pack path."""
     with straggler_context(straggler_timer):
         input_ids = data_dict["input_ids"]
         routed = data_dict["routed_experts"] if "routed_experts" in data_dict else None

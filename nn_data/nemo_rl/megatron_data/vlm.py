@@ -3,8 +3,7 @@
 Shape legend
     B   sequences; S padded row length of the input
     P   ``padded_max``: the longest padded length, the columns handed to the model
-    T   ``sum(padded lengths)``: the packed view's length
-"""
+    T   ``sum(padded lengths)``: the packed view's length"""
 
 from __future__ import annotations
 
@@ -25,33 +24,23 @@ def _prepare_vlm_batch_for_megatron(
     pad_individual_seqs_to_multiple_of: int,
     pad_full_seq_to: Optional[int] = None,
 ):
-    """Prepare a ``[B, S]`` batch for a model that packs and CP-shards internally (mbridge VLMs).
+    """Prepare a ``[B, S]`` batch for a model that packs and CP-shards internally (mbridge VLMs); one host sync.
 
-    Each length is rounded up to ``pad_individual_seqs_to_multiple_of``; with
-    ``pad_full_seq_to`` (PP > 1) the last sequence's length is extended by the deficit
-    ``pad_full_seq_to - sum(padded)`` so the model's own packing always gives that total
-    (the extra positions count as valid for the model; mask them at the loss). That is the layout
-    layout's slack rule ("extend last", :mod:`nn_data.layout`), built after one read of the lengths;
-    the deficit must be a multiple of the per-sequence multiple (the model pads to it itself).
+    Each length is rounded up to the multiple; with ``pad_full_seq_to`` the last sequence absorbs the deficit (a
+    multiple of the per-sequence multiple). Returns ``(input_ids [1, T], input_ids_cp_sharded [B, P], attention_mask
+    [B, P] bool, packed_seq_params, None, cu_seqlens_padded [B+1] int32)``; with ``B = 0``, empty rows and ``[0]``.
 
-    Returns ``(input_ids [1, T], input_ids_cp_sharded [B, P], attention_mask [B, P] bool,
-    packed_seq_params, None, cu_seqlens_padded [B+1] int32)``: the packed view (each
-    row's first ``padded[b]`` columns, back to back), the rows for the model cut or
-    zero-padded to ``P = max(padded)`` columns, ``True`` on each row's first ``padded[b]``
-    positions, a THD ``PackedSeqParams`` over ``cu_seqlens_padded`` with max length ``P``,
-    and ``cu_seqlens_padded = [0, cumsum(padded)]``.
+    Args:
+        input_ids: ``[B, S]``.
+        seq_lengths: ``[B]`` ints in ``[0, S]``.
+        pad_individual_seqs_to_multiple_of: each length's multiple.
+        pad_full_seq_to: the packed total the model's own packing must give (PP > 1).
 
-    Example: lengths ``[3, 5]``, multiple 4, ``pad_full_seq_to=16`` -> padded ``[4, 8]``,
-    deficit 4 -> ``[4, 12]``, ``P = 12``, ``cu_seqlens_padded [0, 4, 16]``.
+    Example: lengths ``[3, 5]``, multiple 4, ``pad_full_seq_to=16`` -> padded ``[4, 8]``, deficit 4 -> ``[4, 12]``,
+    ``P = 12``, ``cu_seqlens_padded [0, 4, 16]``.
 
-    One host sync (NeMo-RL: one too). With no sequence (``B = 0``) the model packs nothing, so, as in
-    NeMo-RL, there is no slack to absorb: ``[0, 0]`` rows, an empty packed view and
-    ``cu_seqlens_padded = [0]`` (unlike the packed paths, where ``B = 0`` is ``[T]``: the pseudo-segment).
-    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's wording first) when the padded total exceeds
-    ``pad_full_seq_to``, the deficit is not a multiple of the per-sequence multiple, a length is
-    outside ``[0, S]`` (NeMo-RL reads zeros past the row there), or ``pad_full_seq_to`` is above
-    the int32 limit of the boundaries.
-    """
+    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's wording first) for a padded total above
+    ``pad_full_seq_to``, a deficit not a multiple, a length outside ``[0, S]``, or ``pad_full_seq_to`` above int32."""
     checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     rows, cols = input_ids.shape[:2]
     m = max(1, int(pad_individual_seqs_to_multiple_of))
@@ -83,12 +72,9 @@ def _prepare_vlm_batch_for_megatron(
 
 
 def _check_deficit(natural: int, m: int, fixed_total: int) -> None:
-    """A self-packing model pads each sequence to ``m`` itself, the last one included, so the packed length
-    must hold the natural total ``sum(round_up(L, m))`` and exceed it by a multiple of ``m`` (NeMo-RL's
-    asserts, its wording first).
+    """The packed length must hold ``sum(round_up(L, m))`` and exceed it by a multiple of ``m`` (NeMo-RL's asserts).
 
-    Example: lengths ``[3, 5]``, m 4: natural 12; ``pad_full_seq_to`` 16 passes, 8 and 14 are refused.
-    """
+    Example: lengths ``[3, 5]``, m 4: natural 12; ``pad_full_seq_to`` 16 passes, 8 and 14 are refused."""
     if natural > fixed_total:
         raise PackingAssertionError(
             f"pad_full_seq_to ({fixed_total}) < natural padded sum ({natural}); increase pad_full_seq_to to at least "
