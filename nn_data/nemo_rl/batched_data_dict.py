@@ -1,21 +1,10 @@
-"""``BatchedDataDict``: a dict of per-sample tensors and lists, and its microbatch iterators.
+"""``BatchedDataDict``: a dict of per-sample tensors and lists, and its microbatch iterators (NeMo-RL's container,
+the same method names and plan format).
 
-The container NeMo-RL's Megatron data path iterates (same method names and plan format).
-Every value holds one entry per sample along dim 0; tensors with 2+ dims have the
-sequence along dim 1. A *plan* is recorded in two attributes, one entry per global
-batch (chunk):
-
-* ``micro_batch_indices[g]``: ``[[start, end], ...]`` row ranges of each microbatch,
-  relative to the chunk's first row;
-* ``micro_batch_lengths[g]``: per microbatch, its padded token count (packing) or its
-  padded row length (dynamic batching).
-
-:meth:`BatchedDataDict.plan_sequence_packing` makes the packing plan (first-fit-decreasing
-bins under ``max_tokens_per_microbatch``, each sequence rounded up to a pad multiple;
-O(n log n), :mod:`nn_data.planning.ffd`); :meth:`BatchedDataDict.plan_dynamic_batching`
-makes the dynamic-shape plan. Both return a reordered copy (each microbatch's rows
-contiguous) and the original index of every new row.
-"""
+Every value holds one entry per sample along dim 0; tensors with 2+ dims have the sequence along dim 1. A plan is
+two attributes, one entry per global batch: ``micro_batch_indices[g]`` (``[[start, end], ...]`` row ranges of each
+microbatch, relative to the chunk's first row) and ``micro_batch_lengths[g]`` (each microbatch's padded token count,
+or its padded row length under dynamic batching)."""
 
 from __future__ import annotations
 
@@ -204,22 +193,22 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         input_lengths_key: str = "input_lengths",
         batch_size: Optional[int] = None,
     ) -> tuple["BatchedDataDict", list]:
-        """Bin sequences into packable microbatches with first-fit-decreasing.
+        """Bin sequences into packable microbatches with first-fit-decreasing (one host read of the lengths).
 
-        Each sequence counts ``round_up(length, sequence_length_pad_multiple)`` tokens (the
-        per-sequence multiple the packer will pad to); no bin holds more than
-        ``max_tokens_per_microbatch``. Each global batch of ``batch_size`` rows (default:
-        all) is planned on its own. Returns ``(planned, order)``: a reordered copy whose
-        bins are contiguous, with ``micro_batch_indices``/``micro_batch_lengths``/
-        ``elem_counts_per_gb`` recorded, and ``order[i]`` = the original row of new row ``i``.
+        Returns ``(planned, order)``: a reordered copy whose bins are contiguous, with the plan recorded, and ``order[i]``
+        the original row of new row ``i``.
 
-        Example: lengths ``[5, 9, 3, 4, 6]``, budget 10 -> bins ``[1] [4, 3] [0, 2]`` ->
-        order ``[1, 4, 3, 0, 2]``, indices ``[[[0, 1], [1, 3], [3, 5]]]``, lengths
-        ``[[9, 10, 8]]``. Cost O(n log n) (one host read of the lengths).
+        Args:
+            max_tokens_per_microbatch: no bin holds more padded tokens.
+            sequence_length_pad_multiple: each sequence counts ``round_up(length, multiple)`` tokens.
+            input_lengths_key: the key of the ``[B]`` lengths.
+            batch_size: each global batch of this many rows is planned on its own (default: all).
 
-        Raises :class:`PackingError` for a padded sequence longer than the budget, a bad
-        multiple or budget, or a ``batch_size`` that does not divide the batch.
-        """
+        Example: lengths ``[5, 9, 3, 4, 6]``, budget 10 -> bins ``[1] [4, 3] [0, 2]`` -> order ``[1, 4, 3, 0, 2]``,
+        indices ``[[[0, 1], [1, 3], [3, 5]]]``, lengths ``[[9, 10, 8]]``.
+
+        Raises :class:`PackingError` for a padded sequence longer than the budget, a bad multiple or budget, or a
+        ``batch_size`` that does not divide the batch."""
         padded = sharding.round_up_lengths(self._host_lengths(input_lengths_key), sequence_length_pad_multiple)
         order, all_indices, all_lengths, counts = [], [], [], []
         for chunk in self._chunks(batch_size):
@@ -239,14 +228,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         batch_size: Optional[int] = None,
         input_key: str = "input_ids",
     ) -> tuple["BatchedDataDict", list]:
-        """Group rows, shortest first, into microbatches of ``rows * padded_max_len <= budget``.
+        """Group rows, shortest first, into microbatches of ``rows * padded_max_len <= budget``; ``(planned, order)`` as
+        :meth:`plan_sequence_packing`.
 
-        ``padded_max_len`` is the group's longest length rounded up to
-        ``sequence_length_round`` (capped at the row length ``S`` of ``input_key``); the
-        iterator cuts every tensor to it. Returns ``(planned, order)`` as
-        :meth:`plan_sequence_packing`. Raises :class:`PackingError` when one row alone
-        exceeds the budget.
-        """
+        ``padded_max_len`` is the group's longest length rounded up to ``sequence_length_round`` (capped at the row length
+        of ``input_key``). Raises :class:`PackingError` when one row alone exceeds the budget."""
         lengths = self._host_lengths(input_lengths_key)
         row_len = self.data[input_key].shape[1]
         rounded = np.minimum(sharding.round_up_lengths(lengths, sequence_length_round), row_len)

@@ -1,14 +1,7 @@
-"""What NeMo-RL's training loop does to a ``BatchedDataDict`` around the microbatch iterators.
-
-NeMo-RL's policy shards a global batch over the data-parallel ranks
-(:func:`shard_by_batch_size`, optionally planning packed or dynamic microbatches on the way),
-gathers per-rank results back into one batch (:func:`stack_batches`, its ``from_batches``)
-and undoes the planner's reordering (:func:`reorder_rows`, its ``reorder_data``);
-:func:`chunk_rows` is its ``chunk``. Same arguments, results and plan attributes
-(``micro_batch_indices``, ``micro_batch_lengths``, ``elem_counts_per_gb``); the differences
-are listed in docs/nemo-rl.md's "Differences from NeMo-RL" table. Host-side planning code: it
-reads the lengths to the host once per call.
-"""
+"""What NeMo-RL's training loop does to a ``BatchedDataDict`` around the microbatch iterators: shard a global batch
+over the DP ranks (:func:`shard_by_batch_size`, planning packed or dynamic microbatches on the way), stack per-rank
+results (:func:`stack_batches`), undo the planner's reordering (:func:`reorder_rows`) and chunk (:func:`chunk_rows`).
+Host-side planning code; differences: docs/nemo-rl.md, "Differences from NeMo-RL"."""
 
 from __future__ import annotations
 
@@ -62,14 +55,10 @@ def batch_rows(data: Mapping[str, Any], what: str = "Batch sizes are not the sam
 
 
 def stack_batches(out, batches: Sequence[Mapping[str, Any]], pad_value_dict: Optional[dict] = None):
-    """Fill ``out`` (an empty dict of the caller's class) with ``batches`` stacked along dim 0.
+    """Fill ``out`` (an empty dict of the caller's class) with ``batches`` stacked along dim 0; tensors with 2+ dims
+    right-padded along dim 1 (with ``pad_value_dict.get(key, 0)``). A key missing from a non-empty batch: ``KeyError``.
 
-    Lists are concatenated; 1-D tensors concatenated; tensors with 2+ dims right-padded along
-    dim 1 to the longest (with ``pad_value_dict.get(key, 0)``) and concatenated. A key missing
-    from a non-empty batch raises ``KeyError`` (as NeMo-RL).
-
-    Example: ``[{"x": [[1, 2]]}, {"x": [[3, 4, 5]]}]`` (tensors) -> ``x = [[1, 2, 0], [3, 4, 5]]``.
-    """
+    Example: ``[{"x": [[1, 2]]}, {"x": [[3, 4, 5]]}]`` (tensors) -> ``x = [[1, 2, 0], [3, 4, 5]]``."""
     pad_value_dict = pad_value_dict or {}
     keys = sorted({k for b in batches for k in b})
     for key in keys:
@@ -122,12 +111,10 @@ def chunk_rows(data, out, rank: int, chunks: int):
 
 
 def reorder_rows(data, reordered_indices: Sequence[int]) -> None:
-    """In place: row ``j`` becomes the row whose entry in ``reordered_indices`` is the ``j``-th smallest.
+    """In place: row ``j`` becomes the row whose entry in ``reordered_indices`` is the ``j``-th smallest (what
+    :func:`shard_by_batch_size` returns restores the original order).
 
-    With ``reordered_indices`` the original position of each current row (what
-    :func:`shard_by_batch_size` returns), this restores the original order.
-    Example: indices ``[2, 0, 1]``, rows ``[c, a, b]`` -> ``[a, b, c]``.
-    """
+    Example: indices ``[2, 0, 1]``, rows ``[c, a, b]`` -> ``[a, b, c]``."""
     total = batch_rows(data)
     keys = np.asarray(list(reordered_indices))
     if keys.shape != (total,):
@@ -146,13 +133,11 @@ def shard_by_batch_size(data, make, shards: int, batch_size: Optional[int] = Non
                         dynamic_batching_args: Optional[dict] = None, sequence_packing_args: Optional[dict] = None):
     """NeMo-RL's ``shard_by_batch_size``; ``make()`` builds an empty shard (a ``SlicedDataDict``).
 
-    The batch is cut into chunks of ``batch_size`` rows (default: all); shard ``i`` gets the
-    ``i``-th of ``shards`` equal parts of every chunk, chunk after chunk. Returns the shards;
-    with ``dynamic_batching_args`` or ``sequence_packing_args`` ``(shards, sorted_indices)``,
-    the shards carrying the microbatch plan the iterators read.
+    Shard ``i`` gets the ``i``-th of ``shards`` equal parts of every chunk of ``batch_size`` rows; with
+    ``dynamic_batching_args`` or ``sequence_packing_args`` returns ``(shards, sorted_indices)``, the shards carrying
+    the plan.
 
-    Example: ``problem_id [0 0 1 1 2 2 3 3]``, shards 2, batch_size 4 -> ``[0 0 2 2]``, ``[1 1 3 3]``.
-    """
+    Example: ``problem_id [0 0 1 1 2 2 3 3]``, shards 2, batch_size 4 -> ``[0 0 2 2]``, ``[1 1 3 3]``."""
     if allow_uneven_shards and batch_size is not None:
         raise PackingAssertionError("batch_size must be None if allow_uneven_shards is True")
     if dynamic_batching_args is not None and sequence_packing_args is not None:
@@ -242,10 +227,8 @@ def _plan_dynamic(out: list, data, shards: int, batch_size: int, args: dict) -> 
 
 
 def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
-    """Sequence packing: per chunk, :func:`nn_data.planning.plan_step` over the shards. NeMo-RL's
-    packer names plan as NeMo-RL does (``balance="nemo-rl"``: first-fit-decreasing bins of padded
-    lengths, the count raised to at least ``shards`` and a multiple of it, dealt round-robin);
-    ``"nn_data_balanced"`` plans with work balanced across the shards (:func:`_packing_layout`)."""
+    """Sequence packing: per chunk, :func:`nn_data.planning.plan_step` over the shards (NeMo-RL's packer names plan as
+    NeMo-RL does; ``"nn_data_balanced"`` balances work: :func:`_packing_layout`)."""
     refuse_unknown_keys(args, NEMO_RL_PACKING_KEYS + NN_DATA_PACKING_KEYS, "sequence_packing_args")
     order_mode = args.get("microbatch_order")
     if order_mode not in (None, "packer", "largest_first"):
@@ -298,12 +281,8 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
 
 
 def _planner(data, args: dict, lengths: list, parallelism: Parallelism, budget: int, options: dict):
-    """``(plan(start, stop), tree)``: ``plan`` the :class:`~nn_data.planning.StepPlan` of rows ``[start, stop)``,
-    ``plan_step``'s; with ``sequence_packing_args["rollout_tree"]`` (``cfg["nn_data"]["rollout_tree"]``'s value)
-    ``plan_step_rollout_tree`` over the batch's tree (:class:`_BatchTree`, returned as ``tree``: the fields of each
-    microbatch are rewritten for its rollouts); with ``sequence_packing_args["shared_prefix"]`` (its GRPO
-    spelling) ``plan_step_shared_prefix`` over the group ids and prefix lengths (carried row for row; ``tree``
-    None). Either way ``micro_batch_lengths`` are the packed tokens with every shared prefix once per microbatch."""
+    """``(plan(start, stop), tree)``: ``plan_step``, or with a tree key ``plan_step_rollout_tree`` over the batch's tree
+    (:class:`_BatchTree`, returned as ``tree``) or ``plan_step_shared_prefix`` over its GRPO groups (``tree`` None)."""
     groups = shared_prefix_keys(args.get("shared_prefix"), "sequence_packing_args['shared_prefix']")
     found = args.get("rollout_tree")
     tree_keys = rollout_tree_keys(found, "sequence_packing_args['rollout_tree']")
@@ -337,17 +316,11 @@ def _field(data, key: str, keys, what: str):
 
 
 class _BatchTree:
-    """A step's rollout tree on the host, for the sharding planner: the batch's ``parent`` / ``branch_at`` (rows
-    of the whole batch), or, with ``find``, none: each global batch's tree is found from its token ids
-    (:func:`~nn_data.planning.find_rollout_tree`). ``chunk(start, stop)`` is the tree of a global batch (indices
-    into it: :func:`~nn_data.planning.subtree`, a rollout whose parent is in another global batch shares through
-    its nearest ancestor inside); ``local(start, rows)`` the ``(parent, branch_at)`` lists of a microbatch's
-    rollouts (``rows``: indices into the global batch at ``start``, ascending), indices into the microbatch:
-    what ``process_microbatch`` takes.
+    """A step's rollout tree on the host, for the sharding planner: the batch's ``parent`` / ``branch_at``, or with
+    ``find`` each global batch's tree found from its token ids. ``chunk`` is a global batch's tree, ``local`` a
+    microbatch's ``(parent, branch_at)`` lists, indices into the microbatch.
 
-    Example: parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, a microbatch of rows ``[0, 2]`` -> ``[-1, 0]``,
-    ``[0, 6]``.
-    """
+    Example: parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, a microbatch of rows ``[0, 2]`` -> ``[-1, 0]``, ``[0, 6]``."""
 
     def __init__(self, data, keys, *, find: bool, lengths: list, ids_key: str):
         self.keys, self.data, self.lengths, self.ids_key = keys, data, lengths, ids_key
@@ -378,12 +351,9 @@ class _BatchTree:
 
 
 def _packing_layout(args: dict, shards: int):
-    """``(Parallelism, plan_step keywords)`` for ``sequence_packing_args``. NeMo-RL's packer names:
-    ``balance="nemo-rl"``. ``"nn_data_balanced"`` reads nn_data's optional keys: ``"balance"``
-    (default ``"work"``), ``"hidden_size"`` (4096), ``"microbatches_per_rank"`` (None: the fewest
-    that fit) and ``"parallelism"`` (a :class:`~nn_data.planning.Parallelism` with
-    ``dp == shards``, whose alignment ``max_tokens_per_microbatch`` must then keep; its per-sequence
-    multiple becomes ``sequence_length_pad_multiple``)."""
+    """``(Parallelism, plan_step keywords)`` for ``sequence_packing_args``: NeMo-RL's packers ``balance="nemo-rl"``;
+    ``"nn_data_balanced"`` reads the optional ``"balance"`` (``"work"``), ``"hidden_size"`` (4096),
+    ``"microbatches_per_rank"`` and ``"parallelism"`` (``dp == shards``)."""
     multiple = args["sequence_length_pad_multiple"]
     if args["algorithm"] != "nn_data_balanced":
         ignored = [key for key in NN_DATA_PACKING_KEYS[:4] if args.get(key) is not None]

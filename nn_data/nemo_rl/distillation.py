@@ -1,20 +1,14 @@
 """NeMo-RL's distillation and entropy functions of ``nemo_rl.distributed.model_utils`` on nn_data's one-pass head
-(:mod:`nn_data.logprobs.outputs`): re-exported by :mod:`nn_data.nemo_rl.model_utils`, one import switches.
+(:mod:`nn_data.logprobs.outputs`), re-exported by :mod:`nn_data.nemo_rl.model_utils`.
 
 Shape legend
     B   rows; S positions of a row on this rank (``S_cp``: this rank's zigzag shard under CP), S_full all of them
     Vt  this tensor-parallel rank's vocabulary slice (``V/TP``), starting at ``vocab_start_index``
     K   token ids per position (a teacher's top-k)
 
-NeMo-RL's names, signatures and values (HEAD 7ea279a), its conventions kept: ``ChunkedDistributedEntropy`` and
-the distillation's ``H_all`` are ``sum_v p_v log p_v`` (the *negative* entropy); ``chunk_size`` counts positions
-of a row; a global id outside ``[0, V)`` gets the log-prob 0 and the gradient ``-softmax``; CP gathers give the
-``C``-times gradient (:func:`~nn_data.nemo_rl.vocab_parallel.allgather_cp_sharded_tensor`). What is nn_data's:
-float64 stays float64 (NeMo-RL computes in float32), the log-softmax, softmax and their gradient are never
-``[B, S, Vt]`` float32 tensors (one chunk at a time), the top-k log-probs and the entropy come from one read of
-the logits, ``None`` groups mean "not split", and ``pg_collection=`` (megatron-core's ``ProcessGroupCollection``)
-stands for the groups not given. The differences are in docs/nemo-rl.md.
-"""
+NeMo-RL's names, signatures and values (HEAD 7ea279a), its conventions kept: the entropy functions return
+``sum_v p_v log p_v`` (the negative entropy) and ``chunk_size`` counts positions of a row. ``pg_collection=``
+stands for the groups not given; the differences are in docs/nemo-rl.md, "Differences from NeMo-RL"."""
 
 from __future__ import annotations
 
@@ -121,15 +115,13 @@ class DistributedCrossEntropy:
 @torch.no_grad()
 def distributed_vocab_topk(vocab_parallel_logits: torch.Tensor, k: int, tp_group, *, vocab_start_index: int,
                            vocab_end_index: int, chunk_size: Optional[int] = None, pg_collection=None):
-    """The global top-``k`` logits ``[B, S, K]`` (float32 or wider, ``K = min(k, V)``) and their global ids
-    ``[B, S, K]`` of this rank's ``[B, S, Vt]`` slice: each rank's top-``min(k, Vt)`` per position, one
-    all-gather of values and one of ids over ``tp_group``, the top-``K`` of those. No gradient.
+    """The global top-``k`` logits ``[B, S, K]`` (``K = min(k, V)``) and their global ids of this rank's ``[B, S, Vt]``
+    slice: one all-gather of values and one of ids over ``tp_group``. No gradient.
 
     Example (TP 1): ``[[[1., 5., 3.]]]``, k 2 -> ``[[[5., 3.]]]``, ``[[[1, 2]]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``k`` below 1, logits not ``[B, S, Vt]`` floating point, a
-    vocabulary slice that is not this rank's, a bad ``chunk_size``.
-    """
+    Raises :class:`~nn_data.errors.PackingError`: ``k`` below 1, logits not ``[B, S, Vt]`` floating point, a vocabulary
+    slice that is not this rank's, a bad ``chunk_size``."""
     tp = _tp(tp_group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S, V // TP]", 3)
     k = _checks.positive_int("k", k)
@@ -150,15 +142,12 @@ def distributed_vocab_topk(vocab_parallel_logits: torch.Tensor, k: int, tp_group
 def gather_logits_at_global_indices(vocab_parallel_logits: torch.Tensor, global_indices: torch.Tensor,
                                     tp_group=None, cp_group=None, *, vocab_start_index: int, vocab_end_index: int,
                                     chunk_size: Optional[int] = None, pg_collection=None) -> torch.Tensor:
-    """The logits at global ids, ``[B, S_full, K]`` (float32 or wider), from this rank's ``[B, S_cp, Vt]``:
-    ``global_indices [B, S_full, K]`` are padded to ``S_cp * C`` positions and zigzag-sharded over ``cp_group``,
-    each TP rank reads the ids it holds (0 for the others), one all-gather sums them over ``tp_group``, and
-    under CP the shards are gathered back (NeMo-RL's ``C``-times gradient). Differentiable w.r.t. the logits
-    (each rank's own columns). ``chunk_size`` is accepted for NeMo-RL's signature: the gather reads only
-    ``K`` columns per position, so nothing is chunked.
+    """The logits at global ids, ``[B, S_full, K]``, from this rank's ``[B, S_cp, Vt]`` (differentiable w.r.t. its columns).
 
-    Example (TP 1, C 1): logits ``[[[1., 5., 3.]]]``, ids ``[[[2, 0]]]`` -> ``[[[3., 1.]]]``.
-    """
+    Each TP rank reads the ids it holds, one all-gather sums them, and under CP the zigzag shards are gathered back
+    (NeMo-RL's ``C``-times gradient); ``chunk_size`` is accepted for NeMo-RL's signature (nothing is chunked).
+
+    Example (TP 1, C 1): logits ``[[[1., 5., 3.]]]``, ids ``[[[2, 0]]]`` -> ``[[[3., 1.]]]``."""
     tp, cp = _tp(tp_group, pg_collection), _cp(cp_group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, V // TP]", 3)
     _checks.positive_int("chunk_size", chunk_size, allow_none=True)
@@ -204,19 +193,15 @@ def get_distillation_topk_logprobs_from_logits(student_logits: torch.Tensor, tea
                                                calculate_entropy: bool, vocab_parallel_rank: Optional[int] = None,
                                                vocab_parallel_group=None, context_parallel_group=None, *,
                                                pg_collection=None):
-    """``(student [B, S-1, K], teacher [B, S-1, K], H_all [B, S-1] or None)``: the student's log-probs at the
-    teacher's top-``K`` ids and the teacher's log-softmax over its ``K`` logits, next-token aligned (the last
-    position dropped). ``zero_outside_topk``: the student's log-probs over the whole vocabulary (with
-    ``calculate_entropy``, ``H_all = sum p log p`` from the same read of the logits); else the log-softmax of
-    the student's logits at the ``K`` ids. ``student_logits [B, S_cp, Vt]`` are this rank's slice
-    (``vocab_parallel_group`` / ``vocab_parallel_rank``; None: the whole vocabulary) and zigzag shard
-    (``context_parallel_group``), the teacher's tensors ``[B, S_full, K]``. ``pg_collection``: its ``tp`` /
-    ``cp`` stand for the groups passed as None (its TP rank for ``vocab_parallel_rank``).
+    """``(student [B, S-1, K], teacher [B, S-1, K], H_all [B, S-1] or None)``: the student's log-probs at the teacher's
+    top-``K`` ids and the teacher's log-softmax over its ``K`` logits, next-token aligned.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``K`` below 1, DTensor logits (NeMo-RL's DTensor path is not
-    provided), a ``vocab_parallel_group`` without ``vocab_parallel_rank``, shapes as
-    :func:`gather_logits_at_global_indices`.
-    """
+    ``zero_outside_topk``: the student's log-probs over the whole vocabulary (with ``calculate_entropy``, ``H_all = sum p
+    log p`` from the same read); else its log-softmax at the ``K`` ids. ``student_logits [B, S_cp, Vt]`` are this
+    rank's vocabulary slice and zigzag shard, the teacher's tensors ``[B, S_full, K]``.
+
+    Raises :class:`~nn_data.errors.PackingError`: ``K`` below 1, DTensor logits, a ``vocab_parallel_group`` without
+    ``vocab_parallel_rank``, shapes as :func:`gather_logits_at_global_indices`."""
     k = teacher_topk_indices.shape[-1]
     if k <= 0:
         raise _checks.PackingError(f"topk must be positive, got {k}: teacher_topk_indices has shape "

@@ -1,5 +1,5 @@
-"""NeMo-RL's log-probs from hidden states (``nemo_rl.distributed.model_utils``' linear-CE fusion) on nn_data's
-fused head, with context parallelism: one import switches.
+"""NeMo-RL's log-probs from hidden states (``nemo_rl.distributed.model_utils``' linear-CE fusion) on nn_data's fused
+head, with context parallelism: one import switches.
 
     # from nemo_rl.distributed.model_utils import from_parallel_hidden_states_to_logprobs
     from nn_data.nemo_rl.model_utils import from_parallel_hidden_states_to_logprobs
@@ -10,17 +10,9 @@ Shape legend
     T   packed tokens; C context-parallel size; TP tensor-parallel size
     H   hidden size; ``Vt = V / TP`` rows of the output weight on a TP rank
 
-megatron-core's hidden states are sequence-first: ``[S/C, B, H]`` for rows, ``[T/C, 1, H]`` packed, and
-with sequence parallelism this TP rank's ``1/TP`` of those positions (``[S/(C*TP), B, H]``), gathered
-inside. Which of the two a call holds is read from the shapes (NeMo-RL gathers whenever TP > 1, which
-is right only with sequence parallelism). The logits exist one chunk of tokens at a time
-(:func:`nn_data.logprobs.hidden_logprobs_local`); the values and gradients (of the hidden states
-and of the weight) are those of NeMo-RL's unfused functions on the logits ``hidden @ weight.T``, its
-conventions included (``docs/design.md``, "NeMo-RL's log-prob conventions"): ``[B, S-1]`` rows
-shifted by one, a target outside ``[0, V)`` the value 0 and the gradient ``-softmax``, and under CP
-(where NeMo-RL asserts) the gradient ``C`` times the single-process one, as the unfused drop-in's.
-The patch of megatron-core's ``GPTModel.forward`` is :mod:`nn_data.nemo_rl.linear_ce_patch`.
-"""
+Hidden states are sequence-first (``[S/C, B, H]``, ``[T/C, 1, H]`` packed; with sequence parallelism this TP rank's
+``1/TP``, read from the shapes). Values and gradients are those of the unfused functions on ``hidden @ weight.T``
+(docs/design.md, "NeMo-RL's log-prob conventions"; docs/nemo-rl.md, "The linear-CE fusion under context parallelism")."""
 
 from __future__ import annotations
 
@@ -55,20 +47,15 @@ def from_parallel_hidden_states_to_logprobs(
 ) -> torch.Tensor:
     """Log-probs ``[B, S-1]`` of unpacked rows from hidden states ``[S/C, B, H]``: NeMo-RL's function.
 
-    ``out[b, s] = log p(target[b, s+1] | ...)`` with ``p = softmax(hidden @ output_weight_layer.T)``.
-    ``target [B, S]`` holds the whole rows (each row's hidden states are its zigzag CP shard);
-    ``runtime_gather_output`` is accepted and unused, as in NeMo-RL. ``chunk_size`` positions of every row
-    per chunk (None: 256 tokens). ``inference_only`` computes without autograd. ``pg_collection``
-    (nn_data's, keyword-only: megatron-core's ``ProcessGroupCollection``) stands for the groups passed as
-    None: its ``tp`` and ``cp`` (:func:`nn_data.groups.given_group_info`).
+    ``target [B, S]`` holds the whole rows; ``runtime_gather_output`` is accepted and unused, as in NeMo-RL;
+    ``chunk_size`` positions of every row per chunk (None: 256 tokens); ``pg_collection`` (keyword-only) stands for
+    the groups passed as None.
 
     Example (V 3, zero weight): ``target [[0, 1, 2]]`` -> ``[[log(1/3), log(1/3)]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: hidden states not floating point 3-D, a weight whose
-    columns are not ``H``, a vocabulary slice that is not this TP rank's rows, ``target`` not integer
-    ``[B, S]`` with ``S`` this rank's ``S/C`` (or ``S/(C*TP)``) positions times the split, an odd shard
-    of a row under CP, ``chunk_size`` below 1, a group this process is not in.
-    """
+    Raises :class:`~nn_data.errors.PackingError`: hidden states not floating point 3-D, a weight whose columns are not
+    ``H``, a vocabulary slice not this TP rank's, ``target`` not integer ``[B, S]`` matching the shard, an odd row
+    shard under CP, ``chunk_size`` below 1, a group this process is not in."""
     cp, tp = groups(cp_group, tp_group, pg_collection)
     hidden, weight = tensor_parallel_hidden_states, output_weight_layer
     checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, ROWS_SHAPE)
@@ -105,19 +92,11 @@ def from_parallel_hidden_states_to_logprobs_packed_sequences(
     *,
     validate: bool = True, pg_collection=None,
 ) -> torch.Tensor:
-    """Log-probs ``[B, S-1]`` from this rank's packed hidden states ``[T/C, 1, H]``: the unfused
-    ``from_parallel_logits_to_logprobs_packed_sequences`` with the hidden states and the output weight in
-    place of the logits (NeMo-RL has no packed entry from hidden states: its fusion refuses CP).
+    """Log-probs ``[B, S-1]`` from this rank's packed hidden states ``[T/C, 1, H]`` and the output weight, in place of
+    the logits of ``from_parallel_logits_to_logprobs_packed_sequences`` (every other argument is that function's).
 
-    Every other argument is the unfused function's, with its meaning and results: ``target`` the packed
-    ids ``[1, T]`` (rolled here, within each padded segment) or, pre-rolled, this rank's ``[1, T/C]``;
-    ``group`` the TP group, ``cp_group`` the CP group; ``sampling_params`` top-k / top-p (exact, one
-    threshold per token); ``validate=False`` skips the one host read of ``cu_seqlens_padded``;
-    ``pg_collection`` stands for the groups passed as None (its ``tp`` and ``cp``).
-
-    Raises :class:`~nn_data.errors.PackingError` as :func:`from_parallel_hidden_states_to_logprobs` for the
-    hidden states and the weight, and as the unfused function for everything else.
-    """
+    Raises :class:`~nn_data.errors.PackingError` as :func:`from_parallel_hidden_states_to_logprobs` for the hidden states
+    and the weight, and as the unfused function for everything else."""
     cp, tp = groups(cp_group, group, pg_collection)
     seq_len = checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     with grad_mode(inference_only):
@@ -153,12 +132,9 @@ def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: i
 
 
 class ChunkedDistributedHiddenStatesToLogprobs:
-    """``apply(tensor_parallel_hidden_states [S, B, H], target [B, S], output_weight_layer [Vt, H],
-    vocab_start_index, vocab_end_index, chunk_size, tp_group, inference_only=False) -> [B, S]``: NeMo-RL's
-    autograd function, called as NeMo-RL calls it: ``log softmax(hidden @ weight.T)`` at every position
-    for ``target`` (already rolled), over the TP-split vocabulary (hidden states ``[S/TP, B, H]`` with
-    sequence parallelism); a target outside ``[0, V)`` gets 0 and the gradient ``-softmax``. No CP.
-    ``pg_collection`` (keyword-only): its ``tp`` stands for ``tp_group=None``."""
+    """``apply(tensor_parallel_hidden_states [S, B, H], target [B, S], output_weight_layer [Vt, H], vocab_start_index,
+    vocab_end_index, chunk_size, tp_group, inference_only=False) -> [B, S]``: NeMo-RL's autograd function, ``log
+    softmax(hidden @ weight.T)`` at every position for the rolled ``target``; no CP."""
 
     @staticmethod
     def apply(tensor_parallel_hidden_states, target, output_weight_layer, vocab_start_index, vocab_end_index,
@@ -189,8 +165,7 @@ def _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp: pr
 
 
 def _sequence_parallel(rows: int, positions: int, cp: process_groups.ParallelInfo, tp: process_groups.ParallelInfo) -> bool:
-    """Whether ``rows`` hidden states are this rank's ``1/(C*TP)`` of ``positions`` (sequence parallelism)
-    rather than its ``1/C``; anything else is refused, naming both shares.
+    """Whether ``rows`` hidden states are this rank's ``1/(C*TP)`` of ``positions`` rather than its ``1/C``.
 
     Example: 32 positions, C 2, TP 2: 16 rows -> False, 8 rows -> True, 12 rows -> PackingError."""
     if rows * cp.size == positions:

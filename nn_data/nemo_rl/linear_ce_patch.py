@@ -1,28 +1,12 @@
-"""NeMo-RL's ``patch_gpt_model_forward_for_linear_ce_fusion``: megatron-core's ``GPTModel.forward`` returns
-log-probs computed from the last hidden states (the logits never exist) when called with
-``return_logprobs_for_linear_ce_fusion=True``, under context parallelism too.
+"""NeMo-RL's ``patch_gpt_model_forward_for_linear_ce_fusion``: megatron-core's ``GPTModel.forward`` returns log-probs
+from the last hidden states (no logits) when called with ``return_logprobs_for_linear_ce_fusion=True``.
 
 Shape legend
     B   rows; T packed tokens; C context-parallel size; TP tensor-parallel size; H hidden size
 
-The same keyword, the same class attributes (``_linear_ce_fusion_forward_patched``,
-``_original_forward_for_linear_ce_fusion``, ``_linear_ce_fusion_chunk_size``), the same effect: without the
-switch the original forward runs with the same arguments; with it, the embedding and the decoder run
-as in megatron-core, and a stage that owns the output layer returns log-probs from its weight (the
-embedding's when they are tied) instead of logits; earlier pipeline stages return their hidden states.
-Where it differs from NeMo-RL's (each for the reason given):
-
-* packed sequences (``packed_seq_params`` in THD format): the log-probs of every packed position,
-  ``[1, T-1]``, NeMo-RL's packed shape, but scored within each padded segment (NeMo-RL rolls the whole
-  packed row, so each segment's last position scores the next sequence's first token; here it is 0),
-  gathered over the CP group (``labels`` may be the CP-sharded ids ``[1, T/C]``, as NeMo-RL passes them,
-  or the full packed ids; they are gathered with one all-gather of ints);
-* context parallelism works (NeMo-RL asserts): unpacked rows are each row's zigzag shard, the labels the
-  whole rows or their shards; the gradient is ``C`` times the single-process one, NeMo-RL's unfused
-  convention (its loss divides by ``cp_size``);
-* the groups are the model's own (``pg_collection.tp``, ``cp_group``), not ``parallel_state``'s;
-  sequence parallelism is the model config's ``sequence_parallel``.
-"""
+The same keyword and class attributes as NeMo-RL's; packed rows are scored within each padded segment, context
+parallelism works, and the groups are the model's own: docs/nemo-rl.md, "The linear-CE fusion under context
+parallelism"."""
 
 from __future__ import annotations
 
@@ -38,10 +22,8 @@ from nn_data.nemo_rl.logprob_steps import gather_cp, grad_mode, row_layout
 
 
 def patch_gpt_model_forward_for_linear_ce_fusion(*, chunk_size: int) -> None:
-    """Patch megatron-core's ``GPTModel.forward`` (the class: every model, built or not) so that
-    ``return_logprobs_for_linear_ce_fusion=True`` returns log-probs instead of logits; ``chunk_size``
-    positions per chunk (of every row). Calling it again updates the chunk size; a forward patched by
-    NeMo-RL's own function is replaced by this one (the original stays the one restored from)."""
+    """Patch megatron-core's ``GPTModel.forward`` (the class) so that ``return_logprobs_for_linear_ce_fusion=True`` returns
+    log-probs, ``chunk_size`` positions of every row per chunk; calling it again updates the chunk size."""
     model_class = megatron.gpt_model_class()
     if not getattr(model_class, "_linear_ce_fusion_forward_patched", False):
         model_class._original_forward_for_linear_ce_fusion = model_class.forward

@@ -1,5 +1,5 @@
-"""NeMo-RL's vocabulary-parallel and context-parallel helpers of ``nemo_rl.distributed.model_utils`` (the draft
-and cross-tokenizer losses' tools), re-exported by :mod:`nn_data.nemo_rl.model_utils`: one import switches.
+"""NeMo-RL's vocabulary-parallel and context-parallel helpers of ``nemo_rl.distributed.model_utils`` (the draft and
+cross-tokenizer losses' tools), re-exported by :mod:`nn_data.nemo_rl.model_utils`.
 
 Shape legend
     B   rows; T positions of a row on this rank
@@ -7,12 +7,8 @@ Shape legend
     K   vocabulary columns asked for
     C   context-parallel size
 
-NeMo-RL's names, signatures and values (HEAD 7ea279a). What is nn_data's: float64 stays float64 (NeMo-RL's
-``.float()`` makes float32), ``None`` groups mean "not split", every function takes ``pg_collection=``
-(megatron-core's ``ProcessGroupCollection``: its ``tp`` / ``cp`` stand for the groups passed as None), the
-collectives are nn_data's functional ones (no in-place ``torch.distributed`` calls), and a bad argument is a
-:class:`~nn_data.errors.PackingError` (a ``ValueError``, as NeMo-RL raises).
-"""
+NeMo-RL's names, signatures and values (HEAD 7ea279a); float64 stays float64, ``None`` groups mean "not split" and
+``pg_collection=`` stands for them, a bad argument is a :class:`~nn_data.errors.PackingError` (a ``ValueError``)."""
 
 from __future__ import annotations
 
@@ -117,17 +113,12 @@ def vocab_parallel_argmax(logits: torch.Tensor, *, tp_group=None, pg_collection=
 
 def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group, seq_dim: int = 1, *,
                                 pg_collection=None):
-    """This rank's zigzag shard of one sequence along ``seq_dim`` -> the whole sequence, on every rank.
+    """This rank's zigzag shard of one sequence along ``seq_dim`` -> the whole sequence, on every rank (one all-gather).
 
-    ``tensor [..., S_loc, ...]`` holds chunks ``r`` and ``2C-1-r`` of ``2C``; the result has
-    ``S_loc * C`` positions in order. Differentiable: the gradient of a shard is the sum over the
-    ranks of the gradients they computed for it (NeMo-RL's all-reduce then slice, as a
-    reduce-scatter), so ``C`` times the single-process gradient when every rank computes the same
-    loss. ``cp_group=None``: the identity (``pg_collection.cp`` when a collection is given). One
-    all-gather; no host sync.
+    The gradient of a shard is the sum of the ranks' gradients for it (NeMo-RL's all-reduce then slice, as a
+    reduce-scatter); ``cp_group=None``: the identity.
 
-    Example (C 2): rank 0 ``[0, 1, 6, 7]``, rank 1 ``[2, 3, 4, 5]`` -> ``[0, 1, 2, 3, 4, 5, 6, 7]``.
-    """
+    Example (C 2): rank 0 ``[0, 1, 6, 7]``, rank 1 ``[2, 3, 4, 5]`` -> ``[0, 1, 2, 3, 4, 5, 6, 7]``."""
     cp = process_groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp")
     if cp.size == 1:
         return tensor
@@ -139,14 +130,12 @@ def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group, seq_dim: int = 1
 
 
 def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1):
-    """Rank ``cp_rank``'s zigzag shard of one sequence along ``seq_dim``: chunks ``r`` and ``2C-1-r`` of
-    ``2C`` (``[..., n, ...] -> [..., n/C, ...]``; one gather). ``cp_size == 1``: ``input_ids`` itself.
+    """Rank ``cp_rank``'s zigzag shard of one sequence along ``seq_dim``: chunks ``r`` and ``2C-1-r`` of ``2C``.
 
     Example: ``[0..7]``, C 2, rank 1 -> ``[2, 3, 4, 5]``.
 
-    Raises :class:`~nn_data.errors.PackingError` for a bad ``cp_size`` / ``cp_rank`` and a length not a
-    multiple of ``2 * cp_size`` (NeMo-RL drops the remainder).
-    """
+    Raises :class:`~nn_data.errors.PackingError` for a bad ``cp_size`` / ``cp_rank`` and a length not a multiple of
+    ``2 * cp_size``."""
     if cp_size == 1:
         return input_ids
     _checks.check_cp(cp_size, cp_rank)
