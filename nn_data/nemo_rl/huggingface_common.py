@@ -25,11 +25,10 @@ from typing import Optional, Tuple, TypeVar
 import torch
 
 from nn_data.layout import PackSpec, layout_from_lengths
-from nn_data import with_dynamic_row_length
 from nn_data.extension import checks, exclusive_cumsum, layout_checks, segment_ids, unpack_sequences
 from nn_data.nemo_rl.assertions import PackingAssertionError, spelled, translate_errors
-from nn_data.nemo_rl.buckets import bucket_total
-from nn_data import pad_rows
+from nn_data.nemo_rl.megatron_data.graph import row_padded
+from nn_data.nemo_rl.megatron_data.options import bucket_total
 
 Tensor = TypeVar("Tensor", bound=torch.Tensor)
 
@@ -76,19 +75,14 @@ def _compiled_pack_row(backend, mode):
 
 def pack_row(input_ids, lengths, total: int, padding_value: int, *, name: str = "pad_full_seq_to",
              validate: bool = True, options=None):
-    """:func:`_pack_row`, compiled when ``options.compile`` (``PackOptions``: the rows padded to
-    ``options.row_capacity``, else the next power of two, and ``S`` a symbolic size, so a stream of
-    microbatches of one ``T`` compiles once)."""
+    """:func:`_pack_row`, compiled when ``options.compile`` (rows padded as
+    :func:`~nn_data.nemo_rl.megatron_data.graph.row_padded` pads them: a stream of one ``T`` compiles once)."""
     if options is None or not options.compile:
         return _pack_row(input_ids, lengths, None, total, padding_value, name, validate)
-    rows = input_ids.shape[0]
-    capacity = options.row_capacity or (1 << max(0, (rows - 1).bit_length()))
-    checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
-    num_rows = torch.full((), rows, dtype=torch.int64, device=input_ids.device)  # on the device: no H2D copy
-    ids = with_dynamic_row_length(pad_rows(input_ids.contiguous(), capacity))  # [R, S]
+    ids, lengths, num_rows = row_padded(input_ids, lengths, options)  # [R, S], [R]
     fn = _compiled_pack_row(options.backend, options.mode)
     with torch.no_grad():
-        return fn(ids, pad_rows(lengths, capacity), num_rows, total, padding_value, name, validate)
+        return fn(ids, lengths, num_rows, total, padding_value, name, validate)
 
 
 def pack_sequences(

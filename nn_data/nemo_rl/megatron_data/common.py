@@ -1,4 +1,4 @@
-"""Small helpers of the drop-in: NeMo-RL's rounding helper, the straggler timer, ``require``, the CP getters NeMo-RL's
+"""Small helpers of the drop-in: the straggler timer, ``require``, the CP getters NeMo-RL's
 module exposes, and :func:`public` (how the drop-in's functions call each other, so that a patch of
 ``nn_data.nemo_rl.megatron_data.X`` reaches the call)."""
 
@@ -9,15 +9,7 @@ import importlib
 from typing import Any
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.layout import round_up
 from nn_data.extension import process_groups
-
-
-def _round_up_to_multiple(value: int, multiple: int) -> int:
-    """NeMo-RL's ``_round_up_to_multiple`` (the rule is :func:`nn_data.layout.rules.round_up`).
-
-    Example: ``_round_up_to_multiple(13, 8) -> 16``; ``_round_up_to_multiple(16, 8) -> 16``."""
-    return round_up(value, multiple)
 
 
 def straggler_context(straggler_timer):

@@ -22,8 +22,7 @@ from nn_data.layout import layout_from_lengths
 from nn_data.extension import checks, layout_checks, layout_from_read_lengths, pack_shard
 from nn_data.nemo_rl.assertions import PackingAssertionError, spelled
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
-from nn_data.nemo_rl.buckets import bucket_total
-from nn_data.nemo_rl.megatron_data.options import DropInSpec, PackOptions
+from nn_data.nemo_rl.megatron_data.options import DropInSpec, PackOptions, bucket_total
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
 #: Why this door never packs a shared-prefix microbatch (it has no group ids to share a prompt by).

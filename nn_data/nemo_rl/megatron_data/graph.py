@@ -53,16 +53,25 @@ def reset_compiled() -> None:
 def run_graph(input_ids, lengths, extras: dict, *, spec: PackSpec, total: int, cp_rank: int,
               options: PackOptions) -> tuple[dict, dict]:
     """``(full, local)`` of the compiled graph for the batch padded to the row capacity."""
+    ids, lengths, num_rows = row_padded(input_ids, lengths, options)
+    padded = {k: _row_pad(v, ids.shape[0]) for k, v in extras.items() if v is not None}
+    fn = compiled_pack_shard(spec, total, cp_rank, options)
+    limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit):
+        out = fn(ids, lengths, num_rows, **padded)
+    return as_dicts(out)
+
+
+def row_padded(input_ids, lengths, options: PackOptions) -> tuple:
+    """``(ids [R, S], lengths [R], num_rows)`` for a compiled graph: empty rows up to ``options.row_capacity``
+    (else the next power of two >= B), ``S`` symbolic, ``num_rows`` the real row count on the device.
+
+    Example: 3 rows, no ``row_capacity`` -> R 4; ``row_capacity=2`` -> :class:`PackingError`."""
     rows = input_ids.shape[0]
     capacity = options.row_capacity or (1 << max(0, (rows - 1).bit_length()))
     checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
     num_rows = torch.full((), rows, dtype=torch.int64, device=input_ids.device)  # on the device: no H2D copy
-    padded = {k: _row_pad(v, capacity) for k, v in extras.items() if v is not None}
-    fn = compiled_pack_shard(spec, total, cp_rank, options)
-    limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit):
-        out = fn(_row_pad(input_ids, capacity), pad_rows(lengths, capacity), num_rows, **padded)
-    return as_dicts(out)
+    return _row_pad(input_ids, capacity), pad_rows(lengths, capacity), num_rows
 
 
 def as_dicts(out) -> tuple[dict, dict]:

@@ -1,4 +1,4 @@
-"""The drop-in's configuration: nn_data's options (``cfg["nn_data"]``) and one call's pack spec.
+"""The drop-in's configuration: nn_data's options (``cfg["nn_data"]``), their ``T`` buckets and one call's pack spec.
 
 NeMo-RL's positional arguments reach nn_data once, in :func:`nemo_rl_spec`, which keeps the caller's spelling of
 the fixed packed length (``pad_packed_seq_to`` or ``pad_full_seq_to``) for the messages; inside it is ``fixed_total``."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from nn_data.layout import PackSpec
@@ -178,6 +179,26 @@ class PackOptions:
         refuse_unknown_keys(section, [*(f.name for f in dataclasses.fields(cls)), "device"], "cfg['nn_data']")
         section.pop("device", None)
         return cls(**section)
+
+
+def bucket_total(total: int, buckets, p: int, cp_size: int) -> int:
+    """The smallest bucket that holds ``total`` (:attr:`PackOptions.buckets`; host ints).
+
+    ``buckets`` is a sorted tuple of ints or ``"pow2"`` (``unit * 2**k`` with ``unit = lcm(p, 2C)``).
+    Example: total 40, buckets ``(64, 128)`` -> 64; ``"pow2"`` with p 8, C 1 -> 8 * 2**3 = 64.
+    """
+    unit = math.lcm(p, 2 * cp_size) if cp_size > 1 else p
+    if buckets == "pow2":
+        return unit * (1 << max(0, math.ceil(math.log2(max(total, 1) / unit))))
+    bad = [b for b in buckets if b % unit]
+    if bad:
+        raise PackingAssertionError(f"bucket {bad[0]} is not a multiple of {unit} (lcm of "
+                                    f"pad_packed_seq_to_multiple_of={p} and 2*cp_size); every bucket must be one")
+    for b in buckets:
+        if b >= total:
+            return b
+    raise PackingAssertionError(f"the packed total {total} exceeds the largest bucket {buckets[-1]}; "
+                                f"add a bucket of at least {total}")
 
 
 def refuse_unknown_keys(given: Mapping, valid: Sequence[str], where: str) -> None:

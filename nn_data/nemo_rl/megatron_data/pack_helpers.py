@@ -13,11 +13,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.layout import Boundaries, layout_from_boundaries, round_up
 from nn_data.planning import Parallelism
 from nn_data.extension import checks, megatron, unpack_sequences
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.nemo_rl.megatron_data.common import _round_up_to_multiple
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
 from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
 
@@ -136,7 +135,7 @@ def _get_pack_sequence_parameters_for_megatron(
     pad_packed_seq_to_multiple_of = parallelism.packed_multiple
     pad_packed_seq_to = None
     if parallelism.pp > 1:
-        pad_packed_seq_to = _round_up_to_multiple(max_seq_len_in_batch, pad_packed_seq_to_multiple_of)
+        pad_packed_seq_to = round_up(max_seq_len_in_batch, pad_packed_seq_to_multiple_of)
     return pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to
 
 
