@@ -1,17 +1,12 @@
 """NeMo-RL's AutoModel (DTensor) data path, ``nemo_rl.models.automodel.data``, on nn_data's layout plan: switch by
-changing one import.
+changing one import (docs/nemo-rl.md, "The AutoModel data path", with every difference and its reason).
 
     # from nemo_rl.models.automodel.data import get_microbatch_iterator, process_global_batch
     from nn_data.nemo_rl.automodel_data import get_microbatch_iterator, process_global_batch
 
 Shape legend
     B   sequences of a microbatch; S their padded row length
-    T   the packed row length (sequence packing)
-
-Same names, signatures, defaults and results as NeMo-RL (HEAD ``7ea279a``); ``pack_sequences`` and
-``get_flash_attention_kwargs`` are called through this module's names, so a patch of them reaches the call. With
-sequence packing every microbatch packs to one fixed length (:func:`fixed_total`) and nothing is read on the host.
-Every difference, with its reason: docs/nemo-rl.md, "The AutoModel data path"."""
+    T   the packed row length (sequence packing: one fixed length, :func:`fixed_total`; no host read)"""
 
 from __future__ import annotations
 
@@ -258,12 +253,8 @@ def _student_aligned(mb: Any) -> list:
     return ([mb["token_mask"]] if "token_mask" in mb else []) + [mb[k] for k in fields]
 
 
-def process_global_batch(data: Any, loss_fn: Any, dp_group: Optional["torch.distributed.ProcessGroup"], *,
-                         batch_idx: int, batch_size: int) -> dict[str, Any]:
-    """Global batch ``batch_idx`` and its loss normalisers summed over ``dp_group``: the same function as
-    the megatron path's (:func:`nn_data.nemo_rl.megatron_data.process_global_batch`, NeMo-RL's two are
-    identical too)."""
-    return megatron_data.process_global_batch(data, loss_fn, dp_group, batch_idx=batch_idx, batch_size=batch_size)
+#: The megatron path's function itself (NeMo-RL's two are identical too).
+process_global_batch = megatron_data.process_global_batch
 
 
 def check_sequence_dim(data: Any, *, skip_keys: Optional[Iterable[str]] = None) -> Tuple[int, int]:

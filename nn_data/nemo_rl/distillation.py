@@ -1,14 +1,11 @@
 """NeMo-RL's distillation and entropy functions of ``nemo_rl.distributed.model_utils`` on nn_data's one-pass head
-(:mod:`nn_data.logprobs.outputs`), re-exported by :mod:`nn_data.nemo_rl.model_utils`.
+(:mod:`nn_data.logprobs.outputs`), re-exported by :mod:`nn_data.nemo_rl.model_utils`: docs/logprobs.md, "NeMo-RL's
+entropy, distillation and vocabulary-parallel helpers".
 
 Shape legend
     B   rows; S positions of a row on this rank (``S_cp``: this rank's zigzag shard under CP), S_full all of them
     Vt  this tensor-parallel rank's vocabulary slice (``V/TP``), starting at ``vocab_start_index``
-    K   token ids per position (a teacher's top-k)
-
-NeMo-RL's names, signatures and values (HEAD 7ea279a), its conventions kept: the entropy functions return
-``sum_v p_v log p_v`` (the negative entropy) and ``chunk_size`` counts positions of a row. ``pg_collection=``
-stands for the groups not given; the differences are in docs/nemo-rl.md, "Differences from NeMo-RL"."""
+    K   token ids per position (a teacher's top-k)"""
 
 from __future__ import annotations
 

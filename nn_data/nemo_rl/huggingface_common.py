@@ -1,5 +1,5 @@
-"""NeMo-RL's ``nemo_rl.models.huggingface.common`` packing helpers (the three its AutoModel data path calls) on
-nn_data's layouts: switch by changing one import.
+"""NeMo-RL's ``nemo_rl.models.huggingface.common`` packing helpers on nn_data's layouts: switch by changing one import
+(docs/nemo-rl.md, "The AutoModel data path").
 
     # from nemo_rl.models.huggingface.common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
     from nn_data.nemo_rl.huggingface_common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
@@ -7,14 +7,9 @@ nn_data's layouts: switch by changing one import.
 Shape legend
     B   sequences; R packed rows (``len(packed_sequence_size)``)
     S   padded row length of the input batch
-    T   packed row length: ``pad_full_seq_to`` when given, else NeMo-RL's ``max(longest row total, min_seq_len)``
-    W   unpacked row length: ``max_seqlen`` when given, else the longest length
-    *   trailing dims of an unpacked tensor (``V`` for logits)
-
-Same names, signatures, defaults and results as NeMo-RL (HEAD ``7ea279a``); each row is one layout
-(:mod:`nn_data.layout`, ``m = p = 1``). The keyword-only ``pad_full_seq_to=`` and ``max_seqlen=`` give the sizes
-as Python ints so nothing is read; without them each helper reads the lengths once, as NeMo-RL. Differences:
-docs/nemo-rl.md, "The AutoModel data path"."""
+    T   packed row length: ``pad_full_seq_to`` when given (no host read), else NeMo-RL's ``max(longest row, min_seq_len)``
+    W   unpacked row length: ``max_seqlen`` when given (no host read), else the longest length
+    *   trailing dims of an unpacked tensor (``V`` for logits)"""
 
 from __future__ import annotations
 

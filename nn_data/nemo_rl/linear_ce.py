@@ -1,5 +1,5 @@
-"""NeMo-RL's log-probs from hidden states (``nemo_rl.distributed.model_utils``' linear-CE fusion) on nn_data's fused
-head, with context parallelism: one import switches.
+"""NeMo-RL's log-probs from hidden states (its linear-CE fusion) on nn_data's fused head, with context parallelism:
+docs/logprobs.md, "NeMo-RL's linear-CE fusion, with context parallelism".
 
     # from nemo_rl.distributed.model_utils import from_parallel_hidden_states_to_logprobs
     from nn_data.nemo_rl.model_utils import from_parallel_hidden_states_to_logprobs
@@ -8,11 +8,8 @@ Shape legend
     B   rows (sequences); ``cu_seqlens_padded`` has B+1 entries
     S   row length (unpacked rows: ``target.shape[1]``; packed: ``unpacked_seqlen``)
     T   packed tokens; C context-parallel size; TP tensor-parallel size
-    H   hidden size; ``Vt = V / TP`` rows of the output weight on a TP rank
-
-Hidden states are sequence-first (``[S/C, B, H]``, ``[T/C, 1, H]`` packed; with sequence parallelism this TP rank's
-``1/TP``, read from the shapes). Values and gradients are those of the unfused functions on ``hidden @ weight.T``
-(docs/design.md, "NeMo-RL's log-prob conventions"; docs/nemo-rl.md, "The linear-CE fusion under context parallelism")."""
+    H   hidden size (sequence-first states: ``[S/C, B, H]``, packed ``[T/C, 1, H]``, ``/TP`` more with SP)
+    Vt  ``V / TP`` rows of the output weight on a TP rank"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""NeMo-RL's log-prob functions of ``nemo_rl.distributed.model_utils`` on nn_data's path: one import switches.
+"""NeMo-RL's log-prob functions of ``nemo_rl.distributed.model_utils`` on nn_data's path: one import switches
+(docs/logprobs.md, "NeMo-RL's log-prob functions"; its conventions: docs/design.md, "NeMo-RL's log-prob conventions").
 
     # from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences
     from nn_data.nemo_rl.model_utils import from_parallel_logits_to_logprobs_packed_sequences
@@ -8,11 +9,7 @@ Shape legend
     S   unpacked row length (``unpacked_seqlen``; ``target.shape[1]`` for unpacked rows)
     T   packed tokens; C context-parallel size; N = T/C positions on a rank
     V   vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank
-    n   a sequence's padded segment, ``cu_seqlens_padded[b+1] - cu_seqlens_padded[b]``
-
-Names, signatures, defaults and values are NeMo-RL's (HEAD 7ea279a), its conventions included (docs/design.md,
-"NeMo-RL's log-prob conventions"); nn_data computes a rank's own positions in chunks, gathers ``[1, T/C]`` values
-once over ``cp_group`` and syncs only to validate. Differences: docs/nemo-rl.md, "Differences from NeMo-RL"."""
+    n   a sequence's padded segment, ``cu_seqlens_padded[b+1] - cu_seqlens_padded[b]``"""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
-"""NeMo-RL's vocabulary-parallel and context-parallel helpers of ``nemo_rl.distributed.model_utils`` (the draft and
-cross-tokenizer losses' tools), re-exported by :mod:`nn_data.nemo_rl.model_utils`.
+"""NeMo-RL's vocabulary-parallel and context-parallel helpers of ``nemo_rl.distributed.model_utils``, re-exported by
+:mod:`nn_data.nemo_rl.model_utils`: docs/logprobs.md, "NeMo-RL's entropy, distillation and vocabulary-parallel
+helpers".
 
 Shape legend
     B   rows; T positions of a row on this rank
     V   vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank (rank ``r`` holds ``[r*Vt, (r+1)*Vt)``)
     K   vocabulary columns asked for
-    C   context-parallel size
-
-NeMo-RL's names, signatures and values (HEAD 7ea279a); float64 stays float64, ``None`` groups mean "not split" and
-``pg_collection=`` stands for them, a bad argument is a :class:`~nn_data.errors.PackingError` (a ``ValueError``)."""
+    C   context-parallel size"""
 
 from __future__ import annotations
 
