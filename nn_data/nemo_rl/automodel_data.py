@@ -130,9 +130,8 @@ def make_processed_microbatch_iterator(raw_iterator: Iterator[Any], tokenizer: A
 
 def get_microbatch_iterator(data: Any, cfg: dict[str, Any], mbs: int, dp_mesh: Any, tokenizer: Any,
                             cp_size: int = 1) -> tuple[Iterator[ProcessedMicrobatch], int]:
-    """``(processed microbatch iterator, this rank's microbatch count)``: dynamic batching, sequence
-    packing (padded with repeated microbatches up to the largest count over the data-parallel ranks:
-    one all-reduce, one read of its result per global batch) or ``mbs`` rows at a time."""
+    """``(processed microbatch iterator, this rank's microbatch count)``: dynamic batching, sequence packing (padded with
+    repeated microbatches to the largest count over the DP ranks: one all-reduce) or ``mbs`` rows at a time."""
     enable_seq_packing = (cfg.get("sequence_packing") or {}).get("enabled", False)
     mb_iterator, iterator_len, longest = raw_microbatches(data, cfg, mbs, enable_seq_packing)
     dummy: Iterator[Any] = iter([])
@@ -258,9 +257,8 @@ process_global_batch = megatron_data.process_global_batch
 
 
 def check_sequence_dim(data: Any, *, skip_keys: Optional[Iterable[str]] = None) -> Tuple[int, int]:
-    """``(1, S)``: dim 1 is the sequence dim of every tensor of ``data`` with more than one dim (keys in
-    ``skip_keys`` excepted). Raises :class:`PackingError` (an ``AssertionError``) naming the first
-    tensor whose dim 1 is not ``S = data["input_ids"].shape[1]``."""
+    """``(1, S)``: dim 1 is the sequence dim of every tensor of ``data`` with 2+ dims (``skip_keys`` excepted); else
+    :class:`PackingError` (an ``AssertionError``) naming the first tensor whose dim 1 is not ``data["input_ids"].shape[1]``."""
     skip = set(skip_keys) if skip_keys is not None else set()
     sequence_dim = 1
     seq_dim_size = data.get("input_ids").shape[sequence_dim]

@@ -76,9 +76,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         return out
 
     def get_batch(self, batch_idx: int, batch_size: Optional[int] = None) -> "SlicedDataDict":
-        """Global batch ``batch_idx``: rows ``[batch_idx * batch_size, (batch_idx + 1) * batch_size)``,
-        or, once a plan recorded ``elem_counts_per_gb``, the rows of that chunk. The chunk's plan
-        entry comes along."""
+        """Global batch ``batch_idx``: ``batch_size`` rows, or once a plan recorded ``elem_counts_per_gb`` that chunk's rows,
+        its plan entry with it."""
         if self.elem_counts_per_gb is not None:
             counts = self.elem_counts_per_gb
             start = int(sum(counts[:batch_idx]))
@@ -117,9 +116,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def shard_by_batch_size(self, shards: int, batch_size: Optional[int] = None, allow_uneven_shards: bool = False,
                             dynamic_batching_args: Optional[dict] = None, sequence_packing_args: Optional[dict] = None):
-        """Shard over ``shards`` data-parallel ranks, chunk by chunk of ``batch_size`` rows; with
-        dynamic-batching or sequence-packing args also plan each shard's microbatches and return
-        ``(shards, sorted_indices)`` (see :func:`nn_data.nemo_rl.batched_data_sharding.shard_by_batch_size`)."""
+        """:func:`nn_data.nemo_rl.batched_data_sharding.shard_by_batch_size` of this dict, each shard a :class:`SlicedDataDict`."""
         return sharding.shard_by_batch_size(self.data, SlicedDataDict, shards, batch_size, allow_uneven_shards,
                                             dynamic_batching_args, sequence_packing_args)
 
@@ -251,8 +248,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 def _greedy_groups(needs: np.ndarray, budget: int, rows: list) -> tuple[list, list]:
     """Consecutive groups with ``len(group) * max(needs in group) <= budget`` (needs ascending).
 
-    Example: needs ``[4, 4, 4, 8, 8, 12]``, budget 16 -> ``[[0, 3], [3, 5], [5, 6]]``, lengths ``[4, 8, 12]``.
-    """
+    Example: needs ``[4, 4, 4, 8, 8, 12]``, budget 16 -> ``[[0, 3], [3, 5], [5, 6]]``, lengths ``[4, 8, 12]``."""
     groups, lengths, start, longest = [], [], 0, 0
     for pos, need in enumerate(needs.tolist()):  # sync: none, numpy
         if need > budget:

@@ -95,8 +95,7 @@ def _stack(key: str, values: list, pad_value):
 def chunk_rows(data, out, rank: int, chunks: int):
     """Fill ``out`` with split ``rank`` of ``chunks`` equal splits (copies), as NeMo-RL's ``chunk``.
 
-    Example: rows ``[A A A B B B D D E]``, rank 2, chunks 3 -> ``[D D E]``.
-    """
+    Example: rows ``[A A A B B B D D E]``, rank 2, chunks 3 -> ``[D D E]``."""
     total = batch_rows(data, "batch sizes are not the same across the rollout batch")
     if chunks < 1 or total % chunks:
         raise PackingAssertionError(f"batch size ({total}) is not a multiple of chunks ({chunks})")
@@ -184,9 +183,9 @@ def _host_lengths(data, key: str) -> list:
 
 
 def _length_sorted_order(data, shards: int, batch_size: int, lengths_key: str) -> list:
-    """Each chunk sorted by length (stable), then strided over the shards: shard ``i`` gets
-    sorted positions ``i, i + shards, ...``. Example: lengths ``[5, 1, 3, 2]``, 2 shards ->
-    sorted ``[1, 3, 2, 0]`` -> ``[1, 2] + [3, 0]``."""
+    """Each chunk sorted by length (stable), then strided over the shards.
+
+    Example: lengths ``[5, 1, 3, 2]``, 2 shards -> sorted ``[1, 3, 2, 0]`` -> ``[1, 2] + [3, 0]``."""
     lengths = _host_lengths(data, lengths_key)
     order = []
     for start in range(0, len(lengths), batch_size):

@@ -57,10 +57,8 @@ class ChunkedDistributedEntropy:
 
 
 class ChunkedDistributedGatherLogprob:
-    """``apply(vocab_parallel_logits [B, S, Vt], global_indices [B, S, K], vocab_start_index, vocab_end_index,
-    chunk_size, tp_group, inference_only=False) -> [B, S, K]``: the log-probs (over the whole vocabulary) at
-    the given global ids, differentiable w.r.t. the logits; an id outside ``[0, V)`` gets 0 and the gradient
-    ``-softmax`` (NeMo-RL's)."""
+    """``apply(vocab_parallel_logits [B, S, Vt], global_indices [B, S, K], vocab_start_index, vocab_end_index, chunk_size,
+    tp_group, inference_only=False) -> [B, S, K]``: the log-probs at global ids (NeMo-RL's rule outside ``[0, V)``)."""
 
     @staticmethod
     def apply(vocab_parallel_logits, global_indices, vocab_start_index, vocab_end_index, chunk_size, tp_group,

@@ -108,9 +108,8 @@ def from_parallel_hidden_states_to_logprobs_packed_sequences(
 def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: int, vocab_start_index: int,
                            vocab_end_index: int, cp: process_groups.ParallelInfo, tp: process_groups.ParallelInfo, *, chunk_size, sampling_params,
                            pre_rolled: bool, validate: bool, op: str):
-    """``(packed [1, T], layout)`` on every rank from the hidden states: the checks of the hidden states and
-    the weight, then :func:`~nn_data.nemo_rl.logprob_steps.packed_logprobs` (position ``t``, offset ``s`` in its
-    padded segment ``n``, holds the log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``)."""
+    """``(packed [1, T], layout)`` from the hidden states: their and the weight's checks, then
+    :func:`~nn_data.nemo_rl.logprob_steps.packed_logprobs`."""
     checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, PACKED_SHAPE)
     if 1 not in hidden.shape[:2]:
         raise PackingAssertionError(f"{HIDDEN} must be {PACKED_SHAPE}, got shape {tuple(hidden.shape)}")

@@ -253,9 +253,8 @@ def get_next_token_logprobs_from_logits(
 
 
 class DistributedLogprob:
-    """``apply(vocab_parallel_logits [*, Vt], target [*], vocab_start_index, vocab_end_index, group,
-    inference_only=False) -> [*]``: ``log softmax(logits)[target]`` over the TP-split vocabulary; for a
-    target outside ``[0, V)`` the value 0 and the gradient ``-softmax`` (NeMo-RL's)."""
+    """``apply(vocab_parallel_logits [*, Vt], target [*], vocab_start_index, vocab_end_index, group, inference_only=False)
+    -> [*]``: ``log softmax(logits)[target]`` over the TP-split vocabulary (NeMo-RL's rule outside ``[0, V)``)."""
 
     @staticmethod
     def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group, inference_only=False, *,
@@ -265,9 +264,8 @@ class DistributedLogprob:
 
 
 class ChunkedDistributedLogprob:
-    """``apply(vocab_parallel_logits [B, S, Vt], target [B, S], vocab_start_index, vocab_end_index,
-    chunk_size, tp_group, inference_only=False) -> [B, S]``: as :class:`DistributedLogprob`, ``chunk_size``
-    positions per row at a time."""
+    """``apply(vocab_parallel_logits [B, S, Vt], target [B, S], vocab_start_index, vocab_end_index, chunk_size, tp_group,
+    inference_only=False) -> [B, S]``: :class:`DistributedLogprob`, ``chunk_size`` positions per row at a time."""
 
     @staticmethod
     def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, chunk_size, tp_group,

@@ -28,9 +28,8 @@ def _local(logits):
 
 def _compute_distributed_log_softmax_with_grad(vocab_parallel_logits: torch.Tensor, group, *,
                                                pg_collection=None) -> torch.Tensor:
-    """The log-softmax over the TP-split vocabulary, this rank's columns ``[*, Vt]``, differentiable: the
-    per-rank log-sum-exps cross the group in one all-gather whose backward sums the ranks' gradients
-    (NeMo-RL's differentiable all-reduce), so a loss summed over the ranks' shards gets its exact gradient."""
+    """The log-softmax over the TP-split vocabulary, this rank's columns ``[*, Vt]``; the log-sum-exp all-gather's
+    backward sums the ranks' gradients (NeMo-RL's differentiable all-reduce)."""
     tp = _tp(group, pg_collection)
     lse = torch.logsumexp(vocab_parallel_logits, dim=-1)  # [*]
     if tp.size > 1:
@@ -58,9 +57,9 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def group_all_reduce_sum_with_grad(x: torch.Tensor, group, *, pg_collection=None, field: str = "tp") -> torch.Tensor:
-    """``x`` summed over ``group`` (a new tensor), the gradient passed through unchanged (NeMo-RL's). ``group``
-    None: ``pg_collection.<field>`` (``"tp"`` or ``"cp"``) when a collection is given, else ``x`` itself (as
-    for a group of one rank). Example (2 ranks): ``[1.]``, ``[2.]`` -> ``[3.]`` on both."""
+    """``x`` summed over ``group`` (else ``pg_collection.<field>``; neither: ``x``), the gradient passed through unchanged.
+
+    Example (2 ranks): ``[1.]``, ``[2.]`` -> ``[3.]`` on both."""
     info = process_groups.given_group_info(group, pg_collection=pg_collection, field=field)
     if info.size <= 1:
         return x
@@ -144,10 +143,10 @@ def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: 
 
 
 def cp_shift_next(x: torch.Tensor, cp_group=None, *, fill: float, pg_collection=None) -> torch.Tensor:
-    """``out[:, t] = x[:, t + 1]`` along dim 1 of the *whole* sequence under contiguous CP sharding: each
-    rank's last position takes the next rank's first (one all-gather of ``x[:, 0]``), the sequence's last is
-    ``fill``. Differentiable in ``x`` (the rank's own positions; the neighbour's value is a constant, as
-    NeMo-RL's). Example (C 1): ``[[1, 2, 3]]``, fill 0 -> ``[[2, 3, 0]]``."""
+    """``out[:, t] = x[:, t + 1]`` along dim 1 of the whole sequence under contiguous CP sharding (one all-gather of
+    ``x[:, 0]``), the sequence's last ``fill``; the neighbour's value is a constant, as NeMo-RL's.
+
+    Example (C 1): ``[[1, 2, 3]]``, fill 0 -> ``[[2, 3, 0]]``."""
     cp = process_groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp")
     last = torch.full_like(x[:, :1], fill)  # [B, 1, *]
     if cp.size > 1:

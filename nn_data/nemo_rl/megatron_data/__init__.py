@@ -22,6 +22,7 @@ from nn_data.nemo_rl.megatron_data.iterators import (
 from nn_data.nemo_rl.megatron_data.microbatch import (
     ProcessedInputs,
     ProcessedMicrobatch,
+    _prepare_vlm_batch_for_megatron,
     get_ltor_masks_and_position_ids,
     process_microbatch,
 )
@@ -38,7 +39,6 @@ from nn_data.nemo_rl.megatron_data.r3 import (
     _shard_routed_experts_for_cp,
     _verify_r3_trace_cp_token_alignment,
 )
-from nn_data.nemo_rl.megatron_data.vlm import _prepare_vlm_batch_for_megatron
 from nn_data.nemo_rl.assertions import translate_errors
 
 __all__ = [

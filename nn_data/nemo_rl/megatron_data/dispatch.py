@@ -32,9 +32,8 @@ END_TO_END = ("this call packs rollouts end to end, so with PackOptions.shared_p
 
 
 class PackedMicrobatch(NamedTuple):
-    """One packed microbatch: its ``layout`` (built on the host, the one read) and, by name
-    (``input_ids`` and each extra that was given), every tensor packed, ``full [1, T, *]``, and this
-    rank's share, ``local [1, T/C, *]`` (the same tensors as ``full`` when ``C = 1``)."""
+    """One packed microbatch: its host ``layout`` and, by name, every tensor packed, ``full [1, T, *]`` and this rank's
+    ``local [1, T/C, *]`` (the same tensors when ``C = 1``)."""
 
     layout: PackLayout
     full: dict
@@ -42,9 +41,8 @@ class PackedMicrobatch(NamedTuple):
 
 
 def as_lengths(seq_lengths, rows: int, device, like: str = "input_ids") -> torch.Tensor:
-    """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on
-    ``device`` (no sync). Non-integers (``[1.5, 2, 3]``, a float tensor) raise :class:`PackingError`,
-    so do lengths on a device they cannot be copied from (:func:`on_device`)."""
+    """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on ``device`` (no sync);
+    non-integers and lengths on ``meta`` raise :class:`PackingError`."""
     seq_lengths = checks.as_int_vector("seq_lengths", seq_lengths, rows)
     return on_device("seq_lengths", seq_lengths, like, device).to(dtype=torch.int64)
 

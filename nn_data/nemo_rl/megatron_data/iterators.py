@@ -1,4 +1,4 @@
-"""Global batch -> processed microbatch iterators, and the global batch's loss normalisers.
+"""Global batch -> processed microbatch iterators (a dynamic-CP plan's too), and the global batch's loss normalisers.
 
 The iterators move each microbatch to the caller's device (``device=``, else ``cfg["nn_data"]["device"]``, else
 ``"cuda"`` when available, else CPU); the functions call each other through the names ``nn_data.nemo_rl.megatron_data``
@@ -13,7 +13,7 @@ import torch
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.planning import Parallelism
-from nn_data.extension import process_groups
+from nn_data.extension import megatron, process_groups
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
@@ -74,9 +74,8 @@ def make_processed_microbatch_iterator(
 
 
 def check_configured_cp(cfg: dict[str, Any], pg_collection=None) -> None:
-    """``cfg["megatron_cfg"]["context_parallel_size"]`` (when the config has it) must be the CP size the
-    layer shards for: ``pg_collection.cp``'s, else megatron-core's ``parallel_state``'s (1 when it is not
-    initialised). A configuration of CP 2 with neither would run every rank unsharded as CP rank 0 of 1."""
+    """``cfg["megatron_cfg"]["context_parallel_size"]`` (when set) must be the CP size the layer shards for
+    (``pg_collection.cp``'s, else ``parallel_state``'s, 1 uninitialised): else every rank would run unsharded."""
     configured = ((cfg or {}).get("megatron_cfg") or {}).get("context_parallel_size")
     if configured is None:
         return
@@ -131,11 +130,9 @@ def get_microbatch_iterator(
         device: where each microbatch goes (:func:`resolve_device`).
         pg_collection: megatron-core's ``ProcessGroupCollection`` (the CP rank and size).
         dynamic_cp: ``(runner, plan)``: one microbatch per round of a dynamic-CP plan
-            (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp_iterator`)."""
+            (:func:`dynamic_cp_microbatch_iterator`)."""
     if dynamic_cp is not None:
         refuse_with_dynamic_cp(cfg)
-        from nn_data.nemo_rl.megatron_data.dynamic_cp_iterator import dynamic_cp_microbatch_iterator
-
         return dynamic_cp_microbatch_iterator(data, cfg, *dynamic_cp, device=resolve_device(device, cfg))
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
     _, seq_dim_size = public("get_and_validate_seqlen")(data)
@@ -250,3 +247,43 @@ def _is_token_level(loss_fn) -> bool:
     name, value = getattr(loss_type, "name", None), getattr(loss_type, "value", loss_type)
     return name == "TOKEN_LEVEL" or str(value).lower() in ("token_level", "losstype.token_level")
 
+
+def dynamic_cp_microbatch_iterator(data, cfg: dict, runner, plan, *, device) -> Tuple[Iterator[ProcessedMicrobatch],
+                                                                                      int, int, int, int]:
+    """``(iterator, rounds, 1, S, padded_seq_length)`` as :func:`get_microbatch_iterator` returns them: one
+    :class:`ProcessedMicrobatch` per round of a dynamic-CP plan, on ``device``, no host read (docs/dynamic-cp.md, "The
+    NeMo-RL layer"); ``padded_seq_length`` is ``tokens_per_rank`` times the static CP size of ``cfg["megatron_cfg"]``.
+
+    Raises :class:`PackingError` when the runner does not build ``PackedSeqParams`` or ``data`` does not hold the plan's
+    sequences."""
+    if not runner.make_packed_seq_params:
+        raise PackingAssertionError("a dynamic-CP microbatch needs PackedSeqParams: build the runner with "
+                                    "DynamicCPRunner(..., megatron.make_packed_seq_params=True)")
+    if data.size != len(plan.lengths):
+        raise PackingAssertionError(f"data holds {data.size} sequences but the plan was made for {len(plan.lengths)}; plan "
+                                    "the global batch's lengths (data['input_lengths'])")
+    target = device
+    input_ids = data["input_ids"].to(target)
+    step = runner.step(plan, input_ids)
+    static_cp = int(((cfg or {}).get("megatron_cfg") or {}).get("context_parallel_size", 1))
+    return _rounds(step, data, target), len(step), 1, input_ids.shape[1], plan.tokens_per_rank * static_cp
+
+
+def _rounds(step, data, target) -> Iterator[ProcessedMicrobatch]:
+    for k in range(len(step)):
+        inputs = step.round(k)
+        rows = data.select_indices(list(inputs.block.sequences)).to(target)
+        cu_pad = rows_boundaries(inputs.packed.cu_seqlens_padded, len(inputs.block.sequences))
+        total = inputs.block.size * step.plan.tokens_per_rank  # T = c * tpr
+        params = megatron.make_packed_seq_params(cu_pad, total, step.plan.tokens_per_rank, total=total, cp_group=inputs.cp_group,
+                                        local_cp_size=inputs.block.size)
+        yield ProcessedMicrobatch(data_dict=rows, input_ids=inputs.packed_ids, input_ids_cp_sharded=inputs.input_ids,
+                                  attention_mask=None, position_ids=inputs.position_ids, packed_seq_params=params,
+                                  cu_seqlens_padded=cu_pad, padding_mask=inputs.packed.padding_mask)
+
+
+def rows_boundaries(cu_seqlens_padded: torch.Tensor, rows: int) -> torch.Tensor:
+    """NeMo-RL's ``[rows + 1]`` boundaries of a block's ``[Bc + 1]`` (a view); ``[T]`` for an empty block.
+
+    Example: ``[0, 5, 16, 16, 16]``, 2 rows -> ``[0, 5, 16]``; 0 rows -> ``[16]``."""
+    return cu_seqlens_padded[:rows + 1] if rows else cu_seqlens_padded[-1:]

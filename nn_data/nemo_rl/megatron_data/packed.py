@@ -109,9 +109,8 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, 
 
 
 def _extras(data_dict, input_ids, seq_lengths, routed) -> dict:
-    """The companions that ride the ids' layout (None where the batch has none): the MTP mask, routed
-    experts with their R3 identities when the verifier runs, the media-token mask (packed in the ids'
-    dtype: padding 0 is no bool)."""
+    """The companions that ride the ids' layout (None where absent): the MTP mask, routed experts with their R3
+    identities when the verifier runs, the media-token mask (in the ids' dtype)."""
     identity = None
     if routed is not None and r3_verify_forward_enabled():
         identity = public("_make_r3_trace_token_identity")(input_ids, seq_lengths)

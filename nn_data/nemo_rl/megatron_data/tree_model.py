@@ -171,8 +171,7 @@ def from_parallel_hidden_states_to_logprobs_shared_prefix(
     pg_collection=None,
 ) -> torch.Tensor:
     """:func:`from_parallel_logits_to_logprobs_shared_prefix` from hidden states ``[T/C, 1, H]`` and the output weight
-    ``[V/TP, H]``: the same values and gradients without ``[T, V]`` logits
-    (:class:`nn_data.logprobs.TreeLogProbsFromHidden`). Raises as the logits function."""
+    ``[V/TP, H]`` without ``[T, V]`` logits (:class:`nn_data.logprobs.TreeLogProbsFromHidden`); raises as it."""
     from nn_data.logprobs import TreeLogProbsFromHidden
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
