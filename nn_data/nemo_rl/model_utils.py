@@ -24,8 +24,8 @@ from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs
     ChunkedDistributedHiddenStatesToLogprobs,
     from_parallel_hidden_states_to_logprobs,
     from_parallel_hidden_states_to_logprobs_packed_sequences,
+    patch_gpt_model_forward_for_linear_ce_fusion,
 )
-from nn_data.nemo_rl.linear_ce_patch import patch_gpt_model_forward_for_linear_ce_fusion
 from nn_data.nemo_rl.logprob_steps import (
     DEFAULT_CHUNK_TOKENS, chunk_and_filter, gather_cp, grad_mode, groups, in_vocab, nemo_rl_rows,
     out_of_vocab_as_nemo_rl, packed_logprobs, row_layout,
