@@ -27,18 +27,10 @@ import torch
 
 from nn_data.logprobs import head_outputs_local
 from nn_data.extension import (
-    checks as _checks, collectives, combine_topk, local_ids, process_groups,
+    checks as _checks, collectives, combine_topk, local_ids,
 )
-from nn_data.nemo_rl.logprob_steps import DEFAULT_CHUNK_TOKENS, grad_mode, in_vocab, out_of_vocab_as_nemo_rl
-from nn_data.nemo_rl.vocab_parallel import _get_tokens_on_this_cp_rank, allgather_cp_sharded_tensor
-
-
-def _tp(group, pg_collection):
-    return process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
-
-
-def _cp(group, pg_collection):
-    return process_groups.given_group_info(group, pg_collection=pg_collection, field="cp")
+from nn_data.nemo_rl.logprob_steps import DEFAULT_CHUNK_TOKENS, grad_mode, groups, in_vocab, out_of_vocab_as_nemo_rl
+from nn_data.nemo_rl.vocab_parallel import _get_tokens_on_this_cp_rank, _tp, allgather_cp_sharded_tensor
 
 
 def _rows_chunk(logits: torch.Tensor, chunk_size) -> int:
@@ -202,7 +194,7 @@ def gather_logits_at_global_indices(vocab_parallel_logits: torch.Tensor, global_
     (NeMo-RL's ``C``-times gradient); ``chunk_size`` is accepted for NeMo-RL's signature (nothing is chunked).
 
     Example (TP 1, C 1): logits ``[[[1., 5., 3.]]]``, ids ``[[[2, 0]]]`` -> ``[[[3., 1.]]]``."""
-    tp, cp = _tp(tp_group, pg_collection), _cp(cp_group, pg_collection)
+    cp, tp = groups(cp_group, tp_group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, V // TP]", 3)
     _checks.positive_int("chunk_size", chunk_size, allow_none=True)
     rows, local_len, cols = vocab_parallel_logits.shape
@@ -263,7 +255,7 @@ def get_distillation_topk_logprobs_from_logits(student_logits: torch.Tensor, tea
     if type(student_logits).__name__ == "DTensor":
         raise _checks.PackingError("student_logits is a DTensor: nn_data.nemo_rl.model_utils covers the Megatron "
                                    "(vocab-parallel) and plain-tensor paths")
-    tp, cp = _tp(vocab_parallel_group, pg_collection), _cp(context_parallel_group, pg_collection)
+    cp, tp = groups(context_parallel_group, vocab_parallel_group, pg_collection)
     if vocab_parallel_group is not None and vocab_parallel_rank is None:
         raise _checks.PackingError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
     rank = tp.rank if vocab_parallel_rank is None else vocab_parallel_rank
