@@ -236,33 +236,13 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         order, all_indices, all_lengths, counts = [], [], [], []
         for chunk in self._chunks(batch_size):
             sub = np.argsort(lengths[chunk.start:chunk.stop], kind="stable").tolist()  # sync: none, numpy
-            groups, group_lens = _greedy_groups(rounded[chunk.start:chunk.stop][sub], max_tokens_per_microbatch,
+            groups, group_lens = sharding.greedy_groups(rounded[chunk.start:chunk.stop][sub], max_tokens_per_microbatch,
                                                 [chunk.start + i for i in sub])
             all_indices.append(groups)
             all_lengths.append(group_lens)
             order += [chunk.start + i for i in sub]
             counts.append(len(chunk))
         return self._reordered(order, all_indices, all_lengths, counts), order
-
-
-def _greedy_groups(needs: np.ndarray, budget: int, rows: list) -> tuple[list, list]:
-    """Consecutive groups with ``len(group) * max(needs in group) <= budget`` (needs ascending).
-
-    Example: needs ``[4, 4, 4, 8, 8, 12]``, budget 16 -> ``[[0, 3], [3, 5], [5, 6]]``, lengths ``[4, 8, 12]``."""
-    groups, lengths, start, longest = [], [], 0, 0
-    for pos, need in enumerate(needs.tolist()):  # sync: none, numpy
-        if need > budget:
-            raise PackingAssertionError(f"row {rows[pos]} needs {need} tokens (rounded), more than "
-                                        f"max_tokens_per_microbatch={budget}")
-        if pos > start and (pos - start + 1) * max(longest, need) > budget:
-            groups.append([start, pos])
-            lengths.append(longest)
-            start, longest = pos, 0
-        longest = max(longest, need)
-    if len(needs):
-        groups.append([start, len(needs)])
-        lengths.append(longest)
-    return groups, lengths
 
 
 class SlicedDataDict(BatchedDataDict):

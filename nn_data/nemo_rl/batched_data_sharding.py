@@ -208,21 +208,33 @@ def _plan_dynamic(out: list, data, shards: int, batch_size: int, args: dict) -> 
         if over:
             raise PackingAssertionError(f"got an input of padded ({multiple}) sequence length of {over[0]}, however max "
                                         f"microbatch size is {budget} tokens (raise max_tokens_per_microbatch)")
-        indices, lengths, longest = [[0, 0]], [0], 0
-        for j, n in enumerate(need):
-            longest = max(longest, n)
-            if (indices[-1][1] - indices[-1][0] + 1) * longest <= budget:
-                indices[-1][1] += 1
-                lengths[-1] = longest
-            else:
-                indices.append([j, j + 1])
-                longest = n
-                lengths.append(n)
+        indices, lengths = greedy_groups(np.asarray(need), budget, range(start, start + size))
         all_indices.append(indices)
         all_lengths.append(lengths)
     for shard in out:
         shard.micro_batch_indices = [[list(r) for r in c] for c in all_indices]
         shard.micro_batch_lengths = [list(c) for c in all_lengths]
+
+
+def greedy_groups(needs: np.ndarray, budget: int, rows: list) -> tuple[list, list]:
+    """Consecutive groups with ``len(group) * max(needs in group) <= budget``, greedily (both dynamic-batching
+    planners'); ``rows`` name the needs in the error.
+
+    Example: needs ``[4, 4, 4, 8, 8, 12]``, budget 16 -> ``[[0, 3], [3, 5], [5, 6]]``, lengths ``[4, 8, 12]``."""
+    groups, lengths, start, longest = [], [], 0, 0
+    for pos, need in enumerate(needs.tolist()):  # sync: none, numpy
+        if need > budget:
+            raise PackingAssertionError(f"row {rows[pos]} needs {need} tokens (rounded), more than "
+                                        f"max_tokens_per_microbatch={budget}")
+        if pos > start and (pos - start + 1) * max(longest, need) > budget:
+            groups.append([start, pos])
+            lengths.append(longest)
+            start, longest = pos, 0
+        longest = max(longest, need)
+    if len(needs):
+        groups.append([start, len(needs)])
+        lengths.append(longest)
+    return groups, lengths
 
 
 def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
