@@ -203,7 +203,7 @@ def _plan_dynamic(out: list, data, shards: int, batch_size: int, args: dict) -> 
     size = batch_size // shards
     all_indices, all_lengths = [], []
     for start in range(0, len(per_shard[0]), size):
-        need = [min(-(-max(s[start + j] for s in per_shard) // multiple) * multiple, row_len) for j in range(size)]
+        need = [min(round_up(max(s[start + j] for s in per_shard), multiple), row_len) for j in range(size)]
         over = [n for n in need if n > budget]
         if over:
             raise PackingAssertionError(f"got an input of padded ({multiple}) sequence length of {over[0]}, however max "
