@@ -15,22 +15,15 @@ from nn_data import PackingError
 
 
 class PackingAssertionError(PackingError, AssertionError):
-    """A :class:`~nn_data.errors.PackingError` that is also an ``AssertionError``, as NeMo-RL's asserts are:
-    ``except AssertionError`` written for NeMo-RL keeps working, and the message still names the argument,
-    the value and what is valid (NeMo-RL's wording first where it has one).
+    """A :class:`~nn_data.errors.PackingError` that is also an ``AssertionError``, as NeMo-RL's asserts are.
 
     Example: ``process_microbatch(data, "lens", pack_sequences=True)`` without ``data["lens"]`` raises
-    ``PackingAssertionError("lens not found in data_dict (keys: ['input_ids']) ...")``.
-    """
+    ``PackingAssertionError("lens not found in data_dict (keys: ['input_ids']) ...")``."""
 
 
 def at_the_edge(fn: Callable) -> Callable:
-    """``fn``, raising :class:`PackingAssertionError` where the core under it raises a plain
-    :class:`~nn_data.errors.PackingError` (same message, the core's error chained as its cause).
-
-    Example: ``at_the_edge(_pack_sequences_for_megatron)(ids, lengths, 3)`` with ``3`` not valid raises
-    the core's message as a ``PackingAssertionError``.
-    """
+    """``fn``, raising :class:`PackingAssertionError` where the core raises a plain :class:`~nn_data.errors.PackingError`
+    (same message, the core's error chained as its cause)."""
     if getattr(fn, "at_the_edge", False):
         return fn
 
@@ -57,13 +50,11 @@ def translate_errors(namespace: dict) -> None:
 
 @contextlib.contextmanager
 def spelled(name: str):
-    """Inside, the core's errors about the fixed packed length (``PackingError.argument`` is
-    ``"pad_full_seq_to"``, the ops' argument) name it ``name`` (NeMo-RL's ``pad_packed_seq_to``, an AutoModel
-    setting); every core error leaves as :class:`PackingAssertionError` with the core's error as its cause.
+    """Inside, the core's errors about ``pad_full_seq_to`` name it ``name`` instead, and leave as
+    :class:`PackingAssertionError`.
 
     Example: ``with spelled("pad_packed_seq_to"):`` a core ``"... exceeds pad_full_seq_to=16; ..."`` leaves as
-    ``"... exceeds pad_packed_seq_to=16; ..."``.
-    """
+    ``"... exceeds pad_packed_seq_to=16; ..."``."""
     try:
         yield
     except PackingError as error:

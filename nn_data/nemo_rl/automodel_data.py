@@ -1,30 +1,12 @@
-"""NeMo-RL's AutoModel (DTensor) data path, ``nemo_rl.models.automodel.data``, on nn_data's layout plan:
-switch by changing one import.
+"""NeMo-RL's AutoModel (DTensor) data path, ``nemo_rl.models.automodel.data``, on nn_data's layout plan: switch by
+changing one import (docs/nemo-rl.md, "The AutoModel data path", with every difference and its reason).
 
     # from nemo_rl.models.automodel.data import get_microbatch_iterator, process_global_batch
     from nn_data.nemo_rl.automodel_data import get_microbatch_iterator, process_global_batch
 
 Shape legend
     B   sequences of a microbatch; S their padded row length
-    T   the packed row length (sequence packing)
-
-Same names, signatures, defaults and results as NeMo-RL (HEAD ``7ea279a``): ``ProcessedInputs``,
-``ProcessedMicrobatch``, ``make_processed_microbatch_iterator``, ``get_microbatch_iterator``,
-``process_microbatch``, ``process_global_batch``, ``check_sequence_dim`` and
-``filter_multimodal_kwargs_for_model``. ``process_microbatch`` calls ``pack_sequences`` and
-``get_flash_attention_kwargs`` (:mod:`nn_data.nemo_rl.huggingface_common`) through this module's
-names at call time, so ``mock.patch("nn_data.nemo_rl.automodel_data.pack_sequences")`` reaches the call.
-
-With sequence packing nothing is read on the host per microbatch: every microbatch packs to one fixed
-length ``T`` (:func:`fixed_total`: ``cfg["nn_data"]["pad_full_seq_to"]``, else the token budget the
-packer planned the microbatches with, ``max(train_mb_tokens, logprob_mb_tokens)``), so the position
-ids, the ids and FlashAttention's ``max_seqlen = T`` (a bound every sequence fits) come from Python
-ints and index maps on the device; NeMo-RL reads the lengths twice per microbatch (``.tolist()``,
-``.max().item()``) and lengthens a row that holds more than ``train_mb_tokens``. With
-``cfg["nn_data"]["compile"]`` the packing is one compiled graph for the whole stream (rows padded to
-``row_capacity``). Every difference from NeMo-RL, with its reason: docs/nemo-rl.md, "The AutoModel
-data path".
-"""
+    T   the packed row length (sequence packing: one fixed length, :func:`fixed_total`; no host read)"""
 
 from __future__ import annotations
 
@@ -97,11 +79,8 @@ def _all_image_sizes_equal(imgs_sizes: torch.Tensor) -> bool:
 
 @dataclass
 class ProcessedInputs:
-    """A microbatch ready for the model's forward: ``input_ids``, ``seq_len`` and, when they apply,
-    ``attention_mask``, ``position_ids``, ``flash_attn_kwargs`` (a ``FlashAttentionKwargs`` with
-    sequence packing), ``vlm_kwargs``, and the context-parallel buffers for torch's
-    ``context_parallel()`` (``cp_buffers``, ``seq_index``); nn_data's ``shared_prefix`` last: a tree
-    microbatch's record (``cfg["nn_data"]["rollout_tree"]``: :mod:`nn_data.nemo_rl.automodel_tree`), else None."""
+    """A microbatch ready for the model's forward (NeMo-RL's fields), then nn_data's ``shared_prefix``: a tree
+    microbatch's record (:mod:`nn_data.nemo_rl.automodel_tree`), else None."""
 
     input_ids: torch.Tensor
     seq_len: int
@@ -151,9 +130,8 @@ def make_processed_microbatch_iterator(raw_iterator: Iterator[Any], tokenizer: A
 
 def get_microbatch_iterator(data: Any, cfg: dict[str, Any], mbs: int, dp_mesh: Any, tokenizer: Any,
                             cp_size: int = 1) -> tuple[Iterator[ProcessedMicrobatch], int]:
-    """``(processed microbatch iterator, this rank's microbatch count)``: dynamic batching, sequence
-    packing (padded with repeated microbatches up to the largest count over the data-parallel ranks:
-    one all-reduce, one read of its result per global batch) or ``mbs`` rows at a time."""
+    """``(processed microbatch iterator, this rank's microbatch count)``: dynamic batching, sequence packing (padded with
+    repeated microbatches to the largest count over the DP ranks: one all-reduce) or ``mbs`` rows at a time."""
     enable_seq_packing = (cfg.get("sequence_packing") or {}).get("enabled", False)
     mb_iterator, iterator_len, longest = raw_microbatches(data, cfg, mbs, enable_seq_packing)
     dummy: Iterator[Any] = iter([])
@@ -180,10 +158,8 @@ def _most_microbatches(count: int, dp_mesh: Any) -> int:
 
 
 def fixed_total(cfg: dict[str, Any], options: Optional[PackOptions] = None) -> Optional[int]:
-    """The fixed packed row length ``T`` of sequence packing: ``cfg["nn_data"]["pad_full_seq_to"]``, else
-    ``max(train_mb_tokens, logprob_mb_tokens)`` of ``cfg["sequence_packing"]`` (the budgets NeMo-RL's
-    packer plans training and log-prob microbatches with: no microbatch holds more); None with
-    ``cfg["nn_data"]["buckets"]`` (``T`` from the data, one read)."""
+    """The fixed packed row length ``T``: ``cfg["nn_data"]["pad_full_seq_to"]``, else the packer's budget
+    ``max(train_mb_tokens, logprob_mb_tokens)``; None with ``cfg["nn_data"]["buckets"]`` (``T`` from the data)."""
     options = PackOptions.from_cfg(cfg) if options is None else options
     if options.pad_full_seq_to is not None or options.buckets is not None:
         return options.pad_full_seq_to
@@ -205,24 +181,15 @@ def _fixed_total_name(cfg: dict[str, Any], options: Optional[PackOptions] = None
 
 def process_microbatch(mb: Any, tokenizer: Any, enable_seq_packing: bool, cfg: dict[str, Any],
                        cp_size: int) -> ProcessedInputs:
-    """A microbatch's :class:`ProcessedInputs` on the device (``cfg["nn_data"]["device"]``, else CUDA when
-    available, else the CPU).
+    """A microbatch's :class:`ProcessedInputs` on the device (``cfg["nn_data"]["device"]``, else CUDA, else the CPU).
 
-    Sequence packing: one row ``[1, T]`` of the sequences back to back (padding
-    ``tokenizer.eos_token_id``), position ids restarting at 0 (0 on padding), no attention mask, and
-    ``flash_attn_kwargs`` with ``cu_seqlens`` from the lengths and ``max_seqlen = T``; no host read.
-    Otherwise: the rows as they are, an all-ones mask and ``arange(S)`` position ids. With
-    ``cp_size > 1``: the buffers torch's ``context_parallel()`` shards (``input_ids``,
-    ``position_ids``, ``seq_index``, and the student-aligned fields of cross-tokenizer distillation).
+    Packed: one row ``[1, T]`` (padding ``tokenizer.eos_token_id``), position ids restarting at 0, no attention mask
+    and ``flash_attn_kwargs`` with ``max_seqlen = T``; no host read. A tree microbatch (``cfg["nn_data"]["rollout_tree"]``
+    or ``["shared_prefix"]``) is :mod:`nn_data.nemo_rl.automodel_tree`'s. Otherwise the rows as they are, an all-ones
+    mask and ``arange(S)`` positions. With ``cp_size > 1``: the buffers torch's ``context_parallel()`` shards.
 
-    Raises :class:`PackingError` (an ``AssertionError``, with NeMo-RL's message first) for multimodal
-    inputs with packing, with sequence parallelism or with CP, and for packing under CP.
-
-    With ``cfg["nn_data"]["rollout_tree"]`` (or ``["shared_prefix"]``) a packed microbatch is a tree microbatch:
-    every shared token once, ``position_ids`` continuing along each rollout's path, no ``flash_attn_kwargs`` and
-    the record ``shared_prefix`` for :func:`~nn_data.nemo_rl.automodel_tree.forward_rollout_tree`
-    (:mod:`nn_data.nemo_rl.automodel_tree`, its refusals there).
-    """
+    Raises :class:`PackingError` (NeMo-RL's message first) for multimodal inputs with packing, sequence parallelism or
+    CP, and for packing under CP."""
     options = PackOptions.from_cfg(cfg)
     input_ids = mb.get("input_ids").to(resolve_device(cfg=cfg))
     tree = None
@@ -285,18 +252,13 @@ def _student_aligned(mb: Any) -> list:
     return ([mb["token_mask"]] if "token_mask" in mb else []) + [mb[k] for k in fields]
 
 
-def process_global_batch(data: Any, loss_fn: Any, dp_group: Optional["torch.distributed.ProcessGroup"], *,
-                         batch_idx: int, batch_size: int) -> dict[str, Any]:
-    """Global batch ``batch_idx`` and its loss normalisers summed over ``dp_group``: the same function as
-    the megatron path's (:func:`nn_data.nemo_rl.megatron_data.process_global_batch`, NeMo-RL's two are
-    identical too)."""
-    return megatron_data.process_global_batch(data, loss_fn, dp_group, batch_idx=batch_idx, batch_size=batch_size)
+#: The megatron path's function itself (NeMo-RL's two are identical too).
+process_global_batch = megatron_data.process_global_batch
 
 
 def check_sequence_dim(data: Any, *, skip_keys: Optional[Iterable[str]] = None) -> Tuple[int, int]:
-    """``(1, S)``: dim 1 is the sequence dim of every tensor of ``data`` with more than one dim (keys in
-    ``skip_keys`` excepted). Raises :class:`PackingError` (an ``AssertionError``) naming the first
-    tensor whose dim 1 is not ``S = data["input_ids"].shape[1]``."""
+    """``(1, S)``: dim 1 is the sequence dim of every tensor of ``data`` with 2+ dims (``skip_keys`` excepted); else
+    :class:`PackingError` (an ``AssertionError``) naming the first tensor whose dim 1 is not ``data["input_ids"].shape[1]``."""
     skip = set(skip_keys) if skip_keys is not None else set()
     sequence_dim = 1
     seq_dim_size = data.get("input_ids").shape[sequence_dim]

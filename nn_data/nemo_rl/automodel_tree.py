@@ -1,27 +1,16 @@
-"""Rollout trees in NeMo-RL's AutoModel data path (:mod:`nn_data.nemo_rl.automodel_data`):
-``cfg["nn_data"]["rollout_tree"]`` (or its depth-1 spelling, ``["shared_prefix"]``) makes each packed microbatch
-a tree microbatch, every shared token once, and :func:`forward_rollout_tree` runs a transformers model on it
-through :class:`~nn_data.adapters.HFCausalLMAdapter`: attention under the tree's prefix rule, a hybrid's
-recurrent and convolution layers each node once from its parent's state (:mod:`nn_data.adapters.tree_state`).
+"""Rollout trees in NeMo-RL's AutoModel data path (:mod:`nn_data.nemo_rl.automodel_data`): with
+``cfg["nn_data"]["rollout_tree"]`` (or ``["shared_prefix"]``) each packed microbatch is a tree microbatch, every
+shared token once, and :func:`forward_rollout_tree` runs a transformers model on it through
+:class:`~nn_data.adapters.HFCausalLMAdapter`.
 
 Shape legend
     B   rollouts of a microbatch; S their padded row length
     T   packed tokens (:func:`~nn_data.nemo_rl.automodel_data.fixed_total`); N node slots
     V   vocabulary
 
-The same option parsing, batch keys and checks as the megatron drop-in
-(:mod:`nn_data.nemo_rl.megatron_data.tree_inputs`: ``True`` with the batch keys ``parent`` / ``branch_at``, a
-dict naming others, ``"find"``) and the same record, ``ProcessedInputs.shared_prefix``
-(:class:`~nn_data.nemo_rl.megatron_data.records.TreeRecord`: the layout and the packing runtime's
-:class:`~nn_data.PackedInfo` with the prefix rule), built by the one pack-and-shard runtime
-(:class:`~nn_data.extension.PackingSide`, the tree kind) on the device, with no host read: ``T`` is fixed.
-
-The record's ``input_ids [1, T]`` / ``position_ids [1, T]`` (continuing along each rollout's path) alone do not
-describe the tree: ``flash_attn_kwargs`` are empty and a stock model run on them attends over the whole row
-(docs/nemo-rl.md: call :func:`forward_rollout_tree`). Refused by name: a key without sequence packing, context
-parallelism (the AutoModel path packs without it; ``PackedForward(HFCausalLMAdapter(model), cp_group=)`` runs
-trees under CP), multimodal inputs, the compiled pack (``cfg["nn_data"]["compile"]``) and ``T`` buckets.
-"""
+The option parsing, batch keys, checks and record are the megatron drop-in's
+(:mod:`nn_data.nemo_rl.megatron_data.tree_inputs`); what is refused by name: docs/nemo-rl.md, "The AutoModel data
+path"."""
 
 from __future__ import annotations
 
@@ -38,14 +27,11 @@ from nn_data.nemo_rl.megatron_data.tree_inputs import config_key, finds, found_t
 
 def tree_microbatch(mb: Any, input_ids: torch.Tensor, lengths: torch.Tensor, *, total: int, options: PackOptions,
                     cp_size: int) -> tuple:
-    """``(packed ids [1, T], position ids [1, T], TreeRecord)`` of the microbatch ``mb`` (``input_ids [B, S]`` and
-    ``lengths [B]`` on the device) packed as its rollout tree to ``T = total``: every shared token once, each
-    node's positions continuing from its path. No host read (the layout is built on the device; the tree's checks
-    are device asserts), except ``"find"`` on a batch without the fields (:func:`found_tree`: one read).
+    """``(packed ids [1, T], position ids [1, T], TreeRecord)`` of the microbatch ``mb`` packed as its rollout tree to
+    ``T = total`` on the device (no host read, except ``"find"`` on a batch without the fields).
 
     Example: L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, T 8 -> ids ``[x0 x1 x2 | x3 x4 | y3 | 0 0]``,
-    positions ``[0, 1, 2, 3, 4, 3, 0, 0]``.
-    """
+    positions ``[0, 1, 2, 3, 4, 3, 0, 0]``."""
     from nn_data.extension import PackingSide, RolloutGroups, TREE
     from nn_data.layout import PackSpec
     from nn_data.planning import RolloutTree
@@ -68,17 +54,15 @@ def tree_microbatch(mb: Any, input_ids: torch.Tensor, lengths: torch.Tensor, *, 
 
 
 def forward_rollout_tree(model, microbatch, **model_kwargs) -> torch.Tensor:
-    """The packed logits ``[1, T, V]`` of a tree microbatch (a ``ProcessedMicrobatch`` or ``ProcessedInputs`` of
-    :func:`~nn_data.nemo_rl.automodel_data.process_microbatch` with ``cfg["nn_data"]["rollout_tree"]``): ``model``
-    (a transformers causal LM, or an :class:`~nn_data.adapters.HFCausalLMAdapter` around one, reused across
-    calls) on its packed row, each rollout's tokens equal to it run alone. Per rollout:
-    ``microbatch.shared_prefix.layout.unpack(logits, S)`` -> ``[B, S, V]``, or the log-probs without them,
-    :func:`~nn_data.nemo_rl.megatron_data.tree_model.from_parallel_logits_to_logprobs_shared_prefix`.
-    ``model_kwargs`` go to the model.
+    """The packed logits ``[1, T, V]`` of a tree microbatch, each rollout's tokens equal to it run alone.
 
-    Raises :class:`PackingError` for a microbatch without the record (naming the key that makes it) and as
-    :class:`~nn_data.adapters.HFCausalLMAdapter` for a model whose layers it cannot keep apart.
-    """
+    Args:
+        model: a transformers causal LM, or an :class:`~nn_data.adapters.HFCausalLMAdapter` around one.
+        microbatch: a ``ProcessedMicrobatch`` or ``ProcessedInputs`` with ``shared_prefix`` (per rollout:
+            ``microbatch.shared_prefix.layout.unpack(logits, S)``).
+        model_kwargs: go to the model.
+
+    Raises :class:`PackingError` for a microbatch without the record and as the adapter does."""
     from nn_data.adapters import HFCausalLMAdapter
 
     inputs = getattr(microbatch, "processed_inputs", microbatch)

@@ -1,21 +1,10 @@
-"""``BatchedDataDict``: a dict of per-sample tensors and lists, and its microbatch iterators.
+"""``BatchedDataDict``: a dict of per-sample tensors and lists, and its microbatch iterators (NeMo-RL's container,
+the same method names and plan format).
 
-The container NeMo-RL's Megatron data path iterates (same method names and plan format).
-Every value holds one entry per sample along dim 0; tensors with 2+ dims have the
-sequence along dim 1. A *plan* is recorded in two attributes, one entry per global
-batch (chunk):
-
-* ``micro_batch_indices[g]``: ``[[start, end], ...]`` row ranges of each microbatch,
-  relative to the chunk's first row;
-* ``micro_batch_lengths[g]``: per microbatch, its padded token count (packing) or its
-  padded row length (dynamic batching).
-
-:meth:`BatchedDataDict.plan_sequence_packing` makes the packing plan (first-fit-decreasing
-bins under ``max_tokens_per_microbatch``, each sequence rounded up to a pad multiple;
-O(n log n), :mod:`nn_data.planning.ffd`); :meth:`BatchedDataDict.plan_dynamic_batching`
-makes the dynamic-shape plan. Both return a reordered copy (each microbatch's rows
-contiguous) and the original index of every new row.
-"""
+Every value holds one entry per sample along dim 0; tensors with 2+ dims have the sequence along dim 1. A plan is
+two attributes, one entry per global batch: ``micro_batch_indices[g]`` (``[[start, end], ...]`` row ranges of each
+microbatch, relative to the chunk's first row) and ``micro_batch_lengths[g]`` (each microbatch's padded token count,
+or its padded row length under dynamic batching)."""
 
 from __future__ import annotations
 
@@ -87,9 +76,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         return out
 
     def get_batch(self, batch_idx: int, batch_size: Optional[int] = None) -> "SlicedDataDict":
-        """Global batch ``batch_idx``: rows ``[batch_idx * batch_size, (batch_idx + 1) * batch_size)``,
-        or, once a plan recorded ``elem_counts_per_gb``, the rows of that chunk. The chunk's plan
-        entry comes along."""
+        """Global batch ``batch_idx``: ``batch_size`` rows, or once a plan recorded ``elem_counts_per_gb`` that chunk's rows,
+        its plan entry with it."""
         if self.elem_counts_per_gb is not None:
             counts = self.elem_counts_per_gb
             start = int(sum(counts[:batch_idx]))
@@ -128,9 +116,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def shard_by_batch_size(self, shards: int, batch_size: Optional[int] = None, allow_uneven_shards: bool = False,
                             dynamic_batching_args: Optional[dict] = None, sequence_packing_args: Optional[dict] = None):
-        """Shard over ``shards`` data-parallel ranks, chunk by chunk of ``batch_size`` rows; with
-        dynamic-batching or sequence-packing args also plan each shard's microbatches and return
-        ``(shards, sorted_indices)`` (see :func:`nn_data.nemo_rl.batched_data_sharding.shard_by_batch_size`)."""
+        """:func:`nn_data.nemo_rl.batched_data_sharding.shard_by_batch_size` of this dict, each shard a :class:`SlicedDataDict`."""
         return sharding.shard_by_batch_size(self.data, SlicedDataDict, shards, batch_size, allow_uneven_shards,
                                             dynamic_batching_args, sequence_packing_args)
 
@@ -204,22 +190,22 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         input_lengths_key: str = "input_lengths",
         batch_size: Optional[int] = None,
     ) -> tuple["BatchedDataDict", list]:
-        """Bin sequences into packable microbatches with first-fit-decreasing.
+        """Bin sequences into packable microbatches with first-fit-decreasing (one host read of the lengths).
 
-        Each sequence counts ``round_up(length, sequence_length_pad_multiple)`` tokens (the
-        per-sequence multiple the packer will pad to); no bin holds more than
-        ``max_tokens_per_microbatch``. Each global batch of ``batch_size`` rows (default:
-        all) is planned on its own. Returns ``(planned, order)``: a reordered copy whose
-        bins are contiguous, with ``micro_batch_indices``/``micro_batch_lengths``/
-        ``elem_counts_per_gb`` recorded, and ``order[i]`` = the original row of new row ``i``.
+        Returns ``(planned, order)``: a reordered copy whose bins are contiguous, with the plan recorded, and ``order[i]``
+        the original row of new row ``i``.
 
-        Example: lengths ``[5, 9, 3, 4, 6]``, budget 10 -> bins ``[1] [4, 3] [0, 2]`` ->
-        order ``[1, 4, 3, 0, 2]``, indices ``[[[0, 1], [1, 3], [3, 5]]]``, lengths
-        ``[[9, 10, 8]]``. Cost O(n log n) (one host read of the lengths).
+        Args:
+            max_tokens_per_microbatch: no bin holds more padded tokens.
+            sequence_length_pad_multiple: each sequence counts ``round_up(length, multiple)`` tokens.
+            input_lengths_key: the key of the ``[B]`` lengths.
+            batch_size: each global batch of this many rows is planned on its own (default: all).
 
-        Raises :class:`PackingError` for a padded sequence longer than the budget, a bad
-        multiple or budget, or a ``batch_size`` that does not divide the batch.
-        """
+        Example: lengths ``[5, 9, 3, 4, 6]``, budget 10 -> bins ``[1] [4, 3] [0, 2]`` -> order ``[1, 4, 3, 0, 2]``,
+        indices ``[[[0, 1], [1, 3], [3, 5]]]``, lengths ``[[9, 10, 8]]``.
+
+        Raises :class:`PackingError` for a padded sequence longer than the budget, a bad multiple or budget, or a
+        ``batch_size`` that does not divide the batch."""
         padded = sharding.round_up_lengths(self._host_lengths(input_lengths_key), sequence_length_pad_multiple)
         order, all_indices, all_lengths, counts = [], [], [], []
         for chunk in self._chunks(batch_size):
@@ -239,48 +225,24 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         batch_size: Optional[int] = None,
         input_key: str = "input_ids",
     ) -> tuple["BatchedDataDict", list]:
-        """Group rows, shortest first, into microbatches of ``rows * padded_max_len <= budget``.
+        """Group rows, shortest first, into microbatches of ``rows * padded_max_len <= budget``; ``(planned, order)`` as
+        :meth:`plan_sequence_packing`.
 
-        ``padded_max_len`` is the group's longest length rounded up to
-        ``sequence_length_round`` (capped at the row length ``S`` of ``input_key``); the
-        iterator cuts every tensor to it. Returns ``(planned, order)`` as
-        :meth:`plan_sequence_packing`. Raises :class:`PackingError` when one row alone
-        exceeds the budget.
-        """
+        ``padded_max_len`` is the group's longest length rounded up to ``sequence_length_round`` (capped at the row length
+        of ``input_key``). Raises :class:`PackingError` when one row alone exceeds the budget."""
         lengths = self._host_lengths(input_lengths_key)
         row_len = self.data[input_key].shape[1]
         rounded = np.minimum(sharding.round_up_lengths(lengths, sequence_length_round), row_len)
         order, all_indices, all_lengths, counts = [], [], [], []
         for chunk in self._chunks(batch_size):
             sub = np.argsort(lengths[chunk.start:chunk.stop], kind="stable").tolist()  # sync: none, numpy
-            groups, group_lens = _greedy_groups(rounded[chunk.start:chunk.stop][sub], max_tokens_per_microbatch,
+            groups, group_lens = sharding.greedy_groups(rounded[chunk.start:chunk.stop][sub], max_tokens_per_microbatch,
                                                 [chunk.start + i for i in sub])
             all_indices.append(groups)
             all_lengths.append(group_lens)
             order += [chunk.start + i for i in sub]
             counts.append(len(chunk))
         return self._reordered(order, all_indices, all_lengths, counts), order
-
-
-def _greedy_groups(needs: np.ndarray, budget: int, rows: list) -> tuple[list, list]:
-    """Consecutive groups with ``len(group) * max(needs in group) <= budget`` (needs ascending).
-
-    Example: needs ``[4, 4, 4, 8, 8, 12]``, budget 16 -> ``[[0, 3], [3, 5], [5, 6]]``, lengths ``[4, 8, 12]``.
-    """
-    groups, lengths, start, longest = [], [], 0, 0
-    for pos, need in enumerate(needs.tolist()):  # sync: none, numpy
-        if need > budget:
-            raise PackingAssertionError(f"row {rows[pos]} needs {need} tokens (rounded), more than "
-                                        f"max_tokens_per_microbatch={budget}")
-        if pos > start and (pos - start + 1) * max(longest, need) > budget:
-            groups.append([start, pos])
-            lengths.append(longest)
-            start, longest = pos, 0
-        longest = max(longest, need)
-    if len(needs):
-        groups.append([start, len(needs)])
-        lengths.append(longest)
-    return groups, lengths
 
 
 class SlicedDataDict(BatchedDataDict):

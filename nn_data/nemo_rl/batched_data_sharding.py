@@ -1,14 +1,7 @@
-"""What NeMo-RL's training loop does to a ``BatchedDataDict`` around the microbatch iterators.
-
-NeMo-RL's policy shards a global batch over the data-parallel ranks
-(:func:`shard_by_batch_size`, optionally planning packed or dynamic microbatches on the way),
-gathers per-rank results back into one batch (:func:`stack_batches`, its ``from_batches``)
-and undoes the planner's reordering (:func:`reorder_rows`, its ``reorder_data``);
-:func:`chunk_rows` is its ``chunk``. Same arguments, results and plan attributes
-(``micro_batch_indices``, ``micro_batch_lengths``, ``elem_counts_per_gb``); the differences
-are listed in docs/nemo-rl.md's "Differences from NeMo-RL" table. Host-side planning code: it
-reads the lengths to the host once per call.
-"""
+"""What NeMo-RL's training loop does to a ``BatchedDataDict`` around the microbatch iterators: shard a global batch
+over the DP ranks (:func:`shard_by_batch_size`, planning packed or dynamic microbatches on the way), stack per-rank
+results (:func:`stack_batches`), undo the planner's reordering (:func:`reorder_rows`) and chunk (:func:`chunk_rows`).
+Host-side planning code; differences: docs/nemo-rl.md, "Differences from NeMo-RL"."""
 
 from __future__ import annotations
 
@@ -62,14 +55,10 @@ def batch_rows(data: Mapping[str, Any], what: str = "Batch sizes are not the sam
 
 
 def stack_batches(out, batches: Sequence[Mapping[str, Any]], pad_value_dict: Optional[dict] = None):
-    """Fill ``out`` (an empty dict of the caller's class) with ``batches`` stacked along dim 0.
+    """Fill ``out`` (an empty dict of the caller's class) with ``batches`` stacked along dim 0; tensors with 2+ dims
+    right-padded along dim 1 (with ``pad_value_dict.get(key, 0)``). A key missing from a non-empty batch: ``KeyError``.
 
-    Lists are concatenated; 1-D tensors concatenated; tensors with 2+ dims right-padded along
-    dim 1 to the longest (with ``pad_value_dict.get(key, 0)``) and concatenated. A key missing
-    from a non-empty batch raises ``KeyError`` (as NeMo-RL).
-
-    Example: ``[{"x": [[1, 2]]}, {"x": [[3, 4, 5]]}]`` (tensors) -> ``x = [[1, 2, 0], [3, 4, 5]]``.
-    """
+    Example: ``[{"x": [[1, 2]]}, {"x": [[3, 4, 5]]}]`` (tensors) -> ``x = [[1, 2, 0], [3, 4, 5]]``."""
     pad_value_dict = pad_value_dict or {}
     keys = sorted({k for b in batches for k in b})
     for key in keys:
@@ -106,8 +95,7 @@ def _stack(key: str, values: list, pad_value):
 def chunk_rows(data, out, rank: int, chunks: int):
     """Fill ``out`` with split ``rank`` of ``chunks`` equal splits (copies), as NeMo-RL's ``chunk``.
 
-    Example: rows ``[A A A B B B D D E]``, rank 2, chunks 3 -> ``[D D E]``.
-    """
+    Example: rows ``[A A A B B B D D E]``, rank 2, chunks 3 -> ``[D D E]``."""
     total = batch_rows(data, "batch sizes are not the same across the rollout batch")
     if chunks < 1 or total % chunks:
         raise PackingAssertionError(f"batch size ({total}) is not a multiple of chunks ({chunks})")
@@ -122,12 +110,10 @@ def chunk_rows(data, out, rank: int, chunks: int):
 
 
 def reorder_rows(data, reordered_indices: Sequence[int]) -> None:
-    """In place: row ``j`` becomes the row whose entry in ``reordered_indices`` is the ``j``-th smallest.
+    """In place: row ``j`` becomes the row whose entry in ``reordered_indices`` is the ``j``-th smallest (what
+    :func:`shard_by_batch_size` returns restores the original order).
 
-    With ``reordered_indices`` the original position of each current row (what
-    :func:`shard_by_batch_size` returns), this restores the original order.
-    Example: indices ``[2, 0, 1]``, rows ``[c, a, b]`` -> ``[a, b, c]``.
-    """
+    Example: indices ``[2, 0, 1]``, rows ``[c, a, b]`` -> ``[a, b, c]``."""
     total = batch_rows(data)
     keys = np.asarray(list(reordered_indices))
     if keys.shape != (total,):
@@ -146,13 +132,11 @@ def shard_by_batch_size(data, make, shards: int, batch_size: Optional[int] = Non
                         dynamic_batching_args: Optional[dict] = None, sequence_packing_args: Optional[dict] = None):
     """NeMo-RL's ``shard_by_batch_size``; ``make()`` builds an empty shard (a ``SlicedDataDict``).
 
-    The batch is cut into chunks of ``batch_size`` rows (default: all); shard ``i`` gets the
-    ``i``-th of ``shards`` equal parts of every chunk, chunk after chunk. Returns the shards;
-    with ``dynamic_batching_args`` or ``sequence_packing_args`` ``(shards, sorted_indices)``,
-    the shards carrying the microbatch plan the iterators read.
+    Shard ``i`` gets the ``i``-th of ``shards`` equal parts of every chunk of ``batch_size`` rows; with
+    ``dynamic_batching_args`` or ``sequence_packing_args`` returns ``(shards, sorted_indices)``, the shards carrying
+    the plan.
 
-    Example: ``problem_id [0 0 1 1 2 2 3 3]``, shards 2, batch_size 4 -> ``[0 0 2 2]``, ``[1 1 3 3]``.
-    """
+    Example: ``problem_id [0 0 1 1 2 2 3 3]``, shards 2, batch_size 4 -> ``[0 0 2 2]``, ``[1 1 3 3]``."""
     if allow_uneven_shards and batch_size is not None:
         raise PackingAssertionError("batch_size must be None if allow_uneven_shards is True")
     if dynamic_batching_args is not None and sequence_packing_args is not None:
@@ -199,9 +183,9 @@ def _host_lengths(data, key: str) -> list:
 
 
 def _length_sorted_order(data, shards: int, batch_size: int, lengths_key: str) -> list:
-    """Each chunk sorted by length (stable), then strided over the shards: shard ``i`` gets
-    sorted positions ``i, i + shards, ...``. Example: lengths ``[5, 1, 3, 2]``, 2 shards ->
-    sorted ``[1, 3, 2, 0]`` -> ``[1, 2] + [3, 0]``."""
+    """Each chunk sorted by length (stable), then strided over the shards.
+
+    Example: lengths ``[5, 1, 3, 2]``, 2 shards -> sorted ``[1, 3, 2, 0]`` -> ``[1, 2] + [3, 0]``."""
     lengths = _host_lengths(data, lengths_key)
     order = []
     for start in range(0, len(lengths), batch_size):
@@ -219,21 +203,12 @@ def _plan_dynamic(out: list, data, shards: int, batch_size: int, args: dict) -> 
     size = batch_size // shards
     all_indices, all_lengths = [], []
     for start in range(0, len(per_shard[0]), size):
-        need = [min(-(-max(s[start + j] for s in per_shard) // multiple) * multiple, row_len) for j in range(size)]
+        need = [min(round_up(max(s[start + j] for s in per_shard), multiple), row_len) for j in range(size)]
         over = [n for n in need if n > budget]
         if over:
             raise PackingAssertionError(f"got an input of padded ({multiple}) sequence length of {over[0]}, however max "
                                         f"microbatch size is {budget} tokens (raise max_tokens_per_microbatch)")
-        indices, lengths, longest = [[0, 0]], [0], 0
-        for j, n in enumerate(need):
-            longest = max(longest, n)
-            if (indices[-1][1] - indices[-1][0] + 1) * longest <= budget:
-                indices[-1][1] += 1
-                lengths[-1] = longest
-            else:
-                indices.append([j, j + 1])
-                longest = n
-                lengths.append(n)
+        indices, lengths = greedy_groups(np.asarray(need), budget, range(start, start + size))
         all_indices.append(indices)
         all_lengths.append(lengths)
     for shard in out:
@@ -241,11 +216,30 @@ def _plan_dynamic(out: list, data, shards: int, batch_size: int, args: dict) -> 
         shard.micro_batch_lengths = [list(c) for c in all_lengths]
 
 
+def greedy_groups(needs: np.ndarray, budget: int, rows: list) -> tuple[list, list]:
+    """Consecutive groups with ``len(group) * max(needs in group) <= budget``, greedily (both dynamic-batching
+    planners'); ``rows`` name the needs in the error.
+
+    Example: needs ``[4, 4, 4, 8, 8, 12]``, budget 16 -> ``[[0, 3], [3, 5], [5, 6]]``, lengths ``[4, 8, 12]``."""
+    groups, lengths, start, longest = [], [], 0, 0
+    for pos, need in enumerate(needs.tolist()):  # sync: none, numpy
+        if need > budget:
+            raise PackingAssertionError(f"row {rows[pos]} needs {need} tokens (rounded), more than "
+                                        f"max_tokens_per_microbatch={budget}")
+        if pos > start and (pos - start + 1) * max(longest, need) > budget:
+            groups.append([start, pos])
+            lengths.append(longest)
+            start, longest = pos, 0
+        longest = max(longest, need)
+    if len(needs):
+        groups.append([start, len(needs)])
+        lengths.append(longest)
+    return groups, lengths
+
+
 def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
-    """Sequence packing: per chunk, :func:`nn_data.planning.plan_step` over the shards. NeMo-RL's
-    packer names plan as NeMo-RL does (``balance="nemo-rl"``: first-fit-decreasing bins of padded
-    lengths, the count raised to at least ``shards`` and a multiple of it, dealt round-robin);
-    ``"nn_data_balanced"`` plans with work balanced across the shards (:func:`_packing_layout`)."""
+    """Sequence packing: per chunk, :func:`nn_data.planning.plan_step` over the shards (NeMo-RL's packer names plan as
+    NeMo-RL does; ``"nn_data_balanced"`` balances work: :func:`_packing_layout`)."""
     refuse_unknown_keys(args, NEMO_RL_PACKING_KEYS + NN_DATA_PACKING_KEYS, "sequence_packing_args")
     order_mode = args.get("microbatch_order")
     if order_mode not in (None, "packer", "largest_first"):
@@ -298,12 +292,8 @@ def _pack_shards(data, make, shards: int, batch_size: int, args: dict):
 
 
 def _planner(data, args: dict, lengths: list, parallelism: Parallelism, budget: int, options: dict):
-    """``(plan(start, stop), tree)``: ``plan`` the :class:`~nn_data.planning.StepPlan` of rows ``[start, stop)``,
-    ``plan_step``'s; with ``sequence_packing_args["rollout_tree"]`` (``cfg["nn_data"]["rollout_tree"]``'s value)
-    ``plan_step_rollout_tree`` over the batch's tree (:class:`_BatchTree`, returned as ``tree``: the fields of each
-    microbatch are rewritten for its rollouts); with ``sequence_packing_args["shared_prefix"]`` (its GRPO
-    spelling) ``plan_step_shared_prefix`` over the group ids and prefix lengths (carried row for row; ``tree``
-    None). Either way ``micro_batch_lengths`` are the packed tokens with every shared prefix once per microbatch."""
+    """``(plan(start, stop), tree)``: ``plan_step``, or with a tree key ``plan_step_rollout_tree`` over the batch's tree
+    (:class:`_BatchTree`, returned as ``tree``) or ``plan_step_shared_prefix`` over its GRPO groups (``tree`` None)."""
     groups = shared_prefix_keys(args.get("shared_prefix"), "sequence_packing_args['shared_prefix']")
     found = args.get("rollout_tree")
     tree_keys = rollout_tree_keys(found, "sequence_packing_args['rollout_tree']")
@@ -337,17 +327,11 @@ def _field(data, key: str, keys, what: str):
 
 
 class _BatchTree:
-    """A step's rollout tree on the host, for the sharding planner: the batch's ``parent`` / ``branch_at`` (rows
-    of the whole batch), or, with ``find``, none: each global batch's tree is found from its token ids
-    (:func:`~nn_data.planning.find_rollout_tree`). ``chunk(start, stop)`` is the tree of a global batch (indices
-    into it: :func:`~nn_data.planning.subtree`, a rollout whose parent is in another global batch shares through
-    its nearest ancestor inside); ``local(start, rows)`` the ``(parent, branch_at)`` lists of a microbatch's
-    rollouts (``rows``: indices into the global batch at ``start``, ascending), indices into the microbatch:
-    what ``process_microbatch`` takes.
+    """A step's rollout tree on the host, for the sharding planner: the batch's ``parent`` / ``branch_at``, or with
+    ``find`` each global batch's tree found from its token ids. ``chunk`` is a global batch's tree, ``local`` a
+    microbatch's ``(parent, branch_at)`` lists, indices into the microbatch.
 
-    Example: parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, a microbatch of rows ``[0, 2]`` -> ``[-1, 0]``,
-    ``[0, 6]``.
-    """
+    Example: parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, a microbatch of rows ``[0, 2]`` -> ``[-1, 0]``, ``[0, 6]``."""
 
     def __init__(self, data, keys, *, find: bool, lengths: list, ids_key: str):
         self.keys, self.data, self.lengths, self.ids_key = keys, data, lengths, ids_key
@@ -378,12 +362,9 @@ class _BatchTree:
 
 
 def _packing_layout(args: dict, shards: int):
-    """``(Parallelism, plan_step keywords)`` for ``sequence_packing_args``. NeMo-RL's packer names:
-    ``balance="nemo-rl"``. ``"nn_data_balanced"`` reads nn_data's optional keys: ``"balance"``
-    (default ``"work"``), ``"hidden_size"`` (4096), ``"microbatches_per_rank"`` (None: the fewest
-    that fit) and ``"parallelism"`` (a :class:`~nn_data.planning.Parallelism` with
-    ``dp == shards``, whose alignment ``max_tokens_per_microbatch`` must then keep; its per-sequence
-    multiple becomes ``sequence_length_pad_multiple``)."""
+    """``(Parallelism, plan_step keywords)`` for ``sequence_packing_args``: NeMo-RL's packers ``balance="nemo-rl"``;
+    ``"nn_data_balanced"`` reads the optional ``"balance"`` (``"work"``), ``"hidden_size"`` (4096),
+    ``"microbatches_per_rank"`` and ``"parallelism"`` (``dp == shards``)."""
     multiple = args["sequence_length_pad_multiple"]
     if args["algorithm"] != "nn_data_balanced":
         ignored = [key for key in NN_DATA_PACKING_KEYS[:4] if args.get(key) is not None]

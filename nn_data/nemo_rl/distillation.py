@@ -1,20 +1,23 @@
 """NeMo-RL's distillation and entropy functions of ``nemo_rl.distributed.model_utils`` on nn_data's one-pass head
-(:mod:`nn_data.logprobs.outputs`): re-exported by :mod:`nn_data.nemo_rl.model_utils`, one import switches.
+(:mod:`nn_data.logprobs.outputs`), re-exported by :mod:`nn_data.nemo_rl.model_utils`: docs/logprobs.md, "NeMo-RL's
+entropy, distillation and vocabulary-parallel helpers".
 
 Shape legend
     B   rows; S positions of a row on this rank (``S_cp``: this rank's zigzag shard under CP), S_full all of them
     Vt  this tensor-parallel rank's vocabulary slice (``V/TP``), starting at ``vocab_start_index``
     K   token ids per position (a teacher's top-k)
+    N   positions this rank holds; c positions per chunk (``chunk_tokens``)
 
-NeMo-RL's names, signatures and values (HEAD 7ea279a), its conventions kept: ``ChunkedDistributedEntropy`` and
-the distillation's ``H_all`` are ``sum_v p_v log p_v`` (the *negative* entropy); ``chunk_size`` counts positions
-of a row; a global id outside ``[0, V)`` gets the log-prob 0 and the gradient ``-softmax``; CP gathers give the
-``C``-times gradient (:func:`~nn_data.nemo_rl.vocab_parallel.allgather_cp_sharded_tensor`). What is nn_data's:
-float64 stays float64 (NeMo-RL computes in float32), the log-softmax, softmax and their gradient are never
-``[B, S, Vt]`` float32 tensors (one chunk at a time), the top-k log-probs and the entropy come from one read of
-the logits, ``None`` groups mean "not split", and ``pg_collection=`` (megatron-core's ``ProcessGroupCollection``)
-stands for the groups not given. The differences are in docs/nemo-rl.md.
-"""
+The soft cross entropy (:class:`DistributedCrossEntropy`): ``H(p, q) = -sum_v p_v log q_v`` with ``p = softmax(t)``
+(the teacher's logits ``t``, no gradient) and ``q = softmax(z)`` (the student's ``z``): ``H = L_z - sum_v p_v z_v``, ``L_z = logsumexp(z)``. Per TP rank and
+chunk: the local log-sum-exps of ``z`` and ``t`` and ``a = sum_v exp(t_v - lse_t) z_v`` (the local teacher
+softmax's mean of ``z``), one all-gather of ``[3, N]`` combines them: ``L_t = logsumexp_r lse_t,r``,
+``sum_v p_v z_v = sum_r exp(lse_t,r - L_t) a_r``. Backward recomputes each chunk: ``dH/dz = q - p``. Beyond the
+inputs and the gradient: ``O(N)`` values and a few ``[c, Vt]`` float32 chunks (the ``[N, Vt]`` float32 softmaxes
+are never built).
+
+Worked example (V 2, one position): t ``[0, 0]`` (p uniform), z ``[0, log 3]`` (q ``[1/4, 3/4]``) ->
+``H = -(1/2 log 1/4 + 1/2 log 3/4) = 0.8370``; ``dH/dz = [1/4 - 1/2, 3/4 - 1/2]``."""
 
 from __future__ import annotations
 
@@ -24,19 +27,10 @@ import torch
 
 from nn_data.logprobs import head_outputs_local
 from nn_data.extension import (
-    checks as _checks, collectives, combine_topk, local_ids, process_groups,
+    checks as _checks, collectives, combine_topk, local_ids,
 )
-from nn_data.nemo_rl.logprob_steps import DEFAULT_CHUNK_TOKENS, grad_mode, in_vocab, out_of_vocab_as_nemo_rl
-from nn_data.nemo_rl.soft_targets import soft_cross_entropy_local
-from nn_data.nemo_rl.vocab_parallel import _get_tokens_on_this_cp_rank, allgather_cp_sharded_tensor
-
-
-def _tp(group, pg_collection):
-    return process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
-
-
-def _cp(group, pg_collection):
-    return process_groups.given_group_info(group, pg_collection=pg_collection, field="cp")
+from nn_data.nemo_rl.logprob_steps import DEFAULT_CHUNK_TOKENS, grad_mode, groups, in_vocab, out_of_vocab_as_nemo_rl
+from nn_data.nemo_rl.vocab_parallel import _get_tokens_on_this_cp_rank, _tp, allgather_cp_sharded_tensor
 
 
 def _rows_chunk(logits: torch.Tensor, chunk_size) -> int:
@@ -66,10 +60,8 @@ class ChunkedDistributedEntropy:
 
 
 class ChunkedDistributedGatherLogprob:
-    """``apply(vocab_parallel_logits [B, S, Vt], global_indices [B, S, K], vocab_start_index, vocab_end_index,
-    chunk_size, tp_group, inference_only=False) -> [B, S, K]``: the log-probs (over the whole vocabulary) at
-    the given global ids, differentiable w.r.t. the logits; an id outside ``[0, V)`` gets 0 and the gradient
-    ``-softmax`` (NeMo-RL's)."""
+    """``apply(vocab_parallel_logits [B, S, Vt], global_indices [B, S, K], vocab_start_index, vocab_end_index, chunk_size,
+    tp_group, inference_only=False) -> [B, S, K]``: the log-probs at global ids (NeMo-RL's rule outside ``[0, V)``)."""
 
     @staticmethod
     def apply(vocab_parallel_logits, global_indices, vocab_start_index, vocab_end_index, chunk_size, tp_group,
@@ -97,6 +89,54 @@ def _logprobs_at(logits, indices, vocab_start_index, vocab_end_index, chunk: int
         return values, neg_entropy
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """``H(softmax(teacher), softmax(student))`` per row of ``[N, Vt]`` (vocab-parallel): ``[N]``."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, tp_group, tp_size: int, chunk: int):
+        dtype = torch.promote_types(student.dtype, torch.float32)
+        n = student.shape[0]
+        stats = student.new_empty((3, n), dtype=dtype)  # [3, N] lse_z, lse_t, a
+        for i in range(0, n, chunk):  # static: n and chunk are Python ints
+            j = i + chunk
+            z, t = student[i:j].to(dtype), teacher[i:j].to(dtype)  # [c, Vt] each
+            stats[0, i:j] = torch.logsumexp(z, dim=-1)
+            lse_t = torch.logsumexp(t, dim=-1)  # [c]
+            stats[1, i:j] = lse_t
+            stats[2, i:j] = (t.sub(lse_t[:, None]).exp_().mul_(z)).sum(dim=-1)  # [c]
+            del z, t, lse_t  # one chunk's temporaries alive at a time
+        every = stats[None] if tp_size == 1 else collectives.all_gather_dim0(stats[None], tp_group)  # [TP, 3, N]
+        lse_z, lse_t = torch.logsumexp(every[:, 0], dim=0), torch.logsumexp(every[:, 1], dim=0)  # [N] each
+        mean = ((every[:, 1] - lse_t).exp() * every[:, 2]).sum(0)  # [N] sum_v p_v z_v
+        ctx.save_for_backward(student, teacher, lse_z, lse_t)
+        ctx.chunk = chunk
+        return lse_z - mean
+
+    @staticmethod
+    def backward(ctx, grad):
+        student, teacher, lse_z, lse_t = ctx.saved_tensors
+        g = grad.to(lse_z.dtype)  # [N]
+        out = torch.empty_like(student)  # [N, Vt]
+        for i in range(0, student.shape[0], ctx.chunk):
+            j = i + ctx.chunk
+            q = student[i:j].to(lse_z.dtype).sub(lse_z[i:j, None]).exp_()  # [c, Vt]
+            p = teacher[i:j].to(lse_z.dtype).sub(lse_t[i:j, None]).exp_()  # [c, Vt]
+            out[i:j] = q.sub_(p).mul_(g[i:j, None])
+            del q, p
+        return out, None, None, None, None
+
+
+def soft_cross_entropy_local(student: torch.Tensor, teacher: torch.Tensor, *, tp_group=None, tp_size: int = 1,
+                             chunk_tokens: int = 256) -> torch.Tensor:
+    """``-sum_v softmax(teacher)_v log softmax(student)_v`` per row of this TP rank's vocabulary slices
+    ``student [N, Vt]`` and ``teacher [N, Vt]``: ``[N]`` (float32 or wider), differentiable w.r.t. ``student``
+    (``q - p``), ``chunk_tokens`` rows at a time; one ``[3, N]`` all-gather over ``tp_group``. No host sync.
+
+    Example: teacher ``[[0., 0.]]``, student ``[[0., log 3]]`` -> ``[0.8370]``.
+    """
+    return _SoftCrossEntropy.apply(student, teacher.detach(), tp_group, int(tp_size), int(chunk_tokens))
+
+
 class DistributedCrossEntropy:
     """``apply(student_logits [*, Vt], target_logits [*, Vt], group, inference_only=False) -> [*]``:
     ``H(softmax(target), softmax(student))`` over the TP-split vocabulary, differentiable w.r.t. the student's
@@ -121,15 +161,13 @@ class DistributedCrossEntropy:
 @torch.no_grad()
 def distributed_vocab_topk(vocab_parallel_logits: torch.Tensor, k: int, tp_group, *, vocab_start_index: int,
                            vocab_end_index: int, chunk_size: Optional[int] = None, pg_collection=None):
-    """The global top-``k`` logits ``[B, S, K]`` (float32 or wider, ``K = min(k, V)``) and their global ids
-    ``[B, S, K]`` of this rank's ``[B, S, Vt]`` slice: each rank's top-``min(k, Vt)`` per position, one
-    all-gather of values and one of ids over ``tp_group``, the top-``K`` of those. No gradient.
+    """The global top-``k`` logits ``[B, S, K]`` (``K = min(k, V)``) and their global ids of this rank's ``[B, S, Vt]``
+    slice: one all-gather of values and one of ids over ``tp_group``. No gradient.
 
     Example (TP 1): ``[[[1., 5., 3.]]]``, k 2 -> ``[[[5., 3.]]]``, ``[[[1, 2]]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``k`` below 1, logits not ``[B, S, Vt]`` floating point, a
-    vocabulary slice that is not this rank's, a bad ``chunk_size``.
-    """
+    Raises :class:`~nn_data.errors.PackingError`: ``k`` below 1, logits not ``[B, S, Vt]`` floating point, a vocabulary
+    slice that is not this rank's, a bad ``chunk_size``."""
     tp = _tp(tp_group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S, V // TP]", 3)
     k = _checks.positive_int("k", k)
@@ -150,16 +188,13 @@ def distributed_vocab_topk(vocab_parallel_logits: torch.Tensor, k: int, tp_group
 def gather_logits_at_global_indices(vocab_parallel_logits: torch.Tensor, global_indices: torch.Tensor,
                                     tp_group=None, cp_group=None, *, vocab_start_index: int, vocab_end_index: int,
                                     chunk_size: Optional[int] = None, pg_collection=None) -> torch.Tensor:
-    """The logits at global ids, ``[B, S_full, K]`` (float32 or wider), from this rank's ``[B, S_cp, Vt]``:
-    ``global_indices [B, S_full, K]`` are padded to ``S_cp * C`` positions and zigzag-sharded over ``cp_group``,
-    each TP rank reads the ids it holds (0 for the others), one all-gather sums them over ``tp_group``, and
-    under CP the shards are gathered back (NeMo-RL's ``C``-times gradient). Differentiable w.r.t. the logits
-    (each rank's own columns). ``chunk_size`` is accepted for NeMo-RL's signature: the gather reads only
-    ``K`` columns per position, so nothing is chunked.
+    """The logits at global ids, ``[B, S_full, K]``, from this rank's ``[B, S_cp, Vt]`` (differentiable w.r.t. its columns).
 
-    Example (TP 1, C 1): logits ``[[[1., 5., 3.]]]``, ids ``[[[2, 0]]]`` -> ``[[[3., 1.]]]``.
-    """
-    tp, cp = _tp(tp_group, pg_collection), _cp(cp_group, pg_collection)
+    Each TP rank reads the ids it holds, one all-gather sums them, and under CP the zigzag shards are gathered back
+    (NeMo-RL's ``C``-times gradient); ``chunk_size`` is accepted for NeMo-RL's signature (nothing is chunked).
+
+    Example (TP 1, C 1): logits ``[[[1., 5., 3.]]]``, ids ``[[[2, 0]]]`` -> ``[[[3., 1.]]]``."""
+    cp, tp = groups(cp_group, tp_group, pg_collection)
     _checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, V // TP]", 3)
     _checks.positive_int("chunk_size", chunk_size, allow_none=True)
     rows, local_len, cols = vocab_parallel_logits.shape
@@ -204,19 +239,15 @@ def get_distillation_topk_logprobs_from_logits(student_logits: torch.Tensor, tea
                                                calculate_entropy: bool, vocab_parallel_rank: Optional[int] = None,
                                                vocab_parallel_group=None, context_parallel_group=None, *,
                                                pg_collection=None):
-    """``(student [B, S-1, K], teacher [B, S-1, K], H_all [B, S-1] or None)``: the student's log-probs at the
-    teacher's top-``K`` ids and the teacher's log-softmax over its ``K`` logits, next-token aligned (the last
-    position dropped). ``zero_outside_topk``: the student's log-probs over the whole vocabulary (with
-    ``calculate_entropy``, ``H_all = sum p log p`` from the same read of the logits); else the log-softmax of
-    the student's logits at the ``K`` ids. ``student_logits [B, S_cp, Vt]`` are this rank's slice
-    (``vocab_parallel_group`` / ``vocab_parallel_rank``; None: the whole vocabulary) and zigzag shard
-    (``context_parallel_group``), the teacher's tensors ``[B, S_full, K]``. ``pg_collection``: its ``tp`` /
-    ``cp`` stand for the groups passed as None (its TP rank for ``vocab_parallel_rank``).
+    """``(student [B, S-1, K], teacher [B, S-1, K], H_all [B, S-1] or None)``: the student's log-probs at the teacher's
+    top-``K`` ids and the teacher's log-softmax over its ``K`` logits, next-token aligned.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``K`` below 1, DTensor logits (NeMo-RL's DTensor path is not
-    provided), a ``vocab_parallel_group`` without ``vocab_parallel_rank``, shapes as
-    :func:`gather_logits_at_global_indices`.
-    """
+    ``zero_outside_topk``: the student's log-probs over the whole vocabulary (with ``calculate_entropy``, ``H_all = sum p
+    log p`` from the same read); else its log-softmax at the ``K`` ids. ``student_logits [B, S_cp, Vt]`` are this
+    rank's vocabulary slice and zigzag shard, the teacher's tensors ``[B, S_full, K]``.
+
+    Raises :class:`~nn_data.errors.PackingError`: ``K`` below 1, DTensor logits, a ``vocab_parallel_group`` without
+    ``vocab_parallel_rank``, shapes as :func:`gather_logits_at_global_indices`."""
     k = teacher_topk_indices.shape[-1]
     if k <= 0:
         raise _checks.PackingError(f"topk must be positive, got {k}: teacher_topk_indices has shape "
@@ -224,7 +255,7 @@ def get_distillation_topk_logprobs_from_logits(student_logits: torch.Tensor, tea
     if type(student_logits).__name__ == "DTensor":
         raise _checks.PackingError("student_logits is a DTensor: nn_data.nemo_rl.model_utils covers the Megatron "
                                    "(vocab-parallel) and plain-tensor paths")
-    tp, cp = _tp(vocab_parallel_group, pg_collection), _cp(context_parallel_group, pg_collection)
+    cp, tp = groups(context_parallel_group, vocab_parallel_group, pg_collection)
     if vocab_parallel_group is not None and vocab_parallel_rank is None:
         raise _checks.PackingError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
     rank = tp.rank if vocab_parallel_rank is None else vocab_parallel_rank

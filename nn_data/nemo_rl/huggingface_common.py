@@ -1,5 +1,5 @@
-"""NeMo-RL's ``nemo_rl.models.huggingface.common`` packing helpers (the three its AutoModel data path
-calls) on nn_data's layouts: switch by changing one import.
+"""NeMo-RL's ``nemo_rl.models.huggingface.common`` packing helpers on nn_data's layouts: switch by changing one import
+(docs/nemo-rl.md, "The AutoModel data path").
 
     # from nemo_rl.models.huggingface.common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
     from nn_data.nemo_rl.huggingface_common import pack_sequences, unpack_tensor, get_flash_attention_kwargs
@@ -7,25 +7,9 @@ calls) on nn_data's layouts: switch by changing one import.
 Shape legend
     B   sequences; R packed rows (``len(packed_sequence_size)``)
     S   padded row length of the input batch
-    T   packed row length: ``pad_full_seq_to`` when given, else NeMo-RL's
-        ``max(longest row total, min_seq_len)``
-    W   unpacked row length: ``max_seqlen`` when given, else the longest length
-    *   trailing dims of an unpacked tensor (``V`` for logits)
-
-Same names, signatures, defaults and results as NeMo-RL (HEAD ``7ea279a``), plus keyword-only extras.
-Each row is one layout (:mod:`nn_data.layout`, ``m = p = 1``, the fixed packed length ``T``): the
-ids pack with one gather or scatter, padded with ``padding_value``; the position ids are every
-sequence's ``0..L-1`` and 0 on padding, as NeMo-RL's. Where NeMo-RL reads the lengths on the host
-(``.tolist()``, ``.max().item()``: device syncs once the batch is on the GPU, which is where NeMo-RL's
-workers put it), the extras give the sizes as Python ints and nothing is read:
-``pad_full_seq_to=`` (the packed length), ``max_seqlen=`` (the unpacked width, the flash-attention
-bound). Without them each helper reads the lengths once, as NeMo-RL does (``# sync:``). Differences
-(docs/nemo-rl.md, "The AutoModel data path"): the attention mask ``pack_sequences`` returns is
-document-causal (NeMo-RL's code lets each sequence see the ones before it in its row, against its own
-docstring); a packed total above ``pad_full_seq_to`` or ``packed_sequence_size`` not summing to ``B``
-raises (NeMo-RL lengthens the row, or drops sequences); ``unpack_tensor`` takes any trailing dims
-(NeMo-RL's pads the wrong dim of a 2-D tensor) and ``B = 0``.
-"""
+    T   packed row length: ``pad_full_seq_to`` when given (no host read), else NeMo-RL's ``max(longest row, min_seq_len)``
+    W   unpacked row length: ``max_seqlen`` when given (no host read), else the longest length
+    *   trailing dims of an unpacked tensor (``V`` for logits)"""
 
 from __future__ import annotations
 
@@ -36,11 +20,10 @@ from typing import Optional, Tuple, TypeVar
 import torch
 
 from nn_data.layout import PackSpec, layout_from_lengths
-from nn_data import with_dynamic_row_length
 from nn_data.extension import checks, exclusive_cumsum, layout_checks, segment_ids, unpack_sequences
 from nn_data.nemo_rl.assertions import PackingAssertionError, spelled, translate_errors
-from nn_data.nemo_rl.buckets import bucket_total
-from nn_data import pad_rows
+from nn_data.nemo_rl.megatron_data.graph import row_padded
+from nn_data.nemo_rl.megatron_data.options import bucket_total
 
 Tensor = TypeVar("Tensor", bound=torch.Tensor)
 
@@ -66,11 +49,10 @@ def on_device(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _pack_row(input_ids, lengths, num_rows, total: int, padding_value: int, name: str, validate: bool):
-    """One packed row on the device executor: ``[B, S]`` ids and ``[B]`` lengths -> ``[1, T]`` ids (padding
-    ``padding_value``), ``[1, T]`` position ids (0 on padding) and ``cu_seqlens [B+1]``. No host read.
+    """One packed row on the device executor (no host read): ``[B, S]`` ids and ``[B]`` lengths -> ``[1, T]`` ids,
+    ``[1, T]`` position ids (0 on padding) and ``cu_seqlens [B+1]``.
 
-    Example: lengths ``[2, 3]``, T 7, pad -1 -> ids ``[a0 a1 b0 b1 b2 -1 -1]``, positions ``[0 1 0 1 2 0 0]``.
-    """
+    Example: lengths ``[2, 3]``, T 7, pad -1 -> ids ``[a0 a1 b0 b1 b2 -1 -1]``, positions ``[0 1 0 1 2 0 0]``."""
     if validate:  # first, naming the setting T came from (the layout's own assert names pad_full_seq_to)
         checks.device_assert(lengths.sum() <= total, f"nn_data.pack_sequences: the packed total sum(seq_lengths) "
                                                        f"exceeds {name}={total}")
@@ -88,19 +70,14 @@ def _compiled_pack_row(backend, mode):
 
 def pack_row(input_ids, lengths, total: int, padding_value: int, *, name: str = "pad_full_seq_to",
              validate: bool = True, options=None):
-    """:func:`_pack_row`, compiled when ``options.compile`` (``PackOptions``: the rows padded to
-    ``options.row_capacity``, else the next power of two, and ``S`` a symbolic size, so a stream of
-    microbatches of one ``T`` compiles once)."""
+    """:func:`_pack_row`, compiled when ``options.compile`` (rows padded as
+    :func:`~nn_data.nemo_rl.megatron_data.graph.row_padded` pads them: a stream of one ``T`` compiles once)."""
     if options is None or not options.compile:
         return _pack_row(input_ids, lengths, None, total, padding_value, name, validate)
-    rows = input_ids.shape[0]
-    capacity = options.row_capacity or (1 << max(0, (rows - 1).bit_length()))
-    checks.check_row_capacity(rows, capacity, "row_capacity", "cfg['nn_data']['row_capacity']")
-    num_rows = torch.full((), rows, dtype=torch.int64, device=input_ids.device)  # on the device: no H2D copy
-    ids = with_dynamic_row_length(pad_rows(input_ids.contiguous(), capacity))  # [R, S]
+    ids, lengths, num_rows = row_padded(input_ids, lengths, options)  # [R, S], [R]
     fn = _compiled_pack_row(options.backend, options.mode)
     with torch.no_grad():
-        return fn(ids, pad_rows(lengths, capacity), num_rows, total, padding_value, name, validate)
+        return fn(ids, lengths, num_rows, total, padding_value, name, validate)
 
 
 def pack_sequences(
@@ -115,24 +92,25 @@ def pack_sequences(
     options=None,
     pad_full_seq_to_name: str = "pad_full_seq_to",
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Pack rows of sequences: ``packed_sequence_size[r]`` consecutive sequences of ``input_ids [B, S]``
-    (valid lengths ``input_lengths [B]``) go to row ``r`` back to back -> ``(input_ids_packed [R, T],
-    position_ids_packed [R, T], attention_mask [R, T, T] or None)``.
+    """Pack ``packed_sequence_size[r]`` consecutive sequences of ``input_ids [B, S]`` into row ``r`` back to back ->
+    ``(input_ids_packed [R, T], position_ids_packed [R, T], attention_mask [R, T, T] or None)``; the mask is
+    document-causal.
 
-    ``T`` is ``pad_full_seq_to`` when given (no host read; a row holding more raises, a device assert),
-    else NeMo-RL's ``max(longest row total, min_seq_len)`` after one read of the lengths, rounded up to
-    one of ``options.buckets`` when set. ``attention_mask[r, q, k]``: both valid, same sequence, ``k <=
-    q``. ``options`` (``PackOptions``, ``cfg["nn_data"]``) may compile the packing. ``pad_full_seq_to_name``:
-    how the messages name ``pad_full_seq_to`` (the setting the caller took it from, e.g.
-    ``cfg["sequence_packing"]["train_mb_tokens"]``).
+    Args:
+        input_ids: ``[B, S]``.
+        input_lengths: ``[B]`` ints in ``[0, S]``.
+        packed_sequence_size: non-negative ints summing to ``B``.
+        padding_value: the ids' padding.
+        return_attention_mask: return the ``[R, T, T]`` mask.
+        min_seq_len: ``T``'s floor when it is read from the lengths.
+        pad_full_seq_to: nn_data only: ``T``, no host read (a row holding more raises, a device assert).
+        pad_full_seq_to_name: how the messages name ``pad_full_seq_to`` (the setting the caller took it from).
+        options: ``PackOptions`` (``cfg["nn_data"]``): compile the packing, or round ``T`` up to a bucket.
 
-    Example: lengths ``[2, 3, 1]``, ``packed_sequence_size [3]``, ``padding_value -1``, ``min_seq_len 8``
-    -> ids ``[[a0 a1 b0 b1 b2 c0 -1 -1]]``, positions ``[[0 1 0 1 2 0 0 0]]``.
+    Example: lengths ``[2, 3, 1]``, ``packed_sequence_size [3]``, ``padding_value -1``, ``min_seq_len 8`` -> ids
+    ``[[a0 a1 b0 b1 b2 c0 -1 -1]]``, positions ``[[0 1 0 1 2 0 0 0]]``.
 
-    Raises :class:`PackingError`: ``input_ids`` not ``[B, S]``, ``input_lengths`` not ``[B]`` integer,
-    ``packed_sequence_size`` not non-negative ints summing to ``B``, ``pad_full_seq_to`` below
-    ``min_seq_len``, a length outside ``[0, S]`` (host read) or a row above ``pad_full_seq_to``.
-    """
+    Raises :class:`PackingError` for any argument outside what is listed, or ``pad_full_seq_to`` below ``min_seq_len``."""
     checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
     rows, row_len = input_ids.shape[0], input_ids.shape[1]
     checks.check_int_vector("input_lengths", input_lengths, rows)
@@ -185,11 +163,9 @@ def _row_length(input_lengths, groups: list, row_len: int, min_seq_len: int, pad
 
 
 def _row_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """``[T, T]`` bool document-causal mask of one row whose sequences end at ``cu_seqlens[1:]``
-    (positions from ``cu_seqlens[-1]`` on are padding: no query, no key).
+    """``[T, T]`` bool document-causal mask of one row whose sequences end at ``cu_seqlens[1:]`` (padding sees nothing).
 
-    Example: cu_seqlens ``[0, 2, 3]``, T 4 -> rows ``[T F F F], [T T F F], [F F T F], [F F F F]``.
-    """
+    Example: cu_seqlens ``[0, 2, 3]``, T 4 -> rows ``[T F F F], [T T F F], [F F T F], [F F F F]``."""
     cu = cu_seqlens.to(torch.int64)
     pos = torch.arange(total, device=cu.device)  # [T]
     seq = segment_ids(cu, total)  # [T]
@@ -199,15 +175,14 @@ def _row_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def unpack_tensor(tensor: torch.Tensor, input_lengths: torch.Tensor, *, max_seqlen: Optional[int] = None
                   ) -> torch.Tensor:
-    """``tensor [1, T, *]`` holding the sequences back to back (lengths ``input_lengths [B]``) ->
-    ``[B, W, *]``, 0 past each length. ``W`` is ``max_seqlen`` when given (no host read; a longer
-    length raises, a device assert), else the longest length after one read, as NeMo-RL.
+    """``tensor [1, T, *]`` holding the sequences back to back -> ``[B, W, *]``, 0 past each length.
+
+    ``W`` is ``max_seqlen`` when given (no host read; a longer length is a device assert), else the longest length.
 
     Example: tensor ``[[1, 2, 3, 4, 5, 6, -1]]``, lengths ``[2, 3, 1]`` -> ``[[1, 2, 0], [3, 4, 5], [6, 0, 0]]``.
 
-    Raises :class:`PackingError`: ``tensor`` not ``[1, T, *]``, ``input_lengths`` not ``[B]`` integer,
-    lengths that do not fit ``T`` (or ``max_seqlen``).
-    """
+    Raises :class:`PackingError`: ``tensor`` not ``[1, T, *]``, ``input_lengths`` not ``[B]`` integer, lengths that do not
+    fit ``T`` (or ``max_seqlen``)."""
     checks.check_packed("tensor", tensor)
     checks.check_int_vector("input_lengths", input_lengths)
     lengths = on_device(input_lengths, tensor.device)
@@ -229,15 +204,12 @@ def unpack_tensor(tensor: torch.Tensor, input_lengths: torch.Tensor, *, max_seql
 
 def get_flash_attention_kwargs(input_lengths: torch.Tensor, *, max_seqlen: Optional[int] = None
                                ) -> FlashAttentionKwargs:
-    """FlashAttention-2's variable-length arguments for sequences of ``input_lengths [B]`` packed back to
-    back: ``cu_seqlens_q = [0, cumsum(L)]`` int32 on the lengths' device (``cu_seqlens_k`` an equal
-    copy), ``max_seqlen_q = max_seqlen_k``: ``max_seqlen`` when given (any bound of the lengths: no
-    host read), else the longest length after one read, as NeMo-RL (``.max().item()``). The boundaries
-    are int32, what flash-attn's varlen kernels take and NeMo-RL's docstring says (its ``cumsum`` of the
-    int64 lengths gives int64: docs/nemo-rl.md, "The AutoModel data path").
+    """FlashAttention-2's variable-length arguments for sequences of ``input_lengths [B]`` packed back to back.
 
-    Example: ``[2, 3, 1]`` -> cu_seqlens ``[0, 2, 5, 6]``, max_seqlen 3.
-    """
+    ``cu_seqlens_q = cu_seqlens_k = [0, cumsum(L)]`` int32; ``max_seqlen_q = max_seqlen_k`` is ``max_seqlen`` when given
+    (no host read), else the longest length after one read, as NeMo-RL.
+
+    Example: ``[2, 3, 1]`` -> cu_seqlens ``[0, 2, 5, 6]``, max_seqlen 3."""
     checks.check_int_vector("input_lengths", input_lengths)
     cu_seqlens = exclusive_cumsum(input_lengths).to(torch.int32)  # [B+1]
     if max_seqlen is None:

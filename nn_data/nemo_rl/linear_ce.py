@@ -1,5 +1,5 @@
-"""NeMo-RL's log-probs from hidden states (``nemo_rl.distributed.model_utils``' linear-CE fusion) on nn_data's
-fused head, with context parallelism: one import switches.
+"""NeMo-RL's log-probs from hidden states (its linear-CE fusion) on nn_data's fused head, with context parallelism:
+docs/logprobs.md, "NeMo-RL's linear-CE fusion, with context parallelism".
 
     # from nemo_rl.distributed.model_utils import from_parallel_hidden_states_to_logprobs
     from nn_data.nemo_rl.model_utils import from_parallel_hidden_states_to_logprobs
@@ -8,29 +8,23 @@ Shape legend
     B   rows (sequences); ``cu_seqlens_padded`` has B+1 entries
     S   row length (unpacked rows: ``target.shape[1]``; packed: ``unpacked_seqlen``)
     T   packed tokens; C context-parallel size; TP tensor-parallel size
-    H   hidden size; ``Vt = V / TP`` rows of the output weight on a TP rank
+    H   hidden size (sequence-first states: ``[S/C, B, H]``, packed ``[T/C, 1, H]``, ``/TP`` more with SP)
+    Vt  ``V / TP`` rows of the output weight on a TP rank
 
-megatron-core's hidden states are sequence-first: ``[S/C, B, H]`` for rows, ``[T/C, 1, H]`` packed, and
-with sequence parallelism this TP rank's ``1/TP`` of those positions (``[S/(C*TP), B, H]``), gathered
-inside. Which of the two a call holds is read from the shapes (NeMo-RL gathers whenever TP > 1, which
-is right only with sequence parallelism). The logits exist one chunk of tokens at a time
-(:func:`nn_data.logprobs.hidden_logprobs_local`); the values and gradients (of the hidden states
-and of the weight) are those of NeMo-RL's unfused functions on the logits ``hidden @ weight.T``, its
-conventions included (``docs/design.md``, "NeMo-RL's log-prob conventions"): ``[B, S-1]`` rows
-shifted by one, a target outside ``[0, V)`` the value 0 and the gradient ``-softmax``, and under CP
-(where NeMo-RL asserts) the gradient ``C`` times the single-process one, as the unfused drop-in's.
-The patch of megatron-core's ``GPTModel.forward`` is :mod:`nn_data.nemo_rl.linear_ce_patch`.
-"""
+:func:`patch_gpt_model_forward_for_linear_ce_fusion` makes megatron-core's ``GPTModel.forward`` return these log-probs
+(no logits) under NeMo-RL's keyword, context parallelism included (docs/nemo-rl.md, "The linear-CE fusion under
+context parallelism")."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from nn_data import GatherFromContextParallel
 from nn_data.logprobs import hidden_logprobs_local
-from nn_data.extension import checks, hidden_rows, process_groups
+from nn_data.extension import checks, hidden_rows, megatron, process_groups
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.logprob_steps import (
     DEFAULT_CHUNK_TOKENS, chunk_and_filter, gather_cp, grad_mode, groups, in_vocab, nemo_rl_rows,
@@ -55,20 +49,15 @@ def from_parallel_hidden_states_to_logprobs(
 ) -> torch.Tensor:
     """Log-probs ``[B, S-1]`` of unpacked rows from hidden states ``[S/C, B, H]``: NeMo-RL's function.
 
-    ``out[b, s] = log p(target[b, s+1] | ...)`` with ``p = softmax(hidden @ output_weight_layer.T)``.
-    ``target [B, S]`` holds the whole rows (each row's hidden states are its zigzag CP shard);
-    ``runtime_gather_output`` is accepted and unused, as in NeMo-RL. ``chunk_size`` positions of every row
-    per chunk (None: 256 tokens). ``inference_only`` computes without autograd. ``pg_collection``
-    (nn_data's, keyword-only: megatron-core's ``ProcessGroupCollection``) stands for the groups passed as
-    None: its ``tp`` and ``cp`` (:func:`nn_data.groups.given_group_info`).
+    ``target [B, S]`` holds the whole rows; ``runtime_gather_output`` is accepted and unused, as in NeMo-RL;
+    ``chunk_size`` positions of every row per chunk (None: 256 tokens); ``pg_collection`` (keyword-only) stands for
+    the groups passed as None.
 
     Example (V 3, zero weight): ``target [[0, 1, 2]]`` -> ``[[log(1/3), log(1/3)]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: hidden states not floating point 3-D, a weight whose
-    columns are not ``H``, a vocabulary slice that is not this TP rank's rows, ``target`` not integer
-    ``[B, S]`` with ``S`` this rank's ``S/C`` (or ``S/(C*TP)``) positions times the split, an odd shard
-    of a row under CP, ``chunk_size`` below 1, a group this process is not in.
-    """
+    Raises :class:`~nn_data.errors.PackingError`: hidden states not floating point 3-D, a weight whose columns are not
+    ``H``, a vocabulary slice not this TP rank's, ``target`` not integer ``[B, S]`` matching the shard, an odd row
+    shard under CP, ``chunk_size`` below 1, a group this process is not in."""
     cp, tp = groups(cp_group, tp_group, pg_collection)
     hidden, weight = tensor_parallel_hidden_states, output_weight_layer
     checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, ROWS_SHAPE)
@@ -105,19 +94,11 @@ def from_parallel_hidden_states_to_logprobs_packed_sequences(
     *,
     validate: bool = True, pg_collection=None,
 ) -> torch.Tensor:
-    """Log-probs ``[B, S-1]`` from this rank's packed hidden states ``[T/C, 1, H]``: the unfused
-    ``from_parallel_logits_to_logprobs_packed_sequences`` with the hidden states and the output weight in
-    place of the logits (NeMo-RL has no packed entry from hidden states: its fusion refuses CP).
+    """Log-probs ``[B, S-1]`` from this rank's packed hidden states ``[T/C, 1, H]`` and the output weight, in place of
+    the logits of ``from_parallel_logits_to_logprobs_packed_sequences`` (every other argument is that function's).
 
-    Every other argument is the unfused function's, with its meaning and results: ``target`` the packed
-    ids ``[1, T]`` (rolled here, within each padded segment) or, pre-rolled, this rank's ``[1, T/C]``;
-    ``group`` the TP group, ``cp_group`` the CP group; ``sampling_params`` top-k / top-p (exact, one
-    threshold per token); ``validate=False`` skips the one host read of ``cu_seqlens_padded``;
-    ``pg_collection`` stands for the groups passed as None (its ``tp`` and ``cp``).
-
-    Raises :class:`~nn_data.errors.PackingError` as :func:`from_parallel_hidden_states_to_logprobs` for the
-    hidden states and the weight, and as the unfused function for everything else.
-    """
+    Raises :class:`~nn_data.errors.PackingError` as :func:`from_parallel_hidden_states_to_logprobs` for the hidden states
+    and the weight, and as the unfused function for everything else."""
     cp, tp = groups(cp_group, group, pg_collection)
     seq_len = checks.positive_int("unpacked_seqlen", unpacked_seqlen)
     with grad_mode(inference_only):
@@ -132,9 +113,8 @@ def from_parallel_hidden_states_to_logprobs_packed_sequences(
 def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: int, vocab_start_index: int,
                            vocab_end_index: int, cp: process_groups.ParallelInfo, tp: process_groups.ParallelInfo, *, chunk_size, sampling_params,
                            pre_rolled: bool, validate: bool, op: str):
-    """``(packed [1, T], layout)`` on every rank from the hidden states: the checks of the hidden states and
-    the weight, then :func:`~nn_data.nemo_rl.logprob_steps.packed_logprobs` (position ``t``, offset ``s`` in its
-    padded segment ``n``, holds the log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``)."""
+    """``(packed [1, T], layout)`` from the hidden states: their and the weight's checks, then
+    :func:`~nn_data.nemo_rl.logprob_steps.packed_logprobs`."""
     checks.check_output_head(HIDDEN, hidden, WEIGHT, weight, PACKED_SHAPE)
     if 1 not in hidden.shape[:2]:
         raise PackingAssertionError(f"{HIDDEN} must be {PACKED_SHAPE}, got shape {tuple(hidden.shape)}")
@@ -153,12 +133,9 @@ def packed_hidden_logprobs(hidden, weight, target, cu_seqlens_padded, seq_len: i
 
 
 class ChunkedDistributedHiddenStatesToLogprobs:
-    """``apply(tensor_parallel_hidden_states [S, B, H], target [B, S], output_weight_layer [Vt, H],
-    vocab_start_index, vocab_end_index, chunk_size, tp_group, inference_only=False) -> [B, S]``: NeMo-RL's
-    autograd function, called as NeMo-RL calls it: ``log softmax(hidden @ weight.T)`` at every position
-    for ``target`` (already rolled), over the TP-split vocabulary (hidden states ``[S/TP, B, H]`` with
-    sequence parallelism); a target outside ``[0, V)`` gets 0 and the gradient ``-softmax``. No CP.
-    ``pg_collection`` (keyword-only): its ``tp`` stands for ``tp_group=None``."""
+    """``apply(tensor_parallel_hidden_states [S, B, H], target [B, S], output_weight_layer [Vt, H], vocab_start_index,
+    vocab_end_index, chunk_size, tp_group, inference_only=False) -> [B, S]``: NeMo-RL's autograd function, ``log
+    softmax(hidden @ weight.T)`` at every position for the rolled ``target``; no CP."""
 
     @staticmethod
     def apply(tensor_parallel_hidden_states, target, output_weight_layer, vocab_start_index, vocab_end_index,
@@ -189,8 +166,7 @@ def _chunk_tokens(chunk_size, vocab_start_index, vocab_end_index, weight, tp: pr
 
 
 def _sequence_parallel(rows: int, positions: int, cp: process_groups.ParallelInfo, tp: process_groups.ParallelInfo) -> bool:
-    """Whether ``rows`` hidden states are this rank's ``1/(C*TP)`` of ``positions`` (sequence parallelism)
-    rather than its ``1/C``; anything else is refused, naming both shares.
+    """Whether ``rows`` hidden states are this rank's ``1/(C*TP)`` of ``positions`` rather than its ``1/C``.
 
     Example: 32 positions, C 2, TP 2: 16 rows -> False, 8 rows -> True, 12 rows -> PackingError."""
     if rows * cp.size == positions:
@@ -219,3 +195,112 @@ def _values(rows, weight, token, keep, vocab_start: int, tp: process_groups.Para
     """The fused kernel's ``[N]`` values with NeMo-RL's rule for a target outside the vocabulary."""
     values = _kernel(rows, weight, token, keep, vocab_start, tp, sequence_parallel, chunk, filt)
     return out_of_vocab_as_nemo_rl(values, in_vocab(token, weight.shape[0] * tp.size))
+
+
+def patch_gpt_model_forward_for_linear_ce_fusion(*, chunk_size: int) -> None:
+    """Patch megatron-core's ``GPTModel.forward`` (the class) so that ``return_logprobs_for_linear_ce_fusion=True`` returns
+    log-probs, ``chunk_size`` positions of every row per chunk; calling it again updates the chunk size."""
+    model_class = megatron.gpt_model_class()
+    if not getattr(model_class, "_linear_ce_fusion_forward_patched", False):
+        model_class._original_forward_for_linear_ce_fusion = model_class.forward
+        model_class._linear_ce_fusion_forward_patched = True
+    model_class._linear_ce_fusion_chunk_size = chunk_size
+    model_class.forward = _gpt_forward_with_linear_ce_fusion
+
+
+def _gpt_forward_with_linear_ce_fusion(
+    self,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    decoder_input: torch.Tensor = None,
+    labels: torch.Tensor = None,
+    inference_context: Any = None,
+    packed_seq_params: Any = None,
+    extra_block_kwargs: Optional[dict] = None,
+    runtime_gather_output: Optional[bool] = None,
+    *,
+    inference_params: Optional[Any] = None,
+    loss_mask: Optional[torch.Tensor] = None,
+    padding_mask: Optional[torch.Tensor] = None,
+    is_spec_decode: Optional[bool] = None,
+    return_logprobs_for_linear_ce_fusion: bool = False,
+) -> torch.Tensor:
+    """``GPTModel.forward`` with NeMo-RL's switch: log-probs ``[B, S-1]`` (rows) or ``[1, T-1]`` (packed)."""
+    if not return_logprobs_for_linear_ce_fusion:
+        passthrough = {} if is_spec_decode is None else {"is_spec_decode": is_spec_decode}
+        return self._original_forward_for_linear_ce_fusion(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            decoder_input=decoder_input, labels=labels, inference_context=inference_context,
+            packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,
+            runtime_gather_output=runtime_gather_output, inference_params=inference_params, loss_mask=loss_mask,
+            padding_mask=padding_mask, **passthrough,
+        )
+    if labels is None:
+        raise PackingAssertionError("labels must be provided when linear CE fusion is enabled (the token ids: "
+                                    "labels=input_ids, as NeMo-RL's model_forward passes them)")
+    if inference_context is None:
+        inference_context = inference_params  # megatron-core's renamed argument
+    hidden = _decoder_hidden_states(self, input_ids, position_ids, attention_mask, decoder_input, inference_context,
+                                    packed_seq_params, extra_block_kwargs, padding_mask)
+    if not self.post_process or not hasattr(self, "output_layer"):
+        return hidden  # an earlier pipeline stage: the hidden states go to the next one
+    weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+        else self.output_layer.weight
+    cp, tp = process_groups.group_info(self.cp_group, "context-parallel group"), process_groups.group_info(self.pg_collection.tp,
+                                                                             "tensor-parallel group")
+    rows = weight.shape[0]
+    vocab = (tp.rank * rows, (tp.rank + 1) * rows)  # this rank's slice: NeMo-RL's (vocab_size // TP) split
+    inference_only = inference_context is not None and not self.training
+    chunk = self._linear_ce_fusion_chunk_size
+    local = hidden.shape[0] * _split(self, tp)  # this CP rank's positions: T/C (packed) or S/C (each row)
+    with grad_mode(inference_only):  # no graph in inference, and an outer no_grad() holds
+        if cp.size > 1 and labels.shape[1] == local:  # CP-sharded labels, as NeMo-RL passes the input ids
+            labels = _gather_labels(labels, packed_seq_params, cp)
+        if _is_thd(packed_seq_params):
+            packed = packed_hidden_logprobs(hidden, weight, labels, _boundaries(packed_seq_params), labels.shape[1],
+                                            *vocab, cp, tp, chunk_size=chunk, sampling_params=None, pre_rolled=False,
+                                            validate=False, op="GPTModel.forward (linear CE fusion)")[0]  # [1, T]
+            return packed[:, :-1]  # [1, T-1]
+        return from_parallel_hidden_states_to_logprobs(hidden, weight, runtime_gather_output, labels, *vocab, tp.group,
+                                                       cp_group=cp.group, chunk_size=chunk)
+
+
+def _decoder_hidden_states(model, input_ids, position_ids, attention_mask, decoder_input, inference_context,
+                           packed_seq_params, extra_block_kwargs, padding_mask) -> torch.Tensor:
+    """The embedding and the decoder as megatron-core's ``GPTModel.forward`` runs them: ``[T/C, B, H]``."""
+    out = model._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
+                            inference_context=inference_context, packed_seq_params=packed_seq_params,
+                            padding_mask=padding_mask)
+    decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask = out[:6]
+    return model.decoder(
+        hidden_states=decoder_input, attention_mask=attention_mask, inference_context=inference_context,
+        rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+        rotary_pos_cos_sin=out[6] if len(out) == 7 else None, packed_seq_params=packed_seq_params,
+        sequence_len_offset=sequence_len_offset, padding_mask=padding_mask, **(extra_block_kwargs or {}),
+    )
+
+
+def _split(model, tp) -> int:
+    """How many ranks share one CP rank's positions of the hidden states: TP with sequence parallelism."""
+    return tp.size if getattr(model.config, "sequence_parallel", False) else 1
+
+
+def _is_thd(params) -> bool:
+    return params is not None and getattr(params, "qkv_format", None) == "thd"
+
+
+def _boundaries(params) -> torch.Tensor:
+    """The padded boundaries of a THD ``PackedSeqParams`` (``cu_seqlens_q`` when it has no padded ones)."""
+    padded = getattr(params, "cu_seqlens_q_padded", None)
+    return padded if padded is not None else params.cu_seqlens_q
+
+
+def _gather_labels(labels: torch.Tensor, params, cp) -> torch.Tensor:
+    """This CP rank's labels -> every rank's, in order: packed ``[1, T/C] -> [1, T]`` (the zigzag of the
+    packed segments) or rows ``[B, S/C] -> [B, S]`` (each row's zigzag); one all-gather of ints."""
+    if _is_thd(params):
+        gather = GatherFromContextParallel(cp.group, validate=False, host_reads=False)
+        return gather(labels[..., None], _boundaries(params))[..., 0]  # [1, T]
+    layout = row_layout(1, labels.shape[1] * cp.size, labels.device, op="GPTModel.forward (linear CE fusion)")
+    return gather_cp(labels.T, layout, cp)[0].T  # [S/C, B] -> [1, S, B] -> [B, S]: each row one segment [0, S]

@@ -1,14 +1,11 @@
-"""The steps NeMo-RL's log-prob functions share, from logits (``model_utils``) or from hidden states
-(``linear_ce``): groups, chunking and filter arguments, the call's layout, the packed targets, NeMo-RL's
-rule for a target outside the vocabulary, the CP gather with NeMo-RL's ``C``-times gradient, and the one
-body of both packed entry points (:func:`packed_logprobs`); the kernels are :mod:`nn_data.logprobs`'.
+"""The steps NeMo-RL's log-prob functions share, from logits (``model_utils``) or hidden states (``linear_ce``), and
+the one body of both packed entry points (:func:`packed_logprobs`); the kernels are :mod:`nn_data.logprobs`'.
 
 Shape legend
     B   sequences; ``cu_seqlens_padded`` has B+1 entries
     S   unpacked row length (``unpacked_seqlen``)
     T   packed tokens; C context-parallel size; N = T/C positions on a rank
-    Vt  vocabulary columns on a tensor-parallel rank
-"""
+    Vt  vocabulary columns on a tensor-parallel rank"""
 
 from __future__ import annotations
 
@@ -52,10 +49,8 @@ def chunk_and_filter(chunk_size, sampling_params, vocab_start_index, vocab_end_i
 
 def packed_layout(cu_seqlens_padded: torch.Tensor, total: int, cp: process_groups.ParallelInfo, *, op: str,
                   validate: bool) -> PackLayout:
-    """The layout of a packed call, built once and used for the whole call: with ``validate`` one host read
-    of ``cu_seqlens_padded`` eagerly (the call's validation) or device asserts when compiled; nothing read
-    with ``validate=False``. Its valid tokens are the whole padded segments: NeMo-RL scores every position
-    of a padded segment, its padding included."""
+    """The layout of a packed call: with ``validate`` one host read of ``cu_seqlens_padded`` (device asserts when
+    compiled). Its valid tokens are the whole padded segments, as NeMo-RL scores them."""
     bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens_padded)
     # NeMo-RL's validate=False means no read at all: the drop-in asks for the device executor then
     return layout_from_boundaries(bounds, op=op, cp_size=cp.size, validate=validate, host_reads=validate)
@@ -87,13 +82,11 @@ def packed_targets(target, pre_rolled: bool, layout: PackLayout, cp: process_gro
 def packed_logprobs(*, op: str, name: str, data: torch.Tensor, target: torch.Tensor, cu_seqlens_padded: torch.Tensor,
                     total: int, seq_len: int, cp: process_groups.ParallelInfo, pre_rolled: bool, validate: bool, vocab: int,
                     score) -> tuple[torch.Tensor, PackLayout]:
-    """The one body of NeMo-RL's packed log-prob functions, from logits or from hidden states (``data``, named
-    ``name``): ``(packed [1, T], layout)``, position ``t`` (offset ``s`` in its padded segment ``n``) holding the
-    log-prob of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``, else 0, on every CP rank.
+    """The one body of NeMo-RL's packed log-prob functions, from logits or hidden states (``data``, named ``name``).
 
-    ``score(token [N], keep [N]) -> [N]`` is the kernel call on this rank's positions; a target outside
-    ``[0, vocab)`` then gets NeMo-RL's value and gradient. Checks ``target`` and the boundaries first
-    (:func:`packed_layout`: the one read, with ``validate``)."""
+    Returns ``(packed [1, T], layout)``: position ``t`` (offset ``s`` in its padded segment ``n``) holds the log-prob
+    of the token at ``t + 1`` for ``s < min(n - 1, seq_len - 1)``, else 0, on every CP rank. ``score(token [N], keep
+    [N]) -> [N]`` is the kernel call on this rank's positions."""
     checks.check_logprob_target(target, pre_rolled, total // cp.size, total)
     layout_checks.boundary_args(name, data, total, cu_seqlens_padded, cp.size)
     checks.check_same_device(**{name: data, "target": target})
@@ -109,15 +102,10 @@ def in_vocab(token: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def out_of_vocab_as_nemo_rl(values: torch.Tensor, token_in_vocab: torch.Tensor) -> torch.Tensor:
-    """NeMo-RL's result for a target outside the vocabulary: the value 0, and the gradient its backward
-    gives, ``-softmax`` of the row times the output's gradient (NeMo-RL masks such a target out of the
-    one-hot term only). ``values`` come from the chunked kernel run with those positions kept, where no
-    rank owns the target: their value is ``-lse`` and their gradient ``-softmax``; ``v - v.detach()``
-    is exactly 0 and passes the gradient through unchanged.
+    """NeMo-RL's result for a target outside the vocabulary: the value 0, the gradient ``-softmax`` of the row (the
+    kernel's, passed through by ``v - v.detach()``).
 
-    Example: ``values [-1.2, -3.4]``, ``token_in_vocab [True, False]`` -> ``[-1.2, 0.0]``, and a gradient
-    ``g`` reaches both positions of the kernel.
-    """
+    Example: ``values [-1.2, -3.4]``, ``token_in_vocab [True, False]`` -> ``[-1.2, 0.0]``."""
     return torch.where(token_in_vocab, values, values - values.detach())
 
 

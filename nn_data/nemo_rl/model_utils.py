@@ -1,4 +1,5 @@
-"""NeMo-RL's log-prob functions of ``nemo_rl.distributed.model_utils`` on nn_data's path: one import switches.
+"""NeMo-RL's log-prob functions of ``nemo_rl.distributed.model_utils`` on nn_data's path: one import switches
+(docs/logprobs.md, "NeMo-RL's log-prob functions"; its conventions: docs/design.md, "NeMo-RL's log-prob conventions").
 
     # from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs_packed_sequences
     from nn_data.nemo_rl.model_utils import from_parallel_logits_to_logprobs_packed_sequences
@@ -8,28 +9,7 @@ Shape legend
     S   unpacked row length (``unpacked_seqlen``; ``target.shape[1]`` for unpacked rows)
     T   packed tokens; C context-parallel size; N = T/C positions on a rank
     V   vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank
-    n   a sequence's padded segment, ``cu_seqlens_padded[b+1] - cu_seqlens_padded[b]``
-
-The names, signatures, defaults and values are NeMo-RL's (HEAD 7ea279a), its conventions included
-(``docs/design.md``, "NeMo-RL's log-prob conventions"):
-
-* ``[B, S-1]`` rows: ``out[b, s]`` is the log-prob, at packed position ``start_b + s``, of the token
-  at ``start_b + s + 1``, for ``s < min(n_b - 1, S - 1)``: past a sequence's length it is
-  ``log p(pad | ...)`` (whatever ``target`` holds there), beyond that 0;
-* the gradient under CP is ``C`` times the single-process one (NeMo-RL's all-gather backward sums
-  the ranks' gradients and its loss divides by ``cp_size``): here a reduce-scatter, exact also when
-  the ranks' losses differ;
-* a target outside ``[0, V)`` gets the value 0 and NeMo-RL's gradient, ``-softmax`` of its row times
-  the output's gradient (NeMo-RL's backward masks only the one-hot term); ``sampling_params`` (top-k /
-  top-p) take the log-softmax over the kept logits, a filtered target gets ``-inf``.
-
-What is nn_data's: one index map for the whole microbatch (no loop over sequences), the log-probs of
-a rank's own positions computed in chunks of tokens (``token_logprobs_local``), one all-gather of
-``[1, T/C]`` values over ``cp_group`` (one ``[2, N]`` all-gather over ``group`` under TP), and no host
-sync: one with ``validate=True`` (the default), which checks ``cu_seqlens_padded``. The differences
-from NeMo-RL (float64 kept, ``chunk_size=None`` still chunked, ``None`` groups) are in
-docs/nemo-rl.md's "Differences from NeMo-RL" table.
-"""
+    n   a sequence's padded segment, ``cu_seqlens_padded[b+1] - cu_seqlens_padded[b]``"""
 
 from __future__ import annotations
 
@@ -44,8 +24,8 @@ from nn_data.nemo_rl.linear_ce import (  # NeMo-RL's linear-CE fusion (log-probs
     ChunkedDistributedHiddenStatesToLogprobs,
     from_parallel_hidden_states_to_logprobs,
     from_parallel_hidden_states_to_logprobs_packed_sequences,
+    patch_gpt_model_forward_for_linear_ce_fusion,
 )
-from nn_data.nemo_rl.linear_ce_patch import patch_gpt_model_forward_for_linear_ce_fusion
 from nn_data.nemo_rl.logprob_steps import (
     DEFAULT_CHUNK_TOKENS, chunk_and_filter, gather_cp, grad_mode, groups, in_vocab, nemo_rl_rows,
     out_of_vocab_as_nemo_rl, packed_logprobs, row_layout,
@@ -135,23 +115,26 @@ def from_parallel_logits_to_logprobs_packed_sequences(
 ) -> torch.Tensor:
     """Log-probs ``[B, S-1]`` from this rank's packed logits ``[1, T/C, Vt]``: NeMo-RL's function.
 
-    ``target``: the packed ids ``[1, T]`` (rolled here, within each padded segment), or with
-    ``target_is_pre_rolled=True`` this rank's rolled and CP-sharded targets ``[1, T/C]``.
-    ``group`` is the tensor-parallel group and ``cp_group`` the context-parallel one (``None``: not
-    split). ``inference_only`` computes without autograd. ``chunk_size`` tokens per chunk of the
-    log-sum-exp (None: 256). ``validate=False`` (nn_data's, keyword-only) skips the one host sync.
-    ``pg_collection`` (nn_data's, keyword-only: megatron-core's ``ProcessGroupCollection``) stands for
-    the groups passed as None: its ``tp`` and ``cp`` (a group and the collection's differing raise).
+    Args:
+        vocab_parallel_logits: ``[1, T/C, Vt]`` floating point.
+        target: the packed ids ``[1, T]`` (rolled here within each segment), or pre-rolled and sharded ``[1, T/C]``.
+        cu_seqlens_padded: ``[B+1]`` rising from 0 to ``T`` in segments divisible by ``2C``.
+        unpacked_seqlen: ``S``.
+        vocab_start_index: this TP rank's first vocabulary column.
+        vocab_end_index: one past its last.
+        group: the tensor-parallel group (None: not split).
+        inference_only: compute without autograd.
+        cp_group: the context-parallel group (None: not split).
+        chunk_size: tokens per chunk of the log-sum-exp (None: 256).
+        sampling_params: top-k / top-p (:class:`TrainingSamplingParams`).
+        target_is_pre_rolled: ``target`` is this rank's rolled shard.
+        validate: nn_data only: False skips the one host sync.
+        pg_collection: nn_data only: stands for the groups passed as None (its ``tp`` and ``cp``).
 
-    Example (C 1, V 3, uniform logits): cu_seqlens_padded ``[0, 4]``, unpacked_seqlen 3 ->
-    ``[[log(1/3), log(1/3)]]`` (positions 0 and 1 predict tokens 1 and 2; position 2 would need S 4).
+    Example (C 1, V 3, uniform logits): cu_seqlens_padded ``[0, 4]``, unpacked_seqlen 3 -> ``[[log(1/3), log(1/3)]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: logits not ``[1, T/C, Vt]`` floating point,
-    ``target`` not ``[1, T]`` (``[1, T/C]`` pre-rolled) integer, ``unpacked_seqlen`` or ``chunk_size``
-    below 1, a vocabulary slice that is not this TP rank's, ``top_k`` above ``V``, ``T`` not a multiple
-    of ``2C``, a group this process is not in (call); ``cu_seqlens_padded`` not rising from 0 to ``T``
-    in segments divisible by ``2C`` (validation).
-    """
+    Raises :class:`~nn_data.errors.PackingError` for any argument outside what is listed above, ``top_k`` above
+    ``V``, or a group this process is not in."""
     cp, tp = groups(cp_group, group, pg_collection)
     checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[1, T // CP, vocab_size // TP] "
                                "(Expected probs to be 1D after squeezing)", 3)
@@ -185,21 +168,17 @@ def from_parallel_logits_to_logprobs(
     *,
     pg_collection=None,
 ) -> torch.Tensor:
-    """Log-probs ``[B, S-1]`` of unpacked rows from this rank's logits ``[B, S_loc, Vt]``: NeMo-RL's function.
+    """Log-probs ``[B, S-1]`` of unpacked rows from this rank's logits ``[B, S_loc, Vt]``: NeMo-RL's function (no sync).
 
-    ``target [B, S]`` holds the ids; under CP each row of the logits is this rank's zigzag shard of
-    the row padded to ``S_loc * C >= S`` positions. ``out[b, s] = log p(target[b, s+1] | logits[b, s])``
-    for ``s < S - 1``. ``chunk_size`` counts positions per row, as NeMo-RL's (``chunk_size * B``
-    tokens per chunk). No host sync. ``pg_collection`` (keyword-only) stands for the groups passed as
-    None (its ``tp`` and ``cp``).
+    Under CP each row is this rank's zigzag shard of the row padded to ``S_loc * C >= S``; ``chunk_size`` counts
+    positions per row, as NeMo-RL's; ``pg_collection`` (keyword-only) stands for the groups passed as None.
 
-    Example (C 2, S 6, S_loc 4): each row is padded to 8 = 4 chunks of 2; rank 0 holds positions
-    ``0, 1, 6, 7``, rank 1 ``2, 3, 4, 5``; positions 0-4 predict tokens 1-5 (6 and 7 are padding).
+    Example (C 2, S 6, S_loc 4): each row is padded to 8 = 4 chunks of 2; rank 0 holds positions ``0, 1, 6, 7``,
+    rank 1 ``2, 3, 4, 5``; positions 0-4 predict tokens 1-5.
 
-    Raises :class:`~nn_data.errors.PackingError`: logits not ``[B, S_loc, Vt]`` floating point,
-    ``target`` not ``[B, S]`` integer with ``S <= S_loc * C``, an odd ``S_loc`` under CP, a bad
-    ``chunk_size``, vocabulary slice or ``top_k``, a group this process is not in.
-    """
+    Raises :class:`~nn_data.errors.PackingError`: logits not ``[B, S_loc, Vt]`` floating point, ``target`` not
+    ``[B, S]`` integer with ``S <= S_loc * C``, an odd ``S_loc`` under CP, a bad ``chunk_size``, vocabulary slice or
+    ``top_k``, a group this process is not in."""
     cp, tp = groups(cp_group, tp_group, pg_collection)
     checks.check_float_logits("vocab_parallel_logits", vocab_parallel_logits, "[B, S // CP, vocab_size // TP]", 3)
     rows, local_len, cols = vocab_parallel_logits.shape
@@ -239,17 +218,12 @@ def get_next_token_logprobs_from_logits(
 ) -> torch.Tensor:
     """NeMo-RL's dispatcher: ``[B, S-1]`` log-probs of ``input_ids [B, S]`` from ``next_token_logits``.
 
-    With ``vocab_parallel_group``: :func:`from_parallel_logits_to_logprobs` (vocab-parallel, CP);
-    without: full-vocabulary logits ``[B, S, V]``. As NeMo-RL, logits narrower than float32 are cast
-    to float32 first when a top-k / top-p filter is on (the filter then runs in float32); float64 stays.
-    ``seq_index`` belongs to NeMo-RL's DTensor path, which nn_data does not provide.
-    ``pg_collection`` (keyword-only, megatron-core's ``ProcessGroupCollection``): its ``tp`` stands for
-    ``vocab_parallel_group`` (and its rank for ``vocab_parallel_rank``) and its ``cp`` for
-    ``context_parallel_group`` when those are None (the vocab-parallel path, then taken).
+    With ``vocab_parallel_group`` (or ``pg_collection.tp``): :func:`from_parallel_logits_to_logprobs`; without:
+    full-vocabulary logits ``[B, S, V]``. Under a top-k / top-p filter logits narrower than float32 are cast to float32
+    (as NeMo-RL). ``seq_index`` belongs to NeMo-RL's DTensor path, which nn_data does not provide.
 
     Raises :class:`~nn_data.errors.PackingError` for DTensor logits, a ``vocab_parallel_group`` without
-    ``vocab_parallel_rank``, and as :func:`from_parallel_logits_to_logprobs`.
-    """
+    ``vocab_parallel_rank``, and as :func:`from_parallel_logits_to_logprobs`."""
     if type(next_token_logits).__name__ == "DTensor":
         raise PackingAssertionError("next_token_logits is a DTensor: nn_data.nemo_rl.model_utils covers the "
                                    "Megatron (vocab-parallel) and plain-tensor paths; use NeMo-RL's "
@@ -279,9 +253,8 @@ def get_next_token_logprobs_from_logits(
 
 
 class DistributedLogprob:
-    """``apply(vocab_parallel_logits [*, Vt], target [*], vocab_start_index, vocab_end_index, group,
-    inference_only=False) -> [*]``: ``log softmax(logits)[target]`` over the TP-split vocabulary; for a
-    target outside ``[0, V)`` the value 0 and the gradient ``-softmax`` (NeMo-RL's)."""
+    """``apply(vocab_parallel_logits [*, Vt], target [*], vocab_start_index, vocab_end_index, group, inference_only=False)
+    -> [*]``: ``log softmax(logits)[target]`` over the TP-split vocabulary (NeMo-RL's rule outside ``[0, V)``)."""
 
     @staticmethod
     def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group, inference_only=False, *,
@@ -291,9 +264,8 @@ class DistributedLogprob:
 
 
 class ChunkedDistributedLogprob:
-    """``apply(vocab_parallel_logits [B, S, Vt], target [B, S], vocab_start_index, vocab_end_index,
-    chunk_size, tp_group, inference_only=False) -> [B, S]``: as :class:`DistributedLogprob`, ``chunk_size``
-    positions per row at a time."""
+    """``apply(vocab_parallel_logits [B, S, Vt], target [B, S], vocab_start_index, vocab_end_index, chunk_size, tp_group,
+    inference_only=False) -> [B, S]``: :class:`DistributedLogprob`, ``chunk_size`` positions per row at a time."""
 
     @staticmethod
     def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, chunk_size, tp_group,
@@ -325,8 +297,7 @@ class ChunkedDistributedLogprobWithSampling:
 @torch.no_grad()
 def _compute_distributed_log_softmax(vocab_parallel_logits: torch.Tensor, group, *,
                                      pg_collection=None) -> torch.Tensor:
-    """The log-softmax over the TP-split vocabulary, this rank's columns ``[*, Vt]`` (no autograd):
-    one all-gather of the per-rank log-sum-exp ``[*]`` (``group`` None: ``pg_collection.tp`` if given)."""
+    """The log-softmax over the TP-split vocabulary, this rank's columns ``[*, Vt]`` (no autograd, one all-gather)."""
     tp = process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
     lse = torch.logsumexp(vocab_parallel_logits, dim=-1)  # [*]
     if tp.size > 1:
@@ -344,9 +315,8 @@ def _local_logprobs(logits, token, keep, vocab_start: int, tp: process_groups.Pa
 
 def _token_logprobs(logits, target, vocab_start_index, vocab_end_index, group, chunk_size, filt, inference_only,
                     pg_collection=None):
-    """Log-probs of ``target [*]`` at every position of ``logits [*, Vt]`` (the autograd classes' body).
-    ``chunk_size`` counts positions of a row, as NeMo-RL's: ``chunk_size * B`` tokens for ``[B, S, Vt]``;
-    ``group`` None: ``pg_collection.tp`` when a collection is given."""
+    """Log-probs of ``target [*]`` at every position of ``logits [*, Vt]`` (the autograd classes' body); ``chunk_size``
+    counts positions of a row, as NeMo-RL's."""
     tp = process_groups.given_group_info(group, pg_collection=pg_collection, field="tp")
     checks.check_min_dims("vocab_parallel_logits", logits, 1, "[*, V // TP]")
     cols = logits.shape[-1]

@@ -1,18 +1,12 @@
-"""NeMo-RL's vocabulary-parallel and context-parallel helpers of ``nemo_rl.distributed.model_utils`` (the draft
-and cross-tokenizer losses' tools), re-exported by :mod:`nn_data.nemo_rl.model_utils`: one import switches.
+"""NeMo-RL's vocabulary-parallel and context-parallel helpers of ``nemo_rl.distributed.model_utils``, re-exported by
+:mod:`nn_data.nemo_rl.model_utils`: docs/logprobs.md, "NeMo-RL's entropy, distillation and vocabulary-parallel
+helpers".
 
 Shape legend
     B   rows; T positions of a row on this rank
     V   vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank (rank ``r`` holds ``[r*Vt, (r+1)*Vt)``)
     K   vocabulary columns asked for
-    C   context-parallel size
-
-NeMo-RL's names, signatures and values (HEAD 7ea279a). What is nn_data's: float64 stays float64 (NeMo-RL's
-``.float()`` makes float32), ``None`` groups mean "not split", every function takes ``pg_collection=``
-(megatron-core's ``ProcessGroupCollection``: its ``tp`` / ``cp`` stand for the groups passed as None), the
-collectives are nn_data's functional ones (no in-place ``torch.distributed`` calls), and a bad argument is a
-:class:`~nn_data.errors.PackingError` (a ``ValueError``, as NeMo-RL raises).
-"""
+    C   context-parallel size"""
 
 from __future__ import annotations
 
@@ -34,9 +28,8 @@ def _local(logits):
 
 def _compute_distributed_log_softmax_with_grad(vocab_parallel_logits: torch.Tensor, group, *,
                                                pg_collection=None) -> torch.Tensor:
-    """The log-softmax over the TP-split vocabulary, this rank's columns ``[*, Vt]``, differentiable: the
-    per-rank log-sum-exps cross the group in one all-gather whose backward sums the ranks' gradients
-    (NeMo-RL's differentiable all-reduce), so a loss summed over the ranks' shards gets its exact gradient."""
+    """The log-softmax over the TP-split vocabulary, this rank's columns ``[*, Vt]``; the log-sum-exp all-gather's
+    backward sums the ranks' gradients (NeMo-RL's differentiable all-reduce)."""
     tp = _tp(group, pg_collection)
     lse = torch.logsumexp(vocab_parallel_logits, dim=-1)  # [*]
     if tp.size > 1:
@@ -64,9 +57,9 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def group_all_reduce_sum_with_grad(x: torch.Tensor, group, *, pg_collection=None, field: str = "tp") -> torch.Tensor:
-    """``x`` summed over ``group`` (a new tensor), the gradient passed through unchanged (NeMo-RL's). ``group``
-    None: ``pg_collection.<field>`` (``"tp"`` or ``"cp"``) when a collection is given, else ``x`` itself (as
-    for a group of one rank). Example (2 ranks): ``[1.]``, ``[2.]`` -> ``[3.]`` on both."""
+    """``x`` summed over ``group`` (else ``pg_collection.<field>``; neither: ``x``), the gradient passed through unchanged.
+
+    Example (2 ranks): ``[1.]``, ``[2.]`` -> ``[3.]`` on both."""
     info = process_groups.given_group_info(group, pg_collection=pg_collection, field=field)
     if info.size <= 1:
         return x
@@ -117,17 +110,12 @@ def vocab_parallel_argmax(logits: torch.Tensor, *, tp_group=None, pg_collection=
 
 def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group, seq_dim: int = 1, *,
                                 pg_collection=None):
-    """This rank's zigzag shard of one sequence along ``seq_dim`` -> the whole sequence, on every rank.
+    """This rank's zigzag shard of one sequence along ``seq_dim`` -> the whole sequence, on every rank (one all-gather).
 
-    ``tensor [..., S_loc, ...]`` holds chunks ``r`` and ``2C-1-r`` of ``2C``; the result has
-    ``S_loc * C`` positions in order. Differentiable: the gradient of a shard is the sum over the
-    ranks of the gradients they computed for it (NeMo-RL's all-reduce then slice, as a
-    reduce-scatter), so ``C`` times the single-process gradient when every rank computes the same
-    loss. ``cp_group=None``: the identity (``pg_collection.cp`` when a collection is given). One
-    all-gather; no host sync.
+    The gradient of a shard is the sum of the ranks' gradients for it (NeMo-RL's all-reduce then slice, as a
+    reduce-scatter); ``cp_group=None``: the identity.
 
-    Example (C 2): rank 0 ``[0, 1, 6, 7]``, rank 1 ``[2, 3, 4, 5]`` -> ``[0, 1, 2, 3, 4, 5, 6, 7]``.
-    """
+    Example (C 2): rank 0 ``[0, 1, 6, 7]``, rank 1 ``[2, 3, 4, 5]`` -> ``[0, 1, 2, 3, 4, 5, 6, 7]``."""
     cp = process_groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp")
     if cp.size == 1:
         return tensor
@@ -139,14 +127,12 @@ def allgather_cp_sharded_tensor(tensor: torch.Tensor, cp_group, seq_dim: int = 1
 
 
 def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1):
-    """Rank ``cp_rank``'s zigzag shard of one sequence along ``seq_dim``: chunks ``r`` and ``2C-1-r`` of
-    ``2C`` (``[..., n, ...] -> [..., n/C, ...]``; one gather). ``cp_size == 1``: ``input_ids`` itself.
+    """Rank ``cp_rank``'s zigzag shard of one sequence along ``seq_dim``: chunks ``r`` and ``2C-1-r`` of ``2C``.
 
     Example: ``[0..7]``, C 2, rank 1 -> ``[2, 3, 4, 5]``.
 
-    Raises :class:`~nn_data.errors.PackingError` for a bad ``cp_size`` / ``cp_rank`` and a length not a
-    multiple of ``2 * cp_size`` (NeMo-RL drops the remainder).
-    """
+    Raises :class:`~nn_data.errors.PackingError` for a bad ``cp_size`` / ``cp_rank`` and a length not a multiple of
+    ``2 * cp_size``."""
     if cp_size == 1:
         return input_ids
     _checks.check_cp(cp_size, cp_rank)
@@ -157,10 +143,10 @@ def _get_tokens_on_this_cp_rank(input_ids: torch.Tensor, cp_rank: int, cp_size: 
 
 
 def cp_shift_next(x: torch.Tensor, cp_group=None, *, fill: float, pg_collection=None) -> torch.Tensor:
-    """``out[:, t] = x[:, t + 1]`` along dim 1 of the *whole* sequence under contiguous CP sharding: each
-    rank's last position takes the next rank's first (one all-gather of ``x[:, 0]``), the sequence's last is
-    ``fill``. Differentiable in ``x`` (the rank's own positions; the neighbour's value is a constant, as
-    NeMo-RL's). Example (C 1): ``[[1, 2, 3]]``, fill 0 -> ``[[2, 3, 0]]``."""
+    """``out[:, t] = x[:, t + 1]`` along dim 1 of the whole sequence under contiguous CP sharding (one all-gather of
+    ``x[:, 0]``), the sequence's last ``fill``; the neighbour's value is a constant, as NeMo-RL's.
+
+    Example (C 1): ``[[1, 2, 3]]``, fill 0 -> ``[[2, 3, 0]]``."""
     cp = process_groups.given_group_info(cp_group, pg_collection=pg_collection, field="cp")
     last = torch.full_like(x[:, :1], fill)  # [B, 1, *]
     if cp.size > 1:

@@ -100,7 +100,7 @@ with warnings.catch_warnings(record=True) as caught:
             assert (got is new) if old not in CALLS else _same(got, new), old
 warned = sorted(str(w.message).split(' ')[0] for w in caught if 'is the 0.1.x name of' in str(w.message))
 assert warned == sorted(old.replace(':', '.') for old in MOVED), warned
-with mock.patch('nn_data.megatron_data.dynamic_cp_iterator.dynamic_cp_microbatch_iterator', return_value='patched'):
+with mock.patch('nn_data.megatron_data.iterators.dynamic_cp_microbatch_iterator', return_value='patched'):
     from nn_data.nemo_rl.megatron_data import get_microbatch_iterator
     assert get_microbatch_iterator(None, {}, 1, None, dynamic_cp=(None, None)) == 'patched'
 for gone in ('nn_data.megatron_data.no_such_module', 'nn_data.lm_head', 'nn_data.automodel_data',

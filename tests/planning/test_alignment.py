@@ -15,7 +15,7 @@ from nn_data import PackSequences
 from nn_data.errors import PackingError
 from nn_data.nemo_rl.megatron_data import _get_pack_sequence_parameters_for_megatron
 from nn_data.packed_forward import _check_cp_config
-from nn_data.nemo_rl.buckets import bucket_total
+from nn_data.nemo_rl.megatron_data.options import bucket_total
 from nn_data.planning import INT32_MAX, Parallelism
 from tests.support.megatron_config import megatron_cfg
 

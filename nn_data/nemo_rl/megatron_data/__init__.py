@@ -3,21 +3,12 @@
     # from nemo_rl.models.megatron.data import process_microbatch, get_microbatch_iterator
     from nn_data.nemo_rl.megatron_data import process_microbatch, get_microbatch_iterator
 
-Every name of NeMo-RL's API page is here with the same signature, defaults and return
-values (tuples where NeMo-RL returns tuples, the same dataclasses), including HEAD's
-``delegate_mtp_loss_mask_to_model`` / ``model_slices_context_parallel_inputs`` arguments and
-``media_token_validity_mask``, plus the names NeMo-RL's module binds and code patches:
-``get_context_parallel_rank``, ``get_context_parallel_world_size`` (megatron-core's, 0 of 1
-when CP is not set up) and ``get_packed_seq_cp_partition_indices`` (megatron-bridge's, here
-without megatron-bridge). The functions call each other through this module's names at call
-time, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")`` reaches the call as it does in NeMo-RL (the packed
-branch excepted: it packs every tensor in one call, not one per helper).
-One layout per microbatch packs and CP-shards the ids and every companion after one read of the lengths;
-where NeMo-RL silently produces wrong data nn_data raises (errors are
-:class:`~nn_data.nemo_rl.assertions.PackingAssertionError`, also an ``AssertionError``); extra arguments are
-keyword-only and optional; megatron-core is imported lazily (``PackedSeqParams`` on the first pack). Every
-difference: docs/nemo-rl.md, "Differences from NeMo-RL".
-"""
+Every name of NeMo-RL's API page is here with the same signature, defaults and return values, plus the names
+NeMo-RL's module binds (``get_context_parallel_rank``, ``get_context_parallel_world_size``,
+``get_packed_seq_cp_partition_indices``). The functions call each other through this module's names at call
+time, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")`` reaches the call as in NeMo-RL. Errors are
+:class:`~nn_data.nemo_rl.assertions.PackingAssertionError` (also an ``AssertionError``); every difference:
+docs/nemo-rl.md, "Differences from NeMo-RL"."""
 
 from __future__ import annotations
 
@@ -31,6 +22,7 @@ from nn_data.nemo_rl.megatron_data.iterators import (
 from nn_data.nemo_rl.megatron_data.microbatch import (
     ProcessedInputs,
     ProcessedMicrobatch,
+    _prepare_vlm_batch_for_megatron,
     get_ltor_masks_and_position_ids,
     process_microbatch,
 )
@@ -47,7 +39,6 @@ from nn_data.nemo_rl.megatron_data.r3 import (
     _shard_routed_experts_for_cp,
     _verify_r3_trace_cp_token_alignment,
 )
-from nn_data.nemo_rl.megatron_data.vlm import _prepare_vlm_batch_for_megatron
 from nn_data.nemo_rl.assertions import translate_errors
 
 __all__ = [

@@ -1,12 +1,6 @@
-"""Small helpers of the NeMo-RL-compatible layer: NeMo-RL's rounding helper, the straggler timer,
-``require``, the CP getters NeMo-RL's module exposes, and :func:`public`.
-
-:func:`public` is how the compat layer's functions call each other: through the names
-``nn_data.nemo_rl.megatron_data`` binds *at call time*, so ``mock.patch("nn_data.nemo_rl.megatron_data.X")``
-(what code written against NeMo-RL patches as ``nemo_rl.models.megatron.data.X``) reaches the
-call even though ``X`` is defined in a submodule and re-exported. megatron-core's ``parallel_state``
-is read through :func:`nn_data.groups.megatron_state`.
-"""
+"""Small helpers of the drop-in: the straggler timer, ``require``, the CP getters NeMo-RL's
+module exposes, and :func:`public` (how the drop-in's functions call each other, so that a patch of
+``nn_data.nemo_rl.megatron_data.X`` reaches the call)."""
 
 from __future__ import annotations
 
@@ -15,17 +9,7 @@ import importlib
 from typing import Any
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.layout import round_up
 from nn_data.extension import process_groups
-
-
-def _round_up_to_multiple(value: int, multiple: int) -> int:
-    """Round a Python int up to a multiple (NeMo-RL's ``_round_up_to_multiple``; the rule is
-    :func:`nn_data.layout.rules.round_up`).
-
-    Example: ``_round_up_to_multiple(13, 8) -> 16``; ``_round_up_to_multiple(16, 8) -> 16``.
-    """
-    return round_up(value, multiple)
 
 
 def straggler_context(straggler_timer):
@@ -46,15 +30,12 @@ def public(name: str) -> Any:
     """What ``nn_data.nemo_rl.megatron_data`` binds to ``name`` now (a mock while it is patched).
 
     Example: inside ``mock.patch("nn_data.nemo_rl.megatron_data.get_ltor_masks_and_position_ids")``,
-    ``public("get_ltor_masks_and_position_ids")`` is the mock, so :func:`process_microbatch`
-    calls the mock, as NeMo-RL's module-level calls would.
-    """
+    ``public("get_ltor_masks_and_position_ids")`` is the mock."""
     return getattr(importlib.import_module(PUBLIC_MODULE), name)
 
 
 def megatron_cp_rank_and_size() -> tuple[int, int]:
-    """``(cp_rank, cp_size)`` from an initialised ``parallel_state``, else ``(0, 1)``: what the
-    NeMo-RL layer reads (megatron-core itself answers a world size of 0 when uninitialised)."""
+    """``(cp_rank, cp_size)`` from an initialised ``parallel_state``, else ``(0, 1)``."""
     state = process_groups.megatron_state()
     if state is None:
         return 0, 1
@@ -67,6 +48,5 @@ def get_context_parallel_rank() -> int:
 
 
 def get_context_parallel_world_size() -> int:
-    """The context-parallel size (NeMo-RL imports megatron-core's; 1 when CP is not set up,
-    where megatron-core's answers 0 without torch.distributed)."""
+    """The context-parallel size (NeMo-RL imports megatron-core's; 1 when CP is not set up)."""
     return megatron_cp_rank_and_size()[1]

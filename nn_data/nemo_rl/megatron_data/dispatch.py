@@ -1,5 +1,4 @@
-"""The compat layer's one packing call: lay the microbatch out on the host, then the host executor or the
-compiled graph.
+"""The drop-in's one packing call: lay the microbatch out on the host, then the host executor or the compiled graph.
 
 Shape legend
     B   sequences of the microbatch; S padded row length of the input batch
@@ -7,15 +6,9 @@ Shape legend
     C   context-parallel size; the local shard is ``T/C`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identity ``[3]``)
 
-:func:`pack_microbatch` packs exactly the tensors it is given (``input_ids`` and the companions
-passed in ``extras``) on **one** layout: the lengths are read to the host once (the microbatch's one
-sync, ``docs/design.md``, "Sync budget"), checked there, and every boundary computed in Python ints
-(:func:`nn_data.layout.layout_from_lengths`). Then eagerly (the default) the host executor moves every
-tensor with a constant number of ops (:func:`nn_data.pack.pack_shard`), or, with
-``PackOptions(compile=True)``, one compiled graph runs the device executor
-(:mod:`nn_data.nemo_rl.megatron_data.graph`). Either way the boundaries, ``T`` and ``max_seqlen`` are
-the host layout's. This is the one place that decides which runs.
-"""
+The lengths are read to the host once (docs/design.md, "Sync budget"); eagerly the host executor packs every
+tensor (:func:`nn_data.pack.pack_shard`), with ``PackOptions(compile=True)`` one compiled graph
+(:mod:`nn_data.nemo_rl.megatron_data.graph`). This is the one place that decides which runs."""
 
 from __future__ import annotations
 
@@ -29,8 +22,7 @@ from nn_data.layout import layout_from_lengths
 from nn_data.extension import checks, layout_checks, layout_from_read_lengths, pack_shard
 from nn_data.nemo_rl.assertions import PackingAssertionError, spelled
 from nn_data.nemo_rl.megatron_data.graph import ROUTES, run_graph
-from nn_data.nemo_rl.buckets import bucket_total
-from nn_data.nemo_rl.megatron_data.options import DropInSpec, PackOptions
+from nn_data.nemo_rl.megatron_data.options import DropInSpec, PackOptions, bucket_total
 
 EXTRAS = ("mtp_loss_mask", "routed_experts", "token_identity", "media_token_validity_mask")
 #: Why this door never packs a shared-prefix microbatch (it has no group ids to share a prompt by).
@@ -40,9 +32,8 @@ END_TO_END = ("this call packs rollouts end to end, so with PackOptions.shared_p
 
 
 class PackedMicrobatch(NamedTuple):
-    """One packed microbatch: its ``layout`` (built on the host, the one read) and, by name
-    (``input_ids`` and each extra that was given), every tensor packed, ``full [1, T, *]``, and this
-    rank's share, ``local [1, T/C, *]`` (the same tensors as ``full`` when ``C = 1``)."""
+    """One packed microbatch: its host ``layout`` and, by name, every tensor packed, ``full [1, T, *]`` and this rank's
+    ``local [1, T/C, *]`` (the same tensors when ``C = 1``)."""
 
     layout: PackLayout
     full: dict
@@ -50,19 +41,17 @@ class PackedMicrobatch(NamedTuple):
 
 
 def as_lengths(seq_lengths, rows: int, device, like: str = "input_ids") -> torch.Tensor:
-    """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on
-    ``device`` (no sync). Non-integers (``[1.5, 2, 3]``, a float tensor) raise :class:`PackingError`,
-    so do lengths on a device they cannot be copied from (:func:`on_device`)."""
+    """``seq_lengths`` (a tensor, list, tuple or numpy array of ints) as a ``[B]`` int64 tensor on ``device`` (no sync);
+    non-integers and lengths on ``meta`` raise :class:`PackingError`."""
     seq_lengths = checks.as_int_vector("seq_lengths", seq_lengths, rows)
     return on_device("seq_lengths", seq_lengths, like, device).to(dtype=torch.int64)
 
 
 def on_device(name: str, t: torch.Tensor, like: str, device) -> torch.Tensor:
-    """``t`` on ``device`` (the device of the tensor ``like`` names). As NeMo-RL, which reads them on
-    the host, the layer takes boundaries and lengths from any device whose values can be copied; a
-    ``meta`` tensor on one side only has no values to copy and raises :class:`PackingError` naming
-    both devices. Example: lengths on ``meta``, ids on ``cpu`` -> "seq_lengths is on meta but
-    input_ids is on cpu"."""
+    """``t`` on ``device`` (the device of the tensor ``like`` names); a ``meta`` tensor on one side only has no values
+    to copy and raises :class:`PackingError`.
+
+    Example: lengths on ``meta``, ids on ``cpu`` -> "seq_lengths is on meta but input_ids is on cpu"."""
     device = torch.device(device)
     if t.device != device and "meta" in (t.device.type, device.type):
         raise PackingAssertionError(f"{name} is on {t.device} but {like} is on {device}; a meta tensor has no values "
@@ -85,11 +74,10 @@ def check_extras(input_ids: torch.Tensor, extras: dict) -> None:
 
 def pack_microbatch(input_ids, seq_lengths, *, spec: DropInSpec, cp_rank: int, options: PackOptions,
                     extras: dict, name: str = "pad_full_seq_to") -> PackedMicrobatch:
-    """Lay out (one sync) and pack ``input_ids [B, S]`` plus the ``extras`` given (a dict over
-    :data:`EXTRAS`: ``[B, S, *]`` tensors or None) for this CP rank. Padding is 0, except routed
-    experts, whose padding rows are ``arange(topk)`` (a valid top-k route). Every tensor's shape and
-    device are checked here, once, before any compiled region; ``name`` is the caller's spelling of
-    the fixed packed length (:func:`lay_out`)."""
+    """Lay out (one sync) and pack ``input_ids [B, S]`` plus the ``extras`` (a dict over :data:`EXTRAS`) for this rank.
+
+    Padding is 0, except routed experts' ``arange(topk)``; every shape and device is checked here, before any compiled
+    region; ``name`` is the caller's spelling of the fixed packed length (:func:`lay_out`)."""
     if options.tree is not None:  # never packed end to end in its place
         raise PackingAssertionError(END_TO_END)
     unknown = [k for k in extras if k not in EXTRAS]
@@ -109,14 +97,10 @@ def pack_microbatch(input_ids, seq_lengths, *, spec: DropInSpec, cp_rank: int, o
 
 
 def lay_out(lengths: torch.Tensor, row_len: int, spec: DropInSpec, *, buckets, name: str) -> PackLayout:
-    """The microbatch's host layout (the one read of ``lengths [B]``), its ``T`` rounded up to a bucket
-    when ``buckets`` are set and no packed length is fixed (:func:`bucket_total`, then the layout of the
-    lengths already read with that ``T``: no second read); errors name the fixed packed length ``name``,
-    as the caller spelled it (:func:`~nn_data.nemo_rl.assertions.spelled`).
+    """The microbatch's host layout (the one read of ``lengths [B]``), ``T`` rounded up to a bucket when ``buckets`` are
+    set and no packed length is fixed; errors name the fixed packed length as the caller spelled it (``name``).
 
-    Example: lengths ``[3, 5]``, m 4, buckets ``(16, 32)`` -> natural T 12 -> T 16, cu_seqlens_padded
-    ``[0, 4, 16]``.
-    """
+    Example: lengths ``[3, 5]``, m 4, buckets ``(16, 32)`` -> natural T 12 -> T 16, cu_seqlens_padded ``[0, 4, 16]``."""
     with spelled(name):
         layout = layout_from_lengths(lengths, row_len, spec, op="_pack_sequences_for_megatron")
         if buckets is not None and spec.fixed_total is None:

@@ -1,15 +1,8 @@
-"""Global batch -> processed microbatch iterators, and the global batch's loss normalisers.
+"""Global batch -> processed microbatch iterators (a dynamic-CP plan's too), and the global batch's loss normalisers.
 
-Device-agnostic: nothing here hard-codes CUDA. The iterators move each microbatch to
-a device the caller chooses (``device=`` argument, else ``cfg["nn_data"]["device"]``,
-else ``"cuda"`` when available, as NeMo-RL, else CPU); :func:`process_global_batch`
-all-reduces where the process group's backend needs it (NCCL: the current CUDA device;
-gloo: where the data is).
-
-As in NeMo-RL, the functions call each other (and ``process_microbatch``,
-``get_and_validate_seqlen``, ``_get_pack_sequence_parameters_for_megatron``) through the
-names ``nn_data.nemo_rl.megatron_data`` binds at call time, so patching those names takes effect.
-"""
+The iterators move each microbatch to the caller's device (``device=``, else ``cfg["nn_data"]["device"]``, else
+``"cuda"`` when available, else CPU); the functions call each other through the names ``nn_data.nemo_rl.megatron_data``
+binds at call time, so patching those names takes effect."""
 
 from __future__ import annotations
 
@@ -20,7 +13,7 @@ import torch
 
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.planning import Parallelism
-from nn_data.extension import process_groups
+from nn_data.extension import megatron, process_groups
 from nn_data.nemo_rl.megatron_data.common import public, require
 from nn_data.nemo_rl.megatron_data.packed import cp_rank_and_size
 from nn_data.nemo_rl.megatron_data.options import PackOptions
@@ -58,20 +51,13 @@ def make_processed_microbatch_iterator(
     device=None,
     pg_collection=None,
 ) -> Iterator[ProcessedMicrobatch]:
-    """Wrap a raw microbatch iterator to yield :class:`ProcessedMicrobatch` objects.
+    """Wrap a raw microbatch iterator to yield :class:`ProcessedMicrobatch` objects (NeMo-RL's arguments).
 
-    Each raw ``BatchedDataDict`` is moved to the target device (``device``, else
-    ``cfg["nn_data"]["device"]``, else ``"cuda"`` when available, else CPU) and processed by
-    :func:`process_microbatch` with the same arguments NeMo-RL passes, packing when
-    ``cfg["sequence_packing"]["enabled"]``. The nn_data pack options (compiled graph, row
-    capacity, ``T`` buckets) are read from ``cfg["nn_data"]`` (:meth:`PackOptions.from_cfg`)
-    and passed as ``options=`` only when that section sets one; ``pg_collection`` (megatron-core's
-    ``ProcessGroupCollection``: the CP rank and size) is passed only when given.
+    Each raw batch is moved to the device (:func:`resolve_device`) and processed by :func:`process_microbatch`, with
+    ``options=`` from ``cfg["nn_data"]`` only when that section sets one and ``pg_collection`` only when given.
 
-    Raises :class:`~nn_data.errors.PackingError` (when called, before any microbatch) when
-    ``cfg["megatron_cfg"]["context_parallel_size"]`` is not the size of the CP group the microbatches would
-    be sharded for (``pg_collection.cp``, else ``parallel_state``'s, else 1 when it is not initialised).
-    """
+    Raises :class:`~nn_data.errors.PackingError` when ``cfg["megatron_cfg"]["context_parallel_size"]`` is not the size
+    of the CP group the microbatches would be sharded for (:func:`check_configured_cp`)."""
     check_configured_cp(cfg, pg_collection)
     pack_sequences = cfg["sequence_packing"]["enabled"]
     options = PackOptions.from_cfg(cfg)
@@ -88,9 +74,8 @@ def make_processed_microbatch_iterator(
 
 
 def check_configured_cp(cfg: dict[str, Any], pg_collection=None) -> None:
-    """``cfg["megatron_cfg"]["context_parallel_size"]`` (when the config has it) must be the CP size the
-    layer shards for: ``pg_collection.cp``'s, else megatron-core's ``parallel_state``'s (1 when it is not
-    initialised). A configuration of CP 2 with neither would run every rank unsharded as CP rank 0 of 1."""
+    """``cfg["megatron_cfg"]["context_parallel_size"]`` (when set) must be the CP size the layer shards for
+    (``pg_collection.cp``'s, else ``parallel_state``'s, 1 uninitialised): else every rank would run unsharded."""
     configured = ((cfg or {}).get("megatron_cfg") or {}).get("context_parallel_size")
     if configured is None:
         return
@@ -133,27 +118,21 @@ def get_microbatch_iterator(
     pg_collection=None,
     dynamic_cp=None,
 ) -> Tuple[Iterator[ProcessedMicrobatch], int, int, int, int]:
-    """A processed microbatch iterator over ``data`` and its metadata.
+    """A processed microbatch iterator over ``data``: ``(iterator, data_iterator_len, micro_batch_size, seq_dim_size,
+    padded_seq_length)``.
 
-    Returns ``(iterator, data_iterator_len, micro_batch_size, seq_dim_size,
-    padded_seq_length)``. Dynamic batching (``cfg["dynamic_batching"]["enabled"]``) uses
-    ``data``'s dynamic-shape plan; sequence packing uses its packable plan (one packed
-    microbatch per plan entry, ``micro_batch_size`` 1, padding from
-    :func:`_get_pack_sequence_parameters_for_megatron` with
-    ``cfg["make_sequence_length_divisible_by"]`` and the longest planned microbatch, or a run-level
-    ``cfg["nn_data"]["pad_full_seq_to"]``: :func:`run_fixed_total`); otherwise fixed microbatches
-    of ``mbs`` rows. ``padded_seq_length``: ``pad_full_seq_to`` when set, else ``seq_dim_size``.
-    ``seq_length_key`` defaults to ``"input_lengths"`` when packing; the ``delegate_*`` and
-    ``model_slices_context_parallel_inputs`` flags go to :func:`process_microbatch` unchanged, and so
-    does ``pg_collection`` (nn_data's keyword: the CP rank and size from megatron-core's
-    ``ProcessGroupCollection`` instead of ``parallel_state``). ``dynamic_cp=(runner, plan)`` (nn_data's
-    keyword): one microbatch per round of a dynamic-CP plan over ``data``
-    (:mod:`nn_data.nemo_rl.megatron_data.dynamic_cp_iterator`).
-    """
+    Dynamic batching uses ``data``'s dynamic-shape plan; packing its packable plan (micro_batch_size 1, padding from
+    :func:`_get_pack_sequence_parameters_for_megatron` or a run-level ``pad_full_seq_to``: :func:`run_fixed_total`);
+    otherwise ``mbs`` rows at a time. The ``delegate_*`` and ``model_slices_context_parallel_inputs`` flags go to
+    :func:`process_microbatch` unchanged.
+
+    Args (nn_data's, keyword-only):
+        device: where each microbatch goes (:func:`resolve_device`).
+        pg_collection: megatron-core's ``ProcessGroupCollection`` (the CP rank and size).
+        dynamic_cp: ``(runner, plan)``: one microbatch per round of a dynamic-CP plan
+            (:func:`dynamic_cp_microbatch_iterator`)."""
     if dynamic_cp is not None:
         refuse_with_dynamic_cp(cfg)
-        from nn_data.nemo_rl.megatron_data.dynamic_cp_iterator import dynamic_cp_microbatch_iterator
-
         return dynamic_cp_microbatch_iterator(data, cfg, *dynamic_cp, device=resolve_device(device, cfg))
     micro_batch_size, pad_factor, pad_full_seq_to, pad_packed = mbs, 1, None, 1
     _, seq_dim_size = public("get_and_validate_seqlen")(data)
@@ -202,14 +181,11 @@ def raw_microbatches(data: Any, cfg: dict[str, Any], mbs: int, packing: bool
 
 
 def run_fixed_total(cfg: dict[str, Any], longest: int, step_length: Optional[int]) -> Optional[int]:
-    """The fixed packed length (``fixed_total``) of every microbatch of a step: the run-level
-    ``cfg["nn_data"]["pad_full_seq_to"]`` when set (checked against the run's
-    :class:`~nn_data.planning.Parallelism` and against the ``longest`` planned microbatch), else NeMo-RL's ``step_length``. One length for the whole run
-    keeps compiled graphs and pipeline receive buffers the same at every step.
+    """The fixed packed length of every microbatch of a step: the run-level ``cfg["nn_data"]["pad_full_seq_to"]`` when
+    set (checked against the run's :class:`~nn_data.planning.Parallelism` and the ``longest`` microbatch), else
+    ``step_length`` (docs/nemo-rl.md, "nn_data options").
 
-    Example: run-level 8192, a step whose longest planned microbatch holds 6100 padded tokens ->
-    8192 (NeMo-RL: 6100 rounded up, a new length almost every step); 8300 -> :class:`PackingError`.
-    """
+    Example: run-level 8192, longest 6100 -> 8192; longest 8300 -> :class:`PackingError`."""
     run = PackOptions.from_cfg(cfg).pad_full_seq_to
     if run is None:
         return step_length
@@ -231,19 +207,14 @@ def process_global_batch(
     batch_idx: int,
     batch_size: int,
 ) -> dict[str, Any]:
-    """Extract global batch ``batch_idx`` and its loss normalisers, summed over the DP group.
+    """Extract global batch ``batch_idx`` and its loss normalisers, summed over the DP group (no host sync).
 
-    Returns ``{"batch", "global_valid_seqs", "global_valid_toks"}``: the sum of
-    ``sample_mask``, and of ``token_mask[:, 1:] * sample_mask`` (or valid sequences times
-    ``S`` without a token mask), all-reduced over ``dp_group``. The reduction runs on the
-    current CUDA device for an NCCL group and where the data lives otherwise (gloo on CPU
-    works). With neither ``torch.distributed`` initialised nor a ``dp_group`` given there is
-    nothing to reduce over and the local sums are returned (NeMo-RL fails there). No host sync.
+    Returns ``{"batch", "global_valid_seqs", "global_valid_toks"}``: the sum of ``sample_mask`` and of
+    ``token_mask[:, 1:] * sample_mask`` (valid sequences times ``S`` without a token mask), all-reduced over
+    ``dp_group`` (on the CUDA device for NCCL); with neither ``torch.distributed`` nor a group, the local sums.
 
-    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's
-    messages first) when the batch has no ``sample_mask``, or the loss is token-level and the
-    batch has no ``token_mask``.
-    """
+    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's messages first) when the batch has no ``sample_mask``, or
+    the loss is token-level and the batch has no ``token_mask``."""
     batch = data.get_batch(batch_idx=batch_idx, batch_size=batch_size)
     require("sample_mask" in batch, "sample_mask must be present in the data! (the global batch needs a "
                                     "sample_mask [B] to count its valid sequences)")
@@ -276,3 +247,43 @@ def _is_token_level(loss_fn) -> bool:
     name, value = getattr(loss_type, "name", None), getattr(loss_type, "value", loss_type)
     return name == "TOKEN_LEVEL" or str(value).lower() in ("token_level", "losstype.token_level")
 
+
+def dynamic_cp_microbatch_iterator(data, cfg: dict, runner, plan, *, device) -> Tuple[Iterator[ProcessedMicrobatch],
+                                                                                      int, int, int, int]:
+    """``(iterator, rounds, 1, S, padded_seq_length)`` as :func:`get_microbatch_iterator` returns them: one
+    :class:`ProcessedMicrobatch` per round of a dynamic-CP plan, on ``device``, no host read (docs/dynamic-cp.md, "The
+    NeMo-RL layer"); ``padded_seq_length`` is ``tokens_per_rank`` times the static CP size of ``cfg["megatron_cfg"]``.
+
+    Raises :class:`PackingError` when the runner does not build ``PackedSeqParams`` or ``data`` does not hold the plan's
+    sequences."""
+    if not runner.make_packed_seq_params:
+        raise PackingAssertionError("a dynamic-CP microbatch needs PackedSeqParams: build the runner with "
+                                    "DynamicCPRunner(..., megatron.make_packed_seq_params=True)")
+    if data.size != len(plan.lengths):
+        raise PackingAssertionError(f"data holds {data.size} sequences but the plan was made for {len(plan.lengths)}; plan "
+                                    "the global batch's lengths (data['input_lengths'])")
+    target = device
+    input_ids = data["input_ids"].to(target)
+    step = runner.step(plan, input_ids)
+    static_cp = int(((cfg or {}).get("megatron_cfg") or {}).get("context_parallel_size", 1))
+    return _rounds(step, data, target), len(step), 1, input_ids.shape[1], plan.tokens_per_rank * static_cp
+
+
+def _rounds(step, data, target) -> Iterator[ProcessedMicrobatch]:
+    for k in range(len(step)):
+        inputs = step.round(k)
+        rows = data.select_indices(list(inputs.block.sequences)).to(target)
+        cu_pad = rows_boundaries(inputs.packed.cu_seqlens_padded, len(inputs.block.sequences))
+        total = inputs.block.size * step.plan.tokens_per_rank  # T = c * tpr
+        params = megatron.make_packed_seq_params(cu_pad, total, step.plan.tokens_per_rank, total=total, cp_group=inputs.cp_group,
+                                        local_cp_size=inputs.block.size)
+        yield ProcessedMicrobatch(data_dict=rows, input_ids=inputs.packed_ids, input_ids_cp_sharded=inputs.input_ids,
+                                  attention_mask=None, position_ids=inputs.position_ids, packed_seq_params=params,
+                                  cu_seqlens_padded=cu_pad, padding_mask=inputs.packed.padding_mask)
+
+
+def rows_boundaries(cu_seqlens_padded: torch.Tensor, rows: int) -> torch.Tensor:
+    """NeMo-RL's ``[rows + 1]`` boundaries of a block's ``[Bc + 1]`` (a view); ``[T]`` for an empty block.
+
+    Example: ``[0, 5, 16, 16, 16]``, 2 rows -> ``[0, 5, 16]``; 0 rows -> ``[16]``."""
+    return cu_seqlens_padded[:rows + 1] if rows else cu_seqlens_padded[-1:]

@@ -3,6 +3,7 @@
 Shape legend
     B   sequences; S padded row length; T packed tokens; C context-parallel size
     Ly, K   MoE layers and top-k of routed experts ``[B, S, Ly, K]``
+    P   the self-packing path's columns: the longest padded length
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.nn.functional as F
 
+from nn_data.layout import PackSpec, layout_from_lengths
+from nn_data.extension import checks, layout_checks, layout_from_read_lengths, megatron
 from nn_data.nemo_rl.assertions import PackingAssertionError
 from nn_data.nemo_rl.megatron_data.common import public, require, straggler_context
+from nn_data.nemo_rl.megatron_data.dispatch import as_lengths
 from nn_data.nemo_rl.megatron_data.options import PackOptions
 from nn_data.nemo_rl.megatron_data.packed import packed_inputs
 from nn_data.nemo_rl.megatron_data.records import ProcessedInputs, ProcessedMicrobatch  # noqa: F401
@@ -26,26 +31,16 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
 
 
 def get_ltor_masks_and_position_ids(*args: Any, **kwargs: Any) -> Any:
-    """Left-to-right masks and position ids, as ``megatron.training.utils``' function (vectorised).
+    """Left-to-right masks and position ids, as ``megatron.training.utils``' function (not in the megatron-core wheel).
 
-    Signature: ``(data [B, S], eod_token, pad_token=None, reset_position_ids=False,
-    reset_attention_mask=False, eod_mask_loss=False, pad_mask_loss=False)``. Returns
-    ``(attention_mask, loss_mask [B, S] float32, position_ids [B, S] int64)``:
-    ``attention_mask`` is bool, ``True`` where attention is *masked*, ``[1, 1, S, S]``
-    (causal) or ``[B, 1, S, S]`` with ``reset_attention_mask`` (also no attention across an
-    EOD token: a document ends at its EOD). ``position_ids`` is ``arange(S)`` per row, or
-    restarts at 0 after each EOD with ``reset_position_ids``. ``loss_mask`` is 0 at EOD
-    tokens (``eod_mask_loss``) and pad tokens (``pad_mask_loss``), else 1.
+    Signature: ``(data [B, S], eod_token, pad_token=None, reset_position_ids=False, reset_attention_mask=False,
+    eod_mask_loss=False, pad_mask_loss=False)``. Returns ``(attention_mask, loss_mask [B, S] float32, position_ids
+    [B, S] int64)``: ``attention_mask`` is bool, True where masked, ``[1, 1, S, S]`` (causal) or ``[B, 1, S, S]`` with
+    ``reset_attention_mask`` (a document ends at its EOD); positions restart after each EOD with
+    ``reset_position_ids``; ``loss_mask`` is 0 at EOD (``eod_mask_loss``) and pad (``pad_mask_loss``) tokens.
 
-    Example: ``data [[5, 0, 7, 8]]``, eod 0, both resets -> positions ``[[0, 1, 0, 1]]``;
-    position 2 may not attend to positions 0..1.
-
-    megatron.training is not part of the megatron-core wheel, so this is implemented here
-    (no loop over rows or EOD tokens; nothing imported). Megatron-LM finds the reset
-    points as ``eod_positions & pad_positions`` (a bitwise AND of two index lists); here
-    the EOD tokens alone are the document ends, which is what that code means when
-    ``pad_token == eod_token`` (as NeMo-RL calls it).
-    """
+    Example: ``data [[5, 0, 7, 8]]``, eod 0, both resets -> positions ``[[0, 1, 0, 1]]``; position 2 may not attend to
+    positions 0..1."""
     return _ltor(*args, **kwargs)
 
 
@@ -97,38 +92,28 @@ def process_microbatch(
     options: Optional[PackOptions] = None,
     pg_collection=None,
 ) -> ProcessedInputs:
-    """Process a microbatch for the Megatron forward pass (NeMo-RL HEAD's arguments and results).
+    """Process a microbatch for the Megatron forward pass (NeMo-RL HEAD's arguments and results); one host sync.
 
-    ``data_dict``: any mapping read as NeMo-RL reads it (``in``, ``[]``). Helpers are called
-    through ``nn_data.nemo_rl.megatron_data`` (patching ``nn_data.nemo_rl.megatron_data.X`` reaches the call).
+    Packed: ids ``[1, T]`` and the CP-local ``[1, T/C]``, every companion packed on the same layout
+    (:mod:`~nn_data.nemo_rl.megatron_data.packed`). Self-packing model: :func:`_prepare_vlm_batch_for_megatron`.
+    Unpacked: the causal mask and position ids of :func:`get_ltor_masks_and_position_ids`.
 
-    Packed (``pack_sequences``, :mod:`nn_data.nemo_rl.megatron_data.packed`): ``input_ids`` ``[1, T]``,
-    ``input_ids_cp_sharded`` the CP-local ``[1, T/C]``; ``mtp_loss_mask`` and
-    ``media_token_validity_mask`` (bool) packed the same way, ``routed_experts [1, T, Ly, K]``
-    with ``arange(K)`` pad rows and its CP shard; masks and position ids None. With
-    ``model_slices_context_parallel_inputs`` the model gets the full row ``[1, T]`` (ids and
-    masks) and a ``PackedSeqParams`` with separate valid/padded boundaries. ``padding_mask``
-    (nn_data's field) is True at padding, in the layout of ``input_ids_cp_sharded``. CP rank and size
-    from ``pg_collection.cp`` (keyword-only: megatron-core's ``ProcessGroupCollection``) when given,
-    else :func:`get_context_parallel_rank` / :func:`get_context_parallel_world_size`. One packing
-    call, one layout, one host sync (NeMo-RL: ``2B + 1`` per packed tensor;
-    :mod:`nn_data.nemo_rl.megatron_data.packed`). ``options``
-    (keyword-only): compiled graph and ``T`` buckets (:class:`~nn_data.nemo_rl.megatron_data.options.PackOptions`);
-    with ``options.rollout_tree`` (or its GRPO spelling ``options.shared_prefix``) every shared prefix is packed
-    once (:func:`~nn_data.nemo_rl.megatron_data.tree_inputs.rollout_tree_inputs`).
+    Args:
+        data_dict: any mapping read as NeMo-RL reads it (``in``, ``[]``).
+        seq_length_key: the key of the ``[B]`` lengths (packed only).
+        pad_individual_seqs_to_multiple_of: each sequence's multiple.
+        pad_packed_seq_to_multiple_of: ``T``'s multiple.
+        pad_full_seq_to: a fixed ``T`` (a run-level ``options.pad_full_seq_to`` wins).
+        pack_sequences: pack into THD.
+        delegate_pack_to_model: the model packs and CP-shards itself (routed experts and a media mask refused).
+        delegate_mtp_loss_mask_to_model: such a model packs the ``mtp_loss_mask`` (else it is refused).
+        model_slices_context_parallel_inputs: the model takes the full row and selects its CP tokens.
+        straggler_timer: megatron-core's ``StragglerDetector`` or None.
+        options: nn_data only: :class:`~nn_data.nemo_rl.megatron_data.options.PackOptions` (compile, buckets, trees).
+        pg_collection: nn_data only: megatron-core's ``ProcessGroupCollection`` (the CP rank and size).
 
-    Self-packing model (``delegate_pack_to_model``): :func:`_prepare_vlm_batch_for_megatron`;
-    an ``mtp_loss_mask`` is refused unless ``delegate_mtp_loss_mask_to_model`` (the model packs
-    it), then it is cut/zero-padded to the model's columns and multiplied by the attention
-    mask; routed experts and a media-token mask raise ``NotImplementedError``.
-
-    Unpacked: causal ``attention_mask [1, 1, S, S]`` (True = masked) and ``position_ids`` from
-    :func:`get_ltor_masks_and_position_ids`; routed experts get ``arange(K)`` on their padding
-    (needs ``input_lengths``).
-
-    Raises (NeMo-RL's messages first) :class:`~nn_data.errors.PackingError` for a missing ``seq_length_key``, routed experts that are not 4-D, an
-    ``mtp_loss_mask`` a self-packing model did not claim, and every bad input of the pack path.
-    """
+    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's messages first) for a missing ``seq_length_key``, routed
+    experts that are not 4-D, an unclaimed ``mtp_loss_mask``, and every bad input of the pack path."""
     with straggler_context(straggler_timer):
         input_ids = data_dict["input_ids"]
         routed = data_dict["routed_experts"] if "routed_experts" in data_dict else None
@@ -190,6 +175,74 @@ def _vlm_inputs(data_dict, input_ids, seq_lengths, routed, m, pad_full_seq_to, d
         mtp = mtp * attention_mask.to(mtp.dtype)
     return dict(input_ids=packed, input_ids_cp_sharded=ids_2d, attention_mask=attention_mask, position_ids=None,
                 packed_seq_params=params, cu_seqlens_padded=cu_seqlens_padded, mtp_loss_mask=mtp)
+
+
+def _prepare_vlm_batch_for_megatron(
+    input_ids: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    pad_individual_seqs_to_multiple_of: int,
+    pad_full_seq_to: Optional[int] = None,
+):
+    """Prepare a ``[B, S]`` batch for a model that packs and CP-shards internally (mbridge VLMs); one host sync.
+
+    Each length is rounded up to the multiple; with ``pad_full_seq_to`` the last sequence absorbs the deficit (a
+    multiple of the per-sequence multiple). Returns ``(input_ids [1, T], input_ids_cp_sharded [B, P], attention_mask
+    [B, P] bool, packed_seq_params, None, cu_seqlens_padded [B+1] int32)``; with ``B = 0``, empty rows and ``[0]``.
+
+    Args:
+        input_ids: ``[B, S]``.
+        seq_lengths: ``[B]`` ints in ``[0, S]``.
+        pad_individual_seqs_to_multiple_of: each length's multiple.
+        pad_full_seq_to: the packed total the model's own packing must give (PP > 1).
+
+    Example: lengths ``[3, 5]``, multiple 4, ``pad_full_seq_to=16`` -> padded ``[4, 8]``, deficit 4 -> ``[4, 12]``,
+    ``P = 12``, ``cu_seqlens_padded [0, 4, 16]``.
+
+    Raises :class:`~nn_data.errors.PackingError` (NeMo-RL's wording first) for a padded total above
+    ``pad_full_seq_to``, a deficit not a multiple, a length outside ``[0, S]``, or ``pad_full_seq_to`` above int32."""
+    checks.check_min_dims("input_ids", input_ids, 2, "[B, S]")
+    rows, cols = input_ids.shape[:2]
+    m = max(1, int(pad_individual_seqs_to_multiple_of))
+    layout_checks.fixed_total_arg("pad_full_seq_to", pad_full_seq_to)
+    lengths = as_lengths(seq_lengths, rows, input_ids.device)
+    if rows == 0:  # as NeMo-RL: the model packs nothing, so no slack either: [0] boundaries, no column
+        cu_seqlens_padded = torch.zeros(1, dtype=torch.int32, device=input_ids.device)
+        return (input_ids.new_zeros((1, 0)), input_ids[:, :0], torch.zeros(0, 0, dtype=torch.bool,
+                device=input_ids.device), megatron.make_packed_seq_params(cu_seqlens_padded, 0, None), None, cu_seqlens_padded)
+    layout = layout_from_lengths(lengths, cols, PackSpec(m), op="_prepare_vlm_batch_for_megatron")  # the one read
+    if pad_full_seq_to is not None:  # the model pads every row itself: the slack must suit it (host ints)
+        _check_deficit(layout.total, m, pad_full_seq_to)
+        layout = layout_from_read_lengths(layout.host.lengths, lengths, cols, PackSpec(m, fixed_total=pad_full_seq_to))
+    padded_max = layout.host.max_seqlen  # P: the model's columns
+    if cols < padded_max:
+        ids_2d = F.pad(input_ids, (0, padded_max - cols), value=0)  # [B, P]
+    else:
+        ids_2d = input_ids[:, :padded_max].contiguous()  # [B, P]; cut columns hold padding only
+    cu_seqlens_padded = layout.cu_seqlens_padded  # [B+1]: each row's padded length, the slack on the last
+    padded = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).to(torch.int64)  # [B]
+    attention_mask = torch.arange(padded_max, device=input_ids.device)[None, :] < padded[:, None]  # [B, P]
+    # The packed view holds exactly what the model packs: every row's first padded[b] columns, back to
+    # back (the rows packed on the same layout with their padded lengths as lengths).
+    whole = layout_from_read_lengths(layout.host.segments, padded, padded_max, PackSpec(fixed_total=layout.total),
+                                     validate=False)  # segments [4, 12] (lengths [3, 5], m 4, T 16) -> lengths [4, 12]
+    packed = whole.pack(ids_2d)  # [1, T]
+    params = megatron.make_packed_seq_params(cu_seqlens_padded, padded_max, None)
+    return packed, ids_2d, attention_mask, params, None, cu_seqlens_padded
+
+
+def _check_deficit(natural: int, m: int, fixed_total: int) -> None:
+    """The packed length must hold ``sum(round_up(L, m))`` and exceed it by a multiple of ``m`` (NeMo-RL's asserts).
+
+    Example: lengths ``[3, 5]``, m 4: natural 12; ``pad_full_seq_to`` 16 passes, 8 and 14 are refused."""
+    if natural > fixed_total:
+        raise PackingAssertionError(
+            f"pad_full_seq_to ({fixed_total}) < natural padded sum ({natural}); increase pad_full_seq_to to at least "
+            f"{natural} (the packed total sum(round_up(seq_lengths, {m})) = {natural})")
+    if (fixed_total - natural) % m:
+        raise PackingAssertionError(
+            f"pad_full_seq_to deficit ({fixed_total - natural}) must be a multiple of pad_individual_seqs_to_multiple_of "
+            f"({m}) (the model pads every sequence to {m} itself, the last one included: choose pad_full_seq_to = "
+            f"{natural} + a multiple of {m})")
 
 
 def _unpacked_inputs(data_dict, input_ids, routed) -> dict:

@@ -1,18 +1,14 @@
-"""The compat layer's configuration: nn_data's options (``cfg["nn_data"]``) and one call's pack spec.
+"""The drop-in's configuration: nn_data's options (``cfg["nn_data"]``), their ``T`` buckets and one call's pack spec.
 
-NeMo-RL's positional arguments reach nn_data here, once: :func:`nemo_rl_spec` turns
-``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, <fixed packed length>,
-cp_size)`` into a :class:`DropInSpec`, the layout's spec and ``cp_size`` (checked when built; ``cp_rank``
-checked against the size), keeping the caller's spelling of the fixed packed length (``pad_packed_seq_to`` or
-``pad_full_seq_to``) for the messages. Inside, the fixed packed length has one name,
-``fixed_total``, passed keyword-only; the packed length a layout resolves to is its ``total``.
-"""
+NeMo-RL's positional arguments reach nn_data once, in :func:`nemo_rl_spec`, which keeps the caller's spelling of
+the fixed packed length (``pad_packed_seq_to`` or ``pad_full_seq_to``) for the messages; inside it is ``fixed_total``."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import functools
+import math
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from nn_data.layout import PackSpec
@@ -21,19 +17,21 @@ from nn_data.nemo_rl.assertions import PackingAssertionError
 
 
 class SharedPrefixKeys(NamedTuple):
-    """Where a batch carries its GRPO groups for shared-prefix packing (``cfg["nn_data"]["shared_prefix"]``):
-    ``group_ids`` the key of its ``[B]`` group ids (rollouts of a group share a prompt), ``prefix_lengths``
-    the key of its ``[B]`` prompt lengths."""
+    """The batch keys of a GRPO batch's ``[B]`` group ids and ``[B]`` prompt lengths (``cfg["nn_data"]["shared_prefix"]``)."""
 
     group_ids: str = "group_ids"
     prefix_lengths: str = "prefix_lengths"
 
 
 def shared_prefix_keys(value, name: str = "cfg['nn_data']['shared_prefix']") -> Optional[SharedPrefixKeys]:
-    """``value`` as :class:`SharedPrefixKeys`: None or False -> None (off); True -> the default keys
-    (``"group_ids"``, ``"prefix_lengths"``); a mapping with ``"group_ids_key"`` and / or
-    ``"prefix_lengths_key"`` -> those keys; a :class:`SharedPrefixKeys` as it is. Anything else:
-    :class:`PackingError` naming ``name``. Example: ``{"group_ids_key": "uid"}`` -> ``("uid", "prefix_lengths")``."""
+    """``value`` as :class:`SharedPrefixKeys`, None when off.
+
+    Args:
+        value: None / False (off), True (the default keys), a mapping with ``"group_ids_key"`` and / or
+            ``"prefix_lengths_key"``, or a :class:`SharedPrefixKeys`.
+        name: what the error names.
+
+    Example: ``{"group_ids_key": "uid"}`` -> ``("uid", "prefix_lengths")``."""
     if value is None or value is False:
         return None
     if value is True:
@@ -44,18 +42,15 @@ def shared_prefix_keys(value, name: str = "cfg['nn_data']['shared_prefix']") -> 
 
 
 class RolloutTreeKeys(NamedTuple):
-    """Where a batch carries its rollout tree (``cfg["nn_data"]["rollout_tree"]``): ``parent`` the key of its
-    ``[B]`` parents (the earlier rollout of the same microbatch each one shares its beginning with, or -1),
-    ``branch_at`` the key of its ``[B]`` shared token counts (``nn_data.layout.tree_layout``'s fields)."""
+    """The batch keys of a rollout tree's ``[B]`` parents and ``[B]`` shared token counts (``cfg["nn_data"]["rollout_tree"]``)."""
 
     parent: str = "parent"
     branch_at: str = "branch_at"
 
 
 class FoundTreeKeys(RolloutTreeKeys):
-    """:class:`RolloutTreeKeys` of ``cfg["nn_data"]["rollout_tree"] = "find"``: the keys the sharding planner
-    writes the tree it found under; a microbatch without them (no sharding planner) has its tree found from its
-    own token ids in ``process_microbatch``."""
+    """:class:`RolloutTreeKeys` of ``rollout_tree = "find"``: the sharding planner writes the tree it found under them; a
+    microbatch without them has its tree found from its token ids in ``process_microbatch``."""
 
     __slots__ = ()
 
@@ -66,11 +61,14 @@ FIND = "find"
 
 
 def rollout_tree_keys(value, name: str = "cfg['nn_data']['rollout_tree']") -> Optional[RolloutTreeKeys]:
-    """``value`` as :class:`RolloutTreeKeys`: None or False -> None (off); True or ``"find"`` -> the default keys
-    (``"parent"``, ``"branch_at"``; with ``"find"`` :class:`FoundTreeKeys`: the sharding planner writes them,
-    :data:`FIND`); a mapping
-    with ``"parent_key"`` and / or ``"branch_at_key"`` -> those keys; a :class:`RolloutTreeKeys` as it is.
-    Anything else: :class:`PackingError` naming ``name``. Example: ``{"parent_key": "up"}`` -> ``("up", "branch_at")``."""
+    """``value`` as :class:`RolloutTreeKeys`, None when off.
+
+    Args:
+        value: None / False (off), True or ``"find"`` (the default keys; :class:`FoundTreeKeys` for ``"find"``), a
+            mapping with ``"parent_key"`` and / or ``"branch_at_key"``, or a :class:`RolloutTreeKeys`.
+        name: what the error names.
+
+    Example: ``{"parent_key": "up"}`` -> ``("up", "branch_at")``."""
     if value is None or value is False:
         return None
     if isinstance(value, str) and value == FIND:
@@ -95,41 +93,23 @@ def _keys(value, keys: type, fields: dict, name: str, valid: str):
 
 @dataclasses.dataclass(frozen=True)
 class PackOptions:
-    """nn_data-only switches of the pack path (NeMo-RL has no equivalent).
+    """nn_data-only switches of the pack path, built from ``cfg["nn_data"]`` by :meth:`from_cfg` (docs/nemo-rl.md, "nn_data
+    options").
 
-    ``compile``: run packing + CP sharding through ``torch.compile(fullgraph=True)``.
-        The batch is padded with empty rows to ``row_capacity`` rows (default: the next
-        power of two >= B, so at most log2(B_max) graphs) and the row length ``S`` is an
-        unbacked symbolic size (``S = 0`` and ``1`` included). With ``pad_full_seq_to`` set
-        (PP > 1) and a fixed ``row_capacity`` a whole stream compiles once.
-    ``row_capacity``: fixed row count ``R`` the compiled graph sees; a microbatch with
-        more rows raises :class:`PackingError`.
-    ``buckets``: only used when ``pad_full_seq_to`` is None (PP = 1). The packed length
-        ``T`` is rounded up to the smallest bucket that holds it (the last sequence's
-        segment absorbs the slack, exactly as with ``pad_full_seq_to``), so at most
-        ``len(buckets)`` distinct shapes occur. A sorted tuple of ints (each a multiple of
-        ``pad_packed_seq_to_multiple_of`` and, under CP, of ``2 * cp_size``) or ``"pow2"``
-        (``unit * 2**k``, ``unit = lcm(p, 2C)``). Note that ``T`` then differs from what
-        NeMo-RL would produce (it is larger); the valid tokens and their offsets do not.
-    ``backend``/``mode``: passed to ``torch.compile`` (tests pass a compile counter).
-    ``pad_full_seq_to``: a run-level packed length, in place of the call's (:meth:`fixed_total`),
-        so every microbatch of the run has one shape (one graph; fixed PP receive buffers). Not
-        with ``buckets``.
-    ``shared_prefix``: GRPO groups share their prompt (:func:`shared_prefix_keys`: True or the batch
-        keys of the group ids and prefix lengths); normalised to :class:`SharedPrefixKeys` or None: the
-        depth-1 spelling of ``rollout_tree``.
-    ``rollout_tree``: every shared prefix of a rollout tree packed once, at any depth
-        (:func:`rollout_tree_keys`: True, ``"find"`` or the batch keys of ``parent`` and ``branch_at``);
-        normalised to :class:`RolloutTreeKeys` or None. Not with ``shared_prefix`` (one spelling).
-    ``kv_capacity``: the run's length ``K`` of a shared-prefix or rollout-tree microbatch's key/value
-        buffer at CP 1 (``TreeRecord.kv``, for TransformerEngine's THD attention), one int for every
-        microbatch; required under a fixed packed length (``pad_full_seq_to``). Unset (no fixed ``T``), each
-        microbatch's buffer is exactly its need. A microbatch needing more (``T`` plus the path tokens
-        before its nodes) is refused naming its need. Needs ``shared_prefix`` or ``rollout_tree``; at least
-        ``pad_full_seq_to``; unused under CP (no buffer).
+    Args:
+        compile: pack and CP-shard through ``torch.compile(fullgraph=True)``, rows padded to ``row_capacity``.
+        row_capacity: the fixed row count of the compiled graph (default: the next power of two >= B).
+        buckets: with no fixed packed length, ``T`` rounded up to the smallest bucket that holds it: sorted ints
+            or ``"pow2"``.
+        backend: passed to ``torch.compile``.
+        mode: passed to ``torch.compile``.
+        pad_full_seq_to: a run-level packed length in place of the call's (:meth:`fixed_total`); not with ``buckets``.
+        shared_prefix: GRPO groups share their prompt (:func:`shared_prefix_keys`).
+        rollout_tree: every shared prefix of a rollout tree packed once (:func:`rollout_tree_keys`); not with
+            ``shared_prefix``.
+        kv_capacity: the run's key/value buffer length at CP 1 (``TreeRecord.kv``); at least ``pad_full_seq_to``.
 
-    Built from a config with :meth:`from_cfg` (``cfg["nn_data"]``, docs/nemo-rl.md, "nn_data options").
-    """
+    Example: ``PackOptions.from_cfg({"nn_data": {"compile": True, "row_capacity": 8}})``."""
 
     compile: bool = False
     row_capacity: Optional[int] = None
@@ -177,13 +157,13 @@ class PackOptions:
 
     @property
     def tree(self):
-        """The rollout-tree spelling in use: :class:`SharedPrefixKeys` (the GRPO star), :class:`RolloutTreeKeys`, or
-        None (no shared prefix)."""
+        """The rollout-tree spelling in use (:class:`SharedPrefixKeys` or :class:`RolloutTreeKeys`), or None."""
         return self.shared_prefix if self.shared_prefix is not None else self.rollout_tree
 
     def fixed_total(self, given: Optional[int], name: str = "pad_full_seq_to") -> Optional[int]:
         """The run-level ``pad_full_seq_to`` when set (a ``given`` above it raises), else ``given``.
-        Example: run-level 8192, given 6144 (a step's longest bin) or None -> 8192."""
+
+        Example: run-level 8192, given 6144 or None -> 8192."""
         run = self.pad_full_seq_to
         if run is None:
             return given
@@ -201,11 +181,31 @@ class PackOptions:
         return cls(**section)
 
 
+def bucket_total(total: int, buckets, p: int, cp_size: int) -> int:
+    """The smallest bucket that holds ``total`` (:attr:`PackOptions.buckets`; host ints).
+
+    ``buckets`` is a sorted tuple of ints or ``"pow2"`` (``unit * 2**k`` with ``unit = lcm(p, 2C)``).
+    Example: total 40, buckets ``(64, 128)`` -> 64; ``"pow2"`` with p 8, C 1 -> 8 * 2**3 = 64.
+    """
+    unit = math.lcm(p, 2 * cp_size) if cp_size > 1 else p
+    if buckets == "pow2":
+        return unit * (1 << max(0, math.ceil(math.log2(max(total, 1) / unit))))
+    bad = [b for b in buckets if b % unit]
+    if bad:
+        raise PackingAssertionError(f"bucket {bad[0]} is not a multiple of {unit} (lcm of "
+                                    f"pad_packed_seq_to_multiple_of={p} and 2*cp_size); every bucket must be one")
+    for b in buckets:
+        if b >= total:
+            return b
+    raise PackingAssertionError(f"the packed total {total} exceeds the largest bucket {buckets[-1]}; "
+                                f"add a bucket of at least {total}")
+
+
 def refuse_unknown_keys(given: Mapping, valid: Sequence[str], where: str) -> None:
-    """:class:`PackingError` for the first key of ``given`` outside ``valid``, naming it, the nearest valid key
-    (a misspelling or an old spelling would otherwise be ignored: the run goes on without the option) and the
-    valid keys. Example: ``{"paralelism": p}`` in ``sequence_packing_args`` -> ``"sequence_packing_args has an
-    unknown key 'paralelism' (did you mean 'parallelism'?); valid keys: [...]"``."""
+    """:class:`PackingError` for the first key of ``given`` outside ``valid``, naming it, the nearest valid key and all.
+
+    Example: ``{"paralelism": p}`` -> ``"sequence_packing_args has an unknown key 'paralelism' (did you mean
+    'parallelism'?); valid keys: [...]"``."""
     for key in given:
         if key not in valid:
             near = difflib.get_close_matches(str(key), list(valid), n=1, cutoff=0.6)
@@ -215,8 +215,7 @@ def refuse_unknown_keys(given: Mapping, valid: Sequence[str], where: str) -> Non
 
 @dataclasses.dataclass(frozen=True)
 class DropInSpec(PackSpec):
-    """The layout's :class:`~nn_data.layout.PackSpec` and the CP size the drop-in packs and shards for in one
-    call (``cp_size``; it checks each segment splits into ``2*cp_size`` chunks where it lays out the lengths)."""
+    """The layout's :class:`~nn_data.layout.PackSpec` and the CP size the drop-in packs and shards for in one call."""
 
     _: dataclasses.KW_ONLY
     cp_size: int = 1
@@ -227,10 +226,9 @@ class DropInSpec(PackSpec):
 
 
 def nemo_rl_spec(m: int, p: int, *, fixed_total: Optional[int], cp_rank: int, cp_size: int, name: str) -> DropInSpec:
-    """NeMo-RL's packing arguments as a :class:`DropInSpec`, with ``cp_rank`` checked
-    against ``cp_size`` and the fixed packed length checked under the caller's spelling of it (``name``:
-    ``pad_packed_seq_to`` or ``pad_full_seq_to``); checked once per distinct configuration (a training run
-    repeats a few), an unhashable argument uncached."""
+    """NeMo-RL's packing arguments as a :class:`DropInSpec`, checked once per distinct configuration.
+
+    ``name`` is the caller's spelling of the fixed packed length (``pad_packed_seq_to`` or ``pad_full_seq_to``)."""
     checks.check_cp(cp_size, cp_rank)
     try:
         return _spec(m, p, fixed_total, cp_size, name)

@@ -4,10 +4,8 @@ Shape legend
     B   sequences; S padded row length; T packed tokens; C context-parallel size
     V   trailing feature dims of a model output (e.g. vocab)
 
-Same names, signatures, defaults and return values as ``nemo_rl.models.megatron.data``;
-where NeMo-RL silently produces wrong data, these raise or are right instead, and each
-docstring says how.
-"""
+Same names, signatures, defaults and return values as ``nemo_rl.models.megatron.data``; where NeMo-RL silently
+produces wrong data these raise or are right instead (docs/nemo-rl.md, "Differences from NeMo-RL")."""
 
 from __future__ import annotations
 
@@ -15,11 +13,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nn_data.layout import Boundaries, layout_from_boundaries
+from nn_data.layout import Boundaries, layout_from_boundaries, round_up
 from nn_data.planning import Parallelism
 from nn_data.extension import checks, megatron, unpack_sequences
 from nn_data.nemo_rl.assertions import PackingAssertionError
-from nn_data.nemo_rl.megatron_data.common import _round_up_to_multiple
 from nn_data.nemo_rl.megatron_data.dispatch import as_lengths, on_device, pack_microbatch
 from nn_data.nemo_rl.megatron_data.options import PackOptions, nemo_rl_spec
 
@@ -35,38 +32,26 @@ def _pack_sequences_for_megatron(
     *,
     options: Optional[PackOptions] = None,
 ):
-    """Pack ``input_ids [B, S]`` into THD ``[1, T]`` and take this rank's zigzag CP shard.
+    """Pack ``input_ids [B, S]`` into THD ``[1, T]`` and take this rank's zigzag CP shard, with one host sync.
 
-    Returns the five values NeMo-RL returns: ``(packed_input_ids [1, T],
-    input_ids_cp_sharded [1, T/C], packed_seq_params, cu_seqlens [B+1] int32,
-    cu_seqlens_padded [B+1] int32)``. ``cu_seqlens_padded`` starts each sequence at a
-    multiple of ``pad_individual_seqs_to_multiple_of``; its last entry is
-    ``pad_packed_seq_to`` when set, else rounded up to ``pad_packed_seq_to_multiple_of``
-    (the last sequence absorbs the slack); with nothing to pad it is a copy of
-    ``cu_seqlens``. ``packed_seq_params`` is a THD ``PackedSeqParams`` whose four
-    ``cu_seqlens_*`` fields are ``cu_seqlens_padded`` and whose ``max_seqlen_*`` is the
-    longest padded segment (``total_tokens = T/C`` where megatron-core has that field).
-    With ``cp_size == 1`` the two id tensors are the same tensor.
+    Returns NeMo-RL's five values: ``(packed_input_ids [1, T], input_ids_cp_sharded [1, T/C], packed_seq_params,
+    cu_seqlens [B+1] int32, cu_seqlens_padded [B+1] int32)``; with ``cp_size == 1`` the two id tensors are one.
 
-    Example: lengths ``[8, 5, 7]``, multiple 4 -> ``cu_seqlens [0, 8, 13, 20]``,
-    ``cu_seqlens_padded [0, 8, 16, 24]``, max_seqlen 8.
+    Args:
+        input_ids: ``[B, S]`` token ids.
+        seq_lengths: ``[B]`` ints (a tensor, list or array; non-integers are refused).
+        pad_individual_seqs_to_multiple_of: each sequence starts at a multiple of this.
+        pad_packed_seq_to_multiple_of: ``T`` is rounded up to this (the last sequence absorbs the slack).
+        pad_packed_seq_to: a fixed ``T`` (a larger packed total raises: NeMo-RL truncates).
+        cp_rank: this rank in the CP group.
+        cp_size: CP size; with ``cp_size > 1`` each segment must be a multiple of ``2 * cp_size``.
+        options: nn_data only: the compiled graph and ``T`` buckets (:class:`PackOptions`).
 
-    One host sync per call (NeMo-RL: ``2B + 1``): the lengths are read once and the layout is
-    computed in Python ints (:mod:`nn_data.layout`). ``options`` (keyword-only, nn_data only)
-    selects the compiled graph and ``T`` buckets: see :class:`PackOptions`. It packs
-    ``input_ids`` and nothing else; :func:`process_microbatch` packs the microbatch's companions
-    (MTP mask, media-token mask, routed experts) with the ids in one call of its own.
+    Example: lengths ``[8, 5, 7]``, multiple 4 -> ``cu_seqlens [0, 8, 13, 20]``, ``cu_seqlens_padded [0, 8, 16, 24]``,
+    max_seqlen 8.
 
-    Differences from NeMo-RL, all on input NeMo-RL mishandles:
-    a packed total above ``pad_packed_seq_to`` raises (NeMo-RL truncates the packed
-    tensor silently); with ``cp_size > 1`` a segment that is not a multiple of
-    ``2 * cp_size`` raises (NeMo-RL drops its remainder tokens, or with a multiple of 1
-    returns unsharded ids); a length outside ``[0, S]`` raises; so do non-integer lengths (a list
-    like ``[1.5, 2, 3]`` is refused, not truncated).
-
-    Raises :class:`~nn_data.errors.PackingError` for those cases, a multiple below 1, ``pad_packed_seq_to`` not a multiple of
-    ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``.
-    """
+    Raises :class:`~nn_data.errors.PackingError` for the cases above, a length outside ``[0, S]``, a multiple below 1,
+    ``pad_packed_seq_to`` not a multiple of ``pad_packed_seq_to_multiple_of``, or ``cp_rank`` outside ``[0, cp_size)``."""
     options = options or PackOptions()
     spec = nemo_rl_spec(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of,
                         fixed_total=options.fixed_total(pad_packed_seq_to, "pad_packed_seq_to"), cp_rank=cp_rank,
@@ -87,32 +72,24 @@ def _unpack_sequences_from_megatron(
     original_batch_size: int,
     original_seq_length: int,
 ) -> torch.Tensor:
-    """Unpack a (CP-gathered) model output ``[1, T, *]`` to ``[B, S, *]``.
+    """Unpack a (CP-gathered) model output ``[1, T, *]`` to ``[B, S, *]``: one gather, one validation sync.
 
-    ``out[b, s] = output_tensor[0, cu_seqlens_padded[b] + s]`` for ``s < seq_lengths[b]``,
-    0 elsewhere, with ``B = original_batch_size``, ``S = original_seq_length``. The
-    offsets are ``cu_seqlens_padded`` (``cu_seqlens`` when it is None).
+    ``out[b, s] = output_tensor[0, cu_seqlens_padded[b] + s]`` for ``s < seq_lengths[b]``, 0 elsewhere. nn_data always
+    uses the padded offsets (NeMo-RL reads ``cu_seqlens`` at CP 1: docs/nemo-rl.md, "Differences from NeMo-RL").
 
-    Example: output ``[[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]]`` (last dim omitted), lengths
-    ``[3, 0, 5]``, ``cu_seqlens_padded [0, 4, 4, 12]``, S 5 ->
-    ``[[1, 2, 3, 0, 0], [0, 0, 0, 0, 0], [4, 5, 6, 7, 8]]``.
+    Args:
+        output_tensor: ``[1, T, *]`` (or ``[T]``), any trailing dims.
+        seq_lengths: ``[B]`` ints.
+        cu_seqlens: ``[B+1]`` unpadded offsets, used only when ``cu_seqlens_padded`` is None (they may end before T).
+        cu_seqlens_padded: ``[B+1]`` offsets rising from 0 to ``T``.
+        original_batch_size: ``B``.
+        original_seq_length: ``S``.
 
-    Difference from NeMo-RL: NeMo-RL reads the offsets from ``cu_seqlens`` whenever the
-    CP size is 1, which puts every sequence after the first at the wrong place as soon as
-    sequences were padded to a multiple > 1; nn_data always uses the padded offsets.
-    It also accepts any trailing dims (NeMo-RL assumes exactly one), and checks the
-    boundaries NeMo-RL reads unchecked: they start at 0, never decrease, end at ``T``
-    (``T = output_tensor.shape[1]``) and give every sequence at least its length. Without
-    ``cu_seqlens_padded`` NeMo-RL's contract allows the unpadded offsets ``cu_seqlens``, which
-    may end before ``T`` (padding after the last sequence): then only "at most ``T``" is checked
-    for the end. One gather, one validation sync.
+    Example: output ``[[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]]``, lengths ``[3, 0, 5]``, ``cu_seqlens_padded
+    [0, 4, 4, 12]``, S 5 -> ``[[1, 2, 3, 0, 0], [0, 0, 0, 0, 0], [4, 5, 6, 7, 8]]``.
 
-    Raises :class:`~nn_data.errors.PackingError` when ``seq_lengths`` is not integers (a float
-    tensor, or a list, tuple or numpy array like ``[1.5, 2, 3]``: never truncated), does not have
-    ``original_batch_size`` entries, is on a device its values cannot be copied from (``meta``), a
-    length is outside ``[0, original_seq_length]`` or does not fit its segment, or the boundaries
-    do not rise from 0 to ``T`` as above.
-    """
+    Raises :class:`~nn_data.errors.PackingError` for non-integer lengths, not ``B`` of them, lengths on ``meta``, a length
+    outside ``[0, S]`` or longer than its segment, or boundaries that do not rise from 0 to ``T``."""
     offsets = "padded" if cu_seqlens_padded is not None else "unpadded"
     bounds = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
     if output_tensor.dim() == 1:
@@ -139,44 +116,37 @@ def _get_pack_sequence_parameters_for_megatron(
     pad_individual_seqs_to_multiple_of: int,
     max_seq_len_in_batch: int,
 ):
-    """``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to)``.
+    """``(pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to)`` for a Megatron config.
 
-    The multiples are :class:`nn_data.planning.Parallelism`'s, the one alignment rule (the
-    planner and the packer's checks use the same): the per-sequence multiple must be a multiple of
-    ``2 * cp_size`` (CP > 1) times ``tp_size`` (TP > 1 with sequence parallelism), else the layout
-    refuses it (NeMo-RL's message first). Packed multiple: 1, unless FP8 (``fp8_cfg.enabled``:
-    recipe ``"blockwise"`` 128, ``"mxfp8"`` 32, any other 16), FP4 (megatron-core's ``fp4``, 128;
-    nn_data only) or the HybridEP flex dispatcher (``moe_token_dispatcher_type="flex"`` and
-    ``moe_flex_dispatcher_backend="hybridep"``: 128) needs one; then the largest of those times
-    ``2 * cp_size`` (CP > 1) times ``tp_size`` (TP > 1 with SP). ``pad_packed_seq_to``: None unless
-    PP > 1, then ``max_seq_len_in_batch`` rounded up to the packed multiple (the step's longest bin;
-    a run-level ``cfg["nn_data"]["pad_full_seq_to"]`` replaces it in :func:`get_microbatch_iterator`).
+    The multiples are :class:`nn_data.planning.Parallelism`'s (docs/planning.md): the per-sequence multiple must be a
+    multiple of ``2 * cp_size`` (CP > 1) times ``tp_size`` (TP > 1 with SP); the packed multiple adds FP8, FP4 or
+    HybridEP's; ``pad_packed_seq_to`` is None unless PP > 1, then ``max_seq_len_in_batch`` rounded up to it.
 
-    Example: TP 2 + SP, CP 2, FP8 blockwise, PP 2, multiple 8, max 1000 ->
-    ``(8, 1024, 1024)``.
+    Args:
+        megatron_cfg: NeMo-RL's ``megatron_cfg``.
+        pad_individual_seqs_to_multiple_of: the per-sequence multiple.
+        max_seq_len_in_batch: the step's longest bin.
 
-    Raises :class:`~nn_data.errors.PackingError` when the
-    per-sequence multiple is not a multiple of the minimum pad factor.
-    """
+    Example: TP 2 + SP, CP 2, FP8 blockwise, PP 2, multiple 8, max 1000 -> ``(8, 1024, 1024)``.
+
+    Raises :class:`~nn_data.errors.PackingError` when the per-sequence multiple is not a multiple of the pad factor."""
     parallelism = Parallelism.from_megatron_cfg(
         megatron_cfg, make_sequence_length_divisible_by=pad_individual_seqs_to_multiple_of)
     pad_packed_seq_to_multiple_of = parallelism.packed_multiple
     pad_packed_seq_to = None
     if parallelism.pp > 1:
-        pad_packed_seq_to = _round_up_to_multiple(max_seq_len_in_batch, pad_packed_seq_to_multiple_of)
+        pad_packed_seq_to = round_up(max_seq_len_in_batch, pad_packed_seq_to_multiple_of)
     return pad_individual_seqs_to_multiple_of, pad_packed_seq_to_multiple_of, pad_packed_seq_to
 
 
 def get_and_validate_seqlen(data):
     """``(1, S)``: dim 1 is the sequence dim; every tensor of ``data`` with 2+ dims must share ``S``.
 
-    ``data`` is any mapping read as NeMo-RL reads it: ``data["input_ids"]`` and
-    ``data.items()`` only (nn_data's or NeMo-RL's ``BatchedDataDict``, a dict, a mock).
+    Args:
+        data: any mapping read as NeMo-RL reads it (``data["input_ids"]``, ``data.items()``).
 
-    Raises :class:`~nn_data.errors.PackingError` with NeMo-RL's
-    message (``Dim 1 must be the sequence dim, ...``) naming the key whose dim 1 differs from
-    ``input_ids.shape[1]``; ``KeyError`` when there is no ``input_ids`` (as NeMo-RL).
-    """
+    Raises :class:`~nn_data.errors.PackingError` with NeMo-RL's message (``Dim 1 must be the sequence dim, ...``) naming
+    the key whose dim 1 differs; ``KeyError`` when there is no ``input_ids`` (as NeMo-RL)."""
     sequence_dim = 1
     try:
         input_ids = data["input_ids"]

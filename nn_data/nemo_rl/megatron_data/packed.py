@@ -4,22 +4,10 @@ Shape legend
     B   sequences; S padded row length; T packed tokens; C context-parallel size
     Ly, K   MoE layers and top-k of routed experts ``[B, S, Ly, K]``
 
-The packed branch is **one explicit call**: :func:`~nn_data.nemo_rl.megatron_data.dispatch.pack_microbatch`
-packs ``input_ids`` and every companion (``mtp_loss_mask``, the media-token mask, routed experts, R3
-identities) on one layout, with the microbatch's one host sync; ``PackedSeqParams`` and the full-row
-parameters come from that layout's host ints, and the CP share it packs is exactly the partition a model
-that slices CP itself takes (:func:`get_packed_seq_cp_partition_indices`: the same zigzag). It does not
-call ``_pack_sequences_for_megatron`` or ``_shard_routed_experts_for_cp`` once per tensor as NeMo-RL does
-(docs/nemo-rl.md lists NeMo-RL's tests that assert on those calls).
-
-``model_slices_context_parallel_inputs`` (NeMo-RL HEAD): the model inserts media into the
-full THD row before selecting its CP-owned tokens, so it gets the full packed ids
-``[1, T]``, the full ``mtp_loss_mask`` / media mask ``[1, T]``, and a ``PackedSeqParams``
-with ``cu_seqlens_q = cu_seqlens`` (valid tokens), ``cu_seqlens_q_padded =
-cu_seqlens_padded``, ``total_tokens = T`` and ``pad_between_seqs`` (the last two where
-megatron-core has them); routed experts and R3 identities are CP-sliced with the same
-partition the model uses.
-"""
+One call of :func:`~nn_data.nemo_rl.megatron_data.dispatch.pack_microbatch` packs the ids and every companion on
+one layout (docs/nemo-rl.md, "The path to the executor"). With ``model_slices_context_parallel_inputs`` the model
+gets the full row ``[1, T]`` and a ``PackedSeqParams`` with valid and padded boundaries apart; routed experts are
+CP-sliced with the partition the model uses."""
 
 from __future__ import annotations
 
@@ -45,22 +33,23 @@ def get_packed_seq_cp_partition_indices(
     device: Any,
     cp_group: Optional["torch.distributed.ProcessGroup"] = None,
 ) -> torch.Tensor:
-    """This rank's positions in the full packed row: ``[T/C]`` int64 indices into ``[0, T)``.
+    """This rank's positions in the full packed row: ``[T/C]`` int64 indices into ``[0, T)`` (megatron-bridge's function).
 
-    megatron-bridge's function of that name (NeMo-RL imports it), without megatron-bridge:
-    segments are ``packed_seq_params.cu_seqlens_q_padded`` (``cu_seqlens_q`` when None), each
-    cut into ``2C`` chunks of which rank ``r`` holds chunks ``r`` and ``2C-1-r`` (docs/design.md, "Zigzag",
-    the split TransformerEngine and megatron-core use). ``C = 1``: ``arange(T)``.
+    Segments are ``packed_seq_params.cu_seqlens_q_padded`` (``cu_seqlens_q`` when None), each cut into ``2C`` chunks
+    of which rank ``r`` holds ``r`` and ``2C-1-r`` (docs/design.md, "Zigzag"); one host read of the boundaries.
 
-    Example: ``cu_seqlens_q_padded [0, 4, 8]``, ``T = 8``, ``C = 2``: rank 0 -> ``[0, 3, 4, 7]``,
-    rank 1 -> ``[1, 2, 5, 6]``.
+    Args:
+        packed_seq_params: a ``PackedSeqParams`` (its ``cu_seqlens_q_padded`` or ``cu_seqlens_q``).
+        total_tokens: ``T``, a multiple of ``2C``.
+        cp_size: ``C``.
+        cp_rank: this rank.
+        device: where the indices go.
+        cp_group: optional; its rank and size must be ``cp_rank`` and ``cp_size``.
 
-    One host read of the boundaries (their validation, building the layout whose places these are);
-    :func:`process_microbatch` computes the same indices from its layout without reading them. Raises :class:`~nn_data.errors.PackingError` (a ``ValueError``, as
-    megatron-bridge) for a bad ``cp_rank``/``cp_size``, a ``cp_group`` whose rank or size
-    differ from them, ``total_tokens`` not a multiple of ``2C``, boundaries that do not rise
-    from 0 to ``total_tokens``, or a segment not divisible by ``2C``.
-    """
+    Example: ``cu_seqlens_q_padded [0, 4, 8]``, ``T = 8``, ``C = 2``: rank 0 -> ``[0, 3, 4, 7]``, rank 1 -> ``[1, 2, 5, 6]``.
+
+    Raises :class:`~nn_data.errors.PackingError` (a ``ValueError``, as megatron-bridge) for any of those broken, or
+    boundaries that do not rise from 0 to ``total_tokens`` in segments divisible by ``2C``."""
     checks.check_cp(cp_size, cp_rank)
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
         raise PackingAssertionError(f"total_tokens={total_tokens!r} is invalid; expected an int >= 0 (the full packed length)")
@@ -120,9 +109,8 @@ def packed_inputs(data_dict, input_ids, seq_lengths, routed, *, m: int, p: int, 
 
 
 def _extras(data_dict, input_ids, seq_lengths, routed) -> dict:
-    """The companions that ride the ids' layout (None where the batch has none): the MTP mask, routed
-    experts with their R3 identities when the verifier runs, the media-token mask (packed in the ids'
-    dtype: padding 0 is no bool)."""
+    """The companions that ride the ids' layout (None where absent): the MTP mask, routed experts with their R3
+    identities when the verifier runs, the media-token mask (in the ids' dtype)."""
     identity = None
     if routed is not None and r3_verify_forward_enabled():
         identity = public("_make_r3_trace_token_identity")(input_ids, seq_lengths)

@@ -4,18 +4,10 @@ Shape legend
     B   sequences; S padded row length; T packed tokens; C context-parallel size
     Ly  MoE layers; K top-k: routed experts are ``[B, S, Ly, K]`` (token-aligned expert ids)
 
-Routed experts ride exactly the layout of the tokens: same segments, same zigzag CP
-split, no roll (they are per-token, not next-token targets). Pad rows are
-``arange(K)``, a valid top-k route (megatron-core's replay check rejects 0/duplicate/-1
-routes). Token identities ``[B, S, 3]`` = ``[batch_idx, token_pos, valid]`` are a debug
-aid: the forward verifier checks that every CP-local token and route came from where
-its identity says.
-
-The verifier runs when the environment variable ``NN_DATA_R3_VERIFY`` is ``1``/``true``/
-``yes``/``on``, or when NeMo-RL's pair ``NRL_R3_TRACE`` and ``NRL_R3_TRACE_VERIFY_FORWARD``
-both are (so existing NeMo-RL launch scripts keep working). It costs one host sync and
-an identity tensor per microbatch; leave it off in production.
-"""
+Routed experts ride the tokens' layout (no roll); pad rows are ``arange(K)``, a valid top-k route. Token identities
+``[B, S, 3]`` = ``[batch_idx, token_pos, valid]`` let the forward verifier check every CP-local token and route; it
+runs when ``NN_DATA_R3_VERIFY`` (or NeMo-RL's ``NRL_R3_TRACE`` and ``NRL_R3_TRACE_VERIFY_FORWARD``) is on, at
+one host sync per microbatch."""
 
 from __future__ import annotations
 
@@ -43,12 +35,9 @@ def r3_verify_forward_enabled() -> bool:
 
 
 def _make_r3_trace_token_identity(input_ids: torch.Tensor, seq_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[B, S, 3]`` int32 identities ``[batch_idx, token_pos, valid]`` of ``input_ids [B, S, ...]``.
+    """``[B, S, 3]`` int32 identities ``[batch_idx, token_pos, valid]``, ``valid`` 1 below ``seq_lengths[b]``; no sync.
 
-    ``valid`` is 1 for ``token_pos < seq_lengths[b]`` (every position when ``seq_lengths``
-    is None). Example: ``input_ids [2, 3]``, lengths ``[2, 0]`` ->
-    ``[[[0,0,1],[0,1,1],[0,2,0]], [[1,0,0],[1,1,0],[1,2,0]]]``. No host sync.
-    """
+    Example: ``input_ids [2, 3]``, lengths ``[2, 0]`` -> ``[[[0,0,1],[0,1,1],[0,2,0]], [[1,0,0],[1,1,0],[1,2,0]]]``."""
     rows, cols = input_ids.shape[:2]
     device = input_ids.device
     batch_idx = torch.arange(rows, dtype=torch.int32, device=device)[:, None].expand(rows, cols)  # [B, S]
@@ -69,15 +58,10 @@ def _verify_r3_trace_cp_token_alignment(
     routed_experts_cp_sharded: Optional[torch.Tensor],
     token_identity_cp_sharded: Optional[torch.Tensor],
 ) -> Optional[int]:
-    """Check CP-local tokens and routes against the source rows their identities name.
+    """Check CP-local tokens and routes against the source rows their identities name (one host sync).
 
-    Returns None when the verifier is off or no identities are given, else the number of
-    valid tokens checked. Vectorised: one gather per tensor and one host sync.
-
-    Raises ``RuntimeError`` (as NeMo-RL) when routed experts and identities are not
-    present together, the identity's last dim is not 3, token counts differ, or any
-    valid token or route does not match its source (the message names the first one).
-    """
+    Returns None when the verifier is off or no identities are given, else the number of valid tokens checked.
+    Raises ``RuntimeError`` (as NeMo-RL) naming the first mismatch, or when routes and identities are not together."""
     if not r3_verify_forward_enabled() or token_identity_cp_sharded is None:
         return None
     if source_routed_experts is None or routed_experts_cp_sharded is None:
@@ -113,15 +97,12 @@ def _verify_r3_trace_cp_token_alignment(
 
 
 def _fill_routed_experts_padding(routed_experts: torch.Tensor, seq_lengths: torch.Tensor) -> torch.Tensor:
-    """Set every padding position (``s >= seq_lengths[b]``) of ``[B, S, Ly, K]`` to ``arange(K)``.
+    """Set every padding position (``s >= seq_lengths[b]``) of ``[B, S, Ly, K]`` to ``arange(K)`` (a new tensor, no sync).
 
-    Returns a new tensor (no host sync; NeMo-RL syncs to return the input unchanged when
-    nothing is padded, the values are the same). Example: K 2, lengths ``[1]``, S 2 ->
-    position 1 of every layer becomes ``[0, 1]``.
+    Example: K 2, lengths ``[1]``, S 2 -> position 1 of every layer becomes ``[0, 1]``.
 
-    Raises :class:`~nn_data.errors.PackingError` (a ``ValueError``, as NeMo-RL) when
-    ``routed_experts`` is not 4-D or ``seq_lengths`` does not have one entry per row.
-    """
+    Raises :class:`~nn_data.errors.PackingError` (a ``ValueError``, as NeMo-RL) when ``routed_experts`` is not 4-D or
+    ``seq_lengths`` does not have one entry per row."""
     if routed_experts.dim() != 4:
         raise PackingAssertionError("routed_experts must have shape [batch, seq, num_moe_layers, topk]; got "
                                     f"{tuple(routed_experts.shape)}")
@@ -144,23 +125,14 @@ def _shard_routed_experts_for_cp(
     cp_rank: int,
     cp_size: int,
 ):
-    """Pack and CP-shard routed experts / token identities on the tokens' layout.
+    """Pack and CP-shard routed experts / token identities on the tokens' layout (one host sync).
 
-    Returns ``(routed_packed [1, T, Ly, K], routed_cp_sharded [1, T/C, Ly, K],
-    identity_packed [1, T, 3], identity_cp_sharded [1, T/C, 3])``, None where the input is
-    None. Segments are those of ``cu_seqlens_padded`` (``cu_seqlens`` when None), so the
-    boundaries are identical to the ids'. Routed pad rows are ``arange(K)``, identity pad
-    rows 0 (``valid = 0``: the verifier skips them). One host sync (the boundaries and lengths:
-    ``T`` and the checks), then the host executor. :func:`process_microbatch` packs the routes with
-    the tokens in its one call and does not call this.
+    Returns ``(routed_packed [1, T, Ly, K], routed_cp_sharded [1, T/C, Ly, K], identity_packed [1, T, 3],
+    identity_cp_sharded [1, T/C, 3])``, None where the input is None; routed pad rows ``arange(K)``, identity pad rows 0.
+    Segments are ``cu_seqlens_padded``'s (``cu_seqlens`` when None).
 
-    Difference from NeMo-RL: a segment not divisible by ``2 * cp_size`` raises instead of
-    losing its remainder routes.
-
-    Raises :class:`~nn_data.errors.PackingError` for a bad ``cp_rank``/``cp_size``, a
-    boundary tensor that is not ``[B+1]`` rising from 0, a length outside ``[0, S]`` or
-    longer than its segment, or (CP > 1) a segment not divisible by ``2 * cp_size``.
-    """
+    Raises :class:`~nn_data.errors.PackingError` for a bad ``cp_rank``/``cp_size``, boundaries not ``[B+1]`` rising from
+    0, a length outside ``[0, S]`` or its segment, or (CP > 1) a segment not divisible by ``2 * cp_size``."""
     ref = routed_experts if routed_experts is not None else token_identity
     if ref is None:
         return None, None, None, None

@@ -1,6 +1,5 @@
-"""NeMo-RL's two records of a processed microbatch (its fields, in its order), plus nn_data's
-``padding_mask`` (None unless packed) and ``shared_prefix`` (None unless the microbatch was packed with
-each group's prompt once: :class:`TreeRecord`) last."""
+"""NeMo-RL's two records of a processed microbatch (its fields, in its order), plus nn_data's ``padding_mask``
+and ``shared_prefix`` (:class:`TreeRecord`) last."""
 
 from __future__ import annotations
 
@@ -21,19 +20,13 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; megatron-core is impor
 class TreeRecord(NamedTuple):
     """nn_data's part of a rollout-tree or GRPO-groups microbatch's record (``ProcessedInputs.shared_prefix``).
 
-    ``layout``: the :class:`~nn_data.layout.TreeLayout` (the loss side's unpack and log-probs:
-    :func:`~nn_data.nemo_rl.megatron_data.tree_model.from_parallel_logits_to_logprobs_shared_prefix`);
-    ``info``: the pack-and-shard runtime's :class:`~nn_data.PackedInfo` (the slots' boundaries, ``segment_ids
-    [T]``, ``query_index [T/C]``, the CP split, the prefix rule) before the model call's parts; ``kv``: at
-    ``C = 1`` the :class:`~nn_data.adapters.tree_kv.TreeKV` of a variable-length kernel
-    (TransformerEngine's THD attention, :func:`~nn_data.adapters.tree_kv.tree_kv`): each node slot's keys
-    and values are those of its rollout's path before it (a response's: its prompt's), then its own,
-    ``kv.gather(key [T, *]) -> [K, *]``, ``K = kv.max_seqlen_kv`` (``T`` plus those path keys, exactly, or
-    the run's ``cfg["nn_data"]["kv_capacity"]``, required under ``pad_full_seq_to`` so that the buffer has one
-    shape per run: :func:`~nn_data.nemo_rl.megatron_data.tree_inputs.kv_capacity`); None under CP
-    (TransformerEngine's CP splits keys and values as it splits the queries, which the buffer is not);
-    ``kind``: the config key's spelling (``"shared-prefix"``: GRPO groups, ``cfg["nn_data"]["shared_prefix"]``;
-    ``"rollout-tree"``: ``cfg["nn_data"]["rollout_tree"]``)."""
+    Args:
+        layout: the :class:`~nn_data.layout.TreeLayout` (the loss side's unpack and log-probs).
+        info: the pack-and-shard runtime's :class:`~nn_data.PackedInfo` before the model call's parts.
+        kv: at CP 1 the :class:`~nn_data.adapters.tree_kv.TreeKV` of a variable-length kernel (each node slot's keys
+            are its path's, then its own; ``K = kv.max_seqlen_kv``, or ``cfg["nn_data"]["kv_capacity"]``); None
+            under CP.
+        kind: the config key's spelling: ``"shared-prefix"`` (GRPO groups) or ``"rollout-tree"``."""
 
     layout: TreeLayout
     info: object
@@ -43,12 +36,11 @@ class TreeRecord(NamedTuple):
 
 @dataclass
 class ProcessedInputs:
-    """Processed microbatch inputs used for the model forward pass (NeMo-RL's fields), and nn_data's
-    ``padding_mask``: packed microbatches only, bool in the layout of ``input_ids_cp_sharded``
-    (``[1, T/C]``; ``[1, T]`` when the model slices CP itself), True at padding (each segment's slack
-    and the extended last segment): what megatron-core's ``GPTModel.forward(padding_mask=)`` takes
-    to keep padding out of MoE routing statistics; ``shared_prefix``: a shared-prefix microbatch's layout,
-    prefix rule and places (``cfg["nn_data"]["shared_prefix"]``, docs/nemo-rl.md), None otherwise."""
+    """Processed microbatch inputs for the model forward pass (NeMo-RL's fields), then nn_data's two.
+
+    ``padding_mask``: packed microbatches only, bool in the layout of ``input_ids_cp_sharded`` (``[1, T/C]``;
+    ``[1, T]`` when the model slices CP itself), True at padding: megatron-core's ``GPTModel.forward(padding_mask=)``.
+    ``shared_prefix``: a shared-prefix microbatch's :class:`TreeRecord`, None otherwise."""
 
     input_ids: torch.Tensor
     input_ids_cp_sharded: torch.Tensor

@@ -1,24 +1,14 @@
-"""Rollout trees in the megatron drop-in: ``cfg["nn_data"]["rollout_tree"]`` and its depth-1 spelling, the GRPO
-groups of ``cfg["nn_data"]["shared_prefix"]``: every shared prefix packed once.
+"""Rollout trees in the megatron drop-in (``cfg["nn_data"]["rollout_tree"]``, and ``["shared_prefix"]``: GRPO groups,
+its depth-1 spelling): every shared prefix packed once.
 
 Shape legend
     B   rollouts of a microbatch (rows of its ``BatchedDataDict``); S their padded row length
-    T   packed tokens; the row holds N node slots (``2B`` for the shared prompt: slot ``2b`` rollout b's
-        prompt, empty unless b leads its group, slot ``2b+1`` its response; at most ``3B - 2`` for a tree:
-        :mod:`nn_data.layout.tree`)
+    T   packed tokens in N node slots (``2B`` for GRPO groups, at most ``3B - 2`` for a tree: :mod:`nn_data.layout.tree`)
     C   context-parallel size; the model sees ``T/C`` local tokens
-    K   keys of TransformerEngine's per-node key/value buffer at ``C = 1``: the microbatch's need, or under
-        ``pad_full_seq_to`` the run's ``cfg["nn_data"]["kv_capacity"]`` (:func:`kv_capacity`)
+    K   keys of TransformerEngine's per-node key/value buffer at ``C = 1`` (:func:`kv_capacity`)
 
-With a key set (:func:`~nn_data.nemo_rl.megatron_data.options.rollout_tree_keys`,
-:func:`~nn_data.nemo_rl.megatron_data.options.shared_prefix_keys`) a step's batch carries ``parent [B]`` /
-``branch_at [B]`` (or ``group_ids [B]`` / ``prefix_lengths [B]``) beside ``input_ids`` / ``input_lengths``;
-``process_microbatch`` packs each microbatch with the tree kind of the pack-and-shard runtime (one host read,
-checking the tree) and returns NeMo-RL's record with nn_data's :class:`TreeRecord` for the model call and the
-loss (:mod:`nn_data.nemo_rl.megatron_data.tree_model`); a microbatch without the fields has its tree found here
-(:func:`found_tree`). What is planned, packed and refused by name, and why a stock model must not get
-``packed_seq_params``: docs/nemo-rl.md, "Rollout trees and GRPO groups".
-"""
+What is planned, packed and refused by name, and why a stock model must not get ``packed_seq_params``:
+docs/nemo-rl.md, "Rollout trees and GRPO groups"."""
 
 from __future__ import annotations
 
@@ -40,16 +30,12 @@ COMPANIONS = ("mtp_loss_mask", "routed_experts", "media_token_validity_mask")
 
 
 def config_key(keys) -> str:
-    """How messages name the config key of a spelling: ``cfg['nn_data']['shared_prefix']`` for
-    :class:`SharedPrefixKeys`, ``cfg['nn_data']['rollout_tree']`` otherwise."""
+    """How messages name the config key of a spelling (``cfg['nn_data']['shared_prefix']`` or ``['rollout_tree']``)."""
     return f"cfg['nn_data']['{'shared_prefix' if isinstance(keys, SharedPrefixKeys) else 'rollout_tree'}']"
 
 
 def tree_fields(data: Any, keys) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two ``[B]`` fields of a batch under ``keys`` (:class:`SharedPrefixKeys`: group ids and prefix lengths;
-    :class:`~nn_data.nemo_rl.megatron_data.options.RolloutTreeKeys`: parent and branch_at), each present and a
-    1-D integer tensor of ``B`` entries (no value is read: the planner and the layout check the values);
-    :class:`PackingError` naming the key otherwise."""
+    """The two ``[B]`` integer fields of a batch under ``keys`` (no value read); :class:`PackingError` naming the key."""
     rows = data["input_ids"].shape[0]
     what = ("group ids and prefix lengths" if isinstance(keys, SharedPrefixKeys) else
             "parents and branch points (parent, branch_at)")
@@ -67,15 +53,14 @@ def tree_fields(data: Any, keys) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def finds(data: Any, keys) -> bool:
-    """``cfg["nn_data"]["rollout_tree"] = "find"`` (:class:`FoundTreeKeys`) on a batch that carries neither key:
-    no sharding planner wrote the tree, so the microbatch's own tree is found (:func:`found_tree`)."""
+    """``rollout_tree = "find"`` on a batch without the keys: the microbatch's own tree is found (:func:`found_tree`)."""
     return isinstance(keys, FoundTreeKeys) and not any(key in data for key in keys)
 
 
 def found_tree(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(parent, branch_at)`` ``[B]`` on ``input_ids``' device: :func:`~nn_data.planning.find_rollout_tree` of the
-    microbatch's rollouts ``input_ids [B, S]`` with ``lengths [B]`` (each one's longest common prefix with an
-    earlier one). One host read of the ids. Example: rollouts ``[1 2 3]``, ``[1 2 9 9]`` -> ``[-1, 0]``, ``[0, 2]``."""
+    """``(parent, branch_at)`` ``[B]`` of the microbatch's rollouts (:func:`~nn_data.planning.find_rollout_tree`), one read.
+
+    Example: rollouts ``[1 2 3]``, ``[1 2 9 9]`` -> ``[-1, 0]``, ``[0, 2]``."""
     from nn_data.planning import find_rollout_tree
 
     host = torch.cat([input_ids.to(torch.int64), lengths.to(torch.int64)[:, None]], dim=1)  # [B, S+1]
@@ -96,8 +81,7 @@ def _needs_packing(keys) -> PackingAssertionError:
 
 
 def check_tree_key(data: Any, cfg: dict, packing: bool):
-    """The spelling's keys, None when neither ``cfg["nn_data"]["shared_prefix"]`` nor ``["rollout_tree"]`` is
-    set. Set: sequence packing must be on and the keys are checked against ``data`` (:func:`tree_fields`)."""
+    """The spelling's keys (None when unset); set, packing must be on and ``data`` must carry the keys."""
     keys = PackOptions.from_cfg(cfg).tree
     if keys is None:
         return None
@@ -109,8 +93,7 @@ def check_tree_key(data: Any, cfg: dict, packing: bool):
 
 
 def refuse_with_dynamic_cp(cfg: dict) -> None:
-    """A dynamic-CP plan packs its rounds end to end: with a shared-prefix key set it would not share the
-    prefixes it was asked to, so :class:`PackingError`."""
+    """:class:`PackingError` when a tree key is set: a dynamic-CP plan packs its rounds end to end."""
     keys = PackOptions.from_cfg(cfg).tree
     if keys is not None:
         raise PackingAssertionError("get_microbatch_iterator(..., dynamic_cp=) packs each round's sequences end to end and "
@@ -119,7 +102,7 @@ def refuse_with_dynamic_cp(cfg: dict) -> None:
 
 
 def _refuse_unsupported(data_dict, *, delegate: bool, model_slices: bool, options: PackOptions) -> None:
-    """The module docstring's refusals, each naming what to change."""
+    """What a tree microbatch does not take (companions, self-packing, model slicing, compile, buckets), by name."""
     key = config_key(options.tree)
     given = [k for k in COMPANIONS if k in data_dict]
     if given:
@@ -141,21 +124,14 @@ def _refuse_unsupported(data_dict, *, delegate: bool, model_slices: bool, option
 def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequences: bool, m: int, p: int,
                         pad_full_seq_to: Optional[int], delegate: bool, model_slices: bool, options: PackOptions,
                         pg_collection=None) -> ProcessedInputs:
-    """``process_microbatch`` for a microbatch of rollout trees (``options.rollout_tree``) or GRPO groups
-    (``options.shared_prefix``, the depth-1 tree: the same kind of ``PackedForward``'s pipeline,
-    ``TreeKind``): :class:`ProcessedInputs` with the packed ids ``input_ids [1, T]`` /
-    ``input_ids_cp_sharded [1, T/C]``, ``position_ids [1, T/C]`` (rollout positions: a node continues from
-    its path), ``attention_mask`` None (the model call builds nn_data's mask from ``shared_prefix.info.prefix``),
-    ``packed_seq_params`` (:func:`shared_prefix_params`), ``cu_seqlens_padded [N+1]`` (the node slots'),
-    ``padding_mask [1, T/C]`` and ``shared_prefix`` (:class:`TreeRecord`). One host read (the layout
-    builder's, covering every check: a parent after its child, ``branch_at`` past the parent, shared tokens
-    that differ, each naming the rollout and the field).
+    """``process_microbatch`` for a microbatch of rollout trees or GRPO groups (one host read, checking the tree).
 
-    Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> ids ``[p0 p0 r0 r0 | r1 | p2 |
-    r2 r2]``, position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``; the tree
-    L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]`` -> ids ``[x0 x1 x2 | x3 x4 | y3]``, positions
-    ``[0, 1, 2, 3, 4, 3]``.
-    """
+    Returns :class:`ProcessedInputs` with the packed ids ``[1, T]`` / ``[1, T/C]``, rollout ``position_ids [1, T/C]``
+    (a node continues from its path), ``attention_mask`` None, ``packed_seq_params`` (:func:`shared_prefix_params`),
+    the node slots' ``cu_seqlens_padded [N+1]``, ``padding_mask`` and the :class:`TreeRecord`.
+
+    Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> ids ``[p0 p0 r0 r0 | r1 | p2 | r2 r2]``,
+    position_ids ``[0, 1, 2, 3, 2, 0, 1, 2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``."""
     from nn_data.adapters.tree_kv import tree_kv
     from nn_data.planning import RolloutTree
     from nn_data.extension import PackingSide, RolloutGroups, TREE
@@ -194,17 +170,11 @@ def rollout_tree_inputs(data_dict, *, seq_length_key: Optional[str], pack_sequen
 
 
 def kv_capacity(shared: TreeLayout, *, run_capacity: Optional[int] = None) -> int:
-    """``K`` of the record's key/value buffer (:func:`~nn_data.adapters.tree_kv.tree_kv`) from the
-    builder's host ints (no read): the microbatch's need, ``T`` plus the path tokens ahead of every non-empty
-    node slot (its begin in its rollout), exactly, for GRPO groups and trees alike; or, with ``run_capacity``
-    (``cfg["nn_data"]["kv_capacity"]``), that one length for every microbatch of the run, the slack sequence
-    taking what the microbatch does not need (under ``pad_full_seq_to`` the drop-in builds a buffer only with it: a
-    per-microbatch ``K`` would change the buffer's shape under a static ``T``).
+    """``K`` of the record's key/value buffer from the builder's host ints: ``T`` plus the path tokens ahead of every
+    non-empty node slot, or the run's ``run_capacity`` (``cfg["nn_data"]["kv_capacity"]``) when given.
 
-    Example: the tree L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, m 1: slots ``[0,3) [3,5) [5,5)
-    [5,6)`` (begins ``0, 3, 0, 3``), T 6 -> K ``6 + 3 + 3 = 12``; groups L ``[4, 3, 3]``, P ``[2, 2, 1]``, T 8 ->
-    K ``8 + 2 + 2 + 1 = 13``; ``run_capacity=16`` -> 16, ``run_capacity=12`` -> :class:`PackingError` (needs 13).
-    """
+    Example: groups L ``[4, 3, 3]``, P ``[2, 2, 1]``, T 8 -> K ``8 + 2 + 2 + 1 = 13``; ``run_capacity=16`` -> 16,
+    ``run_capacity=12`` -> :class:`PackingError` (needs 13)."""
     host = shared.layout.host
     if host is None or shared.host_begins is None:
         raise PackingAssertionError("kv_capacity needs a rollout-tree layout built on the host (tree_layout or "
@@ -222,15 +192,9 @@ def kv_capacity(shared: TreeLayout, *, run_capacity: Optional[int] = None) -> in
 
 
 def shared_prefix_params(record: TreeRecord):
-    """The record's THD ``PackedSeqParams``. At ``C = 1`` (a rollout tree or GRPO groups): TransformerEngine's
-    distinct query and key/value boundaries over ``record.kv``
-    (:func:`~nn_data.adapters.tree_kv.tree_packed_seq_params`, ``N + 1`` sequences: the node
-    slots and a slack one, ``max_seqlen_q = T``, ``max_seqlen_kv = K``), for a kernel run bottom-right causal over
-    ``record.kv.gather(key)`` / ``(value)``: a stock model, which hands the kernel its ``T`` keys, must not take
-    them (no boundaries over ``T`` keys can be exact: a node's path keys are not next to it in the row). Under CP
-    (whose keys and values TransformerEngine would split as the queries): the slots' padded boundaries
-    (``max_seqlen`` the longest slot, ``total_tokens = T/C``), for nn_data's attention, which reads neither (it
-    takes the prefix rule: ``tree_model``)."""
+    """The record's THD ``PackedSeqParams``: at ``C = 1`` the query and key/value boundaries over ``record.kv``
+    (:func:`~nn_data.adapters.tree_kv.tree_packed_seq_params`); under CP the slots' padded boundaries, for nn_data's
+    attention (docs/nemo-rl.md, "Rollout trees and GRPO groups")."""
     from nn_data.adapters.tree_kv import tree_packed_seq_params
 
     shared = record.layout

@@ -1,26 +1,12 @@
-"""A rollout-tree or shared-prefix microbatch (``cfg["nn_data"]["rollout_tree"]`` / ``["shared_prefix"]``, its
-depth-1 spelling) through a megatron-core ``GPTModel`` and NeMo-RL's log-prob function: the model call and the
-loss side of :mod:`nn_data.nemo_rl.megatron_data.tree_inputs`'s record (one path for both: the record's layout
-is a :class:`~nn_data.layout.TreeLayout` either way).
+"""A rollout-tree or GRPO-groups microbatch through a megatron-core ``GPTModel`` and NeMo-RL's log-prob function.
 
 Shape legend
     B   rollouts; S their row length (``unpacked_seqlen``)
     T   packed tokens; C context-parallel size; the model sees ``T/C`` local tokens
     V   vocabulary; ``Vt = V / TP`` on a tensor-parallel rank
 
-The model must be built with :func:`nn_data.adapters.megatron_gpt_layer_spec` (nn_data's core attention,
-which takes the prefix rule): :func:`forward_shared_prefix` runs it through
-:class:`~nn_data.adapters.MegatronGPTAdapter`, which applies the rotary embedding at the rollout positions
-(a node continues from its path: a response from its prompt; megatron-core's THD rotary embedding restarts
-every segment at 0) and the attention under the prefix rule. A stock model (TransformerEngine's or the local
-``DotProductAttention``) would let a response miss its prompt, or see other rollouts: refused by name (at ``C = 1``
-the message names the record's key/value buffer, ``record.kv``, on which a variable-length kernel of the model's
-own is exact).
-:func:`from_parallel_logits_to_logprobs_shared_prefix` is ``from_parallel_logits_to_logprobs_packed_sequences``
-with the record's layout in place of ``cu_seqlens_padded``: ``[B, S-1]`` per rollout, as if each had run alone;
-:func:`from_parallel_hidden_states_to_logprobs_shared_prefix` the same from the hidden states
-(``forward_shared_prefix(..., output="hidden")``) and the output weight.
-"""
+The model must be built with :func:`nn_data.adapters.megatron_gpt_layer_spec` (nn_data's attention, which takes the
+prefix rule); a stock model is refused by name (docs/nemo-rl.md, "Rollout trees and GRPO groups")."""
 
 from __future__ import annotations
 
@@ -52,10 +38,8 @@ def gpt_model(model):
 
 
 def check_prefix_attention(model, record) -> None:
-    """:class:`PackingError` unless every attention layer of ``model`` runs nn_data's core attention (the
-    one that honours the prefix rule), naming the class found and the other way to run the ``record``'s
-    microbatch: at ``C = 1`` a variable-length kernel over its key/value buffer (``record.kv``, a tree's or
-    GRPO groups' alike); under CP none (no buffer: TransformerEngine's CP splits keys and values as queries)."""
+    """:class:`PackingError` unless every attention layer of ``model`` runs nn_data's core attention, naming the class
+    found and the other way to run the ``record``'s microbatch."""
     from nn_data.adapters import PackedDotProductAttention
 
     cores = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
@@ -89,20 +73,18 @@ OUTPUTS = ("logits", "hidden")
 
 def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = "auto", output: str = "logits",
                           **model_kwargs) -> torch.Tensor:
-    """The model's output for a shared-prefix microbatch's local tokens: logits ``[1, T/C, V]`` (on the
-    last pipeline stage), equal at every real token to the rollout run alone; ``output="hidden"``: the
-    decoder's final-normed hidden states ``[T/C, 1, H]`` instead (for
-    :func:`from_parallel_hidden_states_to_logprobs_shared_prefix`: no ``[T, V]`` logits).
+    """The model's output for a tree microbatch's local tokens, equal at every real token to the rollout run alone.
 
-    ``model``: a ``GPTModel`` built with :func:`~nn_data.adapters.megatron_gpt_layer_spec` (or a wrapper
-    with ``.module``, whose own forward is then not run: the ``GPTModel`` inside is called); ``microbatch``: what the iterators yield (``ProcessedMicrobatch`` or
-    ``ProcessedInputs`` with ``shared_prefix``). ``cp_group``: the CP group the microbatch was sharded
-    over (default the model's ``pg_collection.cp``); ``model_kwargs`` go to the model (the padding mask
-    goes as ``padding_mask`` where the release takes one).
+    Args:
+        model: a ``GPTModel`` built with :func:`~nn_data.adapters.megatron_gpt_layer_spec` (or a wrapper with ``.module``).
+        microbatch: what the iterators yield, with ``shared_prefix``.
+        cp_group: the CP group it was sharded over (default the model's ``pg_collection.cp``).
+        mask_kind: passed to :class:`~nn_data.adapters.MegatronGPTAdapter`.
+        output: ``"logits"`` (``[1, T/C, V]``) or ``"hidden"`` (final-normed ``[T/C, 1, H]``).
+        model_kwargs: go to the model.
 
-    Raises :class:`PackingError` for a model without nn_data's attention (:func:`check_prefix_attention`),
-    a microbatch without the record, a CP group whose size is not the record's, and an unknown ``output``.
-    """
+    Raises :class:`PackingError` for a model without nn_data's attention, a microbatch without the record, a CP group
+    whose size is not the record's, and an unknown ``output``."""
     from nn_data.adapters import MegatronGPTAdapter
 
     if output not in OUTPUTS:
@@ -124,9 +106,8 @@ def forward_shared_prefix(model, microbatch, *, cp_group=None, mask_kind: str = 
 
 
 def packed_info(record, microbatch, cp_group):
-    """The record's :class:`~nn_data.packed_forward.PackedInfo` (what the adapter reads) with the model call's
-    parts: under CP a key/value gather over ``cp_group`` on the layout (no read of the boundaries), the
-    microbatch's ``PackedSeqParams`` and the row length."""
+    """The record's :class:`~nn_data.packed_forward.PackedInfo` with the model call's parts (the CP key/value gather, the
+    microbatch's ``PackedSeqParams`` and the row length)."""
     from nn_data import GatherFromContextParallel
 
     size = 1 if cp_group is None else cp_group.size()
@@ -155,20 +136,14 @@ def from_parallel_logits_to_logprobs_shared_prefix(
     *,
     pg_collection=None,
 ) -> torch.Tensor:
-    """Rollout log-probs ``[B, S-1]`` of a shared-prefix microbatch from this rank's packed logits
-    ``[1, T/C, Vt]``: ``from_parallel_logits_to_logprobs_packed_sequences``'s arguments, with
-    ``shared_prefix`` (the record ``microbatch.shared_prefix`` or its ``TreeLayout``) in place of
-    ``cu_seqlens_padded``. ``target``: the packed ids ``[1, T]`` (``microbatch.input_ids``).
+    """Rollout log-probs ``[B, S-1]`` of a tree microbatch from this rank's packed logits ``[1, T/C, Vt]`` (no host read).
 
-    ``out[b, s] = log p(x[b, s+1] | x[b, :s+1])`` for ``s < L[b] - 1``, else 0, as if rollout b had run
-    alone (its prompt's last position scored against its own first response token):
-    :class:`nn_data.logprobs.TreeLogProbs`. Unlike NeMo-RL's packed function the
-    rows end at each rollout's length (0 past it) and under CP the gradient is the single-process one
-    (every CP rank computes the same loss). No host read (the layout's ints and device asserts).
+    ``from_parallel_logits_to_logprobs_packed_sequences``' arguments with ``shared_prefix`` (the record or its
+    ``TreeLayout``) in place of ``cu_seqlens_padded``: ``out[b, s] = log p(x[b, s+1] | x[b, :s+1])`` for
+    ``s < L[b] - 1``, else 0, as if rollout b ran alone (:class:`nn_data.logprobs.TreeLogProbs`).
 
-    Raises :class:`PackingError` as :class:`~nn_data.logprobs.TreeLogProbs`, and for
-    ``unpacked_seqlen`` or ``chunk_size`` below 1 and a vocabulary slice that is not this TP rank's.
-    """
+    Raises :class:`PackingError` as that op, for ``unpacked_seqlen`` or ``chunk_size`` below 1, and a vocabulary slice
+    that is not this TP rank's."""
     from nn_data.logprobs import TreeLogProbs
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
@@ -195,15 +170,8 @@ def from_parallel_hidden_states_to_logprobs_shared_prefix(
     *,
     pg_collection=None,
 ) -> torch.Tensor:
-    """:func:`from_parallel_logits_to_logprobs_shared_prefix` from this rank's hidden states ``[T/C, 1, H]``
-    (``forward_shared_prefix(..., output="hidden")``) and the output weight ``[V/TP, H]`` in place of the
-    logits (``from_parallel_hidden_states_to_logprobs_packed_sequences``' arguments, the record in place of
-    ``cu_seqlens_padded``): the same ``[B, S-1]``, values and gradients, without ``[T, V]`` logits
-    (:class:`nn_data.logprobs.TreeLogProbsFromHidden`; the hidden states gathered over
-    TP first: no sequence parallelism).
-
-    Raises :class:`PackingError` as that op, and as the logits function for the other arguments.
-    """
+    """:func:`from_parallel_logits_to_logprobs_shared_prefix` from hidden states ``[T/C, 1, H]`` and the output weight
+    ``[V/TP, H]`` without ``[T, V]`` logits (:class:`nn_data.logprobs.TreeLogProbsFromHidden`); raises as it."""
     from nn_data.logprobs import TreeLogProbsFromHidden
 
     layout, seq_len, chunk = _call_args(shared_prefix, unpacked_seqlen, chunk_size)
