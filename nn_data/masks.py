@@ -5,29 +5,14 @@ Shape legend
     T   packed tokens (keys, after the CP gather)
     H   query heads, Hk key/value heads (``H`` a multiple of ``Hk``), D head dim
 
-A query at packed position ``i`` may see key ``j`` iff both lie in the same segment and
-``j <= i`` (and, with a sliding ``window``, ``i - j < window``: transformers' sliding-window rule
-``kv_idx > q_idx - sliding_window``). A rollout-tree microbatch (every shared prefix packed once:
-:func:`nn_data.layout.tree_layout`; the shared prompt of :func:`nn_data.layout.shared_prefix_layout`
-is its depth-1 case) widens "the same segment" by a :class:`PrefixRule`: query ``i`` also sees every
-real key ``j`` on its rollout's path (``positions[j] <= positions[i]`` and ``positions[j] <
-shared[rollout_ids[i], rollout_ids[j]]``: one look-up per pair), and the window counts rollout
-positions (``positions[i] - positions[j] < window``); :func:`sees` is the rule, once. Two forms of the same mask:
-
-* **dense**: a boolean ``[Tq, T]`` tensor for SDPA. ``Tq * T`` bytes (1 GiB at T = 32768,
-  no CP), any dtype, forward and backward;
-* **block**: a flex-attention ``BlockMask`` (``torch.nn.attention.flex_attention``): per
-  128 x 128 block, whether it is empty, full or partial, plus the mask function for the
-  partial ones. ``O(T^2 / 128^2)`` small integers (about 1 MiB at T = 32768; measured by
-  ``python -m profiling.bench.bench_mask_memory``). Built by a compiled ``create_block_mask`` *outside*
-  the model's graph (building it inside one compiled graph with the attention failed here),
-  and used by a compiled ``flex_attention``.
-
-The flex backend on a CPU runs the forward only (no backward) and only in float32, float16
-and bfloat16; on CUDA it runs both. :func:`document_mask` with ``kind="auto"`` picks the block
-mask where the backend supports the call and the dense mask would be large, else the dense one.
-:func:`document_attention` runs attention with either form.
-"""
+A query at packed position ``i`` may see key ``j`` iff both lie in the same segment and ``j <= i`` (and,
+with a sliding ``window``, ``i - j < window``: transformers' rule). A rollout-tree microbatch widens "the
+same segment" by a :class:`PrefixRule`: query ``i`` also sees every real key on its rollout's path;
+:func:`sees` is the rule, once. Two forms of the same mask: **dense**, a boolean ``[Tq, T]`` tensor for
+SDPA; **block**, a flex-attention ``BlockMask`` (``O(T^2 / 128^2)`` small integers) built by a compiled
+``create_block_mask`` outside the model's graph. The flex backend on a CPU runs the forward only, in float32,
+float16 and bfloat16; :func:`document_mask` with ``kind="auto"`` picks the block mask where the backend runs
+the call and the dense mask would be large (docs/models.md, "Wrapping your model")."""
 
 from __future__ import annotations
 

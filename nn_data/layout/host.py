@@ -6,18 +6,14 @@ Shape legend
     k   a segment's zigzag chunk, ``n / (2C)`` for a padded segment of ``n`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
 
-A :class:`HostExecutor` holds every boundary as a Python int (:class:`HostBounds`); each of its four
-methods is one ``split`` of its input into views at those ints and one ``cat``, a constant number of ops
-whatever ``B`` is, each byte written once, no index map (``docs/design.md``, "Layouts and executors").
-In the cases a method names it runs the device executor's (:class:`~nn_data.layout.device.DeviceExecutor`)
-instead. A host executor never runs while ``torch.compile`` traces: a host layout entering a traced region
-becomes a device layout there, once (:func:`nn_data.layout.pack_layout.entered`). The crossover's timings behind
+Each of :class:`HostExecutor`'s four methods is one ``split`` of its input at the layout's ints and one
+``cat``, whatever ``B`` is, or the device executor's in the cases it names; it never runs while
+``torch.compile`` traces (docs/design.md, "Layouts and executors"). The crossover behind
 :data:`SHARD_VIEWS_MAX_SEGMENTS`: ``profiling/results/ops.md``, "The executors' crossovers".
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; the input
 splits at ``[3, 2, 0, 5, 5, 0]`` (valid prefixes ``x[0,:3]``, ``x[1,:0]``, ``x[2,:5]``), the
-padding at ``[1, 0, 3]``, and the packed tensor is ``x[0,:3], 0, x[2,:5], 0, 0, 0``.
-"""
+padding at ``[1, 0, 3]``, and the packed tensor is ``x[0,:3], 0, x[2,:5], 0, 0, 0``."""
 
 from __future__ import annotations
 
@@ -64,12 +60,9 @@ class HostBounds(NamedTuple):
 
 
 def check_token(name: str, t, layout) -> None:
-    """Refuse ``t`` when a host executor packed it on a layout other than ``layout`` (eager; free).
-
-    Only tensors a host executor made carry a token: a model's output carries none, so it is never checked
-    here (nothing can tell which microbatch a model output belongs to). Example: ``r1.layout.unpack(
-    r2.packed, S)`` with two microbatches packed eagerly raises; ``r1.layout.unpack(model(r1.packed), S)``
-    does not."""
+    """Refuse ``t`` when a host executor packed it on a layout other than ``layout`` (eager; free). A model's
+    output carries no token, so it is never checked. Example: ``r1.layout.unpack(r2.packed, S)`` with two
+    microbatches packed eagerly raises; ``r1.layout.unpack(model(r1.packed), S)`` does not."""
     if torch.compiler.is_compiling() or not isinstance(t, torch.Tensor):
         return
     token = getattr(t, TOKEN_ATTR, None)
@@ -83,11 +76,9 @@ _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
 
 
 def host_tensor(values: list, dtype: torch.dtype, device_) -> torch.Tensor:
-    """A tensor of host ints on ``device_``: through an ``array`` buffer for a flat list (faster than
-    ``torch.tensor`` on a list of ints). On an accelerator it is staged in pinned memory and copied
-    asynchronously: a copy from pageable memory would block the host (a sync, which
-    ``torch.cuda.set_sync_debug_mode`` reports), while the microbatch's one sync is the host read.
-    Example: ``[0, 4, 4, 12]``, int32, cpu -> ``tensor([0, 4, 4, 12], dtype=torch.int32)``."""
+    """A tensor of host ints on ``device_`` (through an ``array`` buffer); on an accelerator staged in pinned memory
+    and copied asynchronously, so that the copy is no sync. Example: ``[0, 4, 4, 12]``, int32, cpu ->
+    ``tensor([0, 4, 4, 12], dtype=torch.int32)``."""
     code = _ARRAY_CODES.get(dtype)
     if code is None or not values or isinstance(values[0], list):
         t = torch.tensor(values, dtype=dtype)
@@ -109,27 +100,20 @@ def pads_of(bounds) -> list:
 class HostExecutor(NamedTuple):
     """A layout built on the host: its Python ints, and the four moves in a few ``split``/``cat`` ops.
 
-    ``bounds`` (:class:`HostBounds`, the one read's ints), ``seq_lengths [B]`` the lengths tensor the
-    layout was built from (None: from boundaries), ``token``: the fingerprint of a layout a pack built,
-    which every tensor this executor packs or shards carries (:data:`TOKEN_ATTR`, :func:`check_token`), or
-    None. Each method takes ``(layout, tensor, ...)`` and runs the device executor's in the cases it names;
-    none runs while ``torch.compile`` traces (the layout entering a traced region is a device layout there).
+    ``bounds`` (:class:`HostBounds`), ``seq_lengths [B]`` the lengths tensor the layout was built from (None: from
+    boundaries), ``token``: the fingerprint every tensor this executor packs or shards carries
+    (:data:`TOKEN_ATTR`, :func:`check_token`), or None. Each method takes ``(layout, tensor, ...)``.
 
     Example: ``PackSequences(4)`` on lengths ``[3, 0, 5]``, S 5, eagerly -> ``HostExecutor(HostBounds([3, 0,
-    5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3), seq_lengths, token)``.
-    """
+    5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3), seq_lengths, token)``."""
 
     bounds: HostBounds
     seq_lengths: Optional[torch.Tensor] = None
     token: Optional[object] = None
 
     def pack(self, layout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
-        """``x [B, S, *] -> [1, T, *]``: valid prefixes and ``fill`` padding, one ``cat``.
-
-        Empty rows (length 0, e.g. a row capacity's padding rows) add no piece: the input's skipped
-        stretches and the padding between valid runs are merged, so the pieces are about twice the
-        non-empty rows whatever ``B`` is.
-        """
+        """``x [B, S, *] -> [1, T, *]``: valid prefixes and ``fill`` padding, one ``cat``; empty rows add no piece, so
+        the pieces are about twice the non-empty rows whatever ``B`` is."""
         bounds = self.bounds
         trailing, row_len = x.shape[2:], x.shape[1]
         pads = pads_of(bounds)

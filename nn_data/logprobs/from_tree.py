@@ -8,25 +8,12 @@ Shape legend
     V   vocabulary; ``Vt = V / TP`` on a tensor-parallel rank; H hidden size
     n   hidden-state rows on this rank: ``M``, or ``M/TP`` with sequence parallelism
 
-Entry ``s`` of rollout ``b`` scores token ``s + 1`` from position ``s`` (NeMo-RL's ``[B, S-1]``), as if
-the rollout had run alone (``docs/ops.md``, "Rollout trees"): inside a node, at the next packed position
-(a shared node's positions are scored once for every rollout below it); where token ``s + 1`` opens a
-node (a child's first own token, or the first token after a split), one **boundary** score per node,
-from the last token before it on its path: the ``N`` boundary rows (``[N, Vt]`` logits rows, or ``[N, H]``
-hidden rows) are gathered and scored by the same kernel as the ``T`` packed positions
-(:func:`nn_data.logprobs.kernels.token_logprobs_local`, :func:`~nn_data.logprobs.kernels.hidden_logprobs_local`);
-0 at ``s >= L - 1``. No ``[B, S, V]`` tensor.
-
-Under CP the rank holding a boundary's scoring position scores it (0 elsewhere); the ``[T/C]`` values and
-the ``[N]`` boundary values cross the CP group in one all-gather (the boundary values summed over ranks),
-with the gradient of every rank's own rows (``grad_mode="own"``: every CP rank computes the same loss).
-Memory: beyond the kernels', the logits path's backward adds the ``N`` boundary rows' gradient through one
-``[T/C, Vt]`` buffer (the index gather's); the hidden path's one ``[n + N, H]`` copy of its rows with the
-boundary rows appended (one kernel call: under sequence parallelism one TP gather of both). ``outputs()``
-adds the entropy, top-k and argmax of each rollout's positions (:func:`distribution_rows`: no boundary rows
-needed, the token before a node's first holds the one distribution every rollout through it sees there), at
-any depth of the tree.
-"""
+Entry ``s`` of rollout ``b`` scores token ``s + 1`` from position ``s``, as if the rollout had run alone:
+inside a node at the next packed position (a shared node's positions once for every rollout below it); where
+token ``s + 1`` opens a node, one **boundary** score per node from the last token before it on its path, the
+``N`` boundary rows scored by the same kernel as the ``T`` packed positions; 0 at ``s >= L - 1``. No
+``[B, S, V]`` tensor. Under CP the values cross the group in one all-gather (``grad_mode="own"``).
+docs/logprobs.md, "Shared-prefix microbatches"."""
 
 from __future__ import annotations
 
@@ -172,21 +159,17 @@ def tree_outputs(op, z, weight, packed_ids, layout, seq_len, places, asked: dict
 
 
 class TreeLogProbs(nn.Module):
-    """Rollout token log-probs ``[B, S-1]`` from a rollout tree's (any depth; the shared prompt's) CP-local
-    packed logits.
+    """Rollout token log-probs ``[B, S-1]`` from a rollout tree's CP-local packed logits.
 
     ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, layout: TreeLayout, *, seq_len=None,
     places=None) -> [B, S-1]`` (float32; float64 for float64 logits): ``out[b, s] = log p(x[b, s+1] |
     x[b, :s+1])`` for ``s < L[b] - 1``, else 0, equal to each rollout run alone. ``logits`` is this rank's
     zigzag shard of the slot layout (vocab-parallel over ``tp_group``, as :class:`~nn_data.TokenLogProbs`),
-    ``packed_ids`` the full packed ids (``layout.pack(input_ids)``). Nothing is read on the host: the checks
-    (``T``, every slot splitting into ``2C`` chunks, ids in the vocabulary, rows of ``seq_len``) are the
-    layout's ints or device asserts.
+    ``packed_ids`` the full packed ids (``layout.pack(input_ids)``). Nothing is read on the host.
 
     Raises :class:`~nn_data.errors.PackingError`: ``chunk_tokens`` below 1, a group this process is not in
     (``__init__``); logits not ``[1, T/C, Vt]`` floating point, ``packed_ids`` not ``[1, T]``, a layout that is
-    not a :class:`~nn_data.layout.TreeLayout` of this ``T`` (call).
-    """
+    not a :class:`~nn_data.layout.TreeLayout` of this ``T`` (call)."""
 
     def __init__(self, *, cp_group=None, tp_group=None, pg_collection=None, chunk_tokens: int = 256,
                  validate: bool = True):
@@ -245,21 +228,17 @@ def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks
 
 
 class TreeLogProbsFromHidden(nn.Module):
-    """Rollout token log-probs ``[B, S-1]`` straight from a rollout tree's (any depth; the shared prompt's)
-    CP-local hidden states and the output weight: what :class:`TreeLogProbs` gives from the logits
-    ``hidden @ weight.T / temperature``, values and gradients (of ``hidden`` and ``weight``), without ``[T, V]``
-    logits.
+    """Rollout token log-probs ``[B, S-1]`` straight from a rollout tree's CP-local hidden states and the output
+    weight: :class:`TreeLogProbs` of the logits ``hidden @ weight.T / temperature``, values and gradients,
+    without ``[T, V]`` logits.
 
     ``forward(hidden [1, T/C, H] (or [T/C, 1, H]), weight [V/TP, H], packed_ids [1, T] int, layout, *,
     seq_len=None, places=None) -> [B, S-1]``; groups, ``chunk_tokens``, ``temperature`` and
-    ``sequence_parallel`` (``hidden`` is then this TP rank's ``[1, T/(C*TP), H]`` rows of the CP shard) as
-    :class:`~nn_data.TokenLogProbsFromHidden`: the rows and the ``N`` boundary rows are scored in one
-    kernel call, so with sequence parallelism they are gathered over the TP group once, inside
-    (:func:`with_boundary_rows`).
+    ``sequence_parallel`` as :class:`~nn_data.TokenLogProbsFromHidden` (the rows and the ``N`` boundary rows in
+    one kernel call: :func:`with_boundary_rows`).
 
     Raises :class:`~nn_data.errors.PackingError`: as :class:`TreeLogProbs`, and for hidden states
-    or a weight that are not an output head's, hidden states that are not this rank's share of ``T`` (call).
-    """
+    or a weight that are not an output head's, hidden states that are not this rank's share of ``T`` (call)."""
 
     def __init__(self, *, cp_group=None, tp_group=None, pg_collection=None, chunk_tokens: int = 256,
                  temperature: float = 1.0, sequence_parallel: bool = False, validate: bool = True):

@@ -10,32 +10,16 @@ Shape legend
     k   top-k asked; K = min(k, V) returned, k' = min(k, Vt) candidates per TP rank
     c   tokens per chunk (``chunk_tokens``)
 
-``z = logits / temperature`` or ``z = hidden @ weight.T / temperature``, one ``[c, Vt]`` chunk at a time;
-the outputs (:mod:`nn_data.logprobs.outputs` says what each is) all come from the one read of each chunk:
-per TP rank and chunk the max ``m``, ``s = sum exp(z - m)``, ``sum exp(z - m) (z - m) / s`` (for the entropy),
-the top-k' and the argmax; one all-gather of ``[3, N]`` statistics combines them over the TP group (plus
-``[N, J]`` picked logits and ``[N, k']`` candidates when asked). The log-prob of the target alone
-(:func:`token_logprobs_local`, :func:`hidden_logprobs_local`) is this kernel with ``J = 1`` and nothing else
-asked.
-
-Backward recomputes each chunk's ``z`` (from hidden states: the fourth ``N x H x Vt`` matmul, where the
-unfused path has three) and, with ``x = z - L`` (log p) and ``p = exp(x)``, applies one formula for every
-output's gradient: ``dz = -p * (G + g_H * (x + H)) + scatter(ids, g_ids)``, ``G`` the sum of the gradients of
-every log-prob output of the position, ``g_H`` the entropy's, the scatter adding each log-prob's gradient at
-its id's column on the TP rank that owns it. From hidden states the chunk's ``dz`` gives the hidden states'
-gradient (``dz @ weight``; summed over the TP group, a reduce-scatter with sequence parallelism, as
-megatron-core's column-parallel output layer does) and the weight's (``dz.T @ hidden``, accumulated in place
-in float32 or wider). Beyond its inputs and their gradients the kernel holds ``O(N)`` values and one
-``[c, Vt]`` chunk in float32 or wider (plus ``[16, Vt]`` blocks when the entropy is asked).
-
-A sampling filter (:mod:`nn_data.logprobs.filters`, top-k / top-p as one threshold ``tau`` per token, found
-from each chunk's logits) sets the logits below ``tau`` to ``-inf`` before anything is read: every output is
-then the filtered, renormalised distribution's (the argmax is unchanged, the largest logit is always kept),
-a filtered id's log-prob is ``-inf`` with no one-hot term in the gradient, filtered logits get no gradient.
+``z = logits / temperature`` or ``z = hidden @ weight.T / temperature``, one ``[c, Vt]`` chunk at a time: per
+TP rank and chunk the max, the log-sum-exp, the softmax's mean of ``z`` (for the entropy), the top-k' and the
+argmax (:func:`chunk_stats`), combined over the TP group by one all-gather (:func:`combine_stats`). Backward
+recomputes each chunk's ``z`` and applies one formula for every output's gradient (:func:`chunk_grad`;
+docs/logprobs.md, "The head's outputs in one pass"). A sampling filter (:mod:`nn_data.logprobs.filters`) sets
+the logits below each token's threshold to ``-inf`` before anything is read. Beyond its inputs the kernel
+holds ``O(N)`` values and one ``[c, Vt]`` chunk.
 
 Worked example (V 3, uniform logits, N 2): ``z = 0`` -> ``lse = log 3``, ``log p = -log 3`` for both
-tokens, entropy ``log 3``, whatever ``hidden`` and ``weight`` (zero) are.
-"""
+tokens, entropy ``log 3``, whatever ``hidden`` and ``weight`` (zero) are."""
 
 from __future__ import annotations
 
@@ -336,16 +320,11 @@ def token_logprobs_local(
     sampling=None,
 ) -> torch.Tensor:
     """Log-prob of ``target [N]`` at each row of ``logits [N, Vt]`` where ``keep [N]``, else 0: ``[N]``, the
-    head kernel with only this output asked (:func:`~nn_data.logprobs.outputs.head_outputs_local`'s pass).
+    head kernel with only this output asked; differentiable w.r.t. ``logits``. ``target`` holds vocabulary ids
+    in ``[0, V)`` where ``keep``; ``sampling``: an optional :class:`~nn_data.logprobs.filters.SamplingFilter`
+    (the log-softmax then runs over the kept logits only).
 
-    Differentiable w.r.t. ``logits``; memory beyond the logits is ``O(N)`` plus one
-    ``[chunk_tokens, Vt]`` chunk. ``target`` holds vocabulary ids in ``[0, V)`` where ``keep``.
-    ``sampling``: an optional :class:`~nn_data.logprobs.filters.SamplingFilter` (top-k / top-p); the
-    log-softmax then runs over the kept logits only (under TP, one all-to-all and one all-gather
-    per chunk find each row's threshold).
-
-    Example: logits ``[[0., 0., 0.]]``, target ``[2]``, keep ``[True]`` -> ``[-log 3]``.
-    """
+    Example: logits ``[[0., 0., 0.]]``, target ``[2]``, keep ``[True]`` -> ``[-log 3]``."""
     return _HeadOutputs.apply(logits, None, target[:, None].to(torch.int64), keep, int(vocab_start), tp_group,
                               int(tp_size), False, int(chunk_tokens), 1.0, 0, False, False, sampling)[0].squeeze(1)
 
@@ -364,19 +343,13 @@ def hidden_logprobs_local(
     temperature: float = 1.0,
     sampling=None,
 ) -> torch.Tensor:
-    """Log-prob of ``target [N]`` under ``softmax(hidden @ weight.T / temperature)`` where ``keep [N]``, else
-    0: ``[N]``, the head kernel with only this output asked, the logits one ``[chunk_tokens, Vt]`` chunk at a
-    time.
+    """Log-prob of ``target [N]`` under ``softmax(hidden @ weight.T / temperature)`` where ``keep [N]``, else 0:
+    ``[N]``, equal to :func:`token_logprobs_local` on those logits (values and gradients of ``hidden`` and
+    ``weight``), one ``[chunk_tokens, Vt]`` chunk at a time. ``hidden [n, H]`` (``n = N``, or ``N/TP`` with
+    ``sequence_parallel``), ``weight [Vt, H]`` this TP rank's vocabulary rows from ``vocab_start``;
+    ``sampling`` as there.
 
-    ``hidden [n, H]`` (``n = N``, or ``N/TP`` with ``sequence_parallel``), ``weight [Vt, H]`` in the same
-    dtype (this TP rank's vocabulary rows from ``vocab_start``); ``target`` vocabulary ids where ``keep``.
-    Differentiable w.r.t. ``hidden`` and ``weight``; equals :func:`token_logprobs_local`
-    on the logits ``hidden @ weight.T / temperature`` (values and gradients). ``sampling``: an optional
-    :class:`~nn_data.logprobs.filters.SamplingFilter` (top-k / top-p over each token's logits, exact: one threshold
-    per token from its chunk).
-
-    Example: ``hidden [2, H]`` and ``weight [3, H]`` of zeros, target ``[0, 2]`` -> ``[-log 3, -log 3]``.
-    """
+    Example: ``hidden [2, H]`` and ``weight [3, H]`` of zeros, target ``[0, 2]`` -> ``[-log 3, -log 3]``."""
     return _HeadOutputs.apply(hidden, weight, target[:, None].to(torch.int64), keep, int(vocab_start), tp_group,
                               int(tp_size), bool(sequence_parallel), int(chunk_tokens), float(temperature), 0, False,
                               False, sampling)[0].squeeze(1)

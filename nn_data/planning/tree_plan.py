@@ -9,35 +9,21 @@ Vocabulary
     m   ``parallelism.pad_multiple``; T ``pad_full_seq_to``; h ``hidden_size``
     item    what the planner places whole: a tree, or a part of a tree too large for one microbatch
 
-A microbatch packs the tree of the rollouts it holds (:func:`subtree`: each rollout's parent the earlier one
-present it shares the most tokens with by the tree), as ``tree_layout`` lays it out: each rollout's own
-tokens split where its children branch, every node rounded up to ``m``. So a set of rollouts costs
+A microbatch packs the tree of its rollouts (:func:`subtree`) as ``tree_layout`` lays it out, so a set of
+rollouts costs
 
     need = sum over its nodes of round_up(node, m)
     work = sum over its nodes starting at position d, n tokens long, of (d + n)^2 - d^2 + 6hn
 
-(:func:`~nn_data.planning.step.sequence_work`'s model: a node's queries see its ``d`` ancestors' tokens
-and causally their own; a hybrid's recurrent and convolution layers also run each node once, from its parent's
-state, :mod:`nn_data.adapters.tree_state`, so the linear term charges them once per node too). A rollout alone costs ``sequence_work(L)``; a GRPO group (the depth-1 tree) the
-prompt once and each response, as :func:`~nn_data.planning.shared_prefix_plan.plan_step_shared_prefix`.
-
-A tree whose need is above T is split by first-fit-decreasing of its rollouts' own tokens into parts of at
-most T, each part packing again what its rollouts share (a part's first rollout re-rooted with all its tokens;
-for a GRPO group: the prompt in each part); a step with fewer items than ranks has its widest items halved
-rather than leave ranks idle (:func:`split_for_idle_ranks`). The host cost stays near-linear in rollouts:
-each tree's :func:`shared_tokens` table is built once, and a part's cost grows by what each rollout adds to
-it (the new own tokens and at most one node cut where it leaves the part's tree), never by re-packing the
-part. The items are
-placed by :func:`~nn_data.planning.step.place`, :func:`~nn_data.planning.plan_step`'s rules; parts of
-one tree that meet in a microbatch share their ancestors there, so a microbatch costs at most the sum of
-its items' needs: ``plan_step``'s guarantees hold (every rollout once, every microbatch at most T, the
-same microbatch count on every rank, the ranks' work balanced).
+A tree whose need is above T is split by first-fit-decreasing of its rollouts' own tokens (:func:`tree_items`);
+a part's cost grows by what each rollout adds to it, never by re-packing the part. The items are placed by
+:func:`~nn_data.planning.step.place`, so :func:`~nn_data.planning.plan_step`'s guarantees hold
+(docs/planning.md, "Rollout trees").
 
 Example: lengths ``[10, 12, 9]``, parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, m 1: nodes ``[0,6)
 [6,10)`` of rollout 0, ``[6,8) [8,12)`` of 1, ``[8,9)`` of 2: need ``6 + 4 + 2 + 4 + 1 = 17`` (31 end to
 end); with T 16 the tree is split (own tokens 10, 6, 1): ``[0, 1]`` (``6 + 4 + 6 = 16``) and ``[2]`` (9,
-re-rooted).
-"""
+re-rooted)."""
 
 from __future__ import annotations
 
@@ -346,16 +332,15 @@ def plan_step_rollout_tree(lengths, parallelism: Parallelism, *, parent, branch_
                            microbatches_per_rank: Optional[int] = None, balance: str = "work",
                            hidden_size: int = 4096) -> StepPlan:
     """Plan one step's rollout trees as :func:`~nn_data.planning.plan_step` does, each tree kept together where
-    it fits and every node charged once per microbatch it lands in (module docstring: costs and the split).
+    it fits and every node charged once per microbatch it lands in (module docstring).
 
-    ``parent [n]``, ``branch_at [n]``: the tree (``nn_data.layout.tree_layout``'s fields). The
-    :class:`StepPlan`'s ``ranks[r][j]`` lists rollout indices ascending (pack each microbatch with
-    :func:`subtree`'s tree of its rollouts); ``microbatch_tokens`` the tree's packed tokens, ``microbatch_work``
-    its work, ``real_tokens`` the unpadded tokens packed (every node once per microbatch it is in).
+    Args:
+        parent, branch_at: ``[n]`` each, the tree (``nn_data.layout.tree_layout``'s fields).
 
-    Raises :class:`PackingError` naming the argument for everything :func:`plan_step` refuses and for a tree
-    ``tree_layout`` refuses, and a rollout longer (padded) than ``pad_full_seq_to``.
-    """
+    The :class:`StepPlan`'s ``ranks[r][j]`` lists rollout indices ascending (pack each microbatch with
+    :func:`subtree`'s tree of its rollouts); ``microbatch_tokens``, ``microbatch_work`` and ``real_tokens`` are
+    the trees'. Raises :class:`PackingError` for everything :func:`plan_step` or ``tree_layout`` refuses, and a
+    rollout longer (padded) than ``pad_full_seq_to``."""
     check_args(parallelism, balance, hidden_size, microbatches_per_rank)
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
