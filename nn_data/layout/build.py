@@ -4,17 +4,13 @@ checking one an op was given.
 Shape legend
     B   rows (R with row-capacity padding); S the row length; T packed tokens; C the CP size
 
-Which executor a layout gets (``docs/design.md``, "Layouts and executors") is :func:`reads_host`, in one
-place: ``host_reads`` (the caller's choice of executor) and the compile state, never ``validate``. With
-host reads, eagerly, the builder reads the lengths (or the boundaries) to the host **once**, checks
-them there with precise messages when ``validate`` (:mod:`nn_data.layout.checks`) and computes every
-boundary in Python ints: a :class:`~nn_data.layout.host.HostExecutor`. Otherwise (under ``torch.compile``,
-or ``host_reads=False``) it is built on the device: a :class:`~nn_data.layout.device.DeviceExecutor`, no
-sync, the checks device asserts when ``validate``. ``validate=False`` only skips the checks.
+Which executor a layout gets is :func:`reads_host`, in one place (docs/design.md, "Layouts and executors"):
+eagerly with host reads, one read of the lengths or boundaries, the checks there, a
+:class:`~nn_data.layout.host.HostExecutor`; otherwise a :class:`~nn_data.layout.device.DeviceExecutor`, no
+sync, device asserts. ``validate=False`` only skips the checks.
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4, eagerly -> a host executor, cu_seqlens_padded ``[0, 4, 4, 12]``;
-the same with ``host_reads=False`` -> a device executor with the same boundaries and ``dest [B, S]``.
-"""
+the same with ``host_reads=False`` -> a device executor with the same boundaries and ``dest [B, S]``."""
 
 from __future__ import annotations
 
@@ -38,18 +34,17 @@ from nn_data.layout.rules import (
 
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
-    """What a pack is asked for: the configuration of the layout rules, checked once when it is built
-    (no data read).
+    """What a pack is asked for: the configuration of the layout rules, checked once when it is built.
 
-    ``m`` / ``p``: the per-sequence and the packed multiple; ``fixed_total`` (keyword-only): the fixed
-    packed length ``T`` or None (``T`` from the data; the resolved ``T`` is the layout's ``total``);
-    messages name it ``pad_full_seq_to``, the ops' argument); ``pack_form``: the device executor's pack
-    form (``"auto"``: by the static sizes; ``"scatter"`` / ``"gather"``: always that one,
-    :func:`~nn_data.layout.device.pack_maps`).
+    Args:
+        m, p: the per-sequence and the packed multiple.
+        fixed_total: the fixed packed length ``T`` or None (``T`` from the data); messages name it
+            ``pad_full_seq_to``.
+        pack_form: the device executor's pack form (``"auto"``, ``"scatter"`` or ``"gather"``,
+            :func:`~nn_data.layout.device.pack_maps`).
 
     Example: ``PackSpec(4, 8, fixed_total=64)`` -> every sequence rounded up to 4, ``T = 64``;
-    ``PackSpec(4, 8, fixed_total=60)`` raises (60 is not a multiple of 8).
-    """
+    ``PackSpec(4, 8, fixed_total=60)`` raises (60 is not a multiple of 8)."""
 
     m: int = 1
     p: int = 1
@@ -192,18 +187,13 @@ def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate:
 
 def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq_len=None, row_len=None,
                            validate: bool = True, host_reads: bool = True) -> PackLayout:
-    """The layout of a packed microbatch from its :class:`Boundaries` (metadata already checked), for an
-    op that receives boundaries rather than a layout.
+    """The layout of a packed microbatch from its :class:`Boundaries` (metadata already checked), for an op that
+    receives boundaries rather than a layout. On the host the boundaries, the lengths and ``also_check``'s flag
+    come in one read, which is also the validation (rising from 0 to ``T``, every segment splitting into ``2C``
+    chunks, each sequence fitting its segment, ``seq_len`` and ``row_len``); on the device the same checks are
+    device asserts and ``also_check`` is the caller's to assert.
 
-    On the host (:func:`reads_host`: a host executor) the boundaries, the lengths (``seq_lengths``, or
-    ``cu_seqlens``' differences) and ``also_check``'s flag come to the host in **one** read, which is also
-    the op's validation (when ``validate``): the boundaries rise from 0 to ``T`` (valid-token offsets: to
-    at most ``T``), every segment splits into ``2C`` chunks, each sequence fits its segment, ``seq_len``
-    and ``row_len``; ``also_check``'s function raises when its flag is False. On the device the same checks are device
-    asserts (when ``validate``), and ``also_check`` is the caller's to assert.
-
-    Example: cu_seqlens_padded ``[0, 16, 40]``, T 40, C 2 -> segments ``[16, 24]``, both multiples of 4.
-    """
+    Example: cu_seqlens_padded ``[0, 16, 40]``, T 40, C 2 -> segments ``[16, 24]``, both multiples of 4."""
     total = bounds.total
     if not reads_host(host_reads, bounds.cu_seqlens_padded):
         if total is None:
@@ -278,15 +268,10 @@ def _boundary_checks_into(found: _checks.DeviceChecks, op: str, bounds: Boundari
 
 def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len=None, validate: bool = True,
                 data: Optional[tuple] = None, **given) -> PackLayout:
-    """A layout an op was given (``layout=``, the layout travelling from the pack): no host read.
-
-    ``given`` are the boundary tensors the caller passed as well (``cu_seqlens_padded=``, ``cu_seqlens=``,
-    ``seq_lengths=``); each must be the very tensor the layout holds. The checks that depend on the op's
-    own configuration run on the layout: ``T`` (a shape), every segment splitting into ``2C`` chunks and
-    every length fitting ``seq_len``: free on a host layout's ints, device asserts otherwise. ``data``
-    (``(name, tensor)``): the tensor the op runs on, refused when the host executor packed it on another
-    layout (:func:`~nn_data.layout.host.check_token`).
-    """
+    """A layout an op was given (``layout=``): no host read. ``given``: the boundary tensors the caller passed as
+    well, each the very tensor the layout holds; ``T``, the ``2C`` chunks and ``seq_len`` are checked on the
+    layout (free on a host layout's ints, device asserts otherwise); ``data`` (``(name, tensor)``) is refused when
+    the host executor packed it on another layout (:func:`~nn_data.layout.host.check_token`)."""
     if not isinstance(layout, PackLayout):
         raise _checks.PackingError(f"layout must be a PackLayout (PackResult.layout), got {type(layout).__name__}")
     if guard_or_false(layout.total != total):  # known to differ (symbolic sizes: no guard otherwise)
