@@ -1,24 +1,16 @@
-"""The one alignment rule: which multiples a sequence and a packed microbatch must be.
+"""The one alignment rule: which multiples a sequence and a packed microbatch must be (docs/planning.md,
+"Parallelism: the one alignment rule").
 
-:class:`Parallelism` names a run's parallelism and numerics (data, tensor, sequence, context
-and pipeline parallelism, the FP8 / FP4 recipe, HybridEP) and derives from it every multiple the
-packer, the planner and the NeMo-RL-compatible layer use:
+:class:`Parallelism` names a run's parallelism and numerics and derives every multiple the packer, the planner
+and the NeMo-RL-compatible layer use; nothing else in nn_data writes these products:
 
-* ``sequence_multiple``: each sequence's padded length must be a multiple of it, so that CP can
-  cut it into ``2*cp`` zigzag chunks and sequence parallelism into ``tp`` pieces:
-  ``(2*cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)`` (NeMo-RL's
-  ``minimum_pad_factor``). Example: tp 2 + SP, cp 2 -> 8.
+* ``sequence_multiple``: ``(2*cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)``
+  (NeMo-RL's ``minimum_pad_factor``). Example: tp 2 + SP, cp 2 -> 8.
 * ``packed_multiple``: a recipe's divisor of the packed length (FP8 blockwise 128, MXFP8 32, other
   FP8 16, FP4 128, HybridEP 128; the largest that applies) times ``sequence_multiple``; 1 when no
-  recipe asks for one (NeMo-RL's ``pad_packed_seq_to_multiple_of``). Example: FP8 blockwise, tp 2 +
-  SP, cp 2 -> 128 * 8 = 1024.
-* ``total_multiple``: what a fixed packed length ``pad_full_seq_to`` must be a multiple of, the
-  least common multiple of the two (so the extended last segment still splits into ``2*cp`` chunks).
-  Example: cp 2, no recipe -> 4; FP8 tensorwise, cp 2 -> 64.
-
-Nothing else in nn_data writes these products; the layout rules given the multiples (round-up,
-the slack rule) stay with the packer.
-"""
+  recipe asks for one. Example: FP8 blockwise, tp 2 + SP, cp 2 -> 128 * 8 = 1024.
+* ``total_multiple``: what ``pad_full_seq_to`` must be a multiple of, the least common multiple of the two.
+  Example: cp 2, no recipe -> 4; FP8 tensorwise, cp 2 -> 64."""
 
 from __future__ import annotations
 
