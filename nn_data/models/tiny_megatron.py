@@ -1,14 +1,8 @@
 """A tiny megatron-core ``GPTModel`` built with nn_data's packed attention, for tests and examples.
 
-Nothing is downloaded: the model comes from a ``TransformerConfig``. Its parameters are set
-from their *global* names (``decoder.layers.<global index>...``, one seeded generator per name),
-so a pipeline stage (``pre_process`` / ``post_process``, a slice of the layers) holds exactly
-the values the same parameters have in the whole model: PP = 2 and PP = 1 runs start equal.
-
-RoPE's ``inv_freq`` stays as megatron-core keeps it, float32 in a plain attribute that
-``Module.to(dtype)`` does not convert: a float64 or bf16 model computes its rotation angles in
-float32, as megatron-core's own models do. This module imports megatron-core.
-"""
+Its parameters are set from their *global* names (one seeded generator per name), so a pipeline stage holds
+exactly the values the same parameters have in the whole model. RoPE's ``inv_freq`` stays float32, as
+megatron-core keeps it. This module imports megatron-core."""
 
 from __future__ import annotations
 
@@ -113,16 +107,10 @@ def causal_attention_mask(length: int, device=None) -> torch.Tensor:
 
 
 def forward_alone(model: "GPTModel", input_ids: torch.Tensor) -> torch.Tensor:
-    """One unpacked sequence ``[1, L]`` through megatron-core's stock path (no packing, the stock
-    ``DotProductAttention`` forward with a causal mask): logits ``[1, L, V]``.
-
-    The whole sequence runs on this rank even under CP: megatron-core's unpacked path would
-    shard the rotary embedding over the model's CP group, so for this call the rotary
-    embedding sees a group of one rank (and its cache of embeddings is cleared around the call).
-    The stock attention takes its score buffer from ``parallel_state``'s global memory buffer; a
-    program that never initialised ``parallel_state`` (explicit ``pg_collection``) has none, so one
-    is set for the call and removed after it (no process group is made).
-    """
+    """One unpacked sequence ``[1, L]`` through megatron-core's stock path (the stock ``DotProductAttention`` with a
+    causal mask): logits ``[1, L, V]``. The whole sequence runs on this rank even under CP (the rotary embedding
+    sees a group of one rank for the call), and a global memory buffer is set for the call where
+    ``parallel_state`` has none."""
     length = input_ids.shape[1]
     position_ids = torch.arange(length, device=input_ids.device)[None]
     rope = getattr(model, "rotary_pos_emb", None)
@@ -158,16 +146,12 @@ GRID_DIMS = ("tp", "cp", "ep", "dp", "pp")
 
 
 def grid_process_groups(*, tp: int = 1, cp: int = 1, pp: int = 1) -> Any:
-    """The process groups of a ``tp x cp x dp x pp`` layout over the whole world (``dp`` the rest;
-    expert parallel size 1), built the way Megatron-Bridge builds them without ``parallel_state``:
-    a ``HyperCommGrid`` and a ``ProcessGroupCollection`` of its groups (``tp``, ``cp``, ``pp``, ``dp``,
-    ``ep`` and the composites the model, its MoE layers and the schedules read; ``embd`` is the first
-    and last pipeline stage, ``pos_embd`` the first). Every rank calls it with the same sizes (it
-    creates groups: a collective). Undo with :func:`destroy_process_groups`.
+    """The process groups of a ``tp x cp x dp x pp`` layout over the whole world (``dp`` the rest), built as
+    Megatron-Bridge builds them without ``parallel_state``: a ``HyperCommGrid`` and a ``ProcessGroupCollection``
+    of its groups. Every rank calls it with the same sizes (a collective); undo with :func:`destroy_process_groups`.
 
     Example (4 ranks): ``grid_process_groups(cp=2)`` -> CP groups ``{0, 1}`` and ``{2, 3}``, DP
-    groups ``{0, 2}`` and ``{1, 3}``; ``parallel_state`` stays uninitialised.
-    """
+    groups ``{0, 2}`` and ``{1, 3}``; ``parallel_state`` stays uninitialised."""
     import torch.distributed as dist
 
     with warnings.catch_warnings():
