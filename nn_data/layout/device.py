@@ -5,23 +5,16 @@ Shape legend
     T   packed tokens; C context-parallel size, a rank holds ``T/C``
     *   trailing feature dims
 
-A :class:`DeviceExecutor` is what ``torch.compile`` and CUDA graphs capture: every map is tensor arithmetic
-on the boundaries (:mod:`nn_data.layout.index`), every shape a Python int or a symbolic size, nothing
-read on the host (``docs/design.md``, "Layouts and executors"). A host layout entering a traced region
-runs on one (:func:`nn_data.layout.pack_layout.entered`).
-
-Pack, two forms chosen from the static shapes (never from data) or by ``PackSpec.pack_form``: a
-**scatter** along ``dest [B, S]`` (``B*S <= 16*T`` on static sizes: per-row tables inductor hoists out
-of the inner loop, but all ``B*S`` input positions touched) or a **gather** along :class:`GatherMaps`
-(otherwise, and for symbolic sizes: only the ``T`` packed positions, each looking up its segment; the
-shared-prefix layout packs through the same record). Unpack: a **gather** over ``[B, S]`` (default) or,
-for an output that is mostly fill (``B*S >= 4T``), one fill and a **scatter** of the ``T`` positions.
-The thresholds' timings: ``profiling/results/ops.md``, "The executors' crossovers".
+A :class:`DeviceExecutor` is what ``torch.compile`` and CUDA graphs capture: every map is tensor arithmetic on
+the boundaries (:mod:`nn_data.layout.index`), every shape a Python int or a symbolic size (``docs/design.md``,
+"Layouts and executors"). Pack is a **scatter** along ``dest [B, S]`` (``B*S <= 16*T`` on static sizes) or a
+**gather** along :class:`GatherMaps`; unpack a **gather** over ``[B, S]`` or, for a mostly-fill output (``B*S
+>= 4T``), a fill and a **scatter**. The thresholds' timings: ``profiling/results/ops.md``, "The executors'
+crossovers".
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter form dest
 ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]`` (12: the discard slot); gather form source
-``[0, 1, 2, 3, 10, 11, 12, 13, 14, 14, 14, 14]``, valid ``[T,T,T,F,T,T,T,T,T,F,F,F]``.
-"""
+``[0, 1, 2, 3, 10, 11, 12, 13, 14, 14, 14, 14]``, valid ``[T,T,T,F,T,T,T,T,T,F,F,F]``."""
 
 from __future__ import annotations
 
@@ -110,15 +103,12 @@ def gather_pack(x: torch.Tensor, maps: GatherMaps, fill: Fill = 0) -> torch.Tens
 class DeviceExecutor(NamedTuple):
     """A layout built on the device (or traced by ``torch.compile``): its pack maps, and the four moves.
 
-    ``seq_lengths [B]`` the lengths tensor the layout was built from (None: from boundaries, whose lengths
-    are ``cu_seqlens``' differences); ``dest [B, S]`` (the scatter form) or ``gather`` (:class:`GatherMaps`),
-    or neither (from boundaries, or a host executor traced by compile: built on demand, ``"auto"``);
-    ``multiple``: every segment is known from the builder's configuration to be a multiple of it (a shard
-    then needs no data check that the segments split into ``2C`` chunks; 1: nothing known).
+    ``seq_lengths [B]`` the lengths the layout was built from (None: from boundaries); ``dest [B, S]`` (scatter
+    form) or ``gather`` (:class:`GatherMaps`), or neither (built on demand); ``multiple``: every segment is known
+    to be a multiple of it (1: nothing known), so a shard needs no data check of the ``2C`` chunks.
 
     Example: ``PackSequences(4, host_reads=False)`` on lengths ``[3, 0, 5]``, S 5 -> ``DeviceExecutor(
-    seq_lengths, dest=[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]], gather=None)``.
-    """
+    seq_lengths, dest=[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]], gather=None)``."""
 
     seq_lengths: Optional[torch.Tensor] = None
     dest: Optional[torch.Tensor] = None

@@ -30,6 +30,7 @@ class CPCost:
     nothing overlapped.
 
     Args:
+        hidden_size: ``h``.
         per_token: the cost of one token received (512: ``h`` bytes of bf16 GQA keys and values each way at
             400 GB/s against 600 TFLOP/s, forward and backward).
         latency: the collectives' fixed cost per block (``2**21``: ~30 us per layer at ``h = 4096``).
