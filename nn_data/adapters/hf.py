@@ -157,9 +157,8 @@ class HFCausalLMAdapter(nn.Module):
         return None if self.longrope is None else self.longrope[1]
 
     def reference(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The model's own unpacked forward of one sequence ``input_ids [1, L] -> logits [1, L, V]`` (or the
-        hidden states ``[1, L, H]``): its attention implementation, windows and mixers, no cache, no nn_data
-        mask (the packing check's reference, :mod:`nn_data.model_check`)."""
+        """The model's own unpacked forward of ``input_ids [1, L] -> logits [1, L, V]`` (or hidden states): the packing
+        check's reference (:mod:`nn_data.model_check`)."""
         return self._run(input_ids=input_ids, use_cache=False)
 
     def _run(self, **kwargs) -> torch.Tensor:
@@ -204,9 +203,8 @@ class HFCausalLMAdapter(nn.Module):
         return out
 
     def _no_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[1, 0, V]`` logits through the output layer (``[1, 0, H]`` hidden states: a slice of its
-        weight), so that backward has a graph to run (and nothing to add): transformers' layers cannot
-        reshape 0 tokens."""
+        """``[1, 0, V]`` logits through the output layer (``[1, 0, H]``: a slice of its weight), so that backward has a
+        graph: transformers' layers cannot reshape 0 tokens."""
         head = self.model.get_output_embeddings()
         weight = getattr(head, "weight", None)
         if weight is None:
@@ -277,13 +275,11 @@ def _model_kwargs(model_kwargs: dict, model_type) -> dict:
 
 
 def boundary_kwargs(packed, *, seq_idx: bool) -> dict:
-    """transformers' padding-free keywords for ``packed`` (a :class:`~nn_data.packed_forward.PackedInfo`),
-    computed on the device with no host read; under CP this rank's local view (``// C``).
+    """transformers' padding-free keywords for ``packed`` (a :class:`~nn_data.packed_forward.PackedInfo`), on the
+    device; under CP this rank's local view (``// C``).
 
-    Example: cu_seqlens_padded ``[0, 4, 12]``, no CP -> cu_seq_lens_q ``[0, 4, 12]``, max_length_q
-    8 (a host layout's longest segment), seq_idx ``[[0,0,0,0,1,...,1]]``; with C 2, rank 0 ->
-    ``[0, 2, 6]``, 4.
-    """
+    Example: cu_seqlens_padded ``[0, 4, 12]``, no CP -> cu_seq_lens_q ``[0, 4, 12]``, max_length_q 8 (a host
+    layout's longest segment), seq_idx ``[[0,0,0,0,1,...,1]]``; with C 2, rank 0 -> ``[0, 2, 6]``, 4."""
     total, cp = packed.segment_ids.shape[0], packed.cp_size
     bounds = segment_bounds(packed.cu_seqlens_padded, total)  # [B'+1]: [0, T] when B = 0
     cu = (bounds // cp).to(torch.int32)  # [B'+1] local boundaries (each segment splits into 2C chunks)

@@ -37,19 +37,14 @@ TOKEN_ATTR = "_nn_data_layout_token"
 
 
 class HostBounds(NamedTuple):
-    """One microbatch's layout as Python ints, from the one host read.
-
-    ``lengths [B]`` valid tokens per row (None when an op was given boundaries only), ``cu [B+1]``
-    (``cu_seqlens``; None when not known), ``cu_pad [B+1]`` the final boundaries (``[T]`` when
-    ``B = 0``), ``segments [B']`` the padded segment lengths (``[T]`` for ``B = 0``: the padding
-    pseudo-segment), ``max_seqlen`` the longest of them, and ``active``: the rows that may hold
-    tokens or padding (rows past it are a row capacity's empty rows with empty segments, which the
-    host executor moves in bulk instead of row by row).
+    """One microbatch's layout as Python ints, from the one host read: ``lengths [B]`` (None when an op was given
+    boundaries only), ``cu [B+1]`` (None when not known), ``cu_pad [B+1]`` the final boundaries (``[T]`` for ``B =
+    0``), ``segments [B']`` the padded segment lengths, ``max_seqlen`` the longest, ``active``: the rows that may
+    hold tokens (past it, a row capacity's empty rows, moved in bulk).
 
     Example: lengths ``[3, 0, 5]``, m 4, T 16 -> cu ``[0, 3, 3, 8]``, cu_pad ``[0, 4, 4, 16]``,
     segments ``[4, 0, 12]``, max_seqlen 12, active 3; with one padding row of a capacity of 4
-    (num_rows 3): cu_pad ``[0, 4, 4, 16, 16]``, segments ``[4, 0, 12, 0]``, active 3.
-    """
+    (num_rows 3): cu_pad ``[0, 4, 4, 16, 16]``, segments ``[4, 0, 12, 0]``, active 3."""
 
     lengths: Optional[list]
     cu: Optional[list]
@@ -131,14 +126,10 @@ class HostExecutor(NamedTuple):
         return self._tag(torch.cat(_between(valid, gaps, pad)).unsqueeze(0))  # [1, T, *]
 
     def shard(self, layout, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-        """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: its two pieces of every segment
-        (:func:`~nn_data.layout.rules.zigzag_pieces`, in Python ints).
-
-        Up to :data:`SHARD_VIEWS_MAX_SEGMENTS` segments: one ``split`` and one ``cat`` of the pieces.
-        More: one ``index_select`` along a map built from the same pieces by one scan (the split's
-        Python-side cost per piece outgrows a scan over ``T/C`` positions). Example: cu_pad
-        ``[0, 16, 40]``, C 2, rank 0 -> packed positions ``0..3, 12..21, 34..39``.
-        """
+        """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: its two pieces of every segment. Up to
+        :data:`SHARD_VIEWS_MAX_SEGMENTS` segments one ``split`` and one ``cat``; more, one ``index_select`` along a map
+        built from the same pieces by one scan. Example: cu_pad ``[0, 16, 40]``, C 2, rank 0 -> packed positions
+        ``0..3, 12..21, 34..39``."""
         starts, lengths = _pieces(self.bounds, cp_size, cp_rank)
         flat = packed[0]  # [T, *]
         if len(lengths) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
@@ -147,14 +138,12 @@ class HostExecutor(NamedTuple):
         return self._tag(flat.index_select(0, source).unsqueeze(0))  # [1, T/C, *]
 
     def unshard(self, layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
-        """``[C, T/C, *] -> [1, T, *]``: every rank's shard split at ``[k, k]`` per segment, one ``cat`` in
-        packed order (chunk ``c`` of a segment from rank ``min(c, 2C-1-c)``). Above
-        :data:`SHARD_VIEWS_MAX_SEGMENTS` non-empty segments the device executor's one gather (a split per
-        piece would cost more; the boundaries are on the device: no sync).
+        """``[C, T/C, *] -> [1, T, *]``: every rank's shard split at ``[k, k]`` per segment, one ``cat`` in packed order
+        (chunk ``c`` from rank ``min(c, 2C-1-c)``); above :data:`SHARD_VIEWS_MAX_SEGMENTS` non-empty segments the
+        device executor's one gather.
 
         Example: C 2, one segment of 8 (k 2): rank 0 holds chunks 0, 3, rank 1 chunks 1, 2 -> pieces
-        ``r0[0:2], r1[0:2], r1[2:4], r0[2:4]``.
-        """
+        ``r0[0:2], r1[0:2], r1[2:4], r0[2:4]``."""
         _, chunks = _chunks(self.bounds, cp_size)
         if len(chunks) > SHARD_VIEWS_MAX_SEGMENTS:
             return DeviceExecutor(self.seq_lengths).unshard(layout, shards, cp_size)
@@ -168,15 +157,12 @@ class HostExecutor(NamedTuple):
         return _cat(pieces, sizes, shards[0]).unsqueeze(0)  # [1, T, *]
 
     def unpack(self, layout, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -> torch.Tensor:
-        """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[cu_pad[b] + s - shift]`` for ``shift <= s < L[b]``,
-        ``fill`` elsewhere; one ``split`` of the packed tensor, one of an expanded fill row, one ``cat``
-        (``T >= 1``). The fill between two valid runs is one piece, however many empty rows it spans.
-        With no row (``B = 0``), or no token to move while autograd records (every length ``<= shift``),
-        the device executor's gather, which keeps the output in autograd's graph.
+        """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[cu_pad[b] + s - shift]`` for ``shift <= s < L[b]``, ``fill``
+        elsewhere; one ``split`` of the packed tensor, one of an expanded fill row, one ``cat``. With no row, or no
+        token to move while autograd records, the device executor's gather (which keeps the output in the graph).
 
         Example: cu_pad ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: the packed tensor splits at
-        ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``.
-        """
+        ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``."""
         bounds = self.bounds
         if not (layout.rows and (not packed.requires_grad or any(n > shift for n in bounds.lengths))):
             return DeviceExecutor(self.seq_lengths).unpack(layout, packed, seq_len, fill, shift)
@@ -237,14 +223,12 @@ def _chunks(bounds, cp_size: int) -> tuple[list, list]:
 
 
 def _pieces(bounds, cp_size: int, cp_rank: int) -> tuple[list, list]:
-    """This rank's pieces in local order, two per non-empty segment: ``(packed starts, lengths)``.
-    :func:`~nn_data.layout.rules.zigzag_pieces` is linear in the segment (``start + offset * k``), so it
-    is asked once, for a unit segment (``k = 1``), and scaled per segment by comprehensions (a call per
-    segment cost more than the shard's own ops at 256 segments).
+    """This rank's pieces in local order, two per non-empty segment: ``(packed starts, lengths)``, from
+    :func:`~nn_data.layout.rules.zigzag_pieces` asked once for a unit segment and scaled per segment (it is linear
+    in the segment).
 
     Example: cu_pad ``[0, 16, 40]``, C 2, rank 0 -> unit offsets ``(0, 3)`` -> starts ``[0, 12, 16, 34]``,
-    lengths ``[4, 4, 6, 6]``.
-    """
+    lengths ``[4, 4, 6, 6]``."""
     _, _, (first, second) = zigzag_pieces(0, 2 * cp_size, cp_size, cp_rank)  # the chunks' offsets, k = 1
     segment_starts, chunks = _chunks(bounds, cp_size)
     starts = [a + off * k for a, k in zip(segment_starts, chunks) for off in (first, second)]
@@ -271,13 +255,10 @@ def _shard_views(starts: list, lengths: list, flat: torch.Tensor) -> torch.Tenso
 
 
 def _shard_source(starts: list, lengths: list, local: int, device_) -> torch.Tensor:
-    """``[T/C]`` int64: the packed position of each local position, as a scan of piece jumps.
-
-    The local positions advance by 1 through the packed tensor and jump where a piece starts on
-    the rank: by the piece's packed start minus where the previous piece ended. Example: pieces at
-    ``0, 12, 16, 34`` of ``4, 4, 6, 6`` -> jumps 8 at local 4 and 12 at local 14 (and -1 at 0: the
-    cumsum of ones counts from 1) -> ``0..3, 12..15, 16..21, 34..39``.
-    """
+    """``[T/C]`` int64: the packed position of each local position, a scan of the jumps where a piece starts (its
+    packed start minus where the previous piece ended). Example: pieces at ``0, 12, 16, 34`` of ``4, 4, 6, 6`` ->
+    jumps 8 at local 4 and 12 at local 14 (and -1 at 0: the cumsum of ones counts from 1) -> ``0..3, 12..15,
+    16..21, 34..39``."""
     at = list(accumulate(lengths[:-1], initial=0))  # each piece's local start
     jumps = [starts[0] - 1] + [s - (p + k) for s, p, k in zip(starts[1:], starts, lengths)]
     table = host_tensor([at, jumps], torch.int64, device_)  # [2, 2B]

@@ -136,14 +136,12 @@ class TreeLayout(NamedTuple):
         return where, s < lengths[:, None]
 
     def boundary_places(self, cp_size: int = 1, cp_rank: int = 0) -> "BoundaryPlaces":
-        """Where each node's first token is scored (:class:`BoundaryPlaces`, ``[N]`` each): from the token
-        before it on its path, in its parent node (one extra row per branch, as the shared prompt's last
-        position scoring each response's first token).
+        """Where each node's first token is scored (:class:`BoundaryPlaces`, ``[N]`` each): from the token before it on
+        its path, in its parent node (one extra row per branch).
 
         Example (the module docstring's batch, C 1): slot 1 (rollout 0's response) ``last`` 1, ``first`` 2;
         slot 3 (rollout 1's) ``last`` 1, ``first`` 4; ``has`` only for slots 1, 3 and 5 (the others empty
-        or at position 0); with C 2 the places come from the zigzag inverse of the slot layout.
-        """
+        or at position 0); with C 2 the places come from the zigzag inverse of the slot layout."""
         total, nodes = self.total, self.nodes
         slots = nodes.owner.shape[0] - 1  # N
         owner, begin = nodes.owner[:slots], nodes.begin[:slots]  # [N]
@@ -193,10 +191,9 @@ class TreeLayout(NamedTuple):
 
 
 class BoundaryPlaces(NamedTuple):
-    """Each node's boundary score, ``[N]`` each: ``last`` the packed position of the token before the
-    node's first on its path, ``first`` that of the node's first token (the target), ``has``: the node
-    has one (non-empty, not at position 0); ``local``: the place of ``last`` in this CP rank's shard,
-    ``owned``: this rank holds it (positions clamped into ``[0, T)``)."""
+    """Each node's boundary score, ``[N]`` each: ``last`` the packed position of the token before the node's first on
+    its path, ``first`` that of its first token, ``has`` (non-empty, not at position 0); ``local`` the place of
+    ``last`` in this rank's shard, ``owned`` this rank holds it."""
 
     last: torch.Tensor
     first: torch.Tensor

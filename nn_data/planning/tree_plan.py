@@ -41,16 +41,13 @@ EVERY = np.iinfo(np.int64).max
 
 
 def subtree(parent, branch_at, rows) -> tuple[np.ndarray, np.ndarray]:
-    """``(parent, branch_at)`` of the rollouts ``rows`` (ascending indices) alone, indices into ``rows``: each
-    one's parent the earlier rollout of ``rows`` it shares the most tokens with by the tree (the smallest index
-    among equals), with that count, or -1 and 0. Two rollouts share the fewest ``branch_at`` on the tree path
-    between them (their own tokens stop where the path leaves them, :func:`shared_tokens`); choosing the
-    smallest index among the longest makes every branch point exceed its parent's, as ``tree_layout`` takes it.
+    """``(parent, branch_at)`` of the rollouts ``rows`` (ascending) alone, indices into ``rows``: each one's parent the
+    earlier rollout of ``rows`` it shares the most tokens with by the tree (the smallest index among equals, so
+    that every branch point exceeds its parent's), with that count, or -1 and 0.
 
     Example: parent ``[-1, 0, 1, 0]``, branch_at ``[0, 6, 8, 4]``, rows ``[0, 2]`` -> ``[-1, 0]``, ``[0, 6]``
     (rollout 2 shares 6 tokens of rollout 0 through rollout 1); rows ``[2, 3]`` -> ``[-1, 0]``, ``[0, 4]``
-    (siblings through their absent parent); a GRPO group without its first rollout: its next one leads.
-    """
+    (siblings through their absent parent); a GRPO group without its first rollout: its next one leads."""
     rows = [int(r) for r in rows]
     root: dict = {}
     for b in _closure(parent, branch_at, rows):  # ascending: a parent's root is known before its child's
@@ -100,13 +97,12 @@ def _closure(parent, branch_at, rows) -> list:
 
 
 def shared_tokens(parent, branch_at, members: list) -> np.ndarray:
-    """``[k, k]`` the tokens each pair of ``members`` (ascending, every member's parent a member or -1) shares
-    by the tree; a member with itself :data:`EVERY`. A child shares with every other earlier rollout what its
-    parent does, at most its own ``branch_at`` (with its parent: ``branch_at``): one row per member, O(k^2).
+    """``[k, k]`` the tokens each pair of ``members`` (ascending, every parent a member or -1) shares by the tree; a
+    member with itself :data:`EVERY`. A child shares with every other earlier rollout what its parent does, at most
+    its own ``branch_at``: one row per member, O(k^2).
 
     Example: parent ``[-1, 0, 1, 0]``, branch_at ``[0, 6, 8, 4]``, members ``[0, 1, 2, 3]`` -> rollout 2
-    shares ``[6, 8, EVERY, 4]``.
-    """
+    shares ``[6, 8, EVERY, 4]``."""
     k = len(members)
     at = {b: i for i, b in enumerate(members)}
     shared = np.zeros((k, k), dtype=np.int64)  # [k, k] roots share nothing
@@ -128,14 +124,11 @@ def check_parent(b: int, p: int) -> None:
 
 def _cost(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, extra, multiple: int,
           hidden: int) -> tuple[int, int, float]:
-    """``(packed tokens, real tokens, work)`` of the tree ``(parent, branch_at)`` of rollouts of ``lengths [k]``
-    (module docstring), as ``tree_layout`` packs it; ``extra [k]`` or None: a split point of each rollout's own
-    tokens besides its children's (the GRPO spelling's prompt slot: ``shared_prefix_layout`` packs the first
-    rollout of a group in a microbatch as prompt, then response). Each rollout's own tokens ``[branch_at, L)``
-    cut at its children's branch points and its ``extra``: the cut points keyed ``owner * width + position``,
-    sorted, and each gap between two of one owner a node. Work and real tokens need no cuts: a rollout's nodes
-    end to end are its own tokens. Example: L ``[10, 12, 9]``, parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, m 1 ->
-    points ``0 6 10 | 6 8 12 | 8 9`` -> nodes ``6 4 2 4 1``: 17 tokens."""
+    """``(packed tokens, real tokens, work)`` of the tree ``(parent, branch_at)`` of rollouts of ``lengths [k]`` as
+    ``tree_layout`` packs it; ``extra [k]`` or None: a split of each rollout's own tokens besides its children's
+    (the GRPO spelling's prompt slot). The cut points are keyed ``owner * width + position``, sorted, each gap
+    between two of one owner a node. Example: L ``[10, 12, 9]``, parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, m
+    1 -> points ``0 6 10 | 6 8 12 | 8 9`` -> nodes ``6 4 2 4 1``: 17 tokens."""
     k = lengths.size
     mine = np.arange(k)
     owner = np.concatenate([parent, mine, mine] + ([mine] if extra is not None else []))  # [3k or 4k]
@@ -222,12 +215,10 @@ class _Forest:
         return [sorted(part[0]) for part in parts]
 
     def _grown(self, shared: list, part: list, b: int, i: int, limit: Optional[int] = None) -> tuple:
-        """``(tokens, real, work)`` of ``part`` with rollout ``b`` (place ``i``) added (only the tokens, a lower
-        bound, once they pass ``limit``). ``b`` leaves the part's tree at the most tokens ``d`` it shares with a
-        member ``x``: its own ``[d, L)`` is new, and the node of ``x``'s path holding depth ``d`` is cut there
-        unless a node ends there (the nodes of ``x``'s path end where another member leaves it, at ``x``'s end
-        and at an ``extra`` on it). Example (m 1): a part of L ``[10]``; adding L 12 sharing 6: ``[0,10)``
-        becomes ``[0,6) [6,10)``, plus ``[6,12)``: 10 + 6 tokens."""
+        """``(tokens, real, work)`` of ``part`` with rollout ``b`` (place ``i``) added (only the tokens, a lower bound,
+        past ``limit``): ``b``'s own ``[d, L)`` is new, ``d`` the most it shares with a member ``x``, and ``x``'s node
+        holding depth ``d`` is cut there unless a node ends there. Example (m 1): a part of L ``[10]``; adding L 12
+        sharing 6: ``[0,10)`` becomes ``[0,6) [6,10)``, plus ``[6,12)``: 10 + 6 tokens."""
         m, lengths, extra = self.multiple, self.lengths, self.extra
         rollouts, places, (tokens, real, work) = part
         d, x, at, mine = 0, -1, -1, shared[i]
@@ -251,15 +242,12 @@ class _Forest:
 
 
 def tree_items(forest: _Forest, own: np.ndarray, *, total: int, ranks: int) -> list:
-    """What the planner places whole, each a list of rollout indices (ascending), in the order of their first
-    rollout: a tree whose cost fits ``total``; a larger one split by first-fit-decreasing of its rollouts' ``own``
-    padded tokens (longest first, ties in index order), each into the first part it fits with (the part's cost,
-    the ancestors it needs packed again: :meth:`_Forest.first_fit`). Fewer items than ``ranks``:
-    :func:`split_for_idle_ranks`.
+    """What the planner places whole, each a list of rollout indices (ascending): a tree whose cost fits ``total``; a
+    larger one split by first-fit-decreasing of its rollouts' ``own`` padded tokens into parts
+    (:meth:`_Forest.first_fit`); fewer items than ``ranks``: :func:`split_for_idle_ranks`.
 
     Example (a GRPO group, prompt 8, responses ``[2, 4, 1]``, m 1, T 12): parts ``[1]`` (12) and ``[0, 2]``
-    (11), the prompt in each.
-    """
+    (11), the prompt in each."""
     items = []
     real = np.bincount(forest.root, weights=forest.lengths - forest.branch_at, minlength=forest.root.size)  # [n]
     for root, rows in forest.trees.items():  # a tree's real tokens (its own tokens, each once) bound its need
@@ -291,10 +279,9 @@ def split_for_idle_ranks(members: list, own: np.ndarray, *, ranks: int) -> list:
 def plan_trees(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, parallelism: Parallelism, *,
                total: int, balance: str, hidden_size: int, microbatches_per_rank: Optional[int],
                extra: Optional[np.ndarray] = None, order=None) -> StepPlan:
-    """The planner of both spellings, on a checked tree (host arrays): the items (:func:`tree_items`), placed by
-    :func:`~nn_data.planning.step.place`, each microbatch's rollouts listed by ``order(items)`` (default:
-    ascending), its costs by :func:`_cost` (``extra``: as there; the GRPO spelling's prompt lengths, the same for
-    a tree's rollouts and at most what two of them share, so a part grown rollout by rollout costs the same)."""
+    """The planner of both spellings, on a checked tree (host arrays): the items (:func:`tree_items`) placed by
+    :func:`~nn_data.planning.step.place`, each microbatch's rollouts ordered by ``order(items)`` (default
+    ascending), its costs by :func:`_cost` with ``extra`` (the GRPO spelling's prompt lengths)."""
     m = parallelism.pad_multiple
     forest = _Forest(lengths, parent, branch_at, extra, multiple=m, hidden=hidden_size)
     start = branch_at if extra is None else np.maximum(branch_at, extra)
