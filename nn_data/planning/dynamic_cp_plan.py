@@ -43,10 +43,9 @@ PROMOTE_ABOVE = 1.01
 
 @dataclasses.dataclass(frozen=True)
 class CPBlock:
-    """``size`` ranks ``start .. start + size - 1`` (``start % size == 0``) running ``sequences``
-    (indices into the step's lengths, in packing order) sharded over all of them: ``tokens`` padded
-    tokens (``<= size * tokens_per_rank``), ``cost`` its modelled time. An empty block (no sequence)
-    is one rank that runs a microbatch of padding."""
+    """``size`` ranks ``start .. start + size - 1`` (``start % size == 0``) running ``sequences`` (indices into the
+    step's lengths, in packing order) sharded over all of them: ``tokens`` padded tokens (``<= size *
+    tokens_per_rank``), ``cost`` its modelled time; an empty block is one rank running a microbatch of padding."""
 
     start: int
     size: int
@@ -61,13 +60,10 @@ class CPBlock:
 
 @dataclasses.dataclass(frozen=True)
 class DynamicCPPlan:
-    """:func:`plan_step_dynamic_cp`'s result (module docstring).
-
-    ``rounds[k]``: round ``k``'s blocks, ordered by ``start``, a partition of ``range(ranks)``;
-    ``tokens_per_rank``; ``ranks`` (R); ``lengths`` (the step's, as Python ints);
-    ``sequence_multiples[c]``: the multiple a sequence of CP size ``c`` pads to; ``ideal_cost`` and
-    ``step_cost`` (module docstring); ``token_lower_bound``: the fewest rounds the padded tokens allow.
-    """
+    """:func:`plan_step_dynamic_cp`'s result: ``rounds[k]`` round ``k``'s blocks by ``start`` (a partition of
+    ``range(ranks)``), ``tokens_per_rank``, ``ranks`` (R), ``lengths`` (Python ints), ``sequence_multiples[c]`` (the
+    multiple a sequence of CP size ``c`` pads to), ``ideal_cost``, ``step_cost`` and ``token_lower_bound`` (the
+    fewest rounds the padded tokens allow)."""
 
     rounds: list
     tokens_per_rank: int
@@ -294,11 +290,9 @@ def _costs(arr: np.ndarray, sizes: list, multiples: dict, tpr: int, cost, ranks:
 
 
 def _candidates(costs, ranks: int, lower: int, static):
-    """Each candidate plan's rounds as ``(time, blocks)`` lists, blocks ``(size index, sequences,
-    load)`` (:mod:`nn_data.planning.cp_rounds`): packed rounds; when they need more rounds than the
-    lower bound + 1 and :data:`PROMOTE_ABOVE` times it, packed with long sequences sharing larger blocks
-    (one and two sizes up); for small steps, equal runs of tokens too, and ``static()``: static CP's plan
-    as rounds."""
+    """Each candidate plan's rounds as ``(time, blocks)`` lists, blocks ``(size index, sequences, load)``: packed
+    rounds; packed with long sequences in larger blocks (one and two sizes up) when they need more rounds than the
+    lower bound + 1 and :data:`PROMOTE_ABOVE` times it; for small steps, equal runs of tokens and static CP's plan."""
     for promote in range(len(costs.sizes)):
         packed = cp_rounds.packed_rounds(costs, ranks, promote)
         yield [cp_rounds.balanced_round(costs, blocks, ranks) for blocks in packed]
@@ -314,9 +308,8 @@ def _candidates(costs, ranks: int, lower: int, static):
 
 
 def _static_rounds(costs, arr: np.ndarray, parallelism: Parallelism, tokens_per_rank: int, hidden_size: int) -> list:
-    """Static CP as rounds: every block the smallest size that holds every sequence, the blocks
-    planned by :func:`~nn_data.planning.plan_step` (work balanced per group of ranks, no barrier needed
-    between its microbatches); round ``k`` is every group's microbatch ``k``."""
+    """Static CP as rounds: every block the smallest size that holds every sequence, planned by
+    :func:`~nn_data.planning.plan_step`; round ``k`` is every group's microbatch ``k``."""
     j = max(costs.c_min)
     c = costs.sizes[j]
     groups = parallelism.dp * parallelism.cp // c
