@@ -124,10 +124,8 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 # ---- torch.compile: graphs and recompiles ---------------------------------------------------------
-# GraphCounter reads two things torch 2.11 and 2.13 have alike: dynamo's counter of the graphs it hands a
-# backend (counters["stats"]["unique_graphs"], what torch._dynamo.testing.CompileCounter's frame_count counts
-# with its own backend) and its compile-start callback (torch._dynamo.callback), whose compile id
-# "frame/n" says which compilation of a frame this is (n >= 1: a recompile, the frame's guards failed).
+# GraphCounter reads dynamo's counters["stats"]["unique_graphs"] and its compile-start callback, whose compile
+# id "frame/n" says which compilation of a frame this is (n >= 1: a recompile); alike in torch 2.11 and 2.13.
 
 class GraphCounter:
     """Count what ``torch.compile`` compiles inside the block, with any backend: ``graphs`` (handed to the backend),
@@ -174,13 +172,8 @@ class GraphCounter:
 
 
 # ---- CUDA: the sync debug mode and inductor's CUDA graphs (CPU fallbacks where there is none) ----
-# SyncCounter counts host-device syncs; on CUDA it is the authoritative check,
-# torch.cuda.set_sync_debug_mode("warn"): every blocking copy (device to host *and* host to device
-# from pageable memory, e.g. torch.tensor(3, device="cuda")), .item(), synchronize() warns, and each
-# warning's Python location is kept; on the CPU it is HostSyncCounter. forbid_syncs is the contract
-# itself. CudaGraphCounter wraps CUDAGraphNode._record and CUDAGraphNode.run_graph of
-# torch._inductor.cudagraph_trees: private names, present with the same meaning in torch 2.11 and
-# 2.13 (a replay right after recording is not a run_graph call, so replays counts the steady state).
+# CudaGraphCounter wraps torch._inductor.cudagraph_trees.CUDAGraphNode._record and .run_graph: private names,
+# alike in torch 2.11 and 2.13 (a replay right after recording is no run_graph call: replays is the steady state).
 
 _SYNC_WORD = "synchroniz"  # each sync: "called a synchronizing CUDA operation"
 # set_sync_debug_mode's first call in a process warns once, "Synchronization debug mode is a prototype
@@ -209,11 +202,10 @@ def _is_cuda(device) -> bool:
 
 
 class SyncCounter:
-    """Count host-device syncs made inside the block on ``device`` (see the module docstring).
-
-    ``count`` and ``locations`` (``"file:line"`` of each sync on CUDA; the method names on CPU)
-    are set on exit. On CUDA the device is synchronised *before* the block (outside the count).
-    """
+    """Count host-device syncs made inside the block on ``device``: on CUDA every warning of
+    ``set_sync_debug_mode("warn")`` (blocking copies both ways, ``.item()``, ``synchronize()``), on the CPU
+    :class:`HostSyncCounter`'s calls. ``count`` and ``locations`` (``"file:line"`` on CUDA, the method names on
+    the CPU) are set on exit; on CUDA the device is synchronised before the block."""
 
     def __init__(self, device):
         self.cuda = _is_cuda(device)
