@@ -33,12 +33,10 @@ _FLEX_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class DocumentMask(NamedTuple):
-    """One packed microbatch's document-causal mask: exactly one of ``dense`` (``[Tq, T]`` bool,
-    True where the query may see the key) and ``block`` (a flex ``BlockMask``) is set. ``gather``
-    (None without CP) all-gathers this rank's ``[1, Tq, *]`` keys/values into ``[1, T, *]``.
-    ``window`` (None: unlimited) is the sliding window this mask applies; ``sliding`` (None when not
-    asked for) is the same microbatch's mask restricted to a sliding window, for the sliding layers of
-    a model that mixes both kinds (:func:`document_mask` with ``window=``)."""
+    """One packed microbatch's document-causal mask: exactly one of ``dense`` (``[Tq, T]`` bool, True where the query
+    may see the key) and ``block`` (a flex ``BlockMask``) is set; ``gather`` (None without CP) all-gathers this
+    rank's ``[1, Tq, *]`` keys/values; ``window`` the sliding window it applies (None: unlimited); ``sliding`` the
+    same mask restricted to a window, for a model's sliding layers (:func:`document_mask` with ``window=``)."""
 
     dense: Optional[torch.Tensor]
     block: Any = None
@@ -133,12 +131,9 @@ def _compiled_flex():
 
 def document_block_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, *, block_size: int = 128,
                         window: Optional[int] = None, prefix: Optional[PrefixRule] = None):
-    """The document-causal mask of ``query_index [Tq]`` / ``segment_ids [T]`` (restricted to a sliding
-    ``window``, when given; widened by a shared-prefix ``prefix``) as a flex ``BlockMask``.
-
-    Built by a compiled ``create_block_mask`` (compiled once per ``(Tq, T)``; call it outside
-    any other compiled region). Memory ``O((Tq / block_size) * (T / block_size))``, never ``Tq * T``.
-    """
+    """The document-causal mask of ``query_index [Tq]`` / ``segment_ids [T]`` (``window``, ``prefix`` as
+    :func:`document_mask`) as a flex ``BlockMask``, by a compiled ``create_block_mask`` (once per ``(Tq, T)``; call
+    it outside any other compiled region). Memory ``O((Tq / block_size) * (T / block_size))``."""
     return _compiled_block_mask()(query_index, segment_ids, block_size, window, prefix)
 
 
@@ -164,20 +159,18 @@ def document_mask(
 ) -> DocumentMask:
     """Build the mask for queries at ``query_index [Tq]`` over keys with ``segment_ids [T]``.
 
-    ``kind``: ``"dense"``, ``"block"`` or ``"auto"`` (the block mask when
-    :func:`flex_supported` for ``dtype`` under the current grad mode and ``Tq * T >=
-    dense_limit``, else dense). ``gather`` is carried along for :func:`document_attention`.
-    ``window`` (an int >= 1): the result also carries ``.sliding``, the same mask restricted to that
-    sliding window (in the same form), for a model's sliding-window layers. ``prefix``: a shared-prefix
-    microbatch's :class:`PrefixRule` (``[T]`` tensors), applied to both forms and to ``.sliding``.
+    Args:
+        kind: ``"dense"``, ``"block"`` or ``"auto"`` (the block mask when :func:`flex_supported` for ``dtype``
+            under the current grad mode and ``Tq * T >= dense_limit``).
+        gather: carried along for :func:`document_attention`.
+        window: an int >= 1; the result also carries ``.sliding``, the mask restricted to that window.
+        prefix: a tree microbatch's :class:`PrefixRule`, applied to both forms and to ``.sliding``.
 
-    Raises :class:`~nn_data.errors.PackingError` for an unknown ``kind``, or ``kind="block"``
-    where flex attention cannot run (a CPU with grad enabled, float64, or torch before
-    :data:`nn_data._compat.FLEX_CPU_TORCH`).
+    Raises :class:`~nn_data.errors.PackingError` for an unknown ``kind``, or ``kind="block"`` where flex attention
+    cannot run (a CPU with grad enabled, float64, or torch before :data:`nn_data._compat.FLEX_CPU_TORCH`).
 
     Example: ``document_mask(torch.tensor([1, 2]), torch.tensor([0, 0, 1, 1])).dense`` is
-    ``[[T,T,F,F], [F,F,T,F]]``.
-    """
+    ``[[T,T,F,F], [F,F,T,F]]``."""
     device, needs_grad = query_index.device, torch.is_grad_enabled()
     if kind not in ("auto", "dense", "block"):
         raise PackingError(f"kind={kind!r} is invalid; expected 'auto', 'dense' or 'block'")

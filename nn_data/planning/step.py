@@ -45,15 +45,10 @@ RETRY_ITEMS = 1 << 16
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """:func:`plan_step`'s result.
-
-    ``ranks[r][j]``: the sequence indices (into the step's lengths) of microbatch ``j`` on rank
-    ``r``; ``microbatch_tokens[r][j]``: its padded total (``<= pad_full_seq_to``);
-    ``microbatch_work[r][j]``: its work (module docstring); ``real_tokens``: the step's unpadded
-    tokens; ``balance``: the mode that planned it; ``steps``: heap pops and tree nodes the planner
-    visited (for the complexity test); ``imbalance_bound``: the least work imbalance any plan of
-    these lengths on these ranks can have (:func:`imbalance_bound`).
-    """
+    """:func:`plan_step`'s result: ``ranks[r][j]`` the sequence indices of microbatch ``j`` on rank ``r``,
+    ``microbatch_tokens[r][j]`` its padded total, ``microbatch_work[r][j]`` its work, ``real_tokens`` the step's
+    unpadded tokens, ``balance`` the mode, ``steps`` the planner's heap pops and tree nodes (the complexity test),
+    ``imbalance_bound`` (:func:`imbalance_bound`)."""
 
     pad_full_seq_to: int
     ranks: list
@@ -227,10 +222,8 @@ def plan_of(ranks: list, arr: np.ndarray, need: np.ndarray, work: np.ndarray, to
 
 def evaluate_plan(ranks: list, lengths, parallelism: Parallelism, *, pad_full_seq_to: int, hidden_size: int = 4096,
                   balance: str = "given") -> StepPlan:
-    """The :class:`StepPlan` of ``ranks`` made by another planner (a benchmark's NeMo-RL packer), after
-    checking :func:`plan_step`'s guarantees on it: every sequence exactly once, every microbatch's
-    padded total ``<= pad_full_seq_to``, as many microbatches on every rank, ``parallelism.dp`` ranks.
-    Raises :class:`PackingError` naming the first broken guarantee."""
+    """The :class:`StepPlan` of ``ranks`` made by another planner (a benchmark's NeMo-RL packer), after checking
+    :func:`plan_step`'s guarantees on it; raises :class:`PackingError` naming the first broken one."""
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
     need = round_up(arr, parallelism.pad_multiple)
