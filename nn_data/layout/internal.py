@@ -14,8 +14,7 @@ Example::
 from __future__ import annotations
 
 from nn_data.layout import checks
-from nn_data.layout.build import layout_from_read_lengths, reads_host, take_layout
-from nn_data.layout.op import RankOp, op_layout
+from nn_data.layout.build import RankOp, layout_from_read_lengths, op_layout, reads_host, take_layout
 from nn_data.layout.index import (
     SegmentRows, Segments, ZigzagLocal, exclusive_cumsum, packed_segments, segment_ids, segment_rows,
 )
