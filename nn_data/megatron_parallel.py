@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import warnings
 from typing import Any, Optional
 
@@ -26,46 +27,36 @@ __getattr__ = moved_attribute(__name__)  # the process-group names now in nn_dat
 INSTALL_MEGATRON = 'pip install "nn_data[megatron]"'
 
 
-def megatron_core_missing(what: str, error: ModuleNotFoundError) -> None:
-    """Raise, for ``what`` (e.g. ``"megatron-core's PackedSeqParams"``), a ``ModuleNotFoundError`` that names
-    the extra to install when ``error`` says megatron-core itself is missing (``error.name`` is
-    ``megatron`` or below it); return otherwise (the caller re-raises ``error``: another module missing)."""
-    name = error.name or ""
-    if name == "megatron" or name.startswith("megatron."):
-        raise ModuleNotFoundError(f"{what} needs megatron-core, which is not installed (no module named {name!r}): "
-                                  f"{INSTALL_MEGATRON} (megatron-core>=0.16.1,<0.21)", name=name) from error
+def _megatron_class(module: str, name: str, what: str) -> Any:
+    """``module.name`` of megatron-core, imported now (its TransformerEngine/Apex warnings silenced: the classes
+    need neither). When megatron-core itself is missing, a ``ModuleNotFoundError`` naming the extra to install;
+    another missing module is re-raised as it is."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except ModuleNotFoundError as e:
+            missing = e.name or ""
+            if missing == "megatron" or missing.startswith("megatron."):
+                raise ModuleNotFoundError(f"{what} needs megatron-core, which is not installed (no module named "
+                                          f"{missing!r}): {INSTALL_MEGATRON} (megatron-core>=0.16.1,<0.21)",
+                                          name=missing) from e
+            raise
 
 
 @functools.lru_cache(maxsize=1)
 def packed_seq_params_class() -> Any:
-    """megatron-core's ``PackedSeqParams`` class (imported on the first call). Without megatron-core a
-    ``ModuleNotFoundError`` naming the extra to install (:func:`megatron_core_missing`)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: irrelevant for a dataclass
-        try:
-            from megatron.core.packed_seq_params import PackedSeqParams
-        except ModuleNotFoundError as e:
-            megatron_core_missing("megatron-core's PackedSeqParams (the packed NeMo-RL path)", e)
-            raise
-    return PackedSeqParams
+    """megatron-core's ``PackedSeqParams`` class (imported on the first call)."""
+    return _megatron_class("megatron.core.packed_seq_params", "PackedSeqParams",
+                           "megatron-core's PackedSeqParams (the packed NeMo-RL path)")
 
 
 @functools.lru_cache(maxsize=1)
 def gpt_model_class() -> Any:
     """megatron-core's ``GPTModel`` class (imported on the first call), for the NeMo-RL drop-in's
-    ``patch_gpt_model_forward_for_linear_ce_fusion``; as :func:`packed_seq_params_class` without it."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: the class itself needs neither
-        try:
-            from megatron.core.models.gpt import GPTModel
-        except ModuleNotFoundError as e:
-            megatron_core_missing("megatron-core's GPTModel (patch_gpt_model_forward_for_linear_ce_fusion)", e)
-            raise
-    return GPTModel
+    ``patch_gpt_model_forward_for_linear_ce_fusion``."""
+    return _megatron_class("megatron.core.models.gpt", "GPTModel",
+                           "megatron-core's GPTModel (patch_gpt_model_forward_for_linear_ce_fusion)")
 
 
 def packed_seq_params_fields() -> frozenset:
