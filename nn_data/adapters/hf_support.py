@@ -7,7 +7,8 @@ layer, the reason and what to do: attention variants (:func:`check_model`, when 
 layer's window (:func:`layer_window`, :func:`call_window`), attention keywords (:func:`check_call`, every
 call: :data:`ATTENTION_KWARGS`, :data:`UNSUPPORTED`), mask kinds, rotary types (:data:`ROPE_TYPES`;
 ``longrope`` within its original length, :func:`check_longrope`), learned positions with a padding index, and
-layer kinds (:mod:`nn_data.adapters.hf_layers`). The lists: docs/models.md, "Every family"."""
+layer kinds (:mod:`nn_data.adapters.hf_layers`). The lists: docs/models.md, "Wrapping your model" (its
+"Every family" paragraph)."""
 
 from __future__ import annotations
 
