@@ -130,10 +130,3 @@ def apply_cpu_patches() -> bool:
     if tracker is None or not getattr(tracker, "is_inference_rng_tracker", False):
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     return True
-
-
-def cpu_patches_applied() -> bool:
-    """True when every patched module of :func:`apply_cpu_patches` sees the CPU stand-in."""
-    import sys
-
-    return all(getattr(sys.modules.get(name), "torch", None) is _SHIM for name in _PATCHED_MODULES)
