@@ -22,13 +22,9 @@ ARTIFACTS_FILE = "torch_compile_artifacts.bin"
 
 
 def announce(what: str) -> None:
-    """Say on stderr that ``what`` compiles on its first call, so a first call that takes seconds to minutes
-    is not taken for a hang: every compile nn_data starts itself (``PackedForward(compile_packing=True)``'s
-    sides, dynamic CP's rounds, the flex mask) is announced once, here.
-
-    Example: ``announce("PackedForward's packing side of a rollout-tree microbatch")`` prints
-    ``nn_data: compiling PackedForward's packing side of a rollout-tree microbatch on its first call ...``.
-    """
+    """Say on stderr that ``what`` compiles on its first call, so that a first call of minutes is not taken for a
+    hang; every compile nn_data starts itself is announced here. Example: ``announce("PackedForward's packing
+    side")`` prints ``nn_data: compiling PackedForward's packing side on its first call ...``."""
     print(f"nn_data: compiling {what} on its first call (seconds to minutes; nn_data.compile_cache keeps the "
           "work for the next process)", file=sys.stderr, flush=True)
 

@@ -45,19 +45,17 @@ class ShardForContextParallel(RankOp):
 
 
 class UnshardFromContextParallel(nn.Module):
-    """Reassemble the packed tensor from all ranks' shards: ``[C, T/C, *] -> [1, T, *]``.
+    """Reassemble the packed tensor from all ranks' shards: ``[C, T/C, *] -> [1, T, *]``, the exact inverse of
+    :class:`ShardForContextParallel` over all ranks.
 
-    ``UnshardFromContextParallel(cp_size, *, validate=True, host_reads=True)``;
-    ``forward(shards [C, T/C, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T, *]``, where
-    ``shards[r]`` is rank ``r``'s shard (the rank-major stack an all-gather gives).
-    The exact inverse of :class:`ShardForContextParallel` over all ranks.
+    ``UnshardFromContextParallel(cp_size, *, validate=True, host_reads=True)``; ``forward(shards [C, T/C, *],
+    cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T, *]``, ``shards[r]`` rank ``r``'s shard.
 
     Example (C=2): ``cu_seqlens_padded [0, 8]``, shards ``[[0,1,6,7], [2,3,4,5]]`` ->
     ``[[0,1,2,3,4,5,6,7]]``.
 
-    Raises :class:`~nn_data.errors.PackingError` as :class:`ShardForContextParallel`,
-    and when ``shards`` does not have ``cp_size`` rows.
-    """
+    Raises :class:`~nn_data.errors.PackingError` as :class:`ShardForContextParallel`, and when ``shards`` does not
+    have ``cp_size`` rows."""
 
     def __init__(self, cp_size: int, *, validate: bool = True, host_reads: bool = True):
         super().__init__()

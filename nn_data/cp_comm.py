@@ -48,22 +48,15 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def all_to_all_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all along dim 0 in equal blocks: ``x [size*M, *]`` -> ``[size*M, *]``, where block ``j``
-    of the result is block ``rank`` of rank ``j``'s ``x``. Not autograd-aware.
-
-    Example (2 ranks, M 1): rank 0 ``[a0, a1]``, rank 1 ``[b0, b1]`` -> rank 0 ``[a0, b0]``,
-    rank 1 ``[a1, b1]``.
-    """
+    """All-to-all along dim 0 in equal blocks: ``x [size*M, *]`` -> ``[size*M, *]``, block ``j`` of the result block
+    ``rank`` of rank ``j``'s ``x``; not autograd-aware. Example (2 ranks, M 1): rank 0 ``[a0, a1]``, rank 1 ``[b0,
+    b1]`` -> rank 0 ``[a0, b0]``, rank 1 ``[a1, b1]``."""
     return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, group))
 
 
 class _AllGatherRows(torch.autograd.Function):
-    """``x [N, *]`` on each of ``C`` ranks -> ``[C*N, *]``, rank-major (rank 0's rows first).
-
-    Backward, ``grad_mode="own"``: this rank's rows of its own incoming gradient
-    (no communication). ``grad_mode="sum"``: reduce-scatter, the sum over ranks of
-    the gradient each computed for this rank's rows.
-    """
+    """``x [N, *]`` on each of ``C`` ranks -> ``[C*N, *]``, rank-major. Backward, ``grad_mode="own"``: this rank's
+    rows of its own gradient (no communication); ``"sum"``: a reduce-scatter of every rank's."""
 
     @staticmethod
     def forward(ctx, x, group, rank: int, grad_mode: str):

@@ -206,16 +206,12 @@ def _regrouped(wrapped, base: Microbatch, other: torch.Tensor, kept: list, chang
 
 
 def check_packing(wrapped, *, device: torch.device, run, row_width: int = 0) -> None:
-    """Prove ``wrapped.model`` keeps packed documents apart (see the module docstring); raises
-    :class:`PackingError` naming the model type, the first differing layer, the reason and the fix.
-    ``run(input_ids [k, S], seq_lengths [k]) -> [k, S, *]`` is the wrapped forward (:func:`runner`);
-    ``row_width``: the caller's row length ``S``, the check's rows' where longer than its documents (the
-    same shapes for a model the caller compiled, whose documents it also bounds).
+    """Prove ``wrapped.model`` keeps packed documents apart (module docstring); raises :class:`PackingError` naming
+    the model type, the first differing layer, the reason and the fix. ``run(input_ids [k, S], seq_lengths [k])
+    -> [k, S, *]`` is the wrapped forward (:func:`runner`); ``row_width`` the caller's row length ``S`` (the same
+    shapes for a model the caller compiled).
 
-    Example::
-
-        check_packing(wrapped, device=torch.device("cpu"), run=runner(wrapped))  # None, or PackingError
-    """
+    Example: ``check_packing(wrapped, device=torch.device("cpu"), run=runner(wrapped))`` -> None, or PackingError."""
     if device.type == "meta":  # no values to compare: nothing is proven, nothing is trained either
         return
     lengths = document_lengths(wrapped)

@@ -24,12 +24,9 @@ from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
 
 
 class PackResult(NamedTuple):
-    """What :class:`PackSequences` returns.
-
-    ``packed [1, T, *]``, ``cu_seqlens [B+1]`` int32, ``cu_seqlens_padded [B+1]`` int32,
-    ``max_seqlen`` (0-d int32: the longest padded segment, the extended last one
-    included) and the reusable ``layout`` (pass it to the later ops as ``layout=``).
-    """
+    """What :class:`PackSequences` returns: ``packed [1, T, *]``, ``cu_seqlens [B+1]`` and ``cu_seqlens_padded [B+1]``
+    int32, ``max_seqlen`` (0-d int32, the longest padded segment) and the reusable ``layout`` (``layout=`` of the
+    later ops)."""
 
     packed: torch.Tensor
     cu_seqlens: torch.Tensor

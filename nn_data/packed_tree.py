@@ -133,13 +133,11 @@ def pad_tree_rows(parent: torch.Tensor, branch_at: torch.Tensor, capacity: int):
 
 
 def pad_group_rows(prefix_lengths: torch.Tensor, group_ids: torch.Tensor, capacity: int):
-    """``prefix_lengths`` and ``group_ids`` padded to ``capacity`` rows, as ``pad_to_row_capacity`` pads
-    the ids and lengths: each padding row has prefix length 0 and a group of its own (ids below every
-    real one, computed on the device).
+    """``prefix_lengths`` and ``group_ids`` padded to ``capacity`` rows as ``pad_to_row_capacity`` pads the ids: each
+    padding row has prefix length 0 and a group of its own (ids below every real one, computed on the device).
 
     Example: group_ids ``[7, 7, 9]``, capacity 5 -> ``[7, 7, 9, 6, 5]``; prefix_lengths ``[2, 2, 1]``
-    -> ``[2, 2, 1, 0, 0]``.
-    """
+    -> ``[2, 2, 1, 0, 0]``."""
     rows = group_ids.shape[0]
     extra = max(capacity - rows, 0)  # (more rows than capacity: pad_rows names row_capacity)
     floor = group_ids.min() if rows else torch.zeros((), dtype=group_ids.dtype, device=group_ids.device)

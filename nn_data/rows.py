@@ -33,11 +33,8 @@ class RowPadded(NamedTuple):
 
 
 def pad_rows(t: torch.Tensor, capacity: int, fill=0, *, name: str = "capacity") -> torch.Tensor:
-    """Append rows of ``fill`` to ``t [B, *]`` until it has ``capacity`` rows: ``[R, *]``.
-
-    Raises :class:`PackingError` if ``t`` already has more than ``capacity`` rows; the message names
-    the capacity as ``name`` (the argument the caller set, e.g. ``row_capacity``).
-    """
+    """Append rows of ``fill`` to ``t [B, *]`` until it has ``capacity`` rows: ``[R, *]``. Raises
+    :class:`PackingError` for more than ``capacity`` rows, naming the capacity as ``name`` (e.g. ``row_capacity``)."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise PackingError(f"{name}={capacity!r} is invalid; expected an int >= 0")
     _checks.check_min_dims("t", t, 1, "[B, *]")
@@ -63,18 +60,15 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
 
 def pad_to_row_capacity(x: torch.Tensor, seq_lengths: torch.Tensor, capacity: int, *,
                         name: str = "capacity") -> RowPadded:
-    """Pad ``x [B, S, *]`` and ``seq_lengths [B]`` with empty rows to ``capacity`` rows.
-
-    Returns :class:`RowPadded` with ``num_rows = B`` as a 0-d int64 tensor on ``x``'s
-    device, to pass as ``num_rows`` to :class:`~nn_data.PackSequences`. Pad other
-    tensors of the same batch (routed experts, masks) with :func:`pad_rows`.
+    """Pad ``x [B, S, *]`` and ``seq_lengths [B]`` with empty rows to ``capacity`` rows: a :class:`RowPadded` with
+    ``num_rows = B`` as a 0-d int64 tensor (for :class:`~nn_data.PackSequences`); pad the batch's other tensors with
+    :func:`pad_rows`.
 
     Example: ``x [3, 8]``, lengths ``[5, 0, 8]``, capacity 4 -> ``x [4, 8]`` (last row
     zeros), lengths ``[5, 0, 8, 0]``, num_rows ``tensor(3)``.
 
-    Raises :class:`PackingError` if ``B > capacity`` (naming the capacity as ``name``), or
-    ``seq_lengths`` is not a 1-D integer tensor of ``B`` entries.
-    """
+    Raises :class:`PackingError` if ``B > capacity`` (naming the capacity as ``name``), or ``seq_lengths`` is not a
+    1-D integer tensor of ``B`` entries."""
     _checks.check_min_dims("x", x, 2, "[B, S, *]")
     _checks.check_int_vector("seq_lengths", seq_lengths, x.shape[0])
     # torch.full writes the count on the device; torch.tensor(int, device=...) would copy it from

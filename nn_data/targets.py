@@ -60,15 +60,12 @@ class Targets(NamedTuple):
 
 
 def next_token_at(packed_ids: torch.Tensor, segments: Segments, places: ZigzagLocal, total: int):
-    """``(token [N] int64, has_target [N] bool)`` for the positions in ``places``.
-
-    Position ``t`` at offset ``o`` in its segment ``b`` has a target iff ``o + 1 < L[b]``; the
-    target is ``packed_ids[t + 1]``, which then lies in the same sequence. ``token`` holds
-    ``packed_ids[t + 1]`` (clamped into range) everywhere: use it only where ``has_target``.
+    """``(token [N] int64, has_target [N] bool)`` for the positions in ``places``: position ``t`` at offset ``o`` of
+    segment ``b`` has a target iff ``o + 1 < L[b]``, the token ``packed_ids[t + 1]`` (clamped into range
+    everywhere: use it only where ``has_target``).
 
     Example: lengths ``[3, 5]``, bounds ``[0, 4, 12]``: positions ``0, 1`` and ``4..7`` have
-    targets; ``2`` (last of sequence 0) does not, nor do ``3`` and ``8..11`` (padding).
-    """
+    targets; ``2`` (last of sequence 0) does not, nor do ``3`` and ``8..11`` (padding)."""
     bounds, lengths = segments
     offset = places.source - bounds[places.segment]  # [N]
     has_target = offset + 1 < lengths[places.segment]  # [N]

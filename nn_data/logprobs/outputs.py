@@ -32,11 +32,9 @@ __all__ = ["HeadOutputs", "combine_topk", "head_outputs_local", "local_ids"]
 
 
 class HeadOutputs(NamedTuple):
-    """The outputs of one chunked pass; an output not asked for is None.
-
-    ``logprobs [N, J]`` (or ``[N]`` when the ids were ``[N]``), ``entropy [N]``, ``topk_logprobs [N, K]``
-    (differentiable), ``topk_indices [N, K]`` int64, ``argmax [N]`` int64 (not differentiable), ``lse [N]``
-    the log-sum-exp of each position's logits (not differentiable)."""
+    """The outputs of one chunked pass (None: not asked): ``logprobs [N, J]`` (``[N]`` for ``[N]`` ids), ``entropy
+    [N]``, ``topk_logprobs [N, K]`` (differentiable), ``topk_indices [N, K]`` and ``argmax [N]`` int64, ``lse [N]``
+    each position's log-sum-exp (not differentiable)."""
 
     logprobs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None

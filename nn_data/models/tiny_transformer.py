@@ -56,13 +56,9 @@ class Block(nn.Module):
 class TinyCausalLM(nn.Module):
     """Embedding, ``layers`` pre-norm blocks (RoPE attention + MLP), final norm, LM head.
 
-    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed) -> logits [1, Tq, V]`` where
-    ``packed`` is a :class:`~nn_data.packed_forward.PackedInfo` (its ``query_index``,
-    ``segment_ids`` and ``gather`` are used). :meth:`forward_single` runs one unpacked
-    sequence ``[1, L]`` with a plain causal mask, the oracle for equivalence tests.
-    ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the packed mask's form
-    (:func:`nn_data.masks.document_mask`).
-    """
+    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed) -> logits [1, Tq, V]``, ``packed`` a
+    :class:`~nn_data.packed_forward.PackedInfo`; :meth:`forward_single` runs one unpacked sequence ``[1, L]`` (the
+    equivalence tests' oracle). ``mask_kind`` chooses the mask's form (:func:`nn_data.masks.document_mask`)."""
 
     def __init__(self, vocab: int = 97, dim: int = 32, heads: int = 4, layers: int = 2, mlp_mult: int = 2,
                  mask_kind: str = "auto"):
