@@ -131,14 +131,12 @@ def _megatron_hybrid_groups(ranks: int) -> dict:
 
 
 def create_block_groups(pool: "dist.ProcessGroup") -> dict:
-    """Create the groups of every aligned power-of-two block of every pool of the world and return this
-    rank's: ``{c: group}`` for the sizes below its pool (the pool itself serves ``c = R``).
+    """Create the groups of every aligned power-of-two block of every pool of the world and return this rank's ``{c:
+    group}`` for the sizes below its pool (the pool serves ``c = R``). Collective over the default group: every
+    process calls it with its own pool; the pools are gathered so that all create the same groups in the same order.
 
-    Collective over the default group: every process calls it, each with its own pool (they may
-    differ: one pool per pipeline stage or tensor-parallel rank); the pools are gathered so that all
-    processes create the same groups in the same order. Example: one pool of 8 -> groups ``[0, 1]``,
-    ``[2, 3]``, ``[4, 5]``, ``[6, 7]``, ``[0..3]``, ``[4..7]``; rank 5 gets ``{2: [4, 5], 4: [4..7]}``.
-    """
+    Example: one pool of 8 -> groups ``[0, 1]``, ``[2, 3]``, ``[4, 5]``, ``[6, 7]``, ``[0..3]``, ``[4..7]``; rank 5
+    gets ``{2: [4, 5], 4: [4..7]}``."""
     mine = tuple(dist.get_process_group_ranks(pool))
     pools: list = [None] * dist.get_world_size()
     dist.all_gather_object(pools, mine)

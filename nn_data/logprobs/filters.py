@@ -45,10 +45,8 @@ def sampling_filter(sampling_params) -> Optional[SamplingFilter]:
 
 
 def row_thresholds(x: torch.Tensor, filt: SamplingFilter) -> torch.Tensor:
-    """``tau [c]`` (``x``'s dtype) for full rows ``x [c, V]``: row ``i`` keeps ``x[i] >= tau[i]``.
-
-    Example: ``[[1., 3., 0., 2.]]`` with top-k 2 -> ``[2.]``; with top-p 0.5 -> ``[3.]``.
-    """
+    """``tau [c]`` (``x``'s dtype) for full rows ``x [c, V]``: row ``i`` keeps ``x[i] >= tau[i]``. Example:
+    ``[[1., 3., 0., 2.]]`` with top-k 2 -> ``[2.]``; with top-p 0.5 -> ``[3.]``."""
     vocab = x.shape[-1]
     if filt.top_p == 1.0:
         return torch.topk(x, filt.top_k, dim=-1).values[:, -1]  # [c] the k-th largest
@@ -63,13 +61,9 @@ def row_thresholds(x: torch.Tensor, filt: SamplingFilter) -> torch.Tensor:
 
 
 def vocab_parallel_thresholds(local: torch.Tensor, filt: SamplingFilter, group, tp_size: int) -> torch.Tensor:
-    """``tau [c]`` for rows whose columns are split over ``tp_size`` ranks (``local [c, Vt]``, rank ``j``
-    holding columns ``[j*Vt, (j+1)*Vt)``): an all-to-all gives each rank ``M = ceil(c/TP)`` full rows,
-    it computes their thresholds, and an all-gather hands every rank all ``c``.
-
-    Example (TP 2, c 3): rows padded to 4; rank 0 gets rows 0-1 with all ``V`` columns, rank 1 rows
-    2-3; each computes 2 thresholds; the all-gather gives ``tau`` of rows 0-3, row 3 (padding) is dropped.
-    """
+    """``tau [c]`` for rows whose columns are split over ``tp_size`` ranks (``local [c, Vt]``): an all-to-all gives
+    each rank ``M = ceil(c/TP)`` full rows, it computes their thresholds, an all-gather hands every rank all ``c``.
+    Example (TP 2, c 3): rows padded to 4, rank 0 filters rows 0-1, rank 1 rows 2-3; row 3 (padding) is dropped."""
     rows, cols = local.shape
     per_rank = -(-rows // tp_size)  # M
     padded = torch.nn.functional.pad(local, (0, 0, 0, per_rank * tp_size - rows))  # [TP*M, Vt]

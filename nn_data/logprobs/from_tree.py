@@ -103,11 +103,9 @@ def rollout_rows(layout: TreeLayout, local: torch.Tensor, boundary: torch.Tensor
 
 
 def distribution_rows(layout: TreeLayout, local: HeadOutputs, groups: _Groups, seq_len) -> HeadOutputs:
-    """The outputs of each position's distribution (entropy, top-k, argmax: ``[T/C, *]`` on this rank) ->
-    ``[B, S-1, *]`` on every CP rank: entry ``s`` of rollout ``b`` from the packed position of its token ``s``
-    on its path (:meth:`~nn_data.layout.TreeLayout.row_places`: a shared node's positions, its last included,
-    give every rollout through the node the same distribution; at any depth), for ``s < L[b] - 1``, else 0.
-    One CP all-gather per output (``grad_mode="own"``).
+    """The outputs of each position's distribution (entropy, top-k, argmax: ``[T/C, *]``) -> ``[B, S-1, *]`` on every
+    CP rank: entry ``s`` of rollout ``b`` from the packed position of its token ``s`` on its path
+    (:meth:`~nn_data.layout.TreeLayout.row_places`), for ``s < L[b] - 1``, else 0; one CP all-gather per output.
 
     Example (the layout module's batch, S 4): rollout 1 (parent 0, branch_at 2, L 3) reads packed positions 0
     and 1 (rollout 0's shared prompt slot), then 0 (``s = 2 = L - 1``)."""
@@ -196,11 +194,9 @@ class TreeLogProbs(nn.Module):
 
     def outputs(self, logits: torch.Tensor, packed_ids: torch.Tensor, layout: TreeLayout, *, seq_len=None,
                 places=None, **asked) -> HeadOutputs:
-        """``logprobs`` (:meth:`forward`'s), ``entropy``, ``top_k`` log-probs and ids, ``argmax`` of every
-        rollout's positions as ``[B, S-1]`` rows (``[B, S-1, K]``), each opt-in (keywords as
-        :meth:`nn_data.TokenLogProbs.outputs`): entry ``s`` from the distribution at the rollout's token ``s``
-        (:func:`distribution_rows`). Raises :class:`~nn_data.errors.PackingError` as :meth:`forward` and
-        for the outputs asked (a negative ``top_k`` or one above ``V``, none at all)."""
+        """``logprobs``, ``entropy``, ``top_k`` log-probs and ids, ``argmax`` of every rollout's positions as ``[B, S-1]``
+        rows (``[B, S-1, K]``), each opt-in as in :meth:`nn_data.TokenLogProbs.outputs` (:func:`distribution_rows`);
+        raises as :meth:`forward` and for the outputs asked."""
         _checks.check_float_logits("logits", logits, "[1, T/C, V]", 3)
         check_full_ids("logits", logits, packed_ids, logits.shape[1], self.groups.cp_size)
         return tree_outputs(self, logits.squeeze(0), None, packed_ids, layout, seq_len, places, asked,
@@ -208,15 +204,13 @@ class TreeLogProbs(nn.Module):
 
 
 def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks: int):
-    """``(rows [n + N, H], target, keep [blocks * (n + N)])``: this rank's hidden rows followed by the ``N``
-    boundary rows it holds, and the targets in the kernel's gathered order, so that one kernel call (one
-    sequence-parallel gather) scores both. ``blocks``: TP with sequence parallelism (rank ``block`` holds
-    local rows ``[block*n, (block+1)*n)``), else 1 (``block`` 0, all ``N`` rows).
+    """``(rows [n + N, H], target, keep [blocks * (n + N)])``: this rank's hidden rows, then the ``N`` boundary rows it
+    holds, with the targets in the kernel's gathered order, so that one kernel call scores both. ``blocks``: TP with
+    sequence parallelism (rank ``block`` holds rows ``[block*n, (block+1)*n)``), else 1.
 
     Example (N 8, TP 2 with sequence parallelism, n 4, boundary rows ``t.rows = [5, 1]``): rank 0 appends
     its rows ``[3, 1]`` (``[5, 1]`` clamped to ``[0, 3]``), rank 1 ``[1, 0]`` (``[1, -3]`` clamped); ``keep``
-    of block 0's boundary part ``[F, T]`` (row 5 is block 1's), of block 1's ``[T, F]`` (and ``boundary_keep``).
-    """
+    of block 0's boundary part ``[F, T]`` (row 5 is block 1's), of block 1's ``[T, F]`` (and ``boundary_keep``)."""
     n, (b, width) = rows.shape[0], (t.rows.shape[0], rows.shape[1])
     here = (t.rows - block * n).clamp(0, max(n - 1, 0))  # [N] the boundary row's place in this rank's rows
     edge = rows.index_select(0, here) if n else rows.new_zeros(b, width)  # [N, H] (T = 0: nothing to score)

@@ -81,13 +81,11 @@ def _thresholds(z: torch.Tensor, sampling, tp_group, tp_size: int) -> torch.Tens
 
 def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool, want_argmax: bool, *,
                 fresh: bool = False):
-    """One chunk's per-rank statistics from its logits ``z [c, Vt]`` (read once, any dtype):
-    ``(stats [R, c], picked [c, J] or None, topk (values [c, k'], local columns [c, k']) or None,
-    argmax local column [c] or None)``. ``stats``: the local log-sum-exp and, with the entropy or the argmax
-    (``R`` 3), the local softmax's mean of ``z`` (when ``want_entropy``) and the local max; ``picked``: ``z``
-    at ``local`` (0 where not ``owned``). ``fresh``: ``z`` may be overwritten (the exponentials then take its
-    place: no second chunk). Entries of ``-inf`` (filtered) weigh 0; a row with none left on this rank has
-    log-sum-exp ``-inf``."""
+    """One chunk's per-rank statistics from its logits ``z [c, Vt]`` (read once): ``(stats [R, c], picked [c, J],
+    topk (values, local columns) [c, k'], argmax local column [c])``, each None when not asked. ``stats``: the
+    local log-sum-exp and, with the entropy or the argmax (``R`` 3), the local softmax's mean of ``z`` and the local
+    max; ``picked``: ``z`` at ``local`` (0 where not ``owned``). ``fresh``: ``z`` may be overwritten. ``-inf``
+    entries (filtered) weigh 0."""
     x = z.to(dtype)  # [c, Vt] (z itself when the dtype matches)
     arg = None
     if want_argmax:  # the max and its first column in one pass
@@ -118,11 +116,9 @@ def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool
 
 
 def combine_stats(stats: torch.Tensor, picked, tp_group, tp_size: int):
-    """``(lse [N], mean [N] or None, top [TP, N] or None, picked [N, J] or None)`` over the whole vocabulary
-    from every TP rank's statistics ``stats [R, N]`` (``R`` 1: the log-sum-exp; 3: with the softmax mean of
-    ``z`` and the max) and picked logits ``picked [N, J]`` (0 where another rank owns the id): one all-gather
-    of both. Example (TP 2): local lse ``[log 2, log 6]``, means ``[0, 1]`` -> lse ``log 8``, mean
-    ``2/8 * 0 + 6/8 * 1 = 0.75``."""
+    """``(lse [N], mean [N], top [TP, N], picked [N, J])`` (None where not asked) over the whole vocabulary from every
+    TP rank's ``stats [R, N]`` and ``picked [N, J]``: one all-gather of both. Example (TP 2): local lse ``[log 2,
+    log 6]``, means ``[0, 1]`` -> lse ``log 8``, mean ``2/8 * 0 + 6/8 * 1 = 0.75``."""
     r = stats.shape[0]
     if tp_size > 1:
         both = stats if picked is None else torch.cat([stats, picked.T])  # [R + J, N]
@@ -161,10 +157,9 @@ def combine_argmax(top: torch.Tensor, ids: torch.Tensor, tp_group, tp_size: int)
 
 def chunk_grad(z: torch.Tensor, dtype, lse, entropy, g_sum, g_entropy, local, g_local, *,
                fresh: bool) -> torch.Tensor:
-    """The gradient of one chunk's logits ``z [c, Vt]`` in ``dtype``: ``-p * (g_sum + g_entropy * (x +
-    entropy))`` plus ``g_local [c, M]`` at the columns ``local [c, M]`` (0 where another rank owns the id),
-    with ``x = z - lse`` and ``p = exp(x)`` (0 where ``z`` is ``-inf``, filtered); ``entropy``/``g_entropy``
-    None without the entropy output. ``fresh``: ``z`` may be overwritten."""
+    """The gradient of one chunk's logits ``z [c, Vt]`` in ``dtype``: ``-p * (g_sum + g_entropy * (x + entropy))``
+    plus ``g_local [c, M]`` at the columns ``local [c, M]``, with ``x = z - lse``, ``p = exp(x)`` (0 where filtered);
+    ``entropy``/``g_entropy`` None without the entropy output. ``fresh``: ``z`` may be overwritten."""
     x = z.to(dtype)  # [c, Vt], a copy when the dtype changes
     x = x.sub_(lse[:, None]) if fresh or z.dtype != dtype else x.sub(lse[:, None])  # [c, Vt] log p
     if g_entropy is None:

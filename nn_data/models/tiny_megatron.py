@@ -29,13 +29,10 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 def tiny_gpt_config(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int = 2, ffn: int = 128,
                     dtype: torch.dtype = torch.float32, pipeline: int = 1, virtual_stages: int = None,
                     experts: int = 0, topk: int = 2) -> "TransformerConfig":
-    """A small Llama-like ``TransformerConfig``: RMSNorm, SwiGLU, no biases, grouped-query attention,
-    no dropout, CPU initialisation; ``pipeline`` stages (``pipeline_dtype = dtype``, no p2p sync),
-    ``virtual_stages`` model chunks per stage (the interleaved schedule; ``batch_p2p_comm=False``,
-    docs/pipeline.md). ``experts > 0``: every MLP a mixture of ``experts`` experts of ``ffn // 2``
-    (top-``topk`` softmax routing, no auxiliary loss, no expert bias, no capacity: dropless, so a
-    token's output depends on that token alone) and
-    megatron-core's ``allgather`` token dispatcher (the one that runs on a CPU over gloo)."""
+    """A small Llama-like ``TransformerConfig`` (RMSNorm, SwiGLU, no biases, grouped-query attention, no dropout, CPU
+    initialisation); ``pipeline`` stages and ``virtual_stages`` chunks per stage (``batch_p2p_comm=False``,
+    docs/pipeline.md); ``experts > 0``: dropless MoE MLPs of ``experts`` experts (top-``topk``, no auxiliary loss,
+    no expert bias) with megatron-core's ``allgather`` dispatcher (the one that runs on a CPU over gloo)."""
     moe = {}
     if experts:
         moe = dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn // 2,
@@ -55,13 +52,10 @@ def tiny_gpt_config(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups
 def tiny_gpt_model(config: "TransformerConfig", *, vocab: int = 97, max_len: int = 4096, pre_process: bool = True,
                    post_process: bool = True, seed: int = 0, pg_collection=None, vp_stage=None,
                    position_embedding: str = "rope") -> "GPTModel":
-    """``GPTModel`` with :func:`~nn_data.adapters.megatron_gpt_layer_spec`, RoPE, untied output
-    layer, in ``config.params_dtype``, parameters set by global name from ``seed``. Under pipeline
-    parallelism (``pg_collection.pp``, else megatron-core's ``parallel_state``) it holds this stage's
-    layers only (those of virtual stage ``vp_stage`` with the interleaved schedule); MoE layers when
-    ``config.num_moe_experts`` is set (:func:`tiny_gpt_config`). ``position_embedding="none"``: no
-    rotary embedding (megatron-core's THD rotary embedding reads the boundaries on the host, which a
-    CUDA-graph capture refuses)."""
+    """``GPTModel`` with :func:`~nn_data.adapters.megatron_gpt_layer_spec`, RoPE, an untied output layer, in
+    ``config.params_dtype``, parameters set by global name from ``seed``; under pipeline parallelism this stage's
+    layers only (of virtual stage ``vp_stage``). ``position_embedding="none"``: no rotary embedding (megatron-core's
+    THD rotary embedding reads the boundaries on the host, which a CUDA-graph capture refuses)."""
     spec = megatron_gpt_layer_spec(normalization="RMSNorm", num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     extra = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(

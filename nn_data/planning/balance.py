@@ -150,16 +150,12 @@ def spread(bins: Sequence[list], per_rank: int) -> list:
 
 
 def refine(ranks: list, need: Sequence[int], weight: Sequence[float], capacity: int, rounds: int) -> int:
-    """Lower the heaviest rank's load, in place, by at most ``rounds`` moves or swaps with the lightest
-    rank (each within the capacity, none emptying a microbatch); returns the candidates examined.
+    """Lower the heaviest rank's load, in place, by at most ``rounds`` moves or swaps with the lightest rank (within
+    the capacity, none emptying a microbatch); returns the candidates examined. Per round each sequence ``a`` of the
+    heaviest rank is tried moved to the lightest rank's roomiest microbatch, and swapped with the lightest rank's
+    sequences nearest ``w[a] - gap / 2`` in weight; the best change is applied if it lowers the heavy load.
 
-    Per round, for each sequence ``a`` of the heaviest rank: a move of ``a`` to the lightest rank's
-    roomiest microbatch, and a swap with the lightest rank's sequence whose weight is nearest
-    ``w[a] - gap / 2`` (the exchange that levels the two; its two neighbours in weight order too).
-    The change with the smallest resulting max(heavy, light) is applied if it is below the heavy
-    load. Example: loads 10 ``[[6, 4]]`` and 4 ``[[3, 1]]`` (weights = tokens, T 10): gap 6, the swap
-    6 <-> 3 gives 7 and 7.
-    """
+    Example: loads 10 ``[[6, 4]]`` and 4 ``[[3, 1]]`` (weights = tokens, T 10): gap 6, the swap 6 <-> 3 gives 7 and 7."""
     loads = [math.fsum(weight[i] for mb in rank for i in mb) for rank in ranks]
     room = [[capacity - sum(need[i] for i in mb) for mb in rank] for rank in ranks]
     examined = 0

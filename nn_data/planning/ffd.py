@@ -84,12 +84,9 @@ def ffd_ties_last(lengths: Sequence[int], capacity: int) -> FFDBins:
 
 
 def adjust_bin_count(bins: list, shards: int, target: Optional[int] = None) -> list:
-    """At least ``shards`` bins and a multiple of ``shards`` (every rank runs as many microbatches),
-    or exactly ``target`` bins when given: new bins each take the last sequence of the bin with most
-    sequences (NeMo-RL's rule).
-
-    Example: bins ``[[0, 1, 2], [3]]``, 4 shards -> ``[[0], [3], [2], [1]]``.
-    """
+    """At least ``shards`` bins and a multiple of ``shards``, or exactly ``target`` bins when given: new bins each take
+    the last sequence of the bin with most sequences (NeMo-RL's rule). Example: bins ``[[0, 1, 2], [3]]``, 4
+    shards -> ``[[0], [3], [2], [1]]``."""
     if target is None:
         target = max(len(bins), shards)
         target += (-target) % shards
