@@ -49,12 +49,9 @@ class OneRankGroup:
 
 
 def as_process_group(group: Any, what: str = "group") -> Optional["dist.ProcessGroup"]:
-    """The ``ProcessGroup`` that ``group`` (in any form the module docstring lists) stands for; ``None``
-    stays ``None``.
-
-    Example: a 2-D mesh with dims ``("dp", "cp")``: ``(mesh, "cp")`` and ``mesh["cp"]`` give its CP
-    group; the mesh itself is refused (which dimension is meant?).
-    """
+    """The ``ProcessGroup`` that ``group`` (any form of the module docstring) stands for; ``None`` stays ``None``.
+    Example: a 2-D mesh with dims ``("dp", "cp")``: ``(mesh, "cp")`` and ``mesh["cp"]`` give its CP group; the mesh
+    itself is refused (which dimension is meant?)."""
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
     if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -91,12 +88,9 @@ def _is_device_mesh(obj: Any) -> bool:
 
 
 def group_info(group: Any, what: str = "group") -> ParallelInfo:
-    """This process's rank and size in ``group`` (a ``ProcessGroup``, a DeviceMesh form, or ``None``:
-    a single rank ``(0, 1, None)``); ``.group`` is always the resolved ``ProcessGroup``.
-
-    Raises :class:`PackingError` when a group is given but ``torch.distributed`` is not
-    initialised, this process is not a member of it, or it is not a form listed above.
-    """
+    """This process's rank and size in ``group`` (``None``: a single rank ``(0, 1, None)``), ``.group`` the resolved
+    ``ProcessGroup``. Raises :class:`PackingError` when a group is given but ``torch.distributed`` is not
+    initialised, this process is not a member of it, or it is not a form listed above."""
     if group is None:
         return SINGLE
     if not (dist.is_available() and dist.is_initialized()):

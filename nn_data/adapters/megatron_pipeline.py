@@ -77,13 +77,10 @@ TREE_KEYS = ("prefix_lengths", "group_ids", "parent", "branch_at")
 
 
 def _microbatch(item) -> tuple:
-    """One item of the data iterator as ``(input_ids, seq_lengths, tree)``, ``tree`` the keywords of a tree
-    microbatch (:data:`TREE_KEYS`) or ``{}`` for a plain one.
-
-    Example: ``(ids, L)`` -> ``(ids, L, {})``; ``(ids, L, P, g)`` -> ``(ids, L, {"prefix_lengths": P,
-    "group_ids": g})``; ``{"input_ids": ids, "seq_lengths": L, "parent": p, "branch_at": a}`` -> ``(ids, L,
-    {"parent": p, "branch_at": a})``; ``(ids,)`` -> PackingError.
-    """
+    """One item of the data iterator as ``(input_ids, seq_lengths, tree)``, ``tree`` the keywords of a tree microbatch
+    (:data:`TREE_KEYS`) or ``{}``. Example: ``(ids, L)`` -> ``(ids, L, {})``; ``(ids, L, P, g)`` -> ``(ids, L,
+    {"prefix_lengths": P, "group_ids": g})``; ``{"input_ids": ids, "seq_lengths": L, "parent": p, "branch_at": a}``
+    -> ``(ids, L, {"parent": p, "branch_at": a})``; ``(ids,)`` -> PackingError."""
     from nn_data.errors import PackingError
 
     if isinstance(item, (tuple, list)) and len(item) == 2:

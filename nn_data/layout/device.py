@@ -40,12 +40,9 @@ PACK_FORMS = ("auto", "scatter", "gather")
 
 
 class GatherMaps(NamedTuple):
-    """The gather form of a pack, ``[T]`` each: ``source`` the flat input position ``b*S + s`` each packed
-    position reads (clamped into ``[0, B*S)``), ``valid`` whether it is a token (else ``fill``).
-
-    The one way maps enter :func:`gather_pack`: a device executor's gather form and a shared-prefix layout's
-    rollout maps (:class:`~nn_data.layout.TreeLayout`) are both this record. Example: the module's.
-    """
+    """The gather form of a pack, ``[T]`` each: ``source`` the flat input position ``b*S + s`` each packed position
+    reads (clamped into ``[0, B*S)``), ``valid`` whether it is a token (else ``fill``); a device executor's gather
+    form and a tree layout's rollout maps are both this record. Example: the module's."""
 
     source: torch.Tensor
     valid: torch.Tensor
@@ -53,15 +50,13 @@ class GatherMaps(NamedTuple):
 
 def pack_maps(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len, total,
               form: str = "auto") -> tuple[Optional[torch.Tensor], Optional[GatherMaps]]:
-    """``(dest, gather)`` of one batch from ``lengths [B]`` and the final ``cu_pad [B+1]`` (int64): the
-    scatter form's ``dest [B, S]`` or the gather form's :class:`GatherMaps`, the other None.
+    """``(dest, gather)`` of one batch from ``lengths [B]`` and the final ``cu_pad [B+1]`` (int64): the scatter form's
+    ``dest [B, S]`` or the gather form's :class:`GatherMaps`, the other None; ``form``: ``"auto"`` (scatter when
+    ``B*S <= 16*T`` is statically known), ``"scatter"`` or ``"gather"``.
 
-    ``form``: ``"auto"`` (scatter when ``B*S <= 16*T`` is statically known), ``"scatter"`` or ``"gather"``.
-    Scatter form, example: lengths ``[3, 0, 5]``, S 5, cu_pad ``[0, 4, 4, 12]``: row ``b`` goes to
-    ``cu_pad[b] + s`` while ``s < L[b]``, else to the discard slot 12. Gather form, same example:
-    segment of each position ``[0,0,0,0,2,...,2]``, offset in it ``[0,1,2,3,0,...,7]``, valid where
-    offset < L[segment], source = segment*S + offset.
-    """
+    Example: lengths ``[3, 0, 5]``, S 5, cu_pad ``[0, 4, 4, 12]``: row ``b`` goes to ``cu_pad[b] + s`` while ``s <
+    L[b]``, else to the discard slot 12; gathered, segment of each position ``[0,0,0,0,2,...,2]``, offset in it
+    ``[0,1,2,3,0,...,7]``, valid where offset < L[segment], source = segment*S + offset."""
     rows = lengths.shape[0]
     ratio = {"auto": SCATTER_MAX_RATIO, "scatter": None, "gather": 0}[form]
     if ratio is None or statically_known_true(rows * row_len <= ratio * total):
@@ -77,12 +72,9 @@ def pack_maps(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len, total,
 
 
 def gather_pack(x: torch.Tensor, maps: GatherMaps, fill: Fill = 0) -> torch.Tensor:
-    """``x [B, S, *] -> [1, T, *]`` along ``maps`` (:class:`GatherMaps`, ``T = maps.source.shape[0]``):
-    one ``index_select``, then ``fill`` where ``maps.valid`` is False.
-
-    Example: x ``[[1, 2, 3, 0, 0], [0]*5, [4, 5, 6, 7, 8]]`` with the maps of :class:`GatherMaps`'
-    example -> ``[[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]]``.
-    """
+    """``x [B, S, *] -> [1, T, *]`` along ``maps``: one ``index_select``, then ``fill`` where ``maps.valid`` is False.
+    Example: x ``[[1, 2, 3, 0, 0], [0]*5, [4, 5, 6, 7, 8]]`` with the maps of :class:`GatherMaps`' example ->
+    ``[[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]]``."""
     trailing, total = x.shape[2:], maps.source.shape[0]
     flat = rearrange(x, "b s ... -> (b s) ...")  # [B*S, *]
     keep = maps.valid.view(total, *([1] * len(trailing)))  # [T, 1...] broadcast over *
@@ -153,14 +145,10 @@ class DeviceExecutor(NamedTuple):
         return stacked.index_select(0, inverse).unsqueeze(0)  # [1, T, *]
 
     def unpack(self, layout, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
-        """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[bounds[b] + s - shift]`` for ``shift <= s < L[b]``,
-        ``fill`` elsewhere (``shift=1``: the log-prob layout, token ``s`` scored at position ``s - 1``).
-
-        ``bounds [B+1]`` the layout's ``cu_seqlens_padded`` as int64 (the row starts are ``bounds[:-1]``;
-        ``T > 0``), ``lengths [B]`` its :meth:`~nn_data.layout.PackLayout.lengths`. Gather form, example:
-        lengths ``[3, 0, 5]``, starts ``[0, 4, 4]``, S 5 -> index rows ``[0..4], [4..8], [4..8]``, valid
-        ``[T,T,T,F,F], [F]*5, [T]*5``.
-        """
+        """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[bounds[b] + s - shift]`` for ``shift <= s < L[b]``, ``fill``
+        elsewhere (``shift=1``: the log-prob layout), ``bounds`` the layout's ``cu_seqlens_padded``. Gather form,
+        example: lengths ``[3, 0, 5]``, starts ``[0, 4, 4]``, S 5 -> index rows ``[0..4], [4..8], [4..8]``, valid
+        ``[T,T,T,F,F], [F]*5, [T]*5``."""
         lengths, bounds = layout.lengths(), layout.cu_seqlens_padded.to(torch.int64)  # [B], [B+1]
         rows, total, trailing = lengths.shape[0], packed.shape[1], packed.shape[2:]
         if rows and statically_known_true(rows * seq_len >= UNPACK_SCATTER_MIN_RATIO * total):
@@ -181,13 +169,10 @@ def _fill_tensor(fill: Fill, shape, like: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_scatter(packed, lengths, bounds, seq_len, fill, shift: int) -> torch.Tensor:
-    """The scatter form: fill ``[B*S + 1, *]`` once, then write each packed position to its place.
-
-    Example: bounds ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: segments of the 12
-    positions ``[0,0,0,0,2,...,2]``, offsets ``[0,1,2,3,0,...,7]``; valid where
-    ``0 <= offset < min(L - shift, S - shift)`` -> destinations ``[0, 1, 2, 15, 10, 11, 12, 13, 14,
-    15, 15, 15]`` (15 = B*S, the discard slot).
-    """
+    """The scatter form: fill ``[B*S + 1, *]`` once, then write each packed position to its place. Example: bounds
+    ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: segments ``[0,0,0,0,2,...,2]``, offsets
+    ``[0,1,2,3,0,...,7]``; valid where ``0 <= offset < min(L - shift, S - shift)`` -> destinations ``[0, 1, 2, 15,
+    10, 11, 12, 13, 14, 15, 15, 15]`` (15 = B*S, the discard slot)."""
     rows, total, trailing = lengths.shape[0], packed.shape[1], packed.shape[2:]
     seg = index.segment_ids(bounds, total)  # [T]
     offset = torch.arange(total, device=packed.device) - bounds[seg]  # [T]

@@ -72,11 +72,9 @@ def load(costs: Costs, j: int, items: Sequence[int]) -> float:
 
 
 def packed_rounds(costs: Costs, ranks: int, promote: int = 0) -> list:
-    """Step 1 of the module docstring: rounds, each a list of ``(size index, sequences)`` blocks whose
-    sizes sum to at most ``ranks``, every sequence in exactly one. ``promote``: a sequence that needs
-    CP (``c_min > 1``) opens its block that many sizes larger, so that long sequences share blocks
-    (fewer ranks each: when they leave too little room for the short ones, the rounds the tokens
-    allow need that)."""
+    """Step 1 of the module docstring: rounds, each a list of ``(size index, sequences)`` blocks whose sizes sum to at
+    most ``ranks``, every sequence in exactly one. ``promote``: a sequence that needs CP opens its block that many
+    sizes larger, so that long sequences share blocks."""
     pos, n, sizes = costs.order, len(costs.order), costs.sizes
     need_at = [[-costs.need[j][i] for i in pos] for j in range(len(sizes))]  # rising along pos
     c_min_at = [-costs.c_min[i] for i in pos]  # rising along pos
