@@ -38,14 +38,11 @@ _CALLS_KWARG = "nn_data_calls"  # a list the attention function appends to: the 
 
 def packed_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
                      scaling=None, **kwargs):
-    """transformers attention function: ``query [1, H, Tq, D]``, ``key/value [1, Hk, Tq, D]`` ->
-    ``([1, Tq, H, D], None)``.
-
-    With nn_data's :class:`~nn_data.masks.DocumentMask` in ``kwargs["nn_data_mask"]``: keys and values gathered
-    across the CP group, attention under the document-causal mask (its ``sliding`` form with the layer's own
-    window, :func:`~nn_data.adapters.hf_support.call_window`). Without it: transformers' SDPA attention.
-    Raises :class:`PackingError` for what :func:`nn_data.adapters.hf_support.check_call` refuses and for a
-    sliding window the mask was not built for."""
+    """transformers attention function: ``query [1, H, Tq, D]``, ``key/value [1, Hk, Tq, D]`` -> ``([1, Tq, H, D],
+    None)``; with nn_data's :class:`~nn_data.masks.DocumentMask` in ``kwargs["nn_data_mask"]`` keys and values are
+    gathered across the CP group and attention runs under it (its ``sliding`` form with the layer's window), else
+    transformers' SDPA. Raises :class:`PackingError` for what :func:`nn_data.adapters.hf_support.check_call`
+    refuses and for a sliding window the mask was not built for."""
     mask = kwargs.pop(_MASK_KWARG, None)
     calls = kwargs.pop(_CALLS_KWARG, None)
     if mask is None:

@@ -65,13 +65,10 @@ class TreeMixer(NamedTuple):
 def mixer_rows(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gather=None,
                query_index: Optional[torch.Tensor] = None, prefix: Optional[PrefixRule] = None,
                chunk: int = tree_state.DEFAULT_CHUNK):
-    """The :class:`MixerRows` of a packed microbatch: boundaries ``[B+1]`` (``[T]`` for ``B = 0``),
-    ``total`` (T) and ``width`` (W, clamped into ``[1, T]``); with a rollout tree's ``prefix`` rule its
-    :class:`TreeMixer` instead (chunks of ``chunk`` slots).
-
-    Example: cu_seqlens_padded ``[0, 3, 8]``, T 8, W 5 -> rows ``[[0..4], [3..7]]`` (row 0's slots 3
-    and 4 outside its segment).
-    """
+    """The :class:`MixerRows` of a packed microbatch: boundaries ``[B+1]`` (``[T]`` for ``B = 0``), ``total`` (T),
+    ``width`` (W, clamped into ``[1, T]``); with a rollout tree's ``prefix`` rule its :class:`TreeMixer` instead.
+    Example: cu_seqlens_padded ``[0, 3, 8]``, T 8, W 5 -> rows ``[[0..4], [3..7]]`` (row 0's slots 3 and 4 outside
+    its segment)."""
     width = max(1, min(int(width), max(total, 1)))
     if query_index is None:
         query_index = torch.arange(total, device=cu_seqlens_padded.device)  # [T]
@@ -102,11 +99,9 @@ def to_packed(out: torch.Tensor, mixer: MixerRows) -> torch.Tensor:
 
 
 class MixerSlot:
-    """The state of a model's mixer hooks during one adapter call: the per-sequence ``mixer`` (None: the
-    hooks pass the call through), and ``require_boundaries`` (the kernels path: every mixer must receive
-    the boundaries, else the model's forward dropped them and the kernels would mix). On that path a
-    ``fallback`` mixer (``mixers="auto"``) runs such a mixer per sequence instead of refusing, and
-    ``fell_back`` records that it did."""
+    """The state of a model's mixer hooks during one adapter call: the per-sequence ``mixer`` (None: pass through),
+    ``require_boundaries`` (the kernels path: every mixer must receive the boundaries), a ``fallback`` mixer that
+    runs one that did not per sequence (``mixers="auto"``) and ``fell_back``, whether it did."""
 
     def __init__(self):
         self.mixer: Optional[MixerRows] = None

@@ -132,13 +132,9 @@ def shared_table(path: Paths) -> torch.Tensor:
 
 
 def owners(ancestor: torch.Tensor, branch_at: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """``position [M, K]`` (token positions of ``M`` rollouts, whose ``Paths.ancestor`` rows are ``ancestor
-    [M, B]``) -> ``[M, K]``: the rollout on each path whose own tokens hold that position (the deepest
-    ancestor-or-self ``r`` with ``branch_at[r] <= s``).
-
-    Example (:func:`paths`' tree): rollout 2 (ancestor row ``[2, 1, 0]``), positions ``[0, 4, 6]`` ->
-    ``[0, 1, 2]``.
-    """
+    """``position [M, K]`` (token positions of ``M`` rollouts whose ``Paths.ancestor`` rows are ``ancestor [M, B]``)
+    -> ``[M, K]``: the rollout on each path whose own tokens hold that position (the deepest ancestor-or-self ``r``
+    with ``branch_at[r] <= s``). Example (:func:`paths`' tree): rollout 2, positions ``[0, 4, 6]`` -> ``[0, 1, 2]``."""
     starts = torch.where(ancestor >= 0, branch_at[ancestor.clamp(min=0)], -1)  # [M, B] descending
     at_or_below = torch.searchsorted(starts.flip(1).contiguous(), position.contiguous(), right=True)  # [M, K]
     depth = (ancestor.shape[1] - at_or_below).clamp(0, max(ancestor.shape[1] - 1, 0))  # [M, K]
@@ -146,11 +142,8 @@ def owners(ancestor: torch.Tensor, branch_at: torch.Tensor, position: torch.Tens
 
 
 def node_of(nodes: NodeTables, owner: torch.Tensor, position: torch.Tensor, row_len) -> torch.Tensor:
-    """The slot holding token ``position`` of rollout ``owner`` (its own token), any matching shapes.
-
-    Example (:func:`node_tables`' tree, N 7): owner 0 at positions ``[1, 2, 5]`` -> slots ``[0, 1, 2]``;
-    owner 1 at 3 -> 4 (its tail; its head is empty).
-    """
+    """The slot holding token ``position`` of rollout ``owner`` (its own token), any matching shapes. Example
+    (:func:`node_tables`' tree, N 7): owner 0 at ``[1, 2, 5]`` -> slots ``[0, 1, 2]``; owner 1 at 3 -> 4 (its tail)."""
     wide = row_len + 1
     rows = nodes.splits.shape[0]
     if rows == 0:
@@ -162,10 +155,8 @@ def node_of(nodes: NodeTables, owner: torch.Tensor, position: torch.Tensor, row_
 
 
 def leaders(group_ids: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64: the first rollout of each rollout's group (a ``[B, B]`` comparison; B is small).
-
-    Example: group_ids ``[7, 9, 7, 9, 4]`` -> ``[0, 1, 0, 1, 4]``.
-    """
+    """``[B]`` int64: the first rollout of each rollout's group (a ``[B, B]`` comparison). Example: group_ids ``[7, 9,
+    7, 9, 4]`` -> ``[0, 1, 0, 1, 4]``."""
     rows = group_ids.shape[0]
     rollout = torch.arange(rows, device=group_ids.device)  # [B]
     if rows == 0:

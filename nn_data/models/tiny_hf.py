@@ -49,12 +49,8 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
 def tiny_hf_model(kind: str = "llama", *, vocab: int = 97, hidden: int = 64, layers: int = 2, heads: int = 4,
                   kv_heads: int = 2, ffn: int = 128, dtype: torch.dtype = torch.float32, seed: int = 0,
                   attn_implementation: str = "sdpa", window: int = 3, moe: bool = True):
-    """A randomly initialised transformers causal LM of ``kind`` (one of :data:`KINDS`) in ``dtype``,
-    eval mode. ``window``: Mistral's sliding window; ``moe``: Qwen3-Next's sparse MoE (its
-    ``grouped_mm`` refuses float64, so float64 tests build it without).
-
-    Raises ``ValueError`` for another ``kind``.
-    """
+    """A randomly initialised transformers causal LM of ``kind`` (one of :data:`KINDS`, else ``ValueError``) in
+    ``dtype``, eval mode. ``window``: Mistral's sliding window; ``moe``: Qwen3-Next's sparse MoE (not in float64)."""
     config, model_cls = _config(kind, vocab, hidden, layers, heads, kv_heads, ffn, window, moe)
     if kind != "mamba2":  # attention only where the model has some
         config._attn_implementation = attn_implementation

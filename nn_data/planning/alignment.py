@@ -34,15 +34,10 @@ def _positive(name: str, value) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Parallelism:
-    """A run's parallelism and numerics, and the multiples they impose (module docstring).
-
-    ``dp``: data-parallel ranks (the planner's ranks); ``tp``, ``sequence_parallel``, ``cp``,
-    ``pp``: tensor, sequence, context and pipeline parallelism; ``fp8_recipe``: None (no FP8) or
-    the recipe name (``"blockwise"``, ``"mxfp8"``, any other: 16); ``fp4``, ``hybridep``: FP4
-    numerics, the HybridEP MoE dispatcher. ``make_sequence_length_divisible_by``: the per-sequence
-    multiple the run pads to (NeMo-RL's policy setting; None: ``sequence_multiple``); it must be a
-    multiple of ``sequence_multiple``, else it is refused when built.
-    """
+    """A run's parallelism and numerics, and the multiples they impose (module docstring): ``dp`` (the planner's
+    ranks), ``tp``, ``sequence_parallel``, ``cp``, ``pp``; ``fp8_recipe`` None or the recipe's name
+    (``"blockwise"``, ``"mxfp8"``, any other: 16); ``fp4``, ``hybridep``; ``make_sequence_length_divisible_by``,
+    the per-sequence multiple the run pads to (None: ``sequence_multiple``; else a multiple of it, checked)."""
 
     dp: int
     tp: int = 1
