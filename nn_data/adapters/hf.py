@@ -88,11 +88,10 @@ def register_packed_attention() -> str:
 
 
 class HFCausalLMAdapter(nn.Module):
-    """A transformers causal LM (Llama, Qwen2, Qwen3-Next, Mamba-2, LFM2, ...) as a ``PackedForward`` model.
-
-    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs) -> logits [1, Tq, V]``; extra
-    ``model_kwargs`` go to the model, a KV cache and the keywords the adapter sets are refused by name. A
-    microbatch with no token returns ``[1, 0, V]`` without calling the model.
+    """A transformers causal LM (Llama, Qwen2, Qwen3-Next, Mamba-2, LFM2, ...) as a ``PackedForward`` model:
+    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs) -> logits [1, Tq, V]``, extra
+    ``model_kwargs`` to the model (a KV cache and the keywords the adapter sets refused by name); no token: ``[1,
+    0, V]`` without calling the model.
 
     Args:
         model: the transformers model.

@@ -105,14 +105,12 @@ OUTPUTS = ("logits", "logprobs")
 
 
 class MegatronGPTAdapter(nn.Module):
-    """A megatron-core ``GPTModel`` built with :func:`megatron_gpt_layer_spec`, as a ``PackedForward`` model.
-
+    """A megatron-core ``GPTModel`` built with :func:`megatron_gpt_layer_spec`, as a ``PackedForward`` model:
     ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs)`` returns logits ``[1, Tq, V]`` on
-    the last pipeline stage, the hidden states ``[Tq, 1, E]`` for the next stage otherwise; wrap it in
-    ``PackedForward(adapter, pg_collection=adapter.pg_collection, make_packed_seq_params=True)``.
-    ``packed.padding_mask`` goes to the model as ``padding_mask`` when its forward takes one
-    (``takes_padding_mask``) and ``model_kwargs`` does not. A tree row (``packed.prefix``) runs without
-    ``PackedSeqParams``, its rotary embedding taken at the rollout positions (:func:`rotary_at_positions`).
+    the last pipeline stage, the hidden states ``[Tq, 1, E]`` otherwise; wrap it in ``PackedForward(adapter,
+    pg_collection=adapter.pg_collection, make_packed_seq_params=True)``. ``packed.padding_mask`` goes to the model
+    where its forward takes one (``takes_padding_mask``); a tree row (``packed.prefix``) runs without
+    ``PackedSeqParams``, its rotary embedding at the rollout positions (:func:`rotary_at_positions`).
 
     Args:
         model: the ``GPTModel``; its ``pg_collection`` becomes ``self.pg_collection``.

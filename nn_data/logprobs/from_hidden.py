@@ -59,27 +59,21 @@ class TokenLogProbsFromHidden(nn.Module):
     """Per-token log-probs ``[B, S]`` from this rank's hidden states and the output weight, without logits.
 
     ``forward(hidden [1, T/C, H], weight [V/TP, H], packed_ids [1, T] int, cu_seqlens [B+1] int = None,
-    cu_seqlens_padded [B+1] int = None, places=None, *, seq_len=None, layout=None) -> [B, S]`` (float32;
-    float64 for float64 inputs): ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0,
-    with ``p = softmax(hidden @ weight.T / temperature)``. :meth:`local` gives this rank's ``[1, T/C]`` values
-    before the CP all-gather.
-
-    ``hidden`` is this rank's zigzag shard of the last hidden states (megatron-core's ``[T/C, 1, H]`` works as
-    well; with ``sequence_parallel`` this TP rank's ``[1, T/(C*TP), H]`` rows, gathered inside); ``weight`` the
-    vocab-parallel output weight (rank ``k`` of ``tp_group`` holds rows ``[k*V/TP, (k+1)*V/TP)``) in ``hidden``'s
-    dtype. ``packed_ids``, the layout, ``places``, ``seq_len``, the groups, ``validate`` and ``host_reads`` are as
-    for :class:`~nn_data.TokenLogProbs`; ``vocab_size`` (optional) is checked against the weight's rows times TP;
-    ``temperature`` divides the logits; ``sampling_params`` (``top_k`` / ``top_p``, read by attribute) take the
-    softmax over the kept logits, exactly.
+    cu_seqlens_padded [B+1] int = None, places=None, *, seq_len=None, layout=None) -> [B, S]`` (float32; float64
+    for float64 inputs): ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0, ``p =
+    softmax(hidden @ weight.T / temperature)``; :meth:`local` gives this rank's ``[1, T/C]`` values. ``hidden`` is
+    this rank's zigzag shard (or megatron-core's ``[T/C, 1, H]``; with ``sequence_parallel`` this TP rank's rows of
+    it), ``weight`` the vocab-parallel output weight in ``hidden``'s dtype; ``vocab_size`` (optional) is checked
+    against its rows times TP; ``sampling_params`` (``top_k`` / ``top_p``) take the softmax over the kept logits.
+    The rest as :class:`~nn_data.TokenLogProbs`.
 
     Example (C 1, V 3, zero weight: uniform logits): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``,
     seq_len 4 -> ``[[0, log(1/3), log(1/3), 0]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``seq_len`` below 0, ``chunk_tokens`` below 1, a
-    temperature that is not positive, a group this process is not in (``__init__``); hidden states that
-    are not floating point ``[1, T/C, H]``, a weight whose columns are not ``H`` or whose rows times TP
-    are not ``vocab_size``, hidden states that are not this rank's share of ``T``, ``top_k`` above ``V``,
-    as :class:`~nn_data.TokenLogProbs` for the ids and boundaries (call and validation)."""
+    Raises :class:`~nn_data.errors.PackingError`: ``seq_len`` below 0, ``chunk_tokens`` below 1, a temperature that
+    is not positive, a group this process is not in (``__init__``); hidden states not floating point ``[1, T/C,
+    H]`` or not this rank's share of ``T``, a weight whose columns are not ``H`` or rows times TP not
+    ``vocab_size``, ``top_k`` above ``V``, as :class:`~nn_data.TokenLogProbs` for the ids and boundaries."""
 
     def __init__(
         self,
