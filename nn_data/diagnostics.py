@@ -256,12 +256,8 @@ def forbid_syncs(device):
 
 
 class CudaGraphCounter:
-    """Count inductor's CUDA-graph recordings, replays and skips inside the block.
-
-    ``recorded``: graphs captured (one per compiled function and input-shape path);
-    ``replays``: steady-state replays; ``skips``: graphs inductor refused to capture
-    (``cudagraph_skips``; on the CPU every reduce-overhead graph is skipped).
-    """
+    """Count inductor's CUDA-graph recordings (``recorded``: one per compiled function and input-shape path), steady
+    ``replays`` and ``skips`` (graphs it refused to capture; on the CPU every reduce-overhead graph) in the block."""
 
     def __init__(self):
         self.recorded = 0

@@ -146,16 +146,13 @@ def _with_start(bounds: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_index(bounds: torch.Tensor, total_tokens: int, total: int) -> torch.Tensor:
-    """megatron-core's ``PackedSeqParams.seq_idx`` (0.17 and newer): ``[1, N]`` int32, the index of
-    the sequence each position belongs to, computed as its ``__post_init__`` computes it (the
-    boundaries followed by ``total_tokens``, each difference clamped at 0, ``repeat_interleave``)
-    but with the size given: ``N = max(total, total_tokens)`` for ``bounds [B+1]`` rising
-    from 0 to ``total`` (``T``). No host sync; ``total_tokens`` is written on the device.
+    """megatron-core's ``PackedSeqParams.seq_idx`` (0.17+): ``[1, N]`` int32, each position's sequence, as its
+    ``__post_init__`` computes it (the boundaries followed by ``total_tokens``, each difference clamped at 0) but
+    with the size given, ``N = max(total, total_tokens)``; no host sync.
 
     Example: bounds ``[0, 16, 40]``, total_tokens 20 (a CP rank's share of T = 40) -> lengths
     ``[16, 24, 0]`` (the last one clamped from -20) -> ``[[0]*16 + [1]*24]``, N = 40; bounds
-    ``[0, 5, 7, 11]``, total_tokens 16 -> lengths ``[5, 2, 4, 5]`` -> ``[[0]*5 + [1]*2 + [2]*4 + [3]*5]``.
-    """
+    ``[0, 5, 7, 11]``, total_tokens 16 -> lengths ``[5, 2, 4, 5]`` -> ``[[0]*5 + [1]*2 + [2]*4 + [3]*5]``."""
     end = torch.full((1,), total_tokens, dtype=bounds.dtype, device=bounds.device)
     lengths = torch.diff(torch.cat([bounds, end])).clamp(min=0)  # [B+1]
     index = torch.arange(lengths.shape[0], device=bounds.device)  # [B+1]

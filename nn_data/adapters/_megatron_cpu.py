@@ -106,12 +106,9 @@ def unsupported_reason() -> "str | None":
 
 
 def apply_cpu_patches() -> bool:
-    """Patch megatron-core for a CPU-only torch (module docstring); idempotent.
-
-    Returns True if the patches are (now) in place, False when torch can use CUDA (nothing is
-    patched then). Raises ``RuntimeError`` on a CPU-only torch with a megatron-core release not
-    in :data:`SUPPORTED_RELEASES`, naming the installed version (:func:`unsupported_reason`).
-    """
+    """Patch megatron-core for a CPU-only torch (module docstring), idempotently: True when the patches are in place,
+    False when torch can use CUDA (nothing patched). Raises ``RuntimeError`` on a CPU-only torch with a release not
+    in :data:`SUPPORTED_RELEASES`, naming the installed version (:func:`unsupported_reason`)."""
     if not needs_cpu_patches():
         return False
     reason = unsupported_reason()

@@ -101,13 +101,10 @@ def reads_host(host_reads: bool, data: Optional[torch.Tensor] = None) -> bool:
 def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, num_rows=None, validate: bool = True,
                         host_reads: bool = True, op: str = "PackSequences",
                         into: Optional[_checks.DeviceChecks] = None) -> PackLayout:
-    """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked): a
-    host executor after one read of the lengths (and ``num_rows``) when :func:`reads_host`, else a device executor.
-
-    Example: lengths ``[3, 0, 5]``, S 5, m 4, no fixed length -> cu_seqlens ``[0, 3, 3, 8]``,
-    cu_seqlens_padded ``[0, 4, 4, 12]``, T 12, max_seqlen 8; with ``fixed_total=16`` the last segment
-    absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12.
-    """
+    """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked): a host
+    executor after one read of the lengths when :func:`reads_host`, else a device executor. Example: lengths ``[3,
+    0, 5]``, S 5, m 4 -> cu_seqlens ``[0, 3, 3, 8]``, cu_seqlens_padded ``[0, 4, 4, 12]``, T 12, max_seqlen 8;
+    with ``fixed_total=16`` the last segment absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12."""
     if not reads_host(host_reads, seq_lengths):
         return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op, into)
     if num_rows is None:

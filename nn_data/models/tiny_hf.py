@@ -1,10 +1,7 @@
-"""Tiny Hugging Face causal LMs built from a config (nothing is downloaded), for tests and examples.
-
-One builder per family transformers ships that runs on a CPU: attention only (``llama``, ``qwen2``:
-grouped-query attention, biases on q/k/v), sliding-window attention (``mistral``), and hybrids whose
-non-attention layers carry state across tokens: gated delta nets (``qwen3_next``, with a sparse MoE;
-``qwen3_5``), Mamba-2 (``mamba2``; ``bamba``, Mamba-2 + attention) and short convolutions (``lfm2``).
-"""
+"""Tiny Hugging Face causal LMs built from a config (nothing is downloaded), for tests and examples: attention
+only (``llama``, ``qwen2``), sliding-window attention (``mistral``), and hybrids whose non-attention layers carry
+state across tokens: gated delta nets (``qwen3_next``, ``qwen3_5``), Mamba-2 (``mamba2``, ``bamba``) and short
+convolutions (``lfm2``)."""
 
 from __future__ import annotations
 

@@ -27,12 +27,9 @@ class RolloutTree(NamedTuple):
 
 
 def find_rollout_tree(input_ids, seq_lengths, *, chunk: int = 512) -> RolloutTree:
-    """The :class:`RolloutTree` of rollouts ``input_ids [B, S]`` (numpy or a CPU tensor; tokens past each
-    length are ignored) with ``seq_lengths [B]``: each rollout's longest common prefix with an earlier one.
-
-    Example: rollouts ``[1 2 3 4]``, ``[1 2 9]``, ``[1 2 3 7 7]``, ``[5]`` -> parent ``[-1, 0, 0, -1]``,
-    branch_at ``[0, 2, 3, 0]``.
-    """
+    """The :class:`RolloutTree` of rollouts ``input_ids [B, S]`` (numpy or a CPU tensor) with ``seq_lengths [B]``:
+    each rollout's longest common prefix with an earlier one. Example: rollouts ``[1 2 3 4]``, ``[1 2 9]``, ``[1 2
+    3 7 7]``, ``[5]`` -> parent ``[-1, 0, 0, -1]``, branch_at ``[0, 2, 3, 0]``."""
     ids, lengths = np.asarray(input_ids), np.asarray(seq_lengths).astype(np.int64)
     if ids.ndim != 2 or lengths.shape != (ids.shape[0],):
         raise PackingError(f"input_ids must be [B, S] and seq_lengths [B]; got {ids.shape} and {lengths.shape}")
