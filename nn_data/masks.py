@@ -71,11 +71,9 @@ class PrefixRule(NamedTuple):
 
 def sees(q: torch.Tensor, kv: torch.Tensor, segment_ids: torch.Tensor, window: Optional[int] = None,
          prefix: Optional[PrefixRule] = None) -> torch.Tensor:
-    """The attention rule, once: whether the query at packed position ``q`` may see the key at ``kv``
-    (index tensors that broadcast: ``[Tq, 1]`` against ``[1, T]`` for the dense mask, scalars in a flex
-    ``mask_mod``). ``kv <= q`` and the same segment, or (with ``prefix``) ``kv`` a real token on the path
-    of ``q``'s rollout; with a ``window``, ``q - kv < window`` (rollout positions with ``prefix``).
-    """
+    """The attention rule, once: whether the query at packed position ``q`` may see the key at ``kv`` (index tensors
+    that broadcast, or scalars in a flex ``mask_mod``): ``kv <= q`` in the same segment, or (``prefix``) ``kv`` a
+    real token on the path of ``q``'s rollout; with a ``window``, ``q - kv < window`` (rollout positions)."""
     same = segment_ids[q] == segment_ids[kv]
     if prefix is not None:
         p_q, p_kv = prefix.positions[q], prefix.positions[kv]
@@ -90,13 +88,9 @@ def sees(q: torch.Tensor, kv: torch.Tensor, segment_ids: torch.Tensor, window: O
 
 def document_causal_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, window: Optional[int] = None,
                          prefix: Optional[PrefixRule] = None) -> torch.Tensor:
-    """``[Tq, T]`` bool: query ``q`` (at packed position ``query_index[q]``) may see key ``j``
-    (within ``window`` positions of it, when a sliding window is given; widened by a shared-prefix
-    ``prefix``, :class:`PrefixRule`): :func:`sees`.
-
-    Example: segment_ids ``[0,0,1,1]``, query_index ``[1, 2]`` -> ``[[T,T,F,F], [F,F,T,F]]``;
-    segment_ids ``[0,0,0]``, query_index ``[2]``, window 2 -> ``[[F,T,T]]``.
-    """
+    """``[Tq, T]`` bool: query ``q`` (at packed position ``query_index[q]``) may see key ``j`` (:func:`sees`, with the
+    ``window`` and ``prefix`` given). Example: segment_ids ``[0,0,1,1]``, query_index ``[1, 2]`` -> ``[[T,T,F,F],
+    [F,F,T,F]]``; segment_ids ``[0,0,0]``, query_index ``[2]``, window 2 -> ``[[F,T,T]]``."""
     keys = torch.arange(segment_ids.shape[0], device=segment_ids.device)  # [T]
     return sees(query_index[:, None], keys[None, :], segment_ids, window, prefix)  # [Tq, T]
 
@@ -229,11 +223,9 @@ def document_attention(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of ``q [1, H, Tq, D]`` over ``k, v [1, Hk, T, D]`` (all keys: gather them first
-    under CP) under ``mask``; ``[1, H, Tq, D]``. ``H`` a multiple of ``Hk`` (grouped-query
-    attention). Dense: SDPA with the boolean mask; block: compiled ``flex_attention``
-    (no dropout there: raises :class:`~nn_data.errors.PackingError` for ``dropout_p > 0``).
-    """
+    """Attention of ``q [1, H, Tq, D]`` over ``k, v [1, Hk, T, D]`` (all keys: gather them first under CP; ``H`` a
+    multiple of ``Hk``) under ``mask``: ``[1, H, Tq, D]``. Dense: SDPA with the boolean mask; block: compiled
+    ``flex_attention`` (no dropout: :class:`~nn_data.errors.PackingError` for ``dropout_p > 0``)."""
     gqa = q.shape[1] != k.shape[1]
     if mask.dense is not None:
         return F.scaled_dot_product_attention(

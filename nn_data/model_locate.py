@@ -97,11 +97,10 @@ def packed_keys(packed, doc_of_segment: list, lengths: list) -> torch.Tensor:
 def first_difference(model, run_a: Callable, run_b: Callable, *, docs: list, exact: bool, lengths_a: list,
                      lengths_b: Optional[list] = None, second_docs: Optional[list] = None,
                      second_alone: Optional[int] = None) -> tuple:
-    """``(index, labels)``: the index in ``labels`` (run a's modules in call order) of the first module whose
-    output differs between ``run_a()`` and ``run_b()`` on the tokens of ``docs`` both hold (None: none).
-    Run a is packed with segment ``s`` = document ``s``; run b is packed with segment ``s`` = document
-    ``second_docs[s]`` (default the same), or, with ``second_alone=L``, an unpacked run of ``docs[0]``'s
-    ``L`` tokens. ``exact``: bit-identical, else within the rounding tolerance of run a's output."""
+    """``(index, labels)``: the index in ``labels`` (run a's modules in call order) of the first module whose output
+    differs between ``run_a()`` and ``run_b()`` on the tokens of ``docs`` both hold (None: none). Run a's segment
+    ``s`` is document ``s``; run b's is ``second_docs[s]`` (default the same), or with ``second_alone=L`` an
+    unpacked run of ``docs[0]``'s ``L`` tokens. ``exact``: bit-identical, else within run a's rounding tolerance."""
     if not isinstance(model, nn.Module):
         return None, []
     runs = []

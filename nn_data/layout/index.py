@@ -72,11 +72,8 @@ class ZigzagLocal(NamedTuple):
 
 
 class Segments(NamedTuple):
-    """``bounds [B'+1]`` (padded boundaries, int64) and ``lengths [B']`` (valid tokens, int64).
-
-    ``B' = B``, except for a microbatch with no sequence (``B = 0``, ``cu_seqlens_padded = [T]``):
-    then the whole packed tensor is one padding segment, ``bounds [0, T]``, ``lengths [0]``.
-    """
+    """``bounds [B'+1]`` (padded boundaries, int64) and ``lengths [B']`` (valid tokens, int64); ``B' = B``, except for
+    no sequence (``cu_seqlens_padded = [T]``): one padding segment, ``bounds [0, T]``, ``lengths [0]``."""
 
     bounds: torch.Tensor
     lengths: torch.Tensor
@@ -109,11 +106,8 @@ def padding_at(segments: Segments, places: ZigzagLocal) -> torch.Tensor:
 
 
 def local_places(bounds: torch.Tensor, total: int, cp_size: int, cp_rank: int) -> ZigzagLocal:
-    """Packed position and segment of each position rank ``cp_rank`` holds: ``[B+1] -> 2 x [T/C]``.
-
-    ``cp_size == 1``: every position, in order. Example: bounds ``[0, 4, 4, 12]``, C 1 ->
-    source ``0..11``, segment ``[0,0,0,0,2,...,2]`` (segment 1 is empty).
-    """
+    """Packed position and segment of each position rank ``cp_rank`` holds: ``[B+1] -> 2 x [T/C]``. Example:
+    ``cp_size == 1``, bounds ``[0, 4, 4, 12]`` -> source ``0..11``, segment ``[0,0,0,0,2,...,2]``."""
     if cp_size == 1:
         return ZigzagLocal(torch.arange(total, device=bounds.device), segment_ids(bounds, total))
     return zigzag_local(bounds, total // cp_size, cp_size, cp_rank)
@@ -137,12 +131,9 @@ def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank:
 
 
 def zigzag_local(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> ZigzagLocal:
-    """:func:`zigzag_source` plus the segment of each local position (``[B+1] -> 2 x [T/C]``).
-
-    Every segment puts ``n/C`` consecutive positions on each rank, so the local segment
-    boundaries are ``bounds // C``. Example: C=2, bounds ``[0, 16, 40]``, rank 0 ->
-    segments ``0 x8, 1 x12``.
-    """
+    """:func:`zigzag_source` plus the segment of each local position (``[B+1] -> 2 x [T/C]``): every segment puts
+    ``n/C`` consecutive positions on each rank, so the local boundaries are ``bounds // C``. Example: C=2, bounds
+    ``[0, 16, 40]``, rank 0 -> segments ``0 x8, 1 x12``."""
     source = zigzag_source(bounds, local_total, cp_size, cp_rank)
     return ZigzagLocal(source, segment_ids(bounds.to(torch.int64) // cp_size, local_total))
 

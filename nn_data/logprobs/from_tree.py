@@ -71,12 +71,9 @@ def rollout_targets(op: str, layout, packed_ids: torch.Tensor, total: int, vocab
 
 def rollout_rows(layout: TreeLayout, local: torch.Tensor, boundary: torch.Tensor, groups: _Groups,
                  seq_len) -> torch.Tensor:
-    """This rank's ``[T/C]`` in-slot values and ``[N]`` boundary values -> ``[B, S-1]`` on every CP rank.
-
-    Example (the layout module's batch, S 4): rollout 1 (parent 0, branch_at 2, L 3) reads the in-slot
-    value of packed position 0 (token 0 -> 1), the boundary value of its slot 3 (position 1 -> its token 2
-    at packed 4), then 0 (``s = 2 = L - 1``).
-    """
+    """This rank's ``[T/C]`` in-slot values and ``[N]`` boundary values -> ``[B, S-1]`` on every CP rank. Example (the
+    layout module's batch, S 4): rollout 1 (parent 0, branch_at 2, L 3) reads the in-slot value of packed position
+    0 (token 0 -> 1), the boundary value of its slot 3 (position 1 -> its token 2 at packed 4), then 0."""
     total, n, rows = layout.total, local.shape[0], layout.rows
     layout.check_rows(seq_len)
     width = max(seq_len - 1, 0)

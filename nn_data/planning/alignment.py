@@ -110,11 +110,8 @@ class Parallelism:
 
     def check_fixed_total(self, value, name: str = "pad_full_seq_to") -> int:
         """``value`` if it is a valid fixed packed length for this parallelism (an int >= 1, a multiple of
-        ``total_multiple``, within int32), else :class:`PackingError` naming ``name``.
-
-        Example: cp 2, FP8 tensorwise (``total_multiple`` 64): 8192 passes; 8200 is refused,
-        suggesting 8256.
-        """
+        ``total_multiple``, within int32), else :class:`PackingError` naming ``name``. Example: cp 2, FP8 tensorwise
+        (``total_multiple`` 64): 8192 passes; 8200 is refused, suggesting 8256."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PackingError(f"{name}={value!r} is invalid; expected an int >= 1, a multiple of "
                                f"{self.total_multiple}")
@@ -147,12 +144,9 @@ class Parallelism:
     @classmethod
     def from_megatron_cfg(cls, megatron_cfg: Mapping[str, Any], *, dp: int = 1,
                           make_sequence_length_divisible_by: Optional[int] = None) -> "Parallelism":
-        """The parallelism of a NeMo-RL ``megatron_cfg`` (its keys as NeMo-RL reads them:
-        ``tensor_model_parallel_size``, ``sequence_parallel``, ``context_parallel_size``,
-        ``pipeline_model_parallel_size``, ``fp8_cfg`` ``{"enabled", "fp8_recipe"}``,
-        ``moe_token_dispatcher_type == "flex"`` with ``moe_flex_dispatcher_backend == "hybridep"``;
-        and megatron-core's ``fp4`` or an ``fp4_cfg`` ``{"enabled"}``). ``dp`` does not change any
-        multiple; the planner needs it."""
+        """The parallelism of a NeMo-RL ``megatron_cfg`` (``tensor_model_parallel_size``, ``sequence_parallel``,
+        ``context_parallel_size``, ``pipeline_model_parallel_size``, ``fp8_cfg``, the ``flex`` dispatcher with the
+        ``hybridep`` backend, ``fp4`` / ``fp4_cfg``); ``dp`` changes no multiple, the planner needs it."""
         fp8_cfg = megatron_cfg.get("fp8_cfg", None) or {}
         fp8 = fp8_cfg.get("fp8_recipe", "tensorwise") if fp8_cfg.get("enabled", False) else None
         fp4 = bool(megatron_cfg.get("fp4")) or bool((megatron_cfg.get("fp4_cfg") or {}).get("enabled", False))
