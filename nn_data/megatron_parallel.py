@@ -8,9 +8,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import importlib
 import warnings
 from typing import Any, Optional
 
@@ -27,14 +27,14 @@ __getattr__ = moved_attribute(__name__)  # the process-group names now in nn_dat
 INSTALL_MEGATRON = 'pip install "nn_data[megatron]"'
 
 
-def _megatron_class(module: str, name: str, what: str) -> Any:
-    """``module.name`` of megatron-core, imported now (its TransformerEngine/Apex warnings silenced: the classes
-    need neither). When megatron-core itself is missing, a ``ModuleNotFoundError`` naming the extra to install;
-    another missing module is re-raised as it is."""
+@contextlib.contextmanager
+def _megatron_import(what: str):
+    """Around an import of megatron-core: its TransformerEngine/Apex warnings silenced; megatron-core missing, a
+    ``ModuleNotFoundError`` naming the extra to install for ``what`` (another missing module as it is)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return getattr(importlib.import_module(module), name)
+            yield
         except ModuleNotFoundError as e:
             missing = e.name or ""
             if missing == "megatron" or missing.startswith("megatron."):
@@ -47,16 +47,18 @@ def _megatron_class(module: str, name: str, what: str) -> Any:
 @functools.lru_cache(maxsize=1)
 def packed_seq_params_class() -> Any:
     """megatron-core's ``PackedSeqParams`` class (imported on the first call)."""
-    return _megatron_class("megatron.core.packed_seq_params", "PackedSeqParams",
-                           "megatron-core's PackedSeqParams (the packed NeMo-RL path)")
+    with _megatron_import("megatron-core's PackedSeqParams (the packed NeMo-RL path)"):
+        from megatron.core.packed_seq_params import PackedSeqParams
+    return PackedSeqParams
 
 
 @functools.lru_cache(maxsize=1)
 def gpt_model_class() -> Any:
     """megatron-core's ``GPTModel`` class (imported on the first call), for the NeMo-RL drop-in's
     ``patch_gpt_model_forward_for_linear_ce_fusion``."""
-    return _megatron_class("megatron.core.models.gpt", "GPTModel",
-                           "megatron-core's GPTModel (patch_gpt_model_forward_for_linear_ce_fusion)")
+    with _megatron_import("megatron-core's GPTModel (patch_gpt_model_forward_for_linear_ce_fusion)"):
+        from megatron.core.models.gpt import GPTModel
+    return GPTModel
 
 
 def packed_seq_params_fields() -> frozenset:
