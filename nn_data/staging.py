@@ -100,9 +100,8 @@ class StagedMicrobatch:
         return self
 
     def load_rows(self, rows_ids: torch.Tensor, rows_lengths: torch.Tensor, num_rows: torch.Tensor) -> "StagedMicrobatch":
-        """Copy a microbatch already padded to the row capacity (``rows_ids [R, S]``, ``rows_lengths [R]``,
-        ``num_rows`` 0-d: :func:`nn_data.pad_to_row_capacity`'s result, or a loader's static buffers such
-        as megatron-core's ``StaticBufferLoader``) into the staged rows: three ``copy_``, nothing read."""
+        """Copy a microbatch already padded to the row capacity (``rows_ids [R, S]``, ``rows_lengths [R]``, ``num_rows``
+        0-d: :func:`nn_data.pad_to_row_capacity`'s result, or a loader's static buffers) into the staged rows."""
         for name, value, buffer in (("rows_ids", rows_ids, self.rows_ids), ("rows_lengths", rows_lengths,
                                                                              self.rows_lengths),
                                     ("num_rows", num_rows, self.num_rows)):

@@ -20,9 +20,8 @@ from nn_data.groups import as_process_group, collection_group, group_info, megat
 
 
 class DynamicCPGroups(NamedTuple):
-    """``pool_rank``: this rank's place in the pool; ``pool_ranks``: the pool's global ranks in pool
-    order; ``groups[c]``: this rank's group of ``c`` ranks for every size ``c > 1`` it has (``c = 1``
-    needs none)."""
+    """``pool_rank`` (this rank's place in the pool), ``pool_ranks`` (the pool's global ranks in pool order),
+    ``groups[c]`` (this rank's group of ``c`` ranks, every size ``c > 1`` it has)."""
 
     pool_rank: int
     pool_ranks: tuple
@@ -48,9 +47,8 @@ class DynamicCPGroups(NamedTuple):
         return self.groups[c]
 
     def check(self, plan) -> None:
-        """:class:`PackingError` when ``plan`` (a :class:`~nn_data.planning.DynamicCPPlan`) does not
-        match these groups: another pool size, a block size without a group, or a group whose members
-        are not this rank's block of the pool, in pool order (its rank there ``pool_rank - start``)."""
+        """:class:`PackingError` when ``plan`` (a :class:`~nn_data.planning.DynamicCPPlan`) does not match these groups:
+        another pool size, a block size without a group, a group that is not this rank's block in pool order."""
         if plan.ranks != self.pool_size:
             raise PackingError(f"the plan is over {plan.ranks} ranks but the pool (the data-and-context-parallel "
                                f"group) has {self.pool_size}; plan with Parallelism(dp * cp = {self.pool_size})")

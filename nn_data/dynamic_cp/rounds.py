@@ -148,10 +148,8 @@ class DynamicCPRunner:
         return self._gathers[c]
 
     def step(self, plan, input_ids: torch.Tensor, *, rows: Optional[Sequence[int]] = None, **tree) -> "DynamicCPStep":
-        """This rank's rounds of ``plan`` over ``input_ids [n, S]``: row ``j`` holds sequence ``rows[j]``
-        (default: sequence ``j``, every sequence of the plan). See :class:`DynamicCPStep`. A tree's keywords
-        (``parent``, ``branch_at``, ``prefix_lengths``, ``group_ids``) are refused by name: the plan shards each
-        sequence alone."""
+        """This rank's rounds of ``plan`` (a :class:`DynamicCPStep`) over ``input_ids [n, S]``, row ``j`` sequence
+        ``rows[j]`` (default ``j``); a tree's keywords are refused by name (the plan shards each sequence alone)."""
         refuse_tree("DynamicCPRunner.step", tree, "its plan shards each sequence alone over the blocks of its rounds, "
                     "so a tree's rollouts land in different blocks without the prefix they share; plan trees with "
                     "plan_step_rollout_tree and run them through PackedForward (docs/ops.md, \"Rollout trees\")")
@@ -254,9 +252,8 @@ class DynamicCPStep:
                            group, local.packed_ids)
 
     def _packed_seq_params(self, local: RoundLocal, c: int, group):
-        """megatron-core's THD ``PackedSeqParams`` of the round: ``max_seqlen = T`` (the bound known without
-        a read), ``total_tokens = tpr``, the block's ``cp_group`` and ``local_cp_size = c`` (1 without a
-        group: megatron-core then turns CP off for the microbatch)."""
+        """The round's THD ``PackedSeqParams``: ``max_seqlen = T``, ``total_tokens = tpr``, the block's ``cp_group`` and
+        ``local_cp_size = c`` (1 without a group: megatron-core then turns CP off for the microbatch)."""
         from nn_data.megatron_parallel import make_packed_seq_params
 
         total = c * self.plan.tokens_per_rank

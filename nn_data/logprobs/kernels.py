@@ -58,9 +58,8 @@ def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float)
 
 
 def _chunk(full: torch.Tensor, weight, i: int, j: int, temperature: float):
-    """``(z [c, Vt], fresh)``: rows ``i:j`` of the logits, read (``weight`` None; divided by ``temperature``
-    into a new tensor when it is not 1) or computed, ``full[i:j] @ weight.T / temperature``; ``fresh``: a new
-    tensor the caller may overwrite."""
+    """``(z [c, Vt], fresh)``: rows ``i:j`` of the logits, read (``weight`` None) or computed (``full[i:j] @
+    weight.T``), divided by ``temperature``; ``fresh``: a new tensor the caller may overwrite."""
     if weight is not None:
         return chunk_logits(full[i:j], weight, temperature), True  # [c, Vt]
     return (full[i:j], False) if temperature == 1.0 else (full[i:j] / temperature, True)
@@ -193,9 +192,9 @@ def _reduce_rows(grad_full: torch.Tensor, tp_group, tp_size: int, sequence_paral
 
 
 class _HeadOutputs(torch.autograd.Function):
-    """Every asked output in one pass: ``rows`` is the logits ``[N, Vt]`` (``weight`` None) or the hidden
-    states ``[n, H]`` with ``weight [Vt, H]``. Returns six tensors (an output not asked for is empty):
-    logprobs ``[N, J]``, entropy ``[N]``, top-k log-probs and ids ``[N, K]``, argmax ``[N]``, lse ``[N]``."""
+    """Every asked output in one pass over ``rows``, the logits ``[N, Vt]`` (``weight`` None) or hidden states ``[n,
+    H]`` with ``weight [Vt, H]``: six tensors (empty when not asked), logprobs ``[N, J]``, entropy ``[N]``, top-k
+    log-probs and ids ``[N, K]``, argmax ``[N]``, lse ``[N]``."""
 
     @staticmethod
     def forward(ctx, rows, weight, ids, keep, vocab_start: int, tp_group, tp_size: int, sequence_parallel: bool,
