@@ -1,14 +1,9 @@
-"""nn_data: Megatron THD packing, context-parallel sharding and unpacking as
-stateless ``nn.Module`` ops that ``torch.compile`` captures whole.
+"""nn_data: Megatron THD packing, context-parallel sharding and unpacking as stateless ``nn.Module`` ops that
+``torch.compile`` captures whole.
 
-Importing ``nn_data`` (or :mod:`nn_data.nemo_rl.megatron_data`, the NeMo-RL-compatible layer, or
-:mod:`nn_data.adapters`) imports neither megatron-core nor transformers. megatron-core is imported
-at first use: by :mod:`nn_data.megatron_parallel` when a ``PackedSeqParams`` is built (its
-``parallel_state`` is read only when the caller has already imported and initialised it), and by
-the megatron-core model adapters (``nn_data.adapters.megatron_*``, ``nn_data.models.tiny_megatron``)
-when one is built; transformers by the HF adapter when it is used. ``__version__`` is the installed
-package's version (``"0+unknown"`` for a source tree pip never installed).
-"""
+Importing ``nn_data`` (or :mod:`nn_data.nemo_rl.megatron_data`, or :mod:`nn_data.adapters`) imports neither
+megatron-core nor transformers: each is imported at first use (docs/design.md, "megatron-core").
+``__version__`` is the installed package's version (``"0+unknown"`` for a source tree pip never installed)."""
 
 import nn_data._alias  # noqa: F401  (first: the old module paths resolve from here on)
 from nn_data._version import package_version

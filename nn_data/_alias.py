@@ -1,22 +1,13 @@
 """The one home of 0.1.x compatibility: :data:`MOVED`, every released name that moved -> its home, and the stubs
-that keep each old name working with one ``DeprecationWarning`` per old name and process.
+that keep each old name working with one ``DeprecationWarning`` per old name and process (attributed to the
+caller's line). A row's old name is one of four kinds, told by its spelling:
 
-A row's old name is one of four kinds, told apart by its spelling:
-
-* ``nn_data.model_utils``, a module path: it (and every submodule below it, imported yet or not) imports as the
-  *very module* of its home, so ``mock.patch("nn_data.megatron_data.X")`` patches what the functions call. A
-  module ``__getattr__`` cannot answer ``import a.b``, and a shim file would load the home's submodules a second
-  time under the old name: :class:`AliasFinder`, first on ``sys.meta_path``, maps ``old.sub`` to ``new.sub``
-  (the longest old prefix replaced). Example: ``import nn_data.megatron_data.iterators`` ->
-  ``nn_data.nemo_rl.megatron_data.iterators``.
-* ``module:Name``, an attribute of a module that stayed: the module sets
-  ``__getattr__ = moved_attribute(__name__)``.
+* ``nn_data.model_utils``, a module path: it and every submodule below it import as the *very module* of its
+  home (:class:`AliasFinder`, first on ``sys.meta_path``), so ``mock.patch`` on the old path patches what the
+  functions call. Example: ``import nn_data.megatron_data.iterators`` -> ``nn_data.nemo_rl.megatron_data.iterators``.
+* ``module:Name``, an attribute of a module that stayed: the module sets ``__getattr__ = moved_attribute(__name__)``.
 * ``module:Class.method``, a renamed method: the class sets ``method = renamed_method("module:Class.method")``.
-* ``module:function(keyword=)``, a renamed keyword: the function calls :func:`warn_moved` when it is given.
-
-Names that only existed between releases have no row. The warning is attributed to the caller's line (the first
-frame outside nn_data and the import machinery), where Python's default filters show it.
-"""
+* ``module:function(keyword=)``, a renamed keyword: the function calls :func:`warn_moved` when it is given."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""Reuse torch.compile's work across processes, so a new run's first compiled call is fast.
-
-A compiled nn_data op (or a whole microbatch pipeline) costs a fresh process Dynamo tracing plus
-inductor's code generation and C++ compilation of every kernel. Two of torch's own mechanisms
-keep that work:
-
-* **inductor's cache folder** (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``):
-  FX-graph and AOTAutograd cache entries and the compiled kernels (``.so``). A later process that
-  finds them skips code generation and the C++ compiler; only Dynamo's tracing is left.
-  :func:`use_dir` points it at a folder of your choice, so it survives a cleaned ``/tmp`` and
-  can be shared between jobs;
-* **cache artifacts** (``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``): the
-  cache entries this process created, as one portable file. :func:`save` writes it,
-  :func:`load` hot-loads it into the current cache folder (on a machine whose folder lacks the
-  kernels, those are rebuilt from their saved source: the C++ compiler runs, code generation
-  does not).
+"""Reuse torch.compile's work across processes, so a new run's first compiled call is fast: inductor's cache
+folder (:func:`use_dir`) and torch's portable cache artifacts (:func:`save`, :func:`load`; kernels missing
+from the folder are rebuilt from their saved source). The cold and warm figures:
+profiling/results/main_job.md.
 
 Example (the profiler's ``--compile-cache DIR`` does exactly this)::
 
@@ -22,12 +10,7 @@ Example (the profiler's ``--compile-cache DIR`` does exactly this)::
     compile_cache.use_dir("~/.cache/nn_data")          # before the first compile
     compile_cache.load(compile_cache.artifacts_path("~/.cache/nn_data"))   # no-op if absent
     ...                                                 # compile and run
-    compile_cache.save(compile_cache.artifacts_path("~/.cache/nn_data"))
-
-A second process with the saved artifacts skips inductor's code generation and compiles in a fraction
-of the cold time (the profiler's first compiled microbatch, cold and warm, with the machine and date:
-profiling/results/main_job.md).
-"""
+    compile_cache.save(compile_cache.artifacts_path("~/.cache/nn_data"))"""
 
 from __future__ import annotations
 
@@ -39,13 +22,9 @@ ARTIFACTS_FILE = "torch_compile_artifacts.bin"
 
 
 def announce(what: str) -> None:
-    """Say on stderr that ``what`` compiles on its first call, so a first call that takes seconds to minutes
-    is not taken for a hang: every compile nn_data starts itself (``PackedForward(compile_packing=True)``'s
-    sides, dynamic CP's rounds, the flex mask) is announced once, here.
-
-    Example: ``announce("PackedForward's packing side of a rollout-tree microbatch")`` prints
-    ``nn_data: compiling PackedForward's packing side of a rollout-tree microbatch on its first call ...``.
-    """
+    """Say on stderr that ``what`` compiles on its first call, so that a first call of minutes is not taken for a
+    hang; every compile nn_data starts itself is announced here. Example: ``announce("PackedForward's packing
+    side")`` prints ``nn_data: compiling PackedForward's packing side on its first call ...``."""
     print(f"nn_data: compiling {what} on its first call (seconds to minutes; nn_data.compile_cache keeps the "
           "work for the next process)", file=sys.stderr, flush=True)
 

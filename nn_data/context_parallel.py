@@ -6,15 +6,9 @@ Shape legend
     C   context-parallel size; each rank holds ``T/C`` tokens
     *   trailing feature dims
 
-Each padded segment (a multiple of ``2C`` long) is cut into ``2C`` equal chunks;
-rank ``r`` keeps chunks ``r`` and ``2C-1-r`` in that order, segment after segment
-(``docs/design.md``, "Zigzag"; the same split as NeMo-RL's ``_get_tokens_on_this_cp_rank`` per
-sequence and TransformerEngine's ``thd_get_partitioned_indices``). Both ops run on the layout
-(:mod:`nn_data.layout`): given the pack's ``layout=`` they read nothing; given only
-``cu_seqlens_padded`` they read it once eagerly (that read is the validation) and then move the data
-with ``split``/``cat`` views, or under ``torch.compile`` (and ``host_reads=False``) gather along an
-index map built on the device.
-"""
+Each padded segment is cut into ``2C`` equal chunks; rank ``r`` keeps chunks ``r`` and ``2C-1-r``, segment
+after segment (``docs/design.md``, "Zigzag"). Both ops run on the layout: given ``layout=`` they read nothing,
+given only ``cu_seqlens_padded`` they read it once eagerly (the validation)."""
 
 from __future__ import annotations
 
@@ -32,20 +26,16 @@ class ShardForContextParallel(RankOp):
     """This rank's zigzag shard of a packed tensor: ``[1, T, *] -> [1, T/C, *]``.
 
     ``ShardForContextParallel(cp_size, cp_rank, *, validate=True, host_reads=True)``;
-    ``forward(packed [1, T, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T/C, *]``:
-    pass the pack's ``layout`` (``PackResult.layout``) and the boundaries are not read again.
+    ``forward(packed [1, T, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T/C, *]``.
     With ``cp_size == 1`` it returns ``packed`` itself (no copy).
 
     Example (C=2, rank 0): two sequences padded to 16 and 24 (``cu_seqlens_padded
     [0, 16, 40]``) -> chunks of 4 and 6 -> packed positions ``0..3, 12..15, 16..21, 34..39``.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``cp_size < 1`` or ``cp_rank``
-    outside ``[0, cp_size)`` (``__init__``); ``packed`` not ``[1, T, *]``, ``T`` not a
-    multiple of ``2 * cp_size``, ``cu_seqlens_padded`` not 1-D integer, another device
-    (call); a segment not divisible by ``2 * cp_size`` or boundaries that do not rise
-    from 0 to ``T`` (validation: eager the one read of ``cu_seqlens_padded``, or free on a given
-    layout's host ints; compiled device asserts).
-    """
+    Raises :class:`~nn_data.errors.PackingError`: ``cp_size < 1`` or ``cp_rank`` outside ``[0, cp_size)``
+    (``__init__``); ``packed`` not ``[1, T, *]``, ``T`` not a multiple of ``2 * cp_size``, ``cu_seqlens_padded``
+    not 1-D integer, another device (call); a segment not divisible by ``2 * cp_size`` or boundaries that do not
+    rise from 0 to ``T`` (validation)."""
 
     def forward(self, packed: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor] = None, *,
                 layout: Optional[PackLayout] = None) -> torch.Tensor:
@@ -55,19 +45,17 @@ class ShardForContextParallel(RankOp):
 
 
 class UnshardFromContextParallel(nn.Module):
-    """Reassemble the packed tensor from all ranks' shards: ``[C, T/C, *] -> [1, T, *]``.
+    """Reassemble the packed tensor from all ranks' shards: ``[C, T/C, *] -> [1, T, *]``, the exact inverse of
+    :class:`ShardForContextParallel` over all ranks.
 
-    ``UnshardFromContextParallel(cp_size, *, validate=True, host_reads=True)``;
-    ``forward(shards [C, T/C, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T, *]``, where
-    ``shards[r]`` is rank ``r``'s shard (the rank-major stack an all-gather gives).
-    The exact inverse of :class:`ShardForContextParallel` over all ranks.
+    ``UnshardFromContextParallel(cp_size, *, validate=True, host_reads=True)``; ``forward(shards [C, T/C, *],
+    cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T, *]``, ``shards[r]`` rank ``r``'s shard.
 
     Example (C=2): ``cu_seqlens_padded [0, 8]``, shards ``[[0,1,6,7], [2,3,4,5]]`` ->
     ``[[0,1,2,3,4,5,6,7]]``.
 
-    Raises :class:`~nn_data.errors.PackingError` as :class:`ShardForContextParallel`,
-    and when ``shards`` does not have ``cp_size`` rows.
-    """
+    Raises :class:`~nn_data.errors.PackingError` as :class:`ShardForContextParallel`, and when ``shards`` does not
+    have ``cp_size`` rows."""
 
     def __init__(self, cp_size: int, *, validate: bool = True, host_reads: bool = True):
         super().__init__()

@@ -7,12 +7,8 @@ Shape legend
     N   rows one rank contributes to the all-gather (``T/C``)
     *   trailing feature dims
 
-One all-gather of the whole local shard (not one per sequence), then the zigzag
-permutation is undone by :class:`~nn_data.UnshardFromContextParallel` (one
-gather over an index map built on the device). The collective is a
-``torch.distributed`` functional collective, so it runs eagerly on gloo (CPU) and
-NCCL (GPU) and ``torch.compile(fullgraph=True)`` captures it.
-"""
+One functional all-gather of the whole local shard (captured by ``torch.compile``), then
+:class:`~nn_data.UnshardFromContextParallel`."""
 
 from __future__ import annotations
 
@@ -52,22 +48,15 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def all_to_all_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all along dim 0 in equal blocks: ``x [size*M, *]`` -> ``[size*M, *]``, where block ``j``
-    of the result is block ``rank`` of rank ``j``'s ``x``. Not autograd-aware.
-
-    Example (2 ranks, M 1): rank 0 ``[a0, a1]``, rank 1 ``[b0, b1]`` -> rank 0 ``[a0, b0]``,
-    rank 1 ``[a1, b1]``.
-    """
+    """All-to-all along dim 0 in equal blocks: ``x [size*M, *]`` -> ``[size*M, *]``, block ``j`` of the result block
+    ``rank`` of rank ``j``'s ``x``; not autograd-aware. Example (2 ranks, M 1): rank 0 ``[a0, a1]``, rank 1 ``[b0,
+    b1]`` -> rank 0 ``[a0, b0]``, rank 1 ``[a1, b1]``."""
     return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, group))
 
 
 class _AllGatherRows(torch.autograd.Function):
-    """``x [N, *]`` on each of ``C`` ranks -> ``[C*N, *]``, rank-major (rank 0's rows first).
-
-    Backward, ``grad_mode="own"``: this rank's rows of its own incoming gradient
-    (no communication). ``grad_mode="sum"``: reduce-scatter, the sum over ranks of
-    the gradient each computed for this rank's rows.
-    """
+    """``x [N, *]`` on each of ``C`` ranks -> ``[C*N, *]``, rank-major. Backward, ``grad_mode="own"``: this rank's
+    rows of its own gradient (no communication); ``"sum"``: a reduce-scatter of every rank's."""
 
     @staticmethod
     def forward(ctx, x, group, rank: int, grad_mode: str):
@@ -93,24 +82,17 @@ def all_gather_rows(x: torch.Tensor, group, rank: int, size: int, grad_mode: str
 class GatherFromContextParallel(nn.Module):
     """Reassemble the packed tensor from every rank's zigzag shard: ``[1, T/C, *] -> [1, T, *]``.
 
-    ``forward(local [1, T/C, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T, *]``, the
-    same on every rank of ``group`` (pass the pack's ``layout`` and the boundaries are not read again).
-    One all-gather of the whole shard, then :class:`~nn_data.UnshardFromContextParallel`.
-    ``group`` is the CP ``ProcessGroup``; ``None`` means no CP (the op is the identity), unless
-    ``pg_collection`` (megatron-core's ``ProcessGroupCollection``) is given: then its ``cp`` group.
-
-    ``grad_mode``: ``"own"`` (default) when every rank computes the same loss from the gathered
-    tensor: each rank keeps its own rows of its own gradient, no communication. ``"sum"`` when
-    ranks compute different losses: a reduce-scatter, the exact adjoint of the all-gather
-    (``docs/design.md``, "Gradients across ranks").
+    ``forward(local [1, T/C, *], cu_seqlens_padded [B+1] int = None, *, layout=None) -> [1, T, *]``, the same on
+    every rank of ``group`` (``None``: no CP, the identity, unless ``pg_collection`` gives its ``cp``).
+    ``grad_mode``: ``"own"`` (default, every rank computes the same loss: its own rows, no communication) or
+    ``"sum"`` (a reduce-scatter; ``docs/design.md``, "Gradients across ranks").
 
     Example (2 ranks, ``cu_seqlens_padded [0, 8]``): rank 0 holds ``[[0, 1, 6, 7]]``, rank 1
     ``[[2, 3, 4, 5]]``; both get ``[[0, 1, 2, 3, 4, 5, 6, 7]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: an unknown ``grad_mode``, a group this process
-    is not in, ``group`` and ``pg_collection.cp`` different groups (``__init__``); as
-    :class:`~nn_data.UnshardFromContextParallel` at call time.
-    """
+    Raises :class:`~nn_data.errors.PackingError`: an unknown ``grad_mode``, a group this process is not in,
+    ``group`` and ``pg_collection.cp`` different groups (``__init__``); as
+    :class:`~nn_data.UnshardFromContextParallel` at call time."""
 
     def __init__(self, group: Optional["dist.ProcessGroup"] = None, *, grad_mode: str = "own", validate: bool = True,
                  host_reads: bool = True, pg_collection=None):

@@ -3,13 +3,9 @@ code (:class:`HostSyncCounter`) and on CUDA (:class:`SyncCounter`, :func:`forbid
 (:class:`CollectiveCounter`), fresh allocations (:class:`Allocations`), the graphs and recompiles of
 ``torch.compile`` (:class:`GraphCounter`) and inductor's CUDA graphs (:class:`CudaGraphCounter`).
 
-On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the authoritative check (in ``"warn"`` mode,
-:func:`cuda_sync_warnings` picks the syncs out of the recorded warnings);
-on the CPU build there is none, so :class:`HostSyncCounter` counts the Python-level
-calls that bring tensor values to the host, and those that build a tensor on a device from
-Python data (``torch.tensor(3, device="cuda")`` copies from pageable host memory: on CUDA a
-blocking copy, which the sync debug mode flags).
-"""
+On CUDA ``torch.cuda.set_sync_debug_mode("error")`` is the authoritative check; on the CPU build
+:class:`HostSyncCounter` counts the Python-level calls that read tensor values on the host or copy Python
+data to a device."""
 
 from __future__ import annotations
 
@@ -25,13 +21,10 @@ _DATA_CONSTRUCTORS = ("tensor", "as_tensor", "asarray")
 
 
 class HostSyncCounter:
-    """Context manager counting, while it is active, the Python-level calls that read tensor
-    values on the host (the ``Tensor`` methods in ``_SYNCING_METHODS`` and the function form of
-    ``nonzero``) and those that build a tensor from Python data (not from a tensor) on a
-    non-CPU device (``torch.tensor``, ``torch.as_tensor``, ``torch.asarray``,
-    ``Tensor.new_tensor``): a host-to-device copy. Build such tensors on the device instead
-    (``torch.full``, ``torch.arange``). The ``meta`` device counts, so the check runs on a
-    machine without a GPU.
+    """Context manager counting the Python-level calls that read tensor values on the host (``_SYNCING_METHODS``
+    and ``nonzero``) and those that build a tensor from Python data on a non-CPU device (a host-to-device copy:
+    build it on the device instead). The ``meta`` device counts, so the check runs without a GPU; nested counted
+    calls count once; compiled code is read from its graph instead.
 
     Example::
 
@@ -39,12 +32,7 @@ class HostSyncCounter:
         ...     _ = int(torch.tensor(2))
         ...     _ = torch.tensor(3, device="meta")
         >>> syncs.count, syncs.calls
-        (2, ['__int__', 'torch.tensor'])
-
-    Calls made from inside another counted call (``tolist`` calling ``__index__``,
-    say) count once. Compiled (inductor) code does not call these methods from Python;
-    read its graph instead (see ``tests/ops/test_ops_compile.py``).
-    """
+        (2, ['__int__', 'torch.tensor'])"""
 
     def __init__(self):
         self.count = 0
@@ -110,19 +98,15 @@ _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # bookkeeping of a 
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Context manager counting the ``torch.distributed`` collectives this process issues while it
-    is active, forward and backward alike: ``count`` and ``calls`` (operator names, in order).
+    """Context manager counting the ``torch.distributed`` collectives this process issues, forward and backward:
+    ``count`` and ``calls`` (operator names, in order). It sees every collective that reaches the dispatcher,
+    functional or not (NeMo-RL's calls and nn_data's alike); waiting on one is not a second.
 
-    It sees every collective that reaches torch's dispatcher: the functional collectives nn_data
-    uses (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``) and
-    ``torch.distributed.all_reduce`` / ``all_gather`` / ``barrier`` (``allreduce_``, ``allgather_``,
-    ``barrier``), so it counts NeMo-RL's calls and nn_data's alike; waiting on a functional
-    collective is not a second one. Example (in each rank of a group)::
+    Example (in each rank of a group)::
 
         with CollectiveCounter() as coll:
             torch.distributed.all_reduce(x)
-        coll.calls  # ['allreduce_']
-    """
+        coll.calls  # ['allreduce_']"""
 
     def __init__(self):
         super().__init__()
@@ -140,25 +124,20 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 # ---- torch.compile: graphs and recompiles ---------------------------------------------------------
-# GraphCounter reads two things torch 2.11 and 2.13 have alike: dynamo's counter of the graphs it hands a
-# backend (counters["stats"]["unique_graphs"], what torch._dynamo.testing.CompileCounter's frame_count counts
-# with its own backend) and its compile-start callback (torch._dynamo.callback), whose compile id
-# "frame/n" says which compilation of a frame this is (n >= 1: a recompile, the frame's guards failed).
+# GraphCounter reads dynamo's counters["stats"]["unique_graphs"] and its compile-start callback, whose compile
+# id "frame/n" says which compilation of a frame this is (n >= 1: a recompile); alike in torch 2.11 and 2.13.
 
 class GraphCounter:
-    """Count what ``torch.compile`` compiles inside the block, with any backend (inductor included):
-    ``graphs`` (graphs handed to the backend: one per compilation under ``fullgraph=True``, more where a
-    graph breaks), ``compiles`` (frames dynamo compiled) and ``recompiles`` (those compiled again because
-    the guards of every earlier compilation of the frame failed: a new shape, dtype, int attribute, grad
-    mode). Why a frame recompiled: run with ``TORCH_LOGS=recompiles``.
+    """Count what ``torch.compile`` compiles inside the block, with any backend: ``graphs`` (handed to the backend),
+    ``compiles`` (frames dynamo compiled) and ``recompiles`` (compiled again because every earlier compilation's
+    guards failed; why: ``TORCH_LOGS=recompiles``).
 
-    Example (the graphs of a compiled wrapper over a stream; docs/compile-contract.md)::
+    Example (docs/compile-contract.md)::
 
         with GraphCounter() as counted:
             for input_ids, seq_lengths in stream:
                 wrapped(input_ids, seq_lengths)
-        counted.graphs, counted.recompiles  # (2, 0): PackedForward(compile_packing=True, ...) over any stream
-    """
+        counted.graphs, counted.recompiles  # (2, 0): PackedForward(compile_packing=True, ...) over any stream"""
 
     def __init__(self):
         self.graphs = 0
@@ -193,13 +172,8 @@ class GraphCounter:
 
 
 # ---- CUDA: the sync debug mode and inductor's CUDA graphs (CPU fallbacks where there is none) ----
-# SyncCounter counts host-device syncs; on CUDA it is the authoritative check,
-# torch.cuda.set_sync_debug_mode("warn"): every blocking copy (device to host *and* host to device
-# from pageable memory, e.g. torch.tensor(3, device="cuda")), .item(), synchronize() warns, and each
-# warning's Python location is kept; on the CPU it is HostSyncCounter. forbid_syncs is the contract
-# itself. CudaGraphCounter wraps CUDAGraphNode._record and CUDAGraphNode.run_graph of
-# torch._inductor.cudagraph_trees: private names, present with the same meaning in torch 2.11 and
-# 2.13 (a replay right after recording is not a run_graph call, so replays counts the steady state).
+# CudaGraphCounter wraps torch._inductor.cudagraph_trees.CUDAGraphNode._record and .run_graph: private names,
+# alike in torch 2.11 and 2.13 (a replay right after recording is no run_graph call: replays is the steady state).
 
 _SYNC_WORD = "synchroniz"  # each sync: "called a synchronizing CUDA operation"
 # set_sync_debug_mode's first call in a process warns once, "Synchronization debug mode is a prototype
@@ -208,10 +182,8 @@ _MODE_NOTICE = "debug mode is a prototype feature"
 
 
 def cuda_sync_warnings(caught) -> list:
-    """The warnings among ``caught`` (``warnings.catch_warnings(record=True)``) that report a host-device
-    sync under ``torch.cuda.set_sync_debug_mode("warn")``: every message that speaks of synchronizing,
-    except the notice the debug mode itself prints on its first use in a process (which would
-    otherwise count as one sync in the first counted block).
+    """The warnings among ``caught`` (``warnings.catch_warnings(record=True)``) that report a host-device sync
+    under ``torch.cuda.set_sync_debug_mode("warn")``, less the notice the debug mode prints on its first use.
 
     Example::
 
@@ -221,8 +193,7 @@ def cuda_sync_warnings(caught) -> list:
         ...                   "synchronizing operations")
         ...     warnings.warn("called a synchronizing CUDA operation")
         >>> [str(w.message) for w in cuda_sync_warnings(caught)]
-        ['called a synchronizing CUDA operation']
-    """
+        ['called a synchronizing CUDA operation']"""
     return [w for w in caught if _SYNC_WORD in str(w.message) and _MODE_NOTICE not in str(w.message)]
 
 
@@ -231,11 +202,10 @@ def _is_cuda(device) -> bool:
 
 
 class SyncCounter:
-    """Count host-device syncs made inside the block on ``device`` (see the module docstring).
-
-    ``count`` and ``locations`` (``"file:line"`` of each sync on CUDA; the method names on CPU)
-    are set on exit. On CUDA the device is synchronised *before* the block (outside the count).
-    """
+    """Count host-device syncs made inside the block on ``device``: on CUDA every warning of
+    ``set_sync_debug_mode("warn")`` (blocking copies both ways, ``.item()``, ``synchronize()``), on the CPU
+    :class:`HostSyncCounter`'s calls. ``count`` and ``locations`` (``"file:line"`` on CUDA, the method names on
+    the CPU) are set on exit; on CUDA the device is synchronised before the block."""
 
     def __init__(self, device):
         self.cuda = _is_cuda(device)
@@ -286,12 +256,8 @@ def forbid_syncs(device):
 
 
 class CudaGraphCounter:
-    """Count inductor's CUDA-graph recordings, replays and skips inside the block.
-
-    ``recorded``: graphs captured (one per compiled function and input-shape path);
-    ``replays``: steady-state replays; ``skips``: graphs inductor refused to capture
-    (``cudagraph_skips``; on the CPU every reduce-overhead graph is skipped).
-    """
+    """Count inductor's CUDA-graph recordings (``recorded``: one per compiled function and input-shape path), steady
+    ``replays`` and ``skips`` (graphs it refused to capture; on the CPU every reduce-overhead graph) in the block."""
 
     def __init__(self):
         self.recorded = 0

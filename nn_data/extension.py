@@ -1,18 +1,14 @@
-"""The extension surface: what a package built on nn_data (its NeMo-RL drop-in, ``nn_data.nemo_rl``) uses
-beyond the public API (``nn_data.__all__``, the user's doors ``nn_data.layout``, ``nn_data.planning``,
-``nn_data.logprobs``, and ``nn_data.adapters`` with its ``tree_kv`` module).
-
-A drop-in re-implements another library's functions with that library's signatures, so it needs a few of
-nn_data's steps one level below the ops a user calls. They are gathered here so that ``nn_data.nemo_rl``
-imports nn_data through its public doors and this one (``tests/ops/test_structure.py`` holds it): a rename
-inside nn_data touches this file and no file of the drop-in. Each name is its home's object, unchanged, and
-each has a caller inside the core besides the drop-in (the structure test checks the drop-in uses each).
+"""The extension surface: what a package built on nn_data (its NeMo-RL drop-in, ``nn_data.nemo_rl``) uses beyond
+the public API and the user's doors. A drop-in re-implements another library's functions with that library's
+signatures, so it needs a few steps one level below the ops; they are gathered here so that the drop-in imports
+nn_data through its public doors and this one (``tests/ops/test_structure.py`` holds it) and a rename inside
+nn_data touches no file of it. Each name is its home's object and has a caller inside the core besides the
+drop-in.
 
 Example::
 
     from nn_data.extension import PackingSide
-    side = PackingSide(PackSpec(4, fixed_total=64), cp_size=2, cp_rank=0)(ids, lengths)  # side.packed: PackedInfo
-"""
+    side = PackingSide(PackSpec(4, fixed_total=64), cp_size=2, cp_rank=0)(ids, lengths)  # side.packed: PackedInfo"""
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
-"""Process groups as callers hold them: the one resolver of ``(rank, size, group)``
-(``docs/design.md``, "Process groups").
-
-Every op that takes a context- or tensor-parallel group resolves it here, in any of the forms the
-field's stacks hold it:
-
-* a ``torch.distributed.ProcessGroup`` (megatron-core's ``parallel_state`` getters return these);
-* a 1-D ``DeviceMesh`` (torchtitan, DTensor stacks: ``mesh["cp"]``), or a ``(mesh, dim)`` pair
-  naming one dimension of a larger mesh (``(mesh, "cp")``, a name or an index);
-* megatron-core's ``ProcessGroupCollection`` through ``pg_collection=`` (its ``cp`` / ``tp`` field);
-* ``None``: *not split along that axis* (rank 0 of 1), never "the world group".
-
-:func:`given_group_info` is what the ops take (``group=`` / ``pg_collection=``: an explicit group, else
-the collection's field, else not split). :func:`context_parallel_info` / :func:`tensor_parallel_info`
-add the fallback sources: an explicit group, else ``pg_collection``, else megatron-core's
-``parallel_state`` when some code already imported and initialised it (this module never imports
-megatron-core), else a single rank.
+"""Process groups as callers hold them: the one resolver of ``(rank, size, group)`` (``docs/design.md``,
+"Process groups"). A group is a ``torch.distributed.ProcessGroup``, a 1-D ``DeviceMesh`` or a ``(mesh, dim)``
+pair, megatron-core's ``ProcessGroupCollection`` through ``pg_collection=``, or ``None``: *not split along
+that axis*, never "the world group". :func:`given_group_info` is what the ops take;
+:func:`context_parallel_info` / :func:`tensor_parallel_info` add megatron-core's initialised
+``parallel_state`` (never imported here) as a fallback.
 
 Example::
 
@@ -23,8 +12,7 @@ Example::
     group_info((mesh, "cp"))                     # the same, naming the mesh's dimension
     group_info(None)                             # ParallelInfo(rank=0, size=1, group=None)
     context_parallel_info(pg_collection=pgc)     # pgc.cp
-    given_group_info(None, pg_collection=pgc)    # pgc.cp too; None and no collection: not split
-"""
+    given_group_info(None, pg_collection=pgc)    # pgc.cp too; None and no collection: not split"""
 
 from __future__ import annotations
 
@@ -61,12 +49,9 @@ class OneRankGroup:
 
 
 def as_process_group(group: Any, what: str = "group") -> Optional["dist.ProcessGroup"]:
-    """The ``ProcessGroup`` that ``group`` (in any form the module docstring lists) stands for; ``None``
-    stays ``None``.
-
-    Example: a 2-D mesh with dims ``("dp", "cp")``: ``(mesh, "cp")`` and ``mesh["cp"]`` give its CP
-    group; the mesh itself is refused (which dimension is meant?).
-    """
+    """The ``ProcessGroup`` that ``group`` (any form of the module docstring) stands for; ``None`` stays ``None``.
+    Example: a 2-D mesh with dims ``("dp", "cp")``: ``(mesh, "cp")`` and ``mesh["cp"]`` give its CP group; the mesh
+    itself is refused (which dimension is meant?)."""
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
     if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -103,12 +88,9 @@ def _is_device_mesh(obj: Any) -> bool:
 
 
 def group_info(group: Any, what: str = "group") -> ParallelInfo:
-    """This process's rank and size in ``group`` (a ``ProcessGroup``, a DeviceMesh form, or ``None``:
-    a single rank ``(0, 1, None)``); ``.group`` is always the resolved ``ProcessGroup``.
-
-    Raises :class:`PackingError` when a group is given but ``torch.distributed`` is not
-    initialised, this process is not a member of it, or it is not a form listed above.
-    """
+    """This process's rank and size in ``group`` (``None``: a single rank ``(0, 1, None)``), ``.group`` the resolved
+    ``ProcessGroup``. Raises :class:`PackingError` when a group is given but ``torch.distributed`` is not
+    initialised, this process is not a member of it, or it is not a form listed above."""
     if group is None:
         return SINGLE
     if not (dist.is_available() and dist.is_initialized()):
@@ -121,16 +103,12 @@ def group_info(group: Any, what: str = "group") -> ParallelInfo:
 
 
 def context_parallel_info(group: Any = None, *, pg_collection: Any = None) -> ParallelInfo:
-    """This process's context-parallel rank, size and group.
+    """This process's context-parallel rank, size and group: an explicit ``group``, else ``pg_collection.cp``, else
+    megatron-core's ``parallel_state`` when initialised, else a single rank without ``torch.distributed``.
 
-    Resolution: an explicit ``group``; else ``pg_collection.cp`` (megatron-core's
-    ``ProcessGroupCollection``); else megatron-core's ``parallel_state`` when it is initialised; else
-    a single rank when ``torch.distributed`` is not initialised.
-
-    Raises :class:`PackingError` when ``torch.distributed`` runs with none of these (the world group
-    may hold data-parallel ranks: never assumed), when ``group`` and ``pg_collection.cp`` are both
-    given and differ, for a collection without a ``cp`` group, and as :func:`group_info`.
-    """
+    Raises :class:`PackingError` when ``torch.distributed`` runs with none of these (the world group is never
+    assumed), when ``group`` and ``pg_collection.cp`` differ, for a collection without ``cp``, and as
+    :func:`group_info`."""
     return _resolve(group, pg_collection, "context", "cp", "get_context_parallel_group")
 
 
@@ -145,16 +123,12 @@ AXES = {"cp": "context-parallel group", "tp": "tensor-parallel group"}
 
 
 def given_group_info(group: Any = None, *, pg_collection: Any = None, field: str = "cp") -> ParallelInfo:
-    """The group an op was *given*: ``group``, else ``pg_collection.<field>``, else ``None`` (not split:
-    rank 0 of 1). No ``parallel_state`` fallback: the ops' ``None`` keeps meaning "not split"
-    (``docs/design.md``, "Process groups"); :func:`context_parallel_info` adds that source.
+    """The group an op was *given*: ``group``, else ``pg_collection.<field>``, else ``None`` (not split); no
+    ``parallel_state`` fallback. Raises :class:`PackingError` when both are given and differ, for a collection
+    without that field (:func:`collection_group`), and as :func:`group_info`.
 
     Example: ``given_group_info(None, pg_collection=pgc)`` -> ``pgc.cp``'s rank and size;
-    ``given_group_info(g, pg_collection=pgc)`` with ``g is not pgc.cp`` -> :class:`PackingError`.
-
-    Raises :class:`PackingError` when both are given and are different groups, for a collection
-    without that field (:func:`collection_group`), and as :func:`group_info`.
-    """
+    ``given_group_info(g, pg_collection=pgc)`` with ``g is not pgc.cp`` -> :class:`PackingError`."""
     what = AXES[field]
     from_collection = collection_group(pg_collection, field)
     if group is None:
@@ -172,12 +146,8 @@ def _size(group) -> int:
 
 
 def collection_group(pg_collection: Any, field: str) -> Optional["dist.ProcessGroup"]:
-    """``pg_collection.<field>`` (``"cp"``, ``"tp"``, ...), refusing a collection without that field.
-
-    megatron-core's ``ProcessGroupCollection`` holds only the groups it was built with: a field never
-    set is an ``AttributeError`` on 0.16 and ``None`` on 0.19 (its ``__getattr__``); either way a
-    :class:`PackingError` naming the field here. A field set to ``None`` explicitly means "not split".
-    """
+    """``pg_collection.<field>`` (``"cp"``, ``"tp"``, ...), refusing by name a collection without that field (an
+    ``AttributeError`` on megatron-core 0.16, ``None`` on 0.19); a field set to ``None`` explicitly is not split."""
     if pg_collection is None:
         return None
     if not _holds(pg_collection, field):

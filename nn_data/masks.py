@@ -5,29 +5,14 @@ Shape legend
     T   packed tokens (keys, after the CP gather)
     H   query heads, Hk key/value heads (``H`` a multiple of ``Hk``), D head dim
 
-A query at packed position ``i`` may see key ``j`` iff both lie in the same segment and
-``j <= i`` (and, with a sliding ``window``, ``i - j < window``: transformers' sliding-window rule
-``kv_idx > q_idx - sliding_window``). A rollout-tree microbatch (every shared prefix packed once:
-:func:`nn_data.layout.tree_layout`; the shared prompt of :func:`nn_data.layout.shared_prefix_layout`
-is its depth-1 case) widens "the same segment" by a :class:`PrefixRule`: query ``i`` also sees every
-real key ``j`` on its rollout's path (``positions[j] <= positions[i]`` and ``positions[j] <
-shared[rollout_ids[i], rollout_ids[j]]``: one look-up per pair), and the window counts rollout
-positions (``positions[i] - positions[j] < window``); :func:`sees` is the rule, once. Two forms of the same mask:
-
-* **dense**: a boolean ``[Tq, T]`` tensor for SDPA. ``Tq * T`` bytes (1 GiB at T = 32768,
-  no CP), any dtype, forward and backward;
-* **block**: a flex-attention ``BlockMask`` (``torch.nn.attention.flex_attention``): per
-  128 x 128 block, whether it is empty, full or partial, plus the mask function for the
-  partial ones. ``O(T^2 / 128^2)`` small integers (about 1 MiB at T = 32768; measured by
-  ``python -m profiling.bench.bench_mask_memory``). Built by a compiled ``create_block_mask`` *outside*
-  the model's graph (building it inside one compiled graph with the attention failed here),
-  and used by a compiled ``flex_attention``.
-
-The flex backend on a CPU runs the forward only (no backward) and only in float32, float16
-and bfloat16; on CUDA it runs both. :func:`document_mask` with ``kind="auto"`` picks the block
-mask where the backend supports the call and the dense mask would be large, else the dense one.
-:func:`document_attention` runs attention with either form.
-"""
+A query at packed position ``i`` may see key ``j`` iff both lie in the same segment and ``j <= i`` (and,
+with a sliding ``window``, ``i - j < window``: transformers' rule). A rollout-tree microbatch widens "the
+same segment" by a :class:`PrefixRule`: query ``i`` also sees every real key on its rollout's path;
+:func:`sees` is the rule, once. Two forms of the same mask: **dense**, a boolean ``[Tq, T]`` tensor for
+SDPA; **block**, a flex-attention ``BlockMask`` (``O(T^2 / 128^2)`` small integers) built by a compiled
+``create_block_mask`` outside the model's graph. The flex backend on a CPU runs the forward only, in float32,
+float16 and bfloat16; :func:`document_mask` with ``kind="auto"`` picks the block mask where the backend runs
+the call and the dense mask would be large (docs/models.md, "Wrapping your model")."""
 
 from __future__ import annotations
 
@@ -48,12 +33,10 @@ _FLEX_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class DocumentMask(NamedTuple):
-    """One packed microbatch's document-causal mask: exactly one of ``dense`` (``[Tq, T]`` bool,
-    True where the query may see the key) and ``block`` (a flex ``BlockMask``) is set. ``gather``
-    (None without CP) all-gathers this rank's ``[1, Tq, *]`` keys/values into ``[1, T, *]``.
-    ``window`` (None: unlimited) is the sliding window this mask applies; ``sliding`` (None when not
-    asked for) is the same microbatch's mask restricted to a sliding window, for the sliding layers of
-    a model that mixes both kinds (:func:`document_mask` with ``window=``)."""
+    """One packed microbatch's document-causal mask: exactly one of ``dense`` (``[Tq, T]`` bool, True where the query
+    may see the key) and ``block`` (a flex ``BlockMask``) is set; ``gather`` (None without CP) all-gathers this
+    rank's ``[1, Tq, *]`` keys/values; ``window`` the sliding window it applies (None: unlimited); ``sliding`` the
+    same mask restricted to a window, for a model's sliding layers (:func:`document_mask` with ``window=``)."""
 
     dense: Optional[torch.Tensor]
     block: Any = None
@@ -88,11 +71,9 @@ class PrefixRule(NamedTuple):
 
 def sees(q: torch.Tensor, kv: torch.Tensor, segment_ids: torch.Tensor, window: Optional[int] = None,
          prefix: Optional[PrefixRule] = None) -> torch.Tensor:
-    """The attention rule, once: whether the query at packed position ``q`` may see the key at ``kv``
-    (index tensors that broadcast: ``[Tq, 1]`` against ``[1, T]`` for the dense mask, scalars in a flex
-    ``mask_mod``). ``kv <= q`` and the same segment, or (with ``prefix``) ``kv`` a real token on the path
-    of ``q``'s rollout; with a ``window``, ``q - kv < window`` (rollout positions with ``prefix``).
-    """
+    """The attention rule, once: whether the query at packed position ``q`` may see the key at ``kv`` (index tensors
+    that broadcast, or scalars in a flex ``mask_mod``): ``kv <= q`` in the same segment, or (``prefix``) ``kv`` a
+    real token on the path of ``q``'s rollout; with a ``window``, ``q - kv < window`` (rollout positions)."""
     same = segment_ids[q] == segment_ids[kv]
     if prefix is not None:
         p_q, p_kv = prefix.positions[q], prefix.positions[kv]
@@ -107,13 +88,9 @@ def sees(q: torch.Tensor, kv: torch.Tensor, segment_ids: torch.Tensor, window: O
 
 def document_causal_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, window: Optional[int] = None,
                          prefix: Optional[PrefixRule] = None) -> torch.Tensor:
-    """``[Tq, T]`` bool: query ``q`` (at packed position ``query_index[q]``) may see key ``j``
-    (within ``window`` positions of it, when a sliding window is given; widened by a shared-prefix
-    ``prefix``, :class:`PrefixRule`): :func:`sees`.
-
-    Example: segment_ids ``[0,0,1,1]``, query_index ``[1, 2]`` -> ``[[T,T,F,F], [F,F,T,F]]``;
-    segment_ids ``[0,0,0]``, query_index ``[2]``, window 2 -> ``[[F,T,T]]``.
-    """
+    """``[Tq, T]`` bool: query ``q`` (at packed position ``query_index[q]``) may see key ``j`` (:func:`sees`, with the
+    ``window`` and ``prefix`` given). Example: segment_ids ``[0,0,1,1]``, query_index ``[1, 2]`` -> ``[[T,T,F,F],
+    [F,F,T,F]]``; segment_ids ``[0,0,0]``, query_index ``[2]``, window 2 -> ``[[F,T,T]]``."""
     keys = torch.arange(segment_ids.shape[0], device=segment_ids.device)  # [T]
     return sees(query_index[:, None], keys[None, :], segment_ids, window, prefix)  # [Tq, T]
 
@@ -148,12 +125,9 @@ def _compiled_flex():
 
 def document_block_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, *, block_size: int = 128,
                         window: Optional[int] = None, prefix: Optional[PrefixRule] = None):
-    """The document-causal mask of ``query_index [Tq]`` / ``segment_ids [T]`` (restricted to a sliding
-    ``window``, when given; widened by a shared-prefix ``prefix``) as a flex ``BlockMask``.
-
-    Built by a compiled ``create_block_mask`` (compiled once per ``(Tq, T)``; call it outside
-    any other compiled region). Memory ``O((Tq / block_size) * (T / block_size))``, never ``Tq * T``.
-    """
+    """The document-causal mask of ``query_index [Tq]`` / ``segment_ids [T]`` (``window``, ``prefix`` as
+    :func:`document_mask`) as a flex ``BlockMask``, by a compiled ``create_block_mask`` (once per ``(Tq, T)``; call
+    it outside any other compiled region). Memory ``O((Tq / block_size) * (T / block_size))``."""
     return _compiled_block_mask()(query_index, segment_ids, block_size, window, prefix)
 
 
@@ -179,20 +153,18 @@ def document_mask(
 ) -> DocumentMask:
     """Build the mask for queries at ``query_index [Tq]`` over keys with ``segment_ids [T]``.
 
-    ``kind``: ``"dense"``, ``"block"`` or ``"auto"`` (the block mask when
-    :func:`flex_supported` for ``dtype`` under the current grad mode and ``Tq * T >=
-    dense_limit``, else dense). ``gather`` is carried along for :func:`document_attention`.
-    ``window`` (an int >= 1): the result also carries ``.sliding``, the same mask restricted to that
-    sliding window (in the same form), for a model's sliding-window layers. ``prefix``: a shared-prefix
-    microbatch's :class:`PrefixRule` (``[T]`` tensors), applied to both forms and to ``.sliding``.
+    Args:
+        kind: ``"dense"``, ``"block"`` or ``"auto"`` (the block mask when :func:`flex_supported` for ``dtype``
+            under the current grad mode and ``Tq * T >= dense_limit``).
+        gather: carried along for :func:`document_attention`.
+        window: an int >= 1; the result also carries ``.sliding``, the mask restricted to that window.
+        prefix: a tree microbatch's :class:`PrefixRule`, applied to both forms and to ``.sliding``.
 
-    Raises :class:`~nn_data.errors.PackingError` for an unknown ``kind``, or ``kind="block"``
-    where flex attention cannot run (a CPU with grad enabled, float64, or torch before
-    :data:`nn_data._compat.FLEX_CPU_TORCH`).
+    Raises :class:`~nn_data.errors.PackingError` for an unknown ``kind``, or ``kind="block"`` where flex attention
+    cannot run (a CPU with grad enabled, float64, or torch before :data:`nn_data._compat.FLEX_CPU_TORCH`).
 
     Example: ``document_mask(torch.tensor([1, 2]), torch.tensor([0, 0, 1, 1])).dense`` is
-    ``[[T,T,F,F], [F,F,T,F]]``.
-    """
+    ``[[T,T,F,F], [F,F,T,F]]``."""
     device, needs_grad = query_index.device, torch.is_grad_enabled()
     if kind not in ("auto", "dense", "block"):
         raise PackingError(f"kind={kind!r} is invalid; expected 'auto', 'dense' or 'block'")
@@ -251,11 +223,9 @@ def document_attention(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of ``q [1, H, Tq, D]`` over ``k, v [1, Hk, T, D]`` (all keys: gather them first
-    under CP) under ``mask``; ``[1, H, Tq, D]``. ``H`` a multiple of ``Hk`` (grouped-query
-    attention). Dense: SDPA with the boolean mask; block: compiled ``flex_attention``
-    (no dropout there: raises :class:`~nn_data.errors.PackingError` for ``dropout_p > 0``).
-    """
+    """Attention of ``q [1, H, Tq, D]`` over ``k, v [1, Hk, T, D]`` (all keys: gather them first under CP; ``H`` a
+    multiple of ``Hk``) under ``mask``: ``[1, H, Tq, D]``. Dense: SDPA with the boolean mask; block: compiled
+    ``flex_attention`` (no dropout: :class:`~nn_data.errors.PackingError` for ``dropout_p > 0``)."""
     gqa = q.shape[1] != k.shape[1]
     if mask.dense is not None:
         return F.scaled_dot_product_attention(

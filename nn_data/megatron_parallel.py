@@ -1,22 +1,14 @@
-"""megatron-core's ``PackedSeqParams``: the one module of the data path that imports megatron-core,
-always lazily (the megatron-core model adapters, ``nn_data.adapters.megatron_*``, import it themselves).
-
-:func:`make_packed_seq_params` builds megatron-core's THD ``PackedSeqParams``, filling only the fields
-the installed release has, with no host sync (it builds ``seq_idx`` itself, :func:`sequence_index`,
-where megatron-core 0.17+ would); ``docs/design.md``, "megatron-core". ``import megatron.core`` costs
-seconds and warns about TransformerEngine/Apex, so nothing here imports it at module import:
-``PackedSeqParams`` is imported on its first use.
-
-Process groups (``group_info``, ``ParallelInfo``, ``context_parallel_info``, ...) moved to
-:mod:`nn_data.groups`; their old names here still work and warn.
+"""megatron-core's ``PackedSeqParams``: the one module of the data path that imports megatron-core, lazily, on
+the first ``PackedSeqParams`` (docs/ops.md, "megatron-core's PackedSeqParams"). The process groups' old names
+here (moved to :mod:`nn_data.groups`) still work and warn.
 
 Example::
 
-    params = make_packed_seq_params(r.cu_seqlens_padded, r.layout.host.max_seqlen, None, total=r.layout.total)
-"""
+    params = make_packed_seq_params(r.cu_seqlens_padded, r.layout.host.max_seqlen, None, total=r.layout.total)"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -35,45 +27,37 @@ __getattr__ = moved_attribute(__name__)  # the process-group names now in nn_dat
 INSTALL_MEGATRON = 'pip install "nn_data[megatron]"'
 
 
-def megatron_core_missing(what: str, error: ModuleNotFoundError) -> None:
-    """Raise, for ``what`` (e.g. ``"megatron-core's PackedSeqParams"``), a ``ModuleNotFoundError`` that names
-    the extra to install when ``error`` says megatron-core itself is missing (``error.name`` is
-    ``megatron`` or below it); return otherwise (the caller re-raises ``error``: another module missing)."""
-    name = error.name or ""
-    if name == "megatron" or name.startswith("megatron."):
-        raise ModuleNotFoundError(f"{what} needs megatron-core, which is not installed (no module named {name!r}): "
-                                  f"{INSTALL_MEGATRON} (megatron-core>=0.16.1,<0.21)", name=name) from error
+@contextlib.contextmanager
+def _megatron_import(what: str):
+    """Around an import of megatron-core: its TransformerEngine/Apex warnings silenced; megatron-core missing, a
+    ``ModuleNotFoundError`` naming the extra to install for ``what`` (another missing module as it is)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        except ModuleNotFoundError as e:
+            missing = e.name or ""
+            if missing == "megatron" or missing.startswith("megatron."):
+                raise ModuleNotFoundError(f"{what} needs megatron-core, which is not installed (no module named "
+                                          f"{missing!r}): {INSTALL_MEGATRON} (megatron-core>=0.16.1,<0.21)",
+                                          name=missing) from e
+            raise
 
 
 @functools.lru_cache(maxsize=1)
 def packed_seq_params_class() -> Any:
-    """megatron-core's ``PackedSeqParams`` class (imported on the first call). Without megatron-core a
-    ``ModuleNotFoundError`` naming the extra to install (:func:`megatron_core_missing`)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: irrelevant for a dataclass
-        try:
-            from megatron.core.packed_seq_params import PackedSeqParams
-        except ModuleNotFoundError as e:
-            megatron_core_missing("megatron-core's PackedSeqParams (the packed NeMo-RL path)", e)
-            raise
+    """megatron-core's ``PackedSeqParams`` class (imported on the first call)."""
+    with _megatron_import("megatron-core's PackedSeqParams (the packed NeMo-RL path)"):
+        from megatron.core.packed_seq_params import PackedSeqParams
     return PackedSeqParams
 
 
 @functools.lru_cache(maxsize=1)
 def gpt_model_class() -> Any:
     """megatron-core's ``GPTModel`` class (imported on the first call), for the NeMo-RL drop-in's
-    ``patch_gpt_model_forward_for_linear_ce_fusion``; as :func:`packed_seq_params_class` without it."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TransformerEngine/Apex missing: the class itself needs neither
-        try:
-            from megatron.core.models.gpt import GPTModel
-        except ModuleNotFoundError as e:
-            megatron_core_missing("megatron-core's GPTModel (patch_gpt_model_forward_for_linear_ce_fusion)", e)
-            raise
+    ``patch_gpt_model_forward_for_linear_ce_fusion``."""
+    with _megatron_import("megatron-core's GPTModel (patch_gpt_model_forward_for_linear_ce_fusion)"):
+        from megatron.core.models.gpt import GPTModel
     return GPTModel
 
 
@@ -95,39 +79,22 @@ def make_packed_seq_params(
     pg_collection: Any = None,
     local_cp_size: Optional[int] = None,
 ) -> Any:
-    """A THD ``PackedSeqParams`` over ``cu_seqlens_padded [B+1]``, with no host sync and no
-    copy of Python data to the device on every supported megatron-core release
-    (``docs/design.md``, "megatron-core").
+    """A THD ``PackedSeqParams`` over ``cu_seqlens_padded [B+1]`` (``[0, T]`` for no sequence), with no host sync
+    and no copy of Python data to the device, filling only the fields the installed release has (docs/ops.md,
+    "megatron-core's PackedSeqParams").
 
-    * ``cu_seqlens_*_padded`` are ``cu_seqlens_padded``; with no sequence (``B = 0``: ``[T]``)
-      megatron-core receives the padding pseudo-segment ``[0, T]`` instead (its THD code splits
-      the tokens by the boundaries' differences, which ``[T]`` does not have).
-    * ``cu_seqlens_q``/``_kv`` are ``cu_seqlens`` (the valid-token boundaries, for a model that
-      slices CP itself) when given as a tensor of its own, else the *same tensor object* as the
-      padded fields: TransformerEngine infers "no padding between sequences" from that identity.
-    * ``pad_between_seqs`` (where the release has it) is the caller's value; when
-      ``cu_seqlens`` is a tensor of its own and no value is given, True (always correct).
-    * ``max_seqlen`` (a Python int) fills ``max_seqlen_q``/``_kv``.
-    * ``total_tokens`` (where the release has it, 0.17 and newer) and ``seq_idx`` are set after
-      construction, so the release's ``__post_init__`` does not build ``seq_idx`` itself (it
-      copies a Python int to the device and calls ``repeat_interleave`` without ``output_size``);
-      :func:`sequence_index` builds the same tensor from ``total``, the packed length ``T`` as a
-      Python int (``cu_seqlens_padded`` rises from 0 to it: the layout's ``total``). Without
-      ``total`` one host read learns it. (``packed_length=`` is its 0.1.x name: it still works, and
-      warns.)
-    * ``cp_group`` (where the release has the field, and only when given) is the group the
-      caller sharded the tokens over. ``local_cp_size`` (where the release has the field) only
-      when given: megatron-core reads it as dynamic (hybrid) context parallelism's per-microbatch
-      CP size, with ``cp_group`` the microbatch's group; 1 without a group turns CP off for the
-      microbatch (TransformerEngine's attention), and multi-latent attention refuses any value.
-      :mod:`nn_data.dynamic_cp` passes both for every round.
-    * ``pg_collection`` (megatron-core's ``ProcessGroupCollection``): its ``cp`` group stands for
-      ``cp_group`` when that is not given; both given must be the same group
-      (:func:`nn_data.groups.given_group_info`).
-
-    On megatron-core 0.16.x ``total_tokens``, ``seq_idx`` and ``pad_between_seqs`` do not
-    exist and stay unset (fields are detected, never assumed).
-    """
+    Args:
+        cu_seqlens: the valid boundaries as a tensor of their own (for a model that slices CP itself), else
+            ``cu_seqlens_q``/``_kv`` are the same tensor object as the padded fields (TransformerEngine's "no
+            padding between sequences").
+        max_seqlen: a Python int, ``max_seqlen_q``/``_kv``.
+        total_tokens: ``total_tokens`` where the release has it (0.17+), or None.
+        pad_between_seqs: where the release has it; default True when ``cu_seqlens`` is given.
+        total: the packed length ``T`` as a Python int, for ``seq_idx`` (:func:`sequence_index`) and
+            ``total_tokens`` (set after construction); without it one host read learns it
+            (``packed_length=``, its 0.1.x name, still works and warns).
+        cp_group, local_cp_size: set only when given (dynamic CP's per-microbatch group and size).
+        pg_collection: its ``cp`` group stands for ``cp_group`` when that is not given; both given must agree."""
     if packed_length is not None:
         warn_moved("nn_data.megatron_parallel:make_packed_seq_params(packed_length=)")
         total = packed_length if total is None else total
@@ -181,16 +148,13 @@ def _with_start(bounds: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_index(bounds: torch.Tensor, total_tokens: int, total: int) -> torch.Tensor:
-    """megatron-core's ``PackedSeqParams.seq_idx`` (0.17 and newer): ``[1, N]`` int32, the index of
-    the sequence each position belongs to, computed as its ``__post_init__`` computes it (the
-    boundaries followed by ``total_tokens``, each difference clamped at 0, ``repeat_interleave``)
-    but with the size given: ``N = max(total, total_tokens)`` for ``bounds [B+1]`` rising
-    from 0 to ``total`` (``T``). No host sync; ``total_tokens`` is written on the device.
+    """megatron-core's ``PackedSeqParams.seq_idx`` (0.17+): ``[1, N]`` int32, each position's sequence, as its
+    ``__post_init__`` computes it (the boundaries followed by ``total_tokens``, each difference clamped at 0) but
+    with the size given, ``N = max(total, total_tokens)``; no host sync.
 
     Example: bounds ``[0, 16, 40]``, total_tokens 20 (a CP rank's share of T = 40) -> lengths
     ``[16, 24, 0]`` (the last one clamped from -20) -> ``[[0]*16 + [1]*24]``, N = 40; bounds
-    ``[0, 5, 7, 11]``, total_tokens 16 -> lengths ``[5, 2, 4, 5]`` -> ``[[0]*5 + [1]*2 + [2]*4 + [3]*5]``.
-    """
+    ``[0, 5, 7, 11]``, total_tokens 16 -> lengths ``[5, 2, 4, 5]`` -> ``[[0]*5 + [1]*2 + [2]*4 + [3]*5]``."""
     end = torch.full((1,), total_tokens, dtype=bounds.dtype, device=bounds.device)
     lengths = torch.diff(torch.cat([bounds, end])).clamp(min=0)  # [B+1]
     index = torch.arange(lengths.shape[0], device=bounds.device)  # [B+1]

@@ -5,39 +5,14 @@ Shape legend
     S   their row length (the longest document)
     *   the model's trailing output dims (vocab ``V`` for logits)
 
-Before the first packed microbatch trains, :func:`check_packing` runs a small packed microbatch of
-random ids (its own ``torch.Generator``; the caller's RNG state is restored) through the wrapped model
-itself, the model under ``torch.no_grad`` (:func:`runner`) and in eval mode (each module's mode restored
-after), and judges the documents it leaves untouched (all but the first and the last):
-
-* **other offsets, tokens, lengths and count** (one run, :func:`_regrouped`): the untouched documents reversed
-  at the start of the row, every token of the first and last changed to another id and cut into more documents
-  of other lengths; untouched outputs within :data:`SAME_ULPS` epsilons of the output's own dtype at their
-  scale pass at once (an exact model: this run alone);
-* **other tokens** (the same shapes), only when they moved more: only the changed documents' tokens changed
-  must leave the untouched outputs within the model's own noise, :data:`NOISE` times its run-to-run spread (the
-  same microbatch again, its inputs at other addresses) or the rounding above, the larger (a kernel whose
-  rounding of a row depends on the other rows); if so, the first run within the rounding of another summation
-  order (:func:`~nn_data.model_locate.tolerance`: float32's epsilon at least, for the float32 steps inside
-  float64 and bf16 models): positions from the row, or a path through the other documents' lengths or count;
-* **the model's own path**, where the adapter has one (``reference(input_ids [1, L]) -> [1, L, *]``:
-  :class:`~nn_data.adapters.HFCausalLMAdapter` runs the plain model, its own attention function,
-  windows and mixers, unpacked): the longest document, which starts mid-row, against its run there
-  (to the same rounding).
-
-A path between documents is judged on changes made large on purpose (every token, the lengths, the count), so
-it moves the untouched outputs by its own strength, far above the rounding an exact model shows: the verdict
-does not hinge on a tolerance near rounding (docs/models.md, "Why an exact model passes").
-
-Document lengths come from the model: past every window or convolution its configs and modules declare
-and past the rotary original length where one is set (:func:`document_lengths`), capped at
-:data:`MAX_DOC_TOKENS` and by ``pad_full_seq_to``. A failure re-runs the failing pair with forward
-hooks on every module and refuses the model with a :class:`~nn_data.errors.PackingError` naming the
-model type, the first layer whose output differs, the reason and what to do. Under context
-parallelism every rank runs the check in lockstep and the verdict is all-reduced over the CP group:
-refused on every rank or on none. :class:`ModelGuard` decides when it runs (``PackedForward(verify=)``)
-and re-runs it when the model's :func:`~nn_data.model_identity.fingerprint` changes.
-"""
+Before the first packed microbatch trains, :func:`check_packing` runs a small packed microbatch of random ids
+(its own ``torch.Generator``) through the wrapped model (no_grad, eval mode, both restored) and judges the
+documents it leaves untouched against three changes: other offsets, tokens, lengths and count in one run
+(:func:`_regrouped`); other tokens in the same shapes, within the model's own noise (:data:`NOISE`,
+:data:`SAME_ULPS`); and the adapter's own unpacked path where it has one (``reference``). A failure names the
+model type, the first differing layer (forward hooks), the reason and the fix; under CP the verdict is
+all-reduced over the CP group. :class:`ModelGuard` decides when it runs (``PackedForward(verify=)``). The
+rules, and why an exact model passes: docs/models.md, "Proven on your model"."""
 
 from __future__ import annotations
 
@@ -231,16 +206,12 @@ def _regrouped(wrapped, base: Microbatch, other: torch.Tensor, kept: list, chang
 
 
 def check_packing(wrapped, *, device: torch.device, run, row_width: int = 0) -> None:
-    """Prove ``wrapped.model`` keeps packed documents apart (see the module docstring); raises
-    :class:`PackingError` naming the model type, the first differing layer, the reason and the fix.
-    ``run(input_ids [k, S], seq_lengths [k]) -> [k, S, *]`` is the wrapped forward (:func:`runner`);
-    ``row_width``: the caller's row length ``S``, the check's rows' where longer than its documents (the
-    same shapes for a model the caller compiled, whose documents it also bounds).
+    """Prove ``wrapped.model`` keeps packed documents apart (module docstring); raises :class:`PackingError` naming
+    the model type, the first differing layer, the reason and the fix. ``run(input_ids [k, S], seq_lengths [k])
+    -> [k, S, *]`` is the wrapped forward (:func:`runner`); ``row_width`` the caller's row length ``S`` (the same
+    shapes for a model the caller compiled).
 
-    Example::
-
-        check_packing(wrapped, device=torch.device("cpu"), run=runner(wrapped))  # None, or PackingError
-    """
+    Example: ``check_packing(wrapped, device=torch.device("cpu"), run=runner(wrapped))`` -> None, or PackingError."""
     if device.type == "meta":  # no values to compare: nothing is proven, nothing is trained either
         return
     lengths = document_lengths(wrapped)
@@ -298,10 +269,9 @@ other documents' tokens moves the rounding of the kept ones there, without a pat
 
 def _compare(run, ids, other, lens, out, kept, model=None, lengths=None, split=False) -> tuple:
     """The tokens comparison (the same shapes, other documents' tokens changed): ``(0, "", spread)`` when the kept
-    documents' outputs stay within the model's own noise (:data:`NOISE` times the spread of the same input run again
-    at other addresses, or :data:`SAME_ULPS` epsilons of the output's dtype at the kept outputs' scale, the larger),
-    or within the rounding where the first layer whose bits move is a routed one (:data:`ROUTED`); else
-    ``(1, detail, spread)``; ``spread``: the model's run-to-run spread (0 when nothing moved: not measured)."""
+    documents' outputs stay within the model's noise (:data:`NOISE` times its run-to-run spread, or
+    :data:`SAME_ULPS` epsilons at their scale, the larger), or within the rounding where the first layer whose bits
+    move is a routed one (:data:`ROUTED`); else ``(1, detail, spread)``; ``spread`` 0 when nothing moved."""
     out_other = run(other, lens)
     diff = _max_diff(out_other[kept], out[kept])
     if diff == 0:
@@ -384,13 +354,10 @@ def locate(wrapped, run, verdict, base: Microbatch, other, moved: Microbatch, ke
 
 
 def verify_microbatch(wrapped, input_ids: torch.Tensor, seq_lengths: torch.Tensor, *, run, turn: int = 0) -> None:
-    """The caller's own microbatch checked as :func:`check_packing` checks its own (eval mode, no_grad, RNG kept),
-    in both directions over the turns: of its ``n`` non-empty sequences, sequence ``turn % n`` gets other tokens
-    (each id one lower, 0 -> 1) and every other row must stay within the model's noise, and sequence
-    ``(turn - 1) % n`` packed alone must give its row to the rounding. Turn 0: the first changed, the last alone;
-    turn 1: the second changed, the first alone; ... so a path from any sequence into any other shows within
-    ``n`` verified microbatches, between the first and the last within 2. Three more forwards (four when the
-    outputs move and the model's spread is measured)."""
+    """The caller's own microbatch checked as :func:`check_packing` checks its own: of its ``n`` non-empty sequences,
+    sequence ``turn % n`` gets other tokens (each id one lower, 0 -> 1) and every other row must stay within the
+    model's noise, and sequence ``(turn - 1) % n`` packed alone must give its row to the rounding; so a path from
+    any sequence into any other shows within ``n`` verified microbatches."""
     lengths = seq_lengths.tolist()  # sync: a verified microbatch reads its lengths once
     docs = [b for b, n in enumerate(lengths) if n > 0]
     if len(docs) < 2:
@@ -424,17 +391,16 @@ VERIFY_MODES = "False/'off', True/'first' (the default) or a positive int N (the
 class ModelGuard:
     """When :class:`~nn_data.packed_forward.PackedForward` proves its model (its ``verify=``).
 
-    ``verify``: ``"off"`` (or False): never (the model's exactness is the caller's); ``"first"`` (or
-    True, the default): :func:`check_packing` on the first call, and again on any call that finds the
-    model's :func:`~nn_data.model_identity.fingerprint` changed, each time after the adapter's
-    ``revalidate()`` (its allow-list, where it has one); an int ``N``: that, and every Nth microbatch also
-    :func:`verify_microbatch`, each turn with the next sequence changed and the one before it alone. Nothing runs while compiling or inside the check's own calls.
+    Args:
+        verify: ``"off"`` (or False): never; ``"first"`` (or True, the default): :func:`check_packing` on the
+            first call and whenever the model's :func:`~nn_data.model_identity.fingerprint` changed, after the
+            adapter's ``revalidate()``; an int ``N``: that, and :func:`verify_microbatch` every Nth microbatch.
+            Nothing runs while compiling or inside the check's own calls.
 
     Example::
 
         guard = ModelGuard("first")
-        guard.before(wrapped, input_ids)      # first call: the check; later calls: the fingerprint only
-    """
+        guard.before(wrapped, input_ids)      # first call: the check; later calls: the fingerprint only"""
 
     def __init__(self, verify=True):
         if verify is True or verify == "first":

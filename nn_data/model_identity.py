@@ -1,22 +1,15 @@
 """A model's identity as the packing check and the adapters' allow-lists saw it: a cheap fingerprint.
 
-:func:`fingerprint` reads Python objects only (no tensor value, so no host-device sync): every module
-reachable from the model, by type and identity, with the ``forward`` it runs (one set on the instance, else
-its class's: a method patched on either), its forward hooks (the handles registered on it and on every
-module) and the identity of its parameter and hook dicts (new when its ``__init__`` runs again); the attributes the adapters read on a module (:data:`MODULE_KEYS`: windows, causality, rotary
-types); the config values the allow-list reads (:data:`CONFIG_KEYS`, the selected attention
-implementation included); the rotary module's state (its frequency buffer's identity, its cached
-length); and, when transformers is imported, the function registered under the selected attention
-implementation. Two fingerprints compare with ``==``: a changed one means the model is not the one
-that was checked (a window, a layer type, a rotary module, an attention module or its ``forward``,
-a mixer swapped after wrapping).
+:func:`fingerprint` reads Python objects only (no tensor value, no sync): every module by type and identity,
+the ``forward`` it runs, its hooks and parameter dicts, the attributes (:data:`MODULE_KEYS`) and config values
+(:data:`CONFIG_KEYS`) the adapters read, the rotary module's state and the registered attention function. A
+changed fingerprint means the model is not the one that was checked.
 
 Example::
 
     seen = fingerprint(model)
     model.config.sliding_window = 5       # an edit after wrapping
-    assert fingerprint(model) != seen
-"""
+    assert fingerprint(model) != seen"""
 
 from __future__ import annotations
 

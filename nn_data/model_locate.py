@@ -4,18 +4,13 @@ Shape legend
     Tq  local tokens of a packed run (the wrapped model's ``input_ids [1, Tq]``)
     L   tokens of an unpacked run of one document
 
-:func:`first_difference` runs two calls of the same model with a forward hook on each of its modules,
-records each module's input and output (the first tensor of each) in call order, and finds the first
-module whose output differs on the tokens the two runs share while its input does not (the module that
-mixes; else the first whose output differs). A token is named by its document and its place in
-it (``key = doc * KEY_STRIDE + position``), read from the ``packed`` argument of a packed run
-(:class:`~nn_data.packed_forward.PackedInfo`: ``segment_ids``, ``query_index``, ``cu_seqlens_padded``) or
-given for an unpacked one, so the runs may place the documents anywhere (another offset, another CP
-rank's share, no packing at all). Diagnosis only: it reads the device freely.
+:func:`first_difference` records each module's input and output in call order over two runs and finds the
+first module whose output differs on the tokens both hold while its input does not. A token is keyed by its
+document and place (``key = doc * KEY_STRIDE + position``), so the runs may place documents anywhere.
+Diagnosis only: it reads the device freely.
 
 Example: documents 1 and 2 kept, run a = the microbatch, run b = the microbatch with documents 0 and 3
-re-drawn -> ``(5, names)`` where ``names[5] == "'model.layers.0.mlp' (ShiftMLP)"``.
-"""
+re-drawn -> ``(5, names)`` where ``names[5] == "'model.layers.0.mlp' (ShiftMLP)"``."""
 
 from __future__ import annotations
 
@@ -102,11 +97,10 @@ def packed_keys(packed, doc_of_segment: list, lengths: list) -> torch.Tensor:
 def first_difference(model, run_a: Callable, run_b: Callable, *, docs: list, exact: bool, lengths_a: list,
                      lengths_b: Optional[list] = None, second_docs: Optional[list] = None,
                      second_alone: Optional[int] = None) -> tuple:
-    """``(index, labels)``: the index in ``labels`` (run a's modules in call order) of the first module whose
-    output differs between ``run_a()`` and ``run_b()`` on the tokens of ``docs`` both hold (None: none).
-    Run a is packed with segment ``s`` = document ``s``; run b is packed with segment ``s`` = document
-    ``second_docs[s]`` (default the same), or, with ``second_alone=L``, an unpacked run of ``docs[0]``'s
-    ``L`` tokens. ``exact``: bit-identical, else within the rounding tolerance of run a's output."""
+    """``(index, labels)``: the index in ``labels`` (run a's modules in call order) of the first module whose output
+    differs between ``run_a()`` and ``run_b()`` on the tokens of ``docs`` both hold (None: none). Run a's segment
+    ``s`` is document ``s``; run b's is ``second_docs[s]`` (default the same), or with ``second_alone=L`` an
+    unpacked run of ``docs[0]``'s ``L`` tokens. ``exact``: bit-identical, else within run a's rounding tolerance."""
     if not isinstance(model, nn.Module):
         return None, []
     runs = []

@@ -9,11 +9,8 @@ Shape legend
     *   trailing feature dims (none for ids and masks, ``[layers, topk]`` for
         routed experts)
 
-The layout (:class:`~nn_data.layout.PackLayout`) is built once per batch from ``seq_lengths``
-and reused for every tensor of that batch, and by every later op of the microbatch (``layout=``):
-eagerly it is built on the host after one read of the lengths, under ``torch.compile`` on the
-device (:mod:`nn_data.layout`).
-"""
+The layout (:class:`~nn_data.layout.PackLayout`) is built once per batch and reused by every later op of the
+microbatch (``layout=``)."""
 
 from __future__ import annotations
 
@@ -27,12 +24,9 @@ from nn_data.layout import PackLayout, PackSpec, layout_from_lengths
 
 
 class PackResult(NamedTuple):
-    """What :class:`PackSequences` returns.
-
-    ``packed [1, T, *]``, ``cu_seqlens [B+1]`` int32, ``cu_seqlens_padded [B+1]`` int32,
-    ``max_seqlen`` (0-d int32: the longest padded segment, the extended last one
-    included) and the reusable ``layout`` (pass it to the later ops as ``layout=``).
-    """
+    """What :class:`PackSequences` returns: ``packed [1, T, *]``, ``cu_seqlens [B+1]`` and ``cu_seqlens_padded [B+1]``
+    int32, ``max_seqlen`` (0-d int32, the longest padded segment) and the reusable ``layout`` (``layout=`` of the
+    later ops)."""
 
     packed: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -44,23 +38,18 @@ class PackResult(NamedTuple):
 class PackSequences(nn.Module):
     """Pack ``x [B, S, *]`` with per-row lengths into ``[1, T, *]`` (``docs/design.md``, "Packed layout").
 
-    Configuration: ``m`` (``pad_individual_seqs_to_multiple_of``), ``p``
-    (``pad_packed_seq_to_multiple_of``), ``pad_full_seq_to`` (the constant ``T``; the last real
-    segment absorbs the slack), ``validate`` (the data checks; ``False`` skips them and nothing else),
-    ``host_reads`` (the executor: ``True``, eagerly, a host executor after one read of the lengths;
-    ``False``: a device executor, never a read, the checks device asserts; under ``torch.compile`` always a
-    device executor) and ``pack_form`` (the device executor's pack form: ``"auto"``, ``"scatter"`` or
-    ``"gather"``; :class:`~nn_data.layout.PackSpec`).
+    Args:
+        pad_individual_seqs_to_multiple_of: ``m``; pad_packed_seq_to_multiple_of: ``p``.
+        pad_full_seq_to: the constant ``T`` (the last real segment absorbs the slack).
+        validate: the data checks (``False`` skips them and nothing else).
+        host_reads: ``True``: eagerly, a host executor after one read of the lengths; ``False``: a device
+            executor, never a read (under ``torch.compile`` always a device executor).
+        pack_form: the device executor's pack form (:class:`~nn_data.layout.PackSpec`).
 
-    ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``; ``seq_lengths`` is a
-    tensor, or a list, tuple or numpy array of ints (copied once to ``x``'s device); ``num_rows`` (0-d
-    int tensor) counts the real rows of a batch padded to a row capacity
-    (:func:`nn_data.pad_to_row_capacity`). Eagerly, with ``host_reads``, the lengths are read to the
-    host once (checked there when ``validate``) and the batch moves with a few ``split``/``cat`` ops;
-    otherwise, and under ``torch.compile``, the layout is index maps on the device with no sync
-    (with ``pad_full_seq_to`` set: ``T`` is otherwise learned with one read). Under ``torch.compile``
-    ``S`` may be a symbolic size (:func:`nn_data.rows.with_dynamic_row_length`): one graph serves
-    every row length.
+    ``forward(x [B, S, *], seq_lengths [B] int, num_rows=None) -> PackResult``; ``seq_lengths`` a tensor or a
+    sequence of ints; ``num_rows`` (0-d int tensor) counts the real rows of a batch padded to a row capacity
+    (:func:`nn_data.pad_to_row_capacity`). Under ``torch.compile`` ``S`` may be symbolic
+    (:func:`nn_data.rows.with_dynamic_row_length`).
 
     Example::
 
@@ -75,8 +64,7 @@ class PackSequences(nn.Module):
     ``pad_full_seq_to`` not a multiple of ``p`` or above ``2**31 - 1`` (``__init__``); ``x`` with fewer
     than 2 dims, ``seq_lengths`` not ``[B]`` integer, tensors on different devices (call); lengths
     outside ``[0, S]``, a packed total above ``pad_full_seq_to`` (or, without it, above ``2**31 - 1``),
-    tokens in rows past ``num_rows`` (validation).
-    """
+    tokens in rows past ``num_rows`` (validation)."""
 
     def __init__(
         self,
@@ -122,11 +110,8 @@ class PackSequences(nn.Module):
 
 
 def check_pack_args(x, seq_lengths, num_rows=None) -> None:
-    """The metadata checks of :class:`PackSequences` (shapes, dtypes, devices; no data).
-
-    Entry points that compile the op themselves call this *before* their compiled region, so a
-    bad argument raises :class:`~nn_data.errors.PackingError` there, as in eager mode.
-    """
+    """The metadata checks of :class:`PackSequences` (shapes, dtypes, devices; no data), for entry points to call
+    before their own compiled region so that a bad argument raises there."""
     _checks.check_min_dims("x", x, 2, "[B, S, *]")
     _checks.check_int_vector("seq_lengths", seq_lengths, x.shape[0])
     _checks.check_num_rows(num_rows, x.shape[0])

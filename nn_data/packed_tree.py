@@ -1,8 +1,7 @@
 """The tree microbatch, a kind of :class:`~nn_data.packed_forward.PackedForward`'s one pipeline
 (:class:`TreeKind`): every shared prefix packed once, at any depth (:mod:`nn_data.layout.tree`), and the
-model's output back to one row per rollout as if each had been packed alone. GRPO groups (``prefix_lengths``,
-``group_ids``) are the depth-1 tree: their spelling enters as :class:`RolloutGroups` and becomes a tree where the
-layout is built (:func:`~nn_data.layout.shared_prefix_layout`: each rollout's parent is its group's first one).
+model's output back to one row per rollout as if each had been packed alone. GRPO groups enter as
+:class:`RolloutGroups` and become the depth-1 tree where the layout is built.
 
 Shape legend
     B   rollouts (rows); R >= B with ``row_capacity``
@@ -11,12 +10,9 @@ Shape legend
         ``3B - 2`` for a tree)
     C   context-parallel size; the model sees ``T/C`` local tokens
 
-``PackedForward(model, ...)(input_ids [B, S], seq_lengths [B], parent=[B], branch_at=[B])`` (a tree) or
-``(..., prefix_lengths=P [B], group_ids=g [B])`` (GRPO groups) -> ``[B, S, *]``: the same model contract as the
-plain path, with ``packed.prefix`` (a :class:`TreeInfo`: the attention's :class:`~nn_data.masks.PrefixRule`,
-global ``[T]`` tensors; recurrent and convolution layers take the rule: :mod:`nn_data.adapters.tree_state`), and position ids that continue along each path
-(``TreeLayout.positions``, this rank's places).
-"""
+The model contract is the plain path's, with ``packed.prefix`` (a :class:`TreeInfo`: the attention's
+:class:`~nn_data.masks.PrefixRule`) and position ids that continue along each path (docs/models.md, "Rollout
+trees and shared prompts")."""
 
 from __future__ import annotations
 
@@ -47,17 +43,13 @@ class TreeInfo(NamedTuple):
 
 
 class TreeKind:
-    """The tree microbatch, a kind of :class:`~nn_data.packed_forward.PackedForward`'s one pipeline
-    (:class:`~nn_data.packed_sides.MicrobatchKind`): every shared prefix packed once, ancestors before
-    descendants, on a :class:`~nn_data.layout.TreeLayout` over node slots; positions continue along each
-    path; :class:`~nn_data.packed_forward.PackedInfo` gets ``prefix`` (:class:`TreeInfo`). Its arguments are a
-    :class:`~nn_data.planning.RolloutTree` (``parent``, ``branch_at``) or GRPO groups
-    (:class:`RolloutGroups`, the depth-1 tree's spelling).
+    """The tree microbatch as a :class:`~nn_data.packed_sides.MicrobatchKind`: a
+    :class:`~nn_data.layout.TreeLayout` over node slots, positions along each path, ``PackedInfo.prefix``. Its
+    arguments are a :class:`~nn_data.planning.RolloutTree` (``parent``, ``branch_at``) or :class:`RolloutGroups`.
 
     Example: L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, m 1 -> packed ``[x0 x1 x2 | x3 x4 | y3]``,
     positions ``[0, 1, 2, 3, 4, 3]``; groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]`` -> packed ``[p0 p0
-    r0 r0 | r1 | p2 | r2 r2]``, positions ``[0, 1, 2, 3, 2, 0, 1, 2]``.
-    """
+    r0 r0 | r1 | p2 | r2 r2]``, positions ``[0, 1, 2, 3, 2, 0, 1, 2]``."""
 
     name = "rollout-tree"
 
@@ -141,13 +133,11 @@ def pad_tree_rows(parent: torch.Tensor, branch_at: torch.Tensor, capacity: int):
 
 
 def pad_group_rows(prefix_lengths: torch.Tensor, group_ids: torch.Tensor, capacity: int):
-    """``prefix_lengths`` and ``group_ids`` padded to ``capacity`` rows, as ``pad_to_row_capacity`` pads
-    the ids and lengths: each padding row has prefix length 0 and a group of its own (ids below every
-    real one, computed on the device).
+    """``prefix_lengths`` and ``group_ids`` padded to ``capacity`` rows as ``pad_to_row_capacity`` pads the ids: each
+    padding row has prefix length 0 and a group of its own (ids below every real one, computed on the device).
 
     Example: group_ids ``[7, 7, 9]``, capacity 5 -> ``[7, 7, 9, 6, 5]``; prefix_lengths ``[2, 2, 1]``
-    -> ``[2, 2, 1, 0, 0]``.
-    """
+    -> ``[2, 2, 1, 0, 0]``."""
     rows = group_ids.shape[0]
     extra = max(capacity - rows, 0)  # (more rows than capacity: pad_rows names row_capacity)
     floor = group_ids.min() if rows else torch.zeros((), dtype=group_ids.dtype, device=group_ids.device)

@@ -6,18 +6,12 @@ Shape legend
     S   padded row length
     *   trailing feature dims
 
-A pipeline-parallel stream has a different number of sequences in every
-microbatch. Shapes that change make ``torch.compile`` recompile, so the batch is
-padded *outside* the compiled region with empty rows (length 0) up to ``R``,
-and the real row count travels as a 0-d tensor (data, not a Python int):
+The batch is padded *outside* the compiled region with empty rows (length 0) up to ``R``, the real row count
+travelling as a 0-d tensor; empty rows change nothing in the real rows' results (docs/design.md, "Row
+capacity"):
 
     >>> padded = pad_to_row_capacity(input_ids, seq_lengths, capacity=64)
-    >>> out = compiled_pack(padded.x, padded.seq_lengths, padded.num_rows)
-
-Empty rows change nothing in the real rows' results: their segments have length
-0 and sit at the end, and ``PackSequences`` collapses their boundaries onto ``T``
-so the last *real* row absorbs the slack, exactly as NeMo-RL does.
-"""
+    >>> out = compiled_pack(padded.x, padded.seq_lengths, padded.num_rows)"""
 
 from __future__ import annotations
 
@@ -39,11 +33,8 @@ class RowPadded(NamedTuple):
 
 
 def pad_rows(t: torch.Tensor, capacity: int, fill=0, *, name: str = "capacity") -> torch.Tensor:
-    """Append rows of ``fill`` to ``t [B, *]`` until it has ``capacity`` rows: ``[R, *]``.
-
-    Raises :class:`PackingError` if ``t`` already has more than ``capacity`` rows; the message names
-    the capacity as ``name`` (the argument the caller set, e.g. ``row_capacity``).
-    """
+    """Append rows of ``fill`` to ``t [B, *]`` until it has ``capacity`` rows: ``[R, *]``. Raises
+    :class:`PackingError` for more than ``capacity`` rows, naming the capacity as ``name`` (e.g. ``row_capacity``)."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise PackingError(f"{name}={capacity!r} is invalid; expected an int >= 0")
     _checks.check_min_dims("t", t, 1, "[B, *]")
@@ -55,14 +46,9 @@ def pad_rows(t: torch.Tensor, capacity: int, fill=0, *, name: str = "capacity") 
 
 
 def row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with the strides ``stride[i] = prod(shape[i+1:])``, also when a dim is 0.
-
-    torch gives an empty tensor the strides of a size-1 dim (``[8, 0]`` -> ``(1, 1)``); a graph
-    compiled with a symbolic row length ``S`` guards ``stride(0) == S`` and would recompile for
-    ``S = 0``. An empty tensor holds no data, so only its strides change; others come back as is, and so
-    does a tensor whose size is symbolic (inside a compiled region, where its strides are the graph's own).
-    Example: ``[8, 0, 4, 2]`` -> strides ``(0, 8, 2, 1)``.
-    """
+    """``t`` with the strides ``stride[i] = prod(shape[i+1:])``, also when a dim is 0: torch gives an empty tensor a
+    size-1 dim's strides, and a graph compiled with a symbolic ``S`` guards ``stride(0) == S``. Others (and a
+    symbolic-size tensor) come back as is. Example: ``[8, 0, 4, 2]`` -> strides ``(0, 8, 2, 1)``."""
     if t.dim() == 0 or guard_or_true(t.numel() != 0):  # an unbacked S: not known empty
         return t
     strides, step = [], 1
@@ -74,18 +60,15 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
 
 def pad_to_row_capacity(x: torch.Tensor, seq_lengths: torch.Tensor, capacity: int, *,
                         name: str = "capacity") -> RowPadded:
-    """Pad ``x [B, S, *]`` and ``seq_lengths [B]`` with empty rows to ``capacity`` rows.
-
-    Returns :class:`RowPadded` with ``num_rows = B`` as a 0-d int64 tensor on ``x``'s
-    device, to pass as ``num_rows`` to :class:`~nn_data.PackSequences`. Pad other
-    tensors of the same batch (routed experts, masks) with :func:`pad_rows`.
+    """Pad ``x [B, S, *]`` and ``seq_lengths [B]`` with empty rows to ``capacity`` rows: a :class:`RowPadded` with
+    ``num_rows = B`` as a 0-d int64 tensor (for :class:`~nn_data.PackSequences`); pad the batch's other tensors with
+    :func:`pad_rows`.
 
     Example: ``x [3, 8]``, lengths ``[5, 0, 8]``, capacity 4 -> ``x [4, 8]`` (last row
     zeros), lengths ``[5, 0, 8, 0]``, num_rows ``tensor(3)``.
 
-    Raises :class:`PackingError` if ``B > capacity`` (naming the capacity as ``name``), or
-    ``seq_lengths`` is not a 1-D integer tensor of ``B`` entries.
-    """
+    Raises :class:`PackingError` if ``B > capacity`` (naming the capacity as ``name``), or ``seq_lengths`` is not a
+    1-D integer tensor of ``B`` entries."""
     _checks.check_min_dims("x", x, 2, "[B, S, *]")
     _checks.check_int_vector("seq_lengths", seq_lengths, x.shape[0])
     # torch.full writes the count on the device; torch.tensor(int, device=...) would copy it from
@@ -95,21 +78,16 @@ def pad_to_row_capacity(x: torch.Tensor, seq_lengths: torch.Tensor, capacity: in
 
 
 def with_dynamic_row_length(t: torch.Tensor) -> torch.Tensor:
-    """``t [B, S, *]`` with its row length ``S`` (dim 1) marked as a symbolic size for
-    ``torch.compile``: a graph compiled from it serves every ``S``, ``0`` and ``1`` included.
-
-    Call it outside the compiled region on every tensor of the batch with an ``S`` dim (ids,
-    masks, routed experts), each call. ``S`` is marked *unbacked*
-    (``torch._dynamo.decorators.mark_unbacked``), so the compiler never specialises on it, not
-    even on 0 or 1 as it does for other dynamic sizes; an empty tensor comes back as a view with
-    row-major strides (:func:`row_major`), else ``t`` itself. No effect outside ``torch.compile``.
+    """``t [B, S, *]`` with its row length ``S`` (dim 1) marked *unbacked* for ``torch.compile``: a graph compiled
+    from it serves every ``S``, ``0`` and ``1`` included. Call it outside the compiled region on every tensor of
+    the batch with an ``S`` dim, each call; an empty tensor comes back with row-major strides (:func:`row_major`).
+    No effect outside ``torch.compile``.
 
     Example::
 
         >>> compiled = torch.compile(PackSequences(8, pad_full_seq_to=4096), fullgraph=True)
         >>> p = pad_to_row_capacity(input_ids, seq_lengths, capacity=64)
-        >>> r = compiled(with_dynamic_row_length(p.x), p.seq_lengths, p.num_rows)  # one graph, any S
-    """
+        >>> r = compiled(with_dynamic_row_length(p.x), p.seq_lengths, p.num_rows)  # one graph, any S"""
     _checks.check_min_dims("t", t, 2, "[B, S, *]")
     t = row_major(t)
     torch._dynamo.decorators.mark_unbacked(t, 1)

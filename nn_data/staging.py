@@ -6,15 +6,10 @@ Shape legend
     R   row capacity; S the staged row length (the widest row the stream holds)
     T   packed tokens (``pad_full_seq_to``); C context-parallel size, a rank holds ``T/C``
 
-A captured graph replays the kernels it recorded on the addresses it recorded, so its inputs must be copied
-into the same tensors before every replay and whatever it hands the model must be those tensors too.
-:class:`StagedMicrobatch` allocates both once for one :class:`~nn_data.PackedForward` configuration: the
-**rows** the data path reads (``rows_ids [R, S]``, ``rows_lengths [R]``, ``num_rows``, ``row_width``; filled by
+:class:`StagedMicrobatch` allocates once the **rows** the data path reads (filled by
 :meth:`StagedMicrobatch.load`, no allocation, no host sync) and the **packed** tensors the model reads
-(``[1, T/C]`` ids, positions, targets, padding mask, the boundaries; refreshed by
-:meth:`StagedMicrobatch.prepare` on the device executor), with ``info`` and ``packed_seq_params`` made once over
-them. How to capture and replay: docs/models.md, "A microbatch for CUDA graphs".
-"""
+(refreshed by :meth:`StagedMicrobatch.prepare` on the device executor). How to capture and replay:
+docs/models.md, "A microbatch for CUDA graphs"."""
 
 from __future__ import annotations
 
@@ -32,15 +27,16 @@ from nn_data.targets import next_token_at
 
 
 class StagedMicrobatch:
-    """Fixed-address buffers for one microbatch of ``packing``'s stream, sized by ``(R, T, C)`` (module
-    docstring). ``packing`` is a :class:`~nn_data.PackedForward` with ``pad_full_seq_to`` (T) and
-    ``row_capacity`` (R); ``seq_len`` (S) is the widest row a microbatch may have; ``device`` where the
-    buffers live (default: the CPU); ``ids_dtype`` the dtype of the ids; ``validate=True`` keeps the
-    data path's data checks as device asserts (no host read either way).
+    """Fixed-address buffers for one microbatch of ``packing``'s stream, sized by ``(R, T, C)``.
 
-    Raises :class:`PackingError` when ``packing`` has no ``pad_full_seq_to`` or no ``row_capacity``,
-    for a bad ``seq_len``; :meth:`load` for a batch that does not fit.
-    """
+    Args:
+        packing: a :class:`~nn_data.PackedForward` with ``pad_full_seq_to`` (T) and ``row_capacity`` (R).
+        seq_len: S, the widest row a microbatch may have.
+        device: where the buffers live (default: the CPU); ids_dtype: the dtype of the ids.
+        validate: keep the data path's data checks as device asserts (no host read either way).
+
+    Raises :class:`PackingError` when ``packing`` has no ``pad_full_seq_to`` or no ``row_capacity``, for a bad
+    ``seq_len``; :meth:`load` for a batch that does not fit."""
 
     def __init__(self, packing: PackedForward, seq_len: int, *, device=None, ids_dtype: torch.dtype = torch.int64,
                  ignore_index: int = -100, validate: bool = True):
@@ -77,13 +73,10 @@ class StagedMicrobatch:
     # -- the rows -----------------------------------------------------------------------------------------
 
     def load(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, **tree) -> "StagedMicrobatch":
-        """Copy ``input_ids [B, S']`` and ``seq_lengths [B]`` (``B <= R``, ``S' <= S``, on the buffers'
-        device) into the staged rows; rows and columns past them are zeroed. ``copy_``, ``zero_`` and
-        ``fill_`` on views: nothing is allocated, nothing read on the host. With ``validate`` every length
-        must fit the rows *loaded* (``S'``, not the staged ``S``: a longer one would pack the zeroed columns
-        as tokens); ``S'`` is staged too (``row_width``, 0-d) for :meth:`prepare`'s device assert. A tree's
-        keywords (``parent``, ``branch_at``, ``prefix_lengths``, ``group_ids``) are refused by name: a tree's
-        branching token has one next-token target per child."""
+        """Copy ``input_ids [B, S']`` and ``seq_lengths [B]`` (``B <= R``, ``S' <= S``) into the staged rows, zeroing the
+        rest, by ``copy_``/``zero_``/``fill_`` on views (nothing allocated or read). ``S'`` is staged too
+        (``row_width``): with ``validate`` every length must fit the rows *loaded*. A tree's keywords are refused by
+        name: a tree's branching token has one next-token target per child."""
         refuse_tree("StagedMicrobatch.load", tree, "the staged targets [1, T/C] hold one next token per packed "
                     "position, and a tree's branching token has one per child; run it through "
                     "PackedForward.prepare with TreeLogProbs (docs/ops.md, \"Rollout trees\")")
@@ -107,9 +100,8 @@ class StagedMicrobatch:
         return self
 
     def load_rows(self, rows_ids: torch.Tensor, rows_lengths: torch.Tensor, num_rows: torch.Tensor) -> "StagedMicrobatch":
-        """Copy a microbatch already padded to the row capacity (``rows_ids [R, S]``, ``rows_lengths [R]``,
-        ``num_rows`` 0-d: :func:`nn_data.pad_to_row_capacity`'s result, or a loader's static buffers such
-        as megatron-core's ``StaticBufferLoader``) into the staged rows: three ``copy_``, nothing read."""
+        """Copy a microbatch already padded to the row capacity (``rows_ids [R, S]``, ``rows_lengths [R]``, ``num_rows``
+        0-d: :func:`nn_data.pad_to_row_capacity`'s result, or a loader's static buffers) into the staged rows."""
         for name, value, buffer in (("rows_ids", rows_ids, self.rows_ids), ("rows_lengths", rows_lengths,
                                                                              self.rows_lengths),
                                     ("num_rows", num_rows, self.num_rows)):
@@ -122,10 +114,8 @@ class StagedMicrobatch:
     # -- the packed tensors -----------------------------------------------------------------------------
 
     def prepare(self) -> "StagedMicrobatch":
-        """The data path on the staged rows, into the staged packed tensors: pack (device executor), this
-        rank's places, position ids, next-token targets, padding mask, boundaries. No host read, fixed
-        shapes: what a CUDA graph captures ahead of the model. With ``validate``, every length must fit the
-        rows loaded (``row_width``, not the staged ``S``): a device assert, captured with the rest."""
+        """The data path on the staged rows into the staged packed tensors (pack, places, position ids, targets,
+        padding mask, boundaries): no host read, fixed shapes, what a CUDA graph captures ahead of the model."""
         if self.validate:
             checks.lengths_device("StagedMicrobatch.prepare", self.rows_lengths, self.row_width, None,
                            row_len_name="the rows loaded: input_ids.shape[1] of load")
@@ -197,21 +187,3 @@ class StagedMicrobatch:
 #: The packed tensors a :class:`StagedMicrobatch` stages (besides the rows).
 STAGED = ("input_ids", "position_ids", "targets", "padding_mask", "cu_seqlens_padded", "segment_ids", "query_index",
           "max_seqlen")
-
-
-def staged_values(packing: PackedForward, input_ids: torch.Tensor, seq_lengths: torch.Tensor, *,
-                  ignore_index: int = -100) -> dict:
-    """The unstaged path's values of the staged tensors (``packing.prepare`` and
-    :class:`~nn_data.NextTokenTargets` on its pack): what a :class:`StagedMicrobatch` must hold after
-    ``load(input_ids, seq_lengths).prepare()``. For tests and the GPU check."""
-    from nn_data.rows import pad_to_row_capacity
-    from nn_data.targets import NextTokenTargets
-
-    inp = packing.prepare(input_ids, seq_lengths)
-    padded = pad_to_row_capacity(input_ids, seq_lengths, packing.row_capacity, name="row_capacity")
-    r = packing.pack(padded.x, padded.seq_lengths, padded.num_rows)
-    targets = NextTokenTargets(packing.cp_size, packing.cp_rank, ignore_index=ignore_index)(r.packed, layout=r.layout)
-    info = inp.packed
-    return dict(input_ids=inp.input_ids, position_ids=inp.position_ids, targets=targets.targets,
-                padding_mask=info.padding_mask, cu_seqlens_padded=info.cu_seqlens_padded,
-                segment_ids=info.segment_ids, query_index=info.query_index, max_seqlen=info.max_seqlen)

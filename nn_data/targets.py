@@ -7,12 +7,9 @@ Shape legend
         (``C = 1``: the whole packed tensor, ``T`` positions)
     L   ``L[b] = cu_seqlens[b+1] - cu_seqlens[b]``, the valid tokens of sequence ``b``
 
-Both ops compute an index map on the device from the boundaries (segment ids via
-scatter-add + cumsum, the zigzag map for ``C > 1``) and read the packed tensor
-once, every shape from ``T``, ``C`` and ``B``. They run on the layout (:mod:`nn_data.layout`):
-given the pack's ``layout=`` (or this rank's ``places=``) nothing is read on the host; given only
-the boundaries, eagerly, the boundaries are read once (the validation).
-"""
+Both ops compute an index map on the device from the layout (:mod:`nn_data.layout`) and read the packed
+tensor once; given the pack's ``layout=`` (or ``places=``) nothing is read on the host, given only the
+boundaries they are read once eagerly (the validation)."""
 
 from __future__ import annotations
 
@@ -30,27 +27,17 @@ class PositionIds(RankOp):
     """Position ids of the packed layout, restarting at 0 at every sequence start: ``[1, T/C]`` int64.
 
     ``PositionIds(cp_size=1, cp_rank=0, *, validate=True, host_reads=True)``;
-    ``forward(packed [1, T, *], cu_seqlens_padded [B+1] int = None, places=None, *, layout=None) ->
-    [1, T/C]``. ``packed`` (any
-    tensor of the packed microbatch, e.g. the packed input ids) gives ``T`` and the device.
-    With ``cp_size == 1`` the result covers the whole packed tensor; otherwise rank
-    ``cp_rank``'s zigzag shard, in the order :class:`~nn_data.ShardForContextParallel`
-    produces (so it lines up with the sharded input ids).
-
-    Padding positions: the id is the offset inside the *padded* segment, so padding after
-    a sequence continues counting (``L, L+1, ...``), and so does the tail that
-    ``pad_full_seq_to`` adds to the last segment. With no sequence at all (``B = 0``) the
-    ids are ``0..T-1``. Padding tokens are attention-isolated inside their segment and
-    carry no target, so their ids never reach a loss.
+    ``forward(packed [1, T, *], cu_seqlens_padded [B+1] int = None, places=None, *, layout=None) -> [1, T/C]``.
+    ``packed`` (any tensor of the packed microbatch) gives ``T`` and the device; with ``cp_size > 1`` the result is
+    rank ``cp_rank``'s zigzag shard, aligned with :class:`~nn_data.ShardForContextParallel`. Padding continues
+    counting inside its padded segment (its ids never reach a loss); with no sequence the ids are ``0..T-1``.
 
     Example: cu_seqlens_padded ``[0, 4, 4, 12]`` (C 1) -> ``[[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]``;
     C 2, rank 1 -> positions ``1, 2, 2..5`` of the segments -> ``[[1, 2, 2, 3, 4, 5]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: bad ``cp_size``/``cp_rank`` (``__init__``);
-    ``packed`` not ``[1, T, *]``, ``T`` not a multiple of ``2*cp_size``, bad boundary tensor
-    (call); boundaries not rising from 0 to ``T`` or segments not divisible by ``2*cp_size``
-    (validation step).
-    """
+    Raises :class:`~nn_data.errors.PackingError`: bad ``cp_size``/``cp_rank`` (``__init__``); ``packed`` not
+    ``[1, T, *]``, ``T`` not a multiple of ``2*cp_size``, bad boundary tensor (call); boundaries not rising from 0
+    to ``T`` or segments not divisible by ``2*cp_size`` (validation)."""
 
     def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, validate: bool = True, host_reads: bool = True):
         super().__init__(cp_size, cp_rank, validate=validate, host_reads=host_reads)
@@ -73,15 +60,12 @@ class Targets(NamedTuple):
 
 
 def next_token_at(packed_ids: torch.Tensor, segments: Segments, places: ZigzagLocal, total: int):
-    """``(token [N] int64, has_target [N] bool)`` for the positions in ``places``.
-
-    Position ``t`` at offset ``o`` in its segment ``b`` has a target iff ``o + 1 < L[b]``; the
-    target is ``packed_ids[t + 1]``, which then lies in the same sequence. ``token`` holds
-    ``packed_ids[t + 1]`` (clamped into range) everywhere: use it only where ``has_target``.
+    """``(token [N] int64, has_target [N] bool)`` for the positions in ``places``: position ``t`` at offset ``o`` of
+    segment ``b`` has a target iff ``o + 1 < L[b]``, the token ``packed_ids[t + 1]`` (clamped into range
+    everywhere: use it only where ``has_target``).
 
     Example: lengths ``[3, 5]``, bounds ``[0, 4, 12]``: positions ``0, 1`` and ``4..7`` have
-    targets; ``2`` (last of sequence 0) does not, nor do ``3`` and ``8..11`` (padding).
-    """
+    targets; ``2`` (last of sequence 0) does not, nor do ``3`` and ``8..11`` (padding)."""
     bounds, lengths = segments
     offset = places.source - bounds[places.segment]  # [N]
     has_target = offset + 1 < lengths[places.segment]  # [N]
@@ -94,27 +78,18 @@ class NextTokenTargets(RankOp):
 
     ``NextTokenTargets(cp_size=1, cp_rank=0, *, ignore_index=-100, validate=True, host_reads=True)``;
     ``forward(packed_ids [1, T] int, cu_seqlens [B+1] int = None, cu_seqlens_padded [B+1] int = None,
-    places=None, *, layout=None)``.
-    The target of the token at offset ``o`` of sequence ``b`` is the token at ``o + 1`` of the
-    same sequence. A sequence's last token has no target: it never gets the next
-    sequence's first token (the label leak verl fixed in its PR 6564, from rolling the
-    flat packed tensor). Positions without a target (each sequence's last token, every
-    padding position, empty rows) get ``ignore_index`` and loss mask 0.
-
-    ``packed_ids`` is the *full* packed microbatch on every rank (a shard's last token
-    per chunk needs its neighbour from another chunk); the outputs hold rank ``cp_rank``'s
-    zigzag positions, aligned with ``ShardForContextParallel(cp_size, cp_rank)`` of the
-    packed ids and with the CP-local logits. ``cp_size == 1``: all ``T`` positions.
+    places=None, *, layout=None)``. A sequence's last token has no target (never the next sequence's first);
+    positions without a target (last tokens, padding, empty rows) get ``ignore_index`` and loss mask 0.
+    ``packed_ids`` is the *full* packed microbatch on every rank; the outputs hold rank ``cp_rank``'s zigzag
+    positions, aligned with ``ShardForContextParallel(cp_size, cp_rank)`` and the CP-local logits.
 
     Example (C 1): packed ``[[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]]``, cu_seqlens ``[0, 3, 3, 8]``,
     cu_seqlens_padded ``[0, 4, 4, 12]`` -> targets ``[[2, 3, -100, -100, 5, 6, 7, 8, -100,
     -100, -100, -100]]``, loss mask ``[[1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: bad ``cp_size``/``cp_rank`` (``__init__``);
-    ``packed_ids`` not ``[1, T]``, ``T`` not a multiple of ``2*cp_size``, boundary tensors
-    not 1-D integer with equal lengths (call); bad boundaries or a length that does not
-    fit its padded segment (validation step).
-    """
+    Raises :class:`~nn_data.errors.PackingError`: bad ``cp_size``/``cp_rank`` (``__init__``); ``packed_ids`` not
+    ``[1, T]``, ``T`` not a multiple of ``2*cp_size``, boundary tensors not 1-D integer with equal lengths (call);
+    bad boundaries or a length that does not fit its padded segment (validation)."""
 
     def __init__(self, cp_size: int = 1, cp_rank: int = 0, *, ignore_index: int = -100, validate: bool = True,
                  host_reads: bool = True):

@@ -6,17 +6,8 @@ Shape legend
     T   packed tokens
     *   trailing feature dims (e.g. vocab ``V`` for logits)
 
-``out[b, s] = packed[0, cu_seqlens_padded[b] + s]`` for ``s < L[b]``, ``fill_value``
-elsewhere (``docs/design.md``, "Unpacking"). The offsets are always the *padded* ones: NeMo-RL's
-``_unpack_sequences_from_megatron`` reads ``cu_seqlens`` when CP is 1, which is
-wrong whenever sequences were padded to a multiple ``m > 1``.
-
-It runs on the layout (:mod:`nn_data.layout`): given the pack's ``layout=`` it reads nothing and,
-eagerly, moves the rows with one ``split`` and one ``cat`` (:mod:`nn_data.layout.host`); given the
-lengths and boundaries it reads them once (the validation) first; under ``torch.compile`` (and with
-``host_reads=False``) it gathers (or, for a mostly-fill output, scatters) along index maps on the
-device (:mod:`nn_data.layout.device`, which has the measured forms).
-"""
+``out[b, s] = packed[0, cu_seqlens_padded[b] + s]`` for ``s < L[b]``, ``fill_value`` elsewhere: always the
+*padded* offsets (``docs/design.md``, "Unpacking"). Given ``layout=`` nothing is read."""
 
 from __future__ import annotations
 
@@ -35,20 +26,18 @@ class UnpackSequences(nn.Module):
 
     ``UnpackSequences(seq_len, *, fill_value=0, validate=True, host_reads=True)``;
     ``forward(packed [1, T, *], seq_lengths [B] int = None, cu_seqlens_padded [B+1] int = None,
-    seq_len=None, *, layout=None) -> [B, S, *]`` with ``S = seq_len`` (the call's, else the
-    configured one). Pass the lengths and boundaries, or the pack's ``layout`` (then they are not
-    read again; given as well, they must be the very tensors the layout holds).
+    seq_len=None, *, layout=None) -> [B, S, *]`` with ``S = seq_len`` (the call's, else the configured one).
+    Pass the lengths and boundaries, or the pack's ``layout`` (given as well, they must be the very tensors the
+    layout holds).
 
     Example: packed ``[[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]]``, lengths ``[3, 0, 5]``,
     cu_seqlens_padded ``[0, 4, 4, 12]``, seq_len 5 ->
     ``[[1, 2, 3, 0, 0], [0, 0, 0, 0, 0], [4, 5, 6, 7, 8]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``seq_len < 0`` (``__init__``);
-    ``packed`` not ``[1, T, *]``, ``seq_lengths`` not 1-D integer, ``cu_seqlens_padded``
-    without ``B+1`` entries, tensors on different devices (call); a length outside
-    ``[0, seq_len]`` or longer than its padded segment, boundaries that do not start at 0, never
-    decrease and end at ``T`` (validation: eager the one read, compiled device asserts).
-    """
+    Raises :class:`~nn_data.errors.PackingError`: ``seq_len < 0`` (``__init__``); ``packed`` not ``[1, T, *]``,
+    ``seq_lengths`` not 1-D integer, ``cu_seqlens_padded`` without ``B+1`` entries, tensors on different devices
+    (call); a length outside ``[0, seq_len]`` or longer than its padded segment, boundaries that do not rise from
+    0 to ``T`` (validation)."""
 
     def __init__(self, seq_len: int, *, fill_value=0, validate: bool = True, host_reads: bool = True):
         super().__init__()

@@ -1,18 +1,8 @@
-"""Adapters that make real model stacks :class:`~nn_data.packed_forward.PackedForward` models.
-
-* :class:`HFCausalLMAdapter` (``nn_data.adapters.hf``): a Hugging Face transformers causal LM;
-* :class:`MegatronGPTAdapter` and :func:`megatron_gpt_layer_spec` (``nn_data.adapters.megatron_gpt``):
-  a megatron-core ``GPTModel`` with nn_data's packed attention;
-* :func:`pipeline_forward_step` (``nn_data.adapters.megatron_pipeline``): a ``forward_step_func``
-  for megatron-core's pipeline schedules that packs every microbatch to one ``T``;
-  :func:`dynamic_cp_forward_step` the same for the rounds of a dynamic-CP step;
-* ``nn_data.adapters.tree_kv`` (a module, its ``__all__``): TransformerEngine's separate query and
-  key/value boundaries of a shared-prefix microbatch.
-
-Importing this package imports neither transformers nor megatron-core (each costs seconds);
-the names load their module on first use. The CPU-only patches of megatron-core live in
-``nn_data.adapters._megatron_cpu`` (documented there).
-"""
+"""Adapters that make real model stacks :class:`~nn_data.packed_forward.PackedForward` models:
+:class:`HFCausalLMAdapter` (transformers), :class:`MegatronGPTAdapter` and :func:`megatron_gpt_layer_spec`
+(megatron-core), :func:`pipeline_forward_step` and :func:`dynamic_cp_forward_step` (megatron-core's
+schedules), and the ``tree_kv`` module (a tree microbatch's separate query and key/value boundaries). Importing
+this package imports neither transformers nor megatron-core: the names load their module on first use."""
 
 from __future__ import annotations
 

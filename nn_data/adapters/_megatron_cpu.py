@@ -1,42 +1,12 @@
-"""The ONLY place nn_data patches megatron-core: what a CPU-only torch needs to run a ``GPTModel``
-and the pipeline schedules. Applied only where torch cannot use CUDA, for the megatron-core
-releases in :data:`SUPPORTED_RELEASES` (each tested), and nowhere else.
+"""The ONLY place nn_data patches megatron-core: what a CPU-only torch needs to run a ``GPTModel`` and the
+pipeline schedules. Applied only where torch cannot use CUDA, for the releases in :data:`SUPPORTED_RELEASES`
+(each tested); another release raises (:func:`unsupported_reason`) instead of being patched blindly.
 
-megatron-core assumes a GPU in a few spots that have nothing to do with the arithmetic. On a
-torch without CUDA each of them raises; here is each spot and what replaces it:
-
-* ``models/common/embeddings/rotary_pos_embedding.py``: ``RotaryEmbedding.get_emb`` moves its
-  ``inv_freq`` to ``torch.cuda.current_device()`` on the first forward;
-* ``utils.py``: ``GlobalMemoryBuffer.get_tensor`` (the stock ``DotProductAttention``'s score
-  buffer) allocates on ``torch.cuda.current_device()``;
-* ``pipeline_parallel/schedules.py``: every schedule, even PP = 1, creates
-  ``torch.zeros([], device="cuda")`` for its token count;
-* ``pipeline_parallel/p2p_communication.py``: receive buffers are allocated on
-  ``torch.cuda.current_device()`` and batched sends call ``torch.cuda.synchronize()``;
-* ``transformer/moe/router.py`` (MoE models): the router moves its gating weight to
-  ``torch.cuda.current_device()`` on every forward and allocates its expert-bias and token-count
-  buffers there.
-
-Each of those five modules gets its own ``torch`` name bound to :class:`_TorchOnCpu`, a
-stand-in that forwards every attribute to the real torch except that ``cuda.current_device()``
-answers the CPU, ``cuda.synchronize()`` does nothing (CPU work is synchronous) and
-``device="cuda"`` in a tensor factory means the CPU. Nothing global changes: other modules,
-and torch itself, are untouched.
-
-* ``transformer/moe/moe_utils.py`` (0.16.x, MoE models, no TransformerEngine): the name
-  ``te_general_gemm`` is bound only when TransformerEngine imports, yet the router's gating reads
-  it (a ``NameError``); it is bound to ``None`` (what 0.19.x binds without TransformerEngine),
-  which takes the plain ``torch.mm`` path.
-* ``tensor_parallel.random``: the model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``
-  around attention dropout; ``model_parallel_cuda_manual_seed`` asserts CUDA) is replaced by
-  megatron-core's own inference tracker (``initialize_rng_tracker(inference_rng_tracker=True,
-  force_reset=True)``), whose ``fork()`` does nothing: dropout then draws from torch's CPU
-  generator (seed it with ``torch.manual_seed``).
-
-Other megatron-core releases may allocate elsewhere: :func:`apply_cpu_patches` raises for a
-release not listed instead of patching blindly (:func:`unsupported_reason` says why, for tests
-to skip with).
-"""
+Five megatron-core modules that allocate on or synchronise CUDA get their own ``torch`` name bound to
+:class:`_TorchOnCpu` (``cuda.current_device()`` is the CPU, ``cuda.synchronize()`` does nothing,
+``device="cuda"`` means the CPU); 0.16's ``moe_utils.te_general_gemm`` is bound to ``None``; the model-parallel
+RNG tracker is megatron-core's own inference tracker. Nothing global changes. Each spot and why:
+docs/models.md, "megatron-core on a CPU: what nn_data patches"."""
 
 from __future__ import annotations
 
@@ -136,12 +106,9 @@ def unsupported_reason() -> "str | None":
 
 
 def apply_cpu_patches() -> bool:
-    """Patch megatron-core for a CPU-only torch (module docstring); idempotent.
-
-    Returns True if the patches are (now) in place, False when torch can use CUDA (nothing is
-    patched then). Raises ``RuntimeError`` on a CPU-only torch with a megatron-core release not
-    in :data:`SUPPORTED_RELEASES`, naming the installed version (:func:`unsupported_reason`).
-    """
+    """Patch megatron-core for a CPU-only torch (module docstring), idempotently: True when the patches are in place,
+    False when torch can use CUDA (nothing patched). Raises ``RuntimeError`` on a CPU-only torch with a release not
+    in :data:`SUPPORTED_RELEASES`, naming the installed version (:func:`unsupported_reason`)."""
     if not needs_cpu_patches():
         return False
     reason = unsupported_reason()
@@ -160,10 +127,3 @@ def apply_cpu_patches() -> bool:
     if tracker is None or not getattr(tracker, "is_inference_rng_tracker", False):
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     return True
-
-
-def cpu_patches_applied() -> bool:
-    """True when every patched module of :func:`apply_cpu_patches` sees the CPU stand-in."""
-    import sys
-
-    return all(getattr(sys.modules.get(name), "torch", None) is _SHIM for name in _PATCHED_MODULES)

@@ -5,33 +5,11 @@ Shape legend
     T   packed tokens (keys, after the CP gather)
     B'  segments (``max(B, 1)``); H query heads, Hk key/value heads, D head dim, V vocab
 
-Every call hands the model the packed layout as transformers' padding-free keywords, with no host
-read: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 ``[B'+1]`` on the device: the padded boundaries,
-the pseudo-segment ``[0, T]`` when ``B = 0``; under CP this rank's local boundaries,
-``cu_seqlens_padded // C``), ``max_length_q`` / ``max_length_k`` (Python ints: the layout's longest
-segment when it was planned on the host, else ``T``; ``// C`` under CP), ``seq_idx`` (int32
-``[1, Tq]``, the segment of each token) for models with non-attention mixers, and the position ids
-(restarting at 0 at every sequence) as before.
-
-How each layer keeps the sequences apart (:mod:`nn_data.adapters.hf_layers` classifies them when the
-adapter is built, and refuses any it cannot):
-
-* **attention**: for the duration of the call the model's attention implementation is the function
-  this module registers with ``transformers.AttentionInterface`` under :data:`ATTENTION_NAME` (and
-  restored afterwards). nn_data's document mask (:mod:`nn_data.masks`: dense, or a flex
-  ``BlockMask`` where that backend runs the call; restricted to the window on sliding-window layers)
-  reaches it as the keyword ``nn_data_mask``; the model gets a 4-D ``attention_mask`` placeholder (a
-  broadcast view, no memory), which transformers passes through untouched, so it derives nothing
-  from the position ids (that derivation reads the device once per call). Under CP the mask's
-  ``gather`` all-gathers the (already rotary-embedded) keys and values across the CP group first. A
-  model built with a flash-attention implementation keeps it without CP: its variable-length kernel
-  takes the boundaries above. Called without nn_data's mask, the registered function is
-  transformers' own SDPA attention.
-* **gated delta nets, Mamba-2 mixers, short convolutions** (``hf_layers.MIXERS``): run one sequence
-  per row by nn_data (:mod:`nn_data.adapters.hf_mixers`), exact on any device; or, without CP and with
-  the GPU kernels that honour the boundaries importable and the model on CUDA, by those kernels
-  given the boundaries (``mixers=``).
-"""
+Every call hands the model the layout as transformers' padding-free keywords (:func:`boundary_kwargs`, no
+host read). Attention layers run the function this module registers with ``transformers.AttentionInterface``
+under :data:`ATTENTION_NAME`, with nn_data's document mask by keyword; non-attention mixers run one sequence
+per row (:mod:`nn_data.adapters.hf_mixers`) or by kernels given the boundaries. What the model receives and
+how each layer keeps the sequences apart: docs/models.md, "Wrapping your model"."""
 
 from __future__ import annotations
 
@@ -60,18 +38,11 @@ _CALLS_KWARG = "nn_data_calls"  # a list the attention function appends to: the 
 
 def packed_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
                      scaling=None, **kwargs):
-    """transformers attention function: ``query [1, H, Tq, D]``, ``key/value [1, Hk, Tq, D]`` ->
-    ``([1, Tq, H, D], None)``.
-
-    With nn_data's :class:`~nn_data.masks.DocumentMask` in ``kwargs["nn_data_mask"]``:
-    keys and values are gathered across the CP group (``mask.gather``) and attention runs under
-    the document-causal mask (its ``sliding`` form on a layer called with ``sliding_window``).
-    Without it: transformers' SDPA attention, unchanged.
-    Raises :class:`PackingError` for what :func:`nn_data.adapters.hf_support.check_call` refuses (soft
-    caps, sinks, a position bias, non-causal attention, a mask of the model's own, keywords outside
-    its list), and for a sliding window the mask was not built for. The window applied is the
-    layer's own (:func:`~nn_data.adapters.hf_support.call_window`), whatever the call passes.
-    """
+    """transformers attention function: ``query [1, H, Tq, D]``, ``key/value [1, Hk, Tq, D]`` -> ``([1, Tq, H, D],
+    None)``; with nn_data's :class:`~nn_data.masks.DocumentMask` in ``kwargs["nn_data_mask"]`` keys and values are
+    gathered across the CP group and attention runs under it (its ``sliding`` form with the layer's window), else
+    transformers' SDPA. Raises :class:`PackingError` for what :func:`nn_data.adapters.hf_support.check_call`
+    refuses and for a sliding window the mask was not built for."""
     mask = kwargs.pop(_MASK_KWARG, None)
     calls = kwargs.pop(_CALLS_KWARG, None)
     if mask is None:
@@ -117,41 +88,29 @@ def register_packed_attention() -> str:
 
 
 class HFCausalLMAdapter(nn.Module):
-    """A transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, Qwen3-Next, Mamba-2, LFM2,
-    ...) as a :class:`~nn_data.packed_forward.PackedForward` model.
+    """A transformers causal LM (Llama, Qwen2, Qwen3-Next, Mamba-2, LFM2, ...) as a ``PackedForward`` model:
+    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs) -> logits [1, Tq, V]``, extra
+    ``model_kwargs`` to the model (a KV cache and the keywords the adapter sets refused by name); no token: ``[1,
+    0, V]`` without calling the model.
 
-    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs) -> logits [1, Tq, V]``, or with
-    ``output="hidden_states"`` the final hidden states ``[1, Tq, H]`` (after the last norm: what the output
-    layer reads): the model's base (``model.base_model``, transformers' name for the ``model`` / ``backbone``
-    inside a ``*ForCausalLM``) runs and the output layer does not, so no ``[Tq, V]`` logits are made; feed
-    them with ``model.get_output_embeddings().weight`` to :class:`~nn_data.TokenLogProbsFromHidden`
-    (docs/models.md). A family whose ``*ForCausalLM`` changes the logits after the output layer (a soft
-    cap or scale of its config) needs that change on the head's side (docs/models.md).
-    ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the form of nn_data's attention mask
-    (:func:`nn_data.masks.document_mask`). ``mixers`` (``"auto"``, ``"per_sequence"``,
-    ``"kernels"``) chooses how non-attention mixers keep sequences apart
-    (:func:`nn_data.adapters.hf_layers.mixer_path`; under CP always per sequence). Extra
-    ``model_kwargs`` go to the model (``use_cache=False`` is the adapter's own); a KV cache
-    (``use_cache=True``, ``past_key_values``) and the keywords the adapter sets from the layout
-    (``attention_mask``, the boundaries) are refused by name.
+    Args:
+        model: the transformers model.
+        mask_kind: ``"auto"``, ``"dense"`` or ``"block"``: the mask's form (:func:`nn_data.masks.document_mask`).
+        mixers: ``"auto"``, ``"per_sequence"`` or ``"kernels"``: how non-attention mixers keep sequences apart
+            (:func:`nn_data.adapters.hf_layers.mixer_path`; under CP always per sequence).
+        output: one of :data:`OUTPUTS`; ``"hidden_states"`` returns the final hidden states ``[1, Tq, H]`` (the
+            base model runs, the output layer does not): feed them to :class:`~nn_data.TokenLogProbsFromHidden`.
 
-    Raises :class:`PackingError` when built for a model that is not a transformers model, whose
-    layers nn_data cannot keep packed sequences apart in (naming the model type, the layer and what to
-    install, or that nothing would), or whose attention is outside the list of what the adapter keeps
-    exact (:mod:`nn_data.adapters.hf_support`: non-causal, ALiBi, batch-dependent rotary types,
-    several windows, ...), or ``mixers="kernels"`` without the kernels; on a call in training
-    with transformers' gradient checkpointing enabled (its recomputation runs after the call, outside
-    nn_data's attention and per-sequence rows); on the first call,
-    when an attention layer does not go through transformers' attention interface or attends with
-    keywords, features or a mask of its own outside that list. A microbatch with no token returns
-    ``[1, 0, V]`` (``[1, 0, H]``) without calling the model; an ``output`` outside :data:`OUTPUTS` is refused.
+    Raises :class:`PackingError` for a model that is not a transformers model, layers nn_data cannot keep apart
+    (naming the layer and what to install), attention outside :mod:`nn_data.adapters.hf_support`'s list,
+    ``mixers="kernels"`` without the kernels, transformers' gradient checkpointing in training, or (on the first
+    call) an attention layer that bypasses the interface.
 
     Example::
 
         model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, ...))
         wrapped = PackedForward(HFCausalLMAdapter(model), cp_group=cp_group, pad_individual_seqs_to_multiple_of=8)
-        logits = wrapped(input_ids, seq_lengths)  # [B, S, V]
-    """
+        logits = wrapped(input_ids, seq_lengths)  # [B, S, V]"""
 
     def __init__(self, model: nn.Module, *, mask_kind: str = "auto", mixers: str = "auto", output: str = "logits"):
         super().__init__()
@@ -168,10 +127,8 @@ class HFCausalLMAdapter(nn.Module):
         self.revalidate()
 
     def revalidate(self) -> None:
-        """Classify the model's layers and run the allow-list (:mod:`nn_data.adapters.hf_support`) on the model
-        as it is now: when the adapter is built, and again when ``PackedForward``'s guard finds the model
-        changed (:mod:`nn_data.model_identity`; nothing to do when the model is as last read); raises
-        :class:`PackingError` for what it refuses."""
+        """Classify the layers and run :mod:`nn_data.adapters.hf_support`'s list on the model as it is now (when built,
+        and when ``PackedForward``'s guard finds it changed); raises :class:`PackingError` for what it refuses."""
         model = self.model
         if fingerprint(model) == self.__dict__.get("_validated"):
             return
@@ -196,9 +153,8 @@ class HFCausalLMAdapter(nn.Module):
         return None if self.longrope is None else self.longrope[1]
 
     def reference(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The model's own unpacked forward of one sequence ``input_ids [1, L] -> logits [1, L, V]`` (or the
-        hidden states ``[1, L, H]``): its attention implementation, windows and mixers, no cache, no nn_data
-        mask (the packing check's reference, :mod:`nn_data.model_check`)."""
+        """The model's own unpacked forward of ``input_ids [1, L] -> logits [1, L, V]`` (or hidden states): the packing
+        check's reference (:mod:`nn_data.model_check`)."""
         return self._run(input_ids=input_ids, use_cache=False)
 
     def _run(self, **kwargs) -> torch.Tensor:
@@ -243,9 +199,8 @@ class HFCausalLMAdapter(nn.Module):
         return out
 
     def _no_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[1, 0, V]`` logits through the output layer (``[1, 0, H]`` hidden states: a slice of its
-        weight), so that backward has a graph to run (and nothing to add): transformers' layers cannot
-        reshape 0 tokens."""
+        """``[1, 0, V]`` logits through the output layer (``[1, 0, H]``: a slice of its weight), so that backward has a
+        graph: transformers' layers cannot reshape 0 tokens."""
         head = self.model.get_output_embeddings()
         weight = getattr(head, "weight", None)
         if weight is None:
@@ -292,13 +247,10 @@ _SET_BY_ADAPTER = ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q
 
 
 def _model_kwargs(model_kwargs: dict, model_type) -> dict:
-    """The caller's model keywords, passed through to the model, less ``use_cache=False`` (the adapter
-    passes it itself). Refused by name: a cache (``use_cache`` true, ``past_key_values``): it would hold
-    the keys and values of the whole packed row, every document's together, so a later call would
-    attend across documents; and the keywords the adapter sets from the layout (:data:`_SET_BY_ADAPTER`).
+    """The caller's model keywords, less ``use_cache=False`` (the adapter's own); a cache (``use_cache`` true,
+    ``past_key_values``: it would attend across documents) and :data:`_SET_BY_ADAPTER` refused by name.
 
-    Example: ``{"use_cache": False, "output_hidden_states": True} -> {"output_hidden_states": True}``.
-    """
+    Example: ``{"use_cache": False, "output_hidden_states": True} -> {"output_hidden_states": True}``."""
     who = f"model_type={model_type!r}"
     if model_kwargs.get("use_cache") or model_kwargs.get("past_key_values") is not None:
         name = "use_cache" if model_kwargs.get("use_cache") else "past_key_values"
@@ -319,13 +271,11 @@ def _model_kwargs(model_kwargs: dict, model_type) -> dict:
 
 
 def boundary_kwargs(packed, *, seq_idx: bool) -> dict:
-    """transformers' padding-free keywords for ``packed`` (a :class:`~nn_data.packed_forward.PackedInfo`),
-    computed on the device with no host read; under CP this rank's local view (``// C``).
+    """transformers' padding-free keywords for ``packed`` (a :class:`~nn_data.packed_forward.PackedInfo`), on the
+    device; under CP this rank's local view (``// C``).
 
-    Example: cu_seqlens_padded ``[0, 4, 12]``, no CP -> cu_seq_lens_q ``[0, 4, 12]``, max_length_q
-    8 (a host layout's longest segment), seq_idx ``[[0,0,0,0,1,...,1]]``; with C 2, rank 0 ->
-    ``[0, 2, 6]``, 4.
-    """
+    Example: cu_seqlens_padded ``[0, 4, 12]``, no CP -> cu_seq_lens_q ``[0, 4, 12]``, max_length_q 8 (a host
+    layout's longest segment), seq_idx ``[[0,0,0,0,1,...,1]]``; with C 2, rank 0 -> ``[0, 2, 6]``, 4."""
     total, cp = packed.segment_ids.shape[0], packed.cp_size
     bounds = segment_bounds(packed.cu_seqlens_padded, total)  # [B'+1]: [0, T] when B = 0
     cu = (bounds // cp).to(torch.int32)  # [B'+1] local boundaries (each segment splits into 2C chunks)
@@ -370,8 +320,7 @@ def _attention_implementation(config, name: str):
 
 
 def _as_4d(packed) -> torch.Tensor:
-    """A 4-D ``attention_mask`` for transformers to pass through untouched, so that it derives no mask of
-    its own (and its recurrent layers get none): a broadcast ``[1, 1, Tq, T]`` view of one bool, no
-    memory. The attention function takes nn_data's mask from its ``nn_data_mask`` keyword instead."""
+    """A broadcast ``[1, 1, Tq, T]`` view of one bool as ``attention_mask``, which transformers passes through
+    untouched, deriving no mask of its own; the attention function reads ``nn_data_mask`` instead."""
     tq, total = packed.query_index.shape[0], packed.segment_ids.shape[0]
     return torch.ones((), dtype=torch.bool, device=packed.segment_ids.device).expand(1, 1, tq, total)

@@ -1,20 +1,9 @@
-"""Which layers of a transformers model mix tokens, and how each keeps packed sequences apart.
-
-Every layer that moves information between tokens is one of:
-
-* **attention**, through transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``): kept apart
-  by nn_data's document mask (sliding windows included), or by flash-attention's variable-length
-  kernel given the boundaries;
-* a **recognised non-attention mixer** (:data:`MIXERS`: gated delta nets, Mamba-2 mixers, short
-  convolutions): run one sequence per row by nn_data (:mod:`nn_data.adapters.hf_mixers`), or handed
-  the boundaries when the GPU kernels that honour them are importable and the model runs on CUDA;
-* anything else (an unrecognised recurrent or convolutional layer, a layer type nn_data does not
-  know, attention that bypasses the interface): **refused** with a :class:`PackingError` naming the
-  model type, the layer and what would make it work. Never a silent mix.
-
-Detection reads the model itself: the module classes (:data:`MIXERS`, and names or ``nn.Conv1d``
-children that look like token mixers) and ``config.layer_types`` where the config has it.
-"""
+"""Which layers of a transformers model mix tokens, and how each keeps packed sequences apart: **attention**
+through transformers' attention interface (nn_data's document mask, or flash-attention's varlen kernel); a
+**recognised non-attention mixer** (:data:`MIXERS`: one sequence per row, :mod:`nn_data.adapters.hf_mixers`,
+or the GPU kernels given the boundaries); anything else **refused** with a :class:`PackingError` naming the
+model type, the layer and what would make it work. Detection reads the module classes and
+``config.layer_types``."""
 
 from __future__ import annotations
 
@@ -141,13 +130,9 @@ MIXER_PATHS = ("auto", "per_sequence", "kernels")
 
 
 def mixer_path(report: LayerReport, mode: str, device_type: str) -> str:
-    """``"per_sequence"`` (nn_data runs every mixer one sequence per row) or ``"kernels"`` (the installed
-    kernels get the boundaries), for ``mode`` in :data:`MIXER_PATHS`.
-
-    ``"auto"``: the kernels when every mixer's are importable and the model is on CUDA, else per
-    sequence. ``"kernels"`` raises :class:`PackingError` naming the layer and what to install when they
-    are not importable, or the model is not on CUDA (they are CUDA kernels).
-    """
+    """``"per_sequence"`` or ``"kernels"`` (the installed kernels get the boundaries) for ``mode`` in
+    :data:`MIXER_PATHS`: ``"auto"`` takes the kernels when every mixer's are importable and the model is on CUDA;
+    ``"kernels"`` raises :class:`PackingError` naming the layer and what to install otherwise."""
     if mode not in MIXER_PATHS:
         raise PackingError(f"mixers={mode!r} is invalid; expected one of {MIXER_PATHS}")
     if not report.mixers or mode == "per_sequence":

@@ -8,41 +8,18 @@ Shape legend
     W   slots per row: a Python-int bound on every sequence's valid length (no host read)
     D   hidden size in, D' hidden size out (the same for every mixer here)
 
-A gated-delta-net, Mamba-2 or short-convolution layer of a transformers model carries a state (or a
-few convolution taps) from token to token. On a packed row the state of one sequence flows into the
-next, and transformers' pure-PyTorch fallbacks ignore the boundaries (or refuse them). nn_data runs
-such a layer's own ``forward``, unchanged, on a batch of ``B'`` rows, one segment each:
+nn_data runs such a layer's own ``forward``, unchanged, on a batch of ``B'`` rows, one segment each:
 
     packed [1, Tq, D] --(CP: all-gather)--> [1, T, D] --gather--> rows [B', W, D]
         --layer.forward (batch B', no boundary kwargs, no mask)--> [B', W, D']
         --gather back--> [1, T, D'] --(CP: this rank's places)--> [1, Tq, D']
 
-Each row starts with the layer's initial state and sees only its own tokens (and zeros after them,
-which a causal layer never reads back), so every valid output equals the sequence run alone. Padding
-positions inside a segment are computed as part of it (they come after its valid tokens); positions
-past ``W`` in a segment (padding only, since ``W`` bounds every valid length) read 0.
-
-A rollout-tree row (every shared prefix packed once, ``packed.prefix``; a GRPO group's prompt is its
-depth-1 case) is not re-laid: the layer runs once over the packed row, each node's tokens once, every node
-starting from its parent node's state at the branch point (:mod:`nn_data.adapters.tree_state`: the
-convolution reads each token's predecessors on its path, the recurrence runs on chunk rows and hands each
-chunk its predecessor's final state). The layer's ``forward`` is switched for the family's tree forward
-during such a call only (:func:`install` wraps it), with the layer's own parameters and its own chunked
-function (transformers' torch path, or the installed kernel it dispatches to).
-
-The two index maps are computed once per microbatch on the device from the boundaries
-(:func:`nn_data.layout.index.segment_rows`): one ``index_select`` each way, no host read. Cost: the
-layer runs on ``B' * W`` slots instead of ``T`` (each segment padded to ``W``); under CP every rank
-runs the whole microbatch through the layer (``C`` times the work) and keeps its own places. The
-installed GPU kernels that honour the boundaries (``flash-linear-attention``, ``causal-conv1d``,
-``mamba-ssm``) avoid both costs; :class:`~nn_data.adapters.HFCausalLMAdapter` hands them the
-boundaries instead where they are importable and the model runs on CUDA.
-
-The layer is switched by a forward pre-hook and a forward hook registered once on the layer
-(:func:`install`). They act only while the adapter's call is in progress, which holds the rows in
-the model's :class:`MixerSlot` (not every transformers model passes extra keywords down to its
-layers: ``Mamba2ForCausalLM`` drops them), so the model is unchanged for every other caller.
-"""
+Each row starts from the layer's initial state and sees only its own tokens, so every valid output equals
+the sequence run alone; the two index maps are :func:`nn_data.layout.index.segment_rows`'. A rollout-tree row
+is not re-laid: the layer runs once over the packed row, each node from its parent's state
+(:mod:`nn_data.adapters.tree_state`). The layer is switched by hooks registered once (:func:`install`) that act
+only while the adapter's call holds the rows in the model's :class:`MixerSlot`. Cost and the kernels path:
+docs/models.md, "Wrapping your model"."""
 
 from __future__ import annotations
 
@@ -88,13 +65,10 @@ class TreeMixer(NamedTuple):
 def mixer_rows(cu_seqlens_padded: torch.Tensor, total: int, width: int, *, gather=None,
                query_index: Optional[torch.Tensor] = None, prefix: Optional[PrefixRule] = None,
                chunk: int = tree_state.DEFAULT_CHUNK):
-    """The :class:`MixerRows` of a packed microbatch: boundaries ``[B+1]`` (``[T]`` for ``B = 0``),
-    ``total`` (T) and ``width`` (W, clamped into ``[1, T]``); with a rollout tree's ``prefix`` rule its
-    :class:`TreeMixer` instead (chunks of ``chunk`` slots).
-
-    Example: cu_seqlens_padded ``[0, 3, 8]``, T 8, W 5 -> rows ``[[0..4], [3..7]]`` (row 0's slots 3
-    and 4 outside its segment).
-    """
+    """The :class:`MixerRows` of a packed microbatch: boundaries ``[B+1]`` (``[T]`` for ``B = 0``), ``total`` (T),
+    ``width`` (W, clamped into ``[1, T]``); with a rollout tree's ``prefix`` rule its :class:`TreeMixer` instead.
+    Example: cu_seqlens_padded ``[0, 3, 8]``, T 8, W 5 -> rows ``[[0..4], [3..7]]`` (row 0's slots 3 and 4 outside
+    its segment)."""
     width = max(1, min(int(width), max(total, 1)))
     if query_index is None:
         query_index = torch.arange(total, device=cu_seqlens_padded.device)  # [T]
@@ -125,11 +99,9 @@ def to_packed(out: torch.Tensor, mixer: MixerRows) -> torch.Tensor:
 
 
 class MixerSlot:
-    """The state of a model's mixer hooks during one adapter call: the per-sequence ``mixer`` (None: the
-    hooks pass the call through), and ``require_boundaries`` (the kernels path: every mixer must receive
-    the boundaries, else the model's forward dropped them and the kernels would mix). On that path a
-    ``fallback`` mixer (``mixers="auto"``) runs such a mixer per sequence instead of refusing, and
-    ``fell_back`` records that it did."""
+    """The state of a model's mixer hooks during one adapter call: the per-sequence ``mixer`` (None: pass through),
+    ``require_boundaries`` (the kernels path: every mixer must receive the boundaries), a ``fallback`` mixer that
+    runs one that did not per sequence (``mixers="auto"``) and ``fell_back``, whether it did."""
 
     def __init__(self):
         self.mixer: Optional[MixerRows] = None

@@ -1,33 +1,14 @@
 """What :class:`~nn_data.adapters.HFCausalLMAdapter` keeps exact, as explicit lists; everything else refused.
 
-Whatever shapes a layer's attention reaches it by one of a few roads: the keywords of the attention
-call, the attention module's own attributes (``is_causal``, ``sliding_window``), the config (layer
-types, windows, bidirectional switches), the ``attention_mask`` argument, the rotary module and the
-position embeddings. Each road either leads to nn_data's document mask or refuses the model with a
-:class:`~nn_data.errors.PackingError` naming the model type, the layer, the reason and what to do:
-
-* attention variants (:func:`check_model`, when the adapter is built): attention modules that call
-  transformers' attention interface (:data:`INTERFACE_MARKERS` in their class source), causal
-  (``is_causal`` not False, no ``use_bidirectional_attention``, ``config.is_causal`` not False), with
-  no ALiBi or other position bias, and one sliding window at most across the layers;
-* the window of each layer (:func:`layer_window`): the module's ``sliding_window`` attribute, else
-  its ``config.layer_types`` entry, else ``config.sliding_window``; applied by the attention function
-  whatever the call passes (:func:`call_window`; a call passing another window is refused);
-* attention keywords (:func:`check_call`, every call): those of :data:`ATTENTION_KWARGS` (what they
-  carry is applied, or cannot change attention), the features of :data:`UNSUPPORTED` refused when
-  set, any other keyword with a value refused by name; ``is_causal=False`` refused;
-* mask kinds: the adapter's own placeholder only (a broadcast bool view); a mask the model made
-  itself (Doge's dynamic mask) is refused;
-* rotary types (:data:`ROPE_TYPES`): frequencies fixed when the model is built; ``longrope`` only
-  where no position can pass its original length (``max_position_embeddings <=
-  original_max_position_embeddings``), since past it transformers switches every position of the
-  call to the long factors; ``dynamic`` (its frequencies follow the batch's longest position, read
-  on the host twice per call) refused;
-* positions: learned position embeddings with a padding index (RoBERTa numbers positions from
-  ``padding_idx + 1``, not from the position ids' 0) refused;
-* layer kinds: :data:`nn_data.adapters.hf_layers.ATTENTION_LAYER_TYPES` and the mixers of
-  :data:`nn_data.adapters.hf_layers.MIXERS` (checked there).
-"""
+Each road by which shape reaches a layer's attention (the attention call's keywords, the module's attributes,
+the config, the ``attention_mask``, the rotary module, the position embeddings) either leads to nn_data's
+document mask or refuses the model with a :class:`~nn_data.errors.PackingError` naming the model type, the
+layer, the reason and what to do: attention variants (:func:`check_model`, when the adapter is built), each
+layer's window (:func:`layer_window`, :func:`call_window`), attention keywords (:func:`check_call`, every
+call: :data:`ATTENTION_KWARGS`, :data:`UNSUPPORTED`), mask kinds, rotary types (:data:`ROPE_TYPES`;
+``longrope`` within its original length, :func:`check_longrope`), learned positions with a padding index, and
+layer kinds (:mod:`nn_data.adapters.hf_layers`). The lists: docs/models.md, "Wrapping your model" (its
+"Every family" paragraph)."""
 
 from __future__ import annotations
 

@@ -5,41 +5,12 @@ Shape legend
     T   packed tokens (keys, after the CP gather)
     Hq  query heads (per TP partition), Hk key/value groups, D head dim, E hidden size, V vocab
 
-Build the model with :func:`megatron_gpt_layer_spec` (megatron-core's local layer spec whose
-core attention is :class:`PackedDotProductAttention`), wrap it in :class:`MegatronGPTAdapter`,
-and the adapter drives it the way megatron-core drives packed sequences: THD
-``PackedSeqParams`` (``cu_seqlens_*`` = nn_data's ``cu_seqlens_padded``, ``[0, T]`` for a
-microbatch of no sequence; ``max_seqlen = T + 1``, see :func:`rotary_from_sequence_start`)
-and megatron-core's own THD rotary embedding, which reads the CP rank and size from the model's
-CP group (``model.pg_collection.cp``: the collection the model was built with, or the one
-megatron-core made from ``parallel_state``), rotates every sequence from position 0 and places
-each token's rotation by nn_data's zigzag order.
-The adapter passes nn_data's document mask (:mod:`nn_data.masks`) where megatron-core passes
-``attention_mask``, and ``PackedInfo.padding_mask`` as ``padding_mask`` where the release's
-``GPTModel.forward`` takes one (detected: MoE routers then leave padding out of their
-statistics); the attention gathers keys and values across the CP group with
-``PackedInfo.gather`` and applies it. megatron-core's THD RoPE reads ``cu_seqlens`` on the
-host (``.tolist()``), so this model runs eagerly (compile the packing with ``PackedForward``).
-This module imports megatron-core.
-
-On a torch without CUDA the adapter applies :mod:`nn_data.adapters._megatron_cpu` (small,
-documented patches of megatron-core internals that allocate on CUDA, for the releases listed
-there).
-
-Supported: ``GPTModel`` with RoPE (or no position embedding), dense or MoE MLPs, tensor-parallel
-size 1 (the tests), no sliding window, ``softmax_type="vanilla"``; ``config.context_parallel_size``
-may be 1 or C (the CP group is always the model's ``pg_collection.cp``; both give the same
-outputs).
-
-Dynamic context parallelism (:mod:`nn_data.dynamic_cp`): a microbatch whose ``PackedSeqParams``
-carry ``local_cp_size`` runs over *its* CP group (``cp_group``, or one rank for ``local_cp_size =
-1``), not the model's static one. The attention gathers over it already (``PackedInfo.gather``);
-megatron-core's attention applies the rotary embedding with its static ``pg_collection.cp``
-(0.16.x, 0.19.x: Megatron-LM #6821), so for the forward the adapter hands each attention module a
-copy of its ``pg_collection`` whose ``cp`` is the microbatch's group. Activation recompute re-runs
-that forward outside the adapter, so the adapter refuses it for a microbatch whose group differs
-from the static one on such a release.
-"""
+Build the model with :func:`megatron_gpt_layer_spec`, wrap it in :class:`MegatronGPTAdapter`: it drives the
+model with THD ``PackedSeqParams``, megatron-core's own THD rotary embedding and nn_data's document mask, eagerly
+(the rotary embedding reads ``cu_seqlens`` on the host). The contract, the supported models and the rotary
+bound: docs/models.md, "Wrapping your model"; dynamic CP's group redirection: docs/dynamic-cp.md,
+"megatron-core". On a torch without CUDA it applies :mod:`nn_data.adapters._megatron_cpu`. This module imports
+megatron-core."""
 
 from __future__ import annotations
 
@@ -72,12 +43,9 @@ ROPE_TAKES_RUNTIME_GROUP = "packed_seq_params.cp_group" in inspect.getsource(Att
 class PackedDotProductAttention(DotProductAttention):
     """megatron-core's local ``DotProductAttention`` that also takes packed THD input under CP.
 
-    With ``attention_mask`` an nn_data :class:`~nn_data.masks.DocumentMask` (what
-    :class:`MegatronGPTAdapter` passes): ``query [Tq, Hq, D]``, ``key/value [Tq, Hk, D]`` (THD,
-    already rotary-embedded) -> ``[Tq, Hq*D]``; keys and values are all-gathered across the CP
-    group (``mask.gather``) and attention runs under the document-causal mask. Anything else
-    (a megatron-core mask tensor with ``packed_seq_params=None``): the stock forward.
-    """
+    With ``attention_mask`` an nn_data :class:`~nn_data.masks.DocumentMask`: ``query [Tq, Hq, D]``,
+    ``key/value [Tq, Hk, D]`` (THD, rotary-embedded) -> ``[Tq, Hq*D]``, keys and values all-gathered across the CP
+    group (``mask.gather``). Anything else (a megatron-core mask tensor): the stock forward."""
 
     def __init__(self, config, *args, **kwargs):
         if config.context_parallel_size > 1:  # the stock __init__ refuses CP; this class handles it
@@ -119,13 +87,11 @@ class PackedDotProductAttention(DotProductAttention):
 
 
 def megatron_gpt_layer_spec(**local_spec_kwargs):
-    """megatron-core's ``get_gpt_layer_local_spec(**local_spec_kwargs)`` with nn_data's
-    :class:`PackedDotProductAttention` as the core attention (a ``ModuleSpec`` for ``GPTModel``).
+    """megatron-core's ``get_gpt_layer_local_spec(**local_spec_kwargs)`` with :class:`PackedDotProductAttention`
+    as the core attention. Raises :class:`PackingError` for ``multi_latent_attention=True``.
 
-    Raises :class:`PackingError` for ``multi_latent_attention=True`` (not supported).
     Example: ``GPTModel(config, megatron_gpt_layer_spec(normalization="RMSNorm"), vocab_size=97,
-    max_sequence_length=4096, position_embedding_type="rope")``.
-    """
+    max_sequence_length=4096, position_embedding_type="rope")``."""
     if local_spec_kwargs.get("multi_latent_attention"):
         raise PackingError("multi_latent_attention=True is not supported by nn_data's packed attention")
     _megatron_cpu.apply_cpu_patches()
@@ -139,41 +105,23 @@ OUTPUTS = ("logits", "logprobs")
 
 
 class MegatronGPTAdapter(nn.Module):
-    """A megatron-core ``GPTModel`` built with :func:`megatron_gpt_layer_spec`, as a
-    :class:`~nn_data.packed_forward.PackedForward` model.
+    """A megatron-core ``GPTModel`` built with :func:`megatron_gpt_layer_spec`, as a ``PackedForward`` model:
+    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs)`` returns logits ``[1, Tq, V]`` on
+    the last pipeline stage, the hidden states ``[Tq, 1, E]`` otherwise; wrap it in ``PackedForward(adapter,
+    pg_collection=adapter.pg_collection, make_packed_seq_params=True)``. ``packed.padding_mask`` goes to the model
+    where its forward takes one (``takes_padding_mask``); a tree row (``packed.prefix``) runs without
+    ``PackedSeqParams``, its rotary embedding at the rollout positions (:func:`rotary_at_positions`).
 
-    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed, **model_kwargs)`` returns the
-    model's output for the local tokens: logits ``[1, Tq, V]`` on the last pipeline stage
-    (``post_process``), the hidden states ``[Tq, 1, E]`` megatron-core sends to the next stage
-    otherwise. With ``output="logprobs"`` the last stage returns log-probs ``[1, Tq]`` instead, from
-    the decoder's hidden states and the output weight (the embedding's when tied) by
-    :class:`~nn_data.TokenLogProbsFromHidden` (``chunk_tokens`` per chunk): the logits never exist.
-    Position ``t`` holds ``log p(x[t+1] | x[:t+1])`` when token ``t+1`` is in ``t``'s sequence, else 0,
-    so ``PackedForward`` hands back rows ``[B, S]`` with ``out[b, s] = log p(x[b, s+1] | x[b, :s+1])``
-    for ``s < L[b] - 1`` and 0 from ``L[b] - 1`` on, the log-softmax of the logits rows at the next
-    tokens (single-process gradients under CP, as the logits'). The THD ``PackedSeqParams`` are ``packed.packed_seq_params``: wrap the adapter in
-    ``PackedForward(..., make_packed_seq_params=True)``. ``mask_kind`` chooses the mask's form
-    (:func:`nn_data.masks.document_mask`).
+    Args:
+        model: the ``GPTModel``; its ``pg_collection`` becomes ``self.pg_collection``.
+        mask_kind: the mask's form (:func:`nn_data.masks.document_mask`).
+        output: ``"logits"``, or ``"logprobs"``: the last stage returns ``[1, Tq]`` log-probs of the next tokens
+            from the hidden states by :class:`~nn_data.TokenLogProbsFromHidden` (the logits never exist).
+        chunk_tokens: tokens per chunk of that head.
 
-    ``pg_collection`` is the model's ``ProcessGroupCollection`` (megatron-core's ``GPTModel``
-    always has one: the one it was built with, else made from ``parallel_state``): wrap with
-    ``PackedForward(adapter, pg_collection=adapter.pg_collection, ...)`` to shard over the model's
-    own CP group. ``packed.padding_mask`` goes to the model as ``padding_mask`` when its forward takes
-    one (``takes_padding_mask``; megatron-core 0.16 and 0.19 do) and ``model_kwargs`` does not.
-
-    A shared-prefix row (``packed.prefix``, :mod:`nn_data.packed_tree`): the mask takes the
-    prefix rule, and the model runs without ``PackedSeqParams`` with its rotary embedding taken at the
-    rollout positions (:func:`rotary_at_positions`: a response continues from its prompt, which
-    megatron-core's THD rotary embedding, restarting every segment at 0, would not do).
-
-    Raises :class:`PackingError` for a model whose attention is not
-    :class:`PackedDotProductAttention`, an unknown ``output``, when ``packed.cp_size`` differs from the
-    size of the model's CP group (``model.pg_collection.cp``, which megatron-core's rotary embedding
-    uses), or without ``packed.packed_seq_params``; with ``output="logprobs"``, for multi-token
-    prediction layers and for a shared-prefix row; for the model keywords the adapter sets
-    (``attention_mask``, ``packed_seq_params``) or a KV cache (``inference_context``,
-    ``inference_params``).
-    """
+    Raises :class:`PackingError` for a core attention other than :class:`PackedDotProductAttention`, an unknown
+    ``output``, a CP size other than the model's CP group's, no ``packed.packed_seq_params``, the keywords the
+    adapter sets or a KV cache; with ``output="logprobs"``, for multi-token prediction and for a tree row."""
 
     def __init__(self, model: nn.Module, *, mask_kind: str = "auto", output: str = "logits", chunk_tokens: int = 256):
         super().__init__()
@@ -231,10 +179,8 @@ class MegatronGPTAdapter(nn.Module):
             return self.model(input_ids, position_ids, mask, packed_seq_params=params, **model_kwargs)
 
     def _shared_prefix(self, input_ids, position_ids, mask, packed, model_kwargs) -> torch.Tensor:
-        """A shared-prefix row: the model runs without ``PackedSeqParams`` (megatron-core's THD rotary
-        embedding restarts every segment at 0, but a response continues from its prompt), its rotary
-        embedding taken at ``position_ids`` (:func:`rotary_at_positions`), the attention under ``mask``
-        (the prefix rule)."""
+        """A tree row: no ``PackedSeqParams``, the rotary embedding at ``position_ids`` (:func:`rotary_at_positions`),
+        the attention under ``mask`` (the prefix rule)."""
         if self.head is not None:
             raise PackingError("output='logprobs' scores each packed segment's next tokens, but a shared-prefix "
                                "row's prompt is scored against every response of its group: use output='logits' "
@@ -245,9 +191,8 @@ class MegatronGPTAdapter(nn.Module):
 
     @contextlib.contextmanager
     def _rotary_over(self, group):
-        """For the forward, each attention module's ``pg_collection`` a copy whose ``cp`` is ``group``
-        (the microbatch's, dynamic CP; None: nothing changes), so that megatron-core's rotary embedding
-        takes the microbatch's CP rank and size (module docstring)."""
+        """For the forward, each attention module's ``pg_collection`` a copy whose ``cp`` is ``group`` (a dynamic-CP
+        microbatch's; None: nothing changes); docs/dynamic-cp.md, "megatron-core"."""
         if group is None or ROPE_TAKES_RUNTIME_GROUP or all(g is group for g in self._cp_groups.values()):
             yield
             return
@@ -271,8 +216,7 @@ class MegatronGPTAdapter(nn.Module):
                 m.pg_collection = collection
 
     def _logprobs(self, input_ids, position_ids, mask, params, packed, model_kwargs) -> torch.Tensor:
-        """The last stage's log-probs ``[1, Tq]``: megatron-core's ``GPTModel`` returns the decoder's
-        (final-normed) hidden states when ``post_process`` is off, then the fused head."""
+        """The last stage's log-probs ``[1, Tq]``: the decoder's hidden states (``post_process`` off), then the head."""
         if packed.bounds.cu_seqlens is None:
             raise PackingError("output='logprobs' needs packed.bounds.cu_seqlens (the real boundaries): run the "
                                "adapter inside PackedForward")
@@ -289,8 +233,7 @@ class MegatronGPTAdapter(nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The wrapped model: megatron-core's schedules find ``config``, ``model_type`` and
-        ``set_input_tensor`` through ``.module``, as for its own wrappers (DDP, Float16Module)."""
+        """The wrapped model: megatron-core's schedules find ``config`` and ``set_input_tensor`` through ``.module``."""
         return self.model
 
     def _check_cp(self, cp_size: int) -> None:
@@ -306,8 +249,8 @@ class MegatronGPTAdapter(nn.Module):
 
 
 def _microbatch_cp_group(params):
-    """The CP group a dynamic-CP microbatch runs over (``params.cp_group``, or one rank when
-    ``local_cp_size`` is 1), or None when ``params`` carry no ``local_cp_size`` (static CP)."""
+    """The CP group a dynamic-CP microbatch runs over (``params.cp_group``, one rank for ``local_cp_size`` 1), or
+    None for static CP (no ``local_cp_size``)."""
     size = getattr(params, "local_cp_size", None)
     if size is None:
         return None
@@ -322,23 +265,12 @@ def _microbatch_cp_group(params):
 
 
 def rotary_from_sequence_start(params, total: int):
-    """A copy of ``params`` (a THD ``PackedSeqParams`` over ``total`` = T packed tokens) whose
-    ``max_seqlen_q``/``_kv`` are ``T + 1``, so that megatron-core's THD rotary embedding rotates
-    every sequence from position 0, as when it runs alone.
+    """A shallow copy of ``params`` (THD ``PackedSeqParams`` over ``total`` = T tokens) with ``max_seqlen_q``/``_kv``
+    ``T + 1``, so that megatron-core's THD rotary embedding rotates every sequence from position 0, as alone
+    (with ``T`` it rotates by packed position; docs/design.md, "megatron-core").
 
-    Why: megatron-core sizes its frequency table by ``max(max_seqlen_q, max_seqlen_kv)``, and
-    its unfused THD RoPE (0.16.x, 0.19.x) treats a table of exactly ``cu_seqlens[-1] = T`` rows as
-    "positions of the whole pack" and rotates each token by its absolute packed position: exact in
-    real arithmetic, but bf16 and float32 angles lose precision as the position grows. ``T + 1``
-    bounds every segment (megatron-core only needs a bound) and is never ``T``; 0.20's vectorised
-    RoPE takes the packed-position branch only for a table longer than ``max_seqlen``, which this
-    never is either. No host sync (the longest real segment, NeMo-RL's choice, would need one).
-    Only the two ints change (a shallow copy: the boundary tensors are the same objects, and
-    ``__post_init__`` does not run again).
-
-    Example: T = 40, boundaries ``[0, 16, 40]``: a table of 41 rows, the second sequence's tokens
-    take rows 0..23 (its own positions), not 16..39.
-    """
+    Example: T = 40, boundaries ``[0, 16, 40]``: a table of 41 rows, the second sequence's tokens take rows 0..23
+    (its own positions), not 16..39."""
     out = copy.copy(params)
     out.max_seqlen_q = out.max_seqlen_kv = int(total) + 1
     return out
@@ -346,14 +278,10 @@ def rotary_from_sequence_start(params, total: int):
 
 @contextlib.contextmanager
 def rotary_at_positions(model: nn.Module, positions: torch.Tensor, total: int):
-    """Inside the block, ``model.rotary_pos_emb`` (megatron-core's ``RotaryEmbedding``) returns the
-    rotation of each local token at ``positions [Tq]`` (``[Tq, 1, 1, D]``, rows of its own table
-    ``get_emb(T)``: the same float32 angles a rollout run alone gets), whatever length it is asked
-    for; megatron-core then applies it token by token (its ``bshd`` form, no boundaries, no CP slicing).
-    Positions are clamped into ``[0, T)``: a real token's position is below its rollout's length, which
-    is at most ``T``; padding positions count on past it. A model without a rotary embedding is
-    left as it is. Raises :class:`PackingError` for another position embedding (yarn, mrope).
-    """
+    """Inside the block ``model.rotary_pos_emb`` returns the rotation at ``positions [Tq]`` (``[Tq, 1, 1, D]``, rows of
+    its table ``get_emb(T)``, clamped into ``[0, T)``: padding counts on past a rollout), whatever length it is
+    asked for. A model without a rotary embedding is left as it is; another position embedding (yarn, mrope)
+    raises :class:`PackingError`."""
     rope = getattr(model, "rotary_pos_emb", None)
     kind = getattr(model, "position_embedding_type", "rope")
     if rope is None:
@@ -370,9 +298,8 @@ def rotary_at_positions(model: nn.Module, positions: torch.Tensor, total: int):
 
 
 def _check_model_kwargs(model_kwargs: dict) -> None:
-    """The caller's ``GPTModel.forward`` keywords go through, but for those the adapter sets from the layout
-    (``attention_mask``, ``packed_seq_params``) and a KV cache (``inference_context``, ``inference_params``: it
-    would hold every packed document's keys and values together), each refused by name."""
+    """Refuses by name the keywords the adapter sets (``attention_mask``, ``packed_seq_params``) and a KV cache
+    (``inference_context``, ``inference_params``: it would hold every document's keys and values together)."""
     taken = [k for k in ("attention_mask", "packed_seq_params") if k in model_kwargs]
     if taken:
         raise PackingError(f"MegatronGPTAdapter: the model keyword {taken[0]} is set by nn_data from the packed layout "

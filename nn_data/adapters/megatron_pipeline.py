@@ -1,11 +1,6 @@
-"""A ``forward_step_func`` for megatron-core's pipeline schedules that packs every microbatch
-to one constant ``T`` with :class:`~nn_data.packed_forward.PackedForward`.
-
-Why one ``T``: a pipeline stage receives its input activations ``[T/C, 1, E]`` into a buffer
-allocated from the schedule's ``seq_length`` before the sender's microbatch is known, so
-every microbatch must have the same ``T``. ``pad_full_seq_to`` gives exactly that; without it
-gloo accepted a shorter message into the longer buffer silently and the next stage failed
-later (seen here), NCCL may hang. NeMo-RL pads to ``pad_full_seq_to`` for PP > 1 for this reason.
+"""A ``forward_step_func`` for megatron-core's pipeline schedules that packs every microbatch to one constant
+``T`` with :class:`~nn_data.packed_forward.PackedForward`: a stage receives its input into a buffer allocated
+from the schedule's ``seq_length`` before the sender's microbatch is known (docs/pipeline.md).
 
 Example (every pipeline rank runs the same code on the same microbatches)::
 
@@ -15,8 +10,7 @@ Example (every pipeline rank runs the same code on the same microbatches)::
     forward_backward = get_forward_backward_func()
     losses = forward_backward(forward_step_func=pipeline_forward_step(packing, token_loss),
                               data_iterator=iter(microbatches), model=[adapter],
-                              num_microbatches=len(microbatches), seq_length=T, micro_batch_size=1)
-"""
+                              num_microbatches=len(microbatches), seq_length=T, micro_batch_size=1)"""
 
 from __future__ import annotations
 
@@ -32,34 +26,22 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
 
 def pipeline_forward_step(packing: PackedForward, loss_fn: LossFn, *, pg_collection=None):
-    """``forward_step_func(data_iterator, model)`` for ``get_forward_backward_func()``.
+    """``forward_step_func(data_iterator, model)`` for ``get_forward_backward_func()``; each item of
+    ``data_iterator`` is ``(input_ids [B, S], seq_lengths [B])`` (or a tree microbatch, :func:`_microbatch`),
+    ``B`` and the lengths free to differ between microbatches. The model called is the schedule's (the adapter);
+    it gets ``packed`` with its ``padding_mask``. With the interleaved schedule pass one data iterator per model
+    chunk.
 
-    ``packing`` is a :class:`PackedForward` with ``pad_full_seq_to`` set (the constant ``T``;
-    pass ``seq_length=T`` and ``micro_batch_size=1`` to the schedule); its ``.model`` is only
-    used for the contract, the model called is the schedule's ``model`` (the adapter, e.g.
-    :class:`~nn_data.adapters.MegatronGPTAdapter`, which forwards ``set_input_tensor`` and
-    ``config`` to megatron-core). Each item of ``data_iterator`` is ``(input_ids [B, S],
-    seq_lengths [B])``; ``B`` and the lengths may differ between microbatches.
+    Args:
+        packing: a :class:`PackedForward` with ``pad_full_seq_to`` set (the constant ``T``; pass ``seq_length=T``
+            and ``micro_batch_size=1`` to the schedule).
+        loss_fn: on the last stage, ``loss_fn(rows [B, S, *], ...) -> (loss, num_tokens)`` on the unpacked output
+            (``packing.finish``); the step returns ``(loss, num_tokens, {"loss": ..., "num_tokens": ...})``.
+        pg_collection: megatron-core's ``ProcessGroupCollection``; ``packing`` must shard over its ``cp``.
 
-    On the last stage ``loss_fn`` gets the microbatch's rows ``[B, S, *]`` (the model's packed
-    output unpacked by ``packing.finish``: logits ``[B, S, V]``, or with
-    ``MegatronGPTAdapter(..., output="logprobs")`` the next tokens' log-probs ``[B, S]``, the logits never
-    built) and returns ``(loss, num_tokens)``; the step returns
-    them to the schedule as ``(loss, num_tokens, {"loss": ..., "num_tokens": ...})`` (megatron-core
-    divides by ``num_tokens`` unless ``config.calculate_per_token_loss``).
-
-    The model gets ``packed`` with its ``padding_mask`` (``[1, T/C]`` bool, True at padding): the
-    adapter hands it to megatron-core's ``GPTModel.forward`` on every stage, so MoE routers of every
-    stage leave padding out. With the interleaved schedule pass one data iterator per model chunk
-    (the same microbatches) and the chunks as ``model``.
-
-    ``pg_collection`` (megatron-core's ``ProcessGroupCollection``, the one the schedule gets): the
-    step checks that ``packing`` shards over its ``cp`` group.
-
-    Raises :class:`~nn_data.errors.PackingError` when ``packing`` has no ``pad_full_seq_to``, or
-    shards over another context-parallel group than ``pg_collection.cp``; and, on the first step, for
-    the interleaved schedule with ``batch_p2p_comm=True`` over gloo (:func:`check_p2p_config`).
-    """
+    Raises :class:`~nn_data.errors.PackingError` without ``pad_full_seq_to``, for another CP group than
+    ``pg_collection.cp``, and on the first step for the interleaved schedule with ``batch_p2p_comm=True`` over
+    gloo (:func:`check_p2p_config`)."""
     from nn_data.errors import PackingError
 
     if packing.pack.pad_full_seq_to is None:
@@ -95,13 +77,10 @@ TREE_KEYS = ("prefix_lengths", "group_ids", "parent", "branch_at")
 
 
 def _microbatch(item) -> tuple:
-    """One item of the data iterator as ``(input_ids, seq_lengths, tree)``, ``tree`` the keywords of a tree
-    microbatch (:data:`TREE_KEYS`) or ``{}`` for a plain one.
-
-    Example: ``(ids, L)`` -> ``(ids, L, {})``; ``(ids, L, P, g)`` -> ``(ids, L, {"prefix_lengths": P,
-    "group_ids": g})``; ``{"input_ids": ids, "seq_lengths": L, "parent": p, "branch_at": a}`` -> ``(ids, L,
-    {"parent": p, "branch_at": a})``; ``(ids,)`` -> PackingError.
-    """
+    """One item of the data iterator as ``(input_ids, seq_lengths, tree)``, ``tree`` the keywords of a tree microbatch
+    (:data:`TREE_KEYS`) or ``{}``. Example: ``(ids, L)`` -> ``(ids, L, {})``; ``(ids, L, P, g)`` -> ``(ids, L,
+    {"prefix_lengths": P, "group_ids": g})``; ``{"input_ids": ids, "seq_lengths": L, "parent": p, "branch_at": a}``
+    -> ``(ids, L, {"parent": p, "branch_at": a})``; ``(ids,)`` -> PackingError."""
     from nn_data.errors import PackingError
 
     if isinstance(item, (tuple, list)) and len(item) == 2:
@@ -117,14 +96,12 @@ def _microbatch(item) -> tuple:
 
 
 def check_p2p_config(config, backend) -> None:
-    """Refuse megatron-core's interleaved schedule with batched point-to-point sends over gloo: measured
-    on 0.16.1 and 0.19.2 (CPU, PP 2 x VPP 2), its losses were off by 6.2 and its gradients by 253, with
-    no error. ``config`` is the model's ``TransformerConfig`` (None: nothing to check), ``backend`` the
-    pipeline's ``torch.distributed`` backend name (None: not distributed).
+    """Refuse megatron-core's interleaved schedule with batched point-to-point sends over gloo (its losses and
+    gradients came out wrong with no error; docs/pipeline.md). ``config`` is the model's ``TransformerConfig``
+    (None: nothing to check), ``backend`` the pipeline's backend name (None: not distributed).
 
     Example: ``virtual_pipeline_model_parallel_size=2, batch_p2p_comm=True`` on ``"gloo"`` -> PackingError;
-    ``batch_p2p_comm=False``, or ``"nccl"``, passes.
-    """
+    ``batch_p2p_comm=False``, or ``"nccl"``, passes."""
     from nn_data.errors import PackingError
 
     if config is None or backend != "gloo":
@@ -147,22 +124,14 @@ RoundLossFn = Callable[[torch.Tensor, object], tuple]
 
 
 def dynamic_cp_forward_step(loss_fn: RoundLossFn):
-    """``forward_step_func(data_iterator, model)`` for ``get_forward_backward_func()`` over a dynamic-CP
-    step (:mod:`nn_data.dynamic_cp`): each item of ``data_iterator`` is one round's
-    :class:`~nn_data.dynamic_cp.RoundInputs` (iterate a ``DynamicCPStep``; ``num_microbatches`` is its
-    ``len``). The model (the adapter, e.g. :class:`~nn_data.adapters.MegatronGPTAdapter`) gets the
-    round's ``input_ids [1, tpr]``, ``position_ids`` and ``packed``, whose ``PackedSeqParams`` carry the
-    round's ``cp_group`` and ``local_cp_size``: the adapter runs attention and the rotary embedding over
-    that group. Every round has ``tpr`` tokens per rank, the shape a pipeline stage's receive buffer
-    is allocated with (megatron-core divides the schedule's ``seq_length`` by the static CP size: pass
-    ``seq_length = tpr * cp``).
+    """``forward_step_func(data_iterator, model)`` over a dynamic-CP step: each item is one round's
+    :class:`~nn_data.dynamic_cp.RoundInputs` (iterate a ``DynamicCPStep``; ``num_microbatches`` is its ``len``);
+    the model gets the round's ``input_ids [1, tpr]``, ``position_ids`` and ``packed``, whose ``PackedSeqParams``
+    carry the round's group. Pass ``seq_length = tpr * cp`` to the schedule. On the last stage
+    ``loss_fn(logits, inputs) -> (loss, num_tokens)``, returned as :func:`pipeline_forward_step` does.
 
-    On the last stage ``loss_fn(logits, inputs)`` returns ``(loss, num_tokens)``; the step returns
-    ``(loss, num_tokens, {"loss": ..., "num_tokens": ...})`` as :func:`pipeline_forward_step` does.
-
-    Raises :class:`~nn_data.errors.PackingError` for a round without ``PackedSeqParams`` (build the
-    runner with ``make_packed_seq_params=True``).
-    """
+    Raises :class:`~nn_data.errors.PackingError` for a round without ``PackedSeqParams`` (build the runner with
+    ``make_packed_seq_params=True``)."""
 
     def forward_step(data_iterator, model):
         check_p2p_config(getattr(model, "config", None), _backend())

@@ -1,7 +1,6 @@
 """Tree attention as distinct query and key/value sequences, for a variable-length kernel (TransformerEngine's
 THD attention, flash-attention's varlen): each node slot's keys and values are the tokens of its rollout's path
-before it, then its own, gathered into one static-size buffer (:func:`tree_kv`; GRPO groups are the depth-1
-tree: a response's path is its group's prompt).
+before it, then its own, gathered into one static-size buffer (:func:`tree_kv`).
 
 Shape legend
     T   packed tokens (queries)
@@ -9,24 +8,15 @@ Shape legend
     N   the tree's node slots (``node_capacity``; ``2B`` for GRPO groups); the kernel gets ``N + 1`` sequences
         (the slots and one slack sequence)
 
-Sequence ``s < N`` has the queries of node slot ``s`` and, when the slot is not empty, the keys of the
-``begin[s]`` tokens before the node on its rollout's path (read from its ancestors' slots, never their
-padding), then the slot itself. With the causal mask aligned to the *bottom right* (the last query sees the
-last key: flash-attention >= 2.1's ``causal=True``, TransformerEngine's ``padding_causal_bottom_right``,
-torch's ``varlen_attn(window_size=(-1, 0))``) a query at offset ``i`` sees its whole path and its own slot up
-to ``i``: the tree's rule (:class:`nn_data.masks.PrefixRule`), at any depth. Slot padding comes after each
-slot's real tokens, so no real query sees it.
-
-Sequence ``N`` (the slack) has no queries and the buffer's unused keys, so that both boundary tensors end at
-the tensors' lengths (``T`` and ``K``). The buffer needs ``T`` plus the path tokens of every non-empty slot;
-``T + N * S`` always suffices, the caller's ``kv_capacity`` may be tighter (a planner's bound): a device-side
-assert fires when it is not enough.
+Sequence ``s < N`` has the queries of slot ``s`` and the keys of the ``begin[s]`` path tokens before it, then
+the slot itself; with the causal mask aligned *bottom right* (flash-attention's ``causal=True``,
+TransformerEngine's ``padding_causal_bottom_right``) a query sees its whole path and its slot up to itself: the
+tree's rule (:class:`nn_data.masks.PrefixRule`). Sequence ``N`` (the slack) holds the buffer's unused keys.
 
 Example: GRPO groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1: slot bounds ``[0,2,4,4,5,6,8]``,
 K 13 -> cu_seqlens_q ``[0,2,4,4,5,6,8,8]``, key lengths ``[2,4,0,3,1,3]`` and an empty slack ->
 cu_seqlens_kv ``[0,2,6,6,9,10,13,13]``, kv_source ``[0,1, 0,1,2,3, 0,1,4, 5, 5,6,7]`` (K 12 would fire the
-assert).
-"""
+assert)."""
 
 from __future__ import annotations
 
@@ -62,19 +52,16 @@ class TreeKV(NamedTuple):
 
 
 def tree_kv(layout, *, kv_capacity: int) -> TreeKV:
-    """The :class:`TreeKV` of a tree microbatch's row, at any depth (:class:`~nn_data.layout.TreeLayout`
-    from :func:`~nn_data.layout.tree_layout`, or GRPO groups' from :func:`~nn_data.layout.shared_prefix_layout`): ``N + 1``
-    sequences, node slot ``s``'s queries against the ``begin[s]`` path tokens before it and itself (module
-    docstring). ``kv_capacity`` K (a Python int): ``T`` plus those path tokens of every non-empty slot; ``T + N
-    * S`` always suffices (a device-side assert fires when it is not enough). No host read.
+    """The :class:`TreeKV` of a tree microbatch's row (:class:`~nn_data.layout.TreeLayout`, any depth): ``N + 1``
+    sequences (module docstring). ``kv_capacity`` K (a Python int): ``T`` plus the path tokens of every non-empty
+    slot; ``T + N * S`` always suffices (a device-side assert fires when it is not enough). No host read.
 
     Example (L ``[6, 5]``, parent ``[-1, 0]``, branch_at ``[0, 2]``, m 1, T 9, K 14): slots ``[0,2), [2,6),
     [6,6), [6,9)`` (rollout 0's head and tail, rollout 1's empty head and its tail from token 2); key lengths
     ``[2, 2+4, 0, 2+3]`` (rollout 0's tail and rollout 1's both see the head's packed ``[0, 1]`` first) and a
     slack of 1 -> cu_seqlens_kv ``[0,2,8,8,13,14]``, kv_source ``[0,1, 0,1,2,3,4,5, 0,1,6,7,8, 0]``.
 
-    Raises :class:`PackingError` for ``kv_capacity`` below ``T`` or a layout that is not a tree's.
-    """
+    Raises :class:`PackingError` for ``kv_capacity`` below ``T`` or a layout that is not a tree's."""
     from nn_data.layout import TreeLayout
 
     if not isinstance(layout, TreeLayout):
@@ -131,13 +118,9 @@ def _kv_buffer(bounds: torch.Tensor, before: torch.Tensor, source, total: int, k
 
 
 def tree_packed_seq_params(kv: TreeKV):
-    """megatron-core's THD ``PackedSeqParams`` for TransformerEngine over a :class:`TreeKV` (:func:`tree_kv`):
-    ``cu_seqlens_q(_padded)`` the query boundaries, ``cu_seqlens_kv(_padded)`` the buffer's (the
-    padded fields the same objects: no padding between sequences), ``max_seqlen_q = T``,
-    ``max_seqlen_kv = K``. Run the attention with ``attn_mask_type`` bottom-right causal
-    (``padding_causal_bottom_right``) over ``kv.gather(key)``, ``kv.gather(value)``, without CP
-    (TransformerEngine's CP splits keys and values as it splits queries; the per-response buffer is
-    not that: under CP use nn_data's mask, :class:`nn_data.masks.PrefixRule`)."""
+    """megatron-core's THD ``PackedSeqParams`` over a :class:`TreeKV`: the query and the buffer's boundaries (padded
+    fields the same objects), ``max_seqlen_q = T``, ``max_seqlen_kv = K``. Run the attention bottom-right causal
+    over ``kv.gather(key)``, ``kv.gather(value)``, without CP (under CP use :class:`nn_data.masks.PrefixRule`)."""
     from nn_data.megatron_parallel import packed_seq_params_class
 
     return packed_seq_params_class()(

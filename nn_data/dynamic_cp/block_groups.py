@@ -1,28 +1,13 @@
 """This rank's CP group for every block size of dynamic context parallelism, resolved and checked against a plan.
 
-A dynamic-CP plan (:func:`nn_data.planning.plan_step_dynamic_cp`) runs each round as blocks of ``c``
-ranks of the pool (the data-and-context-parallel group, ``R`` ranks), each block starting at a
-multiple of ``c`` in pool order: rank ``p`` of the pool is in block ``[p // c * c, p // c * c + c)``
-for size ``c``. These are exactly megatron-core's hybrid groups
-(``parallel_state.create_hybrid_dp_cp_groups``: ``ranks[i : i + c]`` for every power of two ``c``
-below ``R``, and the whole data-and-context-parallel group for ``c = R``).
-
-:func:`dynamic_cp_groups` takes them as callers hold them, through :mod:`nn_data.groups`:
-
-* ``groups={c: group}``: plain process groups (or DeviceMesh forms), one per size, with ``pool=`` (or
-  ``pg_collection=``: its ``dp_cp``) the pool;
-* megatron-core's ``parallel_state`` initialised with ``hybrid_context_parallel=True``: its hybrid
-  groups (``get_hybrid_data_context_parallel_groups(group_size=c)``) and its data-and-context-parallel
-  group, found without importing megatron-core (:func:`nn_data.groups.megatron_state`);
-* only a pool (``pool=`` or ``pg_collection.dp_cp``): the groups are created, every rank of the world
-  calling it together (:func:`create_block_groups`, once per run: creating a group is collective).
-
-:meth:`DynamicCPGroups.check` refuses a plan whose blocks these groups do not match (another pool
-size, a size without a group, a group whose members are not the block's ranks in pool order).
+A block of ``c`` ranks starts at a multiple of ``c`` in pool order (rank ``p`` is in ``[p // c * c, p // c * c
++ c)``): megatron-core's hybrid groups. :func:`dynamic_cp_groups` takes them from plain ``groups={c: group}``,
+from megatron-core's ``parallel_state`` (initialised with ``hybrid_context_parallel=True``), or creates them
+from a pool (:func:`create_block_groups`); :meth:`DynamicCPGroups.check` refuses a plan they do not match
+(docs/dynamic-cp.md, "The data path").
 
 Example (8 ranks, one pool): pool rank 5 is in ``[4, 5]`` for ``c = 2`` (its rank there 1) and in
-``[4, 5, 6, 7]`` for ``c = 4`` (rank 1).
-"""
+``[4, 5, 6, 7]`` for ``c = 4`` (rank 1)."""
 
 from __future__ import annotations
 
@@ -35,9 +20,8 @@ from nn_data.groups import as_process_group, collection_group, group_info, megat
 
 
 class DynamicCPGroups(NamedTuple):
-    """``pool_rank``: this rank's place in the pool; ``pool_ranks``: the pool's global ranks in pool
-    order; ``groups[c]``: this rank's group of ``c`` ranks for every size ``c > 1`` it has (``c = 1``
-    needs none)."""
+    """``pool_rank`` (this rank's place in the pool), ``pool_ranks`` (the pool's global ranks in pool order),
+    ``groups[c]`` (this rank's group of ``c`` ranks, every size ``c > 1`` it has)."""
 
     pool_rank: int
     pool_ranks: tuple
@@ -63,9 +47,8 @@ class DynamicCPGroups(NamedTuple):
         return self.groups[c]
 
     def check(self, plan) -> None:
-        """:class:`PackingError` when ``plan`` (a :class:`~nn_data.planning.DynamicCPPlan`) does not
-        match these groups: another pool size, a block size without a group, or a group whose members
-        are not this rank's block of the pool, in pool order (its rank there ``pool_rank - start``)."""
+        """:class:`PackingError` when ``plan`` (a :class:`~nn_data.planning.DynamicCPPlan`) does not match these groups:
+        another pool size, a block size without a group, a group that is not this rank's block in pool order."""
         if plan.ranks != self.pool_size:
             raise PackingError(f"the plan is over {plan.ranks} ranks but the pool (the data-and-context-parallel "
                                f"group) has {self.pool_size}; plan with Parallelism(dp * cp = {self.pool_size})")
@@ -83,13 +66,15 @@ class DynamicCPGroups(NamedTuple):
 def dynamic_cp_groups(*, groups: Optional[dict] = None, pool: Any = None, pg_collection: Any = None) -> DynamicCPGroups:
     """This rank's :class:`DynamicCPGroups` (module docstring: the three sources, in that order).
 
-    ``pool``: the data-and-context-parallel group (a ProcessGroup or DeviceMesh form); else
-    ``pg_collection.dp_cp``; else megatron-core's ``parallel_state``
-    (``get_data_parallel_group(with_context_parallel=True)``). Without ``groups`` and without
-    megatron-core's hybrid groups, every rank of the world must call this together (the groups are
-    created). Raises :class:`PackingError` when no pool can be found or ``torch.distributed`` is not
-    initialised with a pool of more than one rank.
-    """
+    Args:
+        groups: ``{c: group}``, plain process groups or DeviceMesh forms.
+        pool: the data-and-context-parallel group; else ``pg_collection.dp_cp``; else megatron-core's
+            ``parallel_state``.
+        pg_collection: megatron-core's ``ProcessGroupCollection``.
+
+    Without ``groups`` and without megatron-core's hybrid groups every rank of the world must call this together
+    (the groups are created). Raises :class:`PackingError` when no pool can be found or ``torch.distributed`` is
+    not initialised with a pool of more than one rank."""
     pool_group = _pool(pool, pg_collection)
     if pool_group is None:  # a pool of one rank: nothing to shard over
         return DynamicCPGroups(0, (dist.get_rank() if dist.is_initialized() else 0,), {})
@@ -144,14 +129,12 @@ def _megatron_hybrid_groups(ranks: int) -> dict:
 
 
 def create_block_groups(pool: "dist.ProcessGroup") -> dict:
-    """Create the groups of every aligned power-of-two block of every pool of the world and return this
-    rank's: ``{c: group}`` for the sizes below its pool (the pool itself serves ``c = R``).
+    """Create the groups of every aligned power-of-two block of every pool of the world and return this rank's ``{c:
+    group}`` for the sizes below its pool (the pool serves ``c = R``). Collective over the default group: every
+    process calls it with its own pool; the pools are gathered so that all create the same groups in the same order.
 
-    Collective over the default group: every process calls it, each with its own pool (they may
-    differ: one pool per pipeline stage or tensor-parallel rank); the pools are gathered so that all
-    processes create the same groups in the same order. Example: one pool of 8 -> groups ``[0, 1]``,
-    ``[2, 3]``, ``[4, 5]``, ``[6, 7]``, ``[0..3]``, ``[4..7]``; rank 5 gets ``{2: [4, 5], 4: [4..7]}``.
-    """
+    Example: one pool of 8 -> groups ``[0, 1]``, ``[2, 3]``, ``[4, 5]``, ``[6, 7]``, ``[0..3]``, ``[4..7]``; rank 5
+    gets ``{2: [4, 5], 4: [4..7]}``."""
     mine = tuple(dist.get_process_group_ranks(pool))
     pools: list = [None] * dist.get_world_size()
     dist.all_gather_object(pools, mine)

@@ -8,23 +8,14 @@ Shape legend
     c     the CP size of this rank's block in a round; the block packs ``T = c * tpr`` tokens
     tpr   ``tokens_per_rank``: every rank's microbatch, every round, whatever ``c`` is
 
-Per step (:meth:`DynamicCPRunner.step`), on the host from the plan's Python ints: this rank's block in
-every round, which rows of ``input_ids`` each holds and their lengths, as one ``[K, 1 + 2 Bc]`` int64
-table copied to the device once (pinned and asynchronous on an accelerator). Per round
-(:meth:`DynamicCPStep.round`), on the device and with no host read: the block's rows gathered into
-``[Bc, S]``, packed to ``T`` and sharded for this rank by one op per CP size (:class:`RoundPack`:
-nn_data's device planner and executor, ``validate=False``: the plan's lengths were checked on the
-host), so a compiled step has one graph per CP size and every output has one shape per rank:
-
-    input_ids [1, tpr], position_ids [1, tpr], targets [1, tpr], loss_mask [1, tpr]
-    packed: PackedInfo (cu_seqlens_padded [Bc+1], segment_ids [T], query_index [tpr], the block's
-            gather and, when asked for, megatron-core's PackedSeqParams with cp_group and local_cp_size;
-            where PackedInfo has the fields, padding_mask [1, tpr], max_length T and row_len S)
+Per step (:meth:`DynamicCPRunner.step`) one ``[K, 1 + 2 Bc]`` int64 table of this rank's blocks is built from
+the plan's Python ints and copied to the device once; per round (:meth:`DynamicCPStep.round`) the block's rows
+are gathered, packed to ``T`` and sharded by one op per CP size (:class:`RoundPack`) with no host read, so a
+compiled step has one graph per CP size (docs/dynamic-cp.md, "The data path").
 
 Example (8 ranks, tpr 4096; the worked plan of nn_data.planning.dynamic_cp_plan): pool rank 5 runs round 0
 in the block of all 8 ranks (``c = 8``, its CP rank 5: chunks 5 and 10 of the 30000-token sequence,
-padded to 30000 + 2768 = 32768), round 1 in ranks 4..7 (``c = 4``, CP rank 1).
-"""
+padded to 30000 + 2768 = 32768), round 1 in ranks 4..7 (``c = 4``, CP rank 1)."""
 
 from __future__ import annotations
 
@@ -60,15 +51,12 @@ class RoundLocal(NamedTuple):
 
 
 class RoundPack(nn.Module):
-    """Pack one block's rows ``[Bc, S]`` to ``T = c * tpr`` and take CP rank ``cp_rank``'s zigzag shard
-    (the pack-and-shard runtime, :class:`~nn_data.packed_sides.PackingSide`, plain kind): :class:`RoundLocal`,
-    every shape fixed by ``(c, tpr, Bc)``; no host read (device executor, ``validate=False``), so
-    ``torch.compile(fullgraph=True)`` captures it whole, once per ``c``.
+    """Pack one block's rows ``[Bc, S]`` to ``T = c * tpr`` and take CP rank ``cp_rank``'s zigzag shard through the
+    pack-and-shard runtime (:class:`~nn_data.packed_sides.PackingSide`, plain kind, device executor,
+    ``validate=False``), every shape fixed by ``(c, tpr, Bc)``.
 
-    ``forward(rows [Bc, S], lengths [Bc], num_rows 0-d) -> RoundLocal``. Targets are the next token
-    within each sequence (:func:`nn_data.targets.next_token_at`); padding, each sequence's last token
-    and empty rows get ``ignore_index`` and loss mask 0.
-    """
+    ``forward(rows [Bc, S], lengths [Bc], num_rows 0-d) -> RoundLocal``. Targets are the next token within each
+    sequence (:func:`nn_data.targets.next_token_at`); padding, last tokens and empty rows get ``ignore_index``."""
 
     def __init__(self, cp_size: int, cp_rank: int, tokens_per_rank: int, multiple: int, *, ignore_index: int = -100):
         super().__init__()
@@ -90,12 +78,10 @@ class RoundPack(nn.Module):
 
 
 class RoundInputs(NamedTuple):
-    """What this rank runs in one round: the model's ``input_ids``, ``position_ids`` and ``packed``
-    (:class:`~nn_data.packed_forward.PackedInfo`: the block's boundaries, this rank's places, the
-    block's key/value gather and, when asked for, megatron-core's ``PackedSeqParams`` with the block's
-    ``cp_group`` and ``local_cp_size``), the loss's ``targets`` and ``loss_mask``, the ``block``
-    (:class:`~nn_data.planning.CPBlock`) with this rank's ``cp_rank`` in it and its ``cp_group``, and
-    ``packed_ids [1, T]``: the whole block packed (what NeMo-RL's layer calls ``input_ids``)."""
+    """What this rank runs in one round: the model's ``input_ids``, ``position_ids`` and ``packed`` (the block's
+    :class:`~nn_data.packed_forward.PackedInfo`, with the block's gather and, when asked for, ``PackedSeqParams``),
+    the loss's ``targets`` and ``loss_mask``, the ``block`` (:class:`~nn_data.planning.CPBlock`) with this rank's
+    ``cp_rank`` and ``cp_group``, and ``packed_ids [1, T]`` (the whole block packed)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -109,13 +95,15 @@ class RoundInputs(NamedTuple):
 
 
 class DynamicCPRunner:
-    """This rank's dynamic-CP data path for a run: one :class:`RoundPack` per CP size, each compiled
-    once with ``compile=True`` (``compile_kwargs`` to ``torch.compile``, ``fullgraph=True`` by default).
+    """This rank's dynamic-CP data path for a run: one :class:`RoundPack` per CP size.
 
-    ``groups``: this rank's :class:`~nn_data.dynamic_cp.DynamicCPGroups`; ``tokens_per_rank``: the
-    plans' (checked per step); ``row_capacity``: the most sequences a block may hold (one static
-    shape for the run; None: each plan's ``max_sequences`` rounded up to a power of two);
-    ``make_packed_seq_params``: build megatron-core's ``PackedSeqParams`` for every round.
+    Args:
+        groups: this rank's :class:`~nn_data.dynamic_cp.DynamicCPGroups`.
+        tokens_per_rank: the plans' (checked per step).
+        row_capacity: the most sequences a block may hold (None: each plan's ``max_sequences`` rounded up to a
+            power of two).
+        make_packed_seq_params: build megatron-core's ``PackedSeqParams`` for every round.
+        compile, compile_kwargs: compile each :class:`RoundPack` once (``fullgraph=True`` by default).
 
     Example::
 
@@ -125,8 +113,7 @@ class DynamicCPRunner:
             for inputs in runner.step(plan, step.input_ids):          # K rounds, [1, 16384] each
                 logits = model(inputs.input_ids, inputs.position_ids, inputs.packed)
                 loss = (token_ce(logits, inputs.targets) * inputs.loss_mask).sum()
-                loss.backward()
-    """
+                loss.backward()"""
 
     def __init__(self, groups: DynamicCPGroups, *, tokens_per_rank: int, row_capacity: Optional[int] = None,
                  compile: bool = False, compile_kwargs: Optional[dict] = None, make_packed_seq_params: bool = False,
@@ -161,10 +148,8 @@ class DynamicCPRunner:
         return self._gathers[c]
 
     def step(self, plan, input_ids: torch.Tensor, *, rows: Optional[Sequence[int]] = None, **tree) -> "DynamicCPStep":
-        """This rank's rounds of ``plan`` over ``input_ids [n, S]``: row ``j`` holds sequence ``rows[j]``
-        (default: sequence ``j``, every sequence of the plan). See :class:`DynamicCPStep`. A tree's keywords
-        (``parent``, ``branch_at``, ``prefix_lengths``, ``group_ids``) are refused by name: the plan shards each
-        sequence alone."""
+        """This rank's rounds of ``plan`` (a :class:`DynamicCPStep`) over ``input_ids [n, S]``, row ``j`` sequence
+        ``rows[j]`` (default ``j``); a tree's keywords are refused by name (the plan shards each sequence alone)."""
         refuse_tree("DynamicCPRunner.step", tree, "its plan shards each sequence alone over the blocks of its rounds, "
                     "so a tree's rollouts land in different blocks without the prefix they share; plan trees with "
                     "plan_step_rollout_tree and run them through PackedForward (docs/ops.md, \"Rollout trees\")")
@@ -172,15 +157,12 @@ class DynamicCPRunner:
 
 
 class DynamicCPStep:
-    """One step of a :class:`DynamicCPRunner`: ``len(step)`` rounds, ``step.round(k)`` (or iterate)
-    -> :class:`RoundInputs`. Built with the one host-to-device copy of the step's round table; each
-    round then reads nothing on the host.
+    """One step of a :class:`DynamicCPRunner`: ``len(step)`` rounds, ``step.round(k)`` (or iterate) ->
+    :class:`RoundInputs`, after the one host-to-device copy of the round table.
 
-    Raises :class:`PackingError` (when built) for a plan the groups do not match, another
-    ``tokens_per_rank``, a block of more sequences than ``row_capacity`` (any rank's: every rank refuses),
-    a sequence longer than the rows' ``S``, ``input_ids`` that are not ``[n, S]`` or lack a row for a
-    sequence this rank runs.
-    """
+    Raises :class:`PackingError` (when built) for a plan the groups do not match, another ``tokens_per_rank``, a
+    block of more sequences than ``row_capacity`` (any rank's), a sequence longer than the rows' ``S``, or
+    ``input_ids`` that are not ``[n, S]`` or lack a row for a sequence this rank runs."""
 
     def __init__(self, runner: DynamicCPRunner, plan, input_ids: torch.Tensor, rows: Optional[Sequence[int]]):
         runner.groups.check(plan)
@@ -196,10 +178,8 @@ class DynamicCPStep:
         self.table = self._table(rows)
 
     def _check_plan(self, rows) -> None:
-        """The checks of the *whole* plan (every rank's blocks, not only this rank's): the plan is the same on
-        every rank, so each refuses it, and none builds its step to wait in a round's first collective for a
-        rank that refused. Every block within ``row_capacity``; with ``rows=None`` (``input_ids`` holds every
-        sequence of the plan, on every rank) every sequence within the rows' ``S``."""
+        """The checks of the whole plan (every rank's blocks), so that every rank refuses it and none waits in a round's
+        first collective for a rank that refused."""
         cap, row_len = self.capacity, self.input_ids.shape[1]
         for k, blocks in enumerate(self.plan.rounds):
             for block in blocks:
@@ -272,9 +252,8 @@ class DynamicCPStep:
                            group, local.packed_ids)
 
     def _packed_seq_params(self, local: RoundLocal, c: int, group):
-        """megatron-core's THD ``PackedSeqParams`` of the round: ``max_seqlen = T`` (the bound known without
-        a read), ``total_tokens = tpr``, the block's ``cp_group`` and ``local_cp_size = c`` (1 without a
-        group: megatron-core then turns CP off for the microbatch)."""
+        """The round's THD ``PackedSeqParams``: ``max_seqlen = T``, ``total_tokens = tpr``, the block's ``cp_group`` and
+        ``local_cp_size = c`` (1 without a group: megatron-core then turns CP off for the microbatch)."""
         from nn_data.megatron_parallel import make_packed_seq_params
 
         total = c * self.plan.tokens_per_rank

@@ -1,20 +1,16 @@
 """Building a :class:`~nn_data.layout.pack_layout.PackLayout`: from the lengths, from the boundaries, or
-checking one an op was given.
+checking one an op was given; and :class:`RankOp`, the base of the ops that run on a layout.
 
 Shape legend
     B   rows (R with row-capacity padding); S the row length; T packed tokens; C the CP size
 
-Which executor a layout gets (``docs/design.md``, "Layouts and executors") is :func:`reads_host`, in one
-place: ``host_reads`` (the caller's choice of executor) and the compile state, never ``validate``. With
-host reads, eagerly, the builder reads the lengths (or the boundaries) to the host **once**, checks
-them there with precise messages when ``validate`` (:mod:`nn_data.layout.checks`) and computes every
-boundary in Python ints: a :class:`~nn_data.layout.host.HostExecutor`. Otherwise (under ``torch.compile``,
-or ``host_reads=False``) it is built on the device: a :class:`~nn_data.layout.device.DeviceExecutor`, no
-sync, the checks device asserts when ``validate``. ``validate=False`` only skips the checks.
+Which executor a layout gets is :func:`reads_host`, in one place (docs/design.md, "Layouts and executors"):
+eagerly with host reads, one read of the lengths or boundaries, the checks there, a
+:class:`~nn_data.layout.host.HostExecutor`; otherwise a :class:`~nn_data.layout.device.DeviceExecutor`, no
+sync, device asserts. ``validate=False`` only skips the checks.
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4, eagerly -> a host executor, cu_seqlens_padded ``[0, 4, 4, 12]``;
-the same with ``host_reads=False`` -> a device executor with the same boundaries and ``dest [B, S]``.
-"""
+the same with ``host_reads=False`` -> a device executor with the same boundaries and ``dest [B, S]``."""
 
 from __future__ import annotations
 
@@ -24,6 +20,7 @@ from itertools import accumulate
 from typing import Callable, NamedTuple, Optional
 
 import torch
+from torch import nn
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from nn_data import _checks
@@ -38,18 +35,17 @@ from nn_data.layout.rules import (
 
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
-    """What a pack is asked for: the configuration of the layout rules, checked once when it is built
-    (no data read).
+    """What a pack is asked for: the configuration of the layout rules, checked once when it is built.
 
-    ``m`` / ``p``: the per-sequence and the packed multiple; ``fixed_total`` (keyword-only): the fixed
-    packed length ``T`` or None (``T`` from the data; the resolved ``T`` is the layout's ``total``);
-    messages name it ``pad_full_seq_to``, the ops' argument); ``pack_form``: the device executor's pack
-    form (``"auto"``: by the static sizes; ``"scatter"`` / ``"gather"``: always that one,
-    :func:`~nn_data.layout.device.pack_maps`).
+    Args:
+        m, p: the per-sequence and the packed multiple.
+        fixed_total: the fixed packed length ``T`` or None (``T`` from the data); messages name it
+            ``pad_full_seq_to``.
+        pack_form: the device executor's pack form (``"auto"``, ``"scatter"`` or ``"gather"``,
+            :func:`~nn_data.layout.device.pack_maps`).
 
     Example: ``PackSpec(4, 8, fixed_total=64)`` -> every sequence rounded up to 4, ``T = 64``;
-    ``PackSpec(4, 8, fixed_total=60)`` raises (60 is not a multiple of 8).
-    """
+    ``PackSpec(4, 8, fixed_total=60)`` raises (60 is not a multiple of 8)."""
 
     m: int = 1
     p: int = 1
@@ -105,13 +101,10 @@ def reads_host(host_reads: bool, data: Optional[torch.Tensor] = None) -> bool:
 def layout_from_lengths(seq_lengths: torch.Tensor, row_len, spec: PackSpec, *, num_rows=None, validate: bool = True,
                         host_reads: bool = True, op: str = "PackSequences",
                         into: Optional[_checks.DeviceChecks] = None) -> PackLayout:
-    """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked): a
-    host executor after one read of the lengths (and ``num_rows``) when :func:`reads_host`, else a device executor.
-
-    Example: lengths ``[3, 0, 5]``, S 5, m 4, no fixed length -> cu_seqlens ``[0, 3, 3, 8]``,
-    cu_seqlens_padded ``[0, 4, 4, 12]``, T 12, max_seqlen 8; with ``fixed_total=16`` the last segment
-    absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12.
-    """
+    """The layout of a ``[B, S, *]`` batch with lengths ``seq_lengths [B]`` (metadata already checked): a host
+    executor after one read of the lengths when :func:`reads_host`, else a device executor. Example: lengths ``[3,
+    0, 5]``, S 5, m 4 -> cu_seqlens ``[0, 3, 3, 8]``, cu_seqlens_padded ``[0, 4, 4, 12]``, T 12, max_seqlen 8;
+    with ``fixed_total=16`` the last segment absorbs the slack: ``[0, 4, 4, 16]``, max_seqlen 12."""
     if not reads_host(host_reads, seq_lengths):
         return _lengths_on_device(seq_lengths, row_len, spec, num_rows, validate, op, into)
     if num_rows is None:
@@ -191,18 +184,13 @@ def _lengths_on_device(seq_lengths, row_len, spec: PackSpec, num_rows, validate:
 
 def layout_from_boundaries(bounds: Boundaries, *, op: str, cp_size: int = 1, seq_len=None, row_len=None,
                            validate: bool = True, host_reads: bool = True) -> PackLayout:
-    """The layout of a packed microbatch from its :class:`Boundaries` (metadata already checked), for an
-    op that receives boundaries rather than a layout.
+    """The layout of a packed microbatch from its :class:`Boundaries` (metadata already checked), for an op that
+    receives boundaries rather than a layout. On the host the boundaries, the lengths and ``also_check``'s flag
+    come in one read, which is also the validation (rising from 0 to ``T``, every segment splitting into ``2C``
+    chunks, each sequence fitting its segment, ``seq_len`` and ``row_len``); on the device the same checks are
+    device asserts and ``also_check`` is the caller's to assert.
 
-    On the host (:func:`reads_host`: a host executor) the boundaries, the lengths (``seq_lengths``, or
-    ``cu_seqlens``' differences) and ``also_check``'s flag come to the host in **one** read, which is also
-    the op's validation (when ``validate``): the boundaries rise from 0 to ``T`` (valid-token offsets: to
-    at most ``T``), every segment splits into ``2C`` chunks, each sequence fits its segment, ``seq_len``
-    and ``row_len``; ``also_check``'s function raises when its flag is False. On the device the same checks are device
-    asserts (when ``validate``), and ``also_check`` is the caller's to assert.
-
-    Example: cu_seqlens_padded ``[0, 16, 40]``, T 40, C 2 -> segments ``[16, 24]``, both multiples of 4.
-    """
+    Example: cu_seqlens_padded ``[0, 16, 40]``, T 40, C 2 -> segments ``[16, 24]``, both multiples of 4."""
     total = bounds.total
     if not reads_host(host_reads, bounds.cu_seqlens_padded):
         if total is None:
@@ -277,15 +265,10 @@ def _boundary_checks_into(found: _checks.DeviceChecks, op: str, bounds: Boundari
 
 def take_layout(layout: PackLayout, total, *, op: str, cp_size: int = 1, seq_len=None, validate: bool = True,
                 data: Optional[tuple] = None, **given) -> PackLayout:
-    """A layout an op was given (``layout=``, the layout travelling from the pack): no host read.
-
-    ``given`` are the boundary tensors the caller passed as well (``cu_seqlens_padded=``, ``cu_seqlens=``,
-    ``seq_lengths=``); each must be the very tensor the layout holds. The checks that depend on the op's
-    own configuration run on the layout: ``T`` (a shape), every segment splitting into ``2C`` chunks and
-    every length fitting ``seq_len``: free on a host layout's ints, device asserts otherwise. ``data``
-    (``(name, tensor)``): the tensor the op runs on, refused when the host executor packed it on another
-    layout (:func:`~nn_data.layout.host.check_token`).
-    """
+    """A layout an op was given (``layout=``): no host read. ``given``: the boundary tensors the caller passed as
+    well, each the very tensor the layout holds; ``T``, the ``2C`` chunks and ``seq_len`` are checked on the
+    layout (free on a host layout's ints, device asserts otherwise); ``data`` (``(name, tensor)``) is refused when
+    the host executor packed it on another layout (:func:`~nn_data.layout.host.check_token`)."""
     if not isinstance(layout, PackLayout):
         raise _checks.PackingError(f"layout must be a PackLayout (PackResult.layout), got {type(layout).__name__}")
     if guard_or_false(layout.total != total):  # known to differ (symbolic sizes: no guard otherwise)
@@ -336,3 +319,41 @@ def _other_total(expected: int, got: int) -> str:
                 "(GatherFromContextParallel, or UnshardFromContextParallel of every rank's shard); otherwise pass "
                 "the layout of this very microbatch")
     return message + "; pass the layout of this very microbatch"
+
+
+# ---- the ops on a layout: given the pack's layout (no read) or the boundaries (one read, the validation) ----
+
+class RankOp(nn.Module):
+    """Base of the stateless ops configured with a CP size and rank (checked), ``validate`` and
+    ``host_reads`` (``False``: never read the device; the checks become device asserts)."""
+
+    def __init__(self, cp_size: int, cp_rank: int, *, validate: bool = True, host_reads: bool = True):
+        super().__init__()
+        _checks.check_cp(cp_size, cp_rank)
+        self.cp_size, self.cp_rank, self.validate, self.host_reads = cp_size, cp_rank, bool(validate), bool(host_reads)
+
+    def extra_repr(self) -> str:
+        return (f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, validate={self.validate}, "
+                f"host_reads={self.host_reads}")
+
+    def layout_for(self, name: str, data: torch.Tensor, total, cu_seqlens_padded, layout, **kw) -> PackLayout:
+        """The layout this call runs on: the one given (checked against this op's ``C``; no read), or
+        one built from ``cu_seqlens_padded`` (one read eagerly: the validation)."""
+        return op_layout(type(self).__name__, name, data, total, self.cp_size, cu_seqlens_padded, layout,
+                         validate=self.validate, host_reads=self.host_reads, **kw)
+
+
+def op_layout(op: str, name: str, data: torch.Tensor, total, cp_size: int, cu_seqlens_padded, layout, *,
+              validate: bool, host_reads: bool, cu_seqlens=None, **kw) -> PackLayout:
+    """The layout of an op that takes ``cu_seqlens_padded`` or ``layout=`` (see :meth:`RankOp.layout_for`)."""
+    if layout is not None:
+        checks.packed_tensor_length(name, total)
+        checks.total_divisible(total, cp_size)
+        given = {k: v for k, v in (("cu_seqlens_padded", cu_seqlens_padded), ("cu_seqlens", cu_seqlens))}
+        return take_layout(layout, total, op=op, cp_size=cp_size, validate=validate, seq_len=kw.get("seq_len"),
+                           data=(name, data), **given)
+    if cu_seqlens_padded is None:
+        raise _checks.PackingError(f"{op} needs cu_seqlens_padded or layout= (the pack's PackResult.layout)")
+    checks.boundary_args(name, data, total, cu_seqlens_padded, cp_size, cu_seqlens)
+    bounds = Boundaries(cu_seqlens_padded, total, cu_seqlens=cu_seqlens)
+    return layout_from_boundaries(bounds, op=op, cp_size=cp_size, validate=validate, host_reads=host_reads, **kw)

@@ -3,23 +3,12 @@
 Shape legend
     B   rows; ``L[b]`` their lengths; S the row length; T the packed length; C the CP size
 
-Three kinds, all here:
-
-* **packed-length limits and shape checks** (no data): a configured packed length above the int32
-  limit of the boundaries, a packed tensor too long for them, ``T`` not a multiple of ``2C``;
-* **host checks** (``*_host``): the data checks on the Python ints the host executor's one read
-  brought; they raise :class:`~nn_data.errors.PackingError` naming the argument, the first bad
-  value and what would be valid, with no further read of the device;
-* **device checks** (``*_device``): the same conditions as device-side asserts (no sync) where the
-  device executor runs (under ``torch.compile``, or ``host_reads=False``): the message names the
-  argument and the valid range, never a value. Each adds its conditions to the caller's
-  :class:`~nn_data._checks.DeviceChecks` (``into=``), so a builder's checks are one check on the
-  device (one ``nn_data::device_check`` call under compile) naming the first that failed; without
-  ``into`` a function's conditions are checked once on their own.
-
-Argument and metadata checks that know nothing of the layout (an int >= 1, a 1-D integer tensor,
-one device) are :mod:`nn_data._checks`'.
-"""
+Three kinds: packed-length limits and shape checks (no data); **host checks** (``*_host``) on the Python ints
+of the host executor's one read, raising :class:`~nn_data.errors.PackingError` naming the argument, the first
+bad value and what would be valid; **device checks** (``*_device``), the same conditions as device asserts
+naming the argument and the valid range, each added to the caller's :class:`~nn_data._checks.DeviceChecks`
+(``into=``) so that a builder's checks are one check on the device. Checks that know nothing of the layout
+are :mod:`nn_data._checks`'."""
 
 from __future__ import annotations
 
@@ -168,13 +157,11 @@ def _total_wording(tree: bool, m: int) -> tuple:
 
 def shared_total_host(natural: int, rollout_sum: int, m: int, fixed_total: Optional[int], name: str, *,
                       tree: bool = False) -> None:
-    """A shared-prefix microbatch (``tree``: a rollout tree, else GRPO groups) must fit the fixed packed length:
-    ``natural`` is the slots' total ``sum(round_up(slot, m))``, each shared token once, not the rollouts' own
-    lengths (``rollout_sum``, named beside it so the two are not confused).
+    """A tree microbatch must fit the fixed packed length: ``natural`` is the slots' total ``sum(round_up(slot,
+    m))``, each shared token once; the rollouts' own lengths (``rollout_sum``) are named beside it.
 
     Example: two rollouts of one group, P 20, L ``[30, 29]`` (sum 59), m 1 -> slots ``[20, 10, 0, 9]``,
-    natural 39: ``pad_full_seq_to=32`` is refused, naming 39 and the fix.
-    """
+    natural 39: ``pad_full_seq_to=32`` is refused, naming 39 and the fix."""
     if fixed_total is None or natural <= fixed_total:
         return
     what, once, planner = _total_wording(tree, m)

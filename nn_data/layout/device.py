@@ -5,23 +5,16 @@ Shape legend
     T   packed tokens; C context-parallel size, a rank holds ``T/C``
     *   trailing feature dims
 
-A :class:`DeviceExecutor` is what ``torch.compile`` and CUDA graphs capture: every map is tensor arithmetic
-on the boundaries (:mod:`nn_data.layout.index`), every shape a Python int or a symbolic size, nothing
-read on the host (``docs/design.md``, "Layouts and executors"). A host layout entering a traced region
-runs on one (:func:`nn_data.layout.pack_layout.entered`).
-
-Pack, two forms chosen from the static shapes (never from data) or by ``PackSpec.pack_form``: a
-**scatter** along ``dest [B, S]`` (``B*S <= 16*T`` on static sizes: per-row tables inductor hoists out
-of the inner loop, but all ``B*S`` input positions touched) or a **gather** along :class:`GatherMaps`
-(otherwise, and for symbolic sizes: only the ``T`` packed positions, each looking up its segment; the
-shared-prefix layout packs through the same record). Unpack: a **gather** over ``[B, S]`` (default) or,
-for an output that is mostly fill (``B*S >= 4T``), one fill and a **scatter** of the ``T`` positions.
-The thresholds' timings: ``profiling/results/ops.md``, "The executors' crossovers".
+A :class:`DeviceExecutor` is what ``torch.compile`` and CUDA graphs capture: every map is tensor arithmetic on
+the boundaries (:mod:`nn_data.layout.index`), every shape a Python int or a symbolic size (``docs/design.md``,
+"Layouts and executors"). Pack is a **scatter** along ``dest [B, S]`` (``B*S <= 16*T`` on static sizes) or a
+**gather** along :class:`GatherMaps`; unpack a **gather** over ``[B, S]`` or, for a mostly-fill output (``B*S
+>= 4T``), a fill and a **scatter**. The thresholds' timings: ``profiling/results/ops.md``, "The executors'
+crossovers".
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; scatter form dest
 ``[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]]`` (12: the discard slot); gather form source
-``[0, 1, 2, 3, 10, 11, 12, 13, 14, 14, 14, 14]``, valid ``[T,T,T,F,T,T,T,T,T,F,F,F]``.
-"""
+``[0, 1, 2, 3, 10, 11, 12, 13, 14, 14, 14, 14]``, valid ``[T,T,T,F,T,T,T,T,T,F,F,F]``."""
 
 from __future__ import annotations
 
@@ -47,12 +40,9 @@ PACK_FORMS = ("auto", "scatter", "gather")
 
 
 class GatherMaps(NamedTuple):
-    """The gather form of a pack, ``[T]`` each: ``source`` the flat input position ``b*S + s`` each packed
-    position reads (clamped into ``[0, B*S)``), ``valid`` whether it is a token (else ``fill``).
-
-    The one way maps enter :func:`gather_pack`: a device executor's gather form and a shared-prefix layout's
-    rollout maps (:class:`~nn_data.layout.TreeLayout`) are both this record. Example: the module's.
-    """
+    """The gather form of a pack, ``[T]`` each: ``source`` the flat input position ``b*S + s`` each packed position
+    reads (clamped into ``[0, B*S)``), ``valid`` whether it is a token (else ``fill``); a device executor's gather
+    form and a tree layout's rollout maps are both this record. Example: the module's."""
 
     source: torch.Tensor
     valid: torch.Tensor
@@ -60,15 +50,13 @@ class GatherMaps(NamedTuple):
 
 def pack_maps(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len, total,
               form: str = "auto") -> tuple[Optional[torch.Tensor], Optional[GatherMaps]]:
-    """``(dest, gather)`` of one batch from ``lengths [B]`` and the final ``cu_pad [B+1]`` (int64): the
-    scatter form's ``dest [B, S]`` or the gather form's :class:`GatherMaps`, the other None.
+    """``(dest, gather)`` of one batch from ``lengths [B]`` and the final ``cu_pad [B+1]`` (int64): the scatter form's
+    ``dest [B, S]`` or the gather form's :class:`GatherMaps`, the other None; ``form``: ``"auto"`` (scatter when
+    ``B*S <= 16*T`` is statically known), ``"scatter"`` or ``"gather"``.
 
-    ``form``: ``"auto"`` (scatter when ``B*S <= 16*T`` is statically known), ``"scatter"`` or ``"gather"``.
-    Scatter form, example: lengths ``[3, 0, 5]``, S 5, cu_pad ``[0, 4, 4, 12]``: row ``b`` goes to
-    ``cu_pad[b] + s`` while ``s < L[b]``, else to the discard slot 12. Gather form, same example:
-    segment of each position ``[0,0,0,0,2,...,2]``, offset in it ``[0,1,2,3,0,...,7]``, valid where
-    offset < L[segment], source = segment*S + offset.
-    """
+    Example: lengths ``[3, 0, 5]``, S 5, cu_pad ``[0, 4, 4, 12]``: row ``b`` goes to ``cu_pad[b] + s`` while ``s <
+    L[b]``, else to the discard slot 12; gathered, segment of each position ``[0,0,0,0,2,...,2]``, offset in it
+    ``[0,1,2,3,0,...,7]``, valid where offset < L[segment], source = segment*S + offset."""
     rows = lengths.shape[0]
     ratio = {"auto": SCATTER_MAX_RATIO, "scatter": None, "gather": 0}[form]
     if ratio is None or statically_known_true(rows * row_len <= ratio * total):
@@ -84,12 +72,9 @@ def pack_maps(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len, total,
 
 
 def gather_pack(x: torch.Tensor, maps: GatherMaps, fill: Fill = 0) -> torch.Tensor:
-    """``x [B, S, *] -> [1, T, *]`` along ``maps`` (:class:`GatherMaps`, ``T = maps.source.shape[0]``):
-    one ``index_select``, then ``fill`` where ``maps.valid`` is False.
-
-    Example: x ``[[1, 2, 3, 0, 0], [0]*5, [4, 5, 6, 7, 8]]`` with the maps of :class:`GatherMaps`'
-    example -> ``[[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]]``.
-    """
+    """``x [B, S, *] -> [1, T, *]`` along ``maps``: one ``index_select``, then ``fill`` where ``maps.valid`` is False.
+    Example: x ``[[1, 2, 3, 0, 0], [0]*5, [4, 5, 6, 7, 8]]`` with the maps of :class:`GatherMaps`' example ->
+    ``[[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]]``."""
     trailing, total = x.shape[2:], maps.source.shape[0]
     flat = rearrange(x, "b s ... -> (b s) ...")  # [B*S, *]
     keep = maps.valid.view(total, *([1] * len(trailing)))  # [T, 1...] broadcast over *
@@ -110,15 +95,12 @@ def gather_pack(x: torch.Tensor, maps: GatherMaps, fill: Fill = 0) -> torch.Tens
 class DeviceExecutor(NamedTuple):
     """A layout built on the device (or traced by ``torch.compile``): its pack maps, and the four moves.
 
-    ``seq_lengths [B]`` the lengths tensor the layout was built from (None: from boundaries, whose lengths
-    are ``cu_seqlens``' differences); ``dest [B, S]`` (the scatter form) or ``gather`` (:class:`GatherMaps`),
-    or neither (from boundaries, or a host executor traced by compile: built on demand, ``"auto"``);
-    ``multiple``: every segment is known from the builder's configuration to be a multiple of it (a shard
-    then needs no data check that the segments split into ``2C`` chunks; 1: nothing known).
+    ``seq_lengths [B]`` the lengths the layout was built from (None: from boundaries); ``dest [B, S]`` (scatter
+    form) or ``gather`` (:class:`GatherMaps`), or neither (built on demand); ``multiple``: every segment is known
+    to be a multiple of it (1: nothing known), so a shard needs no data check of the ``2C`` chunks.
 
     Example: ``PackSequences(4, host_reads=False)`` on lengths ``[3, 0, 5]``, S 5 -> ``DeviceExecutor(
-    seq_lengths, dest=[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]], gather=None)``.
-    """
+    seq_lengths, dest=[[0, 1, 2, 12, 12], [12]*5, [4, 5, 6, 7, 8]], gather=None)``."""
 
     seq_lengths: Optional[torch.Tensor] = None
     dest: Optional[torch.Tensor] = None
@@ -163,14 +145,10 @@ class DeviceExecutor(NamedTuple):
         return stacked.index_select(0, inverse).unsqueeze(0)  # [1, T, *]
 
     def unpack(self, layout, packed: torch.Tensor, seq_len, fill=0, shift: int = 0) -> torch.Tensor:
-        """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[bounds[b] + s - shift]`` for ``shift <= s < L[b]``,
-        ``fill`` elsewhere (``shift=1``: the log-prob layout, token ``s`` scored at position ``s - 1``).
-
-        ``bounds [B+1]`` the layout's ``cu_seqlens_padded`` as int64 (the row starts are ``bounds[:-1]``;
-        ``T > 0``), ``lengths [B]`` its :meth:`~nn_data.layout.PackLayout.lengths`. Gather form, example:
-        lengths ``[3, 0, 5]``, starts ``[0, 4, 4]``, S 5 -> index rows ``[0..4], [4..8], [4..8]``, valid
-        ``[T,T,T,F,F], [F]*5, [T]*5``.
-        """
+        """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[bounds[b] + s - shift]`` for ``shift <= s < L[b]``, ``fill``
+        elsewhere (``shift=1``: the log-prob layout), ``bounds`` the layout's ``cu_seqlens_padded``. Gather form,
+        example: lengths ``[3, 0, 5]``, starts ``[0, 4, 4]``, S 5 -> index rows ``[0..4], [4..8], [4..8]``, valid
+        ``[T,T,T,F,F], [F]*5, [T]*5``."""
         lengths, bounds = layout.lengths(), layout.cu_seqlens_padded.to(torch.int64)  # [B], [B+1]
         rows, total, trailing = lengths.shape[0], packed.shape[1], packed.shape[2:]
         if rows and statically_known_true(rows * seq_len >= UNPACK_SCATTER_MIN_RATIO * total):
@@ -191,13 +169,10 @@ def _fill_tensor(fill: Fill, shape, like: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_scatter(packed, lengths, bounds, seq_len, fill, shift: int) -> torch.Tensor:
-    """The scatter form: fill ``[B*S + 1, *]`` once, then write each packed position to its place.
-
-    Example: bounds ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: segments of the 12
-    positions ``[0,0,0,0,2,...,2]``, offsets ``[0,1,2,3,0,...,7]``; valid where
-    ``0 <= offset < min(L - shift, S - shift)`` -> destinations ``[0, 1, 2, 15, 10, 11, 12, 13, 14,
-    15, 15, 15]`` (15 = B*S, the discard slot).
-    """
+    """The scatter form: fill ``[B*S + 1, *]`` once, then write each packed position to its place. Example: bounds
+    ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: segments ``[0,0,0,0,2,...,2]``, offsets
+    ``[0,1,2,3,0,...,7]``; valid where ``0 <= offset < min(L - shift, S - shift)`` -> destinations ``[0, 1, 2, 15,
+    10, 11, 12, 13, 14, 15, 15, 15]`` (15 = B*S, the discard slot)."""
     rows, total, trailing = lengths.shape[0], packed.shape[1], packed.shape[2:]
     seg = index.segment_ids(bounds, total)  # [T]
     offset = torch.arange(total, device=packed.device) - bounds[seg]  # [T]

@@ -6,18 +6,14 @@ Shape legend
     k   a segment's zigzag chunk, ``n / (2C)`` for a padded segment of ``n`` tokens
     *   trailing dims (routed experts ``[layers, topk]``, token identities ``[3]``, logits ``V``)
 
-A :class:`HostExecutor` holds every boundary as a Python int (:class:`HostBounds`); each of its four
-methods is one ``split`` of its input into views at those ints and one ``cat``, a constant number of ops
-whatever ``B`` is, each byte written once, no index map (``docs/design.md``, "Layouts and executors").
-In the cases a method names it runs the device executor's (:class:`~nn_data.layout.device.DeviceExecutor`)
-instead. A host executor never runs while ``torch.compile`` traces: a host layout entering a traced region
-becomes a device layout there, once (:func:`nn_data.layout.pack_layout.entered`). The crossover's timings behind
+Each of :class:`HostExecutor`'s four methods is one ``split`` of its input at the layout's ints and one
+``cat``, whatever ``B`` is, or the device executor's in the cases it names; it never runs while
+``torch.compile`` traces (docs/design.md, "Layouts and executors"). The crossover behind
 :data:`SHARD_VIEWS_MAX_SEGMENTS`: ``profiling/results/ops.md``, "The executors' crossovers".
 
 Example: lengths ``[3, 0, 5]``, S 5, m 4 -> cu_seqlens_padded ``[0, 4, 4, 12]``; the input
 splits at ``[3, 2, 0, 5, 5, 0]`` (valid prefixes ``x[0,:3]``, ``x[1,:0]``, ``x[2,:5]``), the
-padding at ``[1, 0, 3]``, and the packed tensor is ``x[0,:3], 0, x[2,:5], 0, 0, 0``.
-"""
+padding at ``[1, 0, 3]``, and the packed tensor is ``x[0,:3], 0, x[2,:5], 0, 0, 0``."""
 
 from __future__ import annotations
 
@@ -41,19 +37,14 @@ TOKEN_ATTR = "_nn_data_layout_token"
 
 
 class HostBounds(NamedTuple):
-    """One microbatch's layout as Python ints, from the one host read.
-
-    ``lengths [B]`` valid tokens per row (None when an op was given boundaries only), ``cu [B+1]``
-    (``cu_seqlens``; None when not known), ``cu_pad [B+1]`` the final boundaries (``[T]`` when
-    ``B = 0``), ``segments [B']`` the padded segment lengths (``[T]`` for ``B = 0``: the padding
-    pseudo-segment), ``max_seqlen`` the longest of them, and ``active``: the rows that may hold
-    tokens or padding (rows past it are a row capacity's empty rows with empty segments, which the
-    host executor moves in bulk instead of row by row).
+    """One microbatch's layout as Python ints, from the one host read: ``lengths [B]`` (None when an op was given
+    boundaries only), ``cu [B+1]`` (None when not known), ``cu_pad [B+1]`` the final boundaries (``[T]`` for ``B =
+    0``), ``segments [B']`` the padded segment lengths, ``max_seqlen`` the longest, ``active``: the rows that may
+    hold tokens (past it, a row capacity's empty rows, moved in bulk).
 
     Example: lengths ``[3, 0, 5]``, m 4, T 16 -> cu ``[0, 3, 3, 8]``, cu_pad ``[0, 4, 4, 16]``,
     segments ``[4, 0, 12]``, max_seqlen 12, active 3; with one padding row of a capacity of 4
-    (num_rows 3): cu_pad ``[0, 4, 4, 16, 16]``, segments ``[4, 0, 12, 0]``, active 3.
-    """
+    (num_rows 3): cu_pad ``[0, 4, 4, 16, 16]``, segments ``[4, 0, 12, 0]``, active 3."""
 
     lengths: Optional[list]
     cu: Optional[list]
@@ -64,12 +55,9 @@ class HostBounds(NamedTuple):
 
 
 def check_token(name: str, t, layout) -> None:
-    """Refuse ``t`` when a host executor packed it on a layout other than ``layout`` (eager; free).
-
-    Only tensors a host executor made carry a token: a model's output carries none, so it is never checked
-    here (nothing can tell which microbatch a model output belongs to). Example: ``r1.layout.unpack(
-    r2.packed, S)`` with two microbatches packed eagerly raises; ``r1.layout.unpack(model(r1.packed), S)``
-    does not."""
+    """Refuse ``t`` when a host executor packed it on a layout other than ``layout`` (eager; free). A model's
+    output carries no token, so it is never checked. Example: ``r1.layout.unpack(r2.packed, S)`` with two
+    microbatches packed eagerly raises; ``r1.layout.unpack(model(r1.packed), S)`` does not."""
     if torch.compiler.is_compiling() or not isinstance(t, torch.Tensor):
         return
     token = getattr(t, TOKEN_ATTR, None)
@@ -83,11 +71,9 @@ _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
 
 
 def host_tensor(values: list, dtype: torch.dtype, device_) -> torch.Tensor:
-    """A tensor of host ints on ``device_``: through an ``array`` buffer for a flat list (faster than
-    ``torch.tensor`` on a list of ints). On an accelerator it is staged in pinned memory and copied
-    asynchronously: a copy from pageable memory would block the host (a sync, which
-    ``torch.cuda.set_sync_debug_mode`` reports), while the microbatch's one sync is the host read.
-    Example: ``[0, 4, 4, 12]``, int32, cpu -> ``tensor([0, 4, 4, 12], dtype=torch.int32)``."""
+    """A tensor of host ints on ``device_`` (through an ``array`` buffer); on an accelerator staged in pinned memory
+    and copied asynchronously, so that the copy is no sync. Example: ``[0, 4, 4, 12]``, int32, cpu ->
+    ``tensor([0, 4, 4, 12], dtype=torch.int32)``."""
     code = _ARRAY_CODES.get(dtype)
     if code is None or not values or isinstance(values[0], list):
         t = torch.tensor(values, dtype=dtype)
@@ -109,27 +95,20 @@ def pads_of(bounds) -> list:
 class HostExecutor(NamedTuple):
     """A layout built on the host: its Python ints, and the four moves in a few ``split``/``cat`` ops.
 
-    ``bounds`` (:class:`HostBounds`, the one read's ints), ``seq_lengths [B]`` the lengths tensor the
-    layout was built from (None: from boundaries), ``token``: the fingerprint of a layout a pack built,
-    which every tensor this executor packs or shards carries (:data:`TOKEN_ATTR`, :func:`check_token`), or
-    None. Each method takes ``(layout, tensor, ...)`` and runs the device executor's in the cases it names;
-    none runs while ``torch.compile`` traces (the layout entering a traced region is a device layout there).
+    ``bounds`` (:class:`HostBounds`), ``seq_lengths [B]`` the lengths tensor the layout was built from (None: from
+    boundaries), ``token``: the fingerprint every tensor this executor packs or shards carries
+    (:data:`TOKEN_ATTR`, :func:`check_token`), or None. Each method takes ``(layout, tensor, ...)``.
 
     Example: ``PackSequences(4)`` on lengths ``[3, 0, 5]``, S 5, eagerly -> ``HostExecutor(HostBounds([3, 0,
-    5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3), seq_lengths, token)``.
-    """
+    5], [0, 3, 3, 8], [0, 4, 4, 12], [4, 0, 8], 8, 3), seq_lengths, token)``."""
 
     bounds: HostBounds
     seq_lengths: Optional[torch.Tensor] = None
     token: Optional[object] = None
 
     def pack(self, layout, x: torch.Tensor, fill: Fill = 0) -> torch.Tensor:
-        """``x [B, S, *] -> [1, T, *]``: valid prefixes and ``fill`` padding, one ``cat``.
-
-        Empty rows (length 0, e.g. a row capacity's padding rows) add no piece: the input's skipped
-        stretches and the padding between valid runs are merged, so the pieces are about twice the
-        non-empty rows whatever ``B`` is.
-        """
+        """``x [B, S, *] -> [1, T, *]``: valid prefixes and ``fill`` padding, one ``cat``; empty rows add no piece, so
+        the pieces are about twice the non-empty rows whatever ``B`` is."""
         bounds = self.bounds
         trailing, row_len = x.shape[2:], x.shape[1]
         pads = pads_of(bounds)
@@ -147,14 +126,10 @@ class HostExecutor(NamedTuple):
         return self._tag(torch.cat(_between(valid, gaps, pad)).unsqueeze(0))  # [1, T, *]
 
     def shard(self, layout, packed: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-        """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: its two pieces of every segment
-        (:func:`~nn_data.layout.rules.zigzag_pieces`, in Python ints).
-
-        Up to :data:`SHARD_VIEWS_MAX_SEGMENTS` segments: one ``split`` and one ``cat`` of the pieces.
-        More: one ``index_select`` along a map built from the same pieces by one scan (the split's
-        Python-side cost per piece outgrows a scan over ``T/C`` positions). Example: cu_pad
-        ``[0, 16, 40]``, C 2, rank 0 -> packed positions ``0..3, 12..21, 34..39``.
-        """
+        """This rank's zigzag shard ``[1, T, *] -> [1, T/C, *]``: its two pieces of every segment. Up to
+        :data:`SHARD_VIEWS_MAX_SEGMENTS` segments one ``split`` and one ``cat``; more, one ``index_select`` along a map
+        built from the same pieces by one scan. Example: cu_pad ``[0, 16, 40]``, C 2, rank 0 -> packed positions
+        ``0..3, 12..21, 34..39``."""
         starts, lengths = _pieces(self.bounds, cp_size, cp_rank)
         flat = packed[0]  # [T, *]
         if len(lengths) <= 2 * SHARD_VIEWS_MAX_SEGMENTS:
@@ -163,14 +138,12 @@ class HostExecutor(NamedTuple):
         return self._tag(flat.index_select(0, source).unsqueeze(0))  # [1, T/C, *]
 
     def unshard(self, layout, shards: torch.Tensor, cp_size: int) -> torch.Tensor:
-        """``[C, T/C, *] -> [1, T, *]``: every rank's shard split at ``[k, k]`` per segment, one ``cat`` in
-        packed order (chunk ``c`` of a segment from rank ``min(c, 2C-1-c)``). Above
-        :data:`SHARD_VIEWS_MAX_SEGMENTS` non-empty segments the device executor's one gather (a split per
-        piece would cost more; the boundaries are on the device: no sync).
+        """``[C, T/C, *] -> [1, T, *]``: every rank's shard split at ``[k, k]`` per segment, one ``cat`` in packed order
+        (chunk ``c`` from rank ``min(c, 2C-1-c)``); above :data:`SHARD_VIEWS_MAX_SEGMENTS` non-empty segments the
+        device executor's one gather.
 
         Example: C 2, one segment of 8 (k 2): rank 0 holds chunks 0, 3, rank 1 chunks 1, 2 -> pieces
-        ``r0[0:2], r1[0:2], r1[2:4], r0[2:4]``.
-        """
+        ``r0[0:2], r1[0:2], r1[2:4], r0[2:4]``."""
         _, chunks = _chunks(self.bounds, cp_size)
         if len(chunks) > SHARD_VIEWS_MAX_SEGMENTS:
             return DeviceExecutor(self.seq_lengths).unshard(layout, shards, cp_size)
@@ -184,15 +157,12 @@ class HostExecutor(NamedTuple):
         return _cat(pieces, sizes, shards[0]).unsqueeze(0)  # [1, T, *]
 
     def unpack(self, layout, packed: torch.Tensor, seq_len: int, fill=0, shift: int = 0) -> torch.Tensor:
-        """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[cu_pad[b] + s - shift]`` for ``shift <= s < L[b]``,
-        ``fill`` elsewhere; one ``split`` of the packed tensor, one of an expanded fill row, one ``cat``
-        (``T >= 1``). The fill between two valid runs is one piece, however many empty rows it spans.
-        With no row (``B = 0``), or no token to move while autograd records (every length ``<= shift``),
-        the device executor's gather, which keeps the output in autograd's graph.
+        """``[1, T, *] -> [B, S, *]``: ``out[b, s] = packed[cu_pad[b] + s - shift]`` for ``shift <= s < L[b]``, ``fill``
+        elsewhere; one ``split`` of the packed tensor, one of an expanded fill row, one ``cat``. With no row, or no
+        token to move while autograd records, the device executor's gather (which keeps the output in the graph).
 
         Example: cu_pad ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: the packed tensor splits at
-        ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``.
-        """
+        ``[0, 3, 1, 5, 3]`` (gap, run, gap, run, gap); the output is ``p[0:3], fill x7, p[4:9]``."""
         bounds = self.bounds
         if not (layout.rows and (not packed.requires_grad or any(n > shift for n in bounds.lengths))):
             return DeviceExecutor(self.seq_lengths).unpack(layout, packed, seq_len, fill, shift)
@@ -253,14 +223,12 @@ def _chunks(bounds, cp_size: int) -> tuple[list, list]:
 
 
 def _pieces(bounds, cp_size: int, cp_rank: int) -> tuple[list, list]:
-    """This rank's pieces in local order, two per non-empty segment: ``(packed starts, lengths)``.
-    :func:`~nn_data.layout.rules.zigzag_pieces` is linear in the segment (``start + offset * k``), so it
-    is asked once, for a unit segment (``k = 1``), and scaled per segment by comprehensions (a call per
-    segment cost more than the shard's own ops at 256 segments).
+    """This rank's pieces in local order, two per non-empty segment: ``(packed starts, lengths)``, from
+    :func:`~nn_data.layout.rules.zigzag_pieces` asked once for a unit segment and scaled per segment (it is linear
+    in the segment).
 
     Example: cu_pad ``[0, 16, 40]``, C 2, rank 0 -> unit offsets ``(0, 3)`` -> starts ``[0, 12, 16, 34]``,
-    lengths ``[4, 4, 6, 6]``.
-    """
+    lengths ``[4, 4, 6, 6]``."""
     _, _, (first, second) = zigzag_pieces(0, 2 * cp_size, cp_size, cp_rank)  # the chunks' offsets, k = 1
     segment_starts, chunks = _chunks(bounds, cp_size)
     starts = [a + off * k for a, k in zip(segment_starts, chunks) for off in (first, second)]
@@ -287,13 +255,10 @@ def _shard_views(starts: list, lengths: list, flat: torch.Tensor) -> torch.Tenso
 
 
 def _shard_source(starts: list, lengths: list, local: int, device_) -> torch.Tensor:
-    """``[T/C]`` int64: the packed position of each local position, as a scan of piece jumps.
-
-    The local positions advance by 1 through the packed tensor and jump where a piece starts on
-    the rank: by the piece's packed start minus where the previous piece ended. Example: pieces at
-    ``0, 12, 16, 34`` of ``4, 4, 6, 6`` -> jumps 8 at local 4 and 12 at local 14 (and -1 at 0: the
-    cumsum of ones counts from 1) -> ``0..3, 12..15, 16..21, 34..39``.
-    """
+    """``[T/C]`` int64: the packed position of each local position, a scan of the jumps where a piece starts (its
+    packed start minus where the previous piece ended). Example: pieces at ``0, 12, 16, 34`` of ``4, 4, 6, 6`` ->
+    jumps 8 at local 4 and 12 at local 14 (and -1 at 0: the cumsum of ones counts from 1) -> ``0..3, 12..15,
+    16..21, 34..39``."""
     at = list(accumulate(lengths[:-1], initial=0))  # each piece's local start
     jumps = [starts[0] - 1] + [s - (p + k) for s, p, k in zip(starts[1:], starts, lengths)]
     table = host_tensor([at, jumps], torch.int64, device_)  # [2, 2B]

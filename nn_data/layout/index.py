@@ -7,11 +7,8 @@ Shape legend
     n   a segment's padded length, cu_seqlens_padded[b+1] - cu_seqlens_padded[b]
     k   a zigzag chunk's length, n / (2C)
 
-Everything here is pure tensor arithmetic on the device: no host reads of tensor
-values, no boolean-mask indexing, no data-dependent Python branches. Every shape comes
-from a Python int the caller passes. The rules the maps encode (the zigzag chunks, the
-``B = 0`` pseudo-segment) are :mod:`nn_data.layout.rules`'.
-"""
+Pure tensor arithmetic on the device: no host read, no boolean-mask indexing, no data-dependent branch, every
+shape from a Python int the caller passes. The rules the maps encode are :mod:`nn_data.layout.rules`'."""
 
 from __future__ import annotations
 
@@ -23,35 +20,22 @@ from nn_data.layout.rules import chunk_owner, segment_bounds, zigzag_pieces
 
 
 def exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
-    """``[0, cumsum(lengths)]`` as int64, ``[B] -> [B+1]``.
+    """``[0, cumsum(lengths)]`` as int64, ``[B] -> [B+1]``, written into ``zeros[1:]`` (inductor has mis-compiled
+    the ``F.pad`` form in some fused graphs).
 
-    Example: ``[3, 0, 5] -> [0, 3, 3, 8]``.
-
-    The cumsum is written into ``zeros[1:]`` rather than built with
-    ``F.pad(cumsum, (1, 0))``: inductor has mis-compiled the padded form in some
-    fused graphs (PyTorch issue 189895).
-    """
+    Example: ``[3, 0, 5] -> [0, 3, 3, 8]``."""
     out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
     out[1:] = torch.cumsum(lengths.to(torch.int64), dim=0)
     return out
 
 
 def segment_ids(bounds: torch.Tensor, total: int) -> torch.Tensor:
-    """Segment id of every position ``t`` in ``[0, total)``: ``[B+1] -> [total]`` int64.
+    """Segment id of every position ``t`` in ``[0, total)``: ``[B+1] -> [total]`` int64, the number of interior
+    boundaries ``bounds[1:B]`` that are ``<= t`` (a scatter-add of ones and one cumsum; boundaries clamped into
+    ``[0, total]`` so the ids stay in range even for invalid input).
 
-    Segment ``b`` covers ``[bounds[b], bounds[b+1])``; the id of ``t`` is the number
-    of interior boundaries ``bounds[1:B]`` that are ``<= t``. Zero-length segments
-    put several boundaries on one position, so the count skips over them.
-
-    Example: ``bounds [0, 4, 4, 12], total 12``: interior boundaries ``4, 4``
-    mark position 4 twice -> ``marks [0,0,0,0,2,0,...]`` -> cumsum ->
-    ids ``[0,0,0,0,2,2,2,2,2,2,2,2]`` (segment 1 is empty).
-
-    Built as a scatter-add of ones at the boundaries followed by one cumsum: two linear
-    passes, no search per position.
-    Boundaries outside ``[0, total]`` are clamped, so the ids stay in ``[0, B-1]``
-    even for invalid input (validation reports that input separately).
-    """
+    Example: ``bounds [0, 4, 4, 12], total 12``: interior boundaries ``4, 4`` mark position 4 twice -> ``marks
+    [0,0,0,0,2,0,...]`` -> cumsum -> ids ``[0,0,0,0,2,2,2,2,2,2,2,2]`` (segment 1 is empty)."""
     num_segments = bounds.shape[0] - 1
     marks = torch.zeros(total + 1, dtype=torch.int64, device=bounds.device)
     interior = bounds[1:num_segments].to(torch.int64).clamp(0, total)  # [B-1]
@@ -60,21 +44,14 @@ def segment_ids(bounds: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def piece_source(out_starts: torch.Tensor, src_starts: torch.Tensor, total: int) -> torch.Tensor:
-    """Source index of every output position when the output is a run of contiguous pieces.
-
-    Piece ``g`` covers output positions ``[out_starts[g], out_starts[g+1])`` (the last one
-    ends at ``total``; ``out_starts[0] == 0``) and reads source positions
-    ``src_starts[g], src_starts[g]+1, ...``. ``[G], [G] -> [total]`` int64.
-
-    Built as a scan rather than a per-position table lookup: the source advances by 1
-    per position and jumps at piece starts, so scatter the jumps onto a run of ones and
-    take one cumsum (two linear passes, no lookup of each position's piece). The jump of piece ``g`` is measured from where piece ``g-1`` would
-    have continued, so empty pieces (several starts on one position) telescope.
+    """Source index of every output position when the output is a run of contiguous pieces: piece ``g`` covers output
+    ``[out_starts[g], out_starts[g+1])`` (the last to ``total``) and reads source ``src_starts[g], src_starts[g]+1,
+    ...``; ``[G], [G] -> [total]`` int64. A scan: the jumps at piece starts (each measured from where the previous
+    piece would have continued, so empty pieces telescope) scattered onto ones, then one cumsum.
 
     Example: out_starts ``[0, 2, 2, 5]``, src_starts ``[10, 0, 7, 3]``, total 6 ->
     jumps ``[10, -12, 7, -7]`` at positions ``0, 2, 2, 5`` -> deltas ``[11, 1, -4, 1, 1, -6]``
-    -> cumsum - 1 -> ``[10, 11, 7, 8, 9, 3]`` (piece 1 is empty).
-    """
+    -> cumsum - 1 -> ``[10, 11, 7, 8, 9, 3]`` (piece 1 is empty)."""
     out_starts, src_starts = out_starts.to(torch.int64), src_starts.to(torch.int64)
     prev_out = torch.zeros_like(out_starts)
     prev_out[1:] = out_starts[:-1]
@@ -95,11 +72,8 @@ class ZigzagLocal(NamedTuple):
 
 
 class Segments(NamedTuple):
-    """``bounds [B'+1]`` (padded boundaries, int64) and ``lengths [B']`` (valid tokens, int64).
-
-    ``B' = B``, except for a microbatch with no sequence (``B = 0``, ``cu_seqlens_padded = [T]``):
-    then the whole packed tensor is one padding segment, ``bounds [0, T]``, ``lengths [0]``.
-    """
+    """``bounds [B'+1]`` (padded boundaries, int64) and ``lengths [B']`` (valid tokens, int64); ``B' = B``, except for
+    no sequence (``cu_seqlens_padded = [T]``): one padding segment, ``bounds [0, T]``, ``lengths [0]``."""
 
     bounds: torch.Tensor
     lengths: torch.Tensor
@@ -132,11 +106,8 @@ def padding_at(segments: Segments, places: ZigzagLocal) -> torch.Tensor:
 
 
 def local_places(bounds: torch.Tensor, total: int, cp_size: int, cp_rank: int) -> ZigzagLocal:
-    """Packed position and segment of each position rank ``cp_rank`` holds: ``[B+1] -> 2 x [T/C]``.
-
-    ``cp_size == 1``: every position, in order. Example: bounds ``[0, 4, 4, 12]``, C 1 ->
-    source ``0..11``, segment ``[0,0,0,0,2,...,2]`` (segment 1 is empty).
-    """
+    """Packed position and segment of each position rank ``cp_rank`` holds: ``[B+1] -> 2 x [T/C]``. Example:
+    ``cp_size == 1``, bounds ``[0, 4, 4, 12]`` -> source ``0..11``, segment ``[0,0,0,0,2,...,2]``."""
     if cp_size == 1:
         return ZigzagLocal(torch.arange(total, device=bounds.device), segment_ids(bounds, total))
     return zigzag_local(bounds, total // cp_size, cp_size, cp_rank)
@@ -160,28 +131,21 @@ def zigzag_source(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank:
 
 
 def zigzag_local(bounds: torch.Tensor, local_total: int, cp_size: int, cp_rank: int) -> ZigzagLocal:
-    """:func:`zigzag_source` plus the segment of each local position (``[B+1] -> 2 x [T/C]``).
-
-    Every segment puts ``n/C`` consecutive positions on each rank, so the local segment
-    boundaries are ``bounds // C``. Example: C=2, bounds ``[0, 16, 40]``, rank 0 ->
-    segments ``0 x8, 1 x12``.
-    """
+    """:func:`zigzag_source` plus the segment of each local position (``[B+1] -> 2 x [T/C]``): every segment puts
+    ``n/C`` consecutive positions on each rank, so the local boundaries are ``bounds // C``. Example: C=2, bounds
+    ``[0, 16, 40]``, rank 0 -> segments ``0 x8, 1 x12``."""
     source = zigzag_source(bounds, local_total, cp_size, cp_rank)
     return ZigzagLocal(source, segment_ids(bounds.to(torch.int64) // cp_size, local_total))
 
 
 def zigzag_inverse(bounds: torch.Tensor, total: int, cp_size: int) -> torch.Tensor:
-    """For each packed position, its place in the rank-major stack of shards.
-
-    ``[B+1] -> [T]`` int64 indices into ``shards.reshape(C * T/C, *)``: the exact
-    inverse of :func:`zigzag_source` over all ranks. Each segment is ``2C`` pieces
-    (its chunks); chunk ``c`` lives on rank ``c`` (``c < C``) or ``2C-1-c`` (second
-    half), at the rank's segment start plus ``0`` or ``k``.
+    """For each packed position, its place in the rank-major stack of shards: ``[B+1] -> [T]`` int64 indices into
+    ``shards.reshape(C * T/C, *)``, the exact inverse of :func:`zigzag_source` over all ranks. Chunk ``c`` of a
+    segment lives on rank ``c`` (``c < C``) or ``2C-1-c``, at the rank's segment start plus ``0`` or ``k``.
 
     Example: C=2, bounds ``[0, 8]`` (k = 2): chunks start at ``0, 2, 4, 6`` and live
     on ranks ``0, 1, 1, 0`` at local offsets ``0, 0, 2, 2`` -> stack indices
-    ``0,1, 4,5, 6,7, 2,3``.
-    """
+    ``0,1, 4,5, 6,7, 2,3``."""
     two_c = 2 * cp_size
     local_total = total // cp_size
     b64 = bounds.to(torch.int64)
@@ -195,14 +159,10 @@ def zigzag_inverse(bounds: torch.Tensor, total: int, cp_size: int) -> torch.Tens
 
 
 class SegmentRows(NamedTuple):
-    """Index maps between the packed tensor and one row per segment (``B'`` rows of ``W`` positions).
-
-    ``row_source [B', W]`` int64: the packed position row slot ``(b, w)`` reads (clamped into
-    ``[0, T)``); ``row_valid [B', W]`` bool: the slot lies inside segment ``b`` (``w < n_b``);
-    ``packed_source [T]`` int64: the flat slot ``b * W + w`` each packed position reads back;
-    ``packed_valid [T]`` bool: its offset ``w`` in its segment is below ``W`` (positions past ``W`` are
-    padding by construction and read nothing).
-    """
+    """Index maps between the packed tensor and one row per segment (``B'`` rows of ``W`` positions):
+    ``row_source [B', W]`` (the packed position slot ``(b, w)`` reads, clamped into ``[0, T)``), ``row_valid [B',
+    W]`` (``w < n_b``), ``packed_source [T]`` (the flat slot ``b * W + w`` each packed position reads back) and
+    ``packed_valid [T]`` (its offset is below ``W``; past it is padding)."""
 
     row_source: torch.Tensor
     row_valid: torch.Tensor

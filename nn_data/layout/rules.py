@@ -6,10 +6,8 @@ Shape legend
     T   the packed length
     C   context-parallel size; r a rank
 
-Every rule takes Python ints (the host executor's layout: the lengths were read once) and integer
-tensors (the device executor's layout, which nothing may read on the host) alike, so the two
-executors cannot disagree: where the two spellings differ they sit side by side in one function.
-"""
+Every rule takes Python ints (the host executor's) and integer tensors (the device executor's) alike, so the
+two executors cannot disagree."""
 
 from __future__ import annotations
 
@@ -50,14 +48,11 @@ def packed_total(natural, p: int, fixed_total: Optional[int] = None):
 
 
 def first_final(rows: int, num_rows=None):
-    """Index of the first boundary that becomes ``T`` under "extend last": the end of the last real
-    row (``num_rows``, or all ``B`` rows without a row capacity), so the last real row absorbs the
-    slack and the padding rows' boundaries collapse onto ``T``; at least 1 when there is a row, so
-    that a batch of padding rows only is ``[0, T, ..., T]`` (the padding pseudo-segment).
+    """Index of the first boundary that becomes ``T`` under "extend last": the end of the last real row
+    (``num_rows``: None, an int or a 0-d tensor; else all ``B`` rows), at least 1 when there is a row, so that
+    padding rows collapse onto ``T``.
 
-    ``num_rows`` is None, a Python int or a 0-d tensor (then the result is a 0-d tensor).
-    Example: rows 4, num_rows 3 -> 3: ``[0, 4, 4, 12, 12] -> [0, 4, 4, T, T]``; num_rows 0 -> 1.
-    """
+    Example: rows 4, num_rows 3 -> 3: ``[0, 4, 4, 12, 12] -> [0, 4, 4, T, T]``; num_rows 0 -> 1."""
     if num_rows is None:
         return rows
     if isinstance(num_rows, torch.Tensor):
@@ -99,16 +94,13 @@ def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
 
 
 def zigzag_pieces(start, n, cp_size: int, cp_rank: int):
-    """Where a padded segment ``[start, start + n)`` puts its tokens on rank ``r``: ``(k, local, packed)``,
-    the chunk length ``k = n / (2C)`` and the two pieces' starts, on the rank (``local``, in the ``[T/C]``
-    shard) and in the packed tensor (``packed``): chunks ``r`` and ``2C-1-r`` (:func:`zigzag_chunks`),
-    each ``k`` long, one after the other on the rank from ``start / C`` on (every segment puts ``n / C``
-    consecutive positions on each rank). Ints or integer tensors (one entry per segment) alike: the one
-    statement of the zigzag shard that the host views, the host scan and the device map all follow.
+    """Where a padded segment ``[start, start + n)`` puts its tokens on rank ``r``: ``(k, local, packed)``, the chunk
+    length ``k = n / (2C)`` and the starts of its two chunks ``r`` and ``2C-1-r`` on the rank (``local``, from
+    ``start / C`` on) and in the packed tensor (``packed``). Ints or integer tensors alike: the one statement of
+    the zigzag shard that the host views, the host scan and the device map all follow.
 
     Example: start 16, n 24, C 2, rank 0 -> k 6, local ``(8, 14)``, packed ``(16, 34)``: the rank's
-    positions 8..13 hold packed 16..21 and 14..19 hold packed 34..39.
-    """
+    positions 8..13 hold packed 16..21 and 14..19 hold packed 34..39."""
     first, second = zigzag_chunks(cp_size, cp_rank)
     k = n // (2 * cp_size)
     local = start // cp_size

@@ -6,23 +6,16 @@ Shape legend
     T   packed tokens; C context-parallel size
     *   trailing feature dims
 
-A tree microbatch is an ordinary :class:`~nn_data.layout.pack_layout.PackLayout` over ``N`` node slots
-(``docs/ops.md``, "Rollout trees"): rollouts ``input_ids [B, S]`` with lengths ``L``, ``parent [B]`` (the
-earlier rollout each shares its beginning with, or -1) and ``branch_at [B]`` (how many leading tokens it
-shares). Each rollout's own tokens ``[branch_at[b], L[b])`` are split where its children branch into
-nodes (:mod:`nn_data.layout.tree_nodes`), each node one slot, packed once, ancestors before descendants.
-The caller's :class:`~nn_data.layout.build.PackSpec` lays the slots out (each rounded up to ``m``, a
-fixed ``T``, "extend last"), so shard, unshard, local places and the padding mask are the slot layout's
-own; positions continue from the node's place in its rollout; a token sees its own rollout's earlier
-tokens and the shared ones of its ancestors (:class:`~nn_data.masks.PrefixRule`); unpack gathers each
-rollout's row from its path's nodes.
+A tree microbatch is an ordinary :class:`~nn_data.layout.pack_layout.PackLayout` over ``N`` node slots: each
+rollout's own tokens ``[branch_at[b], L[b])`` are split where its children branch into nodes
+(:mod:`nn_data.layout.tree_nodes`), each node one slot, packed once, ancestors before descendants
+(docs/ops.md, "Rollout trees").
 
-The shared-prompt case (:func:`shared_prefix_layout`: ``group_ids``, ``prefix_lengths``) is the depth-1
-tree in ``2B`` slots: slot ``2b`` is rollout ``b``'s prompt (empty unless ``b`` leads its group), ``2b+1``
-its response. Example: groups ``[7, 7, 9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> parent ``[-1, 0,
--1]``, branch_at ``[0, 2, 0]``, slot lengths ``[2,2, 0,1, 1,2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6,
-8]``, packed ``[p0 p0 r0 r0 | r1 | p2 | r2 r2]``; positions ``[0,1, 2,3, 2, 0, 1,2]``.
-"""
+The shared-prompt case (:func:`shared_prefix_layout`) is the depth-1 tree in ``2B`` slots: slot ``2b`` is
+rollout ``b``'s prompt (empty unless ``b`` leads its group), ``2b+1`` its response. Example: groups ``[7, 7,
+9]``, P ``[2, 2, 1]``, L ``[4, 3, 3]``, m 1 -> parent ``[-1, 0, -1]``, branch_at ``[0, 2, 0]``, slot lengths
+``[2,2, 0,1, 1,2]``, cu_seqlens_padded ``[0, 2, 4, 4, 5, 6, 8]``, packed ``[p0 p0 r0 r0 | r1 | p2 | r2 r2]``;
+positions ``[0,1, 2,3, 2, 0, 1,2]``."""
 
 from __future__ import annotations
 
@@ -43,14 +36,11 @@ OP = "tree_layout"
 
 
 class TreeLayout(NamedTuple):
-    """A tree microbatch's layout: ``layout`` the node slots' :class:`PackLayout` (``N`` rows),
-    ``seq_lengths``, ``parent``, ``branch_at`` (``[B]`` int64, on the data's device), ``row_len`` S,
-    ``maps`` (:class:`~nn_data.layout.device.GatherMaps`: where each packed position reads the flat
-    rollouts ``[B*S]``, the pack's one gather), ``nodes`` (:class:`~nn_data.layout.tree_nodes.NodeTables`),
-    ``paths`` (:class:`~nn_data.layout.tree_nodes.Paths`), ``host_lengths``: the rollout lengths as
-    Python ints when the builder read them (else None), ``host_begins``: likewise each node slot's place in
-    its rollout (``nodes.begin``; 0 for a slot of no rollout), from the same read. ``TreeLayout`` is
-    this class."""
+    """A tree microbatch's layout: ``layout`` the node slots' :class:`PackLayout` (``N`` rows), ``seq_lengths``,
+    ``parent``, ``branch_at`` (``[B]`` int64), ``row_len`` S, ``maps`` (:class:`~nn_data.layout.device.GatherMaps`:
+    the pack's one gather from the flat rollouts ``[B*S]``), ``nodes`` (:class:`~nn_data.layout.tree_nodes.NodeTables`),
+    ``paths`` (:class:`~nn_data.layout.tree_nodes.Paths`), ``host_lengths`` / ``host_begins``: the rollout lengths
+    and each slot's place in its rollout as Python ints when the builder read them (else None)."""
 
     layout: PackLayout
     seq_lengths: torch.Tensor
@@ -146,14 +136,12 @@ class TreeLayout(NamedTuple):
         return where, s < lengths[:, None]
 
     def boundary_places(self, cp_size: int = 1, cp_rank: int = 0) -> "BoundaryPlaces":
-        """Where each node's first token is scored (:class:`BoundaryPlaces`, ``[N]`` each): from the token
-        before it on its path, in its parent node (one extra row per branch, as the shared prompt's last
-        position scoring each response's first token).
+        """Where each node's first token is scored (:class:`BoundaryPlaces`, ``[N]`` each): from the token before it on
+        its path, in its parent node (one extra row per branch).
 
         Example (the module docstring's batch, C 1): slot 1 (rollout 0's response) ``last`` 1, ``first`` 2;
         slot 3 (rollout 1's) ``last`` 1, ``first`` 4; ``has`` only for slots 1, 3 and 5 (the others empty
-        or at position 0); with C 2 the places come from the zigzag inverse of the slot layout.
-        """
+        or at position 0); with C 2 the places come from the zigzag inverse of the slot layout."""
         total, nodes = self.total, self.nodes
         slots = nodes.owner.shape[0] - 1  # N
         owner, begin = nodes.owner[:slots], nodes.begin[:slots]  # [N]
@@ -203,10 +191,9 @@ class TreeLayout(NamedTuple):
 
 
 class BoundaryPlaces(NamedTuple):
-    """Each node's boundary score, ``[N]`` each: ``last`` the packed position of the token before the
-    node's first on its path, ``first`` that of the node's first token (the target), ``has``: the node
-    has one (non-empty, not at position 0); ``local``: the place of ``last`` in this CP rank's shard,
-    ``owned``: this rank holds it (positions clamped into ``[0, T)``)."""
+    """Each node's boundary score, ``[N]`` each: ``last`` the packed position of the token before the node's first on
+    its path, ``first`` that of its first token, ``has`` (non-empty, not at position 0); ``local`` the place of
+    ``last`` in this rank's shard, ``owned`` this rank holds it."""
 
     last: torch.Tensor
     first: torch.Tensor
@@ -218,23 +205,20 @@ class BoundaryPlaces(NamedTuple):
 def tree_layout(seq_lengths: torch.Tensor, parent: torch.Tensor, branch_at: torch.Tensor, *, row_len: int,
                 spec: PackSpec, input_ids: Optional[torch.Tensor] = None, num_rows=None,
                 node_capacity: Optional[int] = None, validate: bool = True, host_reads: bool = True) -> TreeLayout:
-    """The :class:`TreeLayout` of rollouts ``[B, S]`` with ``seq_lengths [B]``, ``parent [B]`` (an earlier
-    rollout whose first ``branch_at[b]`` tokens rollout ``b`` shares, or -1) and ``branch_at [B]``.
+    """The :class:`TreeLayout` of rollouts ``[B, S]`` with ``seq_lengths [B]``, ``parent [B]`` (an earlier rollout
+    whose first ``branch_at[b]`` tokens rollout ``b`` shares, or -1) and ``branch_at [B]``.
 
-    ``input_ids [B, S, *]`` (optional): checked to hold each shared token equal to its parent's.
-    ``num_rows`` (a 0-d integer tensor): rows at or past it are padding rows (length 0, roots).
-    ``node_capacity`` (a Python int, default ``max(3B - 2, 2B)``, always enough): the node slots.
-    Eager with ``host_reads`` (the slots get a host executor), **one** host read, then, with ``validate``
-    (``docs/design.md``, "Validation"), :class:`~nn_data.errors.PackingError` naming the rollout, the field
-    and its value (a parent after its child, a cycle, ``branch_at`` outside ``(branch_at[parent],
-    L[parent]]``, shared tokens that differ, too few slots, a packed total past ``pad_full_seq_to``);
-    otherwise (compiled, or ``host_reads=False``) a device executor, device asserts naming the field when
-    ``validate``, no read (with a fixed ``T``). A ``parent`` past the rollouts is refused as any later one;
-    the index maps read it clamped to the last rollout, so they stay in range even unvalidated.
+    Args:
+        input_ids: ``[B, S, *]`` (optional), checked to hold each shared token equal to its parent's.
+        num_rows: a 0-d integer tensor; rows at or past it are padding rows (length 0, roots).
+        node_capacity: a Python int, default ``max(3B - 2, 2B)`` (always enough).
+
+    Eager with ``host_reads``: one host read, then with ``validate`` a :class:`~nn_data.errors.PackingError`
+    naming the rollout, the field and its value (docs/design.md, "Validation"); otherwise a device executor
+    and device asserts. The index maps read ``parent`` clamped, so they stay in range even unvalidated.
 
     Example: L ``[5, 4]``, parent ``[-1, 0]``, branch_at ``[0, 3]``, m 1 -> N 4 slots ``[0,3) [3,5) | [] [3,4)``
-    of rollouts 0, 0, 1, 1; packed ``[x0 x1 x2 | x3 x4 | y3]``, positions ``[0,1,2, 3,4, 3]``.
-    """
+    of rollouts 0, 0, 1, 1; packed ``[x0 x1 x2 | x3 x4 | y3]``, positions ``[0,1,2, 3,4, 3]``."""
     rows = _check_args(seq_lengths, {"parent": parent, "branch_at": branch_at}, row_len, input_ids, num_rows)
     capacity = max(3 * rows - 2, 2 * rows) if node_capacity is None else node_capacity
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2 * rows:
@@ -252,15 +236,10 @@ def tree_layout(seq_lengths: torch.Tensor, parent: torch.Tensor, branch_at: torc
 def shared_prefix_layout(seq_lengths: torch.Tensor, prefix_lengths: torch.Tensor, group_ids: torch.Tensor, *,
                          row_len: int, spec: PackSpec, input_ids: Optional[torch.Tensor] = None, num_rows=None,
                          validate: bool = True, host_reads: bool = True) -> TreeLayout:
-    """The depth-1 :class:`TreeLayout` (GRPO groups converted to the tree) of rollouts ``[B, S]`` with ``seq_lengths
-    [B]``, ``prefix_lengths [B]`` (each rollout's prompt) and ``group_ids [B]`` (rollouts of one group share
-    one prompt): each rollout's parent is its group's first rollout (its leader), ``branch_at`` its prompt
-    length; ``2B`` slots (module docstring).
-
-    ``input_ids [B, S, *]`` (optional): checked to share each group's prompt tokens. ``num_rows`` (a 0-d
-    integer tensor): rows at or past it are padding rows (length 0, no group). Validation as
-    :func:`tree_layout`, with the group's words (equal prefix lengths and prompts within a group).
-    """
+    """The depth-1 :class:`TreeLayout` (GRPO groups converted to the tree): ``seq_lengths [B]``, ``prefix_lengths
+    [B]`` (each rollout's prompt), ``group_ids [B]``; each rollout's parent is its group's first rollout,
+    ``branch_at`` its prompt length; ``2B`` slots. ``input_ids`` and ``num_rows`` and the validation as
+    :func:`tree_layout`, in the group's words."""
     rows = _check_args(seq_lengths, {"prefix_lengths": prefix_lengths, "group_ids": group_ids}, row_len, input_ids,
                        num_rows)
     lengths, prefix, groups = (t.to(torch.int64) for t in (seq_lengths, prefix_lengths, group_ids))

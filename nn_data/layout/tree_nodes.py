@@ -5,25 +5,19 @@ Shape legend
     N   node slots (``node_capacity``, a Python int; ``2B`` for a depth-1 tree, at most ``3B``)
     K   query points (any shape)
 
-A rollout ``b`` shares its first ``branch_at[b]`` tokens with ``parent[b] < b`` (-1: none, branch_at 0);
-its own tokens are ``[branch_at[b], L[b])``. They are split at every point ``s`` where a child branches
-(``branch_at[c] = s``, ``parent[c] = b``) and at ``extra[b]`` (a split asked for without a child: the
-shared-prefix spelling's prompt end), giving **nodes**: rollout ``b`` holds ``c_b = 1 + max(k_b, 1)``
-consecutive slots (``k_b`` its distinct split points): a *head* ``[a_b, s_1)``, the middles, a *tail*
-``[s_k, L_b)``; with no split the head is empty and the tail is ``[a_b, L_b)``. Rollouts take their
-slots in index order after ``N - sum(c_b)`` leading empty slots, so the last slot is the last rollout's
-tail (the one a fixed ``T`` extends) and a depth-1 tree in ``2B`` slots is the prompt / response slots.
+Rollout ``b`` shares its first ``branch_at[b]`` tokens with ``parent[b] < b`` (-1: none); its own tokens
+``[branch_at[b], L[b])`` are split at every child's branch point and at ``extra[b]`` into **nodes**: ``c_b = 1
++ max(k_b, 1)`` consecutive slots (``k_b`` its distinct split points), a *head* ``[a_b, s_1)``, the middles, a
+*tail* ``[s_k, L_b)`` (no split: an empty head). Rollouts take their slots in index order after ``N -
+sum(c_b)`` leading empty slots, so the last slot is the last rollout's tail.
 
 Example: L ``[6, 5, 4]``, parent ``[-1, 0, 0]``, branch_at ``[0, 2, 4]``, N 6 -> rollout 0 splits at 2
 and 4 (``k = [2, 0, 0]``, ``c = [3, 2, 2]``, 7 slots > 6: refused); with N 7 -> owner
 ``[0,0,0, 1,1, 2,2]``, begin ``[0,2,4, 2,2, 4,4]``, length ``[2,2,2, 0,3, 0,0]`` (rollout 2 shares all
 4 tokens it has: its tail is empty).
 
-What a token sees (:func:`shared_table`): ``shared[q, r]``, the tokens of rollout ``r`` that rollout
-``q`` shares (``r`` an ancestor: the smallest ``branch_at`` on the path from ``q`` up to ``r``'s child;
-``q`` itself: every token; else 0). A key of rollout ``r`` at position ``p`` is on ``q``'s path iff
-``p < shared[q, r]``: one O(1) look-up per query/key pair.
-"""
+What a token sees (:func:`shared_table`): ``shared[q, r]``, the tokens of rollout ``r`` that rollout ``q``
+shares; a key of ``r`` at position ``p`` is on ``q``'s path iff ``p < shared[q, r]``."""
 
 from __future__ import annotations
 
@@ -138,13 +132,9 @@ def shared_table(path: Paths) -> torch.Tensor:
 
 
 def owners(ancestor: torch.Tensor, branch_at: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """``position [M, K]`` (token positions of ``M`` rollouts, whose ``Paths.ancestor`` rows are ``ancestor
-    [M, B]``) -> ``[M, K]``: the rollout on each path whose own tokens hold that position (the deepest
-    ancestor-or-self ``r`` with ``branch_at[r] <= s``).
-
-    Example (:func:`paths`' tree): rollout 2 (ancestor row ``[2, 1, 0]``), positions ``[0, 4, 6]`` ->
-    ``[0, 1, 2]``.
-    """
+    """``position [M, K]`` (token positions of ``M`` rollouts whose ``Paths.ancestor`` rows are ``ancestor [M, B]``)
+    -> ``[M, K]``: the rollout on each path whose own tokens hold that position (the deepest ancestor-or-self ``r``
+    with ``branch_at[r] <= s``). Example (:func:`paths`' tree): rollout 2, positions ``[0, 4, 6]`` -> ``[0, 1, 2]``."""
     starts = torch.where(ancestor >= 0, branch_at[ancestor.clamp(min=0)], -1)  # [M, B] descending
     at_or_below = torch.searchsorted(starts.flip(1).contiguous(), position.contiguous(), right=True)  # [M, K]
     depth = (ancestor.shape[1] - at_or_below).clamp(0, max(ancestor.shape[1] - 1, 0))  # [M, K]
@@ -152,11 +142,8 @@ def owners(ancestor: torch.Tensor, branch_at: torch.Tensor, position: torch.Tens
 
 
 def node_of(nodes: NodeTables, owner: torch.Tensor, position: torch.Tensor, row_len) -> torch.Tensor:
-    """The slot holding token ``position`` of rollout ``owner`` (its own token), any matching shapes.
-
-    Example (:func:`node_tables`' tree, N 7): owner 0 at positions ``[1, 2, 5]`` -> slots ``[0, 1, 2]``;
-    owner 1 at 3 -> 4 (its tail; its head is empty).
-    """
+    """The slot holding token ``position`` of rollout ``owner`` (its own token), any matching shapes. Example
+    (:func:`node_tables`' tree, N 7): owner 0 at ``[1, 2, 5]`` -> slots ``[0, 1, 2]``; owner 1 at 3 -> 4 (its tail)."""
     wide = row_len + 1
     rows = nodes.splits.shape[0]
     if rows == 0:
@@ -168,10 +155,8 @@ def node_of(nodes: NodeTables, owner: torch.Tensor, position: torch.Tensor, row_
 
 
 def leaders(group_ids: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64: the first rollout of each rollout's group (a ``[B, B]`` comparison; B is small).
-
-    Example: group_ids ``[7, 9, 7, 9, 4]`` -> ``[0, 1, 0, 1, 4]``.
-    """
+    """``[B]`` int64: the first rollout of each rollout's group (a ``[B, B]`` comparison). Example: group_ids ``[7, 9,
+    7, 9, 4]`` -> ``[0, 1, 0, 1, 4]``."""
     rows = group_ids.shape[0]
     rollout = torch.arange(rows, device=group_ids.device)  # [B]
     if rows == 0:

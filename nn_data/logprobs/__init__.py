@@ -1,21 +1,10 @@
 """Token log-probs, in one home (``docs/logprobs.md``): the vocabulary-parallel kernels and the ops on them.
 
-* :mod:`~nn_data.logprobs.kernels`: the one chunked, vocabulary-parallel head kernel, from logits or from
-  hidden states and the output weight; :func:`token_logprobs_local` and :func:`hidden_logprobs_local` are
-  it with only the target's log-prob asked;
-* :mod:`~nn_data.logprobs.outputs`: the head's outputs in one chunked pass (:func:`head_outputs_local`:
-  log-probs at given ids, entropy, top-k log-probs and ids, argmax, under an optional sampling filter;
-  :class:`HeadOutputs`), behind ``TokenLogProbs.outputs`` and ``TokenLogProbsFromHidden.outputs``;
-* :mod:`~nn_data.logprobs.filters`: top-k / top-p as one threshold per row (:class:`SamplingFilter`);
-* :mod:`~nn_data.logprobs.from_logits`: :class:`TokenLogProbs`, and the steps every op here shares (the
-  call's layout, each rank's targets, the rows from the gathered values);
-* :mod:`~nn_data.logprobs.from_hidden`: :class:`TokenLogProbsFromHidden` (the LM head fused in);
-* :mod:`~nn_data.logprobs.from_tree`: :class:`TreeLogProbs` and
-  :class:`TreeLogProbsFromHidden`, per rollout of a shared-prefix microbatch.
-
-The NeMo-RL functions (:mod:`nn_data.nemo_rl.model_utils`, :mod:`nn_data.nemo_rl.linear_ce`) call these. The
-0.1.x path ``nn_data.sampling`` is :mod:`~nn_data.logprobs.filters` (``nn_data._alias.MOVED``, with a warning).
-"""
+``kernels`` is the one chunked head kernel (from logits, or hidden states and the output weight); ``outputs``
+the head's outputs in one pass (:func:`head_outputs_local`, :class:`HeadOutputs`); ``filters`` top-k / top-p
+as one threshold per row (:class:`SamplingFilter`); ``from_logits`` :class:`TokenLogProbs` and the steps every
+op shares; ``from_hidden`` :class:`TokenLogProbsFromHidden`; ``from_tree`` :class:`TreeLogProbs` and
+:class:`TreeLogProbsFromHidden`. The NeMo-RL functions call these."""
 
 from __future__ import annotations
 

@@ -5,24 +5,14 @@ Shape legend
     V   full vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank
     M   rows one TP rank filters after the all-to-all, ``ceil(c / TP)``
 
-The filter is NeMo-RL's (its ``TrainingSamplingParams``, read by attribute; nn_data's copy is
-:class:`nn_data.nemo_rl.sampling.TrainingSamplingParams`: ``top_k`` None or <= 0 disables it,
-``top_p == 1.0`` disables it): top-k keeps the logits ``>=`` the row's ``k``-th largest; top-p sorts
-the row ascending, takes the softmax of the (top-k filtered) sorted values and their running sum,
-and keeps the entries whose running sum is ``> 1 - top_p`` (the largest entry always). The running
-sum never decreases along the sorted row, so the kept entries are the row's largest: the filter is
-a threshold ``tau`` per row, ``keep = logits >= tau``. The log-probs need only ``tau`` (one value per
-row), so under tensor parallelism the full rows exist only chunk by chunk on the rank that computes
-their thresholds, and the gradient needs no communication.
+The filter is NeMo-RL's (``TrainingSamplingParams``, read by attribute; ``top_k`` None or <= 0 and ``top_p ==
+1.0`` disable it): top-k keeps the logits ``>=`` the row's ``k``-th largest; top-p keeps the entries whose
+ascending running softmax sum is ``> 1 - top_p``. The kept entries are the row's largest, so the filter is a
+threshold ``tau`` per row (in the logits' dtype; every entry equal to ``tau`` kept), ``keep = logits >= tau``.
 
 Worked example (one row, V 4, top_p 0.5): logits ``[1.0, 3.0, 0.0, 2.0]`` -> sorted ``[0, 1, 2, 3]``
 -> softmax ``[0.032, 0.087, 0.237, 0.644]`` -> running sum ``[0.032, 0.119, 0.356, 1.0]``; ``> 0.5``
-keeps the last entry only, ``tau = 3.0``: only the token with logit 3.0 keeps probability.
-
-The threshold is computed in the logits' own dtype (as NeMo-RL filters before casting to float32),
-and every entry equal to ``tau`` is kept: where several logits tie exactly at the top-p boundary
-NeMo-RL's sort keeps an arbitrary subset of them, nn_data keeps them all.
-"""
+keeps the last entry only, ``tau = 3.0``: only the token with logit 3.0 keeps probability."""
 
 from __future__ import annotations
 
@@ -55,10 +45,8 @@ def sampling_filter(sampling_params) -> Optional[SamplingFilter]:
 
 
 def row_thresholds(x: torch.Tensor, filt: SamplingFilter) -> torch.Tensor:
-    """``tau [c]`` (``x``'s dtype) for full rows ``x [c, V]``: row ``i`` keeps ``x[i] >= tau[i]``.
-
-    Example: ``[[1., 3., 0., 2.]]`` with top-k 2 -> ``[2.]``; with top-p 0.5 -> ``[3.]``.
-    """
+    """``tau [c]`` (``x``'s dtype) for full rows ``x [c, V]``: row ``i`` keeps ``x[i] >= tau[i]``. Example:
+    ``[[1., 3., 0., 2.]]`` with top-k 2 -> ``[2.]``; with top-p 0.5 -> ``[3.]``."""
     vocab = x.shape[-1]
     if filt.top_p == 1.0:
         return torch.topk(x, filt.top_k, dim=-1).values[:, -1]  # [c] the k-th largest
@@ -73,13 +61,9 @@ def row_thresholds(x: torch.Tensor, filt: SamplingFilter) -> torch.Tensor:
 
 
 def vocab_parallel_thresholds(local: torch.Tensor, filt: SamplingFilter, group, tp_size: int) -> torch.Tensor:
-    """``tau [c]`` for rows whose columns are split over ``tp_size`` ranks (``local [c, Vt]``, rank ``j``
-    holding columns ``[j*Vt, (j+1)*Vt)``): an all-to-all gives each rank ``M = ceil(c/TP)`` full rows,
-    it computes their thresholds, and an all-gather hands every rank all ``c``.
-
-    Example (TP 2, c 3): rows padded to 4; rank 0 gets rows 0-1 with all ``V`` columns, rank 1 rows
-    2-3; each computes 2 thresholds; the all-gather gives ``tau`` of rows 0-3, row 3 (padding) is dropped.
-    """
+    """``tau [c]`` for rows whose columns are split over ``tp_size`` ranks (``local [c, Vt]``): an all-to-all gives
+    each rank ``M = ceil(c/TP)`` full rows, it computes their thresholds, an all-gather hands every rank all ``c``.
+    Example (TP 2, c 3): rows padded to 4, rank 0 filters rows 0-1, rank 1 rows 2-3; row 3 (padding) is dropped."""
     rows, cols = local.shape
     per_rank = -(-rows // tp_size)  # M
     padded = torch.nn.functional.pad(local, (0, 0, 0, per_rank * tp_size - rows))  # [TP*M, Vt]

@@ -7,17 +7,11 @@ Shape legend
     H   hidden size; V vocabulary, ``Vt = V / TP`` rows of the output weight on a tensor-parallel rank
     n   hidden-state rows on this rank: ``N``, or ``N/TP`` with sequence parallelism
 
-``TokenLogProbsFromHidden`` gives exactly what :class:`~nn_data.TokenLogProbs` gives from the logits of
-the output layer ``hidden @ weight.T`` (divided by ``temperature``): the same ``[B, S]`` rows, the same
-gradients (now of the hidden states and of the weight), the same single ``[1, T/C]`` all-gather over the
-CP group, with each position's next token taken within its sequence (``NextTokenTargets``' rule) on the
-rank's zigzag shard. The chunked kernel is :func:`nn_data.logprobs.kernels.hidden_logprobs_local`.
-
-Memory, per rank, beyond the inputs and their gradients (T 262,144, V 152,064, TP 4, C 8, bf16 logits,
-float32 log-softmax as megatron-core users run it): the unfused path holds the ``[T/C, V/TP]`` logits
-(1.2 GiB in bf16) for the backward and allocates their float32 gradient (2.4 GiB); this op holds
-``O(T/C)`` values and one ``[chunk_tokens, V/TP]`` float32 chunk (39 MiB at 256 tokens).
-"""
+``TokenLogProbsFromHidden`` gives exactly what :class:`~nn_data.TokenLogProbs` gives from the logits
+``hidden @ weight.T / temperature`` (values, gradients of the hidden states and the weight, one ``[1, T/C]``
+all-gather), holding ``O(T/C)`` values and one ``[chunk_tokens, V/TP]`` chunk beyond its inputs instead of
+the logits; the kernel is :func:`nn_data.logprobs.kernels.hidden_logprobs_local` (docs/logprobs.md, "Log-probs
+straight from hidden states")."""
 
 from __future__ import annotations
 
@@ -65,34 +59,21 @@ class TokenLogProbsFromHidden(nn.Module):
     """Per-token log-probs ``[B, S]`` from this rank's hidden states and the output weight, without logits.
 
     ``forward(hidden [1, T/C, H], weight [V/TP, H], packed_ids [1, T] int, cu_seqlens [B+1] int = None,
-    cu_seqlens_padded [B+1] int = None, places=None, *, seq_len=None, layout=None) -> [B, S]`` (float32;
-    float64 for float64 inputs): ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0,
-    with ``p = softmax(hidden @ weight.T / temperature)``: what :class:`~nn_data.TokenLogProbs` gives from
-    those logits, values and gradients (of ``hidden`` and of ``weight``). :meth:`local` gives this rank's
-    ``[1, T/C]`` values before the CP all-gather.
-
-    ``hidden`` is this rank's zigzag shard of the last hidden states (megatron-core's ``[T/C, 1, H]``
-    works as well); with ``sequence_parallel`` this TP rank's ``[1, T/(C*TP), H]`` rows of it, gathered
-    inside. ``weight`` is the vocab-parallel output weight (rank ``k`` of ``tp_group`` holds rows
-    ``[k*V/TP, (k+1)*V/TP)``; a tied embedding weight works the same), in ``hidden``'s dtype.
-    ``packed_ids``, the layout, ``places``, ``seq_len``, ``validate`` and ``host_reads`` are as for
-    :class:`~nn_data.TokenLogProbs`; ``vocab_size`` (optional) is checked against the weight's rows times TP.
-    ``temperature`` divides the logits (NeMo-RL's scaling); ``sampling_params`` (``top_k`` / ``top_p``, read
-    by attribute as NeMo-RL's ``TrainingSamplingParams``) take the softmax over the kept logits, exactly:
-    the filter is one threshold per token, computed from the token's chunk of logits. Groups: a
-    ``ProcessGroup``, a DeviceMesh form or ``None`` (not split); ``pg_collection=`` (megatron-core's
-    ``ProcessGroupCollection``) supplies ``cp`` / ``tp``. Gradients: every CP rank is assumed to compute
-    the same loss (``grad_mode="own"``): the local gradients are the single-process ones.
+    cu_seqlens_padded [B+1] int = None, places=None, *, seq_len=None, layout=None) -> [B, S]`` (float32; float64
+    for float64 inputs): ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0, ``p =
+    softmax(hidden @ weight.T / temperature)``; :meth:`local` gives this rank's ``[1, T/C]`` values. ``hidden`` is
+    this rank's zigzag shard (or megatron-core's ``[T/C, 1, H]``; with ``sequence_parallel`` this TP rank's rows of
+    it), ``weight`` the vocab-parallel output weight in ``hidden``'s dtype; ``vocab_size`` (optional) is checked
+    against its rows times TP; ``sampling_params`` (``top_k`` / ``top_p``) take the softmax over the kept logits.
+    The rest as :class:`~nn_data.TokenLogProbs`.
 
     Example (C 1, V 3, zero weight: uniform logits): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``,
     seq_len 4 -> ``[[0, log(1/3), log(1/3), 0]]``.
 
-    Raises :class:`~nn_data.errors.PackingError`: ``seq_len`` below 0, ``chunk_tokens`` below 1, a
-    temperature that is not positive, a group this process is not in (``__init__``); hidden states that
-    are not floating point ``[1, T/C, H]``, a weight whose columns are not ``H`` or whose rows times TP
-    are not ``vocab_size``, hidden states that are not this rank's share of ``T``, ``top_k`` above ``V``,
-    as :class:`~nn_data.TokenLogProbs` for the ids and boundaries (call and validation).
-    """
+    Raises :class:`~nn_data.errors.PackingError`: ``seq_len`` below 0, ``chunk_tokens`` below 1, a temperature that
+    is not positive, a group this process is not in (``__init__``); hidden states not floating point ``[1, T/C,
+    H]`` or not this rank's share of ``T``, a weight whose columns are not ``H`` or rows times TP not
+    ``vocab_size``, ``top_k`` above ``V``, as :class:`~nn_data.TokenLogProbs` for the ids and boundaries."""
 
     def __init__(
         self,
@@ -151,22 +132,15 @@ class TokenLogProbsFromHidden(nn.Module):
                 cu_seqlens: Optional[torch.Tensor] = None, cu_seqlens_padded: Optional[torch.Tensor] = None,
                 places: Optional[ZigzagLocal] = None, *, seq_len=None, layout: Optional[PackLayout] = None,
                 logprobs: bool = True, entropy: bool = False, top_k: int = 0, argmax: bool = False) -> HeadOutputs:
-        """Every asked output of the head in one chunked pass, as ``[B, S]`` rows (``[B, S, K]`` for top-k):
-        a :class:`~nn_data.logprobs.outputs.HeadOutputs` (``lse`` None, outputs not asked None).
-
-        Row ``b``, column ``s`` holds what the distribution at the position before token ``s`` gives (the
-        one whose ``logprobs`` is :meth:`forward`'s ``out[b, s]``), for ``1 <= s < L[b]``, else 0: the
-        ``entropy``, the ``top_k`` largest log-probs and their global ids, the ``argmax`` id. Differentiable
-        (hidden states and weight) through the log-probs, the entropy and the top-k log-probs; one CP
-        all-gather per output. With ``sampling_params`` every output is the filtered, renormalised distribution's
-        (its entropy, its top-k, ``-inf`` for a filtered id; the argmax unchanged), as the log-probs are.
+        """Every asked output of the head in one chunked pass, as ``[B, S]`` rows (``[B, S, K]`` for top-k): a
+        :class:`~nn_data.logprobs.outputs.HeadOutputs`, as :meth:`nn_data.TokenLogProbs.outputs` gives from the logits
+        (with ``sampling_params``, the filtered distribution's).
 
         Example (C 1, V 3, zero weight): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``, seq_len 4,
         ``entropy=True`` -> entropy ``[[0, log 3, log 3, 0]]``.
 
         Raises :class:`~nn_data.errors.PackingError` as :meth:`forward`, for a negative ``top_k`` or one above
-        ``V`` and for no output asked.
-        """
+        ``V`` and for no output asked."""
         seq_len = resolve_seq_len("TokenLogProbsFromHidden", seq_len, self.seq_len)
         check_outputs_asked(logprobs, entropy, top_k, argmax)
         rows, layout, total, target, keep = self._prepared(hidden, weight, packed_ids, cu_seqlens, cu_seqlens_padded,

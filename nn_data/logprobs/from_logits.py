@@ -7,13 +7,9 @@ Shape legend
     V   vocabulary; ``Vt = V / TP`` columns on a tensor-parallel rank (vocab-parallel logits)
     c   tokens per chunk of the log-sum-exp (``chunk_tokens``)
 
-Memory: the logits are read in chunks of ``c`` tokens, so beyond the logits (and,
-in backward, their gradient) the op holds ``O(T)`` values plus one ``[c, Vt]``
-float32 chunk. Only ``[1, T/C]`` log-probs cross the CP group (one all-gather); the
-gathered ``[1, T, V]`` logits and the unpacked ``[B, S, V]`` never exist. The kernel is
-:func:`nn_data.logprobs.kernels.token_logprobs_local`; the steps around it (the call's layout, each
-rank's targets, the rows from the gathered values) serve every log-prob op of :mod:`nn_data.logprobs`.
-"""
+Beyond the logits the op holds ``O(T)`` values and one ``[c, Vt]`` float32 chunk; only ``[1, T/C]`` log-probs
+cross the CP group. The kernel is :func:`nn_data.logprobs.kernels.token_logprobs_local`; the steps around it
+(the call's layout, each rank's targets, the rows from the gathered values) serve every log-prob op."""
 
 from __future__ import annotations
 
@@ -37,31 +33,23 @@ from nn_data.targets import next_token_at
 class TokenLogProbs(nn.Module):
     """Per-token log-probs ``[B, S]`` from CP-local packed logits ``[1, T/C, Vt]``, NeMo-RL's layout.
 
-    ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, cu_seqlens [B+1] int,
-    cu_seqlens_padded [B+1] int, places=None, *, seq_len=None, layout=None) -> [B, S]`` (float32; float64 for
-    float64 logits). ``S`` is ``seq_len`` when given, else the configured one: a stream whose row
-    length varies passes it per call; inside a compiled region pass ``x.shape[1]`` of a ``[B, S]``
-    tensor marked with :func:`nn_data.rows.with_dynamic_row_length`, so one graph serves every
-    ``S`` (0 and 1 included; a changed int attribute would recompile). Given the pack's ``layout``
-    (instead of, or with, the boundaries) nothing is read on the host; without it the boundaries are
-    read once eagerly (the validation, every target id checked in the same read).
-    ``logits`` is this rank's zigzag shard (vocab-parallel over ``tp_group``: rank ``k`` holds
-    columns ``[k*Vt, (k+1)*Vt)``), ``packed_ids`` the full packed ids. Each local position's
-    next token *within its sequence* is scored on the shard in chunks of ``chunk_tokens``, the
-    ``[1, T/C]`` values are all-gathered over ``cp_group`` and unpacked. ``None`` groups mean
-    not split; ``pg_collection`` (megatron-core's ``ProcessGroupCollection``) stands for the groups
-    not given (its ``cp`` and ``tp``). Result: ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0
-    (``docs/design.md``, "Differences from NeMo-RL"). Gradients reach the local logits; every CP
-    rank is assumed to compute the same loss (``grad_mode="own"``).
+    ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, cu_seqlens [B+1] int, cu_seqlens_padded [B+1] int,
+    places=None, *, seq_len=None, layout=None) -> [B, S]`` (float32; float64 for float64 logits):
+    ``out[b, s] = log p(x[b, s] | x[b, :s])`` for ``1 <= s < L[b]``, else 0 (``docs/design.md``, "Differences
+    from NeMo-RL"). ``logits`` is this rank's zigzag shard (vocab-parallel over ``tp_group``: rank ``k`` holds
+    columns ``[k*Vt, (k+1)*Vt)``), ``packed_ids`` the full packed ids. ``S`` is ``seq_len`` when given, else the
+    configured one (under compile pass ``x.shape[1]`` of a tensor marked with
+    :func:`nn_data.rows.with_dynamic_row_length`). Given the pack's ``layout`` nothing is read on the host;
+    without it the boundaries are read once (the validation). ``None`` groups mean not split; ``pg_collection``
+    stands for the groups not given. Gradients reach the local logits (``grad_mode="own"``).
 
     Example (C 1, V 3, uniform logits): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``,
     seq_len 4 -> ``[[0, log(1/3), log(1/3), 0]]``.
 
     Raises :class:`~nn_data.errors.PackingError`: ``seq_len`` below 0, ``chunk_tokens`` below 1, a
-    group this process is not in (``__init__``); no ``seq_len`` at all, ``logits`` not ``[1, T/C, Vt]`` floating point,
-    ``packed_ids`` not ``[1, T]``, ``T`` not a multiple of ``2C``, bad boundary tensors (call); bad
-    boundaries, a length over ``seq_len`` or its segment, a target id outside ``[0, V)`` (validation).
-    """
+    group this process is not in (``__init__``); no ``seq_len`` at all, ``logits`` not ``[1, T/C, Vt]`` floating
+    point, ``packed_ids`` not ``[1, T]``, ``T`` not a multiple of ``2C``, bad boundary tensors (call); bad
+    boundaries, a length over ``seq_len`` or its segment, a target id outside ``[0, V)`` (validation)."""
 
     def __init__(
         self,
@@ -111,20 +99,16 @@ class TokenLogProbs(nn.Module):
                 cu_seqlens_padded: Optional[torch.Tensor] = None, places: Optional[ZigzagLocal] = None, *,
                 seq_len=None, layout: Optional[PackLayout] = None, logprobs: bool = True, entropy: bool = False,
                 top_k: int = 0, argmax: bool = False) -> HeadOutputs:
-        """Every asked output of the logits in one chunked pass, as ``[B, S]`` rows (``[B, S, K]`` for top-k),
-        row ``b``, column ``s`` from the position before token ``s`` (``1 <= s < L[b]``, else 0): the
-        ``logprobs`` (:meth:`forward`'s), the ``entropy``, the ``top_k`` largest log-probs and their global
-        ids, the ``argmax`` id; a :class:`~nn_data.logprobs.outputs.HeadOutputs` (``lse`` and the outputs not
-        asked None). Differentiable through the log-probs, the entropy and the top-k log-probs; one CP
-        all-gather per output. The same values as
-        :meth:`nn_data.TokenLogProbsFromHidden.outputs` on ``hidden @ weight.T``.
+        """Every asked output of the logits in one chunked pass, as ``[B, S]`` rows (``[B, S, K]`` for top-k), column
+        ``s`` from the position before token ``s`` (``1 <= s < L[b]``, else 0): ``logprobs``, ``entropy``, the
+        ``top_k`` log-probs and their global ids, the ``argmax`` id; a :class:`~nn_data.logprobs.outputs.HeadOutputs`
+        (not asked: None). Differentiable through the log-probs, the entropy and the top-k; one CP all-gather each.
 
         Example (C 1, V 3, uniform logits): cu_seqlens ``[0, 3]``, cu_seqlens_padded ``[0, 4]``, seq_len 4,
         ``entropy=True`` -> entropy ``[[0, log 3, log 3, 0]]``.
 
         Raises :class:`~nn_data.errors.PackingError` as :meth:`forward`, for a negative ``top_k`` or one above
-        ``V`` and for no output asked.
-        """
+        ``V`` and for no output asked."""
         seq_len = resolve_seq_len("TokenLogProbs", seq_len, self.seq_len)
         check_outputs_asked(logprobs, entropy, top_k, argmax)
         cols, total, layout, target, keep = self._prepared(logits, packed_ids, cu_seqlens, cu_seqlens_padded, places,

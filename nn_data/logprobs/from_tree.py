@@ -8,25 +8,12 @@ Shape legend
     V   vocabulary; ``Vt = V / TP`` on a tensor-parallel rank; H hidden size
     n   hidden-state rows on this rank: ``M``, or ``M/TP`` with sequence parallelism
 
-Entry ``s`` of rollout ``b`` scores token ``s + 1`` from position ``s`` (NeMo-RL's ``[B, S-1]``), as if
-the rollout had run alone (``docs/ops.md``, "Rollout trees"): inside a node, at the next packed position
-(a shared node's positions are scored once for every rollout below it); where token ``s + 1`` opens a
-node (a child's first own token, or the first token after a split), one **boundary** score per node,
-from the last token before it on its path: the ``N`` boundary rows (``[N, Vt]`` logits rows, or ``[N, H]``
-hidden rows) are gathered and scored by the same kernel as the ``T`` packed positions
-(:func:`nn_data.logprobs.kernels.token_logprobs_local`, :func:`~nn_data.logprobs.kernels.hidden_logprobs_local`);
-0 at ``s >= L - 1``. No ``[B, S, V]`` tensor.
-
-Under CP the rank holding a boundary's scoring position scores it (0 elsewhere); the ``[T/C]`` values and
-the ``[N]`` boundary values cross the CP group in one all-gather (the boundary values summed over ranks),
-with the gradient of every rank's own rows (``grad_mode="own"``: every CP rank computes the same loss).
-Memory: beyond the kernels', the logits path's backward adds the ``N`` boundary rows' gradient through one
-``[T/C, Vt]`` buffer (the index gather's); the hidden path's one ``[n + N, H]`` copy of its rows with the
-boundary rows appended (one kernel call: under sequence parallelism one TP gather of both). ``outputs()``
-adds the entropy, top-k and argmax of each rollout's positions (:func:`distribution_rows`: no boundary rows
-needed, the token before a node's first holds the one distribution every rollout through it sees there), at
-any depth of the tree.
-"""
+Entry ``s`` of rollout ``b`` scores token ``s + 1`` from position ``s``, as if the rollout had run alone:
+inside a node at the next packed position (a shared node's positions once for every rollout below it); where
+token ``s + 1`` opens a node, one **boundary** score per node from the last token before it on its path, the
+``N`` boundary rows scored by the same kernel as the ``T`` packed positions; 0 at ``s >= L - 1``. No
+``[B, S, V]`` tensor. Under CP the values cross the group in one all-gather (``grad_mode="own"``).
+docs/logprobs.md, "Shared-prefix microbatches"."""
 
 from __future__ import annotations
 
@@ -84,12 +71,9 @@ def rollout_targets(op: str, layout, packed_ids: torch.Tensor, total: int, vocab
 
 def rollout_rows(layout: TreeLayout, local: torch.Tensor, boundary: torch.Tensor, groups: _Groups,
                  seq_len) -> torch.Tensor:
-    """This rank's ``[T/C]`` in-slot values and ``[N]`` boundary values -> ``[B, S-1]`` on every CP rank.
-
-    Example (the layout module's batch, S 4): rollout 1 (parent 0, branch_at 2, L 3) reads the in-slot
-    value of packed position 0 (token 0 -> 1), the boundary value of its slot 3 (position 1 -> its token 2
-    at packed 4), then 0 (``s = 2 = L - 1``).
-    """
+    """This rank's ``[T/C]`` in-slot values and ``[N]`` boundary values -> ``[B, S-1]`` on every CP rank. Example (the
+    layout module's batch, S 4): rollout 1 (parent 0, branch_at 2, L 3) reads the in-slot value of packed position
+    0 (token 0 -> 1), the boundary value of its slot 3 (position 1 -> its token 2 at packed 4), then 0."""
     total, n, rows = layout.total, local.shape[0], layout.rows
     layout.check_rows(seq_len)
     width = max(seq_len - 1, 0)
@@ -116,11 +100,9 @@ def rollout_rows(layout: TreeLayout, local: torch.Tensor, boundary: torch.Tensor
 
 
 def distribution_rows(layout: TreeLayout, local: HeadOutputs, groups: _Groups, seq_len) -> HeadOutputs:
-    """The outputs of each position's distribution (entropy, top-k, argmax: ``[T/C, *]`` on this rank) ->
-    ``[B, S-1, *]`` on every CP rank: entry ``s`` of rollout ``b`` from the packed position of its token ``s``
-    on its path (:meth:`~nn_data.layout.TreeLayout.row_places`: a shared node's positions, its last included,
-    give every rollout through the node the same distribution; at any depth), for ``s < L[b] - 1``, else 0.
-    One CP all-gather per output (``grad_mode="own"``).
+    """The outputs of each position's distribution (entropy, top-k, argmax: ``[T/C, *]``) -> ``[B, S-1, *]`` on every
+    CP rank: entry ``s`` of rollout ``b`` from the packed position of its token ``s`` on its path
+    (:meth:`~nn_data.layout.TreeLayout.row_places`), for ``s < L[b] - 1``, else 0; one CP all-gather per output.
 
     Example (the layout module's batch, S 4): rollout 1 (parent 0, branch_at 2, L 3) reads packed positions 0
     and 1 (rollout 0's shared prompt slot), then 0 (``s = 2 = L - 1``)."""
@@ -172,21 +154,17 @@ def tree_outputs(op, z, weight, packed_ids, layout, seq_len, places, asked: dict
 
 
 class TreeLogProbs(nn.Module):
-    """Rollout token log-probs ``[B, S-1]`` from a rollout tree's (any depth; the shared prompt's) CP-local
-    packed logits.
+    """Rollout token log-probs ``[B, S-1]`` from a rollout tree's CP-local packed logits.
 
     ``forward(logits [1, T/C, Vt], packed_ids [1, T] int, layout: TreeLayout, *, seq_len=None,
     places=None) -> [B, S-1]`` (float32; float64 for float64 logits): ``out[b, s] = log p(x[b, s+1] |
     x[b, :s+1])`` for ``s < L[b] - 1``, else 0, equal to each rollout run alone. ``logits`` is this rank's
     zigzag shard of the slot layout (vocab-parallel over ``tp_group``, as :class:`~nn_data.TokenLogProbs`),
-    ``packed_ids`` the full packed ids (``layout.pack(input_ids)``). Nothing is read on the host: the checks
-    (``T``, every slot splitting into ``2C`` chunks, ids in the vocabulary, rows of ``seq_len``) are the
-    layout's ints or device asserts.
+    ``packed_ids`` the full packed ids (``layout.pack(input_ids)``). Nothing is read on the host.
 
     Raises :class:`~nn_data.errors.PackingError`: ``chunk_tokens`` below 1, a group this process is not in
     (``__init__``); logits not ``[1, T/C, Vt]`` floating point, ``packed_ids`` not ``[1, T]``, a layout that is
-    not a :class:`~nn_data.layout.TreeLayout` of this ``T`` (call).
-    """
+    not a :class:`~nn_data.layout.TreeLayout` of this ``T`` (call)."""
 
     def __init__(self, *, cp_group=None, tp_group=None, pg_collection=None, chunk_tokens: int = 256,
                  validate: bool = True):
@@ -213,11 +191,9 @@ class TreeLogProbs(nn.Module):
 
     def outputs(self, logits: torch.Tensor, packed_ids: torch.Tensor, layout: TreeLayout, *, seq_len=None,
                 places=None, **asked) -> HeadOutputs:
-        """``logprobs`` (:meth:`forward`'s), ``entropy``, ``top_k`` log-probs and ids, ``argmax`` of every
-        rollout's positions as ``[B, S-1]`` rows (``[B, S-1, K]``), each opt-in (keywords as
-        :meth:`nn_data.TokenLogProbs.outputs`): entry ``s`` from the distribution at the rollout's token ``s``
-        (:func:`distribution_rows`). Raises :class:`~nn_data.errors.PackingError` as :meth:`forward` and
-        for the outputs asked (a negative ``top_k`` or one above ``V``, none at all)."""
+        """``logprobs``, ``entropy``, ``top_k`` log-probs and ids, ``argmax`` of every rollout's positions as ``[B, S-1]``
+        rows (``[B, S-1, K]``), each opt-in as in :meth:`nn_data.TokenLogProbs.outputs` (:func:`distribution_rows`);
+        raises as :meth:`forward` and for the outputs asked."""
         _checks.check_float_logits("logits", logits, "[1, T/C, V]", 3)
         check_full_ids("logits", logits, packed_ids, logits.shape[1], self.groups.cp_size)
         return tree_outputs(self, logits.squeeze(0), None, packed_ids, layout, seq_len, places, asked,
@@ -225,15 +201,13 @@ class TreeLogProbs(nn.Module):
 
 
 def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks: int):
-    """``(rows [n + N, H], target, keep [blocks * (n + N)])``: this rank's hidden rows followed by the ``N``
-    boundary rows it holds, and the targets in the kernel's gathered order, so that one kernel call (one
-    sequence-parallel gather) scores both. ``blocks``: TP with sequence parallelism (rank ``block`` holds
-    local rows ``[block*n, (block+1)*n)``), else 1 (``block`` 0, all ``N`` rows).
+    """``(rows [n + N, H], target, keep [blocks * (n + N)])``: this rank's hidden rows, then the ``N`` boundary rows it
+    holds, with the targets in the kernel's gathered order, so that one kernel call scores both. ``blocks``: TP with
+    sequence parallelism (rank ``block`` holds rows ``[block*n, (block+1)*n)``), else 1.
 
     Example (N 8, TP 2 with sequence parallelism, n 4, boundary rows ``t.rows = [5, 1]``): rank 0 appends
     its rows ``[3, 1]`` (``[5, 1]`` clamped to ``[0, 3]``), rank 1 ``[1, 0]`` (``[1, -3]`` clamped); ``keep``
-    of block 0's boundary part ``[F, T]`` (row 5 is block 1's), of block 1's ``[T, F]`` (and ``boundary_keep``).
-    """
+    of block 0's boundary part ``[F, T]`` (row 5 is block 1's), of block 1's ``[T, F]`` (and ``boundary_keep``)."""
     n, (b, width) = rows.shape[0], (t.rows.shape[0], rows.shape[1])
     here = (t.rows - block * n).clamp(0, max(n - 1, 0))  # [N] the boundary row's place in this rank's rows
     edge = rows.index_select(0, here) if n else rows.new_zeros(b, width)  # [N, H] (T = 0: nothing to score)
@@ -245,21 +219,17 @@ def with_boundary_rows(rows: torch.Tensor, t: RolloutTargets, block: int, blocks
 
 
 class TreeLogProbsFromHidden(nn.Module):
-    """Rollout token log-probs ``[B, S-1]`` straight from a rollout tree's (any depth; the shared prompt's)
-    CP-local hidden states and the output weight: what :class:`TreeLogProbs` gives from the logits
-    ``hidden @ weight.T / temperature``, values and gradients (of ``hidden`` and ``weight``), without ``[T, V]``
-    logits.
+    """Rollout token log-probs ``[B, S-1]`` straight from a rollout tree's CP-local hidden states and the output
+    weight: :class:`TreeLogProbs` of the logits ``hidden @ weight.T / temperature``, values and gradients,
+    without ``[T, V]`` logits.
 
     ``forward(hidden [1, T/C, H] (or [T/C, 1, H]), weight [V/TP, H], packed_ids [1, T] int, layout, *,
     seq_len=None, places=None) -> [B, S-1]``; groups, ``chunk_tokens``, ``temperature`` and
-    ``sequence_parallel`` (``hidden`` is then this TP rank's ``[1, T/(C*TP), H]`` rows of the CP shard) as
-    :class:`~nn_data.TokenLogProbsFromHidden`: the rows and the ``N`` boundary rows are scored in one
-    kernel call, so with sequence parallelism they are gathered over the TP group once, inside
-    (:func:`with_boundary_rows`).
+    ``sequence_parallel`` as :class:`~nn_data.TokenLogProbsFromHidden` (the rows and the ``N`` boundary rows in
+    one kernel call: :func:`with_boundary_rows`).
 
     Raises :class:`~nn_data.errors.PackingError`: as :class:`TreeLogProbs`, and for hidden states
-    or a weight that are not an output head's, hidden states that are not this rank's share of ``T`` (call).
-    """
+    or a weight that are not an output head's, hidden states that are not this rank's share of ``T`` (call)."""
 
     def __init__(self, *, cp_group=None, tp_group=None, pg_collection=None, chunk_tokens: int = 256,
                  temperature: float = 1.0, sequence_parallel: bool = False, validate: bool = True):

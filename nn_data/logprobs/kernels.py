@@ -10,32 +10,16 @@ Shape legend
     k   top-k asked; K = min(k, V) returned, k' = min(k, Vt) candidates per TP rank
     c   tokens per chunk (``chunk_tokens``)
 
-``z = logits / temperature`` or ``z = hidden @ weight.T / temperature``, one ``[c, Vt]`` chunk at a time;
-the outputs (:mod:`nn_data.logprobs.outputs` says what each is) all come from the one read of each chunk:
-per TP rank and chunk the max ``m``, ``s = sum exp(z - m)``, ``sum exp(z - m) (z - m) / s`` (for the entropy),
-the top-k' and the argmax; one all-gather of ``[3, N]`` statistics combines them over the TP group (plus
-``[N, J]`` picked logits and ``[N, k']`` candidates when asked). The log-prob of the target alone
-(:func:`token_logprobs_local`, :func:`hidden_logprobs_local`) is this kernel with ``J = 1`` and nothing else
-asked.
-
-Backward recomputes each chunk's ``z`` (from hidden states: the fourth ``N x H x Vt`` matmul, where the
-unfused path has three) and, with ``x = z - L`` (log p) and ``p = exp(x)``, applies one formula for every
-output's gradient: ``dz = -p * (G + g_H * (x + H)) + scatter(ids, g_ids)``, ``G`` the sum of the gradients of
-every log-prob output of the position, ``g_H`` the entropy's, the scatter adding each log-prob's gradient at
-its id's column on the TP rank that owns it. From hidden states the chunk's ``dz`` gives the hidden states'
-gradient (``dz @ weight``; summed over the TP group, a reduce-scatter with sequence parallelism, as
-megatron-core's column-parallel output layer does) and the weight's (``dz.T @ hidden``, accumulated in place
-in float32 or wider). Beyond its inputs and their gradients the kernel holds ``O(N)`` values and one
-``[c, Vt]`` chunk in float32 or wider (plus ``[16, Vt]`` blocks when the entropy is asked).
-
-A sampling filter (:mod:`nn_data.logprobs.filters`, top-k / top-p as one threshold ``tau`` per token, found
-from each chunk's logits) sets the logits below ``tau`` to ``-inf`` before anything is read: every output is
-then the filtered, renormalised distribution's (the argmax is unchanged, the largest logit is always kept),
-a filtered id's log-prob is ``-inf`` with no one-hot term in the gradient, filtered logits get no gradient.
+``z = logits / temperature`` or ``z = hidden @ weight.T / temperature``, one ``[c, Vt]`` chunk at a time: per
+TP rank and chunk the max, the log-sum-exp, the softmax's mean of ``z`` (for the entropy), the top-k' and the
+argmax (:func:`chunk_stats`), combined over the TP group by one all-gather (:func:`combine_stats`). Backward
+recomputes each chunk's ``z`` and applies one formula for every output's gradient (:func:`chunk_grad`;
+docs/logprobs.md, "The head's outputs in one pass"). A sampling filter (:mod:`nn_data.logprobs.filters`) sets
+the logits below each token's threshold to ``-inf`` before anything is read. Beyond its inputs the kernel
+holds ``O(N)`` values and one ``[c, Vt]`` chunk.
 
 Worked example (V 3, uniform logits, N 2): ``z = 0`` -> ``lse = log 3``, ``log p = -log 3`` for both
-tokens, entropy ``log 3``, whatever ``hidden`` and ``weight`` (zero) are.
-"""
+tokens, entropy ``log 3``, whatever ``hidden`` and ``weight`` (zero) are."""
 
 from __future__ import annotations
 
@@ -74,9 +58,8 @@ def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float)
 
 
 def _chunk(full: torch.Tensor, weight, i: int, j: int, temperature: float):
-    """``(z [c, Vt], fresh)``: rows ``i:j`` of the logits, read (``weight`` None; divided by ``temperature``
-    into a new tensor when it is not 1) or computed, ``full[i:j] @ weight.T / temperature``; ``fresh``: a new
-    tensor the caller may overwrite."""
+    """``(z [c, Vt], fresh)``: rows ``i:j`` of the logits, read (``weight`` None) or computed (``full[i:j] @
+    weight.T``), divided by ``temperature``; ``fresh``: a new tensor the caller may overwrite."""
     if weight is not None:
         return chunk_logits(full[i:j], weight, temperature), True  # [c, Vt]
     return (full[i:j], False) if temperature == 1.0 else (full[i:j] / temperature, True)
@@ -97,13 +80,11 @@ def _thresholds(z: torch.Tensor, sampling, tp_group, tp_size: int) -> torch.Tens
 
 def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool, want_argmax: bool, *,
                 fresh: bool = False):
-    """One chunk's per-rank statistics from its logits ``z [c, Vt]`` (read once, any dtype):
-    ``(stats [R, c], picked [c, J] or None, topk (values [c, k'], local columns [c, k']) or None,
-    argmax local column [c] or None)``. ``stats``: the local log-sum-exp and, with the entropy or the argmax
-    (``R`` 3), the local softmax's mean of ``z`` (when ``want_entropy``) and the local max; ``picked``: ``z``
-    at ``local`` (0 where not ``owned``). ``fresh``: ``z`` may be overwritten (the exponentials then take its
-    place: no second chunk). Entries of ``-inf`` (filtered) weigh 0; a row with none left on this rank has
-    log-sum-exp ``-inf``."""
+    """One chunk's per-rank statistics from its logits ``z [c, Vt]`` (read once): ``(stats [R, c], picked [c, J],
+    topk (values, local columns) [c, k'], argmax local column [c])``, each None when not asked. ``stats``: the
+    local log-sum-exp and, with the entropy or the argmax (``R`` 3), the local softmax's mean of ``z`` and the local
+    max; ``picked``: ``z`` at ``local`` (0 where not ``owned``). ``fresh``: ``z`` may be overwritten. ``-inf``
+    entries (filtered) weigh 0."""
     x = z.to(dtype)  # [c, Vt] (z itself when the dtype matches)
     arg = None
     if want_argmax:  # the max and its first column in one pass
@@ -134,11 +115,9 @@ def chunk_stats(z: torch.Tensor, dtype, local, owned, k: int, want_entropy: bool
 
 
 def combine_stats(stats: torch.Tensor, picked, tp_group, tp_size: int):
-    """``(lse [N], mean [N] or None, top [TP, N] or None, picked [N, J] or None)`` over the whole vocabulary
-    from every TP rank's statistics ``stats [R, N]`` (``R`` 1: the log-sum-exp; 3: with the softmax mean of
-    ``z`` and the max) and picked logits ``picked [N, J]`` (0 where another rank owns the id): one all-gather
-    of both. Example (TP 2): local lse ``[log 2, log 6]``, means ``[0, 1]`` -> lse ``log 8``, mean
-    ``2/8 * 0 + 6/8 * 1 = 0.75``."""
+    """``(lse [N], mean [N], top [TP, N], picked [N, J])`` (None where not asked) over the whole vocabulary from every
+    TP rank's ``stats [R, N]`` and ``picked [N, J]``: one all-gather of both. Example (TP 2): local lse ``[log 2,
+    log 6]``, means ``[0, 1]`` -> lse ``log 8``, mean ``2/8 * 0 + 6/8 * 1 = 0.75``."""
     r = stats.shape[0]
     if tp_size > 1:
         both = stats if picked is None else torch.cat([stats, picked.T])  # [R + J, N]
@@ -177,10 +156,9 @@ def combine_argmax(top: torch.Tensor, ids: torch.Tensor, tp_group, tp_size: int)
 
 def chunk_grad(z: torch.Tensor, dtype, lse, entropy, g_sum, g_entropy, local, g_local, *,
                fresh: bool) -> torch.Tensor:
-    """The gradient of one chunk's logits ``z [c, Vt]`` in ``dtype``: ``-p * (g_sum + g_entropy * (x +
-    entropy))`` plus ``g_local [c, M]`` at the columns ``local [c, M]`` (0 where another rank owns the id),
-    with ``x = z - lse`` and ``p = exp(x)`` (0 where ``z`` is ``-inf``, filtered); ``entropy``/``g_entropy``
-    None without the entropy output. ``fresh``: ``z`` may be overwritten."""
+    """The gradient of one chunk's logits ``z [c, Vt]`` in ``dtype``: ``-p * (g_sum + g_entropy * (x + entropy))``
+    plus ``g_local [c, M]`` at the columns ``local [c, M]``, with ``x = z - lse``, ``p = exp(x)`` (0 where filtered);
+    ``entropy``/``g_entropy`` None without the entropy output. ``fresh``: ``z`` may be overwritten."""
     x = z.to(dtype)  # [c, Vt], a copy when the dtype changes
     x = x.sub_(lse[:, None]) if fresh or z.dtype != dtype else x.sub(lse[:, None])  # [c, Vt] log p
     if g_entropy is None:
@@ -214,9 +192,9 @@ def _reduce_rows(grad_full: torch.Tensor, tp_group, tp_size: int, sequence_paral
 
 
 class _HeadOutputs(torch.autograd.Function):
-    """Every asked output in one pass: ``rows`` is the logits ``[N, Vt]`` (``weight`` None) or the hidden
-    states ``[n, H]`` with ``weight [Vt, H]``. Returns six tensors (an output not asked for is empty):
-    logprobs ``[N, J]``, entropy ``[N]``, top-k log-probs and ids ``[N, K]``, argmax ``[N]``, lse ``[N]``."""
+    """Every asked output in one pass over ``rows``, the logits ``[N, Vt]`` (``weight`` None) or hidden states ``[n,
+    H]`` with ``weight [Vt, H]``: six tensors (empty when not asked), logprobs ``[N, J]``, entropy ``[N]``, top-k
+    log-probs and ids ``[N, K]``, argmax ``[N]``, lse ``[N]``."""
 
     @staticmethod
     def forward(ctx, rows, weight, ids, keep, vocab_start: int, tp_group, tp_size: int, sequence_parallel: bool,
@@ -336,16 +314,11 @@ def token_logprobs_local(
     sampling=None,
 ) -> torch.Tensor:
     """Log-prob of ``target [N]`` at each row of ``logits [N, Vt]`` where ``keep [N]``, else 0: ``[N]``, the
-    head kernel with only this output asked (:func:`~nn_data.logprobs.outputs.head_outputs_local`'s pass).
+    head kernel with only this output asked; differentiable w.r.t. ``logits``. ``target`` holds vocabulary ids
+    in ``[0, V)`` where ``keep``; ``sampling``: an optional :class:`~nn_data.logprobs.filters.SamplingFilter`
+    (the log-softmax then runs over the kept logits only).
 
-    Differentiable w.r.t. ``logits``; memory beyond the logits is ``O(N)`` plus one
-    ``[chunk_tokens, Vt]`` chunk. ``target`` holds vocabulary ids in ``[0, V)`` where ``keep``.
-    ``sampling``: an optional :class:`~nn_data.logprobs.filters.SamplingFilter` (top-k / top-p); the
-    log-softmax then runs over the kept logits only (under TP, one all-to-all and one all-gather
-    per chunk find each row's threshold).
-
-    Example: logits ``[[0., 0., 0.]]``, target ``[2]``, keep ``[True]`` -> ``[-log 3]``.
-    """
+    Example: logits ``[[0., 0., 0.]]``, target ``[2]``, keep ``[True]`` -> ``[-log 3]``."""
     return _HeadOutputs.apply(logits, None, target[:, None].to(torch.int64), keep, int(vocab_start), tp_group,
                               int(tp_size), False, int(chunk_tokens), 1.0, 0, False, False, sampling)[0].squeeze(1)
 
@@ -364,19 +337,13 @@ def hidden_logprobs_local(
     temperature: float = 1.0,
     sampling=None,
 ) -> torch.Tensor:
-    """Log-prob of ``target [N]`` under ``softmax(hidden @ weight.T / temperature)`` where ``keep [N]``, else
-    0: ``[N]``, the head kernel with only this output asked, the logits one ``[chunk_tokens, Vt]`` chunk at a
-    time.
+    """Log-prob of ``target [N]`` under ``softmax(hidden @ weight.T / temperature)`` where ``keep [N]``, else 0:
+    ``[N]``, equal to :func:`token_logprobs_local` on those logits (values and gradients of ``hidden`` and
+    ``weight``), one ``[chunk_tokens, Vt]`` chunk at a time. ``hidden [n, H]`` (``n = N``, or ``N/TP`` with
+    ``sequence_parallel``), ``weight [Vt, H]`` this TP rank's vocabulary rows from ``vocab_start``;
+    ``sampling`` as there.
 
-    ``hidden [n, H]`` (``n = N``, or ``N/TP`` with ``sequence_parallel``), ``weight [Vt, H]`` in the same
-    dtype (this TP rank's vocabulary rows from ``vocab_start``); ``target`` vocabulary ids where ``keep``.
-    Differentiable w.r.t. ``hidden`` and ``weight``; equals :func:`token_logprobs_local`
-    on the logits ``hidden @ weight.T / temperature`` (values and gradients). ``sampling``: an optional
-    :class:`~nn_data.logprobs.filters.SamplingFilter` (top-k / top-p over each token's logits, exact: one threshold
-    per token from its chunk).
-
-    Example: ``hidden [2, H]`` and ``weight [3, H]`` of zeros, target ``[0, 2]`` -> ``[-log 3, -log 3]``.
-    """
+    Example: ``hidden [2, H]`` and ``weight [3, H]`` of zeros, target ``[0, 2]`` -> ``[-log 3, -log 3]``."""
     return _HeadOutputs.apply(hidden, weight, target[:, None].to(torch.int64), keep, int(vocab_start), tp_group,
                               int(tp_size), bool(sequence_parallel), int(chunk_tokens), float(temperature), 0, False,
                               False, sampling)[0].squeeze(1)

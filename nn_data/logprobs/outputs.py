@@ -11,21 +11,13 @@ With ``z`` the (temperature-scaled) logits of one position and ``L = logsumexp(z
 * ``topk_logprobs [N, K]`` and ``topk_indices [N, K]``: the ``K`` largest ``z - L`` and their global ids;
 * ``argmax [N]``: the global id of the largest logit (the lowest id among equal ones, as ``torch.argmax``).
 
-Each is opt-in. They come from one chunked pass, :mod:`nn_data.logprobs.kernels`'s kernel (which also serves
-the log-prob of the target alone): each chunk of logits is computed (or read) once in forward and once in
-backward, and every asked output comes from that one read; the entropy, the top-k log-probs and the log-probs
-are differentiable (one formula for their gradients), the ids and the argmax are not.
-
-With a sampling filter (``sampling``: top-k / top-p, :mod:`nn_data.logprobs.filters`) every output is the
-filtered, renormalised distribution's: the softmax over the logits the filter keeps (``>= tau``, one threshold
-per position), so its entropy, its top-k (``-inf`` log-probs when ``k`` exceeds the kept count) and the
-log-probs of the ids (``-inf`` for a filtered id); the argmax is unchanged (the filter always keeps the
-largest logit).
+Each is opt-in and all come from one read of each chunk (:mod:`nn_data.logprobs.kernels`); with a sampling
+filter every output is the filtered, renormalised distribution's (docs/logprobs.md, "The head's outputs in one
+pass").
 
 Worked example (V 4, one position, z ``[0, 0, log 2, log 4]`` -> p ``[1/8, 1/8, 2/8, 4/8]``): logprob of id 3
 ``log(1/2)``; entropy ``-(2/8 log 1/8 + 2/8 log 2/8 + 4/8 log 4/8) = 1.2130``; top-2 ids ``[3, 2]`` with
-``[log 1/2, log 1/4]``; argmax 3.
-"""
+``[log 1/2, log 1/4]``; argmax 3."""
 
 from __future__ import annotations
 
@@ -40,11 +32,9 @@ __all__ = ["HeadOutputs", "combine_topk", "head_outputs_local", "local_ids"]
 
 
 class HeadOutputs(NamedTuple):
-    """The outputs of one chunked pass; an output not asked for is None.
-
-    ``logprobs [N, J]`` (or ``[N]`` when the ids were ``[N]``), ``entropy [N]``, ``topk_logprobs [N, K]``
-    (differentiable), ``topk_indices [N, K]`` int64, ``argmax [N]`` int64 (not differentiable), ``lse [N]``
-    the log-sum-exp of each position's logits (not differentiable)."""
+    """The outputs of one chunked pass (None: not asked): ``logprobs [N, J]`` (``[N]`` for ``[N]`` ids), ``entropy
+    [N]``, ``topk_logprobs [N, K]`` (differentiable), ``topk_indices [N, K]`` and ``argmax [N]`` int64, ``lse [N]``
+    each position's log-sum-exp (not differentiable)."""
 
     logprobs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
@@ -71,25 +61,21 @@ def head_outputs_local(
     temperature: float = 1.0,
     sampling=None,
 ) -> HeadOutputs:
-    """The asked outputs of ``softmax(z)`` per position, ``z`` the logits ``rows [N, Vt]`` (``weight`` None)
-    or ``rows [n, H] @ weight.T`` (``weight [Vt, H]``, this TP rank's vocabulary rows from ``vocab_start``),
-    divided by ``temperature``, one ``[chunk_tokens, Vt]`` chunk at a time: the ``[N, Vt]`` logits are never
-    built from hidden states, nor their log-softmax or gradient from either.
+    """The asked outputs of ``softmax(z)`` per position, ``z`` the logits ``rows [N, Vt]`` (``weight`` None) or
+    ``rows [n, H] @ weight.T`` (``weight [Vt, H]``, this TP rank's rows from ``vocab_start``), divided by
+    ``temperature``, one ``[chunk_tokens, Vt]`` chunk at a time. No host sync.
 
-    ``ids [N]`` or ``[N, J]``: global vocabulary ids whose log-probs are returned (0 where ``keep [N]`` is
-    False); ``entropy``: the entropy ``-sum p log p``; ``top_k``: the ``min(top_k, V)`` largest log-probs and
-    their global ids; ``argmax``: the id of the largest logit. Differentiable w.r.t. the logits (or the hidden
-    states and the weight) through the log-probs, the entropy and the top-k log-probs. ``sequence_parallel``:
-    ``rows`` are this TP rank's ``N/TP`` hidden rows (gathered inside). ``sampling``: an optional
-    :class:`~nn_data.logprobs.filters.SamplingFilter`; every output is then the filtered, renormalised
-    distribution's (the module's docstring). No host sync.
+    Args:
+        ids: ``[N]`` or ``[N, J]`` global vocabulary ids whose log-probs are returned (0 where ``keep [N]`` is False).
+        entropy, top_k, argmax: the outputs asked (``min(top_k, V)`` top log-probs and their global ids).
+        sequence_parallel: ``rows`` are this TP rank's ``N/TP`` hidden rows (gathered inside).
+        sampling: an optional :class:`~nn_data.logprobs.filters.SamplingFilter`.
 
     Example: logits ``[[0, 0, log 2, log 4]]``, ``ids=[3]``, ``entropy=True``, ``top_k=2``, ``argmax=True``
     -> logprobs ``[log 1/2]``, entropy ``[1.2130]``, top-k ``[[log 1/2, log 1/4]]`` ids ``[[3, 2]]``, argmax ``[3]``.
 
     Raises :class:`~nn_data.errors.PackingError`: a negative ``top_k``, ``chunk_tokens`` below 1, a
-    temperature that is not positive, ``ids`` not ``[N]`` / ``[N, J]`` integer, ``keep`` without ``ids``.
-    """
+    temperature that is not positive, ``ids`` not ``[N]`` / ``[N, J]`` integer, ``keep`` without ``ids``."""
     chunk = _checks.positive_int("chunk_tokens", chunk_tokens)
     temperature = _checks.check_temperature(temperature)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:

@@ -1,15 +1,8 @@
 """Every causal-LM family of the installed transformers, built tiny from its config class (nothing downloaded).
 
-The families are read from transformers' own auto mapping (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), so a
-new release brings its new families with it. Each is built from its config class with the sizes of
-:data:`TINY` (2 layers, hidden 64, 4 heads, vocabulary 128), set under whatever name that config gives
-them (``n_embd``, ``n_layer``, ... through its ``attribute_map``) and only where the config takes them.
-A family that cannot be built that way (a composite multimodal config, an encoder-decoder, a config
-that rejects the sizes, a model whose own forward fails on one sequence) is reported with the reason:
-:class:`Unbuilt`. :data:`VARIANTS` adds the configurations of one family that change how attention is
-shaped (a sliding window that reaches attention only through the config, a dynamic rotary scaling, a
-bidirectional switch, ...).
-"""
+The families are read from transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and built at the sizes of
+:data:`TINY` under whatever names their config gives them; a family that cannot be is reported with the reason
+(:class:`Unbuilt`). :data:`VARIANTS` adds configurations of one family that change how attention is shaped."""
 
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """The Hugging Face conformance matrix: every causal-LM family packed against each sequence alone.
 
-For each family of :func:`nn_data.models.hf_families.families` (tiny, from its config class):
-:class:`~nn_data.adapters.HFCausalLMAdapter` inside :class:`~nn_data.packed_forward.PackedForward`
-on :data:`LENGTHS` (a zero-length sequence, one of the full row length), against the same model
-run on each sequence alone: the logits, and every parameter's gradient of a next-token loss.
-Each family ends as one of :data:`STATUSES`:
-
-* ``exact``: within :data:`TOLERANCE` (what reordering a float32 sum can change, far below what
-  one token seen across a boundary changes: 1e-4 to 1 on these models);
-* ``refused``: a :class:`~nn_data.errors.PackingError` when the adapter is built or on the first
-  call (the reason: :func:`reason`);
-* ``not built``: the family cannot be built tiny on this CPU (:class:`~nn_data.models.hf_families.Unbuilt`);
-* ``MIXED`` / ``ERROR``: it ran and differed, or failed with another error: never acceptable.
-
-:func:`table` renders the results as the Markdown table of docs/models.md ("Every family");
-``python -m scripts.hf_family_table`` writes it there, and tests/models/test_hf_family_matrix.py
-fails when the page's table is not what the matrix gives.
-"""
+For each family of :func:`nn_data.models.hf_families.families`: :class:`~nn_data.adapters.HFCausalLMAdapter`
+inside :class:`~nn_data.packed_forward.PackedForward` on :data:`LENGTHS`, against the model run on each
+sequence alone (logits and every parameter's gradient). Each family ends as one of :data:`STATUSES`:
+``exact`` (within :data:`TOLERANCE`), ``refused`` (:func:`reason`), ``not built``, or ``MIXED`` / ``ERROR``
+(never acceptable). :func:`table` renders docs/models.md's "Every family" table (``python -m
+scripts.hf_family_table``; tests/models/test_hf_family_matrix.py holds the page to it)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Tiny Hugging Face causal LMs built from a config (nothing is downloaded), for tests and examples.
-
-One builder per family transformers ships that runs on a CPU: attention only (``llama``, ``qwen2``:
-grouped-query attention, biases on q/k/v), sliding-window attention (``mistral``), and hybrids whose
-non-attention layers carry state across tokens: gated delta nets (``qwen3_next``, with a sparse MoE;
-``qwen3_5``), Mamba-2 (``mamba2``; ``bamba``, Mamba-2 + attention) and short convolutions (``lfm2``).
-"""
+"""Tiny Hugging Face causal LMs built from a config (nothing is downloaded), for tests and examples: attention
+only (``llama``, ``qwen2``), sliding-window attention (``mistral``), and hybrids whose non-attention layers carry
+state across tokens: gated delta nets (``qwen3_next``, ``qwen3_5``), Mamba-2 (``mamba2``, ``bamba``) and short
+convolutions (``lfm2``)."""
 
 from __future__ import annotations
 
@@ -49,12 +46,8 @@ def _config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_head
 def tiny_hf_model(kind: str = "llama", *, vocab: int = 97, hidden: int = 64, layers: int = 2, heads: int = 4,
                   kv_heads: int = 2, ffn: int = 128, dtype: torch.dtype = torch.float32, seed: int = 0,
                   attn_implementation: str = "sdpa", window: int = 3, moe: bool = True):
-    """A randomly initialised transformers causal LM of ``kind`` (one of :data:`KINDS`) in ``dtype``,
-    eval mode. ``window``: Mistral's sliding window; ``moe``: Qwen3-Next's sparse MoE (its
-    ``grouped_mm`` refuses float64, so float64 tests build it without).
-
-    Raises ``ValueError`` for another ``kind``.
-    """
+    """A randomly initialised transformers causal LM of ``kind`` (one of :data:`KINDS`, else ``ValueError``) in
+    ``dtype``, eval mode. ``window``: Mistral's sliding window; ``moe``: Qwen3-Next's sparse MoE (not in float64)."""
     config, model_cls = _config(kind, vocab, hidden, layers, heads, kv_heads, ffn, window, moe)
     if kind != "mamba2":  # attention only where the model has some
         config._attn_implementation = attn_implementation

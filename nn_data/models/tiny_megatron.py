@@ -1,14 +1,8 @@
 """A tiny megatron-core ``GPTModel`` built with nn_data's packed attention, for tests and examples.
 
-Nothing is downloaded: the model comes from a ``TransformerConfig``. Its parameters are set
-from their *global* names (``decoder.layers.<global index>...``, one seeded generator per name),
-so a pipeline stage (``pre_process`` / ``post_process``, a slice of the layers) holds exactly
-the values the same parameters have in the whole model: PP = 2 and PP = 1 runs start equal.
-
-RoPE's ``inv_freq`` stays as megatron-core keeps it, float32 in a plain attribute that
-``Module.to(dtype)`` does not convert: a float64 or bf16 model computes its rotation angles in
-float32, as megatron-core's own models do. This module imports megatron-core.
-"""
+Its parameters are set from their *global* names (one seeded generator per name), so a pipeline stage holds
+exactly the values the same parameters have in the whole model. RoPE's ``inv_freq`` stays float32, as
+megatron-core keeps it. This module imports megatron-core."""
 
 from __future__ import annotations
 
@@ -35,13 +29,10 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 def tiny_gpt_config(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int = 2, ffn: int = 128,
                     dtype: torch.dtype = torch.float32, pipeline: int = 1, virtual_stages: int = None,
                     experts: int = 0, topk: int = 2) -> "TransformerConfig":
-    """A small Llama-like ``TransformerConfig``: RMSNorm, SwiGLU, no biases, grouped-query attention,
-    no dropout, CPU initialisation; ``pipeline`` stages (``pipeline_dtype = dtype``, no p2p sync),
-    ``virtual_stages`` model chunks per stage (the interleaved schedule; ``batch_p2p_comm=False``,
-    docs/pipeline.md). ``experts > 0``: every MLP a mixture of ``experts`` experts of ``ffn // 2``
-    (top-``topk`` softmax routing, no auxiliary loss, no expert bias, no capacity: dropless, so a
-    token's output depends on that token alone) and
-    megatron-core's ``allgather`` token dispatcher (the one that runs on a CPU over gloo)."""
+    """A small Llama-like ``TransformerConfig`` (RMSNorm, SwiGLU, no biases, grouped-query attention, no dropout, CPU
+    initialisation); ``pipeline`` stages and ``virtual_stages`` chunks per stage (``batch_p2p_comm=False``,
+    docs/pipeline.md); ``experts > 0``: dropless MoE MLPs of ``experts`` experts (top-``topk``, no auxiliary loss,
+    no expert bias) with megatron-core's ``allgather`` dispatcher (the one that runs on a CPU over gloo)."""
     moe = {}
     if experts:
         moe = dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn // 2,
@@ -61,13 +52,10 @@ def tiny_gpt_config(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups
 def tiny_gpt_model(config: "TransformerConfig", *, vocab: int = 97, max_len: int = 4096, pre_process: bool = True,
                    post_process: bool = True, seed: int = 0, pg_collection=None, vp_stage=None,
                    position_embedding: str = "rope") -> "GPTModel":
-    """``GPTModel`` with :func:`~nn_data.adapters.megatron_gpt_layer_spec`, RoPE, untied output
-    layer, in ``config.params_dtype``, parameters set by global name from ``seed``. Under pipeline
-    parallelism (``pg_collection.pp``, else megatron-core's ``parallel_state``) it holds this stage's
-    layers only (those of virtual stage ``vp_stage`` with the interleaved schedule); MoE layers when
-    ``config.num_moe_experts`` is set (:func:`tiny_gpt_config`). ``position_embedding="none"``: no
-    rotary embedding (megatron-core's THD rotary embedding reads the boundaries on the host, which a
-    CUDA-graph capture refuses)."""
+    """``GPTModel`` with :func:`~nn_data.adapters.megatron_gpt_layer_spec`, RoPE, an untied output layer, in
+    ``config.params_dtype``, parameters set by global name from ``seed``; under pipeline parallelism this stage's
+    layers only (of virtual stage ``vp_stage``). ``position_embedding="none"``: no rotary embedding (megatron-core's
+    THD rotary embedding reads the boundaries on the host, which a CUDA-graph capture refuses)."""
     spec = megatron_gpt_layer_spec(normalization="RMSNorm", num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     extra = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
@@ -113,16 +101,10 @@ def causal_attention_mask(length: int, device=None) -> torch.Tensor:
 
 
 def forward_alone(model: "GPTModel", input_ids: torch.Tensor) -> torch.Tensor:
-    """One unpacked sequence ``[1, L]`` through megatron-core's stock path (no packing, the stock
-    ``DotProductAttention`` forward with a causal mask): logits ``[1, L, V]``.
-
-    The whole sequence runs on this rank even under CP: megatron-core's unpacked path would
-    shard the rotary embedding over the model's CP group, so for this call the rotary
-    embedding sees a group of one rank (and its cache of embeddings is cleared around the call).
-    The stock attention takes its score buffer from ``parallel_state``'s global memory buffer; a
-    program that never initialised ``parallel_state`` (explicit ``pg_collection``) has none, so one
-    is set for the call and removed after it (no process group is made).
-    """
+    """One unpacked sequence ``[1, L]`` through megatron-core's stock path (the stock ``DotProductAttention`` with a
+    causal mask): logits ``[1, L, V]``. The whole sequence runs on this rank even under CP (the rotary embedding
+    sees a group of one rank for the call), and a global memory buffer is set for the call where
+    ``parallel_state`` has none."""
     length = input_ids.shape[1]
     position_ids = torch.arange(length, device=input_ids.device)[None]
     rope = getattr(model, "rotary_pos_emb", None)
@@ -158,16 +140,12 @@ GRID_DIMS = ("tp", "cp", "ep", "dp", "pp")
 
 
 def grid_process_groups(*, tp: int = 1, cp: int = 1, pp: int = 1) -> Any:
-    """The process groups of a ``tp x cp x dp x pp`` layout over the whole world (``dp`` the rest;
-    expert parallel size 1), built the way Megatron-Bridge builds them without ``parallel_state``:
-    a ``HyperCommGrid`` and a ``ProcessGroupCollection`` of its groups (``tp``, ``cp``, ``pp``, ``dp``,
-    ``ep`` and the composites the model, its MoE layers and the schedules read; ``embd`` is the first
-    and last pipeline stage, ``pos_embd`` the first). Every rank calls it with the same sizes (it
-    creates groups: a collective). Undo with :func:`destroy_process_groups`.
+    """The process groups of a ``tp x cp x dp x pp`` layout over the whole world (``dp`` the rest), built as
+    Megatron-Bridge builds them without ``parallel_state``: a ``HyperCommGrid`` and a ``ProcessGroupCollection``
+    of its groups. Every rank calls it with the same sizes (a collective); undo with :func:`destroy_process_groups`.
 
     Example (4 ranks): ``grid_process_groups(cp=2)`` -> CP groups ``{0, 1}`` and ``{2, 3}``, DP
-    groups ``{0, 2}`` and ``{1, 3}``; ``parallel_state`` stays uninitialised.
-    """
+    groups ``{0, 2}`` and ``{1, 3}``; ``parallel_state`` stays uninitialised."""
     import torch.distributed as dist
 
     with warnings.catch_warnings():

@@ -1,25 +1,13 @@
-"""A small causal transformer that runs on packed (and CP-sharded) tokens.
-
-Used by the tests and ``scripts/packed_forward_example.py`` to prove that packing is
-exact: running it on the packed, sharded tokens must give the same per-sequence
-outputs as running each sequence alone.
+"""A small causal transformer that runs on packed (and CP-sharded) tokens: the tests' and
+``scripts/packed_forward_example.py``'s proof that packing is exact.
 
 Shape legend
     Tq  query tokens this call sees (``T/C`` under context parallelism, else ``T``)
     T   packed tokens (keys after the CP gather)
     H   attention heads, D head dim, E model dim (``H * D``), V vocab
 
-Attention is document-causal: a query at packed position ``i`` sees key ``j`` iff
-both lie in the same segment and ``j <= i``. Padding tokens sit at the end of their
-segment, so no real token ever sees one. The mask is built from the segment id of
-every packed position and the packed position of every query
-(:class:`~nn_data.packed_forward.PackedInfo` carries both) by
-:func:`nn_data.masks.document_mask`: an explicit boolean ``[Tq, T]`` mask for SDPA,
-or a flex-attention ``BlockMask`` (``O(T)`` memory) where that backend runs the call
-(``mask_kind``). Under context parallelism each rank all-gathers keys and values across
-the CP group (``PackedInfo.gather``) and applies the mask with global positions: exact,
-not ring attention.
-"""
+Attention is document-causal under :func:`nn_data.masks.document_mask`; under context parallelism each rank
+all-gathers keys and values (``PackedInfo.gather``): exact, not ring attention."""
 
 from __future__ import annotations
 
@@ -68,13 +56,9 @@ class Block(nn.Module):
 class TinyCausalLM(nn.Module):
     """Embedding, ``layers`` pre-norm blocks (RoPE attention + MLP), final norm, LM head.
 
-    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed) -> logits [1, Tq, V]`` where
-    ``packed`` is a :class:`~nn_data.packed_forward.PackedInfo` (its ``query_index``,
-    ``segment_ids`` and ``gather`` are used). :meth:`forward_single` runs one unpacked
-    sequence ``[1, L]`` with a plain causal mask, the oracle for equivalence tests.
-    ``mask_kind`` (``"auto"``, ``"dense"``, ``"block"``) chooses the packed mask's form
-    (:func:`nn_data.masks.document_mask`).
-    """
+    ``forward(input_ids [1, Tq], position_ids [1, Tq], packed) -> logits [1, Tq, V]``, ``packed`` a
+    :class:`~nn_data.packed_forward.PackedInfo`; :meth:`forward_single` runs one unpacked sequence ``[1, L]`` (the
+    equivalence tests' oracle). ``mask_kind`` chooses the mask's form (:func:`nn_data.masks.document_mask`)."""
 
     def __init__(self, vocab: int = 97, dim: int = 32, heads: int = 4, layers: int = 2, mlp_mult: int = 2,
                  mask_kind: str = "auto"):

@@ -1,24 +1,16 @@
-"""The one alignment rule: which multiples a sequence and a packed microbatch must be.
+"""The one alignment rule: which multiples a sequence and a packed microbatch must be (docs/planning.md,
+"Parallelism: the one alignment rule").
 
-:class:`Parallelism` names a run's parallelism and numerics (data, tensor, sequence, context
-and pipeline parallelism, the FP8 / FP4 recipe, HybridEP) and derives from it every multiple the
-packer, the planner and the NeMo-RL-compatible layer use:
+:class:`Parallelism` names a run's parallelism and numerics and derives every multiple the packer, the planner
+and the NeMo-RL-compatible layer use; nothing else in nn_data writes these products:
 
-* ``sequence_multiple``: each sequence's padded length must be a multiple of it, so that CP can
-  cut it into ``2*cp`` zigzag chunks and sequence parallelism into ``tp`` pieces:
-  ``(2*cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)`` (NeMo-RL's
-  ``minimum_pad_factor``). Example: tp 2 + SP, cp 2 -> 8.
+* ``sequence_multiple``: ``(2*cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)``
+  (NeMo-RL's ``minimum_pad_factor``). Example: tp 2 + SP, cp 2 -> 8.
 * ``packed_multiple``: a recipe's divisor of the packed length (FP8 blockwise 128, MXFP8 32, other
   FP8 16, FP4 128, HybridEP 128; the largest that applies) times ``sequence_multiple``; 1 when no
-  recipe asks for one (NeMo-RL's ``pad_packed_seq_to_multiple_of``). Example: FP8 blockwise, tp 2 +
-  SP, cp 2 -> 128 * 8 = 1024.
-* ``total_multiple``: what a fixed packed length ``pad_full_seq_to`` must be a multiple of, the
-  least common multiple of the two (so the extended last segment still splits into ``2*cp`` chunks).
-  Example: cp 2, no recipe -> 4; FP8 tensorwise, cp 2 -> 64.
-
-Nothing else in nn_data writes these products; the layout rules given the multiples (round-up,
-the slack rule) stay with the packer.
-"""
+  recipe asks for one. Example: FP8 blockwise, tp 2 + SP, cp 2 -> 128 * 8 = 1024.
+* ``total_multiple``: what ``pad_full_seq_to`` must be a multiple of, the least common multiple of the two.
+  Example: cp 2, no recipe -> 4; FP8 tensorwise, cp 2 -> 64."""
 
 from __future__ import annotations
 
@@ -42,15 +34,10 @@ def _positive(name: str, value) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Parallelism:
-    """A run's parallelism and numerics, and the multiples they impose (module docstring).
-
-    ``dp``: data-parallel ranks (the planner's ranks); ``tp``, ``sequence_parallel``, ``cp``,
-    ``pp``: tensor, sequence, context and pipeline parallelism; ``fp8_recipe``: None (no FP8) or
-    the recipe name (``"blockwise"``, ``"mxfp8"``, any other: 16); ``fp4``, ``hybridep``: FP4
-    numerics, the HybridEP MoE dispatcher. ``make_sequence_length_divisible_by``: the per-sequence
-    multiple the run pads to (NeMo-RL's policy setting; None: ``sequence_multiple``); it must be a
-    multiple of ``sequence_multiple``, else it is refused when built.
-    """
+    """A run's parallelism and numerics, and the multiples they impose (module docstring): ``dp`` (the planner's
+    ranks), ``tp``, ``sequence_parallel``, ``cp``, ``pp``; ``fp8_recipe`` None or the recipe's name
+    (``"blockwise"``, ``"mxfp8"``, any other: 16); ``fp4``, ``hybridep``; ``make_sequence_length_divisible_by``,
+    the per-sequence multiple the run pads to (None: ``sequence_multiple``; else a multiple of it, checked)."""
 
     dp: int
     tp: int = 1
@@ -123,11 +110,8 @@ class Parallelism:
 
     def check_fixed_total(self, value, name: str = "pad_full_seq_to") -> int:
         """``value`` if it is a valid fixed packed length for this parallelism (an int >= 1, a multiple of
-        ``total_multiple``, within int32), else :class:`PackingError` naming ``name``.
-
-        Example: cp 2, FP8 tensorwise (``total_multiple`` 64): 8192 passes; 8200 is refused,
-        suggesting 8256.
-        """
+        ``total_multiple``, within int32), else :class:`PackingError` naming ``name``. Example: cp 2, FP8 tensorwise
+        (``total_multiple`` 64): 8192 passes; 8200 is refused, suggesting 8256."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PackingError(f"{name}={value!r} is invalid; expected an int >= 1, a multiple of "
                                f"{self.total_multiple}")
@@ -160,12 +144,9 @@ class Parallelism:
     @classmethod
     def from_megatron_cfg(cls, megatron_cfg: Mapping[str, Any], *, dp: int = 1,
                           make_sequence_length_divisible_by: Optional[int] = None) -> "Parallelism":
-        """The parallelism of a NeMo-RL ``megatron_cfg`` (its keys as NeMo-RL reads them:
-        ``tensor_model_parallel_size``, ``sequence_parallel``, ``context_parallel_size``,
-        ``pipeline_model_parallel_size``, ``fp8_cfg`` ``{"enabled", "fp8_recipe"}``,
-        ``moe_token_dispatcher_type == "flex"`` with ``moe_flex_dispatcher_backend == "hybridep"``;
-        and megatron-core's ``fp4`` or an ``fp4_cfg`` ``{"enabled"}``). ``dp`` does not change any
-        multiple; the planner needs it."""
+        """The parallelism of a NeMo-RL ``megatron_cfg`` (``tensor_model_parallel_size``, ``sequence_parallel``,
+        ``context_parallel_size``, ``pipeline_model_parallel_size``, ``fp8_cfg``, the ``flex`` dispatcher with the
+        ``hybridep`` backend, ``fp4`` / ``fp4_cfg``); ``dp`` changes no multiple, the planner needs it."""
         fp8_cfg = megatron_cfg.get("fp8_cfg", None) or {}
         fp8 = fp8_cfg.get("fp8_recipe", "tensorwise") if fp8_cfg.get("enabled", False) else None
         fp4 = bool(megatron_cfg.get("fp4")) or bool((megatron_cfg.get("fp4_cfg") or {}).get("enabled", False))

@@ -5,28 +5,18 @@ Vocabulary
     D   data-parallel ranks; k microbatches per rank; T the capacity (``pad_full_seq_to``)
     weight[i]   what is balanced across ranks: a sequence's work, or its tokens
 
-:func:`greedy_assignment` takes the sequences longest first and puts each on the **least-loaded
-rank that still has room for it**, and there into the rank's first microbatch with room
-(first-fit-decreasing inside each rank, at most ``k`` microbatches per rank). Every rank's
-``k`` microbatch capacities sit in the leaves of a max segment tree (root = the most room any of
-its microbatches has), the ranks' loads in a heap, and the ranks' roots in one more max segment
-tree, so one placement costs O(log D + log k): a few heap pops (at most ``POPS`` ranks without
-room are passed over; then the leftmost rank with room is taken from the rank tree), one
-descent and two updates. With the sort, O(n log n). When some sequence finds no rank with room
-it says which: the caller then plans again with that sequence first (a long sequence the others
-crowded out, where three must share a rank), with more microbatches, or :func:`bins_to_ranks`.
+:func:`greedy_assignment` takes the sequences longest first and puts each on the **least-loaded rank that
+still has room for it**, there into its first microbatch with room. The microbatches' room sits in max segment
+trees and the ranks' loads in a heap, so one placement costs O(log D + log k) (at most ``POPS`` ranks without
+room passed over); with the sort, O(n log n). A sequence that finds no rank with room is named, so that the
+caller plans again. :func:`refine` then moves or swaps sequences between the most and the least loaded rank
+while that lowers the larger load.
 
 Worked example: needs ``[6, 5, 4, 3, 2]`` (already longest first), weights equal to the needs,
 T 8, D 2, k 1: 6 -> rank 0 (both empty, lowest index), 5 -> rank 1, 4 -> no room on either
 (2 and 3 left): failed 2. With k 2: 6 -> r0 mb0, 5 -> r1 mb0, 4 -> r1 (load 5 < 6) mb1, 3 -> r0
 (6 < 9) mb1, 2 -> r0 (9 = 9, lowest index) mb0 (room 2): rank 0 ``[[0, 4], [3]]`` (11),
-rank 1 ``[[1], [2]]`` (9).
-
-:func:`refine` then evens out what the capacity forced apart (a step whose long sequences fill
-the microbatches, so that the greedy found no room and whole bins were dealt): it moves one
-sequence, or swaps two, between the most and the least loaded rank while that lowers the larger
-of the two loads and both microbatches keep within T.
-"""
+rank 1 ``[[1], [2]]`` (9)."""
 
 from __future__ import annotations
 
@@ -160,16 +150,12 @@ def spread(bins: Sequence[list], per_rank: int) -> list:
 
 
 def refine(ranks: list, need: Sequence[int], weight: Sequence[float], capacity: int, rounds: int) -> int:
-    """Lower the heaviest rank's load, in place, by at most ``rounds`` moves or swaps with the lightest
-    rank (each within the capacity, none emptying a microbatch); returns the candidates examined.
+    """Lower the heaviest rank's load, in place, by at most ``rounds`` moves or swaps with the lightest rank (within
+    the capacity, none emptying a microbatch); returns the candidates examined. Per round each sequence ``a`` of the
+    heaviest rank is tried moved to the lightest rank's roomiest microbatch, and swapped with the lightest rank's
+    sequences nearest ``w[a] - gap / 2`` in weight; the best change is applied if it lowers the heavy load.
 
-    Per round, for each sequence ``a`` of the heaviest rank: a move of ``a`` to the lightest rank's
-    roomiest microbatch, and a swap with the lightest rank's sequence whose weight is nearest
-    ``w[a] - gap / 2`` (the exchange that levels the two; its two neighbours in weight order too).
-    The change with the smallest resulting max(heavy, light) is applied if it is below the heavy
-    load. Example: loads 10 ``[[6, 4]]`` and 4 ``[[3, 1]]`` (weights = tokens, T 10): gap 6, the swap
-    6 <-> 3 gives 7 and 7.
-    """
+    Example: loads 10 ``[[6, 4]]`` and 4 ``[[3, 1]]`` (weights = tokens, T 10): gap 6, the swap 6 <-> 3 gives 7 and 7."""
     loads = [math.fsum(weight[i] for mb in rank for i in mb) for rank in ranks]
     room = [[capacity - sum(need[i] for i in mb) for mb in rank] for rank in ranks]
     examined = 0

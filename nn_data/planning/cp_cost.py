@@ -6,25 +6,13 @@ Vocabulary
     tpr ``tokens_per_rank``: every rank's microbatch holds exactly this many tokens
     h   the model's hidden size; costs are in units of ``h`` multiply-adds of one decoder layer
 
-A cost model is any object with two methods (the planner and the benchmark call nothing else but
-an optional third, ``padding(tokens) -> float``: what ``tokens`` positions of padding cost a rank,
-which the planner weighs against an extra round):
-
-* ``sequence(lengths: np.ndarray, c: int) -> np.ndarray``: the time each rank of a block of
-  ``c`` ranks spends on each sequence sharded over it (float64);
-* ``block(c: int, tokens_per_rank: int) -> float``: the time a block of ``c`` ranks spends on
-  top of its sequences, whatever they are (0 for ``c = 1``): the CP collectives.
-
-A block's time is the sum of its sequences' times plus its block time; every rank of the block
-takes it (the zigzag split gives each rank the same share of every sequence's work).
-
-:class:`CPCost` (the default) is nn_data's step work ``L (L + 6 h)`` split over ``c`` ranks plus
-the exposed cost of the CP collectives; :class:`AttentionOnlyCost` is megatron-core's
-``BalancedCPScheduler`` work model, ``L^2 / c``. Example (``h = 16``, ``tpr = 64``): a sequence of
-100 tokens over ``c = 2`` ranks costs ``100 * (100 + 96) / 2 = 9800`` per rank; the block adds
-``2**21 + 512 * 1 * 64 = 2,129,920`` under :class:`CPCost`'s defaults, 0 under
-:class:`AttentionOnlyCost`.
-"""
+A cost model is any object with ``sequence(lengths: np.ndarray, c) -> np.ndarray`` (each rank's time on each
+sequence sharded over ``c`` ranks), ``block(c, tokens_per_rank) -> float`` (the CP collectives, 0 for ``c =
+1``) and optionally ``padding(tokens) -> float``. A block's time is its sequences' plus its block time, the
+same on every rank of it. :class:`CPCost` is the default; :class:`AttentionOnlyCost` is megatron-core's
+``BalancedCPScheduler`` model, ``L^2 / c``. Example (``h = 16``, ``tpr = 64``): a sequence of 100 tokens over
+``c = 2`` ranks costs ``100 * (100 + 96) / 2 = 9800`` per rank; the block adds ``2**21 + 512 * 1 * 64 =
+2,129,920`` under :class:`CPCost`'s defaults, 0 under :class:`AttentionOnlyCost`."""
 
 from __future__ import annotations
 
@@ -37,24 +25,17 @@ from nn_data.errors import PackingError
 
 @dataclasses.dataclass(frozen=True)
 class CPCost:
-    """``sequence = L (L + 6 h) / c`` and ``block = latency + per_token * (c - 1) * tpr`` for ``c > 1``.
+    """``sequence = L (L + 6 h) / c`` (:func:`nn_data.planning.sequence_work` over ``c`` ranks) and ``block =
+    latency + per_token * (c - 1) * tpr`` for ``c > 1``: the keys and values a rank of the block receives,
+    nothing overlapped.
 
-    The compute term is :func:`nn_data.planning.sequence_work` (attention ``~L^2``, the linear
-    layers ``~6 h L``) divided over the ``c`` ranks. The communication term models what a rank of a
-    block of ``c`` waits for, per layer, forward and backward, with nothing overlapped (nn_data's
-    attention all-gathers keys and values before it runs, and reduce-scatters their gradients):
+    Args:
+        hidden_size: ``h``.
+        per_token: the cost of one token received (512: ``h`` bytes of bf16 GQA keys and values each way at
+            400 GB/s against 600 TFLOP/s, forward and backward).
+        latency: the collectives' fixed cost per block (``2**21``: ~30 us per layer at ``h = 4096``).
 
-    * ``per_token`` (512 by default) per token received: each rank receives the other ``c - 1``
-      ranks' ``tpr`` tokens of keys and values. With grouped-query attention of ``h / 4`` key/value
-      dims in bf16 that is ``h`` bytes per token each way; at 400 GB/s (NVLink-class) against
-      600 TFLOP/s of bf16 compute one token costs as long as ``~750 h`` multiply-adds forward, and
-      fwd + bwd (twice the bytes, three times the compute) ``~500``: 512.
-    * ``latency`` (``2**21`` by default) per block: the collectives' fixed cost, ~30 us per layer
-      (fwd + bwd) on the same machine, in units of ``h = 4096`` multiply-adds.
-
-    These are estimates, not measurements; pass your own (``CPCost(per_token=..., latency=...)``),
-    or any object with the two methods of the module docstring, as ``cost=``.
-    """
+    Estimates, not measurements: pass your own, or any object with the module docstring's methods, as ``cost=``."""
 
     hidden_size: int = 4096
     per_token: float = 512.0

@@ -9,28 +9,13 @@ Vocabulary
             ``c`` plus ``block(c)``), the same on each of its ranks
     c_min   a sequence's smallest size: the smallest ``c`` whose ``c * tpr`` tokens hold it padded
 
-The step's modelled time is the sum over rounds of each round's slowest block, so each round is
-planned on its own, in two steps:
-
-1. **Its sequences** (:func:`packed_rounds`): rounds are filled one after the other by
-   best-fit-decreasing on tokens. A round opens a block for the longest sequence left at its
-   ``c_min`` (the fewest ranks, so the least communication), fills the block's spare tokens with the
-   longest sequences that still fit, and repeats on the ranks left. Sequences are sorted by length
-   once; each table along that order is monotone, so "the longest that fits" is one bisection per
-   table plus a skip over those already placed (:class:`Alive`): O(n log n) for the step. Long
-   sequences thus share rounds with sequences of similar length, and the rounds come out nearly
-   full: about as many as the tokens need.
-2. **Its blocks** (:func:`nn_data.planning.cp_tree.balance`): the round's sequences re-planned top
-   down over the buddy tree of its ranks (one block, or two balanced halves, whichever is faster);
-   the faster of that and step 1's own blocks is kept.
-
-For small steps (at most :data:`CHUNKED_UP_TO` sequences) the planner also tries rounds cut as equal
-runs of tokens along the length order (:func:`chunks`), each planned by the tree, and (up to
-:data:`STATIC_UP_TO`) static CP's own plan, and keeps the fastest (:mod:`nn_data.planning.dynamic_cp_plan`).
-
-Every round's blocks are laid out largest first from rank 0 (:func:`laid_out`), so every block starts
-at a multiple of its size; ranks left over run empty one-rank blocks (a microbatch of padding).
-"""
+Each round is planned on its own, in two steps: **its sequences** (:func:`packed_rounds`: best-fit-decreasing
+on tokens, a block opened for the longest sequence left at its ``c_min``; one bisection per table and a skip
+over the placed, :class:`Alive`, so O(n log n) for the step), then **its blocks**
+(:func:`nn_data.planning.cp_tree.balance`, top down over the buddy tree of its ranks), keeping the faster. For
+small steps (:data:`CHUNKED_UP_TO`, :data:`STATIC_UP_TO`) equal runs of tokens (:func:`chunks`) and static CP's
+plan are tried too. Every round's blocks are laid out largest first from rank 0 (:func:`laid_out`).
+docs/dynamic-cp.md, "The plan"."""
 
 from __future__ import annotations
 
@@ -87,11 +72,9 @@ def load(costs: Costs, j: int, items: Sequence[int]) -> float:
 
 
 def packed_rounds(costs: Costs, ranks: int, promote: int = 0) -> list:
-    """Step 1 of the module docstring: rounds, each a list of ``(size index, sequences)`` blocks whose
-    sizes sum to at most ``ranks``, every sequence in exactly one. ``promote``: a sequence that needs
-    CP (``c_min > 1``) opens its block that many sizes larger, so that long sequences share blocks
-    (fewer ranks each: when they leave too little room for the short ones, the rounds the tokens
-    allow need that)."""
+    """Step 1 of the module docstring: rounds, each a list of ``(size index, sequences)`` blocks whose sizes sum to at
+    most ``ranks``, every sequence in exactly one. ``promote``: a sequence that needs CP opens its block that many
+    sizes larger, so that long sequences share blocks."""
     pos, n, sizes = costs.order, len(costs.order), costs.sizes
     need_at = [[-costs.need[j][i] for i in pos] for j in range(len(sizes))]  # rising along pos
     c_min_at = [-costs.c_min[i] for i in pos]  # rising along pos

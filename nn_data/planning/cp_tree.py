@@ -1,16 +1,12 @@
-"""One round's blocks, top down over the buddy tree of its ranks (:mod:`nn_data.planning.cp_rounds`, step 2).
-
-A node of ``c`` ranks either runs all its sequences as one block (each sharded over all ``c``
-ranks: one set of CP collectives, perfectly even) or, when every sequence fits half of it, gives
-each half a share balanced by rank-time and plans each half the same way; it takes whichever is
-faster. Sequences that only fit ``c`` ranks keep the node whole. Each level visits every sequence
-once: O(m log R) for a round of ``m`` sequences.
+"""One round's blocks, top down over the buddy tree of its ranks (:mod:`nn_data.planning.cp_rounds`, step 2): a
+node of ``c`` ranks runs all its sequences as one block or, when every sequence fits half of it, splits them
+into two halves balanced by rank-time and plans each the same way, whichever is faster; O(m log R) for a round
+of ``m`` sequences.
 
 Worked example (cost ``L^2 / c``, no block cost, ``tpr = 32``, 4 ranks; lengths ``[48, 24, 16, 8]``): one
 block of 4 ranks takes ``3200 / 4 = 800``; halves ``[48]`` (it needs 2 ranks: 1152) and ``[24, 16, 8]``
 (``896 / 2 = 448``, or split again ``[24]`` = 576 and ``[16, 8]`` = 320: 576, so 448): 1152. One
-block wins: 800.
-"""
+block wins: 800."""
 
 from __future__ import annotations
 

@@ -8,27 +8,17 @@ Vocabulary
             starting at a multiple of ``c`` (megatron-core's hybrid groups: ``ranks[s : s + c]``)
     K       rounds, the same on every rank
 
-:func:`plan_step_dynamic_cp` guarantees, for every input it accepts: every sequence in exactly one
-block of one round; a block of ``c`` ranks holds sequences each padded by
-:class:`~nn_data.planning.Parallelism`'s rule for ``c`` (``2c`` per sequence, times ``tp`` with
-sequence parallelism, or the run's own multiple made a multiple of that), at most ``c * tpr``
-tokens, packed to exactly ``c * tpr`` (the last sequence absorbs the slack), so every rank's shard
-is ``tpr`` tokens: **one static shape per rank for the whole run**; every block starts at a
-multiple of its size; the same K rounds on every rank. Host code on Python ints and numpy; a plan
-is plain data (ints, floats, lists) and pickles (a driver plans, the ranks run).
-
-A block's modelled time is its sequences' cost plus its CP collectives (:mod:`nn_data.planning.cp_cost`:
-by default ``L (L + 6 h) / c`` per sequence); ``step_over_ideal`` is the sum over rounds of each
-round's slowest block over the ideal (every sequence's rank-time at its best CP size, with its share
-of that size's collectives, spread evenly over the ``R`` ranks), ``critical_path_over_ideal`` the same
-without a barrier between rounds (what :mod:`nn_data.dynamic_cp` runs), which the planner minimises.
-The algorithm: :mod:`nn_data.planning.cp_rounds`.
+:func:`plan_step_dynamic_cp` puts every sequence in exactly one block of one round, padded by
+:class:`~nn_data.planning.Parallelism`'s rule for ``c``, each block packed to exactly ``c * tpr`` tokens: one
+static shape per rank for the whole run (docs/dynamic-cp.md, "The plan"). A block's modelled time is its
+sequences' cost plus its CP collectives (:mod:`nn_data.planning.cp_cost`); ``critical_path_over_ideal``, which
+the planner minimises, is the step without a barrier between rounds over the ideal. The algorithm:
+:mod:`nn_data.planning.cp_rounds`. Host code; a plan is plain data and pickles.
 
 Example: 8 ranks, ``tpr = 4096``, lengths ``[30000, 9000, 7000, 3000, 2500, 1200, 800, 500]``
 (2 rounds is the fewest their tokens allow): the 30000-token sequence needs all 8 ranks' tokens
 (``c = 8``) and runs alone in round 0; round 1 is two blocks of 4 ranks, ``[9000, 2500]`` and
-``[7000, 3000, 1200, 800, 500]`` (each sequence needs ``c >= 2``, or rides along), 1.022 x the ideal.
-"""
+``[7000, 3000, 1200, 800, 500]`` (each sequence needs ``c >= 2``, or rides along), 1.022 x the ideal."""
 
 from __future__ import annotations
 
@@ -53,10 +43,9 @@ PROMOTE_ABOVE = 1.01
 
 @dataclasses.dataclass(frozen=True)
 class CPBlock:
-    """``size`` ranks ``start .. start + size - 1`` (``start % size == 0``) running ``sequences``
-    (indices into the step's lengths, in packing order) sharded over all of them: ``tokens`` padded
-    tokens (``<= size * tokens_per_rank``), ``cost`` its modelled time. An empty block (no sequence)
-    is one rank that runs a microbatch of padding."""
+    """``size`` ranks ``start .. start + size - 1`` (``start % size == 0``) running ``sequences`` (indices into the
+    step's lengths, in packing order) sharded over all of them: ``tokens`` padded tokens (``<= size *
+    tokens_per_rank``), ``cost`` its modelled time; an empty block is one rank running a microbatch of padding."""
 
     start: int
     size: int
@@ -71,13 +60,10 @@ class CPBlock:
 
 @dataclasses.dataclass(frozen=True)
 class DynamicCPPlan:
-    """:func:`plan_step_dynamic_cp`'s result (module docstring).
-
-    ``rounds[k]``: round ``k``'s blocks, ordered by ``start``, a partition of ``range(ranks)``;
-    ``tokens_per_rank``; ``ranks`` (R); ``lengths`` (the step's, as Python ints);
-    ``sequence_multiples[c]``: the multiple a sequence of CP size ``c`` pads to; ``ideal_cost`` and
-    ``step_cost`` (module docstring); ``token_lower_bound``: the fewest rounds the padded tokens allow.
-    """
+    """:func:`plan_step_dynamic_cp`'s result: ``rounds[k]`` round ``k``'s blocks by ``start`` (a partition of
+    ``range(ranks)``), ``tokens_per_rank``, ``ranks`` (R), ``lengths`` (Python ints), ``sequence_multiples[c]`` (the
+    multiple a sequence of CP size ``c`` pads to), ``ideal_cost``, ``step_cost`` and ``token_lower_bound`` (the
+    fewest rounds the padded tokens allow)."""
 
     rounds: list
     tokens_per_rank: int
@@ -227,18 +213,17 @@ def _check_args(parallelism, hidden_size) -> None:
 def plan_step_dynamic_cp(lengths, parallelism: Parallelism, *, tokens_per_rank: int, min_cp: int = 1,
                          hidden_size: int = 4096, cost=None) -> DynamicCPPlan:
     """Plan one step's sequences over the ``parallelism.dp * parallelism.cp`` ranks of the pool in rounds of
-    aligned power-of-two blocks, each rank ``tokens_per_rank`` tokens per round (module docstring:
-    the guarantees). ``min_cp``: the smallest CP size a sequence may get (1: a sequence that fits one
-    rank runs without CP). ``cost``: the cost model (:mod:`nn_data.planning.cp_cost`; None:
-    ``CPCost(hidden_size=hidden_size)``). Of its candidate plans (:mod:`nn_data.planning.cp_rounds`) it
-    keeps the one with the shortest modelled critical path, each round more than another candidate
-    takes counted at what a round of padding costs every rank (``cost.padding(tokens_per_rank)``).
+    aligned power-of-two blocks, each rank ``tokens_per_rank`` tokens per round (module docstring).
 
-    Raises :class:`PackingError` naming the argument for: a sequence longer than ``R *
-    tokens_per_rank`` after padding for ``c = R``; a pool that is not a power of two (unless ``min_cp
-    = R``); ``tokens_per_rank`` not a multiple of the alignment (naming the multiple); a bad
-    ``min_cp``, ``parallelism``, ``hidden_size``, ``cost`` or lengths.
-    """
+    Args:
+        min_cp: the smallest CP size a sequence may get (1: a sequence that fits one rank runs without CP).
+        cost: the cost model (:mod:`nn_data.planning.cp_cost`; None: ``CPCost(hidden_size=hidden_size)``).
+
+    Of its candidate plans (:mod:`nn_data.planning.cp_rounds`) it keeps the one with the shortest modelled
+    critical path, each extra round counted at ``cost.padding(tokens_per_rank)``. Raises :class:`PackingError`
+    naming the argument for a sequence longer than ``R * tokens_per_rank`` after padding, a pool that is not a
+    power of two (unless ``min_cp = R``), ``tokens_per_rank`` not a multiple of the alignment, a bad ``min_cp``,
+    ``parallelism``, ``hidden_size``, ``cost`` or lengths."""
     _check_args(parallelism, hidden_size)
     cost = cost_model(cost, hidden_size)
     ranks = parallelism.dp * parallelism.cp
@@ -305,11 +290,9 @@ def _costs(arr: np.ndarray, sizes: list, multiples: dict, tpr: int, cost, ranks:
 
 
 def _candidates(costs, ranks: int, lower: int, static):
-    """Each candidate plan's rounds as ``(time, blocks)`` lists, blocks ``(size index, sequences,
-    load)`` (:mod:`nn_data.planning.cp_rounds`): packed rounds; when they need more rounds than the
-    lower bound + 1 and :data:`PROMOTE_ABOVE` times it, packed with long sequences sharing larger blocks
-    (one and two sizes up); for small steps, equal runs of tokens too, and ``static()``: static CP's plan
-    as rounds."""
+    """Each candidate plan's rounds as ``(time, blocks)`` lists, blocks ``(size index, sequences, load)``: packed
+    rounds; packed with long sequences in larger blocks (one and two sizes up) when they need more rounds than the
+    lower bound + 1 and :data:`PROMOTE_ABOVE` times it; for small steps, equal runs of tokens and static CP's plan."""
     for promote in range(len(costs.sizes)):
         packed = cp_rounds.packed_rounds(costs, ranks, promote)
         yield [cp_rounds.balanced_round(costs, blocks, ranks) for blocks in packed]
@@ -325,9 +308,8 @@ def _candidates(costs, ranks: int, lower: int, static):
 
 
 def _static_rounds(costs, arr: np.ndarray, parallelism: Parallelism, tokens_per_rank: int, hidden_size: int) -> list:
-    """Static CP as rounds: every block the smallest size that holds every sequence, the blocks
-    planned by :func:`~nn_data.planning.plan_step` (work balanced per group of ranks, no barrier needed
-    between its microbatches); round ``k`` is every group's microbatch ``k``."""
+    """Static CP as rounds: every block the smallest size that holds every sequence, planned by
+    :func:`~nn_data.planning.plan_step`; round ``k`` is every group's microbatch ``k``."""
     j = max(costs.c_min)
     c = costs.sizes[j]
     groups = parallelism.dp * parallelism.cp // c

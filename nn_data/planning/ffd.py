@@ -1,18 +1,9 @@
 """Bin sequences into packable microbatches: first-fit-decreasing in O(n log n), and NeMo-RL's bin rules.
 
-First-fit-decreasing (FFD) takes the sequences longest first and puts each into the
-first (lowest-numbered) open bin with room, opening a new bin when none has. The
-textbook loop scans every open bin for every sequence: O(n * bins), quadratic when
-bins are small. Here the bins' remaining capacities sit in the leaves of a max
-segment tree, so "leftmost bin with room >= length" is one root-to-leaf descent:
-O(log n) per sequence, O(n log n) with the sort (numpy). Unopened bins are leaves
-with full capacity to the right of the open ones, so the leftmost fit is the
-first-fit bin, or the next new bin.
-
-:func:`ffd_ties_last` and :func:`adjust_bin_count` are NeMo-RL's packer conventions (its tie
-order, and the bin count raised to a multiple of the data-parallel ranks), used by the step
-planner's ``balance="nemo-rl"`` and by ``BatchedDataDict.shard_by_batch_size``.
-"""
+The bins' remaining capacities sit in the leaves of a max segment tree (unopened bins full, to the right), so
+"leftmost bin with room >= length" is one root-to-leaf descent: O(log n) per sequence. :func:`ffd_ties_last`
+and :func:`adjust_bin_count` are NeMo-RL's conventions (its tie order, the bin count raised to a multiple of
+the data-parallel ranks), for ``balance="nemo-rl"`` and ``BatchedDataDict.shard_by_batch_size``."""
 
 from __future__ import annotations
 
@@ -36,18 +27,14 @@ class FFDBins(NamedTuple):
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> FFDBins:
-    """Pack ``lengths`` into bins of ``capacity`` tokens with first-fit-decreasing.
-
-    Ties keep the input order (stable sort). Every index appears in exactly one bin and
-    no bin's load exceeds ``capacity``.
+    """Pack ``lengths`` into bins of ``capacity`` tokens with first-fit-decreasing, ties in input order; every index
+    in exactly one bin, no bin above ``capacity``.
 
     Example: lengths ``[5, 9, 3, 4, 6]``, capacity 10 -> order 9, 6, 5, 4, 3 ->
     bins ``[[1], [4, 3], [0, 2]]`` with loads ``[9, 10, 8]``.
 
-    Raises :class:`~nn_data.errors.PackingError` for ``capacity < 1`` or above the int32 limit of
-    packed boundaries (``2**31 - 1``), a negative length
-    or a length above ``capacity`` (naming the index).
-    """
+    Raises :class:`~nn_data.errors.PackingError` for ``capacity < 1`` or above ``2**31 - 1``, a negative length or
+    a length above ``capacity`` (naming the index)."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise PackingError(f"max_tokens_per_microbatch={capacity!r} is invalid; expected an int >= 1")
     checks.fixed_total_arg("max_tokens_per_microbatch", capacity)  # a bin is one packed microbatch
@@ -97,12 +84,9 @@ def ffd_ties_last(lengths: Sequence[int], capacity: int) -> FFDBins:
 
 
 def adjust_bin_count(bins: list, shards: int, target: Optional[int] = None) -> list:
-    """At least ``shards`` bins and a multiple of ``shards`` (every rank runs as many microbatches),
-    or exactly ``target`` bins when given: new bins each take the last sequence of the bin with most
-    sequences (NeMo-RL's rule).
-
-    Example: bins ``[[0, 1, 2], [3]]``, 4 shards -> ``[[0], [3], [2], [1]]``.
-    """
+    """At least ``shards`` bins and a multiple of ``shards``, or exactly ``target`` bins when given: new bins each take
+    the last sequence of the bin with most sequences (NeMo-RL's rule). Example: bins ``[[0, 1, 2], [3]]``, 4
+    shards -> ``[[0], [3], [2], [1]]``."""
     if target is None:
         target = max(len(bins), shards)
         target += (-target) % shards

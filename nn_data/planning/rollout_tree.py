@@ -3,17 +3,10 @@
 Shape legend
     B   rollouts; S their row length
 
-For a data loader whose rollouts carry no tree: :func:`find_rollout_tree` gives each rollout ``b`` the
-earlier rollout it shares the longest common prefix with (``parent[b]``, the smallest index among equals;
--1 when it shares no token) and that prefix's length (``branch_at[b]``), what
-:func:`nn_data.layout.tree_layout` and ``PackedForward(..., parent=, branch_at=)`` take. Choosing the
-smallest index among equals makes every branch point exceed its parent's: were ``b``'s longest prefix
-``l`` at most ``branch_at[p]``, ``p``'s own parent (earlier) would share ``l`` tokens with ``b`` too.
-
-Cost: rollout ``b`` is compared with the earlier ones ``chunk`` tokens at a time, only those still equal
-going on, so a pair costs about its common prefix (and one chunk): ``O(B^2 * chunk + sum of the shared
-tokens)``. Measured at 64 rollouts of 8K tokens by ``python -m profiling.bench.bench_shared_prefix``.
-"""
+For a data loader whose rollouts carry no tree: :func:`find_rollout_tree` gives each rollout the earlier
+rollout it shares the longest common prefix with (the smallest index among equals, so every branch point
+exceeds its parent's; -1 when none) and that prefix's length. Rollouts are compared ``chunk`` tokens at a time,
+only those still equal going on: ``O(B^2 * chunk + sum of the shared tokens)``."""
 
 from __future__ import annotations
 
@@ -34,12 +27,9 @@ class RolloutTree(NamedTuple):
 
 
 def find_rollout_tree(input_ids, seq_lengths, *, chunk: int = 512) -> RolloutTree:
-    """The :class:`RolloutTree` of rollouts ``input_ids [B, S]`` (numpy or a CPU tensor; tokens past each
-    length are ignored) with ``seq_lengths [B]``: each rollout's longest common prefix with an earlier one.
-
-    Example: rollouts ``[1 2 3 4]``, ``[1 2 9]``, ``[1 2 3 7 7]``, ``[5]`` -> parent ``[-1, 0, 0, -1]``,
-    branch_at ``[0, 2, 3, 0]``.
-    """
+    """The :class:`RolloutTree` of rollouts ``input_ids [B, S]`` (numpy or a CPU tensor) with ``seq_lengths [B]``:
+    each rollout's longest common prefix with an earlier one. Example: rollouts ``[1 2 3 4]``, ``[1 2 9]``, ``[1 2
+    3 7 7]``, ``[5]`` -> parent ``[-1, 0, 0, -1]``, branch_at ``[0, 2, 3, 0]``."""
     ids, lengths = np.asarray(input_ids), np.asarray(seq_lengths).astype(np.int64)
     if ids.ndim != 2 or lengths.shape != (ids.shape[0],):
         raise PackingError(f"input_ids must be [B, S] and seq_lengths [B]; got {ids.shape} and {lengths.shape}")

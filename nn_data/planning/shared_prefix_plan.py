@@ -8,24 +8,16 @@ Vocabulary
         the others of its group ``g[b]`` (every rollout of a group has the same ``P``)
     m   ``parallelism.pad_multiple``; T ``pad_full_seq_to``; h ``hidden_size``
 
-A microbatch packs, per group it holds, the prompt once and then each rollout's response, every
-slot rounded up to ``m`` (the shared-prefix layout, ``nn_data.layout.tree``: a prompt slot
-per group, a response slot per rollout; the tree planner's ``extra`` split at ``P``). So a group costs
+A group costs
 
     need = round_up(P, m) + sum over its rollouts of round_up(L - P, m)     (tokens of a microbatch)
     work = P * (P + 6h) + sum over its rollouts of (L - P) * (L + P + 6h)
-
-A group of one rollout costs exactly ``sequence_work(L)``. A group whose need is above T is split by
-first-fit-decreasing of its responses, each part with the prompt again (the tree planner's split); the
-guarantees are :func:`~nn_data.planning.plan_step`'s: every rollout exactly once, every microbatch at most T,
-the same microbatch count on every rank, the ranks' work balanced.
 
 Example: lengths ``[10, 12, 9, 6]``, prefix lengths ``[8, 8, 8, 2]``, groups ``[5, 5, 5, 3]``, m 1,
 T 16: group 5 needs ``8 + 2 + 4 + 1 = 15``, group 3 ``2 + 4 = 6``; on one rank with T 16 they
 take two microbatches, ``[0, 1, 2]`` (15 tokens; end to end they would be 31) and ``[3]``. With T 12
 group 5 is split: responses ``[2, 4, 1]`` into bins of ``12 - 8 = 4`` -> ``[1]`` and ``[0, 2]``:
-parts ``[1]`` (12 tokens) and ``[0, 2]`` (11 tokens), its prompt in each.
-"""
+parts ``[1]`` (12 tokens) and ``[0, 2]`` (11 tokens), its prompt in each."""
 
 from __future__ import annotations
 
@@ -78,19 +70,17 @@ def plan_step_shared_prefix(lengths, parallelism: Parallelism, *, group_ids, pre
                             microbatches_per_rank: Optional[int] = None, balance: str = "work",
                             hidden_size: int = 4096) -> StepPlan:
     """Plan one GRPO step's rollouts as :func:`~nn_data.planning.plan_step` does, each group kept together and
-    its prompt charged once per microbatch it lands in (module docstring: the costs and the split).
+    its prompt charged once per microbatch it lands in (module docstring).
 
-    ``group_ids [n]``: rollouts with equal ids share a prompt of ``prefix_lengths [n]`` tokens (the same in a
-    group, at most the rollout's length). The :class:`StepPlan`'s ``ranks[r][j]`` lists rollout indices
-    group by group (each group in index order: its first is its leader); ``microbatch_tokens`` are the
-    shared-prefix packed tokens, ``microbatch_work`` the work with the prompt once, ``real_tokens`` the
-    unpadded tokens packed (each prompt once per microbatch it is in).
+    Args:
+        group_ids: ``[n]``; rollouts with equal ids share a prompt.
+        prefix_lengths: ``[n]``, the prompt's tokens (the same in a group, at most the rollout's length).
 
-    Raises :class:`PackingError` naming the argument for everything :func:`plan_step` refuses and for:
-    ``group_ids`` or ``prefix_lengths`` not one int per rollout, a prefix longer than its rollout,
-    prefix lengths that differ inside a group, a rollout whose prompt and response (each padded to
-    ``parallelism.pad_multiple``) cannot fit ``pad_full_seq_to`` together.
-    """
+    The :class:`StepPlan`'s ``ranks[r][j]`` lists rollout indices group by group (each group in index order: its
+    first is its leader); ``microbatch_tokens``, ``microbatch_work`` and ``real_tokens`` count each prompt once
+    per microbatch. Raises :class:`PackingError` naming the argument for everything :func:`plan_step` refuses,
+    ``group_ids`` or ``prefix_lengths`` not one int per rollout, a prefix longer than its rollout, prefix lengths
+    that differ inside a group, a rollout whose prompt and response cannot fit ``pad_full_seq_to`` together."""
     check_args(parallelism, balance, hidden_size, microbatches_per_rank)
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)

@@ -5,22 +5,16 @@ Vocabulary
     D   data-parallel ranks (``parallelism.dp``); k microbatches per rank, the same on every rank
     T   ``pad_full_seq_to``: every microbatch's padded total is at most T, and is packed to T
     m   ``parallelism.pad_multiple``: each sequence takes ``round_up(L, m)`` tokens of a microbatch
-    work[i] = L[i] * (L[i] + 6 * hidden_size): a decoder layer's attention (``~L^2``) plus its
-        linear layers (``~6 * hidden_size * L``) for one sequence, in units of ``hidden_size``
-        multiply-adds; the ratio between the two terms is what matters, not the unit
+    work[i] = L[i] * (L[i] + 6 * hidden_size): attention plus linear layers, in ``hidden_size`` multiply-adds
 
-:func:`plan_step` guarantees, for every input it accepts: every sequence in exactly one
-microbatch of one rank; every microbatch's padded total ``<= T``; ``k`` microbatches on every
-rank (the ``microbatches_per_rank`` given, else the smallest the planner finds; a rank with fewer
-sequences than ``k`` gets empty microbatches, which nn_data packs as one padding segment); ``T`` a
-multiple of the parallelism's alignment. Host-side planning on Python ints: O(n log n).
+:func:`plan_step` puts every sequence in exactly one microbatch of one rank, every microbatch ``<= T``, ``k``
+microbatches on every rank (docs/planning.md, "plan_step"). Host code on Python ints: O(n log n).
 
 Example: lengths ``[300, 20, 200, 100, 40, 250]``, ``Parallelism(dp=2)``, T 512,
 ``balance="work"`` with ``hidden_size=16``: k = 1 (910 tokens fit 2 x 512); longest first, each
 on the rank with less work: 300 -> r0, 250 -> r1, 200 -> r1, 100, 40, 20 -> r0, so rank 0 holds
 ``[0, 3, 4, 1]`` (460 tokens, work 146,160) and rank 1 ``[5, 2]`` (450 tokens, 145,700): work
-imbalance 1.0016. NeMo-RL's deal (bins ``[300, 200]``, ``[250, 100, 40, 20]``): 1.22.
-"""
+imbalance 1.0016. NeMo-RL's deal (bins ``[300, 200]``, ``[250, 100, 40, 20]``): 1.22."""
 
 from __future__ import annotations
 
@@ -51,15 +45,10 @@ RETRY_ITEMS = 1 << 16
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """:func:`plan_step`'s result.
-
-    ``ranks[r][j]``: the sequence indices (into the step's lengths) of microbatch ``j`` on rank
-    ``r``; ``microbatch_tokens[r][j]``: its padded total (``<= pad_full_seq_to``);
-    ``microbatch_work[r][j]``: its work (module docstring); ``real_tokens``: the step's unpadded
-    tokens; ``balance``: the mode that planned it; ``steps``: heap pops and tree nodes the planner
-    visited (for the complexity test); ``imbalance_bound``: the least work imbalance any plan of
-    these lengths on these ranks can have (:func:`imbalance_bound`).
-    """
+    """:func:`plan_step`'s result: ``ranks[r][j]`` the sequence indices of microbatch ``j`` on rank ``r``,
+    ``microbatch_tokens[r][j]`` its padded total, ``microbatch_work[r][j]`` its work, ``real_tokens`` the step's
+    unpadded tokens, ``balance`` the mode, ``steps`` the planner's heap pops and tree nodes (the complexity test),
+    ``imbalance_bound`` (:func:`imbalance_bound`)."""
 
     pad_full_seq_to: int
     ranks: list
@@ -184,21 +173,18 @@ def check_args(parallelism, balance, hidden_size, microbatches_per_rank) -> None
 def plan_step(lengths, parallelism: Parallelism, *, pad_full_seq_to: int, microbatches_per_rank: Optional[int] = None,
               balance: str = "work", hidden_size: int = 4096) -> StepPlan:
     """Plan one step's sequences onto ``parallelism.dp`` ranks in microbatches of at most ``pad_full_seq_to``
-    padded tokens (module docstring: the guarantees).
+    padded tokens (module docstring).
 
-    ``balance``: ``"work"`` (default) balances the ranks' work, ``"tokens"`` their padded tokens
-    (both: the least-loaded rank with room, first fit inside it, :mod:`nn_data.planning.balance`);
-    ``"nemo-rl"`` is NeMo-RL's plan for parity: first-fit-decreasing bins (ties last index first),
-    the count raised to a multiple of ``dp``, dealt round-robin. ``hidden_size`` sets the work's
-    linear term. The plan's microbatch count is never above what first-fit-decreasing over the
-    whole step needs (``ceil(bins / dp)``); when no work-balanced plan fits in it, the
-    first-fit-decreasing bins are dealt to ranks by work instead.
+    Args:
+        balance: ``"work"`` (default) balances the ranks' work, ``"tokens"`` their padded tokens
+            (:mod:`nn_data.planning.balance`); ``"nemo-rl"`` is NeMo-RL's first-fit-decreasing deal, for parity.
+        hidden_size: the work's linear term.
+        microbatches_per_rank: ``k``, or None: the smallest the planner finds (never above
+            first-fit-decreasing's ``ceil(bins / dp)``).
 
-    Raises :class:`PackingError` naming the argument for: a ``pad_full_seq_to`` that is not a
-    multiple of ``parallelism.total_multiple`` or above int32; a sequence longer than ``pad_full_seq_to``
-    after padding to ``parallelism.pad_multiple``; a ``microbatches_per_rank`` too small to hold the
-    step; bad lengths, ``balance``, ``hidden_size`` or ``parallelism``.
-    """
+    Raises :class:`PackingError` naming the argument for a ``pad_full_seq_to`` that is not a multiple of
+    ``parallelism.total_multiple`` or above int32, a sequence longer than it after padding, a
+    ``microbatches_per_rank`` too small, bad lengths, ``balance``, ``hidden_size`` or ``parallelism``."""
     check_args(parallelism, balance, hidden_size, microbatches_per_rank)
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
@@ -236,10 +222,8 @@ def plan_of(ranks: list, arr: np.ndarray, need: np.ndarray, work: np.ndarray, to
 
 def evaluate_plan(ranks: list, lengths, parallelism: Parallelism, *, pad_full_seq_to: int, hidden_size: int = 4096,
                   balance: str = "given") -> StepPlan:
-    """The :class:`StepPlan` of ``ranks`` made by another planner (a benchmark's NeMo-RL packer), after
-    checking :func:`plan_step`'s guarantees on it: every sequence exactly once, every microbatch's
-    padded total ``<= pad_full_seq_to``, as many microbatches on every rank, ``parallelism.dp`` ranks.
-    Raises :class:`PackingError` naming the first broken guarantee."""
+    """The :class:`StepPlan` of ``ranks`` made by another planner (a benchmark's NeMo-RL packer), after checking
+    :func:`plan_step`'s guarantees on it; raises :class:`PackingError` naming the first broken one."""
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)
     need = round_up(arr, parallelism.pad_multiple)

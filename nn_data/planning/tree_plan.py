@@ -9,35 +9,21 @@ Vocabulary
     m   ``parallelism.pad_multiple``; T ``pad_full_seq_to``; h ``hidden_size``
     item    what the planner places whole: a tree, or a part of a tree too large for one microbatch
 
-A microbatch packs the tree of the rollouts it holds (:func:`subtree`: each rollout's parent the earlier one
-present it shares the most tokens with by the tree), as ``tree_layout`` lays it out: each rollout's own
-tokens split where its children branch, every node rounded up to ``m``. So a set of rollouts costs
+A microbatch packs the tree of its rollouts (:func:`subtree`) as ``tree_layout`` lays it out, so a set of
+rollouts costs
 
     need = sum over its nodes of round_up(node, m)
     work = sum over its nodes starting at position d, n tokens long, of (d + n)^2 - d^2 + 6hn
 
-(:func:`~nn_data.planning.step.sequence_work`'s model: a node's queries see its ``d`` ancestors' tokens
-and causally their own; a hybrid's recurrent and convolution layers also run each node once, from its parent's
-state, :mod:`nn_data.adapters.tree_state`, so the linear term charges them once per node too). A rollout alone costs ``sequence_work(L)``; a GRPO group (the depth-1 tree) the
-prompt once and each response, as :func:`~nn_data.planning.shared_prefix_plan.plan_step_shared_prefix`.
-
-A tree whose need is above T is split by first-fit-decreasing of its rollouts' own tokens into parts of at
-most T, each part packing again what its rollouts share (a part's first rollout re-rooted with all its tokens;
-for a GRPO group: the prompt in each part); a step with fewer items than ranks has its widest items halved
-rather than leave ranks idle (:func:`split_for_idle_ranks`). The host cost stays near-linear in rollouts:
-each tree's :func:`shared_tokens` table is built once, and a part's cost grows by what each rollout adds to
-it (the new own tokens and at most one node cut where it leaves the part's tree), never by re-packing the
-part. The items are
-placed by :func:`~nn_data.planning.step.place`, :func:`~nn_data.planning.plan_step`'s rules; parts of
-one tree that meet in a microbatch share their ancestors there, so a microbatch costs at most the sum of
-its items' needs: ``plan_step``'s guarantees hold (every rollout once, every microbatch at most T, the
-same microbatch count on every rank, the ranks' work balanced).
+A tree whose need is above T is split by first-fit-decreasing of its rollouts' own tokens (:func:`tree_items`);
+a part's cost grows by what each rollout adds to it, never by re-packing the part. The items are placed by
+:func:`~nn_data.planning.step.place`, so :func:`~nn_data.planning.plan_step`'s guarantees hold
+(docs/planning.md, "Rollout trees").
 
 Example: lengths ``[10, 12, 9]``, parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, m 1: nodes ``[0,6)
 [6,10)`` of rollout 0, ``[6,8) [8,12)`` of 1, ``[8,9)`` of 2: need ``6 + 4 + 2 + 4 + 1 = 17`` (31 end to
 end); with T 16 the tree is split (own tokens 10, 6, 1): ``[0, 1]`` (``6 + 4 + 6 = 16``) and ``[2]`` (9,
-re-rooted).
-"""
+re-rooted)."""
 
 from __future__ import annotations
 
@@ -55,16 +41,13 @@ EVERY = np.iinfo(np.int64).max
 
 
 def subtree(parent, branch_at, rows) -> tuple[np.ndarray, np.ndarray]:
-    """``(parent, branch_at)`` of the rollouts ``rows`` (ascending indices) alone, indices into ``rows``: each
-    one's parent the earlier rollout of ``rows`` it shares the most tokens with by the tree (the smallest index
-    among equals), with that count, or -1 and 0. Two rollouts share the fewest ``branch_at`` on the tree path
-    between them (their own tokens stop where the path leaves them, :func:`shared_tokens`); choosing the
-    smallest index among the longest makes every branch point exceed its parent's, as ``tree_layout`` takes it.
+    """``(parent, branch_at)`` of the rollouts ``rows`` (ascending) alone, indices into ``rows``: each one's parent the
+    earlier rollout of ``rows`` it shares the most tokens with by the tree (the smallest index among equals, so
+    that every branch point exceeds its parent's), with that count, or -1 and 0.
 
     Example: parent ``[-1, 0, 1, 0]``, branch_at ``[0, 6, 8, 4]``, rows ``[0, 2]`` -> ``[-1, 0]``, ``[0, 6]``
     (rollout 2 shares 6 tokens of rollout 0 through rollout 1); rows ``[2, 3]`` -> ``[-1, 0]``, ``[0, 4]``
-    (siblings through their absent parent); a GRPO group without its first rollout: its next one leads.
-    """
+    (siblings through their absent parent); a GRPO group without its first rollout: its next one leads."""
     rows = [int(r) for r in rows]
     root: dict = {}
     for b in _closure(parent, branch_at, rows):  # ascending: a parent's root is known before its child's
@@ -114,13 +97,12 @@ def _closure(parent, branch_at, rows) -> list:
 
 
 def shared_tokens(parent, branch_at, members: list) -> np.ndarray:
-    """``[k, k]`` the tokens each pair of ``members`` (ascending, every member's parent a member or -1) shares
-    by the tree; a member with itself :data:`EVERY`. A child shares with every other earlier rollout what its
-    parent does, at most its own ``branch_at`` (with its parent: ``branch_at``): one row per member, O(k^2).
+    """``[k, k]`` the tokens each pair of ``members`` (ascending, every parent a member or -1) shares by the tree; a
+    member with itself :data:`EVERY`. A child shares with every other earlier rollout what its parent does, at most
+    its own ``branch_at``: one row per member, O(k^2).
 
     Example: parent ``[-1, 0, 1, 0]``, branch_at ``[0, 6, 8, 4]``, members ``[0, 1, 2, 3]`` -> rollout 2
-    shares ``[6, 8, EVERY, 4]``.
-    """
+    shares ``[6, 8, EVERY, 4]``."""
     k = len(members)
     at = {b: i for i, b in enumerate(members)}
     shared = np.zeros((k, k), dtype=np.int64)  # [k, k] roots share nothing
@@ -142,14 +124,11 @@ def check_parent(b: int, p: int) -> None:
 
 def _cost(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, extra, multiple: int,
           hidden: int) -> tuple[int, int, float]:
-    """``(packed tokens, real tokens, work)`` of the tree ``(parent, branch_at)`` of rollouts of ``lengths [k]``
-    (module docstring), as ``tree_layout`` packs it; ``extra [k]`` or None: a split point of each rollout's own
-    tokens besides its children's (the GRPO spelling's prompt slot: ``shared_prefix_layout`` packs the first
-    rollout of a group in a microbatch as prompt, then response). Each rollout's own tokens ``[branch_at, L)``
-    cut at its children's branch points and its ``extra``: the cut points keyed ``owner * width + position``,
-    sorted, and each gap between two of one owner a node. Work and real tokens need no cuts: a rollout's nodes
-    end to end are its own tokens. Example: L ``[10, 12, 9]``, parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, m 1 ->
-    points ``0 6 10 | 6 8 12 | 8 9`` -> nodes ``6 4 2 4 1``: 17 tokens."""
+    """``(packed tokens, real tokens, work)`` of the tree ``(parent, branch_at)`` of rollouts of ``lengths [k]`` as
+    ``tree_layout`` packs it; ``extra [k]`` or None: a split of each rollout's own tokens besides its children's
+    (the GRPO spelling's prompt slot). The cut points are keyed ``owner * width + position``, sorted, each gap
+    between two of one owner a node. Example: L ``[10, 12, 9]``, parent ``[-1, 0, 1]``, branch_at ``[0, 6, 8]``, m
+    1 -> points ``0 6 10 | 6 8 12 | 8 9`` -> nodes ``6 4 2 4 1``: 17 tokens."""
     k = lengths.size
     mine = np.arange(k)
     owner = np.concatenate([parent, mine, mine] + ([mine] if extra is not None else []))  # [3k or 4k]
@@ -236,12 +215,10 @@ class _Forest:
         return [sorted(part[0]) for part in parts]
 
     def _grown(self, shared: list, part: list, b: int, i: int, limit: Optional[int] = None) -> tuple:
-        """``(tokens, real, work)`` of ``part`` with rollout ``b`` (place ``i``) added (only the tokens, a lower
-        bound, once they pass ``limit``). ``b`` leaves the part's tree at the most tokens ``d`` it shares with a
-        member ``x``: its own ``[d, L)`` is new, and the node of ``x``'s path holding depth ``d`` is cut there
-        unless a node ends there (the nodes of ``x``'s path end where another member leaves it, at ``x``'s end
-        and at an ``extra`` on it). Example (m 1): a part of L ``[10]``; adding L 12 sharing 6: ``[0,10)``
-        becomes ``[0,6) [6,10)``, plus ``[6,12)``: 10 + 6 tokens."""
+        """``(tokens, real, work)`` of ``part`` with rollout ``b`` (place ``i``) added (only the tokens, a lower bound,
+        past ``limit``): ``b``'s own ``[d, L)`` is new, ``d`` the most it shares with a member ``x``, and ``x``'s node
+        holding depth ``d`` is cut there unless a node ends there. Example (m 1): a part of L ``[10]``; adding L 12
+        sharing 6: ``[0,10)`` becomes ``[0,6) [6,10)``, plus ``[6,12)``: 10 + 6 tokens."""
         m, lengths, extra = self.multiple, self.lengths, self.extra
         rollouts, places, (tokens, real, work) = part
         d, x, at, mine = 0, -1, -1, shared[i]
@@ -265,15 +242,12 @@ class _Forest:
 
 
 def tree_items(forest: _Forest, own: np.ndarray, *, total: int, ranks: int) -> list:
-    """What the planner places whole, each a list of rollout indices (ascending), in the order of their first
-    rollout: a tree whose cost fits ``total``; a larger one split by first-fit-decreasing of its rollouts' ``own``
-    padded tokens (longest first, ties in index order), each into the first part it fits with (the part's cost,
-    the ancestors it needs packed again: :meth:`_Forest.first_fit`). Fewer items than ``ranks``:
-    :func:`split_for_idle_ranks`.
+    """What the planner places whole, each a list of rollout indices (ascending): a tree whose cost fits ``total``; a
+    larger one split by first-fit-decreasing of its rollouts' ``own`` padded tokens into parts
+    (:meth:`_Forest.first_fit`); fewer items than ``ranks``: :func:`split_for_idle_ranks`.
 
     Example (a GRPO group, prompt 8, responses ``[2, 4, 1]``, m 1, T 12): parts ``[1]`` (12) and ``[0, 2]``
-    (11), the prompt in each.
-    """
+    (11), the prompt in each."""
     items = []
     real = np.bincount(forest.root, weights=forest.lengths - forest.branch_at, minlength=forest.root.size)  # [n]
     for root, rows in forest.trees.items():  # a tree's real tokens (its own tokens, each once) bound its need
@@ -305,10 +279,9 @@ def split_for_idle_ranks(members: list, own: np.ndarray, *, ranks: int) -> list:
 def plan_trees(lengths: np.ndarray, parent: np.ndarray, branch_at: np.ndarray, parallelism: Parallelism, *,
                total: int, balance: str, hidden_size: int, microbatches_per_rank: Optional[int],
                extra: Optional[np.ndarray] = None, order=None) -> StepPlan:
-    """The planner of both spellings, on a checked tree (host arrays): the items (:func:`tree_items`), placed by
-    :func:`~nn_data.planning.step.place`, each microbatch's rollouts listed by ``order(items)`` (default:
-    ascending), its costs by :func:`_cost` (``extra``: as there; the GRPO spelling's prompt lengths, the same for
-    a tree's rollouts and at most what two of them share, so a part grown rollout by rollout costs the same)."""
+    """The planner of both spellings, on a checked tree (host arrays): the items (:func:`tree_items`) placed by
+    :func:`~nn_data.planning.step.place`, each microbatch's rollouts ordered by ``order(items)`` (default
+    ascending), its costs by :func:`_cost` with ``extra`` (the GRPO spelling's prompt lengths)."""
     m = parallelism.pad_multiple
     forest = _Forest(lengths, parent, branch_at, extra, multiple=m, hidden=hidden_size)
     start = branch_at if extra is None else np.maximum(branch_at, extra)
@@ -346,16 +319,15 @@ def plan_step_rollout_tree(lengths, parallelism: Parallelism, *, parent, branch_
                            microbatches_per_rank: Optional[int] = None, balance: str = "work",
                            hidden_size: int = 4096) -> StepPlan:
     """Plan one step's rollout trees as :func:`~nn_data.planning.plan_step` does, each tree kept together where
-    it fits and every node charged once per microbatch it lands in (module docstring: costs and the split).
+    it fits and every node charged once per microbatch it lands in (module docstring).
 
-    ``parent [n]``, ``branch_at [n]``: the tree (``nn_data.layout.tree_layout``'s fields). The
-    :class:`StepPlan`'s ``ranks[r][j]`` lists rollout indices ascending (pack each microbatch with
-    :func:`subtree`'s tree of its rollouts); ``microbatch_tokens`` the tree's packed tokens, ``microbatch_work``
-    its work, ``real_tokens`` the unpadded tokens packed (every node once per microbatch it is in).
+    Args:
+        parent, branch_at: ``[n]`` each, the tree (``nn_data.layout.tree_layout``'s fields).
 
-    Raises :class:`PackingError` naming the argument for everything :func:`plan_step` refuses and for a tree
-    ``tree_layout`` refuses, and a rollout longer (padded) than ``pad_full_seq_to``.
-    """
+    The :class:`StepPlan`'s ``ranks[r][j]`` lists rollout indices ascending (pack each microbatch with
+    :func:`subtree`'s tree of its rollouts); ``microbatch_tokens``, ``microbatch_work`` and ``real_tokens`` are
+    the trees'. Raises :class:`PackingError` for everything :func:`plan_step` or ``tree_layout`` refuses, and a
+    rollout longer (padded) than ``pad_full_seq_to``."""
     check_args(parallelism, balance, hidden_size, microbatches_per_rank)
     total = parallelism.check_fixed_total(pad_full_seq_to)
     arr = host_lengths(lengths)

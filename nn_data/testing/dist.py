@@ -23,26 +23,17 @@ def free_port() -> int:
 
 
 def init_gloo(rank: int, world_size: int, port: int, *, timeout_s: Optional[float] = None) -> None:
-    """Join the default process group of ``world_size`` ranks over gloo at ``tcp://127.0.0.1:port``.
-
-    Every rank calls it with the same ``port`` (from :func:`free_port` in the parent) and its own
-    ``rank``; ``timeout_s`` bounds each collective (torch's default when None). Undo with
-    ``torch.distributed.destroy_process_group()``.
-
-    Example (in each spawned rank): ``init_gloo(rank, 2, port)``.
-    """
+    """Join the default process group of ``world_size`` ranks over gloo at ``tcp://127.0.0.1:port``: every rank with
+    the same ``port`` (:func:`free_port` in the parent) and its own ``rank``; ``timeout_s`` bounds each collective.
+    Undo with ``torch.distributed.destroy_process_group()``. Example (in each spawned rank): ``init_gloo(rank, 2, port)``."""
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world_size,
                             timeout=timeout)
 
 
 def destroy_model_parallel_groups(parallel_state) -> None:
-    """Destroy every process group megatron-core's ``parallel_state`` holds, then forget them.
-
-    ``parallel_state.destroy_model_parallel()`` alone forgets the groups without destroying them,
-    so every re-initialisation would leave a few dozen gloo groups (and their polling threads)
-    alive for as long as the process lives. No-op when ``parallel_state`` is not initialised.
-    """
+    """Destroy every process group megatron-core's ``parallel_state`` holds, then forget them
+    (``destroy_model_parallel()`` alone leaves them, and their polling threads, alive); no-op when uninitialised."""
     if not parallel_state.model_parallel_is_initialized():
         return
     seen = set()

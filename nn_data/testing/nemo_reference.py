@@ -2,18 +2,11 @@
 
 Shape legend: ``B`` sequences, ``S`` unpacked row length, ``T`` packed tokens, ``V`` vocabulary.
 
-What NeMo-RL documents and computes (``nemo_rl.distributed.model_utils``, HEAD 7ea279a), written
-from scratch in the plainest form, differentiable w.r.t. the logits, in the logits' dtype (use
-float64 for the tests' 1e-10 comparisons):
-
-* top-k keeps the logits ``>=`` the row's ``k``-th largest; top-p then keeps a token when the
-  probability mass of the tokens ranked strictly above it (descending) is ``< top_p``;
-* the log-prob of a target outside ``[0, V)`` is 0, and its logits' gradient is ``-softmax`` times the
-  output's gradient (NeMo-RL masks such a target out of the one-hot term only: its backward keeps
-  the softmax term, so the gradient is not that of the constant 0);
-* packed: position ``s`` of sequence ``b`` (packed position ``start + s``) scores the token at
-  ``start + s + 1`` for ``s < min(n_b - 1, S - 1)``, ``n_b`` its padded segment; 0 beyond.
-"""
+What ``nemo_rl.distributed.model_utils`` (HEAD 7ea279a) computes, in the plainest form, differentiable w.r.t.
+the logits in their dtype: top-k keeps the logits ``>=`` the row's ``k``-th largest, top-p then a token whose
+strictly-higher mass is ``< top_p``; a target outside ``[0, V)`` scores 0 with the gradient ``-softmax`` times
+the output's (NeMo-RL masks only the one-hot term); packed, position ``s`` of sequence ``b`` scores the token at
+``start + s + 1`` for ``s < min(n_b - 1, S - 1)``, ``n_b`` its padded segment, 0 beyond."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Obviously-correct loop implementations of the ops: the tests' oracle and the benchmarks' baseline.
+"""Obviously-correct loop implementations of the ops: the tests' oracle and the benchmarks' baseline. One Python
+iteration per sequence, plain slicing, host syncs allowed (as NeMo-RL packs); semantics: ``docs/design.md``.
 
-One Python iteration per sequence, plain slicing, host syncs allowed (this is
-how NeMo-RL packs: ``2B+1`` syncs per microbatch). Semantics: ``docs/design.md``.
-
-Shape legend: ``B`` sequences, ``S`` row length, ``T`` packed tokens, ``C`` cp
-size, ``*`` trailing dims.
-"""
+Shape legend: ``B`` sequences, ``S`` row length, ``T`` packed tokens, ``C`` cp size, ``*`` trailing dims."""
 
 from __future__ import annotations
 

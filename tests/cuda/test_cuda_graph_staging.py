@@ -139,6 +139,6 @@ def test_megatron_full_cuda_graph_wrapper_replays_a_staged_step():
 
 
 def staged_targets(packing, ids, lengths):
-    from nn_data.staging import staged_values
+    from tests.support.staging_values import staged_values
 
     return staged_values(packing, ids, lengths)["targets"]

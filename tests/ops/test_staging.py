@@ -15,7 +15,8 @@ import torch
 from nn_data import PackedForward, PackingError
 from nn_data.diagnostics import Allocations, HostSyncCounter
 from nn_data.models import TinyCausalLM
-from nn_data.staging import STAGED, StagedMicrobatch, staged_values
+from nn_data.staging import STAGED, StagedMicrobatch
+from tests.support.staging_values import staged_values
 from nn_data.testing.coded import coded_batch
 
 R, S, T, M = 5, 12, 64, 4

@@ -326,8 +326,9 @@ def case_staging() -> int:
     path's on a stream, at fixed addresses, and the model on them (keys and values gathered over the
     staged boundaries) gives PackedForward's local output."""
     from nn_data.models import TinyCausalLM
-    from nn_data.staging import STAGED, StagedMicrobatch, staged_values
+    from nn_data.staging import STAGED, StagedMicrobatch
     from nn_data.testing.coded import coded_batch
+    from tests.support.staging_values import staged_values
 
     pgc = groups(cp=2)
     torch.manual_seed(0)
