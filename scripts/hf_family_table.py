@@ -3,7 +3,7 @@
     python -m scripts.hf_family_table           # run the matrix (~3 min on 2 cores), rewrite the table
     python -m scripts.hf_family_table --check   # exit 1 if docs/models.md's table is not what the matrix gives
 
-The matrix is nn_data.models.hf_matrix (every causal-LM family of the installed transformers, built tiny,
+The matrix is tests.support.hf_matrix (every causal-LM family of the installed transformers, built tiny,
 packed against each sequence alone); tests/models/test_hf_family_matrix.py makes the same comparison in CI.
 """
 
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     import transformers
 
-    from nn_data.models.hf_matrix import counts, docs_section, run_all, table, with_section
+    from tests.support.hf_matrix import counts, docs_section, run_all, table, with_section
 
     transformers.logging.set_verbosity_error()
     results = run_all()

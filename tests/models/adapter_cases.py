@@ -114,10 +114,10 @@ def case_hf(kind: str) -> dict:
 
 
 def case_hf_family(name: str) -> dict:
-    """HFCausalLMAdapter on a family of the conformance matrix (nn_data.models.hf_families, tiny, float32)
+    """HFCausalLMAdapter on a family of the conformance matrix (tests.support.hf_families, tiny, float32)
     under this CP layout; the oracle is the model on one sequence as transformers runs it."""
     from nn_data.adapters import HFCausalLMAdapter
-    from nn_data.models.hf_families import build, find
+    from tests.support.hf_families import build, find
 
     model = build(find(name))
     return check_equivalence(HFCausalLMAdapter, model, lambda ids: model(input_ids=ids, use_cache=False).logits,

@@ -35,8 +35,8 @@ def wrapped_hf(model, **kwargs):
 
 
 def family(name):
-    """A tiny model of one conformance-matrix entry (nn_data.models.hf_families)."""
-    from nn_data.models.hf_families import build, find
+    """A tiny model of one conformance-matrix entry (tests.support.hf_families)."""
+    from tests.support.hf_families import build, find
 
     return build(find(name))
 

@@ -2,7 +2,7 @@
 class, nothing downloaded; the whole matrix runs once per module, a few minutes on 2 cores). CP = 2 of the
 representative set: tests/multiprocess/test_adapters_multiprocess.py.
 
-The conformance matrix (nn_data.models.hf_matrix): each family, packed through HFCausalLMAdapter against
+The conformance matrix (tests.support.hf_matrix): each family, packed through HFCausalLMAdapter against
 each sequence run alone (float32 logits and every parameter's gradient), is exact within the matrix's stated
 tolerance or refused by name when the adapter is built or on the first call; never ran-and-differed, never
 another error. Families that cannot be built tiny are listed with the reason. docs/models.md's table is what
@@ -18,8 +18,8 @@ import warnings
 import pytest
 import torch
 
-from nn_data.models.hf_families import families, find
-from nn_data.models.hf_matrix import BF16_FAMILIES, docs_section, run_all, run_family, table
+from tests.support.hf_families import families, find
+from tests.support.hf_matrix import BF16_FAMILIES, docs_section, run_all, run_family, table
 
 FAMILIES = [f.name for f in families()]
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"

@@ -19,10 +19,10 @@ from nn_data.adapters.hf import packed_attention
 from nn_data.adapters.hf_support import call_window, layer_window
 from nn_data.errors import PackingError
 from nn_data.masks import document_mask
-from nn_data.models.hf_families import build, find
+from tests.support.hf_families import build, find
 from nn_data.models.tiny_hf import tiny_hf_model
 from nn_data.packed_forward import PackedForward
-from nn_data.models.hf_matrix import TOLERANCE, compare
+from tests.support.hf_matrix import TOLERANCE, compare
 
 EXACT_TOL = TOLERANCE[torch.float32]
 

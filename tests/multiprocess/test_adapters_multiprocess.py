@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from nn_data.models.hf_matrix import CP_FAMILIES
+from tests.support.hf_matrix import CP_FAMILIES
 from tests.models.adapter_cases import FLOAT32_STEP_TOL
 from tests.support.cp_harness import RankPool
 from tests.support.megatron_release import needs_megatron_models

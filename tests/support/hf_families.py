@@ -1,4 +1,4 @@
-"""Every causal-LM family of the installed transformers, built tiny from its config class (nothing downloaded).
+"""Tier: helper (no tests). Every causal-LM family of the installed transformers, built tiny from its config class (nothing downloaded).
 
 The families are read from transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and built at the sizes of
 :data:`TINY` under whatever names their config gives them; a family that cannot be is reported with the reason

@@ -1,6 +1,6 @@
-"""The Hugging Face conformance matrix: every causal-LM family packed against each sequence alone.
+"""Tier: helper (no tests). The Hugging Face conformance matrix: every causal-LM family packed against each sequence alone.
 
-For each family of :func:`nn_data.models.hf_families.families`: :class:`~nn_data.adapters.HFCausalLMAdapter`
+For each family of :func:`tests.support.hf_families.families`: :class:`~nn_data.adapters.HFCausalLMAdapter`
 inside :class:`~nn_data.packed_forward.PackedForward` on :data:`LENGTHS`, against the model run on each
 sequence alone (logits and every parameter's gradient). Each family ends as one of :data:`STATUSES`:
 ``exact`` (within :data:`TOLERANCE`), ``refused`` (:func:`reason`), ``not built``, or ``MIXED`` / ``ERROR``
@@ -123,10 +123,10 @@ def compare(model, wrapped, lengths=LENGTHS, grads: bool = True) -> tuple:
 
 
 def run_family(family, *, dtype: torch.dtype = torch.float32, model=None, verify=True) -> Result:
-    """One family through the adapter (``model``: one already built, else :func:`~nn_data.models.hf_families.build`);
+    """One family through the adapter (``model``: one already built, else :func:`~tests.support.hf_families.build`);
     ``verify``: ``PackedForward``'s (the packing check, on by default)."""
     from nn_data.adapters import HFCausalLMAdapter
-    from nn_data.models.hf_families import Unbuilt, build
+    from tests.support.hf_families import Unbuilt, build
     from nn_data.packed_forward import PackedForward
 
     try:
@@ -166,7 +166,7 @@ def table(results) -> str:
     n = counts(results)
     rows += ["", f"{n['exact']} exact, {n['refused']} refused, {n['not built']} not built, {n['MIXED']} mixed, "
              f"{n['ERROR']} failing otherwise ({len(results)} entries: the families of "
-             "`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` and the variants of `nn_data.models.hf_families.VARIANTS`). "
+             "`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` and the variants of `tests.support.hf_families.VARIANTS`). "
              f"Also exact in bfloat16 (logits): {', '.join(BF16_FAMILIES)}; under CP = 2 over gloo (float32, "
              f"logits and gradients): {', '.join(CP_FAMILIES)}."]
     return "\n".join(rows)
@@ -174,10 +174,10 @@ def table(results) -> str:
 
 def run_all(dtype: torch.dtype = torch.float32, names=None) -> list:
     """:func:`run_family` on every family (or those of ``names``), in the order of
-    :func:`~nn_data.models.hf_families.families`."""
+    :func:`~tests.support.hf_families.families`."""
     import gc
 
-    from nn_data.models.hf_families import families
+    from tests.support.hf_families import families
 
     results = []
     for family in families():
