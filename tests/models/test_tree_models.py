@@ -52,6 +52,24 @@ def test_hybrids_fork_each_node_from_its_parents_state(kind):
     assert result["out"] < out_tol and result["grad"] < 1e-4, result
 
 
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_next", "mamba2", "bamba", "qwen3_5"])
+def test_hybrid_trees_in_bfloat16_stay_within_bfloat16s_rounding(kind):
+    """A bfloat16 model on trees of depth 1 to 4: each rollout's logits equal it run alone in bfloat16 within
+    the conformance matrix's bfloat16 bound (3e-2: one bfloat16 rounding of a logit is 4e-3 relative; these
+    differ by one rounding at most), forward only as the matrix's bfloat16 column."""
+    model = tiny_hf_model(kind, dtype=torch.bfloat16, moe=False)
+    worst = 0.0
+    with torch.no_grad():
+        for ids, lens, call, total in cases.tree_batches(2):
+            out = PackedForward(HFCausalLMAdapter(model), pad_full_seq_to=total,
+                                pad_individual_seqs_to_multiple_of=2)(ids, lens, **call)  # [B, S, V]
+            for b, n in enumerate(lens.tolist()):
+                if n:
+                    alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+                    worst = max(worst, float((out[b, :n] - alone).float().abs().max()))
+    assert worst < 3e-2, (kind, worst)
+
+
 @pytest.mark.parametrize("kind", ["llama", "lfm2", "qwen3_next", "mamba2"])
 def test_a_tree_costs_its_tokens_in_every_layer(kind):
     """torch's flop counter over the packed tree's forward / every rollout alone is at most 1.35 x the token
