@@ -104,19 +104,24 @@ def tree_steps(prefix: PrefixRule, chunk: int, nodes: int) -> TreeSteps:
 
 
 def tree_conv(x: torch.Tensor, conv: torch.nn.Conv1d, steps: TreeSteps) -> torch.Tensor:
-    """``[T, C] -> [T, C]``: the depthwise causal convolution ``conv`` (weight ``[C, 1, k]``) along each token's
-    path (its ``k - 1`` predecessors, 0 before a root), no activation."""
+    """``[T, C] -> [T, C]``: the depthwise causal convolution ``conv`` (weight ``[C, 1, k]``, oldest tap first)
+    along each token's path (its ``k - 1`` predecessors, 0 before a root), no activation: one gather and a
+    multiply-add per tap (no ``[T, k, C]`` intermediate).
+
+    Example: k 3, a token t with predecessors p1 = pred[t], p2 = pred[p1] -> ``w2 x[t] + w1 x[p1] + w0 x[p2]``."""
     taps = conv.weight.shape[-1]
     total = x.shape[0]
     pred = torch.cat([steps.pred, steps.pred.new_full((1,), total)])  # [T+1]: the zero slot is its own pred
-    index = [torch.arange(total, device=x.device)]  # the token itself, then each predecessor
-    for _ in range(taps - 1):
-        index.append(pred.index_select(0, index[-1]))
-    index = torch.stack(index[::-1], dim=1)  # [T, k]: oldest tap first, as the weight
     padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # [T+1, C]
-    gathered = padded.index_select(0, index.reshape(-1)).view(total, taps, x.shape[1])  # [T, k, C]
-    out = torch.einsum("tkc,ck->tc", gathered, conv.weight[:, 0, :].to(x.dtype))  # [T, C]
-    return out if conv.bias is None else out + conv.bias.to(x.dtype)
+    acc = torch.promote_types(x.dtype, torch.float32)  # bfloat16 / float16 sum their taps in float32, once rounded
+    weight = conv.weight[:, 0, :].to(acc)  # [C, k]
+    index = torch.arange(total, device=x.device)  # [T]: the token itself, then each predecessor in turn
+    out = x.to(acc) * weight[:, taps - 1]  # [T, C]
+    for tap in range(taps - 2, -1, -1):
+        index = pred.index_select(0, index)
+        out = out + padded.index_select(0, index).to(acc) * weight[:, tap]
+    out = out if conv.bias is None else out + conv.bias.to(acc)
+    return out.to(x.dtype)
 
 
 def to_chunks(x: torch.Tensor, steps: TreeSteps) -> torch.Tensor:
