@@ -68,17 +68,27 @@ class PrefixRule(NamedTuple):
     positions: torch.Tensor
     shared: torch.Tensor
 
+    def paths(self) -> torch.Tensor:
+        """``[B+1, T]`` bool: whether key ``j`` is a real token on rollout ``r``'s path (``visible[j]``, and its
+        position below the tokens ``r`` shares with ``j``'s rollout). The rule's lookup of ``shared``, done once per
+        rollout and key instead of once per query and key. Example: the class's -> rows ``[T,T,T,T,F]``,
+        ``[T,T,F,F,T]`` (rollout 1 sees the prompt and itself), ``[F]*5``."""
+        return self.visible[None, :] & (self.positions[None, :] < self.shared[:, self.rollout_ids])  # [B+1, T]
+
 
 def sees(q: torch.Tensor, kv: torch.Tensor, segment_ids: torch.Tensor, window: Optional[int] = None,
-         prefix: Optional[PrefixRule] = None) -> torch.Tensor:
+         prefix: Optional[PrefixRule] = None, on_path: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention rule, once: whether the query at packed position ``q`` may see the key at ``kv`` (index tensors
     that broadcast, or scalars in a flex ``mask_mod``): ``kv <= q`` in the same segment, or (``prefix``) ``kv`` a
-    real token on the path of ``q``'s rollout; with a ``window``, ``q - kv < window`` (rollout positions)."""
+    real token on the path of ``q``'s rollout; with a ``window``, ``q - kv < window`` (rollout positions).
+    ``on_path``: ``prefix.paths()[prefix.rollout_ids[q], kv]`` when the caller has it (the dense mask gathers
+    whole rows of it; a ``mask_mod`` indexes a table built once), else looked up here."""
     same = segment_ids[q] == segment_ids[kv]
     if prefix is not None:
         p_q, p_kv = prefix.positions[q], prefix.positions[kv]
-        on_path = p_kv < prefix.shared[prefix.rollout_ids[q], prefix.rollout_ids[kv]]
-        same = same | (prefix.visible[kv] & (p_kv <= p_q) & on_path)
+        if on_path is None:
+            on_path = prefix.paths()[prefix.rollout_ids[q], kv]
+        same = same | (on_path & (p_kv <= p_q))
     allowed = same & (kv <= q)
     if window is None:
         return allowed
@@ -92,15 +102,20 @@ def document_causal_mask(query_index: torch.Tensor, segment_ids: torch.Tensor, w
     ``window`` and ``prefix`` given). Example: segment_ids ``[0,0,1,1]``, query_index ``[1, 2]`` -> ``[[T,T,F,F],
     [F,F,T,F]]``; segment_ids ``[0,0,0]``, query_index ``[2]``, window 2 -> ``[[F,T,T]]``."""
     keys = torch.arange(segment_ids.shape[0], device=segment_ids.device)  # [T]
-    return sees(query_index[:, None], keys[None, :], segment_ids, window, prefix)  # [Tq, T]
+    # every key: rows of the path table, one per query (a row copy each, not a lookup per query and key)
+    on_path = None if prefix is None else prefix.paths().index_select(0, prefix.rollout_ids[query_index])  # [Tq, T]
+    return sees(query_index[:, None], keys[None, :], segment_ids, window, prefix, on_path)  # [Tq, T]
 
 
 def _block_mask_uncompiled(query_index: torch.Tensor, segment_ids: torch.Tensor, block_size: int, window=None,
                            prefix: Optional[PrefixRule] = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
+    paths = None if prefix is None else prefix.paths()  # [B+1, T], built once for every (q, kv) pair
+
     def mask_mod(b, h, q, kv):  # the rule of document_causal_mask, one (q, kv) pair at a time
-        return sees(query_index[q], kv, segment_ids, window, prefix)
+        on_path = None if prefix is None else paths[prefix.rollout_ids[query_index[q]], kv]
+        return sees(query_index[q], kv, segment_ids, window, prefix, on_path)
 
     tq, t = query_index.shape[0], segment_ids.shape[0]
     return create_block_mask(mask_mod, None, None, tq, t, device=query_index.device, BLOCK_SIZE=block_size)

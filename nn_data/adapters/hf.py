@@ -34,6 +34,9 @@ ATTENTION_NAME = "nn_data_packed"
 OUTPUTS = ("logits", "hidden_states")
 _MASK_KWARG = "nn_data_mask"
 _CALLS_KWARG = "nn_data_calls"  # a list the attention function appends to: the adapter's first-call check
+#: The mask keyword's value for a model with no attention layer (Mamba-2): no ``[Tq, T]`` mask is built for it,
+#: and an attention call that still arrives is refused rather than run without a mask.
+_NO_ATTENTION = "no attention layer"
 
 
 def packed_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -45,6 +48,10 @@ def packed_attention(module: nn.Module, query, key, value, attention_mask, dropo
     refuses and for a sliding window the mask was not built for."""
     mask = kwargs.pop(_MASK_KWARG, None)
     calls = kwargs.pop(_CALLS_KWARG, None)
+    if isinstance(mask, str):  # _NO_ATTENTION
+        raise PackingError(f"{hf_support.where(module)} calls transformers' attention interface, but the adapter "
+                           "found no attention layer in the model (a module class named '...Attention') and built "
+                           "no document mask; it will not attend across packed sequences, so the call is refused")
     if mask is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -143,6 +150,8 @@ class HFCausalLMAdapter(nn.Module):
         self._tree_chunk = min((tree_state.chunk_for(m) for _, m, _ in self.layers.mixers),
                                default=tree_state.DEFAULT_CHUNK)  # a rollout tree's chunk rows
         _compat.quiet_recurrent_masks(model)
+        # every layer a recognised mixer, none an attention (Mamba-2): no mask to build
+        self._attends = not self.layers.mixers or bool(hf_support.attention_modules(model))
         self._checked = False
         self._validated = fingerprint(model)
 
@@ -212,10 +221,9 @@ class HFCausalLMAdapter(nn.Module):
 
     def _call_with_mask(self, input_ids, position_ids, packed, kwargs: dict, model_kwargs: dict) -> torch.Tensor:
         """The model under nn_data's attention function and document mask."""
-        mask = document_mask(packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=self.model.dtype,
-                             gather=packed.gather, window=self.layers.window,
-                             prefix=None if packed.prefix is None else packed.prefix.rule)
-        kwargs[_MASK_KWARG] = mask
+        kwargs[_MASK_KWARG] = _NO_ATTENTION if not self._attends else document_mask(
+            packed.query_index, packed.segment_ids, kind=self.mask_kind, dtype=self.model.dtype, gather=packed.gather,
+            window=self.layers.window, prefix=None if packed.prefix is None else packed.prefix.rule)
         check = not self._checked and not torch.compiler.is_compiling()
         if check:
             kwargs[_CALLS_KWARG] = []

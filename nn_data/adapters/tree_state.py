@@ -246,12 +246,12 @@ def _per_value_head(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def chunk_for(layer) -> int:
-    """Slots per chunk row for ``layer``: a Mamba-2 mixer's own ``chunk_size`` (its scan's block); a gated delta
-    net's key head size clamped into ``[16, DEFAULT_CHUNK]`` (the chunk's own work grows with ``c``, the scan's
-    ``K x K`` products with the number of chunks); a convolution reads no chunks."""
-    if hasattr(layer, "ssm_state_size"):
-        return int(layer.chunk_size)
-    return max(16, min(DEFAULT_CHUNK, int(getattr(layer, "head_k_dim", DEFAULT_CHUNK))))
+    """Slots per chunk row for ``layer``: its state's key side (a gated delta net's key head size, a Mamba-2
+    mixer's state size) clamped into ``[16, DEFAULT_CHUNK]``. The chunk's own work grows with ``c``, the scan's
+    work with the number of chunks (each holds a whole state), each node's padding with ``c``; the layer's own
+    chunk size (a Mamba-2 config's 256) would pad every short rollout to it. A convolution reads no chunks."""
+    side = getattr(layer, "head_k_dim", None) or getattr(layer, "ssm_state_size", None) or DEFAULT_CHUNK
+    return max(16, min(DEFAULT_CHUNK, int(side)))
 
 
 def tree_forward(layer, hidden: torch.Tensor, steps: TreeSteps) -> torch.Tensor:

@@ -96,6 +96,25 @@ def test_attention_function_refuses_sliding_window_and_softcap():
             packed_attention(torch.nn.Module(), q, q, q, None, **{name: 4, "nn_data_mask": mask})
 
 
+def test_a_model_with_no_attention_layer_builds_no_mask_and_refuses_an_attention_call(monkeypatch):
+    import nn_data.adapters.hf as hf
+
+    def no_mask(*args, **kwargs):
+        raise AssertionError("a document mask was built for a model without attention")
+
+    model = tiny_hf_model("mamba2", dtype=torch.float64)
+    monkeypatch.setattr(hf, "document_mask", no_mask)
+    ids, lens = coded_ids(LENGTHS, torch.Generator().manual_seed(3)), torch.tensor(LENGTHS)
+    out = PackedForward(HFCausalLMAdapter(model), verify="off")(ids, lens)  # [B, S, V]
+    for b, n in enumerate(LENGTHS):
+        if n:
+            alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+            assert torch.allclose(out[b, :n], alone, atol=1e-5, rtol=0)
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(PackingError, match="found no attention layer"):
+        packed_attention(torch.nn.Module(), q, q, q, None, nn_data_mask=hf._NO_ATTENTION)
+
+
 def test_adapter_refuses_a_model_without_a_transformers_config():
     with pytest.raises(PackingError, match="not a transformers PreTrainedModel"):
         HFCausalLMAdapter(torch.nn.Linear(2, 2))

@@ -61,6 +61,9 @@ def test_the_contracts_example():
     assert rule.rollout_ids.tolist() == [0, 0, 0, 0, 1, 2, 2, 2] and rule.visible.all()
     every = torch.iinfo(torch.int64).max
     assert rule.shared.tolist() == [[every, 0, 0, 0], [2, every, 0, 0], [0, 0, every, 0], [0, 0, 0, 0]]
+    # each rollout's path over the keys: rollout 1 sees the prompt (positions 0, 1) and itself, not r0's own
+    assert rule.paths().int().tolist() == [[1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 1, 0, 0, 0],
+                                           [0, 0, 0, 0, 0, 1, 1, 1], [0] * 8]
     assert torch.equal(sp.unpack(sp.pack(x), fill=-7), x)
 
 
