@@ -68,7 +68,7 @@ def pack_maps(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len, total,
     # Clamped into [0, B*S-1], and to 0 when B*S = 0: two clamps rather than a Python max(), which
     # size-oblivious reasoning on a symbolic S would simplify to B*S-1 (assuming S >= 2).
     source = (seg * row_len + offset).clamp(max=rows * row_len - 1).clamp(min=0)  # [T] into [B*S]
-    return None, GatherMaps(source, offset < lengths[seg])
+    return None, GatherMaps(source, (offset < lengths[seg]) & (offset < row_len))
 
 
 def gather_pack(x: torch.Tensor, maps: GatherMaps, fill: Fill = 0) -> torch.Tensor:
@@ -152,6 +152,12 @@ class DeviceExecutor(NamedTuple):
         lengths, bounds = layout.lengths(), layout.cu_seqlens_padded.to(torch.int64)  # [B], [B+1]
         rows, total, trailing = lengths.shape[0], packed.shape[1], packed.shape[2:]
         if rows and statically_known_true(rows * seq_len >= UNPACK_SCATTER_MIN_RATIO * total):
+            if self.gather is not None and shift == 0 and statically_known_true(seq_len == layout.row_len) and \
+                    statically_known_true(total == layout.total):
+                # the pack's own gather map read backwards: each token goes back where it came from, the rest
+                # to the discard slot B*S (no second segment scan)
+                dest = torch.where(self.gather.valid, self.gather.source, rows * seq_len)  # [T]
+                return _scatter_rows(packed, dest, rows, seq_len, fill)
             return _unpack_scatter(packed, lengths, bounds, seq_len, fill, shift)
         s = torch.arange(seq_len, device=packed.device)  # [S]
         index_ = (bounds[:-1, None] + s - shift).clamp(0, total - 1)  # [B, S]
@@ -172,12 +178,20 @@ def _unpack_scatter(packed, lengths, bounds, seq_len, fill, shift: int) -> torch
     """The scatter form: fill ``[B*S + 1, *]`` once, then write each packed position to its place. Example: bounds
     ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: segments ``[0,0,0,0,2,...,2]``, offsets
     ``[0,1,2,3,0,...,7]``; valid where ``0 <= offset < min(L - shift, S - shift)`` -> destinations ``[0, 1, 2, 15,
-    10, 11, 12, 13, 14, 15, 15, 15]`` (15 = B*S, the discard slot)."""
-    rows, total, trailing = lengths.shape[0], packed.shape[1], packed.shape[2:]
+    10, 11, 12, 13, 14, 15, 15, 15]`` (15 = B*S, the discard slot): the pack's gather form read backwards (the
+    module's example, ``where(valid, source, 15)``), which :meth:`DeviceExecutor.unpack` uses when it has it."""
+    rows, total = lengths.shape[0], packed.shape[1]
     seg = index.segment_ids(bounds, total)  # [T]
     offset = torch.arange(total, device=packed.device) - bounds[seg]  # [T]
     valid = (offset >= 0) & (offset + shift < lengths[seg]) & (offset + shift < seq_len)  # [T]
     dest = torch.where(valid, seg * seq_len + offset + shift, rows * seq_len)  # [T] into [B*S + 1]
+    return _scatter_rows(packed, dest, rows, seq_len, fill)
+
+
+def _scatter_rows(packed, dest, rows: int, seq_len, fill) -> torch.Tensor:
+    """``packed [1, T, *]`` written to ``dest [T]`` of a ``fill``ed ``[B*S + 1, *]`` (``B*S``: the discard slot),
+    returned as ``[B, S, *]``."""
+    trailing = packed.shape[2:]
     out = packed.new_full((rows * seq_len + 1, *trailing), fill)  # row B*S: the discard slot
     out.index_put_((dest,), packed[0])
     return out[: rows * seq_len].view(rows, seq_len, *trailing)  # [B, S, *]
