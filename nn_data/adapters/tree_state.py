@@ -247,11 +247,13 @@ def _per_value_head(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def chunk_for(layer) -> int:
     """Slots per chunk row for ``layer``: its state's key side (a gated delta net's key head size, a Mamba-2
-    mixer's state size) clamped into ``[16, DEFAULT_CHUNK]``. The chunk's own work grows with ``c``, the scan's
-    work with the number of chunks (each holds a whole state), each node's padding with ``c``; the layer's own
-    chunk size (a Mamba-2 config's 256) would pad every short rollout to it. A convolution reads no chunks."""
+    mixer's state size) clamped into ``[16, DEFAULT_CHUNK]``, and never more than a Mamba-2 mixer's own
+    ``chunk_size``. The chunk's own work grows with ``c``, the scan's work with the number of chunks (each holds a
+    whole state), each node's padding with ``c``: a released Mamba-2 config's 256 would pad every short rollout to
+    256 slots, so its rows take 64. A convolution reads no chunks. Example: a Mamba-2 mixer of state 128 and chunk
+    256 -> 64; of state 16 and chunk 8 -> 8; a gated delta net of key heads 128 -> 64."""
     side = getattr(layer, "head_k_dim", None) or getattr(layer, "ssm_state_size", None) or DEFAULT_CHUNK
-    return max(16, min(DEFAULT_CHUNK, int(side)))
+    return min(max(16, min(DEFAULT_CHUNK, int(side))), int(getattr(layer, "chunk_size", DEFAULT_CHUNK)))
 
 
 def tree_forward(layer, hidden: torch.Tensor, steps: TreeSteps) -> torch.Tensor:
