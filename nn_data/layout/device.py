@@ -63,12 +63,10 @@ def pack_maps(lengths: torch.Tensor, cu_pad: torch.Tensor, row_len, total,
         s = torch.arange(row_len, device=lengths.device)  # [S]
         dest = torch.where(s < lengths[:, None], cu_pad[:-1, None] + s, total)  # [B, S]
         return dest, None
-    seg = index.segment_ids(cu_pad, total)  # [T]
-    offset = torch.arange(total, device=lengths.device) - cu_pad[seg]  # [T]
+    source, valid = index.token_source(cu_pad, lengths, row_len, total)  # [T], [T]
     # Clamped into [0, B*S-1], and to 0 when B*S = 0: two clamps rather than a Python max(), which
     # size-oblivious reasoning on a symbolic S would simplify to B*S-1 (assuming S >= 2).
-    source = (seg * row_len + offset).clamp(max=rows * row_len - 1).clamp(min=0)  # [T] into [B*S]
-    return None, GatherMaps(source, (offset < lengths[seg]) & (offset < row_len))
+    return None, GatherMaps(source.clamp(max=rows * row_len - 1).clamp(min=0), valid)
 
 
 def gather_pack(x: torch.Tensor, maps: GatherMaps, fill: Fill = 0) -> torch.Tensor:
@@ -176,15 +174,13 @@ def _fill_tensor(fill: Fill, shape, like: torch.Tensor) -> torch.Tensor:
 
 def _unpack_scatter(packed, lengths, bounds, seq_len, fill, shift: int) -> torch.Tensor:
     """The scatter form: fill ``[B*S + 1, *]`` once, then write each packed position to its place. Example: bounds
-    ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: segments ``[0,0,0,0,2,...,2]``, offsets
-    ``[0,1,2,3,0,...,7]``; valid where ``0 <= offset < min(L - shift, S - shift)`` -> destinations ``[0, 1, 2, 15,
-    10, 11, 12, 13, 14, 15, 15, 15]`` (15 = B*S, the discard slot): the pack's gather form read backwards (the
-    module's example, ``where(valid, source, 15)``), which :meth:`DeviceExecutor.unpack` uses when it has it."""
+    ``[0, 4, 4, 12]``, lengths ``[3, 0, 5]``, S 5, shift 0: :func:`~nn_data.layout.index.token_source` gives
+    sources ``[0,1,2,3,10,...,17]``, valid ``[T,T,T,F,T,T,T,T,T,F,F,F]`` -> destinations ``[0, 1, 2, 15, 10, 11, 12,
+    13, 14, 15, 15, 15]`` (15 = B*S, the discard slot): the pack's gather form read backwards, which
+    :meth:`DeviceExecutor.unpack` uses when it has it."""
     rows, total = lengths.shape[0], packed.shape[1]
-    seg = index.segment_ids(bounds, total)  # [T]
-    offset = torch.arange(total, device=packed.device) - bounds[seg]  # [T]
-    valid = (offset >= 0) & (offset + shift < lengths[seg]) & (offset + shift < seq_len)  # [T]
-    dest = torch.where(valid, seg * seq_len + offset + shift, rows * seq_len)  # [T] into [B*S + 1]
+    source, valid = index.token_source(bounds, lengths, seq_len, total, shift)  # [T], [T]
+    dest = torch.where(valid, source.clamp(0, rows * seq_len), rows * seq_len)  # [T] into [B*S + 1]
     return _scatter_rows(packed, dest, rows, seq_len, fill)
 
 

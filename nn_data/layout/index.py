@@ -63,6 +63,36 @@ def piece_source(out_starts: torch.Tensor, src_starts: torch.Tensor, total: int)
     return torch.cumsum(delta[:total], dim=0) - 1
 
 
+def token_source(bounds: torch.Tensor, lengths: torch.Tensor, row_len, total: int,
+                 shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed position, the flat row position ``b*S + s`` it belongs to and whether it holds a token: ``[B+1],
+    [B] -> 2 x [T]`` (int64, bool). Row ``b``'s tokens are the packed positions ``[bounds[b], bounds[b] + min(L[b], S)
+    - shift)`` (cut at ``bounds[b+1]``), and position ``bounds[b] + s`` belongs to ``s + shift`` of the row
+    (``shift=1``: the log-prob layout). Callers clamp ``source`` where ``valid`` is False.
+
+    One scan, each value ``2*A + inside``: ``A = b*S + shift - bounds[b]`` for the last row started at or before the
+    position (``source = t + A``), ``inside`` 1 on a token. Each row adds ``2*(A_b - A_{b-1}) + 1`` at its start and
+    ``-1`` where its tokens end; an empty row adds both at one place, and the ``A`` jumps telescope. Every use of the
+    maps is then arithmetic on one scanned buffer, never a lookup of a segment's start or length.
+
+    Example: lengths ``[3, 0, 5]``, S 5, bounds ``[0, 4, 4, 12]``: A ``[0, 1, 6]``; marks ``+1 @0, -1 @3,
+    +3 -1 +11 @4, -1 @9`` -> scan ``[1,1,1,0,13,13,13,13,13,12,12,12]`` -> source ``t + (scan >> 1)`` =
+    ``[0,1,2,3,10,11,12,13,14,15,16,17]``, valid ``scan & 1`` = ``[T,T,T,F,T,T,T,T,T,F,F,F]``."""
+    b64 = bounds.to(torch.int64)
+    starts = b64[:-1]  # [B]
+    rows = starts.shape[0]
+    tokens = (lengths.to(torch.int64).clamp(max=row_len) - shift).clamp(min=0)  # [B]
+    ends = torch.maximum(torch.minimum(starts + tokens, b64[1:]), starts)  # [B]: where each row's tokens end
+    jump = torch.arange(rows, device=b64.device) * row_len + shift - starts  # [B]: A_b
+    prev = torch.zeros_like(jump)
+    prev[1:] = jump[:-1]
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=b64.device)  # [T+1]; T: past the end
+    marks.scatter_add_(0, torch.cat([starts, ends]).clamp(0, total),  # [2B]
+                       torch.cat([2 * (jump - prev) + 1, torch.full_like(ends, -1)]))
+    scan = torch.cumsum(marks[:total], dim=0)  # [T]: 2*A + inside
+    return torch.arange(total, device=b64.device) + (scan >> 1), (scan & 1) == 1
+
+
 class ZigzagLocal(NamedTuple):
     """Rank ``r``'s local positions: ``source [T/C]`` (the packed position each holds)
     and ``segment [T/C]`` (the sequence it belongs to), both int64."""

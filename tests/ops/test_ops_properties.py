@@ -158,6 +158,41 @@ def test_unpack_of_a_batch_without_rows_in_every_form(form, seq_len):
         assert out.shape == (0, seq_len) and out.dtype == packed.dtype
 
 
+def _token_source_reference(bounds, lengths, seq_len, total, shift):
+    """Position by position: the last row started at or before ``t`` owns it; a token while its offset is below
+    ``min(L, S) - shift`` and ``t`` is before the next row's start; its place ``b*S + offset + shift``."""
+    source, valid = [], []
+    for t in range(total):
+        owners = [b for b in range(len(lengths)) if min(bounds[b], total) <= t]
+        if not owners:
+            source.append(None), valid.append(False)
+            continue
+        b = owners[-1]
+        offset = t - bounds[b]
+        valid.append(offset < min(lengths[b], seq_len) - shift and t < bounds[b + 1])
+        source.append(b * seq_len + offset + shift)
+    return source, valid
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 12)), max_size=8), st.integers(0, 10),
+       st.integers(0, 20), st.sampled_from([0, 1]))
+def test_token_source_places_each_token_of_any_boundaries(rows, seq_len, slack, shift):
+    # Segments of any padded length, lengths above it or above S included (cut there), empty rows, a tail.
+    from nn_data.layout.index import token_source
+
+    lengths = [n for n, _ in rows]
+    bounds = [0]
+    for _, width in rows:
+        bounds.append(bounds[-1] + width)
+    total = bounds[-1] + slack
+    source, valid = token_source(torch.tensor(bounds), torch.tensor(lengths, dtype=torch.int64), seq_len, total,
+                                 shift)
+    want_source, want_valid = _token_source_reference(bounds, lengths, seq_len, total, shift)
+    assert valid.tolist() == want_valid
+    assert [s for s, v in zip(source.tolist(), want_valid) if v] == [s for s, v in zip(want_source, want_valid) if v]
+
+
 def test_the_suite_draws_deterministic_examples_without_a_database():
     """The ``ci`` profile (the default; tests/support/hypothesis_profiles.py): the same examples on every
     run and machine, nothing read from or written to ``.hypothesis/``."""
