@@ -12,6 +12,11 @@ import torch
 
 T = TypeVar("T")
 
+#: The inductor options of the profiler's compiled CPU modes (the main job's ``compiled``, the benchmarks'
+#: ``compiled+``): inductor calls the kernels from C++ instead of Python, and plans the graph's temporaries into
+#: one allocation. Side by side with the default options: profiling/results/compiled_call.md.
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "memory_planning": True}
+
 
 class Timing(NamedTuple):
     median_s: float

@@ -1,7 +1,9 @@
 """Where one compiled call's time goes: a per-call breakdown of the compiled data path beside the eager path.
 
-Three callables, each eager and compiled (``torch.compile(fullgraph=True, dynamic=False)`` as the
-benchmarks compile; ``PackedForward`` its own ``compile_packing=True``), 1 thread:
+Two subjects, each eager and compiled (``torch.compile(fullgraph=True, dynamic=False)`` as the benchmarks
+compile; ``PackedForward`` its own ``compile_packing=True``), pack+shard also ``compiled+`` (the same with the
+profiler's CPU options, :data:`profiling.timing.CPU_INDUCTOR_OPTIONS`: a C++ wrapper, memory planning; every
+guard still evaluated), 1 thread:
 
     pack+shard      PackSequences -> ShardForContextParallel (the layout travels), B x S ids, C ranks
     PackedForward   the whole wrapper (CP 1, row capacity B, pad_full_seq_to T) around an embedding + linear
@@ -41,7 +43,7 @@ from torch import nn
 from nn_data import PackedForward, PackSequences, ShardForContextParallel
 from nn_data.packed_sides import PackingSide, UnpackingSide
 from profiling.bench.bench_ops import make_case
-from profiling.timing import machine_description, time_side_by_side
+from profiling.timing import CPU_INDUCTOR_OPTIONS, machine_description, time_side_by_side
 
 PARTS = ("guards", "wrapper", "checks", "aten", "alloc", "other")
 _REGION = ("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph", "inductor_wrapper")
@@ -120,8 +122,8 @@ class _Model(nn.Module):
 
 
 def callables(rows: int, seq_len: int, cp: int, m: int) -> tuple:
-    """``({(subject, mode): fn}, {subject: code objects})`` for the subjects above, one case (seed 0): the callables
-    and the code objects Dynamo compiles for each subject (whose guards :func:`call_counts` counts)."""
+    """``({(subject, mode): fn}, {(subject, mode): code objects})`` for the subjects above, one case (seed 0): the
+    callables and the code objects Dynamo compiles for each compiled one (whose guards :func:`call_counts` counts)."""
     case = make_case(rows, rows * seq_len, m, 1, 0)
     x, lengths, T = case.x, case.lengths, case.total
     pack, shard = PackSequences(m, pad_full_seq_to=T), ShardForContextParallel(cp, 0)
@@ -130,17 +132,23 @@ def callables(rows: int, seq_len: int, cp: int, m: int) -> tuple:
         p = pack(x, lengths)
         return p.packed, shard(p.packed, layout=p.layout), p.cu_seqlens_padded
 
+    def pack_shard_plus(x, lengths):  # its own code object, so its own Dynamo cache entry
+        return pack_shard(x, lengths)
+
     c_pack_shard = torch.compile(pack_shard, fullgraph=True, dynamic=False)
+    c_plus = torch.compile(pack_shard_plus, fullgraph=True, dynamic=False, options=CPU_INDUCTOR_OPTIONS)
     torch.manual_seed(0)
     model = _Model()
     kwargs = dict(pad_individual_seqs_to_multiple_of=m, pad_full_seq_to=T, row_capacity=rows, verify=False)
     eager_fw, compiled_fw = PackedForward(model, **kwargs), PackedForward(model, compile_packing=True, **kwargs)
-    frames = {"pack+shard": (pack_shard.__code__,),
-              "PackedForward": (PackingSide.forward.__code__, UnpackingSide.forward.__code__,
-                                nn.Module._call_impl.__code__)}
+    frames = {("pack+shard", "compiled"): (pack_shard.__code__,),
+              ("pack+shard", "compiled+"): (pack_shard_plus.__code__,),
+              ("PackedForward", "compiled"): (PackingSide.forward.__code__, UnpackingSide.forward.__code__,
+                                              nn.Module._call_impl.__code__)}
     with torch.no_grad():
         fns = {("pack+shard", "eager"): lambda: pack_shard(x, lengths),
                ("pack+shard", "compiled"): lambda: c_pack_shard(x, lengths),
+               ("pack+shard", "compiled+"): lambda: c_plus(x, lengths),
                ("PackedForward", "eager"): lambda: eager_fw(x, lengths),
                ("PackedForward", "compiled"): lambda: compiled_fw(x, lengths)}
     return fns, frames
@@ -157,7 +165,7 @@ def run(rows: int, seq_len: int, cp: int, m: int, calls: int, reps: int) -> dict
             times = time_side_by_side(modes, warmup=3, reps=reps)
             results["subjects"][subject] = {
                 mode: {"median_us": round(times[mode].median_s * 1e6, 1), **breakdown(fn, calls),
-                       "counts": call_counts(fn, frames[subject] if mode == "compiled" else ())}
+                       "counts": call_counts(fn, frames.get((subject, mode), ()))}
                 for mode, fn in modes.items()}
     return results
 

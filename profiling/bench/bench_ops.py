@@ -13,7 +13,8 @@ all alike) and the median is reported:
                executor after one read (pack+shard: the pack's layout travels to the shard; the other
                ops read their boundaries once)
     compiled   the core ops under torch.compile(fullgraph=True, dynamic=False)
-    compiled+  the same with a C++ wrapper (cpp_wrapper) and skip_guard_eval_unsafe (pack+shard, CPU)
+    compiled+  the same with the profiler's CPU options (C++ wrapper, memory planning) and skip_guard_eval_unsafe
+               (pack+shard, CPU)
     cudagraph  (CUDA) the compiled op captured once in a torch.cuda.CUDAGraph and replayed
     floor      a clone() of as many bytes as the op writes
 
@@ -52,7 +53,8 @@ from nn_data.diagnostics import HostSyncCounter
 from nn_data.nemo_rl.megatron_data import _pack_sequences_for_megatron
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
 from nn_data.diagnostics import SyncCounter
-from profiling.timing import machine_description, reuse_freed_memory, time_calls_cuda, time_side_by_side
+from profiling.timing import CPU_INDUCTOR_OPTIONS, machine_description, reuse_freed_memory, time_calls_cuda, \
+    time_side_by_side
 
 OPS = ("pack+shard", "pack", "shard", "unshard", "unpack fp32")
 
@@ -112,13 +114,14 @@ def _instrumented(fn):
 
 
 def _tuned(fn):
-    """``compiled+``: a C++ wrapper around the kernels, and only the guards that tell graphs apart
+    """``compiled+``: the profiler's CPU options (:data:`profiling.timing.CPU_INDUCTOR_OPTIONS`: a C++ wrapper
+    around the kernels, the temporaries planned into one allocation), and only the guards that tell graphs apart
     (``skip_guard_eval_unsafe``; safe here: every call has the shapes of the first, which compiles
     under full guards)."""
     def region(*args):  # its own code object, so its own Dynamo cache entry
         return fn(*args)
 
-    compiled, warm = _compiled(region, cpp_wrapper=True), []
+    compiled, warm = _compiled(region, **CPU_INDUCTOR_OPTIONS), []
 
     def call(*args):
         if not warm:

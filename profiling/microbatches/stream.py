@@ -38,6 +38,7 @@ from nn_data.errors import PackingError
 from nn_data.pack import check_pack_args
 from nn_data.testing.reference import reference_pack, reference_shard, reference_unpack, reference_unshard
 from profiling.microbatches.plan import Microbatch, Stream, plan_stream  # noqa: F401  (re-exported)
+from profiling.timing import CPU_INDUCTOR_OPTIONS
 
 
 class ModelStandIn(nn.Module):
@@ -142,7 +143,7 @@ def compile_pipeline(pipeline: MicrobatchPipeline, *, scope: str, mode: str | No
     options["cpp.enable_kernel_profile"] = kernel_names
     options["cpp_wrapper"] = wrapper == "cpp"
     if mode is None and wrapper == "cpp":  # one allocation per call for the temporaries (a static plan)
-        options["memory_planning"] = True
+        options.update(CPU_INDUCTOR_OPTIONS)
     options = dict(fullgraph=True, dynamic=False, options=options)
     if scope == "whole":  # the bound forward, not the module: no nn.Module call machinery per call
         whole = torch.compile(pipeline.forward, **options)
