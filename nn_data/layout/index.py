@@ -12,7 +12,7 @@ shape from a Python int the caller passes. The rules the maps encode are :mod:`n
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -43,24 +43,32 @@ def segment_ids(bounds: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cumsum(marks[:total], dim=0)
 
 
-def piece_source(out_starts: torch.Tensor, src_starts: torch.Tensor, total: int) -> torch.Tensor:
+def piece_source(out_starts: torch.Tensor, src_starts: torch.Tensor, total: int, ends: Optional[torch.Tensor] = None):
     """Source index of every output position when the output is a run of contiguous pieces: piece ``g`` covers output
     ``[out_starts[g], out_starts[g+1])`` (the last to ``total``) and reads source ``src_starts[g], src_starts[g]+1,
-    ...``; ``[G], [G] -> [total]`` int64. A scan: the jumps at piece starts (each measured from where the previous
-    piece would have continued, so empty pieces telescope) scattered onto ones, then one cumsum.
+    ...``; ``[G], [G] -> [total]`` int64. One scan of ``A = src_starts[g] - out_starts[g]`` of the piece each
+    position falls in (its jump from the previous piece's ``A`` scattered at the piece's start, so empty pieces
+    telescope), then ``source = t + A``. With ``ends [G]`` (``out_starts[g] <= ends[g] <=`` the next start: where
+    each piece's tokens end) it returns ``(source, valid)``: the scan then carries ``2*A + inside``, each piece adding
+    one at its start and taking it back at its end, and ``valid = scan & 1``.
 
-    Example: out_starts ``[0, 2, 2, 5]``, src_starts ``[10, 0, 7, 3]``, total 6 ->
-    jumps ``[10, -12, 7, -7]`` at positions ``0, 2, 2, 5`` -> deltas ``[11, 1, -4, 1, 1, -6]``
-    -> cumsum - 1 -> ``[10, 11, 7, 8, 9, 3]`` (piece 1 is empty)."""
-    out_starts, src_starts = out_starts.to(torch.int64), src_starts.to(torch.int64)
-    prev_out = torch.zeros_like(out_starts)
-    prev_out[1:] = out_starts[:-1]
-    prev_src = torch.zeros_like(src_starts)
-    prev_src[1:] = src_starts[:-1]
-    jumps = src_starts - prev_src - (out_starts - prev_out)  # [G]
-    delta = torch.ones(total + 1, dtype=torch.int64, device=out_starts.device)
-    delta.scatter_add_(0, out_starts.clamp(0, total), jumps)
-    return torch.cumsum(delta[:total], dim=0) - 1
+    Example: out_starts ``[0, 2, 2, 5]``, src_starts ``[10, 0, 7, 3]``, total 6 -> A ``[10, -2, 5, -2]``, jumps
+    ``[10, -12, 7, -7]`` at positions ``0, 2, 2, 5`` -> scan ``[10, 10, 5, 5, 5, -2]`` -> ``[10, 11, 7, 8, 9, 3]``
+    (piece 1 is empty); with ends ``[1, 2, 4, 6]``, valid ``[T, F, T, T, F, T]``."""
+    out_starts = out_starts.to(torch.int64)
+    jump = src_starts.to(torch.int64) - out_starts  # [G]: A of each piece
+    prev = torch.zeros_like(jump)
+    prev[1:] = jump[:-1]
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=out_starts.device)  # [T+1]; T: past the end
+    at = out_starts.clamp(0, total)  # [G]
+    t = torch.arange(total, device=out_starts.device)  # [T]
+    if ends is None:
+        marks.scatter_add_(0, at, jump - prev)
+        return t + torch.cumsum(marks[:total], dim=0)
+    marks.scatter_add_(0, torch.cat([at, ends.clamp(0, total)]),  # [2G]
+                       torch.cat([2 * (jump - prev) + 1, torch.full_like(ends, -1)]))
+    scan = torch.cumsum(marks[:total], dim=0)  # [T]: 2*A + inside
+    return t + (scan >> 1), (scan & 1) == 1
 
 
 def token_source(bounds: torch.Tensor, lengths: torch.Tensor, row_len, total: int,
@@ -68,29 +76,19 @@ def token_source(bounds: torch.Tensor, lengths: torch.Tensor, row_len, total: in
     """For each packed position, the flat row position ``b*S + s`` it belongs to and whether it holds a token: ``[B+1],
     [B] -> 2 x [T]`` (int64, bool). Row ``b``'s tokens are the packed positions ``[bounds[b], bounds[b] + min(L[b], S)
     - shift)`` (cut at ``bounds[b+1]``), and position ``bounds[b] + s`` belongs to ``s + shift`` of the row
-    (``shift=1``: the log-prob layout). Callers clamp ``source`` where ``valid`` is False.
+    (``shift=1``: the log-prob layout). Callers clamp ``source`` where ``valid`` is False. A :func:`piece_source`
+    scan, one piece per row: every use of the maps is arithmetic on one scanned buffer, never a lookup of a
+    segment's start or length.
 
-    One scan, each value ``2*A + inside``: ``A = b*S + shift - bounds[b]`` for the last row started at or before the
-    position (``source = t + A``), ``inside`` 1 on a token. Each row adds ``2*(A_b - A_{b-1}) + 1`` at its start and
-    ``-1`` where its tokens end; an empty row adds both at one place, and the ``A`` jumps telescope. Every use of the
-    maps is then arithmetic on one scanned buffer, never a lookup of a segment's start or length.
-
-    Example: lengths ``[3, 0, 5]``, S 5, bounds ``[0, 4, 4, 12]``: A ``[0, 1, 6]``; marks ``+1 @0, -1 @3,
-    +3 -1 +11 @4, -1 @9`` -> scan ``[1,1,1,0,13,13,13,13,13,12,12,12]`` -> source ``t + (scan >> 1)`` =
-    ``[0,1,2,3,10,11,12,13,14,15,16,17]``, valid ``scan & 1`` = ``[T,T,T,F,T,T,T,T,T,F,F,F]``."""
+    Example: lengths ``[3, 0, 5]``, S 5, bounds ``[0, 4, 4, 12]`` -> pieces from ``0, 4, 4`` reading ``0, 5, 10``,
+    tokens ending at ``3, 4, 9`` -> source ``[0,1,2,3,10,11,12,13,14,15,16,17]``, valid
+    ``[T,T,T,F,T,T,T,T,T,F,F,F]``."""
     b64 = bounds.to(torch.int64)
     starts = b64[:-1]  # [B]
-    rows = starts.shape[0]
     tokens = (lengths.to(torch.int64).clamp(max=row_len) - shift).clamp(min=0)  # [B]
     ends = torch.maximum(torch.minimum(starts + tokens, b64[1:]), starts)  # [B]: where each row's tokens end
-    jump = torch.arange(rows, device=b64.device) * row_len + shift - starts  # [B]: A_b
-    prev = torch.zeros_like(jump)
-    prev[1:] = jump[:-1]
-    marks = torch.zeros(total + 1, dtype=torch.int64, device=b64.device)  # [T+1]; T: past the end
-    marks.scatter_add_(0, torch.cat([starts, ends]).clamp(0, total),  # [2B]
-                       torch.cat([2 * (jump - prev) + 1, torch.full_like(ends, -1)]))
-    scan = torch.cumsum(marks[:total], dim=0)  # [T]: 2*A + inside
-    return torch.arange(total, device=b64.device) + (scan >> 1), (scan & 1) == 1
+    rows_src = torch.arange(starts.shape[0], device=b64.device) * row_len + shift  # [B]: b*S + shift
+    return piece_source(starts, rows_src, total, ends)
 
 
 class ZigzagLocal(NamedTuple):
